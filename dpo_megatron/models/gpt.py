@@ -1,0 +1,189 @@
+"""Build megatron-core ``GPTModel`` chunks for the Llama family (and GPT-2) from a ModelConfig.
+
+The policy and the frozen reference are built by the same function, so they are sharded
+identically: each pipeline rank holds its layers of both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.norms import norm_class
+from dpo_megatron.parallel.layout import ParallelConfig
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, sec. 2); HF's ``gelu_new``."""
+    return F.gelu(x, approximate="tanh")
+
+
+def resolve_params_dtype(name: str) -> torch.dtype:
+    """'auto' -> bf16 with CUDA, fp32 without; else the named dtype.
+
+    Raises:
+        ValueError: for names other than auto / float32 / bfloat16.
+    """
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"model.params_dtype must be auto, float32 or bfloat16, got {name!r}")
+    return dtypes[name]
+
+
+def use_transformer_engine(impl: str) -> bool:
+    """Whether to build with the transformer-engine layer spec.
+
+    Raises:
+        ValueError: for 'transformer_engine' when it is not importable or CUDA is absent.
+    """
+    available = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")
+    if impl == "transformer_engine":
+        if not available:
+            raise ValueError("model.transformer_impl=transformer_engine needs CUDA and the "
+                             "transformer-engine package (pip install .[gpu])")
+        return True
+    if impl not in ("auto", "local"):
+        raise ValueError(f"model.transformer_impl must be auto, local or transformer_engine, "
+                         f"got {impl!r}")
+    return impl == "auto" and bool(available)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Round the vocabulary up so each TP rank holds an equal, granule-aligned slice.
+
+    Example: 49,152 with divisible_by 1 and TP 2 stays 49,152; 50,257 at TP 2 becomes 50,258.
+    """
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for this architecture and layout.
+
+    Dropout is always 0: DPO's log-ratios must be computed by the same deterministic function for
+    policy and reference (and the pipeline compares chosen with rejected).
+
+    Raises:
+        ValueError: heads or query groups not divisible by TP, layers not divisible by PP, or an
+            unknown activation.
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    groups = model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % tp or groups % tp:
+        raise ValueError(
+            f"model has {model.num_attention_heads} attention heads and {groups} key/value heads;"
+            f" both must be divisible by parallel.tensor_model_parallel_size={tp}")
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    if model.num_layers % (pp * vpp):
+        raise ValueError(
+            f"model has {model.num_layers} layers, not divisible by "
+            f"parallel.pipeline_model_parallel_size={pp} x virtual stages {vpp}")
+    if model.activation not in ("swiglu", "gelu"):
+        raise ValueError(f"model.activation must be swiglu or gelu, got {model.activation!r}")
+    dtype = resolve_params_dtype(model.params_dtype)
+    swiglu = model.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else gelu_tanh,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
+        calculate_per_token_loss=True,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
+    )
+
+
+def _layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
+                ) -> ModuleSpec:
+    """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
+    if use_transformer_engine(model.transformer_impl):
+        return get_gpt_layer_with_transformer_engine_spec()
+    layer = get_gpt_layer_local_spec(normalization=model.normalization)
+    norm = norm_class(model.normalization)
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm),
+    )
+
+
+def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[GPTModel]:
+    """This rank's model chunks (one, or one per virtual pipeline stage), randomly initialised.
+
+    Requires megatron-core's parallel state (``dpo_megatron.parallel.initialize_distributed``).
+    Outputs of each chunk's forward on the last stage are vocab-parallel logits
+    [batch, seq, padded_vocab / TP] (fp32 on CPU, model dtype on GPU).
+    """
+    config = build_transformer_config(model, parallel)
+    vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
+                              parallel.tensor_model_parallel_size)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_spec(model, config, stage),
+            vocab_size=vocab,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                               vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type=model.position_embedding_type,
+            rotary_base=int(model.rotary_base),
+            rope_scaling=model.rope_scaling_factor is not None,
+            rope_scaling_factor=model.rope_scaling_factor or 8.0,
+            vp_stage=stage,
+        )
+        chunks.append(chunk)
+    return chunks

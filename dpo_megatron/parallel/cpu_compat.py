@@ -1,0 +1,153 @@
+"""Run megatron-core's real layers, schedules, DDP and distributed optimizer on a machine without CUDA.
+
+megatron-core 0.16 assumes a GPU in a handful of places (see ``shared/MEGATRON_CPU_NOTES.md``):
+
+* buffers are allocated with ``device=torch.cuda.current_device()`` or the literal ``device='cuda'``;
+* ``Tensor.cuda()`` / ``Tensor.to('cuda')`` move tensors;
+* the distributed optimizer and grad clipping accept only ``torch.cuda.*Tensor`` type strings;
+* the model-parallel RNG tracker saves and restores the CUDA generator state;
+* ``torch.cuda.synchronize`` / ``nvtx`` markers are called unconditionally.
+
+:func:`enable` redirects all of these to the CPU: a :class:`torch.overrides.TorchFunctionMode`
+rewrites CUDA ``device`` arguments of every torch call and answers ``Tensor.type()`` with the CUDA
+name megatron-core expects, and a few ``torch.cuda`` / megatron attributes are replaced by CPU
+equivalents. Everything lives in this one module so the hack has one place to audit and test.
+
+When CUDA is available :func:`enable` does nothing and returns ``False``: the GPU path runs
+megatron-core untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable", "is_enabled"]
+
+_ENABLED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+# Tensor.type() strings megatron-core compares against, keyed by the CPU dtype.
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for every spelling of a CUDA device: 'cuda', 'cuda:1', torch.device('cuda'), or an int."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # torch's convention: a bare int names a CUDA device
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _cpu_if_cuda(value: Any) -> Any:
+    return torch.device("cpu") if _is_cuda_device(value) else value
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to CPU in every torch call, and fakes ``Tensor.type()`` names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            # Tensor.cuda(device=None, non_blocking=False): stay where we are (the CPU).
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _cpu_if_cuda(args[1]), *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The distributed optimizer and clip_grads dispatch on 'torch.cuda.FloatTensor' etc.
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        return func(*args, **kwargs)
+
+
+def _patch_rng() -> None:
+    """Make the CUDA RNG API and megatron's tracker helpers act on the CPU default generator.
+
+    The model-parallel RNG tracker (``tensor_parallel.random``) forks a named generator state
+    around dropout and initialisation; on the CPU the default CPU generator plays that role.
+    """
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.random.manual_seed = torch.cuda.manual_seed
+
+
+def _patch_cuda_module() -> None:
+    """Device queries and synchronisation points that have a trivial CPU meaning."""
+    # A string, not an int: megatron passes it straight to ``device=`` and that must also work
+    # where the mode is not on the stack (the autograd engine runs backward() of custom
+    # Functions, e.g. the TP linear layers', outside the thread's torch-function modes).
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.nvtx.range_push = lambda msg: None
+    torch.cuda.nvtx.range_pop = lambda: None
+
+
+def enable() -> bool:
+    """Redirect megatron-core's CUDA calls to the CPU when CUDA is unavailable.
+
+    Idempotent. Must run before megatron-core builds models, buffers or optimizers.
+
+    Returns:
+        True if the compatibility layer is active (no CUDA), False if CUDA exists and nothing
+        was changed.
+    """
+    global _ENABLED, _MODE
+    if torch.cuda.is_available():
+        return False
+    if _ENABLED:
+        return True
+    _patch_cuda_module()
+    _patch_rng()
+    # The mode stays pushed for the life of the process: megatron-core allocates buffers lazily
+    # (pipeline receive buffers, grad buffers, optimizer state) long after set-up.
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _ENABLED = True
+    return True
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` has activated the CPU redirection in this process."""
+    return _ENABLED
+
+
+@contextlib.contextmanager
+def suspended():
+    """Temporarily pop the device-rewriting mode (e.g. to test what raw torch would do)."""
+    if not _ENABLED:
+        yield
+        return
+    _MODE.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _MODE.__enter__()

@@ -1,0 +1,30 @@
+"""dpo-megatron: a Megatron-style 3D-parallel DPO training engine."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="dpo-megatron",
+    version="0.1.0",
+    description="3D-parallel Direct Preference Optimization (DPO family) on megatron-core",
+    packages=find_packages(include=["dpo_megatron", "dpo_megatron.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        # CPU machines: `pip install torch==2.13.0` first (a local CPU wheel); GPUs: any >= 2.6.
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.20",
+        "sentencepiece",
+        "datasets",
+        "transformers",
+        "safetensors",
+        "omegaconf",
+        "tensorboard",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        # NVIDIA apex is optional and detected at run time; the PyPI package named `apex` is an
+        # unrelated project and must never be listed here.
+        "gpu": ["transformer-engine[pytorch]"],
+        "convert": ["gguf", "accelerate"],
+    },
+)

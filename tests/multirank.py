@@ -1,0 +1,84 @@
+"""Run a function on N gloo ranks (one forked process each) and return every rank's result.
+
+A test body then reads like a single-process test::
+
+    results = run_ranks(_check_logps, world_size=4, tp=2)
+    assert results[0] == results[1]
+
+The function must be defined at module level; it runs with RANK / WORLD_SIZE / MASTER_* set as
+torchrun would set them, so it calls the same ``initialize_distributed`` as the real entry point.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, kwargs, conn):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(**kwargs)
+        conn.send(("ok", result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+        try:
+            from dpo_megatron.parallel import destroy_distributed
+
+            destroy_distributed()
+        except Exception:
+            pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
+              **kwargs) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``world_size`` ranks; return the list of results by rank.
+
+    Raises:
+        RuntimeError: with the failing rank's traceback, or on timeout (all ranks are killed).
+    """
+    ctx = mp.get_context("fork")  # fork: no re-import of torch/megatron per rank
+    port = _free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, rank, world_size, port, kwargs, child_conn))
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+    results: list[Any] = [None] * world_size
+    errors = []
+    try:
+        for rank, conn in enumerate(conns):
+            if not conn.poll(timeout):
+                raise RuntimeError(f"rank {rank} gave no result within {timeout:.0f} s")
+            status, payload = conn.recv()
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return results
