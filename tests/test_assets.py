@@ -1,0 +1,133 @@
+"""Tests for dpo_megatron.assets: checksums, atomic writes, caching, and (slow) the real assets."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from dpo_megatron import assets
+from dpo_megatron.assets import AssetError, FileCheck
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_root_from_env(tmp_cache, monkeypatch):
+    assert assets.cache_root() == tmp_cache
+    monkeypatch.delenv(assets.CACHE_ENV)
+    assert assets.cache_root() == Path.home() / ".cache" / "dpo_megatron"
+
+
+def test_verify_file(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"abc")
+    good = FileCheck("f.bin", 3, hashlib.sha256(b"abc").hexdigest())
+    assert assets.sha256_file(path) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assets.verify_file(path, good)
+    with pytest.raises(AssetError, match=r"f.bin: .* has 3 bytes, expected 4"):
+        assets.verify_file(path, FileCheck("f.bin", 4, good.sha256))
+    with pytest.raises(AssetError, match="has sha256 ba7816bf.*expected 0000"):
+        assets.verify_file(path, FileCheck("f.bin", 3, "0" * 64))
+    with pytest.raises(AssetError, match="does not exist"):
+        assets.verify_file(tmp_path / "missing", good)
+
+
+def test_atomic_dir_renames_on_success_and_cleans_on_error(tmp_path):
+    final = tmp_path / "out"
+    with assets._atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("1")
+        assert not final.exists()
+    assert (final / "a.txt").read_text() == "1"
+    assert final.stat().st_mode & 0o777 == 0o777 & ~assets._umask()  # not mkdtemp's private 0o700
+    with pytest.raises(RuntimeError, match="boom"):
+        with assets._atomic_dir(final) as tmp:
+            (tmp / "a.txt").write_text("2")
+            raise RuntimeError("boom")
+    assert (final / "a.txt").read_text() == "1"  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder left behind
+
+
+def test_manifest_validity(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "x.bin").write_bytes(b"hello")
+    assert not assets._manifest_valid(folder)
+    assets._write_manifest(folder, "test")
+    manifest = json.loads((folder / assets.MANIFEST).read_text())
+    assert manifest["files"] == {"x.bin": {"size": 5, "sha256": hashlib.sha256(b"hello").hexdigest()}}
+    assert assets._manifest_valid(folder, full=True)
+    (folder / "x.bin").write_bytes(b"jello")  # same size, different content
+    assert assets._manifest_valid(folder)
+    assert not assets._manifest_valid(folder, full=True)
+    (folder / "x.bin").write_bytes(b"hi")
+    assert not assets._manifest_valid(folder)
+
+
+def test_pip_failure_is_a_clear_error():
+    with pytest.raises(AssetError, match="testing pip: .*failed with exit code"):
+        assets._run_pip(["--no-such-option-xyz"], "testing pip")
+
+
+def test_package_dir_finds_installed_package():
+    folder = assets.package_dir(assets.MISTRAL_COMMON_MODULE, assets.MISTRAL_COMMON_PACKAGE)
+    assert (folder / "data" / assets.MISTRAL_SP_MODEL.name).is_file()
+
+
+def test_sentencepiece_model_cached_and_repaired(tmp_cache):
+    path = assets.ensure_sentencepiece_model()
+    assert path == tmp_cache / "mistral-sentencepiece" / "tokenizer.model"
+    assert path.stat().st_size == 493_443
+    assert assets.sha256_file(path) == assets.MISTRAL_SP_MODEL.sha256
+    mtime = path.stat().st_mtime_ns
+    assert assets.ensure_sentencepiece_model() == path
+    assert path.stat().st_mtime_ns == mtime  # valid cache: no work
+    path.write_bytes(b"corrupt")
+    assert assets.ensure_sentencepiece_model() == path
+    assert assets.sha256_file(path) == assets.MISTRAL_SP_MODEL.sha256
+
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    assert (sp.vocab_size(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (32000, 0, 1, 2)
+
+
+def test_cli_rejects_unknown_asset(capsys):
+    with pytest.raises(SystemExit):
+        assets.main(["nope"])
+    assert "unknown asset(s) ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_llamafactory_demo_files():
+    """Real download (pip, ~25 s the first time; cached in the default cache afterwards)."""
+    dpo = assets.ensure_dpo_en_demo()
+    alpaca = assets.ensure_alpaca_en_demo()
+    assert dpo.parent == alpaca.parent
+    rows = json.loads(dpo.read_text())
+    assert len(rows) == 300
+    assert set(rows[0]) == {"conversations", "chosen", "rejected"}
+    assert len(json.loads(alpaca.read_text())) == 999
+
+
+@pytest.mark.slow
+def test_smollm2_export():
+    """Real export (~30-60 s the first time; cached afterwards); checks the folder and tokenizer."""
+    folder = assets.ensure_smollm2()
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (576, 30, 3)
+    assert config["tie_word_embeddings"] is True
+    digest, numel = assets.tensors_sha256(folder / "model.safetensors")
+    assert (digest, numel) == (assets.SMOLLM2_TENSORS_SHA256, 134_515_008)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert tok("Hello")["input_ids"] == [19556]  # no BOS
+    assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
