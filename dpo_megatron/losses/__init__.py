@@ -1,0 +1,17 @@
+"""The DPO loss family: pure functions of per-sequence log-probs, registered by name.
+
+    from dpo_megatron.losses import build_loss, LOSSES
+    loss_fn = build_loss({"name": "sigmoid", "beta": 0.1})
+    losses, metrics = loss_fn(policy_token_logps, reference_token_logps, loss_mask)
+
+Modules: `registry` (name -> spec), `terms` (shared formula pieces), `dpo_family` (reference-based
+losses), `reference_free` (SimPO, CPO, ORPO, SFT), `sequence` (per-token -> per-sequence
+reductions, LD-DPO, WPO weights), `running_mean` (BCO's reward shift), `loss_function` (build_loss).
+"""
+
+# Importing the formula modules registers their losses in LOSSES.
+from dpo_megatron.losses import dpo_family, reference_free  # noqa: F401
+from dpo_megatron.losses.loss_function import LossFunction, LossModifiers, build_loss
+from dpo_megatron.losses.registry import LOSSES, LossSpec, register_loss
+
+__all__ = ["LOSSES", "LossFunction", "LossModifiers", "LossSpec", "build_loss", "register_loss"]

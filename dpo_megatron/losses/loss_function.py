@@ -1,0 +1,300 @@
+"""`build_loss(config)`: the loss the engine calls, built from the `loss:` config section.
+
+The engine hands per-token log-probs; this module reduces them to per-sequence sums and token
+counts (`sequence.py`), calls the selected pure functions (`dpo_family.py`, `reference_free.py`),
+and applies the modifiers that act across losses (SFT term, WPO weights, LD-DPO, reference-free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from dpo_megatron.losses.registry import LossSpec, LossState, get_loss_spec
+from dpo_megatron.losses.sequence import (
+    length_desensitized_logps,
+    sequence_logps,
+    sequence_token_counts,
+    split_pairs,
+    wpo_weights,
+)
+from dpo_megatron.losses.terms import add_nll_term
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossModifiers:
+    """Config keys under `loss.` that apply to any selected loss."""
+
+    reference_free: bool = False
+    """Replace the reference log-probs by 0 in reference-based losses (an implicit uniform reference);
+    no reference model is then built or run. Valid only when a selected loss uses a reference."""
+    sft_weight: float = 0.0
+    """Weight of an added per-token NLL of the chosen completion (reported as `nll_loss`)."""
+    use_weighting: bool = False
+    """WPO (Zhou et al. 2024, arXiv:2406.11827): multiply each pair's loss by its detached weight;
+    the engine must then pass `policy_token_log_sum_p2`."""
+    ld_alpha: Optional[float] = None
+    """LD-DPO (Liu et al. 2024, arXiv:2409.06411): weight in [0, 1] of policy tokens past the pair's
+    shared length; None = off. Applied to the policy log-probs only, as in TRL."""
+
+
+_MODIFIER_KINDS: dict[str, type] = {"reference_free": bool, "sft_weight": float, "use_weighting": bool,
+                                    "ld_alpha": float}
+
+
+def _in_range(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Callable[[float], bool]:
+    def check(value: float) -> bool:
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return above and below
+
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    check.__doc__ = interval
+    return check
+
+
+_INF = float("inf")
+# key -> (check, interval); (loss name, key) entries override the key's default rule.
+_VALUE_RULES: dict[Any, Callable[[float], bool]] = {
+    "beta": _in_range(0.0, _INF, low_open=True),
+    "label_smoothing": _in_range(0.0, 0.5, high_open=True),
+    ("exo_pair", "label_smoothing"): _in_range(0.0, 1.0, low_open=True, high_open=True),
+    "discopop_tau": _in_range(0.0, _INF, low_open=True),
+    "ld_alpha": _in_range(0.0, 1.0),
+    "sft_weight": _in_range(0.0, _INF),
+    "rpo_alpha": _in_range(0.0, _INF),
+    "cpo_alpha": _in_range(0.0, _INF),
+}
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    """Check a config value's type: bool keys take bools, float keys take ints or floats.
+
+    Raises:
+        ValueError: wrong type.
+    """
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"loss.{key} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"loss.{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_value(loss_name: str, key: str, value: Any) -> None:
+    rule = _VALUE_RULES.get((loss_name, key), _VALUE_RULES.get(key))
+    if rule is not None and not rule(value):
+        raise ValueError(f"loss.{key}={value} is out of range {rule.__doc__} for loss {loss_name!r}")
+
+
+@dataclass
+class LossComponent:
+    """One selected loss with its weight, resolved parameters and cross-step state."""
+
+    spec: LossSpec
+    weight: float
+    params: dict[str, Any]
+    state: Optional[LossState]
+
+
+class LossFunction:
+    """Per-pair preference loss over per-token log-probs; see `__call__`.
+
+    Attributes:
+        needs_reference: the engine must run the reference model and pass its log-probs.
+        needs_token_log_sum_p2: the engine must pass `policy_token_log_sum_p2` (WPO).
+        needs_rejected: False when only chosen completions are read (pure `sft`); the engine may
+            then pass chosen rows only with `chosen_only=True`.
+    """
+
+    def __init__(self, components: Sequence[LossComponent], modifiers: LossModifiers) -> None:
+        self.components = list(components)
+        self.modifiers = modifiers
+        self._any_reference_based = any(c.spec.needs_reference for c in self.components)
+        self.needs_reference = self._any_reference_based and not modifiers.reference_free
+        self.needs_token_log_sum_p2 = modifiers.use_weighting
+        self.needs_rejected = (
+            any(c.spec.uses_rejected for c in self.components) or modifiers.use_weighting
+            or modifiers.ld_alpha is not None
+        )
+
+    def __repr__(self) -> str:
+        parts = [f"{c.weight:g}*{c.spec.name}({', '.join(f'{k}={v}' for k, v in c.params.items())})"
+                 for c in self.components]
+        return f"LossFunction({' + '.join(parts)}, {self.modifiers})"
+
+    def __call__(
+        self,
+        policy_token_logps: Tensor,
+        reference_token_logps: Optional[Tensor],
+        loss_mask: Tensor,
+        policy_token_log_sum_p2: Optional[Tensor] = None,
+        *,
+        chosen_only: bool = False,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-pair losses and metrics of one micro-batch.
+
+        Args:
+            policy_token_logps: [2B, S] log p(label_t | tokens <= t) under the policy; rows 0..B-1 chosen,
+                B..2B-1 the rejected completions of the same pairs. With chosen_only: [B, S] chosen rows.
+            reference_token_logps: [2B, S] the same under the reference model (no grad), or None when
+                not `needs_reference`.
+            loss_mask: [2B, S] 1 on completion-token label positions, else 0.
+            policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with WPO.
+            chosen_only: rows are chosen completions only (allowed when not `needs_rejected`).
+        Returns:
+            losses: [B] per-pair loss (nats); the engine sums over pairs and divides by the global pair count.
+            metrics: name -> [B] detached per-pair values (the engine averages them over all pairs).
+        Raises:
+            ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs
+                missing, or chosen_only for a loss that reads rejected completions.
+        """
+        self._check_inputs(policy_token_logps, reference_token_logps, loss_mask, policy_token_log_sum_p2, chosen_only)
+        loss_mask = loss_mask.to(policy_token_logps.dtype)
+        counts = sequence_token_counts(loss_mask, policy_token_logps.dtype)
+        if chosen_only:
+            policy_chosen = sequence_logps(policy_token_logps, loss_mask)
+            chosen_tokens = counts
+            policy_rejected, rejected_tokens = torch.zeros_like(policy_chosen), torch.ones_like(counts)
+        else:
+            if self.modifiers.ld_alpha is None:
+                policy_sequences = sequence_logps(policy_token_logps, loss_mask)
+            else:
+                policy_sequences = length_desensitized_logps(policy_token_logps, loss_mask, self.modifiers.ld_alpha)
+            policy_chosen, policy_rejected = split_pairs(policy_sequences)
+            chosen_tokens, rejected_tokens = split_pairs(counts)
+
+        reference_chosen = reference_rejected = None
+        if self.needs_reference:
+            reference_chosen, reference_rejected = split_pairs(sequence_logps(reference_token_logps, loss_mask))
+        elif self._any_reference_based:  # reference_free: an implicit reference with log-prob 0
+            reference_chosen, reference_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+
+        total: Tensor = torch.zeros_like(policy_chosen)
+        metrics: dict[str, Tensor] = {}
+        for component in self.components:
+            runtime = component.state.loss_kwargs() if component.state is not None else {}
+            losses, component_metrics = component.spec.fn(
+                policy_chosen, policy_rejected, reference_chosen, reference_rejected,
+                chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, **component.params, **runtime,
+            )
+            total = total + component.weight * losses
+            for name, value in component_metrics.items():
+                metrics.setdefault(name, value)  # shared names (rewards/*) come from the first loss listed
+            if len(self.components) > 1:
+                metrics[f"loss/{component.spec.name}"] = losses.detach()
+        total = add_nll_term(total, metrics, self.modifiers.sft_weight, policy_chosen, chosen_tokens)
+        if self.modifiers.use_weighting:
+            weights = wpo_weights(policy_token_logps, policy_token_log_sum_p2, loss_mask)
+            total = total * weights
+            metrics["wpo/weights"] = weights
+        return total, metrics
+
+    def _check_inputs(
+        self, policy: Tensor, reference: Optional[Tensor], loss_mask: Tensor, log_sum_p2: Optional[Tensor],
+        chosen_only: bool,
+    ) -> None:
+        if policy.dim() != 2 or policy.shape != loss_mask.shape:
+            raise ValueError(f"policy_token_logps {tuple(policy.shape)} and loss_mask {tuple(loss_mask.shape)} "
+                             "must both be [2B, S]")
+        if chosen_only and self.needs_rejected:
+            raise ValueError(f"chosen_only=True, but {self!r} reads the rejected completions")
+        if self.needs_reference:
+            if reference is None:
+                raise ValueError(f"{self!r} needs reference_token_logps, got None")
+            if reference.shape != policy.shape:
+                raise ValueError(f"reference_token_logps {tuple(reference.shape)} != policy_token_logps "
+                                 f"{tuple(policy.shape)}")
+        elif reference is not None:
+            raise ValueError(f"{self!r} uses no reference model; pass reference_token_logps=None "
+                             "(and do not run one)")
+        if self.needs_token_log_sum_p2 and (log_sum_p2 is None or log_sum_p2.shape != policy.shape):
+            raise ValueError("loss.use_weighting (WPO) needs policy_token_log_sum_p2 of shape "
+                             f"{tuple(policy.shape)}, got {None if log_sum_p2 is None else tuple(log_sum_p2.shape)}")
+
+    def on_step_end(self, global_metrics: Mapping[str, float]) -> None:
+        """After each optimizer step: fold the step's globally averaged metrics into loss states (BCO)."""
+        for component in self.components:
+            if component.state is not None:
+                component.state.update(dict(global_metrics))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cross-step loss state for checkpoints, keyed by loss name; {} for stateless losses."""
+        return {c.spec.name: c.state.state_dict() for c in self.components if c.state is not None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` output.
+
+        Raises:
+            ValueError: the saved losses' states do not match the configured ones.
+        """
+        expected = sorted(self.state_dict())
+        if sorted(state) != expected:
+            raise ValueError(f"loss state in checkpoint has {sorted(state)}, the configured loss expects {expected}")
+        for component in self.components:
+            if component.state is not None:
+                component.state.load_state_dict(dict(state[component.spec.name]))
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, (str, int, float)):
+        return [value]
+    return list(value)
+
+
+def build_loss(config: Mapping[str, Any]) -> LossFunction:
+    """Build the loss selected by the `loss:` config section.
+
+    Args:
+        config: plain mapping (e.g. `OmegaConf.to_container(cfg.loss)`): `name` (a registered name or
+            a list of names), optional `weights` (one per name, default 1.0 each), and the parameters
+            of the selected losses and of `LossModifiers`. Keys whose value is None count as unset.
+            A parameter shared by several listed losses (e.g. beta) is passed to each that takes it;
+            a loss whose parameter is not set uses its own paper default.
+    Returns:
+        The `LossFunction`.
+    Raises:
+        ValueError: missing or unknown name (lists valid names), a key no selected loss takes (lists
+            the valid keys), wrong type or out-of-range value, or weights not matching the names.
+    """
+    config = {key: value for key, value in dict(config).items() if value is not None}
+    if "name" not in config:
+        raise ValueError("loss.name is required")
+    names = [str(name) for name in _as_list(config.pop("name"))]
+    if not names:
+        raise ValueError("loss.name lists no loss")
+    if len(set(names)) != len(names):
+        raise ValueError(f"loss.name lists a loss twice: {names}")
+    specs = [get_loss_spec(name) for name in names]
+
+    weights = [_coerce("weights", w, float) for w in _as_list(config.pop("weights", [1.0] * len(names)))]
+    if len(weights) != len(names):
+        raise ValueError(f"loss.weights has {len(weights)} entries for {len(names)} losses {names}")
+
+    modifier_kinds = dict(_MODIFIER_KINDS)
+    if not any(spec.needs_reference for spec in specs):
+        del modifier_kinds["reference_free"]
+    valid = sorted({"name", "weights", *modifier_kinds, *(key for spec in specs for key in spec.params)})
+    unknown = sorted(key for key in config if key not in valid)
+    if unknown:
+        raise ValueError(f"loss.name={names} takes no parameter(s) {unknown}; valid keys: {valid}")
+
+    components = []
+    for spec, weight in zip(specs, weights):
+        params = {}
+        for key, default in spec.params.items():
+            params[key] = _coerce(key, config[key], type(default)) if key in config else default
+            _check_value(spec.name, key, params[key])
+        state = spec.state_factory() if spec.state_factory is not None else None
+        components.append(LossComponent(spec, weight, params, state))
+
+    modifier_values = {key: _coerce(key, config[key], kind) for key, kind in modifier_kinds.items() if key in config}
+    for key, value in modifier_values.items():
+        _check_value(",".join(names), key, value)
+    return LossFunction(components, LossModifiers(**modifier_values))

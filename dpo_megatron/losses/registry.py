@@ -1,0 +1,110 @@
+"""Name -> loss registry, so that `loss.name` in the config selects a pure loss function.
+
+A registered function has the signature
+
+    fn(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps,
+       *, chosen_tokens, rejected_tokens, **params) -> (losses [B], metrics dict[str, Tensor[B]])
+
+Its keyword-only parameters with defaults (other than the token counts and the runtime values a
+loss state supplies, e.g. BCO's running reward mean) are the config keys the loss accepts under
+`loss.`; their defaults are the paper defaults. Reading them off the signature keeps one source of
+truth for valid keys and defaults.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
+LossFn = Callable[..., LossOutput]
+
+# Keyword-only arguments every loss function takes that are data, not config.
+TOKEN_COUNT_ARGS = ("chosen_tokens", "rejected_tokens")
+
+
+class LossState(Protocol):
+    """Cross-step state of a loss (e.g. BCO's running reward mean), kept outside the pure function."""
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """Runtime keyword arguments to pass to the loss function this step."""
+
+    def update(self, global_metrics: dict[str, float]) -> None:
+        """Fold in one optimizer step's globally averaged metrics."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One registered loss."""
+
+    name: str
+    """Config name (`loss.name`)."""
+    fn: LossFn
+    """Pure per-sequence function (see module docstring)."""
+    needs_reference: bool
+    """True when the formula uses reference-model log-probs (can be switched off by `reference_free`)."""
+    state_factory: Optional[Callable[[], LossState]] = None
+    """Builds the loss's cross-step state; None for stateless losses."""
+    runtime_params: tuple[str, ...] = ()
+    """Keyword arguments supplied by the state at call time; not config keys."""
+    uses_rejected: bool = True
+    """False when the loss reads only the chosen completions (`sft`)."""
+    params: dict[str, Any] = field(init=False)
+    """Config keys this loss accepts -> paper defaults (read from `fn`'s signature)."""
+
+    def __post_init__(self) -> None:
+        params = {}
+        for arg in inspect.signature(self.fn).parameters.values():
+            if arg.kind is not inspect.Parameter.KEYWORD_ONLY:
+                continue
+            if arg.name in TOKEN_COUNT_ARGS or arg.name in self.runtime_params:
+                continue
+            if arg.default is inspect.Parameter.empty:
+                raise TypeError(f"loss {self.name!r}: config parameter {arg.name!r} needs a default")
+            params[arg.name] = arg.default
+        object.__setattr__(self, "params", params)
+
+
+LOSSES: dict[str, LossSpec] = {}
+"""All registered losses by name. Filled when `dpo_megatron.losses` is imported."""
+
+
+def register_loss(
+    name: str,
+    *,
+    needs_reference: bool,
+    state_factory: Optional[Callable[[], LossState]] = None,
+    runtime_params: tuple[str, ...] = (),
+    uses_rejected: bool = True,
+) -> Callable[[LossFn], LossFn]:
+    """Decorator registering `fn` under `name` in `LOSSES`.
+
+    Raises:
+        ValueError: `name` is already registered.
+    """
+
+    def decorate(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, {fn.__qualname__})")
+        LOSSES[name] = LossSpec(name, fn, needs_reference, state_factory, runtime_params, uses_rejected)
+        return fn
+
+    return decorate
+
+
+def get_loss_spec(name: str) -> LossSpec:
+    """The spec registered under `name`.
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss.name {name!r}; valid names: {sorted(LOSSES)}")
+    return LOSSES[name]
