@@ -1,0 +1,1 @@
+"""The DPO engine: TP-reduced log-probs, the pipeline step, optimizer set-up and the loop."""

@@ -1,0 +1,96 @@
+"""megatron-core DDP, (distributed) optimizer and LR scheduler for the policy."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from dpo_megatron.training.config import TrainConfig
+
+
+def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list[DistributedDataParallel]:
+    """Wrap each policy chunk in megatron-core DDP (fp32 grad buffers, synchronous reduce).
+
+    Also installs ``finalize_model_grads`` as the schedule's end-of-backward hook: it finishes
+    the DP reduction, all-reduces tied-embedding and sequence-parallel norm gradients, and
+    divides by the global pair count (``calculate_per_token_loss``).
+    """
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk,
+            # Bucketing only matters for overlap; later chunks keep it off like megatron's train.
+            disable_bucketing=i > 0))
+    wrapped[0].config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
+    """megatron-core optimizer + OptimizerParamScheduler stepping once per optimizer step.
+
+    Returns:
+        (optimizer, scheduler). Without apex / transformer-engine megatron-core falls back to
+        torch's Adam (decoupled weight decay, i.e. AdamW).
+    """
+    model_config = chunks[0].config
+    config = OptimizerConfig(
+        optimizer=train.optimizer,
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=model_config.bf16,
+        params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=train.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, chunks)
+    if model_config.bf16 or model_config.fp16:
+        model_config.grad_scale_func = optimizer.scale_loss
+    decay_iters = train.lr_decay_iters or train.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if train.lr_warmup_iters else train.lr,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, train.lr_warmup_iters + 1),
+        lr_decay_style=train.lr_decay_style,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=max(decay_iters, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def current_lr(optimizer) -> float:
+    """Learning rate of the first parameter group (all groups share it here)."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def freeze(chunks: list) -> list:
+    """Make model chunks a frozen reference: eval mode, no gradients."""
+    for chunk in chunks:
+        chunk.eval()
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+    return chunks
+
+
+def copy_weights(src_chunks: list, dst_chunks: list) -> None:
+    """Copy weights chunk by chunk (same layout): the reference starts equal to the policy."""
+    with torch.no_grad():
+        for src, dst in zip(src_chunks, dst_chunks):
+            dst.load_state_dict(src.state_dict(), strict=True)
