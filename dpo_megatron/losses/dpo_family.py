@@ -13,6 +13,9 @@ Defaults follow the papers where they state one, else TRL's DPOConfig (beta 0.1)
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -23,12 +26,39 @@ from dpo_megatron.losses.terms import add_nll_term, bradley_terry_loss, per_toke
 Tensor = torch.Tensor
 
 
-def _reference_metrics(
-    beta: float, chosen_logratios: Tensor, rejected_logratios: Tensor, policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-) -> dict[str, Tensor]:
-    return preference_metrics(beta * chosen_logratios, beta * rejected_logratios, policy_chosen_logps,
-                              policy_rejected_logps)
+@dataclass(frozen=True)
+class LogRatios:
+    """Per-pair log-ratios to the reference and the summed policy log-probs they came from."""
+
+    chosen: Tensor
+    """[B] h_w = log pi(y_w|x) - log pi_ref(y_w|x) (nats, or nats/token after `per_token`)."""
+    rejected: Tensor
+    """[B] h_l, the same for the rejected completion."""
+    policy_chosen_logps: Tensor
+    """[B] summed policy log-probs of y_w (reported as logps/chosen)."""
+    policy_rejected_logps: Tensor
+    """[B] summed policy log-probs of y_l (reported as logps/rejected)."""
+
+    @classmethod
+    def of(cls, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
+           reference_rejected_logps: Tensor) -> "LogRatios":
+        return cls(policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps,
+                   policy_chosen_logps, policy_rejected_logps)
+
+    @property
+    def margin(self) -> Tensor:
+        """[B] the DPO margin h = h_w - h_l."""
+        return self.chosen - self.rejected
+
+    def per_token(self, chosen_tokens: Tensor, rejected_tokens: Tensor) -> "LogRatios":
+        """Log-ratios divided by the completion token counts (IPO's length-averaged form)."""
+        return dataclasses.replace(self, chosen=per_token_average(self.chosen, chosen_tokens),
+                                   rejected=per_token_average(self.rejected, rejected_tokens))
+
+    def metrics(self, beta: float) -> dict[str, Tensor]:
+        """Preference metrics with rewards beta * h_w and beta * h_l."""
+        return preference_metrics(beta * self.chosen, beta * self.rejected, self.policy_chosen_logps,
+                                  self.policy_rejected_logps)
 
 
 @register_loss("sigmoid", needs_reference=True)
@@ -43,11 +73,9 @@ def sigmoid_loss(
     preferences and relationship to IPO"): -(1 - eps) log sigma(beta h) - eps log sigma(-beta h).
     Step-0 value (policy == reference): ln 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    losses = bradley_terry_loss(beta * (chosen_logratios - rejected_logratios), label_smoothing)
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = bradley_terry_loss(beta * ratios.margin, label_smoothing)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("rpo", needs_reference=True)
@@ -79,14 +107,12 @@ def robust_loss(
     (Chowdhury et al. 2024, "Provably Robust DPO", arXiv:2403.00409, the rDPO loss of Sec. 3).
     eps = label_smoothing must be < 0.5. Step-0 value: ln 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    logits = beta * (chosen_logratios - rejected_logratios)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    logits = beta * ratios.margin
     losses = (-(1.0 - label_smoothing) * F.logsigmoid(logits) + label_smoothing * F.logsigmoid(-logits)) / (
         1.0 - 2.0 * label_smoothing
     )
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("exo_pair", needs_reference=True)
@@ -101,16 +127,14 @@ def exo_pair_loss(
     arXiv:2402.00856, Eq. 16). eps in (0, 1); 1e-3 as in the paper's pairwise setting and TRL.
     Step-0 value: -ln 2 - (ln eps + ln(1 - eps)) / 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    logits = beta * (chosen_logratios - rejected_logratios)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    logits = beta * ratios.margin
     log_eps = torch.log(torch.tensor(label_smoothing, dtype=logits.dtype))
     log_one_minus_eps = torch.log1p(torch.tensor(-label_smoothing, dtype=logits.dtype))
     losses = torch.sigmoid(logits) * (F.logsigmoid(logits) - log_one_minus_eps) + torch.sigmoid(-logits) * (
         F.logsigmoid(-logits) - log_eps
     )
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("hinge", needs_reference=True)
@@ -124,11 +148,9 @@ def hinge_loss(
     "hinge-norm" of Liu et al. 2023, "Statistical Rejection Sampling", arXiv:2309.06657, Sec. 3).
     Step-0 value: 1.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    losses = torch.relu(1.0 - beta * (chosen_logratios - rejected_logratios))
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = torch.relu(1.0 - beta * ratios.margin)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("ipo", needs_reference=True)
@@ -143,15 +165,11 @@ def ipo_loss(
     With average_logps (default, as TRL) every log-prob is first divided by its completion's token
     count; rewards/* then are beta times the per-token log-ratios. Step-0 value: 1 / (4 beta^2).
     """
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     if average_logps:
-        chosen_logratios = per_token_average(policy_chosen_logps - reference_chosen_logps, chosen_tokens)
-        rejected_logratios = per_token_average(policy_rejected_logps - reference_rejected_logps, rejected_tokens)
-    else:
-        chosen_logratios = policy_chosen_logps - reference_chosen_logps
-        rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    losses = (chosen_logratios - rejected_logratios - 1.0 / (2.0 * beta)) ** 2
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+        ratios = ratios.per_token(chosen_tokens, rejected_tokens)
+    losses = (ratios.margin - 1.0 / (2.0 * beta)) ** 2
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("nca_pair", needs_reference=True)
@@ -164,15 +182,13 @@ def nca_pair_loss(
     (Chen et al. 2024, "Noise Contrastive Alignment of Language Models with Explicit Rewards",
     arXiv:2402.05369, NCA loss with K = 2 responses). Step-0 value: 2 ln 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    chosen_rewards = beta * chosen_logratios
-    rejected_rewards = beta * rejected_logratios
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    chosen_rewards = beta * ratios.chosen
+    rejected_rewards = beta * ratios.rejected
     losses = (
         -F.logsigmoid(chosen_rewards) - 0.5 * F.logsigmoid(-chosen_rewards) - 0.5 * F.logsigmoid(-rejected_rewards)
     )
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("bco_pair", needs_reference=True, state_factory=RunningRewardMean, runtime_params=("reward_mean",))
@@ -192,13 +208,11 @@ def bco_pair_loss(
     batch enters. Metrics add `bco/reward_mean` (per pair (beta h_w + beta h_l) / 2, whose global
     mean updates delta) and `bco/delta`. Step-0 value with delta = 0: 2 ln 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    chosen_rewards = beta * chosen_logratios
-    rejected_rewards = beta * rejected_logratios
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    chosen_rewards = beta * ratios.chosen
+    rejected_rewards = beta * ratios.rejected
     losses = -F.logsigmoid(chosen_rewards - reward_mean) - F.logsigmoid(-(rejected_rewards - reward_mean))
-    metrics = _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                 policy_rejected_logps)
+    metrics = ratios.metrics(beta)
     metrics["bco/reward_mean"] = (0.5 * (chosen_rewards + rejected_rewards)).detach()
     metrics["bco/delta"] = torch.full_like(losses, reward_mean).detach()
     return losses, metrics
@@ -214,11 +228,9 @@ def sppo_hard_loss(
     (Wu et al. 2024, "Self-Play Preference Optimization", arXiv:2405.00675, Eq. 4.7 of Algorithm 1
     with P = 1 for the winner and 0 for the loser, eta = 1/beta). Step-0 value: 1 / (2 beta^2).
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = (ratios.chosen - 0.5 / beta) ** 2 + (ratios.rejected + 0.5 / beta) ** 2
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("aot", needs_reference=True)
@@ -237,9 +249,8 @@ def aot_loss(
     sorted_policy = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0).values
     sorted_reference = torch.sort(reference_chosen_logps - reference_rejected_logps, dim=0).values
     losses = bradley_terry_loss(beta * (sorted_policy - sorted_reference), label_smoothing)
-    return losses, _reference_metrics(beta, policy_chosen_logps - reference_chosen_logps,
-                                      policy_rejected_logps - reference_rejected_logps, policy_chosen_logps,
-                                      policy_rejected_logps)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("aot_unpaired", needs_reference=True)
@@ -252,12 +263,10 @@ def aot_unpaired_loss(
     one, BT(beta * (sort(h_w) - sort(h_l))) (Melnyk et al. 2024, arXiv:2406.05882, AOT unpaired
     objective). Sorting is over the B pairs of the call, as for `aot`. Step-0 value: ln 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    delta = torch.sort(chosen_logratios, dim=0).values - torch.sort(rejected_logratios, dim=0).values
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    delta = torch.sort(ratios.chosen, dim=0).values - torch.sort(ratios.rejected, dim=0).values
     losses = bradley_terry_loss(beta * delta, label_smoothing)
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("apo_zero", needs_reference=True)
@@ -270,11 +279,9 @@ def apo_zero_loss(
     likelihood (D'Oosterlinck et al. 2024, "Anchored Preference Optimization and Contrastive
     Revisions", arXiv:2408.06266, Eq. 7). Step-0 value: 1.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    losses = 1.0 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = 1.0 - torch.sigmoid(beta * ratios.chosen) + torch.sigmoid(beta * ratios.rejected)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("apo_down", needs_reference=True)
@@ -286,11 +293,9 @@ def apo_down_loss(
     """APO-down: sigma(beta h_w) + (1 - sigma(beta (h_w - h_l))): lower both likelihoods, the rejected
     more (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8). Step-0 value: 1.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    losses = torch.sigmoid(beta * chosen_logratios) + 1.0 - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = torch.sigmoid(beta * ratios.chosen) + 1.0 - torch.sigmoid(beta * ratios.margin)
+    return losses, ratios.metrics(beta)
 
 
 @register_loss("discopop", needs_reference=True)
@@ -304,10 +309,8 @@ def discopop_loss(
     (Chris Lu et al. 2024, "Discovering Preference Optimization Algorithms with and for Large Language
     Models", arXiv:2406.08414, Eq. 5; tau = 0.05 in the paper). Step-0 value: (ln 2 + 1) / 2.
     """
-    chosen_logratios = policy_chosen_logps - reference_chosen_logps
-    rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    logits = beta * (chosen_logratios - rejected_logratios)
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    logits = beta * ratios.margin
     modulation = torch.sigmoid(logits / discopop_tau)
     losses = (1.0 - modulation) * -F.logsigmoid(logits) + modulation * torch.exp(-logits)
-    return losses, _reference_metrics(beta, chosen_logratios, rejected_logratios, policy_chosen_logps,
-                                      policy_rejected_logps)
+    return losses, ratios.metrics(beta)

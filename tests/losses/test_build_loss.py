@@ -1,0 +1,207 @@
+"""build_loss: config validation, the per-token interface, modifiers, combined losses, BCO state."""
+
+import math
+
+import pytest
+import torch
+
+from dpo_megatron.losses import LOSSES, build_loss
+
+F64 = torch.float64
+
+
+def one_pair(chosen, rejected, prompt=1):
+    """[2, S] token log-probs and mask of one pair: `prompt` masked positions, then the completion."""
+    seq = prompt + max(len(chosen), len(rejected)) + 1
+    token_logps = torch.zeros(2, seq, dtype=F64)
+    loss_mask = torch.zeros(2, seq, dtype=F64)
+    for row, values in enumerate((chosen, rejected)):
+        token_logps[row, prompt : prompt + len(values)] = torch.tensor(values, dtype=F64)
+        loss_mask[row, prompt : prompt + len(values)] = 1.0
+    return token_logps, loss_mask
+
+
+# Policy: chosen tokens sum to -6 over 3 tokens, rejected -10 over 4; reference: -7 and -8.
+POLICY, MASK = one_pair([-1.0, -2.0, -3.0], [-4.0, -3.0, -2.0, -1.0])
+REFERENCE, _ = one_pair([-2.0, -2.0, -3.0], [-2.0, -2.0, -2.0, -2.0])
+
+
+def softplus(x: float) -> float:
+    return math.log1p(math.exp(x))
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown loss.name 'dpo'") as error:
+        build_loss({"name": "dpo"})
+    for name in LOSSES:
+        assert repr(name) in str(error.value)
+
+
+def test_parameter_the_loss_does_not_take_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"takes no parameter\(s\) \['simpo_gamma'\]") as error:
+        build_loss({"name": "sigmoid", "beta": 0.1, "simpo_gamma": 0.5})
+    assert "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', 'sft_weight', " \
+           "'use_weighting', 'weights']" in str(error.value)
+
+
+def test_reference_free_is_not_a_key_of_reference_free_losses():
+    with pytest.raises(ValueError, match="reference_free"):
+        build_loss({"name": "simpo", "reference_free": True})
+
+
+@pytest.mark.parametrize("config,message", [
+    ({}, "loss.name is required"),
+    ({"name": []}, "lists no loss"),
+    ({"name": ["sigmoid", "sigmoid"]}, "twice"),
+    ({"name": "sigmoid", "beta": 0.0}, r"loss.beta=0.0 is out of range \(0.0, inf\]"),
+    ({"name": "sigmoid", "beta": "0.1"}, "must be a number"),
+    ({"name": "ipo", "average_logps": 1}, "must be true or false"),
+    ({"name": "robust", "label_smoothing": 0.5}, "out of range"),
+    ({"name": "exo_pair", "label_smoothing": 0.0}, "out of range"),
+    ({"name": "sigmoid", "ld_alpha": 1.5}, "out of range"),
+    ({"name": ["sigmoid", "sft"], "weights": [1.0]}, "1 entries for 2 losses"),
+])
+def test_invalid_configs_fail_at_construction(config, message):
+    with pytest.raises(ValueError, match=message):
+        build_loss(config)
+
+
+def test_none_values_count_as_unset():
+    loss_fn = build_loss({"name": "simpo", "beta": None, "ld_alpha": None})
+    assert loss_fn.components[0].params["beta"] == 2.0 and loss_fn.modifiers.ld_alpha is None
+
+
+def test_needs_reference_flags():
+    assert build_loss({"name": "sigmoid"}).needs_reference
+    for config in ({"name": "simpo"}, {"name": "cpo"}, {"name": "orpo"}, {"name": "sft"},
+                   {"name": "sigmoid", "reference_free": True}):
+        assert not build_loss(config).needs_reference, config
+    assert build_loss({"name": ["simpo", "sigmoid"]}).needs_reference
+    assert not build_loss({"name": "sigmoid"}).needs_token_log_sum_p2
+    assert build_loss({"name": "sigmoid", "use_weighting": True}).needs_token_log_sum_p2
+
+
+def test_sigmoid_from_token_logps():
+    losses, metrics = build_loss({"name": "sigmoid", "beta": 0.1})(POLICY, REFERENCE, MASK)
+    # h_w = -6 + 7 = 1, h_l = -10 + 8 = -2 -> z = 0.3
+    torch.testing.assert_close(losses, torch.tensor([softplus(-0.3)], dtype=F64), rtol=0, atol=1e-12)
+    assert metrics["logps/chosen"].tolist() == [-6.0] and metrics["logps/rejected"].tolist() == [-10.0]
+    assert metrics["rewards/margins"].item() == pytest.approx(0.3)
+
+
+def test_reference_free_uses_no_reference():
+    loss_fn = build_loss({"name": "sigmoid", "reference_free": True})
+    losses, metrics = loss_fn(POLICY, None, MASK)
+    torch.testing.assert_close(losses, torch.tensor([softplus(-0.4)], dtype=F64), rtol=0, atol=1e-12)  # 0.1*(-6+10)
+    assert metrics["rewards/chosen"].item() == pytest.approx(-0.6)
+    with pytest.raises(ValueError, match="uses no reference model"):
+        loss_fn(POLICY, REFERENCE, MASK)
+
+
+def test_missing_reference_is_an_error():
+    with pytest.raises(ValueError, match="needs reference_token_logps"):
+        build_loss({"name": "sigmoid"})(POLICY, None, MASK)
+
+
+def test_sft_loss_and_chosen_only_rows():
+    loss_fn = build_loss({"name": "sft"})
+    assert not loss_fn.needs_rejected
+    losses, metrics = loss_fn(POLICY, None, MASK)
+    assert losses.tolist() == [2.0] and metrics["nll_loss"].tolist() == [2.0]  # 6 / 3
+    losses, _ = loss_fn(POLICY, None, MASK, chosen_only=True)  # both rows as chosen completions
+    assert losses.tolist() == [2.0, 2.5]
+    with pytest.raises(ValueError, match="chosen_only"):
+        build_loss({"name": "sigmoid"})(POLICY, REFERENCE, MASK, chosen_only=True)
+
+
+def test_sft_weight_adds_chosen_nll():
+    losses, metrics = build_loss({"name": "sigmoid", "sft_weight": 0.5})(POLICY, REFERENCE, MASK)
+    assert losses.item() == pytest.approx(softplus(-0.3) + 0.5 * 2.0, abs=1e-12)
+    assert metrics["nll_loss"].tolist() == [2.0]
+
+
+def test_combined_losses_with_weights():
+    loss_fn = build_loss({"name": ["sigmoid", "bco_pair", "sft"], "weights": [0.8, 0.2, 1.0], "beta": 0.1})
+    losses, metrics = loss_fn(POLICY, REFERENCE, MASK)
+    sigmoid, bco = softplus(-0.3), softplus(-0.1) + softplus(-0.2)  # BCO: -log s(0.1) - log s(0.2)
+    assert losses.item() == pytest.approx(0.8 * sigmoid + 0.2 * bco + 2.0, abs=1e-12)
+    assert metrics["loss/sigmoid"].item() == pytest.approx(sigmoid, abs=1e-12)
+    assert metrics["loss/bco_pair"].item() == pytest.approx(bco, abs=1e-12)
+    assert metrics["loss/sft"].item() == 2.0
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.1)
+
+
+def test_per_loss_defaults_in_a_combination():
+    loss_fn = build_loss({"name": ["simpo", "sigmoid"]})
+    assert [c.params["beta"] for c in loss_fn.components] == [2.0, 0.1]
+
+
+def test_ld_alpha_weights_tokens_past_the_shared_length():
+    # Shared length min(3, 4) = 3: the rejected 4th token (-1) counts with weight 0.5 -> -9.5.
+    losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.5})(POLICY, REFERENCE, MASK)
+    assert metrics["logps/rejected"].tolist() == [-9.5]
+    assert losses.item() == pytest.approx(softplus(-0.1 * (1.0 - (-9.5 + 8.0))), abs=1e-12)
+
+
+def test_wpo_weights_scale_the_pair_loss():
+    # log sum_v p_v^2 = -0.5 at every position: w = exp(mean(logp) + 0.5) per sequence.
+    log_sum_p2 = torch.full_like(POLICY, -0.5)
+    loss_fn = build_loss({"name": "sigmoid", "use_weighting": True})
+    losses, metrics = loss_fn(POLICY, REFERENCE, MASK, log_sum_p2)
+    weight = math.exp((-2.0 + 0.5) + (-2.5 + 0.5))
+    assert metrics["wpo/weights"].item() == pytest.approx(weight, rel=1e-12)
+    assert losses.item() == pytest.approx(weight * softplus(-0.3), rel=1e-12)
+    with pytest.raises(ValueError, match="policy_token_log_sum_p2"):
+        loss_fn(POLICY, REFERENCE, MASK)
+
+
+def test_wpo_weight_is_capped_at_one():
+    losses, metrics = build_loss({"name": "sigmoid", "use_weighting": True})(
+        POLICY, REFERENCE, MASK, torch.full_like(POLICY, -10.0))
+    assert metrics["wpo/weights"].tolist() == [1.0]
+
+
+def test_bco_running_mean_and_checkpoint_state():
+    loss_fn = build_loss({"name": "bco_pair"})
+    assert loss_fn.state_dict() == {"bco_pair": {"mean": 0.0, "count": 0}}
+    _, metrics = loss_fn(POLICY, REFERENCE, MASK)
+    assert metrics["bco/reward_mean"].item() == pytest.approx(-0.05)  # (0.1 - 0.2) / 2
+    loss_fn.on_step_end({"bco/reward_mean": 0.4})
+    loss_fn.on_step_end({"bco/reward_mean": 0.2})
+    assert loss_fn.state_dict() == {"bco_pair": {"mean": pytest.approx(0.3), "count": 2}}
+    losses, metrics = loss_fn(POLICY, REFERENCE, MASK)
+    assert metrics["bco/delta"].item() == pytest.approx(0.3)
+    assert losses.item() == pytest.approx(softplus(-(0.1 - 0.3)) + softplus(-0.2 - 0.3), abs=1e-12)
+
+    restored = build_loss({"name": "bco_pair"})
+    restored.load_state_dict(loss_fn.state_dict())
+    assert restored.state_dict() == loss_fn.state_dict()
+    with pytest.raises(ValueError, match="loss state in checkpoint"):
+        restored.load_state_dict({})
+
+
+def test_stateless_losses_have_empty_state():
+    loss_fn = build_loss({"name": "sigmoid"})
+    loss_fn.on_step_end({"rewards/chosen": 1.0})
+    assert loss_fn.state_dict() == {}
+    loss_fn.load_state_dict({})
+
+
+def test_gradient_flows_to_policy_token_logps_only_through_the_mask():
+    policy = POLICY.clone().requires_grad_()
+    losses, _ = build_loss({"name": "sigmoid"})(policy, REFERENCE, MASK)
+    losses.sum().backward()
+    assert torch.all(policy.grad[MASK == 0] == 0)
+    d = 0.1 * torch.sigmoid(torch.tensor(-0.3, dtype=F64))  # d(-log s(z))/dz = -s(-z); dz/dlogp_w = beta
+    torch.testing.assert_close(policy.grad[0, 1:4], -d.expand(3), rtol=0, atol=1e-12)
+
+
+def test_batch_shapes_and_float32():
+    generator = torch.Generator().manual_seed(0)
+    policy = -torch.rand(8, 6, generator=generator)
+    mask = torch.ones(8, 6)
+    losses, metrics = build_loss({"name": "ipo"})(policy, policy - 0.1, mask)
+    assert losses.shape == (4,) and losses.dtype == torch.float32
+    assert all(value.shape == (4,) for value in metrics.values())
+    with pytest.raises(ValueError, match="2B rows"):
+        build_loss({"name": "sigmoid"})(policy[:3], policy[:3], mask[:3])
