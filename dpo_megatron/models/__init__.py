@@ -2,5 +2,7 @@
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.gpt import build_model_chunks, build_transformer_config
+from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
 
-__all__ = ["ModelConfig", "build_model_chunks", "build_transformer_config"]
+__all__ = ["ModelConfig", "build_model_chunks", "build_transformer_config", "load_hf_weights",
+           "model_config_from_hf"]

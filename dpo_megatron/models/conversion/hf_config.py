@@ -1,0 +1,98 @@
+"""HF ``config.json`` <-> :class:`ModelConfig`: users never restate the architecture by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.conversion.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    get_architecture,
+)
+
+
+def read_hf_config_json(hf_path: str) -> dict:
+    """The raw ``config.json`` of an HF folder.
+
+    Raises:
+        FileNotFoundError: the folder or its config.json does not exist.
+    """
+    path = os.path.join(hf_path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no config.json (model.hf_path must be a Hugging Face "
+                                "model folder)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def architecture_of(hf_path: str) -> Architecture:
+    """The conversion table for the folder's ``model_type``.
+
+    Raises:
+        ValueError: unknown architecture (names it and the supported ones).
+    """
+    raw = read_hf_config_json(hf_path)
+    return get_architecture(raw.get("model_type", "<missing>"),
+                            os.path.join(hf_path, "config.json"))
+
+
+def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """A ModelConfig whose architecture fields come from ``hf_path/config.json``.
+
+    ``base`` supplies the non-architecture fields (params_dtype, transformer_impl, recompute_*,
+    make_vocab_size_divisible_by, init_method_std, load); its architecture fields are replaced.
+    ``hf_path`` is kept in the result.
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: unknown architecture, or a setting megatron-core cannot represent (names it).
+    """
+    arch = architecture_of(hf_path)
+    from transformers import AutoConfig
+
+    # transformers resolves class defaults and old/new spellings (rope_theta/rope_scaling vs
+    # rope_parameters); the file is local, nothing is downloaded.
+    hf = AutoConfig.from_pretrained(hf_path)
+    fields = arch.config_from_hf(hf)
+    return dataclasses.replace(base or ModelConfig(), hf_path=hf_path, **fields)
+
+
+def infer_architecture(cfg: ModelConfig) -> Architecture:
+    """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
+    positions, Qwen2 for q/k/v-only biases, else Llama."""
+    if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
+        return architecture_of(cfg.hf_path)
+    if cfg.position_embedding_type == "learned_absolute":
+        return ARCHITECTURES["gpt2"]
+    return ARCHITECTURES["qwen2" if cfg.add_qkv_bias else "llama"]
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict:
+    """config.json content for an export: the source folder's config.json when there is one
+    (architecture fields checked against ``cfg``), else one built from ``cfg``; ``dtype`` set.
+
+    Raises:
+        ValueError: the source config.json describes a different architecture than ``cfg``.
+    """
+    arch = infer_architecture(cfg)
+    if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
+        raw = read_hf_config_json(cfg.hf_path)
+        derived = model_config_from_hf(cfg.hf_path, cfg)
+        diff = [f.name for f in dataclasses.fields(ModelConfig)
+                if getattr(derived, f.name) != getattr(cfg, f.name)]
+        if diff:
+            raise ValueError(f"{cfg.hf_path}/config.json differs from the model being exported "
+                             f"in {diff}")
+    else:
+        from transformers import AutoConfig
+
+        raw = AutoConfig.for_model(arch.name, **arch.config_to_hf(cfg)).to_dict()
+    raw["architectures"] = [arch.hf_class]
+    raw["model_type"] = arch.name
+    raw.pop("torch_dtype", None)
+    raw["dtype"] = dtype
+    return raw

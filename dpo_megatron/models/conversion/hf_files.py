@@ -1,0 +1,161 @@
+"""Reading and writing the tensor files of a Hugging Face model folder.
+
+Reading is lazy: the folder's index (``model.safetensors.index.json`` or
+``pytorch_model.bin.index.json``) or file headers give every tensor's name and shape without
+reading data, and :meth:`HFCheckpointReader.read` returns only the requested slice of one tensor
+(``safe_open(...).get_slice``; ``.bin`` files are memory-mapped with ``torch.load(mmap=True)``).
+
+Writing produces sharded ``model-0000x-of-0000y.safetensors`` files and
+``model.safetensors.index.json``, the layout ``save_pretrained`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Optional
+
+import torch
+
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class HFCheckpointReader:
+    """Lazy access to the tensors of one HF folder.
+
+    Raises (at construction):
+        FileNotFoundError: no weights in the folder, or a shard named by the index is missing
+            (names the shard and the index file).
+    """
+
+    def __init__(self, hf_path: str):
+        self.hf_path = hf_path
+        self._file_of: dict[str, str] = {}
+        self._open: dict[str, object] = {}
+        files = self._weight_files()
+        for name in files:
+            path = os.path.join(hf_path, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{hf_path}: weight shard {name} listed in the index is "
+                                        "missing")
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for name in sorted(set(files)):
+            for tensor, shape in self._header(name).items():
+                self._shapes[tensor] = shape
+                self._file_of.setdefault(tensor, name)
+        if self._index_map is not None:
+            for tensor, name in self._index_map.items():
+                if tensor not in self._shapes:
+                    raise KeyError(f"{os.path.join(hf_path, name)}: tensor {tensor!r} listed in "
+                                   "the index is not in the shard")
+                self._file_of[tensor] = name
+
+    def _weight_files(self) -> list[str]:
+        self._index_map: Optional[dict[str, str]] = None
+        for index in (SAFE_INDEX, BIN_INDEX):
+            path = os.path.join(self.hf_path, index)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self._index_map = json.load(f)["weight_map"]
+                return sorted(set(self._index_map.values()))
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(self.hf_path, single)):
+                return [single]
+        raise FileNotFoundError(f"{self.hf_path}: no model.safetensors, pytorch_model.bin or "
+                                "sharded index in this folder")
+
+    def _handle(self, name: str):
+        if name not in self._open:
+            path = os.path.join(self.hf_path, name)
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                self._open[name] = safe_open(path, framework="pt", device="cpu")
+            else:
+                self._open[name] = torch.load(path, map_location="cpu", mmap=True,
+                                              weights_only=True)
+        return self._open[name]
+
+    def _header(self, name: str) -> dict[str, tuple[int, ...]]:
+        handle = self._handle(name)
+        if name.endswith(".safetensors"):
+            return {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+        return {k: tuple(v.shape) for k, v in handle.items()}
+
+    def names(self) -> list[str]:
+        """Every tensor name in the folder."""
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stored shape of one tensor (no data read)."""
+        return self._shapes[name]
+
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None
+             ) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the stored tensor along ``dim`` (0 or 1); only those bytes
+        are read (safetensors) or paged in (mmap'd .bin). Returns a contiguous CPU tensor."""
+        handle = self._handle(self._file_of[name])
+        shape = self._shapes[name]
+        stop = shape[dim] if stop is None else stop
+        if self._file_of[name].endswith(".safetensors"):
+            sl = handle.get_slice(name)
+            if len(shape) == 0:
+                return sl[()]
+            index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+            return sl[index].contiguous()
+        tensor = handle[name]
+        return tensor.narrow(dim, start, stop - start).clone() if len(shape) else tensor.clone()
+
+    def close(self) -> None:
+        """Release open files."""
+        self._open.clear()
+
+
+def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str,
+                             max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+    """Write (name, tensor) pairs, in order, to ``model-0000x-of-0000y.safetensors`` files of at
+    most ``max_shard_bytes`` each (one tensor larger than that gets a shard of its own) plus
+    ``model.safetensors.index.json``. Tensors are consumed one at a time; a shard is held in
+    memory only until it is written.
+
+    Returns the shard file names.
+    """
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = 0
+    tmp_names: list[str] = []
+
+    def flush():
+        nonlocal current, current_bytes
+        if not current:
+            return
+        tmp = f"shard-{len(tmp_names):05d}.tmp.safetensors"
+        save_file(current, os.path.join(out_dir, tmp), metadata={"format": "pt"})
+        tmp_names.append(tmp)
+        shards.append(list(current))
+        current, current_bytes = {}, 0
+
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > max_shard_bytes:
+            flush()
+        current[name] = tensor.contiguous()
+        current_bytes += size
+        total += size
+    flush()
+    n = len(tmp_names)
+    final = []
+    for k, (tmp, names) in enumerate(zip(tmp_names, shards)):
+        shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        os.rename(os.path.join(out_dir, tmp), os.path.join(out_dir, shard))
+        final.append(shard)
+        weight_map.update({name: shard for name in names})
+    with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                  sort_keys=True)
+    return final

@@ -1,0 +1,138 @@
+"""Load a Hugging Face folder's weights into this rank's megatron-core model chunks.
+
+Every rank checks the whole folder against the architecture's table from names and shapes only
+(file headers, no tensor data), so all ranks fail alike with the same message before any
+parameter is touched. Then each rank reads only the slices its parameters own.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Optional
+
+import torch
+from megatron.core import parallel_state
+
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.conversion.architectures import (
+    Architecture,
+    TensorMap,
+    dims,
+    expand,
+    is_layer_pattern,
+)
+from dpo_megatron.models.conversion.hf_config import architecture_of
+from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
+from dpo_megatron.models.conversion.tp_split import read_tp_shard
+from dpo_megatron.models.gpt import padded_vocab_size
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+
+
+def expected_hf_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the table expects for ``cfg``, with its stored shape."""
+    sizes = dims(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for tmap in arch.tensors(cfg):
+        layers = range(cfg.num_layers) if is_layer_pattern(tmap.megatron) else [None]
+        for layer in layers:
+            for name, symbols in zip(tmap.hf, tmap.shapes):
+                shape = tuple(sizes[s] for s in symbols)
+                if tmap.transposed and len(shape) == 2:
+                    shape = shape[::-1]
+                out[expand(name, layer)] = shape
+    return out
+
+
+def check_hf_folder(reader: HFCheckpointReader, arch: Architecture, cfg: ModelConfig) -> None:
+    """Names and shapes of the folder's tensors against the table.
+
+    Raises:
+        KeyError: a tensor the table needs is missing (names it).
+        ValueError: a tensor has the wrong shape, or the folder holds tensors the table does not
+            map (names them).
+    """
+    expected = expected_hf_shapes(arch, cfg)
+    present = set(reader.names())
+    for name, shape in expected.items():
+        if name not in present:
+            raise KeyError(f"{reader.hf_path}: tensor {name!r} is missing ({arch.name} expects "
+                           f"it for this config.json)")
+        if reader.shape(name) != shape:
+            raise ValueError(f"{reader.hf_path}: tensor {name!r} has shape "
+                             f"{list(reader.shape(name))}, config.json implies {list(shape)}")
+    allowed = {expand(p, i) for p in arch.ignored for i in range(cfg.num_layers)}
+    if cfg.tie_word_embeddings:
+        allowed.add("lm_head.weight")  # some tied checkpoints store the duplicate
+    leftover = sorted(present - set(expected) - allowed)
+    if leftover:
+        raise ValueError(f"{reader.hf_path}: tensors not mapped by the {arch.name} table: "
+                         f"{leftover[:10]}{' ...' if len(leftover) > 10 else ''}")
+
+
+def iter_global_params(chunk: torch.nn.Module
+                       ) -> Iterator[tuple[str, Optional[int], torch.nn.Parameter]]:
+    """(table pattern, global layer index or None, parameter) for every parameter of a chunk.
+
+    Layer indices inside a chunk are local; the global index is ``layer.layer_number - 1``
+    (megatron-core's 1-based global numbering, which accounts for pipeline and virtual stages).
+    """
+    for name, param in chunk.named_parameters():
+        m = _LAYER.match(name)
+        if m is None:
+            yield name, None, param
+            continue
+        layer = chunk.decoder.layers[int(m.group(1))]
+        yield "decoder.layers.{i}." + m.group(2), layer.layer_number - 1, param
+
+
+def table_entry(table: dict[str, TensorMap], pattern: str, cfg: ModelConfig, arch: Architecture
+                ) -> TensorMap:
+    """The table entry for a megatron parameter pattern; the last stage's copy of a tied output
+    layer maps to the embedding.
+
+    Raises:
+        KeyError: the parameter has no mapping (names it and the architecture).
+    """
+    if pattern == OUTPUT and cfg.tie_word_embeddings:
+        pattern = EMBEDDING
+    if pattern not in table:
+        raise KeyError(f"megatron parameter {pattern!r} has no mapping in the {arch.name} table")
+    return table[pattern]
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_path: str) -> None:
+    """Copy the HF folder's weights into this rank's chunks (current parallel_state layout,
+    virtual pipeline chunks included), reading only the slices this rank owns.
+
+    Works on DDP-unwrapped ``GPTModel`` chunks (copies into existing parameters; their dtype is
+    kept). Call before wrapping in DDP.
+
+    Raises:
+        FileNotFoundError / KeyError: missing config.json, shard or tensor (named).
+        ValueError: unknown architecture, shape mismatch, unmapped HF tensors (named).
+    """
+    arch = architecture_of(hf_path)
+    reader = HFCheckpointReader(hf_path)
+    try:
+        check_hf_folder(reader, arch, model_cfg)
+        table = {t.megatron: t for t in arch.tensors(model_cfg)}
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        vocab = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by,
+                                  tp_size)
+        for chunk in chunks:
+            for pattern, layer, param in iter_global_params(chunk):
+                tmap = table_entry(table, pattern, model_cfg, arch)
+                names = [expand(n, layer) for n in tmap.hf]
+                shard = read_tp_shard(tmap, names, reader, model_cfg, tp_rank, tp_size, vocab)
+                if tuple(shard.shape) != tuple(param.shape):
+                    raise ValueError(f"{hf_path}: {names} give {list(shard.shape)} for megatron "
+                                     f"parameter {expand(pattern, layer)} of shape "
+                                     f"{list(param.shape)} (TP rank {tp_rank}/{tp_size})")
+                param.copy_(shard)
+    finally:
+        reader.close()

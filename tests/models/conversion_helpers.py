@@ -1,0 +1,135 @@
+"""Helpers for conversion tests: tiny random HF models built from a config (no download), and a
+forward pass through megatron-core's pipeline schedule that returns the gathered logits."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+# Tiny configs, one per architecture; 4 layers so that PP 2 gives 2 layers per stage and the
+# interleaved schedule (PP 2 x VPP 2) has one layer per chunk.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                  max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}),
+    "smollm2": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                    head_dim=16, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+                    sliding_window=None, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=160,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=128,
+                 n_positions=64, tie_word_embeddings=True),
+}
+
+
+def build_tiny_hf_model(arch: str, seed: int = 0, **overrides):
+    """A randomly initialised transformers model of architecture ``arch`` (key of
+    :data:`TINY_CONFIGS`), fp32, eval mode. Biases and norm weights are randomised too, so a
+    mapping mistake on any tensor changes the outputs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(TINY_CONFIGS[arch])
+    kwargs.update(overrides)
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms are 1 / biases 0 at init: perturb so they are tested
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_tiny_hf_folder(arch: str, out_dir: str, seed: int = 0, max_shard_size: str = "5GB",
+                        safe_serialization: bool = True, **overrides) -> str:
+    """Save :func:`build_tiny_hf_model` to ``out_dir`` and return it."""
+    model = build_tiny_hf_model(arch, seed, **overrides)
+    kwargs = {"max_shard_size": max_shard_size}
+    if not safe_serialization:
+        kwargs["safe_serialization"] = False
+    try:
+        model.save_pretrained(out_dir, **kwargs)
+    except TypeError:  # transformers 5 dropped safe_serialization: write .bin by hand
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    if not safe_serialization and not os.path.exists(os.path.join(out_dir, "pytorch_model.bin")):
+        _safetensors_to_bin(out_dir)
+    return out_dir
+
+
+def _safetensors_to_bin(folder: str) -> None:
+    """Rewrite a single-file safetensors folder as ``pytorch_model.bin`` (older HF format)."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(folder, "model.safetensors")
+    torch.save(load_file(path), os.path.join(folder, "pytorch_model.bin"))
+    os.remove(path)
+
+
+def hf_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs of ``input_ids[:, 1:]`` under the transformers model, [b, s-1]
+    (nats), with padding masked out of attention."""
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    return token_logps(logits, input_ids)
+
+
+def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[:, t]) at token input_ids[:, t+1]: [b, s, V], [b, s] -> [b, s-1]."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1
+                    ) -> Optional[torch.Tensor]:
+    """Forward ``input_ids`` [b, s] through megatron-core's pipeline schedule (forward only).
+
+    The batch is split into ``num_microbatches`` equal micro-batches (the interleaved schedule
+    needs a multiple of the pipeline size). Returns the logits gathered over the TP group,
+    [b, s, padded_vocab], on last-stage ranks; None on the others.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = input_ids.shape
+    mbs = b // num_microbatches
+    micro = [input_ids[i * mbs:(i + 1) * mbs] for i in range(num_microbatches)]
+    position_ids = torch.arange(s).unsqueeze(0).expand(mbs, s)
+
+    def forward_step(data_iterator, model):
+        tokens = next(data_iterator)
+        output = model(tokens, position_ids, None)
+
+        def collect(output_tensor, non_loss_data=True):
+            return gather_from_tensor_model_parallel_region(output_tensor).detach()
+
+        return output, collect
+
+    iterators = [iter(micro) for _ in chunks]
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=num_microbatches,
+            seq_length=s,
+            micro_batch_size=mbs,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat(list(outputs), dim=0)
