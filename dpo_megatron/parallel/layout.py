@@ -1,7 +1,8 @@
 """The parallel layout: one dataclass, and the function that builds its process groups.
 
 World size = tensor_model_parallel_size x pipeline_model_parallel_size x data-parallel size.
-The data-parallel size is not configured: it is whatever is left of the world size.
+The data-parallel size is whatever is left of the world size (``data_parallel_size``, when set,
+only tells launchers how many ranks to start and is checked against the world size).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class ParallelConfig:
     """Ranks that split each weight matrix (and the vocabulary) of a layer."""
     pipeline_model_parallel_size: int = 1
     """Ranks that split the stack of layers into consecutive stages."""
+    data_parallel_size: Optional[int] = None
+    """Model replicas. None: world size / (TP x PP). Launchers use it to choose the world size;
+    under torchrun it must agree with the world size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (None: not interleaved)."""
     sequence_parallel: bool = False
@@ -55,6 +59,11 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size"
                 f" ({self.tensor_model_parallel_size}) x parallel.pipeline_model_parallel_size"
                 f" ({self.pipeline_model_parallel_size}) = {mp}: launch a multiple of {mp} ranks")
+        if self.data_parallel_size is not None and self.data_parallel_size * mp != world_size:
+            raise ValueError(
+                f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP = "
+                f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
+                f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("parallel.sequence_parallel=true needs "
                              "parallel.tensor_model_parallel_size > 1")
@@ -64,10 +73,6 @@ class ParallelConfig:
                              "parallel.pipeline_model_parallel_size >= 2")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"parallel.backend must be auto, nccl or gloo, got {self.backend!r}")
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Replicas of the model: world_size / (TP x PP)."""
-        return world_size // self.model_parallel_size()
 
 
 def _resolve_backend(backend: str) -> str:

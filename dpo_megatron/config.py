@@ -1,0 +1,179 @@
+"""The run's configuration: one typed tree, YAML files in ``configs/``, dotted CLI overrides.
+
+    python -m dpo_megatron.train --config configs/dpo_smollm2_cpu.yaml loss.beta=0.2 \
+        parallel.tensor_model_parallel_size=2
+
+Each section is a dataclass owned by the package that uses it (``ParallelConfig``,
+``ModelConfig``, ``DataConfig``, ``TrainConfig``); ``loss`` is a free mapping validated by
+``dpo_megatron.losses.build_loss`` against the chosen loss's own parameters. ``${asset:NAME}``
+in a YAML value resolves to a cached offline asset (``dpo_megatron.assets``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from dpo_megatron.data.config import DataConfig
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.parallel.layout import ParallelConfig
+from dpo_megatron.training.config import TrainConfig
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are written."""
+
+    save: str = ""
+    """Checkpoint directory (empty: <run_dir>/checkpoints)."""
+    save_interval: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    keep_last_n: int = 2
+    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    export_hf: bool = False
+    """Also write the final policy as a Hugging Face folder (<save>/hf)."""
+    export_dtype: str = "bfloat16"
+    """dtype of the exported HF weights: bfloat16 or float32."""
+
+
+@dataclass
+class DPOConfig:
+    """Root of the configuration tree."""
+
+    run_dir: str = "runs/dpo"
+    """Run directory: logs, TensorBoard events, metrics.jsonl, checkpoints."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor / pipeline / data parallel layout."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture and weights of policy (and reference)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Preference data and tokenization."""
+    loss: dict[str, Any] = field(default_factory=lambda: {"name": "sigmoid", "beta": 0.1})
+    """Loss name and its parameters (``loss.name=ipo loss.beta=0.5``); see dpo_megatron.losses."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch sizes, optimizer, LR schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint saving."""
+
+
+def _resolve_asset(name: str) -> str:
+    from dpo_megatron import assets
+
+    getters = {
+        "smollm2": assets.ensure_smollm2,
+        "dpo_en_demo": assets.ensure_dpo_en_demo,
+        "alpaca_en_demo": assets.ensure_alpaca_en_demo,
+        "sentencepiece": assets.ensure_sentencepiece_model,
+    }
+    if name not in getters:
+        raise ValueError(f"unknown asset {name!r}; known: {sorted(getters)}")
+    return str(getters[name]())
+
+
+if not OmegaConf.has_resolver("asset"):
+    with warnings.catch_warnings():  # omegaconf 2.4 renames it; 2.1-2.3 only have this name
+        warnings.simplefilter("ignore")
+        OmegaConf.register_new_resolver("asset", _resolve_asset)
+
+
+def _valid_keys(node_type: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(node_type):
+        sub = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(sub):
+            keys += _valid_keys(type(sub), f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _closest_section_keys(bad_key: str) -> list[str]:
+    section = bad_key.split(".")[0]
+    keys = _valid_keys(DPOConfig)
+    in_section = [k for k in keys if k.startswith(section + ".")]
+    return in_section or keys
+
+
+def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DPOConfig:
+    """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
+
+    Raises:
+        ValueError: an unknown key (listing the valid keys of that section), a value of the
+            wrong type, or a conflicting combination (see :func:`validate`).
+    """
+    schema = OmegaConf.structured(DPOConfig)
+    try:
+        layers = [schema]
+        if config_file:
+            if not os.path.exists(config_file):
+                raise ValueError(f"config file {config_file} does not exist")
+            layers.append(OmegaConf.load(config_file))
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        OmegaConf.resolve(merged)
+        cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = e.full_key or str(e)
+        raise ValueError(f"unknown config key {key!r} (from {config_file or 'overrides'}). "
+                         f"Valid keys: {', '.join(_closest_section_keys(key))}") from None
+    except ValidationError as e:
+        raise ValueError(f"invalid value for config key {e.full_key!r}: "
+                         f"{str(e.msg).splitlines()[0]}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DPOConfig) -> None:
+    """Reject combinations that cannot run, before any process group or model is built.
+
+    Raises:
+        ValueError: naming the conflicting fields and what to do.
+    """
+    t = cfg.train
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ValueError("train.micro_batch_size and train.global_batch_size must be >= 1")
+    dp = cfg.parallel.data_parallel_size
+    if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(
+            f"train.global_batch_size={t.global_batch_size} must be divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x parallel.data_parallel_size={dp}")
+    if not cfg.model.hf_path and not cfg.model.load and not cfg.data.tokenizer:
+        raise ValueError("set model.hf_path (weights + tokenizer) or data.tokenizer for a "
+                         "randomly initialised model")
+    if not isinstance(cfg.loss, dict) or "name" not in cfg.loss:
+        raise ValueError("loss.name is required (e.g. loss.name=sigmoid)")
+
+
+def world_size_for(cfg: DPOConfig) -> int:
+    """Ranks the launcher should start: TP x PP x DP (DP defaults to 1)."""
+    return cfg.parallel.model_parallel_size() * (cfg.parallel.data_parallel_size or 1)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:
+    """``--config FILE`` plus ``key=value`` overrides."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="YAML file under configs/")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        parser.error(f"overrides must look like key=value, got {bad}")
+    return args.config, args.overrides
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m dpo_megatron.config --config F [k=v...]``: resolve the config (fetching its
+    assets once, in this single process) and print the world size it needs (for launchers)."""
+    config_file, overrides = parse_args(argv)
+    cfg = load_config(config_file, overrides)
+    print(world_size_for(cfg))
+
+
+if __name__ == "__main__":
+    main()

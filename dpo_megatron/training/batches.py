@@ -1,0 +1,44 @@
+"""Pairs of one step -> padded micro-batches for the pipeline schedule."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dpo_megatron.data import PreferencePair, collate_pairs
+
+
+def pair_lengths(pair: PreferencePair) -> tuple[int, int]:
+    """(prompt+chosen, prompt+rejected) lengths in tokens."""
+    p = len(pair.prompt_ids)
+    return p + len(pair.chosen_ids), p + len(pair.rejected_ids)
+
+
+def step_seq_length(pairs: Sequence[PreferencePair], multiple: int) -> int:
+    """Longest sequence of the step rounded up to ``multiple`` tokens.
+
+    Every micro-batch of a step shares this length, because the pipeline schedule sizes its
+    send/receive buffers once per call. ``multiple`` must include TP under sequence parallelism.
+    """
+    longest = max(max(pair_lengths(p)) for p in pairs)
+    return -(-longest // multiple) * multiple
+
+
+def build_micro_batches(pairs: Sequence[PreferencePair], micro_batch_indices: list[list[int]],
+                        pad_token_id: int, multiple: int):
+    """Collate this rank's micro-batches of one step.
+
+    Args:
+        pairs: the whole (train or eval) pair list.
+        micro_batch_indices: ``PairSampler.next_step()`` output for this DP rank.
+        multiple: padding granule for the step's sequence length (tokens).
+
+    Returns:
+        (micro_batches, seq_length, real_tokens): collate_pairs dicts [2B, S] each, S, and the
+        number of non-pad tokens of this rank's step (chosen and rejected rows together).
+    """
+    step_pairs = [pairs[i] for mb in micro_batch_indices for i in mb]
+    seq_length = step_seq_length(step_pairs, multiple)
+    micro_batches = [collate_pairs([pairs[i] for i in mb], pad_token_id, seq_length)
+                     for mb in micro_batch_indices]
+    real_tokens = sum(sum(pair_lengths(p)) for p in step_pairs)
+    return micro_batches, seq_length, real_tokens

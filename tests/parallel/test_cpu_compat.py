@@ -1,0 +1,95 @@
+"""The CPU compatibility layer: CUDA requests land on the CPU, and nothing changes with CUDA."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpo_megatron.parallel import cpu_compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _enabled():
+    assert cpu_compat.enable() is True
+    assert cpu_compat.enable() is True  # idempotent
+    assert cpu_compat.is_enabled()
+
+
+def test_cuda_devices_become_cpu():
+    assert torch.empty(2, device="cuda").device.type == "cpu"
+    assert torch.zeros(3, device="cuda:1").device.type == "cpu"
+    assert torch.ones(1, device=torch.device("cuda")).device.type == "cpu"
+    assert torch.tensor([1.0], device=torch.cuda.current_device()).device.type == "cpu"
+    x = torch.arange(4.0)
+    assert x.cuda() is x
+    assert x.to("cuda").device.type == "cpu"
+    assert x.to(device="cuda", dtype=torch.float64).dtype == torch.float64
+
+
+def test_tensor_type_names_match_megatron_checks():
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1, dtype=torch.float16).type() == "torch.cuda.HalfTensor"
+    assert torch.zeros(1, dtype=torch.int64).type() == "torch.LongTensor"
+    # Conversion through .type(dtype) still converts.
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64
+
+
+def test_model_parallel_rng_tracker_forks_on_cpu_generator():
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    outside_before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    # The fork restores the default generator: the outside stream is untouched.
+    assert torch.equal(torch.get_rng_state(), outside_before)
+    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        b = torch.rand(4)
+    assert torch.equal(a, b)
+
+
+def test_megatron_buffer_allocation_in_backward_of_tp_linear():
+    """Regression: backward of TP layers allocates with device=current_device() outside modes."""
+    from tests.multirank import run_ranks
+
+    assert run_ranks(_tp_linear_backward, world_size=1) == [(4, 8)]
+
+
+def _tp_linear_backward():
+    from megatron.core import tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    initialize_distributed(ParallelConfig())
+    set_seed(0)
+    layer = tensor_parallel.ColumnParallelLinear(
+        8, 4, config=ModelParallelConfig(use_cpu_initialization=True),
+        init_method=torch.nn.init.normal_, bias=False)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    return tuple(layer.weight.grad.shape)
+
+
+def test_no_op_when_cuda_is_available():
+    code = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "before = torch.cuda.current_device\n"
+        "from dpo_megatron.parallel import cpu_compat\n"
+        "assert cpu_compat.enable() is False\n"
+        "assert not cpu_compat.is_enabled()\n"
+        "assert torch.cuda.current_device is before\n"
+        "assert torch.zeros(1).type() == 'torch.FloatTensor'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
