@@ -204,8 +204,8 @@ def bco_pair_loss(
 
     delta = reward_mean is the running mean of the rewards beta*h over all chosen and rejected
     completions of past optimizer steps (kept by `RunningRewardMean`, 0 before the first step);
-    TRL instead folds in the current batch before using it, which differs only in when the current
-    batch enters. Metrics add `bco/reward_mean` (per pair (beta h_w + beta h_l) / 2, whose global
+    TRL 0.x instead folds in the current batch before using it (so its step-0 delta is that batch's
+    mean; with policy == reference both are 0); TRL 1.x dropped the shift (delta = 0 always). Metrics add `bco/reward_mean` (per pair (beta h_w + beta h_l) / 2, whose global
     mean updates delta) and `bco/delta`. Step-0 value with delta = 0: 2 ln 2.
     """
     ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)

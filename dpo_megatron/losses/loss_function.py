@@ -39,8 +39,8 @@ class LossModifiers:
     """WPO (Zhou et al. 2024, arXiv:2406.11827): multiply each pair's loss by its detached weight;
     the engine must then pass `policy_token_log_sum_p2`."""
     ld_alpha: Optional[float] = None
-    """LD-DPO (Liu et al. 2024, arXiv:2409.06411): weight in [0, 1] of policy tokens past the pair's
-    shared length; None = off. Applied to the policy log-probs only, as in TRL."""
+    """LD-DPO (Liu et al. 2024, arXiv:2409.06411): weight in [0, 1] of the tokens past the pair's
+    shared length, in policy and reference log-probs alike (as TRL 1.x); None = off, 1 = plain sums."""
 
 
 _MODIFIER_KINDS: dict[str, type] = {"reference_free": bool, "sft_weight": float, "use_weighting": bool,
@@ -57,6 +57,9 @@ def _in_range(low: float, high: float, low_open: bool = False, high_open: bool =
     check.__doc__ = interval
     return check
 
+
+# Losses whose i-th entry is a batch quantile, not pair i (per-pair weights do not apply).
+_SORTING_LOSSES = {"aot", "aot_unpaired"}
 
 _INF = float("inf")
 # key -> (check, interval); (loss name, key) entries override the key's default rule.
@@ -163,16 +166,12 @@ class LossFunction:
             chosen_tokens = counts
             policy_rejected, rejected_tokens = torch.zeros_like(policy_chosen), torch.ones_like(counts)
         else:
-            if self.modifiers.ld_alpha is None:
-                policy_sequences = sequence_logps(policy_token_logps, loss_mask)
-            else:
-                policy_sequences = length_desensitized_logps(policy_token_logps, loss_mask, self.modifiers.ld_alpha)
-            policy_chosen, policy_rejected = split_pairs(policy_sequences)
+            policy_chosen, policy_rejected = split_pairs(self._sequence_logps(policy_token_logps, loss_mask))
             chosen_tokens, rejected_tokens = split_pairs(counts)
 
         reference_chosen = reference_rejected = None
         if self.needs_reference:
-            reference_chosen, reference_rejected = split_pairs(sequence_logps(reference_token_logps, loss_mask))
+            reference_chosen, reference_rejected = split_pairs(self._sequence_logps(reference_token_logps, loss_mask))
         elif self._any_reference_based:  # reference_free: an implicit reference with log-prob 0
             reference_chosen, reference_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
 
@@ -195,6 +194,12 @@ class LossFunction:
             total = total * weights
             metrics["wpo/weights"] = weights
         return total, metrics
+
+    def _sequence_logps(self, token_logps: Tensor, loss_mask: Tensor) -> Tensor:
+        """[2B, S] -> [2B] summed log-probs, LD-DPO-weighted when ld_alpha is set."""
+        if self.modifiers.ld_alpha is None:
+            return sequence_logps(token_logps, loss_mask)
+        return length_desensitized_logps(token_logps, loss_mask, self.modifiers.ld_alpha)
 
     def _check_inputs(
         self, policy: Tensor, reference: Optional[Tensor], loss_mask: Tensor, log_sum_p2: Optional[Tensor],
@@ -297,4 +302,8 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     modifier_values = {key: _coerce(key, config[key], kind) for key, kind in modifier_kinds.items() if key in config}
     for key, value in modifier_values.items():
         _check_value(",".join(names), key, value)
+    sorting = sorted(set(names) & _SORTING_LOSSES)
+    if modifier_values.get("use_weighting") and sorting:
+        raise ValueError(f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within the "
+                         "micro-batch, so per-pair weights would not line up with the losses")
     return LossFunction(components, LossModifiers(**modifier_values))

@@ -40,6 +40,8 @@ def length_desensitized_logps(token_logps: Tensor, loss_mask: Tensor, ld_alpha: 
     completion tokens count with weight 1 and the rest with weight ld_alpha:
         log pi_hat(y|x) = sum_{t <= l_p} log p_t + ld_alpha * sum_{t > l_p} log p_t.
     Completion tokens are counted in mask order, so a prompt or padding before them does not shift l_p.
+    Applied to policy and reference log-probs alike (TRL 1.x), so policy == reference still gives
+    zero log-ratios.
 
     Args:
         token_logps: [2B, S] per-token log-probs.
@@ -61,7 +63,8 @@ def wpo_weights(policy_token_logps: Tensor, policy_token_log_sum_p2: Tensor, los
     Optimization", arXiv:2406.11827, Eq. 2, with the sampling-probability normalisation of its
     Sec. 3 as implemented in TRL): per sequence
         w(y) = exp( mean_t [log p(y_t) - log sum_v p_v^2] ),
-    pair weight min(1, w(y_w) * w(y_l)), detached (a weight, not a gradient path).
+    pair weight min(1, w(y_w) * w(y_l)), detached (a weight, not a gradient path). The cap at 1 is
+    that of the WPO authors' TRL implementation (TRL 0.x); TRL 1.x multiplies by the uncapped product.
 
     Args:
         policy_token_logps: [2B, S] policy log-probs of the labels.

@@ -60,6 +60,7 @@ def test_reference_free_is_not_a_key_of_reference_free_losses():
     ({"name": "exo_pair", "label_smoothing": 0.0}, "out of range"),
     ({"name": "sigmoid", "ld_alpha": 1.5}, "out of range"),
     ({"name": ["sigmoid", "sft"], "weights": [1.0]}, "1 entries for 2 losses"),
+    ({"name": ["sigmoid", "aot"], "use_weighting": True}, r"cannot be combined with \['aot'\]"),
 ])
 def test_invalid_configs_fail_at_construction(config, message):
     with pytest.raises(ValueError, match=message):
@@ -137,10 +138,18 @@ def test_per_loss_defaults_in_a_combination():
 
 
 def test_ld_alpha_weights_tokens_past_the_shared_length():
-    # Shared length min(3, 4) = 3: the rejected 4th token (-1) counts with weight 0.5 -> -9.5.
+    # Shared length min(3, 4) = 3: the rejected 4th token counts with weight 0.5, in the policy
+    # (-1 -> -9.5) and in the reference (-2 -> -7): h_l = -2.5, h = 1 + 2.5.
     losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.5})(POLICY, REFERENCE, MASK)
     assert metrics["logps/rejected"].tolist() == [-9.5]
-    assert losses.item() == pytest.approx(softplus(-0.1 * (1.0 - (-9.5 + 8.0))), abs=1e-12)
+    assert metrics["rewards/rejected"].item() == pytest.approx(-0.25)
+    assert losses.item() == pytest.approx(softplus(-0.35), abs=1e-12)
+
+
+def test_ld_alpha_keeps_the_step_zero_value():
+    losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.2})(POLICY, POLICY.clone(), MASK)
+    assert losses.item() == pytest.approx(math.log(2.0), abs=1e-15)
+    assert metrics["rewards/margins"].tolist() == [0.0]
 
 
 def test_wpo_weights_scale_the_pair_loss():
