@@ -43,8 +43,10 @@ class LossModifiers:
     shared length, in policy and reference log-probs alike (as TRL 1.x); None = off, 1 = plain sums."""
 
 
-_MODIFIER_KINDS: dict[str, type] = {"reference_free": bool, "sft_weight": float, "use_weighting": bool,
-                                    "ld_alpha": float}
+# Modifier key -> value type checked by `_coerce` (field annotations are strings under `annotations`).
+_MODIFIER_KINDS: dict[str, type] = {
+    field.name: bool if field.type == "bool" else float for field in dataclasses.fields(LossModifiers)
+}
 
 
 def _in_range(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Callable[[float], bool]:
@@ -62,7 +64,7 @@ def _in_range(low: float, high: float, low_open: bool = False, high_open: bool =
 _SORTING_LOSSES = {"aot", "aot_unpaired"}
 
 _INF = float("inf")
-# key -> (check, interval); (loss name, key) entries override the key's default rule.
+# key -> range check (its docstring is the interval); (loss name, key) entries override the key's rule.
 _VALUE_RULES: dict[Any, Callable[[float], bool]] = {
     "beta": _in_range(0.0, _INF, low_open=True),
     "label_smoothing": _in_range(0.0, 0.5, high_open=True),
