@@ -8,7 +8,8 @@ Architectures and their tensor tables: :mod:`dpo_megatron.models.conversion.arch
 """
 
 from dpo_megatron.models.conversion.architectures import ARCHITECTURES
+from dpo_megatron.models.conversion.export import export_hf
 from dpo_megatron.models.conversion.hf_config import model_config_from_hf
 from dpo_megatron.models.conversion.load import load_hf_weights
 
-__all__ = ["ARCHITECTURES", "model_config_from_hf", "load_hf_weights"]
+__all__ = ["ARCHITECTURES", "export_hf", "model_config_from_hf", "load_hf_weights"]
