@@ -31,6 +31,11 @@ class ModelConfig:
     """Key/value heads for grouped-query attention (None: one per query head)."""
     kv_channels: Optional[int] = None
     """Head dimension (None: hidden_size / num_attention_heads)."""
+    pad_attention_heads: bool = False
+    """When TP does not divide the key/value heads (SmolLM2-135M: 9 query / 3 KV heads at TP 2),
+    add all-zero key/value groups (with their query heads) up to a multiple of TP. Zero heads
+    contribute exactly nothing and receive zero gradient; conversion drops them on export.
+    False: such a layout is an error."""
     vocab_size: int = 256
     """Tokenizer vocabulary; padded up to a multiple of make_vocab_size_divisible_by x TP."""
     make_vocab_size_divisible_by: int = 1

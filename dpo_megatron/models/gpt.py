@@ -77,6 +77,38 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_
     return -(-vocab_size // multiple) * multiple
 
 
+def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tuple[int, int, int]:
+    """(query heads, key/value groups, head dim) of the megatron model at this TP size.
+
+    With ``model.pad_attention_heads`` the groups are rounded up to a multiple of TP, each extra
+    group carrying the usual number of query heads (all zero weights); e.g. 9 heads / 3 groups at
+    TP 2 -> 12 heads / 4 groups, head dim unchanged (64).
+
+    Raises:
+        ValueError: heads or groups not divisible by TP without padding, or heads not divisible
+            by groups.
+    """
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    head_dim = model.kv_channels or model.hidden_size // heads
+    if heads % groups:
+        raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
+                         f"model.num_query_groups={groups}")
+    tp = tensor_model_parallel_size
+    if groups % tp:
+        if not model.pad_attention_heads:
+            raise ValueError(
+                f"model has {heads} attention heads and {groups} key/value heads; both must be "
+                f"divisible by parallel.tensor_model_parallel_size={tp} (or set "
+                f"model.pad_attention_heads=true to add zero heads)")
+        padded = -(-groups // tp) * tp
+        return padded * (heads // groups), padded, head_dim
+    if heads % tp:
+        raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
+                         f"parallel.tensor_model_parallel_size={tp}")
+    return heads, groups, head_dim
+
+
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig for this architecture and layout.
 
@@ -88,11 +120,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             unknown activation.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    groups = model.num_query_groups or model.num_attention_heads
-    if model.num_attention_heads % tp or groups % tp:
-        raise ValueError(
-            f"model has {model.num_attention_heads} attention heads and {groups} key/value heads;"
-            f" both must be divisible by parallel.tensor_model_parallel_size={tp}")
+    heads, groups, head_dim = attention_heads(model, tp)
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
     if model.num_layers % (pp * vpp):
         raise ValueError(
@@ -106,9 +134,9 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.kv_channels,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=swiglu,

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtual environment in .venv with torch, megatron-core and this package
+# (editable, with test and conversion extras), then the offline assets (SmolLM2-135M-Instruct,
+# dpo_en_demo, SentencePiece model) cached under ~/.cache/dpo_megatron. Safe to re-run.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+VPY="$ROOT/.venv/bin/python"
+"$VPY" -m pip install -q --upgrade pip
+# torch first, pinned: on CPU machines 2.13.0 is a local CPU wheel; an unpinned torch would pull a
+# multi-GB CUDA build. GPU machines: set TORCH_SPEC (e.g. TORCH_SPEC=torch) to choose your own.
+"$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+"$VPY" -m pip install -q -e ".[test,convert]"
+if [[ "${SKIP_ASSETS:-0}" != 1 ]]; then
+  "$VPY" -m dpo_megatron.assets
+fi

@@ -1,0 +1,43 @@
+"""GPTModel construction: attention-head layout, vocabulary padding, config validation."""
+
+import pytest
+
+from dpo_megatron.models import ModelConfig
+from dpo_megatron.models.gpt import attention_heads, build_transformer_config, padded_vocab_size
+from dpo_megatron.parallel import ParallelConfig
+
+
+def test_smollm2_heads_pad_to_tp2():
+    cfg = ModelConfig(hidden_size=576, num_attention_heads=9, num_query_groups=3,
+                      pad_attention_heads=True)
+    assert attention_heads(cfg, 1) == (9, 3, 64)
+    assert attention_heads(cfg, 3) == (9, 3, 64)
+    assert attention_heads(cfg, 2) == (12, 4, 64)  # one zero group of 3 query heads
+
+
+def test_heads_not_divisible_by_tp_is_an_error_without_padding():
+    cfg = ModelConfig(hidden_size=576, num_attention_heads=9, num_query_groups=3)
+    with pytest.raises(ValueError, match="pad_attention_heads"):
+        attention_heads(cfg, 2)
+
+
+def test_layers_not_divisible_by_pp():
+    with pytest.raises(ValueError, match="layers"):
+        build_transformer_config(ModelConfig(num_layers=3),
+                                 ParallelConfig(pipeline_model_parallel_size=2))
+
+
+def test_transformer_config_fields():
+    cfg = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                      num_query_groups=2, norm_epsilon=1e-6)
+    tc = build_transformer_config(cfg, ParallelConfig())
+    assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (4, 2, 16)
+    assert tc.gated_linear_unit and tc.layernorm_epsilon == 1e-6
+    assert tc.hidden_dropout == 0.0 and tc.attention_dropout == 0.0
+    assert tc.calculate_per_token_loss
+
+
+@pytest.mark.parametrize("vocab, mult, tp, expected", [
+    (49152, 1, 2, 49152), (50257, 1, 2, 50258), (50257, 128, 2, 50432), (100, 1, 1, 100)])
+def test_padded_vocab_size(vocab, mult, tp, expected):
+    assert padded_vocab_size(vocab, mult, tp) == expected
