@@ -1,0 +1,136 @@
+"""Configuration of the preference-data path (an OmegaConf structured config: plain types only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TRUNCATION_MODES = ("keep_end", "keep_start")
+ON_ERROR_MODES = ("raise", "skip")
+
+
+@dataclass
+class DataConfig:
+    """Where the preference data comes from and how it becomes token ids.
+
+    Length rules, in order: (1) a prompt longer than ``max_prompt_length`` tokens is cut per
+    ``truncation_mode``; (2) a pair whose prompt leaves fewer than ``min_completion_tokens``
+    tokens of ``max_length`` is dropped (reason ``prompt_too_long``); (3) each completion is cut
+    to ``max_length - len(prompt)`` tokens (keeping its start; a cut completion loses its EOS).
+    """
+
+    path: str = ""
+    """One dataset: a local file (.json, .jsonl, .parquet, .arrow, .csv), a folder (saved with
+    ``datasets.save_to_disk`` or holding data files), or a hub name passed to
+    ``datasets.load_dataset`` (needs internet). Empty: use ``datasets``."""
+
+    datasets: list[str] = field(default_factory=list)
+    """Several datasets mixed into one training set (same forms as ``path``)."""
+
+    weights: list[float] = field(default_factory=list)
+    """Mixing proportions for ``datasets`` (same length; relative, need not sum to 1). Source i
+    then makes ``round(total * w_i / sum(w))`` of the training pairs, ``total`` being the number
+    of kept training pairs of all sources, drawn by ``seed`` (repeating a source when it is
+    short). Empty: every kept pair once."""
+
+    format: str = "auto"
+    """Row format, one of ``standard`` (prompt/chosen/rejected strings), ``implicit``
+    (chosen/rejected strings, prompt = common prefix), ``conversational`` (message lists),
+    ``conversational_implicit``, ``sharegpt`` (LLaMA-Factory {conversations, chosen, rejected}),
+    ``hh`` (Anthropic HH raw), ``shp`` (Stanford SHP), ``se`` (StackExchange preferences),
+    ``ultrafeedback`` (UltraFeedback binarized), ``alpaca`` (SFT only), or ``auto`` (detected
+    from the columns; an ambiguous case is an error that lists the candidates)."""
+
+    formats: list[str] = field(default_factory=list)
+    """Per-dataset formats for ``datasets`` (same length); empty: ``format`` for all."""
+
+    split: str = "train"
+    """Split to read from a hub dataset or a folder with several splits."""
+
+    tokenizer: str = ""
+    """HF tokenizer folder / hub name, or a SentencePiece ``.model`` file. Empty: the engine
+    passes the model folder."""
+
+    chat_template: str = ""
+    """Chat template for conversational data: empty = the tokenizer's own; ``chatml`` or
+    ``mistral`` = a built-in one; anything else = a path to a Jinja file."""
+
+    max_length: int = 512
+    """Most tokens in prompt + completion (each of chosen and rejected)."""
+
+    max_prompt_length: int = 256
+    """Most prompt tokens kept (cut per ``truncation_mode``); 0 = no prompt cut, so a prompt
+    that leaves no room for a completion drops the pair."""
+
+    truncation_mode: str = "keep_end"
+    """How a long prompt is cut: ``keep_end`` keeps its last tokens (the latest turns),
+    ``keep_start`` its first."""
+
+    min_completion_tokens: int = 1
+    """Fewest completion tokens a pair must keep on each side after cutting; below that the pair
+    is dropped as ``prompt_too_long``."""
+
+    eval_fraction: float = 0.0
+    """Fraction of each source's kept pairs held out for evaluation (chosen by ``seed``)."""
+
+    seed: int = 1234
+    """Seed for the eval split and the mixing draws."""
+
+    num_proc: int = 1
+    """Processes for tokenization (``datasets.map``)."""
+
+    on_error: str = "raise"
+    """Malformed row: ``raise`` stops with file, row and field; ``skip`` drops and counts it."""
+
+    cache_dir: str = ""
+    """Where tokenized data is cached, keyed by data, tokenizer and settings. Empty:
+    ``$DPO_MEGATRON_CACHE/data``; ``none``: no cache."""
+
+    shp_min_score_ratio: float = 2.0
+    """SHP: keep a pair only if the preferred comment's score is at least this multiple of the
+    other's (the SteamSHP paper's filter)."""
+
+    se_max_pairs_per_question: int = 1
+    """StackExchange: pairs made per question, best-scored answer vs the next lower scores."""
+
+    verbose: bool = True
+    """Print the start-up summary (rows read, pairs kept, drops by reason, length percentiles)."""
+
+    def sources(self) -> list[tuple[str, str]]:
+        """[(dataset, format)] for every dataset this config names; ValueError on conflicts."""
+        if self.path and self.datasets:
+            raise ValueError("data.path and data.datasets are both set: use one (data.datasets for a mix)")
+        names = [self.path] if self.path else list(self.datasets)
+        if not names:
+            raise ValueError("no data: set data.path (one dataset) or data.datasets (a mix)")
+        if self.formats and len(self.formats) != len(names):
+            raise ValueError(f"data.formats has {len(self.formats)} entries for {len(names)} datasets")
+        if self.weights and len(self.weights) != len(names):
+            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(names)} datasets")
+        if self.weights and (min(self.weights) < 0 or sum(self.weights) <= 0):
+            raise ValueError(f"data.weights must be >= 0 with a positive sum, got {self.weights}")
+        formats = list(self.formats) if self.formats else [self.format] * len(names)
+        return list(zip(names, formats))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for any invalid setting."""
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation_mode={self.truncation_mode!r}; expected one of {TRUNCATION_MODES}")
+        if self.on_error not in ON_ERROR_MODES:
+            raise ValueError(f"data.on_error={self.on_error!r}; expected one of {ON_ERROR_MODES}")
+        if self.max_length <= 1:
+            raise ValueError(f"data.max_length={self.max_length} must be > 1")
+        if self.max_prompt_length < 0:
+            raise ValueError(f"data.max_prompt_length={self.max_prompt_length} must be >= 0 (0 = no prompt cut)")
+        if self.max_prompt_length and self.max_prompt_length + self.min_completion_tokens > self.max_length:
+            raise ValueError(
+                f"data.max_prompt_length={self.max_prompt_length} leaves fewer than data.min_completion_tokens="
+                f"{self.min_completion_tokens} of data.max_length={self.max_length}: lower max_prompt_length "
+                "(or set it to 0 to drop over-long prompts instead of cutting them)"
+            )
+        if self.min_completion_tokens < 1:
+            raise ValueError("data.min_completion_tokens must be >= 1: a pair needs completion tokens on both sides")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.num_proc < 1:
+            raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
+        self.sources()

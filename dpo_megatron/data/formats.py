@@ -1,0 +1,382 @@
+"""Row formats of preference data -> ``Example`` (prompt, chosen, rejected as text or messages).
+
+Each converter takes one raw row (a dict) and returns the examples it makes (StackExchange rows
+can make several). A malformed row raises ``RowError`` naming the field; a well-formed row that a
+format's own rule leaves out (SHP score ratio, a question without two differently scored answers)
+raises ``Filtered`` with the reason. Conversational examples hold lists of
+``{"role": "system"|"user"|"assistant", "content": str}`` messages; the chosen/rejected lists hold
+the assistant turn(s) that follow the prompt.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from typing import Any, Callable, Union
+
+from .config import DataConfig
+
+Messages = list[dict]
+Text = Union[str, Messages]
+
+
+class RowError(ValueError):
+    """A malformed row: ``field`` is the offending column (dotted for nested fields)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"field {field!r}: {message}")
+        self.field = field
+
+
+class Filtered(Exception):
+    """A well-formed row that a rule leaves out; ``reason`` is the count's name in the summary."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Example:
+    """One preference example before tokenization; ``rejected`` is None for SFT-only rows."""
+
+    prompt: Text
+    chosen: Text
+    rejected: Text | None
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+# ----------------------------------------------------------------------------------------------
+# field helpers
+
+
+def _get(row: dict, field: str) -> Any:
+    if field not in row or row[field] is None:
+        raise RowError(field, "missing")
+    return row[field]
+
+
+def _text(row: dict, field: str) -> str:
+    value = _get(row, field)
+    if not isinstance(value, str):
+        raise RowError(field, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(value: Any, field: str) -> Messages:
+    if not isinstance(value, list):
+        raise RowError(field, f"expected a list of messages, got {type(value).__name__}")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise RowError(f"{field}[{i}]", f"expected a message dict, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise RowError(f"{field}[{i}].role", f"expected system/user/assistant, got {role!r}")
+        if not isinstance(content, str):
+            raise RowError(f"{field}[{i}].content", f"expected a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _check_prompt_messages(prompt: Messages, field: str) -> None:
+    if not prompt:
+        raise RowError(field, "the prompt has no messages")
+    if prompt[-1]["role"] != "user":
+        raise RowError(field, f"the prompt's last message must be from the user, got {prompt[-1]['role']!r}")
+
+
+def _check_completion_messages(messages: Messages, field: str) -> None:
+    if not messages:
+        raise RowError(field, "no completion message")
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            raise RowError(f"{field}[{i}].role", f"a completion message must be from the assistant, got {message['role']!r}")
+
+
+def common_text_prefix(a: str, b: str) -> str:
+    """Longest common prefix of two strings, ending before whitespace.
+
+    Whitespace at the split belongs to the completions (" blue" not "blue"), so the prompt ends
+    where a tokenizer would end a word and the completion starts with a space-led token.
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    if n == len(a) == len(b):
+        return a
+    while n > 0 and a[n - 1].isspace():
+        n -= 1
+    return a[:n]
+
+
+def _common_message_prefix(a: Messages, b: Messages) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------------------------
+# converters
+
+
+def convert_standard(row: dict, cfg: DataConfig) -> list[Example]:
+    """TRL standard: ``{"prompt": str, "chosen": str, "rejected": str}``."""
+    return [Example(_text(row, "prompt"), _text(row, "chosen"), _text(row, "rejected"))]
+
+
+def convert_implicit(row: dict, cfg: DataConfig) -> list[Example]:
+    """TRL implicit prompt: ``{"chosen": str, "rejected": str}``; prompt = common prefix."""
+    chosen, rejected = _text(row, "chosen"), _text(row, "rejected")
+    prompt = common_text_prefix(chosen, rejected)
+    return [Example(prompt, chosen[len(prompt) :], rejected[len(prompt) :])]
+
+
+def convert_conversational(row: dict, cfg: DataConfig) -> list[Example]:
+    """TRL conversational: prompt/chosen/rejected are message lists."""
+    prompt = _messages(_get(row, "prompt"), "prompt")
+    chosen = _messages(_get(row, "chosen"), "chosen")
+    rejected = _messages(_get(row, "rejected"), "rejected")
+    _check_prompt_messages(prompt, "prompt")
+    _check_completion_messages(chosen, "chosen")
+    _check_completion_messages(rejected, "rejected")
+    return [Example(prompt, chosen, rejected)]
+
+
+def convert_conversational_implicit(row: dict, cfg: DataConfig) -> list[Example]:
+    """TRL conversational, implicit prompt: chosen/rejected are whole conversations."""
+    chosen = _messages(_get(row, "chosen"), "chosen")
+    rejected = _messages(_get(row, "rejected"), "rejected")
+    n = _common_message_prefix(chosen, rejected)
+    if n == len(chosen) == len(rejected):
+        raise Filtered("identical")
+    prompt = chosen[:n]
+    _check_prompt_messages(prompt, "chosen")
+    _check_completion_messages(chosen[n:], "chosen")
+    _check_completion_messages(rejected[n:], "rejected")
+    return [Example(prompt, chosen[n:], rejected[n:])]
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def _sharegpt_turn(value: Any, field: str) -> dict:
+    if isinstance(value, str):  # a bare answer string
+        return {"role": "assistant", "content": value}
+    if not isinstance(value, dict):
+        raise RowError(field, f"expected a {{from, value}} dict, got {type(value).__name__}")
+    role = SHAREGPT_ROLES.get(value.get("from"))
+    if role is None:
+        raise RowError(f"{field}.from", f"expected one of {sorted(SHAREGPT_ROLES)}, got {value.get('from')!r}")
+    if not isinstance(value.get("value"), str):
+        raise RowError(f"{field}.value", f"expected a string, got {type(value.get('value')).__name__}")
+    return {"role": role, "content": value["value"]}
+
+
+def convert_sharegpt(row: dict, cfg: DataConfig) -> list[Example]:
+    """ShareGPT / LLaMA-Factory: ``{"conversations": [{"from", "value"}], "chosen": {...},
+    "rejected": {...}}``, optional ``"system"`` column; the system turn is kept."""
+    turns = _get(row, "conversations")
+    if not isinstance(turns, list):
+        raise RowError("conversations", f"expected a list of turns, got {type(turns).__name__}")
+    prompt = [_sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(turns)]
+    if isinstance(row.get("system"), str) and row["system"] and not (prompt and prompt[0]["role"] == "system"):
+        prompt.insert(0, {"role": "system", "content": row["system"]})
+    _check_prompt_messages(prompt, "conversations")
+    chosen = [_sharegpt_turn(_get(row, "chosen"), "chosen")]
+    rejected = [_sharegpt_turn(_get(row, "rejected"), "rejected")]
+    _check_completion_messages(chosen, "chosen")
+    _check_completion_messages(rejected, "rejected")
+    return [Example(prompt, chosen, rejected)]
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_hh(text: str, field: str) -> Messages:
+    """Anthropic HH text ("\\n\\nHuman: ...\\n\\nAssistant: ...") -> messages."""
+    parts = _HH_TURN.split(text)
+    if parts[0].strip():
+        raise RowError(field, "text before the first '\\n\\nHuman:' turn")
+    if len(parts) < 3:
+        raise RowError(field, "no '\\n\\nHuman:' / '\\n\\nAssistant:' turns")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
+
+
+def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
+    """Anthropic HH-RLHF raw: chosen/rejected are whole dialogues; the last Assistant turn differs."""
+    chosen = parse_hh(_text(row, "chosen"), "chosen")
+    rejected = parse_hh(_text(row, "rejected"), "rejected")
+    if chosen[-1]["role"] != "assistant":
+        raise RowError("chosen", "the dialogue does not end with an Assistant turn")
+    if rejected[-1]["role"] != "assistant":
+        raise RowError("rejected", "the dialogue does not end with an Assistant turn")
+    if chosen[:-1] != rejected[:-1]:
+        raise RowError("rejected", "chosen and rejected dialogues differ before their last Assistant turn")
+    prompt = chosen[:-1]
+    _check_prompt_messages(prompt, "chosen")
+    return [Example(prompt, chosen[-1:], rejected[-1:])]
+
+
+def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
+    """Stanford SHP: ``history`` (the post), ``human_ref_A``/``human_ref_B`` comments, ``labels``
+    (1: A preferred), scores; pairs under ``data.shp_min_score_ratio`` are filtered."""
+    history = _text(row, "history")
+    a, b = _text(row, "human_ref_A"), _text(row, "human_ref_B")
+    label = _get(row, "labels")
+    if label not in (0, 1):
+        raise RowError("labels", f"expected 0 or 1, got {label!r}")
+    ratio = row.get("score_ratio")
+    if ratio is None:
+        sa, sb = float(_get(row, "score_A")), float(_get(row, "score_B"))
+        ratio = max(sa, sb) / max(min(sa, sb), 1e-9)
+    if float(ratio) < cfg.shp_min_score_ratio:
+        raise Filtered("score_ratio")
+    chosen, rejected = (a, b) if label == 1 else (b, a)
+    prompt = [{"role": "user", "content": history}]
+    return [Example(prompt, [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}])]
+
+
+class _HTMLText(HTMLParser):
+    _BLOCKS = {"p", "br", "div", "pre", "li", "ul", "ol", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "hr"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        self.parts.append(data)
+
+
+def strip_html(text: str) -> str:
+    """Plain text of an HTML fragment: tags removed, entities decoded, block tags -> newlines."""
+    parser = _HTMLText()
+    parser.feed(text)
+    parser.close()
+    out = html.unescape("".join(parser.parts))
+    return re.sub(r"\n{3,}", "\n\n", out).strip()
+
+
+def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
+    """StackExchange preferences: ``question`` and ``answers`` [{text, pm_score}]; the best-scored
+    answer is chosen against up to ``data.se_max_pairs_per_question`` lower-scored ones (highest
+    first); HTML stripped."""
+    question = strip_html(_text(row, "question"))
+    answers = _get(row, "answers")
+    if not isinstance(answers, list):
+        raise RowError("answers", f"expected a list, got {type(answers).__name__}")
+    scored = []
+    for i, answer in enumerate(answers):
+        if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
+            raise RowError(f"answers[{i}].text", "expected a string")
+        score = answer.get("pm_score", answer.get("score"))
+        if not isinstance(score, (int, float)):
+            raise RowError(f"answers[{i}].pm_score", f"expected a number, got {score!r}")
+        scored.append((float(score), i, strip_html(answer["text"])))
+    scored.sort(key=lambda t: (-t[0], t[1]))  # stable: ties keep the file's order
+    if len(scored) < 2 or scored[0][0] == scored[-1][0]:
+        raise Filtered("se_no_pair")
+    best = scored[0]
+    lower = [s for s in scored if s[0] < best[0]][: cfg.se_max_pairs_per_question]
+    prompt = [{"role": "user", "content": question}]
+    return [
+        Example(prompt, [{"role": "assistant", "content": best[2]}], [{"role": "assistant", "content": other[2]}])
+        for other in lower
+    ]
+
+
+def convert_ultrafeedback(row: dict, cfg: DataConfig) -> list[Example]:
+    """UltraFeedback binarized: chosen/rejected are [user, assistant] conversations (+ ``prompt``)."""
+    chosen = _messages(_get(row, "chosen"), "chosen")
+    rejected = _messages(_get(row, "rejected"), "rejected")
+    if len(chosen) < 2 or len(rejected) < 2:
+        raise RowError("chosen" if len(chosen) < 2 else "rejected", "expected the user prompt and an answer")
+    if chosen[:-1] != rejected[:-1]:
+        raise RowError("rejected", "chosen and rejected conversations differ before the last answer")
+    prompt = chosen[:-1]
+    _check_prompt_messages(prompt, "chosen")
+    _check_completion_messages(chosen[-1:], "chosen")
+    _check_completion_messages(rejected[-1:], "rejected")
+    return [Example(prompt, chosen[-1:], rejected[-1:])]
+
+
+def convert_alpaca(row: dict, cfg: DataConfig) -> list[Example]:
+    """Alpaca / LLaMA-Factory SFT: ``instruction``, optional ``input``, ``output``, ``system``."""
+    instruction = _text(row, "instruction")
+    extra = row.get("input") or ""
+    if not isinstance(extra, str):
+        raise RowError("input", f"expected a string, got {type(extra).__name__}")
+    prompt = [{"role": "user", "content": instruction + ("\n" + extra if extra else "")}]
+    if isinstance(row.get("system"), str) and row["system"]:
+        prompt.insert(0, {"role": "system", "content": row["system"]})
+    return [Example(prompt, [{"role": "assistant", "content": _text(row, "output")}], None)]
+
+
+CONVERTERS: dict[str, Callable[[dict, DataConfig], list[Example]]] = {
+    "standard": convert_standard,
+    "implicit": convert_implicit,
+    "conversational": convert_conversational,
+    "conversational_implicit": convert_conversational_implicit,
+    "sharegpt": convert_sharegpt,
+    "hh": convert_hh,
+    "shp": convert_shp,
+    "se": convert_se,
+    "ultrafeedback": convert_ultrafeedback,
+    "alpaca": convert_alpaca,
+}
+SFT_ONLY_FORMATS = frozenset({"alpaca"})
+
+
+def detect_format(columns: list[str], first_row: dict | None) -> str:
+    """The format a dataset's columns (and first row's value types) imply.
+
+    Raises ValueError naming the columns when no format or more than one fits.
+    """
+    cols = set(columns)
+    candidates: list[str] = []
+    if {"conversations", "chosen", "rejected"} <= cols:
+        candidates.append("sharegpt")
+    elif {"history", "human_ref_A", "human_ref_B", "labels"} <= cols:
+        candidates.append("shp")
+    elif {"question", "answers"} <= cols:
+        candidates.append("se")
+    elif {"instruction", "output"} <= cols:
+        candidates.append("alpaca")
+    elif {"chosen", "rejected"} <= cols:
+        chosen = (first_row or {}).get("chosen")
+        if "prompt" in cols:
+            prompt = (first_row or {}).get("prompt")
+            if isinstance(chosen, str):
+                candidates.append("standard")
+            elif isinstance(chosen, list) and isinstance(prompt, str):
+                candidates.append("ultrafeedback")  # prompt string + whole conversations
+            elif isinstance(chosen, list):
+                candidates.append("conversational")
+        elif isinstance(chosen, str):
+            candidates.append("hh" if chosen.startswith("\n\nHuman:") else "implicit")
+        elif isinstance(chosen, list):
+            candidates.append("conversational_implicit")
+    if len(candidates) != 1:
+        raise ValueError(
+            f"cannot tell the data format from columns {sorted(cols)}: set data.format to one of {sorted(CONVERTERS)}"
+        )
+    return candidates[0]

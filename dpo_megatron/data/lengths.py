@@ -1,0 +1,46 @@
+"""Length limits on tokenized pairs: cut the prompt, then the completions, or drop the pair."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .config import DataConfig
+from .formats import Filtered
+
+
+def cut_prompt(prompt_ids: Sequence[int], max_prompt_length: int, truncation_mode: str) -> list[int]:
+    """The prompt cut to ``max_prompt_length`` tokens (0 = no cut).
+
+    ``keep_end`` keeps the last tokens (the turn being answered), ``keep_start`` the first.
+    """
+    prompt_ids = list(prompt_ids)
+    if not max_prompt_length or len(prompt_ids) <= max_prompt_length:
+        return prompt_ids
+    if truncation_mode == "keep_end":
+        return prompt_ids[-max_prompt_length:]
+    if truncation_mode == "keep_start":
+        return prompt_ids[:max_prompt_length]
+    raise ValueError(f"data.truncation_mode={truncation_mode!r}; expected keep_end or keep_start")
+
+
+def fit_lengths(
+    prompt_ids: Sequence[int],
+    chosen_ids: Sequence[int],
+    rejected_ids: Sequence[int] | None,
+    cfg: DataConfig,
+) -> tuple[list[int], list[int], list[int] | None]:
+    """Apply ``max_prompt_length`` then ``max_length`` (see DataConfig for the rules).
+
+    Each completion keeps its first ``max_length - len(prompt)`` tokens; one that is cut loses its
+    EOS (the model is not taught to stop mid-answer). Raises Filtered("prompt_too_long") when the
+    prompt leaves fewer than ``min_completion_tokens`` tokens for a completion.
+    """
+    prompt = cut_prompt(prompt_ids, cfg.max_prompt_length, cfg.truncation_mode)
+    room = cfg.max_length - len(prompt)
+    if room < cfg.min_completion_tokens:
+        raise Filtered("prompt_too_long")
+    chosen = list(chosen_ids)[:room]
+    rejected = None if rejected_ids is None else list(rejected_ids)[:room]
+    if rejected is not None and chosen == rejected:
+        raise Filtered("identical_after_cut")  # the pair would carry no preference signal
+    return prompt, chosen, rejected

@@ -1,0 +1,47 @@
+"""The tokenized units the engine consumes: preference pairs (DPO) and prompt/answer examples (SFT)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One prompt with a chosen and a rejected completion, as token ids.
+
+    ``prompt_ids`` is what the model reads (BOS and chat-template tokens included, cut to
+    ``max_prompt_length``); ``chosen_ids`` / ``rejected_ids`` are the completions the model
+    would produce after it, each ending with exactly one EOS or end-of-turn token unless
+    ``max_length`` cut it (then it ends where the cut fell). Both completions are non-empty.
+    """
+
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """One prompt with its target completion (the SFT view of a preference pair: the chosen side)."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+
+
+@dataclass
+class PreferenceDataset:
+    """Pairs ready for batching: ``train`` and ``eval`` lists and the start-up ``summary`` (rows
+    read, pairs kept, drops by reason, token-length percentiles; see ``summary.py``)."""
+
+    train: list[PreferencePair]
+    eval: list[PreferencePair]
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass
+class SFTDataset:
+    """SFT examples ready for batching, with the same kind of summary as PreferenceDataset."""
+
+    train: list[SFTExample]
+    eval: list[SFTExample]
+    summary: dict = field(default_factory=dict)

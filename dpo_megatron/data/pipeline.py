@@ -1,0 +1,332 @@
+"""Raw rows -> ``PreferencePair`` lists: read, convert, tokenize (parallel, cached), fit, split, mix.
+
+``load_preference_pairs`` reads top to bottom:
+1. each source is read (``reader``) and its format detected (``formats.detect_format``);
+2. every row is converted and tokenized in a ``datasets.map`` (``num_proc`` workers); the
+   result is cached on disk under a key made of the data file's identity, the tokenizer's
+   fingerprint, the chat template and the settings that affect tokens;
+3. malformed rows stop the load with file, row and field (``on_error=raise``) or are counted
+   (``skip``); filtered rows (empty completion, chosen == rejected, ...) are counted by reason;
+4. length limits are applied (``lengths.fit_lengths``), each source's eval share is split off,
+   and the training pairs of several sources are mixed by ``weights``;
+5. the summary (rows read, pairs kept, drops by reason, length percentiles) is printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .config import DataConfig
+from .encode import EncodeSettings, encode_example, encode_settings
+from .formats import CONVERTERS, SFT_ONLY_FORMATS, Example, Filtered, RowError, detect_format
+from .lengths import fit_lengths
+from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample
+from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, read_source
+from .summary import format_summary, length_stats
+from .tokenizer import resolve_chat_template, tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
+
+# Bump when tokenization or conversion changes what a cached entry would contain.
+CACHE_VERSION = 1
+# Settings that change the tokenized rows (length limits do not: they apply after the cache).
+_TOKENIZE_FIELDS = ("on_error", "shp_min_score_ratio", "se_max_pairs_per_question")
+
+
+def load_preference_pairs(cfg: DataConfig, tokenizer) -> PreferenceDataset:
+    """Preference pairs for DPO: ``.train``, ``.eval`` (lists of PreferencePair) and ``.summary``.
+
+    Raises DataError for malformed input (message: file, row/line, field), ValueError for an
+    invalid config or an undetectable format.
+    """
+    train, eval_, summary = _load(cfg, tokenizer, sft=False)
+    return PreferenceDataset(
+        [PreferencePair(p, c, r) for p, c, r in train], [PreferencePair(p, c, r) for p, c, r in eval_], summary
+    )
+
+
+def load_sft_examples(cfg: DataConfig, tokenizer) -> SFTDataset:
+    """The SFT view of the same files: prompt + chosen (or an Alpaca file's output) per example."""
+    train, eval_, summary = _load(cfg, tokenizer, sft=True)
+    return SFTDataset([SFTExample(p, c) for p, c, _ in train], [SFTExample(p, c) for p, c, _ in eval_], summary)
+
+
+def _load(cfg: DataConfig, tokenizer, sft: bool):
+    cfg.validate()
+    chat_template = resolve_chat_template(cfg.chat_template)
+    settings = encode_settings(tokenizer, chat_template)
+    per_source = []
+    for index, (name, fmt) in enumerate(cfg.sources()):
+        source = read_source(name, cfg.split, cfg.on_error)
+        if len(source.dataset) == 0:
+            raise DataError(f"{source.label}: no rows")
+        if fmt == "auto":
+            fmt = detect_format(_columns(source), _first_row(source))
+        if fmt not in CONVERTERS:
+            raise ValueError(f"data.format={fmt!r}; known formats: {sorted(CONVERTERS)}")
+        if fmt in SFT_ONLY_FORMATS and not sft:
+            raise ValueError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the SFT stage only")
+        tokenized = tokenize_source(source, fmt, tokenizer, settings, cfg, sft)
+        per_source.append(_fit_source(index, source, fmt, tokenized, cfg, sft))
+
+    train, eval_ = [], []
+    for info in per_source:
+        eval_.extend(info["eval"])
+    train = _mix([info["train"] for info in per_source], cfg)
+    summary = _summarize(per_source, train, eval_, cfg, sft)
+    if cfg.verbose:
+        print(format_summary(summary), flush=True)
+    logger.info("%s", format_summary(summary))
+    return train, eval_, summary
+
+
+def _columns(source: Source) -> list[str]:
+    if JSON_COLUMN in source.dataset.column_names:
+        return list(json.loads(source.dataset[0][JSON_COLUMN]).keys())
+    return list(source.dataset.column_names)
+
+
+def _first_row(source: Source) -> dict:
+    row = source.dataset[0]
+    return json.loads(row[JSON_COLUMN]) if JSON_COLUMN in row else row
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenization (parallel, cached)
+
+
+def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer, settings, label, sft) -> dict:
+    """``datasets.map`` worker: rows -> one output row per example or per dropped/bad row."""
+    cfg = DataConfig(**cfg_dict)
+    out = {"where": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": [], "error": []}
+
+    def emit(where, ids=([], [], []), drop="", error=""):
+        out["where"].append(where)
+        out["prompt_ids"].append(list(ids[0]))
+        out["chosen_ids"].append(list(ids[1]))
+        out["rejected_ids"].append(list(ids[2] or []))
+        out["drop"].append(drop)
+        out["error"].append(error)
+
+    columns = [c for c in batch if c not in (JSON_COLUMN, WHERE_COLUMN)]
+    for k, index in enumerate(indices):
+        if JSON_COLUMN in batch:
+            row, where = json.loads(batch[JSON_COLUMN][k]), batch[WHERE_COLUMN][k]
+        else:
+            row, where = {c: batch[c][k] for c in columns}, f"row {index}"
+        try:
+            examples = CONVERTERS[fmt](row, cfg)
+            for example in examples:
+                if sft:
+                    example = Example(example.prompt, example.chosen, None)
+                try:
+                    emit(where, encode_example(example, tokenizer, settings))
+                except Filtered as f:
+                    emit(where, drop=f.reason)
+        except Filtered as f:
+            emit(where, drop=f.reason)
+        except RowError as e:
+            emit(where, drop="malformed", error=f"{label}: {where}: {e}")
+    return out
+
+
+def _source_identity(source: Source) -> dict:
+    path = Path(source.label)
+    if path.is_file():
+        stat = path.stat()
+        return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"name": source.label, "fingerprint": getattr(source.dataset, "_fingerprint", None)}
+
+
+def tokenization_cache_key(source: Source, fmt: str, tokenizer, settings: EncodeSettings, cfg: DataConfig, sft: bool) -> str:
+    """sha256 over the data's identity, the tokenizer, the chat template and the token-affecting settings."""
+    key = {
+        "version": CACHE_VERSION,
+        "source": _source_identity(source),
+        "malformed": source.malformed,
+        "format": fmt,
+        "sft": sft,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "settings": {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(settings).items()},
+        "config": {k: getattr(cfg, k) for k in _TOKENIZE_FIELDS},
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _cache_root(cfg: DataConfig) -> Path | None:
+    if cfg.cache_dir.lower() == "none":
+        return None
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    from ..assets import cache_root
+
+    return cache_root() / "data"
+
+
+def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSettings, cfg: DataConfig, sft: bool):
+    """Tokenized rows of one source (a ``datasets.Dataset`` with where/prompt_ids/chosen_ids/
+    rejected_ids/drop/error columns), from the cache when the key matches."""
+    import datasets
+
+    key = tokenization_cache_key(source, fmt, tokenizer, settings, cfg, sft)
+    root = _cache_root(cfg)
+    cached = root / f"tokenized-{key[:32]}" if root else None
+    if cached is not None and (cached / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(cached))
+    features = datasets.Features(
+        {
+            "where": datasets.Value("string"),
+            "prompt_ids": datasets.Sequence(datasets.Value("int32")),
+            "chosen_ids": datasets.Sequence(datasets.Value("int32")),
+            "rejected_ids": datasets.Sequence(datasets.Value("int32")),
+            "drop": datasets.Value("string"),
+            "error": datasets.Value("string"),
+        }
+    )
+    cfg_dict = asdict(cfg)
+    tokenized = source.dataset.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=64,
+        with_indices=True,
+        num_proc=cfg.num_proc if cfg.num_proc > 1 and len(source.dataset) > 64 else None,
+        remove_columns=source.dataset.column_names,
+        features=features,
+        fn_kwargs=dict(fmt=fmt, cfg_dict=cfg_dict, tokenizer=tokenizer, settings=settings, label=source.label, sft=sft),
+        new_fingerprint=key[:32],
+        load_from_cache_file=False,
+        desc=f"tokenizing {Path(source.label).name}",
+    )
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.tmp-", dir=cached.parent))
+        try:
+            tokenized.save_to_disk(str(tmp))
+            if cached.exists():
+                shutil.rmtree(cached)
+            os.replace(tmp, cached)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # an unwritable cache only costs speed
+            logger.warning("could not write the tokenization cache %s", cached)
+    return tokenized
+
+
+# ----------------------------------------------------------------------------------------------
+# length limits, eval split, mixing
+
+
+def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig, sft: bool) -> dict:
+    errors = [e for e in tokenized["error"] if e]
+    if errors and cfg.on_error == "raise":
+        more = f" (and {len(errors) - 1} more bad rows)" if len(errors) > 1 else ""
+        raise DataError(errors[0] + more + "; set data.on_error=skip to drop and count them")
+    dropped: Counter = Counter()
+    if source.malformed:
+        dropped["malformed"] += source.malformed
+    kept: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    before = {"prompt": [], "chosen": [], "rejected": []}
+    truncated = Counter()
+    rows = set()
+    for where, p, c, r, drop in zip(
+        tokenized["where"], tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"], tokenized["drop"]
+    ):
+        rows.add(where)
+        if drop:
+            dropped[drop] += 1
+            continue
+        before["prompt"].append(len(p))
+        before["chosen"].append(len(c))
+        if not sft:
+            before["rejected"].append(len(r))
+        try:
+            fp, fc, fr = fit_lengths(p, c, None if sft else r, cfg)
+        except Filtered as f:
+            dropped[f.reason] += 1
+            continue
+        truncated["prompt"] += len(fp) < len(p)
+        truncated["chosen"] += len(fc) < len(c)
+        truncated["rejected"] += (not sft) and len(fr) < len(r)
+        kept.append((tuple(fp), tuple(fc), () if sft else tuple(fr)))
+
+    n_eval = int(round(cfg.eval_fraction * len(kept)))
+    if cfg.eval_fraction > 0 and len(kept) >= 2:
+        n_eval = min(max(n_eval, 1), len(kept) - 1)
+    order = np.random.default_rng([cfg.seed, index]).permutation(len(kept))
+    eval_idx = set(order[:n_eval].tolist())
+    return {
+        "label": source.label,
+        "format": fmt,
+        "rows_read": len(rows) + source.malformed,
+        "dropped": dict(dropped),
+        "truncated": truncated,
+        "before": before,
+        "kept": kept,
+        "train": [x for i, x in enumerate(kept) if i not in eval_idx],
+        "eval": [x for i, x in enumerate(kept) if i in eval_idx],
+    }
+
+
+def _mix(trains: list[list], cfg: DataConfig) -> list:
+    """Concatenate the sources' training pairs, resized to ``cfg.weights`` proportions if given."""
+    if not cfg.weights or len(trains) == 1:
+        return [x for t in trains for x in t]
+    total = sum(len(t) for t in trains)
+    weight_sum = float(sum(cfg.weights))
+    out = []
+    for i, (pairs, weight) in enumerate(zip(trains, cfg.weights)):
+        n = int(round(total * weight / weight_sum))
+        if n and not pairs:
+            raise DataError(f"data.datasets[{i}] kept no pairs but has weight {weight}")
+        if n == 0:
+            continue
+        rng = np.random.default_rng([cfg.seed, 1_000_003, i])
+        full, rest = divmod(n, len(pairs))
+        idx = list(range(len(pairs))) * full + sorted(rng.choice(len(pairs), rest, replace=False).tolist())
+        out.extend(pairs[j] for j in idx)
+    return out
+
+
+def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig, sft: bool) -> dict:
+    dropped: Counter = Counter()
+    truncated: Counter = Counter()
+    before = {"prompt": [], "chosen": [], "rejected": []}
+    for info in per_source:
+        dropped.update(info["dropped"])
+        truncated.update(info["truncated"])
+        for k in before:
+            before[k].extend(info["before"][k])
+    kept = [x for info in per_source for x in info["kept"]]
+    after = {
+        "prompt": [len(p) for p, _, _ in kept],
+        "chosen": [len(c) for _, c, _ in kept],
+        "rejected": [len(r) for _, _, r in kept],
+    }
+    after["pair"] = [len(p) + max(len(c), len(r)) for p, c, r in kept]
+    names = ("prompt", "chosen") if sft else ("prompt", "chosen", "rejected")
+    return {
+        "unit": "examples" if sft else "pairs",
+        "rows_read": sum(info["rows_read"] for info in per_source),
+        "pairs_kept": len(kept),
+        "train": len(train),
+        "eval": len(eval_),
+        "max_length": cfg.max_length,
+        "max_prompt_length": cfg.max_prompt_length,
+        "dropped": dict(dropped),
+        "truncated": {"prompt": truncated["prompt"], "chosen": truncated["chosen"], "rejected": truncated["rejected"]},
+        "lengths_before_cut": {k: length_stats(before[k]) for k in names},
+        "lengths": {k: length_stats(after[k]) for k in (*names, "pair")},
+        "sources": [
+            {k: info[k] for k in ("label", "format", "rows_read", "dropped")} | {"pairs_kept": len(info["kept"])}
+            for info in per_source
+        ],
+    }

@@ -1,0 +1,123 @@
+"""Which pairs each data-parallel rank reads at each optimizer step (deterministic, resumable)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PairSampler:
+    """Global batches of pair indices, the same for every parallel layout.
+
+    Epoch e visits the pairs in ``permutation(num_pairs)`` drawn from numpy's PCG64 seeded with
+    ``seed + e`` (identity order if ``shuffle=False``). Step k of an epoch takes positions
+    ``[k*G, (k+1)*G)`` of that order (G = global_batch_size). Data-parallel rank r takes the
+    contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of it, split into micro-batches of
+    ``micro_batch_size`` pairs. With ``drop_last`` an epoch has ``num_pairs // G`` steps;
+    without, a last partial batch is completed with the first pairs of the same epoch's order.
+
+    The state (epoch, step within it) depends on neither the rank nor dp size: a run resumed
+    from ``state_dict()``, on any layout, reads exactly the pairs it had not read.
+    """
+
+    def __init__(
+        self,
+        num_pairs: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ):
+        if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
+            raise ValueError(
+                f"global_batch_size={global_batch_size}, micro_batch_size={micro_batch_size}, "
+                f"data_parallel_size={data_parallel_size} must all be >= 1"
+            )
+        if global_batch_size % (micro_batch_size * data_parallel_size):
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={micro_batch_size} x "
+                f"data_parallel_size={data_parallel_size}: each rank must get a whole number of micro-batches"
+            )
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank} not in [0, {data_parallel_size})")
+        if num_pairs < global_batch_size and (drop_last or num_pairs == 0):
+            raise ValueError(
+                f"{num_pairs} pairs cannot fill one global batch of {global_batch_size} pairs "
+                "(lower global_batch_size or add data)"
+            )
+        self.num_pairs = num_pairs
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.num_pairs, self.global_batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    @property
+    def consumed_steps(self) -> int:
+        return self.epoch * self.steps_per_epoch + self.step_in_epoch
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Pair indices in epoch ``epoch``'s visiting order."""
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_pairs)
+            else:
+                self._order = np.arange(self.num_pairs)
+            self._order_epoch = epoch
+        return self._order
+
+    def global_batch(self) -> list[int]:
+        """The current step's G pair indices (all ranks), without advancing."""
+        order = self.epoch_order(self.epoch)
+        start = self.step_in_epoch * self.global_batch_size
+        batch = order[start : start + self.global_batch_size]
+        if len(batch) < self.global_batch_size:  # drop_last=False: wrap within the epoch
+            batch = np.concatenate([batch, order[: self.global_batch_size - len(batch)]])
+        return [int(i) for i in batch]
+
+    def next_step(self) -> list[list[int]]:
+        """This rank's micro-batches (lists of micro_batch_size pair indices) for one step."""
+        batch = self.global_batch()
+        per_rank = self.global_batch_size // self.data_parallel_size
+        mine = batch[self.data_parallel_rank * per_rank : (self.data_parallel_rank + 1) * per_rank]
+        self.step_in_epoch += 1
+        if self.step_in_epoch >= self.steps_per_epoch:
+            self.epoch += 1
+            self.step_in_epoch = 0
+        m = self.micro_batch_size
+        return [mine[i : i + m] for i in range(0, per_rank, m)]
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "seed": self.seed,
+            "num_pairs": self.num_pairs,
+            "global_batch_size": self.global_batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume; ValueError if the state was saved with a different data order definition."""
+        for key in ("seed", "num_pairs", "global_batch_size", "shuffle", "drop_last"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]} but this run has {key}={getattr(self, key)}: "
+                    "the resumed run would not see the pairs it had not seen"
+                )
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
