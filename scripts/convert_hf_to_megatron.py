@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Convert a Hugging Face folder into a megatron-core distributed checkpoint (model weights).
+
+    python scripts/convert_hf_to_megatron.py --hf-path HF_DIR --save CKPT_DIR
+    torchrun --nproc-per-node 4 scripts/convert_hf_to_megatron.py --hf-path HF_DIR \\
+        --save CKPT_DIR --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+The checkpoint loads at any TP x PP layout (``dpo_megatron.checkpointing.load_model_checkpoint``);
+converting with a split layout only spreads memory: each rank reads just the slices it owns.
+The architecture comes from HF_DIR/config.json and is stored as CKPT_DIR/model_config.json.
+Every check (architecture, shards, tensor names and shapes, divisibility) runs before anything is
+written, and the checkpoint is written to CKPT_DIR.tmp and renamed: a failure leaves no
+CKPT_DIR behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-path", required=True, help="HF folder: config.json + weights")
+    p.add_argument("--save", required=True, help="output checkpoint folder")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the stored weights (default float32: exact)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from dpo_megatron.checkpointing import save_model_checkpoint
+    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
+                                     model_config_from_hf)
+    from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
+
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    initialize_distributed(parallel)
+    try:
+        model_cfg = model_config_from_hf(
+            args.hf_path, ModelConfig(params_dtype=args.params_dtype, transformer_impl="local"))
+        chunks = build_model_chunks(model_cfg, parallel)
+        load_hf_weights(chunks, model_cfg, args.hf_path)
+        save_model_checkpoint(chunks, args.save, model_cfg)
+    finally:
+        destroy_distributed()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {args.save}")
+
+
+if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a helper process
+    main()
