@@ -17,8 +17,9 @@ TINY_CONFIGS: dict[str, dict] = {
                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 8192}),
-    "smollm2": dict(model_type="llama", hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    # SmolLM2's head layout (9 query / 3 key-value heads): TP 2 needs zero-head padding.
+    "smollm2": dict(model_type="llama", hidden_size=72, intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
                     vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
                     tie_word_embeddings=True,
                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),

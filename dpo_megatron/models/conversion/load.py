@@ -24,7 +24,6 @@ from dpo_megatron.models.conversion.architectures import (
 from dpo_megatron.models.conversion.hf_config import architecture_of
 from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
 from dpo_megatron.models.conversion.tp_split import read_tp_shard
-from dpo_megatron.models.gpt import padded_vocab_size
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -122,13 +121,12 @@ def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_pa
         table = {t.megatron: t for t in arch.tensors(model_cfg)}
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        vocab = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by,
-                                  tp_size)
         for chunk in chunks:
             for pattern, layer, param in iter_global_params(chunk):
                 tmap = table_entry(table, pattern, model_cfg, arch)
                 names = [expand(n, layer) for n in tmap.hf]
-                shard = read_tp_shard(tmap, names, reader, model_cfg, tp_rank, tp_size, vocab)
+                shard = read_tp_shard(tmap, names, reader, model_cfg, tp_rank, tp_size,
+                                      tuple(param.shape))
                 if tuple(shard.shape) != tuple(param.shape):
                     raise ValueError(f"{hf_path}: {names} give {list(shard.shape)} for megatron "
                                      f"parameter {expand(pattern, layer)} of shape "

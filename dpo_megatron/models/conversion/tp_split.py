@@ -25,6 +25,7 @@ from dpo_megatron.models.conversion.architectures import (
     ROW,
     VOCAB,
     TensorMap,
+    dims,
 )
 
 
@@ -51,31 +52,45 @@ def _read(reader: SliceReader, name: str, transposed: bool, dim: int = 0, start:
     return reader.read(name, dim, start, stop)
 
 
-def read_tp_shard(tmap: TensorMap, hf_names: list[str], reader: SliceReader, cfg: ModelConfig,
-                  tp_rank: int, tp_size: int, padded_vocab: int) -> torch.Tensor:
-    """This TP rank's slice of the megatron tensor ``tmap.megatron``, read from ``hf_names``.
+def _zero_pad(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``rows`` extended with zeros along ``dim`` to ``size`` (padding: never a real token or
+    head; zero like megatron's padded initialisation)."""
+    missing = size - rows.shape[dim]
+    if missing == 0:
+        return rows
+    shape = list(rows.shape)
+    shape[dim] = missing
+    return torch.cat([rows, rows.new_zeros(shape)], dim=dim)
 
-    Shapes (megatron orientation, per rank): COLUMN [out/tp, ...]; ROW [out, in/tp];
-    VOCAB [padded_vocab/tp, hidden] with zero rows past the real vocabulary;
-    QKV [ng/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden]; REPLICATED unchanged.
+
+def _read_padded(reader: SliceReader, name: str, transposed: bool, dim: int, start: int,
+                 stop: int, real: int) -> torch.Tensor:
+    """Logical [start, stop) along ``dim``, where indices >= ``real`` are zero padding."""
+    rows = _read(reader, name, transposed, dim, min(start, real), min(stop, real))
+    return _zero_pad(rows, dim, stop - start)
+
+
+def read_tp_shard(tmap: TensorMap, hf_names: list[str], reader: SliceReader, cfg: ModelConfig,
+                  tp_rank: int, tp_size: int, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """This TP rank's slice of the megatron tensor ``tmap.megatron``, of shape ``local_shape``,
+    read from ``hf_names``.
+
+    Shapes (megatron orientation, per rank): COLUMN / VOCAB [out/tp, ...]; ROW [out, in/tp];
+    QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden]; REPLICATED unchanged.
+    Where the megatron tensor is larger than HF's (vocabulary padded to a multiple of TP; zero
+    key/value groups added by ``ModelConfig.pad_attention_heads``) the extra rows, columns or
+    groups are zero.
     """
     t = tmap.transposed
     if tmap.split == REPLICATED:
         return _read(reader, hf_names[0], t)
-    if tmap.split in (COLUMN, ROW):
-        dim = 0 if tmap.split == COLUMN else 1
-        full = reader.shape(hf_names[0])[(1 - dim) if t and len(reader.shape(hf_names[0])) == 2
-                                         else dim]
-        per = full // tp_size
-        return _read(reader, hf_names[0], t, dim, tp_rank * per, (tp_rank + 1) * per)
-    if tmap.split == VOCAB:
-        per = padded_vocab // tp_size
-        start, stop = tp_rank * per, min((tp_rank + 1) * per, cfg.vocab_size)
-        rows = _read(reader, hf_names[0], t, 0, start, max(start, stop))
-        if rows.shape[0] < per:  # padding rows: never a real token, zero like megatron's init
-            pad = rows.new_zeros((per - rows.shape[0],) + tuple(rows.shape[1:]))
-            rows = torch.cat([rows, pad])
-        return rows
+    if tmap.split in (COLUMN, VOCAB, ROW):
+        dim = 1 if tmap.split == ROW else 0
+        shape = reader.shape(hf_names[0])
+        real = shape[(1 - dim) if t and len(shape) == 2 else dim]
+        per = local_shape[dim]
+        return _read_padded(reader, hf_names[0], t, dim, tp_rank * per, (tp_rank + 1) * per,
+                            real)
     if tmap.split == GATE_UP:
         per = cfg.ffn_hidden_size // tp_size
         span = (tp_rank * per, (tp_rank + 1) * per)
@@ -83,48 +98,49 @@ def read_tp_shard(tmap: TensorMap, hf_names: list[str], reader: SliceReader, cfg
     if tmap.split == QKV:
         heads, groups, hd = _attention_dims(cfg)
         q_per_group = heads // groups
-        local_groups = groups // tp_size
+        local_groups = local_shape[0] // ((q_per_group + 2) * hd)
         g0 = tp_rank * local_groups
-        q_span = (g0 * q_per_group * hd, (g0 + local_groups) * q_per_group * hd)
-        kv_span = (g0 * hd, (g0 + local_groups) * hd)
+        g1 = g0 + local_groups
+        q_rows, kv_rows = heads * hd, groups * hd
         if len(hf_names) == 3:
-            q = _read(reader, hf_names[0], t, 0, *q_span)
-            k = _read(reader, hf_names[1], t, 0, *kv_span)
-            v = _read(reader, hf_names[2], t, 0, *kv_span)
+            names, offsets = hf_names, (0, 0, 0)
         else:  # one fused [q; k; v] tensor (GPT-2 c_attn)
-            q_rows, kv_rows = heads * hd, groups * hd
-            q = _read(reader, hf_names[0], t, 0, *q_span)
-            k = _read(reader, hf_names[0], t, 0, q_rows + kv_span[0], q_rows + kv_span[1])
-            v = _read(reader, hf_names[0], t, 0, q_rows + kv_rows + kv_span[0],
-                      q_rows + kv_rows + kv_span[1])
-        rest = tuple(q.shape[1:])
-        fused = torch.cat([q.reshape(local_groups, q_per_group * hd, *rest),
-                           k.reshape(local_groups, hd, *rest),
-                           v.reshape(local_groups, hd, *rest)], dim=1)
+            names, offsets = hf_names * 3, (0, q_rows, q_rows + kv_rows)
+        sizes = (q_per_group * hd, hd, hd)
+        lo, hi = min(g0, groups), min(g1, groups)  # real groups; the rest are zero padding
+        parts = [_zero_pad(_read(reader, name, t, 0, offset + lo * size, offset + hi * size), 0,
+                           local_groups * size)
+                 for name, offset, size in zip(names, offsets, sizes)]
+        rest = tuple(parts[0].shape[1:])
+        fused = torch.cat([p.reshape(local_groups, size, *rest)
+                           for p, size in zip(parts, sizes)], dim=1)
         return fused.reshape(local_groups * (q_per_group + 2) * hd, *rest)
     raise ValueError(f"{tmap.megatron}: unknown split {tmap.split!r}")
+
+
+def _hf_size(tmap: TensorMap, dim: int, cfg: ModelConfig) -> int:
+    """Size along logical ``dim`` of the (single) HF tensor of ``tmap``."""
+    return dims(cfg)[tmap.shapes[0][dim]]
 
 
 def merge_tp_shards(tmap: TensorMap, shards: list[torch.Tensor], cfg: ModelConfig
                     ) -> list[torch.Tensor]:
     """The HF tensors (stored orientation, in ``tmap.hf`` order) from every TP rank's slice of
     ``tmap.megatron`` (``shards[r]`` from TP rank r). Inverse of :func:`read_tp_shard`; vocab
-    padding rows are dropped."""
+    padding rows and padded (zero) attention heads are dropped."""
     if tmap.split == REPLICATED:
         out = [shards[0]]
-    elif tmap.split == COLUMN:
-        out = [torch.cat(shards, 0)]
+    elif tmap.split in (COLUMN, VOCAB):
+        out = [torch.cat(shards, 0)[:_hf_size(tmap, 0, cfg)]]
     elif tmap.split == ROW:
-        out = [torch.cat(shards, 1)]
-    elif tmap.split == VOCAB:
-        out = [torch.cat(shards, 0)[:cfg.vocab_size]]
+        out = [torch.cat(shards, 1)[:, :_hf_size(tmap, 1, cfg)]]
     elif tmap.split == GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         out = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     elif tmap.split == QKV:
         heads, groups, hd = _attention_dims(cfg)
         q_per_group = heads // groups
-        local_groups = groups // len(shards)
+        local_groups = shards[0].shape[0] // ((q_per_group + 2) * hd)
         qs, ks, vs = [], [], []
         for s in shards:
             rest = tuple(s.shape[1:])
@@ -133,7 +149,9 @@ def merge_tp_shards(tmap: TensorMap, shards: list[torch.Tensor], cfg: ModelConfi
             qs.append(q.reshape(-1, *rest))
             ks.append(k.reshape(-1, *rest))
             vs.append(v.reshape(-1, *rest))
-        out = [torch.cat(qs), torch.cat(ks), torch.cat(vs)]
+        # Zero groups added by head padding come after the real ones: drop them.
+        out = [torch.cat(qs)[:groups * q_per_group * hd], torch.cat(ks)[:groups * hd],
+               torch.cat(vs)[:groups * hd]]
         if len(tmap.hf) == 1:
             out = [torch.cat(out)]
     else:
