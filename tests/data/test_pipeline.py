@@ -1,0 +1,161 @@
+"""load_preference_pairs: drops counted by reason, bad input named, lengths, split, mix, cache."""
+
+import json
+
+import pytest
+
+from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
+from dpo_megatron.data.summary import format_summary, length_stats
+
+from .fixtures import tiny_hf_tokenizer, write_jsonl
+
+GOOD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+
+
+def _cfg(path, **kw):
+    kw.setdefault("cache_dir", "none")
+    kw.setdefault("verbose", False)
+    return DataConfig(path=str(path), **kw)
+
+
+def test_drops_counted_by_reason(tmp_path, capsys):
+    tok = tiny_hf_tokenizer()
+    rows = [
+        GOOD,
+        {"prompt": "The sky is", "chosen": "   ", "rejected": " green."},  # empty completion
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " blue."},  # chosen == rejected
+        {"prompt": "The sky is blue. " * 20, "chosen": " yes", "rejected": " no"},  # prompt > max_length
+        {"prompt": "Hello!", "chosen": " yes", "rejected": " no"},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    ds = load_preference_pairs(_cfg(path, max_length=16, max_prompt_length=0, verbose=True), tok)
+    s = ds.summary
+    assert (s["rows_read"], s["pairs_kept"], len(ds.train)) == (5, 2, 2)
+    assert s["dropped"] == {"empty_completion": 1, "identical": 1, "prompt_too_long": 1}
+    assert [p.prompt_ids for p in ds.train] == [tuple(tok.encode("The sky is")), tuple(tok.encode("Hello!"))]
+    out = capsys.readouterr().out
+    assert "data: 5 rows read, 2 pairs kept (2 train, 0 eval)" in out
+    assert "dropped by reason: empty_completion 1, identical 1, prompt_too_long 1" in out
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n" + '{"prompt": "x", "chosen": \n' + json.dumps(GOOD) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl: line 3: malformed JSON"):
+        load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
+    ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
+    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (4, 3, {"malformed": 1})
+
+
+def test_malformed_json_array(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n {"prompt": "a"},\n {"prompt": oops}\n]')
+    with pytest.raises(DataError, match=r"bad.json: line 3 column 13: malformed JSON"):
+        load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
+
+
+def test_bad_field_names_file_row_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "f.jsonl", [GOOD, GOOD | {"rejected": 7}, GOOD | {"chosen": None}])
+    with pytest.raises(DataError, match=r"f.jsonl: line 2: field 'rejected': expected a string, got int \(and 1 more"):
+        load_preference_pairs(_cfg(path, format="standard"), tiny_hf_tokenizer())
+    ds = load_preference_pairs(_cfg(path, format="standard", on_error="skip"), tiny_hf_tokenizer())
+    assert (ds.summary["pairs_kept"], ds.summary["dropped"]) == (1, {"malformed": 2})
+
+
+def test_length_rules_by_hand(tmp_path):
+    tok = tiny_hf_tokenizer()
+    prompt, chosen, rejected = "The sky is blue. The grass is green.", " It is blue, it is green.", " no"
+    path = write_jsonl(tmp_path / "l.jsonl", [{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
+    P, C, R = tok.encode(prompt), tok.encode(chosen) + [2], tok.encode(rejected) + [2]
+    assert len(P) > 4 and len(C) > 4
+    for mode, kept in (("keep_end", P[-4:]), ("keep_start", P[:4])):
+        pair = load_preference_pairs(_cfg(path, max_length=8, max_prompt_length=4, truncation_mode=mode), tok).train[0]
+        assert list(pair.prompt_ids) == kept
+        assert list(pair.chosen_ids) == C[:4]  # cut: no EOS at the end
+        assert list(pair.rejected_ids) == R  # fits: keeps its EOS
+    ds = load_preference_pairs(_cfg(path, max_length=8, max_prompt_length=4), tok)
+    assert ds.summary["truncated"] == {"prompt": 1, "chosen": 1, "rejected": 0}
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="data.truncation_mode='middle'"):
+        DataConfig(path="x", truncation_mode="middle").validate()
+    with pytest.raises(ValueError, match="data.max_prompt_length=512 leaves fewer than"):
+        DataConfig(path="x", max_length=512, max_prompt_length=512).validate()
+    with pytest.raises(ValueError, match="data.weights has 1 entries for 2 datasets"):
+        DataConfig(datasets=["a", "b"], weights=[1.0]).validate()
+    with pytest.raises(ValueError, match="no data"):
+        DataConfig().validate()
+    with pytest.raises(FileNotFoundError, match="data file ./nope.jsonl does not exist"):
+        load_preference_pairs(DataConfig(path="./nope.jsonl"), tiny_hf_tokenizer())
+
+
+def test_eval_split_deterministic(tmp_path):
+    rows = [{"prompt": f"Question {i}?", "chosen": " yes", "rejected": " no"} for i in range(10)]
+    path = write_jsonl(tmp_path / "e.jsonl", rows)
+    tok = tiny_hf_tokenizer()
+    a = load_preference_pairs(_cfg(path, eval_fraction=0.2), tok)
+    b = load_preference_pairs(_cfg(path, eval_fraction=0.2), tok)
+    c = load_preference_pairs(_cfg(path, eval_fraction=0.2, seed=99), tok)
+    assert (len(a.train), len(a.eval)) == (8, 2)
+    assert (a.train, a.eval) == (b.train, b.eval)
+    assert set(a.train) | set(a.eval) == set(c.train) | set(c.eval)
+    assert set(a.eval) != set(c.eval)
+
+
+def test_mixing_with_weights(tmp_path):
+    tok = tiny_hf_tokenizer()
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"A{i}", "chosen": " yes", "rejected": " no"} for i in range(4)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"chosen": f"B{i} is blue.", "rejected": f"B{i} is green."} for i in range(2)])
+    cfg = DataConfig(datasets=[str(a), str(b)], weights=[1.0, 1.0], cache_dir="none", verbose=False)
+    ds = load_preference_pairs(cfg, tok)
+    assert [s["format"] for s in ds.summary["sources"]] == ["standard", "implicit"]
+    from_a = [p for p in ds.train if tok.decode(p.prompt_ids).startswith("A")]
+    from_b = [p for p in ds.train if tok.decode(p.prompt_ids).startswith("B")]
+    assert (len(from_a), len(from_b), len(set(from_a))) == (3, 3, 3)  # 6 pairs, half each; B repeated
+    assert set(from_b) == set(load_preference_pairs(_cfg(b), tok).train)
+    unweighted = load_preference_pairs(DataConfig(datasets=[str(a), str(b)], cache_dir="none", verbose=False), tok)
+    assert len(unweighted.train) == 6 and len(set(unweighted.train)) == 6
+
+
+def test_tokenization_cache_hit_and_invalidation(tmp_path, monkeypatch):
+    from dpo_megatron.data import pipeline
+
+    tok = tiny_hf_tokenizer()
+    path = write_jsonl(tmp_path / "c.jsonl", [GOOD])
+    cache = tmp_path / "cache"
+    first = load_preference_pairs(_cfg(path, cache_dir=str(cache)), tok)
+    assert len(list(cache.glob("tokenized-*"))) == 1
+
+    def boom(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(pipeline, "_tokenize_batch", boom)
+    again = load_preference_pairs(_cfg(path, cache_dir=str(cache), max_length=64, max_prompt_length=32), tok)  # length: not in the key
+    assert again.train == first.train
+    write_jsonl(path, [GOOD, GOOD | {"prompt": "Hello!"}])  # new data: new key
+    with pytest.raises(AssertionError, match="tokenized again"):
+        load_preference_pairs(_cfg(path, cache_dir=str(cache)), tok)
+
+
+def test_num_proc_matches_single_process(tmp_path):
+    rows = [{"prompt": f"Question {i}: is the sky blue?", "chosen": " It is blue.", "rejected": f" No {i}."} for i in range(130)]
+    path = write_jsonl(tmp_path / "n.jsonl", rows)
+    tok = tiny_hf_tokenizer()
+    one = load_preference_pairs(_cfg(path), tok)
+    two = load_preference_pairs(_cfg(path, num_proc=2), tok)
+    assert one.train == two.train and len(one.train) == 130
+
+
+def test_length_stats_and_format():
+    assert length_stats([1, 2, 3, 4]) == {"p50": 2, "p90": 4, "p99": 4, "max": 4}
+    assert length_stats([]) == {"p50": 0, "p90": 0, "p99": 0, "max": 0}
+    summary = {
+        "unit": "pairs", "rows_read": 3, "pairs_kept": 2, "train": 2, "eval": 0, "max_length": 8,
+        "max_prompt_length": 4, "dropped": {"identical": 1}, "truncated": {"prompt": 0, "chosen": 0, "rejected": 0},
+        "lengths_before_cut": {"prompt": length_stats([3])}, "lengths": {"prompt": length_stats([3])},
+        "sources": [{"label": "f", "format": "standard", "rows_read": 3, "pairs_kept": 2, "dropped": {"identical": 1}}],
+    }
+    text = format_summary(summary)
+    assert "f (standard): 3 rows, 2 kept, dropped: identical 1" in text
+    assert "lengths prompt tokens: p50 3 p90 3 p99 3 max 3" in text
