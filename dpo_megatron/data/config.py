@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 ON_ERROR_MODES = ("raise", "skip")
@@ -134,3 +135,29 @@ class DataConfig:
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
         self.sources()
+
+
+def as_data_config(cfg: Any) -> DataConfig:
+    """A DataConfig from a DataConfig, an OmegaConf DictConfig of one, or a plain dict.
+
+    Raises ValueError naming unknown keys.
+    """
+    if isinstance(cfg, DataConfig):
+        return cfg
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            obj = OmegaConf.to_object(cfg)
+            if isinstance(obj, DataConfig):
+                return obj
+            cfg = obj
+    except ImportError:  # omegaconf is optional for the data path
+        pass
+    if isinstance(cfg, dict):
+        known = {f.name for f in fields(DataConfig)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"unknown data config key(s) {unknown}; known: {sorted(known)}")
+        return DataConfig(**cfg)
+    raise TypeError(f"expected a DataConfig (or a DictConfig / dict of one), got {type(cfg).__name__}")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import DataConfig
+from .config import DataConfig, as_data_config
 from .encode import EncodeSettings, encode_example, encode_settings
 from .formats import CONVERTERS, SFT_ONLY_FORMATS, Example, Filtered, RowError, detect_format
 from .lengths import fit_lengths
@@ -62,6 +62,7 @@ def load_sft_examples(cfg: DataConfig, tokenizer) -> SFTDataset:
 
 
 def _load(cfg: DataConfig, tokenizer, sft: bool):
+    cfg = as_data_config(cfg)
     cfg.validate()
     chat_template = resolve_chat_template(cfg.chat_template)
     settings = encode_settings(tokenizer, chat_template)
@@ -193,32 +194,49 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             "error": datasets.Value("string"),
         }
     )
-    cfg_dict = asdict(cfg)
-    tokenized = source.dataset.map(
-        _tokenize_batch,
-        batched=True,
-        batch_size=64,
-        with_indices=True,
-        num_proc=cfg.num_proc if cfg.num_proc > 1 and len(source.dataset) > 64 else None,
-        remove_columns=source.dataset.column_names,
-        features=features,
-        fn_kwargs=dict(fmt=fmt, cfg_dict=cfg_dict, tokenizer=tokenizer, settings=settings, label=source.label, sft=sft),
-        new_fingerprint=key[:32],
-        load_from_cache_file=False,
-        desc=f"tokenizing {Path(source.label).name}",
-    )
+    quiet = not cfg.verbose and datasets.is_progress_bar_enabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        tokenized = source.dataset.map(
+            _tokenize_batch,
+            batched=True,
+            batch_size=64,
+            with_indices=True,
+            num_proc=cfg.num_proc if cfg.num_proc > 1 and len(source.dataset) > 64 else None,
+            remove_columns=source.dataset.column_names,
+            features=features,
+            fn_kwargs=dict(
+                fmt=fmt, cfg_dict=asdict(cfg), tokenizer=tokenizer, settings=settings, label=source.label, sft=sft
+            ),
+            new_fingerprint=key[:32],  # our key: spares datasets from hashing the tokenizer
+            load_from_cache_file=False,
+            desc=f"tokenizing {Path(source.label).name}",
+        )
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
     if cached is not None:
+        _save_atomically(tokenized, cached)
+    return tokenized
+
+
+def _save_atomically(tokenized, cached: Path) -> None:
+    """save_to_disk into a temporary folder renamed into place (readers never see half a cache)."""
+    try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.tmp-", dir=cached.parent))
-        try:
-            tokenized.save_to_disk(str(tmp))
-            if cached.exists():
-                shutil.rmtree(cached)
-            os.replace(tmp, cached)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # an unwritable cache only costs speed
-            logger.warning("could not write the tokenization cache %s", cached)
-    return tokenized
+    except OSError:
+        logger.warning("could not write the tokenization cache %s", cached)
+        return
+    try:
+        tokenized.save_to_disk(str(tmp))
+        if cached.exists():
+            shutil.rmtree(cached)
+        os.replace(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # an unwritable cache only costs speed
+        logger.warning("could not write the tokenization cache %s", cached)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ def tiny_hf_tokenizer():
         vocab_size=400,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator(CORPUS * 5, trainer)
     tok = PreTrainedTokenizerFast(

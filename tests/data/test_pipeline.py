@@ -159,3 +159,38 @@ def test_length_stats_and_format():
     text = format_summary(summary)
     assert "f (standard): 3 rows, 2 kept, dropped: identical 1" in text
     assert "lengths prompt tokens: p50 3 p90 3 p99 3 max 3" in text
+
+
+def test_arrow_parquet_saved_folder_and_hub_passthrough(tmp_path, monkeypatch):
+    import datasets
+
+    tok = tiny_hf_tokenizer()
+    ds = datasets.Dataset.from_list([GOOD])
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    expected = load_preference_pairs(_cfg(write_jsonl(tmp_path / "d.jsonl", [GOOD])), tok).train
+    for path in (tmp_path / "d.parquet", arrow, tmp_path / "saved"):
+        assert load_preference_pairs(_cfg(path), tok).train == expected, path
+    calls = []
+
+    def fake_load_dataset(name, split=None, **kw):
+        calls.append((name, split))
+        return ds
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_preference_pairs(_cfg("someone/prefs", split="train_prefs"), tok).train == expected
+    assert calls == [("someone/prefs", "train_prefs")]
+
+
+def test_config_from_omegaconf_and_dict(tmp_path):
+    from omegaconf import OmegaConf
+
+    path = write_jsonl(tmp_path / "o.jsonl", [GOOD])
+    tok = tiny_hf_tokenizer()
+    expected = load_preference_pairs(_cfg(path), tok).train
+    structured = OmegaConf.merge(OmegaConf.structured(DataConfig), {"path": str(path), "cache_dir": "none", "verbose": False})
+    assert load_preference_pairs(structured, tok).train == expected
+    assert load_preference_pairs({"path": str(path), "cache_dir": "none", "verbose": False}, tok).train == expected
+    with pytest.raises(ValueError, match=r"unknown data config key\(s\) \['max_lenght'\]"):
+        load_preference_pairs({"path": str(path), "max_lenght": 3}, tok)
