@@ -390,10 +390,9 @@ def ensure_sentencepiece_model() -> Path:
     """
     final_dir = cache_root() / "mistral-sentencepiece"
     final = final_dir / "tokenizer.model"
-    check = FileCheck(MISTRAL_SP_MODEL.name, MISTRAL_SP_MODEL.size, MISTRAL_SP_MODEL.sha256)
     if final.is_file():
         try:
-            verify_file(final, check)
+            verify_file(final, MISTRAL_SP_MODEL)
             return final
         except AssetError:
             pass
@@ -404,7 +403,7 @@ def ensure_sentencepiece_model() -> Path:
     os.close(fd)
     try:
         shutil.copyfile(src, tmp)
-        verify_file(Path(tmp), check)
+        verify_file(Path(tmp), MISTRAL_SP_MODEL)
         _publish_permissions(Path(tmp))
         os.replace(tmp, final)
     except BaseException:

@@ -138,6 +138,8 @@ def convert_standard(row: dict, cfg: DataConfig) -> list[Example]:
 def convert_implicit(row: dict, cfg: DataConfig) -> list[Example]:
     """TRL implicit prompt: ``{"chosen": str, "rejected": str}``; prompt = common prefix."""
     chosen, rejected = _text(row, "chosen"), _text(row, "rejected")
+    if chosen == rejected:
+        raise Filtered("identical")
     prompt = common_text_prefix(chosen, rejected)
     return [Example(prompt, chosen[len(prompt) :], rejected[len(prompt) :])]
 

@@ -66,23 +66,23 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     cfg.validate()
     chat_template = resolve_chat_template(cfg.chat_template)
     settings = encode_settings(tokenizer, chat_template)
+    sources = cfg.sources()
+    for _, fmt in sources:  # before any reading: a typo fails at once
+        if fmt != "auto" and fmt not in CONVERTERS:
+            raise ValueError(f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}")
     per_source = []
-    for index, (name, fmt) in enumerate(cfg.sources()):
+    for index, (name, fmt) in enumerate(sources):
         source = read_source(name, cfg.split, cfg.on_error)
         if len(source.dataset) == 0:
             raise DataError(f"{source.label}: no rows")
         if fmt == "auto":
             fmt = detect_format(_columns(source), _first_row(source))
-        if fmt not in CONVERTERS:
-            raise ValueError(f"data.format={fmt!r}; known formats: {sorted(CONVERTERS)}")
         if fmt in SFT_ONLY_FORMATS and not sft:
             raise ValueError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the SFT stage only")
         tokenized = tokenize_source(source, fmt, tokenizer, settings, cfg, sft)
         per_source.append(_fit_source(index, source, fmt, tokenized, cfg, sft))
 
-    train, eval_ = [], []
-    for info in per_source:
-        eval_.extend(info["eval"])
+    eval_ = [x for info in per_source for x in info["eval"]]
     train = _mix([info["train"] for info in per_source], cfg)
     summary = _summarize(per_source, train, eval_, cfg, sft)
     if cfg.verbose:

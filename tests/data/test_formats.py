@@ -34,6 +34,8 @@ def test_standard_and_implicit():
     assert convert_implicit({"chosen": "The sky is blue.", "rejected": "The sky is green."}, CFG) == [
         Example("The sky is", " blue.", " green.")
     ]
+    with pytest.raises(Filtered, match="identical"):
+        convert_implicit({"chosen": "same", "rejected": "same"}, CFG)
     assert common_text_prefix("ab", "ab") == "ab"
     assert common_text_prefix("xa", "ya") == ""
     with pytest.raises(RowError, match="field 'rejected': expected a string, got int"):

@@ -194,3 +194,8 @@ def test_config_from_omegaconf_and_dict(tmp_path):
     assert load_preference_pairs({"path": str(path), "cache_dir": "none", "verbose": False}, tok).train == expected
     with pytest.raises(ValueError, match=r"unknown data config key\(s\) \['max_lenght'\]"):
         load_preference_pairs({"path": str(path), "max_lenght": 3}, tok)
+
+
+def test_unknown_format_fails_before_reading():
+    with pytest.raises(ValueError, match="data.format='sharegtp'; known formats: auto, alpaca, conversational"):
+        load_preference_pairs(DataConfig(path="/nonexistent.jsonl", format="sharegtp"), tiny_hf_tokenizer())
