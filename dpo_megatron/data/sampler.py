@@ -42,11 +42,6 @@ class PairSampler:
             )
         if not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data_parallel_rank={data_parallel_rank} not in [0, {data_parallel_size})")
-        if num_pairs < global_batch_size and (drop_last or num_pairs == 0):
-            raise ValueError(
-                f"{num_pairs} pairs cannot fill one global batch of {global_batch_size} pairs "
-                "(lower global_batch_size or add data)"
-            )
         self.num_pairs = num_pairs
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -80,7 +75,15 @@ class PairSampler:
         return self._order
 
     def global_batch(self) -> list[int]:
-        """The current step's G pair indices (all ranks), without advancing."""
+        """The current step's G pair indices (all ranks), without advancing.
+
+        Raises ValueError when the pairs cannot fill one global batch (``steps_per_epoch == 0``).
+        """
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{self.num_pairs} pairs cannot fill one global batch of {self.global_batch_size} pairs "
+                "(lower global_batch_size or add data)"
+            )
         order = self.epoch_order(self.epoch)
         start = self.step_in_epoch * self.global_batch_size
         batch = order[start : start + self.global_batch_size]
