@@ -94,7 +94,8 @@ class DataConfig:
     """StackExchange: pairs made per question, best-scored answer vs the next lower scores."""
 
     verbose: bool = True
-    """Print the start-up summary (rows read, pairs kept, drops by reason, length percentiles)."""
+    """Print the start-up summary (rows read, pairs kept, drops by reason, length percentiles),
+    on global rank 0 only when torch.distributed is initialized; also shows progress bars."""
 
     def sources(self) -> list[tuple[str, str]]:
         """[(dataset, format)] for every dataset this config names; ValueError on conflicts."""

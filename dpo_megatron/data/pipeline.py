@@ -85,10 +85,17 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     eval_ = [x for info in per_source for x in info["eval"]]
     train = _mix([info["train"] for info in per_source], cfg)
     summary = _summarize(per_source, train, eval_, cfg, sft)
-    if cfg.verbose:
+    if cfg.verbose and _is_rank_zero():
         print(format_summary(summary), flush=True)
     logger.info("%s", format_summary(summary))
     return train, eval_, summary
+
+
+def _is_rank_zero() -> bool:
+    """True unless torch.distributed is initialized and this is not global rank 0."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _columns(source: Source) -> list[str]:
