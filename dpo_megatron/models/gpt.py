@@ -6,8 +6,9 @@ identically: each pipeline rank holds its layers of both.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -215,3 +216,32 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[GPT
         )
         chunks.append(chunk)
     return chunks
+
+
+@contextlib.contextmanager
+def rotary_position_ids(model, position_ids: torch.Tensor) -> Iterator[None]:
+    """Within the block, RoPE rotates each row's positions by ``position_ids`` [b, S].
+
+    megatron-core's ``GPTModel`` applies RoPE at positions 0..S-1 of every row (it uses
+    ``position_ids`` only for learned embeddings). Packed rows hold several sequences whose
+    positions restart at 0, so for one forward the model's rotary module returns the per-row
+    table ``emb[position_ids]`` as [S, b, 1, dim], which megatron-core's RoPE application
+    broadcasts against [S, b, heads, dim] exactly like its own [S, 1, 1, dim]. The frequencies
+    ``p * inv_freq`` are the padded path's, element for element. A model without RoPE (learned
+    positions take ``position_ids`` natively) is left alone.
+    """
+    module = getattr(model, "module", model)  # DDP wrapper
+    rope = getattr(module, "rotary_pos_emb", None)
+    if rope is None or getattr(module, "position_embedding_type", "rope") != "rope":
+        yield
+        return
+
+    def per_row(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        table = rope.get_emb(int(position_ids.max()) + 1)[:, 0, 0, :]  # [P, dim]
+        return table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2)
+
+    rope.forward = per_row  # instance attribute: shadows the (lru-cached) class method
+    try:
+        yield
+    finally:
+        del rope.forward

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from dpo_megatron.data.packing import unpack_token_values
+from dpo_megatron.models.gpt import rotary_position_ids
 from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
 
 MicroBatch = dict[str, torch.Tensor]
@@ -53,13 +55,26 @@ class StepOutput:
 
 
 def _model_forward(model, batch: MicroBatch) -> torch.Tensor:
-    """Output of one chunk: hidden states to send on, or [2B, S, V/TP] logits on the last stage."""
+    """Output of one chunk: hidden states to send on, or [rows, S, V/TP] logits on the last stage.
+
+    A packed batch (``dpo_megatron.data.packing``) brings its block-diagonal causal
+    ``attention_mask`` and per-sequence positions; a padded one uses the built-in causal mask.
+    """
+    if "attention_mask" in batch:
+        with rotary_position_ids(model, batch["position_ids"]):
+            return model(batch["tokens"], batch["position_ids"],
+                         attention_mask=batch["attention_mask"])
     return model(batch["tokens"], batch["position_ids"], attention_mask=None)
+
+
+def _unpacked(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """Per-token values in the padded [2B, S] layout (a gather when the batch is packed)."""
+    return unpack_token_values(values, batch["unpack_index"]) if "unpack_index" in batch else values
 
 
 def _token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """[2B, S] log p(label_t), zero on prompt and padding positions (nats)."""
-    return vocab_parallel_token_logps(logits, batch["labels"]) * batch["loss_mask"]
+    return _unpacked(vocab_parallel_token_logps(logits, batch["labels"]), batch) * batch["loss_mask"]
 
 
 def _reference_forward_step(data_iterator, model):
@@ -75,7 +90,7 @@ def _reference_forward_step(data_iterator, model):
 def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
     policy_token_logps = _token_logps(logits, batch)
-    log_sum_p2 = (vocab_parallel_log_sum_p2(logits)
+    log_sum_p2 = (_unpacked(vocab_parallel_log_sum_p2(logits), batch)
                   if getattr(loss_fn, "needs_token_log_sum_p2", False) else None)
     losses, metrics = loss_fn(policy_token_logps, batch.get("reference_token_logps"),
                               batch["loss_mask"], log_sum_p2)
