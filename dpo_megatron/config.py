@@ -21,9 +21,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dpo_megatron.data.config import DataConfig
+from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.layout import ParallelConfig
 from dpo_megatron.training.config import TrainConfig
+from dpo_megatron.training.reference import ReferenceConfig
 
 
 @dataclass
@@ -60,6 +62,10 @@ class DPOConfig:
     """Batch sizes, optimizer, LR schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint saving."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """Reference log-probs: frozen model each step, or precomputed once (and offload)."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Padding-free packing of each micro-batch's sequences."""
 
 
 def _resolve_asset(name: str) -> str:
@@ -148,6 +154,10 @@ def validate(cfg: DPOConfig) -> None:
                          "randomly initialised model")
     if not isinstance(cfg.loss, dict) or "name" not in cfg.loss:
         raise ValueError("loss.name is required (e.g. loss.name=sigmoid)")
+    cfg.reference.validate()
+    if cfg.packing.enabled and cfg.model.transformer_impl == "transformer_engine":
+        raise ValueError("packing.enabled=true builds a block-diagonal attention mask for the "
+                         "local layer spec; set model.transformer_impl=local (or auto on CPU)")
 
 
 def world_size_for(cfg: DPOConfig) -> int:

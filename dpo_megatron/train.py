@@ -27,7 +27,7 @@ from dpo_megatron.data import PairSampler, load_preference_pairs, load_tokenizer
 from dpo_megatron.losses import build_loss  # noqa: E402
 from dpo_megatron.models import ModelConfig, build_model_chunks  # noqa: E402
 from dpo_megatron.parallel import destroy_distributed, initialize_distributed, set_seed  # noqa
-from dpo_megatron.training.batches import build_micro_batches  # noqa: E402
+from dpo_megatron.training.batches import build_micro_batches, build_step_batches  # noqa: E402
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank  # noqa: E402
 from dpo_megatron.training.optim import (  # noqa: E402
     build_optimizer,
@@ -36,6 +36,7 @@ from dpo_megatron.training.optim import (  # noqa: E402
     freeze,
     wrap_ddp,
 )
+from dpo_megatron.training.reference import build_reference_source  # noqa: E402
 from dpo_megatron.training.step import dpo_forward_backward, train_step  # noqa: E402
 
 
@@ -163,6 +164,11 @@ def train(cfg: DPOConfig) -> dict[str, float]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         tokenizer.eos_token_id
     sampler = _sampler(cfg, len(dataset.train), shuffle=True)
+    # Reference log-probs per step: the frozen model, or a table precomputed once (issue 7).
+    reference = build_reference_source(
+        cfg.reference, models.reference, dataset.train, pad_id, _multiple(cfg),
+        cfg.train.micro_batch_size, model_cfg, cfg.train.seed, cfg.packing.enabled) \
+        if loss_fn.needs_reference else None
     logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters)
     if is_logging_rank():
         print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
@@ -172,11 +178,13 @@ def train(cfg: DPOConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for step in range(1, cfg.train.train_iters + 1):
         t0 = time.time()
-        mbs, seq_length, tokens = build_micro_batches(dataset.train, sampler.next_step(), pad_id,
-                                                      _multiple(cfg))
+        mbs, seq_length, tokens, indices = build_step_batches(
+            dataset.train, sampler.next_step(), pad_id, _multiple(cfg), cfg.packing)
+        if reference is not None:
+            reference.attach(mbs, indices, seq_length)
         lr = current_lr(optimizer)
         out = train_step(models.policy, models.reference, optimizer, scheduler, mbs, seq_length,
-                         loss_fn)
+                         loss_fn, reference_attached=reference is not None)
         loss_fn.on_step_end(out.metrics)
         step_time = time.time() - t0
         # Each DP rank counted its tokens once per TP x PP copy: sum over DP only.

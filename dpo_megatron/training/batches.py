@@ -42,3 +42,27 @@ def build_micro_batches(pairs: Sequence[PreferencePair], micro_batch_indices: li
                      for mb in micro_batch_indices]
     real_tokens = sum(sum(pair_lengths(p)) for p in step_pairs)
     return micro_batches, seq_length, real_tokens
+
+
+def build_step_batches(pairs: Sequence[PreferencePair], micro_batch_indices: list[list[int]],
+                       pad_token_id: int, multiple: int, packing=None):
+    """Padded (``build_micro_batches``) or packed (``data.packing``) micro-batches of one step.
+
+    Args:
+        packing: a ``PackingConfig``; None or ``enabled=False`` gives the padded layout. With
+            ``bucket_by_length`` the rank's pairs are regrouped by length first.
+
+    Returns:
+        (micro_batches, seq_length, real_tokens, micro_batch_indices): the last is the grouping
+        actually used (pair indices per micro-batch), for attaching precomputed reference
+        log-probs.
+    """
+    if packing is None or not packing.enabled:
+        return (*build_micro_batches(pairs, micro_batch_indices, pad_token_id, multiple),
+                micro_batch_indices)
+    from dpo_megatron.data.packing import bucket_micro_batches, build_packed_micro_batches
+
+    if packing.bucket_by_length:
+        micro_batch_indices = bucket_micro_batches(pairs, micro_batch_indices)
+    return (*build_packed_micro_batches(pairs, micro_batch_indices, pad_token_id, multiple,
+                                        packing.row_length), micro_batch_indices)

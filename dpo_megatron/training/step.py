@@ -159,6 +159,7 @@ def dpo_forward_backward(
     seq_length: int,
     loss_fn: Callable,
     forward_only: bool = False,
+    reference_attached: bool = False,
 ) -> StepOutput:
     """Reference pass (if any), then the policy's forward(+backward) over all micro-batches.
 
@@ -170,12 +171,15 @@ def dpo_forward_backward(
             ``seq_length`` tokens (divisible by TP under sequence parallelism).
         loss_fn: ``dpo_megatron.losses.build_loss(...)`` result.
         forward_only: evaluation (no backward, no gradient).
+        reference_attached: the micro-batches already carry ``reference_token_logps`` on the
+            last stage (``training.reference.ReferenceSource``): run no reference pass. Must be
+            the same on every rank.
 
     Returns:
         StepOutput with metrics averaged over every pair of the step (gradients, when computed,
         are left in the DDP buffers, already divided by the global pair count).
     """
-    if getattr(loss_fn, "needs_reference", True):
+    if getattr(loss_fn, "needs_reference", True) and not reference_attached:
         if reference_chunks is None:
             raise ValueError("this loss needs a reference model but none was built")
         attach_reference_logps(reference_chunks, micro_batches, seq_length)
@@ -193,7 +197,7 @@ def dpo_forward_backward(
 
 
 def train_step(policy_chunks, reference_chunks, optimizer, scheduler, micro_batches,
-               seq_length, loss_fn) -> StepOutput:
+               seq_length, loss_fn, reference_attached: bool = False) -> StepOutput:
     """One optimizer step: zero grads, forward+backward over the micro-batches, clip, update.
 
     The optimizer is megatron-core's (distributed) optimizer; ``scheduler`` its
@@ -203,7 +207,7 @@ def train_step(policy_chunks, reference_chunks, optimizer, scheduler, micro_batc
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     out = dpo_forward_backward(policy_chunks, reference_chunks, micro_batches, seq_length,
-                               loss_fn)
+                               loss_fn, reference_attached=reference_attached)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=1)
