@@ -66,6 +66,8 @@ SMOLLM2_GGUF = FileCheck(
 # order: independent of the safetensors header, which varies with library versions.
 SMOLLM2_TENSORS_SHA256 = "785e20b3e653276b0579b744214a1186d730ba80af04f397f642d6432e5e0154"
 SMOLLM2_NUM_PARAMETERS = 134_515_008
+# Bumped when the export's files change, so that older cached exports are rebuilt.
+SMOLLM2_EXPORT_VERSION = 2
 
 LLAMAFACTORY_PACKAGE = "llamafactory==0.9.5"
 LLAMAFACTORY_SDIST = FileCheck(
@@ -275,6 +277,9 @@ def _export_smollm2(gguf_folder: Path, out: Path) -> None:
         tok_cfg.pop(key, None)
     tok_cfg["add_bos_token"] = False
     tok_cfg["add_eos_token"] = False
+    # As in the original repository: transformers 5 builds it from tokenizer.json (the same ids as
+    # the generic "TokenizersBackend" class it writes), and transformers 4 can load it too.
+    tok_cfg["tokenizer_class"] = "GPT2Tokenizer"
     tok_cfg["model_max_length"] = config.max_position_embeddings
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
@@ -311,14 +316,15 @@ def ensure_smollm2(verify: bool = False) -> Path:
     exported weights do not match the recorded tensor checksum.
     """
     final = smollm2_dir()
-    if _manifest_valid(final, full=verify):
+    manifest = _read_manifest(final) or {}
+    if manifest.get("export_version") == SMOLLM2_EXPORT_VERSION and _manifest_valid(final, full=verify):
         return final
     gguf_folder = package_dir(SMOLLM2_MODULE, SMOLLM2_PACKAGE)
     verify_file(gguf_folder / SMOLLM2_GGUF.name, SMOLLM2_GGUF)
     with _atomic_dir(final) as tmp:
         _export_smollm2(gguf_folder, tmp)
         _check_smollm2_folder(tmp)
-        _write_manifest(tmp, f"{SMOLLM2_PACKAGE}:{SMOLLM2_GGUF.name}")
+        _write_manifest(tmp, f"{SMOLLM2_PACKAGE}:{SMOLLM2_GGUF.name}", {"export_version": SMOLLM2_EXPORT_VERSION})
     return final
 
 

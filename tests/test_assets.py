@@ -126,6 +126,7 @@ def test_smollm2_export():
 
     from transformers import AutoTokenizer
 
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "GPT2Tokenizer"
     tok = AutoTokenizer.from_pretrained(str(folder))
     assert tok("Hello")["input_ids"] == [19556]  # no BOS
     assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
