@@ -1,0 +1,119 @@
+"""Bad inputs: a clear error naming the culprit, and nothing written."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
+from tests.models.conversion_helpers import save_tiny_hf_folder
+from tests.multirank import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _edit_weights(folder, edit):
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _load(folder):
+    """Import into no chunks: the whole-folder checks run before any parameter is touched."""
+    load_hf_weights([], model_config_from_hf(folder), folder)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    return save_tiny_hf_folder("llama", str(tmp_path / "hf"))
+
+
+def test_missing_shard_is_named(tmp_path):
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"), max_shard_size="40KB")
+    index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
+    shard = sorted(set(index["weight_map"].values()))[1]
+    os.remove(os.path.join(folder, shard))
+    with pytest.raises(FileNotFoundError, match=f"weight shard {shard}"):
+        _load(folder)
+
+
+def test_missing_tensor_is_named(llama_dir):
+    _edit_weights(llama_dir, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    with pytest.raises(KeyError, match="model.layers.2.mlp.up_proj.weight"):
+        _load(llama_dir)
+
+
+def test_shape_mismatch_is_named(llama_dir):
+    def shrink(t):
+        t["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+
+    _edit_weights(llama_dir, shrink)
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj.weight.*\[16, 64\].*"
+                                         r"\[32, 64\]"):
+        _load(llama_dir)
+
+
+def test_unmapped_tensor_is_named(llama_dir):
+    _edit_weights(llama_dir, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="not mapped.*model.layers.0.extra.weight"):
+        _load(llama_dir)
+
+
+def test_unknown_architecture(llama_dir):
+    path = os.path.join(llama_dir, "config.json")
+    config = json.load(open(path))
+    config["model_type"] = "falcon"
+    json.dump(config, open(path, "w"))
+    with pytest.raises(ValueError, match="unknown architecture model_type='falcon'"):
+        _load(llama_dir)
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
+                                                                     name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _convert(argv):
+    _script("convert_hf_to_megatron").main(argv)
+
+
+def _assert_nothing_written(save):
+    assert not os.path.exists(save) and not os.path.exists(save + ".tmp")
+
+
+@pytest.mark.slow
+def test_heads_not_divisible_by_tp_writes_nothing(tmp_path):
+    folder = save_tiny_hf_folder("smollm2", str(tmp_path / "hf"))  # 9 heads, 3 KV heads
+    save = str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="divisible by parallel.tensor_model_parallel_size=2"):
+        run_ranks(_convert, world_size=2, argv=["--hf-path", folder, "--save", save,
+                                                "--tensor-model-parallel-size", "2"])
+    _assert_nothing_written(save)
+
+
+@pytest.mark.slow
+def test_layers_not_divisible_by_pp_writes_nothing(tmp_path):
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"), num_hidden_layers=3)
+    save = str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="3 layers, not divisible by "
+                                           "parallel.pipeline_model_parallel_size=2"):
+        run_ranks(_convert, world_size=2, argv=["--hf-path", folder, "--save", save,
+                                                "--pipeline-model-parallel-size", "2"])
+    _assert_nothing_written(save)
+
+
+@pytest.mark.slow
+def test_shape_mismatch_in_script_writes_nothing(llama_dir, tmp_path):
+    _edit_weights(llama_dir, lambda t: t.update(
+        {"model.norm.weight": torch.zeros(65)}))
+    save = str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        run_ranks(_convert, world_size=1, argv=["--hf-path", llama_dir, "--save", save])
+    _assert_nothing_written(save)
