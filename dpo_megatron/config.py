@@ -25,6 +25,7 @@ from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.layout import ParallelConfig
 from dpo_megatron.training.config import TrainConfig
+from dpo_megatron.training.metrics_log import LoggingConfig
 from dpo_megatron.training.reference import ReferenceConfig
 
 
@@ -37,7 +38,11 @@ class CheckpointConfig:
     save_interval: int = 0
     """Steps between checkpoints (0: only at the end)."""
     keep_last_n: int = 2
-    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    """Checkpoints kept; older ones are deleted after a newer one is complete (0: keep all)."""
+    resume: str = "none"
+    """Continue a run: ``none`` (start fresh), ``auto`` (the latest complete checkpoint in the
+    save directory, else start fresh), or a checkpoint folder (or a folder of them: its latest).
+    Restores model, optimizer, LR scheduler, RNG, data position, loss state and step."""
     export_hf: bool = False
     """Also write the final policy as a Hugging Face folder (<save>/hf)."""
     export_dtype: str = "bfloat16"
@@ -61,7 +66,9 @@ class DPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch sizes, optimizer, LR schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoint saving."""
+    """Checkpoint saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard and Weights & Biases."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """Reference log-probs: frozen model each step, or precomputed once (and offload)."""
     packing: PackingConfig = field(default_factory=PackingConfig)

@@ -48,5 +48,15 @@ class TrainConfig:
     """Steps between evaluations on the eval split (0: only at the end if there is one)."""
     eval_iters: int = 0
     """Eval batches per evaluation (0: the whole eval split)."""
+    sample_during_eval: bool = False
+    """At each evaluation, greedily decode the first ``eval_num_samples`` eval prompts and write
+    them to ``<run_dir>/samples/step_<step>.jsonl``."""
+    eval_num_samples: int = 3
+    """Eval prompts decoded when ``sample_during_eval`` is set."""
+    eval_sample_max_new_tokens: int = 32
+    """Most tokens generated per sample."""
+    max_nonfinite_steps: int = 3
+    """A step whose loss or gradient is NaN/Inf is skipped (no update) and counted; after this
+    many such steps in a row the run stops with an error, its last checkpoint intact."""
     seq_length_multiple: int = 8
     """Each step's micro-batches are padded to the longest sequence rounded up to this x TP."""

@@ -1,7 +1,9 @@
-"""Step logs on rank 0: a console line, TensorBoard scalars and a metrics.jsonl file.
+"""Step logs on rank 0: a progress line, TensorBoard scalars, optional W&B, and metrics.jsonl.
 
 Metric names follow TRL (``rewards/chosen``, ``rewards/margins``, ``logps/chosen`` ...): rewards
 are beta-scaled policy-vs-reference log-ratios in nats, logps are summed completion log-probs.
+A resumed run appends to the same ``metrics.jsonl`` after dropping the records of steps past its
+checkpoint (those the interrupted run logged but did not save), so the file reads as one run.
 """
 
 from __future__ import annotations
@@ -9,12 +11,32 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
 
-_CONSOLE_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected")
+METRICS_FILE = "metrics.jsonl"
+"""One JSON record per logged step and split, in the run directory."""
+_CONSOLE_KEYS = (("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin"),
+                 ("nll_loss", "nll"), ("logps/chosen", "logps/chosen"),
+                 ("logps/rejected", "logps/rejected"))
+
+
+@dataclass
+class LoggingConfig:
+    """Where step metrics go besides the console line and ``<run_dir>/metrics.jsonl``."""
+
+    tensorboard: bool = True
+    """Write TensorBoard scalars to ``<run_dir>/tensorboard``."""
+    wandb_project: str = ""
+    """Weights & Biases project; empty: off. Needs the ``wandb`` package (a warning, not an
+    error, when it is missing) and a login or WANDB_API_KEY / WANDB_MODE=offline."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the default of the login."""
+    wandb_run_name: str = ""
+    """W&B run name; empty: the run directory's name."""
 
 
 def is_logging_rank() -> bool:
@@ -22,23 +44,64 @@ def is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class MetricsLogger:
-    """Writes one record per step to console, TensorBoard and ``<run_dir>/metrics.jsonl``."""
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Drop records of steps after ``last_step`` from a metrics.jsonl; returns how many."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+    return len(lines) - len(kept)
 
-    def __init__(self, run_dir: str, total_steps: int, tensorboard: bool = True):
+
+def format_duration(seconds: float) -> str:
+    """``75`` -> ``1m15s``, ``3725`` -> ``1h02m``: the progress line's elapsed / ETA."""
+    seconds = int(round(max(seconds, 0.0)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class MetricsLogger:
+    """Writes one record per step to console, TensorBoard, W&B and ``<run_dir>/metrics.jsonl``.
+
+    Args:
+        run_dir: run directory.
+        total_steps: the run's ``train_iters`` (for ``step/total`` and the ETA).
+        config: LoggingConfig (None: TensorBoard only).
+        start_step: the step a resumed run starts after; the ETA uses the steps of this process
+            only, and metrics.jsonl records past it are dropped.
+        run_config: the full config as a plain dict, given to W&B.
+    """
+
+    def __init__(self, run_dir: str, total_steps: int, config: Optional[LoggingConfig] = None,
+                 start_step: int = 0, run_config: Optional[dict] = None):
+        config = config or LoggingConfig()
         self.total_steps = total_steps
+        self.start_step = start_step
         self.enabled = is_logging_rank()
         self.start = time.time()
         self.writer = None
         self.jsonl = None
+        self.wandb = None
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if tensorboard:
+        path = os.path.join(run_dir, METRICS_FILE)
+        truncate_metrics(path, start_step)
+        self.jsonl = open(path, "a", encoding="utf-8")
+        if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None)
+        if config.wandb_project:
+            self.wandb = _start_wandb(config, run_dir, run_config)
 
     def log(self, step: int, split: str, metrics: dict[str, float],
             extra: Optional[dict[str, float]] = None) -> None:
@@ -49,22 +112,31 @@ class MetricsLogger:
         record = {"step": step, "split": split, **values}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
+        scalars = {f"{split}/{k}": v for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.writer is not None:
-            for k, v in values.items():
-                if v is not None:
-                    self.writer.add_scalar(f"{split}/{k}", v, step)
-        print(self._line(step, split, values), flush=True)
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        print(self.line(step, split, values), flush=True)
 
-    def _line(self, step: int, split: str, values: dict[str, float]) -> str:
+    def line(self, step: int, split: str, values: dict[str, float]) -> str:
+        """The progress line: ``[train] step 3/10 | loss 0.6931 | acc 0.5000 | ... | elapsed
+        12s | eta 28s``."""
         elapsed = time.time() - self.start
-        eta = elapsed / max(step, 1) * max(self.total_steps - step, 0)
+        done = step - self.start_step
+        eta = elapsed / done * max(self.total_steps - step, 0) if done > 0 else 0.0
         parts = [f"[{split}] step {step}/{self.total_steps}"]
-        parts += [f"{k} {values[k]:.4f}" for k in _CONSOLE_KEYS if k in values]
-        for k, fmt in (("grad_norm", "{:.3f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:.0f}"),
-                       ("step_time_s", "{:.2f}")):
+        parts += [f"{label} {values[k]:.4f}" for k, label in _CONSOLE_KEYS
+                  if values.get(k) is not None]
+        for k, label, fmt in (("grad_norm", "grad_norm", "{:.3f}"), ("lr", "lr", "{:.2e}"),
+                              ("tokens_per_s", "tokens/s", "{:.0f}"),
+                              ("step_time_s", "step", "{:.2f}s"),
+                              ("skipped_steps", "skipped", "{:d}")):
             if values.get(k) is not None:
-                parts.append(f"{k} " + fmt.format(values[k]))
-        parts.append(f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
+                parts.append(f"{label} " + fmt.format(values[k]))
+        parts.append(f"elapsed {format_duration(elapsed)} eta {format_duration(eta)}")
         return " | ".join(parts)
 
     def close(self) -> None:
@@ -72,3 +144,18 @@ class MetricsLogger:
             self.jsonl.close()
         if self.writer:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(config: LoggingConfig, run_dir: str, run_config: Optional[dict]):
+    """A W&B run, or None (with a warning) when the package is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("logging.wandb_project is set but the wandb package is not installed "
+                      "(pip install wandb): logging to TensorBoard and metrics.jsonl only")
+        return None
+    return wandb.init(project=config.wandb_project, entity=config.wandb_entity or None,
+                      name=config.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
+                      dir=run_dir, config=run_config, resume="allow")

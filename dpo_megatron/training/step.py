@@ -15,6 +15,7 @@ chosen and rejected of a pair always meet on the same last-stage rank. A step is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -92,8 +93,12 @@ def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
     policy_token_logps = _token_logps(logits, batch)
     log_sum_p2 = (_unpacked(vocab_parallel_log_sum_p2(logits), batch)
                   if getattr(loss_fn, "needs_token_log_sum_p2", False) else None)
+    # A loss that reads no rejected completion (``sft``) is given chosen rows only
+    # (``training.sft.build_sft_micro_batches``): B rows, not 2B.
+    chosen_only = not getattr(loss_fn, "needs_rejected", True)
     losses, metrics = loss_fn(policy_token_logps, batch.get("reference_token_logps"),
-                              batch["loss_mask"], log_sum_p2)
+                              batch["loss_mask"], log_sum_p2,
+                              **({"chosen_only": True} if chosen_only else {}))
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), torch.tensor(losses.shape[0], dtype=torch.int), reported
 
@@ -196,6 +201,26 @@ def dpo_forward_backward(
     return StepOutput(metrics=metrics, num_pairs=count, per_pair=per_pair)
 
 
+def step_is_finite(loss: float, policy_chunks: list) -> bool:
+    """False when the step's loss or any gradient is NaN/Inf, on every rank alike.
+
+    Checks each rank's DDP gradient buffers (after the data-parallel reduction, before the
+    optimizer reads them) and all-reduces the verdict over the world, so every rank skips the
+    same step. A NaN/Inf anywhere in a rank's buffer would reach the global gradient norm.
+    """
+    bad = 0.0 if math.isfinite(loss) else 1.0
+    if not bad:
+        for chunk in policy_chunks:
+            for buffer in getattr(chunk, "buffers", []):
+                if not bool(torch.isfinite(buffer.grad_data).all()):
+                    bad = 1.0
+                    break
+    flag = torch.tensor([bad])
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
 def train_step(policy_chunks, reference_chunks, optimizer, scheduler, micro_batches,
                seq_length, loss_fn, reference_attached: bool = False) -> StepOutput:
     """One optimizer step: zero grads, forward+backward over the micro-batches, clip, update.
@@ -208,6 +233,10 @@ def train_step(policy_chunks, reference_chunks, optimizer, scheduler, micro_batc
     optimizer.zero_grad()
     out = dpo_forward_backward(policy_chunks, reference_chunks, micro_batches, seq_length,
                                loss_fn, reference_attached=reference_attached)
+    if not step_is_finite(out.metrics["loss"], policy_chunks):
+        # NaN/Inf loss or gradient: no update, no scheduler step (the loop counts these).
+        out.grad_norm, out.update_successful = float("nan"), False
+        return out
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=1)

@@ -1,0 +1,84 @@
+"""What a training checkpoint holds for the loop, and putting it back.
+
+``checkpointing.training_checkpoint`` stores tensors (model, optimizer), RNG and a JSON train
+state; this module decides what goes into that train state (step, LR scheduler, data position,
+loss state, skipped-step counters, layout) and restores it into the loop's objects, so a run of
+2N steps and a run of N steps resumed for N more take the same steps with the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from dpo_megatron.checkpointing.training_checkpoint import (
+    checkpoint_name,
+    current_layout,
+    load_training_checkpoint,
+    prune_checkpoints,
+    save_training_checkpoint,
+)
+
+
+@dataclass
+class RunCounters:
+    """The loop's own state besides models, optimizer and data position."""
+
+    step: int = 0
+    """Optimizer steps taken (skipped non-finite steps included)."""
+    skipped_steps: int = 0
+    """Steps skipped for a NaN/Inf loss or gradient, in total."""
+    consecutive_skipped: int = 0
+    """Skipped steps in a row up to now (0 after a good step)."""
+
+
+def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
+             counters: RunCounters, use_distributed_optimizer: bool, keep_last_n: int,
+             model_cfg=None) -> str:
+    """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective), then
+    delete checkpoints beyond the newest ``keep_last_n``. Returns the checkpoint folder."""
+    import torch.distributed as dist
+
+    ckpt_dir = os.path.join(save_dir, checkpoint_name(counters.step))
+    train_state = {
+        "step": counters.step,
+        "counters": asdict(counters),
+        "scheduler": scheduler.state_dict(),
+        "sampler": sampler.state_dict(),
+        "loss": loss_fn.state_dict(),
+        "layout": current_layout(use_distributed_optimizer),
+    }
+    save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        prune_checkpoints(save_dir, keep_last_n)
+    if dist.is_initialized():
+        dist.barrier()
+    return ckpt_dir
+
+
+def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
+               use_distributed_optimizer: bool) -> RunCounters:
+    """Load a checkpoint written by :func:`save_run` into the loop's objects (collective).
+
+    Raises:
+        ValueError: the checkpoint's data order, loss state or optimizer format does not match
+            this run's configuration (the message names the setting).
+    """
+    state = load_training_checkpoint(ckpt_dir, chunks, optimizer, use_distributed_optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    loss_fn.load_state_dict(state["loss"])
+    return RunCounters(**state["counters"])
+
+
+def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]:
+    """A line saying the checkpoint was saved at another layout (resharded on load), or None."""
+    from dpo_megatron.checkpointing.training_checkpoint import read_train_state
+
+    saved = read_train_state(ckpt_dir)["layout"]
+    now = current_layout(use_distributed_optimizer)
+    if saved == now:
+        return None
+    changed = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
+    return f"resharding {ckpt_dir} ({changed}); RNG states start fresh"
