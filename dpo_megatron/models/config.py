@@ -48,6 +48,9 @@ class ModelConfig:
     """RoPE theta."""
     rope_scaling_factor: Optional[float] = None
     """Llama-3.1 style RoPE frequency scaling factor (None: no scaling)."""
+    rope_linear_scaling_factor: Optional[float] = None
+    """Llama-2 style linear RoPE scaling (position interpolation, Chen et al. 2023): positions
+    are divided by this factor (HF ``rope_type: linear``). None: no interpolation."""
     normalization: str = "RMSNorm"
     """'RMSNorm' (Llama) or 'LayerNorm' (GPT-2)."""
     norm_epsilon: float = 1e-5

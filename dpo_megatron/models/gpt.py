@@ -212,6 +212,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[GPT
             rotary_base=int(model.rotary_base),
             rope_scaling=model.rope_scaling_factor is not None,
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
+            seq_len_interpolation_factor=model.rope_linear_scaling_factor,
             vp_stage=stage,
         )
         chunks.append(chunk)

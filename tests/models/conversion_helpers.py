@@ -23,6 +23,12 @@ TINY_CONFIGS: dict[str, dict] = {
                     vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
                     tie_word_embeddings=True,
                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+    # Llama-2 style linear RoPE scaling (position interpolation).
+    "llama2": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+                   max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                    "factor": 4.0}),
     "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128,
                     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     head_dim=16, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,

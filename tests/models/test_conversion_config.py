@@ -33,9 +33,16 @@ def test_llama3_fields(tmp_path):
     assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 2, 16)
     assert (cfg.vocab_size, cfg.max_position_embeddings) == (128, 16384)
     assert cfg.rotary_base == 500000.0 and cfg.rope_scaling_factor == 8.0
+    assert cfg.rope_linear_scaling_factor is None
     assert (cfg.normalization, cfg.norm_epsilon, cfg.activation) == ("RMSNorm", 1e-5, "swiglu")
     assert not cfg.tie_word_embeddings and not cfg.add_qkv_bias and not cfg.add_bias_linear
     assert cfg.position_embedding_type == "rope" and cfg.hf_path == str(tmp_path)
+
+
+def test_llama2_linear_rope_scaling(tmp_path):
+    cfg = model_config_from_hf(_tiny_config_folder(tmp_path, "llama2"))
+    assert cfg.rope_linear_scaling_factor == 4.0 and cfg.rope_scaling_factor is None
+    assert cfg.num_query_groups == 4 and cfg.rotary_base == 10000.0
 
 
 def test_mistral_head_dim_is_not_hidden_over_heads(tmp_path):

@@ -157,7 +157,7 @@ def _llama_config_from_hf(hf) -> dict:
         raise ValueError(f"{name}: attention_bias / mlp_bias = true is not supported")
     rope = _rope_parameters(hf)
     rope_type = rope["rope_type"]
-    scaling_factor = None
+    scaling_factor = linear_factor = None
     if rope_type == "llama3":
         for key, value in _LLAMA3_FIXED.items():
             if float(rope.get(key, value)) != value:
@@ -165,13 +165,11 @@ def _llama_config_from_hf(hf) -> dict:
                     f"{name}: rope scaling {key}={rope[key]} is not supported; megatron-core's "
                     f"Llama-3 RoPE scaling fixes it to {value}")
         scaling_factor = float(rope["factor"])
-    elif rope_type == "linear":
-        raise ValueError(
-            f"{name}: linear rope scaling (factor {rope.get('factor')}) needs "
-            "ModelConfig.rope_linear_scaling_factor, which this build does not have")
+    elif rope_type == "linear":  # Llama-2 style position interpolation
+        linear_factor = float(rope["factor"])
     elif rope_type != "default":
         raise ValueError(f"{name}: rope_type={rope_type!r} is not supported "
-                         "(supported: default, llama3)")
+                         "(supported: default, linear, llama3)")
     window = getattr(hf, "sliding_window", None)
     if window is not None and (name != "qwen2" or getattr(hf, "use_sliding_window", False)):
         logger.warning("%s: sliding_window=%s is ignored (full causal attention); outputs differ "
@@ -190,6 +188,7 @@ def _llama_config_from_hf(hf) -> dict:
         position_embedding_type="rope",
         rotary_base=float(rope["rope_theta"]),
         rope_scaling_factor=scaling_factor,
+        rope_linear_scaling_factor=linear_factor,
         normalization="RMSNorm",
         norm_epsilon=hf.rms_norm_eps,
         activation="swiglu",
@@ -204,6 +203,9 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling_factor is not None:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rotary_base,
                 "factor": cfg.rope_scaling_factor, **_LLAMA3_FIXED}
+    elif cfg.rope_linear_scaling_factor is not None:
+        rope = {"rope_type": "linear", "rope_theta": cfg.rotary_base,
+                "factor": cfg.rope_linear_scaling_factor}
     return dict(
         num_hidden_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -282,6 +284,7 @@ def _gpt2_config_from_hf(hf) -> dict:
         max_position_embeddings=hf.n_positions,
         position_embedding_type="learned_absolute",
         rope_scaling_factor=None,
+        rope_linear_scaling_factor=None,
         normalization="LayerNorm",
         norm_epsilon=hf.layer_norm_epsilon,
         activation="gelu",
