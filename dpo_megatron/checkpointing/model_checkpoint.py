@@ -50,6 +50,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def replace_dir(tmp: str, final: str) -> None:
+    """Rename the complete folder ``tmp`` to ``final``; an existing ``final`` is moved aside
+    first and deleted only after the rename (one process, e.g. rank 0, calls this)."""
+    old = f"{final}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str,
                           model_cfg: Optional[ModelConfig] = None) -> None:
     """Save this job's model weights as a distributed checkpoint at ``ckpt_dir`` (collective).
@@ -71,12 +82,7 @@ def save_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str,
         if model_cfg is not None:
             with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
                 json.dump(dataclasses.asdict(model_cfg), f, indent=2)
-        old = f"{ckpt_dir}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(ckpt_dir):
-            os.rename(ckpt_dir, old)
-        os.rename(tmp, ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, ckpt_dir)
     _barrier()
 
 

@@ -131,3 +131,27 @@ def test_sharded_safetensors_input(tmp_path):
 def test_pytorch_bin_input(tmp_path):
     _check_case(tmp_path, "mistral", 2, 1, safe_serialization=False)
     assert os.path.exists(tmp_path / "hf" / "pytorch_model.bin")
+
+
+@pytest.mark.slow
+def test_gpt2_original_file_layout(tmp_path):
+    """The original GPT-2 files: no ``transformer.`` prefix, causal-mask buffers ``h.N.attn.bias``
+    saved as tensors. Imported at TP 2 they give transformers' logits."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = save_tiny_hf_folder("gpt2", str(tmp_path / "hf"))
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+    for i in range(4):
+        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+    save_file(tensors, path, metadata={"format": "pt"})
+    model = build_tiny_hf_model("gpt2")
+    input_ids, _ = _batch(128)
+    with torch.no_grad():
+        ref = model(input_ids).logits
+    results = run_ranks(_import_forward_export, world_size=2, hf_dir=hf_dir, tp=2, pp=1,
+                        vpp=None, input_ids=input_ids, out_dir=str(tmp_path / "out"))
+    got = results[0][..., :128]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    exported = _load_all(str(tmp_path / "out"))
+    assert torch.equal(exported["transformer.h.3.mlp.c_fc.weight"], tensors["h.3.mlp.c_fc.weight"])

@@ -150,3 +150,20 @@ def _local_shape(tmap, cfg, tp, reader, names):
     rows = sum(reader.shape(n)[-1 if tmap.transposed and len(shape) == 2 else 0]
                for n in names)
     return (rows // tp,) + shape[1:]
+
+
+def test_transformer_engine_fused_norm_names_map_to_norm_entries():
+    """With the TE layer spec the pre-norms live in the next linear layer
+    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``)."""
+    from dpo_megatron.models.conversion.load import table_entry
+
+    arch = ARCHITECTURES["gpt2"]
+    cfg = _cfg(add_bias_linear=True)
+    table = {t.megatron: t for t in arch.tensors(cfg)}
+    layer = "decoder.layers.{i}."
+    assert table_entry(table, layer + "self_attention.linear_qkv.layer_norm_weight", cfg,
+                       arch).hf == ("transformer.h.{i}.ln_1.weight",)
+    assert table_entry(table, layer + "mlp.linear_fc1.layer_norm_bias", cfg,
+                       arch).hf == ("transformer.h.{i}.ln_2.bias",)
+    with pytest.raises(KeyError, match="decoder.layers.{i}.mlp.router.weight"):
+        table_entry(table, layer + "mlp.router.weight", cfg, arch)

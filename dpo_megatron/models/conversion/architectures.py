@@ -73,6 +73,9 @@ class Architecture:
     config.json)."""
     tensors: Callable[[ModelConfig], list[TensorMap]]
     """The mapping table for a model of this config (entries depend on biases / tying)."""
+    base_prefix: str = ""
+    """Prefix of the base-model tensors in a ``*ForCausalLM`` checkpoint (HF's
+    ``base_model_prefix`` + '.'); folders saved from the bare base model lack it."""
     ignored: tuple[str, ...] = field(default=())
     """HF tensor names (``{i}`` patterns) that may appear in a checkpoint and carry no weights
     (non-persistent buffers saved by old versions, e.g. rotary ``inv_freq``)."""
@@ -307,14 +310,14 @@ _LLAMA_IGNORED = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", _llama_config_from_hf,
-                          _llama_config_to_hf, _llama_tensors, _LLAMA_IGNORED),
+                          _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
     "mistral": Architecture("mistral", "MistralForCausalLM", _llama_config_from_hf,
-                            _llama_config_to_hf, _llama_tensors, _LLAMA_IGNORED),
+                            _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", _llama_config_from_hf,
-                          _llama_config_to_hf, _llama_tensors, _LLAMA_IGNORED),
+                          _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", _gpt2_config_from_hf, _gpt2_config_to_hf,
-                         _gpt2_tensors, ("transformer.h.{i}.attn.bias",
-                                         "transformer.h.{i}.attn.masked_bias")),
+                         _gpt2_tensors, "transformer.",
+                         ("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias")),
 }
 
 

@@ -32,6 +32,7 @@ class HFCheckpointReader:
     def __init__(self, hf_path: str):
         self.hf_path = hf_path
         self._file_of: dict[str, str] = {}
+        self._stored: dict[str, str] = {}  # presented name -> name in the file (add_prefix)
         self._open: dict[str, object] = {}
         files = self._weight_files()
         for name in files:
@@ -84,8 +85,17 @@ class HFCheckpointReader:
         return {k: tuple(v.shape) for k, v in handle.items()}
 
     def names(self) -> list[str]:
-        """Every tensor name in the folder."""
+        """Every tensor name in the folder (after :meth:`add_prefix`)."""
         return list(self._shapes)
+
+    def add_prefix(self, prefix: str, keep: tuple[str, ...] = ("lm_head.",)) -> None:
+        """Present every stored name not starting with ``prefix`` or one of ``keep`` as
+        ``prefix + name`` (folders saved from HF's base model, e.g. the original GPT-2 files,
+        lack the ``transformer.`` prefix that ``*ForCausalLM`` checkpoints have)."""
+        renamed = {n: n if n.startswith((prefix,) + keep) else prefix + n for n in self._shapes}
+        self._shapes = {renamed[n]: shape for n, shape in self._shapes.items()}
+        self._file_of = {renamed[n]: f for n, f in self._file_of.items()}
+        self._stored.update({new: self._stored.get(old, old) for old, new in renamed.items()})
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Stored shape of one tensor (no data read)."""
@@ -95,10 +105,12 @@ class HFCheckpointReader:
              ) -> torch.Tensor:
         """Rows ``[start, stop)`` of the stored tensor along ``dim`` (0 or 1); only those bytes
         are read (safetensors) or paged in (mmap'd .bin). Returns a contiguous CPU tensor."""
-        handle = self._handle(self._file_of[name])
+        file = self._file_of[name]
+        handle = self._handle(file)
         shape = self._shapes[name]
+        name = self._stored.get(name, name)
         stop = shape[dim] if stop is None else stop
-        if self._file_of[name].endswith(".safetensors"):
+        if file.endswith(".safetensors"):
             sl = handle.get_slice(name)
             if len(shape) == 0:
                 return sl[()]

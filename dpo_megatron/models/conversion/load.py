@@ -28,6 +28,19 @@ from dpo_megatron.models.conversion.tp_split import read_tp_shard
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
+TE_FUSED_NORMS = {
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight":
+        "decoder.layers.{i}.input_layernorm.weight",
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_bias":
+        "decoder.layers.{i}.input_layernorm.bias",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight":
+        "decoder.layers.{i}.pre_mlp_layernorm.weight",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_bias":
+        "decoder.layers.{i}.pre_mlp_layernorm.bias",
+}
+"""The transformer-engine layer spec fuses each pre-norm into the following linear layer
+(``TELayerNormColumnParallelLinear``); its norm parameters map like the local spec's norm
+modules."""
 
 
 def expected_hf_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -90,16 +103,26 @@ def iter_global_params(chunk: torch.nn.Module
 def table_entry(table: dict[str, TensorMap], pattern: str, cfg: ModelConfig, arch: Architecture
                 ) -> TensorMap:
     """The table entry for a megatron parameter pattern; the last stage's copy of a tied output
-    layer maps to the embedding.
+    layer maps to the embedding, transformer-engine fused norms to the norm entries.
 
     Raises:
         KeyError: the parameter has no mapping (names it and the architecture).
     """
     if pattern == OUTPUT and cfg.tie_word_embeddings:
         pattern = EMBEDDING
+    pattern = TE_FUSED_NORMS.get(pattern, pattern)
     if pattern not in table:
         raise KeyError(f"megatron parameter {pattern!r} has no mapping in the {arch.name} table")
     return table[pattern]
+
+
+def open_hf_folder(hf_path: str, arch: Architecture) -> HFCheckpointReader:
+    """A lazy reader of the folder's tensors, with HF's base-model prefix added when the folder
+    was saved from the bare base model (no name carries the prefix)."""
+    reader = HFCheckpointReader(hf_path)
+    if arch.base_prefix and not any(n.startswith(arch.base_prefix) for n in reader.names()):
+        reader.add_prefix(arch.base_prefix)
+    return reader
 
 
 @torch.no_grad()
@@ -115,7 +138,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_pa
         ValueError: unknown architecture, shape mismatch, unmapped HF tensors (named).
     """
     arch = architecture_of(hf_path)
-    reader = HFCheckpointReader(hf_path)
+    reader = open_hf_folder(hf_path, arch)
     try:
         check_hf_folder(reader, arch, model_cfg)
         table = {t.megatron: t for t in arch.tensors(model_cfg)}
