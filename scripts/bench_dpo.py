@@ -1,0 +1,435 @@
+#!/usr/bin/env python
+"""DPO throughput, side by side: this engine (several settings) and TRL's DPOTrainer.
+
+    .venv/bin/python scripts/bench_dpo.py                      # SmolLM2-135M + its 4-layer cut
+    .venv/bin/python scripts/bench_dpo.py --models smollm2-4l --steps 4 --engines trl,engine
+
+Both engines get the same model (SmolLM2-135M-Instruct, or its first 4 layers), the same first N
+pairs of LLaMA-Factory's dpo_en_demo tokenized once by this engine's data pipeline (TRL receives
+the token ids, so tokenization cannot differ), in the same order, the same max_length, pairs per
+step, beta, learning rate (constant, Adam, clip 1.0), fp32, dropout off. Each (model, engine) run
+is a fresh child process, one after the other, so peak resident memory is that run's own.
+
+Reported per run: real (non-pad) tokens per second (wall clock and process CPU time), padded
+fraction (pad positions / positions computed), step time (median over steps after warm-up),
+peak RSS, step-0 loss and logps; then ratios against TRL. On a machine shared with other jobs the
+CPU-time figures are the fairer comparison: they do not count time the process spent waiting for
+a core. Results go to a JSON file and a Markdown table (``--markdown``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+ENGINES = {
+    # name: (packing, reference mode)
+    "engine": (False, "model"),
+    "engine+packing": (True, "model"),
+    "engine+precomputed": (False, "precomputed"),
+    "engine+packing+precomputed": (True, "precomputed"),
+}
+ALL_RUNS = ["trl", *ENGINES]
+
+
+# ----------------------------------------------------------------------------------------------
+# shared set-up: model folders and data
+
+
+def model_folder(name: str) -> str:
+    """HF folder of the benchmarked model: 'smollm2' (30 layers) or 'smollm2-4l' (its first 4
+    layers, written once to the cache)."""
+    from dpo_megatron import assets
+
+    full = assets.ensure_smollm2()
+    if name == "smollm2":
+        return str(full)
+    if name != "smollm2-4l":
+        raise ValueError(f"unknown model {name!r}; known: smollm2, smollm2-4l")
+    out = assets.cache_root() / "bench" / "smollm2-135m-4layers"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((full / "config.json").read_text())
+    config["num_hidden_layers"] = 4
+    tensors = load_file(str(full / "model.safetensors"))
+    keep = {k: v for k, v in tensors.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4}
+    for f in full.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name not in ("config.json",
+                                                              "dpo_megatron_asset.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tmp = out / ".model.safetensors.tmp"
+    save_file(keep, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    return str(out)
+
+
+def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
+    """The first ``num_pairs`` kept pairs of dpo_en_demo (file order), tokenized with SmolLM2's
+    chat template by this engine's pipeline, and the pad id."""
+    from dpo_megatron import assets
+    from dpo_megatron.data import DataConfig, load_preference_pairs, load_tokenizer
+
+    tokenizer = load_tokenizer(str(assets.ensure_smollm2()))
+    cfg = DataConfig(path=str(assets.ensure_dpo_en_demo()), format="sharegpt",
+                     max_length=max_length, max_prompt_length=max_prompt_length,
+                     eval_fraction=0.0, verbose=False)
+    pairs = load_preference_pairs(cfg, tokenizer).train
+    if len(pairs) < num_pairs:
+        raise ValueError(f"only {len(pairs)} pairs fit max_length={max_length}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pairs[:num_pairs], pad
+
+
+# ----------------------------------------------------------------------------------------------
+# measurement
+
+
+class PeakRSS:
+    """Samples the process's resident set size every ``interval`` s in a thread (bytes)."""
+
+    def __init__(self, interval: float = 0.02):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        import resource
+
+        # ru_maxrss (KiB on Linux) also catches a peak between two samples.
+        return max(self.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def summarize(steps: list[dict], warmup: int) -> dict:
+    """Per-step records -> the reported numbers (medians and sums over the timed steps).
+
+    Each record: wall_s, cpu_s, real_tokens, computed_tokens, loss. Tokens per second are
+    total real tokens over total time of the timed steps (steps >= ``warmup``).
+    """
+    timed = steps[warmup:] or steps
+    wall = sum(s["wall_s"] for s in timed)
+    cpu = sum(s["cpu_s"] for s in timed)
+    real = sum(s["real_tokens"] for s in timed)
+    computed = sum(s["computed_tokens"] for s in timed)
+    return {
+        "timed_steps": len(timed),
+        "step_time_median_s": statistics.median(s["wall_s"] for s in timed),
+        "step_cpu_median_s": statistics.median(s["cpu_s"] for s in timed),
+        "real_tokens_per_s": real / wall,
+        "real_tokens_per_cpu_s": real / cpu,
+        "padded_fraction": 1.0 - real / computed,
+        "real_tokens_per_step": real / len(timed),
+        "losses": [s["loss"] for s in steps],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# this engine
+
+
+def run_engine(spec: dict) -> dict:
+    """One engine run (world size 1, TP 1 x PP 1) in this process; returns the measurements."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    meter = PeakRSS()
+    from dpo_megatron.data import PairSampler
+    from dpo_megatron.data.packing import PackingConfig
+    from dpo_megatron.losses import build_loss
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+    from dpo_megatron.training.batches import build_step_batches
+    from dpo_megatron.training.config import TrainConfig
+    from dpo_megatron.training.optim import build_optimizer, copy_weights, freeze, wrap_ddp
+    from dpo_megatron.training.reference import ReferenceConfig, build_reference_source
+    from dpo_megatron.training.step import train_step
+
+    packed, mode = ENGINES[spec["run"]]
+    pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
+    parallel = ParallelConfig()
+    initialize_distributed(parallel)
+    set_seed(spec["seed"])
+    model_cfg = model_config_from_hf(spec["model_path"], ModelConfig(
+        params_dtype="float32", transformer_impl="local",
+        recompute_granularity=spec["recompute"] or None))
+    policy = build_model_chunks(model_cfg, parallel)
+    load_hf_weights(policy, model_cfg, spec["model_path"])
+    reference = freeze(build_model_chunks(model_cfg, parallel))
+    copy_weights(policy, reference)
+    packing = PackingConfig(enabled=packed)
+    t0 = time.perf_counter()
+    cache_dir = tempfile.mkdtemp(prefix="bench_ref_")  # measure the pass, never a cache hit
+    source = build_reference_source(
+        ReferenceConfig(mode=mode, cache_dir=cache_dir, micro_batch_size=spec["pairs_per_step"]),
+        reference, pairs, pad, 8, spec["pairs_per_step"], model_cfg, spec["seed"], packed)
+    precompute_s = time.perf_counter() - t0
+    if mode == "precomputed":
+        source.chunks = reference = None  # no reference model while training
+    policy = wrap_ddp(policy, use_distributed_optimizer=False)
+    optimizer, scheduler = build_optimizer(policy, TrainConfig(
+        lr=spec["lr"], lr_decay_style="constant", clip_grad=1.0, weight_decay=0.0,
+        train_iters=spec["steps"], use_distributed_optimizer=False))
+    loss_fn = build_loss({"name": "sigmoid", "beta": spec["beta"]})
+    sampler = PairSampler(len(pairs), spec["pairs_per_step"], spec["micro_batch_size"], 0, 1,
+                          seed=spec["seed"], shuffle=False)
+    steps, step0 = [], {}
+    for step in range(spec["steps"]):
+        w0, c0 = time.perf_counter(), time.process_time()
+        mbs, seq_length, real, idx = build_step_batches(pairs, sampler.next_step(), pad, 8,
+                                                        packing)
+        source.attach(mbs, idx, seq_length)
+        out = train_step(policy, reference, optimizer, scheduler, mbs, seq_length, loss_fn,
+                         reference_attached=True)
+        steps.append({"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
+                      "real_tokens": real, "loss": out.metrics["loss"],
+                      "computed_tokens": sum(mb["tokens"].numel() for mb in mbs)})
+        if step == 0:
+            step0 = {k: out.metrics[k] for k in ("loss", "logps/chosen", "logps/rejected")}
+    return {**summarize(steps, spec["warmup"]), "step0": step0, "precompute_s": precompute_s,
+            "peak_rss_bytes": meter.stop(), "steps": steps}
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL
+
+
+def run_trl(spec: dict) -> dict:
+    """TRL DPOTrainer on the same token ids, batch, order and hyper-parameters."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    meter = PeakRSS()
+    import datasets
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
+    data = datasets.Dataset.from_list([
+        {"prompt_ids": list(p.prompt_ids), "chosen_ids": list(p.chosen_ids),
+         "rejected_ids": list(p.rejected_ids)} for p in pairs])
+    steps: list[dict] = []
+
+    class Trainer(DPOTrainer):
+        def _prepare_dataset(self, dataset, *args, **kwargs):
+            return dataset  # already tokenized by the engine's pipeline: identical token ids
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)  # the engine's order (no shuffle)
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            steps.append({"real_tokens": int(inputs["attention_mask"].sum()),
+                          "computed_tokens": int(inputs["input_ids"].numel())})
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.w0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps[-1].update(wall_s=time.perf_counter() - self.w0,
+                             cpu_s=time.process_time() - self.c0)
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), per_device_train_batch_size=spec[
+            "pairs_per_step"], gradient_accumulation_steps=1, max_steps=spec["steps"],
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        beta=spec["beta"], loss_type=["sigmoid"], max_length=spec["max_length"],
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
+        dataloader_num_workers=0, seed=spec["seed"], disable_dropout=True,
+        gradient_checkpointing=False)
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                      callbacks=[Clock()])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    for s, h in zip(steps, logs):
+        s["loss"] = float(h["loss"])
+    step0 = {k: float(logs[0][k]) for k in ("loss", "logps/chosen", "logps/rejected")
+             if k in logs[0]}
+    return {**summarize(steps, spec["warmup"]), "step0": step0, "precompute_s": 0.0,
+            "peak_rss_bytes": meter.stop(), "steps": steps}
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+
+
+def _child(spec: dict) -> dict:
+    """Run one (model, engine) in a fresh interpreter; returns its JSON result."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]),
+               MKL_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['run']} on {spec['model']} failed:\n{proc.stdout[-4000:]}")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return result
+
+
+def ratios(result: dict, baseline: dict) -> dict:
+    """Engine / TRL ratios (>1 is better for throughput; <1 is better for time and memory)."""
+    return {
+        "real_tokens_per_s": result["real_tokens_per_s"] / baseline["real_tokens_per_s"],
+        "real_tokens_per_cpu_s": result["real_tokens_per_cpu_s"]
+        / baseline["real_tokens_per_cpu_s"],
+        "step_time_median": result["step_time_median_s"] / baseline["step_time_median_s"],
+        "peak_rss": result["peak_rss_bytes"] / baseline["peak_rss_bytes"],
+        "step0_loss_abs_diff": abs(result["step0"]["loss"] - baseline["step0"]["loss"]),
+    }
+
+
+def markdown(report: dict) -> str:
+    """The results as Markdown tables (one per model), ratios against TRL when it ran."""
+    lines = []
+    for model, runs in report["results"].items():
+        lines += [f"#### {model}", "",
+                  "| run | real tok/s (wall) | real tok/s (CPU) | padded fraction | step time "
+                  "median (s) | peak RSS (GiB) | step-0 loss | step-0 logps/chosen | "
+                  "precompute (s) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in runs.items():
+            lines.append(
+                f"| {name} | {r['real_tokens_per_s']:.1f} | {r['real_tokens_per_cpu_s']:.1f} | "
+                f"{r['padded_fraction']:.3f} | {r['step_time_median_s']:.2f} | "
+                f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['step0']['loss']:.6f} | "
+                f"{r['step0'].get('logps/chosen', float('nan')):.3f} | "
+                f"{r['precompute_s']:.1f} |")
+        if "trl" in runs:
+            lines += ["", "| run / TRL | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
+                      "step-0 loss diff |", "|---|---|---|---|---|---|"]
+            for name, r in runs.items():
+                if name == "trl":
+                    continue
+                q = ratios(r, runs["trl"])
+                lines.append(f"| {name} | {q['real_tokens_per_s']:.2f}x | "
+                             f"{q['real_tokens_per_cpu_s']:.2f}x | {q['step_time_median']:.2f}x | "
+                             f"{q['peak_rss']:.2f}x | {q['step0_loss_abs_diff']:.1e} |")
+        lines += ["", "Loss per step:", ""]
+        for name, r in runs.items():
+            lines.append(f"- {name}: " + ", ".join(f"{x:.6f}" for x in r["losses"]))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    import torch
+
+    load = os.getloadavg()
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "load_average_at_start": [round(x, 2) for x in load]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2,smollm2-4l",
+                        help="comma list of smollm2 (30 layers) and smollm2-4l (4-layer cut)")
+    parser.add_argument("--engines", default=",".join(ALL_RUNS),
+                        help=f"comma list of {', '.join(ALL_RUNS)}")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="first N pairs (default: pairs-per-step x steps)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    parser.add_argument("--pairs-per-step", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=0,
+                        help="engine micro-batch (pairs; default: pairs-per-step)")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--max-prompt-length", type=int, default=256)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--recompute", default="", help="engine: '', 'selective' or 'full'")
+    parser.add_argument("--out", default="bench_results.json")
+    parser.add_argument("--markdown", default="", help="also write the tables to this file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        spec = json.loads(args.worker)
+        result = run_trl(spec) if spec["run"] == "trl" else run_engine(spec)
+        Path(args.worker_out).write_text(json.dumps(result))
+        return 0
+
+    runs = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in runs if e not in ALL_RUNS]
+    if unknown:
+        parser.error(f"unknown engines {unknown}; known: {ALL_RUNS}")
+    if "trl" in runs:
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            print("trl is not installed (pip install -e .[bench]): skipping it", flush=True)
+            runs.remove("trl")
+    base = {k: getattr(args, k) for k in ("steps", "warmup", "pairs_per_step", "max_length",
+                                          "max_prompt_length", "beta", "lr", "seed", "threads",
+                                          "recompute")}
+    base["pairs"] = args.pairs or args.pairs_per_step * args.steps
+    base["micro_batch_size"] = args.micro_batch_size or args.pairs_per_step
+    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "settings": base,
+              "machine": machine(), "results": {}}
+    started = time.time()
+    for model in [m for m in args.models.split(",") if m]:
+        path = model_folder(model)
+        bench_pairs(base["pairs"], base["max_length"], base["max_prompt_length"])  # warm cache
+        report["results"][model] = {}
+        for run in runs:
+            t0 = time.time()
+            result = _child({**base, "model": model, "model_path": path, "run": run})
+            report["results"][model][run] = result
+            print(f"{model:11s} {run:27s} {result['real_tokens_per_s']:8.1f} tok/s wall "
+                  f"{result['real_tokens_per_cpu_s']:8.1f} tok/s cpu  padded "
+                  f"{result['padded_fraction']:.3f}  step {result['step_time_median_s']:.2f} s  "
+                  f"rss {result['peak_rss_bytes'] / 2**30:.2f} GiB  loss0 "
+                  f"{result['step0']['loss']:.6f}  ({time.time() - t0:.0f} s)", flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    report["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report["total_s"] = time.time() - started
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
