@@ -129,6 +129,11 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DP
             layers.append(OmegaConf.load(config_file))
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
+        user = OmegaConf.merge(*layers[1:])
+        if "name" in user.get("loss", {}):
+            # A file or override that names a loss gets that loss's own defaults, not the
+            # default section's (loss.name=sft must not inherit sigmoid's beta).
+            merged.loss = user.loss
         OmegaConf.resolve(merged)
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (ConfigKeyError, ConfigAttributeError) as e:

@@ -1,0 +1,270 @@
+"""The run lifecycle through ``dpo_megatron.train.train``: exact resume, NaN/Inf skipping, a kill
+during a save, evaluation with samples, and the SFT -> DPO hand-off.
+
+Each run is a whole ``train(cfg)`` on a tiny random model (4 layers, hidden 64) with a 400-token
+BPE tokenizer trained in-process and a small preference file written here; every run is a fresh
+forked process (megatron-core keeps global state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.data.fixtures import CORPUS, tiny_hf_tokenizer
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+
+TINY_MODEL = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+              "model.num_attention_heads=4", "model.num_query_groups=2",
+              "model.max_position_embeddings=128", "model.tie_word_embeddings=false"]
+
+
+def write_fixture(folder: Path, rows: int = 24, seed: int = 0) -> tuple[str, str]:
+    """A standard-format preference file (prompt / chosen / rejected strings from the tokenizer's
+    corpus words) and the tiny tokenizer saved as a folder. Returns (data file, tokenizer dir)."""
+    words = " ".join(CORPUS).replace(".", " ").replace("?", " ").replace("!", " ").split()
+    rng = random.Random(seed)
+    data = []
+    for i in range(rows):
+        prompt = " ".join(rng.choices(words, k=3 + i % 4)) + "?"
+        chosen = " ".join(rng.choices(words, k=2 + i % 3)) + "."
+        rejected = " ".join(rng.choices(words, k=4 - i % 3)) + " no."
+        data.append({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected})
+    folder.mkdir(parents=True, exist_ok=True)
+    data_file = folder / "pairs.json"
+    data_file.write_text(json.dumps(data))
+    tok_dir = folder / "tokenizer"
+    if not tok_dir.exists():
+        tiny_hf_tokenizer().save_pretrained(str(tok_dir))
+    return str(data_file), str(tok_dir)
+
+
+def tiny_config(run_dir, data_file: str, tok_dir: str, *overrides: str):
+    """A DPOConfig for the tiny model on the fixture data (vocab 400), CPU, no data cache."""
+    from dpo_megatron.config import load_config
+
+    return load_config(None, [
+        f"run_dir={run_dir}", f"data.path={data_file}", f"data.tokenizer={tok_dir}",
+        "data.format=standard", "data.max_length=32", "data.max_prompt_length=16",
+        "data.cache_dir=none", "data.verbose=false", "model.vocab_size=400", *TINY_MODEL,
+        "train.micro_batch_size=1", "train.global_batch_size=4", "train.lr=1e-3",
+        "train.lr_decay_style=cosine", "train.lr_warmup_iters=1", "train.weight_decay=0.01",
+        "logging.tensorboard=false", *overrides])
+
+
+def run_train(run_dir, data_file, tok_dir, *overrides, world_size: int = 1, tp: int = 1,
+              pp: int = 1):
+    """``train(cfg)`` on ``world_size`` forked ranks; returns rank 0's last-step metrics."""
+    return run_ranks(_train, world_size=world_size, run_dir=str(run_dir), data_file=data_file,
+                     tok_dir=tok_dir, overrides=[
+                         f"parallel.tensor_model_parallel_size={tp}",
+                         f"parallel.pipeline_model_parallel_size={pp}", *overrides])[0]
+
+
+def _train(run_dir, data_file, tok_dir, overrides):
+    from dpo_megatron.train import train
+
+    return train(tiny_config(run_dir, data_file, tok_dir, *overrides))
+
+
+def read_metrics(run_dir, split: str = "train") -> dict[int, dict]:
+    """metrics.jsonl records of one split by step (the last record of a step wins)."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if record["split"] == split:
+                out[record["step"]] = record
+    return out
+
+
+def model_tensors(ckpt_dir) -> dict:
+    """The model tensors of a checkpoint, unsharded (``optimizer.`` keys left out)."""
+    return run_ranks(_plain_tensors, world_size=1, ckpt_dir=str(ckpt_dir))[0]
+
+
+def _plain_tensors(ckpt_dir):
+    from megatron.core import dist_checkpointing
+
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed
+
+    initialize_distributed(ParallelConfig())
+    # numpy arrays travel back through the pipe by value (torch tensors by shared memory).
+    return {k: v.numpy() for k, v in dist_checkpointing.load_plain_tensors(ckpt_dir).items()
+            if not k.startswith("optimizer")}
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert (a[key] == b[key]).all(), key
+    assert all(np.isfinite(v).all() for v in a.values())
+
+
+@pytest.fixture(scope="module")
+def fixture_files(tmp_path_factory):
+    return write_fixture(tmp_path_factory.mktemp("lifecycle_data"))
+
+
+def test_resume_is_exact_and_auto_picks_latest(tmp_path, fixture_files):
+    """4 steps straight vs 2 steps, 'killed' (the later checkpoint removed, a stale .tmp left),
+    resumed with checkpoint.resume=auto for 2 more: same loss at every step, same weights."""
+    data_file, tok_dir = fixture_files
+    common = ["train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.keep_last_n=0"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_train(full, data_file, tok_dir, *common)
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "iter_0000004")
+    (resumed / "checkpoints" / "iter_0000004.tmp").mkdir()  # an interrupted save
+    run_train(resumed, data_file, tok_dir, *common, "checkpoint.resume=auto")
+
+    a, b = read_metrics(full), read_metrics(resumed)
+    assert sorted(b) == [1, 2, 3, 4]  # the resumed run rewrote steps 3-4, no duplicates
+    for step in (3, 4):
+        assert b[step]["loss"] == a[step]["loss"], step
+        assert b[step]["lr"] == a[step]["lr"]
+        assert b[step]["grad_norm"] == a[step]["grad_norm"]
+    assert_same_tensors(model_tensors(full / "checkpoints" / "iter_0000004"),
+                        model_tensors(resumed / "checkpoints" / "iter_0000004"))
+    state = json.loads((resumed / "checkpoints" / "iter_0000004" / "train_state.json").read_text())
+    assert state["step"] == 4 and state["sampler"]["step_in_epoch"] == 4
+
+
+def _nan_after(step_from: int, run_dir, data_file, tok_dir, overrides):
+    """train() with a loss that returns NaN from optimizer step ``step_from`` on."""
+    import dpo_megatron.train as train_module
+
+    real_build_loss = train_module.build_loss
+    calls = {"n": 0}
+
+    def build_loss(cfg):
+        loss_fn = real_build_loss(cfg)
+        real_call = loss_fn.__call__
+
+        class NaNAfter(type(loss_fn)):
+            def __call__(self, *args, **kwargs):
+                losses, metrics = real_call(*args, **kwargs)
+                calls["n"] += 1
+                # 4 micro-batches per step (global 4, micro 1); eval calls come later.
+                if (calls["n"] - 1) // 4 + 1 >= step_from:
+                    losses = losses * float("nan")
+                return losses, metrics
+
+        loss_fn.__class__ = NaNAfter
+        return loss_fn
+
+    train_module.build_loss = build_loss
+    try:
+        return train_module.train(tiny_config(run_dir, data_file, tok_dir, *overrides))
+    except train_module.NonFiniteLossError as e:
+        return str(e)
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    message = run_ranks(_nan_after, world_size=1, step_from=3, run_dir=str(tmp_path),
+                        data_file=data_file, tok_dir=tok_dir,
+                        overrides=["train.train_iters=6", "checkpoint.save_interval=1",
+                                   "train.max_nonfinite_steps=2", "checkpoint.keep_last_n=0"])[0]
+    assert "2 steps in a row (up to step 4)" in message
+    assert "iter_0000003" in message  # the last checkpoint, named in the error
+    metrics = read_metrics(tmp_path)
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert [metrics[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert math.isnan(metrics[3]["loss"]) and math.isnan(metrics[3]["grad_norm"])
+    # A skipped step changes nothing: the weights after steps 2 and 3 are identical and finite;
+    # the run stopped before saving step 4.
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    w2 = model_tensors(ckpts / "iter_0000002")
+    assert_same_tensors(w2, model_tensors(ckpts / "iter_0000003"))
+
+
+def _train_and_hang_in_second_save(run_dir, data_file, tok_dir):
+    """train() whose second checkpoint save writes its tensors, then blocks (to be killed)."""
+    from megatron.core import dist_checkpointing
+
+    real_save = dist_checkpointing.save
+    saves = {"n": 0}
+
+    def save(state, ckpt_dir, *args, **kwargs):
+        result = real_save(state, ckpt_dir, *args, **kwargs)
+        saves["n"] += 1
+        if saves["n"] == 2:
+            Path(ckpt_dir, "HANGING").touch()
+            time.sleep(600)
+        return result
+
+    dist_checkpointing.save = save
+    _train(run_dir, data_file, tok_dir, ["train.train_iters=4", "checkpoint.save_interval=1",
+                                         "checkpoint.keep_last_n=0"])
+
+
+def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=_train_and_hang_in_second_save,
+                       kwargs=dict(run_dir=str(tmp_path), data_file=data_file, tok_dir=tok_dir))
+    proc.start()
+    marker = tmp_path / "checkpoints" / "iter_0000002.tmp" / "HANGING"
+    deadline = time.time() + 120
+    while not marker.exists() and proc.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the second save never started"
+    os.kill(proc.pid, signal.SIGKILL)  # killed mid-save: tensors written, not yet renamed
+    proc.join()
+
+    from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "iter_0000002.tmp" / "metadata.json").exists()  # a full-looking partial
+    assert find_latest_checkpoint(str(ckpts)) == str(ckpts / "iter_0000001")
+    # resume=auto continues from step 1 and finishes the run.
+    run_train(tmp_path, data_file, tok_dir, "train.train_iters=3", "checkpoint.save_interval=1",
+              "checkpoint.keep_last_n=2", "checkpoint.resume=auto")
+    assert sorted(os.listdir(ckpts)) == ["iter_0000002", "iter_0000003"]
+    assert sorted(read_metrics(tmp_path)) == [1, 2, 3]
+
+
+def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    run_train(tmp_path, data_file, tok_dir, "train.train_iters=2", "data.eval_fraction=0.2",
+              "train.eval_interval=1", "train.sample_during_eval=true", "train.eval_num_samples=2",
+              "train.eval_sample_max_new_tokens=4", "logging.tensorboard=true")
+    evals = read_metrics(tmp_path, "eval")
+    assert sorted(evals) == [1, 2]  # every eval_interval, the end not repeated
+    for record in evals.values():
+        assert 0.0 <= record["rewards/accuracies"] <= 1.0
+        assert {"loss", "rewards/margins", "logps/chosen", "logps/rejected"} <= set(record)
+    samples = [json.loads(line) for line in
+               (tmp_path / "samples" / "step_0000002.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and all(set(s) == {"prompt", "sample", "chosen"} for s in samples)
+    assert os.listdir(tmp_path / "tensorboard")
+
+
+def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
+    """SFT (chosen-only rows) lowers the eval NLL; DPO from the SFT checkpoint (model.load, for
+    policy and reference) starts at loss ln 2."""
+    data_file, tok_dir = fixture_files
+    sft_dir, dpo_dir = tmp_path / "sft", tmp_path / "dpo"
+    run_train(sft_dir, data_file, tok_dir, "loss.name=sft", "train.train_iters=6",
+              "data.eval_fraction=0.2", "train.eval_interval=1", "train.lr=3e-3")
+    evals = read_metrics(sft_dir, "eval")
+    assert evals[6]["nll_loss"] < evals[1]["nll_loss"] - 0.3
+    assert "rewards/margins" not in evals[6]
+    dpo = run_train(dpo_dir, data_file, tok_dir, f"model.load={sft_dir}/checkpoints",
+                    "train.train_iters=1")
+    assert abs(read_metrics(dpo_dir)[1]["loss"] - math.log(2)) < 1e-6
+    assert dpo["rewards/margins"] == 0.0
