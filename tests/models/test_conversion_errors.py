@@ -117,3 +117,35 @@ def test_shape_mismatch_in_script_writes_nothing(llama_dir, tmp_path):
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         run_ranks(_convert, world_size=1, argv=["--hf-path", llama_dir, "--save", save])
     _assert_nothing_written(save)
+
+
+def _export_with_bad_config(hf_dir, out_dir):
+    """Export at TP 2 x PP 2 a model whose config disagrees with its source config.json: rank 0
+    fails before writing; every rank must raise (no hang) and nothing may be left behind."""
+    import dataclasses
+
+    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
+                                     load_hf_weights)
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    initialize_distributed(parallel)
+    set_seed(0)
+    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
+                                                   transformer_impl="local"))
+    chunks = build_model_chunks(cfg, parallel)
+    load_hf_weights(chunks, cfg, hf_dir)
+    try:
+        export_hf(chunks, dataclasses.replace(cfg, norm_epsilon=0.5), out_dir)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_failed_export_raises_on_every_rank_and_writes_nothing(llama_dir, tmp_path):
+    out = str(tmp_path / "exported")
+    errors = run_ranks(_export_with_bad_config, world_size=4, timeout=120, hf_dir=llama_dir,
+                       out_dir=out)
+    assert all(e is not None and "norm_epsilon" in e for e in errors), errors
+    assert os.listdir(tmp_path) == ["hf"]

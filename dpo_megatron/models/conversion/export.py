@@ -11,6 +11,7 @@ raises together.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Iterator
@@ -79,10 +80,15 @@ class _StageReceiver:
     the stage's sender delivers it. :meth:`drain` receives whatever is still pending after a
     failure, so no sender stays blocked."""
 
-    def __init__(self, chunks, cfg: ModelConfig, dtype: torch.dtype):
-        self.chunks, self.cfg, self.dtype = chunks, cfg, dtype
+    def __init__(self):
         self.pending = dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())[1:]
+        self.own: list[tuple[str, torch.Tensor]] = []
+
+    def collect_own(self, chunks, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        """Stage 0's tensors, gathered before writing starts: its TP all-gathers must complete
+        even if writing then fails."""
+        self.own = stage_hf_tensors(chunks, cfg, dtype)
 
     def _receive(self, src: int):
         box = [None]
@@ -90,7 +96,8 @@ class _StageReceiver:
         return box[0]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from stage_hf_tensors(self.chunks, self.cfg, self.dtype)
+        yield from self.own
+        self.own = []
         while self.pending:
             src = self.pending.pop(0)
             status, payload = self._receive(src)
@@ -125,8 +132,9 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
               and parallel_state.get_data_parallel_rank() == 0)
     error = None
     if is_rank0:
-        receiver = _StageReceiver(chunks, model_cfg, torch_dtype)
+        receiver = _StageReceiver()
         try:
+            receiver.collect_own(chunks, model_cfg, torch_dtype)
             _write_folder(receiver.tensors(), model_cfg, out_dir, dtype,
                           tokenizer_dir or model_cfg.hf_path, max_shard_bytes)
         except Exception as exc:  # reported to every rank below
@@ -153,8 +161,6 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
 def _write_folder(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str,
                   dtype: str, tokenizer_dir: str, max_shard_bytes: int) -> None:
     """Rank 0's part of :func:`export_hf`: everything into ``<out_dir>.tmp-<pid>``, then rename."""
-    import json
-
     out_dir = os.path.abspath(out_dir)
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
