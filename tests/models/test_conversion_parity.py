@@ -155,3 +155,39 @@ def test_gpt2_original_file_layout(tmp_path):
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     exported = _load_all(str(tmp_path / "out"))
     assert torch.equal(exported["transformer.h.3.mlp.c_fc.weight"], tensors["h.3.mlp.c_fc.weight"])
+
+
+def _count_read_elements(hf_dir, tp, pp):
+    """Import at TP x PP, counting the tensor elements this rank reads from the files."""
+    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
+                                     model_config_from_hf)
+    from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    counted = [0]
+    original = HFCheckpointReader.read
+
+    def counting_read(self, *args, **kwargs):
+        tensor = original(self, *args, **kwargs)
+        counted[0] += tensor.numel()
+        return tensor
+
+    HFCheckpointReader.read = counting_read  # this forked rank only
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    initialize_distributed(parallel)
+    set_seed(0)
+    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
+                                                   transformer_impl="local"))
+    load_hf_weights(build_model_chunks(cfg, parallel), cfg, hf_dir)
+    return counted[0]
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_slices(tmp_path):
+    """At TP 2 x PP 2 no rank reads more than about a quarter of the model (its layers' TP
+    slices plus replicated norms); together the ranks read each element once per owner."""
+    hf_dir = save_tiny_hf_folder("llama", str(tmp_path / "hf"))
+    total = sum(t.numel() for t in _load_all(hf_dir).values())
+    counts = run_ranks(_count_read_elements, world_size=4, hf_dir=hf_dir, tp=2, pp=2)
+    assert max(counts) < 0.3 * total, (counts, total)
+    assert sum(counts) < 1.01 * total, (counts, total)
