@@ -159,6 +159,12 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # gloo matches point-to-point messages between two ranks in posting order. Batched p2p
+        # posts [send_prev, recv_prev, send_next, recv_next] on every rank, so with interleaved
+        # (virtual) pipelining at PP 2, where the previous and the next rank are the same peer, an
+        # activation lands in a gradient buffer of the same shape: silently wrong numbers. The
+        # unbatched path orders sends and receives by rank parity, which pairs them correctly.
+        batch_p2p_comm=torch.cuda.is_available(),
         # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
         calculate_per_token_loss=True,
         recompute_granularity=model.recompute_granularity,
@@ -246,3 +252,48 @@ def rotary_position_ids(model, position_ids: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         del rope.forward
+
+
+@contextlib.contextmanager
+def output_positions(model, index: torch.Tensor) -> Iterator[None]:
+    """Within the block, the last stage's output layer projects only the positions ``index``.
+
+    DPO scores completion tokens only; prompt and padding logits are never used. Projecting
+    just the scored hidden states skips their share of the vocabulary matmul and never builds a
+    [tokens, V/TP] logits tensor for them (the same idea as TRL's fused LM head).
+
+    Args:
+        index: [n] int64 flat positions into the [b, s] input (row-major: ``i * s + t``).
+
+    While active, the chunk's output on the last stage is [1, n, V/TP] logits of those
+    positions, in ``index`` order. Under sequence parallelism the hidden states are all-gathered
+    along the sequence first and the layer runs as without it: its input copy all-reduces the
+    input gradient over TP, so the gather's backward only splits (no second reduction).
+    Chunks without an output layer (not the last stage) are left alone.
+    """
+    module = getattr(model, "module", model)  # DDP wrapper
+    layer = getattr(module, "output_layer", None) if getattr(module, "post_process", False) \
+        else None
+    if layer is None:
+        yield
+        return
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    original = layer.forward
+    sequence_parallel = layer.sequence_parallel
+
+    def selected(hidden_states, *args, **kwargs):  # [s(/tp), b, h] -> [n, 1, V/TP]
+        if sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
+        s, b, h = hidden_states.shape
+        picked = hidden_states.transpose(0, 1).reshape(b * s, h).index_select(0, index)
+        return original(picked.unsqueeze(1), *args, **kwargs)
+
+    layer.forward = selected
+    layer.sequence_parallel = False  # the gather above replaced the layer's own
+    try:
+        yield
+    finally:
+        layer.sequence_parallel = sequence_parallel
+        del layer.forward

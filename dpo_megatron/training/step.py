@@ -26,8 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from dpo_megatron.data.packing import unpack_token_values
-from dpo_megatron.models.gpt import rotary_position_ids
+from dpo_megatron.models.gpt import output_positions, rotary_position_ids
 from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
 
 MicroBatch = dict[str, torch.Tensor]
@@ -55,27 +54,43 @@ class StepOutput:
     per_pair: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _scored_positions(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions of the scored (completion) tokens: (in the model's [rows, L] input, in the
+    padded [2B, S] layout). Equal unless the batch is packed."""
+    flat = torch.nonzero(batch["loss_mask"].reshape(-1)).squeeze(1)
+    if "unpack_index" in batch:
+        return batch["unpack_index"].reshape(-1)[flat], flat
+    return flat, flat
+
+
 def _model_forward(model, batch: MicroBatch) -> torch.Tensor:
-    """Output of one chunk: hidden states to send on, or [rows, S, V/TP] logits on the last stage.
+    """Output of one chunk: hidden states to send on, or on the last stage [1, n, V/TP] logits of
+    the n scored positions only (``models.gpt.output_positions``: prompt and padding positions
+    are never projected onto the vocabulary).
 
     A packed batch (``dpo_megatron.data.packing``) brings its block-diagonal causal
     ``attention_mask`` and per-sequence positions; a padded one uses the built-in causal mask.
     """
-    if "attention_mask" in batch:
-        with rotary_position_ids(model, batch["position_ids"]):
-            return model(batch["tokens"], batch["position_ids"],
-                         attention_mask=batch["attention_mask"])
-    return model(batch["tokens"], batch["position_ids"], attention_mask=None)
+    with output_positions(model, _scored_positions(batch)[0]):
+        if "attention_mask" in batch:
+            with rotary_position_ids(model, batch["position_ids"]):
+                return model(batch["tokens"], batch["position_ids"],
+                             attention_mask=batch["attention_mask"])
+        return model(batch["tokens"], batch["position_ids"], attention_mask=None)
 
 
-def _unpacked(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """Per-token values in the padded [2B, S] layout (a gather when the batch is packed)."""
-    return unpack_token_values(values, batch["unpack_index"]) if "unpack_index" in batch else values
+def _to_padded_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """[n] values of the scored positions -> [2B, S] (zero elsewhere); differentiable."""
+    flat = _scored_positions(batch)[1]
+    mask = batch["loss_mask"]
+    return values.new_zeros(mask.numel()).index_put((flat,), values.reshape(-1)).view(mask.shape)
 
 
 def _token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """[2B, S] log p(label_t), zero on prompt and padding positions (nats)."""
-    return _unpacked(vocab_parallel_token_logps(logits, batch["labels"]), batch) * batch["loss_mask"]
+    labels = batch["labels"].reshape(-1)[_scored_positions(batch)[0]]
+    logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), labels)
+    return _to_padded_layout(logps, batch) * batch["loss_mask"]
 
 
 def _reference_forward_step(data_iterator, model):
@@ -91,7 +106,7 @@ def _reference_forward_step(data_iterator, model):
 def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
     policy_token_logps = _token_logps(logits, batch)
-    log_sum_p2 = (_unpacked(vocab_parallel_log_sum_p2(logits), batch)
+    log_sum_p2 = (_to_padded_layout(vocab_parallel_log_sum_p2(logits), batch)
                   if getattr(loss_fn, "needs_token_log_sum_p2", False) else None)
     # A loss that reads no rejected completion (``sft``) is given chosen rows only
     # (``training.sft.build_sft_micro_batches``): B rows, not 2B.
