@@ -1,0 +1,119 @@
+"""The benchmark scripts: their arithmetic by hand, and tiny end-to-end runs (slow)."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench_dpo")
+gpu = _load("gpu_bench")
+
+
+def test_summarize_by_hand():
+    steps = [  # step 0 is warm-up and left out
+        {"wall_s": 9.0, "cpu_s": 9.0, "real_tokens": 1, "computed_tokens": 1, "loss": 0.7},
+        {"wall_s": 2.0, "cpu_s": 1.0, "real_tokens": 300, "computed_tokens": 400, "loss": 0.6},
+        {"wall_s": 4.0, "cpu_s": 2.0, "real_tokens": 300, "computed_tokens": 400, "loss": 0.5},
+    ]
+    s = bench.summarize(steps, warmup=1)
+    assert s["timed_steps"] == 2
+    assert s["step_time_median_s"] == 3.0
+    assert s["real_tokens_per_s"] == 600 / 6.0
+    assert s["real_tokens_per_cpu_s"] == 600 / 3.0
+    assert s["padded_fraction"] == 0.25
+    assert s["losses"] == [0.7, 0.6, 0.5]
+
+
+def test_ratios_and_markdown():
+    row = {"real_tokens_per_s": 30.0, "real_tokens_per_cpu_s": 40.0, "step_time_median_s": 2.0,
+           "peak_rss_bytes": 2**30, "padded_fraction": 0.1, "precompute_s": 0.0,
+           "step0": {"loss": 0.6931, "logps/chosen": -10.0}, "losses": [0.6931]}
+    trl = dict(row, real_tokens_per_s=20.0, real_tokens_per_cpu_s=10.0, step_time_median_s=4.0,
+               peak_rss_bytes=2**31, step0={"loss": 0.6932, "logps/chosen": -10.0})
+    q = bench.ratios(row, trl)
+    assert q["real_tokens_per_s"] == 1.5 and q["real_tokens_per_cpu_s"] == 4.0
+    assert q["step_time_median"] == 0.5 and q["peak_rss"] == 0.5
+    assert abs(q["step0_loss_abs_diff"] - 1e-4) < 1e-12
+    text = bench.markdown({"results": {"m": {"trl": trl, "engine": row}}})
+    assert "| engine | 1.50x | 4.00x | 0.50x | 0.50x | 1.0e-04 |" in text
+
+
+def test_forward_flops_llama_1b_by_hand():
+    # q, o: 2048^2 each; k, v: 2048 x 512 each; SwiGLU 3 x 2048 x 8192 -> 60,817,408 per layer.
+    per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192
+    assert per_layer == 60_817_408
+    weights = 16 * per_layer + 2048 * 128256  # + LM head (tied) = 1,235,746,816
+    assert weights == 1_235_746_816
+    got = gpu.forward_flops_per_token(16, 2048, 8192, 32, 8, 128256, context=0)
+    assert got == 2 * weights
+    with_attention = gpu.forward_flops_per_token(16, 2048, 8192, 32, 8, 128256, context=512)
+    assert with_attention - got == 4 * 16 * 2048 * 512
+
+
+def test_peak_lookup():
+    assert gpu.peak_tflops("NVIDIA H200", 0) == 989.0
+    assert gpu.peak_tflops("NVIDIA A100-SXM4-80GB", 0) == 312.0
+    assert gpu.peak_tflops("anything", 123.0) == 123.0
+    assert math.isnan(gpu.peak_tflops("Unknown GPU", 0))
+
+
+@pytest.mark.slow
+def test_gpu_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "g.json"
+    assert gpu.main(["--allow-cpu", "--tiny", "--steps", "2", "--warmup", "1",
+                     "--global-batch-size", "2", "--micro-batch-size", "1",
+                     "--max-length", "64", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert abs(result["step0_loss"] - math.log(2)) < 1e-6
+    assert result["real_tokens_per_s"] > 0
+
+
+def _tiny_hf_model(folder: Path) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpo_megatron import assets
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=2048, attention_dropout=0.0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for f in assets.ensure_smollm2().iterdir():  # the tokenizer files TRL loads
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            (folder / f.name).write_bytes(f.read_bytes())
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install -e .[bench]")
+def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
+    """Both engines on the same tiny Llama and the same real pairs: same loss at every step."""
+    path = _tiny_hf_model(tmp_path / "tiny")
+    spec = {"steps": 3, "warmup": 1, "pairs_per_step": 2, "micro_batch_size": 2,
+            "max_length": 256, "max_prompt_length": 128, "beta": 0.1, "lr": 1e-3, "seed": 1,
+            "threads": 1, "recompute": "", "pairs": 6, "model": "tiny", "model_path": path}
+    trl = bench._child({**spec, "run": "trl"})
+    engine = bench._child({**spec, "run": "engine+packing"})
+    assert abs(trl["step0"]["loss"] - math.log(2)) < 1e-6
+    assert abs(engine["step0"]["loss"] - math.log(2)) < 1e-6
+    assert abs(engine["step0"]["logps/chosen"] - trl["step0"]["logps/chosen"]) < 1e-4 * abs(
+        trl["step0"]["logps/chosen"])
+    for a, b in zip(engine["losses"], trl["losses"], strict=True):
+        assert abs(a - b) < 1e-4
+    assert engine["padded_fraction"] < trl["padded_fraction"]
