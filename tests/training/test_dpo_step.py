@@ -1,7 +1,9 @@
 """The DPO step at every parallel layout: ln 2 at step 0 and identical numbers everywhere.
 
 Weights come from one distributed checkpoint written at TP 1 x PP 1 and loaded at each layout
-(megatron-core reshards), so every layout starts from the same model.
+(megatron-core reshards), so every layout starts from the same model. The interleaved (virtual)
+pipeline at PP 2 is included: it is where gloo's in-order p2p matching once silently swapped
+activations and gradients.
 """
 
 import math
@@ -14,13 +16,14 @@ from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = [  # (TP, PP, DP, sequence_parallel)
-    (1, 1, 1, False),
-    (2, 1, 1, True),
-    (1, 2, 1, False),
-    (1, 1, 2, False),
-    (2, 2, 1, False),
-    (2, 2, 2, True),
+LAYOUTS = [  # (TP, PP, DP, sequence_parallel, virtual pipeline stages)
+    (1, 1, 1, False, None),
+    (2, 1, 1, True, None),
+    (1, 2, 1, False, None),
+    (1, 2, 1, False, 2),
+    (1, 1, 2, False, None),
+    (2, 2, 1, False, None),
+    (2, 2, 2, True, None),
 ]
 GLOBAL_PAIRS = 8
 VOCAB = 256
@@ -44,21 +47,20 @@ def _model_config():
 
 
 def _save_initial(ckpt_dir):
-    from megatron.core import dist_checkpointing
-
+    from dpo_megatron.checkpointing import save_model_checkpoint
     from dpo_megatron.models import build_model_chunks
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     parallel = ParallelConfig()
     initialize_distributed(parallel)
     set_seed(3)
-    chunk = build_model_chunks(_model_config(), parallel)[0]
-    dist_checkpointing.save(chunk.sharded_state_dict(), ckpt_dir)
+    save_model_checkpoint(build_model_chunks(_model_config(), parallel), ckpt_dir)
 
 
-def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, steps=2, loss=None):
-    from megatron.core import dist_checkpointing
+def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, vpp=None, steps=2, loss=None):
     from megatron.core import parallel_state as ps
+
+    from dpo_megatron.checkpointing import load_model_checkpoint
 
     from dpo_megatron.losses import build_loss
     from dpo_megatron.models import build_model_chunks
@@ -69,12 +71,11 @@ def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, steps=2, loss=None):
     from dpo_megatron.training.step import train_step
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              sequence_parallel=sp)
+                              sequence_parallel=sp, virtual_pipeline_model_parallel_size=vpp)
     initialize_distributed(parallel)
     set_seed(11)
     policy = build_model_chunks(_model_config(), parallel)
-    state = dist_checkpointing.load(policy[0].sharded_state_dict(), ckpt_dir)
-    policy[0].load_state_dict(state)
+    load_model_checkpoint(policy, ckpt_dir)
     reference = freeze(build_model_chunks(_model_config(), parallel))
     copy_weights(policy, reference)
     policy = wrap_ddp(policy, use_distributed_optimizer=True)
@@ -104,7 +105,7 @@ def _per_pair(results, step, key):
 
 @pytest.fixture(scope="module")
 def initial_checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("init_ckpt"))
+    path = str(tmp_path_factory.mktemp("init") / "ckpt")
     run_ranks(_save_initial, world_size=1, ckpt_dir=path)
     return path
 
@@ -119,10 +120,10 @@ def _rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("tp, pp, dp, sp", LAYOUTS)
-def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, dp, sp):
+@pytest.mark.parametrize("tp, pp, dp, sp, vpp", LAYOUTS)
+def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, dp, sp, vpp):
     results = run_ranks(_run_layout, world_size=tp * pp * dp, ckpt_dir=initial_checkpoint,
-                        tp=tp, pp=pp, sp=sp, micro_batch_size=2)
+                        tp=tp, pp=pp, sp=sp, vpp=vpp, micro_batch_size=2)
     step0 = results[0]["history"][0]["metrics"]
     # Step 0, policy == reference: loss exactly ln 2, zero rewards, zero (strict) accuracy.
     assert abs(step0["loss"] - math.log(2)) < 1e-5
