@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -241,6 +242,22 @@ def _full_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
+def _use_in_process_results_queue() -> None:
+    """Let megatron-core's synchronous ``torch_dist`` save report results through a plain queue.
+
+    Its writer hands write results to the caller through a queue that it creates, once per
+    process, from a ``multiprocessing`` Manager started with the *spawn* method: a new Python
+    process that re-imports the entry module (torch, megatron-core: seconds per rank, and a hang
+    when the entry script lacks a ``__main__`` guard). In a synchronous save the producer is the
+    saving process itself, so an in-process queue does the same job. Async saves (not used here)
+    would need the Manager.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state: dict,
                              model_cfg=None) -> None:
     """Write a training checkpoint at ``ckpt_dir`` atomically (collective: every rank calls it).
@@ -262,6 +279,7 @@ def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
+    _use_in_process_results_queue()
     dist_checkpointing.save(_full_state_dict(chunks, optimizer, is_loading=False), tmp)
     if rank == 0:
         os.makedirs(os.path.join(tmp, RNG_DIR))

@@ -23,7 +23,6 @@ from megatron.core import parallel_state
 
 from dpo_megatron.training.step import (
     MicroBatch,
-    _model_forward,
     _run_schedule,
     _share_from_last_stage,
     dpo_forward_backward,
@@ -123,7 +122,8 @@ def greedy_generate(chunks: list, prompts: Sequence[Sequence[int]], max_new_toke
                 picked.append(vocab_parallel_argmax(last, vocab_size))
                 return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
-            return _model_forward(model, b), pick
+            # Plain causal forward: right padding does not reach the positions read here.
+            return model(b["tokens"], b["position_ids"], attention_mask=None), pick
 
         _run_schedule(forward_step, chunks, [batch], seq_length, True)
         next_ids = _share_from_last_stage(picked[0].tolist() if picked else None)

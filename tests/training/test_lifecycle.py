@@ -91,19 +91,18 @@ def read_metrics(run_dir, split: str = "train") -> dict[int, dict]:
 
 
 def model_tensors(ckpt_dir) -> dict:
-    """The model tensors of a checkpoint, unsharded (``optimizer.`` keys left out)."""
-    return run_ranks(_plain_tensors, world_size=1, ckpt_dir=str(ckpt_dir))[0]
+    """The model tensors of a checkpoint, unsharded (optimizer state and extra states left
+    out); read with torch's DCP converter, which needs no process group."""
+    import tempfile
 
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-def _plain_tensors(ckpt_dir):
-    from megatron.core import dist_checkpointing
-
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed
-
-    initialize_distributed(ParallelConfig())
-    # numpy arrays travel back through the pipe by value (torch tensors by shared memory).
-    return {k: v.numpy() for k, v in dist_checkpointing.load_plain_tensors(ckpt_dir).items()
-            if not k.startswith("optimizer")}
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(ckpt_dir), os.path.join(tmp, "state.pt"))
+        state = torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
+    return {k: v.numpy() for k, v in state.items()
+            if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:

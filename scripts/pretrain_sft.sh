@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Launch the SFT stage (loss.name=sft: per-token NLL of the completion tokens) through the same
+# engine and launcher as DPO.
+#
+#   scripts/pretrain_sft.sh [--config FILE] [key=value ...]
+#
+# With no --config: configs/sft_smollm2_cpu.yaml (SmolLM2-135M-Instruct on the real alpaca_en_demo
+# instructions, TP 2 x PP 2 on CPU/gloo). Then DPO from its checkpoint:
+#   scripts/pretrain_dpo.sh model.load=runs/sft_smollm2_cpu/checkpoints
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export DPO_MEGATRON_DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/sft_smollm2_cpu.yaml}"
+exec bash "$ROOT/scripts/pretrain_dpo.sh" "$@"

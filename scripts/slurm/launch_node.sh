@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One node's share of a multi-node training job: torchrun with this node's rank, rendezvous on the
+# job's first node. srun runs it once per node (scripts/slurm/job.sh does that):
+#
+#   srun --ntasks-per-node=1 bash scripts/slurm/launch_node.sh [--config FILE] [key=value ...]
+#
+# Reads (SLURM sets the first three):
+#   SLURM_NNODES, SLURM_NODEID       nodes in the job, this node's index (0 = rendezvous host)
+#   SLURM_JOB_NODELIST               the rendezvous host is its first name (scontrol show hostnames)
+#   MASTER_ADDR, MASTER_PORT         override the rendezvous host / port (default port 29500 +
+#                                    SLURM_JOB_ID % 1000, so jobs sharing a node do not collide)
+#   GPUS_PER_NODE                    processes per node (default SLURM_GPUS_ON_NODE, else the
+#                                    number of visible GPUs, else 1)
+#   DPO_MEGATRON_ENTRY               python module to run (default dpo_megatron.train)
+#   DPO_MEGATRON_DEFAULT_CONFIG      config used when no --config is given
+# Global rank = node index x GPUS_PER_NODE + local rank (torchrun's static rendezvous), so a job
+# of N nodes x G GPUs has the same rank layout as one machine with N x G processes.
+set -euo pipefail
+ROOT="${DPO_MEGATRON_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.train}"
+DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/dpo_smollm2_cpu.yaml}"
+if [[ -n "${PYTHON:-}" ]]; then :
+elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
+else PYTHON=python3; fi
+
+NNODES="${SLURM_NNODES:?SLURM_NNODES is not set: run under srun (scripts/slurm/*.sbatch)}"
+NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set: run under srun (scripts/slurm/*.sbatch)}"
+if [[ -z "${MASTER_ADDR:-}" ]]; then
+  MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n 1)"
+fi
+MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then
+  if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then GPUS_PER_NODE="$SLURM_GPUS_ON_NODE"
+  elif command -v nvidia-smi >/dev/null 2>&1; then GPUS_PER_NODE="$(nvidia-smi -L | wc -l)"
+  else GPUS_PER_NODE=1; fi
+fi
+
+args=("$@")
+has_config=0
+for a in "${args[@]+"${args[@]}"}"; do [[ "$a" == "--config" || "$a" == --config=* ]] && has_config=1; done
+if [[ $has_config == 0 ]]; then args=(--config "$DEFAULT_CONFIG" "${args[@]+"${args[@]}"}"); fi
+
+# NCCL / threads: conservative defaults, every one overridable from the job's environment.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # megatron-core TP overlap
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # fail, not hang
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA in the sbatch file when the cluster needs them.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "node $NODE_RANK/$NNODES on $(hostname): $GPUS_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
+exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" \
+  --nproc-per-node="$GPUS_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
+  -m "$ENTRY" "${args[@]}"

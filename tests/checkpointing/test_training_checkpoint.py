@@ -1,0 +1,69 @@
+"""Finding, choosing and pruning training checkpoints (no model: folders and files only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dpo_megatron.checkpointing.training_checkpoint import (
+    checkpoint_name,
+    find_latest_checkpoint,
+    is_complete_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    resolve_resume,
+)
+
+
+def _fake_checkpoint(folder, complete: bool = True):
+    folder.mkdir(parents=True)
+    (folder / "metadata.json").write_text("{}")
+    if complete:
+        (folder / "train_state.json").write_text(json.dumps({"step": 1}))
+    return folder
+
+
+@pytest.fixture
+def save_dir(tmp_path):
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path / checkpoint_name(step))
+    _fake_checkpoint(tmp_path / "iter_0000008.tmp")  # killed while saving (renamed last)
+    _fake_checkpoint(tmp_path / "iter_0000010", complete=False)  # no train_state.json
+    (tmp_path / "hf").mkdir()
+    return tmp_path
+
+
+def test_checkpoint_name():
+    assert checkpoint_name(0) == "iter_0000000"
+    assert checkpoint_name(1234) == "iter_0001234"
+
+
+def test_only_complete_checkpoints_count(save_dir):
+    assert [step for step, _ in list_checkpoints(str(save_dir))] == [2, 4, 6]
+    assert find_latest_checkpoint(str(save_dir)) == str(save_dir / "iter_0000006")
+    assert is_complete_checkpoint(str(save_dir / "iter_0000004"))
+    assert not is_complete_checkpoint(str(save_dir / "iter_0000008.tmp"))
+    assert not is_complete_checkpoint(str(save_dir / "iter_0000010"))
+    assert list_checkpoints(str(save_dir / "missing")) == []
+
+
+def test_resolve_resume(save_dir, tmp_path_factory):
+    latest = str(save_dir / "iter_0000006")
+    assert resolve_resume("none", str(save_dir)) is None
+    assert resolve_resume("", str(save_dir)) is None
+    assert resolve_resume("auto", str(save_dir)) == latest
+    assert resolve_resume("auto", str(tmp_path_factory.mktemp("empty"))) is None
+    assert resolve_resume(str(save_dir), "unused") == latest  # a folder of checkpoints
+    explicit = str(save_dir / "iter_0000002")
+    assert resolve_resume(explicit, "unused") == explicit
+    with pytest.raises(FileNotFoundError, match="no complete training checkpoint"):
+        resolve_resume(str(save_dir / "iter_0000010"), "unused")
+
+
+def test_prune_keeps_the_newest(save_dir):
+    removed = prune_checkpoints(str(save_dir), keep_last_n=2)
+    assert removed == [str(save_dir / "iter_0000002")]
+    assert [s for s, _ in list_checkpoints(str(save_dir))] == [4, 6]
+    assert prune_checkpoints(str(save_dir), keep_last_n=0) == []  # 0 keeps everything
+    assert (save_dir / "iter_0000010").exists()  # incomplete folders are not counted or removed

@@ -1,0 +1,57 @@
+"""The rank-0 progress line, metrics.jsonl on resume, and optional W&B."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from dpo_megatron.training.metrics_log import (
+    LoggingConfig,
+    MetricsLogger,
+    format_duration,
+    truncate_metrics,
+)
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0, 59.4, 75, 3599, 3725)] == \
+        ["0s", "59s", "1m15s", "59m59s", "1h02m"]
+
+
+def test_progress_line(tmp_path, monkeypatch):
+    logger = MetricsLogger(str(tmp_path), total_steps=10, config=LoggingConfig(tensorboard=False),
+                           start_step=4)
+    monkeypatch.setattr("time.time", lambda: logger.start + 20.0)  # 2 steps done in 20 s
+    line = logger.line(6, "train", {
+        "loss": 0.6931471805599453, "rewards/accuracies": 0.75, "rewards/margins": 0.0123456,
+        "grad_norm": 1.23456, "lr": 1e-5, "tokens_per_s": 1234.4, "step_time_s": 10.0,
+        "skipped_steps": 1})
+    assert line == ("[train] step 6/10 | loss 0.6931 | acc 0.7500 | margin 0.0123 | "
+                    "grad_norm 1.235 | lr 1.00e-05 | tokens/s 1234 | step 10.00s | skipped 1 | "
+                    "elapsed 20s eta 40s")
+    logger.close()
+
+
+def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "split": "train", "loss": s}) + "\n"
+                            for s in (1, 2, 3, 4)))
+    assert truncate_metrics(str(path), 2) == 2
+    logger = MetricsLogger(str(tmp_path), total_steps=4, config=LoggingConfig(tensorboard=False),
+                           start_step=2)
+    logger.log(3, "train", {"loss": 30.0}, {"lr": 0.1})
+    logger.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 1), (2, 2), (3, 30.0)]
+    assert records[-1] == {"step": 3, "split": "train", "loss": 30.0, "lr": 0.1}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_configured_but_missing_warns(tmp_path):
+    with pytest.warns(UserWarning, match="wandb package is not installed"):
+        logger = MetricsLogger(str(tmp_path), 2, LoggingConfig(tensorboard=False,
+                                                               wandb_project="p"))
+    assert logger.wandb is None
+    logger.close()
