@@ -215,14 +215,38 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[GPT
             parallel_output=True,
             share_embeddings_and_output_weights=model.tie_word_embeddings,
             position_embedding_type=model.position_embedding_type,
-            rotary_base=int(model.rotary_base),
+            rotary_base=model.rotary_base,  # typed int upstream; RoPE accepts any float theta
             rope_scaling=model.rope_scaling_factor is not None,
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
             seq_len_interpolation_factor=model.rope_linear_scaling_factor,
             vp_stage=stage,
         )
+        if chunk.post_process and vocab > model.vocab_size:
+            _mask_vocab_padding(chunk.output_layer, model.vocab_size, vocab)
         chunks.append(chunk)
     return chunks
+
+
+def _mask_vocab_padding(output_layer: torch.nn.Module, vocab_size: int, padded: int) -> None:
+    """Give the padding columns of the vocabulary a logit of -inf.
+
+    Padding rows of the output weight are zero, so without this every padding id would get logit
+    0 and a share of the softmax: log-probs would differ from the unpadded (HF) model. With -inf
+    they get probability exactly 0 and zero gradient. Applied as a forward hook, so it holds for
+    every caller of the output layer (training, evaluation, sampling).
+    """
+    shard = padded // parallel_state.get_tensor_model_parallel_world_size()
+    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    first_pad = max(vocab_size - start, 0)  # local column of the first padding id
+    if first_pad >= shard:
+        return  # this TP rank holds real tokens only
+
+    def hook(module, inputs, output):
+        logits, bias = output
+        pad = torch.arange(first_pad, shard, device=logits.device)
+        return logits.index_fill(-1, pad, float("-inf")), bias
+
+    output_layer.register_forward_hook(hook)
 
 
 @contextlib.contextmanager

@@ -60,7 +60,9 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
             sum_exp = _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
             lse[s:s + chunk_tokens] = m + sum_exp.log()
             target = z.gather(-1, local[s:s + chunk_tokens, None]).squeeze(-1)
-            target = _all_reduce(target * owned[s:s + chunk_tokens], dist.ReduceOp.SUM, group)
+            # where, not multiply: an unowned target's clamped index may be a -inf padding column.
+            target = torch.where(owned[s:s + chunk_tokens], target, 0.0)
+            target = _all_reduce(target, dist.ReduceOp.SUM, group)
             logps[s:s + chunk_tokens] = target - lse[s:s + chunk_tokens]
         ctx.save_for_backward(logits, local, owned, lse)
         ctx.chunk_tokens = chunk_tokens

@@ -41,3 +41,38 @@ def test_transformer_config_fields():
     (49152, 1, 2, 49152), (50257, 1, 2, 50258), (50257, 128, 2, 50432), (100, 1, 1, 100)])
 def test_padded_vocab_size(vocab, mult, tp, expected):
     assert padded_vocab_size(vocab, mult, tp) == expected
+
+
+def _padded_vocab_logits(tp):
+    import torch
+
+    from dpo_megatron.models import build_model_chunks
+    from dpo_megatron.parallel import initialize_distributed, set_seed
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp)
+    initialize_distributed(parallel)
+    set_seed(0)
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                      vocab_size=250, make_vocab_size_divisible_by=64)
+    chunk = build_model_chunks(cfg, parallel)[0]
+    tokens = torch.randint(0, 250, (2, 6))
+    logits = chunk(tokens, torch.arange(6).expand(2, 6), attention_mask=None)
+    logits.logsumexp(-1).sum().backward()  # -inf columns must not poison the gradient
+    finite_grads = all(torch.isfinite(p.grad).all() for p in chunk.parameters()
+                       if p.grad is not None)
+    return logits.detach(), finite_grads
+
+
+@pytest.mark.slow
+def test_vocab_padding_columns_get_minus_inf_logits():
+    import torch
+
+    from tests.multirank import run_ranks
+
+    (single, ok1), = run_ranks(_padded_vocab_logits, world_size=1, tp=1)
+    assert single.shape[-1] == 256 and ok1
+    assert torch.isinf(single[..., 250:]).all() and torch.isfinite(single[..., :250]).all()
+    shards = run_ranks(_padded_vocab_logits, world_size=2, tp=2)  # 2 x 128: pad on rank 1 only
+    assert torch.isfinite(shards[0][0]).all() and shards[0][1] and shards[1][1]
+    assert torch.isinf(shards[1][0][..., 250 - 128:]).all()
+    assert torch.isfinite(shards[1][0][..., :250 - 128]).all()

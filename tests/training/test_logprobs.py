@@ -87,3 +87,44 @@ def test_tp2_and_tp3_equal_full_vocabulary():
             torch.testing.assert_close(
                 grad, expected_grad[..., rank * shard:(rank + 1) * shard], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(lsp2, (p ** 2).sum(-1).log(), rtol=1e-6, atol=1e-6)
+
+
+def test_minus_inf_padding_columns_are_excluded_exactly():
+    """Padding ids carry -inf logits (models.gpt); targets outside this shard must stay finite."""
+    logits, labels = _full_logits()
+    padded = torch.cat([logits, torch.full((2, 5, 4), float("-inf"))], dim=-1)
+    x = padded.clone().requires_grad_(True)
+    out = vocab_parallel_token_logps(x, labels, group=None)
+    out.sum().backward()
+    expected, expected_grad = _reference(logits, labels)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(x.grad).all() and (x.grad[..., 12:] == 0).all()
+
+
+def _tp2_with_padding():
+    import torch.distributed as dist
+
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed
+
+    initialize_distributed(ParallelConfig(tensor_model_parallel_size=2))
+    logits, labels = _full_logits()  # 12 real ids; padded to 16: rank 1 holds ids 8..11 + 4 pads
+    padded = torch.cat([logits, torch.full((2, 5, 4), float("-inf"))], dim=-1)
+    rank = dist.get_rank()
+    x = padded[..., rank * 8:(rank + 1) * 8].clone().requires_grad_(True)
+    out = vocab_parallel_token_logps(x, labels)
+    out.sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.slow
+def test_tp2_padding_shard_matches_unpadded_vocabulary():
+    logits, labels = _full_logits()
+    x = logits.clone().requires_grad_(True)
+    expected = torch.log_softmax(x, -1).gather(-1, labels[..., None]).squeeze(-1)
+    expected.sum().backward()
+    results = run_ranks(_tp2_with_padding, world_size=2)
+    for out, _ in results:
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6)
+    grad = torch.cat([g for _, g in results], -1)
+    torch.testing.assert_close(grad[..., :12], x.grad, rtol=1e-6, atol=1e-6)
+    assert (grad[..., 12:] == 0).all()
