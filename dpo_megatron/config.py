@@ -166,6 +166,9 @@ def validate(cfg: DPOConfig) -> None:
                          "randomly initialised model")
     if not isinstance(cfg.loss, dict) or "name" not in cfg.loss:
         raise ValueError("loss.name is required (e.g. loss.name=sigmoid)")
+    from dpo_megatron.losses import build_loss
+
+    build_loss(cfg.loss)  # unknown loss names / parameters fail here, listing the valid ones
     cfg.reference.validate()
     if cfg.packing.enabled and cfg.model.transformer_impl == "transformer_engine":
         raise ValueError("packing.enabled=true builds a block-diagonal attention mask for the "

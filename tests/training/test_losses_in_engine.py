@@ -1,0 +1,113 @@
+"""Every registered loss runs through the pipeline engine, with the same value at every layout.
+
+One TP 2 x PP 2 job and one single-rank job evaluate every loss (forward only) on the same
+batch from the same weights; reference-based losses must give their known step-0 value.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dpo_megatron.losses import LOSSES
+from tests.losses.test_gradients_and_step_zero import STEP_ZERO
+from tests.multirank import run_ranks
+from tests.training import test_dpo_step as engine
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = [{"name": name} for name in sorted(LOSSES)] + [
+    {"name": "sigmoid", "label_smoothing": 0.2},
+    {"name": "sigmoid", "use_weighting": True},
+    {"name": "sigmoid", "ld_alpha": 0.5},
+    {"name": "ipo", "sft_weight": 0.5},
+    {"name": ["sigmoid", "sft"], "weights": [1.0, 0.5]},
+    {"name": "simpo", "cpo_alpha": 1.0},
+]
+
+
+def _evaluate_all(ckpt_dir, tp, pp):
+    from dpo_megatron.checkpointing import load_model_checkpoint
+    from dpo_megatron.losses import build_loss
+    from dpo_megatron.models import build_model_chunks
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+    from dpo_megatron.training.batches import build_micro_batches
+    from dpo_megatron.training.optim import copy_weights, freeze
+    from dpo_megatron.training.step import dpo_forward_backward
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    initialize_distributed(parallel)
+    set_seed(0)
+    policy = build_model_chunks(engine._model_config(), parallel)
+    load_model_checkpoint(policy, ckpt_dir)
+    reference = freeze(build_model_chunks(engine._model_config(), parallel))
+    copy_weights(policy, reference)
+    pairs = engine._pairs()
+    indices = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    out = {}
+    for i, cfg in enumerate(CONFIGS):
+        loss_fn = build_loss(cfg)
+        mbs, seq_length, _ = build_micro_batches(pairs, indices, 0, 8 * tp)
+        if not loss_fn.needs_rejected:  # sft: chosen rows only
+            continue
+        result = dpo_forward_backward(policy, reference if loss_fn.needs_reference else None,
+                                      mbs, seq_length, loss_fn, forward_only=True)
+        out[i] = result.metrics
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("losses") / "ckpt")
+    run_ranks(engine._save_initial, world_size=1, ckpt_dir=ckpt)
+    single = run_ranks(_evaluate_all, world_size=1, ckpt_dir=ckpt, tp=1, pp=1)[0]
+    split = run_ranks(_evaluate_all, world_size=4, ckpt_dir=ckpt, tp=2, pp=2)[0]
+    return single, split
+
+
+def test_every_loss_runs_in_the_engine_at_tp2_pp2_like_single_rank(results):
+    single, split = results
+    assert set(split) == set(single) and len(split) >= len(LOSSES) + 4
+    for i, metrics in split.items():
+        for key, value in metrics.items():
+            want = single[i][key]
+            assert abs(value - want) <= 1e-5 * max(abs(want), 1.0), (CONFIGS[i], key)
+
+
+def test_reference_based_losses_give_their_step_zero_value_in_the_engine(results):
+    _, split = results
+    for i, cfg in enumerate(CONFIGS):
+        name = cfg["name"]
+        if len(cfg) == 1 and name in STEP_ZERO and STEP_ZERO[name] is not None:
+            assert abs(split[i]["loss"] - STEP_ZERO[name]) < 1e-5, name
+            assert split[i]["rewards/margins"] == 0.0, name
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _launch(tmp_path, *overrides):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return subprocess.run(
+        ["bash", "scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+         f"run_dir={tmp_path}", "train.train_iters=1", *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_config_naming_a_loss_trains_with_it_at_tp2_pp2(tmp_path):
+    out = _launch(tmp_path, "loss.name=ipo", "loss.beta=0.1",
+                  "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    loss = float(re.search(r"\[train\] step 1/1 \| loss ([0-9.]+)", out.stdout).group(1))
+    assert loss == pytest.approx(25.0, abs=1e-4)  # IPO at step 0: (0 - 1/(2 beta))^2
+
+
+def test_unknown_loss_or_parameter_fails_at_start_up_with_the_valid_ones(tmp_path):
+    out = _launch(tmp_path, "loss.name=dpoo")
+    assert out.returncode != 0 and "sigmoid" in out.stderr and "dpoo" in out.stderr
+    out = _launch(tmp_path, "loss.name=sigmoid", "loss.gamma=1")
+    assert out.returncode != 0 and "gamma" in out.stderr and "label_smoothing" in out.stderr
