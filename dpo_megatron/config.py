@@ -20,6 +20,10 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from dpo_megatron.runtime_warnings import filter_expected_warnings
+
+filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
+
 from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.models.config import ModelConfig

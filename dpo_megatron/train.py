@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-# megatron-core warns at import about every missing GPU extra; on CPU that is expected.
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TE).*not installed.*")
-warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+from dpo_megatron.runtime_warnings import filter_expected_warnings  # noqa: E402
+
+filter_expected_warnings()  # before megatron-core's import-time warnings
 
 from megatron.core import parallel_state  # noqa: E402
 
