@@ -40,8 +40,10 @@ import torch.distributed as dist
 
 from dpo_megatron.checkpointing.model_checkpoint import (
     MODEL_CONFIG_FILE,
+    _barrier,
     _sharded_state_dict,
     _unwrap,
+    replace_dir,
 )
 
 TRAIN_STATE_FILE = "train_state.json"
@@ -124,11 +126,6 @@ def prune_checkpoints(save_dir: str, keep_last_n: int) -> list[str]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
@@ -293,12 +290,7 @@ def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state
         # train_state.json last: it marks the folder complete (see is_complete_checkpoint).
         with open(os.path.join(tmp, TRAIN_STATE_FILE), "w") as f:
             json.dump(train_state, f, indent=2)
-        old = f"{ckpt_dir}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(ckpt_dir):
-            os.rename(ckpt_dir, old)
-        os.rename(tmp, ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, ckpt_dir)
     _barrier()
 
 

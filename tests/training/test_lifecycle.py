@@ -267,3 +267,13 @@ def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
                     "train.train_iters=1")
     assert abs(read_metrics(dpo_dir)[1]["loss"] - math.log(2)) < 1e-6
     assert dpo["rewards/margins"] == 0.0
+
+
+def test_resume_with_another_optimizer_format_is_a_clear_error(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    run_train(tmp_path, data_file, tok_dir, "train.train_iters=1",
+              "train.use_distributed_optimizer=false")
+    with pytest.raises(RuntimeError, match="saved with train.use_distributed_optimizer=False but "
+                                           "this run has True.*model.load="):
+        run_train(tmp_path / "again", data_file, tok_dir, "train.train_iters=2",
+                  f"checkpoint.resume={tmp_path / 'checkpoints'}")
