@@ -19,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -173,12 +174,51 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
     )
 
 
+class SDPAttention(DotProductAttention):
+    """megatron-core's local core attention, computed by ``torch.nn.functional.
+    scaled_dot_product_attention`` (fused flash / memory-efficient kernels on CPU and GPU).
+
+    Same inputs and output as ``DotProductAttention`` (query [sq, b, np, hn], key / value
+    [sk, b, ng, hn] -> context [sq, b, np * hn]), same math (softmax(q k^T * scale) v, causal or
+    the given mask: True = masked), but the [b, np, sq, sk] scores and probabilities are neither
+    materialised nor kept for backward: on SmolLM2-135M at 8 x 512 tokens that is 150 MB per layer
+    and ~5x less attention time on CPU. Features it does not cover (sliding windows, softmax
+    offsets, query-key layer scaling, attention dropout) fall back to the parent.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        unsupported = (self.scale_mask_softmax.window_size is not None
+                       or self.softmax_offset is not None
+                       or self.config.apply_query_key_layer_scaling
+                       or (self.training and self.attention_dropout.p > 0)
+                       or attention_bias is not None or packed_seq_params is not None)
+        if unsupported:
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
 def _layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
                 ) -> ModuleSpec:
     """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
     if use_transformer_engine(model.transformer_impl):
         return get_gpt_layer_with_transformer_engine_spec()
     layer = get_gpt_layer_local_spec(normalization=model.normalization)
+    if model.local_attention == "sdpa":
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif model.local_attention != "megatron":
+        raise ValueError(f"model.local_attention must be sdpa or megatron, got "
+                         f"{model.local_attention!r}")
     norm = norm_class(model.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
