@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import torch.distributed as dist
+
 from dpo_megatron.checkpointing.training_checkpoint import (
     checkpoint_name,
     current_layout,
@@ -38,8 +40,6 @@ def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn
              model_cfg=None) -> str:
     """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective), then
     delete checkpoints beyond the newest ``keep_last_n``. Returns the checkpoint folder."""
-    import torch.distributed as dist
-
     ckpt_dir = os.path.join(save_dir, checkpoint_name(counters.step))
     train_state = {
         "step": counters.step,
@@ -61,15 +61,34 @@ def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_
                use_distributed_optimizer: bool) -> RunCounters:
     """Load a checkpoint written by :func:`save_run` into the loop's objects (collective).
 
+    The LR schedule continues as saved (megatron-core's behaviour); configured values that
+    differ (e.g. a longer ``train_iters``) are reported on rank 0 and ignored.
+
     Raises:
         ValueError: the checkpoint's data order, loss state or optimizer format does not match
             this run's configuration (the message names the setting).
     """
     state = load_training_checkpoint(ckpt_dir, chunks, optimizer, use_distributed_optimizer)
+    changed = schedule_changes(scheduler.state_dict(), state["scheduler"])
+    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+        # megatron-core's scheduler keeps the checkpoint's schedule (use_checkpoint_opt_param_
+        # scheduler): say so, rather than let a longer train_iters silently keep the old decay.
+        print(f"note: {ckpt_dir} continues its own LR schedule; the config's differs in "
+              f"{changed} (ignored)", flush=True)
     scheduler.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
-    loss_fn.load_state_dict(state["loss"])
+    try:
+        sampler.load_state_dict(state["sampler"])
+        loss_fn.load_state_dict(state["loss"])
+    except ValueError as e:
+        raise ValueError(f"{ckpt_dir}: {e}") from None
     return RunCounters(**state["counters"])
+
+
+def schedule_changes(configured: dict, saved: dict) -> dict:
+    """Scheduler settings (not the step count) whose configured value differs from the saved
+    one: name -> (saved, configured)."""
+    return {k: (saved[k], v) for k, v in configured.items()
+            if k != "num_steps" and k in saved and saved[k] != v}
 
 
 def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]:

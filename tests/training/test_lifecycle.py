@@ -269,7 +269,7 @@ def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
     assert dpo["rewards/margins"] == 0.0
 
 
-def test_resume_with_another_optimizer_format_is_a_clear_error(tmp_path, fixture_files):
+def test_resume_with_another_optimizer_format_or_lr_schedule(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
     run_train(tmp_path, data_file, tok_dir, "train.train_iters=1",
               "train.use_distributed_optimizer=false")
@@ -277,6 +277,13 @@ def test_resume_with_another_optimizer_format_is_a_clear_error(tmp_path, fixture
                                            "this run has True.*model.load="):
         run_train(tmp_path / "again", data_file, tok_dir, "train.train_iters=2",
                   f"checkpoint.resume={tmp_path / 'checkpoints'}")
+    # Training longer: the checkpoint's LR schedule continues (megatron-core keeps it; the run
+    # prints a note): its cosine decay ended at step 2, so step 3 runs at min_lr = 0, not the
+    # 5e-4 a fresh 3-step schedule would give.
+    run_train(tmp_path / "longer", data_file, tok_dir, "train.use_distributed_optimizer=false",
+              "train.train_iters=3", f"checkpoint.resume={tmp_path / 'checkpoints'}")
+    assert read_metrics(tmp_path / "longer")[3]["lr"] == 0.0
+    assert sorted(read_metrics(tmp_path / "longer")) == [2, 3]
 
 
 def _real_data_config(run_dir, data_file, data_format, *overrides):
