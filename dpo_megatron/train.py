@@ -164,9 +164,12 @@ def _step_batches(cfg: DPOConfig, items, micro_batch_indices, pad_id: int, sft: 
 
 def run_evaluation(cfg: DPOConfig, models: Models, loss_fn, items, pad_id: int,
                    sft: bool) -> dict[str, float]:
-    """Forward-only pass over the eval split (or ``train.eval_iters`` batches, in order)."""
-    sampler = _sampler(cfg, len(items), shuffle=False)
+    """Forward-only pass over the eval split (or ``train.eval_iters`` batches, in order) in
+    whole global batches; {} when the split is smaller than one."""
     steps = len(items) // cfg.train.global_batch_size
+    if steps == 0:
+        return {}
+    sampler = _sampler(cfg, len(items), shuffle=False)
     if cfg.train.eval_iters:
         steps = min(steps, cfg.train.eval_iters)
     batches = (_step_batches(cfg, items, sampler.next_step(), pad_id, sft)[:2]
@@ -190,7 +193,12 @@ def eval_samples(cfg: DPOConfig, models: Models, tokenizer, items, pad_id: int) 
 
 def _evaluate_and_log(cfg: DPOConfig, models: Models, loss_fn, tokenizer, items, pad_id: int,
                       sft: bool, step: int, logger: MetricsLogger) -> None:
-    logger.log(step, "eval", run_evaluation(cfg, models, loss_fn, items, pad_id, sft))
+    metrics = run_evaluation(cfg, models, loss_fn, items, pad_id, sft)
+    if metrics:
+        logger.log(step, "eval", metrics)
+    elif is_logging_rank():
+        print(f"[eval] step {step}: {len(items)} eval items < train.global_batch_size="
+              f"{cfg.train.global_batch_size}: no eval metrics", flush=True)
     if cfg.train.sample_during_eval and cfg.train.eval_num_samples > 0:
         records = eval_samples(cfg, models, tokenizer, items, pad_id)
         if is_logging_rank():
