@@ -324,8 +324,8 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
         raise ValueError(
             f"{ckpt_dir} was saved with train.use_distributed_optimizer="
             f"{saved['use_distributed_optimizer']} but this run has {use_distributed_optimizer}: "
-            "megatron-core cannot convert optimizer state between the two formats. Use the same "
-            "setting, or start a new run from the weights only with model.load=" + ckpt_dir)
+            "optimizer state is not converted between the two formats. Use the same setting, "
+            "or start a new run from the weights only with model.load=" + ckpt_dir)
     state = _full_state_dict(chunks, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, ckpt_dir)
     models = [_unwrap(c) for c in chunks]
