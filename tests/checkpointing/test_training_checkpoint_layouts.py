@@ -146,3 +146,44 @@ def test_tp2_pp2_checkpoint_loads_at_tp1(tp2pp2_runs):
     state = json.loads((root / "tp1" / "checkpoints" / "iter_0000004" /
                         "train_state.json").read_text())
     assert state["layout"]["tensor_model_parallel_size"] == 1
+
+
+def _dp2_runs(root, data_file, tok_dir, init):
+    """Data parallel 2 (Adam state sharded over the two ranks): 4 steps straight, and the same
+    run cut after step 2's checkpoint and resumed."""
+    import torch.distributed as dist
+
+    from dpo_megatron.train import train
+
+    layout = ["parallel.data_parallel_size=2", f"model.load={init}"]
+    full, resumed = os.path.join(root, "dp2_full"), os.path.join(root, "dp2_resumed")
+    train(tiny_config(full, data_file, tok_dir, *COMMON, *layout))
+    if dist.get_rank() == 0:
+        shutil.copytree(full, resumed)
+        shutil.rmtree(os.path.join(resumed, "checkpoints", "iter_0000004"))
+    dist.barrier()
+    train(tiny_config(resumed, data_file, tok_dir, *COMMON, *layout, "checkpoint.resume=auto"))
+
+
+def _dp1_resume(root, data_file, tok_dir, init):
+    from dpo_megatron.train import train
+
+    train(tiny_config(os.path.join(root, "dp1"), data_file, tok_dir, *COMMON, f"model.load={init}",
+                      "checkpoint.resume=" + os.path.join(root, "dp2_full", "checkpoints",
+                                                          "iter_0000002")))
+
+
+def test_exact_resume_with_optimizer_sharded_over_dp2_and_resume_at_dp1(tp2pp2_runs):
+    root, data_file, tok_dir, init, _ = tp2pp2_runs
+    run_ranks(_dp2_runs, world_size=2, root=str(root), data_file=data_file, tok_dir=tok_dir,
+              init=init)
+    full, resumed = read_metrics(root / "dp2_full"), read_metrics(root / "dp2_resumed")
+    for step in (3, 4):
+        assert resumed[step]["loss"] == full[step]["loss"], step
+        assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
+    # Both shards of the DP 2 Adam state, gathered into one rank.
+    run_ranks(_dp1_resume, world_size=1, root=str(root), data_file=data_file, tok_dir=tok_dir,
+              init=init)
+    dp1 = read_metrics(root / "dp1")
+    for step in (3, 4):
+        assert abs(dp1[step]["loss"] - full[step]["loss"]) <= 1e-6, step
