@@ -30,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the stored weights (default float32: exact)")
+    p.add_argument("--pad-attention-heads", action="store_true",
+                   help="add zero key/value groups when TP does not divide them (e.g. SmolLM2-135M,"
+                        " 3 KV heads, at TP 2); recorded in the checkpoint's model_config.json")
     return p.parse_args(argv)
 
 
@@ -45,7 +48,8 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         model_cfg = model_config_from_hf(
-            args.hf_path, ModelConfig(params_dtype=args.params_dtype, transformer_impl="local"))
+            args.hf_path, ModelConfig(params_dtype=args.params_dtype, transformer_impl="local",
+                                      pad_attention_heads=args.pad_attention_heads))
         chunks = build_model_chunks(model_cfg, parallel)
         load_hf_weights(chunks, model_cfg, args.hf_path)
         save_model_checkpoint(chunks, args.save, model_cfg)

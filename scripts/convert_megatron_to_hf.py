@@ -38,12 +38,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     from dpo_megatron.checkpointing import load_model_checkpoint, load_model_config
+    from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
                                      model_config_from_hf)
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
-    base = ModelConfig(params_dtype="float32", transformer_impl="local")
+    # A run's checkpoints/ folder (as model.load accepts) means its latest checkpoint.
+    args.load = find_latest_checkpoint(args.load) or args.load
     stored = load_model_config(args.load)
+    base = dataclasses.replace(stored or ModelConfig(), params_dtype="float32",
+                               transformer_impl="local")  # keeps e.g. pad_attention_heads
     if args.hf_path:
         model_cfg = model_config_from_hf(args.hf_path, base)
     elif stored is not None:

@@ -12,8 +12,10 @@ torchrun would set them, so it calls the same ``initialize_distributed`` as the 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -64,15 +66,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
         conns.append(parent_conn)
     results: list[Any] = [None] * world_size
     errors = []
+    pending = dict(enumerate(conns))
+    deadline = time.monotonic() + timeout
     try:
-        for rank, conn in enumerate(conns):
-            if not conn.poll(timeout):
-                raise RuntimeError(f"rank {rank} gave no result within {timeout:.0f} s")
-            status, payload = conn.recv()
-            if status == "error":
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break
-            results[rank] = payload
+        # Wait on every rank at once: a rank that fails leaves the others blocked in a
+        # collective, so the first error must end the run instead of waiting for them.
+        while pending and not errors:
+            remaining = deadline - time.monotonic()
+            ready = mp_connection.wait(list(pending.values()), timeout=max(remaining, 0))
+            if not ready:
+                raise RuntimeError(f"ranks {sorted(pending)} gave no result within "
+                                   f"{timeout:.0f} s")
+            for rank in [r for r, c in pending.items() if c in ready]:
+                try:
+                    status, payload = pending.pop(rank).recv()
+                except EOFError:  # died without reporting (killed, segfault)
+                    status, payload = "error", f"exited with code {procs[rank].exitcode}"
+                if status == "error":
+                    errors.append(f"--- rank {rank} ---\n{payload}")
+                else:
+                    results[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.1)

@@ -33,9 +33,13 @@ class ModelConfig:
     """Head dimension (None: hidden_size / num_attention_heads)."""
     pad_attention_heads: bool = False
     """When TP does not divide the key/value heads (SmolLM2-135M: 9 query / 3 KV heads at TP 2),
-    add all-zero key/value groups (with their query heads) up to a multiple of TP. Zero heads
-    contribute exactly nothing and receive zero gradient; conversion drops them on export.
-    False: such a layout is an error."""
+    add all-zero key/value groups (with their query heads) up to a multiple of
+    ``pad_attention_heads_multiple``. Zero heads contribute exactly nothing and receive zero
+    gradient; conversion drops them on export. False: such a layout is an error."""
+    pad_attention_heads_multiple: int = 2
+    """With pad_attention_heads: round the key/value groups up to a multiple of this, whatever
+    the TP size, so checkpoint shapes do not depend on the layout they were saved at (SmolLM2:
+    3 -> 4 groups, usable at TP 1, 2 and 4). TP must divide the padded count."""
     vocab_size: int = 256
     """Tokenizer vocabulary; padded up to a multiple of make_vocab_size_divisible_by x TP."""
     make_vocab_size_divisible_by: int = 1

@@ -82,13 +82,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_
 def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tuple[int, int, int]:
     """(query heads, key/value groups, head dim) of the megatron model at this TP size.
 
-    With ``model.pad_attention_heads`` the groups are rounded up to a multiple of TP, each extra
-    group carrying the usual number of query heads (all zero weights); e.g. 9 heads / 3 groups at
-    TP 2 -> 12 heads / 4 groups, head dim unchanged (64).
+    With ``model.pad_attention_heads`` the groups are rounded up to a multiple of
+    ``model.pad_attention_heads_multiple`` (independent of TP, so checkpoints reshard), each extra
+    group carrying the usual number of query heads with all-zero weights; e.g. 9 heads / 3 groups
+    -> 12 heads / 4 groups, head dim unchanged (64).
 
     Raises:
-        ValueError: heads or groups not divisible by TP without padding, or heads not divisible
-            by groups.
+        ValueError: heads not divisible by groups, or TP not dividing the (padded) groups.
     """
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
@@ -97,17 +97,20 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
         raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
                          f"model.num_query_groups={groups}")
     tp = tensor_model_parallel_size
-    if groups % tp:
-        if not model.pad_attention_heads:
+    if model.pad_attention_heads:
+        multiple = model.pad_attention_heads_multiple
+        padded = -(-groups // multiple) * multiple
+        heads, groups = padded * (heads // groups), padded
+        if groups % tp:
             raise ValueError(
-                f"model has {heads} attention heads and {groups} key/value heads; both must be "
-                f"divisible by parallel.tensor_model_parallel_size={tp} (or set "
-                f"model.pad_attention_heads=true to add zero heads)")
-        padded = -(-groups // tp) * tp
-        return padded * (heads // groups), padded, head_dim
-    if heads % tp:
-        raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
-                         f"parallel.tensor_model_parallel_size={tp}")
+                f"model has {groups} key/value groups after padding to a multiple of "
+                f"model.pad_attention_heads_multiple={multiple}, not divisible by "
+                f"parallel.tensor_model_parallel_size={tp}: set the multiple to a multiple of {tp}")
+    elif groups % tp or heads % tp:
+        raise ValueError(
+            f"model has {heads} attention heads and {groups} key/value heads; both must be "
+            f"divisible by parallel.tensor_model_parallel_size={tp} (or set "
+            f"model.pad_attention_heads=true to add zero heads)")
     return heads, groups, head_dim
 
 

@@ -7,12 +7,16 @@ from dpo_megatron.models.gpt import attention_heads, build_transformer_config, p
 from dpo_megatron.parallel import ParallelConfig
 
 
-def test_smollm2_heads_pad_to_tp2():
+def test_smollm2_heads_pad_independently_of_tp():
     cfg = ModelConfig(hidden_size=576, num_attention_heads=9, num_query_groups=3,
                       pad_attention_heads=True)
-    assert attention_heads(cfg, 1) == (9, 3, 64)
-    assert attention_heads(cfg, 3) == (9, 3, 64)
-    assert attention_heads(cfg, 2) == (12, 4, 64)  # one zero group of 3 query heads
+    # The same padded shapes at every TP size, so checkpoints load at any layout.
+    for tp in (1, 2, 4):
+        assert attention_heads(cfg, tp) == (12, 4, 64)  # one zero group of 3 query heads
+    with pytest.raises(ValueError, match="pad_attention_heads_multiple"):
+        attention_heads(cfg, 3)
+    cfg.pad_attention_heads_multiple = 3
+    assert attention_heads(cfg, 3) == (9, 3, 64)  # already a multiple: no padding
 
 
 def test_heads_not_divisible_by_tp_is_an_error_without_padding():
