@@ -12,6 +12,7 @@ in a YAML value resolves to a cached offline asset (``dpo_megatron.assets``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -110,40 +111,58 @@ def _valid_keys(node_type: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _closest_section_keys(bad_key: str) -> list[str]:
-    section = bad_key.split(".")[0]
+def _unknown_key_message(bad_key: str, source: str) -> str:
+    """Name the key and its source, suggest close matches, list the section's valid keys."""
     keys = _valid_keys(DPOConfig)
+    close = difflib.get_close_matches(bad_key, keys, n=3, cutoff=0.6)
+    section = bad_key.split(".")[0]
     in_section = [k for k in keys if k.startswith(section + ".")]
-    return in_section or keys
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    listing = (f"Valid keys of {section}: {', '.join(in_section)}" if in_section else
+               f"Valid sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}")
+    return f"unknown config key {bad_key!r} (from {source}).{hint} {listing}"
+
+
+def _merge_layer(merged, layer, source: str):
+    """``merged`` <- ``layer`` with type checks, errors naming ``source``.
+
+    A layer that names a loss (``loss.name``) starts that loss's section afresh: the loss takes
+    its own paper defaults, not the parameters of the loss it replaces (``loss.name=sft`` must
+    not inherit sigmoid's beta; ``loss.name=simpo`` must get SimPO's beta 2.0).
+    """
+    try:
+        fresh_loss = "loss" in layer and "name" in layer.loss
+        if fresh_loss:
+            merged.loss = {}
+        return OmegaConf.merge(merged, layer)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        raise ValueError(_unknown_key_message(e.full_key or str(e), source)) from None
+    except ValidationError as e:
+        raise ValueError(f"invalid value for config key {e.full_key!r} (from {source}): "
+                         f"{str(e.msg).splitlines()[0]}") from None
 
 
 def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DPOConfig:
     """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
 
     Raises:
-        ValueError: an unknown key (listing the valid keys of that section), a value of the
-            wrong type, or a conflicting combination (see :func:`validate`).
+        ValueError: an unknown key (naming where it came from, close matches and the valid
+            keys of its section), a value of the wrong type, or a conflicting combination
+            (see :func:`validate`).
     """
-    schema = OmegaConf.structured(DPOConfig)
+    merged = OmegaConf.structured(DPOConfig)
+    if config_file:
+        if not os.path.exists(config_file):
+            raise ValueError(f"config file {config_file} does not exist")
+        merged = _merge_layer(merged, OmegaConf.load(config_file), config_file)
     try:
-        layers = [schema]
-        if config_file:
-            if not os.path.exists(config_file):
-                raise ValueError(f"config file {config_file} does not exist")
-            layers.append(OmegaConf.load(config_file))
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-        user = OmegaConf.merge(*layers[1:])
-        if "name" in user.get("loss", {}):
-            # A file or override that names a loss gets that loss's own defaults, not the
-            # default section's (loss.name=sft must not inherit sigmoid's beta).
-            merged.loss = user.loss
+        cli = OmegaConf.from_dotlist(list(overrides))
+    except Exception as e:  # omegaconf's grammar errors
+        raise ValueError(f"cannot parse overrides {list(overrides)}: {e}") from None
+    merged = _merge_layer(merged, cli, "command line")
+    try:
         OmegaConf.resolve(merged)
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except (ConfigKeyError, ConfigAttributeError) as e:
-        key = e.full_key or str(e)
-        raise ValueError(f"unknown config key {key!r} (from {config_file or 'overrides'}). "
-                         f"Valid keys: {', '.join(_closest_section_keys(key))}") from None
     except ValidationError as e:
         raise ValueError(f"invalid value for config key {e.full_key!r}: "
                          f"{str(e.msg).splitlines()[0]}") from None
@@ -160,6 +179,17 @@ def validate(cfg: DPOConfig) -> None:
     t = cfg.train
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ValueError("train.micro_batch_size and train.global_batch_size must be >= 1")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
+                         f"train.micro_batch_size={t.micro_batch_size}")
+    names = cfg.loss.get("name") if isinstance(cfg.loss, dict) else None
+    names = names if isinstance(names, list) else [names]
+    sorting = sorted({"aot", "aot_unpaired"} & set(names))
+    if sorting and t.micro_batch_size < 2:
+        raise ValueError(f"loss {sorting[0]} sorts the log-ratios of the pairs within one "
+                         f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
+                         f"train.micro_batch_size >= 2 (its value depends on that size)")
+    cfg.data.validate()
     dp = cfg.parallel.data_parallel_size
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(
@@ -200,8 +230,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: resolve the config (fetching its
     assets once, in this single process) and print the world size it needs (for launchers)."""
     config_file, overrides = parse_args(argv)
-    cfg = load_config(config_file, overrides)
+    try:
+        cfg = load_config(config_file, overrides)
+        check_model_layout(cfg)
+    except ValueError as e:
+        raise SystemExit(f"config error: {e}") from None
     print(world_size_for(cfg))
+
+
+def check_model_layout(cfg: DPOConfig) -> None:
+    """The architecture against the layout (heads / TP, layers / PP), from config.json alone:
+    launchers call this before starting any rank.
+
+    Raises:
+        ValueError: naming the model and parallel fields that conflict.
+    """
+    from dpo_megatron.models import build_transformer_config
+    from dpo_megatron.train import resolve_model_config
+
+    build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
 
 if __name__ == "__main__":

@@ -120,15 +120,40 @@ def build_models(cfg: DPOConfig, model_cfg: ModelConfig, needs_reference: bool) 
     return Models(model_cfg, policy, reference)
 
 
+def check_vocab_fits(tokenizer, model_cfg: ModelConfig) -> None:
+    """A token id past the embedding table would fail deep inside the first forward.
+
+    Raises:
+        ValueError: the tokenizer has more ids than ``model.vocab_size``.
+    """
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
+    if size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {size} ids but model.vocab_size is "
+                         f"{model_cfg.vocab_size}: set model.vocab_size >= {size}")
+
+
 def _load_data(cfg: DPOConfig, model_cfg: ModelConfig, sft: bool = False):
     """Tokenizer + tokenized pairs (SFT examples for a loss that reads no rejected completion);
     rank 0 first so the others hit its cache."""
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
-    if dist.get_rank() != 0:
-        dist.barrier()
-    dataset = (load_sft_examples if sft else load_preference_pairs)(cfg.data, tokenizer)
+    check_vocab_fits(tokenizer, model_cfg)
+    load = load_sft_examples if sft else load_preference_pairs
+    # Rank 0 first (the others then hit its cache); its failure must reach every rank, or they
+    # would wait in a collective until the timeout.
+    failure, dataset = None, None
     if dist.get_rank() == 0:
-        dist.barrier()
+        try:
+            dataset = load(cfg.data, tokenizer)
+        except Exception as e:  # re-raised below, after telling the other ranks
+            failure = e
+    ok = torch.tensor([0 if failure else 1])
+    dist.broadcast(ok, src=0)
+    if failure is not None:
+        raise failure
+    if not ok.item():
+        raise RuntimeError("rank 0 failed to load the data; its error is above")
+    if dataset is None:
+        dataset = load(cfg.data, tokenizer)
     if not dataset.train:
         raise ValueError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
                          f"after filtering: {dataset.summary}")
@@ -286,7 +311,7 @@ def train(cfg: DPOConfig) -> dict[str, float]:
     if is_logging_rank():
         print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
               f"{cfg.parallel.pipeline_model_parallel_size} x DP "
-              f"{parallel_state.get_data_parallel_world_size()} | loss {cfg.loss} | "
+              f"{parallel_state.get_data_parallel_world_size()} | {loss_fn!r} | "
               f"{len(dataset.train)} train / {len(dataset.eval)} eval "
               f"{'examples' if sft else 'pairs'}", flush=True)
     if counters.step >= cfg.train.train_iters:
@@ -357,7 +382,10 @@ def _plain(cfg: DPOConfig) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     config_file, overrides = parse_args(argv)
-    cfg = load_config(config_file, overrides)
+    try:
+        cfg = load_config(config_file, overrides)
+    except ValueError as e:  # a config mistake: the message is the whole story
+        raise SystemExit(f"config error: {e}") from None
     try:
         train(cfg)
     finally:

@@ -135,7 +135,11 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
-        self.sources()
+        from .formats import CONVERTERS  # formats imports this module
+
+        for _, fmt in self.sources():  # before any reading: a typo fails at once
+            if fmt != "auto" and fmt not in CONVERTERS:
+                raise ValueError(f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}")
 
 
 def as_data_config(cfg: Any) -> DataConfig:

@@ -66,10 +66,7 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     cfg.validate()
     chat_template = resolve_chat_template(cfg.chat_template)
     settings = encode_settings(tokenizer, chat_template)
-    sources = cfg.sources()
-    for _, fmt in sources:  # before any reading: a typo fails at once
-        if fmt != "auto" and fmt not in CONVERTERS:
-            raise ValueError(f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}")
+    sources = cfg.sources()  # formats already checked by validate()
     per_source = []
     for index, (name, fmt) in enumerate(sources):
         source = read_source(name, cfg.split, cfg.on_error)
