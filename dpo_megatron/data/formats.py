@@ -100,10 +100,12 @@ def _check_completion_messages(messages: Messages, field: str) -> None:
 
 
 def common_text_prefix(a: str, b: str) -> str:
-    """Longest common prefix of two strings, ending before whitespace.
+    """Longest common prefix of two strings that ends at a word boundary, before whitespace.
 
-    Whitespace at the split belongs to the completions (" blue" not "blue"), so the prompt ends
-    where a tokenizer would end a word and the completion starts with a space-led token.
+    "I like cats." / "I like cars." -> "I like" (not "I like ca": a split inside a word would
+    give the completions tokens that the model never produces after the prompt). Whitespace at
+    the split belongs to the completions (" cats." not "cats."), so they start with a space-led
+    token. TRL splits at the first differing character instead.
     """
     n = 0
     for x, y in zip(a, b):
@@ -112,6 +114,10 @@ def common_text_prefix(a: str, b: str) -> str:
         n += 1
     if n == len(a) == len(b):
         return a
+    mid_word = 0 < n < min(len(a), len(b)) and not (a[n - 1].isspace() or a[n].isspace()
+                                                    or b[n].isspace())
+    while mid_word and n > 0 and not a[n - 1].isspace():
+        n -= 1  # back to the start of the word the strings differ in
     while n > 0 and a[n - 1].isspace():
         n -= 1
     return a[:n]

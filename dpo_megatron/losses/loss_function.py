@@ -154,7 +154,8 @@ class LossFunction:
             policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with WPO.
             chosen_only: rows are chosen completions only (allowed when not `needs_rejected`).
         Returns:
-            losses: [B] per-pair loss (nats); the engine sums over pairs and divides by the global pair count.
+            losses: [B] per-pair loss (nats for the likelihood-based losses; squared or unitless
+                log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums over pairs and divides by the global pair count.
             metrics: name -> [B] detached per-pair values (the engine averages them over all pairs).
         Raises:
             ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs

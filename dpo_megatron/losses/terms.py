@@ -44,7 +44,7 @@ def bradley_terry_loss(logits: torch.Tensor, label_smoothing: float = 0.0) -> to
 def chosen_nll(policy_chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood of the chosen completion, -log pi(y_w|x) / |y_w|.
 
-    This is the SFT / NLL term of RPO (Pang et al. 2024, Eq. 1), CPO (Xu et al. 2024, Eq. 4) and
+    This is the SFT / NLL term of RPO (Pang et al. 2024, Sec. 2), CPO (Xu et al. 2024, Eq. 4) and
     ORPO (Hong et al. 2024, L_SFT in Eq. 6). Averaged per pair, not over the pooled tokens of a batch.
 
     Returns:

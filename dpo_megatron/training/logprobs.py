@@ -109,7 +109,8 @@ def vocab_parallel_token_logps(
         chunk_tokens: rows converted to fp32 at a time (bounds peak memory).
 
     Returns:
-        [...] fp32 log-probabilities in nats. Differentiable w.r.t. ``logits``.
+        [...] log-probabilities in nats, fp32 (fp64 for fp64 logits). Differentiable w.r.t.
+        ``logits``. Columns with -inf logits (vocabulary padding) get probability 0.
     """
     group, rank = _tp_context(group)
     shard = logits.shape[-1]
@@ -122,7 +123,8 @@ def vocab_parallel_token_logps(
 def vocab_parallel_log_sum_p2(
     logits: torch.Tensor, group=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> torch.Tensor:
-    """log sum_v p_v^2 per position, the WPO weight normaliser (Zhou et al. 2024, eq. 6).
+    """log sum_v p_v^2 per position, the normaliser of the WPO weights (Zhou et al.
+    2024, arXiv:2406.11827, Sec. 3; used by ``dpo_megatron.losses.sequence.wpo_weights``).
 
     log sum_v p_v^2 = logsumexp_v(2 z_v) - 2 logsumexp_v(z_v), both sums all-reduced over TP.
     Shapes: logits [..., V/TP] -> [...] fp32. No gradient (WPO weights are constants).

@@ -1,7 +1,8 @@
 """One DPO step through megatron-core's pipeline schedule.
 
 A micro-batch holds B whole pairs as 2B sequences (rows 0..B-1 chosen, B..2B-1 rejected), so
-chosen and rejected of a pair always meet on the same last-stage rank. A step is:
+chosen and rejected of a pair always meet on the same last-stage rank (a loss that reads no
+rejected completion, ``sft``, gets B chosen rows only). A step is:
 
 1. the frozen ``reference_model`` runs forward-only through the schedule; on the last stage its
    per-token log-probs are attached to each micro-batch (``"reference_token_logps"``);

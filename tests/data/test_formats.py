@@ -137,3 +137,10 @@ def test_detect_format():
     assert detect_format(["instruction", "input", "output"], None) == "alpaca"
     with pytest.raises(ValueError, match=r"cannot tell the data format from columns \['text'\]: set data.format"):
         detect_format(["text"], {"text": "x"})
+
+
+def test_common_prefix_never_splits_a_word():
+    # TRL would give "I like ca" | "ts a lot." (a token the model never emits after the prompt).
+    assert common_text_prefix("I like cats a lot.", "I like cars a lot.") == "I like"
+    assert common_text_prefix("The sky is blue", "The sky is red") == "The sky is"
+    assert common_text_prefix("abc", "abd") == ""

@@ -148,6 +148,8 @@ def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_di
             return
         tmp = f"shard-{len(tmp_names):05d}.tmp.safetensors"
         save_file(current, os.path.join(out_dir, tmp), metadata={"format": "pt"})
+        # safetensors creates the file owner-only (0600); weights are shared like config.json.
+        os.chmod(os.path.join(out_dir, tmp), 0o644)
         tmp_names.append(tmp)
         shards.append(list(current))
         current, current_bytes = {}, 0
