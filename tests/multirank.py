@@ -26,6 +26,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ranks are forked from a forkserver: a clean single-threaded process that has imported torch
+# and megatron-core once. Forking the pytest process itself is not safe: earlier in-process tests
+# leave threads (tokenizers, tqdm, torch pools) whose locks a forked child can inherit held, and
+# a rank then hangs in its first collective.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
+            "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
+            "megatron.core.optimizer", "megatron.core.dist_checkpointing",
+            "dpo_megatron.training.step", "dpo_megatron.losses", "dpo_megatron.data"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+    return ctx
+
+
 def _child(fn, rank, world_size, port, kwargs, conn):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -54,7 +70,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
     Raises:
         RuntimeError: with the failing rank's traceback, or on timeout (all ranks are killed).
     """
-    ctx = mp.get_context("fork")  # fork: no re-import of torch/megatron per rank
+    ctx = _context()
     port = _free_port()
     procs, conns = [], []
     for rank in range(world_size):
