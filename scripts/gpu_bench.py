@@ -105,11 +105,13 @@ def main(argv=None) -> int:
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (smoke test)")
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default="gpu_bench.json")
+    parser.add_argument("--out", default="runs/gpu_bench.json",
+                        help="result JSON (the precomputed-reference cache goes next to it)")
     args = parser.parse_args(argv)
 
     import torch
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         print("no CUDA device: run on a GPU machine, or pass --allow-cpu --tiny for a smoke test",
