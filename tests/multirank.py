@@ -36,7 +36,8 @@ _PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
             "dpo_megatron.training.step", "dpo_megatron.losses", "dpo_megatron.data"]
 
 
-def _context():
+def process_context():
+    """The multiprocessing context for test processes that run torch.distributed code."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
     return ctx
@@ -70,7 +71,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
     Raises:
         RuntimeError: with the failing rank's traceback, or on timeout (all ranks are killed).
     """
-    ctx = _context()
+    ctx = process_context()
     port = _free_port()
     procs, conns = [], []
     for rank in range(world_size):

@@ -30,7 +30,8 @@ def _save_initial(ckpt_dir):
 
     initialize_distributed(ParallelConfig())
     set_seed(5)
-    cfg = load_config(None, ["data.tokenizer=x", "model.vocab_size=400", *TINY_MODEL])
+    cfg = load_config(None, ["data.tokenizer=x", "data.path=unused.jsonl", "model.vocab_size=400",
+                             *TINY_MODEL])
     save_model_checkpoint(build_model_chunks(cfg.model, cfg.parallel), ckpt_dir, cfg.model)
 
 

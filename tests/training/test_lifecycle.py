@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.data.fixtures import CORPUS, tiny_hf_tokenizer
-from tests.multirank import run_ranks
+from tests.multirank import process_context, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -213,7 +212,7 @@ def _train_and_hang_in_second_save(run_dir, data_file, tok_dir):
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
-    ctx = mp.get_context("fork")
+    ctx = process_context()  # forkserver: forking the threaded pytest process can hang the child
     proc = ctx.Process(target=_train_and_hang_in_second_save,
                        kwargs=dict(run_dir=str(tmp_path), data_file=data_file, tok_dir=tok_dir))
     proc.start()
