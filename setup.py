@@ -26,5 +26,7 @@ setup(
         # unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],
         "convert": ["gguf", "accelerate"],
+        # scripts/bench_dpo.py: TRL's DPOTrainer side by side (tested with trl 1.16.0).
+        "bench": ["trl>=1.16"],
     },
 )

@@ -204,9 +204,13 @@ def validate(cfg: DPOConfig) -> None:
 
     build_loss(cfg.loss)  # unknown loss names / parameters fail here, listing the valid ones
     cfg.reference.validate()
-    if cfg.packing.enabled and cfg.model.transformer_impl == "transformer_engine":
+    from dpo_megatron.models.gpt import use_transformer_engine
+
+    # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
+    if cfg.packing.enabled and use_transformer_engine(cfg.model.transformer_impl):
         raise ValueError("packing.enabled=true builds a block-diagonal attention mask for the "
-                         "local layer spec; set model.transformer_impl=local (or auto on CPU)")
+                         "local layer spec (transformer-engine's packed THD path is not wired): "
+                         "set model.transformer_impl=local")
 
 
 def world_size_for(cfg: DPOConfig) -> int:
