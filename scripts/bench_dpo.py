@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

@@ -22,6 +22,23 @@ COMMON = ["train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.keep_
           "train.use_distributed_optimizer=true"]
 
 
+def _run_then_resume(root, prefix, data_file, tok_dir, layout):
+    """A 4-step run, and a copy of it cut back to step 2 then resumed with resume=auto."""
+    import torch.distributed as dist
+
+    from dpo_megatron.train import train
+
+    full = os.path.join(root, prefix + "full")
+    resumed = os.path.join(root, prefix + "resumed")
+    train(tiny_config(full, data_file, tok_dir, *COMMON, *layout))
+    if dist.get_rank() == 0:
+        shutil.copytree(full, resumed)
+        shutil.rmtree(os.path.join(resumed, "checkpoints", "iter_0000004"))
+    dist.barrier()
+    train(tiny_config(resumed, data_file, tok_dir, *COMMON, *layout, "checkpoint.resume=auto"))
+    return full, resumed
+
+
 def _save_initial(ckpt_dir):
     from dpo_megatron.checkpointing import save_model_checkpoint
     from dpo_megatron.config import load_config
@@ -66,19 +83,9 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
 
 def _tp2pp2_runs(root, data_file, tok_dir, init):
     """4 steps straight; the same run cut after step 2's checkpoint and resumed; log-probs."""
-    import torch.distributed as dist
-
-    from dpo_megatron.train import train
-
     layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
               f"model.load={init}"]
-    full, resumed = os.path.join(root, "full"), os.path.join(root, "resumed")
-    train(tiny_config(full, data_file, tok_dir, *COMMON, *layout))
-    if dist.get_rank() == 0:
-        shutil.copytree(full, resumed)
-        shutil.rmtree(os.path.join(resumed, "checkpoints", "iter_0000004"))
-    dist.barrier()
-    train(tiny_config(resumed, data_file, tok_dir, *COMMON, *layout, "checkpoint.resume=auto"))
+    full, resumed = _run_then_resume(root, "", data_file, tok_dir, layout)
     return _eval_logps(os.path.join(full, "checkpoints", "iter_0000004"), data_file, tok_dir)
 
 
@@ -152,18 +159,8 @@ def test_tp2_pp2_checkpoint_loads_at_tp1(tp2pp2_runs):
 def _dp2_runs(root, data_file, tok_dir, init):
     """Data parallel 2 (Adam state sharded over the two ranks): 4 steps straight, and the same
     run cut after step 2's checkpoint and resumed."""
-    import torch.distributed as dist
-
-    from dpo_megatron.train import train
-
     layout = ["parallel.data_parallel_size=2", f"model.load={init}"]
-    full, resumed = os.path.join(root, "dp2_full"), os.path.join(root, "dp2_resumed")
-    train(tiny_config(full, data_file, tok_dir, *COMMON, *layout))
-    if dist.get_rank() == 0:
-        shutil.copytree(full, resumed)
-        shutil.rmtree(os.path.join(resumed, "checkpoints", "iter_0000004"))
-    dist.barrier()
-    train(tiny_config(resumed, data_file, tok_dir, *COMMON, *layout, "checkpoint.resume=auto"))
+    full, resumed = _run_then_resume(root, "dp2_", data_file, tok_dir, layout)
 
 
 def _dp1_resume(root, data_file, tok_dir, init):
