@@ -12,7 +12,7 @@ VPY="$ROOT/.venv/bin/python"
 # torch first, pinned: on CPU machines 2.13.0 is a local CPU wheel; an unpinned torch would pull a
 # multi-GB CUDA build. GPU machines: set TORCH_SPEC (e.g. TORCH_SPEC=torch) to choose your own.
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-"$VPY" -m pip install -q -e ".[test,convert]"
+"$VPY" -m pip install -q -e ".[test,convert,bench]"
 if [[ "${SKIP_ASSETS:-0}" != 1 ]]; then
   "$VPY" -m dpo_megatron.assets
 fi
