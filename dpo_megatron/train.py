@@ -306,6 +306,13 @@ def train(cfg: DPOConfig) -> dict[str, float]:
         if is_logging_rank():
             print(f"resumed from {resume_from} at step {counters.step}"
                   + (f" ({note})" if note else ""), flush=True)
+            if note and reference is not None and not (cfg.model.hf_path or cfg.model.load):
+                # Random initial weights depend on the layout (each pipeline stage draws its
+                # own layers), so the reference rebuilt here is not the run's original one.
+                print("WARNING: this run started from random weights and resumes at another "
+                      "layout: its reference model is re-drawn at the new layout and differs "
+                      "from the original. Start runs that must reshard from model.hf_path or "
+                      "model.load.", flush=True)
     logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters, cfg.logging,
                            start_step=counters.step, run_config=_plain(cfg))
     if is_logging_rank():

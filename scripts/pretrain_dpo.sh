@@ -15,6 +15,12 @@ if [[ -n "${PYTHON:-}" ]]; then :
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
 else PYTHON=python3; fi
 
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  echo
+  echo "Config keys: python -m dpo_megatron.config --help; every key: see dpo_megatron/config.py"
+  exit 0
+fi
 args=("$@")
 has_config=0
 for a in "${args[@]+"${args[@]}"}"; do [[ "$a" == "--config" || "$a" == --config=* ]] && has_config=1; done
