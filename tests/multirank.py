@@ -14,16 +14,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dpo_megatron.parallel.layout import free_port
 
 
 # Ranks are forked from a forkserver: a clean single-threaded process that has imported torch
@@ -72,7 +67,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
         RuntimeError: with the failing rank's traceback, or on timeout (all ranks are killed).
     """
     ctx = process_context()
-    port = _free_port()
+    port = free_port()
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)

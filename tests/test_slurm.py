@@ -9,25 +9,19 @@ the same losses as one node running both processes.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dpo_megatron.parallel.layout import free_port
 from tests.training.test_lifecycle import TINY_MODEL, read_metrics, write_fixture
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "dpo.sbatch"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _args(tmp_path: Path, run_dir: Path) -> list[str]:
@@ -54,7 +48,7 @@ def _node_env(nnodes: int, node_id: int, gpus_per_node: int, port: int) -> dict:
 
 
 def _launch(args: list[str], nnodes: int, gpus_per_node: int) -> None:
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(["bash", str(SBATCH), *args],
                               env=_node_env(nnodes, node, gpus_per_node, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

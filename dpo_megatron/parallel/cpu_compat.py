@@ -19,7 +19,6 @@ megatron-core untouched.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -138,16 +137,3 @@ def enable() -> bool:
 def is_enabled() -> bool:
     """Whether :func:`enable` has activated the CPU redirection in this process."""
     return _ENABLED
-
-
-@contextlib.contextmanager
-def suspended():
-    """Temporarily pop the device-rewriting mode (e.g. to test what raw torch would do)."""
-    if not _ENABLED:
-        yield
-        return
-    _MODE.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        _MODE.__enter__()

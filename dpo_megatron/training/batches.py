@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dpo_megatron.data import PreferencePair, collate_pairs
+from dpo_megatron.data import PreferencePair, collate_pairs, padded_length
 
 
 def pair_lengths(pair: PreferencePair) -> tuple[int, int]:
@@ -19,8 +19,7 @@ def step_seq_length(pairs: Sequence[PreferencePair], multiple: int) -> int:
     Every micro-batch of a step shares this length, because the pipeline schedule sizes its
     send/receive buffers once per call. ``multiple`` must include TP under sequence parallelism.
     """
-    longest = max(max(pair_lengths(p)) for p in pairs)
-    return -(-longest // multiple) * multiple
+    return padded_length([max(pair_lengths(p)) for p in pairs], multiple)
 
 
 def build_micro_batches(pairs: Sequence[PreferencePair], micro_batch_indices: list[list[int]],
