@@ -21,17 +21,15 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from dpo_megatron.runtime_warnings import filter_expected_warnings
+from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 
 filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
 
 from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.models.config import ModelConfig
-from dpo_megatron.parallel.layout import ParallelConfig
-from dpo_megatron.training.config import TrainConfig
-from dpo_megatron.training.metrics_log import LoggingConfig
-from dpo_megatron.training.reference import ReferenceConfig
+from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
 
 
 @dataclass
@@ -204,7 +202,7 @@ def validate(cfg: DPOConfig) -> None:
 
     build_loss(cfg.loss)  # unknown loss names / parameters fail here, listing the valid ones
     cfg.reference.validate()
-    from dpo_megatron.models.gpt import use_transformer_engine
+    from dpo_megatron.models.transformer_config import use_transformer_engine
 
     # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
     if cfg.packing.enabled and use_transformer_engine(cfg.model.transformer_impl):
@@ -250,7 +248,7 @@ def check_model_layout(cfg: DPOConfig) -> None:
         ValueError: naming the model and parallel fields that conflict.
     """
     from dpo_megatron.models import build_transformer_config
-    from dpo_megatron.train import resolve_model_config
+    from dpo_megatron.training.model_setup import resolve_model_config
 
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 

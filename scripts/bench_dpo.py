@@ -159,63 +159,55 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 # this engine
 
 
+def engine_config(spec: dict):
+    """The engine's config for one benchmark run: world size 1, fp32, local spec, sigmoid DPO,
+    constant LR, no checkpoints, the data in file order (as TRL's sequential sampler)."""
+    from dpo_megatron import assets
+    from dpo_megatron.config import load_config
+
+    packed, mode = ENGINES[spec["run"]]
+    run_dir = tempfile.mkdtemp(prefix="bench_engine_")
+    return load_config(None, [  # data.path names the pairs' source; they come in as token ids
+        f"run_dir={run_dir}", f"data.path={assets.ensure_dpo_en_demo()}",
+        f"model.hf_path={spec['model_path']}", "model.params_dtype=float32",
+        "model.transformer_impl=local",
+        f"model.recompute_granularity={spec['recompute'] or 'null'}",
+        "loss.name=sigmoid", f"loss.beta={spec['beta']}",
+        f"train.lr={spec['lr']}", "train.lr_decay_style=constant", "train.clip_grad=1.0",
+        "train.weight_decay=0.0", f"train.train_iters={spec['steps']}",
+        f"train.global_batch_size={spec['pairs_per_step']}",
+        f"train.micro_batch_size={spec['micro_batch_size']}", f"train.seed={spec['seed']}",
+        "train.use_distributed_optimizer=false", "data.shuffle=false",
+        f"packing.enabled={str(packed).lower()}", f"reference.mode={mode}",
+        # a fresh cache: the precompute pass is measured, never a cache hit
+        f"reference.cache_dir={run_dir}/reference", f"reference.micro_batch_size={spec['pairs_per_step']}",
+        "checkpoint.save_interval=0", "logging.tensorboard=false"])
+
+
 def run_engine(spec: dict) -> dict:
-    """One engine run (world size 1, TP 1 x PP 1) in this process; returns the measurements."""
+    """One engine run (world size 1, TP 1 x PP 1) in this process, through the engine's own
+    ``Trainer``; returns the measurements."""
     import torch
 
     torch.set_num_threads(spec["threads"])
     meter = PeakRSS()
-    from dpo_megatron.data import PairSampler
-    from dpo_megatron.data.packing import PackingConfig
-    from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import ModelConfig, build_model_chunks
-    from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.batches import build_step_batches
-    from dpo_megatron.training.config import TrainConfig
-    from dpo_megatron.training.optim import build_optimizer, copy_weights, freeze, wrap_ddp
-    from dpo_megatron.training.reference import ReferenceConfig, build_reference_source
-    from dpo_megatron.training.step import train_step
+    from dpo_megatron.training.run_data import RunData
+    from dpo_megatron.training.trainer import Trainer
 
-    packed, mode = ENGINES[spec["run"]]
     pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
-    parallel = ParallelConfig()
-    initialize_distributed(parallel)
-    set_seed(spec["seed"])
-    model_cfg = model_config_from_hf(spec["model_path"], ModelConfig(
-        params_dtype="float32", transformer_impl="local",
-        recompute_granularity=spec["recompute"] or None))
-    policy = build_model_chunks(model_cfg, parallel)
-    load_hf_weights(policy, model_cfg, spec["model_path"])
-    reference = freeze(build_model_chunks(model_cfg, parallel))
-    copy_weights(policy, reference)
-    packing = PackingConfig(enabled=packed)
     t0, c0 = time.perf_counter(), time.process_time()
-    cache_dir = tempfile.mkdtemp(prefix="bench_ref_")  # measure the pass, never a cache hit
-    source = build_reference_source(
-        ReferenceConfig(mode=mode, cache_dir=cache_dir, micro_batch_size=spec["pairs_per_step"]),
-        reference, pairs, pad, 8, spec["pairs_per_step"], model_cfg, spec["seed"], packed)
-    precompute_s, precompute_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    if mode == "precomputed":
-        source.chunks = reference = None  # no reference model while training
-    policy = wrap_ddp(policy, use_distributed_optimizer=False)
-    optimizer, scheduler = build_optimizer(policy, TrainConfig(
-        lr=spec["lr"], lr_decay_style="constant", clip_grad=1.0, weight_decay=0.0,
-        train_iters=spec["steps"], use_distributed_optimizer=False))
-    loss_fn = build_loss({"name": "sigmoid", "beta": spec["beta"]})
-    sampler = PairSampler(len(pairs), spec["pairs_per_step"], spec["micro_batch_size"], 0, 1,
-                          seed=spec["seed"], shuffle=False)
+    trainer = Trainer(engine_config(spec), data=RunData(pairs, [], pad))
+    setup_s, setup_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    precompute_s = trainer.timings["reference_setup_s"]
+    # The precompute pass runs single-threaded inside set-up: its share of set-up CPU time.
+    precompute_cpu_s = setup_cpu_s * precompute_s / setup_s if setup_s else 0.0
     steps, step0 = [], {}
     for step in range(spec["steps"]):
         w0, c0 = time.perf_counter(), time.process_time()
-        mbs, seq_length, real, idx = build_step_batches(pairs, sampler.next_step(), pad, 8,
-                                                        packing)
-        source.attach(mbs, idx, seq_length)
-        out = train_step(policy, reference, optimizer, scheduler, mbs, seq_length, loss_fn,
-                         reference_attached=True)
+        out, batch = trainer.train_step()
         steps.append({"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
-                      "real_tokens": real, "loss": out.metrics["loss"],
-                      "computed_tokens": sum(mb["tokens"].numel() for mb in mbs)})
+                      "real_tokens": batch.real_tokens, "loss": out.metrics["loss"],
+                      "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches)})
         if step == 0:
             step0 = {k: out.metrics[k] for k in ("loss", "logps/chosen", "logps/rejected")}
     summary = summarize(steps, spec["warmup"])
@@ -225,7 +217,8 @@ def run_engine(spec: dict) -> dict:
     summary["real_tokens_per_cpu_s_first_epoch"] = epoch_tokens / (
         epoch_tokens / summary["real_tokens_per_cpu_s"] + precompute_cpu_s)
     return {**summary, "step0": step0, "precompute_s": precompute_s,
-            "precompute_cpu_s": precompute_cpu_s, "peak_rss_bytes": meter.stop(), "steps": steps}
+            "precompute_cpu_s": precompute_cpu_s, "peak_rss_bytes": meter.stop(), "steps": steps,
+            "reference_model_held": trainer.reference is not None}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -78,6 +78,42 @@ def synthetic_pairs(n: int, vocab: int, max_length: int, seed: int):
     return pairs
 
 
+def bench_config(args, shape: dict, cuda: bool):
+    """The engine's config for the benchmark: random init, one rank, sigmoid DPO, constant LR,
+    no checkpoints, synthetic pairs in order (the data comes in directly, no tokenizer)."""
+    import tempfile
+
+    from dpo_megatron.config import CheckpointConfig, DPOConfig
+    from dpo_megatron.data import DataConfig
+    from dpo_megatron.data.packing import PackingConfig
+    from dpo_megatron.models import ModelConfig
+    from dpo_megatron.parallel import ParallelConfig
+    from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    return DPOConfig(
+        run_dir=tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
+        parallel=ParallelConfig(backend=args.backend),
+        model=ModelConfig(**shape, params_dtype="bfloat16" if cuda else "float32",
+                          transformer_impl=args.transformer_impl,
+                          local_attention=args.local_attention,
+                          recompute_granularity=args.recompute or None,
+                          recompute_method="uniform" if args.recompute == "full" else None,
+                          recompute_num_layers=1 if args.recompute == "full" else None),
+        data=DataConfig(shuffle=False),
+        loss={"name": "sigmoid", "beta": 0.1},
+        train=TrainConfig(lr=1e-6, lr_decay_style="constant", train_iters=args.steps,
+                          global_batch_size=args.global_batch_size,
+                          micro_batch_size=args.micro_batch_size, seed=args.seed,
+                          use_distributed_optimizer=args.distributed_optimizer),
+        packing=PackingConfig(enabled=args.packing),
+        reference=ReferenceConfig(mode=args.reference, offload=args.offload_reference,
+                                  cache_dir=os.path.join(out_dir, ".gpu_bench_reference")),
+        checkpoint=CheckpointConfig(save_interval=0),
+        logging=LoggingConfig(tensorboard=False),
+    )
+
+
 def peak_tflops(name: str, override: float) -> float:
     if override:
         return override
@@ -100,6 +136,12 @@ def main(argv=None) -> int:
     parser.add_argument("--transformer-impl", default="auto",
                         choices=["auto", "local", "transformer_engine"])
     parser.add_argument("--recompute", default="", choices=["", "selective", "full"])
+    parser.add_argument("--local-attention", default="sdpa",
+                        help="core attention of the local spec (model.local_attention)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="gloo runs on the host even on a CUDA machine")
+    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
+                        default=True, help="megatron-core's distributed optimizer (default on)")
     parser.add_argument("--peak-tflops", type=float, default=0.0,
                         help="override the GPU's dense bf16 peak (TFLOP/s)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (smoke test)")
@@ -118,54 +160,19 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    from dpo_megatron.data import PairSampler
-    from dpo_megatron.data.packing import PackingConfig
-    from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import ModelConfig, build_model_chunks
-    from dpo_megatron.models.gpt import use_transformer_engine
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.batches import build_step_batches
-    from dpo_megatron.training.config import TrainConfig
-    from dpo_megatron.training.optim import build_optimizer, copy_weights, freeze, wrap_ddp
-    from dpo_megatron.training.reference import ReferenceConfig, build_reference_source
-    from dpo_megatron.training.step import train_step
+    from dpo_megatron.training.run_data import RunData
+    from dpo_megatron.training.trainer import Trainer
 
     shape = TINY if args.tiny else LLAMA_1B
-    model_cfg = ModelConfig(**shape, params_dtype="bfloat16" if cuda else "float32",
-                            transformer_impl=args.transformer_impl,
-                            recompute_granularity=args.recompute or None,
-                            recompute_method="uniform" if args.recompute == "full" else None,
-                            recompute_num_layers=1 if args.recompute == "full" else None)
-    te = use_transformer_engine(model_cfg.transformer_impl)
-    if args.packing and te:
-        print("--packing needs the local spec: add --transformer-impl local", file=sys.stderr)
-        return 2
-    parallel = ParallelConfig()
-    initialize_distributed(parallel)
-    set_seed(args.seed)
-    policy = build_model_chunks(model_cfg, parallel)
-    reference = freeze(build_model_chunks(model_cfg, parallel))
-    copy_weights(policy, reference)
-    n_params = sum(p.numel() for p in policy[0].parameters())
-    pairs = synthetic_pairs(args.global_batch_size * args.steps, model_cfg.vocab_size,
+    cfg = bench_config(args, shape, cuda)
+    pairs = synthetic_pairs(args.global_batch_size * args.steps, shape["vocab_size"],
                             args.max_length, args.seed)
-    ref_cfg = ReferenceConfig(mode=args.reference, offload=args.offload_reference,
-                              cache_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                                                     ".gpu_bench_reference"))
-    t0 = time.perf_counter()
-    source = build_reference_source(ref_cfg, reference, pairs, 2, 8, args.micro_batch_size,
-                                    model_cfg, args.seed, args.packing)
-    precompute_s = time.perf_counter() - t0
-    if args.reference == "precomputed":
-        source.chunks = reference = None
-    policy = wrap_ddp(policy, use_distributed_optimizer=False)
-    optimizer, scheduler = build_optimizer(policy, TrainConfig(
-        lr=1e-6, lr_decay_style="constant", train_iters=args.steps,
-        use_distributed_optimizer=False))
-    loss_fn = build_loss({"name": "sigmoid", "beta": 0.1})
-    sampler = PairSampler(len(pairs), args.global_batch_size, args.micro_batch_size, 0, 1,
-                          seed=args.seed, shuffle=False)
-    packing = PackingConfig(enabled=args.packing)
+    trainer = Trainer(cfg, data=RunData(pairs, [], 2))
+    from dpo_megatron.models.transformer_config import use_transformer_engine
+
+    te = use_transformer_engine(cfg.model.transformer_impl)
+    n_params = sum(p.numel() for c in trainer.policy for p in c.parameters())
+    precompute_s = trainer.timings["reference_setup_s"]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -173,16 +180,13 @@ def main(argv=None) -> int:
     for step in range(args.steps):
         sync()
         w0 = time.perf_counter()
-        mbs, seq_length, real, idx = build_step_batches(pairs, sampler.next_step(), 2, 8, packing)
-        source.attach(mbs, idx, seq_length)
-        out = train_step(policy, reference, optimizer, scheduler, mbs, seq_length, loss_fn,
-                         reference_attached=True)
+        out, batch = trainer.train_step()
         sync()
-        records.append({"time_s": time.perf_counter() - w0, "real_tokens": real,
-                        "computed_tokens": sum(mb["tokens"].numel() for mb in mbs),
-                        "seq_length": seq_length, "loss": out.metrics["loss"]})
+        records.append({"time_s": time.perf_counter() - w0, "real_tokens": batch.real_tokens,
+                        "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches),
+                        "seq_length": batch.seq_length, "loss": out.metrics["loss"]})
         print(f"step {step}: loss {out.metrics['loss']:.6f} time {records[-1]['time_s']:.3f} s "
-              f"seq {seq_length}", flush=True)
+              f"seq {batch.seq_length}", flush=True)
 
     timed = records[args.warmup:] or records
     step_time = statistics.median(r["time_s"] for r in timed)

@@ -8,9 +8,9 @@ Writes are atomic: all ranks write into ``<ckpt_dir>.tmp``, and after a barrier 
 it to ``ckpt_dir`` (an existing ``ckpt_dir`` is replaced only then). A crash mid-save leaves the
 previous checkpoint intact.
 
-Note: megatron-core's ``torch_dist`` writer starts a ``multiprocessing`` Manager with the spawn
-start method, which re-imports the entry module: entry scripts must guard their top level with
-``if __name__ == "__main__":`` or the save hangs.
+Saves are synchronous and use an in-process results queue (``dpo_megatron.compat.dist_ckpt_queue``:
+megatron-core 0.16 would otherwise spawn a ``multiprocessing`` Manager that re-imports the entry
+module).
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ def save_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
+    from dpo_megatron.compat import dist_ckpt_queue
+
+    dist_ckpt_queue.use_in_process_results_queue()
     dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
     _barrier()
     if rank == 0:

@@ -24,11 +24,9 @@ A folder counts as a checkpoint only if its name is ``iter_<digits>`` and it hol
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import queue
 import random
 import re
 import shutil
@@ -38,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dpo_megatron.compat import dist_ckpt_queue, torch_adam_resume
 from dpo_megatron.checkpointing.model_checkpoint import (
     MODEL_CONFIG_FILE,
     _barrier,
@@ -170,89 +169,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """Create the optimizer state of a fresh optimizer so it can receive a checkpoint.
-
-    torch's Adam allocates its state (and ``step``) at the first step, and megatron-core's
-    distributed optimizer, without apex / transformer-engine, reads ``step`` from that state
-    when it builds the state dict to load into. megatron-core's own dummy step (zero gradients)
-    creates it; whatever it changes is overwritten by the load that follows.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if (inner is not None and not inner.state
-                and hasattr(opt, "_init_optimizer_states_with_dummy_values")):
-            opt._init_optimizer_states_with_dummy_values()
-
-
-@contextlib.contextmanager
-def _keep_torch_adam_step(optimizer):
-    """Work around two megatron-core 0.16 faults loading ``fully_reshardable`` state into
-    torch's Adam (the path without apex / transformer-engine, i.e. every CPU run).
-
-    1. The distributed optimizer restores Adam's ``step`` from the parameter groups, then copies
-       every per-parameter state key from the checkpoint, but the checkpoint's per-parameter
-       tensors skip ``step`` (KeyError: 'step'). During the load, the already-restored ``step``
-       is passed along so it is copied onto itself.
-    2. It gives every parameter the *same* ``step`` tensor; torch's Adam increments each
-       parameter's step in place, so the shared counter would advance once per parameter per
-       step and the bias correction of the resumed run would be wrong. After the load each
-       parameter gets its own copy.
-    """
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
-            continue
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, _opt=opt, _original=original):
-            current = _opt._get_main_param_and_optimizer_states(model_param)
-            if "step" in current and "step" not in tensors:
-                tensors = {**tensors, "step": current["step"]}
-            _original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class method
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for param_state in (inner.state.values() if inner is not None else ()):
-            if isinstance(param_state.get("step"), torch.Tensor):
-                param_state["step"] = param_state["step"].clone()
-
-
 def _full_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
     """``{"model"...: model sharded state, "optimizer": optimizer sharded state}``."""
     state = _sharded_state_dict(chunks)
     if optimizer is not None:
         if is_loading:
-            _materialize_optimizer_state(optimizer)
+            torch_adam_resume.materialize_optimizer_state(optimizer)
         model_state = {}
         for value in state.values():
             model_state.update(value)
         state["optimizer"] = optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
-
-
-def _use_in_process_results_queue() -> None:
-    """Let megatron-core's synchronous ``torch_dist`` save report results through a plain queue.
-
-    Its writer hands write results to the caller through a queue that it creates, once per
-    process, from a ``multiprocessing`` Manager started with the *spawn* method: a new Python
-    process that re-imports the entry module (torch, megatron-core: seconds per rank, and a hang
-    when the entry script lacks a ``__main__`` guard). In a synchronous save the producer is the
-    saving process itself, so an in-process queue does the same job. Async saves (not used here)
-    would need the Manager.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
 
 
 def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state: dict,
@@ -276,7 +204,7 @@ def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    _use_in_process_results_queue()
+    dist_ckpt_queue.use_in_process_results_queue()
     dist_checkpointing.save(_full_state_dict(chunks, optimizer, is_loading=False), tmp)
     if rank == 0:
         os.makedirs(os.path.join(tmp, RNG_DIR))
@@ -333,7 +261,7 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
     for model, key in zip(models, keys):
         model.load_state_dict(loaded[key], strict=True)
     if optimizer is not None:
-        with _keep_torch_adam_step(optimizer):
+        with torch_adam_resume.keep_torch_adam_step(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
     if saved == current_layout(use_distributed_optimizer):
         rng_file = os.path.join(ckpt_dir, RNG_DIR, f"rank_{_rank():05d}.pt")

@@ -5,58 +5,171 @@ here): ``labels[:, t] = tokens[:, t + 1]``, so the logits at position t score ``
 ``loss_mask[:, t] = 1`` exactly where ``labels[:, t]`` is a completion token. The first completion
 token is thus predicted from the last prompt position, and the per-sequence log-prob of a
 completion is ``(logp(labels) * loss_mask).sum(-1)`` (Rafailov et al. 2023, eq. 7's log pi(y|x)).
+
+In a padded batch the model layout and the per-sequence layout are the same [N, S] grid, so
+``output_index == score_index`` (``data.batch``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from .batch import BatchBuilder, MicroBatch, StepBatch, round_up
 from .pairs import PreferencePair, SFTExample
 
+Row = tuple[Sequence[int], Sequence[int]]
+"""(prompt_ids, completion_ids) of one sequence."""
 
-def collate_rows(
-    rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int, seq_length: int
-) -> dict[str, torch.Tensor]:
-    """(prompt_ids, completion_ids) rows -> tokens/labels/loss_mask/position_ids, each [N, S].
 
-    tokens, labels, position_ids: int64; loss_mask: float32. Padding (right) uses
-    ``pad_token_id``; the last label column is padding. Raises ValueError when a row is longer
-    than ``seq_length`` or has an empty prompt or completion.
+def pair_rows(pairs: Sequence[PreferencePair]) -> list[Row]:
+    """B pairs -> 2B (prompt, completion) rows: chosen rows first, then rejected (batch order)."""
+    return ([(p.prompt_ids, p.chosen_ids) for p in pairs]
+            + [(p.prompt_ids, p.rejected_ids) for p in pairs])
+
+
+def check_rows(rows: Sequence[Row]) -> None:
+    """Raises ValueError for a row with an empty prompt or completion (nothing to condition on,
+    or nothing to score)."""
+    for i, (prompt, completion) in enumerate(rows):
+        if not prompt or not completion:
+            raise ValueError(f"row {i} has an empty prompt ({len(prompt)}) or completion "
+                             f"({len(completion)})")
+
+
+def score_mask(rows: Sequence[Row], length: int) -> torch.Tensor:
+    """[N, length] fp32 loss mask of the per-sequence layout: labels[t] = tokens[t + 1] is a
+    completion token for t in [len(prompt) - 1, len(prompt) + len(completion) - 1)."""
+    mask = torch.zeros((len(rows), length), dtype=torch.float32)
+    for i, (prompt, completion) in enumerate(rows):
+        mask[i, len(prompt) - 1:len(prompt) + len(completion) - 1] = 1.0
+    return mask
+
+
+def reference_logps(pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
+                    ) -> Optional[torch.Tensor]:
+    """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
+    when the pairs carry none.
+
+    Raises:
+        ValueError: some pairs carry values and others do not, or a pair's values do not match
+            its completion length (a stale table).
     """
+    carried = [p.reference_chosen_logps is not None for p in pairs]
+    if not any(carried):
+        return None
+    if not all(carried):
+        raise ValueError("a micro-batch mixes pairs with and without precomputed reference "
+                         "log-probs")
+    rows = ([p.reference_chosen_logps for p in pairs]
+            + [p.reference_rejected_logps for p in pairs])
+    counts = loss_mask.sum(-1).long().tolist()
+    for k, (values, n) in enumerate(zip(rows, counts)):
+        if values.numel() != n:
+            raise ValueError(f"precomputed reference row {k} has {values.numel()} values for {n} "
+                             "completion tokens: the table is stale")
+    out = torch.zeros_like(loss_mask)
+    out[loss_mask.bool()] = torch.cat(rows).to(out.dtype)
+    return out
+
+
+def collate_rows(rows: Sequence[Row], pad_token_id: int, seq_length: int,
+                 sequences_per_item: int = 2) -> MicroBatch:
+    """(prompt_ids, completion_ids) rows -> a padded :class:`MicroBatch` of [N, seq_length].
+
+    Padding (right) uses ``pad_token_id``; the last label column is padding.
+
+    Raises:
+        ValueError: a row longer than ``seq_length``, or an empty prompt or completion.
+    """
+    check_rows(rows)
     n = len(rows)
     tokens = torch.full((n, seq_length), pad_token_id, dtype=torch.int64)
-    loss_mask = torch.zeros((n, seq_length), dtype=torch.float32)
     for i, (prompt, completion) in enumerate(rows):
         length = len(prompt) + len(completion)
         if length > seq_length:
-            raise ValueError(f"row {i} has {length} tokens (prompt {len(prompt)} + completion {len(completion)}) > seq_length {seq_length}")
-        if not prompt or not completion:
-            raise ValueError(f"row {i} has an empty prompt ({len(prompt)}) or completion ({len(completion)})")
+            raise ValueError(f"row {i} has {length} tokens (prompt {len(prompt)} + completion "
+                             f"{len(completion)}) > seq_length {seq_length}")
         tokens[i, :length] = torch.tensor([*prompt, *completion], dtype=torch.int64)
-        # labels[t] = tokens[t + 1] is a completion token for t in [len(prompt) - 1, length - 1).
-        loss_mask[i, len(prompt) - 1 : length - 1] = 1.0
     labels = torch.full_like(tokens, pad_token_id)
     labels[:, :-1] = tokens[:, 1:]
-    position_ids = torch.arange(seq_length, dtype=torch.int64).unsqueeze(0).expand(n, -1).contiguous()
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    loss_mask = score_mask(rows, seq_length)
+    scored = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
+    position_ids = torch.arange(seq_length, dtype=torch.int64).expand(n, -1).contiguous()
+    return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
+                      loss_mask=loss_mask, output_index=scored, score_index=scored,
+                      sequences_per_item=sequences_per_item)
 
 
-def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, seq_length: int) -> dict[str, torch.Tensor]:
-    """B pairs -> 2B rows (prompt+chosen for rows 0..B-1, prompt+rejected for B..2B-1, same pair
-    order), right-padded to ``seq_length``. Returns tokens/labels/position_ids [2B, S] int64 and
-    loss_mask [2B, S] float32. Raises ValueError if a sequence is longer than ``seq_length``."""
-    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
-    return collate_rows(rows, pad_token_id, seq_length)
+def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int,
+                  seq_length: int) -> MicroBatch:
+    """B pairs -> 2B padded rows (prompt+chosen for rows 0..B-1, prompt+rejected for B..2B-1,
+    same pair order), with the pairs' precomputed reference log-probs when they carry them.
+
+    Raises:
+        ValueError: a sequence longer than ``seq_length`` (see :func:`collate_rows`).
+    """
+    batch = collate_rows(pair_rows(pairs), pad_token_id, seq_length)
+    batch.reference_logps = reference_logps(pairs, batch.loss_mask)
+    return batch
 
 
-def collate_sft(examples: Sequence[SFTExample], pad_token_id: int, seq_length: int) -> dict[str, torch.Tensor]:
-    """B SFT examples -> B rows, same tensors and layout as ``collate_pairs``."""
-    return collate_rows([(e.prompt_ids, e.completion_ids) for e in examples], pad_token_id, seq_length)
+def collate_sft(examples: Sequence[SFTExample], pad_token_id: int,
+                seq_length: int) -> MicroBatch:
+    """B SFT examples -> B padded rows (``sequences_per_item=1``), same layout as
+    :func:`collate_pairs`."""
+    return collate_rows([(e.prompt_ids, e.completion_ids) for e in examples], pad_token_id,
+                        seq_length, sequences_per_item=1)
 
 
 def padded_length(lengths: Sequence[int], multiple: int = 8) -> int:
     """max(lengths) rounded up to a multiple of ``multiple`` (the engine's per-step seq_length)."""
-    longest = max(lengths)
-    return -(-longest // multiple) * multiple
+    return round_up(max(lengths), multiple)
+
+
+def pair_lengths(pair: PreferencePair) -> tuple[int, int]:
+    """(prompt+chosen, prompt+rejected) lengths in tokens."""
+    p = len(pair.prompt_ids)
+    return p + len(pair.chosen_ids), p + len(pair.rejected_ids)
+
+
+class PaddedPairs(BatchBuilder):
+    """Padded pairs: every micro-batch of a step is 2B rows of the step's longest sequence
+    (rounded up to ``multiple``), because the pipeline schedule sizes its buffers once per
+    step."""
+
+    def build(self, items: Sequence[PreferencePair],
+              micro_batch_indices: list[list[int]]) -> StepBatch:
+        step = [items[i] for mb in micro_batch_indices for i in mb]
+        seq_length = padded_length([max(pair_lengths(p)) for p in step], self.multiple)
+        micro_batches = []
+        for mb in micro_batch_indices:
+            batch = collate_pairs([items[i] for i in mb], self.pad_token_id, seq_length)
+            batch.item_indices = tuple(mb)
+            micro_batches.append(batch)
+        return StepBatch(micro_batches, seq_length, sum(sum(pair_lengths(p)) for p in step))
+
+
+def example_length(example: SFTExample) -> int:
+    """Prompt + completion tokens."""
+    return len(example.prompt_ids) + len(example.completion_ids)
+
+
+class SFTExamples(BatchBuilder):
+    """The SFT stage's batches: B prompt+completion rows per micro-batch (no rejected rows, no
+    reference). SFT runs through the same engine as DPO (schedule, loss seam, optimizer,
+    checkpoints); ``global_batch_size`` then counts examples."""
+
+    sequences_per_item = 1
+
+    def build(self, items: Sequence[SFTExample],
+              micro_batch_indices: list[list[int]]) -> StepBatch:
+        step = [items[i] for mb in micro_batch_indices for i in mb]
+        seq_length = padded_length([example_length(e) for e in step], self.multiple)
+        micro_batches = []
+        for mb in micro_batch_indices:
+            batch = collate_sft([items[i] for i in mb], self.pad_token_id, seq_length)
+            batch.item_indices = tuple(mb)
+            micro_batches.append(batch)
+        return StepBatch(micro_batches, seq_length, sum(example_length(e) for e in step))

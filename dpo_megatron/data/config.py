@@ -76,6 +76,10 @@ class DataConfig:
     seed: int = 1234
     """Seed for the eval split and the mixing draws."""
 
+    shuffle: bool = True
+    """Visit the training pairs in a new seeded order each epoch (``train.seed``); false: in
+    file order (e.g. to compare step by step with another trainer)."""
+
     num_proc: int = 1
     """Processes for tokenization (``datasets.map``)."""
 

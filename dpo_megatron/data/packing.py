@@ -1,25 +1,18 @@
-"""Padding-free pair packing: several sequences per row, a block-diagonal causal mask, per-sequence
-positions, and the index that maps packed per-token values back to the padded [2B, S] layout.
+"""Padding-free pair packing: several sequences per row, each attending only to itself.
 
 A padded micro-batch of B pairs is 2B rows of the step's longest sequence; on real DPO data
 (prompts of tens to thousands of tokens, chosen and rejected differing by hundreds) most of those
 positions are padding. Packing places the 2B sequences of a micro-batch into as few rows of
 ``row_length`` tokens as first-fit-decreasing finds (Johnson 1973; the bin packing used by
 Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination", arXiv:2107.02027).
-Every sequence sees only itself: the attention mask is block-diagonal causal and its positions
-restart at 0, so each sequence's per-token log-probs are those of the padded path.
+Every sequence sees only itself: ``segment_ids`` give the attention a block-diagonal causal mask
+(``models.attention``) and positions restart at 0, so each sequence's per-token log-probs are
+those of the padded path.
 
 Pairs are never split: a micro-batch is the same B pairs as in the padded path, only laid out
-differently, and ``unpack_index`` gathers the packed values back into the padded layout (rows
-0..B-1 chosen, B..2B-1 rejected) before the loss sees them. Losses, metrics and precomputed
-reference log-probs therefore never know whether a batch was packed.
-
-Packed micro-batch (all of a step share R and L so pipeline p2p buffers keep one shape):
-
-* ``tokens``, ``labels``, ``position_ids``: [R, L] int64 (labels shifted inside each sequence);
-* ``attention_mask``: [R, 1, L, L] bool, True = masked (megatron-core's local attention);
-* ``unpack_index``: [2B, S] int64 into the flattened [R * L] packed tokens (0 where padding);
-* ``loss_mask``: [2B, S] fp32 in the padded layout, equal to ``collate_pairs``'s.
+differently; ``output_index`` / ``score_index`` (``data.batch``) map each scored token between the
+packed rows and the per-sequence layout (rows 0..B-1 chosen, B..2B-1 rejected), so losses,
+metrics and precomputed reference log-probs never know whether a batch was packed.
 """
 
 from __future__ import annotations
@@ -29,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from .batch import BatchBuilder, MicroBatch, StepBatch, round_up
+from .collate import check_rows, pair_rows, reference_logps, score_mask
 from .pairs import PreferencePair
 
 
@@ -47,12 +42,6 @@ class PackingConfig:
     """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
     similar length (longest first). The step's pair set, hence its loss and gradient, is
     unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
-
-
-def sequence_rows(pairs: Sequence[PreferencePair]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """B pairs -> 2B (prompt, completion) rows: chosen rows first, then rejected (collate order)."""
-    return ([(p.prompt_ids, p.chosen_ids) for p in pairs]
-            + [(p.prompt_ids, p.rejected_ids) for p in pairs])
 
 
 def plan_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -83,7 +72,7 @@ def plan_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int,
-               num_rows: int = 0) -> dict[str, torch.Tensor]:
+               num_rows: int = 0) -> MicroBatch:
     """Pack one micro-batch of B pairs into R rows of ``row_length`` tokens (see module doc).
 
     Args:
@@ -94,18 +83,16 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
             every micro-batch of a step has the same shape).
 
     Returns:
-        tokens / labels / position_ids [R, L] int64, attention_mask [R, 1, L, L] bool,
-        unpack_index [2B, S] int64 and loss_mask [2B, S] fp32 with S the longest sequence.
+        A MicroBatch: tokens / labels / position_ids / segment_ids [R, L], loss_mask (and
+        reference_logps when the pairs carry them) [2B, S] with S the longest sequence.
 
     Raises:
         ValueError: a sequence longer than ``row_length``, an empty prompt or completion, or
             ``num_rows`` smaller than the rows needed.
     """
-    rows = sequence_rows(pairs)
+    rows = pair_rows(pairs)
+    check_rows(rows)
     lengths = [len(p) + len(c) for p, c in rows]
-    for i, (p, c) in enumerate(rows):
-        if not p or not c:
-            raise ValueError(f"sequence {i} has an empty prompt ({len(p)}) or completion ({len(c)})")
     plan = plan_rows(lengths, row_length)
     if num_rows and num_rows < len(plan):
         raise ValueError(f"micro-batch needs {len(plan)} packed rows, more than num_rows={num_rows}")
@@ -114,13 +101,12 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
     tokens = torch.full((n_rows, row_length), pad_token_id, dtype=torch.int64)
     labels = torch.full((n_rows, row_length), pad_token_id, dtype=torch.int64)
     position_ids = torch.zeros((n_rows, row_length), dtype=torch.int64)
-    # Segment id per position: sequence j -> j, a row's unused tail -> its own segment (-1 - row)
-    # so that every position attends to at least itself (no fully masked softmax rows).
-    segment = torch.empty((n_rows, row_length), dtype=torch.int64)
-    unpack_index = torch.zeros((len(rows), longest), dtype=torch.int64)
-    loss_mask = torch.zeros((len(rows), longest), dtype=torch.float32)
+    # Sequence j -> segment j; a row's unused tail -> a segment of its own (-1 - row), so that
+    # every position attends to at least itself (no fully masked softmax rows).
+    segment_ids = torch.empty((n_rows, row_length), dtype=torch.int32)
+    start = [0] * len(rows)  # flat position of each sequence's first token in [R * L]
     for r in range(n_rows):
-        segment[r] = -1 - r
+        segment_ids[r] = -1 - r
         offset = 0
         for j in (plan[r] if r < len(plan) else []):
             prompt, completion = rows[j]
@@ -129,29 +115,22 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
             tokens[r, offset:offset + n] = ids
             labels[r, offset:offset + n - 1] = ids[1:]
             position_ids[r, offset:offset + n] = torch.arange(n)
-            segment[r, offset:offset + n] = j
-            unpack_index[j, :n] = r * row_length + offset + torch.arange(n)
-            # Same scoring rule as collate_rows: labels[t] is a completion token.
-            loss_mask[j, len(prompt) - 1:n - 1] = 1.0
+            segment_ids[r, offset:offset + n] = j
+            start[j] = r * row_length + offset
             offset += n
-        tail = row_length - offset
-        position_ids[r, offset:] = torch.arange(tail)
-    causal = torch.ones(row_length, row_length, dtype=torch.bool).tril()
-    visible = (segment[:, :, None] == segment[:, None, :]) & causal
-    return {"tokens": tokens, "labels": labels, "position_ids": position_ids,
-            "attention_mask": (~visible).unsqueeze(1), "unpack_index": unpack_index,
-            "loss_mask": loss_mask}
-
-
-def unpack_token_values(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
-    """Packed per-token values [R, L] -> padded layout [2B, S] (padding positions hold
-    ``packed[0, 0]``; multiply by the loss mask). Differentiable (a gather)."""
-    return packed.reshape(-1)[unpack_index]
+        position_ids[r, offset:] = torch.arange(row_length - offset)
+    loss_mask = score_mask(rows, longest)
+    score_index = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
+    seq, t = score_index // longest, score_index % longest
+    output_index = torch.tensor(start, dtype=torch.int64)[seq] + t
+    return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
+                      loss_mask=loss_mask, output_index=output_index, score_index=score_index,
+                      segment_ids=segment_ids, reference_logps=reference_logps(pairs, loss_mask))
 
 
 def rows_needed(pairs: Sequence[PreferencePair], row_length: int) -> int:
     """Rows first-fit decreasing uses for this micro-batch's 2B sequences."""
-    return len(plan_rows([len(p) + len(c) for p, c in sequence_rows(pairs)], row_length))
+    return len(plan_rows([len(p) + len(c) for p, c in pair_rows(pairs)], row_length))
 
 
 def bucket_micro_batches(pairs: Sequence[PreferencePair],
@@ -173,26 +152,33 @@ def bucket_micro_batches(pairs: Sequence[PreferencePair],
     return out
 
 
-def build_packed_micro_batches(pairs: Sequence[PreferencePair], micro_batch_indices: list[list[int]],
-                               pad_token_id: int, multiple: int, row_length: int = 0):
-    """Packed counterpart of ``training.batches.build_micro_batches`` (same return contract).
+class PackedPairs(BatchBuilder):
+    """Packed pairs: every micro-batch of a step is R rows of L tokens, R the most rows any of
+    its micro-batches needs, L ``packing.row_length`` (0: the step's longest sequence), rounded
+    up to ``multiple``."""
 
-    Args:
-        pairs: the whole pair list; micro_batch_indices: this rank's micro-batches of the step.
-        multiple: granule the row length is rounded up to (include TP for sequence parallel).
-        row_length: tokens per row (0: the step's longest sequence, rounded up to ``multiple``).
+    def __init__(self, pad_token_id: int, multiple: int, packing: PackingConfig):
+        super().__init__(pad_token_id, multiple)
+        self.packing = packing
 
-    Returns:
-        (micro_batches, row_length, real_tokens): ``pack_pairs`` dicts sharing R and L (R = the
-        most rows any micro-batch of the step needs), L, and the step's non-pad token count.
-    """
-    step_pairs = [[pairs[i] for i in mb] for mb in micro_batch_indices]
-    longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
-                  for mb in step_pairs for p in mb)
-    length = row_length or longest
-    length = -(-length // multiple) * multiple
-    n_rows = max(rows_needed(mb, length) for mb in step_pairs)
-    micro_batches = [pack_pairs(mb, pad_token_id, length, n_rows) for mb in step_pairs]
-    real_tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
-                      for mb in step_pairs for p in mb)
-    return micro_batches, length, real_tokens
+    def micro_batch_indices(self, items, micro_batch_indices):
+        if self.packing.bucket_by_length:
+            return bucket_micro_batches(items, micro_batch_indices)
+        return micro_batch_indices
+
+    def build(self, items: Sequence[PreferencePair],
+              micro_batch_indices: list[list[int]]) -> StepBatch:
+        micro_batch_indices = self.micro_batch_indices(items, micro_batch_indices)
+        step = [[items[i] for i in mb] for mb in micro_batch_indices]
+        longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
+                      for mb in step for p in mb)
+        length = round_up(self.packing.row_length or longest, self.multiple)
+        n_rows = max(rows_needed(mb, length) for mb in step)
+        micro_batches = []
+        for mb, idx in zip(step, micro_batch_indices):
+            batch = pack_pairs(mb, self.pad_token_id, length, n_rows)
+            batch.item_indices = tuple(idx)
+            micro_batches.append(batch)
+        real_tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
+                          for mb in step for p in mb)
+        return StepBatch(micro_batches, length, real_tokens)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -13,11 +17,20 @@ class PreferencePair:
     ``max_prompt_length``); ``chosen_ids`` / ``rejected_ids`` are the completions the model
     would produce after it, each ending with exactly one EOS or end-of-turn token unless
     ``max_length`` cut it (then it ends where the cut fell). Both completions are non-empty.
+
+    ``reference_chosen_logps`` / ``reference_rejected_logps`` ([len(chosen_ids)] and
+    [len(rejected_ids)] fp32, nats) are the reference model's per-token log-probs of the
+    completions when they were computed before training (``reference.mode=precomputed``): they
+    travel with the pair into its micro-batch. Not part of equality.
     """
 
     prompt_ids: tuple[int, ...]
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
+    reference_chosen_logps: Optional["torch.Tensor"] = field(default=None, compare=False,
+                                                             repr=False)
+    reference_rejected_logps: Optional["torch.Tensor"] = field(default=None, compare=False,
+                                                               repr=False)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
-"""Optimisation and schedule settings of a training run."""
+"""The training sections of the config tree: optimisation and schedule (``train.*``), the
+reference (``reference.*``) and logging (``logging.*``). Imports nothing heavy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+REFERENCE_MODES = ("model", "precomputed")
 
 
 @dataclass
@@ -60,3 +63,43 @@ class TrainConfig:
     many such steps in a row the run stops with an error, its last checkpoint intact."""
     seq_length_multiple: int = 8
     """Each step's micro-batches are padded to the longest sequence rounded up to this x TP."""
+
+
+@dataclass
+class ReferenceConfig:
+    """How the reference log-probs are obtained (``reference.*``)."""
+
+    mode: str = "model"
+    """'model': the frozen reference runs forward every step. 'precomputed': one forward-only pass
+    over the training pairs before training, cached on disk; no reference forward while
+    training (same loss as 'model', fp32 1e-5)."""
+    offload: bool = False
+    """Keep the reference weights in host memory and copy them to the accelerator only for the
+    reference pass (mode 'model'; also used for the precompute pass)."""
+    cache_dir: str = ""
+    """Directory of precomputed tables (empty: <DPO_MEGATRON_CACHE>/reference_logps). Must be
+    shared by all ranks of a multi-node run (like checkpoint directories)."""
+    micro_batch_size: int = 0
+    """Pairs per micro-batch of the precompute pass (0: train.micro_batch_size)."""
+
+    def validate(self) -> None:
+        """Raises ValueError for an unknown mode or a negative micro-batch size."""
+        if self.mode not in REFERENCE_MODES:
+            raise ValueError(f"reference.mode={self.mode!r}; known: {', '.join(REFERENCE_MODES)}")
+        if self.micro_batch_size < 0:
+            raise ValueError(f"reference.micro_batch_size={self.micro_batch_size} must be >= 0")
+
+
+@dataclass
+class LoggingConfig:
+    """Where step metrics go besides the console line and ``<run_dir>/metrics.jsonl``."""
+
+    tensorboard: bool = True
+    """Write TensorBoard scalars to ``<run_dir>/tensorboard``."""
+    wandb_project: str = ""
+    """Weights & Biases project; empty: off. Needs the ``wandb`` package (a warning, not an
+    error, when it is missing) and a login or WANDB_API_KEY / WANDB_MODE=offline."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the default of the login."""
+    wandb_run_name: str = ""
+    """W&B run name; empty: the run directory's name."""

@@ -12,31 +12,17 @@ import json
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+
+from dpo_megatron.training.config import LoggingConfig  # noqa: F401  (the section's home)
 
 METRICS_FILE = "metrics.jsonl"
 """One JSON record per logged step and split, in the run directory."""
 _CONSOLE_KEYS = (("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin"),
                  ("nll_loss", "nll"), ("logps/chosen", "logps/chosen"),
                  ("logps/rejected", "logps/rejected"))
-
-
-@dataclass
-class LoggingConfig:
-    """Where step metrics go besides the console line and ``<run_dir>/metrics.jsonl``."""
-
-    tensorboard: bool = True
-    """Write TensorBoard scalars to ``<run_dir>/tensorboard``."""
-    wandb_project: str = ""
-    """Weights & Biases project; empty: off. Needs the ``wandb`` package (a warning, not an
-    error, when it is missing) and a login or WANDB_API_KEY / WANDB_MODE=offline."""
-    wandb_entity: str = ""
-    """W&B entity (team or user); empty: the default of the login."""
-    wandb_run_name: str = ""
-    """W&B run name; empty: the run directory's name."""
 
 
 def is_logging_rank() -> bool:

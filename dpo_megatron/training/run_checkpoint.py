@@ -101,3 +101,68 @@ def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]
         return None
     changed = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
     return f"resharding {ckpt_dir} ({changed}); RNG states start fresh"
+
+
+class Checkpointer:
+    """A run's checkpoints: where (``checkpoint.save`` or ``<run_dir>/checkpoints``), when
+    (every ``checkpoint.save_interval`` steps and at the end), how many (``keep_last_n``) and of
+    what (the stateful objects given here, once).
+
+    Args:
+        cfg: the ``checkpoint`` config section.
+        run_dir: the run's folder.
+        policy, optimizer, scheduler, sampler, loss_fn: the objects a checkpoint saves and a
+            resume restores.
+        model_config: stored as ``model_config.json`` beside the tensors.
+        use_distributed_optimizer: ``train.use_distributed_optimizer``.
+    """
+
+    def __init__(self, cfg, run_dir: str, policy: list, optimizer, scheduler, sampler, loss_fn,
+                 model_config, use_distributed_optimizer: bool):
+        self.cfg = cfg
+        self.save_dir = cfg.save or os.path.join(run_dir, "checkpoints")
+        self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
+        self.sampler, self.loss_fn = sampler, loss_fn
+        self.model_config = model_config
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.last_saved_step: Optional[int] = None
+
+    def resume(self) -> tuple[RunCounters, Optional[str], Optional[str]]:
+        """Restore the checkpoint ``checkpoint.resume`` names (collective).
+
+        Returns:
+            (counters, the checkpoint folder or None for a fresh start, a note when it was saved
+            at another layout or None).
+        """
+        from dpo_megatron.checkpointing.training_checkpoint import resolve_resume
+
+        resume_from = resolve_resume(self.cfg.resume, self.save_dir)
+        if not resume_from:
+            return RunCounters(), None, None
+        note = layout_note(resume_from, self.use_distributed_optimizer)
+        counters = resume_run(resume_from, self.policy, self.optimizer, self.scheduler,
+                              self.sampler, self.loss_fn, self.use_distributed_optimizer)
+        self.last_saved_step = counters.step
+        return counters, resume_from, note
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether to save after ``step``: every ``save_interval`` steps, and after the last
+        (unless that step is already saved)."""
+        if step == self.last_saved_step:
+            return False
+        return step == last_step or bool(self.cfg.save_interval
+                                         and step % self.cfg.save_interval == 0)
+
+    def save(self, counters: RunCounters) -> str:
+        """Save the current step (collective); returns the checkpoint folder."""
+        path = save_run(self.save_dir, self.policy, self.optimizer, self.scheduler, self.sampler,
+                        self.loss_fn, counters, self.use_distributed_optimizer,
+                        self.cfg.keep_last_n, self.model_config)
+        self.last_saved_step = counters.step
+        return path
+
+    def latest(self) -> Optional[str]:
+        """The newest complete checkpoint of the save folder, or None."""
+        from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
+
+        return find_latest_checkpoint(self.save_dir)

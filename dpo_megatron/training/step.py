@@ -1,21 +1,25 @@
 """One DPO step through megatron-core's pipeline schedule.
 
-A micro-batch holds B whole pairs as 2B sequences (rows 0..B-1 chosen, B..2B-1 rejected), so
-chosen and rejected of a pair always meet on the same last-stage rank (a loss that reads no
-rejected completion, ``sft``, gets B chosen rows only). A step is:
+A step's micro-batches (``dpo_megatron.data.batch.StepBatch``, already on the device) hold B whole
+items each: pairs as 2B sequences (chosen rows, then rejected rows) or SFT examples as B rows. A
+step is:
 
-1. the frozen ``reference_model`` runs forward-only through the schedule; on the last stage its
-   per-token log-probs are attached to each micro-batch (``"reference_token_logps"``);
+1. when the loss reads a reference and the batch does not carry precomputed reference log-probs,
+   the frozen ``reference_model`` runs forward-only through the schedule and its per-token
+   log-probs are stored in each micro-batch on the last stage (``reference_logps``);
 2. the policy runs forward+backward through the schedule; on the last stage the loss function
    turns per-token log-probs into per-pair losses and returns their *sum* with the pair count;
 3. megatron-core's ``finalize_model_grads`` (``calculate_per_token_loss=True``) all-reduces the
    pair count over data-parallel ranks and divides the gradients by it. The loss is therefore
    normalised by the global number of pairs in the step, whatever micro_batch_size, gradient
    accumulation or data-parallel size: sum_i loss_i / N_pairs.
+
+Every tensor made here (collective payloads, counts, the NaN flag) is made on the engine's device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,11 +31,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from dpo_megatron.models.gpt import output_positions, rotary_position_ids
+from dpo_megatron.data.batch import MicroBatch, StepBatch
+from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
-
-MicroBatch = dict[str, torch.Tensor]
-"""collate_pairs output: tokens / labels / position_ids [2B, S] int64, loss_mask [2B, S] fp32."""
 
 
 @dataclass
@@ -44,8 +46,8 @@ class StepOutput:
         num_pairs: pairs in the step, all data-parallel ranks together.
         grad_norm: global L2 norm of the gradient before clipping (None for forward-only).
         update_successful: False when the optimizer skipped the step (inf/NaN gradient).
-        per_pair: this data-parallel rank's per-pair values in micro-batch order ([pairs] each),
-            on the last pipeline stage only (empty elsewhere); used by tests and evaluation.
+        per_pair: this data-parallel rank's per-pair values in micro-batch order ([pairs] each,
+            host tensors), on the last pipeline stage only (empty elsewhere).
     """
 
     metrics: dict[str, float]
@@ -55,111 +57,110 @@ class StepOutput:
     per_pair: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _scored_positions(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions of the scored (completion) tokens: (in the model's [rows, L] input, in the
-    padded [2B, S] layout). Equal unless the batch is packed."""
-    flat = torch.nonzero(batch["loss_mask"].reshape(-1)).squeeze(1)
-    if "unpack_index" in batch:
-        return batch["unpack_index"].reshape(-1)[flat], flat
-    return flat, flat
-
-
-def _model_forward(model, batch: MicroBatch) -> torch.Tensor:
+def model_forward(model, batch: MicroBatch) -> torch.Tensor:
     """Output of one chunk: hidden states to send on, or on the last stage [1, n, V/TP] logits of
-    the n scored positions only (``models.gpt.output_positions``: prompt and padding positions
-    are never projected onto the vocabulary).
-
-    A packed batch (``dpo_megatron.data.packing``) brings its block-diagonal causal
-    ``attention_mask`` and per-sequence positions; a padded one uses the built-in causal mask.
-    """
-    with output_positions(model, _scored_positions(batch)[0]):
-        if "attention_mask" in batch:
-            with rotary_position_ids(model, batch["position_ids"]):
-                return model(batch["tokens"], batch["position_ids"],
-                             attention_mask=batch["attention_mask"])
-        return model(batch["tokens"], batch["position_ids"], attention_mask=None)
+    the n scored positions only (``DPOGPTModel``: prompt and padding positions are never
+    projected onto the vocabulary). Packed rows bring their ``segment_ids``."""
+    return model(batch.tokens, batch.position_ids, segment_ids=batch.segment_ids,
+                 output_index=batch.output_index)
 
 
-def _to_padded_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """[n] values of the scored positions -> [2B, S] (zero elsewhere); differentiable."""
-    flat = _scored_positions(batch)[1]
-    mask = batch["loss_mask"]
-    return values.new_zeros(mask.numel()).index_put((flat,), values.reshape(-1)).view(mask.shape)
+def _to_sequence_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """[n] values of the scored tokens -> [N, S] (zero elsewhere); differentiable."""
+    mask = batch.loss_mask
+    flat = values.new_zeros(mask.numel()).index_put((batch.score_index,), values.reshape(-1))
+    return flat.view(mask.shape)
 
 
-def _token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """[2B, S] log p(label_t), zero on prompt and padding positions (nats)."""
-    labels = batch["labels"].reshape(-1)[_scored_positions(batch)[0]]
+def token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """[N, S] log p(label_t) (nats), zero on prompt and padding positions, from the [1, n, V/TP]
+    logits of the scored positions."""
+    labels = batch.labels.reshape(-1)[batch.output_index]
     logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), labels)
-    return _to_padded_layout(logps, batch) * batch["loss_mask"]
+    return _to_sequence_layout(logps, batch)
+
+
+def _count(n: int) -> torch.Tensor:
+    """A count the schedule reduces (megatron-core sums it into ``num_tokens``)."""
+    return torch.tensor(n, dtype=torch.int, device=get_device())
 
 
 def _reference_forward_step(data_iterator, model):
     batch = next(data_iterator)
 
     def store(logits):
-        batch["reference_token_logps"] = _token_logps(logits, batch).detach()
-        return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
+        batch.reference_logps = token_logps(logits, batch).detach()
+        return logits.new_zeros(()), _count(0), {}
 
-    return _model_forward(model, batch), store
+    return model_forward(model, batch), store
 
 
 def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
-    policy_token_logps = _token_logps(logits, batch)
-    log_sum_p2 = (_to_padded_layout(vocab_parallel_log_sum_p2(logits), batch)
-                  if getattr(loss_fn, "needs_token_log_sum_p2", False) else None)
-    # A loss that reads no rejected completion (``sft``) is given chosen rows only
-    # (``training.sft.build_sft_micro_batches``): B rows, not 2B.
-    chosen_only = not getattr(loss_fn, "needs_rejected", True)
-    losses, metrics = loss_fn(policy_token_logps, batch.get("reference_token_logps"),
-                              batch["loss_mask"], log_sum_p2,
-                              **({"chosen_only": True} if chosen_only else {}))
+    policy_token_logps = token_logps(logits, batch)
+    log_sum_p2 = (_to_sequence_layout(vocab_parallel_log_sum_p2(logits), batch)
+                  if loss_fn.needs_token_log_sum_p2 else None)
+    losses, metrics = loss_fn(policy_token_logps, batch.reference_logps, batch.loss_mask,
+                              log_sum_p2, chosen_only=batch.chosen_only)
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
-    return losses.sum(), torch.tensor(losses.shape[0], dtype=torch.int), reported
+    return losses.sum(), _count(losses.shape[0]), reported
 
 
 def _policy_forward_step(loss_fn, data_iterator, model):
     batch = next(data_iterator)
-    return _model_forward(model, batch), partial(_policy_loss, loss_fn, batch)
+    return model_forward(model, batch), partial(_policy_loss, loss_fn, batch)
 
 
-def _iterators(micro_batches: list[MicroBatch], num_chunks: int):
+def _iterators(micro_batches: list, num_chunks: int):
     """One iterator per model chunk (the interleaved schedule pulls from each separately)."""
     its = [iter(micro_batches) for _ in range(num_chunks)]
     return its if num_chunks > 1 else its[0]
 
 
-def _run_schedule(forward_step_func, chunks, micro_batches, seq_length, forward_only):
-    pairs = micro_batches[0]["tokens"].shape[0]  # 2B sequences per micro-batch
+def run_schedule(forward_step_func, chunks, micro_batches: list, rows: int, seq_length: int,
+                 forward_only: bool):
+    """megatron-core's forward-backward function over ``micro_batches`` (one per chunk stream).
+
+    Args:
+        rows: model rows per micro-batch (R: 2B sequences when padded). The schedule sizes its
+            p2p buffers from it, so it is rows, not pairs.
+        seq_length: L, tokens per row.
+    """
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=_iterators(micro_batches, len(chunks)),
         model=chunks,
         num_microbatches=len(micro_batches),
         seq_length=seq_length,
-        micro_batch_size=pairs,  # the schedule sizes p2p buffers: 2B sequences, not B pairs
+        micro_batch_size=rows,
         forward_only=forward_only,
     )
 
 
+def _rows(batch: StepBatch) -> int:
+    return batch.micro_batches[0].tokens.shape[0]
+
+
 @torch.no_grad()
-def attach_reference_logps(reference_chunks: list, micro_batches: list[MicroBatch],
-                           seq_length: int) -> None:
-    """Run the frozen reference forward-only; store ``reference_token_logps`` [2B, S] in each
+def attach_reference_logps(reference_chunks: list, batch: StepBatch) -> None:
+    """Run the frozen reference forward-only; store ``reference_logps`` [N, S] in each
     micro-batch on the last pipeline stage (other stages are left unchanged)."""
-    _run_schedule(_reference_forward_step, reference_chunks, micro_batches, seq_length, True)
+    run_schedule(_reference_forward_step, reference_chunks, batch.micro_batches, _rows(batch),
+                 batch.seq_length, True)
 
 
 def _reduce_per_pair(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, int]:
-    """Per-pair values of this DP rank -> (per_pair, metric means over all DP ranks, pairs)."""
+    """Per-pair values of this DP rank -> (per_pair on the host, metric means over all DP ranks,
+    pair count)."""
     keys = list(store[0])
     per_pair = {k: torch.cat([d[k].reshape(-1).float() for d in store]) for k in keys}
-    sums = torch.stack([per_pair[k].double().sum() for k in keys]
-                       + [torch.tensor(float(per_pair["loss"].numel()), dtype=torch.float64)])
+    count = per_pair["loss"].new_tensor(float(per_pair["loss"].numel()), dtype=torch.float64)
+    sums = torch.stack([per_pair[k].double().sum() for k in keys] + [count])
     dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-    count = int(sums[-1].item())
-    return per_pair, {k: float(sums[i] / count) for i, k in enumerate(keys)}, count
+    sums = sums.tolist()
+    total = int(sums[-1])
+    return ({k: v.cpu() for k, v in per_pair.items()},
+            {k: sums[i] / total for i, k in enumerate(keys)}, total)
 
 
 def _share_from_last_stage(payload: Any) -> Any:
@@ -169,47 +170,55 @@ def _share_from_last_stage(payload: Any) -> Any:
     box = [payload]
     dist.broadcast_object_list(
         box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group())
+        group=parallel_state.get_pipeline_model_parallel_group(), device=get_device())
     return box[0]
 
 
-def dpo_forward_backward(
-    policy_chunks: list,
-    reference_chunks: Optional[list],
-    micro_batches: list[MicroBatch],
-    seq_length: int,
-    loss_fn: Callable,
-    forward_only: bool = False,
-    reference_attached: bool = False,
-) -> StepOutput:
-    """Reference pass (if any), then the policy's forward(+backward) over all micro-batches.
+def run_policy(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable,
+               forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Reference pass (when the loss needs reference log-probs and the batch carries none), then
+    the policy's forward(+backward) over the micro-batches.
+
+    ``reference`` is the run's ``training.reference.ReferenceModel`` (``attach(batch)``), or None.
+    Whether the batch carries reference log-probs is the same on every rank (precomputed values
+    travel with the pairs everywhere), so every pipeline stage takes the same decision.
+
+    Returns:
+        On the last pipeline stage, each micro-batch's per-pair values (``loss`` and the loss's
+        metrics, [B] device tensors); empty elsewhere.
+
+    Raises:
+        ValueError: the loss needs reference log-probs, the batch carries none and no reference
+            model was given.
+    """
+    if loss_fn.needs_reference and not batch.has_reference_logps:
+        if reference is None:
+            raise ValueError("this loss needs reference log-probs: the batch carries none and "
+                             "no reference model was built")
+        reference.attach(batch)
+    step = partial(_policy_forward_step, loss_fn)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return run_schedule(step, policy_chunks, batch.micro_batches, _rows(batch),
+                            batch.seq_length, forward_only)
+
+
+def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable,
+                         forward_only: bool = False) -> StepOutput:
+    """:func:`run_policy`, then its per-pair values reduced over the data-parallel ranks.
 
     Args:
         policy_chunks: this rank's policy model chunks (DDP-wrapped when training).
-        reference_chunks: the reference model's chunks, same layout; None for reference-free
-            losses.
-        micro_batches: this data-parallel rank's micro-batches for the step, each padded to
-            ``seq_length`` tokens (divisible by TP under sequence parallelism).
+        reference: the run's ``ReferenceModel`` (same layout as the policy); None when the loss
+            needs no reference or the batches carry precomputed reference log-probs.
+        batch: this data-parallel rank's micro-batches for the step, on the device.
         loss_fn: ``dpo_megatron.losses.build_loss(...)`` result.
         forward_only: evaluation (no backward, no gradient).
-        reference_attached: the micro-batches already carry ``reference_token_logps`` on the
-            last stage (``training.reference.ReferenceSource``): run no reference pass. Must be
-            the same on every rank.
 
     Returns:
         StepOutput with metrics averaged over every pair of the step (gradients, when computed,
         are left in the DDP buffers, already divided by the global pair count).
     """
-    if getattr(loss_fn, "needs_reference", True) and not reference_attached:
-        if reference_chunks is None:
-            raise ValueError("this loss needs a reference model but none was built")
-        attach_reference_logps(reference_chunks, micro_batches, seq_length)
-    step = partial(_policy_forward_step, loss_fn)
-    if forward_only:
-        with torch.no_grad():
-            store = _run_schedule(step, policy_chunks, micro_batches, seq_length, True)
-    else:
-        store = _run_schedule(step, policy_chunks, micro_batches, seq_length, False)
+    store = run_policy(policy_chunks, reference, batch, loss_fn, forward_only)
     per_pair, metrics, count = ({}, None, 0)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         per_pair, metrics, count = _reduce_per_pair(store)
@@ -224,31 +233,29 @@ def step_is_finite(loss: float, policy_chunks: list) -> bool:
     optimizer reads them) and all-reduces the verdict over the world, so every rank skips the
     same step. A NaN/Inf anywhere in a rank's buffer would reach the global gradient norm.
     """
-    bad = 0.0 if math.isfinite(loss) else 1.0
-    if not bad:
+    bad = torch.zeros(1, device=get_device())
+    if not math.isfinite(loss):
+        bad.fill_(1.0)
+    else:
         for chunk in policy_chunks:
             for buffer in getattr(chunk, "buffers", []):
-                if not bool(torch.isfinite(buffer.grad_data).all()):
-                    bad = 1.0
-                    break
-    flag = torch.tensor([bad])
+                bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().float())
     if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0.0
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
 
 
-def train_step(policy_chunks, reference_chunks, optimizer, scheduler, micro_batches,
-               seq_length, loss_fn, reference_attached: bool = False) -> StepOutput:
+def train_step(policy_chunks, reference, optimizer, scheduler, batch: StepBatch,
+               loss_fn) -> StepOutput:
     """One optimizer step: zero grads, forward+backward over the micro-batches, clip, update.
 
     The optimizer is megatron-core's (distributed) optimizer; ``scheduler`` its
-    ``OptimizerParamScheduler`` stepped once per optimizer step.
+    ``OptimizerParamScheduler`` stepped once per optimizer step. ``batch`` is on the device.
     """
     for chunk in policy_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    out = dpo_forward_backward(policy_chunks, reference_chunks, micro_batches, seq_length,
-                               loss_fn, reference_attached=reference_attached)
+    out = dpo_forward_backward(policy_chunks, reference, batch, loss_fn)
     if not step_is_finite(out.metrics["loss"], policy_chunks):
         # NaN/Inf loss or gradient: no update, no scheduler step (the loop counts these).
         out.grad_norm, out.update_successful = float("nan"), False

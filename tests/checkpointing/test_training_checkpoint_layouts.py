@@ -61,7 +61,7 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
     from dpo_megatron.data import load_preference_pairs, load_tokenizer
     from dpo_megatron.losses import build_loss
     from dpo_megatron.models import build_model_chunks
-    from dpo_megatron.training.batches import build_micro_batches
+    from dpo_megatron.data.collate import PaddedPairs
     from dpo_megatron.training.step import dpo_forward_backward
 
     cfg = tiny_config("unused", data_file, tok_dir)
@@ -72,9 +72,9 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
     load_model_checkpoint(chunks, ckpt_dir)
     tokenizer = load_tokenizer(tok_dir)
     pairs = load_preference_pairs(cfg.data, tokenizer).train[:4]
-    mbs, seq_length, _ = build_micro_batches(pairs, [[0, 1], [2, 3]], tokenizer.pad_token_id,
-                                             8 * parallel.tensor_model_parallel_size)
-    out = dpo_forward_backward(chunks, None, mbs, seq_length, build_loss({"name": "simpo"}),
+    batch = PaddedPairs(tokenizer.pad_token_id, 8 * parallel.tensor_model_parallel_size).build(
+        pairs, [[0, 1], [2, 3]]).to_device()
+    out = dpo_forward_backward(chunks, None, batch, build_loss({"name": "simpo"}),
                                forward_only=True)
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
         return None

@@ -14,51 +14,67 @@ def test_collate_pairs_layout_by_hand():
         PreferencePair(prompt_ids=(11,), chosen_ids=(12,), rejected_ids=(13, 2)),
     ]
     batch = collate_pairs(pairs, pad_token_id=PAD, seq_length=6)
-    assert batch["tokens"].tolist() == [
+    assert batch.tokens.tolist() == [
         [5, 6, 7, 2, 0, 0],  # pair 0 chosen
         [11, 12, 0, 0, 0, 0],  # pair 1 chosen
         [5, 6, 8, 9, 2, 0],  # pair 0 rejected
         [11, 13, 2, 0, 0, 0],  # pair 1 rejected
     ]
-    assert batch["labels"].tolist() == [
+    assert batch.labels.tolist() == [
         [6, 7, 2, 0, 0, 0],
         [12, 0, 0, 0, 0, 0],
         [6, 8, 9, 2, 0, 0],
         [13, 2, 0, 0, 0, 0],
     ]
     # 1 exactly where labels[:, t] is a completion token: t from len(prompt)-1 to length-2.
-    assert batch["loss_mask"].tolist() == [
+    assert batch.loss_mask.tolist() == [
         [0, 1, 1, 0, 0, 0],
         [1, 0, 0, 0, 0, 0],
         [0, 1, 1, 1, 0, 0],
         [1, 1, 0, 0, 0, 0],
     ]
-    assert batch["position_ids"].tolist() == [list(range(6))] * 4
-    assert {k: v.dtype for k, v in batch.items()} == {
-        "tokens": torch.int64,
-        "labels": torch.int64,
-        "loss_mask": torch.float32,
-        "position_ids": torch.int64,
-    }
+    assert batch.position_ids.tolist() == [list(range(6))] * 4
+    assert (batch.tokens.dtype, batch.labels.dtype, batch.position_ids.dtype) == (torch.int64,) * 3
+    assert batch.loss_mask.dtype == torch.float32
+    assert batch.segment_ids is None and batch.reference_logps is None
+    # Padded: the scored tokens sit at the same flat position in both layouts (row * 6 + t).
+    assert batch.output_index.tolist() == batch.score_index.tolist() == [1, 2, 6, 13, 14, 15, 18, 19]
+    assert batch.num_items == 2 and not batch.chosen_only
     # The masked labels are exactly each row's completion.
     for row, completion in enumerate([(7, 2), (12,), (8, 9, 2), (13, 2)]):
-        mask = batch["loss_mask"][row].bool()
-        assert tuple(batch["labels"][row][mask].tolist()) == completion
+        mask = batch.loss_mask[row].bool()
+        assert tuple(batch.labels[row][mask].tolist()) == completion
 
 
 def test_collate_exact_fit_and_too_long():
     pair = PreferencePair((1, 2), (3, 4), (5,))
     batch = collate_pairs([pair], pad_token_id=9, seq_length=4)
-    assert batch["tokens"].tolist() == [[1, 2, 3, 4], [1, 2, 5, 9]]
-    assert batch["labels"].tolist() == [[2, 3, 4, 9], [2, 5, 9, 9]]
-    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
+    assert batch.tokens.tolist() == [[1, 2, 3, 4], [1, 2, 5, 9]]
+    assert batch.labels.tolist() == [[2, 3, 4, 9], [2, 5, 9, 9]]
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
     with pytest.raises(ValueError, match=r"row 0 has 4 tokens .* > seq_length 3"):
         collate_pairs([pair], pad_token_id=9, seq_length=3)
 
 
 def test_collate_sft_and_padded_length():
     batch = collate_sft([SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4)
-    assert batch["tokens"].tolist() == [[1, 2, 3, 0]]
-    assert batch["loss_mask"].tolist() == [[0, 1, 0, 0]]
+    assert batch.tokens.tolist() == [[1, 2, 3, 0]]
+    assert batch.loss_mask.tolist() == [[0, 1, 0, 0]]
+    assert batch.chosen_only and batch.num_items == 1
     assert padded_length([5, 17, 9]) == 24
     assert padded_length([16]) == 16
+
+
+def test_precomputed_reference_logps_travel_with_the_pairs():
+    pairs = [PreferencePair((5, 6), (7, 2), (8, 9, 2), torch.tensor([-1.0, -2.0]),
+                            torch.tensor([-5.0, -6.0, -7.0])),
+             PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0, -4.0]), torch.tensor([-8.0]))]
+    batch = collate_pairs(pairs, 0, 6)
+    # loss_mask rows (completion label positions): [1, 2], [0, 1], [1, 2, 3], [0].
+    assert batch.reference_logps.tolist() == [
+        [0, -1, -2, 0, 0, 0], [-3, -4, 0, 0, 0, 0], [0, -5, -6, -7, 0, 0], [-8, 0, 0, 0, 0, 0]]
+    stale = [pairs[0], PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0]), torch.tensor([-8.0]))]
+    with pytest.raises(ValueError, match="stale"):
+        collate_pairs(stale, 0, 6)
+    with pytest.raises(ValueError, match="mixes pairs with and without"):
+        collate_pairs([pairs[0], PreferencePair((5,), (7, 2), (2,))], 0, 6)

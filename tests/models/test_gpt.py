@@ -3,7 +3,8 @@
 import pytest
 
 from dpo_megatron.models import ModelConfig
-from dpo_megatron.models.gpt import attention_heads, build_transformer_config, padded_vocab_size
+from dpo_megatron.models.transformer_config import (attention_heads, build_transformer_config,
+                                                    padded_vocab_size)
 from dpo_megatron.parallel import ParallelConfig
 
 

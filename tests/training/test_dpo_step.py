@@ -1,7 +1,8 @@
 """The DPO step at every parallel layout: ln 2 at step 0 and identical numbers everywhere.
 
-Weights come from one distributed checkpoint written at TP 1 x PP 1 and loaded at each layout
-(megatron-core reshards), so every layout starts from the same model. The interleaved (virtual)
+Every layout runs the real ``Trainer`` (batch builder, device crossing, reference model,
+distributed optimizer). Weights come from one distributed checkpoint written at TP 1 x PP 1 and
+loaded at each layout (megatron-core reshards), so every layout starts from the same model. The interleaved (virtual)
 pipeline at PP 2 is included: it is where gloo's in-order p2p matching once silently swapped
 activations and gradients.
 """
@@ -9,9 +10,8 @@ activations and gradients.
 import math
 
 import pytest
-import torch
 
-from dpo_megatron.data import PreferencePair
+from tests.engine import TINY, owns_results, random_pairs, step_record, tiny_trainer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -26,75 +26,32 @@ LAYOUTS = [  # (TP, PP, DP, sequence_parallel, virtual pipeline stages)
     (2, 2, 2, True, None),
 ]
 GLOBAL_PAIRS = 8
-VOCAB = 256
 
 
-def _pairs() -> list[PreferencePair]:
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for i in range(GLOBAL_PAIRS):
-        lengths = (3 + i % 4, 2 + i % 3, 5 - i % 3)
-        p, c, r = (tuple(torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in lengths)
-        out.append(PreferencePair(prompt_ids=p, chosen_ids=c + (2,), rejected_ids=r + (2,)))
-    return out
-
-
-def _model_config():
-    from dpo_megatron.models import ModelConfig
-
-    return ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                       num_query_groups=2, vocab_size=VOCAB, tie_word_embeddings=False)
+def _pairs() -> list:
+    return random_pairs(GLOBAL_PAIRS, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
 
 
 def _save_initial(ckpt_dir):
     from dpo_megatron.checkpointing import save_model_checkpoint
-    from dpo_megatron.models import build_model_chunks
+    from dpo_megatron.models import ModelConfig, build_model_chunks
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     parallel = ParallelConfig()
     initialize_distributed(parallel)
     set_seed(3)
-    save_model_checkpoint(build_model_chunks(_model_config(), parallel), ckpt_dir)
+    save_model_checkpoint(build_model_chunks(ModelConfig(**TINY), parallel), ckpt_dir)
 
 
 def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, vpp=None, steps=2, loss=None):
+    """``steps`` optimizer steps of the real trainer over the same 8 pairs per step."""
     from megatron.core import parallel_state as ps
 
-    from dpo_megatron.checkpointing import load_model_checkpoint
-
-    from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import build_model_chunks
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.batches import build_micro_batches
-    from dpo_megatron.training.config import TrainConfig
-    from dpo_megatron.training.optim import build_optimizer, copy_weights, freeze, wrap_ddp
-    from dpo_megatron.training.step import train_step
-
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              sequence_parallel=sp, virtual_pipeline_model_parallel_size=vpp)
-    initialize_distributed(parallel)
-    set_seed(11)
-    policy = build_model_chunks(_model_config(), parallel)
-    load_model_checkpoint(policy, ckpt_dir)
-    reference = freeze(build_model_chunks(_model_config(), parallel))
-    copy_weights(policy, reference)
-    policy = wrap_ddp(policy, use_distributed_optimizer=True)
-    optimizer, scheduler = build_optimizer(policy, TrainConfig(lr=1e-3, train_iters=steps,
-                                                               lr_decay_style="constant"))
-    loss_fn = build_loss(loss or {"name": "sigmoid", "beta": 0.1})
-    pairs = _pairs()
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = GLOBAL_PAIRS // dp
-    mine = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    indices = [mine[i:i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
-    history = []
-    for _ in range(steps):
-        mbs, seq_length, _ = build_micro_batches(pairs, indices, 0, 8 * tp)
-        out = train_step(policy, reference, optimizer, scheduler, mbs, seq_length, loss_fn)
-        history.append({"metrics": out.metrics, "grad_norm": out.grad_norm,
-                        "per_pair": {k: v.tolist() for k, v in out.per_pair.items()}})
-    owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    return {"dp_rank": dp_rank, "owner": owner, "history": history}
+    trainer = tiny_trainer(_pairs(), tp=tp, pp=pp, sp=sp, vpp=vpp, load=ckpt_dir,
+                           micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_PAIRS,
+                           steps=steps, lr=1e-3, loss=loss, seed=11)
+    history = [step_record(*trainer.train_step()) for _ in range(steps)]
+    return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(), "history": history}
 
 
 def _per_pair(results, step, key):

@@ -143,8 +143,9 @@ def test_resume_is_exact_and_auto_picks_latest(tmp_path, fixture_files):
 def _nan_after(step_from: int, run_dir, data_file, tok_dir, overrides):
     """train() with a loss that returns NaN from optimizer step ``step_from`` on."""
     import dpo_megatron.train as train_module
+    import dpo_megatron.training.trainer as trainer_module
 
-    real_build_loss = train_module.build_loss
+    real_build_loss = trainer_module.build_loss
     calls = {"n": 0}
 
     def build_loss(cfg):
@@ -163,7 +164,7 @@ def _nan_after(step_from: int, run_dir, data_file, tok_dir, overrides):
         loss_fn.__class__ = NaNAfter
         return loss_fn
 
-    train_module.build_loss = build_loss
+    trainer_module.build_loss = build_loss
     try:
         return train_module.train(tiny_config(run_dir, data_file, tok_dir, *overrides))
     except train_module.NonFiniteLossError as e:

@@ -13,6 +13,7 @@ import pytest
 
 from dpo_megatron.losses import LOSSES
 from tests.losses.test_gradients_and_step_zero import STEP_ZERO
+from tests.engine import tiny_trainer
 from tests.multirank import run_ranks
 from tests.training import test_dpo_step as engine
 
@@ -29,31 +30,21 @@ CONFIGS = [{"name": name} for name in sorted(LOSSES)] + [
 
 
 def _evaluate_all(ckpt_dir, tp, pp):
-    from dpo_megatron.checkpointing import load_model_checkpoint
+    from dpo_megatron.data.collate import PaddedPairs
     from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import build_model_chunks
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.batches import build_micro_batches
-    from dpo_megatron.training.optim import copy_weights, freeze
     from dpo_megatron.training.step import dpo_forward_backward
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    initialize_distributed(parallel)
-    set_seed(0)
-    policy = build_model_chunks(engine._model_config(), parallel)
-    load_model_checkpoint(policy, ckpt_dir)
-    reference = freeze(build_model_chunks(engine._model_config(), parallel))
-    copy_weights(policy, reference)
-    pairs = engine._pairs()
-    indices = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # The real trainer's policy and reference (loaded, resharded, DDP-wrapped); every loss then
+    # evaluates the same device batch through the engine's step.
+    trainer = tiny_trainer(engine._pairs(), tp=tp, pp=pp, load=ckpt_dir, seed=0)
+    batch = PaddedPairs(0, 8 * tp).build(engine._pairs(), [[0, 1, 2, 3], [4, 5, 6, 7]])
     out = {}
     for i, cfg in enumerate(CONFIGS):
         loss_fn = build_loss(cfg)
-        mbs, seq_length, _ = build_micro_batches(pairs, indices, 0, 8 * tp)
         if not loss_fn.needs_rejected:  # sft: chosen rows only
             continue
-        result = dpo_forward_backward(policy, reference if loss_fn.needs_reference else None,
-                                      mbs, seq_length, loss_fn, forward_only=True)
+        result = dpo_forward_backward(trainer.policy, trainer.reference, batch.to_device(),
+                                      loss_fn, forward_only=True)
         out[i] = result.metrics
     return out
 

@@ -4,41 +4,24 @@ gradient norm as without recompute, on CPU."""
 import pytest
 
 from tests.multirank import run_ranks
-from tests.training.test_packing import VOCAB, _pairs
+from tests.engine import tiny_trainer
+from tests.training.test_packing import _pairs
 
 
 def _run(granularity):
-    from dpo_megatron.data.packing import build_packed_micro_batches
-    from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import ModelConfig, build_model_chunks
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.config import TrainConfig
-    from dpo_megatron.training.optim import build_optimizer, copy_weights, freeze, wrap_ddp
-    from dpo_megatron.training.step import train_step
-
-    parallel = ParallelConfig()
-    initialize_distributed(parallel)
+    """Packed training steps of the real trainer without and with recompute."""
     out = {}
     for name in ("none", granularity):
-        model_cfg = ModelConfig(
-            num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-            num_query_groups=2, vocab_size=VOCAB,
-            recompute_granularity=None if name == "none" else name,
-            recompute_method="uniform" if name == "full" else None,
-            recompute_num_layers=1 if name == "full" else None)
-        set_seed(3)
-        policy = build_model_chunks(model_cfg, parallel)
-        reference = freeze(build_model_chunks(model_cfg, parallel))
-        copy_weights(policy, reference)
-        policy = wrap_ddp(policy, use_distributed_optimizer=True)
-        optimizer, scheduler = build_optimizer(policy, TrainConfig(lr=1e-2, train_iters=2,
-                                                                   lr_decay_style="constant"))
-        loss_fn = build_loss({"name": "sigmoid", "beta": 0.5})
-        pairs = _pairs()
+        model = dict(num_layers=2, tie_word_embeddings=True,
+                     recompute_granularity=None if name == "none" else name,
+                     recompute_method="uniform" if name == "full" else None,
+                     recompute_num_layers=1 if name == "full" else None)
+        trainer = tiny_trainer(_pairs(), model=model, packing=True, seed=3, micro_batch_size=3,
+                               global_batch_size=6, steps=2, lr=1e-2,
+                               loss={"name": "sigmoid", "beta": 0.5})
         history = []
         for _ in range(2):
-            mbs, seq_length, _ = build_packed_micro_batches(pairs, [[0, 1, 2], [3, 4, 5]], 0, 8)
-            step = train_step(policy, reference, optimizer, scheduler, mbs, seq_length, loss_fn)
+            step, _ = trainer.train_step()
             history.append((step.metrics["loss"], step.grad_norm))
         out[name] = history
     return out

@@ -24,34 +24,17 @@ def _real_pairs():
 
 
 def _engine(hf_path, pairs, pad_id, steps, export_dir):
-    from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import ModelConfig, build_model_chunks
-    from dpo_megatron.models.conversion import export_hf, load_hf_weights, model_config_from_hf
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.batches import build_micro_batches
-    from dpo_megatron.training.config import TrainConfig
-    from dpo_megatron.training.optim import build_optimizer, copy_weights, freeze, wrap_ddp
-    from dpo_megatron.training.step import train_step
+    from dpo_megatron.models.conversion import export_hf
 
-    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    initialize_distributed(parallel)
-    set_seed(0)
-    model_cfg = model_config_from_hf(hf_path, ModelConfig(pad_attention_heads=True))
-    policy = build_model_chunks(model_cfg, parallel)
-    load_hf_weights(policy, model_cfg, hf_path)
-    reference = freeze(build_model_chunks(model_cfg, parallel))
-    copy_weights(policy, reference)
-    policy = wrap_ddp(policy, use_distributed_optimizer=True)
-    optimizer, scheduler = build_optimizer(policy, TrainConfig(
-        lr=1e-5, train_iters=steps, lr_decay_style="constant"))
-    loss_fn = build_loss({"name": "sigmoid", "beta": 0.1})
-    indices = [[i] for i in range(len(pairs))]  # one pair per micro-batch: 2 micro-batches
-    history = []
-    for _ in range(steps):  # the same batch every step: its margin must grow
-        mbs, seq_length, _ = build_micro_batches(pairs, indices, pad_id, 16)
-        out = train_step(policy, reference, optimizer, scheduler, mbs, seq_length, loss_fn)
-        history.append({"metrics": out.metrics,
-                        "per_pair": {k: v.tolist() for k, v in out.per_pair.items()}})
+    from tests.engine import step_record, tiny_trainer
+
+    # The real trainer at TP 2 x PP 2 on the real weights; global batch = both pairs, so every
+    # step sees the same batch (one pair per micro-batch) and its margin must grow.
+    trainer = tiny_trainer(pairs, pad_token_id=pad_id, tp=2, pp=2, seed=0, lr=1e-5,
+                           steps=steps, micro_batch_size=1, global_batch_size=len(pairs),
+                           model={"hf_path": hf_path, "pad_attention_heads": True})
+    history = [step_record(*trainer.train_step()) for _ in range(steps)]
+    policy, model_cfg = trainer.policy, trainer.model_config
     export_hf([c.module for c in policy], model_cfg, export_dir, dtype="bfloat16",
               tokenizer_dir=hf_path)
     return history
@@ -66,10 +49,10 @@ def _hf_logps(hf_path, pairs, pad_id):
     longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
     batch = collate_pairs(pairs, pad_id, longest)
     with torch.no_grad():
-        logits = model(batch["tokens"]).logits
+        logits = model(batch.tokens).logits
     token_logps = torch.log_softmax(logits.float(), -1).gather(
-        -1, batch["labels"][..., None]).squeeze(-1)
-    return (token_logps * batch["loss_mask"]).sum(-1).double()
+        -1, batch.labels[..., None]).squeeze(-1)
+    return (token_logps * batch.loss_mask).sum(-1).double()
 
 
 def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dpo_megatron.data import PreferencePair
+from tests.engine import tiny_trainer
 from tests.multirank import run_ranks
 from tests.training import test_dpo_step as engine
 
@@ -21,23 +22,18 @@ LONG = PreferencePair(prompt_ids=tuple(range(40, 60)), chosen_ids=(5, 6, EOS),
 
 
 def _run(ckpt_dir):
-    from dpo_megatron.checkpointing import load_model_checkpoint
-    from dpo_megatron.losses import build_loss
-    from dpo_megatron.models import build_model_chunks
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.training.batches import build_micro_batches
+    from dpo_megatron.data.collate import PaddedPairs
+
     from dpo_megatron.training.step import dpo_forward_backward
 
-    parallel = ParallelConfig()
-    initialize_distributed(parallel)
-    set_seed(0)
-    model = build_model_chunks(engine._model_config(), parallel)
-    load_model_checkpoint(model, ckpt_dir)
-    loss_fn = build_loss({"name": "simpo"})  # reference-free: only the policy's log-probs
+    # simpo is reference-free: only the policy's log-probs, as the real trainer builds them.
+    trainer = tiny_trainer([PAIR], load=ckpt_dir, loss={"name": "simpo"}, seed=0,
+                           global_batch_size=1)
+    model = trainer.policy
 
     def logps(pairs, indices, multiple):
-        mbs, seq_length, _ = build_micro_batches(pairs, indices, 0, multiple)
-        out = dpo_forward_backward(model, None, mbs, seq_length, loss_fn, forward_only=True)
+        batch = PaddedPairs(0, multiple).build(pairs, indices).to_device()
+        out = dpo_forward_backward(model, None, batch, trainer.loss_fn, forward_only=True)
         return out.per_pair["logps/chosen"].tolist(), out.per_pair["logps/rejected"].tolist()
 
     alone = logps([PAIR], [[0]], 8)

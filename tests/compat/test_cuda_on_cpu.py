@@ -1,4 +1,5 @@
-"""The CPU compatibility layer: CUDA requests land on the CPU, and nothing changes with CUDA."""
+"""compat.cuda_on_cpu: CUDA requests land on the CPU; the device owner switches it on only for
+the CPU device (gloo), never for NCCL."""
 
 import subprocess
 import sys
@@ -6,16 +7,16 @@ import sys
 import pytest
 import torch
 
-from dpo_megatron.parallel import cpu_compat
+from dpo_megatron.compat import cuda_on_cpu
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _enabled():
-    assert cpu_compat.enable() is True
-    assert cpu_compat.enable() is True  # idempotent
-    assert cpu_compat.is_enabled()
+    assert cuda_on_cpu.enable() is True
+    assert cuda_on_cpu.enable() is True  # idempotent
+    assert cuda_on_cpu.is_enabled()
 
 
 def test_cuda_devices_become_cpu():
@@ -78,18 +79,43 @@ def _tp_linear_backward():
     return tuple(layer.weight.grad.shape)
 
 
-def test_no_op_when_cuda_is_available():
-    code = (
-        "import torch\n"
-        "torch.cuda.is_available = lambda: True\n"
-        "before = torch.cuda.current_device\n"
-        "from dpo_megatron.parallel import cpu_compat\n"
-        "assert cpu_compat.enable() is False\n"
-        "assert not cpu_compat.is_enabled()\n"
-        "assert torch.cuda.current_device is before\n"
-        "assert torch.zeros(1).type() == 'torch.FloatTensor'\n"
-        "print('ok')\n"
-    )
+def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    return out.stdout.strip()
+
+
+_FAKE_CUDA = (
+    "import torch\n"
+    "torch.cuda.is_available = lambda: True\n"
+    "torch.cuda.set_device = lambda device: None\n"
+    "before = torch.cuda.current_device\n"
+    "from dpo_megatron.compat import cuda_on_cpu\n"
+    "from dpo_megatron.parallel import device\n"
+)
+
+
+def test_nccl_on_a_cuda_machine_leaves_megatron_untouched():
+    assert _run(_FAKE_CUDA + (
+        "assert device.resolve_backend('auto') == 'nccl'\n"
+        "assert device.setup_device('nccl') == torch.device('cuda', 0)\n"
+        "assert device.backend() == 'nccl' and device.is_cuda()\n"
+        "assert not cuda_on_cpu.is_enabled()\n"
+        "assert torch.cuda.current_device is before\n"
+        "assert torch.zeros(1).type() == 'torch.FloatTensor'\n"
+        "print('ok')\n")) == "ok"
+
+
+def test_gloo_forced_on_a_cuda_machine_runs_on_the_cpu():
+    assert _run(_FAKE_CUDA + (
+        "assert device.setup_device('gloo') == torch.device('cpu')\n"
+        "assert device.backend() == 'gloo' and not device.is_cuda()\n"
+        "assert cuda_on_cpu.is_enabled()\n"
+        "assert torch.empty(1, device='cuda').device.type == 'cpu'\n"
+        "print('ok')\n")) == "ok"
+
+
+def test_the_patch_is_declared_for_the_versions_it_was_tested_on():
+    assert cuda_on_cpu.PATCH.versions["megatron-core"] == ">=0.16.0,<0.17"
+    assert not cuda_on_cpu.PATCH.off_on_other_versions  # a CPU run cannot do without it
+    assert cuda_on_cpu.PATCH.mismatches() == {}  # this environment is the tested one

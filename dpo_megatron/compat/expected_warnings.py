@@ -3,13 +3,24 @@
 megatron-core 0.16 warns on import about each optional GPU extra it cannot find, recommends a CUDA
 environment variable even on CPU, and calls torch.distributed functions that torch 2.13 marks
 deprecated. None of these is actionable for a user; everything else still prints.
+
+Switched on by the entry points (trainer, launcher's config check, converters) before
+megatron-core is imported. Imports nothing heavy: the config check must stay fast.
 """
 
 from __future__ import annotations
 
 import warnings
 
-import torch
+from dpo_megatron.compat.registry import Patch, register
+
+PATCH = register(Patch(
+    name="expected_warnings",
+    why="megatron-core prints import-time and per-call warnings that no user can act on",
+    versions={"megatron-core": ">=0.16.0,<0.17"},
+    switched_on="at every entry point, before megatron-core is imported",
+    off_on_other_versions=False,  # filters of unknown messages are harmless
+))
 
 _EXPECTED = [
     # (category, message regex)
@@ -18,15 +29,17 @@ _EXPECTED = [
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"),
     # megatron-core's schedules read .grad of received activations (non-leaf on some stages).
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf"),
+
 ]
 _CPU_ONLY = [
+    # CUDA performance advice: actionable on a GPU, printed on CPU runs too.
     (UserWarning, r"When using .* it is recommended to set the environment variable "
                   r"CUDA_DEVICE_MAX_CONNECTIONS"),
 ]
 
 
-def filter_expected_warnings() -> None:
-    """Install the filters (idempotent). On CPU also drops CUDA-only performance advice."""
-    rules = _EXPECTED + ([] if torch.cuda.is_available() else _CPU_ONLY)
-    for category, message in rules:
+def filter_expected_warnings(cpu: bool = False) -> None:
+    """Install the filters (idempotent); ``cpu`` also drops the CUDA-only performance advice
+    (the device owner passes it once the device is known to be the CPU)."""
+    for category, message in _EXPECTED + (_CPU_ONLY if cpu else []):
         warnings.filterwarnings("ignore", message=message, category=category)

@@ -1,6 +1,6 @@
-"""Run megatron-core's real layers, schedules, DDP and distributed optimizer on a machine without CUDA.
+"""Run megatron-core's real layers, schedules, DDP and distributed optimizer with the CPU as device.
 
-megatron-core 0.16 assumes a GPU in a handful of places (see ``shared/MEGATRON_CPU_NOTES.md``):
+megatron-core 0.16 assumes a GPU in a handful of places (``shared/MEGATRON_CPU_NOTES.md``):
 
 * buffers are allocated with ``device=torch.cuda.current_device()`` or the literal ``device='cuda'``;
 * ``Tensor.cuda()`` / ``Tensor.to('cuda')`` move tensors;
@@ -11,10 +11,11 @@ megatron-core 0.16 assumes a GPU in a handful of places (see ``shared/MEGATRON_C
 :func:`enable` redirects all of these to the CPU: a :class:`torch.overrides.TorchFunctionMode`
 rewrites CUDA ``device`` arguments of every torch call and answers ``Tensor.type()`` with the CUDA
 name megatron-core expects, and a few ``torch.cuda`` / megatron attributes are replaced by CPU
-equivalents. Everything lives in this one module so the hack has one place to audit and test.
+equivalents.
 
-When CUDA is available :func:`enable` does nothing and returns ``False``: the GPU path runs
-megatron-core untouched.
+Switched on by the device owner (:mod:`dpo_megatron.parallel.device`) when the engine's device is
+the CPU: a machine without CUDA, or ``parallel.backend=gloo`` forced on a CUDA machine (then the
+whole run, megatron-core's buffers included, stays on the host). Never on a CUDA device.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable", "is_enabled"]
+from dpo_megatron.compat.registry import Patch, register
+
+PATCH = register(Patch(
+    name="cuda_on_cpu",
+    why="megatron-core allocates on torch.cuda.current_device() / 'cuda', checks "
+        "torch.cuda.*Tensor type names and forks the CUDA RNG; without CUDA these fail",
+    versions={"megatron-core": ">=0.16.0,<0.17", "torch": ">=2.6"},
+    switched_on="when the engine's device is the CPU (gloo backend)",
+    off_on_other_versions=False,  # a CPU run cannot do without it
+))
+
+__all__ = ["PATCH", "enable", "is_enabled"]
 
 _ENABLED = False
 _MODE: "_CudaToCpuMode | None" = None
@@ -37,7 +49,7 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-def _is_cuda_device(device: Any) -> bool:
+def is_cuda_device(device: Any) -> bool:
     """True for every spelling of a CUDA device: 'cuda', 'cuda:1', torch.device('cuda'), or an int."""
     if isinstance(device, bool):
         return False
@@ -51,7 +63,7 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 def _cpu_if_cuda(value: Any) -> Any:
-    return torch.device("cpu") if _is_cuda_device(value) else value
+    return torch.device("cpu") if is_cuda_device(value) else value
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -111,17 +123,15 @@ def _patch_cuda_module() -> None:
 
 
 def enable() -> bool:
-    """Redirect megatron-core's CUDA calls to the CPU when CUDA is unavailable.
+    """Redirect megatron-core's CUDA calls to the CPU for the rest of the process.
 
-    Idempotent. Must run before megatron-core builds models, buffers or optimizers.
+    Idempotent. Must run before megatron-core builds models, buffers or optimizers. The caller
+    (the device owner) calls it only when the engine's device is the CPU.
 
     Returns:
-        True if the compatibility layer is active (no CUDA), False if CUDA exists and nothing
-        was changed.
+        True (the redirection is active).
     """
     global _ENABLED, _MODE
-    if torch.cuda.is_available():
-        return False
     if _ENABLED:
         return True
     _patch_cuda_module()

@@ -1,0 +1,22 @@
+"""Every workaround of torch or megatron-core, in one package (torchtitan's ``overrides/``).
+
+Nothing outside this package patches torch or megatron-core or reaches into their private
+names. Each module here holds one patch, declares it (:class:`~dpo_megatron.compat.registry.Patch`:
+why, the versions it was written for, when it is switched on), checks those versions against the
+installed ones when it is imported, and has a test of its own under ``tests/compat/``:
+
+* :mod:`~dpo_megatron.compat.cuda_on_cpu`: megatron-core's CUDA calls land on the CPU (switched on
+  by the device owner when the engine's device is the CPU, i.e. the gloo backend).
+* :mod:`~dpo_megatron.compat.torch_adam_resume`: loading distributed-optimizer state into
+  torch's Adam (megatron-core 0.16 without apex / transformer-engine).
+* :mod:`~dpo_megatron.compat.dist_ckpt_queue`: synchronous ``torch_dist`` saves without a
+  spawned ``multiprocessing`` Manager (megatron-core 0.16).
+* :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
+
+Applying a patch is always its caller's explicit decision, never an import side effect. This
+``__init__`` imports nothing heavy, so config-only entry points stay fast.
+"""
+
+from dpo_megatron.compat.registry import Patch, check_installed, installed_version, patches
+
+__all__ = ["Patch", "check_installed", "installed_version", "patches"]

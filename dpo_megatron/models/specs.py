@@ -1,0 +1,43 @@
+"""Layer specs (megatron-core ``ModuleSpec``) of the supported architectures."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dpo_megatron.models.attention import SDPAttention
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.norms import norm_class
+from dpo_megatron.models.transformer_config import use_transformer_engine
+
+
+def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
+                ) -> ModuleSpec:
+    """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
+    if use_transformer_engine(model.transformer_impl):
+        return get_gpt_layer_with_transformer_engine_spec()
+    layer = get_gpt_layer_local_spec(normalization=model.normalization)
+    if model.local_attention == "sdpa":
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif model.local_attention != "megatron":
+        raise ValueError(f"model.local_attention must be sdpa or megatron, got "
+                         f"{model.local_attention!r}")
+    norm = norm_class(model.normalization)
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm),
+    )

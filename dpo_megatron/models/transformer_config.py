@@ -1,0 +1,162 @@
+"""megatron-core's ``TransformerConfig`` for a ModelConfig at a parallel layout, and the layout
+rules it implies (heads / TP, layers / PP, vocabulary padding, dtype, layer implementation)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.parallel.device import backend, is_cuda
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, sec. 2); HF's ``gelu_new``."""
+    return F.gelu(x, approximate="tanh")
+
+
+def resolve_params_dtype(name: str) -> torch.dtype:
+    """'auto' -> bf16 with CUDA, fp32 without; else the named dtype.
+
+    Raises:
+        ValueError: for names other than auto / float32 / bfloat16.
+    """
+    if name == "auto":
+        return torch.bfloat16 if is_cuda() else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"model.params_dtype must be auto, float32 or bfloat16, got {name!r}")
+    return dtypes[name]
+
+
+def use_transformer_engine(impl: str) -> bool:
+    """Whether to build with the transformer-engine layer spec (needs the engine's device to be
+    a GPU: transformer-engine has no CPU kernels).
+
+    Raises:
+        ValueError: for 'transformer_engine' when it is not importable or the device is not CUDA.
+    """
+    available = is_cuda() and importlib.util.find_spec("transformer_engine")
+    if impl == "transformer_engine":
+        if not available:
+            raise ValueError("model.transformer_impl=transformer_engine needs CUDA and the "
+                             "transformer-engine package (pip install .[gpu])")
+        return True
+    if impl not in ("auto", "local"):
+        raise ValueError(f"model.transformer_impl must be auto, local or transformer_engine, "
+                         f"got {impl!r}")
+    return impl == "auto" and bool(available)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Round the vocabulary up so each TP rank holds an equal, granule-aligned slice.
+
+    Example: 49,152 with divisible_by 1 and TP 2 stays 49,152; 50,257 at TP 2 becomes 50,258.
+    """
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tuple[int, int, int]:
+    """(query heads, key/value groups, head dim) of the megatron model at this TP size.
+
+    With ``model.pad_attention_heads`` the groups are rounded up to a multiple of
+    ``model.pad_attention_heads_multiple`` (independent of TP, so checkpoints reshard), each extra
+    group carrying the usual number of query heads with all-zero weights; e.g. 9 heads / 3 groups
+    -> 12 heads / 4 groups, head dim unchanged (64).
+
+    Raises:
+        ValueError: heads not divisible by groups, or TP not dividing the (padded) groups.
+    """
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    head_dim = model.kv_channels or model.hidden_size // heads
+    if heads % groups:
+        raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
+                         f"model.num_query_groups={groups}")
+    tp = tensor_model_parallel_size
+    if model.pad_attention_heads:
+        multiple = model.pad_attention_heads_multiple
+        padded = -(-groups // multiple) * multiple
+        heads, groups = padded * (heads // groups), padded
+        if groups % tp:
+            raise ValueError(
+                f"model has {groups} key/value groups after padding to a multiple of "
+                f"model.pad_attention_heads_multiple={multiple}, not divisible by "
+                f"parallel.tensor_model_parallel_size={tp}: set the multiple to a multiple of {tp}")
+    elif groups % tp or heads % tp:
+        raise ValueError(
+            f"model has {heads} attention heads and {groups} key/value heads; both must be "
+            f"divisible by parallel.tensor_model_parallel_size={tp} (or set "
+            f"model.pad_attention_heads=true to add zero heads)")
+    return heads, groups, head_dim
+
+
+def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for this architecture and layout.
+
+    Dropout is always 0: DPO's log-ratios must be computed by the same deterministic function for
+    policy and reference (and the pipeline compares chosen with rejected).
+
+    Raises:
+        ValueError: heads or query groups not divisible by TP, layers not divisible by PP, or an
+            unknown activation.
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    heads, groups, head_dim = attention_heads(model, tp)
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    if model.num_layers % (pp * vpp):
+        raise ValueError(
+            f"model has {model.num_layers} layers, not divisible by "
+            f"parallel.pipeline_model_parallel_size={pp} x virtual stages {vpp}")
+    if model.activation not in ("swiglu", "gelu"):
+        raise ValueError(f"model.activation must be swiglu or gelu, got {model.activation!r}")
+    dtype = resolve_params_dtype(model.params_dtype)
+    swiglu = model.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else gelu_tanh,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        # On a GPU, initialise on the GPU; on the CPU device megatron-core's CPU path.
+        use_cpu_initialization=not is_cuda(),
+        # gloo matches point-to-point messages between two ranks in posting order. Batched p2p
+        # posts [send_prev, recv_prev, send_next, recv_next] on every rank, so with interleaved
+        # (virtual) pipelining at PP 2, where the previous and the next rank are the same peer, an
+        # activation lands in a gradient buffer of the same shape: silently wrong numbers. The
+        # unbatched path orders sends and receives by rank parity, which pairs them correctly.
+        # The condition is the backend, not the device: NCCL batches, gloo does not.
+        batch_p2p_comm=backend() == "nccl",
+        # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
+        calculate_per_token_loss=True,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
+    )

@@ -1,0 +1,69 @@
+"""The parallel layout, as one typed config (megatron-core's terms). Imports nothing heavy.
+
+World size = tensor_model_parallel_size x pipeline_model_parallel_size x data-parallel size.
+The data-parallel size is whatever is left of the world size (``data_parallel_size``, when set,
+only tells launchers how many ranks to start and is checked against the world size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are split across ranks (megatron-core's terms)."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each weight matrix (and the vocabulary) of a layer."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the stack of layers into consecutive stages."""
+    data_parallel_size: Optional[int] = None
+    """Model replicas. None: world size / (TP x PP). Launchers use it to choose the world size;
+    under torchrun it must agree with the world size."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved 1F1B schedule (None: not interleaved)."""
+    sequence_parallel: bool = False
+    """Split activations outside attention/MLP along the sequence across the TP group
+    (Korthikanti et al. 2022). Needs tensor_model_parallel_size > 1."""
+    backend: str = "auto"
+    """'auto' (NCCL with CUDA, gloo without), 'nccl' or 'gloo'. The backend decides the device
+    (``dpo_megatron.parallel.device``): NCCL computes on cuda:LOCAL_RANK, gloo on the CPU, so
+    ``gloo`` on a CUDA machine runs the whole job on the host."""
+    distributed_timeout_minutes: int = 30
+    """Timeout for collectives before the job fails instead of hanging."""
+
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: TP x PP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def validate(self, world_size: int) -> None:
+        """Reject layouts that cannot be built on ``world_size`` ranks.
+
+        Raises:
+            ValueError: naming the conflicting fields and what to do.
+        """
+        mp = self.model_parallel_size()
+        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
+            raise ValueError("parallel.tensor_model_parallel_size and "
+                             "parallel.pipeline_model_parallel_size must be >= 1")
+        if world_size % mp != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size"
+                f" ({self.tensor_model_parallel_size}) x parallel.pipeline_model_parallel_size"
+                f" ({self.pipeline_model_parallel_size}) = {mp}: launch a multiple of {mp} ranks")
+        if self.data_parallel_size is not None and self.data_parallel_size * mp != world_size:
+            raise ValueError(
+                f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP = "
+                f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
+                f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel=true needs "
+                             "parallel.tensor_model_parallel_size > 1")
+        if self.virtual_pipeline_model_parallel_size is not None and (
+                self.pipeline_model_parallel_size < 2):
+            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
+                             "parallel.pipeline_model_parallel_size >= 2")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"parallel.backend must be auto, nccl or gloo, got {self.backend!r}")

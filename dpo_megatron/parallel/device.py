@@ -1,0 +1,110 @@
+"""The engine's device: resolved once, and the one boundary every batch crosses to reach it.
+
+torchtitan's ``get_local_device()``: the backend decides, nothing else does.
+
+* ``nccl``: ``cuda:LOCAL_RANK`` (the process's GPU, made current).
+* ``gloo``: the CPU, with :mod:`dpo_megatron.compat.cuda_on_cpu` switched on so megatron-core's
+  CUDA allocations land there too. ``parallel.backend=gloo`` forces this on a CUDA machine.
+* ``auto``: NCCL when CUDA is available, gloo otherwise.
+
+Every tensor the engine creates for a collective, a mask, a loss or a metric is created with
+``device=get_device()``; host data (collated token ids, precomputed reference tables) reaches the
+device through :func:`to_device` only (pinned and non-blocking on CUDA). ``tests/host_tensors.py``
+checks both on CPU machines, where host and device are otherwise the same.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+BACKENDS = ("auto", "nccl", "gloo")
+CPU_DEVICE = torch.device("cpu")
+"""The device of a gloo run. ``tests/host_tensors.py`` sets ``cpu:0`` here: the same memory, but a
+name that factory calls and ``Tensor.to`` record, so a check can tell tensors made for the device
+from tensors left on the host."""
+
+_DEVICE: Optional[torch.device] = None
+_BACKEND: Optional[str] = None
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``nccl`` with CUDA, ``gloo`` without; ``nccl`` / ``gloo`` as given.
+
+    Raises:
+        ValueError: an unknown backend, or ``nccl`` on a machine without CUDA.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"parallel.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend=nccl needs CUDA; this machine has none (use gloo)")
+    return backend
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def setup_device(backend: str) -> torch.device:
+    """Resolve the device for ``backend`` (a resolved backend: ``nccl`` or ``gloo``), make it
+    current, switch on the CPU redirection when it is the CPU, and remember it. Idempotent for
+    the same backend.
+
+    Returns:
+        ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` for gloo.
+    """
+    global _DEVICE, _BACKEND
+    if backend == "nccl":
+        device = torch.device("cuda", _local_rank())
+        torch.cuda.set_device(device)
+    else:
+        from dpo_megatron.compat import cuda_on_cpu
+        from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+
+        device = CPU_DEVICE
+        cuda_on_cpu.enable()
+        filter_expected_warnings(cpu=True)
+    _DEVICE, _BACKEND = device, backend
+    return device
+
+
+def backend() -> str:
+    """The communication backend the device was set up for (``nccl`` or ``gloo``; before
+    set-up, what ``auto`` would choose)."""
+    return _BACKEND or resolve_backend("auto")
+
+
+def get_device() -> torch.device:
+    """The engine's device: the one :func:`setup_device` chose, else (before set-up, e.g. in a
+    unit test of a pure function) ``cuda:LOCAL_RANK`` with CUDA and ``cpu`` without."""
+    if _DEVICE is not None:
+        return _DEVICE
+    return torch.device("cuda", _local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def is_cuda() -> bool:
+    """True when the engine computes on a GPU."""
+    return get_device().type == "cuda"
+
+
+def to_device(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the engine's device: the host-to-device boundary of every batch.
+
+    On CUDA a host tensor is copied from pinned memory without blocking the host (the copy
+    overlaps the compute queued before it); on the CPU the tensor itself is returned (through
+    ``Tensor.to``, so ``tests/host_tensors.py`` sees the crossing).
+    """
+    device = get_device()
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def empty_cache() -> None:
+    """Return cached, unused accelerator memory to the driver (no-op on the CPU)."""
+    if is_cuda():
+        torch.cuda.empty_cache()

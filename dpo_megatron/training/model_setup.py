@@ -1,0 +1,97 @@
+"""The run's models: the architecture resolved from the config, the policy with its starting
+weights, and the frozen reference that starts equal to it."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from dpo_megatron.models import ModelConfig, build_model_chunks
+from dpo_megatron.training.optim import copy_weights, freeze
+
+
+def resolve_model_load(path: str) -> str:
+    """``model.load`` as a checkpoint folder: itself, or the latest checkpoint inside it (a run's
+    ``checkpoints`` folder)."""
+    from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
+
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    return find_latest_checkpoint(path) or path
+
+
+def resolve_model_config(cfg) -> ModelConfig:
+    """The architecture: derived from ``model.hf_path``'s config.json when given, else the one
+    stored with the ``model.load`` checkpoint, else the ``model.*`` fields."""
+    if cfg.model.hf_path:
+        from dpo_megatron.models.conversion import model_config_from_hf
+
+        return model_config_from_hf(cfg.model.hf_path, cfg.model)
+    if cfg.model.load:
+        from dpo_megatron.checkpointing import load_model_config
+
+        stored = load_model_config(resolve_model_load(cfg.model.load))
+        if stored is not None:
+            stored.load = cfg.model.load
+            return stored
+    return cfg.model
+
+
+def weights_source(cfg, model_cfg: ModelConfig) -> str:
+    """Where the starting weights come from, in words (printed at start-up)."""
+    if cfg.model.load:
+        return f"checkpoint {resolve_model_load(cfg.model.load)}"
+    if model_cfg.hf_path:
+        return f"Hugging Face folder {model_cfg.hf_path}"
+    return f"random initialisation (seed {cfg.train.seed})"
+
+
+def build_policy(cfg, model_cfg: ModelConfig) -> list:
+    """Policy chunks with their starting weights: ``model.load``, else ``model.hf_path``, else
+    random (collective)."""
+    policy = build_model_chunks(model_cfg, cfg.parallel)
+    if cfg.model.load:
+        from dpo_megatron.checkpointing import load_model_checkpoint
+
+        load_model_checkpoint(policy, resolve_model_load(cfg.model.load))
+    elif model_cfg.hf_path:
+        from dpo_megatron.models.conversion import load_hf_weights
+
+        load_hf_weights(policy, model_cfg, model_cfg.hf_path)
+    return policy
+
+
+def build_reference(cfg, model_cfg: ModelConfig, policy: list) -> list:
+    """The frozen reference: built with the same function and layout as the policy and copied
+    from it, so each pipeline stage holds its layers of both and step 0 has policy == reference."""
+    reference = freeze(build_model_chunks(model_cfg, cfg.parallel))
+    copy_weights(policy, reference)
+    return reference
+
+
+def check_vocab_fits(tokenizer, model_cfg: ModelConfig) -> None:
+    """A token id past the embedding table would fail deep inside the first forward.
+
+    Raises:
+        ValueError: the tokenizer has more ids than ``model.vocab_size``.
+    """
+    if tokenizer is None:
+        return
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
+    if size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {size} ids but model.vocab_size is "
+                         f"{model_cfg.vocab_size}: set model.vocab_size >= {size}")
+
+
+def release(chunks: Optional[list]) -> None:
+    """Drop a model's parameters and buffers now (the caller drops its own references), and
+    hand cached accelerator memory back."""
+    import gc
+
+    from dpo_megatron.parallel.device import empty_cache
+
+    for chunk in chunks or []:
+        for p in list(chunk.parameters()) + list(chunk.buffers()):
+            p.data = p.data.new_empty(0)
+    gc.collect()
+    empty_cache()

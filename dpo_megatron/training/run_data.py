@@ -1,0 +1,67 @@
+"""The run's data: tokenizer, tokenized train / eval items, and the pad id, loaded once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dpo_megatron.parallel.device import get_device
+
+
+@dataclass
+class RunData:
+    """Tokenized items of a run.
+
+    Attributes:
+        train, eval: preference pairs, or SFT examples for a loss that reads no rejected
+            completion.
+        pad_token_id: fills padding positions (never scored).
+        tokenizer: the tokenizer (None when the caller brings its own token ids, e.g. tests and
+            benchmarks).
+        summary: the data pipeline's start-up summary.
+    """
+
+    train: list
+    eval: list
+    pad_token_id: int
+    tokenizer: Any = None
+    summary: dict = field(default_factory=dict)
+
+
+def load_run_data(cfg, model_cfg, sft: bool) -> RunData:
+    """Load tokenizer and tokenized items (collective): rank 0 first, so the others hit its
+    cache; its failure reaches every rank, or they would wait in a collective until the timeout.
+
+    Raises:
+        ValueError: no training items left after filtering (and whatever the data pipeline
+            raises for bad input, on every rank).
+    """
+    from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
+    from dpo_megatron.training.model_setup import check_vocab_fits
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
+    check_vocab_fits(tokenizer, model_cfg)
+    load = load_sft_examples if sft else load_preference_pairs
+    failure, dataset = None, None
+    if dist.get_rank() == 0:
+        try:
+            dataset = load(cfg.data, tokenizer)
+        except Exception as e:  # re-raised below, after telling the other ranks
+            failure = e
+    ok = torch.tensor([0 if failure else 1], device=get_device())
+    dist.broadcast(ok, src=0)
+    if failure is not None:
+        raise failure
+    if not ok.item():
+        raise RuntimeError("rank 0 failed to load the data; its error is above")
+    if dataset is None:
+        dataset = load(cfg.data, tokenizer)
+    if not dataset.train:
+        raise ValueError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
+                         f"after filtering: {dataset.summary}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+        tokenizer.eos_token_id
+    return RunData(dataset.train, dataset.eval, pad, tokenizer, dataset.summary)

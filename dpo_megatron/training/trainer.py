@@ -1,0 +1,279 @@
+"""The trainer: builds a run from its config once, then takes steps (torchtitan's ``Trainer``).
+
+Set-up, in order: process groups and the device -> loss -> architecture -> data -> policy (and
+the frozen reference) -> megatron-core DDP + optimizer + LR schedule -> batch builder -> sampler
+-> reference source (precomputed: the pairs take their reference log-probs and the reference
+model is freed) -> evaluator -> checkpointer (resume) -> logger.
+
+``train()`` is the loop; each step is :meth:`Trainer.train_step` (sample, build, cross to the
+device, reference + policy passes, optimizer update) followed by the components that own their
+cadence (logger, evaluator, checkpointer). ``python -m dpo_megatron.train``,
+``scripts/bench_dpo.py`` and ``scripts/gpu_bench.py`` all run this class: nothing else wires
+the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Optional
+
+from megatron.core import parallel_state
+
+from dpo_megatron.data import PairSampler
+from dpo_megatron.data.batch import StepBatch, make_batch_builder
+from dpo_megatron.losses import build_loss
+from dpo_megatron.parallel import initialize_distributed, set_seed
+from dpo_megatron.parallel.device import get_device
+from dpo_megatron.training import model_setup
+from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
+from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
+from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
+from dpo_megatron.training.reference import ReferenceModel, precomputed_pairs
+from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
+from dpo_megatron.training.run_data import RunData, load_run_data
+from dpo_megatron.training.step import StepOutput, train_step
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps in a row had a NaN/Inf loss or gradient (``train.max_nonfinite_steps``)."""
+
+
+class Trainer:
+    """One training run (collective: every rank builds one).
+
+    Args:
+        cfg: the resolved ``DPOConfig``.
+        data: tokenized items to train on instead of ``cfg.data`` (tests, benchmarks); None
+            loads them from the config.
+
+    Attributes:
+        policy: this rank's DDP-wrapped policy chunks.
+        reference: the frozen :class:`ReferenceModel`, or None (reference-free loss, or
+            ``reference.mode=precomputed`` after its pass).
+        data: the :class:`RunData` (with ``reference.mode=precomputed`` its pairs carry their
+            reference log-probs).
+        counters: step and skipped-step counters (restored on resume).
+        timings: set-up durations in seconds (``reference_setup_s``: the precompute pass or
+            cache read of ``reference.mode=precomputed``).
+    """
+
+    def __init__(self, cfg, data: Optional[RunData] = None):
+        self.cfg = cfg
+        initialize_distributed(cfg.parallel)
+        set_seed(cfg.train.seed)
+        self.device = get_device()
+        self.loss_fn = build_loss(cfg.loss)
+        # A loss that reads no rejected completion (sft) trains on prompt + chosen rows only.
+        self.sft = not self.loss_fn.needs_rejected
+        self.model_config = model_setup.resolve_model_config(cfg)
+        self.data = data if data is not None else load_run_data(cfg, self.model_config,
+                                                                self.sft)
+        multiple = cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size
+        self.multiple = multiple
+        self.builder = make_batch_builder(self.data.pad_token_id, multiple, cfg.packing,
+                                          self.sft)
+        policy = model_setup.build_policy(cfg, self.model_config)
+        reference = (model_setup.build_reference(cfg, self.model_config, policy)
+                     if self.loss_fn.needs_reference else None)
+        self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
+        self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
+        started = time.perf_counter()
+        self.reference = self._reference_source(reference)
+        self.timings = {"reference_setup_s": time.perf_counter() - started}
+        self.evaluator = Evaluator(self.data.eval, self.builder, cfg.train.global_batch_size,
+                                   cfg.train.micro_batch_size, cfg.train.eval_interval,
+                                   cfg.train.eval_iters)
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run_dir, self.policy,
+                                         self.optimizer, self.scheduler, self.sampler,
+                                         self.loss_fn, self.model_config,
+                                         cfg.train.use_distributed_optimizer)
+        # Resume after the reference is built: it stays the initial policy, not the checkpoint's.
+        self.counters, self.resumed_from, layout_note = self.checkpointer.resume()
+        self.logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters, cfg.logging,
+                                    start_step=self.counters.step, run_config=asdict(cfg))
+        self._report_start(layout_note)
+
+    # ------------------------------------------------------------------------------------------
+    # set-up
+
+    def _sampler(self, num_items: int, shuffle: bool) -> PairSampler:
+        return PairSampler(
+            num_pairs=num_items,
+            global_batch_size=self.cfg.train.global_batch_size,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            data_parallel_rank=parallel_state.get_data_parallel_rank(),
+            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            seed=self.cfg.train.seed,
+            shuffle=shuffle,
+        )
+
+    def _reference_source(self, chunks: Optional[list]) -> Optional[ReferenceModel]:
+        """The reference model for ``reference.mode=model``; for ``precomputed``, the train and
+        eval pairs take their reference log-probs (one pass, or the cache) and the model is
+        freed: no reference weights are held while training."""
+        if chunks is None:
+            return None
+        reference = ReferenceModel(chunks, offload=self.cfg.reference.offload)
+        if self.cfg.reference.mode == "model":
+            return reference
+        from dpo_megatron.checkpointing.training_checkpoint import current_layout
+
+        layout = current_layout(self.cfg.train.use_distributed_optimizer)
+        for split in ("train", "eval"):
+            items = getattr(self.data, split)
+            setattr(self.data, split, precomputed_pairs(
+                self.cfg.reference, reference, items, self.builder,
+                self.cfg.train.micro_batch_size, self.model_config, layout, split))
+        model_setup.release(chunks)
+        return None
+
+    def _report_start(self, layout_note: Optional[str]) -> None:
+        if not is_logging_rank():
+            return
+        cfg = self.cfg
+        if self.resumed_from:
+            print(f"resumed from {self.resumed_from} at step {self.counters.step}"
+                  + (f" ({layout_note})" if layout_note else ""), flush=True)
+            if layout_note and self.loss_fn.needs_reference and not (cfg.model.hf_path
+                                                                     or cfg.model.load):
+                # Random initial weights depend on the layout (each pipeline stage draws its
+                # own layers), so the reference rebuilt here is not the run's original one.
+                print("WARNING: this run started from random weights and resumes at another "
+                      "layout: its reference model is re-drawn at the new layout and differs "
+                      "from the original. Start runs that must reshard from model.hf_path or "
+                      "model.load.", flush=True)
+        unit = "examples" if self.sft else "pairs"
+        print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
+              f"{cfg.parallel.pipeline_model_parallel_size} x DP "
+              f"{parallel_state.get_data_parallel_world_size()} on {self.device} | "
+              f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
+              f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
+              flush=True)
+
+    # ------------------------------------------------------------------------------------------
+    # steps
+
+    def next_batch(self) -> StepBatch:
+        """This rank's micro-batches of the next step, on the device."""
+        indices = self.sampler.next_step()
+        return self.builder.build(self.data.train, indices).to_device()
+
+    def train_step(self) -> tuple[StepOutput, StepBatch]:
+        """One optimizer step on the next batch (reference pass included); updates the counters.
+
+        Returns:
+            (the step's output, its batch).
+        """
+        batch = self.next_batch()
+        out = train_step(self.policy, self.reference, self.optimizer, self.scheduler, batch,
+                         self.loss_fn)
+        self.counters.step += 1
+        if out.update_successful:
+            self.counters.consecutive_skipped = 0
+            self.loss_fn.on_step_end(out.metrics)
+        else:
+            self.counters.skipped_steps += 1
+            self.counters.consecutive_skipped += 1
+        return out, batch
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluation metrics (logged) and, with ``train.sample_during_eval``, greedy samples."""
+        metrics = self.evaluator.run(self.policy, self.reference, self.loss_fn)
+        if metrics:
+            self.logger.log(step, "eval", metrics)
+        if self.cfg.train.sample_during_eval and self.cfg.train.eval_num_samples > 0:
+            records = self.samples()
+            if is_logging_rank():
+                path = write_samples(self.cfg.run_dir, step, records)
+                print(f"[eval] step {step}: {len(records)} greedy samples -> {path}", flush=True)
+        return metrics
+
+    def samples(self) -> list[dict]:
+        """Greedy continuations of the first ``train.eval_num_samples`` eval prompts, decoded."""
+        tokenizer = self.data.tokenizer
+        items = self.data.eval[:self.cfg.train.eval_num_samples]
+        chosen = [getattr(x, "chosen_ids", None) or x.completion_ids for x in items]
+        prompts = [x.prompt_ids for x in items]
+        stop = {i for i in (tokenizer.eos_token_id, self.data.pad_token_id) if i is not None}
+        outputs = greedy_generate(self.policy, prompts, self.cfg.train.eval_sample_max_new_tokens,
+                                  stop, self.data.pad_token_id, self.multiple,
+                                  vocab_size=len(tokenizer))
+        return [{"prompt": tokenizer.decode(list(p)),
+                 "sample": tokenizer.decode(o, skip_special_tokens=True),
+                 "chosen": tokenizer.decode(list(c), skip_special_tokens=True)}
+                for p, o, c in zip(prompts, outputs, chosen)]
+
+    def train(self) -> dict[str, float]:
+        """Run (or continue) the configured training; returns the last step's metrics.
+
+        Raises:
+            NonFiniteLossError: ``train.max_nonfinite_steps`` steps in a row had a NaN/Inf loss
+                or gradient (the checkpoints written before are intact).
+        """
+        cfg, last = self.cfg, self.cfg.train.train_iters
+        if self.counters.step >= last:
+            if is_logging_rank():
+                print(f"nothing to do: {self.resumed_from} is at step {self.counters.step} >= "
+                      f"train.train_iters={last}", flush=True)
+            self.logger.close()
+            return {}
+        metrics: dict[str, float] = {}
+        while self.counters.step < last:
+            t0 = time.time()
+            lr = current_lr(self.optimizer)
+            out, batch = self.train_step()
+            step, step_time = self.counters.step, time.time() - t0
+            tokens = _sum_over_data_parallel(batch.real_tokens)
+            metrics = out.metrics
+            if step % cfg.train.log_interval == 0 or step == last or not out.update_successful:
+                self.logger.log(step, "train", metrics, {
+                    "grad_norm": out.grad_norm, "lr": lr, "tokens_per_s": tokens / step_time,
+                    "step_time_s": step_time, "seq_length": batch.seq_length,
+                    "skipped_steps": self.counters.skipped_steps})
+            if self.counters.consecutive_skipped >= cfg.train.max_nonfinite_steps:
+                self.logger.close()
+                raise NonFiniteLossError(
+                    f"{self.counters.consecutive_skipped} steps in a row (up to step {step}) had "
+                    f"a NaN/Inf loss or gradient (train.max_nonfinite_steps="
+                    f"{cfg.train.max_nonfinite_steps}); stopping. Last checkpoint: "
+                    f"{self.checkpointer.latest()}")
+            if self.evaluator.due(step, last):
+                self.evaluate(step)
+            if self.checkpointer.due(step, last):
+                self.checkpointer.save(self.counters)
+        self.export_final()
+        if is_logging_rank():
+            print(f"saved checkpoint {self.checkpointer.latest()}"
+                  + (f" ({self.counters.skipped_steps} non-finite steps skipped)"
+                     if self.counters.skipped_steps else ""), flush=True)
+        self.logger.close()
+        return metrics
+
+    def export_final(self) -> None:
+        """The final policy as a Hugging Face folder ``<save>/hf`` when ``checkpoint.export_hf``."""
+        if not self.cfg.checkpoint.export_hf:
+            return
+        import os
+
+        from dpo_megatron.models.conversion import export_hf
+
+        export_hf([c.module for c in self.policy], self.model_config,
+                  os.path.join(self.checkpointer.save_dir, "hf"),
+                  dtype=self.cfg.checkpoint.export_dtype,
+                  tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None)
+
+
+def _sum_over_data_parallel(value: float) -> float:
+    """Sum of a per-rank count over the data-parallel ranks (each DP rank counted its tokens
+    once per TP x PP copy)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=get_device())
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return float(t.item())
+
+
+__all__ = ["NonFiniteLossError", "RunCounters", "Trainer"]

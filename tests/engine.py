@@ -1,0 +1,91 @@
+"""Build the real engine (``Trainer``) on a tiny model and hand-made token ids, in a few lines.
+
+Tests that compare layouts, losses or batch forms call this inside ``run_ranks`` ranks::
+
+    trainer = tiny_trainer(pairs, tp=2, pp=2, micro_batch_size=2, global_batch_size=8)
+    out, _ = trainer.train_step()
+
+Everything runs through the same ``Trainer`` as ``python -m dpo_megatron.train``: device,
+batch builder, reference source, optimizer, checkpointer. Only the data is given directly
+(``RunData``) instead of being read from a file with a tokenizer.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Optional, Sequence
+
+VOCAB = 256
+
+TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+            num_query_groups=2, vocab_size=VOCAB, tie_word_embeddings=False)
+
+
+def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bool = False,
+                  micro_batch_size: int = 1, global_batch_size: int = 4, steps: int = 2,
+                  lr: float = 1e-3, loss: Optional[dict] = None, model: Optional[dict] = None,
+                  load: str = "", packing: bool = False, bucket_by_length: bool = False,
+                  reference_mode: str = "model", offload: bool = False, cache_dir: str = "",
+                  run_dir: Optional[str] = None, seed: int = 1234, resume: str = "none",
+                  save_interval: int = 0, keep_last_n: int = 0, **train: Any):
+    """A ``DPOConfig`` for a tiny random (or ``load``-ed) model; ``train`` adds ``train.*``."""
+    from dpo_megatron.config import CheckpointConfig, DPOConfig
+    from dpo_megatron.data.packing import PackingConfig
+    from dpo_megatron.models import ModelConfig
+    from dpo_megatron.parallel import ParallelConfig
+    from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+
+    return DPOConfig(
+        run_dir=run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp),
+        model=ModelConfig(**{**TINY, **(model or {})}, load=load),
+        loss=loss or {"name": "sigmoid", "beta": 0.1},
+        train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                          train_iters=steps, lr=lr, lr_decay_style="constant", seed=seed,
+                          **train),
+        packing=PackingConfig(enabled=packing, bucket_by_length=bucket_by_length),
+        reference=ReferenceConfig(mode=reference_mode, offload=offload, cache_dir=cache_dir),
+        checkpoint=CheckpointConfig(resume=resume, save_interval=save_interval,
+                                    keep_last_n=keep_last_n),
+        logging=LoggingConfig(tensorboard=False),
+    )
+
+
+def tiny_trainer(pairs: Sequence, eval_pairs: Sequence = (), pad_token_id: int = 0, **config):
+    """A ``Trainer`` over ``pairs`` (train) and ``eval_pairs``; ``config`` as
+    :func:`engine_config`. Collective: call it on every rank."""
+    from dpo_megatron.training.run_data import RunData
+    from dpo_megatron.training.trainer import Trainer
+
+    cfg = engine_config(**config)
+    return Trainer(cfg, data=RunData(list(pairs), list(eval_pairs), pad_token_id))
+
+
+def random_pairs(n: int, seed: int, lengths, vocab: int = VOCAB, eos: int = 2):
+    """``n`` pairs of random ids; ``lengths(i)`` gives (prompt, chosen, rejected) lengths of pair
+    i before the EOS appended to each completion."""
+    import torch
+
+    from dpo_megatron.data import PreferencePair
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, c, r = (tuple(torch.randint(3, vocab, (k,), generator=g).tolist()) for k in lengths(i))
+        out.append(PreferencePair(prompt_ids=p, chosen_ids=c + (eos,), rejected_ids=r + (eos,)))
+    return out
+
+
+def step_record(out, batch) -> dict:
+    """Plain values of one step (for comparisons across processes)."""
+    return {"metrics": out.metrics, "grad_norm": out.grad_norm,
+            "per_pair": {k: v.tolist() for k, v in out.per_pair.items()},
+            "shape": list(batch.micro_batches[0].tokens.shape)}
+
+
+def owns_results() -> bool:
+    """True on the ranks that report per-pair values: last pipeline stage, TP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
