@@ -168,6 +168,25 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DP
     return cfg
 
 
+def config_from_mapping(sections: dict, check: bool = True) -> DPOConfig:
+    """A DPOConfig from nested plain values, e.g. ``{"model": {"num_layers": 2}, "loss":
+    {"name": "ipo"}}``: the defaults, then ``sections``, type-checked like a YAML file.
+
+    Args:
+        check: run :func:`validate`. Programs that bring their own token ids (tests,
+            ``scripts/gpu_bench.py``) pass False: the data and tokenizer rules do not apply.
+
+    Raises:
+        ValueError: as :func:`load_config`.
+    """
+    merged = _merge_layer(OmegaConf.structured(DPOConfig), OmegaConf.create(sections),
+                          "config_from_mapping")
+    cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if check:
+        validate(cfg)
+    return cfg
+
+
 def validate(cfg: DPOConfig) -> None:
     """Reject combinations that cannot run, before any process group or model is built.
 
