@@ -1,7 +1,6 @@
 """The benchmark scripts: their arithmetic by hand, and tiny end-to-end runs (slow)."""
 
 import importlib.util
-import json
 import math
 import sys
 from pathlib import Path
