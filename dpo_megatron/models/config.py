@@ -5,6 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dpo_megatron.config_checks import check_choice, check_range
+
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+LOCAL_ATTENTIONS = ("sdpa", "megatron")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+MODEL_PRESETS: dict[str, dict] = {
+    # SmolLM2-135M-Instruct from the offline asset cache (dpo_megatron.assets); its 3 key/value
+    # heads are padded to 4 so that TP 1, 2 and 4 all fit and checkpoints reshard.
+    "smollm2": {"hf_path": "${asset:smollm2}", "pad_attention_heads": True},
+}
+"""``model=NAME`` (command line) or ``model: NAME`` (YAML) stands for these ``model.*`` keys;
+later ``model.*`` overrides still apply on top. Any other scalar given to ``model`` is an error
+that lists these names."""
+
 
 @dataclass
 class ModelConfig:
@@ -84,3 +102,33 @@ class ModelConfig:
     """With 'full': 'uniform' or 'block'."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per recompute group."""
+
+    def validate(self) -> None:
+        """Ranges of every field: sizes and counts >= 1 (``num_query_groups``, ``kv_channels``,
+        ``recompute_num_layers``: >= 1 or null); ``rotary_base``, ``norm_epsilon``,
+        ``init_method_std`` and the RoPE scaling factors > 0; the names one of the module's
+        tuples above. The architecture against the layout (heads / TP, layers / PP), the
+        activation and the dtype name are checked with the layout, before launch, by
+        ``models.transformer_config.build_transformer_config``.
+
+        Raises:
+            ValueError: ``model.<field>=<value> must be ...``.
+        """
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "pad_attention_heads_multiple", "vocab_size", "make_vocab_size_divisible_by",
+                     "max_position_embeddings"):
+            check_range("model", self, name, 1)
+        for name in ("num_query_groups", "kv_channels", "recompute_num_layers"):
+            check_range("model", self, name, 1, optional=True)
+        for name in ("rope_scaling_factor", "rope_linear_scaling_factor"):
+            check_range("model", self, name, 0, low_open=True, optional=True)
+        check_range("model", self, "rotary_base", 0, low_open=True)
+        check_range("model", self, "norm_epsilon", 0, low_open=True)
+        check_range("model", self, "init_method_std", 0, low_open=True)
+        check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
+        check_choice("model", self, "normalization", NORMALIZATIONS)
+        check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)
+        check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
+        check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES,
+                     optional=True)
+        check_choice("model", self, "recompute_method", RECOMPUTE_METHODS, optional=True)
