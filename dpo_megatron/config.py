@@ -459,28 +459,67 @@ def check_model_layout(cfg: DPOConfig) -> None:
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
 
+def _reads_chosen_only(cfg: DPOConfig) -> bool:
+    """A loss that reads no rejected completion (sft) trains on SFT examples and may read
+    SFT-only formats (alpaca)."""
+    from dpo_megatron.losses import build_loss
+
+    return not build_loss(cfg.loss).needs_rejected
+
+
 def check_data(cfg: DPOConfig) -> None:
-    """The data sources exist and their rows fit their format, without tokenizing: the
-    launchers' pre-check (``dpo_megatron.data.pipeline.check_sources``).
+    """Every local data source exists and its rows fit their format, without a tokenizer
+    (``dpo_megatron.data.pipeline.check_sources``): the launchers' pre-check.
 
     Raises:
         DataError: naming the file, the line or row, and the field (or the format the file
             looks like).
     """
     from dpo_megatron.data.pipeline import check_sources
-    from dpo_megatron.losses import build_loss
 
-    # A loss that reads no rejected completion (sft) may read SFT-only formats (alpaca).
-    check_sources(cfg.data, sft=not build_loss(cfg.loss).needs_rejected)
+    check_sources(cfg.data, sft=_reads_chosen_only(cfg))
+
+
+def prepare_data(cfg: DPOConfig) -> bool:
+    """Tokenize the data once, in the launcher, into the cache rank 0 then reads instead of
+    tokenizing again: so that a data error found only while tokenizing (a chat template that
+    does not fit, no pair left) also stops the launcher before any rank starts. Only with the
+    cache on (``data.cache_dir`` not ``none``) and local sources; returns whether it ran.
+
+    Raises:
+        DataError: as the run's data load would.
+        ValueError: the tokenizer has more ids than the model's vocabulary.
+    """
+    import dataclasses
+
+    from dpo_megatron.data.pipeline import is_local_source, load_preference_pairs, load_sft_examples
+    from dpo_megatron.data.reader import DataError
+    from dpo_megatron.data.tokenizer import load_tokenizer
+    from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
+
+    sft = _reads_chosen_only(cfg)
+    if cfg.data.cache_dir.lower() == "none" or not all(
+            is_local_source(name) for name, _ in cfg.data.sources()):
+        return False
+    model_cfg = resolve_model_config(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
+    check_vocab_fits(tokenizer, model_cfg)
+    load = load_sft_examples if sft else load_preference_pairs
+    dataset = load(dataclasses.replace(cfg.data, verbose=False), tokenizer)  # not in the cache key
+    if not dataset.train:
+        raise DataError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} after "
+                        f"filtering: {dataset.summary['dropped']}")
+    return True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
 
     Resolves the config (fetching its assets once, in this single process), checks the data
-    sources and the model against the layout, and prints the world size it needs. Every
-    mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr
-    and exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
+    sources (:func:`check_data`), the model against the layout, then tokenizes the data into
+    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every mistake ends the
+    process with one ``config error: ...`` or ``error: ...`` line on stderr and exit status 1.
+    ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
     """
     parser = _parser(main.__doc__.splitlines()[0])
     parser.add_argument("--list-keys", action="store_true",
@@ -501,14 +540,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from dpo_megatron.data.reader import DataError
 
     try:
-        check_data(cfg)
-    except (DataError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
-    except ValueError as e:
-        raise SystemExit(f"config error: {e}") from None
-    try:
+        check_data(cfg)  # cheap: no tokenizer, no megatron-core
         check_model_layout(cfg)
-    except ValueError as e:
+        prepare_data(cfg)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    except (OSError, ValueError) as e:  # a tokenizer or checkpoint path, a layout conflict
         raise SystemExit(f"config error: {e}") from None
     print(world_size_for(cfg))
 

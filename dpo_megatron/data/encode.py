@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .formats import Example, Filtered, Messages, RowError
+from .reader import DataError
 from .tokenizer import (adds_bos, encode_continuation, max_token_chars, prepends_space,
                         render_chat, special_ids)
 
@@ -228,7 +229,8 @@ def _encode_chat(example: Example, tokenizer, settings: EncodeSettings, budget: 
     were dropped)."""
     template = settings.chat_template
     if not (template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError("conversational data needs a chat template: the tokenizer has none; set data.chat_template")
+        raise DataError("conversational data needs a chat template: the tokenizer has none; set "
+                        "data.chat_template (chatml, mistral or a Jinja file)")
 
     def prompt_tokens(messages):
         text = render_chat(tokenizer, messages, True, template)

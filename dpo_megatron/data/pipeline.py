@@ -104,13 +104,16 @@ def _source_format(source: Source, fmt: str, sft: bool) -> str:
     """The format of a source: ``fmt``, or detected from its columns for ``auto``.
 
     Raises:
-        DataError: the source has no rows, or its format has no rejected answers outside SFT.
-        ValueError: the format cannot be told from the columns (naming the source).
+        DataError: the source has no rows, its format cannot be told from its columns (naming
+            the source), or its format has no rejected answers outside SFT.
     """
     if len(source.dataset) == 0:
         raise DataError(f"{source.label}: no rows")
     if fmt == "auto":
-        fmt = detect_format(_columns(source), _first_row(source), source.label)
+        try:
+            fmt = detect_format(_columns(source), _first_row(source), source.label)
+        except ValueError as e:
+            raise DataError(str(e)) from None
     if fmt in SFT_ONLY_FORMATS and not sft:
         raise DataError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the "
                         f"SFT stage only (loss.name=sft)")
@@ -123,12 +126,12 @@ def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
     Hub names are not read (they need the network); the load checks them.
 
     Raises:
-        DataError / FileNotFoundError / ValueError: as the load would, with the same messages.
+        DataError: as the load would, with the same messages.
     """
     cfg = as_data_config(cfg)
     out = []
     for name, fmt in cfg.sources():
-        if not _is_local(name):
+        if not is_local_source(name):
             out.append((name, fmt))
             continue
         source = read_source(name, cfg.split, cfg.on_error)
@@ -147,7 +150,9 @@ def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
     return out
 
 
-def _is_local(name: str) -> bool:
+def is_local_source(name: str) -> bool:
+    """Whether a ``data.path`` / ``data.datasets`` entry names a local file or folder (an
+    existing path, or one that looks like a path), not a hub dataset."""
     path = Path(name).expanduser()
     return path.exists() or name.startswith((".", "/", "~")) or path.suffix.lower() in (
         ".json", ".jsonl", ".parquet", ".arrow", ".csv")
@@ -319,11 +324,11 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             load_from_cache_file=False,
             desc=f"tokenizing {Path(source.label).name}",
         )
+        if cached is not None:
+            _save_atomically(tokenized, cached)
     finally:
         if quiet:
             datasets.enable_progress_bars()
-    if cached is not None:
-        _save_atomically(tokenized, cached)
     return tokenized
 
 

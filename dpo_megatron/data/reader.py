@@ -23,6 +23,10 @@ class DataError(ValueError):
     """Bad input data; the message names the file (or dataset), the row or line, and the field."""
 
 
+class MissingDataError(DataError, FileNotFoundError):
+    """A data path that looks local (a file name or a path) but does not exist."""
+
+
 @dataclass
 class Source:
     """One dataset's raw rows. ``label`` names it in messages; ``malformed`` counts skipped lines."""
@@ -34,8 +38,8 @@ class Source:
 
 def read_source(name: str, split: str = "train", on_error: str = "raise") -> Source:
     """Read one dataset (file, folder or hub name). Raises DataError for a malformed JSON line
-    (unless ``on_error == "skip"``: then it is skipped and counted), FileNotFoundError for a
-    local-looking path that does not exist."""
+    (unless ``on_error == "skip"``: then it is skipped and counted), MissingDataError (a
+    DataError and a FileNotFoundError) for a local-looking path that does not exist."""
     path = Path(name).expanduser()
     if path.is_file():
         suffix = path.suffix.lower()
@@ -59,7 +63,7 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
             return Source(str(path), ds)
         return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
     if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS):
-        raise FileNotFoundError(f"data file {name} does not exist")
+        raise MissingDataError(f"data file {name} does not exist")
     import datasets  # a hub name: works for users who are online
 
     return Source(f"{name}[{split}]", datasets.load_dataset(name, split=split))
