@@ -218,7 +218,7 @@ def _section_scalar(section: str, value: Any, source: str) -> dict:
         ValueError: a section that takes no scalar, or an unknown model preset.
     """
     if section == "loss":
-        if value is None or value == "" or isinstance(value, (dict, DictConfig)):
+        if value == "" or isinstance(value, (dict, DictConfig)):
             raise ValueError(f"loss= needs a loss name (from {source}), e.g. loss=ipo or "
                              f"loss.name=sigmoid loss.beta=0.1")
         return {"name": value}
@@ -242,7 +242,7 @@ def _expand_override(item: str) -> list[str]:
     key, _, value = item.partition("=")
     key = key.strip()
     if key in _sections() or key == "loss":
-        expanded = _section_scalar(key, value or None, "command line")
+        expanded = _section_scalar(key, value, "command line")
         return [f"{key}.{k}={_dotlist_value(v)}" for k, v in expanded.items()]
     if value == "":
         f, hint = _field_of(key)
@@ -492,8 +492,8 @@ def prepare_data(cfg: DPOConfig) -> bool:
     """
     import dataclasses
 
-    from dpo_megatron.data.pipeline import is_local_source, load_preference_pairs, load_sft_examples
-    from dpo_megatron.data.reader import DataError
+    from dpo_megatron.data.pipeline import load_preference_pairs, load_sft_examples
+    from dpo_megatron.data.reader import DataError, is_local_source
     from dpo_megatron.data.tokenizer import load_tokenizer
     from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
 

@@ -39,7 +39,7 @@ from .encode import EncodeSettings, TokenBudget, encode_example, encode_settings
 from .formats import CONVERTERS, SFT_ONLY_FORMATS, Example, Filtered, RowError, detect_format
 from .lengths import fit_lengths
 from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample
-from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, read_source
+from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, is_local_source, read_source
 from .summary import format_summary, length_stats
 from .tokenizer import resolve_chat_template, tokenizer_fingerprint
 
@@ -148,14 +148,6 @@ def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
         _raise_row_errors(source, fmt, errors, converted, cfg)
         out.append((source.label, fmt))
     return out
-
-
-def is_local_source(name: str) -> bool:
-    """Whether a ``data.path`` / ``data.datasets`` entry names a local file or folder (an
-    existing path, or one that looks like a path), not a hub dataset."""
-    path = Path(name).expanduser()
-    return path.exists() or name.startswith((".", "/", "~")) or path.suffix.lower() in (
-        ".json", ".jsonl", ".parquet", ".arrow", ".csv")
 
 
 def _rows(source: Source):

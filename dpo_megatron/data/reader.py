@@ -36,6 +36,13 @@ class Source:
     malformed: int = 0
 
 
+def is_local_source(name: str) -> bool:
+    """Whether a ``data.path`` / ``data.datasets`` entry names a local file or folder (an
+    existing path, or one that looks like a path or a data file), not a hub dataset."""
+    return (Path(name).expanduser().exists() or name.startswith((".", "/", "~"))
+            or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS))
+
+
 def read_source(name: str, split: str = "train", on_error: str = "raise") -> Source:
     """Read one dataset (file, folder or hub name). Raises DataError for a malformed JSON line
     (unless ``on_error == "skip"``: then it is skipped and counted), MissingDataError (a
@@ -62,7 +69,7 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
                 ds = ds[split]
             return Source(str(path), ds)
         return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
-    if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS):
+    if is_local_source(name):
         raise MissingDataError(f"data file {name} does not exist")
     import datasets  # a hub name: works for users who are online
 

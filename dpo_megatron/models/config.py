@@ -38,45 +38,46 @@ class ModelConfig:
     load: str = ""
     """megatron-core distributed checkpoint to load the weights from instead (e.g. an SFT run)."""
     num_layers: int = 2
-    """Transformer layers."""
+    """Transformer layers (>= 1)."""
     hidden_size: int = 64
-    """Width of the residual stream."""
+    """Width of the residual stream (>= 1)."""
     ffn_hidden_size: int = 128
-    """Width of the MLP's intermediate layer (per branch for SwiGLU)."""
+    """Width of the MLP's intermediate layer (per branch for SwiGLU; >= 1)."""
     num_attention_heads: int = 4
-    """Query heads."""
+    """Query heads (>= 1)."""
     num_query_groups: Optional[int] = None
-    """Key/value heads for grouped-query attention (None: one per query head)."""
+    """Key/value heads for grouped-query attention (>= 1, dividing the query heads; None: one per
+    query head)."""
     kv_channels: Optional[int] = None
-    """Head dimension (None: hidden_size / num_attention_heads)."""
+    """Head dimension (>= 1; None: hidden_size / num_attention_heads)."""
     pad_attention_heads: bool = False
     """When TP does not divide the key/value heads (SmolLM2-135M: 9 query / 3 KV heads at TP 2),
     add all-zero key/value groups (with their query heads) up to a multiple of
     ``pad_attention_heads_multiple``. Zero heads contribute exactly nothing and receive zero
     gradient; conversion drops them on export. False: such a layout is an error."""
     pad_attention_heads_multiple: int = 2
-    """With pad_attention_heads: round the key/value groups up to a multiple of this, whatever
-    the TP size, so checkpoint shapes do not depend on the layout they were saved at (SmolLM2:
+    """With pad_attention_heads: round the key/value groups up to a multiple of this (>= 1),
+    whatever the TP size, so checkpoint shapes do not depend on the layout they were saved at (SmolLM2:
     3 -> 4 groups, usable at TP 1, 2 and 4). TP must divide the padded count."""
     vocab_size: int = 256
-    """Tokenizer vocabulary; padded up to a multiple of make_vocab_size_divisible_by x TP."""
+    """Tokenizer vocabulary (>= 1); padded up to a multiple of make_vocab_size_divisible_by x TP."""
     make_vocab_size_divisible_by: int = 1
-    """Padding granule for the vocabulary (x TP). 1 keeps HF's size whenever TP divides it."""
+    """Padding granule for the vocabulary (x TP; >= 1). 1 keeps HF's size whenever TP divides it."""
     max_position_embeddings: int = 2048
-    """Longest sequence the position encoding is built for (tokens)."""
+    """Longest sequence the position encoding is built for (tokens, >= 1)."""
     position_embedding_type: str = "rope"
     """'rope' (Llama family) or 'learned_absolute' (GPT-2)."""
     rotary_base: float = 10000.0
-    """RoPE theta."""
+    """RoPE theta (> 0)."""
     rope_scaling_factor: Optional[float] = None
-    """Llama-3.1 style RoPE frequency scaling factor (None: no scaling)."""
+    """Llama-3.1 style RoPE frequency scaling factor (> 0; None: no scaling)."""
     rope_linear_scaling_factor: Optional[float] = None
     """Llama-2 style linear RoPE scaling (position interpolation, Chen et al. 2023): positions
-    are divided by this factor (HF ``rope_type: linear``). None: no interpolation."""
+    are divided by this factor (> 0; HF ``rope_type: linear``). None: no interpolation."""
     normalization: str = "RMSNorm"
     """'RMSNorm' (Llama) or 'LayerNorm' (GPT-2)."""
     norm_epsilon: float = 1e-5
-    """Epsilon inside the norm's square root."""
+    """Epsilon inside the norm's square root (> 0)."""
     activation: str = "swiglu"
     """'swiglu' (gated SiLU, Llama) or 'gelu' (GPT-2, tanh approximation)."""
     add_bias_linear: bool = False
@@ -86,7 +87,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     """Share the input embedding and the output layer's weight."""
     init_method_std: float = 0.02
-    """Std of the normal init for random weights."""
+    """Std of the normal init for random weights (> 0)."""
     params_dtype: str = "auto"
     """'auto' (bf16 with CUDA, fp32 on CPU), 'float32' or 'bfloat16'."""
     transformer_impl: str = "auto"
@@ -101,7 +102,7 @@ class ModelConfig:
     recompute_method: Optional[str] = None
     """With 'full': 'uniform' or 'block'."""
     recompute_num_layers: Optional[int] = None
-    """With 'full': layers per recompute group."""
+    """With 'full': layers per recompute group (>= 1)."""
 
     def validate(self) -> None:
         """Ranges of every field: sizes and counts >= 1 (``num_query_groups``, ``kv_channels``,

@@ -114,7 +114,7 @@ class ReferenceConfig:
     """Directory of precomputed tables (empty: <DPO_MEGATRON_CACHE>/reference_logps). Must be
     shared by all ranks of a multi-node run (like checkpoint directories)."""
     micro_batch_size: int = 0
-    """Pairs per micro-batch of the precompute pass (0: train.micro_batch_size)."""
+    """Pairs per micro-batch of the precompute pass (>= 0; 0: train.micro_batch_size)."""
 
     def validate(self) -> None:
         """Raises ValueError for an unknown mode or a negative micro-batch size."""
