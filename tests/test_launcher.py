@@ -159,3 +159,19 @@ def test_exporter_names_the_checkpoint_it_loads(tmp_path):
     converted.mkdir()
     assert module.describe_checkpoint(str(converted)) == (
         f"checkpoint {converted} (not a training checkpoint: no train_state.json)")
+
+
+def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
+    """Old: a bare ``torchrun`` / ``python`` (command not found without an activated venv), and
+    the SFT -> DPO example wrote into the main job's run_dir (the next export took its weights)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S)
+                for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    for command in commands:
+        first = command.split()[0]
+        assert first in ("bash", "scripts/pretrain_dpo.sh", "scripts/pretrain_sft.sh", "sbatch") \
+            or first.startswith(".venv/bin/"), command
+    from_sft = [c for c in commands if c.startswith("scripts/pretrain_dpo.sh model.load=runs/sft")]
+    assert from_sft and all("run_dir=" in c for c in from_sft)
+    assert "dequantised" in readme and "4-bit" in readme

@@ -46,7 +46,7 @@ def format_summary(summary: dict) -> str:
     cut = summary["truncated"]
     lines.append(
         f"  cut to fit: prompt {cut['prompt']} (oldest turns dropped {cut['prompt_turns_dropped']}, "
-        f"tokens cut {cut['prompt_tokens_cut']}, BOS kept), chosen {cut['chosen']}, "
+        f"tokens cut {cut['prompt_tokens_cut']}), chosen {cut['chosen']}, "
         f"rejected {cut['rejected']}"
     )
     for name, count in sorted(summary.get("notes", {}).items()):
