@@ -28,6 +28,7 @@ filter_expected_warnings()  # the launcher imports this module first: before meg
 from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.lora_config import LoraConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
 
@@ -46,8 +47,10 @@ class CheckpointConfig:
     """Continue a run: ``none`` (start fresh), ``auto`` (the latest complete checkpoint in the
     save directory, else start fresh), or a checkpoint folder (or a folder of them: its latest).
     Restores model, optimizer, LR scheduler, RNG, data position, loss state and step."""
-    export_hf: bool = False
-    """Also write the final policy as a Hugging Face folder (<save>/hf)."""
+    export_hf: str = "none"
+    """At the end of training write the final policy for Hugging Face: ``false``/``none`` (no
+    export), ``true``/``merged`` (an HF folder <save>/hf; LoRA adapters merged into the weights)
+    or ``adapter`` (LoRA only: the adapters in PEFT's layout, <save>/hf_adapter)."""
     export_dtype: str = "bfloat16"
     """dtype of the exported HF weights: bfloat16 or float32."""
 
@@ -76,6 +79,8 @@ class DPOConfig:
     """Reference log-probs: frozen model each step, or precomputed once (and offload)."""
     packing: PackingConfig = field(default_factory=PackingConfig)
     """Padding-free packing of each micro-batch's sequences."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full training; the frozen base is then the reference."""
 
 
 def _resolve_asset(name: str) -> str:
@@ -202,6 +207,8 @@ def validate(cfg: DPOConfig) -> None:
 
     build_loss(cfg.loss)  # unknown loss names / parameters fail here, listing the valid ones
     cfg.reference.validate()
+    cfg.lora.validate(loss=cfg.loss, reference=cfg.reference, model=cfg.model,
+                      export_hf=cfg.checkpoint.export_hf)
     from dpo_megatron.models.transformer_config import use_transformer_engine
 
     # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.

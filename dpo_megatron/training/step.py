@@ -125,16 +125,32 @@ def run_schedule(forward_step_func, chunks, micro_batches: list, rows: int, seq_
         rows: model rows per micro-batch (R: 2B sequences when padded). The schedule sizes its
             p2p buffers from it, so it is rows, not pairs.
         seq_length: L, tokens per row.
+        forward_only: no backward; the chunks run in eval mode (no dropout: reference passes,
+            evaluation and sampling compute the deterministic model, as Megatron-LM's evaluate).
     """
-    return get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=_iterators(micro_batches, len(chunks)),
-        model=chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=rows,
-        forward_only=forward_only,
-    )
+    with _eval_mode(chunks) if forward_only else contextlib.nullcontext():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=_iterators(micro_batches, len(chunks)),
+            model=chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+
+
+@contextlib.contextmanager
+def _eval_mode(chunks: list):
+    """The chunks in eval mode within the block, their previous mode restored after."""
+    previous = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, training in zip(chunks, previous):
+            chunk.train(training)
 
 
 def _rows(batch: StepBatch) -> int:
