@@ -165,8 +165,11 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_adapted_forward_equals_the_merged_dense_forward_on_one_rank(single_rank):
     _, r = single_rank
-    assert torch.equal(r["at_zero"], r["base"])  # B = 0: step-0 policy is the base, exactly
-    assert torch.equal(r["bypassed"], r["base"])  # adapters off: the reference is the base
+    # B = 0: the step-0 policy computes exactly what the bypassed adapters (the reference) do.
+    assert torch.equal(r["at_zero"], r["bypassed"])
+    # Both are the base model (megatron-core's frozen-weight matmul path may differ in the last
+    # bit from the trainable one at some layouts, hence not torch.equal).
+    assert _max_rel(r["bypassed"], r["base"]) < 1e-6
     assert _max_rel(r["adapted"], r["base"]) > 1e-2  # the adapters do change the model
     assert _max_rel(r["adapted"], r["merged"]) < 1e-5
     assert r["shards"]["trainable"] == ["lora_a", "lora_b"]  # the base is frozen
@@ -180,7 +183,8 @@ def test_adapted_forward_equals_merged_and_single_rank_at_every_layout(hf_dir, s
     results = run_ranks(_lora_vs_merged, world_size=tp * pp, hf_dir=hf_dir, tp=tp, pp=pp,
                         vpp=vpp, input_ids=ids)
     r = next(x for x in results if "adapted" in x)
-    assert torch.equal(r["at_zero"], r["base"]) and torch.equal(r["bypassed"], r["base"])
+    assert torch.equal(r["at_zero"], r["bypassed"])
+    assert _max_rel(r["bypassed"], r["base"]) < 1e-6
     assert _max_rel(r["adapted"], r["merged"]) < 1e-5
     # The adapters are drawn layout-independently: the same adapted model as on one rank.
     assert _max_rel(r["adapted"], one["adapted"]) < 1e-5
@@ -234,8 +238,11 @@ def test_adapter_checkpoint_holds_only_adapters_and_reshards_across_tp(hf_dir, t
     saved = run_ranks(_save_adapters, world_size=2, hf_dir=hf_dir, tp=2, ckpt_dir=ckpt,
                       input_ids=ids)[0]
     keys = set(FileSystemReader(ckpt).read_metadata().state_dict_metadata)
-    assert keys and all("_lora.lora_" in k for k in keys), sorted(keys)[:5]
-    assert len(keys) == 4 * 4 * 2  # 4 layers x 4 targets x (A, B): no base weight
+    # megatron-core stacks a tensor of all layers under one key (layer = leading axis):
+    # 4 targets x (A, B), and no base weight.
+    assert sorted(k.split("decoder.layers.")[1] for k in keys) == sorted(
+        f"{m}_lora.lora_{p}" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                       "mlp.linear_fc1", "mlp.linear_fc2") for p in "ab")
     loaded = run_ranks(_load_adapters, world_size=1, hf_dir=hf_dir, tp=1, ckpt_dir=ckpt,
                        input_ids=ids)[0]
     # TP 2 -> TP 1: B of the gated fc1 ([gate_r; up_r] per rank) and the padded qkv groups
