@@ -113,3 +113,41 @@ def test_adapter_export_at_the_end(straight_run):
     a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     b = tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
     assert list(a.shape) == [4, 64] and list(b.shape) == [64, 4] and b.abs().sum() > 0
+
+
+def test_merged_export_and_the_converter_agree_on_a_lora_checkpoint(tmp_path, fixture_files):
+    """A LoRA run on an HF base exports merged at the end (``export_hf=true``: the boolean
+    keeps its meaning); ``convert_megatron_to_hf.py`` on its adapter-only checkpoint reloads
+    the base from the recorded ``hf_path``, merges the same adapters and writes the same
+    tensors, at another layout."""
+    from safetensors.torch import load_file
+
+    from tests.checkpointing.test_model_checkpoint import _run_script
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+    from tests.multirank import run_ranks
+
+    data_file, tok_dir = fixture_files
+    hf_dir = save_tiny_hf_folder("llama", str(tmp_path / "hf"), vocab_size=400,
+                                 max_position_embeddings=128)
+    run_dir = tmp_path / "run"
+    run_train(run_dir, data_file, tok_dir, *LORA, f"model.hf_path={hf_dir}",
+              "train.train_iters=2", "train.lr=1e-2", "checkpoint.export_hf=true",
+              "checkpoint.export_dtype=float32", world_size=2, tp=2)
+    trained = load_file(str(run_dir / "checkpoints" / "hf" / "model-00001-of-00001.safetensors"))
+    base = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    changed = [k for k in base if not torch_equal(base[k], trained[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed)  # adapted layers only
+    out = str(tmp_path / "converted")
+    run_ranks(_run_script, world_size=2, name="convert_megatron_to_hf",
+              argv=["--load", str(run_dir / "checkpoints"), "--save", out, "--dtype", "float32",
+                    "--pipeline-model-parallel-size", "2"])
+    converted = load_file(str(tmp_path / "converted" / "model-00001-of-00001.safetensors"))
+    assert sorted(converted) == sorted(trained)
+    for k in trained:  # merged at TP 2 in training, at PP 2 by the converter
+        assert (converted[k] - trained[k]).abs().max() <= 1e-6 * trained[k].abs().max(), k
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
