@@ -44,6 +44,11 @@ ENGINES = {
     "engine+packing+precomputed": (True, "precomputed"),
     # LoRA DPO: rank 16 on all four linear layers; the frozen base is the reference.
     "lora": (False, "model", ("lora.enabled=true", "lora.rank=16", "lora.alpha=32")),
+    # ... and with full activation recompute (one layer per checkpoint).
+    "lora+recompute": (False, "model", ("lora.enabled=true", "lora.rank=16", "lora.alpha=32",
+                                        "model.recompute_granularity=full",
+                                        "model.recompute_method=uniform",
+                                        "model.recompute_num_layers=1")),
 }
 ALL_RUNS = ["trl", *ENGINES]
 # Default runs per model, sized so the whole harness stays within ~15 minutes on 2 cores: every

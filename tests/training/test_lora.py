@@ -213,3 +213,18 @@ def test_adapter_dropout_trains_and_is_off_in_forward_only_passes(initial_checkp
     assert abs(losses[0] - math.log(2)) < 1e-6  # B = 0: dropout on the input changes nothing
     assert math.isfinite(losses[1]) and losses[1] != baseline["history"][1]["loss"]
     assert eval_a == eval_b  # evaluation runs in eval mode: deterministic
+
+
+def test_bench_lora_settings_are_lora_dpo_rank_16_on_all_targets():
+    from tests.test_bench import bench
+
+    spec = {"run": "lora", "model_path": "/nonexistent", "recompute": "", "beta": 0.1,
+            "lr": 1e-6, "steps": 2, "pairs_per_step": 4, "micro_batch_size": 4, "seed": 1}
+    cfg = bench.engine_config(spec)
+    assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.lora.alpha == 32
+    assert sorted(cfg.lora.target_modules) == sorted(["linear_qkv", "linear_proj", "linear_fc1",
+                                                      "linear_fc2"])
+    assert cfg.reference.mode == "model" and not cfg.packing.enabled
+    recompute = bench.engine_config({**spec, "run": "lora+recompute"})
+    assert recompute.lora.enabled and recompute.model.recompute_granularity == "full"
+    assert not bench.engine_config({**spec, "run": "engine"}).lora.enabled
