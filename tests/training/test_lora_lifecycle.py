@@ -151,3 +151,29 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def _lora_run_under_host_check(root):
+    from dpo_megatron.training.trainer import Trainer
+    from tests.host_tensors import HostTensorCheck
+    from tests.training.test_device_boundary import _config
+
+    reports = {}
+    for name, overrides in {"model": [], "precomputed": ["reference.mode=precomputed"]}.items():
+        with HostTensorCheck() as check:
+            Trainer(_config(root, name, *LORA, "parallel.tensor_model_parallel_size=2",
+                            "parallel.pipeline_model_parallel_size=2",
+                            "checkpoint.export_hf=adapter", *overrides)).train()
+        reports[name] = check.report()
+    return reports
+
+
+def test_a_lora_run_leaves_no_tensor_on_the_host(tmp_path):
+    """Adapters, the adapters-off reference pass (and its precompute), evaluation with samples,
+    the adapter checkpoint and the PEFT export at TP 2 x PP 2: nothing made on the host."""
+    from tests.multirank import run_ranks
+
+    for rank, reports in enumerate(run_ranks(_lora_run_under_host_check, world_size=4,
+                                             root=str(tmp_path))):
+        for name, report in reports.items():
+            assert report == "", f"rank {rank}, {name} run:\n{report}"
