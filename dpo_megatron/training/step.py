@@ -130,6 +130,8 @@ def run_schedule(forward_step_func, chunks, micro_batches: list, rows: int, seq_
         rows: model rows per micro-batch (R: 2B sequences when padded). The schedule sizes its
             p2p buffers from it, so it is rows, not pairs.
         seq_length: L, tokens per row.
+        forward_only: no backward; the chunks run in eval mode (no dropout: reference passes,
+            evaluation and sampling compute the deterministic model, as Megatron-LM's evaluate).
 
     Returns:
         The schedule's forward data store, one entry per given micro-batch (last stage only).
@@ -137,15 +139,16 @@ def run_schedule(forward_step_func, chunks, micro_batches: list, rows: int, seq_
     count = len(micro_batches)
     padding = _interleaved_padding(count, len(chunks)) if forward_only else 0
     padded = list(micro_batches) + [micro_batches[-1]] * padding
-    store = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=_iterators(padded, len(chunks)),
-        model=chunks,
-        num_microbatches=len(padded),
-        seq_length=seq_length,
-        micro_batch_size=rows,
-        forward_only=forward_only,
-    )
+    with _eval_mode(chunks) if forward_only else contextlib.nullcontext():
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=_iterators(padded, len(chunks)),
+            model=chunks,
+            num_microbatches=len(padded),
+            seq_length=seq_length,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
     return store[:count]
 
 
@@ -154,6 +157,19 @@ def _interleaved_padding(count: int, num_chunks: int) -> int:
     if num_chunks == 1:
         return 0
     return -count % parallel_state.get_pipeline_model_parallel_world_size()
+
+
+@contextlib.contextmanager
+def _eval_mode(chunks: list):
+    """The chunks in eval mode within the block, their previous mode restored after."""
+    previous = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, training in zip(chunks, previous):
+            chunk.train(training)
 
 
 def _rows(batch: StepBatch) -> int:
