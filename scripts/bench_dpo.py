@@ -314,7 +314,8 @@ def _child(spec: dict) -> dict:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{spec['run']} on {spec['model']} failed:\n{proc.stdout[-4000:]}")
+        raise RuntimeError(f"{spec['run']} on {spec['model']} failed (exit status "
+                           f"{proc.returncode}):\n{proc.stdout[-4000:]}")
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     return result
