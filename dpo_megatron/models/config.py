@@ -1,4 +1,5 @@
-"""The model's architecture and numerics, as one typed config (Llama family + GPT-2)."""
+"""The model's architecture and numerics, as one typed config (Llama / Qwen families, GPT-2,
+GPT-NeoX, and mixture-of-experts models)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class ModelConfig:
     """'rope' (Llama family) or 'learned_absolute' (GPT-2)."""
     rotary_base: float = 10000.0
     """RoPE theta."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (GPT-NeoX ``rotary_pct``: Pythia
+    rotates the first 25%); the rest pass through unrotated."""
     rope_scaling_factor: Optional[float] = None
     """Llama-3.1 style RoPE frequency scaling factor (None: no scaling)."""
     rope_linear_scaling_factor: Optional[float] = None
@@ -60,11 +64,41 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     """Epsilon inside the norm's square root."""
     activation: str = "swiglu"
-    """'swiglu' (gated SiLU, Llama) or 'gelu' (GPT-2, tanh approximation)."""
+    """'swiglu' (gated SiLU, Llama), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
+    'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2)."""
     add_qkv_bias: bool = False
     """Biases on the query/key/value projection only (Qwen2)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each head's query and key vectors before RoPE (Qwen3; weights of size
+    ``kv_channels`` shared by all heads)."""
+    parallel_residual: bool = False
+    """GPT-NeoX's parallel residual: attention and MLP both read the layer input,
+    ``x + attn(ln1(x)) + mlp(ln2(x))`` (``dpo_megatron.models.layers``). False: the sequential
+    pre-norm layer ``h = x + attn(ln1(x)); h + mlp(ln2(h))``."""
+    num_experts: Optional[int] = None
+    """Mixture of experts: routed experts per layer, every layer (megatron-core's MoE layer;
+    Mixtral, Qwen3-MoE). None: dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Intermediate width of one expert (Qwen3-MoE ``moe_intermediate_size``); None:
+    ffn_hidden_size."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE
+    ``norm_topk_prob``). False: the top-k entries of the softmax over all experts."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """Weight of the router's load-balancing loss (Fedus et al. 2021, eq. 4) in the training
+    objective, on transformers' scale: ``E * sum_e f_e P_e`` with ``f_e`` the fraction of routing
+    choices sent to expert e, averaged over the layers (``dpo_megatron.models.moe``). None: the HF
+    config's ``router_aux_loss_coef`` (0 for a model without ``hf_path``). 0 switches it off.
+    It lives here, not under ``loss.``: the routers compute it inside the model, and the
+    preference losses never see it."""
+    moe_token_dispatcher: str = "alltoall"
+    """How tokens reach experts on other expert-parallel ranks: 'alltoall' (all-to-all of the
+    routed tokens only) or 'allgather' (every rank gathers every token). Both run on gloo and
+    NCCL."""
     tie_word_embeddings: bool = True
     """Share the input embedding and the output layer's weight."""
     init_method_std: float = 0.02

@@ -3,6 +3,12 @@
 World size = tensor_model_parallel_size x pipeline_model_parallel_size x data-parallel size.
 The data-parallel size is whatever is left of the world size (``data_parallel_size``, when set,
 only tells launchers how many ranks to start and is checked against the world size).
+
+Mixture-of-experts layers are laid out separately, as megatron-core does: world size =
+expert_tensor_parallel_size x expert_model_parallel_size x expert data-parallel size x PP. The
+expert-parallel ranks are carved out of the TP x DP ranks of each pipeline stage, so expert
+parallelism adds no ranks: TP 2 x PP 2 with EP 2 and expert TP 1 runs on the same 4 ranks as
+TP 2 x PP 2.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ class ParallelConfig:
     under torchrun it must agree with the world size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (None: not interleaved)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of each MoE layer (each holds num_experts / EP of them); taken
+    from the TP x DP ranks of a pipeline stage. Needs ``model.num_experts``."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert's weight matrices (None: tensor_model_parallel_size)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence across the TP group
     (Korthikanti et al. 2022). Needs tensor_model_parallel_size > 1."""
@@ -37,6 +48,10 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         """Ranks holding one copy of the model: TP x PP."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def expert_tensor_parallel(self) -> int:
+        """Expert tensor-parallel size, resolved (None -> tensor_model_parallel_size)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def validate(self, world_size: int) -> None:
         """Reject layouts that cannot be built on ``world_size`` ranks.
@@ -58,6 +73,18 @@ class ParallelConfig:
                 f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP = "
                 f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
                 f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel()
+        if ep < 1 or etp < 1:
+            raise ValueError("parallel.expert_model_parallel_size and "
+                             "parallel.expert_tensor_parallel_size must be >= 1")
+        expert_mp = etp * ep * self.pipeline_model_parallel_size
+        if world_size % expert_mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.expert_tensor_parallel_size"
+                f" ({etp}) x parallel.expert_model_parallel_size ({ep}) x "
+                f"parallel.pipeline_model_parallel_size ({self.pipeline_model_parallel_size}) = "
+                f"{expert_mp}: the experts of a pipeline stage are split over its TP x DP ranks; "
+                f"lower the expert sizes or launch a multiple of {expert_mp} ranks")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("parallel.sequence_parallel=true needs "
                              "parallel.tensor_model_parallel_size > 1")

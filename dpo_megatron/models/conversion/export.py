@@ -1,7 +1,8 @@
 """Export live megatron-core model chunks (any TP x PP x VPP layout) as a Hugging Face folder.
 
 Collective over all ranks. Within each TP group the slices of every parameter are all-gathered
-and merged back to HF tensors (:func:`merge_tp_shards`); the first TP/DP rank of each pipeline
+and merged back to HF tensors (:func:`merge_tp_shards`), experts over their expert-TP and
+expert-parallel groups as well; the first TP/DP rank of each pipeline
 stage then sends its stage's tensors to global rank 0, one stage at a time, and rank 0 writes
 sharded safetensors as they arrive (so it holds at most one stage plus one shard in memory).
 Rank 0 writes into a temporary folder next to ``out_dir`` and renames it into place at the end:
@@ -41,36 +42,59 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype
-                     ) -> list[tuple[str, torch.Tensor]]:
+def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's ``local`` (same shape everywhere) in group-rank order."""
+    if size == 1:
+        return [local]
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
+def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype,
+                     keep: bool = True) -> list[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as (HF name, full tensor) pairs in ``dtype``, on the CPU.
 
-    Collective over the TP group (all-gathers every TP-split parameter). Ordered by global
-    layer (embedding first, final norm and output layer last).
+    Collective over the stage: every TP-split parameter is all-gathered over the TP group (an
+    expert's over the expert-TP group), and every expert's merged tensors over the
+    expert-parallel group (EP rank k holds experts ``[k * E/EP, (k + 1) * E/EP)``), so the
+    stage's first rank has all of them. Ordered by global layer (embedding first, final norm and
+    output layer last). ``keep=False``: take part in the collectives, return nothing (ranks that
+    do not send).
     """
     arch = infer_architecture(cfg)
     table = {t.megatron: t for t in arch.tensors(cfg)}
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp = (parallel_state.get_tensor_model_parallel_group(),
+          parallel_state.get_tensor_model_parallel_world_size())
+    expert_tp = (parallel_state.get_expert_tensor_parallel_group(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
     for chunk in map(unwrap, chunks):
-        for pattern, layer, param in iter_global_params(chunk):
+        for pattern, layer, expert, param in iter_global_params(chunk):
             if pattern == OUTPUT and cfg.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
             tmap = table_entry(table, pattern, cfg, arch)
+            group, size = expert_tp if tmap.expert else tp
             local = param.detach()
-            if tmap.split == REPLICATED or tp_size == 1:
-                shards = [local]
-            else:
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
+            shards = [local] if tmap.split == REPLICATED else _gather(local, group, size)
             tensors = merge_tp_shards(tmap, [s.cpu() for s in shards], cfg)
             # HF order: embeddings, layers by global index, then final norm and output layer.
             position = -1 if pattern.startswith("embedding") else (
                 layer if layer is not None else cfg.num_layers)
             for name, tensor in zip(tmap.hf, tensors):
-                out.append(((position, len(out)), expand(name, layer),
-                            tensor.to(dtype).contiguous()))
+                tensor = tensor.to(dtype).contiguous()
+                if not tmap.expert:
+                    named = [(expand(name, layer), tensor)]
+                else:  # the same local expert of every EP rank: global experts k * E/EP + j
+                    local_experts = len(chunk.decoder.layers[0].mlp.local_expert_indices)
+                    j = expert % local_experts
+                    named = [(expand(name, layer, k * local_experts + j), t)
+                             for k, t in enumerate(_gather(tensor, ep_group, ep_size))]
+                if keep:
+                    out += [((position, len(out) + n), hf_name, t)
+                            for n, (hf_name, t) in enumerate(named)]
     out.sort(key=lambda item: item[0])
     return [(name, tensor) for _, name, tensor in out]
 
@@ -143,7 +167,7 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
             receiver.drain()
     else:
         try:
-            payload = ("ok", stage_hf_tensors(chunks, model_cfg, torch_dtype))
+            payload = ("ok", stage_hf_tensors(chunks, model_cfg, torch_dtype, keep=sender))
         except Exception as exc:  # a sender must always answer rank 0
             payload = ("error", f"{type(exc).__name__}: {exc}")
         if sender:
