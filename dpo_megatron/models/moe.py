@@ -98,14 +98,15 @@ def set_aux_loss_weight(model: torch.nn.Module, weight: float) -> None:
         router.aux_loss_weight = weight
 
 
-def load_balancing_metrics(model: ModelConfig, num_micro_batches: int) -> dict[str, float]:
+def load_balancing_metrics(config, num_micro_batches: int) -> dict[str, float]:
     """The step's load-balancing loss, reduced over every rank, then the tracker cleared.
 
     Collective over the world (megatron-core's tracker reduction: pipeline, TP, data-parallel
     groups); call it on every rank after a training step's schedule.
 
     Args:
-        model: the run's ModelConfig (top-k, layers, coefficient).
+        config: the policy's megatron-core ``TransformerConfig`` (experts, top-k, layers and the
+            per-layer coefficient of :func:`megatron_aux_loss_coeff`).
         num_micro_batches: micro-batches of this data-parallel rank in the step (the same on
             every data-parallel rank).
 
@@ -116,14 +117,16 @@ def load_balancing_metrics(model: ModelConfig, num_micro_batches: int) -> dict[s
         coefficient is 0 (megatron-core then computes nothing).
     """
     tracker = get_moe_layer_wise_logging_tracker()
-    if megatron_aux_loss_coeff(model) == 0.0 or TRACKED not in tracker:
+    coeff = config.moe_aux_loss_coeff if config.num_moe_experts else 0.0
+    if not coeff or TRACKED not in tracker:
         return {}
     reduce_aux_losses_tracker_across_ranks([TRACKED])
+    # Each layer's entry sums megatron-core's LB / k over this rank's micro-batches.
     per_layer_sum = float(tracker[TRACKED]["values"].sum().item())
     clear_aux_losses_tracker()
-    load_balancing = per_layer_sum * model.moe_router_topk / model.num_layers / num_micro_batches
-    return {"moe/load_balancing_loss": load_balancing,
-            "moe/aux_loss": model.moe_aux_loss_coeff * load_balancing}
+    return {"moe/load_balancing_loss": per_layer_sum * config.moe_router_topk
+            / config.num_layers / num_micro_batches,
+            "moe/aux_loss": coeff * per_layer_sum / num_micro_batches}
 
 
 def check_moe(model: ModelConfig, expert_model_parallel_size: int,

@@ -141,13 +141,16 @@ def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1
-                    ) -> Optional[torch.Tensor]:
+def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1,
+                    position_ids: Optional[torch.Tensor] = None,
+                    segment_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Forward ``input_ids`` [b, s] through megatron-core's pipeline schedule (forward only).
 
     The batch is split into ``num_microbatches`` equal micro-batches (the interleaved schedule
-    needs a multiple of the pipeline size). Returns the logits gathered over the TP group,
-    [b, s, padded_vocab], on last-stage ranks; None on the others.
+    needs a multiple of the pipeline size). ``position_ids`` / ``segment_ids`` [b, s] describe
+    packed rows (positions restarting at each sequence; default: one sequence per row, positions
+    0..s-1). Returns the logits gathered over the TP group, [b, s, padded_vocab], on last-stage
+    ranks; None on the others.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -155,12 +158,15 @@ def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int
 
     b, s = input_ids.shape
     mbs = b // num_microbatches
-    micro = [input_ids[i * mbs:(i + 1) * mbs] for i in range(num_microbatches)]
-    position_ids = torch.arange(s).unsqueeze(0).expand(mbs, s)
+    if position_ids is None:
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs],
+              None if segment_ids is None else segment_ids[i * mbs:(i + 1) * mbs])
+             for i in range(num_microbatches)]
 
     def forward_step(data_iterator, model):
-        tokens = next(data_iterator)
-        output = model(tokens, position_ids, None)
+        tokens, positions, segments = next(data_iterator)
+        output = model(tokens, positions, None, segment_ids=segments)
 
         def collect(output_tensor, non_loss_data=True):
             return gather_from_tensor_model_parallel_region(output_tensor).detach()
