@@ -4,7 +4,8 @@ HF -> megatron-core -> HF at every layout, against transformers.
 One 4-rank launch per architecture imports a tiny random transformers model at each layout in
 turn (megatron-core's parallel state is rebuilt between layouts): TP x PP in {1, 2}^2 and, for
 the mixture-of-experts models, expert parallel 2 with data parallel 4 (expert data parallel 2)
-and TP 2 x EP 2 (expert TP 2). At each layout:
+and TP 2 x EP 2 (expert TP 2), with the all-to-all token dispatcher (the default) and again with
+the all-gather one. At each layout:
 
 - a right-padded batch: logits (gathered over TP) and per-token log-probs equal transformers'
   within 1e-5 relative (fp32) at every non-padding position;
@@ -31,8 +32,11 @@ from tests.models.conversion_helpers import (
 from tests.models.test_conversion_parity import _batch, _load_all
 from tests.multirank import run_ranks
 
-DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]  # (TP, PP, EP)
-MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2), (2, 1, 2)]
+A2A, GATHER = "alltoall", "allgather"
+DENSE_LAYOUTS = [(1, 1, 1, A2A), (2, 1, 1, A2A), (1, 2, 1, A2A), (2, 2, 1, A2A)]
+# (TP, PP, EP, MoE token dispatcher)
+MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (1, 1, 2, GATHER),
+                               (2, 1, 2, GATHER)]
 MOE = {"qwen3_moe", "mixtral"}
 WORLD = 4
 
@@ -72,12 +76,13 @@ def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
 
     tokens, positions, segments = packed
     results = []
-    for tp, pp, ep in layouts:
+    for tp, pp, ep, dispatcher in layouts:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep)
-        base = ModelConfig(params_dtype="float32", transformer_impl="local")
+        base = ModelConfig(params_dtype="float32", transformer_impl="local",
+                           moe_token_dispatcher=dispatcher)
         cfg = model_config_from_hf(hf_dir, base)
         # megatron-core's MoE layer runs TP only with sequence parallelism.
         parallel.sequence_parallel = bool(cfg.num_experts) and tp > 1
@@ -88,11 +93,16 @@ def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
         padded = pipeline_logits(chunks, input_ids)
         packed_logits = pipeline_logits(chunks, tokens, position_ids=positions,
                                         segment_ids=segments)
-        export_hf(chunks, cfg, os.path.join(out_root, f"tp{tp}pp{pp}ep{ep}"), dtype="float32")
+        export_hf(chunks, cfg, os.path.join(out_root, _name(tp, pp, ep, dispatcher)),
+                  dtype="float32")
         owner = padded is not None and ps.get_data_parallel_rank() == 0 and (
             ps.get_tensor_model_parallel_rank() == 0)
         results.append((padded, packed_logits) if owner else None)
     return results
+
+
+def _name(tp, pp, ep, dispatcher):
+    return f"tp{tp}pp{pp}ep{ep}{dispatcher}"
 
 
 def _rel(got, want):
@@ -120,11 +130,11 @@ def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
     original = _load_all(hf_dir)
     real, target = mask.bool(), mask[:, 1:].bool()
     ref_logps = token_logps(ref_logits, input_ids)
-    for k, (tp, pp, ep) in enumerate(layouts):
+    for k, (tp, pp, ep, dispatcher) in enumerate(layouts):
         owners = [r[k] for r in per_rank if r[k] is not None]
-        assert len(owners) == 1, (tp, pp, ep)
+        assert len(owners) == 1, layouts[k]
         padded, packed = owners[0]
-        where = f"{arch} at TP {tp} x PP {pp} x EP {ep}"
+        where = f"{arch} at TP {tp} x PP {pp} x EP {ep} ({dispatcher})"
         padded = padded[..., :vocab]
         assert _rel(padded[real], ref_logits[real]) <= 1e-5, where
         logps = token_logps(padded, input_ids)
@@ -133,13 +143,13 @@ def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
             got = packed[r, s:s + n, :vocab]
             seq = tokens[r, s:s + n][None]
             assert _rel(token_logps(got[None], seq), token_logps(ref[None], seq)) <= 1e-5, where
-        exported = _load_all(str(tmp_path / "out" / f"tp{tp}pp{pp}ep{ep}"))
+        exported = _load_all(str(tmp_path / "out" / _name(tp, pp, ep, dispatcher)))
         assert sorted(exported) == sorted(original), where
         for name, tensor in original.items():
             assert torch.equal(exported[name], tensor), (where, name)
     last = layouts[-1]
     reloaded, info = AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "out" / "tp{}pp{}ep{}".format(*last)), output_loading_info=True)
+        str(tmp_path / "out" / _name(*last)), output_loading_info=True)
     assert type(reloaded).__name__ == type(model).__name__
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
