@@ -126,3 +126,38 @@ def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(tmp_path, 
     _assert_same(runs["ep1_resumed"], runs["ep1"], (3, 4), 1e-6, "exact resume")
     _assert_same(runs["ep2_from_ep1"], runs["ep1"], (3, 4), 1e-5, "EP 1 -> EP 2 checkpoint")
     _assert_same(runs["ep1_from_ep2"], runs["ep2"], (3, 4), 1e-5, "EP 2 -> EP 1 checkpoint")
+
+
+def _host_checked_runs(hf_dir, root):
+    """TP 2 x EP 2 (expert TP 1) on 2 ranks, both dispatchers, padded and packed, each under
+    ``HostTensorCheck``: (report, step losses) per run."""
+    from tests.host_tensors import HostTensorCheck
+
+    out = {}
+    for dispatcher in ("alltoall", "allgather"):
+        for packing in (False, True):
+            name = f"{dispatcher}_{'packed' if packing else 'padded'}"
+            with HostTensorCheck() as check:
+                trainer = tiny_trainer(
+                    _pairs(), tp=2, sp=True, ep=2, etp=1, micro_batch_size=2,
+                    global_batch_size=8, steps=2, packing=packing, run_dir=f"{root}/{name}",
+                    model={"hf_path": hf_dir, "params_dtype": "float32",
+                           "transformer_impl": "local", "moe_token_dispatcher": dispatcher})
+                losses = [trainer.train_step()[0].metrics["loss"] for _ in range(2)]
+            out[name] = (check.report(), losses)
+    return out
+
+
+@pytest.mark.slow
+def test_moe_steps_leave_no_tensor_on_the_host_with_either_dispatcher(tmp_path):
+    """Routing, dispatch (all-to-all and all-gather), experts and the load-balancing read-out
+    make their tensors on the device; packed rows give the padded rows' losses."""
+    hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"))
+    for rank, runs in enumerate(run_ranks(_host_checked_runs, world_size=2, hf_dir=hf_dir,
+                                          root=str(tmp_path))):
+        for name, (report, _) in runs.items():
+            assert report == "", f"rank {rank}, {name}:\n{report}"
+        reference = runs["alltoall_padded"][1]
+        assert abs(reference[0] - math.log(2)) < 1e-6
+        for name, (_, losses) in runs.items():
+            assert all(abs(a - b) <= 1e-6 for a, b in zip(losses, reference)), name
