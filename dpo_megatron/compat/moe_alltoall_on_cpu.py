@@ -60,7 +60,11 @@ class HostEvent:
 
 
 class HostStream:
-    """The host's single stream: work runs in program order, so waiting is a no-op."""
+    """The host's single stream: work runs in program order, so waiting is a no-op (every
+    instance is the same stream)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def wait_stream(self, stream) -> None:
         return None
@@ -113,7 +117,8 @@ def enable() -> bool:
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
-    torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
+    # A class, not a function: other libraries annotate with ``torch.cuda.Stream | None``.
+    torch.cuda.Stream = HostStream
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM
     torch.cuda.stream = _HostStreamContext
     token_dispatcher.maybe_move_tensor_to_cpu = host_copy

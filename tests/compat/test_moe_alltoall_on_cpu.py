@@ -18,6 +18,7 @@ def test_host_stream_stands_in_for_cuda_streams():
     assert moe_alltoall_on_cpu.enable() and moe_alltoall_on_cpu.enable()  # idempotent
     side = torch.cuda.Stream()
     assert torch.cuda.current_stream() == side  # one stream: no side-stream bookkeeping
+    assert (torch.cuda.Stream | None) is not None  # still a type (libraries annotate with it)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         event = side.record_event()

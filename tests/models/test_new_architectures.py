@@ -153,3 +153,43 @@ def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
     assert type(reloaded).__name__ == type(model).__name__
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
+
+
+def _names_read(hf_dir, ep):
+    """Import at EP ``ep`` (DP = world size), recording the tensor names this rank reads."""
+    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
+                                     model_config_from_hf)
+    from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    names = []
+    original = HFCheckpointReader.read
+
+    def recording_read(self, name, *args, **kwargs):
+        names.append(name)
+        return original(self, name, *args, **kwargs)
+
+    HFCheckpointReader.read = recording_read  # this forked rank only
+    parallel = ParallelConfig(expert_model_parallel_size=ep)
+    initialize_distributed(parallel)
+    set_seed(0)
+    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
+                                                   transformer_impl="local"))
+    load_hf_weights(build_model_chunks(cfg, parallel), cfg, hf_dir)
+    return names
+
+
+@pytest.mark.slow
+def test_each_expert_parallel_rank_reads_only_its_experts(tmp_path):
+    """At EP 2 rank k reads experts 2k and 2k+1 of every layer, and every dense tensor."""
+    hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"))
+    per_rank = run_ranks(_names_read, world_size=2, hf_dir=hf_dir, ep=2)
+    experts = [{n for n in names if ".experts." in n} for names in per_rank]
+    dense = [{n for n in names if ".experts." not in n} for names in per_rank]
+    everything = set(_load_all(hf_dir))
+    assert experts[0] | experts[1] == {n for n in everything if ".experts." in n}
+    assert not experts[0] & experts[1]
+    for rank, names in enumerate(experts):
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == {2 * rank,
+                                                                              2 * rank + 1}
+    assert dense[0] == dense[1] == {n for n in everything if ".experts." not in n}
