@@ -108,8 +108,9 @@ def test_dense_dpo_at_tp2_pp2_matches_one_rank_and_resumes_exactly(tmp_path, arc
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(tmp_path, arch):
     """TP 2 x PP 2 (sequence parallel) with EP 1 and with EP 2 (experts split over the two TP
-    ranks of each stage, expert TP 1): both equal the single-rank run; resume at the same layout
-    is exact; a step-2 checkpoint of either resumes at the other EP size."""
+    ranks of each stage, expert TP 1), and TP 2 x EP 2 with each expert split over 2 ranks
+    (expert TP 2, data parallel 2): all equal the single-rank run; resume at the same layout is
+    exact; a step-2 checkpoint of EP 1 resumes at EP 2 and the other way round."""
     ep1, ep2 = dict(**TP2PP2, ep=1), dict(**TP2PP2, ep=2, etp=1)
     runs = _layouts(tmp_path, arch, [
         {"name": "ep1", **ep1},
@@ -117,12 +118,14 @@ def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(tmp_path, 
         {"name": "ep2", **ep2},
         {"name": "ep2_from_ep1", **ep2, "resume": "ep1"},
         {"name": "ep1_from_ep2", **ep1, "resume": "ep2"},
+        {"name": "etp2", "tp": 2, "ep": 2, "etp": 2},
     ])
-    for name in ("single", "ep1", "ep2"):
+    for name in ("single", "ep1", "ep2", "etp2"):
         _starts_at_ln2(runs[name], moe=True)
     every_step = range(1, STEPS + 1)
     _assert_same(runs["ep1"], runs["single"], every_step, 1e-5, "TP 2 x PP 2")
     _assert_same(runs["ep2"], runs["single"], every_step, 1e-5, "TP 2 x PP 2 x EP 2")
+    _assert_same(runs["etp2"], runs["single"], every_step, 1e-5, "TP 2 x EP 2 x expert TP 2")
     _assert_same(runs["ep1_resumed"], runs["ep1"], (3, 4), 1e-6, "exact resume")
     _assert_same(runs["ep2_from_ep1"], runs["ep1"], (3, 4), 1e-5, "EP 1 -> EP 2 checkpoint")
     _assert_same(runs["ep1_from_ep2"], runs["ep2"], (3, 4), 1e-5, "EP 2 -> EP 1 checkpoint")
