@@ -27,8 +27,15 @@ def read_hf_config_json(hf_path: str) -> dict:
     """
     path = os.path.join(hf_path, "config.json")
     if not os.path.isfile(path):
+        hint = ""
+        if not os.path.isdir(hf_path) and "/" in hf_path.strip("/"):
+            # A hub name (what a preset resolves to without a local copy): the engine reads
+            # local folders only.
+            hint = (f"; {hf_path!r} looks like a hub name: download it (huggingface-cli download "
+                    f"{hf_path} --local-dir DIR/{hf_path}) and set DPO_MEGATRON_MODELS=DIR or "
+                    f"model.hf_path=DIR/{hf_path}")
         raise FileNotFoundError(f"{path}: no config.json (model.hf_path must be a Hugging Face "
-                                "model folder)")
+                                f"model folder){hint}")
     with open(path) as f:
         return json.load(f)
 
