@@ -80,7 +80,20 @@ NEW_TINY_CONFIGS: dict[str, dict] = {
                    vocab_size=160, max_position_embeddings=512, rms_norm_eps=1e-6,
                    tie_word_embeddings=True),
 }
-ALL_TINY_CONFIGS = {**TINY_CONFIGS, **NEW_TINY_CONFIGS}
+VARIANT_TINY_CONFIGS: dict[str, dict] = {
+    # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.
+    "qwen3_untied": {**NEW_TINY_CONFIGS["qwen3"], "tie_word_embeddings": False},
+    # Llama-3.1 (untied, llama3 RoPE scaling factor 8): the Llama table.
+    "llama31": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                     "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}),
+}
+"""Variants of the architectures above, checked at one layout (TP 2 x PP 2)."""
+ALL_TINY_CONFIGS = {**TINY_CONFIGS, **NEW_TINY_CONFIGS, **VARIANT_TINY_CONFIGS}
 
 
 def build_tiny_hf_model(arch: str, seed: int = 0, **overrides):

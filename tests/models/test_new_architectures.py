@@ -24,12 +24,13 @@ import torch
 
 from tests.models.conversion_helpers import (
     NEW_TINY_CONFIGS,
+    VARIANT_TINY_CONFIGS,
     build_tiny_hf_model,
     pipeline_logits,
     save_tiny_hf_folder,
     token_logps,
 )
-from tests.models.test_conversion_parity import _batch, _load_all
+from tests.models.test_conversion_parity import _batch, _check_case, _load_all
 from tests.multirank import run_ranks
 
 A2A, GATHER = "alltoall", "allgather"
@@ -153,6 +154,20 @@ def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
     assert type(reloaded).__name__ == type(model).__name__
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(VARIANT_TINY_CONFIGS))
+def test_untied_qwen3_and_llama31_at_tp2_pp2(tmp_path, arch):
+    """Qwen3 with its own output layer and Llama-3.1's RoPE scaling (factor 8): logits and
+    log-probs equal transformers' within 1e-5 at TP 2 x PP 2, export bit-exact and loadable."""
+    from dpo_megatron.models import model_config_from_hf
+
+    _check_case(tmp_path, arch, 2, 2)
+    cfg = model_config_from_hf(str(tmp_path / "hf"))
+    assert cfg.tie_word_embeddings is False
+    if arch == "llama31":
+        assert cfg.rope_scaling_factor == 8.0
 
 
 def _names_read(hf_dir, ep):
