@@ -438,8 +438,9 @@ def _validate_loss(cfg: DPOConfig) -> None:
 
 
 def world_size_for(cfg: DPOConfig) -> int:
-    """Ranks the launcher should start: TP x PP x DP (DP defaults to 1)."""
-    return cfg.parallel.model_parallel_size() * (cfg.parallel.data_parallel_size or 1)
+    """Ranks the launcher should start: TP x PP x DP (DP defaults to 1, or to what the expert
+    layout needs: ``ParallelConfig.launch_world_size``)."""
+    return cfg.parallel.launch_world_size()
 
 
 # ----------------------------------------------------------------------------------------------

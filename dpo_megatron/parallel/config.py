@@ -55,6 +55,20 @@ class ParallelConfig:
         """Ranks holding one copy of the model: TP x PP."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
+    def launch_world_size(self) -> int:
+        """Ranks a launcher should start: TP x PP x DP. With ``data_parallel_size`` unset, DP is
+        the fewest replicas that also fit the expert layout (expert TP x EP x PP must divide the
+        world size): TP 1 x PP 1 with EP 2 needs 2 ranks, TP 2 x PP 2 with EP 2 / expert TP 1
+        needs 4."""
+        import math
+
+        mp = self.model_parallel_size()
+        if self.data_parallel_size is not None:
+            return mp * self.data_parallel_size
+        expert_mp = (self.expert_tensor_parallel() * self.expert_model_parallel_size
+                     * self.pipeline_model_parallel_size)
+        return math.lcm(mp, expert_mp)
+
     def expert_tensor_parallel(self) -> int:
         """Expert tensor-parallel size, resolved (None -> tensor_model_parallel_size)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
