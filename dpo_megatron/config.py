@@ -202,13 +202,7 @@ def validate(cfg: DPOConfig) -> None:
 
     build_loss(cfg.loss)  # unknown loss names / parameters fail here, listing the valid ones
     cfg.reference.validate()
-    from dpo_megatron.models.transformer_config import use_transformer_engine
-
-    # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
-    if cfg.packing.enabled and use_transformer_engine(cfg.model.transformer_impl):
-        raise ValueError("packing.enabled=true builds a block-diagonal attention mask for the "
-                         "local layer spec (transformer-engine's packed THD path is not wired): "
-                         "set model.transformer_impl=local")
+    cfg.packing.validate(cfg.model)
 
 
 def world_size_for(cfg: DPOConfig) -> int:
