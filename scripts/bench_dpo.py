@@ -36,18 +36,30 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+PACKED = ("packing.enabled=true",)
+SHARED = ("packing.enabled=true", "packing.share_prompt=true")
+PRECOMPUTED = ("reference.mode=precomputed",)
 ENGINES = {
-    # name: (packing, reference mode)
-    "engine": (False, "model"),
-    "engine+packing": (True, "model"),
-    "engine+precomputed": (False, "precomputed"),
-    "engine+packing+precomputed": (True, "precomputed"),
+    # name: the engine's config overrides on top of engine_config()'s
+    "engine": (),
+    "engine+packing": PACKED,
+    "engine+shared": SHARED,
+    "engine+precomputed": PRECOMPUTED,
+    "engine+packing+precomputed": PACKED + PRECOMPUTED,
+    "engine+shared+precomputed": SHARED + PRECOMPUTED,
+    "engine+shared+precomputed+recompute": SHARED + PRECOMPUTED + (
+        "model.recompute_granularity=full", "model.recompute_method=uniform",
+        "model.recompute_num_layers=1"),
 }
 ALL_RUNS = ["trl", *ENGINES]
-# Default runs per model, sized so the whole harness stays within ~15 minutes on 2 cores: every
-# setting on the 4-layer cut, the acceptance comparison on the full model.
-DEFAULT_RUNS = {"smollm2": ["trl", "engine", "engine+packing+precomputed"],
-                "smollm2-4l": ALL_RUNS}
+# Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
+# alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
+# plain and the best ones.
+DEFAULT_RUNS = {"smollm2": ["trl", "engine", "engine+packing", "engine+shared",
+                            "engine+packing+precomputed", "engine+shared+precomputed",
+                            "engine+shared+precomputed+recompute"],
+                "smollm2-4l": ["trl", "engine", "engine+packing", "engine+shared",
+                               "engine+shared+precomputed"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,9 +135,15 @@ class PeakRSS:
         while not self._stop.wait(interval):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
-    def stop(self) -> int:
+    def stop_sampling(self) -> int:
+        """Stop; the highest sampled RSS since the start (bytes)."""
         self._stop.set()
         self._thread.join()
+        return self.peak
+
+    def stop(self) -> int:
+        """Stop; the process's peak RSS (sampled, or ``ru_maxrss`` if higher; bytes)."""
+        self.stop_sampling()
         import resource
 
         # ru_maxrss (KiB on Linux) also catches a peak between two samples.
@@ -151,6 +169,9 @@ def summarize(steps: list[dict], warmup: int) -> dict:
         "real_tokens_per_cpu_s": real / cpu,
         "padded_fraction": 1.0 - real / computed,
         "real_tokens_per_step": real / len(timed),
+        # positions the model runs that hold a token (a shared prompt once), per real token
+        "model_tokens_per_real_token": (sum(s.get("model_tokens", s["real_tokens"])
+                                            for s in timed) / real),
         "losses": [s["loss"] for s in steps],
     }
 
@@ -165,7 +186,6 @@ def engine_config(spec: dict):
     from dpo_megatron import assets
     from dpo_megatron.config import load_config
 
-    packed, mode = ENGINES[spec["run"]]
     run_dir = tempfile.mkdtemp(prefix="bench_engine_")
     return load_config(None, [  # data.path names the pairs' source; they come in as token ids
         f"run_dir={run_dir}", f"data.path={assets.ensure_dpo_en_demo()}",
@@ -178,10 +198,11 @@ def engine_config(spec: dict):
         f"train.global_batch_size={spec['pairs_per_step']}",
         f"train.micro_batch_size={spec['micro_batch_size']}", f"train.seed={spec['seed']}",
         "train.use_distributed_optimizer=false", "data.shuffle=false",
-        f"packing.enabled={str(packed).lower()}", f"reference.mode={mode}",
         # a fresh cache: the precompute pass is measured, never a cache hit
         f"reference.cache_dir={run_dir}/reference", f"reference.micro_batch_size={spec['pairs_per_step']}",
-        "checkpoint.save_interval=0", "logging.tensorboard=false"])
+        "checkpoint.save_interval=0", "logging.tensorboard=false",
+        f"model.local_attention={spec.get('local_attention') or 'sdpa'}",
+        *ENGINES[spec["run"]]])
 
 
 def run_engine(spec: dict) -> dict:
@@ -207,6 +228,7 @@ def run_engine(spec: dict) -> dict:
         out, batch = trainer.train_step()
         steps.append({"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
                       "real_tokens": batch.real_tokens, "loss": out.metrics["loss"],
+                      "model_tokens": batch.computed_tokens,
                       "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches)})
         if step == 0:
             step0 = {k: out.metrics[k] for k in ("loss", "logps/chosen", "logps/rejected")}

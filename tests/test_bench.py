@@ -126,3 +126,33 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     for a, b in zip(engine["losses"], trl["losses"], strict=True):
         assert abs(a - b) < 1e-4
     assert engine["padded_fraction"] <= trl["padded_fraction"]
+
+
+def test_pair_forward_flops_by_hand():
+    shape = dict(num_layers=2, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
+                 num_query_groups=2, vocab_size=10)
+    layers = gpu.forward_flops_per_token(2, 4, 8, 2, 2, vocab=0, context=0)
+    assert layers == 2 * 2 * (2 * 16 + 2 * 16 + 3 * 32)
+    # prompt 2, chosen 1, rejected 1: shared 4 tokens, 9 attention pairs; unshared 6 and 12.
+    shared = gpu.pair_forward_flops(shape, 2, 1, 1, share_prompt=True)
+    unshared = gpu.pair_forward_flops(shape, 2, 1, 1, share_prompt=False)
+    head = 2 * 4 * 10 * 2
+    assert shared == layers * 4 + head + 4 * 2 * 4 * 9
+    assert unshared == layers * 6 + head + 4 * 2 * 4 * 12
+
+
+def test_bench_engines_are_valid_configs():
+    """Every setting of the bench's ENGINES table is a config the engine accepts."""
+    spec = {"model_path": "", "recompute": "", "beta": 0.1, "lr": 1e-6, "steps": 1,
+            "pairs_per_step": 4, "micro_batch_size": 4, "seed": 1, "local_attention": "sdpa"}
+    for name in bench.ENGINES:
+        cfg = bench.engine_config({**spec, "run": name, "model_path": str(_assets_smollm2())})
+        assert cfg.packing.share_prompt == ("shared" in name)
+        assert cfg.packing.enabled == ("shared" in name or "packing" in name)
+        assert (cfg.reference.mode == "precomputed") == ("precomputed" in name)
+
+
+def _assets_smollm2():
+    from dpo_megatron import assets
+
+    return assets.ensure_smollm2()

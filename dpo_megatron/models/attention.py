@@ -174,7 +174,9 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         else:
             k, v = (torch.cat([t[b:e] for b, e in span.keys]) for t in (key, value))
         n_q, n_k = q.shape[0], k.shape[0]
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, s, hn]
+        # [1, heads, s, hn]: torch's fused CPU kernel takes 4-D inputs only (3-D ones fall back
+        # to the unfused math path, which materialises the [heads, s, s] scores).
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if n_q == n_k:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=n_q > 1, scale=scale,
                                                  enable_gqa=gqa)
@@ -185,7 +187,7 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 masks[(n_q, n_k)] = mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                  enable_gqa=gqa)
-        pieces.append(out.transpose(0, 1))
+        pieces.append(out[0].transpose(0, 1))
     return torch.cat(pieces)
 
 
