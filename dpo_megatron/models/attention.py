@@ -258,6 +258,9 @@ class LocalAttention(DotProductAttention):
         kernel: ``sdpa``, ``flex`` or ``megatron`` (:func:`resolve_local_attention`).
     """
 
+    packed_format = "sbhd"
+    """How this core attention takes packed rows (:func:`packed_format`)."""
+
     def __init__(self, *args, kernel: str = "sdpa", **kwargs):
         super().__init__(*args, **kwargs)
         if kernel not in ("sdpa", "flex", "megatron"):
@@ -347,6 +350,8 @@ def te_core_attention() -> type:
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     class TEPackedAttention(TEDotProductAttention):
+        packed_format = "thd"
+
         def forward(self, query, key, value, attention_mask, attn_mask_type,
                     attention_bias=None, packed_seq_params=None, num_splits=None):
             layout = getattr(packed_seq_params, "layout", None)
@@ -362,6 +367,21 @@ def te_core_attention() -> type:
             return super(TEDotProductAttention, self).forward(query, key, value, None, **kwargs)
 
     return TEPackedAttention
+
+
+def packed_format(model: torch.nn.Module) -> str:
+    """``thd`` when the model's core attention is transformer-engine's (packed rows then go as
+    one THD row with ``cu_seqlens``), else ``sbhd`` (the local kernels read the layout).
+
+    Raises:
+        ValueError: a model with no core attention of this module.
+    """
+    formats = {m.packed_format for m in model.modules() if hasattr(m, "packed_format")
+               and isinstance(m.packed_format, str)}
+    if len(formats) != 1:
+        raise ValueError(f"expected one packed format in the model's core attention, got "
+                         f"{sorted(formats) or 'none'}")
+    return formats.pop()
 
 
 def core_attention_spec(local_attention: str, transformer_engine: bool):

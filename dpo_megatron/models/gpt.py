@@ -15,11 +15,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from dpo_megatron.models.attention import packed_seq_params
+from dpo_megatron.models.attention import packed_format, packed_seq_params
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.specs import layer_spec
-from dpo_megatron.models.transformer_config import (build_transformer_config, padded_vocab_size,
-                                                    use_transformer_engine)
+from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
 
 
@@ -137,7 +136,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             seq_len_interpolation_factor=model.rope_linear_scaling_factor,
             vp_stage=stage,
         )
-        chunk.thd = use_transformer_engine(model.transformer_impl)
+        chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
         if chunk.post_process and vocab > model.vocab_size:
             _mask_vocab_padding(chunk.output_layer, model.vocab_size, vocab)
         chunks.append(chunk)
