@@ -119,14 +119,35 @@ def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
 # measurement
 
 
+def malloc_in_use() -> int:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap in use
+    + mmapped blocks), or 0 where that is not available. RSS minus this is allocator slack."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Info
+    except (OSError, AttributeError):
+        return 0
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 class PeakRSS:
-    """Samples the process's resident set size every ``interval`` s in a thread (bytes)."""
+    """Samples the process's resident set size (and the allocator's bytes in use) every
+    ``interval`` s in a thread (bytes)."""
 
     def __init__(self, interval: float = 0.02):
         import psutil
 
         self._proc = psutil.Process()
         self.peak = self._proc.memory_info().rss
+        self.peak_in_use = malloc_in_use()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
         self._thread.start()
@@ -134,6 +155,7 @@ class PeakRSS:
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             self.peak = max(self.peak, self._proc.memory_info().rss)
+            self.peak_in_use = max(self.peak_in_use, malloc_in_use())
 
     def stop_sampling(self) -> int:
         """Stop; the highest sampled RSS since the start (bytes)."""

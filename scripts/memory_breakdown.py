@@ -119,7 +119,13 @@ def breakdown(spec: dict) -> dict:
                 out, batch = trainer.train_step()
         else:
             out, batch = trainer.train_step()
-        steps.append({"peak_rss": step_meter.stop_sampling(), "cpu_s": time.process_time() - t0,
+        if spec.get("trim"):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        steps.append({"peak_rss": step_meter.stop_sampling(),
+                      "peak_malloc_in_use": step_meter.peak_in_use,
+                      "cpu_s": time.process_time() - t0,
                       "loss": out.metrics["loss"], "shape": list(batch.micro_batches[0]
                                                                  .tokens.shape),
                       "model_tokens": batch.computed_tokens, "real_tokens": batch.real_tokens})
@@ -171,13 +177,16 @@ def main(argv=None) -> int:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--max-prompt-length", type=int, default=256)
     parser.add_argument("--recompute", default="")
+    parser.add_argument("--trim", action="store_true",
+                        help="malloc_trim(0) after each step (hand freed heap pages back)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     spec = {"run": args.engine, "model": args.model, "model_path": model_folder(args.model),
             "steps": args.steps, "warmup": 0, "pairs_per_step": args.pairs_per_step,
             "micro_batch_size": args.pairs_per_step, "pairs": args.pairs_per_step * args.steps,
             "max_length": args.max_length, "max_prompt_length": args.max_prompt_length,
-            "beta": 0.1, "lr": 1e-6, "seed": 1234, "threads": 1, "recompute": args.recompute}
+            "beta": 0.1, "lr": 1e-6, "seed": 1234, "threads": 1, "recompute": args.recompute,
+            "trim": args.trim}
     result = breakdown(spec)
     print(table(result))
     if args.out:
