@@ -38,56 +38,8 @@ import torch
 
 from .batch import AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, round_up
 from .collate import check_rows, pair_rows, reference_logps, score_mask, score_targets
+from .config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from .pairs import PreferencePair
-
-
-@dataclass
-class PackingConfig:
-    """Padding-free packing of each micro-batch's sequences (``packing.*``)."""
-
-    enabled: bool = False
-    """Pack the 2B sequences of each micro-batch into rows, each sequence attending only to
-    itself. Log-probs equal the padded path's (fp32, 1e-6 relative)."""
-    row_length: int = 0
-    """Tokens per packed row. 0: one row per micro-batch holding all its units (the step's
-    longest micro-batch, rounded up to the padding granule): nothing is padding but the
-    rounding, and the attention runs per sequence. > 0: rows of this many tokens filled
-    first-fit decreasing (must be >= the longest unit); meant for the dense-mask kernel
-    (``model.local_attention=megatron``), whose cost grows with the row length squared."""
-    bucket_by_length: bool = False
-    """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
-    similar length (longest first). The step's pair set, hence its loss and gradient, is
-    unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
-    share_prompt: bool = False
-    """With ``enabled``: each pair is one unit ``[prompt | chosen | rejected]``: the prompt runs
-    once through the model (policy and reference), each completion attends to the prompt and to
-    itself only, rejected positions continue from the end of the prompt. Log-probs equal the
-    unshared path's (fp32). Needs a kernel that takes two branches per unit: every local
-    ``model.local_attention`` and transformer-engine (THD, one row per micro-batch)."""
-
-    def validate(self, model=None) -> None:
-        """Reject settings that cannot run (called by ``config.validate``).
-
-        Args:
-            model: the run's ``ModelConfig`` (None: checks of this section alone).
-
-        Raises:
-            ValueError: naming the fields that conflict and what to do.
-        """
-        if self.row_length < 0:
-            raise ValueError(f"packing.row_length must be >= 0, got {self.row_length}")
-        if self.share_prompt and not self.enabled:
-            raise ValueError("packing.share_prompt=true lays pairs out in packed rows: set "
-                             "packing.enabled=true too")
-        if model is None or not self.enabled:
-            return
-        from dpo_megatron.models.transformer_config import use_transformer_engine
-
-        # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
-        if self.row_length and use_transformer_engine(model.transformer_impl):
-            raise ValueError("transformer-engine takes packed rows in THD form, one row per "
-                             f"micro-batch: leave packing.row_length=0 (got {self.row_length}) "
-                             "or set model.transformer_impl=local")
 
 
 @dataclass

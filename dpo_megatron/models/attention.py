@@ -47,9 +47,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dpo_megatron.models.config import LOCAL_ATTENTIONS as LOCAL_ATTENTION
 from dpo_megatron.parallel.device import is_cuda
-
-LOCAL_ATTENTION = ("auto", "sdpa", "flex", "megatron")
 
 
 def resolve_local_attention(name: str) -> str:
