@@ -368,15 +368,28 @@ def ratios(result: dict, baseline: dict) -> dict:
     }
 
 
+def model_tokens_per_pair(result: dict, pairs_per_step: int) -> float:
+    """Non-pad positions the model computes per pair (a shared prompt once; TRL and the
+    unshared engine: prompt + chosen + rejected with the prompt twice); nan without the step
+    size. Example: 4 pairs, 3,000 real tokens per step, 0.8 model tokens per real token -> 600."""
+    if not pairs_per_step:
+        return float("nan")
+    return (result.get("real_tokens_per_step", float("nan"))
+            * result.get("model_tokens_per_real_token", 1.0) / pairs_per_step)
+
+
 def markdown(report: dict) -> str:
-    """The results as Markdown tables (one per model), ratios against TRL when it ran."""
+    """The results as Markdown tables (one per model), ratios against TRL when it ran, and the
+    shared-prompt runs against packing alone (same pairs, same rows of one micro-batch)."""
     lines = []
+    pairs_per_step = report.get("settings", {}).get("pairs_per_step", 0)
     for model, runs in report["results"].items():
         lines += [f"#### {model}", "",
                   "| run | real tok/s (wall) | real tok/s (CPU) | real tok/s (CPU), 1st epoch "
                   "incl. precompute | padded fraction | step time median (s) | peak RSS (GiB) | "
-                  "step-0 loss | step-0 logps/chosen | precompute (s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "step-0 loss | step-0 logps/chosen | precompute (s) | model tokens / pair | "
+                  "model / real tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in runs.items():
             lines.append(
                 f"| {name} | {r['real_tokens_per_s']:.1f} | {r['real_tokens_per_cpu_s']:.1f} | "
@@ -384,7 +397,17 @@ def markdown(report: dict) -> str:
                 f"{r['padded_fraction']:.3f} | {r['step_time_median_s']:.2f} | "
                 f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['step0']['loss']:.6f} | "
                 f"{r['step0'].get('logps/chosen', float('nan')):.3f} | "
-                f"{r['precompute_s']:.1f} |")
+                f"{r['precompute_s']:.1f} | {model_tokens_per_pair(r, pairs_per_step):.1f} | "
+                f"{r.get('model_tokens_per_real_token', 1.0):.3f} |")
+        if "engine+packing" in runs:
+            base = runs["engine+packing"]
+            for name in [n for n in runs if n.startswith("engine+shared")]:
+                r = runs[name]
+                speed = r["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"]
+                work = (r.get("model_tokens_per_real_token", 1.0)
+                        / base.get("model_tokens_per_real_token", 1.0))
+                lines += ["", f"{name} / engine+packing: real tok/s (CPU) {speed:.2f}x, "
+                          f"model tokens per pair {work:.3f}x"]
         if "trl" in runs:
             lines += ["", "| run / TRL | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
                       "step-0 loss diff |", "|---|---|---|---|---|---|"]

@@ -51,6 +51,25 @@ def test_ratios_and_markdown():
     assert "| engine | 1.50x | 4.00x | 0.50x | 0.50x | 1.0e-04 |" in text
 
 
+def test_shared_prompt_figures_by_hand():
+    """Tokens computed per pair (a shared prompt once) and the shared-prompt runs against packing
+    alone: 4 pairs, 3,000 real tokens per step; packing computes every real token (750 per
+    pair), shared prompts 0.8 of them (600 per pair) at 1.2x the CPU rate."""
+    row = {"real_tokens_per_s": 30.0, "real_tokens_per_cpu_s": 40.0, "step_time_median_s": 2.0,
+           "peak_rss_bytes": 2**30, "padded_fraction": 0.1, "precompute_s": 0.0,
+           "step0": {"loss": 0.6931, "logps/chosen": -10.0}, "losses": [0.6931],
+           "real_tokens_per_step": 3000.0, "model_tokens_per_real_token": 1.0}
+    shared = dict(row, real_tokens_per_cpu_s=48.0, model_tokens_per_real_token=0.8)
+    assert bench.model_tokens_per_pair(row, 4) == 750.0
+    assert bench.model_tokens_per_pair(shared, 4) == 600.0
+    assert math.isnan(bench.model_tokens_per_pair(row, 0))
+    text = bench.markdown({"settings": {"pairs_per_step": 4},
+                           "results": {"m": {"engine+packing": row, "engine+shared": shared}}})
+    assert "| 0.0 | 750.0 | 1.000 |" in text and "| 0.0 | 600.0 | 0.800 |" in text
+    assert ("engine+shared / engine+packing: real tok/s (CPU) 1.20x, model tokens per pair "
+            "0.800x") in text
+
+
 def test_forward_flops_llama_1b_by_hand():
     # q, o: 2048^2 each; k, v: 2048 x 512 each; SwiGLU 3 x 2048 x 8192 -> 60,817,408 per layer.
     per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192
