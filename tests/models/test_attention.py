@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dpo_megatron.data import PreferencePair
+from dpo_megatron.data.batch import AttentionSpan
 from dpo_megatron.data.packing import pack_pairs, pack_shared_prompt_pairs
 from tests.engine import random_pairs, tiny_trainer
 from tests.multirank import run_ranks
@@ -231,3 +232,55 @@ def _train_flex():
 
 def test_flex_training_on_cpu_fails_with_the_fix():
     assert "use sdpa (or auto) there" in run_ranks(_train_flex, world_size=1)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# the CP seam (docs/ATTENTION.md sections 4-5): local queries, all-gathered keys, same kernel
+
+
+def _cp_pieces(spans, chunks):
+    """The spans seen by one CP rank holding the flat query ``chunks`` [(a, b), ...] (in local
+    order): each span cut to the chunk, its keys (global) truncated after the key that the
+    piece's last query sees. A stand-in for CP's own splitting function, written from the rule."""
+    pieces, local = [], 0
+    for a, b in chunks:
+        for s in spans:
+            lo, hi = max(a, s.q_start), min(b, s.q_end)
+            if lo >= hi:
+                continue
+            drop, keys = s.q_end - hi, []  # keys past the last query's are never seen
+            total = sum(e - k for k, e in s.keys)
+            keep = total - drop
+            for k, e in s.keys:
+                take = min(e - k, keep)
+                if take > 0:
+                    keys.append((k, k + take))
+                keep -= take
+            pieces.append(AttentionSpan(local, local + hi - lo, tuple(keys), s.padding))
+            local += hi - lo
+    return pieces
+
+
+@pytest.mark.parametrize("name", ["packed", "shared"])
+def test_span_attention_on_local_queries_and_gathered_keys(name):
+    """CP = 2 with megatron-core's load-balanced chunks (rank r: chunks r and 3 - r of 4): each
+    rank's local queries over the full (all-gathered) keys through span_attention, unchanged,
+    give the rows of the dense rule; pieces cross span boundaries (prompt / chosen / rejected)."""
+    layout = _layouts()[name]
+    q, k, v = _qkv(layout.segment_ids.numel())
+    dense, real = _dense(q, k, v, layout), _real(layout)
+    total = q.shape[0]
+    assert total % 4 == 0
+    step = total // 4
+    bounds = [(c * step, (c + 1) * step) for c in range(4)]
+    crossing = 0
+    for rank in range(2):
+        chunks = [bounds[rank], bounds[3 - rank]]
+        local = torch.cat([torch.arange(a, b) for a, b in chunks])
+        pieces = _cp_pieces(layout.spans, chunks)
+        crossing += sum(len(p.keys) == 2 for p in pieces)
+        out = span_attention(q[local], k, v, pieces, scale=None)
+        torch.testing.assert_close(out[real[local]], dense[local][real[local]], rtol=1e-6,
+                                   atol=1e-6)
+    if name == "shared":
+        assert crossing >= 1  # a rejected piece reads prompt keys held by another chunk
