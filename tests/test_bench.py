@@ -154,3 +154,21 @@ def _assets_smollm2():
     from dpo_megatron import assets
 
     return assets.ensure_smollm2()
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_the_shared_prompt_path_on_cpu(tmp_path):
+    """``gpu_bench.py --share-prompt`` (the GPU figure of issue 11) in its CPU smoke mode: the
+    engine's shared-prompt path at step 0 (ln 2), fewer positions computed than real tokens."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "shared.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench.py"), "--allow-cpu",
+                    "--tiny", "--share-prompt", "--local-attention", "sdpa", "--steps", "2",
+                    "--warmup", "1", "--out", str(out)], check=True, cwd=tmp_path,
+                   env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    result = json.loads(out.read_text())
+    assert abs(result["step0_loss"] - math.log(2)) < 1e-6
+    assert 0.5 < result["model_tokens_per_real_token"] < 1.0  # each prompt computed once
