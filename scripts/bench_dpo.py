@@ -175,25 +175,27 @@ class PeakRSS:
 def summarize(steps: list[dict], warmup: int) -> dict:
     """Per-step records -> the reported numbers (medians and sums over the timed steps).
 
-    Each record: wall_s, cpu_s, real_tokens, computed_tokens, loss. Tokens per second are
-    total real tokens over total time of the timed steps (steps >= ``warmup``).
+    Each record: wall_s, cpu_s, real_tokens, computed_tokens (positions run, padding included),
+    optional model_tokens (positions holding a token; default real_tokens), loss. Tokens per
+    second are total real tokens over total time of the timed steps (steps >= ``warmup``); the
+    padded fraction is 1 - model_tokens / computed_tokens.
     """
     timed = steps[warmup:] or steps
     wall = sum(s["wall_s"] for s in timed)
     cpu = sum(s["cpu_s"] for s in timed)
     real = sum(s["real_tokens"] for s in timed)
     computed = sum(s["computed_tokens"] for s in timed)
+    # positions holding a token (a shared prompt once: fewer than the real tokens TRL counts)
+    model = sum(s.get("model_tokens", s["real_tokens"]) for s in timed)
     return {
         "timed_steps": len(timed),
         "step_time_median_s": statistics.median(s["wall_s"] for s in timed),
         "step_cpu_median_s": statistics.median(s["cpu_s"] for s in timed),
         "real_tokens_per_s": real / wall,
         "real_tokens_per_cpu_s": real / cpu,
-        "padded_fraction": 1.0 - real / computed,
+        "padded_fraction": 1.0 - model / computed,
         "real_tokens_per_step": real / len(timed),
-        # positions the model runs that hold a token (a shared prompt once), per real token
-        "model_tokens_per_real_token": (sum(s.get("model_tokens", s["real_tokens"])
-                                            for s in timed) / real),
+        "model_tokens_per_real_token": model / real,
         "losses": [s["loss"] for s in steps],
     }
 

@@ -35,6 +35,11 @@ def test_summarize_by_hand():
     assert s["real_tokens_per_cpu_s"] == 600 / 3.0
     assert s["padded_fraction"] == 0.25
     assert s["losses"] == [0.7, 0.6, 0.5]
+    # shared prompts: 300 real tokens (prompts twice) in 250 positions holding a token, of 260 run
+    shared = [dict(r, model_tokens=250, computed_tokens=260) for r in steps]
+    s = bench.summarize(shared, warmup=1)
+    assert abs(s["padded_fraction"] - 10 / 260) < 1e-12
+    assert abs(s["model_tokens_per_real_token"] - 250 / 300) < 1e-12
 
 
 def test_ratios_and_markdown():
