@@ -413,14 +413,14 @@ def validate(cfg: DPOConfig) -> None:
     if not cfg.model.hf_path and not cfg.model.load and not cfg.data.tokenizer:
         raise ValueError("set model.hf_path (weights + tokenizer) or data.tokenizer for a "
                          "randomly initialised model")
-    if cfg.packing.enabled and cfg.model.transformer_impl != "local":
+    if cfg.packing.enabled and cfg.packing.row_length and cfg.model.transformer_impl != "local":
         from dpo_megatron.models.transformer_config import use_transformer_engine
 
         # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
         if use_transformer_engine(cfg.model.transformer_impl):
-            raise ValueError("packing.enabled=true builds a block-diagonal attention mask for "
-                             "the local layer spec (transformer-engine's packed THD path is not "
-                             "wired): set model.transformer_impl=local")
+            raise ValueError("transformer-engine takes packed rows in THD form, one row per "
+                             f"micro-batch: leave packing.row_length=0 (got "
+                             f"{cfg.packing.row_length}) or set model.transformer_impl=local")
     _validate_loss(cfg)
     cfg.lora.validate(loss=cfg.loss, reference=cfg.reference, model=cfg.model,
                       export_hf=cfg.checkpoint.export_hf)

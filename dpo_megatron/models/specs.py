@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from dpo_megatron.models.attention import SDPAttention
+from dpo_megatron.models.attention import core_attention_spec
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.layers import ParallelResidualTransformerLayer
 from dpo_megatron.models.moe import DPOTopKRouter
@@ -55,16 +55,16 @@ def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional
                 ) -> ModuleSpec:
     """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
     if uses_transformer_engine(model):
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
+            model.local_attention, transformer_engine=True)
+        return layer
     layer = get_gpt_layer_local_spec(num_experts=model.num_experts,
                                      qk_layernorm=model.qk_layernorm,
                                      normalization=model.normalization)
     attention = layer.submodules.self_attention.submodules
-    if model.local_attention == "sdpa":
-        attention.core_attention = SDPAttention
-    elif model.local_attention != "megatron":
-        raise ValueError(f"model.local_attention must be sdpa or megatron, got "
-                         f"{model.local_attention!r}")
+    attention.core_attention = core_attention_spec(model.local_attention,
+                                                   transformer_engine=False)
     norm = norm_class(model.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm

@@ -71,9 +71,9 @@ class StepOutput:
 def model_forward(model, batch: MicroBatch) -> torch.Tensor:
     """Output of one chunk: hidden states to send on, or on the last stage [1, n, V/TP] logits of
     the n scored positions only (``DPOGPTModel``: prompt and padding positions are never
-    projected onto the vocabulary). Packed rows bring their ``segment_ids``; MoE routers get the
-    padding mask and the micro-batch's pairs (their load-balancing weight)."""
-    return model(batch.tokens, batch.position_ids, segment_ids=batch.segment_ids,
+    projected onto the vocabulary). Packed rows bring their layout (``MicroBatch.packed``); MoE
+    routers get the padding mask and the micro-batch's pairs (their load-balancing weight)."""
+    return model(batch.tokens, batch.position_ids, packed=batch.packed,
                  output_index=batch.output_index, padding_mask=padding_mask(batch),
                  moe_aux_loss_weight=float(batch.num_items))
 
@@ -105,8 +105,7 @@ def _to_sequence_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor
 def token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """[N, S] log p(label_t) (nats), zero on prompt and padding positions, from the [1, n, V/TP]
     logits of the scored positions."""
-    labels = batch.labels.reshape(-1)[batch.output_index]
-    logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), labels)
+    logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), batch.target_ids)
     return _to_sequence_layout(logps, batch)
 
 

@@ -154,6 +154,25 @@ def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
+def layout_of_segments(segment_ids: torch.Tensor):
+    """The ``PackedLayout`` of rows whose sequences are the runs of equal ``segment_ids`` [R, L]
+    (each run one causal sequence; a negative id marks a row's unused tail)."""
+    from dpo_megatron.data.batch import AttentionSpan, PackedLayout
+
+    rows, length = segment_ids.shape
+    spans = []
+    for r in range(rows):
+        start = 0
+        while start < length:
+            end = start
+            while end < length and segment_ids[r, end] == segment_ids[r, start]:
+                end += 1
+            flat = (r * length + start, r * length + end)
+            spans.append(AttentionSpan(*flat, (flat,), padding=bool(segment_ids[r, start] < 0)))
+            start = end
+    return PackedLayout.from_spans(segment_ids, None, spans)
+
+
 def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1,
                     position_ids: Optional[torch.Tensor] = None,
                     segment_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -174,12 +193,12 @@ def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int
     if position_ids is None:
         position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
     micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs],
-              None if segment_ids is None else segment_ids[i * mbs:(i + 1) * mbs])
+              None if segment_ids is None else layout_of_segments(segment_ids[i * mbs:(i + 1) * mbs]))
              for i in range(num_microbatches)]
 
     def forward_step(data_iterator, model):
-        tokens, positions, segments = next(data_iterator)
-        output = model(tokens, positions, None, segment_ids=segments)
+        tokens, positions, layout = next(data_iterator)
+        output = model(tokens, positions, None, packed=layout)
 
         def collect(output_tensor, non_loss_data=True):
             return gather_from_tensor_model_parallel_region(output_tensor).detach()
