@@ -21,7 +21,8 @@ TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_hea
             num_query_groups=2, vocab_size=VOCAB, tie_word_embeddings=False)
 
 
-def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bool = False,
+def engine_config(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
+                  sp: bool = False,
                   micro_batch_size: int = 1, global_batch_size: int = 4, steps: int = 2,
                   lr: float = 1e-3, loss: Optional[dict] = None, model: Optional[dict] = None,
                   load: str = "", packing: bool = False, bucket_by_length: bool = False,
@@ -34,6 +35,7 @@ def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bo
     return config_from_mapping({
         "run_dir": run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "context_parallel_size": cp,
                      "virtual_pipeline_model_parallel_size": vpp, "sequence_parallel": sp},
         "model": {**TINY, **(model or {}), "load": load},
         "loss": loss or {"name": "sigmoid", "beta": 0.1},

@@ -142,22 +142,30 @@ class BatchBuilder:
 
 
 def make_batch_builder(pad_token_id: int, multiple: int, packing=None,
-                       sft: bool = False) -> BatchBuilder:
+                       sft: bool = False, context_parallel: tuple[int, int] = (0, 1)
+                       ) -> BatchBuilder:
     """The builder for a run: SFT examples (padded, chosen only), packed pairs
-    (``packing.enabled``) or padded pairs.
+    (``packing.enabled``) or padded pairs; with ``context_parallel`` = (CP rank, CP size) and a
+    size > 1, its micro-batches are cut for that rank (``data.context_split``) and packed
+    sequences are padded to a multiple of 2 x CP. ``multiple`` must then be a multiple of 2 x CP.
 
     Raises:
         ValueError: packing asked for SFT examples (packing packs preference pairs).
     """
     from dpo_megatron.data.collate import PaddedPairs, SFTExamples
+    from dpo_megatron.data.context_split import ContextParallelSplit
     from dpo_megatron.data.packing import PackedPairs
 
+    rank, size = context_parallel
     packed = packing is not None and packing.enabled
     if sft:
         if packed:
             raise ValueError("packing.enabled=true packs preference pairs; an SFT loss trains "
                              "on single completions: set packing.enabled=false")
-        return SFTExamples(pad_token_id, multiple)
-    if packed:
-        return PackedPairs(pad_token_id, multiple, packing)
-    return PaddedPairs(pad_token_id, multiple)
+        builder = SFTExamples(pad_token_id, multiple)
+    elif packed:
+        builder = PackedPairs(pad_token_id, multiple, packing,
+                              segment_multiple=2 * size if size > 1 else 1)
+    else:
+        builder = PaddedPairs(pad_token_id, multiple)
+    return ContextParallelSplit(builder, rank, size) if size > 1 else builder

@@ -55,7 +55,7 @@ def plan_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int,
-               num_rows: int = 0) -> MicroBatch:
+               num_rows: int = 0, segment_multiple: int = 1) -> MicroBatch:
     """Pack one micro-batch of B pairs into R rows of ``row_length`` tokens (see module doc).
 
     Args:
@@ -64,6 +64,10 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
         row_length: L, tokens per row.
         num_rows: R; 0 = as many as first-fit decreasing needs; more appends empty rows (so
             every micro-batch of a step has the same shape).
+        segment_multiple: each sequence's span is padded to a multiple of this (tokens; 2 x CP
+            under context parallelism, so that every sequence cuts into 2 x CP equal chunks,
+            ``data.context_split``). The padding belongs to the sequence's segment, after its
+            last token, so causal attention hides it from the sequence's own tokens.
 
     Returns:
         A MicroBatch: tokens / labels / position_ids / segment_ids [R, L], loss_mask (and
@@ -76,7 +80,8 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
     rows = pair_rows(pairs)
     check_rows(rows)
     lengths = [len(p) + len(c) for p, c in rows]
-    plan = plan_rows(lengths, row_length)
+    spans = [round_up(n, segment_multiple) for n in lengths]
+    plan = plan_rows(spans, row_length)
     if num_rows and num_rows < len(plan):
         raise ValueError(f"micro-batch needs {len(plan)} packed rows, more than num_rows={num_rows}")
     n_rows = num_rows or len(plan)
@@ -97,10 +102,10 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
             ids = torch.tensor([*prompt, *completion], dtype=torch.int64)
             tokens[r, offset:offset + n] = ids
             labels[r, offset:offset + n - 1] = ids[1:]
-            position_ids[r, offset:offset + n] = torch.arange(n)
-            segment_ids[r, offset:offset + n] = j
+            position_ids[r, offset:offset + spans[j]] = torch.arange(spans[j])
+            segment_ids[r, offset:offset + spans[j]] = j
             start[j] = r * row_length + offset
-            offset += n
+            offset += spans[j]
         position_ids[r, offset:] = torch.arange(row_length - offset)
     loss_mask = score_mask(rows, longest)
     score_index = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
@@ -111,9 +116,12 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
                       segment_ids=segment_ids, reference_logps=reference_logps(pairs, loss_mask))
 
 
-def rows_needed(pairs: Sequence[PreferencePair], row_length: int) -> int:
-    """Rows first-fit decreasing uses for this micro-batch's 2B sequences."""
-    return len(plan_rows([len(p) + len(c) for p, c in pair_rows(pairs)], row_length))
+def rows_needed(pairs: Sequence[PreferencePair], row_length: int,
+                segment_multiple: int = 1) -> int:
+    """Rows first-fit decreasing uses for this micro-batch's 2B sequences (each padded to a
+    multiple of ``segment_multiple`` tokens)."""
+    return len(plan_rows([round_up(len(p) + len(c), segment_multiple)
+                          for p, c in pair_rows(pairs)], row_length))
 
 
 def bucket_micro_batches(pairs: Sequence[PreferencePair],
@@ -140,9 +148,11 @@ class PackedPairs(BatchBuilder):
     its micro-batches needs, L ``packing.row_length`` (0: the step's longest sequence), rounded
     up to ``multiple``."""
 
-    def __init__(self, pad_token_id: int, multiple: int, packing: PackingConfig):
+    def __init__(self, pad_token_id: int, multiple: int, packing: PackingConfig,
+                 segment_multiple: int = 1):
         super().__init__(pad_token_id, multiple)
         self.packing = packing
+        self.segment_multiple = segment_multiple
 
     def micro_batch_indices(self, items, micro_batch_indices):
         if self.packing.bucket_by_length:
@@ -156,10 +166,10 @@ class PackedPairs(BatchBuilder):
         longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
                       for mb in step for p in mb)
         length = round_up(self.packing.row_length or longest, self.multiple)
-        n_rows = max(rows_needed(mb, length) for mb in step)
+        n_rows = max(rows_needed(mb, length, self.segment_multiple) for mb in step)
         micro_batches = []
         for mb, idx in zip(step, micro_batch_indices):
-            batch = pack_pairs(mb, self.pad_token_id, length, n_rows)
+            batch = pack_pairs(mb, self.pad_token_id, length, n_rows, self.segment_multiple)
             batch.item_indices = tuple(idx)
             micro_batches.append(batch)
         real_tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)

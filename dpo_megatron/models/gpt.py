@@ -16,6 +16,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from dpo_megatron.models.attention import attention_mask_from_segments
+from dpo_megatron.models.context_attention import (
+    context_parallel_attention_mask,
+    uses_context_parallel_attention,
+)
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
@@ -33,7 +37,9 @@ class DPOGPTModel(GPTModel):
       against [L, R, heads, dim] exactly like its own [L, 1, 1, dim] (same frequencies, element
       for element, as the padded path).
     * ``segment_ids`` [R, L] (packed rows) become the attention mask on the device
-      (``models.attention``); None means one causal sequence per row.
+      (``models.attention``); None means one causal sequence per row. Under context parallelism
+      with the local spec, rows are this CP rank's L / CP tokens (``data.context_split``) and the
+      mask over the all-gathered keys comes from ``models.context_attention``.
     * ``output_index`` [n]: on the last stage only these flat positions (``r * L + t``) of the
       [R, L] input are projected onto the vocabulary. DPO scores completion tokens only, so prompt
       and padding hidden states never meet the LM head and no [R * L, V/TP] logits tensor is
@@ -49,7 +55,9 @@ class DPOGPTModel(GPTModel):
                 attention_mask: Optional[torch.Tensor] = None, *,
                 segment_ids: Optional[torch.Tensor] = None,
                 output_index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if segment_ids is not None:
+        if self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
+            attention_mask = context_parallel_attention_mask(position_ids, segment_ids)
+        elif segment_ids is not None:
             attention_mask = attention_mask_from_segments(segment_ids)
         decoder_input = (self.embedding(input_ids=input_ids, position_ids=position_ids)
                          if self.pre_process else None)  # later stages: set_input_tensor

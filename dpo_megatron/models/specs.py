@@ -18,17 +18,23 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dpo_megatron.models.attention import SDPAttention
 from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.context_attention import ContextParallelAttention
 from dpo_megatron.models.norms import norm_class
 from dpo_megatron.models.transformer_config import use_transformer_engine
 
 
 def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
                 ) -> ModuleSpec:
-    """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
+    """Transformer-block spec: TE layers when chosen (their attention does context parallelism
+    itself), else local layers with SP-aware norms and, under context parallelism,
+    ``models.context_attention.ContextParallelAttention``."""
     if use_transformer_engine(model.transformer_impl):
         return get_gpt_layer_with_transformer_engine_spec()
     layer = get_gpt_layer_local_spec(normalization=model.normalization)
-    if model.local_attention == "sdpa":
+    if config.context_parallel_size > 1:
+        # Both local kernels are single-rank; CP gathers keys/values itself (SDPA inside).
+        layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    elif model.local_attention == "sdpa":
         layer.submodules.self_attention.submodules.core_attention = SDPAttention
     elif model.local_attention != "megatron":
         raise ValueError(f"model.local_attention must be sdpa or megatron, got "

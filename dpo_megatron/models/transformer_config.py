@@ -145,6 +145,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context_parallel_size,
         # On a GPU, initialise on the GPU; on the CPU device megatron-core's CPU path.
         use_cpu_initialization=not is_cuda(),
         # gloo matches point-to-point messages between two ranks in posting order. Batched p2p
