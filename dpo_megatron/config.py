@@ -359,7 +359,7 @@ def config_from_mapping(sections: dict, check: bool = True) -> DPOConfig:
 
 def data_parallel_size(cfg: DPOConfig) -> Optional[int]:
     """The data-parallel size of this job: ``parallel.data_parallel_size``, else what the
-    launcher's ``WORLD_SIZE`` leaves after TP x PP x CP, else None (not known yet)."""
+    launcher's ``WORLD_SIZE`` leaves after TP x PP, else None (not known yet)."""
     if cfg.parallel.data_parallel_size is not None:
         return cfg.parallel.data_parallel_size
     world = os.environ.get("WORLD_SIZE")
@@ -405,14 +405,14 @@ def validate(cfg: DPOConfig) -> None:
     if not cfg.model.hf_path and not cfg.model.load and not cfg.data.tokenizer:
         raise ValueError("set model.hf_path (weights + tokenizer) or data.tokenizer for a "
                          "randomly initialised model")
-    if cfg.packing.enabled and cfg.model.transformer_impl != "local":
+    if cfg.packing.enabled and cfg.packing.row_length and cfg.model.transformer_impl != "local":
         from dpo_megatron.models.transformer_config import use_transformer_engine
 
         # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
         if use_transformer_engine(cfg.model.transformer_impl):
-            raise ValueError("packing.enabled=true builds a block-diagonal attention mask for "
-                             "the local layer spec (transformer-engine's packed THD path is not "
-                             "wired): set model.transformer_impl=local")
+            raise ValueError("transformer-engine takes packed rows in THD form, one row per "
+                             f"micro-batch: leave packing.row_length=0 (got "
+                             f"{cfg.packing.row_length}) or set model.transformer_impl=local")
     _validate_context_parallel(cfg)
     _validate_loss(cfg)
 
@@ -435,7 +435,7 @@ def _validate_context_parallel(cfg: DPOConfig) -> None:
             f"packing.row_length={row} cannot be cut into equal context-parallel chunks: every "
             f"packed row is split into {why} = {granule} pieces: set packing.row_length to a "
             f"multiple of {granule} (e.g. {-(-row // granule) * granule}), or 0 (the step's "
-            f"longest sequence, rounded up automatically)")
+            f"longest micro-batch, rounded up automatically)")
     local = cfg.model.transformer_impl != "transformer_engine"
     if cfg.model.local_attention == "megatron" and local:
         raise ValueError("parallel.context_parallel_size > 1 attends with the context-parallel "
@@ -468,7 +468,7 @@ def _validate_loss(cfg: DPOConfig) -> None:
 
 
 def world_size_for(cfg: DPOConfig) -> int:
-    """Ranks the launcher should start: TP x PP x CP x DP (DP defaults to 1)."""
+    """Ranks the launcher should start: TP x PP x DP (DP defaults to 1)."""
     return cfg.parallel.model_parallel_size() * (cfg.parallel.data_parallel_size or 1)
 
 

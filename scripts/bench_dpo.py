@@ -36,18 +36,30 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+PACKED = ("packing.enabled=true",)
+SHARED = ("packing.enabled=true", "packing.share_prompt=true")
+PRECOMPUTED = ("reference.mode=precomputed",)
 ENGINES = {
-    # name: (packing, reference mode)
-    "engine": (False, "model"),
-    "engine+packing": (True, "model"),
-    "engine+precomputed": (False, "precomputed"),
-    "engine+packing+precomputed": (True, "precomputed"),
+    # name: the engine's config overrides on top of engine_config()'s
+    "engine": (),
+    "engine+packing": PACKED,
+    "engine+shared": SHARED,
+    "engine+precomputed": PRECOMPUTED,
+    "engine+packing+precomputed": PACKED + PRECOMPUTED,
+    "engine+shared+precomputed": SHARED + PRECOMPUTED,
+    "engine+shared+precomputed+recompute": SHARED + PRECOMPUTED + (
+        "model.recompute_granularity=full", "model.recompute_method=uniform",
+        "model.recompute_num_layers=1"),
 }
 ALL_RUNS = ["trl", *ENGINES]
-# Default runs per model, sized so the whole harness stays within ~15 minutes on 2 cores: every
-# setting on the 4-layer cut, the acceptance comparison on the full model.
-DEFAULT_RUNS = {"smollm2": ["trl", "engine", "engine+packing+precomputed"],
-                "smollm2-4l": ALL_RUNS}
+# Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
+# alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
+# plain and the best ones.
+DEFAULT_RUNS = {"smollm2": ["trl", "engine", "engine+packing", "engine+shared",
+                            "engine+packing+precomputed", "engine+shared+precomputed",
+                            "engine+shared+precomputed+recompute"],
+                "smollm2-4l": ["trl", "engine", "engine+packing", "engine+shared",
+                               "engine+shared+precomputed"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,14 +119,35 @@ def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
 # measurement
 
 
+def malloc_in_use() -> int:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap in use
+    + mmapped blocks), or 0 where that is not available. RSS minus this is allocator slack."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Info
+    except (OSError, AttributeError):
+        return 0
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 class PeakRSS:
-    """Samples the process's resident set size every ``interval`` s in a thread (bytes)."""
+    """Samples the process's resident set size (and the allocator's bytes in use) every
+    ``interval`` s in a thread (bytes)."""
 
     def __init__(self, interval: float = 0.02):
         import psutil
 
         self._proc = psutil.Process()
         self.peak = self._proc.memory_info().rss
+        self.peak_in_use = malloc_in_use()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
         self._thread.start()
@@ -122,10 +155,17 @@ class PeakRSS:
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             self.peak = max(self.peak, self._proc.memory_info().rss)
+            self.peak_in_use = max(self.peak_in_use, malloc_in_use())
 
-    def stop(self) -> int:
+    def stop_sampling(self) -> int:
+        """Stop; the highest sampled RSS since the start (bytes)."""
         self._stop.set()
         self._thread.join()
+        return self.peak
+
+    def stop(self) -> int:
+        """Stop; the process's peak RSS (sampled, or ``ru_maxrss`` if higher; bytes)."""
+        self.stop_sampling()
         import resource
 
         # ru_maxrss (KiB on Linux) also catches a peak between two samples.
@@ -151,6 +191,9 @@ def summarize(steps: list[dict], warmup: int) -> dict:
         "real_tokens_per_cpu_s": real / cpu,
         "padded_fraction": 1.0 - real / computed,
         "real_tokens_per_step": real / len(timed),
+        # positions the model runs that hold a token (a shared prompt once), per real token
+        "model_tokens_per_real_token": (sum(s.get("model_tokens", s["real_tokens"])
+                                            for s in timed) / real),
         "losses": [s["loss"] for s in steps],
     }
 
@@ -165,7 +208,6 @@ def engine_config(spec: dict):
     from dpo_megatron import assets
     from dpo_megatron.config import load_config
 
-    packed, mode = ENGINES[spec["run"]]
     run_dir = tempfile.mkdtemp(prefix="bench_engine_")
     return load_config(None, [  # data.path names the pairs' source; they come in as token ids
         f"run_dir={run_dir}", f"data.path={assets.ensure_dpo_en_demo()}",
@@ -178,10 +220,11 @@ def engine_config(spec: dict):
         f"train.global_batch_size={spec['pairs_per_step']}",
         f"train.micro_batch_size={spec['micro_batch_size']}", f"train.seed={spec['seed']}",
         "train.use_distributed_optimizer=false", "data.shuffle=false",
-        f"packing.enabled={str(packed).lower()}", f"reference.mode={mode}",
         # a fresh cache: the precompute pass is measured, never a cache hit
         f"reference.cache_dir={run_dir}/reference", f"reference.micro_batch_size={spec['pairs_per_step']}",
-        "checkpoint.save_interval=0", "logging.tensorboard=false"])
+        "checkpoint.save_interval=0", "logging.tensorboard=false",
+        f"model.local_attention={spec.get('local_attention') or 'sdpa'}",
+        *ENGINES[spec["run"]]])
 
 
 def run_engine(spec: dict) -> dict:
@@ -207,6 +250,7 @@ def run_engine(spec: dict) -> dict:
         out, batch = trainer.train_step()
         steps.append({"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
                       "real_tokens": batch.real_tokens, "loss": out.metrics["loss"],
+                      "model_tokens": batch.computed_tokens,
                       "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches)})
         if step == 0:
             step0 = {k: out.metrics[k] for k in ("loss", "logps/chosen", "logps/rejected")}
@@ -324,15 +368,28 @@ def ratios(result: dict, baseline: dict) -> dict:
     }
 
 
+def model_tokens_per_pair(result: dict, pairs_per_step: int) -> float:
+    """Non-pad positions the model computes per pair (a shared prompt once; TRL and the
+    unshared engine: prompt + chosen + rejected with the prompt twice); nan without the step
+    size. Example: 4 pairs, 3,000 real tokens per step, 0.8 model tokens per real token -> 600."""
+    if not pairs_per_step:
+        return float("nan")
+    return (result.get("real_tokens_per_step", float("nan"))
+            * result.get("model_tokens_per_real_token", 1.0) / pairs_per_step)
+
+
 def markdown(report: dict) -> str:
-    """The results as Markdown tables (one per model), ratios against TRL when it ran."""
+    """The results as Markdown tables (one per model), ratios against TRL when it ran, and the
+    shared-prompt runs against packing alone (same pairs, same rows of one micro-batch)."""
     lines = []
+    pairs_per_step = report.get("settings", {}).get("pairs_per_step", 0)
     for model, runs in report["results"].items():
         lines += [f"#### {model}", "",
                   "| run | real tok/s (wall) | real tok/s (CPU) | real tok/s (CPU), 1st epoch "
                   "incl. precompute | padded fraction | step time median (s) | peak RSS (GiB) | "
-                  "step-0 loss | step-0 logps/chosen | precompute (s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "step-0 loss | step-0 logps/chosen | precompute (s) | model tokens / pair | "
+                  "model / real tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in runs.items():
             lines.append(
                 f"| {name} | {r['real_tokens_per_s']:.1f} | {r['real_tokens_per_cpu_s']:.1f} | "
@@ -340,7 +397,17 @@ def markdown(report: dict) -> str:
                 f"{r['padded_fraction']:.3f} | {r['step_time_median_s']:.2f} | "
                 f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['step0']['loss']:.6f} | "
                 f"{r['step0'].get('logps/chosen', float('nan')):.3f} | "
-                f"{r['precompute_s']:.1f} |")
+                f"{r['precompute_s']:.1f} | {model_tokens_per_pair(r, pairs_per_step):.1f} | "
+                f"{r.get('model_tokens_per_real_token', 1.0):.3f} |")
+        if "engine+packing" in runs:
+            base = runs["engine+packing"]
+            for name in [n for n in runs if n.startswith("engine+shared")]:
+                r = runs[name]
+                speed = r["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"]
+                work = (r.get("model_tokens_per_real_token", 1.0)
+                        / base.get("model_tokens_per_real_token", 1.0))
+                lines += ["", f"{name} / engine+packing: real tok/s (CPU) {speed:.2f}x, "
+                          f"model tokens per pair {work:.3f}x"]
         if "trl" in runs:
             lines += ["", "| run / TRL | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
                       "step-0 loss diff |", "|---|---|---|---|---|---|"]

@@ -3,6 +3,7 @@
 
     python scripts/gpu_bench.py                               # bf16, TE spec when it imports
     python scripts/gpu_bench.py --reference precomputed --recompute selective
+    python scripts/gpu_bench.py --packing --share-prompt --local-attention flex   # no TE needed
     python scripts/gpu_bench.py --allow-cpu --tiny --steps 2  # smoke test of the script on CPU
 
 The model is Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads / 8 KV heads, SwiGLU FFN 8192,
@@ -10,12 +11,14 @@ vocab 128,256, tied embeddings, RoPE theta 500,000; 1.24 B parameters), randomly
 bf16 with fp32 main weights (megatron-core's mixed-precision optimizer). The pairs are synthetic,
 with prompt and completion lengths drawn over a wide range like real preference data.
 
-Reported: real (non-pad) tokens per second, padded fraction, step time (median after warm-up),
-peak GPU memory, and MFU = model FLOPs / (step time x peak bf16 FLOP/s) where model FLOPs per
-step = (3 x forward for the policy's forward+backward + 1 x forward for the reference, or 3 x
-when the reference is precomputed) over the real tokens; forward FLOPs per token follow
-Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters", eq. 3
-without the backward factor): 2 x (transformer + LM-head weights) + 4 x layers x hidden x context.
+Reported: real (non-pad) tokens per second (every sequence counted, as TRL counts them),
+padded fraction, step time (median after warm-up), peak GPU memory, and MFU = model FLOPs /
+(step time x peak bf16 FLOP/s) where model FLOPs per step = (3 x forward for the policy's
+forward+backward + 1 x forward for the reference, or 3 x when the reference is precomputed);
+forward FLOPs follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on
+GPU Clusters", eq. 3 without the backward factor) for the work this engine does
+(``pair_forward_flops``: layers over the tokens it runs, a shared prompt once; the LM head over
+completion tokens; attention over the (query, key) pairs each token sees).
 The step-0 loss must be ln 2 (policy == reference) or the script exits non-zero.
 """
 
@@ -61,6 +64,33 @@ def forward_flops_per_token(layers: int, hidden: int, ffn: int, heads: int, grou
     return 2.0 * (layers * per_layer + hidden * vocab) + 4.0 * layers * hidden * context
 
 
+def pair_forward_flops(shape: dict, prompt: int, chosen: int, rejected: int,
+                       share_prompt: bool) -> float:
+    """Forward FLOPs of one pair as this engine computes it: the layers over every token it runs
+    (the prompt twice, or once with a shared prompt), the LM head over the completion tokens only
+    (prompt positions are never projected onto the vocabulary), and attention over the
+    (query, key) pairs each token sees: 4 x layers x hidden per pair (scores + weighted sum).
+
+    Example: prompt 2, chosen 1, rejected 1, shared: 4 tokens through the layers, 2 scored
+    tokens, attention pairs 3 + 3 (prompt + chosen causal) + 1 x 2 + 1 (rejected on the prompt
+    and itself) = 9; unshared: 6 tokens, (3 + 3) x 2 = 12 attention pairs.
+    """
+    layers = forward_flops_per_token(shape["num_layers"], shape["hidden_size"],
+                                     shape["ffn_hidden_size"], shape["num_attention_heads"],
+                                     shape["num_query_groups"], vocab=0, context=0)
+    sequences = [prompt + chosen, prompt + rejected]
+    causal = lambda n: n * (n + 1) // 2  # noqa: E731
+    if share_prompt:
+        tokens = prompt + chosen + rejected
+        attention = causal(prompt + chosen) + rejected * prompt + causal(rejected)
+    else:
+        tokens = sum(sequences)
+        attention = sum(causal(n) for n in sequences)
+    scored = chosen + rejected
+    return (layers * tokens + 2.0 * shape["hidden_size"] * shape["vocab_size"] * scored
+            + 4.0 * shape["num_layers"] * shape["hidden_size"] * attention)
+
+
 def synthetic_pairs(n: int, vocab: int, max_length: int, seed: int):
     """n pairs with prompt 16..max/2 tokens and completions 8..max/2 (cut to max_length)."""
     import random
@@ -88,7 +118,8 @@ def bench_config(args, shape: dict, cuda: bool):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     return config_from_mapping({
         "run_dir": tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
-        "parallel": {"backend": args.backend},
+        "parallel": {"backend": args.backend,
+                     "context_parallel_size": args.context_parallel_size},
         "model": {**shape, "params_dtype": "bfloat16" if cuda else "float32",
                   "transformer_impl": args.transformer_impl,
                   "local_attention": args.local_attention,
@@ -101,7 +132,8 @@ def bench_config(args, shape: dict, cuda: bool):
                   "global_batch_size": args.global_batch_size,
                   "micro_batch_size": args.micro_batch_size, "seed": args.seed,
                   "use_distributed_optimizer": args.distributed_optimizer},
-        "packing": {"enabled": args.packing},
+        "packing": {"enabled": args.packing or args.share_prompt,
+                    "share_prompt": args.share_prompt},
         "reference": {"mode": args.reference, "offload": args.offload_reference,
                       "cache_dir": os.path.join(out_dir, ".gpu_bench_reference")},
         "checkpoint": {"save_interval": 0},
@@ -121,18 +153,27 @@ def peak_tflops(name: str, override: float) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="CP ranks splitting each sequence (launch that many ranks with "
+                             "torchrun --nproc-per-node N; tokens/s count the replica's "
+                             "step, MFU is per GPU)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="pairs")
     parser.add_argument("--global-batch-size", type=int, default=16, help="pairs per step")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--reference", default="model", choices=["model", "precomputed"])
     parser.add_argument("--offload-reference", action="store_true")
-    parser.add_argument("--packing", action="store_true", help="local spec only")
+    parser.add_argument("--packing", action="store_true",
+                        help="padding-free packing (local kernels; THD with transformer-engine)")
+    parser.add_argument("--share-prompt", action="store_true",
+                        help="one [prompt | chosen | rejected] unit per pair (implies --packing)")
     parser.add_argument("--transformer-impl", default="auto",
                         choices=["auto", "local", "transformer_engine"])
     parser.add_argument("--recompute", default="", choices=["", "selective", "full"])
-    parser.add_argument("--local-attention", default="sdpa",
-                        help="core attention of the local spec (model.local_attention)")
+    parser.add_argument("--local-attention", default="auto",
+                        choices=["auto", "sdpa", "flex", "megatron"],
+                        help="core attention of the local spec (model.local_attention; auto: "
+                             "FlexAttention on CUDA)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="gloo runs on the host even on a CUDA machine")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
@@ -177,8 +218,15 @@ def main(argv=None) -> int:
         w0 = time.perf_counter()
         out, batch = trainer.train_step()
         sync()
+        step_pairs = [pairs[i] for mb in batch.micro_batches for i in mb.item_indices]
         records.append({"time_s": time.perf_counter() - w0, "real_tokens": batch.real_tokens,
-                        "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches),
+                        "model_tokens": batch.computed_tokens,
+                        # every CP rank holds 1 / CP of each micro-batch's positions
+                        "computed_tokens": args.context_parallel_size * sum(
+                            mb.tokens.numel() for mb in batch.micro_batches),
+                        "forward_flops": sum(pair_forward_flops(
+                            shape, len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids),
+                            args.share_prompt) for p in step_pairs),
                         "seq_length": batch.seq_length, "loss": out.metrics["loss"]})
         print(f"step {step}: loss {out.metrics['loss']:.6f} time {records[-1]['time_s']:.3f} s "
               f"seq {batch.seq_length}", flush=True)
@@ -186,25 +234,30 @@ def main(argv=None) -> int:
     timed = records[args.warmup:] or records
     step_time = statistics.median(r["time_s"] for r in timed)
     real = sum(r["real_tokens"] for r in timed) / len(timed)
-    mean_context = statistics.mean(r["seq_length"] for r in timed) / 2  # causal: half on average
-    s = shape
-    fwd = forward_flops_per_token(s["num_layers"], s["hidden_size"], s["ffn_hidden_size"],
-                                  s["num_attention_heads"], s["num_query_groups"],
-                                  s["vocab_size"], mean_context)
+    # This rank's micro-batches are the whole step (one rank, or the CP ranks of one replica,
+    # each computing 1 / CP of it). Policy forward + backward = 3 forwards, plus the reference
+    # forward when it runs each step.
     passes = 3 + (1 if args.reference == "model" else 0)
-    achieved = passes * fwd * real / step_time
+    fwd = sum(r["forward_flops"] for r in timed) / len(timed)
+    achieved = passes * fwd / step_time / args.context_parallel_size
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(name, args.peak_tflops) * 1e12
     result = {
         "device": name, "transformer_engine": te, "params": n_params,
         "settings": vars(args), "step_time_median_s": step_time,
         "real_tokens_per_s": real / step_time,
-        "padded_fraction": 1 - sum(r["real_tokens"] for r in timed)
+        "model_tokens_per_real_token": sum(r["model_tokens"] for r in timed)
+        / sum(r["real_tokens"] for r in timed),
+        "padded_fraction": 1 - sum(r["model_tokens"] for r in timed)
         / sum(r["computed_tokens"] for r in timed),
         "model_tflops_per_s": achieved / 1e12, "mfu": achieved / peak,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "precompute_s": precompute_s, "step0_loss": records[0]["loss"], "steps": records,
     }
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return 0
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("steps", "settings")},
                      indent=1))

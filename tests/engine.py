@@ -26,6 +26,7 @@ def engine_config(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
                   micro_batch_size: int = 1, global_batch_size: int = 4, steps: int = 2,
                   lr: float = 1e-3, loss: Optional[dict] = None, model: Optional[dict] = None,
                   load: str = "", packing: bool = False, bucket_by_length: bool = False,
+                  share_prompt: bool = False, packing_row_length: int = 0,
                   reference_mode: str = "model", offload: bool = False, cache_dir: str = "",
                   run_dir: Optional[str] = None, seed: int = 1234, resume: str = "none",
                   save_interval: int = 0, keep_last_n: int = 0, **train: Any):
@@ -42,7 +43,8 @@ def engine_config(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] =
         "train": {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
                   "train_iters": steps, "lr": lr, "lr_decay_style": "constant", "seed": seed,
                   **train},
-        "packing": {"enabled": packing, "bucket_by_length": bucket_by_length},
+        "packing": {"enabled": packing, "bucket_by_length": bucket_by_length,
+                     "share_prompt": share_prompt, "row_length": packing_row_length},
         "reference": {"mode": reference_mode, "offload": offload, "cache_dir": cache_dir},
         "checkpoint": {"resume": resume, "save_interval": save_interval,
                        "keep_last_n": keep_last_n},

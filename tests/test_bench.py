@@ -51,6 +51,25 @@ def test_ratios_and_markdown():
     assert "| engine | 1.50x | 4.00x | 0.50x | 0.50x | 1.0e-04 |" in text
 
 
+def test_shared_prompt_figures_by_hand():
+    """Tokens computed per pair (a shared prompt once) and the shared-prompt runs against packing
+    alone: 4 pairs, 3,000 real tokens per step; packing computes every real token (750 per
+    pair), shared prompts 0.8 of them (600 per pair) at 1.2x the CPU rate."""
+    row = {"real_tokens_per_s": 30.0, "real_tokens_per_cpu_s": 40.0, "step_time_median_s": 2.0,
+           "peak_rss_bytes": 2**30, "padded_fraction": 0.1, "precompute_s": 0.0,
+           "step0": {"loss": 0.6931, "logps/chosen": -10.0}, "losses": [0.6931],
+           "real_tokens_per_step": 3000.0, "model_tokens_per_real_token": 1.0}
+    shared = dict(row, real_tokens_per_cpu_s=48.0, model_tokens_per_real_token=0.8)
+    assert bench.model_tokens_per_pair(row, 4) == 750.0
+    assert bench.model_tokens_per_pair(shared, 4) == 600.0
+    assert math.isnan(bench.model_tokens_per_pair(row, 0))
+    text = bench.markdown({"settings": {"pairs_per_step": 4},
+                           "results": {"m": {"engine+packing": row, "engine+shared": shared}}})
+    assert "| 0.0 | 750.0 | 1.000 |" in text and "| 0.0 | 600.0 | 0.800 |" in text
+    assert ("engine+shared / engine+packing: real tok/s (CPU) 1.20x, model tokens per pair "
+            "0.800x") in text
+
+
 def test_forward_flops_llama_1b_by_hand():
     # q, o: 2048^2 each; k, v: 2048 x 512 each; SwiGLU 3 x 2048 x 8192 -> 60,817,408 per layer.
     per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192
@@ -105,3 +124,79 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     for a, b in zip(engine["losses"], trl["losses"], strict=True):
         assert abs(a - b) < 1e-4
     assert engine["padded_fraction"] <= trl["padded_fraction"]
+
+
+def test_pair_forward_flops_by_hand():
+    shape = dict(num_layers=2, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
+                 num_query_groups=2, vocab_size=10)
+    layers = gpu.forward_flops_per_token(2, 4, 8, 2, 2, vocab=0, context=0)
+    assert layers == 2 * 2 * (2 * 16 + 2 * 16 + 3 * 32)
+    # prompt 2, chosen 1, rejected 1: shared 4 tokens, 9 attention pairs; unshared 6 and 12.
+    shared = gpu.pair_forward_flops(shape, 2, 1, 1, share_prompt=True)
+    unshared = gpu.pair_forward_flops(shape, 2, 1, 1, share_prompt=False)
+    head = 2 * 4 * 10 * 2
+    assert shared == layers * 4 + head + 4 * 2 * 4 * 9
+    assert unshared == layers * 6 + head + 4 * 2 * 4 * 12
+
+
+def test_bench_engines_are_valid_configs():
+    """Every setting of the bench's ENGINES table is a config the engine accepts."""
+    spec = {"model_path": "", "recompute": "", "beta": 0.1, "lr": 1e-6, "steps": 1,
+            "pairs_per_step": 4, "micro_batch_size": 4, "seed": 1, "local_attention": "sdpa"}
+    for name in bench.ENGINES:
+        cfg = bench.engine_config({**spec, "run": name, "model_path": str(_assets_smollm2())})
+        assert cfg.packing.share_prompt == ("shared" in name)
+        assert cfg.packing.enabled == ("shared" in name or "packing" in name)
+        assert (cfg.reference.mode == "precomputed") == ("precomputed" in name)
+
+
+def _assets_smollm2():
+    from dpo_megatron import assets
+
+    return assets.ensure_smollm2()
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_the_shared_prompt_path_on_cpu(tmp_path):
+    """``gpu_bench.py --share-prompt`` (the GPU figure of issue 11) in its CPU smoke mode: the
+    engine's shared-prompt path at step 0 (ln 2), fewer positions computed than real tokens."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "shared.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench.py"), "--allow-cpu",
+                    "--tiny", "--share-prompt", "--local-attention", "sdpa", "--steps", "2",
+                    "--warmup", "1", "--out", str(out)], check=True, cwd=tmp_path,
+                   env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    result = json.loads(out.read_text())
+    assert abs(result["step0_loss"] - math.log(2)) < 1e-6
+    assert 0.5 < result["model_tokens_per_real_token"] < 1.0  # each prompt computed once
+
+
+@pytest.mark.slow
+def test_gpu_bench_takes_a_context_parallel_size(tmp_path):
+    """``gpu_bench.py --context-parallel-size 2`` under torchrun (CPU smoke mode, 2 gloo ranks):
+    step-0 loss ln 2 with every sequence split over the two ranks; rank 0 writes the result."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "cp.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", str(_free_port()), str(REPO / "scripts" / "gpu_bench.py"),
+                    "--allow-cpu", "--tiny", "--backend", "gloo", "--context-parallel-size", "2",
+                    "--max-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
+                    "--steps", "2", "--warmup", "1", "--out", str(out)], check=True,
+                   cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
+                                      "OMP_NUM_THREADS": "1"}, timeout=600)
+    result = json.loads(out.read_text())
+    assert abs(result["step0_loss"] - math.log(2)) < 1e-6
+    assert result["settings"]["context_parallel_size"] == 2
+    assert 0.0 <= result["padded_fraction"] < 1.0
+
+
+def _free_port() -> int:
+    from dpo_megatron.parallel.layout import free_port
+
+    return free_port()

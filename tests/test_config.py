@@ -101,10 +101,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("parallel.distributed_timeout_minutes=0", "must be >= 1"),
     ("model.num_layers=0", "model.num_layers=0 must be >= 1"),
     ("model.norm_epsilon=0", "model.norm_epsilon=0.0 must be > 0"),
-    ("model.local_attention=flash", "model.local_attention='flash'; expected one of sdpa, megatron"),
+    ("model.local_attention=flash", "model.local_attention='flash'; expected one of auto, sdpa, flex, megatron"),
     ("checkpoint.keep_last_n=-1", "checkpoint.keep_last_n=-1 must be >= 0"),
     ("checkpoint.export_dtype=fp8", "checkpoint.export_dtype='fp8'"),
     ("packing.row_length=-8", "packing.row_length=-8 must be >= 0"),
+    ("packing.share_prompt=true", "packing.share_prompt=true lays pairs out in packed rows: set "
+     "packing.enabled=true too"),
     ("data.max_prompt_length=1", "data.max_prompt_length=1 must be >= 2"),
     ("data.se_max_pairs_per_question=0", "must be >= 1"),
 ])

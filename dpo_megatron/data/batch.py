@@ -5,16 +5,19 @@ prompt+chosen, B..2B-1 prompt+rejected, so chosen and rejected of a pair always 
 last-stage rank), or B SFT examples (prompt+completion, ``sequences_per_item=1``). The model
 reads its rows in one of two layouts, and the loss always reads the per-sequence layout:
 
-* **model layout** [R, L]: ``tokens``, ``labels``, ``position_ids`` and, for packed rows,
-  ``segment_ids``. Padded: R = N sequences of L tokens, right padded. Packed: several sequences
-  per row (``data.packing``), positions restarting at each one.
+* **model layout** [R, L]: ``tokens``, ``labels``, ``position_ids`` and, for packed rows, their
+  :class:`PackedLayout` (``packed``). Padded: R = N sequences of L tokens, right padded. Packed:
+  several sequences per row (``data.packing``), positions restarting at each one; with
+  ``packing.share_prompt`` one segment ``[prompt | chosen | rejected]`` per pair, so one model
+  position (the last prompt token) scores the first token of both completions.
 * **per-sequence layout** [N, S] (N = 2B or B, S = the longest sequence): ``loss_mask`` (1 where
   ``labels`` is a completion token) and ``reference_logps`` (precomputed reference per-token
   log-probs, when the pairs carry them).
 * ``output_index`` [n] and ``score_index`` [n] join the two: the k-th scored token sits at flat
   position ``output_index[k]`` of the [R * L] model input and at ``score_index[k]`` of the
-  [N * S] per-sequence layout. They are computed on the host, so the step never has to look at
-  device values (``nonzero``) to know what to score.
+  [N * S] per-sequence layout, and ``target_ids[k]`` is its label. They are computed on the host,
+  so the step never has to look at device values (``nonzero``) to know what to score. An
+  ``output_index`` value may repeat (a shared prompt's last position scores two sequences).
 
 Built on the host by one :class:`BatchBuilder` (padded, packed or SFT implementation), moved to
 the device in one place (:meth:`StepBatch.to_device`), read by ``training.step``.
@@ -23,11 +26,103 @@ the device in one place (:meth:`StepBatch.to_device`), read by ``training.step``
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from dpo_megatron.parallel.device import to_device
+
+
+class AttentionSpan(NamedTuple):
+    """One causal attention problem of packed rows, in flat positions ``r * L + t`` of [R, L].
+
+    Queries ``q_start .. q_end - 1`` attend to the keys at the positions of ``keys`` (ranges,
+    concatenated in order), causally aligned at the bottom right: with Q queries and K keys,
+    query i sees keys 0 .. K - Q + i (flash-attention's varlen convention). A plain sequence is
+    one span whose keys are its queries (square, ordinary causal). A shared-prompt pair is two:
+    ``[prompt | chosen]`` on itself, and ``rejected`` on ``[prompt ; rejected]`` (never chosen).
+    """
+
+    q_start: int
+    q_end: int
+    keys: tuple[tuple[int, int], ...]
+    padding: bool = False
+    """A row's unused tail (it attends causally to itself; nothing reads its outputs)."""
+
+
+@dataclass
+class PackedLayout:
+    """Where the sequences of packed rows lie: everything an attention kernel needs, built on the
+    host by the packing builders (``data.packing``) and read by ``models.attention``.
+
+    Two equivalent forms, for different kernels:
+
+    * per position (dense masks, FlexAttention block masks): query t of row r sees key s iff
+      ``segment_ids[r, s] == segment_ids[r, t]``, ``s <= t`` and ``branch_ids[r, s]`` is 0 or
+      ``branch_ids[r, t]``;
+    * per span (SDPA per sequence, transformer-engine's THD format): :class:`AttentionSpan` list
+      and its cumulative forms ``cu_seqlens_q`` / ``cu_seqlens_kv`` / ``kv_index``.
+
+    Attributes:
+        segment_ids: [R, L] int32, one id per packed unit (a sequence, or a shared-prompt pair);
+            a row's unused tail has an id of its own, so every position sees at least itself.
+        branch_ids: [R, L] int8 with shared prompts: 0 prompt (seen by both branches), 1 chosen,
+            2 rejected; None without them (every position 0).
+        spans: the attention problems in flat-position order; their queries tile all R * L
+            positions exactly once (host ints: kernels slice with them without a device sync).
+        cu_seqlens_q: [P + 1] int32 query boundaries of the P spans in flat positions (THD).
+        cu_seqlens_kv: [P + 1] int32 key boundaries of the spans in the gathered key order.
+        kv_index: [K] int64 flat positions of the gathered keys (span after span), or None when
+            every span's keys are its own queries (then ``cu_seqlens_kv == cu_seqlens_q``).
+        max_seqlen_q, max_seqlen_kv: longest span's queries / keys (tokens).
+    """
+
+    segment_ids: torch.Tensor
+    branch_ids: Optional[torch.Tensor]
+    spans: tuple[AttentionSpan, ...]
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    kv_index: Optional[torch.Tensor]
+    max_seqlen_q: int
+    max_seqlen_kv: int
+
+    @classmethod
+    def from_spans(cls, segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor],
+                   spans: Sequence[AttentionSpan]) -> "PackedLayout":
+        """The layout of ``spans`` (host tensors).
+
+        Raises:
+            ValueError: spans that do not tile the R * L positions in order, or a span with
+                more queries than keys.
+        """
+        spans = tuple(spans)
+        position = 0
+        for s in spans:
+            n_keys = sum(e - b for b, e in s.keys)
+            if s.q_start != position or s.q_end <= s.q_start or n_keys < s.q_end - s.q_start:
+                raise ValueError(f"attention span {s} does not continue at position {position} "
+                                 "or has fewer keys than queries")
+            position = s.q_end
+        if position != segment_ids.numel():
+            raise ValueError(f"attention spans cover {position} of {segment_ids.numel()} "
+                             "positions")
+        q_lens = [s.q_end - s.q_start for s in spans]
+        kv_lens = [sum(e - b for b, e in s.keys) for s in spans]
+        shared = any(s.keys != ((s.q_start, s.q_end),) for s in spans)
+        kv_index = (torch.cat([torch.arange(b, e) for s in spans for b, e in s.keys])
+                    if shared else None)
+
+        def cumulative(lengths):
+            return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+
+        return cls(segment_ids, branch_ids, spans, cumulative(q_lens), cumulative(kv_lens),
+                   kv_index, max(q_lens), max(kv_lens))
+
+    def to_device(self) -> "PackedLayout":
+        """The same layout with its tensors on the engine's device (spans stay host ints)."""
+        moved = {f.name: to_device(getattr(self, f.name)) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
 
 @dataclass
@@ -36,14 +131,17 @@ class MicroBatch:
 
     Attributes:
         tokens: [R, L] int64 input ids.
-        labels: [R, L] int64, the next token of each position (shifted inside each sequence).
-        position_ids: [R, L] int64 positions (RoPE / learned), restarting at each packed sequence.
+        labels: [R, L] int64, the next token of each position within its sequence (a shared
+            prompt's last position holds the chosen side's; ``target_ids`` is authoritative).
+        position_ids: [R, L] int64 positions (RoPE / learned), restarting at each packed sequence
+            (a shared-prompt pair's rejected tokens continue from the end of its prompt).
         loss_mask: [N, S] fp32, 1 where ``labels`` of that sequence position is a completion token.
         output_index: [n] int64 flat positions (``r * L + t``) of the scored tokens in the model
             layout, in per-sequence order (sequence 0's completion first).
         score_index: [n] int64 flat positions (``i * S + t``) of the same tokens in [N, S].
-        segment_ids: [R, L] int32 sequence id of every position of a packed row (a row's unused
-            tail has its own id); None for padded rows (one causal sequence per row).
+        target_ids: [n] int64 token each scored position predicts (the label, per sequence).
+        packed: the :class:`PackedLayout` of packed rows; None for padded rows (one causal
+            sequence per row).
         reference_logps: [N, S] fp32 reference log p(label) at the scored positions (0 elsewhere)
             when the items carry precomputed values; None when a reference pass must compute them.
         item_indices: dataset indices of the B items, in row order (host metadata).
@@ -56,10 +154,16 @@ class MicroBatch:
     loss_mask: torch.Tensor
     output_index: torch.Tensor
     score_index: torch.Tensor
-    segment_ids: Optional[torch.Tensor] = None
+    target_ids: torch.Tensor
+    packed: Optional[PackedLayout] = None
     reference_logps: Optional[torch.Tensor] = None
     item_indices: tuple[int, ...] = ()
     sequences_per_item: int = 2
+
+    @property
+    def segment_ids(self) -> Optional[torch.Tensor]:
+        """[R, L] segment ids of packed rows (``packed.segment_ids``), None for padded rows."""
+        return None if self.packed is None else self.packed.segment_ids
 
     @property
     def num_items(self) -> int:
@@ -73,8 +177,13 @@ class MicroBatch:
 
     def to_device(self) -> "MicroBatch":
         """The same micro-batch with every tensor on the engine's device."""
-        moved = {f.name: to_device(getattr(self, f.name)) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                moved[f.name] = to_device(value)
+            elif isinstance(value, PackedLayout):
+                moved[f.name] = value.to_device()
         return replace(self, **moved)
 
 
@@ -88,11 +197,19 @@ class StepBatch:
         seq_length: L, tokens per model row (a multiple of the padding granule).
         real_tokens: non-pad tokens of this rank's step, every sequence counted (a pair's prompt
             twice, as TRL counts it): the unit of the tokens/s metric.
+        model_tokens: non-pad positions the model computes (a shared prompt counted once); None
+            means ``real_tokens``.
     """
 
     micro_batches: list[MicroBatch]
     seq_length: int
     real_tokens: int
+    model_tokens: Optional[int] = None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Non-pad positions the model runs this step (``model_tokens``, else ``real_tokens``)."""
+        return self.real_tokens if self.model_tokens is None else self.model_tokens
 
     @property
     def has_reference_logps(self) -> bool:
@@ -111,7 +228,8 @@ def round_up(length: int, multiple: int) -> int:
 
 class BatchBuilder:
     """Items of one step -> a :class:`StepBatch` (host tensors). Implementations:
-    ``data.collate.PaddedPairs``, ``data.collate.SFTExamples``, ``data.packing.PackedPairs``.
+    ``data.collate.PaddedPairs``, ``data.collate.SFTExamples``, ``data.packing.PackedPairs`` and
+    ``data.packing.SharedPromptPairs``.
 
     Args:
         pad_token_id: fills padding positions (never scored).
@@ -144,28 +262,33 @@ class BatchBuilder:
 def make_batch_builder(pad_token_id: int, multiple: int, packing=None,
                        sft: bool = False, context_parallel: tuple[int, int] = (0, 1)
                        ) -> BatchBuilder:
-    """The builder for a run: SFT examples (padded, chosen only), packed pairs
-    (``packing.enabled``) or padded pairs; with ``context_parallel`` = (CP rank, CP size) and a
-    size > 1, its micro-batches are cut for that rank (``data.context_split``) and packed
-    sequences are padded to a multiple of 2 x CP. ``multiple`` must then be a multiple of 2 x CP.
+    """The builder for a run: SFT examples (padded, chosen only), shared-prompt pairs
+    (``packing.share_prompt``), packed pairs (``packing.enabled``) or padded pairs. With
+    ``context_parallel`` = (CP rank, CP size), size > 1: packed units are padded to a multiple of
+    2 x CP and every micro-batch is cut for that rank (``data.context_split``); ``multiple`` must
+    then be a multiple of 2 x CP.
 
     Raises:
-        ValueError: packing asked for SFT examples (packing packs preference pairs).
+        ValueError: packing asked for SFT examples (packing packs preference pairs), or
+            ``packing.share_prompt`` without ``packing.enabled``.
     """
     from dpo_megatron.data.collate import PaddedPairs, SFTExamples
     from dpo_megatron.data.context_split import ContextParallelSplit
-    from dpo_megatron.data.packing import PackedPairs
+    from dpo_megatron.data.packing import PackedPairs, SharedPromptPairs
 
-    rank, size = context_parallel
     packed = packing is not None and packing.enabled
+    if packing is not None:
+        packing.validate()
     if sft:
         if packed:
             raise ValueError("packing.enabled=true packs preference pairs; an SFT loss trains "
                              "on single completions: set packing.enabled=false")
         builder = SFTExamples(pad_token_id, multiple)
     elif packed:
-        builder = PackedPairs(pad_token_id, multiple, packing,
-                              segment_multiple=2 * size if size > 1 else 1)
+        kind = SharedPromptPairs if packing.share_prompt else PackedPairs
+        builder = kind(pad_token_id, multiple, packing,
+                       unit_multiple=2 * context_parallel[1] if context_parallel[1] > 1 else 1)
     else:
         builder = PaddedPairs(pad_token_id, multiple)
+    rank, size = context_parallel
     return ContextParallelSplit(builder, rank, size) if size > 1 else builder

@@ -47,6 +47,19 @@ def score_mask(rows: Sequence[Row], length: int) -> torch.Tensor:
     return mask
 
 
+def score_targets(rows: Sequence[Row], loss_mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(score_index, target_ids) of the per-sequence layout: the flat positions ``i * S + t`` of
+    the scored tokens ([n] int64, row-major) and the token each predicts, ``ids_i[t + 1]`` with
+    ``ids_i`` = prompt + completion of row i ([n] int64)."""
+    n, length = loss_mask.shape
+    ids = torch.zeros((n, length + 1), dtype=torch.int64)
+    for i, (prompt, completion) in enumerate(rows):
+        ids[i, :len(prompt) + len(completion)] = torch.tensor([*prompt, *completion])
+    score_index = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
+    return score_index, ids[:, 1:].reshape(-1)[score_index]
+
+
 def reference_logps(pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
                     ) -> Optional[torch.Tensor]:
     """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
@@ -99,6 +112,7 @@ def collate_rows(rows: Sequence[Row], pad_token_id: int, seq_length: int,
     position_ids = torch.arange(seq_length, dtype=torch.int64).expand(n, -1).contiguous()
     return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
                       loss_mask=loss_mask, output_index=scored, score_index=scored,
+                      target_ids=labels.reshape(-1)[scored],
                       sequences_per_item=sequences_per_item)
 
 

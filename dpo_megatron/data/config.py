@@ -168,20 +168,37 @@ class PackingConfig:
     ``data.packing``, defined here so that the config tree imports no torch)."""
 
     enabled: bool = False
-    """Pack the 2B sequences of each micro-batch into rows with a block-diagonal causal mask
-    (local layer spec). Log-probs equal the padded path's (fp32, 1e-6)."""
+    """Pack the 2B sequences of each micro-batch into rows, each sequence attending only to
+    itself. Log-probs equal the padded path's (fp32, 1e-6 relative)."""
     row_length: int = 0
-    """Tokens per packed row (>= 0; 0: the step's longest sequence, rounded up to the padding
-    granule, so attention costs per token stay those of the padded path). Must be >= the longest
-    sequence."""
+    """Tokens per packed row (>= 0). 0: one row per micro-batch holding all its units (the
+    step's longest micro-batch, rounded up to the padding granule): nothing is padding but the
+    rounding, and the attention runs per sequence. > 0: rows of this many tokens filled
+    first-fit decreasing (must be >= the longest unit); meant for the dense-mask kernel
+    (``model.local_attention=megatron``), whose cost grows with the row length squared."""
     bucket_by_length: bool = False
     """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
     similar length (longest first). The step's pair set, hence its loss and gradient, is
     unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
+    share_prompt: bool = False
+    """With ``enabled``: each pair is one unit ``[prompt | chosen | rejected]``: the prompt runs
+    once through the model (policy and reference), each completion attends to the prompt and to
+    itself only, rejected positions continue from the end of the prompt. Log-probs equal the
+    unshared path's (fp32). Needs a kernel that takes two branches per unit: every local
+    ``model.local_attention`` and transformer-engine (THD, one row per micro-batch)."""
 
     def validate(self) -> None:
-        """Raises ValueError for a negative ``row_length``."""
-        check_range("packing", self, "row_length", 0, why="0: the step's longest sequence")
+        """Rules of this section alone (the transformer-engine rule on ``row_length`` spans
+        sections: ``config.validate``).
+
+        Raises:
+            ValueError: a negative ``row_length``; ``share_prompt`` without ``enabled``.
+        """
+        check_range("packing", self, "row_length", 0,
+                    why="0: one row per micro-batch, or the tokens per packed row")
+        if self.share_prompt and not self.enabled:
+            raise ValueError("packing.share_prompt=true lays pairs out in packed rows: set "
+                             "packing.enabled=true too")
 
 
 def as_data_config(cfg: Any) -> DataConfig:

@@ -1,21 +1,23 @@
 """The one owner of the context-parallel batch split: a micro-batch's model layout cut along the
 sequence for one CP rank.
 
-Every span of a row (the whole row when padded; each packed sequence and the row's unused tail
-when packed, see ``data.packing``) is cut into 2 x CP equal chunks and CP rank r keeps chunks r
+Every unit of a row (the whole row when padded; each packed unit, a sequence or a shared-prompt
+pair, and the row's unused tail when packed, see ``data.packing``) is cut into 2 x CP equal chunks and CP rank r keeps chunks r
 and 2CP-1-r of each (``parallel.context.chunk_positions``: megatron-core's load-balanced layout,
 applied per sequence as transformer-engine's THD format does). The kept positions of a row are
 laid out span by span, so each rank's row is L / CP tokens.
 
 What is cut and what is not:
 
-* ``tokens``, ``labels``, ``position_ids``, ``segment_ids`` [R, L] -> [R, L / CP]: gathered at the
-  kept positions. ``labels`` are already shifted inside each sequence, so a chunk's last token
-  still scores the next token even when that token sits on another rank. ``position_ids`` travel
-  with their tokens, so RoPE rotates every token by its position in its sequence (the model reads
-  per-row positions, ``models.gpt.DPOGPTModel``).
-* ``output_index`` / ``score_index`` [n] -> [n_r]: only the scored tokens this rank holds, with
-  ``output_index`` renumbered into the [R * L / CP] local layout.
+* ``tokens``, ``labels``, ``position_ids`` [R, L] -> [R, L / CP]: gathered at the kept positions;
+  ``packed`` becomes :class:`LocalRows` (the kept positions' segment and branch ids), which is
+  all the context-parallel attention reads (``models.context_attention``). A scored token's
+  label is its ``target_ids`` entry, so a chunk's last token still scores the next token when
+  that token sits on another rank. ``position_ids`` travel with their tokens, so RoPE rotates
+  every token by its position in its sequence (``models.gpt.DPOGPTModel`` reads per-token
+  positions; a shared pair's rejected positions keep continuing after the prompt).
+* ``output_index`` / ``score_index`` / ``target_ids`` [n] -> [n_r]: only the scored tokens this
+  rank holds, with ``output_index`` renumbered into the [R * L / CP] local layout.
 * ``loss_mask`` and ``reference_logps`` [N, S] (the per-sequence layout) are kept whole: each
   rank fills its tokens' log-probs into [N, S] and the CP group sums them
   (``training.step.token_logps``), so the loss sees every token of every sequence.
@@ -23,14 +25,34 @@ What is cut and what is not:
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
 
 import torch
 
 from dpo_megatron.parallel.context import chunk_positions
+from dpo_megatron.parallel.device import to_device
 
 from .batch import BatchBuilder, MicroBatch, StepBatch
+
+
+@dataclass
+class LocalRows:
+    """A CP rank's share of a packed layout (``data.batch.PackedLayout``), per local position.
+
+    Attributes:
+        segment_ids: [R, L / CP] int32 unit id of each kept position.
+        branch_ids: [R, L / CP] int8 branch (0 prompt / plain / padding, 1 chosen, 2 rejected)
+            with shared prompts, else None.
+    """
+
+    segment_ids: torch.Tensor
+    branch_ids: Optional[torch.Tensor]
+
+    def to_device(self) -> "LocalRows":
+        """The same rows with their tensors on the engine's device."""
+        return replace(self, **{f.name: to_device(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def _row_spans(segment_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -50,13 +72,13 @@ def local_positions(batch: MicroBatch, rank: int, size: int) -> torch.Tensor:
             ``parallel.sequence_granule()``, packing pads every sequence).
     """
     rows, length = batch.tokens.shape
-    if batch.segment_ids is None:
+    if batch.packed is None:
         return chunk_positions(length, rank, size).expand(rows, -1).contiguous()
     out = []
     for r in range(rows):
         try:
             out.append(torch.cat([start + chunk_positions(n, rank, size)
-                                  for start, n in _row_spans(batch.segment_ids[r])]))
+                                  for start, n in _row_spans(batch.packed.segment_ids[r])]))
         except ValueError as err:
             raise ValueError(f"packed row {r}: {err}") from None
     return torch.stack(out)
@@ -77,11 +99,14 @@ def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
     held = mapped >= 0
 
     def cut(t):
-        return None if t is None else t.gather(1, keep.to(torch.int64))
+        return None if t is None else t.gather(1, keep)
 
+    packed = (None if batch.packed is None
+              else LocalRows(cut(batch.packed.segment_ids), cut(batch.packed.branch_ids)))
     return replace(batch, tokens=cut(batch.tokens), labels=cut(batch.labels),
-                   position_ids=cut(batch.position_ids), segment_ids=cut(batch.segment_ids),
-                   output_index=mapped[held], score_index=batch.score_index[held])
+                   position_ids=cut(batch.position_ids), packed=packed,
+                   output_index=mapped[held], score_index=batch.score_index[held],
+                   target_ids=batch.target_ids[held])
 
 
 class ContextParallelSplit(BatchBuilder):

@@ -1,66 +1,396 @@
-"""Core attention of the local layer spec, and the attention mask of packed rows.
+"""Core attention: one module for padded rows, packed rows and shared-prompt pairs, every kernel.
 
-A padded micro-batch needs no mask (one causal sequence per row). A packed row holds several
-sequences; the batch then carries ``segment_ids`` [R, L] (``dpo_megatron.data.batch``) and
-:func:`attention_mask_from_segments` turns them into what the core attention reads, on the
-device, once per forward. One module owns that conversion and the kernels, selected by
-``model.local_attention``.
+A padded micro-batch needs no mask (one causal sequence per row). Packed rows carry a
+``PackedLayout`` (``dpo_megatron.data.batch``): per position a segment id (one per packed unit)
+and a branch id (0 prompt / plain, 1 chosen, 2 rejected), and the same information as attention
+*spans* (query range -> key ranges, bottom-right causal). Query t sees key s iff they are in the
+same segment, s <= t, and s is in the prompt or in t's own branch.
+
+The layout reaches the core attention through megatron-core's own seam for packed sequences,
+``packed_seq_params`` (:class:`PackedSequenceParams`, a ``PackedSeqParams`` that also holds the
+layout and a per-micro-batch cache of what kernels derive from it). megatron-core passes that
+object down to every layer by reference and its activation recompute captures it in a closure
+(``tensor_parallel.checkpoint`` only saves tensor arguments, so ``attention_mask`` stays None):
+a recomputed layer sees the layout of its own micro-batch, even when the pipeline has run other
+micro-batches' forwards in between.
+
+Kernels of the local spec (``model.local_attention``):
+
+* ``sdpa``: torch ``scaled_dot_product_attention``. Padded rows: ``is_causal``. Packed rows: one
+  call per span (a varlen attention by loop: each span's exact causal block, never an [L, L]
+  mask; the rejected span of a shared-prompt pair attends to [prompt ; rejected] keys gathered
+  by two slices). Forward and backward on CPU and GPU.
+* ``flex``: torch FlexAttention with a ``BlockMask`` built from the segment and branch ids (no
+  [L, L] mask: fully masked 128 x 128 blocks are skipped). Compiled with Triton on CUDA; on CPU
+  torch runs it eagerly and forward-only (no backward), so it serves reference / evaluation
+  passes there.
+* ``megatron``: megatron-core's unfused ``DotProductAttention`` with the dense [R, 1, L, L]
+  mask: the reference implementation (scores are materialised; small models only).
+* ``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere.
+
+With transformer-engine the layout is megatron-core's THD format: one row per micro-batch,
+``cu_seqlens_q`` / ``cu_seqlens_kv`` from the spans (:func:`packed_seq_params`), and for shared
+prompts :class:`TE core attention <te_core_attention>` gathers each rejected span's
+[prompt ; rejected] keys (``kv_index``) and calls TE with ``cu_seqlens_q != cu_seqlens_kv`` and a
+bottom-right causal mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
 import torch
 import torch.nn.functional as F
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from dpo_megatron.models.config import LOCAL_ATTENTIONS as LOCAL_ATTENTION
+from dpo_megatron.parallel.device import is_cuda
 
 
-def attention_mask_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask of packed rows (True = masked, megatron-core's convention).
+def resolve_local_attention(name: str) -> str:
+    """``model.local_attention`` -> the kernel used: ``auto`` is ``flex`` on CUDA, else ``sdpa``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in LOCAL_ATTENTION:
+        raise ValueError(f"model.local_attention must be one of {', '.join(LOCAL_ATTENTION)}, "
+                         f"got {name!r}")
+    if name == "auto":
+        return "flex" if is_cuda() else "sdpa"
+    return name
+
+
+# ----------------------------------------------------------------------------------------------
+# the layout as seen by the kernels
+
+
+@dataclass
+class PackedSequenceParams(PackedSeqParams):
+    """megatron-core's ``PackedSeqParams`` for one micro-batch of packed rows.
+
+    ``qkv_format`` is ``thd`` for transformer-engine (the inherited fields are then TE's: query
+    and key boundaries of the stored tokens, which megatron-core's RoPE also reads) and ``sbhd``
+    for the local spec (megatron-core then leaves the rows as they are). ``layout`` is the
+    micro-batch's ``PackedLayout``; ``cache`` holds what kernels derive from it (a dense mask, a
+    block mask), built by the first layer and reused by the others and by recompute.
+    """
+
+    layout: Any = None
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def cached(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` once per micro-batch (the layout is the same in every layer)."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+
+def packed_seq_params(layout, thd: bool) -> PackedSequenceParams:
+    """The ``packed_seq_params`` of a micro-batch's ``PackedLayout`` (on the device).
 
     Args:
-        segment_ids: [R, L] int; positions with the same id belong to one sequence (a row's
-            unused tail has an id of its own, so every position sees at least itself).
+        layout: ``MicroBatch.packed``.
+        thd: transformer-engine's THD format (one row of all tokens); else the local spec's rows.
 
-    Returns:
-        [R, 1, L, L] bool, True where query t may not attend to key s: s > t, or another
-        sequence. Built on ``segment_ids``' device.
+    Raises:
+        ValueError: THD asked for several rows per micro-batch.
+    """
+    if not thd:
+        return PackedSequenceParams(qkv_format="sbhd", layout=layout)
+    if layout.segment_ids.shape[0] != 1:
+        raise ValueError(f"transformer-engine's THD format takes one packed row per micro-batch, "
+                         f"got {layout.segment_ids.shape[0]}: leave packing.row_length=0")
+    # Keys are stored in token order: the same boundaries as the queries (RoPE reads these).
+    # A shared prompt's gathered keys are the TE core attention's business (te_core_attention).
+    return PackedSequenceParams(qkv_format="thd", cu_seqlens_q=layout.cu_seqlens_q,
+                                cu_seqlens_kv=layout.cu_seqlens_q,
+                                max_seqlen_q=layout.max_seqlen_q,
+                                max_seqlen_kv=layout.max_seqlen_q, layout=layout)
+
+
+def visible_keys(segment_ids: torch.Tensor,
+                 branch_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dense visibility of packed rows: [R, 1, L, L] bool, True where query t may attend to key s.
+
+    Args:
+        segment_ids: [R, L] int; positions with the same id belong to one packed unit.
+        branch_ids: [R, L] int, 0 = shared (prompt) / plain, 1 = chosen, 2 = rejected; None: all 0.
+
+    Visible: same segment, s <= t, and branch(s) in {0, branch(t)}. Built on the ids' device.
+    Example (one pair, prompt 2, chosen 1, rejected 1; branches [0, 0, 1, 2]): the rejected
+    query (t=3) sees keys [1, 1, 0, 1] (the prompt and itself, not the chosen token).
     """
     length = segment_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     visible = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-    return (~visible).unsqueeze(1)
+    if branch_ids is not None:
+        key_branch = branch_ids[:, None, :]
+        visible &= (key_branch == 0) | (key_branch == branch_ids[:, :, None])
+    return visible.unsqueeze(1)
 
 
-class SDPAttention(DotProductAttention):
-    """megatron-core's local core attention, computed by ``torch.nn.functional.
-    scaled_dot_product_attention`` (fused flash / memory-efficient kernels on CPU and GPU).
+def attention_mask_from_segments(segment_ids: torch.Tensor,
+                                 branch_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """megatron-core's mask convention of :func:`visible_keys`: [R, 1, L, L] bool, True = masked."""
+    return ~visible_keys(segment_ids, branch_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans,
+                   scale: Optional[float], masks: Optional[dict] = None) -> torch.Tensor:
+    """Varlen causal attention by loop: ``scaled_dot_product_attention`` once per span.
+
+    Args:
+        query: [T, heads, hn], key / value: [T, groups, hn] in flat positions (heads a multiple
+            of groups: grouped-query attention).
+        spans: ``AttentionSpan`` list tiling 0..T-1 (``PackedLayout.spans``); a span's queries
+            attend to its key ranges, bottom-right causal; padding spans give zeros.
+        scale: softmax scale (None: 1 / sqrt(hn)).
+        masks: cache of bottom-right causal masks by (queries, keys) (reused across layers).
+
+    Returns:
+        [T, heads, hn] attention output (softmax(q k^T * scale) v per span; Vaswani et al. 2017,
+        eq. 1).
+    """
+    gqa = query.shape[1] != key.shape[1]
+    masks = {} if masks is None else masks
+    pieces = []
+    for span in spans:
+        q = query[span.q_start:span.q_end]
+        if span.padding:  # nothing reads a tail's output
+            pieces.append(q.new_zeros(q.shape))
+            continue
+        if len(span.keys) == 1:
+            k, v = (t[span.keys[0][0]:span.keys[0][1]] for t in (key, value))
+        else:
+            k, v = (torch.cat([t[b:e] for b, e in span.keys]) for t in (key, value))
+        n_q, n_k = q.shape[0], k.shape[0]
+        # [1, heads, s, hn]: torch's fused CPU kernel takes 4-D inputs only (3-D ones fall back
+        # to the unfused math path, which materialises the [heads, s, s] scores).
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if n_q == n_k:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=n_q > 1, scale=scale,
+                                                 enable_gqa=gqa)
+        else:  # query i sees keys 0 .. n_k - n_q + i
+            mask = masks.get((n_q, n_k))
+            if mask is None:
+                mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+                masks[(n_q, n_k)] = mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                 enable_gqa=gqa)
+        pieces.append(out[0].transpose(0, 1))
+    return torch.cat(pieces)
+
+
+_FLEX: dict[str, Callable] = {}
+
+
+def _flex_functions() -> tuple[Callable, Callable]:
+    """(flex_attention, create_block_mask): compiled by torch.compile on CUDA (Triton kernels;
+    the block mask is then built without an [L, L] intermediate), eager elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not is_cuda():
+        return flex_attention, create_block_mask
+    if not _FLEX:
+        _FLEX["attention"] = torch.compile(flex_attention, dynamic=True)
+        _FLEX["block_mask"] = torch.compile(create_block_mask, dynamic=True)
+    return _FLEX["attention"], _FLEX["block_mask"]
+
+
+def flex_block_mask(segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor] = None):
+    """FlexAttention ``BlockMask`` of packed rows: the rule of :func:`visible_keys` as a
+    ``mask_mod``, for R rows of L positions (heads broadcast)."""
+    _, create_block_mask = _flex_functions()
+    seg = segment_ids
+
+    if branch_ids is None:
+        def mask_mod(b, h, q, k):
+            return (seg[b, q] == seg[b, k]) & (k <= q)
+    else:
+        br = branch_ids.to(torch.int32)
+
+        def mask_mod(b, h, q, k):
+            return ((seg[b, q] == seg[b, k]) & (k <= q)
+                    & ((br[b, k] == 0) | (br[b, k] == br[b, q])))
+
+    rows, length = seg.shape
+    return create_block_mask(mask_mod, rows, None, length, length, device=seg.device)
+
+
+def flex_attention_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
+                        scale: Optional[float]) -> torch.Tensor:
+    """FlexAttention over [R, heads, L, hn] queries (keys [R, groups, L, hn]) with a block mask.
+
+    Raises:
+        RuntimeError: training on the CPU (torch's FlexAttention has no CPU backward).
+    """
+    if query.device.type == "cpu" and torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad):
+        raise RuntimeError("model.local_attention=flex cannot train on the CPU (torch's "
+                           "FlexAttention has no CPU backward): use sdpa (or auto) there")
+    flex_attention, _ = _flex_functions()
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
+                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+class LocalAttention(DotProductAttention):
+    """megatron-core's local core attention with the kernels of this module (see its docstring).
 
     Same inputs and output as ``DotProductAttention`` (query [sq, b, np, hn], key / value
-    [sk, b, ng, hn] -> context [sq, b, np * hn]), same math (softmax(q k^T * scale) v, causal or
-    the given mask: True = masked), but the [b, np, sq, sk] scores and probabilities are neither
-    materialised nor kept for backward: on SmolLM2-135M at 8 x 512 tokens that is 150 MB per layer
-    and ~5x less attention time on CPU. Features it does not cover (sliding windows, softmax
-    offsets, query-key layer scaling, attention dropout) fall back to the parent.
+    [sk, b, ng, hn] -> context [sq, b, np * hn]), same math (softmax(q k^T * scale) v), but the
+    [b, np, sq, sk] scores and probabilities are neither materialised nor kept for backward
+    (except with ``kernel="megatron"``): on SmolLM2-135M at 8 x 512 tokens that is 150 MB per
+    layer. Packed rows come as ``packed_seq_params`` (:class:`PackedSequenceParams`). Features
+    the kernels do not cover (sliding windows, softmax offsets, query-key layer scaling,
+    attention dropout, attention bias) fall back to the parent with the dense mask.
+
+    Args:
+        kernel: ``sdpa``, ``flex`` or ``megatron`` (:func:`resolve_local_attention`).
     """
+
+    packed_format = "sbhd"
+    """How this core attention takes packed rows (:func:`packed_format`)."""
+
+    def __init__(self, *args, kernel: str = "sdpa", **kwargs):
+        super().__init__(*args, **kwargs)
+        if kernel not in ("sdpa", "flex", "megatron"):
+            raise ValueError(f"unknown local attention kernel {kernel!r}")
+        self.kernel = kernel
+
+    def _parent_handles(self, attention_bias) -> bool:
+        return (self.kernel == "megatron"
+                or self.scale_mask_softmax.window_size is not None
+                or self.softmax_offset is not None
+                or self.config.apply_query_key_layer_scaling
+                or (self.training and self.attention_dropout.p > 0)
+                or attention_bias is not None)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        unsupported = (self.scale_mask_softmax.window_size is not None
-                       or self.softmax_offset is not None
-                       or self.config.apply_query_key_layer_scaling
-                       or (self.training and self.attention_dropout.p > 0)
-                       or attention_bias is not None or packed_seq_params is not None)
-        if unsupported:
+        layout = getattr(packed_seq_params, "layout", None)
+        if packed_seq_params is not None and layout is None:
+            raise ValueError("the local attention reads packed rows from PackedSequenceParams "
+                             "(dpo_megatron.models.attention.packed_seq_params)")
+        if self._parent_handles(attention_bias):
+            if layout is not None:
+                attention_mask = packed_seq_params.cached("dense_mask", lambda: (
+                    attention_mask_from_segments(layout.segment_ids, layout.branch_ids)))
             return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params)
+                                   attention_bias, None)
+        sq, b = query.shape[0], query.shape[1]
+        if layout is not None and self.kernel == "sdpa":
+            flat = [t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in (query, key, value)]
+            out = span_attention(*flat, layout.spans, self.softmax_scale,
+                                 packed_seq_params.cache.setdefault("span_masks", {}))
+            out = out.reshape(b, sq, self.hidden_size_per_partition)
+            return out.transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        if attention_mask is None:
+        if layout is not None:  # flex
+            block_mask = packed_seq_params.cached("block_mask", lambda: flex_block_mask(
+                layout.segment_ids, layout.branch_ids))
+            out = flex_attention_rows(q, k, v, block_mask, self.softmax_scale)
+        elif attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
                                                  scale=self.softmax_scale, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
                                                  scale=self.softmax_scale, enable_gqa=gqa)
-        sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+SDPAttention = LocalAttention
+"""The name this module's SDPA core attention had before the kernels were selectable."""
+
+
+# ----------------------------------------------------------------------------------------------
+# transformer-engine
+
+
+def shared_prompt_thd_inputs(key: torch.Tensor, value: torch.Tensor,
+                             params: PackedSequenceParams) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   dict]:
+    """THD keys / values and TE arguments for shared-prompt pairs.
+
+    Args:
+        key, value: [T, groups, hn] in token order (THD, RoPE already applied).
+        params: the micro-batch's :class:`PackedSequenceParams` (``layout.kv_index`` set).
+
+    Returns:
+        (key, value) gathered span after span ([K, groups, hn]: a rejected span's keys are its
+        prompt's then its own), and the keyword arguments of TE's ``DotProductAttention``:
+        ``qkv_format='thd'``, ``cu_seqlens_q`` (the spans' queries), ``cu_seqlens_kv`` (their
+        gathered keys), ``max_seqlen_q`` / ``max_seqlen_kv`` and a bottom-right causal padding
+        mask (query i of a span with Q queries and K keys sees keys 0 .. K - Q + i).
+    """
+    layout = params.layout
+    index = layout.kv_index
+    kwargs = dict(qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
+                  cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_kv=layout.cu_seqlens_kv,
+                  max_seqlen_q=layout.max_seqlen_q, max_seqlen_kv=layout.max_seqlen_kv)
+    return key.index_select(0, index), value.index_select(0, index), kwargs
+
+
+def te_core_attention() -> type:
+    """transformer-engine's core attention (megatron-core's ``TEDotProductAttention``) that also
+    runs shared-prompt pairs: with ``layout.kv_index`` it gathers the keys / values of every span
+    (:func:`shared_prompt_thd_inputs`) and calls TE's ``DotProductAttention`` with
+    ``cu_seqlens_q != cu_seqlens_kv``; otherwise it is megatron-core's class unchanged.
+    Requires transformer-engine (imported here, not at module import)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    class TEPackedAttention(TEDotProductAttention):
+        packed_format = "thd"
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type,
+                    attention_bias=None, packed_seq_params=None, num_splits=None):
+            layout = getattr(packed_seq_params, "layout", None)
+            if layout is None or layout.kv_index is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias, packed_seq_params, num_splits)
+            if attention_bias is not None:
+                raise ValueError("shared-prompt pairs take no attention bias with "
+                                 "transformer-engine")
+            key, value, kwargs = shared_prompt_thd_inputs(key, value, packed_seq_params)
+            # TE's own DotProductAttention: megatron-core's wrapper maps only its mask enum,
+            # which has no padding + bottom-right causal type.
+            return super(TEDotProductAttention, self).forward(query, key, value, None, **kwargs)
+
+    return TEPackedAttention
+
+
+def packed_format(model: torch.nn.Module) -> str:
+    """``thd`` when the model's core attention is transformer-engine's (packed rows then go as
+    one THD row with ``cu_seqlens``), else ``sbhd`` (the local kernels read the layout).
+
+    Raises:
+        ValueError: a model with no core attention of this module.
+    """
+    formats = {m.packed_format for m in model.modules() if hasattr(m, "packed_format")
+               and isinstance(m.packed_format, str)}
+    if len(formats) != 1:
+        raise ValueError(f"expected one packed format in the model's core attention, got "
+                         f"{sorted(formats) or 'none'}")
+    return formats.pop()
+
+
+def core_attention_spec(local_attention: str, transformer_engine: bool):
+    """The ``core_attention`` submodule of a layer spec: :func:`te_core_attention` with
+    transformer-engine, else :class:`LocalAttention` with the resolved kernel.
+
+    Raises:
+        ValueError: an unknown ``local_attention``.
+    """
+    kernel = resolve_local_attention(local_attention)
+    if transformer_engine:
+        return te_core_attention()
+    return ModuleSpec(module=LocalAttention, params={"kernel": kernel})

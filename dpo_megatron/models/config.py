@@ -10,7 +10,7 @@ from dpo_megatron.config_checks import check_choice, check_range
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-LOCAL_ATTENTIONS = ("sdpa", "megatron")
+LOCAL_ATTENTIONS = ("auto", "sdpa", "flex", "megatron")  # models.attention: the kernels
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 
@@ -94,9 +94,12 @@ class ModelConfig:
     """'auto' (transformer-engine spec when it imports and CUDA exists, else local), 'local'
     or 'transformer_engine'."""
     local_attention: str = "sdpa"
-    """Core attention of the local spec: 'sdpa' (torch's fused scaled_dot_product_attention: no
-    [b, heads, s, s] scores kept, ~5x faster on CPU) or 'megatron' (megatron-core's
-    DotProductAttention, unfused). Ignored with transformer-engine."""
+    """Core attention of the local spec (``models.attention``): 'sdpa' (torch's fused
+    scaled_dot_product_attention: causal for padded rows, one call per sequence for packed rows;
+    no [s, s] scores or masks kept; CPU and GPU), 'flex' (torch FlexAttention block masks for
+    packed rows, compiled on CUDA; forward-only on CPU), 'auto' (flex on CUDA, else sdpa) or
+    'megatron' (megatron-core's unfused DotProductAttention with a dense mask: the reference).
+    Ignored with transformer-engine (THD packed sequences)."""
     recompute_granularity: Optional[str] = None
     """Activation recompute: None, 'full' or 'selective' (megatron-core)."""
     recompute_method: Optional[str] = None

@@ -15,9 +15,9 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from dpo_megatron.models.attention import attention_mask_from_segments
+from dpo_megatron.models.attention import packed_format, packed_seq_params
 from dpo_megatron.models.context_attention import (
-    context_parallel_attention_mask,
+    context_parallel_coordinates,
     uses_context_parallel_attention,
 )
 from dpo_megatron.models.config import ModelConfig
@@ -36,42 +36,65 @@ class DPOGPTModel(GPTModel):
       ``emb[position_ids]`` [L, R, 1, dim], which megatron-core's RoPE application broadcasts
       against [L, R, heads, dim] exactly like its own [L, 1, 1, dim] (same frequencies, element
       for element, as the padded path).
-    * ``segment_ids`` [R, L] (packed rows) become the attention mask on the device
-      (``models.attention``); None means one causal sequence per row. Under context parallelism
-      with the local spec, rows are this CP rank's L / CP tokens (``data.context_split``) and the
-      mask over the all-gathered keys comes from ``models.context_attention``.
+    * ``packed`` (packed rows): the micro-batch's ``PackedLayout`` (``data.batch``) goes to every
+      layer's core attention as megatron-core's ``packed_seq_params``
+      (``models.attention.PackedSequenceParams``: THD with transformer-engine, the local
+      kernels' rows otherwise), which builds its own mask, block mask or varlen spans from it;
+      None means one causal sequence per row. Nothing goes through ``attention_mask``, which
+      stays None (megatron-core's recompute saves tensor arguments only). Under context
+      parallelism with the local spec, rows are this CP rank's L / CP tokens
+      (``data.context_split``; ``packed`` is then its ``LocalRows``) and ``attention_mask`` is
+      the coordinates of its queries and of the all-gathered keys
+      (``models.context_attention``), a tensor argument that recompute saves like the hidden
+      states.
     * ``output_index`` [n]: on the last stage only these flat positions (``r * L + t``) of the
       [R, L] input are projected onto the vocabulary. DPO scores completion tokens only, so prompt
       and padding hidden states never meet the LM head and no [R * L, V/TP] logits tensor is
-      built for them (the idea of TRL's fused LM head). Under sequence parallelism the hidden
-      states are all-gathered along the sequence first and the output layer runs without its
-      own gather (as megatron-core's GPTModel does when it keeps only the last token's logits).
+      built for them (the idea of TRL's fused LM head). A position may be listed twice (a
+      shared prompt's last token scores both completions). Under sequence parallelism the
+      hidden states are all-gathered along the sequence first and the output layer runs without
+      its own gather (as megatron-core's GPTModel does when it keeps only the last token's
+      logits).
 
     Outputs: hidden states [L(/TP), R, h] off the last stage; on it, vocab-parallel logits
     [1, n, V/TP] with ``output_index`` (in that order), else [R, L, V/TP].
     """
 
+    thd = False
+    """True when the layers are transformer-engine's: packed rows then go in THD form."""
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, *,
-                segment_ids: Optional[torch.Tensor] = None,
-                output_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+                packed=None, output_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
-            attention_mask = context_parallel_attention_mask(position_ids, segment_ids)
-        elif segment_ids is not None:
-            attention_mask = attention_mask_from_segments(segment_ids)
+            # This CP rank's tokens (data.context_split): query and gathered key coordinates.
+            params = None
+            attention_mask = context_parallel_coordinates(
+                position_ids, getattr(packed, "segment_ids", None),
+                getattr(packed, "branch_ids", None))
+        else:
+            params = None if packed is None else packed_seq_params(packed, thd=self.thd)
         decoder_input = (self.embedding(input_ids=input_ids, position_ids=position_ids)
                          if self.pre_process else None)  # later stages: set_input_tensor
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=self._rotary_per_row(position_ids))
+                                     rotary_pos_emb=self._rotary_per_row(position_ids),
+                                     packed_seq_params=params)
         if not self.post_process:
             return hidden_states
         return self._logits(hidden_states, output_index)
 
     def _rotary_per_row(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-        """[L, R, 1, dim] RoPE table of each row's positions, or None without RoPE."""
+        """[L, R, 1, dim] RoPE table of each row's positions, or None without RoPE.
+
+        Every position of a row is below its length L (padded, packed and shared-prompt rows
+        alike), so the table of L positions is read without looking at device values. In THD
+        form (R = 1) it is megatron-core's per-token table ([T, 1, 1, dim] with T the packed
+        tokens), which its THD RoPE applies token by token."""
         if self.position_embedding_type != "rope":
             return None
-        table = self.rotary_pos_emb.get_emb(int(position_ids.max()) + 1)[:, 0, 0, :]  # [P, dim]
+        # Under CP a row holds L / CP of the L positions (data.context_split).
+        length = position_ids.shape[-1] * self.config.context_parallel_size
+        table = self.rotary_pos_emb.get_emb(length)[:, 0, 0, :]  # [L, dim]
         return table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2)
 
     def _logits(self, hidden_states: torch.Tensor,
@@ -131,6 +154,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             seq_len_interpolation_factor=model.rope_linear_scaling_factor,
             vp_stage=stage,
         )
+        chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
         if chunk.post_process and vocab > model.vocab_size:
             _mask_vocab_padding(chunk.output_layer, model.vocab_size, vocab)
         chunks.append(chunk)

@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from dpo_megatron.models.attention import SDPAttention
+from dpo_megatron.models.attention import core_attention_spec
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.context_attention import ContextParallelAttention
 from dpo_megatron.models.norms import norm_class
@@ -29,16 +29,14 @@ def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional
     itself), else local layers with SP-aware norms and, under context parallelism,
     ``models.context_attention.ContextParallelAttention``."""
     if use_transformer_engine(model.transformer_impl):
-        return get_gpt_layer_with_transformer_engine_spec()
+        layer = get_gpt_layer_with_transformer_engine_spec()
+        layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
+            model.local_attention, transformer_engine=True)
+        return layer
     layer = get_gpt_layer_local_spec(normalization=model.normalization)
-    if config.context_parallel_size > 1:
-        # Both local kernels are single-rank; CP gathers keys/values itself (SDPA inside).
-        layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
-    elif model.local_attention == "sdpa":
-        layer.submodules.self_attention.submodules.core_attention = SDPAttention
-    elif model.local_attention != "megatron":
-        raise ValueError(f"model.local_attention must be sdpa or megatron, got "
-                         f"{model.local_attention!r}")
+    layer.submodules.self_attention.submodules.core_attention = (
+        ContextParallelAttention if config.context_parallel_size > 1  # gathers keys/values
+        else core_attention_spec(model.local_attention, transformer_engine=False))
     norm = norm_class(model.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm

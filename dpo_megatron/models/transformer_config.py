@@ -134,6 +134,10 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
+        # megatron-core's SwiGLU autograd function keeps only its input for backward (the
+        # unfused GLU also keeps the SiLU output, a copy of the linear half and the product);
+        # same forward values. Eager on the CPU: dpo_megatron.compat.eager_fusions.
+        bias_activation_fusion=swiglu,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

@@ -62,11 +62,12 @@ def setup_device(backend: str) -> torch.device:
         device = torch.device("cuda", _local_rank())
         torch.cuda.set_device(device)
     else:
-        from dpo_megatron.compat import cuda_on_cpu
+        from dpo_megatron.compat import cuda_on_cpu, eager_fusions
         from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 
         device = CPU_DEVICE
         cuda_on_cpu.enable()
+        eager_fusions.enable()
         filter_expected_warnings(cpu=True)
     _DEVICE, _BACKEND = device, backend
     return device

@@ -32,7 +32,10 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
-from dpo_megatron.parallel.context import is_first_context_parallel_rank, sum_over_context_parallel
+from dpo_megatron.parallel.context import (
+    is_first_context_parallel_rank,
+    sum_over_context_parallel,
+)
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
 
@@ -61,8 +64,8 @@ class StepOutput:
 def model_forward(model, batch: MicroBatch) -> torch.Tensor:
     """Output of one chunk: hidden states to send on, or on the last stage [1, n, V/TP] logits of
     the n scored positions only (``DPOGPTModel``: prompt and padding positions are never
-    projected onto the vocabulary). Packed rows bring their ``segment_ids``."""
-    return model(batch.tokens, batch.position_ids, segment_ids=batch.segment_ids,
+    projected onto the vocabulary). Packed rows bring their layout (``MicroBatch.packed``)."""
+    return model(batch.tokens, batch.position_ids, packed=batch.packed,
                  output_index=batch.output_index)
 
 
@@ -79,17 +82,17 @@ def token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
 
     Under context parallelism each CP rank scores the tokens it holds (``data.context_split``)
     and the [N, S] tables are summed over the CP group (``parallel.context``: identity backward),
-    so every CP rank holds every sequence's log-probs and computes the same loss once per pair."""
-    labels = batch.labels.reshape(-1)[batch.output_index]
-    logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), labels)
+    so every CP rank holds every sequence's log-probs (hence its sums and token counts) and
+    computes the same loss once per pair."""
+    logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), batch.target_ids)
     return sum_over_context_parallel(_to_sequence_layout(logps, batch))
 
 
 def _count(n: int) -> torch.Tensor:
     """A count the schedule reduces (megatron-core sums it into ``num_tokens``).
 
-    megatron-core's ``finalize_model_grads`` sums it over the data-parallel-with-context group
-    (as it sums the gradients); every CP rank computes the same pairs' loss, so only CP rank 0
+    megatron-core's ``finalize_model_grads`` sums it over the data-parallel-with-context group,
+    as DDP sums the gradients; every CP rank computes the same pairs' loss, so only CP rank 0
     counts them and the divisor stays the global pair count whatever CP is."""
     return torch.tensor(n if is_first_context_parallel_rank() else 0, dtype=torch.int,
                         device=get_device())

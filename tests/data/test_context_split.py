@@ -25,13 +25,13 @@ def _pairs():
     return random_pairs(3, seed=1, lengths=lambda i: (3 + i, 2 + 2 * i, 5 - i))
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("kind", ["padded", "packed", "shared_prompt"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ranks_share_every_token_once_with_its_label_and_position(packed, cp):
-    packing = PackingConfig(enabled=packed)
+def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
+    packing = PackingConfig(enabled=kind != "padded", share_prompt=kind == "shared_prompt")
     full_builder = make_batch_builder(0, 2 * cp, packing)
-    if packed:  # the CP builder pads each packed sequence to 2 x CP; so does this reference
-        full_builder.segment_multiple = 2 * cp
+    if kind != "padded":  # the CP builder pads each packed unit to 2 x CP; so does this one
+        full_builder.unit_multiple = 2 * cp
     full = full_builder.build(_pairs(), [[0, 1, 2]]).micro_batches[0]
     rows, length = full.tokens.shape
     seen = torch.zeros(rows, length, dtype=torch.int64)
@@ -46,11 +46,16 @@ def test_ranks_share_every_token_once_with_its_label_and_position(packed, cp):
         seen.scatter_add_(1, keep, torch.ones_like(keep))
         for name in ("tokens", "labels", "position_ids"):
             assert torch.equal(getattr(part, name), getattr(full, name).gather(1, keep))
-        # Each scored token keeps its label and its per-sequence slot.
-        local_labels = part.labels.reshape(-1)[part.output_index]
-        for label, slot in zip(local_labels.tolist(), part.score_index.tolist()):
+        if kind != "padded":
+            assert torch.equal(part.packed.segment_ids, full.packed.segment_ids.gather(1, keep))
+        # Each scored token keeps its label, its model input and its per-sequence slot.
+        for k_local, slot in enumerate(part.score_index.tolist()):
             k = full.score_index.tolist().index(slot)
-            assert full.labels.reshape(-1)[full.output_index[k]].item() == label
+            assert part.target_ids[k_local] == full.target_ids[k]
+            assert (part.tokens.reshape(-1)[part.output_index[k_local]]
+                    == full.tokens.reshape(-1)[full.output_index[k]])
+            assert (part.position_ids.reshape(-1)[part.output_index[k_local]]
+                    == full.position_ids.reshape(-1)[full.output_index[k]])
             scored.append(slot)
         assert torch.equal(part.loss_mask, full.loss_mask)  # per-sequence layout kept whole
     assert bool((seen == 1).all())  # every position on exactly one rank
@@ -63,21 +68,30 @@ def test_padded_split_of_one_row_by_hand():
     tokens = torch.arange(8).view(1, 8)
     batch = MicroBatch(tokens=tokens, labels=tokens + 100, position_ids=tokens.clone(),
                        loss_mask=torch.ones(1, 8), output_index=torch.tensor([1, 2, 6]),
-                       score_index=torch.tensor([1, 2, 6]))
+                       score_index=torch.tensor([1, 2, 6]), target_ids=torch.tensor([101, 102,
+                                                                                      106]))
     rank1 = split_micro_batch(batch, 1, 2)
     assert rank1.tokens.tolist() == [[2, 3, 4, 5]]
     assert rank1.position_ids.tolist() == [[2, 3, 4, 5]]  # RoPE angles follow the chunks
     assert rank1.output_index.tolist() == [0] and rank1.score_index.tolist() == [2]
+    assert rank1.target_ids.tolist() == [102]
     rank0 = split_micro_batch(batch, 0, 2)
     assert rank0.tokens.tolist() == [[0, 1, 6, 7]]
     assert rank0.output_index.tolist() == [1, 2] and rank0.score_index.tolist() == [1, 6]
 
 
-def test_packed_sequences_are_padded_to_whole_chunks():
-    from dpo_megatron.data.packing import pack_pairs
+def test_units_are_padded_to_whole_chunks_after_their_last_position():
+    from dpo_megatron.data.packing import pad_unit, shared_prompt_unit
 
-    batch = pack_pairs(_pairs(), 0, 64, segment_multiple=4)
-    for row in batch.segment_ids:
+    pair = random_pairs(1, seed=2, lengths=lambda i: (2, 1, 2))[0]  # p=2, c=2, r=3 with EOS
+    unit = pad_unit(shared_prompt_unit(0, 1, pair), 4, pad_token_id=0)
+    assert len(unit) == 8 and unit.tokens[-1] == 0
+    assert unit.position_ids == [0, 1, 2, 3, 2, 3, 4, 5]  # the pad comes after position 4
+    assert unit.branch_ids == [0, 0, 1, 1, 2, 2, 2, 0]
+    assert unit.spans[-1].padding and unit.spans[-1].q_start == 7
+    step = make_batch_builder(0, 4, PackingConfig(enabled=True), context_parallel=(0, 2)
+                              ).inner.build(_pairs(), [[0, 1, 2]])
+    for row in step.micro_batches[0].packed.segment_ids:
         ids, counts = torch.unique_consecutive(row, return_counts=True)
         assert all(c % 4 == 0 for c in counts.tolist()), counts
 

@@ -68,11 +68,9 @@ def initial_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baselines(initial_checkpoint):
-    """CP 1 runs, padded and packed, micro-batches of 2 pairs."""
-    return {packing: run_ranks(_run_layout, world_size=1, ckpt_dir=initial_checkpoint,
-                               micro_batch_size=2, packing=packing)
-            for packing in (False, True)}
+def baseline(initial_checkpoint):
+    """The CP 1 padded run, micro-batches of 2 pairs."""
+    return run_ranks(_run_layout, world_size=1, ckpt_dir=initial_checkpoint, micro_batch_size=2)
 
 
 def _rel(a, b):
@@ -111,24 +109,35 @@ LAYOUTS = {  # name: (world size, layout)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_matches_cp1(initial_checkpoint, baselines, name):
+def test_context_parallel_matches_cp1(initial_checkpoint, baseline, name):
     world, layout = LAYOUTS[name]
     results = run_ranks(_run_layout, world_size=world, ckpt_dir=initial_checkpoint,
                         micro_batch_size=2 if name != "cp2_pp2_vpp2" else 1, **layout)
-    _assert_matches(results, baselines[False])
+    _assert_matches(results, baseline)
 
 
-@pytest.mark.parametrize("world, layout", [(2, dict(cp=2)), (4, dict(cp=2, tp=2, sp=True))])
-def test_packed_context_parallel_matches_cp1(initial_checkpoint, baselines, world, layout):
-    """Packed rows under CP: each packed sequence is padded to 2 x CP and cut per sequence."""
+PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut unit by unit
+    "packed_cp2": (2, dict(cp=2, packing=True)),
+    "packed_cp2_tp2_sp": (4, dict(cp=2, tp=2, sp=True, packing=True)),
+    "packed_rows_cp2": (2, dict(cp=2, packing=True, packing_row_length=32)),
+    "shared_prompt_cp2": (2, dict(cp=2, packing=True, share_prompt=True)),
+    "shared_prompt_cp4": (4, dict(cp=4, packing=True, share_prompt=True)),
+    "shared_prompt_cp2_pp2": (4, dict(cp=2, pp=2, packing=True, share_prompt=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_and_shared_prompt_context_parallel_match_padded_cp1(initial_checkpoint,
+                                                                    baseline, name):
+    world, layout = PACKED[name]
     results = run_ranks(_run_layout, world_size=world, ckpt_dir=initial_checkpoint,
-                        micro_batch_size=2, packing=True, **layout)
-    _assert_matches(results, baselines[True])
-    _assert_matches(results, baselines[False])  # and the padded CP 1 path, too
+                        micro_batch_size=2, **layout)
+    _assert_matches(results, baseline)
 
 
 def test_context_parallel_leaves_no_tensor_on_the_host(initial_checkpoint):
     results = run_ranks(_run_layout, world_size=2, ckpt_dir=initial_checkpoint, steps=1,
-                        host_check=True, micro_batch_size=2, cp=2, packing=True)
+                        host_check=True, micro_batch_size=2, cp=2, packing=True,
+                        share_prompt=True)
     for rank, r in enumerate(results):
         assert r["host_report"] == "", f"rank {rank}:\n{r['host_report']}"

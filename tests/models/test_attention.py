@@ -1,0 +1,286 @@
+"""The attention kernels against one another and against the rule by hand: dense SDPA with the
+visibility mask, SDPA per span, FlexAttention, megatron-core's DotProductAttention, and the THD
+inputs transformer-engine would get (checked here by an explicit varlen computation, since TE
+cannot run on CPU)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpo_megatron.data import PreferencePair
+from dpo_megatron.data.batch import AttentionSpan
+from dpo_megatron.data.packing import pack_pairs, pack_shared_prompt_pairs
+from tests.engine import random_pairs, tiny_trainer
+from tests.multirank import run_ranks
+from dpo_megatron.models.attention import (flex_attention_rows, flex_block_mask, packed_seq_params,
+                                           resolve_local_attention, shared_prompt_thd_inputs,
+                                           span_attention, visible_keys)
+
+PAIRS = [PreferencePair((5, 6, 7), (8, 9, 2), (10, 2)),
+         PreferencePair((11,), (12, 13, 14, 15, 2), (16, 17, 2)),
+         PreferencePair((18, 19, 20, 21), (22, 2), (23, 24, 25, 2))]
+HEADS, GROUPS, DIM = 4, 2, 8
+
+
+def _layouts():
+    return {"packed": pack_pairs(PAIRS, 0, row_length=40).packed,
+            "shared": pack_shared_prompt_pairs(PAIRS, 0, row_length=32).packed,
+            "shared_rows": pack_shared_prompt_pairs(PAIRS, 0, row_length=13).packed}
+
+
+def _qkv(positions, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(positions, n, DIM, generator=g, requires_grad=grad)
+            for n in (HEADS, GROUPS, GROUPS)]
+
+
+def _dense(q, k, v, layout):
+    """Reference: SDPA over each row with the dense visibility mask ([T, heads, hn] flat)."""
+    rows, length = layout.segment_ids.shape
+    mask = visible_keys(layout.segment_ids, layout.branch_ids)  # [R, 1, L, L]
+    q, k, v = (t.reshape(rows, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(rows * length, HEADS, DIM)
+
+
+def _real(layout):
+    """[T] bool: positions outside a row's padding tail."""
+    real = torch.zeros(layout.segment_ids.numel(), dtype=torch.bool)
+    for s in layout.spans:
+        real[s.q_start:s.q_end] = not s.padding
+    return real
+
+
+def test_visibility_rule_by_hand():
+    # One row: pair (prompt 2, chosen 2, rejected 2) then a plain sequence of 2 (branch 0).
+    seg = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])
+    br = torch.tensor([[0, 0, 1, 1, 2, 2, 0, 0]])
+    vis = visible_keys(seg, br)[0, 0].int().tolist()
+    assert vis[3] == [1, 1, 1, 1, 0, 0, 0, 0]  # chosen: prompt + earlier chosen
+    assert vis[5] == [1, 1, 0, 0, 1, 1, 0, 0]  # rejected: prompt + earlier rejected, no chosen
+    assert vis[7] == [0, 0, 0, 0, 0, 0, 1, 1]  # another segment: only itself
+
+
+@pytest.mark.parametrize("name", ["packed", "shared", "shared_rows"])
+def test_span_attention_equals_dense_forward_and_backward(name):
+    layout = _layouts()[name]
+    real = _real(layout)
+    q, k, v = _qkv(layout.segment_ids.numel(), grad=True)
+    weights = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))  # a loss on
+    # the real positions only
+    dense = _dense(q, k, v, layout)
+    spans = span_attention(q, k, v, layout.spans, scale=None)
+    torch.testing.assert_close(spans[real], dense[real], rtol=1e-6, atol=1e-6)
+    grads = [torch.autograd.grad((out[real] * weights[real]).sum(), (q, k, v))
+             for out in (dense, spans)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["packed", "shared", "shared_rows"])
+def test_flex_block_mask_equals_dense_forward(name):
+    """FlexAttention runs eagerly and forward-only on CPU (compiled with Triton on CUDA)."""
+    layout = _layouts()[name]
+    rows, length = layout.segment_ids.shape
+    q, k, v = _qkv(layout.segment_ids.numel())
+    block_mask = flex_block_mask(layout.segment_ids, layout.branch_ids)
+    rows_view = [t.reshape(rows, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+    flex = flex_attention_rows(*rows_view, block_mask, scale=None)
+    flex = flex.transpose(1, 2).reshape(rows * length, HEADS, DIM)
+    real = _real(layout)
+    torch.testing.assert_close(flex[real], _dense(q, k, v, layout)[real], rtol=1e-5, atol=1e-6)
+
+
+def test_flex_refuses_to_train_on_cpu():
+    layout = _layouts()["packed"]
+    q, k, v = (t.reshape(1, -1, *t.shape[1:]).transpose(1, 2)
+               for t in _qkv(layout.segment_ids.numel(), grad=True))
+    with pytest.raises(RuntimeError, match="no CPU backward"):
+        flex_attention_rows(q, k, v, flex_block_mask(layout.segment_ids), scale=None)
+
+
+def _thd_reference(q, k, v, cu_q, cu_kv):
+    """Varlen attention from cu_seqlens alone, bottom-right causal, softmax written out."""
+    out = torch.zeros_like(q)
+    for i in range(len(cu_q) - 1):
+        qs, ks = q[cu_q[i]:cu_q[i + 1]], k[cu_kv[i]:cu_kv[i + 1]]
+        vs = v[cu_kv[i]:cu_kv[i + 1]]
+        n_q, n_k = qs.shape[0], ks.shape[0]
+        ks, vs = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (ks, vs))
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(DIM)
+        allowed = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[cu_q[i]:cu_q[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
+    return out
+
+
+@pytest.mark.parametrize("name", ["packed", "shared"])
+def test_thd_inputs_for_transformer_engine(name):
+    """What TE's THD attention receives computes the dense rule: cu_seqlens of the spans over
+    the tokens (queries), and for shared prompts the gathered [prompt ; rejected] keys."""
+    layout = _layouts()[name]
+    params = packed_seq_params(layout, thd=True)
+    assert params.qkv_format == "thd"
+    assert torch.equal(params.cu_seqlens_q, layout.cu_seqlens_q)
+    assert torch.equal(params.cu_seqlens_kv, layout.cu_seqlens_q)  # RoPE: keys in token order
+    assert int(params.cu_seqlens_q[-1]) == layout.segment_ids.numel()
+    q, k, v = _qkv(layout.segment_ids.numel())
+    if layout.kv_index is None:
+        cu_kv, gathered = layout.cu_seqlens_q, (k, v)
+    else:
+        k2, v2, kwargs = shared_prompt_thd_inputs(k, v, params)
+        assert kwargs["attn_mask_type"] == "padding_causal_bottom_right"
+        assert kwargs["qkv_format"] == "thd"
+        assert int(kwargs["cu_seqlens_kv"][-1]) == k2.shape[0] == len(layout.kv_index)
+        assert kwargs["max_seqlen_kv"] == max(torch.diff(kwargs["cu_seqlens_kv"]).tolist())
+        cu_kv, gathered = kwargs["cu_seqlens_kv"], (k2, v2)
+    thd = _thd_reference(q, *gathered, layout.cu_seqlens_q.tolist(), cu_kv.tolist())
+    real = _real(layout)
+    torch.testing.assert_close(thd[real], _dense(q, k, v, layout)[real], rtol=1e-5, atol=1e-6)
+
+
+def test_thd_needs_one_row():
+    with pytest.raises(ValueError, match="one packed row per micro-batch"):
+        packed_seq_params(_layouts()["shared_rows"], thd=True)
+
+
+def test_thd_rope_applies_each_tokens_own_position():
+    """megatron-core's THD RoPE (the TE path) with the per-token table rotates each token by its
+    own position, as the row layout does: rejected tokens continue after their prompt."""
+    from megatron.core.models.common.embeddings.rope_utils import (
+        _apply_rotary_pos_emb_bshd, apply_rotary_pos_emb)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    class OneRank:  # a context-parallel group of one
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    batch = pack_shared_prompt_pairs(PAIRS, 0, row_length=32)
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               apply_rope_fusion=False)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, DIM, 2).float() / DIM)
+    angles = torch.arange(32).float()[:, None] * inv_freq  # megatron-core's RoPE table layout
+    table = torch.cat([angles, angles], dim=-1)
+    freqs = table[batch.position_ids].transpose(0, 1).unsqueeze(2)  # [T, 1, 1, dim]
+    t = torch.randn(32, HEADS, DIM)
+    thd = apply_rotary_pos_emb(t, freqs, config, cu_seqlens=batch.packed.cu_seqlens_q,
+                               cp_group=OneRank())
+    rows = _apply_rotary_pos_emb_bshd(t[:, None], freqs)[:, 0]
+    torch.testing.assert_close(thd, rows, rtol=0, atol=0)
+    # Each rejected span's first token sits at position len(prompt): right after its prompt.
+    rejected = [s for s in batch.packed.spans if len(s.keys) == 2]
+    assert len(rejected) == len(PAIRS)
+    for s in rejected:
+        prompt = s.keys[0][1] - s.keys[0][0]
+        assert batch.position_ids[0, s.q_start] == prompt
+
+
+def test_auto_resolves_by_device():
+    assert resolve_local_attention("auto") == ("flex" if torch.cuda.is_available() else "sdpa")
+    with pytest.raises(ValueError, match="model.local_attention must be one of"):
+        resolve_local_attention("flash")
+
+
+# ----------------------------------------------------------------------------------------------
+# every kernel inside the model, through the real trainer
+
+
+def _kernel_logps(settings):
+    """Forward-only per-pair log-probs of the same model and pairs for each (kernel, batch form)."""
+    from dpo_megatron.training.step import dpo_forward_backward
+
+    pairs = random_pairs(4, 9, lambda i: (3 + 2 * i, 2 + (3 * i) % 5, 4 - i % 3))
+    out = {}
+    for kernel, form in settings:
+        trainer = tiny_trainer(pairs, model=dict(num_layers=2, local_attention=kernel), seed=3,
+                               micro_batch_size=2, global_batch_size=4, packing=form != "padded",
+                               share_prompt=form == "shared")
+        step = dpo_forward_backward(trainer.policy, trainer.reference, trainer.next_batch(),
+                                    trainer.loss_fn, forward_only=True)
+        out[(kernel, form)] = {k: step.per_pair[k].tolist()
+                               for k in ("logps/chosen", "logps/rejected")}
+    return out
+
+
+def test_every_kernel_gives_the_sdpa_log_probs():
+    settings = [("sdpa", "padded"), ("sdpa", "packed"), ("sdpa", "shared"),
+                ("megatron", "padded"), ("megatron", "packed"), ("megatron", "shared"),
+                ("flex", "packed"), ("flex", "shared")]
+    out = run_ranks(_kernel_logps, world_size=1, settings=settings)[0]
+    want = out[("sdpa", "padded")]
+    for setting, got in out.items():
+        for key in want:
+            a, b = torch.tensor(want[key]), torch.tensor(got[key])
+            assert ((a - b).abs() <= 1e-5 * a.abs()).all(), (setting, key, a, b)
+
+
+def _train_flex():
+    pairs = random_pairs(2, 9, lambda i: (3, 2, 2))
+    trainer = tiny_trainer(pairs, model=dict(num_layers=1, local_attention="flex"),
+                           micro_batch_size=2, global_batch_size=2, packing=True)
+    try:
+        trainer.train_step()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_flex_training_on_cpu_fails_with_the_fix():
+    assert "use sdpa (or auto) there" in run_ranks(_train_flex, world_size=1)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# the CP seam (docs/ATTENTION.md sections 4-5): local queries, all-gathered keys, same kernel
+
+
+def _cp_pieces(spans, chunks):
+    """The spans seen by one CP rank holding the flat query ``chunks`` [(a, b), ...] (in local
+    order): each span cut to the chunk, its keys (global) truncated after the key that the
+    piece's last query sees. A stand-in for CP's own splitting function, written from the rule."""
+    pieces, local = [], 0
+    for a, b in chunks:
+        for s in spans:
+            lo, hi = max(a, s.q_start), min(b, s.q_end)
+            if lo >= hi:
+                continue
+            drop, keys = s.q_end - hi, []  # keys past the last query's are never seen
+            total = sum(e - k for k, e in s.keys)
+            keep = total - drop
+            for k, e in s.keys:
+                take = min(e - k, keep)
+                if take > 0:
+                    keys.append((k, k + take))
+                keep -= take
+            pieces.append(AttentionSpan(local, local + hi - lo, tuple(keys), s.padding))
+            local += hi - lo
+    return pieces
+
+
+@pytest.mark.parametrize("name", ["packed", "shared"])
+def test_span_attention_on_local_queries_and_gathered_keys(name):
+    """CP = 2 with megatron-core's load-balanced chunks (rank r: chunks r and 3 - r of 4): each
+    rank's local queries over the full (all-gathered) keys through span_attention, unchanged,
+    give the rows of the dense rule; pieces cross span boundaries (prompt / chosen / rejected)."""
+    layout = _layouts()[name]
+    q, k, v = _qkv(layout.segment_ids.numel())
+    dense, real = _dense(q, k, v, layout), _real(layout)
+    total = q.shape[0]
+    assert total % 4 == 0
+    step = total // 4
+    bounds = [(c * step, (c + 1) * step) for c in range(4)]
+    crossing = 0
+    for rank in range(2):
+        chunks = [bounds[rank], bounds[3 - rank]]
+        local = torch.cat([torch.arange(a, b) for a, b in chunks])
+        pieces = _cp_pieces(layout.spans, chunks)
+        crossing += sum(len(p.keys) == 2 for p in pieces)
+        out = span_attention(q[local], k, v, pieces, scale=None)
+        torch.testing.assert_close(out[real[local]], dense[local][real[local]], rtol=1e-6,
+                                   atol=1e-6)
+    if name == "shared":
+        assert crossing >= 1  # a rejected piece reads prompt keys held by another chunk
