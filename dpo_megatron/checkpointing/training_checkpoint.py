@@ -134,6 +134,9 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
     return {
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        # CP ranks hold the same parameter shards; the distributed optimizer shards its state
+        # over DP x CP, so a CP change reshards the optimizer like a DP change.
+        "context_parallel_size": ps.get_context_parallel_world_size(),
         "virtual_pipeline_model_parallel_size":
             ps.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),

@@ -140,8 +140,9 @@ class MicroBatch:
             layout, in per-sequence order (sequence 0's completion first).
         score_index: [n] int64 flat positions (``i * S + t``) of the same tokens in [N, S].
         target_ids: [n] int64 token each scored position predicts (the label, per sequence).
-        packed: the :class:`PackedLayout` of packed rows; None for padded rows (one causal
-            sequence per row).
+        packed: the :class:`PackedLayout` of packed rows (under context parallelism this CP
+            rank's ``data.context_split.LocalRows``); None for padded rows (one causal sequence
+            per row).
         reference_logps: [N, S] fp32 reference log p(label) at the scored positions (0 elsewhere)
             when the items carry precomputed values; None when a reference pass must compute them.
         item_indices: dataset indices of the B items, in row order (host metadata).
@@ -182,8 +183,8 @@ class MicroBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 moved[f.name] = to_device(value)
-            elif isinstance(value, PackedLayout):
-                moved[f.name] = value.to_device()
+            elif isinstance(value, PackedLayout) or hasattr(value, "to_device"):
+                moved[f.name] = value.to_device()  # the layout, or a CP rank's LocalRows
         return replace(self, **moved)
 
 

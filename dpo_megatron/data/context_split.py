@@ -2,10 +2,10 @@
 sequence for one CP rank.
 
 Every unit of a row (the whole row when padded; each packed unit, a sequence or a shared-prompt
-pair, and the row's unused tail when packed, see ``data.packing``) is cut into 2 x CP equal chunks and CP rank r keeps chunks r
-and 2CP-1-r of each (``parallel.context.chunk_positions``: megatron-core's load-balanced layout,
-applied per sequence as transformer-engine's THD format does). The kept positions of a row are
-laid out span by span, so each rank's row is L / CP tokens.
+pair, and the row's unused tail when packed, see ``data.packing``) is cut into 2 x CP equal
+chunks and CP rank r keeps chunks r and 2CP-1-r of each (``parallel.context.chunk_positions``:
+megatron-core's load-balanced layout, applied per unit as transformer-engine's THD format does).
+The kept positions of a row are laid out unit by unit, so each rank's row is L / CP tokens.
 
 What is cut and what is not:
 

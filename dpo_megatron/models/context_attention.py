@@ -3,9 +3,11 @@ transformer-engine; with transformer-engine megatron-core's ``TEDotProductAttent
 itself on the same load-balanced batch split).
 
 Each CP rank holds L / CP tokens of every row (``data.context_split``: chunks r and 2CP-1-r of
-every unit). Per layer, keys and values are all-gathered over the CP group
-(``parallel.context.gather_along_sequence``; its backward reduce-scatters their gradients back to
-the ranks that hold the tokens), so every rank's queries attend to the whole row.
+every unit). Per layer, keys and values are all-gathered over the CP group (Llama 3's choice,
+Dubey et al. 2024, Sec. 3.3.2), so every rank's queries attend to the whole row; the backward
+all-gathers them again and reduce-scatters their gradients back to the ranks that hold the
+tokens. Only this rank's L / CP keys and values are kept between forward and backward, so every
+saved tensor of a layer shrinks with CP.
 
 Which key a query may see is decided from token coordinates, not from their place in the row:
 key s is visible to query t iff both belong to the same packed unit (``segment_ids``),
@@ -33,7 +35,12 @@ import torch
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from dpo_megatron.parallel.context import gather_along_sequence
+from dpo_megatron.parallel.context import (
+    all_gather_dim,
+    context_parallel_group,
+    gather_along_sequence,
+    reduce_scatter_dim,
+)
 
 BLOCK = 512
 """Query and key tokens per tile of the blockwise kernel."""
@@ -97,11 +104,14 @@ def _reduce_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
 class _BlockwiseAttention(torch.autograd.Function):
     """softmax(q k^T * scale + mask) v by tiles (see the module docstring).
 
-    q [b, heads, Sq, hn]; k, v [b, groups, Sk, hn]; coords [R', 3, Sq + Sk] -> [b, heads, Sq, hn].
+    q [b, heads, Sq, hn]; k, v [b, groups, Sk_local, hn], all-gathered along dim 2 over
+    ``group`` (None: used as they are) to Sk; coords [R', 3, Sq + Sk] -> [b, heads, Sq, hn].
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, coords, scale, block):
+    def forward(ctx, q, k_local, v_local, coords, scale, block, group):
+        k, v = ((k_local, v_local) if group is None
+                else (all_gather_dim(k_local, group, 2), all_gather_dim(v_local, group, 2)))
         n_q, n_k, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         shape = q.shape[:3]
@@ -124,14 +134,16 @@ class _BlockwiseAttention(torch.autograd.Function):
             m[:, :, qs] = m_new
         out = (acc / denom[..., None]).to(q.dtype)  # every query sees itself: denom > 0
         lse = m + denom.log()
-        ctx.save_for_backward(q, k, v, coords, out, lse)
-        ctx.scale, ctx.block = scale, block
+        ctx.save_for_backward(q, k_local, v_local, coords, out, lse)
+        ctx.scale, ctx.block, ctx.group = scale, block, group
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, coords, out, lse = ctx.saved_tensors
-        scale, block = ctx.scale, ctx.block
+        scale, block, group = ctx.scale, ctx.block, ctx.group
+        if group is not None:
+            k, v = all_gather_dim(k, group, 2), all_gather_dim(v, group, 2)
         n_q, n_k, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
         acc_dtype = lse.dtype
         grad_out = grad_out.contiguous()
@@ -152,15 +164,20 @@ class _BlockwiseAttention(torch.autograd.Function):
             ds = p * (dp - delta[:, :, qs, None]) * scale
             dq[:, :, qs] += ds @ kb.to(acc_dtype)
             dk[:, :, ks] += _reduce_groups(ds.transpose(-1, -2) @ qb.to(acc_dtype), rep)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        if group is not None:  # each rank's keys were read by every rank's queries
+            dk, dv = reduce_scatter_dim(dk, group, 2), reduce_scatter_dim(dv, group, 2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def blockwise_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        coords: torch.Tensor, scale: float, block: int = BLOCK) -> torch.Tensor:
+                        coords: torch.Tensor, scale: float, block: int = BLOCK,
+                        group=None) -> torch.Tensor:
     """Attention of ``query`` [b, heads, Sq, hn] over ``key`` / ``value`` [b, groups, Sk, hn]
     under the coordinate rule (:func:`context_parallel_coordinates`: [R', 3, Sq + Sk]), softmax
-    scale ``scale``. Returns [b, heads, Sq, hn]; differentiable in query, key and value."""
-    return _BlockwiseAttention.apply(query, key, value, coords, scale, block)
+    scale ``scale``. With a CP ``group``, ``key`` / ``value`` are this rank's share and are
+    all-gathered along the sequence (forward and backward; their gradients reduce-scattered).
+    Returns [b, heads, Sq, hn]; differentiable in query, key and value."""
+    return _BlockwiseAttention.apply(query, key, value, coords, scale, block, group)
 
 
 class ContextParallelAttention(DotProductAttention):
@@ -188,10 +205,10 @@ class ContextParallelAttention(DotProductAttention):
             raise ValueError("context-parallel local attention takes its coordinates as "
                              "attention_mask (models.context_attention."
                              "context_parallel_coordinates) and no bias or packed_seq_params")
-        key, value = gather_along_sequence(key), gather_along_sequence(value)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        out = blockwise_attention(q, k, v, attention_mask, scale)
+        out = blockwise_attention(q, k, v, attention_mask, scale,
+                                  group=context_parallel_group())
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 

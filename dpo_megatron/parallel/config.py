@@ -1,8 +1,9 @@
 """The parallel layout, as one typed config (megatron-core's terms). Imports nothing heavy.
 
 World size = tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size x
-data-parallel size. The data-parallel size is whatever is left of the world size (``data_parallel_size``, when set,
-only tells launchers how many ranks to start and is checked against the world size).
+data-parallel size. The data-parallel size is whatever is left of the world size
+(``data_parallel_size``, when set, only tells launchers how many ranks to start and is checked
+against the world size).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class ParallelConfig:
     ``dpo_megatron.models.context_attention``). Context-parallel ranks hold the same weights and
     see the same pairs; their gradients are summed with the data-parallel ones."""
     data_parallel_size: Optional[int] = None
-    """Model replicas (>= 1). None: world size / (TP x PP x CP). Launchers use it to choose the world size;
-    under torchrun it must agree with the world size."""
+    """Model replicas (>= 1). None: world size / (TP x PP x CP). Launchers use it to choose the
+    world size; under torchrun it must agree with the world size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (>= 2, with PP >= 2;
     None: not interleaved). The micro-batches per step (global batch / (micro batch x DP)) must
@@ -62,7 +63,8 @@ class ParallelConfig:
         """Reject layouts that cannot be built; with ``world_size``, also on that many ranks.
 
         Valid ranges: tensor / pipeline sizes >= 1; ``data_parallel_size`` >= 1 or null;
-        ``context_parallel_size`` >= 1; ``virtual_pipeline_model_parallel_size`` >= 2 or null, and only with PP >= 2;
+        ``context_parallel_size`` >= 1; ``virtual_pipeline_model_parallel_size`` >= 2 or null,
+        and only with PP >= 2;
         ``sequence_parallel`` only with TP >= 2; ``backend`` auto / nccl / gloo;
         ``distributed_timeout_minutes`` >= 1.
 

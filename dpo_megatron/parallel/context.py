@@ -63,23 +63,35 @@ def chunk_positions(length: int, rank: int, size: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
+def all_gather_dim(local: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """All-gather along ``dim`` over ``group`` (rank order), no autograd: [.., s, ..] ->
+    [.., CP * s, ..]."""
+    moved = local.movedim(dim, 0).contiguous()
+    out = moved.new_empty((dist.get_world_size(group) * moved.shape[0], *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_dim(full: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum over ``group`` of ``full`` [.., CP * s, ..], each rank keeping its own s slice along
+    ``dim`` (the adjoint of :func:`all_gather_dim`), no autograd."""
+    moved = full.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // dist.get_world_size(group), *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
 class _GatherAlongSequence(torch.autograd.Function):
     """[s, ...] on each CP rank -> [CP * s, ...] (rank order); backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, local, group):
         ctx.group = group
-        size = dist.get_world_size(group)
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
-        return out
+        return all_gather_dim(local, group)
 
     @staticmethod
     def backward(ctx, grad):
-        size = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return reduce_scatter_dim(grad, ctx.group), None
 
 
 def gather_along_sequence(local: torch.Tensor, group=None) -> torch.Tensor:

@@ -10,9 +10,10 @@ step is:
 2. the policy runs forward+backward through the schedule; on the last stage the loss function
    turns per-token log-probs into per-pair losses and returns their *sum* with the pair count;
 3. megatron-core's ``finalize_model_grads`` (``calculate_per_token_loss=True``) all-reduces the
-   pair count over data-parallel (and context-parallel) ranks and divides the gradients by it. The loss is therefore
-   normalised by the global number of pairs in the step, whatever micro_batch_size, gradient
-   accumulation or data-parallel size: sum_i loss_i / N_pairs.
+   pair count over data-parallel (and context-parallel) ranks and divides the gradients by it.
+   The loss is therefore normalised by the global number of pairs in the step, whatever
+   micro_batch_size, gradient accumulation, data-parallel or context-parallel size:
+   sum_i loss_i / N_pairs.
 
 Every tensor made here (collective payloads, counts, the NaN flag) is made on the engine's device.
 """

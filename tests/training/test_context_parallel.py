@@ -123,6 +123,9 @@ PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut uni
     "shared_prompt_cp2": (2, dict(cp=2, packing=True, share_prompt=True)),
     "shared_prompt_cp4": (4, dict(cp=4, packing=True, share_prompt=True)),
     "shared_prompt_cp2_pp2": (4, dict(cp=2, pp=2, packing=True, share_prompt=True)),
+    # the reference pass run once before training, under CP, then freed
+    "precomputed_shared_prompt_cp2": (2, dict(cp=2, packing=True, share_prompt=True,
+                                              reference_mode="precomputed")),
 }
 
 
@@ -141,3 +144,34 @@ def test_context_parallel_leaves_no_tensor_on_the_host(initial_checkpoint):
                         share_prompt=True)
     for rank, r in enumerate(results):
         assert r["host_report"] == "", f"rank {rank}:\n{r['host_report']}"
+
+
+def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
+    """From the shared initial weights: without ``resume``, step 1, a checkpoint, step 2; with
+    it, resume the step-1 checkpoint at this CP size and take step 2."""
+    trainer = tiny_trainer(_pairs(), load=ckpt_dir, global_batch_size=GLOBAL_PAIRS,
+                           micro_batch_size=2, steps=2, lr=1e-3, seed=11, cp=cp,
+                           run_dir=run_dir, resume=resume, use_distributed_optimizer=True)
+    history = []
+    if resume == "none":
+        history.append(step_record(*trainer.train_step()))
+        trainer.checkpointer.save(trainer.counters)
+    history.append(step_record(*trainer.train_step()))
+    return {"history": history, "saved": trainer.checkpointer.latest(),
+            "step": trainer.counters.step}
+
+
+@pytest.mark.parametrize("save_cp, load_cp", [(2, 1), (1, 2)])
+def test_checkpoints_reshard_across_context_parallel_sizes(initial_checkpoint, tmp_path,
+                                                           save_cp, load_cp):
+    """A checkpoint (weights + distributed-optimizer state) saved at one CP size resumes at
+    another: step 2 after the resume equals step 2 of the uninterrupted run (1e-5)."""
+    first = run_ranks(_checkpoint_run, world_size=save_cp, ckpt_dir=initial_checkpoint,
+                      run_dir=str(tmp_path / "first"), cp=save_cp)
+    resumed = run_ranks(_checkpoint_run, world_size=load_cp, ckpt_dir=initial_checkpoint,
+                        run_dir=str(tmp_path / "resumed"), cp=load_cp, resume=first[0]["saved"])
+    assert resumed[0]["step"] == 2
+    want, got = first[0]["history"][1], resumed[0]["history"][0]
+    for key in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
+        assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, key
+    assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-5
