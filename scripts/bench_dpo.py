@@ -50,6 +50,12 @@ ENGINES = {
     "engine+shared+precomputed+recompute": SHARED + PRECOMPUTED + (
         "model.recompute_granularity=full", "model.recompute_method=uniform",
         "model.recompute_num_layers=1"),
+    # LoRA DPO: rank 16 on all four linear layers; the frozen base is the reference.
+    "lora": ("lora.enabled=true", "lora.rank=16", "lora.alpha=32"),
+    # ... and with full activation recompute (one layer per checkpoint).
+    "lora+recompute": ("lora.enabled=true", "lora.rank=16", "lora.alpha=32",
+                       "model.recompute_granularity=full", "model.recompute_method=uniform",
+                       "model.recompute_num_layers=1"),
 }
 ALL_RUNS = ["trl", *ENGINES]
 # Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
@@ -350,7 +356,8 @@ def _child(spec: dict) -> dict:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{spec['run']} on {spec['model']} failed:\n{proc.stdout[-4000:]}")
+        raise RuntimeError(f"{spec['run']} on {spec['model']} failed (exit status "
+                           f"{proc.returncode}):\n{proc.stdout[-4000:]}")
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     return result
