@@ -9,9 +9,13 @@ Under a causal mask chunk c attends to c + 1 chunks, so every rank does (r + 1) 
 
 Collectives (autograd-aware where a gradient flows through them):
 
-* :func:`gather_along_sequence` all-gathers a [s, ...] tensor along dim 0 (keys / values, as in
-  Llama 3 training, Dubey et al. 2024, Sec. 3.3.2); its backward reduce-scatters, so each rank gets
-  the sum of every rank's gradient for the keys / values it holds.
+* :func:`all_gather_dim` / :func:`reduce_scatter_dim`: the plain pair (no autograd) that the
+  context-parallel attention kernel calls on keys / values in its forward and backward (as in
+  Llama 3 training, Dubey et al. 2024, Sec. 3.3.2), so it keeps only this rank's share between
+  them;
+* :func:`gather_along_sequence` all-gathers a [s, ...] tensor along dim 0 as an autograd
+  function; its backward reduce-scatters, so each rank gets the sum of every rank's gradient for
+  the entries it holds (the attention's token coordinates go through it).
 * :func:`sum_over_context_parallel` all-reduces a tensor whose entries each live on exactly one CP
   rank (zero elsewhere); its backward is the identity: every rank then computes the same loss from
   the same full tensor, and the loss is counted once (each rank's gradient reaches only the tokens
