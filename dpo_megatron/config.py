@@ -421,9 +421,40 @@ def validate(cfg: DPOConfig) -> None:
             raise ValueError("transformer-engine takes packed rows in THD form, one row per "
                              f"micro-batch: leave packing.row_length=0 (got "
                              f"{cfg.packing.row_length}) or set model.transformer_impl=local")
+    _validate_context_parallel(cfg)
     _validate_loss(cfg)
     cfg.lora.validate(loss=cfg.loss, reference=cfg.reference, model=cfg.model,
                       export_hf=cfg.checkpoint.export_hf)
+
+
+def _validate_context_parallel(cfg: DPOConfig) -> None:
+    """What context parallelism (``parallel.context_parallel_size`` > 1) needs of the other
+    sections: rows cut into 2 x CP equal chunks (x TP under sequence parallelism), the local
+    context-parallel attention (SDPA over all-gathered keys/values), no greedy sampling."""
+    p = cfg.parallel
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    granule = p.sequence_granule()
+    row = cfg.packing.row_length
+    if cfg.packing.enabled and row and row % granule:
+        why = (f"2 x parallel.context_parallel_size={cp}"
+               + (f" x parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} "
+                  f"(sequence parallelism)" if p.sequence_parallel else ""))
+        raise ValueError(
+            f"packing.row_length={row} cannot be cut into equal context-parallel chunks: every "
+            f"packed row is split into {why} = {granule} pieces: set packing.row_length to a "
+            f"multiple of {granule} (e.g. {-(-row // granule) * granule}), or 0 (the step's "
+            f"longest micro-batch, rounded up automatically)")
+    local = cfg.model.transformer_impl != "transformer_engine"
+    if cfg.model.local_attention == "megatron" and local:
+        raise ValueError("parallel.context_parallel_size > 1 attends with the context-parallel "
+                         "SDPA attention (models.context_attention); model.local_attention="
+                         "megatron has no context-parallel form: set model.local_attention=sdpa")
+    if cfg.train.sample_during_eval:
+        raise ValueError("train.sample_during_eval=true decodes greedily one token at a time, "
+                         "which is not split across context-parallel ranks: set "
+                         "train.sample_during_eval=false or parallel.context_parallel_size=1")
 
 
 def _validate_loss(cfg: DPOConfig) -> None:

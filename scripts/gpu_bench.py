@@ -118,7 +118,8 @@ def bench_config(args, shape: dict, cuda: bool):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     return config_from_mapping({
         "run_dir": tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
-        "parallel": {"backend": args.backend},
+        "parallel": {"backend": args.backend,
+                     "context_parallel_size": args.context_parallel_size},
         "model": {**shape, "params_dtype": "bfloat16" if cuda else "float32",
                   "transformer_impl": args.transformer_impl,
                   "local_attention": args.local_attention,
@@ -152,6 +153,10 @@ def peak_tflops(name: str, override: float) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="CP ranks splitting each sequence (launch that many ranks with "
+                             "torchrun --nproc-per-node N; tokens/s count the replica's "
+                             "step, MFU is per GPU)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="pairs")
     parser.add_argument("--global-batch-size", type=int, default=16, help="pairs per step")
@@ -216,7 +221,9 @@ def main(argv=None) -> int:
         step_pairs = [pairs[i] for mb in batch.micro_batches for i in mb.item_indices]
         records.append({"time_s": time.perf_counter() - w0, "real_tokens": batch.real_tokens,
                         "model_tokens": batch.computed_tokens,
-                        "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches),
+                        # every CP rank holds 1 / CP of each micro-batch's positions
+                        "computed_tokens": args.context_parallel_size * sum(
+                            mb.tokens.numel() for mb in batch.micro_batches),
                         "forward_flops": sum(pair_forward_flops(
                             shape, len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids),
                             args.share_prompt) for p in step_pairs),
@@ -227,11 +234,12 @@ def main(argv=None) -> int:
     timed = records[args.warmup:] or records
     step_time = statistics.median(r["time_s"] for r in timed)
     real = sum(r["real_tokens"] for r in timed) / len(timed)
-    # This rank's micro-batches are the whole step (one rank). Policy forward + backward = 3
-    # forwards, plus the reference forward when it runs each step.
+    # This rank's micro-batches are the whole step (one rank, or the CP ranks of one replica,
+    # each computing 1 / CP of it). Policy forward + backward = 3 forwards, plus the reference
+    # forward when it runs each step.
     passes = 3 + (1 if args.reference == "model" else 0)
     fwd = sum(r["forward_flops"] for r in timed) / len(timed)
-    achieved = passes * fwd / step_time
+    achieved = passes * fwd / step_time / args.context_parallel_size
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(name, args.peak_tflops) * 1e12
     result = {
@@ -246,6 +254,10 @@ def main(argv=None) -> int:
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "precompute_s": precompute_s, "step0_loss": records[0]["loss"], "steps": records,
     }
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return 0
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("steps", "settings")},
                      indent=1))

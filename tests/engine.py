@@ -21,12 +21,12 @@ TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_hea
             num_query_groups=2, vocab_size=VOCAB, tie_word_embeddings=False)
 
 
-def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bool = False,
-                  ep: int = 1, etp: Optional[int] = None,
+def engine_config(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
+                  sp: bool = False, ep: int = 1, etp: Optional[int] = None,
                   micro_batch_size: int = 1, global_batch_size: int = 4, steps: int = 2,
                   lr: float = 1e-3, loss: Optional[dict] = None, model: Optional[dict] = None,
                   load: str = "", packing: bool = False, bucket_by_length: bool = False,
-                  share_prompt: bool = False,
+                  share_prompt: bool = False, packing_row_length: int = 0,
                   reference_mode: str = "model", offload: bool = False, cache_dir: str = "",
                   run_dir: Optional[str] = None, seed: int = 1234, resume: str = "none",
                   save_interval: int = 0, keep_last_n: int = 0, **train: Any):
@@ -37,6 +37,7 @@ def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bo
     return config_from_mapping({
         "run_dir": run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "context_parallel_size": cp,
                      "virtual_pipeline_model_parallel_size": vpp, "sequence_parallel": sp,
                      "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp},
         "model": {**TINY, **(model or {}), "load": load},
@@ -45,7 +46,7 @@ def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bo
                   "train_iters": steps, "lr": lr, "lr_decay_style": "constant", "seed": seed,
                   **train},
         "packing": {"enabled": packing, "bucket_by_length": bucket_by_length,
-                     "share_prompt": share_prompt},
+                     "share_prompt": share_prompt, "row_length": packing_row_length},
         "reference": {"mode": reference_mode, "offload": offload, "cache_dir": cache_dir},
         "checkpoint": {"resume": resume, "save_interval": save_interval,
                        "keep_last_n": keep_last_n},

@@ -177,3 +177,31 @@ def test_gpu_bench_runs_the_shared_prompt_path_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert abs(result["step0_loss"] - math.log(2)) < 1e-6
     assert 0.5 < result["model_tokens_per_real_token"] < 1.0  # each prompt computed once
+
+
+@pytest.mark.slow
+def test_gpu_bench_takes_a_context_parallel_size(tmp_path):
+    """``gpu_bench.py --context-parallel-size 2`` under torchrun (CPU smoke mode, 2 gloo ranks):
+    step-0 loss ln 2 with every sequence split over the two ranks; rank 0 writes the result."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "cp.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", str(_free_port()), str(REPO / "scripts" / "gpu_bench.py"),
+                    "--allow-cpu", "--tiny", "--backend", "gloo", "--context-parallel-size", "2",
+                    "--max-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
+                    "--steps", "2", "--warmup", "1", "--out", str(out)], check=True,
+                   cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
+                                      "OMP_NUM_THREADS": "1"}, timeout=600)
+    result = json.loads(out.read_text())
+    assert abs(result["step0_loss"] - math.log(2)) < 1e-6
+    assert result["settings"]["context_parallel_size"] == 2
+    assert 0.0 <= result["padded_fraction"] < 1.0
+
+
+def _free_port() -> int:
+    from dpo_megatron.parallel.layout import free_port
+
+    return free_port()

@@ -137,7 +137,7 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
     """The parallel layout a checkpoint is saved or loaded at (stored in train_state.json)."""
     from megatron.core import parallel_state as ps
 
-    return {
+    layout = {
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size":
@@ -148,6 +148,12 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "use_distributed_optimizer": use_distributed_optimizer,
     }
+    # CP ranks hold the same parameter shards; the distributed optimizer shards its state over
+    # DP x CP, so a CP change reshards the optimizer like a DP change. Recorded only when CP > 1,
+    # so checkpoints written before CP existed still compare equal at CP 1 (exact RNG resume).
+    if ps.get_context_parallel_world_size() > 1:
+        layout["context_parallel_size"] = ps.get_context_parallel_world_size()
+    return layout
 
 
 def rng_state() -> dict[str, Any]:

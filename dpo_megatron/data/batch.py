@@ -140,8 +140,9 @@ class MicroBatch:
             layout, in per-sequence order (sequence 0's completion first).
         score_index: [n] int64 flat positions (``i * S + t``) of the same tokens in [N, S].
         target_ids: [n] int64 token each scored position predicts (the label, per sequence).
-        packed: the :class:`PackedLayout` of packed rows; None for padded rows (one causal
-            sequence per row).
+        packed: the :class:`PackedLayout` of packed rows (under context parallelism this CP
+            rank's ``data.context_split.LocalRows``); None for padded rows (one causal sequence
+            per row).
         reference_logps: [N, S] fp32 reference log p(label) at the scored positions (0 elsewhere)
             when the items carry precomputed values; None when a reference pass must compute them.
         item_indices: dataset indices of the B items, in row order (host metadata).
@@ -182,8 +183,8 @@ class MicroBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 moved[f.name] = to_device(value)
-            elif isinstance(value, PackedLayout):
-                moved[f.name] = value.to_device()
+            elif isinstance(value, PackedLayout) or hasattr(value, "to_device"):
+                moved[f.name] = value.to_device()  # the layout, or a CP rank's LocalRows
         return replace(self, **moved)
 
 
@@ -260,15 +261,20 @@ class BatchBuilder:
 
 
 def make_batch_builder(pad_token_id: int, multiple: int, packing=None,
-                       sft: bool = False) -> BatchBuilder:
+                       sft: bool = False, context_parallel: tuple[int, int] = (0, 1)
+                       ) -> BatchBuilder:
     """The builder for a run: SFT examples (padded, chosen only), shared-prompt pairs
-    (``packing.share_prompt``), packed pairs (``packing.enabled``) or padded pairs.
+    (``packing.share_prompt``), packed pairs (``packing.enabled``) or padded pairs. With
+    ``context_parallel`` = (CP rank, CP size), size > 1: packed units are padded to a multiple of
+    2 x CP and every micro-batch is cut for that rank (``data.context_split``); ``multiple`` must
+    then be a multiple of 2 x CP.
 
     Raises:
         ValueError: packing asked for SFT examples (packing packs preference pairs), or
             ``packing.share_prompt`` without ``packing.enabled``.
     """
     from dpo_megatron.data.collate import PaddedPairs, SFTExamples
+    from dpo_megatron.data.context_split import ContextParallelSplit
     from dpo_megatron.data.packing import PackedPairs, SharedPromptPairs
 
     packed = packing is not None and packing.enabled
@@ -278,9 +284,12 @@ def make_batch_builder(pad_token_id: int, multiple: int, packing=None,
         if packed:
             raise ValueError("packing.enabled=true packs preference pairs; an SFT loss trains "
                              "on single completions: set packing.enabled=false")
-        return SFTExamples(pad_token_id, multiple)
-    if packed and packing.share_prompt:
-        return SharedPromptPairs(pad_token_id, multiple, packing)
-    if packed:
-        return PackedPairs(pad_token_id, multiple, packing)
-    return PaddedPairs(pad_token_id, multiple)
+        builder = SFTExamples(pad_token_id, multiple)
+    elif packed:
+        kind = SharedPromptPairs if packing.share_prompt else PackedPairs
+        builder = kind(pad_token_id, multiple, packing,
+                       unit_multiple=2 * context_parallel[1] if context_parallel[1] > 1 else 1)
+    else:
+        builder = PaddedPairs(pad_token_id, multiple)
+    rank, size = context_parallel
+    return ContextParallelSplit(builder, rank, size) if size > 1 else builder

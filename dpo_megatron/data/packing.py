@@ -103,6 +103,27 @@ def shared_prompt_unit(index: int, num_pairs: int, pair: PreferencePair) -> Pack
                    (num_pairs + index, [*range(p), *range(p + c, p + c + r)])])
 
 
+def pad_unit(unit: PackedUnit, multiple: int, pad_token_id: int) -> PackedUnit:
+    """``unit`` padded inside itself to a multiple of ``multiple`` tokens (2 x CP under context
+    parallelism, so that each unit cuts into 2 x CP equal chunks, ``data.context_split``).
+
+    The pad tokens are unscored, branch 0, with positions after the unit's last one (so causal
+    attention by position hides them from every real token) and a padding span of their own.
+    Example: a 5-token sequence at multiple 4 gains 3 pad tokens at positions 5, 6, 7.
+    """
+    n = len(unit)
+    extra = round_up(n, multiple) - n
+    if extra == 0:
+        return unit
+    first = max(unit.position_ids) + 1
+    return PackedUnit(tokens=[*unit.tokens, *[pad_token_id] * extra],
+                      position_ids=[*unit.position_ids, *range(first, first + extra)],
+                      branch_ids=[*unit.branch_ids, *[0] * extra],
+                      spans=[*unit.spans, AttentionSpan(n, n + extra, ((n, n + extra),),
+                                                        padding=True)],
+                      sequences=unit.sequences)
+
+
 def pair_units(pairs: Sequence[PreferencePair]) -> list[PackedUnit]:
     """The 2B sequences of a micro-batch as units (chosen rows first, then rejected)."""
     rows = pair_rows(pairs)
@@ -278,9 +299,12 @@ class PackedPairs(BatchBuilder):
     pair_length = staticmethod(sequence_pair_length)
     """Length key of a pair for bucketing."""
 
-    def __init__(self, pad_token_id: int, multiple: int, packing: PackingConfig):
+    def __init__(self, pad_token_id: int, multiple: int, packing: PackingConfig,
+                 unit_multiple: int = 1):
         super().__init__(pad_token_id, multiple)
         self.packing = packing
+        self.unit_multiple = unit_multiple
+        """Each unit is padded to a multiple of this (:func:`pad_unit`; 2 x CP under CP)."""
 
     def micro_batch_indices(self, items, micro_batch_indices):
         if self.packing.bucket_by_length:
@@ -291,7 +315,8 @@ class PackedPairs(BatchBuilder):
               micro_batch_indices: list[list[int]]) -> StepBatch:
         micro_batch_indices = self.micro_batch_indices(items, micro_batch_indices)
         step = [[items[i] for i in mb] for mb in micro_batch_indices]
-        units = [self.units(mb) for mb in step]
+        raw = [self.units(mb) for mb in step]
+        units = [[pad_unit(u, self.unit_multiple, self.pad_token_id) for u in us] for us in raw]
         if self.packing.row_length:
             length = round_up(self.packing.row_length, self.multiple)
             n_rows = max(len(plan_rows([len(u) for u in us], length)) for us in units)
@@ -305,7 +330,7 @@ class PackedPairs(BatchBuilder):
             micro_batches.append(batch)
         real_tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
                           for mb in step for p in mb)
-        model_tokens = sum(len(u) for us in units for u in us)
+        model_tokens = sum(len(u) for us in raw for u in us)  # without the 2 x CP padding
         return StepBatch(micro_batches, length, real_tokens, model_tokens)
 
 

@@ -16,6 +16,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from dpo_megatron.models.attention import packed_format, packed_seq_params
+from dpo_megatron.models.context_attention import (
+    context_parallel_coordinates,
+    uses_context_parallel_attention,
+)
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.moe import set_aux_loss_weight
 from dpo_megatron.models.specs import layer_spec
@@ -39,7 +43,12 @@ class DPOGPTModel(GPTModel):
       (``models.attention.PackedSequenceParams``: THD with transformer-engine, the local
       kernels' rows otherwise), which builds its own mask, block mask or varlen spans from it;
       None means one causal sequence per row. Nothing goes through ``attention_mask``, which
-      stays None (megatron-core's recompute saves tensor arguments only).
+      stays None (megatron-core's recompute saves tensor arguments only). Under context
+      parallelism with the local spec, rows are this CP rank's L / CP tokens
+      (``data.context_split``; ``packed`` is then its ``LocalRows``) and ``attention_mask`` is
+      the coordinates of its queries and of the all-gathered keys
+      (``models.context_attention``), a tensor argument that recompute saves like the hidden
+      states.
     * ``padding_mask`` [R, L] bool (True = padding, megatron-core's convention) keeps padding
       tokens out of MoE routers' load-balancing loss; ``moe_aux_loss_weight`` is what the step's
       gradient division counts this micro-batch as (its pairs: ``dpo_megatron.models.moe``).
@@ -65,7 +74,14 @@ class DPOGPTModel(GPTModel):
                 packed=None, output_index: Optional[torch.Tensor] = None,
                 padding_mask: Optional[torch.Tensor] = None,
                 moe_aux_loss_weight: float = 1.0) -> torch.Tensor:
-        params = None if packed is None else packed_seq_params(packed, thd=self.thd)
+        if self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
+            # This CP rank's tokens (data.context_split): query and gathered key coordinates.
+            params = None
+            attention_mask = context_parallel_coordinates(
+                position_ids, getattr(packed, "segment_ids", None),
+                getattr(packed, "branch_ids", None))
+        else:
+            params = None if packed is None else packed_seq_params(packed, thd=self.thd)
         decoder_input = (self.embedding(input_ids=input_ids, position_ids=position_ids)
                          if self.pre_process else None)  # later stages: set_input_tensor
         if self.config.num_moe_experts:
@@ -99,7 +115,9 @@ class DPOGPTModel(GPTModel):
         tokens), which its THD RoPE applies token by token."""
         if self.position_embedding_type != "rope":
             return None
-        table = self.rotary_pos_emb.get_emb(position_ids.shape[-1])[:, 0, 0, :]  # [L, dim]
+        # Under CP a row holds L / CP of the L positions (data.context_split).
+        length = position_ids.shape[-1] * self.config.context_parallel_size
+        table = self.rotary_pos_emb.get_emb(length)[:, 0, 0, :]  # [L, dim]
         return table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2)
 
     def _logits(self, hidden_states: torch.Tensor,

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dpo_megatron.models.attention import core_attention_spec
 from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.context_attention import ContextParallelAttention
 from dpo_megatron.models.layers import ParallelResidualTransformerLayer
 from dpo_megatron.models.moe import DPOTopKRouter
 from dpo_megatron.models.norms import RMSNorm, norm_class
@@ -53,7 +54,9 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
 
 def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
                 ) -> ModuleSpec:
-    """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
+    """Transformer-block spec: TE layers when chosen (their attention does context parallelism
+    itself), else local layers with SP-aware norms and, under context parallelism,
+    ``models.context_attention.ContextParallelAttention``."""
     if uses_transformer_engine(model):
         layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
         layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
@@ -63,8 +66,9 @@ def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional
                                      qk_layernorm=model.qk_layernorm,
                                      normalization=model.normalization)
     attention = layer.submodules.self_attention.submodules
-    attention.core_attention = core_attention_spec(model.local_attention,
-                                                   transformer_engine=False)
+    attention.core_attention = (
+        ContextParallelAttention if config.context_parallel_size > 1  # gathers keys/values
+        else core_attention_spec(model.local_attention, transformer_engine=False))
     norm = norm_class(model.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm

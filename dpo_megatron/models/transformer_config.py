@@ -112,7 +112,8 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
 
     Raises:
         ValueError: heads or query groups not divisible by TP, layers not divisible by PP, an
-            unknown activation, or MoE fields that do not fit the layout (``models.moe``).
+            unknown activation, MoE fields that do not fit the layout (``models.moe``), or MoE
+            under context parallelism.
     """
     from dpo_megatron.models.moe import check_moe, megatron_aux_loss_coeff
 
@@ -128,6 +129,12 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
                          f"{model.activation!r}")
     if not 0.0 < model.rotary_percent <= 1.0:
         raise ValueError(f"model.rotary_percent={model.rotary_percent} must be in (0, 1]")
+    if model.num_experts and parallel.context_parallel_size > 1:
+        # The context-parallel split (data.context_split) does not cut the routers' padding mask.
+        raise ValueError(f"model.num_experts={model.num_experts} with parallel."
+                         f"context_parallel_size={parallel.context_parallel_size}: mixture-of-"
+                         f"experts models do not run under context parallelism yet; set "
+                         f"parallel.context_parallel_size=1 (expert parallelism still applies)")
     etp = parallel.expert_tensor_parallel()
     expert_width = check_moe(model, parallel.expert_model_parallel_size, etp, tp,
                              parallel.sequence_parallel)
@@ -184,6 +191,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context_parallel_size,
         # On a GPU, initialise on the GPU; on the CPU device megatron-core's CPU path.
         use_cpu_initialization=not is_cuda(),
         # gloo matches point-to-point messages between two ranks in posting order. Batched p2p

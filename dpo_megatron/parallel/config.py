@@ -1,12 +1,13 @@
 """The parallel layout, as one typed config (megatron-core's terms). Imports nothing heavy.
 
-World size = tensor_model_parallel_size x pipeline_model_parallel_size x data-parallel size.
-The data-parallel size is whatever is left of the world size (``data_parallel_size``, when set,
-only tells launchers how many ranks to start and is checked against the world size).
+World size = tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size x
+data-parallel size. The data-parallel size is whatever is left of the world size
+(``data_parallel_size``, when set, only tells launchers how many ranks to start and is checked
+against the world size).
 
 Mixture-of-experts layers are laid out separately, as megatron-core does: world size =
 expert_tensor_parallel_size x expert_model_parallel_size x expert data-parallel size x PP. The
-expert-parallel ranks are carved out of the TP x DP ranks of each pipeline stage, so expert
+expert-parallel ranks are carved out of the TP x CP x DP ranks of each pipeline stage, so expert
 parallelism adds no ranks: TP 2 x PP 2 with EP 2 and expert TP 1 runs on the same 4 ranks as
 TP 2 x PP 2.
 """
@@ -29,9 +30,15 @@ class ParallelConfig:
     """Ranks that split each weight matrix (and the vocabulary) of a layer (>= 1)."""
     pipeline_model_parallel_size: int = 1
     """Ranks that split the stack of layers into consecutive stages (>= 1)."""
+    context_parallel_size: int = 1
+    """Ranks that split every sequence along its length (>= 1; Liu et al. 2023 ring attention,
+    megatron-core's load-balanced layout: each sequence is cut into 2 x CP chunks and rank r holds
+    chunks r and 2CP-1-r; keys/values are all-gathered across the group, see
+    ``dpo_megatron.models.context_attention``). Context-parallel ranks hold the same weights and
+    see the same pairs; their gradients are summed with the data-parallel ones."""
     data_parallel_size: Optional[int] = None
-    """Model replicas (>= 1). None: world size / (TP x PP). Launchers use it to choose the world size;
-    under torchrun it must agree with the world size."""
+    """Model replicas (>= 1). None: world size / (TP x PP x CP). Launchers use it to choose the
+    world size; under torchrun it must agree with the world size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (>= 2, with PP >= 2;
     None: not interleaved). The micro-batches per step (global batch / (micro batch x DP)) must
@@ -52,8 +59,16 @@ class ParallelConfig:
     """Timeout for collectives before the job fails instead of hanging (minutes, >= 1)."""
 
     def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the model: TP x PP."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Ranks that share one data-parallel replica's pairs: TP x PP x CP."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    def sequence_granule(self) -> int:
+        """Tokens a model row's length must be a multiple of for this layout: 2 x CP (the
+        load-balanced chunks), times TP under sequence parallelism (each CP rank's L / CP
+        tokens are split again over TP). 1 with neither."""
+        granule = 2 * self.context_parallel_size if self.context_parallel_size > 1 else 1
+        return granule * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
 
     def launch_world_size(self) -> int:
         """Ranks a launcher should start: TP x PP x DP. With ``data_parallel_size`` unset, DP is
@@ -77,7 +92,8 @@ class ParallelConfig:
         """Reject layouts that cannot be built; with ``world_size``, also on that many ranks.
 
         Valid ranges: tensor / pipeline sizes >= 1; ``data_parallel_size`` >= 1 or null;
-        ``virtual_pipeline_model_parallel_size`` >= 2 or null, and only with PP >= 2;
+        ``context_parallel_size`` >= 1; ``virtual_pipeline_model_parallel_size`` >= 2 or null,
+        and only with PP >= 2;
         ``expert_model_parallel_size`` >= 1, ``expert_tensor_parallel_size`` >= 1 or null;
         ``sequence_parallel`` only with TP >= 2; ``backend`` auto / nccl / gloo;
         ``distributed_timeout_minutes`` >= 1. With ``world_size``: TP x PP and
@@ -88,6 +104,8 @@ class ParallelConfig:
         """
         check_range("parallel", self, "tensor_model_parallel_size", 1)
         check_range("parallel", self, "pipeline_model_parallel_size", 1)
+        check_range("parallel", self, "context_parallel_size", 1,
+                    why="ranks that split each sequence (1: no context parallelism)")
         check_range("parallel", self, "data_parallel_size", 1, optional=True,
                     why="model replicas (null: world size / (TP x PP))")
         check_range("parallel", self, "virtual_pipeline_model_parallel_size", 2, optional=True,
@@ -112,10 +130,11 @@ class ParallelConfig:
             raise ValueError(
                 f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size"
                 f" ({self.tensor_model_parallel_size}) x parallel.pipeline_model_parallel_size"
-                f" ({self.pipeline_model_parallel_size}) = {mp}: launch a multiple of {mp} ranks")
+                f" ({self.pipeline_model_parallel_size}) x parallel.context_parallel_size"
+                f" ({self.context_parallel_size}) = {mp}: launch a multiple of {mp} ranks")
         if self.data_parallel_size is not None and self.data_parallel_size * mp != world_size:
             raise ValueError(
-                f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP = "
+                f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP x CP = "
                 f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
                 f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel()

@@ -46,6 +46,7 @@ def initialize_distributed(cfg: ParallelConfig) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            context_parallel_size=cfg.context_parallel_size,
             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
             expert_tensor_parallel_size=cfg.expert_tensor_parallel(),

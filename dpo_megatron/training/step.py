@@ -10,9 +10,10 @@ step is:
 2. the policy runs forward+backward through the schedule; on the last stage the loss function
    turns per-token log-probs into per-pair losses and returns their *sum* with the pair count;
 3. megatron-core's ``finalize_model_grads`` (``calculate_per_token_loss=True``) all-reduces the
-   pair count over data-parallel ranks and divides the gradients by it. The loss is therefore
-   normalised by the global number of pairs in the step, whatever micro_batch_size, gradient
-   accumulation or data-parallel size: sum_i loss_i / N_pairs.
+   pair count over data-parallel (and context-parallel) ranks and divides the gradients by it.
+   The loss is therefore normalised by the global number of pairs in the step, whatever
+   micro_batch_size, gradient accumulation, data-parallel or context-parallel size:
+   sum_i loss_i / N_pairs.
 
 Mixture-of-experts models add the routers' load-balancing loss to the gradient on every stage
 (``dpo_megatron.models.moe``: weighted so that it is the same term on every layout). It is not
@@ -38,6 +39,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
 from dpo_megatron.models.moe import load_balancing_metrics
+from dpo_megatron.parallel.context import (
+    is_first_context_parallel_rank,
+    sum_over_context_parallel,
+)
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
 
@@ -104,14 +109,24 @@ def _to_sequence_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor
 
 def token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """[N, S] log p(label_t) (nats), zero on prompt and padding positions, from the [1, n, V/TP]
-    logits of the scored positions."""
+    logits of the scored positions.
+
+    Under context parallelism each CP rank scores the tokens it holds (``data.context_split``)
+    and the [N, S] tables are summed over the CP group (``parallel.context``: identity backward),
+    so every CP rank holds every sequence's log-probs (hence its sums and token counts) and
+    computes the same loss once per pair."""
     logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), batch.target_ids)
-    return _to_sequence_layout(logps, batch)
+    return sum_over_context_parallel(_to_sequence_layout(logps, batch))
 
 
 def _count(n: int) -> torch.Tensor:
-    """A count the schedule reduces (megatron-core sums it into ``num_tokens``)."""
-    return torch.tensor(n, dtype=torch.int, device=get_device())
+    """A count the schedule reduces (megatron-core sums it into ``num_tokens``).
+
+    megatron-core's ``finalize_model_grads`` sums it over the data-parallel-with-context group,
+    as DDP sums the gradients; every CP rank computes the same pairs' loss, so only CP rank 0
+    counts them and the divisor stays the global pair count whatever CP is."""
+    return torch.tensor(n if is_first_context_parallel_rank() else 0, dtype=torch.int,
+                        device=get_device())
 
 
 def _reference_forward_step(data_iterator, model):
@@ -127,8 +142,9 @@ def _reference_forward_step(data_iterator, model):
 def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
     policy_token_logps = token_logps(logits, batch)
-    log_sum_p2 = (_to_sequence_layout(vocab_parallel_log_sum_p2(logits), batch)
-                  if loss_fn.needs_token_log_sum_p2 else None)
+    log_sum_p2 = (sum_over_context_parallel(
+        _to_sequence_layout(vocab_parallel_log_sum_p2(logits), batch))
+        if loss_fn.needs_token_log_sum_p2 else None)
     losses, metrics = loss_fn(policy_token_logps, batch.reference_logps, batch.loss_mask,
                               log_sum_p2, chosen_only=batch.chosen_only)
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}

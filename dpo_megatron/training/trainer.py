@@ -14,6 +14,7 @@ the engine.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from typing import Optional
@@ -24,6 +25,7 @@ from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch, make_batch_builder
 from dpo_megatron.losses import build_loss
 from dpo_megatron.parallel import initialize_distributed, set_seed
+from dpo_megatron.parallel.context import context_parallel_rank_and_size
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training import model_setup
 from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
@@ -70,10 +72,12 @@ class Trainer:
         self.model_config = model_setup.resolve_model_config(cfg)
         self.data = data if data is not None else load_run_data(cfg, self.model_config,
                                                                 self.sft)
-        multiple = cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size
+        # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
+        multiple = math.lcm(cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
+                            cfg.parallel.sequence_granule())
         self.multiple = multiple
         self.builder = make_batch_builder(self.data.pad_token_id, multiple, cfg.packing,
-                                          self.sft)
+                                          self.sft, context_parallel_rank_and_size())
         policy = model_setup.build_policy(cfg, self.model_config)
         reference = (model_setup.build_reference(cfg, self.model_config, policy)
                      if self.loss_fn.needs_reference else None)
@@ -148,7 +152,8 @@ class Trainer:
                       "model.load.", flush=True)
         unit = "examples" if self.sft else "pairs"
         print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
-              f"{cfg.parallel.pipeline_model_parallel_size} x DP "
+              f"{cfg.parallel.pipeline_model_parallel_size} x CP "
+              f"{cfg.parallel.context_parallel_size} x DP "
               f"{parallel_state.get_data_parallel_world_size()} on {self.device} | "
               f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
               f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",

@@ -1,0 +1,177 @@
+"""Context parallelism: per-sequence log-probs, loss and gradient norm at CP 2 (and CP 4) equal
+CP 1, alone and combined with TP, PP, DP, sequence parallelism, recompute and packing.
+
+Every layout runs the real ``Trainer`` from one distributed checkpoint written at CP 1 (CP does
+not change parameter shards, so the same checkpoint loads at every CP size). Pairs have odd
+lengths, so rows are padded to whole 2 x CP chunks and chunks hold prompt, completion and padding
+tokens in every mix.
+"""
+
+import math
+
+import pytest
+
+from tests.engine import TINY, owns_results, random_pairs, step_record, tiny_trainer
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+
+GLOBAL_PAIRS = 4
+
+
+def _pairs() -> list:
+    return random_pairs(GLOBAL_PAIRS, seed=5, lengths=lambda i: (5 + 3 * i, 4 + i, 7 - i))
+
+
+def _save_initial(ckpt_dir):
+    from dpo_megatron.checkpointing import save_model_checkpoint
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    parallel = ParallelConfig()
+    initialize_distributed(parallel)
+    set_seed(3)
+    save_model_checkpoint(build_model_chunks(ModelConfig(**TINY), parallel), ckpt_dir)
+
+
+def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
+    """``steps`` optimizer steps of the real trainer over the same pairs (optionally under
+    ``HostTensorCheck``)."""
+    import contextlib
+
+    from megatron.core import parallel_state as ps
+
+    from tests.host_tensors import HostTensorCheck
+
+    check = HostTensorCheck() if host_check else contextlib.nullcontext()
+    with check:
+        trainer = tiny_trainer(_pairs(), load=ckpt_dir, global_batch_size=GLOBAL_PAIRS,
+                               steps=steps, lr=1e-3, seed=11, **layout)
+        history = [step_record(*trainer.train_step()) for _ in range(steps)]
+    return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(),
+            "cp_rank": ps.get_context_parallel_rank(), "history": history,
+            "host_report": check.report() if host_check else ""}
+
+
+def _per_pair(results, step, key):
+    """Per-pair values of every DP rank (CP rank 0 of each), in global pair order."""
+    owners = sorted((r for r in results if r["owner"] and r["cp_rank"] == 0),
+                    key=lambda r: r["dp_rank"])
+    return [v for r in owners for v in r["history"][step]["per_pair"][key]]
+
+
+@pytest.fixture(scope="module")
+def initial_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("init") / "ckpt")
+    run_ranks(_save_initial, world_size=1, ckpt_dir=path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def baseline(initial_checkpoint):
+    """The CP 1 padded run, micro-batches of 2 pairs."""
+    return run_ranks(_run_layout, world_size=1, ckpt_dir=initial_checkpoint, micro_batch_size=2)
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _assert_matches(results, baseline):
+    step0 = results[0]["history"][0]["metrics"]
+    assert abs(step0["loss"] - math.log(2)) < 1e-6  # policy == reference at step 0
+    assert step0["rewards/margins"] == 0
+    for step in range(2):  # step 1 runs after one optimizer update
+        got, want = results[0]["history"][step], baseline[0]["history"][step]
+        for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, (step, key)
+        assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-5, step
+        for key in ("logps/chosen", "logps/rejected", "loss"):
+            for a, b in zip(_per_pair(results, step, key), _per_pair(baseline, step, key),
+                            strict=True):
+                assert _rel(a, b) < 1e-5, (step, key)
+    # Every rank (each CP rank included) reports the same metrics.
+    assert all(r["history"][1]["metrics"] == results[0]["history"][1]["metrics"]
+               for r in results)
+
+
+LAYOUTS = {  # name: (world size, layout)
+    "cp2": (2, dict(cp=2)),
+    "cp4": (4, dict(cp=4)),
+    "cp2_tp2_sp": (4, dict(cp=2, tp=2, sp=True)),
+    "cp2_pp2": (4, dict(cp=2, pp=2)),
+    "cp2_pp2_vpp2": (4, dict(cp=2, pp=2, vpp=2)),
+    "cp2_dp2": (4, dict(cp=2)),
+    "cp2_recompute": (2, dict(cp=2, model={"recompute_granularity": "full",
+                                           "recompute_method": "uniform",
+                                           "recompute_num_layers": 1})),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_matches_cp1(initial_checkpoint, baseline, name):
+    world, layout = LAYOUTS[name]
+    results = run_ranks(_run_layout, world_size=world, ckpt_dir=initial_checkpoint,
+                        micro_batch_size=2 if name != "cp2_pp2_vpp2" else 1, **layout)
+    _assert_matches(results, baseline)
+
+
+PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut unit by unit
+    "packed_cp2": (2, dict(cp=2, packing=True)),
+    "packed_cp2_tp2_sp": (4, dict(cp=2, tp=2, sp=True, packing=True)),
+    "packed_rows_cp2": (2, dict(cp=2, packing=True, packing_row_length=32)),
+    "shared_prompt_cp2": (2, dict(cp=2, packing=True, share_prompt=True)),
+    "shared_prompt_cp4": (4, dict(cp=4, packing=True, share_prompt=True)),
+    "shared_prompt_cp2_pp2": (4, dict(cp=2, pp=2, packing=True, share_prompt=True)),
+    # the reference pass run once before training, under CP, then freed
+    "precomputed_shared_prompt_cp2": (2, dict(cp=2, packing=True, share_prompt=True,
+                                              reference_mode="precomputed")),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_and_shared_prompt_context_parallel_match_padded_cp1(initial_checkpoint,
+                                                                    baseline, name):
+    world, layout = PACKED[name]
+    results = run_ranks(_run_layout, world_size=world, ckpt_dir=initial_checkpoint,
+                        micro_batch_size=2, **layout)
+    _assert_matches(results, baseline)
+
+
+def test_context_parallel_leaves_no_tensor_on_the_host(initial_checkpoint):
+    results = run_ranks(_run_layout, world_size=2, ckpt_dir=initial_checkpoint, steps=1,
+                        host_check=True, micro_batch_size=2, cp=2, packing=True,
+                        share_prompt=True)
+    for rank, r in enumerate(results):
+        assert r["host_report"] == "", f"rank {rank}:\n{r['host_report']}"
+
+
+def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
+    """From the shared initial weights: without ``resume``, step 1, a checkpoint, step 2; with
+    it, resume the step-1 checkpoint at this CP size and take step 2."""
+    trainer = tiny_trainer(_pairs(), load=ckpt_dir, global_batch_size=GLOBAL_PAIRS,
+                           micro_batch_size=2, steps=2, lr=1e-3, seed=11, cp=cp,
+                           run_dir=run_dir, resume=resume, use_distributed_optimizer=True)
+    history = []
+    if resume == "none":
+        history.append(step_record(*trainer.train_step()))
+        trainer.checkpointer.save(trainer.counters)
+    history.append(step_record(*trainer.train_step()))
+    return {"history": history, "saved": trainer.checkpointer.latest(),
+            "step": trainer.counters.step}
+
+
+@pytest.mark.parametrize("save_cp, load_cp", [(2, 1), (1, 2)])
+def test_checkpoints_reshard_across_context_parallel_sizes(initial_checkpoint, tmp_path,
+                                                           save_cp, load_cp):
+    """A checkpoint (weights + distributed-optimizer state) saved at one CP size resumes at
+    another: step 2 after the resume equals step 2 of the uninterrupted run (1e-5)."""
+    first = run_ranks(_checkpoint_run, world_size=save_cp, ckpt_dir=initial_checkpoint,
+                      run_dir=str(tmp_path / "first"), cp=save_cp)
+    resumed = run_ranks(_checkpoint_run, world_size=load_cp, ckpt_dir=initial_checkpoint,
+                        run_dir=str(tmp_path / "resumed"), cp=load_cp, resume=first[0]["saved"])
+    assert resumed[0]["step"] == 2
+    want, got = first[0]["history"][1], resumed[0]["history"][0]
+    for key in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
+        assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, key
+    assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-5
