@@ -19,6 +19,8 @@ setup(
         "omegaconf",
         "tensorboard",
         "numpy",
+        # Checkpoint manifests: XXH3-128 checksums (dpo_megatron/checkpointing/integrity.py).
+        "xxhash>=3",
     ],
     extras_require={
         "test": ["pytest"],
