@@ -209,15 +209,22 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def set_numpy_state(state) -> None:
+    """Restore NumPy's legacy global generator from :func:`rng_state`'s ``numpy`` entry (or
+    from ``np.random.get_state()``'s tuple, as checkpoints before tensors held it)."""
+    if isinstance(state, dict):
+        state = (state["bit_generator"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                 state["has_gauss"], state["cached_gaussian"])
+    np.random.set_state(tuple(state))
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state` output."""
     from megatron.core import tensor_parallel
 
     python = state["python"]
     random.setstate((python[0], tuple(python[1]), python[2]))
-    n = state["numpy"]
-    np.random.set_state((n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
+    set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
