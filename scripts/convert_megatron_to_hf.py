@@ -8,7 +8,9 @@
 The architecture is CKPT_DIR/model_config.json (written by convert_hf_to_megatron.py and by
 training) or, with --hf-path, the source HF folder's config.json; config.json, generation config
 and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir overrides). The output
-is written to a temporary folder and renamed into place when complete.
+is written to a temporary folder and renamed into place when complete. Every file of CKPT_DIR is
+checked against its manifest of checksums (and for pickled code) before anything is loaded, and
+the checkpoint used (path, step, run id) is printed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def describe_checkpoint(path: str) -> str:
+    """``<path> (step N, run <id>)`` for a training checkpoint, ``<path>`` for a model-only one."""
+    from dpo_megatron.checkpointing.training_checkpoint import read_train_state
+
+    if not os.path.isfile(os.path.join(path, "train_state.json")):
+        return path
+    state = read_train_state(path)
+    return f"{path} (step {state.get('step')}, run {state.get('run_id') or 'without an id'})"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from dpo_megatron.checkpointing import load_model_checkpoint, load_model_config
@@ -59,7 +71,9 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
-        load_model_checkpoint(chunks, args.load)
+        load_model_checkpoint(chunks, args.load)  # verifies the checksums and pickles first
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"loaded {describe_checkpoint(args.load)}", flush=True)
         export_hf(chunks, model_cfg, args.save, dtype=args.dtype,
                   tokenizer_dir=args.tokenizer_dir)
     finally:

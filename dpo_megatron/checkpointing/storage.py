@@ -30,8 +30,9 @@ from typing import Callable, Optional
 
 from dpo_megatron.checkpointing import ranks
 
-_RESERVE_BYTES = 16 << 20
-"""Free space kept beyond the estimate (file-system metadata, small files, rounding)."""
+_RESERVE_BYTES = 1 << 20
+"""Free space kept beyond the estimate (plus 5% of it): file-system blocks, the small files
+(JSON, RNG states, DCP's index), rounding."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -146,7 +147,7 @@ class CheckpointWriter:
             os.makedirs(parent, exist_ok=True)
             shutil.rmtree(self.tmp, ignore_errors=True)  # a save killed earlier
             free = free_bytes(parent)
-            if needed and free < needed + _RESERVE_BYTES:
+            if needed and free < needed * 1.05 + _RESERVE_BYTES:
                 return (f"no space left on device for checkpoint {self.ckpt_dir}: it needs "
                         f"about {needed / 1e6:.1f} MB, {free / 1e6:.1f} MB free on the file "
                         f"system of {parent}")
