@@ -175,47 +175,52 @@ class Verification:
     def summary(self) -> str:
         if not self.has_manifest:
             return "no manifest.json (saved before checksums): sizes and digests not checked"
-        return (f"{self.files} files, {self.bytes / 1e9:.2f} GB checked ({HASH_NAME}) in "
-                f"{self.seconds:.2f} s")
+        size = (f"{self.bytes / 1e9:.2f} GB" if self.bytes >= 1e9
+                else f"{self.bytes / 1e6:.1f} MB")
+        return f"{self.files} files, {size} checked ({HASH_NAME}) in {self.seconds:.2f} s"
 
 
 def verify_checkpoint(folder: str) -> Verification:
-    """Check every file of a checkpoint against its manifest and scan its pickles (collective:
+    """Check every file of a checkpoint against its manifest, then scan its pickles (collective:
     every rank gets the same result).
 
-    Rank 0 reads the manifest, compares it with the folder's listing and scans the pickled files
-    (:func:`unsafe_pickles`); then every rank hashes its share of the files.
+    Rank 0 reads the manifest and compares it with the folder's listing; every rank hashes its
+    share of the files; rank 0 then scans the pickled files that passed (:func:`unsafe_pickles`:
+    a file that failed its checksum is corrupt, and reported as such only).
     """
     start = time.perf_counter()
-    head = None
-    if ranks.rank() == 0:
-        head = _manifest_and_scan(folder)
-    entries, problems, unsafe = ranks.broadcast_from_rank0(head)
+    head = _manifest_and_listing(folder) if ranks.rank() == 0 else None
+    entries, problems = ranks.broadcast_from_rank0(head)
     local = []
     for name in _share(sorted(entries or {})):
         local.extend(_check_file(folder, name, entries[name]))
     for part in ranks.gather_to_all(local):
         problems.extend(part)
-    return Verification(problems=problems, unsafe=unsafe, has_manifest=entries is not None,
-                        files=len(entries or {}),
+    scan = None
+    if ranks.rank() == 0:
+        failed = {p.split(": ", 1)[0] for p in problems}
+        scan = unsafe_pickles(folder, skip=failed)
+    unsafe = ranks.broadcast_from_rank0(scan)
+    return Verification(problems=problems + unsafe,
+                        unsafe=any("unreadable" not in p for p in unsafe),
+                        has_manifest=entries is not None, files=len(entries or {}),
                         bytes=sum(e["size"] for e in (entries or {}).values()),
                         seconds=time.perf_counter() - start)
 
 
-def _manifest_and_scan(folder: str) -> tuple[Optional[dict], list[str], bool]:
-    problems: list[str] = []
+def _manifest_and_listing(folder: str) -> tuple[Optional[dict], list[str]]:
     try:
         manifest = read_manifest(folder)
     except CheckpointIntegrityError as e:
-        return {}, e.problems, False
-    entries = None if manifest is None else manifest["files"]
-    if entries is not None:
-        present = set(checkpoint_files(folder))
-        problems += [f"{name}: missing" for name in sorted(set(entries) - present)]
-        problems += [f"{name}: not in the manifest (added after the save)"
-                     for name in sorted(present - set(entries))]
-    unsafe = unsafe_pickles(folder)
-    return entries, problems + unsafe, bool(unsafe)
+        return {}, e.problems
+    if manifest is None:
+        return None, []
+    entries = manifest["files"]
+    present = set(checkpoint_files(folder))
+    problems = [f"{name}: missing" for name in sorted(set(entries) - present)]
+    problems += [f"{name}: not in the manifest (added after the save)"
+                 for name in sorted(present - set(entries))]
+    return entries, problems
 
 
 def _check_file(folder: str, name: str, entry: dict) -> list[str]:
@@ -286,20 +291,26 @@ def load_weights_only(path: str, what: Optional[str] = None):
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         folder = os.path.dirname(path)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = _refusal_reason(e)
         raise UnsafeCheckpointError(folder, [
             f"{what or os.path.basename(path)}: holds objects other than tensors and plain "
             f"containers, refused ({reason})"]) from None
+
+
+def _refusal_reason(e: BaseException) -> str:
+    """The line of torch's weights-only refusal that names what was refused."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return (named or lines or [type(e).__name__])[0][:200]
 
 
 def _weights_only_problem(data: bytes) -> Optional[str]:
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        text = str(e).strip()
-        return text.splitlines()[0] if text else type(e).__name__
+        return _refusal_reason(e)
     except Exception as e:  # not even a torch file: corrupt rather than unsafe
-        return f"unreadable ({type(e).__name__}: {e})"
+        return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     return None
 
 
@@ -320,14 +331,17 @@ def _dcp_items(folder: str, byte_items: bool):
             yield info.relative_path, index.fqn, f.read(info.length)
 
 
-def unsafe_pickles(folder: str) -> list[str]:
+def unsafe_pickles(folder: str, skip: frozenset = frozenset()) -> list[str]:
     """Problems of the pickled files of a checkpoint, each naming the file (one process, no
-    collective): ``.metadata``, the byte items of ``*.distcp``, ``common.pt``, ``rng/*.pt``.
-    An empty list: loading them runs no code."""
+    collective): ``.metadata``, the byte items of ``*.distcp``, ``common.pt``, ``rng/*.pt``
+    (files named in ``skip``, already known to be corrupt, are not read). An empty list:
+    loading them runs no code."""
     problems = []
-    if os.path.isfile(os.path.join(folder, _DCP_METADATA)):
+    if os.path.isfile(os.path.join(folder, _DCP_METADATA)) and _DCP_METADATA not in skip:
         try:
             for path, key, data in _dcp_items(folder, byte_items=True):
+                if path in skip:
+                    continue
                 reason = ("stored with a transform, cannot be checked" if data is None
                           else _weights_only_problem(data))
                 if reason:
@@ -342,7 +356,7 @@ def unsafe_pickles(folder: str) -> list[str]:
         names += [f"rng/{n}" for n in sorted(os.listdir(rng_dir))]
     for name in names:
         path = os.path.join(folder, name)
-        if os.path.isfile(path):
+        if os.path.isfile(path) and name not in skip:
             with open(path, "rb") as f:
                 reason = _weights_only_problem(f.read())
             if reason:

@@ -68,7 +68,8 @@ def checkpoint_files(ckpt_dir) -> dict:
         out[name] = digest
     with open(os.path.join(ckpt_dir, ".metadata"), "rb") as f:
         metadata = pickle.load(f)  # written by the test's own runs
-    out[".metadata"] = (repr(metadata.state_dict_metadata), repr(metadata.storage_data))
+    out[".metadata"] = (sorted(map(repr, metadata.state_dict_metadata.items())),
+                        sorted(map(repr, metadata.storage_data.items())))
     state = json.loads(Path(ckpt_dir, "train_state.json").read_text())
     state.pop("run_id")
     out["train_state.json"] = state
@@ -138,3 +139,216 @@ def test_full_disk_is_named_removes_its_tmp_and_the_previous_checkpoint_loads(
                   *common[1:], world_size=2, tp=2)
         log = (run_dir / "train.log").read_text()
         assert f"verified {ckpts / 'iter_0000001'}" in log and "nothing to do" in log
+
+
+# ----------------------------------------------------------------------------------------------
+# corrupted and planted checkpoints
+
+FOUR_STEPS = ["train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.keep_last_n=0"]
+
+
+def _convert(load, save):
+    import runpy
+
+    converter = runpy.run_path(str(ROOT / "scripts" / "convert_megatron_to_hf.py"),
+                               run_name="converter")
+    converter["main"](["--load", load, "--save", save])
+
+
+def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    base = tmp_path / "base"
+    run_train(base, data_file, tok_dir, *FOUR_STEPS)
+    shard = sorted(p.name for p in (base / "checkpoints" / "iter_0000004").glob("*.distcp"))[0]
+
+    # resume=auto: the newest checkpoint has 4 KiB flipped in a shard and metrics.jsonl a torn
+    # last line (killed mid-write): it resumes from iter_2, says why, and redoes steps 3-4
+    # exactly.
+    auto = tmp_path / "auto"
+    shutil.copytree(base, auto)
+    flip_bytes(str(auto / "checkpoints" / "iter_0000004" / shard))
+    with open(auto / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "split": "tra')
+    run_train(auto, data_file, tok_dir, *FOUR_STEPS, "checkpoint.resume=auto")
+    log = (auto / "train.log").read_text()
+    bad = auto / "checkpoints" / "iter_0000004"
+    assert f"WARNING: skipped checkpoint {bad}: {shard}: xxh3_128 digest" in log
+    assert f"(moved to {bad}.corrupt)" in log and (auto / "checkpoints" / "iter_0000004.corrupt"
+                                                   ).is_dir()
+    assert f"resumed from {auto / 'checkpoints' / 'iter_0000002'} at step 2" in log
+    assert "dropped its torn last line" in log
+    assert exact_metrics(auto) == exact_metrics(base)
+    assert checkpoint_files(bad) == checkpoint_files(base / "checkpoints" / "iter_0000004")
+
+    # Naming the corrupted checkpoint explicitly -- as checkpoint.resume, model.load, or to the
+    # Hugging Face converter -- is an error naming the file.
+    corrupt = tmp_path / "corrupt" / "iter_0000004"
+    shutil.copytree(base / "checkpoints" / "iter_0000004", corrupt)
+    flip_bytes(str(corrupt / shard))
+    expected = f"CheckpointIntegrityError: checkpoint {corrupt} failed verification: {shard}: "
+    for name, overrides in (("explicit", [f"checkpoint.resume={corrupt}"]),
+                            ("model_load", [f"model.load={corrupt}"])):
+        error = _failure(_train, world_size=1, run_dir=str(tmp_path / name),
+                         data_file=data_file, tok_dir=tok_dir,
+                         overrides=["train.train_iters=5", *overrides])
+        assert expected in error, (name, error[-1500:])
+    error = _failure(_convert, world_size=1, load=str(corrupt), save=str(tmp_path / "hf"))
+    assert expected in error and not (tmp_path / "hf").exists()
+
+
+def test_a_payload_in_a_tensor_item_is_refused_at_load_naming_its_file(tmp_path, fixture_files):
+    """The tensor items of a shard are read by torch DCP (weights_only=True): a payload there,
+    with .metadata and the manifest rewritten to match, is refused and traced to its file."""
+    data_file, tok_dir = fixture_files
+    run_train(tmp_path / "run", data_file, tok_dir, "train.train_iters=2",
+              "checkpoint.save_interval=2")
+    ckpt = tmp_path / "planted" / "iter_0000002"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "iter_0000002", ckpt)
+    marker = tmp_path / "PAYLOAD_RAN"
+    shard = plant_in_dcp_item(str(ckpt), str(marker), byte_item=False)
+    error = _failure(_train, world_size=1, run_dir=str(tmp_path / "resumed"),
+                     data_file=data_file, tok_dir=tok_dir,
+                     overrides=["train.train_iters=3", f"checkpoint.resume={ckpt}"])
+    assert f"UnsafeCheckpointError: checkpoint {ckpt} failed verification: {shard}: item " in error
+    assert "refused" in error and not marker.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# one run per run_dir, and SIGTERM
+
+
+def _wait_for(predicate, what: str, timeout: float = 300.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_one_run_per_run_dir_and_sigterm_saves(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    run_dir = tmp_path / "run"
+    ctx = process_context()
+    first = ctx.Process(target=_train, kwargs=dict(
+        run_dir=str(run_dir), data_file=data_file, tok_dir=tok_dir,
+        overrides=["train.train_iters=500", "checkpoint.save_interval=0"]))
+    first.start()
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "step 1")
+
+    # A second run on the folder, continuing or fresh, is refused while the first holds it.
+    for resume in ("auto", "none"):
+        error = _failure(_train, world_size=1, run_dir=str(run_dir), data_file=data_file,
+                         tok_dir=tok_dir, overrides=["train.train_iters=2",
+                                                     f"checkpoint.resume={resume}"])
+        assert f"run_dir {run_dir} is in use by another run (pid {first.pid} on " in error
+
+    # SIGTERM: the run saves the step it is in and exits with 128 + 15.
+    os.kill(first.pid, signal.SIGTERM)
+    first.join(120)
+    assert first.exitcode == 143
+    log = (run_dir / "train.log").read_text()
+    assert "received SIGTERM: saving a checkpoint at the end of this step" in log
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(stopped) == 1 and "continue with checkpoint.resume=auto" in stopped[0]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    ckpt = run_dir / "checkpoints" / f"iter_{step:07d}"
+    assert stopped[0] == (f"stopped by SIGTERM after step {step}: saved checkpoint {ckpt}; "
+                          f"continue with checkpoint.resume=auto")
+
+    # A fresh run over it is refused and changes nothing.
+    before = tree_digest(str(run_dir))
+    error = _failure(_train, world_size=1, run_dir=str(run_dir), data_file=data_file,
+                     tok_dir=tok_dir, overrides=["train.train_iters=2"])
+    assert f"run_dir {run_dir} already holds a run (1 checkpoint folder(s)" in error
+    assert tree_digest(str(run_dir)) == before
+
+    # resume=auto continues it (the stale lock of the killed run is no obstacle).
+    run_train(run_dir, data_file, tok_dir, f"train.train_iters={step + 1}",
+              "checkpoint.resume=auto")
+    assert sorted(read_metrics(run_dir)) == list(range(1, step + 2))
+
+    # overwrite=true moves the old run aside, byte for byte, and starts afresh.
+    before = tree_digest(str(run_dir))
+    run_train(run_dir, data_file, tok_dir, "train.train_iters=1", "checkpoint.overwrite=true")
+    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert tree_digest(str(moved)) == {k: v for k, v in before.items() if k != "run.lock"}
+    assert sorted(read_metrics(run_dir)) == [1]
+    assert os.listdir(run_dir / "checkpoints") == ["iter_0000001"]
+    assert f"moved the previous run to {moved}" in (run_dir / "train.log").read_text()
+
+
+def _train_signalled(run_dir, data_file, tok_dir, overrides, signal_rank, at_step):
+    """train() where global rank ``signal_rank`` alone gets SIGTERM during step ``at_step``."""
+    import torch.distributed as dist
+
+    from dpo_megatron.training.shutdown import RunInterrupted
+    from dpo_megatron.training.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def train_step(self):
+        out = real_step(self)
+        if self.counters.step == at_step and dist.get_rank() == signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    Trainer.train_step = train_step
+    try:
+        _train(run_dir, data_file, tok_dir, overrides)
+    except RunInterrupted as e:
+        return {"code": e.code, "step": e.step, "checkpoint": e.checkpoint, "saved": e.saved}
+    return None
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, fixture_files):
+    data_file, tok_dir = fixture_files
+    common = ["train.train_iters=4", "checkpoint.save_interval=0", "checkpoint.keep_last_n=0",
+              "parallel.tensor_model_parallel_size=2"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_train(straight, data_file, tok_dir, *common, "checkpoint.save_interval=2",
+              world_size=2, tp=2)
+    results = run_ranks(_train_signalled, world_size=2, run_dir=str(stopped),
+                        data_file=data_file, tok_dir=tok_dir, overrides=common, signal_rank=1,
+                        at_step=2)
+    ckpt = stopped / "checkpoints" / "iter_0000002"
+    assert results == [{"code": 143, "step": 2, "checkpoint": str(ckpt), "saved": True}] * 2
+    assert sorted(read_metrics(stopped)) == [1, 2]
+    run_train(stopped, data_file, tok_dir, *common, "checkpoint.resume=auto", world_size=2, tp=2)
+    assert exact_metrics(stopped) == exact_metrics(straight)
+    for name in ("iter_0000002", "iter_0000004"):
+        assert checkpoint_files(stopped / "checkpoints" / name) == \
+            checkpoint_files(straight / "checkpoints" / name)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN steps
+
+
+def _save_before_any_update(run_dir):
+    from tests.engine import random_pairs, tiny_trainer
+
+    trainer = tiny_trainer(random_pairs(4, 0, lambda i: (3, 2, 2)), run_dir=run_dir, steps=1,
+                           model={"num_layers": 2})
+    path = trainer.checkpointer.save(trainer.counters)
+    trainer.close()
+    return path, sorted(os.listdir(run_dir))
+
+
+def test_no_checkpoint_of_a_skipped_step_nor_before_the_first_update(tmp_path, fixture_files):
+    from tests.training.test_lifecycle import _nan_after
+
+    data_file, tok_dir = fixture_files
+    message = run_ranks(_nan_after, world_size=1, step_from=1, run_dir=str(tmp_path / "nan"),
+                        data_file=data_file, tok_dir=tok_dir,
+                        overrides=["train.train_iters=4", "checkpoint.save_interval=1",
+                                   "train.max_nonfinite_steps=3"])[0]
+    assert "3 steps in a row (up to step 3)" in message and "Last checkpoint: None" in message
+    assert not (tmp_path / "nan" / "checkpoints").exists()  # nothing written, no .tmp
+    log = (tmp_path / "nan" / "train.log").read_text()
+    assert "step 1: its update was skipped (non-finite loss or gradient): no checkpoint" in log
+
+    path, listing = run_ranks(_save_before_any_update, world_size=1,
+                              run_dir=str(tmp_path / "fresh"))[0]
+    assert path is None and "checkpoints" not in listing
+    assert "step 0: no optimizer update applied yet" in (tmp_path / "fresh" / "train.log"
+                                                         ).read_text()
