@@ -28,6 +28,11 @@ if [[ $has_config == 0 ]]; then args=(--config "$DEFAULT_CONFIG" "${args[@]+"${a
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# Ctrl-C / SIGTERM: torchrun forwards the signal to its ranks, which finish their step and save a
+# checkpoint (dpo_megatron/training/shutdown.py); give them this long before torchrun's SIGKILL
+# (torchrun's --shutdown-timeout, 30 s by default: less than one SmolLM2 save on a busy CPU).
+# Killing this script with SIGKILL takes the ranks with it (parent-death signal in each rank).
+export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 
 # Already one rank of a launched job (torchrun sets TORCHELASTIC_RUN_ID; torchrun --no-python runs
 # this script once per rank): do not launch again.

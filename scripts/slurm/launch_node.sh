@@ -45,6 +45,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # megatron-core TP overlap
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # fail, not hang
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# SIGTERM (scancel, preemption): the ranks save a checkpoint at the end of their step; torchrun
+# waits this long for them before SIGKILL (keep it below the cluster's KillWait).
+export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 # Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA in the sbatch file when the cluster needs them.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
