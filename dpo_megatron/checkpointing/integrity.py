@@ -379,20 +379,10 @@ def unsafe_tensor_items(folder: str) -> list[str]:
 def is_weights_only_refusal(exc: BaseException) -> bool:
     """True when ``exc`` (or what it wraps: its cause / context chain, torch DCP's per-rank
     failures) is torch's weights-only unpickling refusal."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):
-            return True
-        stack += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return False
+    from dpo_megatron.checkpointing.storage import exceptions_in
+
+    return any(isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e)
+               for e in exceptions_in(exc))
 
 
 def verify_or_raise(folder: str) -> Verification:

@@ -81,22 +81,25 @@ def _read_only(path: str) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
-def _find_oserror(exc: BaseException) -> Optional[OSError]:
-    """The first OSError with an errno in ``exc``'s cause / context chain or in torch DCP's
-    per-rank failures."""
+def exceptions_in(exc: BaseException):
+    """``exc`` and every exception it wraps: its cause / context chain and torch DCP's per-rank
+    failures (``CheckpointException.failures``), each once."""
     seen, stack = set(), [exc]
     while stack:
         e = stack.pop(0)
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno:
-            return e
+        yield e
         stack += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return None
+
+
+def _find_oserror(exc: BaseException) -> Optional[OSError]:
+    """The first OSError with an errno among :func:`exceptions_in` ``exc``."""
+    return next((e for e in exceptions_in(exc) if isinstance(e, OSError) and e.errno), None)
 
 
 def describe_storage_error(exc: BaseException, path: str) -> str:

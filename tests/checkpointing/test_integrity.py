@@ -28,7 +28,6 @@ from tests.checkpointing.faults import (
     plant_in_dcp_item,
     plant_in_dcp_metadata,
     plant_in_pt_file,
-    rehash,
 )
 from tests.engine import random_pairs, tiny_trainer
 from tests.multirank import run_ranks

@@ -31,7 +31,6 @@ from tests.training.test_lifecycle import (
     _train,
     read_metrics,
     run_train,
-    tiny_config,
     write_fixture,
 )
 
@@ -352,3 +351,150 @@ def test_no_checkpoint_of_a_skipped_step_nor_before_the_first_update(tmp_path, f
     assert path is None and "checkpoints" not in listing
     assert "step 0: no optimizer update applied yet" in (tmp_path / "fresh" / "train.log"
                                                          ).read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# the launcher: kill -9 at random moments, Ctrl-C
+
+
+KILL_RUN = ["train.train_iters=8", "checkpoint.save_interval=2", "checkpoint.keep_last_n=0",
+            "data.eval_fraction=0.2", "train.eval_interval=3",
+            "parallel.tensor_model_parallel_size=2"]
+"""2 ranks, 8 steps, a checkpoint every 2 and an evaluation every 3 steps: a random moment
+lands in start-up, a step, an evaluation or a save."""
+
+
+def _launcher_args(run_dir, data_file, tok_dir, *overrides) -> list[str]:
+    config = Path(run_dir).parent / "empty.yaml"
+    config.write_text("{}\n")
+    return ["bash", str(ROOT / "scripts" / "pretrain_dpo.sh"), "--config", str(config),
+            f"run_dir={run_dir}", f"data.path={data_file}", f"data.tokenizer={tok_dir}",
+            "data.format=standard", "data.max_length=32", "data.max_prompt_length=16",
+            "data.cache_dir=none", "data.verbose=false", "model.vocab_size=400", *TINY_MODEL,
+            "train.micro_batch_size=1", "train.global_batch_size=4", "train.lr=1e-3",
+            "train.lr_decay_style=cosine", "train.lr_warmup_iters=1", "train.weight_decay=0.01",
+            "logging.tensorboard=false", *KILL_RUN, *overrides]
+
+
+def _launch(run_dir, data_file, tok_dir, *overrides) -> tuple[subprocess.Popen, str]:
+    """``scripts/pretrain_dpo.sh`` (torchrun, 2 ranks) in its own session; returns the process
+    and the marker in its environment (to find its ranks)."""
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", DPO_TEST_MARKER=marker)
+    log = open(Path(run_dir).parent / f"{Path(run_dir).name}-{marker[:6]}.out", "w")
+    proc = subprocess.Popen(_launcher_args(run_dir, data_file, tok_dir, *overrides), cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.output_path = log.name
+    return proc, marker
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker`` (the launcher and its ranks)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"DPO_TEST_MARKER={marker}".encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _run_to_end(run_dir, data_file, tok_dir, *overrides) -> str:
+    proc, _ = _launch(run_dir, data_file, tok_dir, *overrides)
+    rc = proc.wait(timeout=900)
+    output = Path(proc.output_path).read_text()
+    assert rc == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, fixture_files):
+    """The reference: the same job, launched the same way, never interrupted."""
+    data_file, tok_dir = fixture_files
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    _run_to_end(run_dir, data_file, tok_dir)
+    return run_dir
+
+
+def _assert_same_run(run_dir, straight) -> None:
+    assert exact_metrics(run_dir) == exact_metrics(straight)
+    names = sorted(os.listdir(straight / "checkpoints"))
+    # Every checkpoint of the reference, plus possibly the one a signal asked for.
+    assert set(names) <= set(os.listdir(run_dir / "checkpoints"))
+    for name in names:
+        assert checkpoint_files(run_dir / "checkpoints" / name) == \
+            checkpoint_files(straight / "checkpoints" / name), name
+
+
+def _train_records(run_dir) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    return path.read_text().count('"split": "train"') if path.exists() else 0
+
+
+def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
+        tmp_path, fixture_files, straight_run):
+    """Three times: kill -9 the launcher's process group (bash, torchrun) at a random moment:
+    after a random number of logged steps (0: as soon as the run folder is open, i.e. during
+    start-up; one draw in each third of the run) plus up to 1.5 s, so that it lands in start-up,
+    a step, an evaluation or a save. Its ranks, in sessions of their own, must be gone within 10 s
+    (parent-death signal); resume=auto must then finish with the reference's metrics and
+    checkpoint files, bit for bit. ``DPO_KILL_SEED`` replays a failing draw."""
+    data_file, tok_dir = fixture_files
+    straight = straight_run
+    seed = int(os.environ.get("DPO_KILL_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    for trial in range(3):
+        # One draw in each third of the run: start-up or step 1, steps 2-4, steps 5-7.
+        after_steps = rng.randint(*((0, 1), (2, 4), (5, 6))[trial])
+        extra = rng.uniform(0.0, 1.5)
+        run_dir = tmp_path / f"trial{trial}"
+        proc, marker = _launch(run_dir, data_file, tok_dir)
+        _wait_for(lambda: (run_dir / "train.log").exists()
+                  and _train_records(run_dir) >= after_steps, f"{after_steps} steps")
+        time.sleep(extra)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 10
+        while _processes_with(marker) and time.time() < deadline:
+            time.sleep(0.1)
+        where = (f"seed {seed}, trial {trial}: killed {extra:.2f} s after {after_steps} steps; "
+                 f"{_train_records(run_dir)} step records, checkpoints "
+                 f"{sorted(os.listdir(run_dir / 'checkpoints')) if (run_dir / 'checkpoints').exists() else []}")
+        print(where)
+        assert not _processes_with(marker), f"ranks outlived the launcher ({where})"
+        assert not (run_dir / "checkpoints" / "iter_0000008").exists(), where
+        _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
+        _assert_same_run(run_dir, straight)
+
+
+def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
+        tmp_path, fixture_files, straight_run):
+    """SIGINT to torchrun (what Ctrl-C does: torch elastic forwards it to its ranks): every rank
+    stops after the same step with a checkpoint of it; the run exits non-zero; resume=auto
+    finishes exactly like the reference."""
+    data_file, tok_dir = fixture_files
+    straight = straight_run
+    run_dir = tmp_path / "run"
+    proc, marker = _launch(run_dir, data_file, tok_dir)
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "step 1")
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) != 0
+    output = Path(proc.output_path).read_text()
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGINT")]
+    assert len(stopped) == 1, output[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert f"saved checkpoint {run_dir / 'checkpoints' / f'iter_{step:07d}'}" in stopped[0]
+    assert not _processes_with(marker)
+    _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
+    _assert_same_run(run_dir, straight)

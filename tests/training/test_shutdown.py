@@ -94,7 +94,7 @@ def test_outside_torch_elastic_nothing_is_armed():
     launcher = _launcher(env_marker=False)
     pid, armed = launcher.stdout.readline().split()
     try:
-        assert armed == "False"  # a process started from a shell must outlive nothing
+        assert armed == "False"  # no parent-death signal outside torch elastic
     finally:
         os.kill(int(pid), signal.SIGKILL)
         launcher.kill()
