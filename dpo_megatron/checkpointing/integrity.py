@@ -172,12 +172,15 @@ class Verification:
             cls = UnsafeCheckpointError if self.unsafe else CheckpointIntegrityError
             raise cls(ckpt_dir, self.problems)
 
-    def summary(self) -> str:
+    def report(self, ckpt_dir: str) -> str:
+        """The line rank 0 prints about a checkpoint that passed."""
         if not self.has_manifest:
-            return "no manifest.json (saved before checksums): sizes and digests not checked"
+            return (f"WARNING: {ckpt_dir} has no {MANIFEST_FILE} (saved before checksums): its "
+                    f"files' sizes and digests cannot be checked (its pickles were scanned)")
         size = (f"{self.bytes / 1e9:.2f} GB" if self.bytes >= 1e9
                 else f"{self.bytes / 1e6:.1f} MB")
-        return f"{self.files} files, {size} checked ({HASH_NAME}) in {self.seconds:.2f} s"
+        return (f"verified {ckpt_dir}: {self.files} files, {size} checked ({HASH_NAME}) in "
+                f"{self.seconds:.2f} s")
 
 
 def verify_checkpoint(folder: str) -> Verification:
@@ -395,7 +398,7 @@ def verify_or_raise(folder: str) -> Verification:
     verification = verify_checkpoint(folder)
     verification.raise_if_failed(folder)
     if ranks.rank() == 0:
-        print(f"verified {folder}: {verification.summary()}", flush=True)
+        print(verification.report(folder), flush=True)
     return verification
 
 

@@ -203,7 +203,7 @@ class Checkpointer:
                 skipped.append((path, verification.problems))
                 continue
             self._report_skipped(skipped)
-            _say(f"verified {path}: {verification.summary()}")
+            _say(verification.report(path))
             note = layout_note(path, self.use_distributed_optimizer)
             counters, state = resume_run(path, self.policy, self.optimizer, self.scheduler,
                                          self.sampler, self.loss_fn,

@@ -254,7 +254,7 @@ def check_no_mixing(cfg, run_dir: str, save_dir: str) -> list[str]:
     """
     ckpt = cfg.checkpoint
     resume = ckpt.resume or "none"
-    overwrite = bool(getattr(ckpt, "overwrite", False))
+    overwrite = ckpt.overwrite
     if overwrite and resume == "auto":
         raise RunDirError("checkpoint.overwrite=true starts the run afresh, "
                           "checkpoint.resume=auto continues it: choose one")

@@ -93,7 +93,7 @@ def test_unreadable_manifest_and_legacy_checkpoint(ckpt):
     os.remove(os.path.join(ckpt, MANIFEST_FILE))
     legacy = verify_checkpoint(ckpt)
     assert legacy.problems == [] and not legacy.has_manifest  # saved before manifests
-    assert "no manifest.json" in legacy.summary()
+    assert "has no manifest.json (saved before checksums)" in legacy.report(ckpt)
     open(os.path.join(ckpt, MANIFEST_FILE), "w").write("{not json")
     assert verify_checkpoint(ckpt).problems[0].startswith(f"{MANIFEST_FILE}: unreadable")
 
