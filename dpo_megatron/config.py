@@ -2,34 +2,52 @@
 
     python -m dpo_megatron.train --config configs/dpo_smollm2_cpu.yaml loss.beta=0.2 \
         parallel.tensor_model_parallel_size=2
+    python -m dpo_megatron.config --list-keys          # every key: type, default, valid range
+    python -m dpo_megatron.config --config F --print-config [k=v ...]
 
 Each section is a dataclass owned by the package that uses it (``ParallelConfig``,
-``ModelConfig``, ``DataConfig``, ``TrainConfig``); ``loss`` is a free mapping validated by
-``dpo_megatron.losses.build_loss`` against the chosen loss's own parameters. ``${asset:NAME}``
-in a YAML value resolves to a cached offline asset (``dpo_megatron.assets``).
+``ModelConfig``, ``DataConfig``, ``TrainConfig``, ...), and each checks the ranges of its own
+fields in its ``validate()``; :func:`validate` runs them and then the rules that span sections.
+``loss`` is a free mapping validated by ``dpo_megatron.losses.build_loss`` against the chosen
+loss's own parameters. ``${asset:NAME}`` in a YAML value resolves to a cached offline asset
+(``dpo_megatron.assets``).
+
+Shorthands: ``loss=ipo`` is ``loss.name=ipo`` (a fresh loss section, as ``loss.name`` always
+is); ``model=NAME`` expands a preset of ``models.config.MODEL_PRESETS``; ``key=`` clears a string
+key (``''``), a list key (``[]``) or an optional key (null). Any other scalar given to a section is
+an error that says what the section takes.
+
+This module imports no torch and no megatron-core until the loss is checked (torch) and the
+layout is checked (megatron-core, :func:`check_model_layout`), so that ``python -m
+dpo_megatron.config`` (the launchers' pre-check) reports a config mistake within seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import inspect
 import os
+import textwrap
 import warnings
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Optional, Sequence, get_type_hints
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 
 filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
 
-from dpo_megatron.data.config import DataConfig
-from dpo_megatron.data.packing import PackingConfig
-from dpo_megatron.models.config import ModelConfig
-from dpo_megatron.parallel.config import ParallelConfig
-from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+from dpo_megatron.config_checks import check_choice, check_range  # noqa: E402
+from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
+from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig  # noqa: E402
+from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
+from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
+
+EXPORT_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass
@@ -39,9 +57,10 @@ class CheckpointConfig:
     save: str = ""
     """Checkpoint directory (empty: <run_dir>/checkpoints)."""
     save_interval: int = 0
-    """Steps between checkpoints (0: only at the end)."""
+    """Steps between checkpoints (>= 0; 0: only at the end)."""
     keep_last_n: int = 2
-    """Checkpoints kept; older ones are deleted after a newer one is complete (0: keep all)."""
+    """Checkpoints kept (>= 0); older ones are deleted after a newer one is complete (0: keep
+    all)."""
     resume: str = "none"
     """Continue a run: ``none`` (start fresh), ``auto`` (the latest complete checkpoint in the
     save directory, else start fresh), or a checkpoint folder (or a folder of them: its latest).
@@ -54,6 +73,12 @@ class CheckpointConfig:
     """Also write the final policy as a Hugging Face folder (<save>/hf)."""
     export_dtype: str = "bfloat16"
     """dtype of the exported HF weights: bfloat16 or float32."""
+
+    def validate(self) -> None:
+        """Raises ValueError for a negative interval or count, or an unknown export dtype."""
+        check_range("checkpoint", self, "save_interval", 0, why="0: only at the end")
+        check_range("checkpoint", self, "keep_last_n", 0, why="0: keep all")
+        check_choice("checkpoint", self, "export_dtype", EXPORT_DTYPES)
 
 
 @dataclass
@@ -69,7 +94,8 @@ class DPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Preference data and tokenization."""
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "sigmoid", "beta": 0.1})
-    """Loss name and its parameters (``loss.name=ipo loss.beta=0.5``); see dpo_megatron.losses."""
+    """Loss name and its parameters (``loss.name=ipo loss.beta=0.5``, or ``loss=ipo``); see
+    dpo_megatron.losses. ``dpo`` is an alias of ``sigmoid``."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch sizes, optimizer, LR schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -85,21 +111,25 @@ class DPOConfig:
 def _resolve_asset(name: str) -> str:
     from dpo_megatron import assets
 
-    getters = {
-        "smollm2": assets.ensure_smollm2,
-        "dpo_en_demo": assets.ensure_dpo_en_demo,
-        "alpaca_en_demo": assets.ensure_alpaca_en_demo,
-        "sentencepiece": assets.ensure_sentencepiece_model,
-    }
-    if name not in getters:
-        raise ValueError(f"unknown asset {name!r}; known: {sorted(getters)}")
-    return str(getters[name]())
+    if name not in assets.ASSETS:
+        raise ValueError(f"unknown asset {name!r}; known: {sorted(assets.ASSETS)}")
+    return str(assets.ASSETS[name]())
 
 
 if not OmegaConf.has_resolver("asset"):
     with warnings.catch_warnings():  # omegaconf 2.4 renames it; 2.1-2.3 only have this name
         warnings.simplefilter("ignore")
         OmegaConf.register_new_resolver("asset", _resolve_asset)
+
+
+# ----------------------------------------------------------------------------------------------
+# the tree's keys
+
+
+def _sections() -> dict[str, type]:
+    """Section name -> its dataclass (``loss`` is a mapping, not a dataclass)."""
+    hints = get_type_hints(DPOConfig)
+    return {f.name: hints[f.name] for f in fields(DPOConfig) if is_dataclass(hints[f.name])}
 
 
 def _valid_keys(node_type: type, prefix: str = "") -> list[str]:
@@ -113,6 +143,62 @@ def _valid_keys(node_type: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _field_of(key: str):
+    """The dataclass field and its resolved type for a dotted key, or (None, None)."""
+    node: type = DPOConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not is_dataclass(node):
+            return None, None
+        match = [f for f in fields(node) if f.name == part]
+        if not match:
+            return None, None
+        hint = get_type_hints(node)[part]
+        if i == len(parts) - 1:
+            return match[0], hint
+        node = hint
+    return None, None
+
+
+def _field_docs(node_type: type) -> dict[str, str]:
+    """Field name -> its docstring (the string literal after the field in the class body)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(node_type)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def list_keys() -> str:
+    """Every key of the tree with its type, default and documentation (valid range included),
+    one block per key; ``loss.*`` keys depend on the loss (``dpo_megatron.losses``)."""
+    lines = []
+
+    def walk(node_type: type, prefix: str) -> None:
+        docs = _field_docs(node_type)
+        hints = get_type_hints(node_type)
+        for f in fields(node_type):
+            default = (f.default_factory() if f.default_factory is not MISSING  # type: ignore[misc]
+                       else f.default)
+            if is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+                continue
+            hint = hints[f.name]
+            kind = (str(hint).replace("typing.", "") if getattr(hint, "__args__", None)
+                    else getattr(hint, "__name__", str(hint)))
+            lines.append(f"{prefix}{f.name} ({kind}, default {default!r})")
+            if f.name in docs:
+                lines.extend("    " + line for line in textwrap.wrap(docs[f.name], 92))
+
+    walk(DPOConfig, "")
+    lines.append("loss.<parameter>: the parameters of the chosen loss.name (see README, Losses)")
+    return "\n".join(lines)
+
+
 def _unknown_key_message(bad_key: str, source: str) -> str:
     """Name the key and its source, suggest close matches, list the section's valid keys."""
     keys = _valid_keys(DPOConfig)
@@ -123,6 +209,69 @@ def _unknown_key_message(bad_key: str, source: str) -> str:
     listing = (f"Valid keys of {section}: {', '.join(in_section)}" if in_section else
                f"Valid sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}")
     return f"unknown config key {bad_key!r} (from {source}).{hint} {listing}"
+
+
+# ----------------------------------------------------------------------------------------------
+# shorthands: a scalar given to a section, and ``key=`` with no value
+
+
+def _section_scalar(section: str, value: Any, source: str) -> dict:
+    """What ``section=value`` stands for, as that section's keys.
+
+    Raises:
+        ValueError: a section that takes no scalar, or an unknown model preset.
+    """
+    if section == "loss":
+        if value == "" or isinstance(value, (dict, DictConfig)):
+            raise ValueError(f"loss= needs a loss name (from {source}), e.g. loss=ipo or "
+                             f"loss.name=sigmoid loss.beta=0.1")
+        return {"name": value}
+    if section == "model":
+        if value in MODEL_PRESETS:
+            return dict(MODEL_PRESETS[value])
+        presets = ", ".join(sorted(MODEL_PRESETS)) or "none yet"
+        raise ValueError(
+            f"model={value} (from {source}): model is a section, not a value. Give it a preset "
+            f"name ({presets}) or its keys: model.hf_path=<Hugging Face folder> for pretrained "
+            f"weights, model.load=<checkpoint folder>, or the architecture of a random model "
+            f"(model.num_layers=..., model.hidden_size=...; --list-keys lists them all)")
+    example = next(iter(_valid_keys(_sections()[section], f"{section}.")), f"{section}.<key>")
+    raise ValueError(f"{section}={value} (from {source}): {section} is a section, not a value; "
+                     f"set its keys, e.g. {example}=... (python -m dpo_megatron.config "
+                     f"--list-keys lists them)")
+
+
+def _expand_override(item: str) -> list[str]:
+    """One command-line ``key=value`` as the dotted overrides it stands for."""
+    key, _, value = item.partition("=")
+    key = key.strip()
+    if key in _sections() or key == "loss":
+        expanded = _section_scalar(key, value, "command line")
+        return [f"{key}.{k}={_dotlist_value(v)}" for k, v in expanded.items()]
+    if value == "":
+        f, hint = _field_of(key)
+        if f is not None:
+            if hint is str:
+                return [f"{key}=''"]
+            if getattr(hint, "__origin__", None) is list:
+                return [f"{key}=[]"]
+    return [item]
+
+
+def _dotlist_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _expand_layer(layer, source: str):
+    """A YAML layer with its section scalars (``loss: ipo``, ``model: smollm2``) expanded."""
+    raw = OmegaConf.to_container(layer, resolve=False)  # no interpolation resolved yet
+    for section in [*_sections(), "loss"]:
+        value = raw.get(section)  # type: ignore[union-attr]
+        if value is not None and not isinstance(value, dict):
+            layer[section] = _section_scalar(section, value, source)
+    return layer
 
 
 def _merge_layer(merged, layer, source: str):
@@ -140,8 +289,24 @@ def _merge_layer(merged, layer, source: str):
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise ValueError(_unknown_key_message(e.full_key or str(e), source)) from None
     except ValidationError as e:
-        raise ValueError(f"invalid value for config key {e.full_key!r} (from {source}): "
+        key = e.full_key or "?"
+        raise ValueError(f"invalid value for config key {key!r} (from {source}): "
                          f"{str(e.msg).splitlines()[0]}") from None
+
+
+def _load_yaml(config_file: str):
+    if not os.path.exists(config_file):
+        raise ValueError(f"config file {config_file} does not exist")
+    try:
+        layer = OmegaConf.load(config_file)
+    except Exception as e:  # yaml's scanner / parser errors carry the line and column
+        detail = " ".join(str(e).split())
+        raise ValueError(f"config file {config_file} is not valid YAML: {detail}") from None
+    if not isinstance(layer, DictConfig):
+        raise ValueError(f"config file {config_file} must be a mapping of sections (run_dir, "
+                         f"parallel, model, data, loss, train, ...), got a "
+                         f"{type(layer).__name__.replace('Config', '').lower()}")
+    return _expand_layer(layer, config_file)
 
 
 def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DPOConfig:
@@ -149,16 +314,16 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DP
 
     Raises:
         ValueError: an unknown key (naming where it came from, close matches and the valid
-            keys of its section), a value of the wrong type, or a conflicting combination
-            (see :func:`validate`).
+            keys of its section), a value of the wrong type or out of its range, a YAML file
+            that does not parse or is not a mapping, or a conflicting combination (see
+            :func:`validate`).
     """
     merged = OmegaConf.structured(DPOConfig)
     if config_file:
-        if not os.path.exists(config_file):
-            raise ValueError(f"config file {config_file} does not exist")
-        merged = _merge_layer(merged, OmegaConf.load(config_file), config_file)
+        merged = _merge_layer(merged, _load_yaml(config_file), config_file)
+    dotted = [expanded for item in overrides for expanded in _expand_override(item)]
     try:
-        cli = OmegaConf.from_dotlist(list(overrides))
+        cli = OmegaConf.from_dotlist(dotted)
     except Exception as e:  # omegaconf's grammar errors
         raise ValueError(f"cannot parse overrides {list(overrides)}: {e}") from None
     merged = _merge_layer(merged, cli, "command line")
@@ -172,47 +337,107 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DP
     return cfg
 
 
-def validate(cfg: DPOConfig) -> None:
-    """Reject combinations that cannot run, before any process group or model is built.
+def config_from_mapping(sections: dict, check: bool = True) -> DPOConfig:
+    """A DPOConfig from nested plain values, e.g. ``{"model": {"num_layers": 2}, "loss":
+    {"name": "ipo"}}``: the defaults, then ``sections``, type-checked like a YAML file.
+
+    Args:
+        check: run :func:`validate`. Programs that bring their own token ids (tests,
+            ``scripts/gpu_bench.py``) pass False: the data and tokenizer rules do not apply.
 
     Raises:
-        ValueError: naming the conflicting fields and what to do.
+        ValueError: as :func:`load_config`.
     """
-    t = cfg.train
-    if t.micro_batch_size < 1 or t.global_batch_size < 1:
-        raise ValueError("train.micro_batch_size and train.global_batch_size must be >= 1")
-    if t.global_batch_size % t.micro_batch_size:
-        raise ValueError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
-                         f"train.micro_batch_size={t.micro_batch_size}")
-    names = cfg.loss.get("name") if isinstance(cfg.loss, dict) else None
-    names = names if isinstance(names, list) else [names]
-    sorting = sorted({"aot", "aot_unpaired"} & set(names))
-    if sorting and t.micro_batch_size < 2:
-        raise ValueError(f"loss {sorting[0]} sorts the log-ratios of the pairs within one "
-                         f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
-                         f"train.micro_batch_size >= 2 (its value depends on that size)")
+    source = "config_from_mapping"
+    layer = _expand_layer(OmegaConf.create(sections), source)
+    merged = _merge_layer(OmegaConf.structured(DPOConfig), layer, source)
+    cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if check:
+        validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def data_parallel_size(cfg: DPOConfig) -> Optional[int]:
+    """The data-parallel size of this job: ``parallel.data_parallel_size``, else what the
+    launcher's ``WORLD_SIZE`` leaves after TP x PP, else None (not known yet)."""
+    if cfg.parallel.data_parallel_size is not None:
+        return cfg.parallel.data_parallel_size
+    world = os.environ.get("WORLD_SIZE")
+    mp = cfg.parallel.model_parallel_size()
+    if world and world.isdigit() and int(world) % mp == 0:
+        return int(world) // mp
+    return None
+
+
+def validate(cfg: DPOConfig) -> None:
+    """Reject values and combinations that cannot run, before any process group or model is
+    built: every section's own ranges first (no heavy import), then the rules that span
+    sections, then the loss (``build_loss``, which imports torch).
+
+    Raises:
+        ValueError: naming the field(s) and what to do.
+    """
+    cfg.parallel.validate()
+    cfg.model.validate()
     cfg.data.validate()
-    dp = cfg.parallel.data_parallel_size
+    cfg.train.validate()
+    cfg.checkpoint.validate()
+    cfg.reference.validate()
+    cfg.packing.validate()
+
+    t, p = cfg.train, cfg.parallel
+    dp = data_parallel_size(cfg)
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by "
-            f"train.micro_batch_size={t.micro_batch_size} x parallel.data_parallel_size={dp}")
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}")
+    if p.virtual_pipeline_model_parallel_size is not None and dp is not None:
+        micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+        if micro_batches % p.pipeline_model_parallel_size:
+            raise ValueError(
+                f"the interleaved pipeline (parallel.virtual_pipeline_model_parallel_size="
+                f"{p.virtual_pipeline_model_parallel_size}) needs the micro-batches per step, "
+                f"train.global_batch_size / (train.micro_batch_size x DP) = "
+                f"{t.global_batch_size} / ({t.micro_batch_size} x {dp}) = {micro_batches}, to "
+                f"be a multiple of parallel.pipeline_model_parallel_size="
+                f"{p.pipeline_model_parallel_size} (megatron-core's interleaved schedule): "
+                f"change the batch sizes or drop virtual_pipeline_model_parallel_size")
     if not cfg.model.hf_path and not cfg.model.load and not cfg.data.tokenizer:
         raise ValueError("set model.hf_path (weights + tokenizer) or data.tokenizer for a "
                          "randomly initialised model")
+    if cfg.packing.enabled and cfg.model.transformer_impl != "local":
+        from dpo_megatron.models.transformer_config import use_transformer_engine
+
+        # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
+        if use_transformer_engine(cfg.model.transformer_impl):
+            raise ValueError("packing.enabled=true builds a block-diagonal attention mask for "
+                             "the local layer spec (transformer-engine's packed THD path is not "
+                             "wired): set model.transformer_impl=local")
+    _validate_loss(cfg)
+
+
+def _validate_loss(cfg: DPOConfig) -> None:
+    """``loss.name`` present, aliases replaced by registered names, the sorting losses' micro-
+    batch rule, then ``build_loss`` (unknown names / parameters, listing the valid ones)."""
     if not isinstance(cfg.loss, dict) or "name" not in cfg.loss:
-        raise ValueError("loss.name is required (e.g. loss.name=sigmoid)")
+        raise ValueError("loss.name is required (e.g. loss.name=sigmoid, or loss=ipo)")
     from dpo_megatron.losses import build_loss
+    from dpo_megatron.losses.registry import canonical_loss_name
 
-    build_loss(cfg.loss)  # unknown loss names / parameters fail here, listing the valid ones
-    cfg.reference.validate()
-    from dpo_megatron.models.transformer_config import use_transformer_engine
-
-    # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
-    if cfg.packing.enabled and use_transformer_engine(cfg.model.transformer_impl):
-        raise ValueError("packing.enabled=true builds a block-diagonal attention mask for the "
-                         "local layer spec (transformer-engine's packed THD path is not wired): "
-                         "set model.transformer_impl=local")
+    name = cfg.loss["name"]
+    cfg.loss["name"] = ([canonical_loss_name(str(n)) for n in name] if isinstance(name, list)
+                        else canonical_loss_name(str(name)))
+    names = cfg.loss["name"] if isinstance(cfg.loss["name"], list) else [cfg.loss["name"]]
+    sorting = sorted({"aot", "aot_unpaired"} & set(names))
+    if sorting and cfg.train.micro_batch_size < 2:
+        raise ValueError(f"loss {sorting[0]} sorts the log-ratios of the pairs within one "
+                         f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
+                         f"train.micro_batch_size >= 2 (its value depends on that size)")
+    build_loss(cfg.loss)
 
 
 def world_size_for(cfg: DPOConfig) -> int:
@@ -220,33 +445,34 @@ def world_size_for(cfg: DPOConfig) -> int:
     return cfg.parallel.model_parallel_size() * (cfg.parallel.data_parallel_size or 1)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:
-    """``--config FILE`` plus ``key=value`` overrides."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ----------------------------------------------------------------------------------------------
+# command line
+
+
+def _parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=None, help="YAML file under configs/")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]):
+    args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"overrides must look like key=value, got {bad}")
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:
+    """``--config FILE`` (anywhere) plus ``key=value`` overrides."""
+    args = _parse(_parser(__doc__.splitlines()[0]), argv)
     return args.config, args.overrides
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m dpo_megatron.config --config F [k=v...]``: resolve the config (fetching its
-    assets once, in this single process) and print the world size it needs (for launchers)."""
-    config_file, overrides = parse_args(argv)
-    try:
-        cfg = load_config(config_file, overrides)
-        check_model_layout(cfg)
-    except ValueError as e:
-        raise SystemExit(f"config error: {e}") from None
-    print(world_size_for(cfg))
 
 
 def check_model_layout(cfg: DPOConfig) -> None:
     """The architecture against the layout (heads / TP, layers / PP), from config.json alone:
-    launchers call this before starting any rank.
+    launchers call this before starting any rank (it imports megatron-core).
 
     Raises:
         ValueError: naming the model and parallel fields that conflict.
@@ -255,6 +481,97 @@ def check_model_layout(cfg: DPOConfig) -> None:
     from dpo_megatron.training.model_setup import resolve_model_config
 
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
+
+
+def _reads_chosen_only(cfg: DPOConfig) -> bool:
+    """A loss that reads no rejected completion (sft) trains on SFT examples and may read
+    SFT-only formats (alpaca)."""
+    from dpo_megatron.losses import build_loss
+
+    return not build_loss(cfg.loss).needs_rejected
+
+
+def check_data(cfg: DPOConfig) -> None:
+    """Every local data source exists and its rows fit their format, without a tokenizer
+    (``dpo_megatron.data.pipeline.check_sources``): the launchers' pre-check.
+
+    Raises:
+        DataError: naming the file, the line or row, and the field (or the format the file
+            looks like).
+    """
+    from dpo_megatron.data.pipeline import check_sources
+
+    check_sources(cfg.data, sft=_reads_chosen_only(cfg))
+
+
+def prepare_data(cfg: DPOConfig) -> bool:
+    """Tokenize the data once, in the launcher, into the cache rank 0 then reads instead of
+    tokenizing again: so that a data error found only while tokenizing (a chat template that
+    does not fit, no pair left) also stops the launcher before any rank starts. Only with the
+    cache on (``data.cache_dir`` not ``none``) and local sources; returns whether it ran.
+
+    Raises:
+        DataError: as the run's data load would.
+        ValueError: the tokenizer has more ids than the model's vocabulary.
+    """
+    import dataclasses
+
+    from dpo_megatron.data.pipeline import load_preference_pairs, load_sft_examples
+    from dpo_megatron.data.reader import DataError, is_local_source
+    from dpo_megatron.data.tokenizer import load_tokenizer
+    from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
+
+    sft = _reads_chosen_only(cfg)
+    if cfg.data.cache_dir.lower() == "none" or not all(
+            is_local_source(name) for name, _ in cfg.data.sources()):
+        return False
+    model_cfg = resolve_model_config(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
+    check_vocab_fits(tokenizer, model_cfg)
+    load = load_sft_examples if sft else load_preference_pairs
+    dataset = load(dataclasses.replace(cfg.data, verbose=False), tokenizer)  # not in the cache key
+    if not dataset.train:
+        raise DataError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} after "
+                        f"filtering: {dataset.summary['dropped']}")
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
+
+    Resolves the config (fetching its assets once, in this single process), checks the data
+    sources (:func:`check_data`), the model against the layout, then tokenizes the data into
+    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every mistake ends the
+    process with one ``config error: ...`` or ``error: ...`` line on stderr and exit status 1.
+    ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
+    """
+    parser = _parser(main.__doc__.splitlines()[0])
+    parser.add_argument("--list-keys", action="store_true",
+                        help="print every config key with its type, default and valid range")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    args = _parse(parser, argv)
+    if args.list_keys:
+        print(list_keys())
+        return
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as e:
+        raise SystemExit(f"config error: {e}") from None
+    if args.print_config:
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        return
+    from dpo_megatron.data.reader import DataError
+
+    try:
+        check_data(cfg)  # cheap: no tokenizer, no megatron-core
+        check_model_layout(cfg)
+        prepare_data(cfg)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    except (OSError, ValueError) as e:  # a tokenizer or checkpoint path, a layout conflict
+        raise SystemExit(f"config error: {e}") from None
+    print(world_size_for(cfg))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@
 The architecture is CKPT_DIR/model_config.json (written by convert_hf_to_megatron.py and by
 training) or, with --hf-path, the source HF folder's config.json; config.json, generation config
 and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir overrides). The output
-is written to a temporary folder and renamed into place when complete. Every file of CKPT_DIR is
-checked against its manifest of checksums (and for pickled code) before anything is loaded, and
-the checkpoint used (path, step, run id) is printed.
+is written to a temporary folder and renamed into place when complete. The checkpoint it loads
+(path, training step, run folder) is printed first: a run's ``checkpoints`` folder means its latest
+complete checkpoint, so the line says which one that was. Every file of CKPT_DIR is then checked
+against its manifest of checksums (and for pickled code) before any tensor is loaded.
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def describe_checkpoint(path: str) -> str:
-    """``<path> (step N, run <id>)`` for a training checkpoint, ``<path>`` for a model-only one."""
-    from dpo_megatron.checkpointing.training_checkpoint import read_train_state
+    """"checkpoint <path> (step N of run <run folder>)" for a training checkpoint, else
+    "checkpoint <path> (not a training checkpoint: no train_state.json)"."""
+    from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE, read_train_state
 
-    if not os.path.isfile(os.path.join(path, "train_state.json")):
-        return path
-    state = read_train_state(path)
-    return f"{path} (step {state.get('step')}, run {state.get('run_id') or 'without an id'})"
+    path = os.path.abspath(path)
+    if not os.path.isfile(os.path.join(path, TRAIN_STATE_FILE)):
+        return f"checkpoint {path} (not a training checkpoint: no {TRAIN_STATE_FILE})"
+    step = read_train_state(path).get("step", "?")
+    parent = os.path.dirname(path)
+    run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    return f"checkpoint {path} (step {step} of run {run})"
 
 
 def main(argv=None) -> None:
@@ -57,6 +62,11 @@ def main(argv=None) -> None:
 
     # A run's checkpoints/ folder (as model.load accepts) means its latest checkpoint.
     args.load = find_latest_checkpoint(args.load) or args.load
+    if not os.path.isdir(args.load):
+        raise SystemExit(f"error: --load {args.load}: no such checkpoint folder")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        print(f"loading {describe_checkpoint(args.load)}", flush=True)
     stored = load_model_config(args.load)
     base = dataclasses.replace(stored or ModelConfig(), params_dtype="float32",
                                transformer_impl="local")  # keeps e.g. pad_attention_heads
@@ -72,13 +82,11 @@ def main(argv=None) -> None:
     try:
         chunks = build_model_chunks(model_cfg, parallel)
         load_model_checkpoint(chunks, args.load)  # verifies the checksums and pickles first
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"loaded {describe_checkpoint(args.load)}", flush=True)
         export_hf(chunks, model_cfg, args.save, dtype=args.dtype,
                   tokenizer_dir=args.tokenizer_dir)
     finally:
         destroy_distributed()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         print(f"wrote {args.save}")
 
 

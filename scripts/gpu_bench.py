@@ -83,35 +83,30 @@ def bench_config(args, shape: dict, cuda: bool):
     no checkpoints, synthetic pairs in order (the data comes in directly, no tokenizer)."""
     import tempfile
 
-    from dpo_megatron.config import CheckpointConfig, DPOConfig
-    from dpo_megatron.data import DataConfig
-    from dpo_megatron.data.packing import PackingConfig
-    from dpo_megatron.models import ModelConfig
-    from dpo_megatron.parallel import ParallelConfig
-    from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+    from dpo_megatron.config import config_from_mapping
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
-    return DPOConfig(
-        run_dir=tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
-        parallel=ParallelConfig(backend=args.backend),
-        model=ModelConfig(**shape, params_dtype="bfloat16" if cuda else "float32",
-                          transformer_impl=args.transformer_impl,
-                          local_attention=args.local_attention,
-                          recompute_granularity=args.recompute or None,
-                          recompute_method="uniform" if args.recompute == "full" else None,
-                          recompute_num_layers=1 if args.recompute == "full" else None),
-        data=DataConfig(shuffle=False),
-        loss={"name": "sigmoid", "beta": 0.1},
-        train=TrainConfig(lr=1e-6, lr_decay_style="constant", train_iters=args.steps,
-                          global_batch_size=args.global_batch_size,
-                          micro_batch_size=args.micro_batch_size, seed=args.seed,
-                          use_distributed_optimizer=args.distributed_optimizer),
-        packing=PackingConfig(enabled=args.packing),
-        reference=ReferenceConfig(mode=args.reference, offload=args.offload_reference,
-                                  cache_dir=os.path.join(out_dir, ".gpu_bench_reference")),
-        checkpoint=CheckpointConfig(save_interval=0),
-        logging=LoggingConfig(tensorboard=False),
-    )
+    return config_from_mapping({
+        "run_dir": tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
+        "parallel": {"backend": args.backend},
+        "model": {**shape, "params_dtype": "bfloat16" if cuda else "float32",
+                  "transformer_impl": args.transformer_impl,
+                  "local_attention": args.local_attention,
+                  "recompute_granularity": args.recompute or None,
+                  "recompute_method": "uniform" if args.recompute == "full" else None,
+                  "recompute_num_layers": 1 if args.recompute == "full" else None},
+        "data": {"shuffle": False},
+        "loss": {"name": "sigmoid", "beta": 0.1},
+        "train": {"lr": 1e-6, "lr_decay_style": "constant", "train_iters": args.steps,
+                  "global_batch_size": args.global_batch_size,
+                  "micro_batch_size": args.micro_batch_size, "seed": args.seed,
+                  "use_distributed_optimizer": args.distributed_optimizer},
+        "packing": {"enabled": args.packing},
+        "reference": {"mode": args.reference, "offload": args.offload_reference,
+                      "cache_dir": os.path.join(out_dir, ".gpu_bench_reference")},
+        "checkpoint": {"save_interval": 0},
+        "logging": {"tensorboard": False},
+    }, check=False)
 
 
 def peak_tflops(name: str, override: float) -> float:

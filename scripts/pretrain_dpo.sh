@@ -15,12 +15,18 @@ if [[ -n "${PYTHON:-}" ]]; then :
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
 else PYTHON=python3; fi
 
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  echo
-  echo "Config keys: python -m dpo_megatron.config --help; every key: see dpo_megatron/config.py"
-  exit 0
-fi
+for a in "$@"; do
+  if [[ "$a" == "-h" || "$a" == "--help" ]]; then
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+    echo
+    echo "Options: --config FILE (anywhere; default $(basename "$DEFAULT_CONFIG")), key=value overrides,"
+    echo "  --list-keys (every config key: type, default, valid range), --print-config (the resolved"
+    echo "  config as YAML). Shorthands: loss=ipo is loss.name=ipo; key= clears a string key."
+    echo "Before any rank starts, the config, the data files and the model's layout are checked;"
+    echo "a mistake ends the script with one 'config error:' or 'error:' line."
+    exit 0
+  fi
+done
 args=("$@")
 has_config=0
 for a in "${args[@]+"${args[@]}"}"; do [[ "$a" == "--config" || "$a" == --config=* ]] && has_config=1; done
@@ -34,13 +40,22 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Killing this script with SIGKILL takes the ranks with it (parent-death signal in each rank).
 export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 
+# --list-keys / --print-config: answered by the config module, nothing is launched.
+for a in "${args[@]}"; do
+  if [[ "$a" == "--list-keys" || "$a" == "--print-config" ]]; then
+    exec "$PYTHON" -m dpo_megatron.config "${args[@]}"
+  fi
+done
+
 # Already one rank of a launched job (torchrun sets TORCHELASTIC_RUN_ID; torchrun --no-python runs
 # this script once per rank): do not launch again.
 if [[ -n "${TORCHELASTIC_RUN_ID:-}" || ( -n "${RANK:-}" && -n "${WORLD_SIZE:-}" ) ]]; then
   exec "$PYTHON" -m "$ENTRY" "${args[@]}"
 fi
 
-# Resolve the config once in this process (fetches and caches its assets) and get the world size.
+# Pre-check, once, in this process: the config (ranges, keys, loss; fetches and caches its assets),
+# the data files (exist, rows fit their format) and the model against the layout; then the world
+# size. A mistake prints one line on stderr and stops here (set -e), before any rank starts.
 NPROC="$("$PYTHON" -m dpo_megatron.config "${args[@]}" | tail -n 1)"
 exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC" \
   -m "$ENTRY" "${args[@]}"

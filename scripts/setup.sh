@@ -2,8 +2,18 @@
 # Set up a fresh machine: a virtual environment in .venv with torch, megatron-core and this package
 # (editable, with test and conversion extras), then the offline assets (SmolLM2-135M-Instruct,
 # dpo_en_demo, SentencePiece model) cached under ~/.cache/dpo_megatron. Safe to re-run.
+#
+#   bash scripts/setup.sh            # CPU torch wheel, all assets
+#   TORCH_SPEC=torch bash scripts/setup.sh    # GPU machines: your own torch
+#   SKIP_ASSETS=1 bash scripts/setup.sh       # no assets (DPO_MEGATRON_CACHE moves their cache)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+for a in "$@"; do
+  if [[ "$a" == "-h" || "$a" == "--help" ]]; then
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+    exit 0
+  fi
+done
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
@@ -16,3 +26,6 @@ VPY="$ROOT/.venv/bin/python"
 if [[ "${SKIP_ASSETS:-0}" != 1 ]]; then
   "$VPY" -m dpo_megatron.assets
 fi
+echo
+echo "Set up. Run the tools from .venv (.venv/bin/python, .venv/bin/torchrun), or activate it first:"
+echo "  source $ROOT/.venv/bin/activate"

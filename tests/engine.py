@@ -29,27 +29,23 @@ def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bo
                   run_dir: Optional[str] = None, seed: int = 1234, resume: str = "none",
                   save_interval: int = 0, keep_last_n: int = 0, **train: Any):
     """A ``DPOConfig`` for a tiny random (or ``load``-ed) model; ``train`` adds ``train.*``."""
-    from dpo_megatron.config import CheckpointConfig, DPOConfig
-    from dpo_megatron.data.packing import PackingConfig
-    from dpo_megatron.models import ModelConfig
-    from dpo_megatron.parallel import ParallelConfig
-    from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+    from dpo_megatron.config import config_from_mapping
 
-    return DPOConfig(
-        run_dir=run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp),
-        model=ModelConfig(**{**TINY, **(model or {})}, load=load),
-        loss=loss or {"name": "sigmoid", "beta": 0.1},
-        train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                          train_iters=steps, lr=lr, lr_decay_style="constant", seed=seed,
-                          **train),
-        packing=PackingConfig(enabled=packing, bucket_by_length=bucket_by_length),
-        reference=ReferenceConfig(mode=reference_mode, offload=offload, cache_dir=cache_dir),
-        checkpoint=CheckpointConfig(resume=resume, save_interval=save_interval,
-                                    keep_last_n=keep_last_n),
-        logging=LoggingConfig(tensorboard=False),
-    )
+    return config_from_mapping({
+        "run_dir": run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
+        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "virtual_pipeline_model_parallel_size": vpp, "sequence_parallel": sp},
+        "model": {**TINY, **(model or {}), "load": load},
+        "loss": loss or {"name": "sigmoid", "beta": 0.1},
+        "train": {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
+                  "train_iters": steps, "lr": lr, "lr_decay_style": "constant", "seed": seed,
+                  **train},
+        "packing": {"enabled": packing, "bucket_by_length": bucket_by_length},
+        "reference": {"mode": reference_mode, "offload": offload, "cache_dir": cache_dir},
+        "checkpoint": {"resume": resume, "save_interval": save_interval,
+                       "keep_last_n": keep_last_n},
+        "logging": {"tensorboard": False},
+    }, check=False)
 
 
 def tiny_trainer(pairs: Sequence, eval_pairs: Sequence = (), pad_token_id: int = 0, **config):

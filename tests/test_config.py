@@ -1,5 +1,7 @@
 """The config tree: YAML + dotted overrides, typed, unknown keys rejected with the valid ones."""
 
+import re
+
 import pytest
 
 from dpo_megatron.config import load_config, parse_args, world_size_for
@@ -68,3 +70,162 @@ def test_early_errors_for_sorting_losses_and_data_format():
         load_config(None, base + ["data.format=nope"])
     with pytest.raises(ValueError, match="Did you mean train.lr"):
         load_config(None, base + ["train.lrr=1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 16: ranges, shorthands, parsing, the fast pre-check
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from dpo_megatron.config import list_keys, main  # noqa: E402
+
+BASE = ["data.tokenizer=t", "data.path=d.json"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.log_interval=0", "train.log_interval=0 must be >= 1"),
+    ("train.seq_length_multiple=0", "train.seq_length_multiple=0 must be >= 1"),
+    ("parallel.data_parallel_size=0", "parallel.data_parallel_size=0 must be >= 1"),
+    ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps=0 must be >= 1"),
+    ("train.train_iters=0", "train.train_iters=0 must be >= 1"),
+    ("train.train_iters=-5", "train.train_iters=-5 must be >= 1"),
+    ("checkpoint.save_interval=-1", "checkpoint.save_interval=-1 must be >= 0"),
+    ("train.clip_grad=-1", "train.clip_grad=-1.0 must be >= 0"),
+    ("train.lr=-0.001", "train.lr=-0.001 must be >= 0"),
+    ("train.adam_beta2=1.0", "train.adam_beta2=1.0 must be >= 0 and < 1"),
+    ("train.lr_decay_style=step", "train.lr_decay_style='step'; expected one of constant"),
+    ("parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size=0 must be >= 1"),
+    ("parallel.distributed_timeout_minutes=0", "must be >= 1"),
+    ("model.num_layers=0", "model.num_layers=0 must be >= 1"),
+    ("model.norm_epsilon=0", "model.norm_epsilon=0.0 must be > 0"),
+    ("model.local_attention=flash", "model.local_attention='flash'; expected one of sdpa, megatron"),
+    ("checkpoint.keep_last_n=-1", "checkpoint.keep_last_n=-1 must be >= 0"),
+    ("checkpoint.export_dtype=fp8", "checkpoint.export_dtype='fp8'"),
+    ("packing.row_length=-8", "packing.row_length=-8 must be >= 0"),
+    ("data.max_prompt_length=1", "data.max_prompt_length=1 must be >= 2"),
+    ("data.se_max_pairs_per_question=0", "must be >= 1"),
+])
+def test_every_field_is_range_checked_before_launch(override, message):
+    """Old (5fd70fa): all of these loaded; 0 intervals / sizes crashed later with
+    ZeroDivisionError, max_nonfinite_steps=0 stopped a healthy run, a negative lr failed only
+    after the model was built, the others ran."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, BASE + [override])
+
+
+def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsys):
+    """Old: a raw omegaconf / yaml traceback."""
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- train\n- lr\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  lr: [1\n")
+    with pytest.raises(ValueError, match="list.yaml must be a mapping of sections"):
+        load_config(str(listed))
+    with pytest.raises(ValueError, match=r"broken.yaml is not valid YAML: .*line 3, column 1"):
+        load_config(str(broken))
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(broken)])
+    assert str(e.value).startswith("config error: ")
+
+
+def test_config_anywhere_on_the_command_line(tmp_path):
+    """Old: ``k=v --config F`` failed in argparse (unrecognized arguments)."""
+    assert parse_args(["train.lr=0.1", "--config", "c.yaml", "loss.beta=1"]) == (
+        "c.yaml", ["train.lr=0.1", "loss.beta=1"])
+
+
+def test_loss_shorthand_trains_that_loss():
+    """``loss=ipo loss.beta=0.1`` is IPO at beta 0.1. Old: {"name": "sigmoid", "beta": 0.1}
+    (the scalar silently lost), and ``loss=ipo`` alone "Cannot assign str to Dict"."""
+    assert load_config(None, BASE + ["loss=ipo", "loss.beta=0.1"]).loss == {"name": "ipo", "beta": 0.1}
+    assert load_config(None, BASE + ["loss=ipo"]).loss == {"name": "ipo"}
+    assert load_config(None, BASE + ["loss=dpo"]).loss == {"name": "sigmoid"}
+    assert load_config(None, BASE + ["loss.name=dpo", "loss.beta=0.2"]).loss == {"name": "sigmoid", "beta": 0.2}
+    with pytest.raises(ValueError, match="loss= needs a loss name"):
+        load_config(None, BASE + ["loss="])
+    with pytest.raises(ValueError, match="unknown loss.name 'dpoo'.*aliases: dpo \\(= sigmoid\\)"):
+        load_config(None, BASE + ["loss=dpoo"])
+
+
+def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
+    """``loss: ipo`` / ``model: smollm2`` in YAML and ``model=NAME`` on the command line. Old:
+    ``model=pythia69`` gave "invalid value for config key None ...: None"."""
+    from dpo_megatron import assets
+
+    monkeypatch.setitem(assets.ASSETS, "smollm2", lambda: "/assets/smollm2")  # no asset built here
+    f = tmp_path / "c.yaml"
+    f.write_text("loss: ipo\nmodel: smollm2\ndata:\n  path: d.json\n")
+    cfg = load_config(str(f), ["loss.beta=0.3"])
+    assert cfg.loss == {"name": "ipo", "beta": 0.3}
+    assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == ("/assets/smollm2", True)
+    with pytest.raises(ValueError, match=r"model=pythia69 \(from command line\): model is a section.*preset name \(smollm2\)"
+                                         r".*model.hf_path="):
+        load_config(None, BASE + ["model=pythia69"])
+    with pytest.raises(ValueError, match=r"train=5 \(from command line\): train is a section, not a value"):
+        load_config(None, BASE + ["train=5"])
+
+
+def test_empty_value_clears_a_string_list_or_optional_key(tmp_path):
+    """Old: ``data.chat_template=`` gave "field 'chat_template' is not Optional"."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  path: d.json\n  tokenizer: t\n  chat_template: chatml\n  datasets: []\n"
+                 "parallel:\n  data_parallel_size: 1\n")
+    cfg = load_config(str(f), ["data.chat_template=", "parallel.data_parallel_size="])
+    assert cfg.data.chat_template == "" and cfg.parallel.data_parallel_size is None
+    assert load_config(None, BASE + ["data.weights="]).data.weights == []
+
+
+def test_interleaved_pipeline_micro_batches_must_be_a_multiple_of_pp():
+    """Old: passed validation and failed inside megatron-core's interleaved schedule at step 1."""
+    layout = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
+              "parallel.data_parallel_size=1", "train.micro_batch_size=1"]
+    with pytest.raises(ValueError, match=r"micro-batches per step.*= 3, to be a multiple of parallel.pipeline_model_parallel_size=2"):
+        load_config(None, BASE + layout + ["train.global_batch_size=3"])
+    load_config(None, BASE + layout + ["train.global_batch_size=4"])
+
+
+def test_list_keys_and_print_config(capsys, tmp_path):
+    """Old: ``--help`` pointed to a key list that did not exist."""
+    text = list_keys()
+    assert "train.log_interval (int, default 1)\n    Steps between log lines / TensorBoard points (>= 1)." in text
+    assert "parallel.data_parallel_size (Optional[int], default None)" in text
+    main(["--list-keys"])
+    assert "checkpoint.save_interval (int, default 0)" in capsys.readouterr().out
+    main(["--print-config", "loss=ipo"] + BASE)
+    out = capsys.readouterr().out
+    assert "loss:\n  name: ipo\n" in out and "run_dir: runs/dpo" in out
+
+
+def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_path):
+    """The launchers' pre-check reports a range / key / YAML mistake without importing torch or
+    megatron-core (seconds, not the tens of seconds those imports take on a busy 2-core machine).
+    Old: ``import dpo_megatron.config`` imported megatron-core (through dpo_megatron.models)."""
+    code = ("import sys\n"
+            "from dpo_megatron.config import main\n"
+            "try:\n"
+            "    main(['data.path=d.json', 'data.tokenizer=t', 'train.log_interval=0'])\n"
+            "except SystemExit as e:\n"
+            "    print(e)\n"
+            "print(sorted(m for m in ('torch', 'megatron', 'datasets', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert out.stdout.splitlines() == ["config error: train.log_interval=0 must be >= 1", "[]"], out.stderr
+
+
+def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
+    """Old: a missing path or a format that does not fit was found only after launch, by every
+    rank (76-126 lines of tracebacks)."""
+    with pytest.raises(SystemExit) as e:
+        main(["data.tokenizer=t", f"data.path={tmp_path}/missing.jsonl"])
+    assert str(e.value) == f"error: data file {tmp_path}/missing.jsonl does not exist"
+    sharegpt = tmp_path / "sg.jsonl"
+    sharegpt.write_text('{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", '
+                        '"value": "a"}, "rejected": {"from": "gpt", "value": "b"}}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["data.tokenizer=t", f"data.path={sharegpt}", "data.format=hh"])
+    message = str(e.value)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "look like format 'sharegpt': set data.format=sharegpt" in message and "on_error" not in message

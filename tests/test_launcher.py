@@ -1,4 +1,6 @@
-"""scripts/pretrain_dpo.sh: launches torchrun itself, and runs in place under torchrun --no-python."""
+"""scripts/pretrain_dpo.sh: launches torchrun itself, and runs in place under torchrun --no-python;
+its pre-check stops every config or data mistake with one line before any rank starts; the
+scripts' --help texts; the exporter names the checkpoint it loads."""
 
 import math
 import os
@@ -9,7 +11,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,12 +29,14 @@ def _run(cmd, run_dir):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_self_launch_tp2(tmp_path):
     stdout = _run(["bash", "scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
                    "parallel.tensor_model_parallel_size=2"], str(tmp_path / "run"))
     assert "TP 2 x PP 1 x DP 1" in stdout
 
 
+@pytest.mark.slow
 def test_under_torchrun_no_python_pp2(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     stdout = _run([torchrun, "--nproc-per-node", "2", "--no-python", "scripts/pretrain_dpo.sh",
@@ -41,3 +44,134 @@ def test_under_torchrun_no_python_pp2(tmp_path):
                   str(tmp_path / "run"))
     # One job of 2 ranks (no nested launch): one layout line, PP 2.
     assert stdout.count("layout TP") == 1 and "TP 1 x PP 2 x DP 1" in stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 16
+
+
+def _script(*args, env=None, timeout=600):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return subprocess.run(["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if "error" in line.lower()]
+
+
+@pytest.mark.slow
+def test_ipo_shorthand_trains_ipo_through_the_launcher(tmp_path):
+    """``loss=ipo loss.beta=0.1``: IPO's step-0 loss is (0 - 1/(2 x 0.1))^2 = 25 (Azar et al.
+    2023, eq. 17). Old: the scalar was dropped and the run trained sigmoid DPO (ln 2 = 0.6931)."""
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "loss=ipo",
+                  "loss.beta=0.1", "train.train_iters=1", f"run_dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    losses = re.findall(r"\[train\] step 1/1 \| loss ([0-9.]+)", out.stdout)
+    assert losses == ["25.0000"], out.stdout[-3000:]
+    assert "1*ipo(beta=0.1" in out.stdout
+
+
+def test_config_mistake_stops_the_launcher_with_one_line():
+    """Old: ``train.log_interval=0`` launched the ranks, which died of ZeroDivisionError."""
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "train.log_interval=0")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == ["config error: train.log_interval=0 must be >= 1"]
+    assert "torch.distributed" not in out.stderr and out.stdout == ""
+
+
+def test_missing_data_stops_the_launcher_with_one_line(tmp_path):
+    """Old: every rank printed a FileNotFoundError traceback, then torchrun its failure block."""
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+                  f"data.path={tmp_path}/missing.jsonl")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"error: data file {tmp_path}/missing.jsonl does not exist"]
+
+
+@pytest.mark.slow
+def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
+    """A chat-template mistake shows only when the data is tokenized: the pre-check tokenizes
+    (into the cache the ranks read), so it too ends in one line before any rank starts. Old: a
+    traceback from every rank plus torchrun's failure block."""
+    from dpo_megatron.assets import ensure_sentencepiece_model
+
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+                  f"data.tokenizer={ensure_sentencepiece_model()}", f"data.cache_dir={tmp_path}",
+                  env={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    assert out.returncode == 1
+    assert _error_lines(out.stderr) == [
+        "error: conversational data needs a chat template: the tokenizer has none; set "
+        "data.chat_template (chatml, mistral or a Jinja file)"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+
+
+@pytest.mark.slow
+def test_rank_side_data_error_is_one_line(tmp_path):
+    """Under another launcher (here one process, no pre-check) a data error is printed once,
+    plainly, with exit status 1. Old: a traceback ending in the message."""
+    from dpo_megatron.assets import ensure_sentencepiece_model
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-m", "dpo_megatron.train", "--config", "configs/tiny_cpu.yaml",
+                          f"data.tokenizer={ensure_sentencepiece_model()}", "data.cache_dir=none",
+                          f"run_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 1
+    assert _error_lines(out.stderr) == [
+        "error: conversational data needs a chat template: the tokenizer has none; set "
+        "data.chat_template (chatml, mistral or a Jinja file)"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_help_texts_and_key_listing(tmp_path):
+    """Old: ``setup.sh --help`` ran the whole install, ``pretrain_sft.sh --help`` printed the DPO
+    text, and the key list ``--help`` pointed to did not exist."""
+    setup = _script("scripts/setup.sh", "--help", env={"PYTHON": "/bin/false"})  # an install would fail
+    assert setup.returncode == 0 and setup.stdout.startswith("Set up a fresh machine")
+    sft = _script("scripts/pretrain_sft.sh", "--help")
+    assert sft.returncode == 0 and sft.stdout.startswith("Launch the SFT stage")
+    dpo = _script("scripts/pretrain_dpo.sh", "--help")
+    assert dpo.returncode == 0 and dpo.stdout.startswith("Launch DPO training") and "--list-keys" in dpo.stdout
+    keys = _script("scripts/pretrain_dpo.sh", "--list-keys")
+    assert keys.returncode == 0 and "train.global_batch_size (int, default 4)" in keys.stdout
+
+
+def test_exporter_names_the_checkpoint_it_loads(tmp_path):
+    """Old: it printed only ``wrote OUT``, so exporting a run's checkpoints folder after another
+    run had written there exported the wrong weights without a word."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("convert_megatron_to_hf",
+                                                  os.path.join(ROOT, "scripts", "convert_megatron_to_hf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ckpt = tmp_path / "runs" / "dpo" / "checkpoints" / "iter_0000012"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 12}))
+    assert module.describe_checkpoint(str(ckpt)) == (
+        f"checkpoint {ckpt} (step 12 of run {tmp_path / 'runs' / 'dpo'})")
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    assert module.describe_checkpoint(str(converted)) == (
+        f"checkpoint {converted} (not a training checkpoint: no train_state.json)")
+
+
+def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
+    """Old: a bare ``torchrun`` / ``python`` (command not found without an activated venv), and
+    the SFT -> DPO example wrote into the main job's run_dir (the next export took its weights)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S)
+                for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    for command in commands:
+        first = command.split()[0]
+        assert first in ("bash", "scripts/pretrain_dpo.sh", "scripts/pretrain_sft.sh", "sbatch") \
+            or first.startswith(".venv/bin/"), command
+    from_sft = [c for c in commands if c.startswith("scripts/pretrain_dpo.sh model.load=runs/sft")]
+    assert from_sft and all("run_dir=" in c for c in from_sft)
+    assert "dequantised" in readme and "4-bit" in readme

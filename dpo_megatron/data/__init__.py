@@ -4,30 +4,35 @@ Read in this order: ``config`` (DataConfig), ``reader`` (rows from files / hub),
 (rows -> Example), ``tokenizer`` (HF or SentencePiece, chat templates), ``encode`` (Example ->
 token ids), ``lengths`` (max_length rules), ``pipeline`` (all of it, cached, with the summary),
 ``collate`` (pairs -> tensors), ``sampler`` (pairs per rank and step).
+
+The names below are imported on first use: the launcher's config check imports
+``data.config`` and must not pay for torch, numpy or ``datasets``.
 """
 
-from .collate import collate_pairs, collate_rows, collate_sft, padded_length
-from .config import DataConfig
-from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample
-from .pipeline import load_preference_pairs, load_sft_examples
-from .reader import DataError
-from .sampler import PairSampler
-from .tokenizer import SentencePieceTokenizer, load_tokenizer
+from importlib import import_module
 
-__all__ = [
-    "DataConfig",
-    "DataError",
-    "PairSampler",
-    "PreferenceDataset",
-    "PreferencePair",
-    "SFTDataset",
-    "SFTExample",
-    "SentencePieceTokenizer",
-    "collate_pairs",
-    "collate_rows",
-    "collate_sft",
-    "load_preference_pairs",
-    "load_sft_examples",
-    "load_tokenizer",
-    "padded_length",
-]
+_EXPORTS = {
+    "DataConfig": "config",
+    "DataError": "reader",
+    "PairSampler": "sampler",
+    "PreferenceDataset": "pairs",
+    "PreferencePair": "pairs",
+    "SFTDataset": "pairs",
+    "SFTExample": "pairs",
+    "SentencePieceTokenizer": "tokenizer",
+    "collate_pairs": "collate",
+    "collate_rows": "collate",
+    "collate_sft": "collate",
+    "load_preference_pairs": "pipeline",
+    "load_sft_examples": "pipeline",
+    "load_tokenizer": "tokenizer",
+    "padded_length": "collate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

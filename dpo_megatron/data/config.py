@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from dpo_megatron.config_checks import check_choice, check_range
+
 TRUNCATION_MODES = ("keep_end", "keep_start")
 ON_ERROR_MODES = ("raise", "skip")
 
@@ -14,9 +16,12 @@ class DataConfig:
     """Where the preference data comes from and how it becomes token ids.
 
     Length rules, in order: (1) a prompt longer than ``max_prompt_length`` tokens is cut per
-    ``truncation_mode``; (2) a pair whose prompt leaves fewer than ``min_completion_tokens``
-    tokens of ``max_length`` is dropped (reason ``prompt_too_long``); (3) each completion is cut
-    to ``max_length - len(prompt)`` tokens (keeping its start; a cut completion loses its EOS).
+    ``truncation_mode`` (with ``keep_end``, a conversation first loses whole oldest turns, its
+    system message kept; a cut never removes the BOS a tokenizer puts first); (2) a pair whose
+    prompt leaves fewer than ``min_completion_tokens`` tokens of ``max_length`` is dropped
+    (reason ``prompt_too_long``); (3) each completion is cut to ``max_length - len(prompt)``
+    tokens (keeping its start; a cut completion loses its EOS). A text far longer than these
+    limits is cut before it is tokenized (see ``data.encode.bound_text``).
     """
 
     path: str = ""
@@ -56,35 +61,45 @@ class DataConfig:
     ``mistral`` = a built-in one; anything else = a path to a Jinja file."""
 
     max_length: int = 512
-    """Most tokens in prompt + completion (each of chosen and rejected)."""
+    """Most tokens in prompt + completion (each of chosen and rejected); >= 2."""
 
     max_prompt_length: int = 256
     """Most prompt tokens kept (cut per ``truncation_mode``); 0 = no prompt cut, so a prompt
-    that leaves no room for a completion drops the pair."""
+    that leaves no room for a completion drops the pair. Otherwise >= 2 (room for the BOS and
+    one token) and max_prompt_length + min_completion_tokens <= max_length."""
 
     truncation_mode: str = "keep_end"
-    """How a long prompt is cut: ``keep_end`` keeps its last tokens (the latest turns),
-    ``keep_start`` its first."""
+    """How a long prompt is cut: ``keep_end`` keeps the latest turns (a conversation drops its
+    oldest user/assistant exchanges first, keeping the system message; a prompt still too long,
+    or a text prompt, keeps its BOS and its last ``max_prompt_length - 1`` tokens),
+    ``keep_start`` its first tokens."""
 
     min_completion_tokens: int = 1
-    """Fewest completion tokens a pair must keep on each side after cutting; below that the pair
-    is dropped as ``prompt_too_long``."""
+    """Fewest completion tokens a pair must keep on each side after cutting (>= 1); below that
+    the pair is dropped as ``prompt_too_long``."""
 
     eval_fraction: float = 0.0
-    """Fraction of each source's kept pairs held out for evaluation (chosen by ``seed``)."""
+    """Fraction of each source's kept pairs held out for evaluation (chosen by ``seed``), in
+    [0, 1)."""
 
     seed: int = 1234
-    """Seed for the eval split and the mixing draws."""
+    """Seed for the eval split and the mixing draws (>= 0)."""
 
     shuffle: bool = True
     """Visit the training pairs in a new seeded order each epoch (``train.seed``); false: in
     file order (e.g. to compare step by step with another trainer)."""
 
     num_proc: int = 1
-    """Processes for tokenization (``datasets.map``)."""
+    """Processes for tokenization (``datasets.map``); >= 1."""
 
     on_error: str = "raise"
-    """Malformed row: ``raise`` stops with file, row and field; ``skip`` drops and counts it."""
+    """Malformed row (bad JSON, non-UTF-8 bytes, a missing or mistyped field): ``raise`` stops
+    with file, row / line and field; ``skip`` drops and counts it."""
+
+    drop_duplicates: bool = False
+    """Drop a pair whose prompt, chosen and rejected tokens equal an earlier pair's of the same
+    source (counted as ``duplicate``). False: keep them; they are counted and reported in the
+    summary either way."""
 
     cache_dir: str = ""
     """Where tokenized data is cached, keyed by data, tokenizer and settings. Empty:
@@ -92,10 +107,10 @@ class DataConfig:
 
     shp_min_score_ratio: float = 2.0
     """SHP: keep a pair only if the preferred comment's score is at least this multiple of the
-    other's (the SteamSHP paper's filter)."""
+    other's (the SteamSHP paper's filter); >= 0 (0 or 1: no filter)."""
 
     se_max_pairs_per_question: int = 1
-    """StackExchange: pairs made per question, best-scored answer vs the next lower scores."""
+    """StackExchange: pairs made per question, best-scored answer vs the next lower scores (>= 1)."""
 
     verbose: bool = True
     """Print the start-up summary (rows read, pairs kept, drops by reason, length percentiles),
@@ -118,15 +133,16 @@ class DataConfig:
         return list(zip(names, formats))
 
     def validate(self) -> None:
-        """Raise ValueError naming the field for any invalid setting."""
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation_mode={self.truncation_mode!r}; expected one of {TRUNCATION_MODES}")
-        if self.on_error not in ON_ERROR_MODES:
-            raise ValueError(f"data.on_error={self.on_error!r}; expected one of {ON_ERROR_MODES}")
-        if self.max_length <= 1:
-            raise ValueError(f"data.max_length={self.max_length} must be > 1")
-        if self.max_prompt_length < 0:
-            raise ValueError(f"data.max_prompt_length={self.max_prompt_length} must be >= 0 (0 = no prompt cut)")
+        """Raise ValueError naming the field for any invalid setting (the ranges in the field docs)."""
+        check_choice("data", self, "truncation_mode", TRUNCATION_MODES)
+        check_choice("data", self, "on_error", ON_ERROR_MODES)
+        check_range("data", self, "max_length", 2)
+        if self.max_prompt_length != 0:
+            check_range("data", self, "max_prompt_length", 2,
+                        why="room for the BOS and one token (0: no prompt cut)")
+        check_range("data", self, "seed", 0)
+        check_range("data", self, "shp_min_score_ratio", 0)
+        check_range("data", self, "se_max_pairs_per_question", 1)
         if self.max_prompt_length and self.max_prompt_length + self.min_completion_tokens > self.max_length:
             raise ValueError(
                 f"data.max_prompt_length={self.max_prompt_length} leaves fewer than data.min_completion_tokens="
@@ -144,6 +160,28 @@ class DataConfig:
         for _, fmt in self.sources():  # before any reading: a typo fails at once
             if fmt != "auto" and fmt not in CONVERTERS:
                 raise ValueError(f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}")
+
+
+@dataclass
+class PackingConfig:
+    """Padding-free packing of each micro-batch's sequences (``packing.*``; used by
+    ``data.packing``, defined here so that the config tree imports no torch)."""
+
+    enabled: bool = False
+    """Pack the 2B sequences of each micro-batch into rows with a block-diagonal causal mask
+    (local layer spec). Log-probs equal the padded path's (fp32, 1e-6)."""
+    row_length: int = 0
+    """Tokens per packed row (>= 0; 0: the step's longest sequence, rounded up to the padding
+    granule, so attention costs per token stay those of the padded path). Must be >= the longest
+    sequence."""
+    bucket_by_length: bool = False
+    """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
+    similar length (longest first). The step's pair set, hence its loss and gradient, is
+    unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
+
+    def validate(self) -> None:
+        """Raises ValueError for a negative ``row_length``."""
+        check_range("packing", self, "row_length", 0, why="0: the step's longest sequence")
 
 
 def as_data_config(cfg: Any) -> DataConfig:

@@ -40,11 +40,15 @@ class Filtered(Exception):
 
 @dataclass(frozen=True)
 class Example:
-    """One preference example before tokenization; ``rejected`` is None for SFT-only rows."""
+    """One preference example before tokenization; ``rejected`` is None for SFT-only rows.
+
+    ``notes`` name what a converter did that the summary counts without dropping the row
+    (``diverged_early``: an HH pair split before its last turn)."""
 
     prompt: Text
     chosen: Text
     rejected: Text | None
+    notes: tuple[str, ...] = ()
 
     @property
     def conversational(self) -> bool:
@@ -222,19 +226,46 @@ def parse_hh(text: str, field: str) -> Messages:
     return [{"role": roles[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
 
 
+_HH_ASSISTANT = "\n\nAssistant:"
+
+
 def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
-    """Anthropic HH-RLHF raw: chosen/rejected are whole dialogues; the last Assistant turn differs."""
-    chosen = parse_hh(_text(row, "chosen"), "chosen")
-    rejected = parse_hh(_text(row, "rejected"), "rejected")
+    """Anthropic HH-RLHF raw: chosen/rejected are whole dialogues, usually differing only in
+    their last Assistant turn (prompt = the turns before it).
+
+    Some pairs differ earlier (about 1% of HH-RLHF: a different answer, then further turns).
+    Those are split at the longest common prefix of the two texts that ends with
+    ``"\n\nAssistant:"``: the prompt is the dialogue up to there, each completion the rest of
+    its dialogue (possibly several turns), as in the reference DPO repo's PR #86. They are
+    marked ``diverged_early`` (counted in the data summary).
+    """
+    chosen_text, rejected_text = _text(row, "chosen"), _text(row, "rejected")
+    chosen = parse_hh(chosen_text, "chosen")
+    rejected = parse_hh(rejected_text, "rejected")
     if chosen[-1]["role"] != "assistant":
         raise RowError("chosen", "the dialogue does not end with an Assistant turn")
     if rejected[-1]["role"] != "assistant":
         raise RowError("rejected", "the dialogue does not end with an Assistant turn")
-    if chosen[:-1] != rejected[:-1]:
-        raise RowError("rejected", "chosen and rejected dialogues differ before their last Assistant turn")
-    prompt = chosen[:-1]
+    if chosen[:-1] == rejected[:-1]:
+        prompt = chosen[:-1]
+        _check_prompt_messages(prompt, "chosen")
+        return [Example(prompt, chosen[-1:], rejected[-1:])]
+    if chosen_text == rejected_text:
+        raise Filtered("identical")
+    common = 0
+    for x, y in zip(chosen_text, rejected_text):
+        if x != y:
+            break
+        common += 1
+    split = chosen_text.rfind(_HH_ASSISTANT, 0, common)  # the marker lies wholly in the prefix
+    if split < 0:
+        raise RowError("rejected", "chosen and rejected dialogues share no Assistant turn: no "
+                                   "common prompt to split them at")
+    prompt = parse_hh(chosen_text[:split], "chosen")
     _check_prompt_messages(prompt, "chosen")
-    return [Example(prompt, chosen[-1:], rejected[-1:])]
+    completions = [parse_hh(text[split:], field) for field, text in
+                   (("chosen", chosen_text), ("rejected", rejected_text))]
+    return [Example(prompt, completions[0], completions[1], notes=("diverged_early",))]
 
 
 def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
@@ -354,10 +385,11 @@ CONVERTERS: dict[str, Callable[[dict, DataConfig], list[Example]]] = {
 SFT_ONLY_FORMATS = frozenset({"alpaca"})
 
 
-def detect_format(columns: list[str], first_row: dict | None) -> str:
-    """The format a dataset's columns (and first row's value types) imply.
+def detect_format(columns: list[str], first_row: dict | None, label: str = "the data") -> str:
+    """The format a dataset's columns (and first row's value types) imply; ``label`` names the
+    dataset in the error.
 
-    Raises ValueError naming the columns when no format or more than one fits.
+    Raises ValueError naming the dataset and its columns when no format or more than one fits.
     """
     cols = set(columns)
     candidates: list[str] = []
@@ -385,6 +417,7 @@ def detect_format(columns: list[str], first_row: dict | None) -> str:
             candidates.append("conversational_implicit")
     if len(candidates) != 1:
         raise ValueError(
-            f"cannot tell the data format from columns {sorted(cols)}: set data.format to one of {sorted(CONVERTERS)}"
+            f"cannot tell the data format of {label} from its columns {sorted(cols)}: set "
+            f"data.format to one of {sorted(CONVERTERS)}"
         )
     return candidates[0]

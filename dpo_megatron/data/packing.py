@@ -17,31 +17,14 @@ metrics and precomputed reference log-probs never know whether a batch was packe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .batch import BatchBuilder, MicroBatch, StepBatch, round_up
 from .collate import check_rows, pair_rows, reference_logps, score_mask
+from .config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from .pairs import PreferencePair
-
-
-@dataclass
-class PackingConfig:
-    """Padding-free packing of each micro-batch's sequences (``packing.*``)."""
-
-    enabled: bool = False
-    """Pack the 2B sequences of each micro-batch into rows with a block-diagonal causal mask
-    (local layer spec). Log-probs equal the padded path's (fp32, 1e-6)."""
-    row_length: int = 0
-    """Tokens per packed row (0: the step's longest sequence, rounded up to the padding granule,
-    so attention costs per token stay those of the padded path). Must be >= the longest
-    sequence."""
-    bucket_by_length: bool = False
-    """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
-    similar length (longest first). The step's pair set, hence its loss and gradient, is
-    unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
 
 
 def plan_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -6,10 +6,18 @@
    result is cached on disk under a key made of the data file's identity, the tokenizer's
    fingerprint, the chat template and the settings that affect tokens;
 3. malformed rows stop the load with file, row and field (``on_error=raise``) or are counted
-   (``skip``); filtered rows (empty completion, chosen == rejected, ...) are counted by reason;
-4. length limits are applied (``lengths.fit_lengths``), each source's eval share is split off,
-   and the training pairs of several sources are mixed by ``weights``;
-5. the summary (rows read, pairs kept, drops by reason, length percentiles) is printed.
+   (``skip``); a file none of whose rows fits its format stops the load either way, naming the
+   format its columns fit; filtered rows (empty completion, chosen == rejected, ...) are
+   counted by reason;
+4. length limits are applied (``lengths.fit_lengths``), duplicates counted (and dropped with
+   ``drop_duplicates``), each source's eval share is split off, and the training pairs of
+   several sources are mixed by ``weights``;
+5. the summary (rows read, pairs kept, drops by reason, cuts by kind, notes, duplicates, length
+   percentiles) is printed.
+
+``check_sources`` runs steps 1 and the conversion of step 2 without a tokenizer: the launchers'
+pre-check, so that a missing file or a row that does not fit its format is reported before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -27,20 +35,22 @@ from pathlib import Path
 import numpy as np
 
 from .config import DataConfig, as_data_config
-from .encode import EncodeSettings, encode_example, encode_settings
+from .encode import EncodeSettings, TokenBudget, encode_example, encode_settings
 from .formats import CONVERTERS, SFT_ONLY_FORMATS, Example, Filtered, RowError, detect_format
 from .lengths import fit_lengths
 from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample
-from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, read_source
+from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, is_local_source, read_source
 from .summary import format_summary, length_stats
 from .tokenizer import resolve_chat_template, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
 # Bump when tokenization or conversion changes what a cached entry would contain.
-CACHE_VERSION = 1
-# Settings that change the tokenized rows (length limits do not: they apply after the cache).
-_TOKENIZE_FIELDS = ("on_error", "shp_min_score_ratio", "se_max_pairs_per_question")
+CACHE_VERSION = 2
+# Settings that change the tokenized rows. The length limits do since the encoder drops whole
+# turns and bounds huge texts before tokenizing; their token cuts still apply after the cache.
+_TOKENIZE_FIELDS = ("on_error", "shp_min_score_ratio", "se_max_pairs_per_question",
+                    "max_length", "max_prompt_length", "truncation_mode")
 
 
 def load_preference_pairs(cfg: DataConfig, tokenizer) -> PreferenceDataset:
@@ -70,14 +80,9 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     per_source = []
     for index, (name, fmt) in enumerate(sources):
         source = read_source(name, cfg.split, cfg.on_error)
-        if len(source.dataset) == 0:
-            raise DataError(f"{source.label}: no rows")
-        if fmt == "auto":
-            fmt = detect_format(_columns(source), _first_row(source))
-        if fmt in SFT_ONLY_FORMATS and not sft:
-            raise ValueError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the SFT stage only")
+        fmt = _source_format(source, fmt, sft)
         tokenized = tokenize_source(source, fmt, tokenizer, settings, cfg, sft)
-        per_source.append(_fit_source(index, source, fmt, tokenized, cfg, sft))
+        per_source.append(_fit_source(index, source, fmt, tokenized, cfg, sft, settings))
 
     eval_ = [x for info in per_source for x in info["eval"]]
     train = _mix([info["train"] for info in per_source], cfg)
@@ -85,7 +90,95 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     if cfg.verbose and _is_rank_zero():
         print(format_summary(summary), flush=True)
     logger.info("%s", format_summary(summary))
+    spaced = summary["notes"].get("prompt_ends_with_space", 0)
+    if spaced and _is_rank_zero():  # once per load, with the count (TRL warns per row)
+        logger.warning(
+            "%d text prompt(s) end with a space: the space becomes a token of its own at the end "
+            "of the prompt, a boundary the model rarely sees before an answer (completions then "
+            "start without their usual space-led token). Move the space into the completions or "
+            "strip it.", spaced)
     return train, eval_, summary
+
+
+def _source_format(source: Source, fmt: str, sft: bool) -> str:
+    """The format of a source: ``fmt``, or detected from its columns for ``auto``.
+
+    Raises:
+        DataError: the source has no rows, its format cannot be told from its columns (naming
+            the source), or its format has no rejected answers outside SFT.
+    """
+    if len(source.dataset) == 0:
+        raise DataError(f"{source.label}: no rows")
+    if fmt == "auto":
+        try:
+            fmt = detect_format(_columns(source), _first_row(source), source.label)
+        except ValueError as e:
+            raise DataError(str(e)) from None
+    if fmt in SFT_ONLY_FORMATS and not sft:
+        raise DataError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the "
+                        f"SFT stage only (loss.name=sft)")
+    return fmt
+
+
+def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
+    """[(source, format)] after reading every local source and converting each of its rows
+    (no tokenizer): what ``load_preference_pairs`` would refuse before tokenizing, refused here.
+    Hub names are not read (they need the network); the load checks them.
+
+    Raises:
+        DataError: as the load would, with the same messages.
+    """
+    cfg = as_data_config(cfg)
+    out = []
+    for name, fmt in cfg.sources():
+        if not is_local_source(name):
+            out.append((name, fmt))
+            continue
+        source = read_source(name, cfg.split, cfg.on_error)
+        fmt = _source_format(source, fmt, sft)
+        errors, converted = [], 0
+        for where, row in _rows(source):
+            try:
+                CONVERTERS[fmt](row, cfg)
+                converted += 1
+            except Filtered:
+                converted += 1
+            except RowError as e:
+                errors.append(f"{source.label}: {where}: {e}")
+        _raise_row_errors(source, fmt, errors, converted, cfg)
+        out.append((source.label, fmt))
+    return out
+
+
+def _rows(source: Source):
+    """(location, row dict) of every row of a source."""
+    if JSON_COLUMN in source.dataset.column_names:
+        for where, text in zip(source.dataset[WHERE_COLUMN], source.dataset[JSON_COLUMN]):
+            yield where, json.loads(text)
+    else:
+        for index, row in enumerate(source.dataset):
+            yield f"row {index}", row
+
+
+def _raise_row_errors(source: Source, fmt: str, errors: list[str], fitting: int,
+                      cfg: DataConfig) -> None:
+    """Stop on malformed rows: always when no row fits ``fmt`` (naming the format the columns
+    fit instead: skipping would drop every row), else per ``data.on_error``."""
+    if not errors:
+        return
+    if fitting == 0:
+        try:
+            looks = detect_format(_columns(source), _first_row(source), source.label)
+            hint = (f"its columns {sorted(_columns(source))} look like format {looks!r}: set "
+                    f"data.format={looks} (or auto)" if looks != fmt else
+                    f"its columns look like {fmt!r} but no row parses as one")
+        except ValueError:
+            hint = f"its columns {sorted(_columns(source))} fit no known format"
+        raise DataError(f"{source.label}: no row fits data.format={fmt!r} (first: "
+                        f"{errors[0].removeprefix(source.label + ': ')}); {hint}")
+    if cfg.on_error == "raise":
+        more = f" (and {len(errors) - 1} more bad rows)" if len(errors) > 1 else ""
+        raise DataError(errors[0] + more + "; set data.on_error=skip to drop and count them")
 
 
 def _is_rank_zero() -> bool:
@@ -113,13 +206,17 @@ def _first_row(source: Source) -> dict:
 def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer, settings, label, sft) -> dict:
     """``datasets.map`` worker: rows -> one output row per example or per dropped/bad row."""
     cfg = DataConfig(**cfg_dict)
-    out = {"where": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": [], "error": []}
+    budget = TokenBudget(cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode)
+    out = {"where": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": [], "error": [],
+           "prompt_length_uncut": [], "notes": []}
 
-    def emit(where, ids=([], [], []), drop="", error=""):
+    def emit(where, encoded=None, drop="", error=""):
         out["where"].append(where)
-        out["prompt_ids"].append(list(ids[0]))
-        out["chosen_ids"].append(list(ids[1]))
-        out["rejected_ids"].append(list(ids[2] or []))
+        out["prompt_ids"].append(list(encoded.prompt_ids) if encoded else [])
+        out["chosen_ids"].append(list(encoded.chosen_ids) if encoded else [])
+        out["rejected_ids"].append(list(encoded.rejected_ids or []) if encoded else [])
+        out["prompt_length_uncut"].append(encoded.prompt_length_uncut if encoded else 0)
+        out["notes"].append(list(encoded.notes) if encoded else [])
         out["drop"].append(drop)
         out["error"].append(error)
 
@@ -133,9 +230,9 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
             examples = CONVERTERS[fmt](row, cfg)
             for example in examples:
                 if sft:
-                    example = Example(example.prompt, example.chosen, None)
+                    example = Example(example.prompt, example.chosen, None, example.notes)
                 try:
-                    emit(where, encode_example(example, tokenizer, settings))
+                    emit(where, encode_example(example, tokenizer, settings, budget))
                 except Filtered as f:
                     emit(where, drop=f.reason)
         except Filtered as f:
@@ -196,6 +293,8 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             "rejected_ids": datasets.Sequence(datasets.Value("int32")),
             "drop": datasets.Value("string"),
             "error": datasets.Value("string"),
+            "prompt_length_uncut": datasets.Value("int64"),
+            "notes": datasets.Sequence(datasets.Value("string")),
         }
     )
     quiet = not cfg.verbose and datasets.is_progress_bar_enabled()
@@ -217,11 +316,11 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             load_from_cache_file=False,
             desc=f"tokenizing {Path(source.label).name}",
         )
+        if cached is not None:
+            _save_atomically(tokenized, cached)
     finally:
         if quiet:
             datasets.enable_progress_bars()
-    if cached is not None:
-        _save_atomically(tokenized, cached)
     return tokenized
 
 
@@ -247,35 +346,54 @@ def _save_atomically(tokenized, cached: Path) -> None:
 # length limits, eval split, mixing
 
 
-def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig, sft: bool) -> dict:
+def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig, sft: bool,
+                settings: EncodeSettings) -> dict:
     errors = [e for e in tokenized["error"] if e]
-    if errors and cfg.on_error == "raise":
-        more = f" (and {len(errors) - 1} more bad rows)" if len(errors) > 1 else ""
-        raise DataError(errors[0] + more + "; set data.on_error=skip to drop and count them")
+    fitting = sum(1 for d in tokenized["drop"] if d != "malformed")
+    _raise_row_errors(source, fmt, errors, fitting, cfg)
     dropped: Counter = Counter()
     if source.malformed:
         dropped["malformed"] += source.malformed
     kept: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
     before = {"prompt": [], "chosen": [], "rejected": []}
-    truncated = Counter()
+    truncated: Counter = Counter()
+    notes: Counter = Counter()
+    first_seen: dict[tuple, str] = {}
+    duplicates: list[tuple[str, str]] = []  # (where, where it repeats)
     rows = set()
-    for where, p, c, r, drop in zip(
-        tokenized["where"], tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"], tokenized["drop"]
+    # A tokenizer that puts a BOS first keeps it through every cut (a template's first special
+    # token, e.g. ChatML's <|im_start|> reported as "BOS" by SmolLM2, is cut like any token).
+    bos = settings.bos_token_id if settings.add_bos else None
+    for where, p, c, r, drop, uncut, row_notes in zip(
+        tokenized["where"], tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"],
+        tokenized["drop"], tokenized["prompt_length_uncut"], tokenized["notes"],
     ):
         rows.add(where)
         if drop:
             dropped[drop] += 1
             continue
-        before["prompt"].append(len(p))
+        notes.update(row_notes)
+        key = (tuple(p), tuple(c), () if sft else tuple(r))
+        if key in first_seen:
+            duplicates.append((where, first_seen[key]))
+            if cfg.drop_duplicates:
+                dropped["duplicate"] += 1
+                continue
+        else:
+            first_seen[key] = where
+        before["prompt"].append(uncut)
         before["chosen"].append(len(c))
         if not sft:
             before["rejected"].append(len(r))
         try:
-            fp, fc, fr = fit_lengths(p, c, None if sft else r, cfg)
+            fp, fc, fr = fit_lengths(p, c, None if sft else r, cfg, bos)
         except Filtered as f:
             dropped[f.reason] += 1
             continue
-        truncated["prompt"] += len(fp) < len(p)
+        turns = "turns_dropped" in row_notes
+        truncated["prompt"] += turns or len(fp) < len(p)
+        truncated["prompt_turns_dropped"] += turns
+        truncated["prompt_tokens_cut"] += len(fp) < len(p)
         truncated["chosen"] += len(fc) < len(c)
         truncated["rejected"] += (not sft) and len(fr) < len(r)
         kept.append((tuple(fp), tuple(fc), () if sft else tuple(fr)))
@@ -291,6 +409,8 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
         "rows_read": len(rows) + source.malformed,
         "dropped": dict(dropped),
         "truncated": truncated,
+        "notes": notes,
+        "duplicates": duplicates,
         "before": before,
         "kept": kept,
         "train": [x for i, x in enumerate(kept) if i not in eval_idx],
@@ -321,10 +441,12 @@ def _mix(trains: list[list], cfg: DataConfig) -> list:
 def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig, sft: bool) -> dict:
     dropped: Counter = Counter()
     truncated: Counter = Counter()
+    notes: Counter = Counter()
     before = {"prompt": [], "chosen": [], "rejected": []}
     for info in per_source:
         dropped.update(info["dropped"])
         truncated.update(info["truncated"])
+        notes.update(info["notes"])
         for k in before:
             before[k].extend(info["before"][k])
     kept = [x for info in per_source for x in info["kept"]]
@@ -344,7 +466,14 @@ def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig
         "max_length": cfg.max_length,
         "max_prompt_length": cfg.max_prompt_length,
         "dropped": dict(dropped),
-        "truncated": {"prompt": truncated["prompt"], "chosen": truncated["chosen"], "rejected": truncated["rejected"]},
+        "truncated": {k: truncated[k] for k in ("prompt", "prompt_turns_dropped", "prompt_tokens_cut", "chosen", "rejected")},
+        "notes": dict(notes),
+        "duplicates": {
+            "count": sum(len(info["duplicates"]) for info in per_source),
+            "dropped": cfg.drop_duplicates,
+            "examples": [f"{info['label']}: {where} repeats {first}"
+                         for info in per_source for where, first in info["duplicates"][:3]],
+        },
         "lengths_before_cut": {k: length_stats(before[k]) for k in names},
         "lengths": {k: length_stats(after[k]) for k in (*names, "pair")},
         "sources": [

@@ -23,6 +23,10 @@ class DataError(ValueError):
     """Bad input data; the message names the file (or dataset), the row or line, and the field."""
 
 
+class MissingDataError(DataError, FileNotFoundError):
+    """A data path that looks local (a file name or a path) but does not exist."""
+
+
 @dataclass
 class Source:
     """One dataset's raw rows. ``label`` names it in messages; ``malformed`` counts skipped lines."""
@@ -32,10 +36,17 @@ class Source:
     malformed: int = 0
 
 
+def is_local_source(name: str) -> bool:
+    """Whether a ``data.path`` / ``data.datasets`` entry names a local file or folder (an
+    existing path, or one that looks like a path or a data file), not a hub dataset."""
+    return (Path(name).expanduser().exists() or name.startswith((".", "/", "~"))
+            or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS))
+
+
 def read_source(name: str, split: str = "train", on_error: str = "raise") -> Source:
     """Read one dataset (file, folder or hub name). Raises DataError for a malformed JSON line
-    (unless ``on_error == "skip"``: then it is skipped and counted), FileNotFoundError for a
-    local-looking path that does not exist."""
+    (unless ``on_error == "skip"``: then it is skipped and counted), MissingDataError (a
+    DataError and a FileNotFoundError) for a local-looking path that does not exist."""
     path = Path(name).expanduser()
     if path.is_file():
         suffix = path.suffix.lower()
@@ -58,8 +69,8 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
                 ds = ds[split]
             return Source(str(path), ds)
         return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
-    if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS):
-        raise FileNotFoundError(f"data file {name} does not exist")
+    if is_local_source(name):
+        raise MissingDataError(f"data file {name} does not exist")
     import datasets  # a hub name: works for users who are online
 
     return Source(f"{name}[{split}]", datasets.load_dataset(name, split=split))
@@ -68,37 +79,111 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
 def _read_json(path: Path, on_error: str) -> Source:
     import datasets
 
-    text = path.read_text(encoding="utf-8")
-    rows: list[str] = []
-    where: list[str] = []
-    malformed = 0
-    if text.lstrip().startswith("["):  # one JSON array
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: line {e.lineno} column {e.colno}: malformed JSON: {e.msg}") from None
-        for i, value in enumerate(values):
-            if not isinstance(value, dict):
-                if on_error == "skip":
-                    malformed += 1
-                    continue
-                raise DataError(f"{path}: row {i}: expected a JSON object, got {type(value).__name__}")
-            rows.append(json.dumps(value, ensure_ascii=False))
-            where.append(f"row {i}")
-    else:  # JSON Lines
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-                if not isinstance(value, dict):
-                    raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-            except ValueError as e:  # JSONDecodeError is a ValueError
-                if on_error == "skip":
-                    malformed += 1
-                    continue
-                raise DataError(f"{path}: line {lineno}: malformed JSON: {e}") from None
-            rows.append(line)
-            where.append(f"line {lineno}")
+    rows, where, malformed = read_json_rows(path, on_error)
     ds = datasets.Dataset.from_dict({WHERE_COLUMN: where, JSON_COLUMN: rows})
     return Source(str(path), ds, malformed)
+
+
+def read_json_rows(path: Path, on_error: str = "raise") -> tuple[list[str], list[str], int]:
+    """The rows of a JSON array file or a JSON Lines file, as (JSON texts, locations, skipped).
+
+    A file that parses as one JSON array is read as that; any other (several values, one per
+    line) as JSON Lines, whatever its suffix. Each row must be a JSON object in UTF-8. With
+    ``on_error="skip"`` a line / row that is not (bad JSON, an array or a string, bytes that
+    are not UTF-8) is dropped and counted; otherwise the first one raises.
+
+    Raises:
+        DataError: naming the file and the line (JSON Lines), the row (array) or the line and
+            byte of a non-UTF-8 byte.
+    """
+    data = path.read_bytes()
+    if data.lstrip()[:1] in (b"[", b"{"):
+        parsed = _parse_whole(path, data, on_error)
+        if parsed is not None:
+            return parsed
+    return _read_lines(path, data, on_error)
+
+
+def _not_utf8(path: Path, data: bytes, error: UnicodeDecodeError) -> DataError:
+    """A DataError locating the first non-UTF-8 byte of the file's ``data``: line, byte within
+    the line (from 1) and offset in the file."""
+    line = data.count(b"\n", 0, error.start) + 1
+    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+    return DataError(f"{path}: line {line}, byte {column} (file offset {error.start}): byte "
+                     f"0x{data[error.start]:02x} is "
+                     f"not UTF-8 ({error.reason}); re-save the file as UTF-8, or set "
+                     f"data.on_error=skip to drop the rows that hold such bytes")
+
+
+def _parse_whole(path: Path, data: bytes, on_error: str):
+    """Rows of a file that is one JSON value (an array of objects), or None if it is not one
+    value (then it is read as JSON Lines)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if on_error != "skip":
+            raise _not_utf8(path, data, e) from None
+        text = data.decode("utf-8", errors="surrogateescape")  # bad bytes -> lone surrogates
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and "\n" in text[: e.pos]:
+            return None  # several values, one per line: JSON Lines
+        raise DataError(f"{path}: line {e.lineno} column {e.colno}: malformed JSON: {e.msg}") from None
+    if isinstance(value, dict):
+        if text.strip().count("\n") == 0:
+            return None  # a JSON Lines file of one row
+        raise DataError(f"{path}: one JSON object (keys {sorted(value)[:8]}), not a list of rows: "
+                        f"expected a JSON array of row objects, or JSON Lines (one object per line)")
+    if not isinstance(value, list):
+        raise DataError(f"{path}: expected a JSON array of row objects, got {type(value).__name__}")
+    rows, where, malformed = [], [], 0
+    for i, item in enumerate(value):
+        problem = None
+        if not isinstance(item, dict):
+            problem = f"expected a JSON object, got {type(item).__name__}"
+        else:
+            row = json.dumps(item, ensure_ascii=False)
+            try:
+                row.encode("utf-8")
+            except UnicodeEncodeError:
+                problem = "holds bytes that are not UTF-8"
+        if problem is not None:
+            if on_error == "skip":
+                malformed += 1
+                continue
+            raise DataError(f"{path}: row {i}: {problem}")
+        rows.append(row)
+        where.append(f"row {i}")
+    return rows, where, malformed
+
+
+def _read_lines(path: Path, data: bytes, on_error: str) -> tuple[list[str], list[str], int]:
+    rows, where, malformed = [], [], 0
+    offset = 0
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        line_offset, offset = offset, offset + len(raw) + 1
+        if not raw.strip():
+            continue
+        try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                column = e.start + 1
+                raise ValueError(f"byte {column} (file offset {line_offset + e.start}): byte "
+                                 f"0x{raw[e.start]:02x} is not UTF-8 ({e.reason}); re-save the "
+                                 f"file as UTF-8") from None
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"malformed JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"expected a JSON object per line, got a JSON {type(value).__name__}")
+        except ValueError as e:
+            if on_error == "skip":
+                malformed += 1
+                continue
+            raise DataError(f"{path}: line {lineno}: {e}") from None
+        rows.append(line)
+        where.append(f"line {lineno}")
+    return rows, where, malformed

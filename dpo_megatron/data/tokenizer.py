@@ -250,6 +250,19 @@ def adds_bos(tokenizer) -> bool:
     return bool(ids) and ids[0] == bos
 
 
+def max_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry (special tokens included): no token covers
+    more characters of a text. Byte-level BPE entries spell one character per byte, and
+    SentencePiece pieces one per character ("\u2581" for a space), so the count is an upper
+    bound either way. 0 when the tokenizer does not expose its vocabulary."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return max(len(tokenizer._sp.id_to_piece(i)) for i in range(tokenizer.vocab_size))
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return 0
+    return max((len(token) for token in get_vocab()), default=0)
+
+
 def prepends_space(tokenizer) -> bool:
     """True for SentencePiece-style HF tokenizers that add a "▁" before every encoded text."""
     ids = tokenizer.encode("a", add_special_tokens=False)

@@ -75,6 +75,15 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {}
 """All registered losses by name. Filled when `dpo_megatron.losses` is imported."""
 
+LOSS_ALIASES: dict[str, str] = {"dpo": "sigmoid"}
+"""Other names users give a loss (`loss.name=dpo` is Rafailov et al.'s sigmoid loss, as in TRL's
+`loss_type="sigmoid"`); the config replaces them with the registered name."""
+
+
+def canonical_loss_name(name: str) -> str:
+    """The registered name for `name` (itself, or what an alias stands for)."""
+    return LOSS_ALIASES.get(name, name)
+
 
 def register_loss(
     name: str,
@@ -105,6 +114,9 @@ def get_loss_spec(name: str) -> LossSpec:
     Raises:
         ValueError: unknown name; the message lists the known ones.
     """
+    name = canonical_loss_name(name)
     if name not in LOSSES:
-        raise ValueError(f"unknown loss.name {name!r}; valid names: {sorted(LOSSES)}")
+        aliases = ", ".join(f"{a} (= {n})" for a, n in sorted(LOSS_ALIASES.items()))
+        raise ValueError(f"unknown loss.name {name!r}; valid names: {sorted(LOSSES)}; "
+                         f"aliases: {aliases}")
     return LOSSES[name]

@@ -10,20 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dpo_megatron.config_checks import check_choice, check_range
+
+BACKENDS = ("auto", "nccl", "gloo")
+
 
 @dataclass
 class ParallelConfig:
     """How the model and the batch are split across ranks (megatron-core's terms)."""
 
     tensor_model_parallel_size: int = 1
-    """Ranks that split each weight matrix (and the vocabulary) of a layer."""
+    """Ranks that split each weight matrix (and the vocabulary) of a layer (>= 1)."""
     pipeline_model_parallel_size: int = 1
-    """Ranks that split the stack of layers into consecutive stages."""
+    """Ranks that split the stack of layers into consecutive stages (>= 1)."""
     data_parallel_size: Optional[int] = None
-    """Model replicas. None: world size / (TP x PP). Launchers use it to choose the world size;
+    """Model replicas (>= 1). None: world size / (TP x PP). Launchers use it to choose the world size;
     under torchrun it must agree with the world size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Model chunks per pipeline rank for the interleaved 1F1B schedule (None: not interleaved)."""
+    """Model chunks per pipeline rank for the interleaved 1F1B schedule (>= 2, with PP >= 2;
+    None: not interleaved). The micro-batches per step (global batch / (micro batch x DP)) must
+    then be a multiple of PP (megatron-core's interleaved schedule)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence across the TP group
     (Korthikanti et al. 2022). Needs tensor_model_parallel_size > 1."""
@@ -32,22 +38,41 @@ class ParallelConfig:
     (``dpo_megatron.parallel.device``): NCCL computes on cuda:LOCAL_RANK, gloo on the CPU, so
     ``gloo`` on a CUDA machine runs the whole job on the host."""
     distributed_timeout_minutes: int = 30
-    """Timeout for collectives before the job fails instead of hanging."""
+    """Timeout for collectives before the job fails instead of hanging (minutes, >= 1)."""
 
     def model_parallel_size(self) -> int:
         """Ranks holding one copy of the model: TP x PP."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
-    def validate(self, world_size: int) -> None:
-        """Reject layouts that cannot be built on ``world_size`` ranks.
+    def validate(self, world_size: Optional[int] = None) -> None:
+        """Reject layouts that cannot be built; with ``world_size``, also on that many ranks.
+
+        Valid ranges: tensor / pipeline sizes >= 1; ``data_parallel_size`` >= 1 or null;
+        ``virtual_pipeline_model_parallel_size`` >= 2 or null, and only with PP >= 2;
+        ``sequence_parallel`` only with TP >= 2; ``backend`` auto / nccl / gloo;
+        ``distributed_timeout_minutes`` >= 1.
 
         Raises:
             ValueError: naming the conflicting fields and what to do.
         """
+        check_range("parallel", self, "tensor_model_parallel_size", 1)
+        check_range("parallel", self, "pipeline_model_parallel_size", 1)
+        check_range("parallel", self, "data_parallel_size", 1, optional=True,
+                    why="model replicas (null: world size / (TP x PP))")
+        check_range("parallel", self, "virtual_pipeline_model_parallel_size", 2, optional=True,
+                    why="model chunks per pipeline rank (null: not interleaved)")
+        check_range("parallel", self, "distributed_timeout_minutes", 1)
+        check_choice("parallel", self, "backend", BACKENDS)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel=true needs "
+                             "parallel.tensor_model_parallel_size > 1")
+        if self.virtual_pipeline_model_parallel_size is not None and (
+                self.pipeline_model_parallel_size < 2):
+            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
+                             "parallel.pipeline_model_parallel_size >= 2")
+        if world_size is None:
+            return
         mp = self.model_parallel_size()
-        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
-            raise ValueError("parallel.tensor_model_parallel_size and "
-                             "parallel.pipeline_model_parallel_size must be >= 1")
         if world_size % mp != 0:
             raise ValueError(
                 f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size"
@@ -58,12 +83,3 @@ class ParallelConfig:
                 f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP = "
                 f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
                 f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("parallel.sequence_parallel=true needs "
-                             "parallel.tensor_model_parallel_size > 1")
-        if self.virtual_pipeline_model_parallel_size is not None and (
-                self.pipeline_model_parallel_size < 2):
-            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
-                             "parallel.pipeline_model_parallel_size >= 2")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"parallel.backend must be auto, nccl or gloo, got {self.backend!r}")

@@ -108,3 +108,25 @@ def empty_cache() -> None:
     """Return cached, unused accelerator memory to the driver (no-op on the CPU)."""
     if is_cuda():
         torch.cuda.empty_cache()
+
+
+def memory_stats() -> dict[str, float]:
+    """This process's memory on the engine's device, GiB: ``peak`` and ``current``.
+
+    CUDA: bytes allocated by torch's caching allocator (peak since start, and now). CPU: the
+    process's resident set (peak from ``getrusage``, current from ``/proc/self/statm``), which
+    holds weights, optimizer state and activations alike.
+    """
+    gib = float(2 ** 30)
+    if is_cuda():
+        return {"peak": torch.cuda.max_memory_allocated() / gib,
+                "current": torch.cuda.memory_allocated() / gib}
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak is the best estimate
+        current = peak
+    return {"peak": peak / gib, "current": current / gib}

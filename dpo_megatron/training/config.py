@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dpo_megatron.config_checks import check_choice, check_range
+
 REFERENCE_MODES = ("model", "precomputed")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass
@@ -13,56 +17,86 @@ class TrainConfig:
     """Batching, optimizer and LR schedule. Batch sizes count preference *pairs*."""
 
     micro_batch_size: int = 1
-    """Pairs per micro-batch per data-parallel rank (the schedule sees 2x sequences)."""
+    """Pairs per micro-batch per data-parallel rank (the schedule sees 2x sequences); >= 1."""
     global_batch_size: int = 4
-    """Pairs per optimizer step over all data-parallel ranks; gradient accumulation steps =
+    """Pairs per optimizer step over all data-parallel ranks (>= 1, a multiple of
+    micro_batch_size x data-parallel size); gradient accumulation steps =
     global_batch_size / (micro_batch_size x data-parallel size)."""
     train_iters: int = 10
-    """Optimizer steps."""
+    """Optimizer steps (>= 1)."""
     lr: float = 1e-6
-    """Peak learning rate (DPO papers use 5e-7 to 1e-6 for 7B models)."""
+    """Peak learning rate (>= 0; DPO papers use 5e-7 to 1e-6 for 7B models)."""
     min_lr: float = 0.0
-    """Floor of the decay."""
+    """Floor of the decay (0 <= min_lr <= lr)."""
     lr_warmup_iters: int = 0
-    """Linear warm-up steps from 0 to lr."""
+    """Linear warm-up steps from 0 to lr (>= 0)."""
     lr_decay_style: str = "cosine"
     """'constant', 'linear' or 'cosine' (megatron-core OptimizerParamScheduler)."""
     lr_decay_iters: int = 0
-    """Steps over which lr decays to min_lr (0: train_iters)."""
+    """Steps over which lr decays to min_lr (>= 0; 0: train_iters)."""
     optimizer: str = "adam"
     """'adam' (megatron-core's Adam with decoupled weight decay = AdamW) or 'sgd'."""
     weight_decay: float = 0.0
-    """Decoupled weight decay."""
+    """Decoupled weight decay (>= 0)."""
     adam_beta1: float = 0.9
-    """Adam first-moment decay."""
+    """Adam first-moment decay, in [0, 1)."""
     adam_beta2: float = 0.999
-    """Adam second-moment decay."""
+    """Adam second-moment decay, in [0, 1)."""
     adam_eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (> 0)."""
     clip_grad: float = 1.0
-    """Clip the global gradient L2 norm to this (0: no clipping)."""
+    """Clip the global gradient L2 norm to this (>= 0; 0: no clipping)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1, megatron-core)."""
     seed: int = 1234
-    """Seed for weights, data order and dropout."""
+    """Seed for weights, data order and dropout (>= 0)."""
     log_interval: int = 1
-    """Steps between log lines / TensorBoard points."""
+    """Steps between log lines / TensorBoard points (>= 1)."""
     eval_interval: int = 0
-    """Steps between evaluations on the eval split (0: only at the end if there is one)."""
+    """Steps between evaluations on the eval split (>= 0; 0: only at the end if there is one)."""
     eval_iters: int = 0
-    """Eval batches per evaluation (0: the whole eval split)."""
+    """Eval batches per evaluation (>= 0; 0: the whole eval split)."""
     sample_during_eval: bool = False
     """At each evaluation, greedily decode the first ``eval_num_samples`` eval prompts and write
     them to ``<run_dir>/samples/step_<step>.jsonl``."""
     eval_num_samples: int = 3
-    """Eval prompts decoded when ``sample_during_eval`` is set."""
+    """Eval prompts decoded when ``sample_during_eval`` is set (>= 1)."""
     eval_sample_max_new_tokens: int = 32
-    """Most tokens generated per sample."""
+    """Most tokens generated per sample (>= 1)."""
     max_nonfinite_steps: int = 3
     """A step whose loss or gradient is NaN/Inf is skipped (no update) and counted; after this
-    many such steps in a row the run stops with an error, its last checkpoint intact."""
+    many such steps in a row (>= 1) the run stops with an error, its last checkpoint intact."""
     seq_length_multiple: int = 8
-    """Each step's micro-batches are padded to the longest sequence rounded up to this x TP."""
+    """Each step's micro-batches are padded to the longest sequence rounded up to this x TP
+    (>= 1)."""
+
+    def validate(self) -> None:
+        """The ranges in the field docs, and the names of the decay style and the optimizer.
+
+        Raises:
+            ValueError: ``train.<field>=<value> must be ...``.
+        """
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                     "eval_sample_max_new_tokens", "seq_length_multiple"):
+            check_range("train", self, name, 1)
+        check_range("train", self, "max_nonfinite_steps", 1,
+                    why="the number of NaN/Inf steps in a row that stops the run (1: the first)")
+        for name in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
+                     "seed", "eval_interval", "eval_iters"):
+            check_range("train", self, name, 0)
+        check_range("train", self, "clip_grad", 0, why="0 turns clipping off")
+        check_range("train", self, "min_lr", 0, self.lr, why="a floor below train.lr")
+        check_range("train", self, "adam_beta1", 0, 1, high_open=True)
+        check_range("train", self, "adam_beta2", 0, 1, high_open=True)
+        check_range("train", self, "adam_eps", 0, low_open=True)
+        check_choice("train", self, "lr_decay_style", LR_DECAY_STYLES)
+        check_choice("train", self, "optimizer", OPTIMIZERS)
+        if self.sample_during_eval:
+            check_range("train", self, "eval_num_samples", 1,
+                        why="prompts decoded with train.sample_during_eval=true")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} must be "
+                             f"divisible by train.micro_batch_size={self.micro_batch_size}")
 
 
 @dataclass
@@ -80,14 +114,13 @@ class ReferenceConfig:
     """Directory of precomputed tables (empty: <DPO_MEGATRON_CACHE>/reference_logps). Must be
     shared by all ranks of a multi-node run (like checkpoint directories)."""
     micro_batch_size: int = 0
-    """Pairs per micro-batch of the precompute pass (0: train.micro_batch_size)."""
+    """Pairs per micro-batch of the precompute pass (>= 0; 0: train.micro_batch_size)."""
 
     def validate(self) -> None:
         """Raises ValueError for an unknown mode or a negative micro-batch size."""
         if self.mode not in REFERENCE_MODES:
             raise ValueError(f"reference.mode={self.mode!r}; known: {', '.join(REFERENCE_MODES)}")
-        if self.micro_batch_size < 0:
-            raise ValueError(f"reference.micro_batch_size={self.micro_batch_size} must be >= 0")
+        check_range("reference", self, "micro_batch_size", 0, why="0: train.micro_batch_size")
 
 
 @dataclass

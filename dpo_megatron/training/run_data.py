@@ -36,10 +36,10 @@ def load_run_data(cfg, model_cfg, sft: bool) -> RunData:
     cache; its failure reaches every rank, or they would wait in a collective until the timeout.
 
     Raises:
-        ValueError: no training items left after filtering (and whatever the data pipeline
-            raises for bad input, on every rank).
+        DataError: no training items left after filtering, or bad input (the pipeline's error
+            on rank 0, "rank 0 failed" on the others).
     """
-    from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
+    from dpo_megatron.data import DataError, load_preference_pairs, load_sft_examples, load_tokenizer
     from dpo_megatron.training.model_setup import check_vocab_fits
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
@@ -56,11 +56,11 @@ def load_run_data(cfg, model_cfg, sft: bool) -> RunData:
     if failure is not None:
         raise failure
     if not ok.item():
-        raise RuntimeError("rank 0 failed to load the data; its error is above")
+        raise DataError("rank 0 failed to load the data; it reports why")
     if dataset is None:
         dataset = load(cfg.data, tokenizer)
     if not dataset.train:
-        raise ValueError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
+        raise DataError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
                          f"after filtering: {dataset.summary}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         tokenizer.eos_token_id

@@ -81,12 +81,14 @@ class Trainer:
         policy = model_setup.build_policy(cfg, self.model_config)
         reference = (model_setup.build_reference(cfg, self.model_config, policy)
                      if self.loss_fn.needs_reference else None)
-        self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
-        self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
-        self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
+        # Before DDP and the optimizer: a precomputed reference is freed before gradient buffers
+        # and optimizer state exist, so the two models never coexist with them.
         started = time.perf_counter()
         self.reference = self._reference_source(reference)
         self.timings = {"reference_setup_s": time.perf_counter() - started}
+        self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
+        self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
         self.evaluator = Evaluator(self.data.eval, self.builder, cfg.train.global_batch_size,
                                    cfg.train.micro_batch_size, cfg.train.eval_interval,
                                    cfg.train.eval_iters)
@@ -236,7 +238,7 @@ class Trainer:
                 self.logger.log(step, "train", metrics, {
                     "grad_norm": out.grad_norm, "lr": lr, "tokens_per_s": tokens / step_time,
                     "step_time_s": step_time, "seq_length": batch.seq_length,
-                    "skipped_steps": self.counters.skipped_steps})
+                    "skipped_steps": self.counters.skipped_steps, **_memory_over_ranks()})
             if self.counters.consecutive_skipped >= cfg.train.max_nonfinite_steps:
                 self.close()
                 raise NonFiniteLossError(
@@ -277,6 +279,21 @@ class Trainer:
                   os.path.join(self.checkpointer.save_dir, "hf"),
                   dtype=self.cfg.checkpoint.export_dtype,
                   tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None)
+
+
+def _memory_over_ranks() -> dict[str, float]:
+    """``memory/peak_gib`` and ``memory/current_gib``: the largest of any rank (device memory on
+    CUDA, resident host memory on the CPU; ``parallel.device.memory_stats``)."""
+    import torch
+    import torch.distributed as dist
+
+    from dpo_megatron.parallel.device import memory_stats
+
+    stats = memory_stats()
+    t = torch.tensor([stats["peak"], stats["current"]], dtype=torch.float64, device=get_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    peak, current = t.tolist()
+    return {"memory/peak_gib": peak, "memory/current_gib": current}
 
 
 def _sum_over_data_parallel(value: float) -> float:

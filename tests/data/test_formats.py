@@ -81,7 +81,7 @@ def test_hh():
     assert convert_hh(row, CFG) == [
         Example([U("Hi there"), A("Hello!"), U("Is the sky blue?")], [A("Yes, it is.")], [A("No.")])
     ]
-    with pytest.raises(RowError, match="differ before their last Assistant turn"):
+    with pytest.raises(RowError, match="share no Assistant turn"):  # differ in the first turn
         convert_hh({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: x\n\nAssistant: b"}, CFG)
 
 
@@ -135,7 +135,7 @@ def test_detect_format():
     assert detect_format(["history", "human_ref_A", "human_ref_B", "labels", "score_ratio"], None) == "shp"
     assert detect_format(["qid", "question", "answers"], None) == "se"
     assert detect_format(["instruction", "input", "output"], None) == "alpaca"
-    with pytest.raises(ValueError, match=r"cannot tell the data format from columns \['text'\]: set data.format"):
+    with pytest.raises(ValueError, match=r"cannot tell the data format of the data from its columns \['text'\]: set data.format"):
         detect_format(["text"], {"text": "x"})
 
 
@@ -144,3 +144,23 @@ def test_common_prefix_never_splits_a_word():
     assert common_text_prefix("I like cats a lot.", "I like cars a lot.") == "I like"
     assert common_text_prefix("The sky is blue", "The sky is red") == "The sky is"
     assert common_text_prefix("abc", "abd") == ""
+
+
+def test_hh_pair_diverging_before_the_last_turn_is_split_at_the_common_assistant_turn():
+    """Issue 16 defect 2. Old: RowError "chosen and rejected dialogues differ before their last
+    Assistant turn" (with on_error=skip: dropped as malformed)."""
+    row = {
+        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Sky?\n\nAssistant: Blue.",
+        "rejected": "\n\nHuman: Hi\n\nAssistant: Go away.\n\nHuman: Sky?\n\nAssistant: No.",
+    }
+    assert convert_hh(row, CFG) == [Example(
+        [U("Hi")],
+        [A("Hello!"), U("Sky?"), A("Blue.")],
+        [A("Go away."), U("Sky?"), A("No.")],
+        notes=("diverged_early",),
+    )]
+    # The common text runs into the second Assistant turn ("Hello" vs "Hello there"): the split
+    # is still at the last marker wholly inside the common prefix.
+    row = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: x\n\nAssistant: y",
+           "rejected": "\n\nHuman: Hi\n\nAssistant: Hello there\n\nHuman: x\n\nAssistant: z"}
+    assert convert_hh(row, CFG)[0].prompt == [U("Hi")]

@@ -74,7 +74,7 @@ def test_length_rules_by_hand(tmp_path):
         assert list(pair.chosen_ids) == C[:4]  # cut: no EOS at the end
         assert list(pair.rejected_ids) == R  # fits: keeps its EOS
     ds = load_preference_pairs(_cfg(path, max_length=8, max_prompt_length=4), tok)
-    assert ds.summary["truncated"] == {"prompt": 1, "chosen": 1, "rejected": 0}
+    assert ds.summary["truncated"] == {"prompt": 1, "prompt_turns_dropped": 0, "prompt_tokens_cut": 1, "chosen": 1, "rejected": 0}
 
 
 def test_config_errors():
@@ -131,8 +131,11 @@ def test_tokenization_cache_hit_and_invalidation(tmp_path, monkeypatch):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(pipeline, "_tokenize_batch", boom)
-    again = load_preference_pairs(_cfg(path, cache_dir=str(cache), max_length=64, max_prompt_length=32), tok)  # length: not in the key
+    again = load_preference_pairs(_cfg(path, cache_dir=str(cache), eval_fraction=0.0, shuffle=False), tok)  # not in the key
     assert again.train == first.train
+    # The length limits are in the key: the encoder drops whole turns and bounds huge texts by them.
+    with pytest.raises(AssertionError, match="tokenized again"):
+        load_preference_pairs(_cfg(path, cache_dir=str(cache), max_length=64, max_prompt_length=32), tok)
     write_jsonl(path, [GOOD, GOOD | {"prompt": "Hello!"}])  # new data: new key
     with pytest.raises(AssertionError, match="tokenized again"):
         load_preference_pairs(_cfg(path, cache_dir=str(cache)), tok)
@@ -152,7 +155,8 @@ def test_length_stats_and_format():
     assert length_stats([]) == {"p50": 0, "p90": 0, "p99": 0, "max": 0}
     summary = {
         "unit": "pairs", "rows_read": 3, "pairs_kept": 2, "train": 2, "eval": 0, "max_length": 8,
-        "max_prompt_length": 4, "dropped": {"identical": 1}, "truncated": {"prompt": 0, "chosen": 0, "rejected": 0},
+        "max_prompt_length": 4, "dropped": {"identical": 1},
+        "truncated": {"prompt": 0, "prompt_turns_dropped": 0, "prompt_tokens_cut": 0, "chosen": 0, "rejected": 0},
         "lengths_before_cut": {"prompt": length_stats([3])}, "lengths": {"prompt": length_stats([3])},
         "sources": [{"label": "f", "format": "standard", "rows_read": 3, "pairs_kept": 2, "dropped": {"identical": 1}}],
     }

@@ -58,3 +58,24 @@ def test_alpaca_en_demo_sft_view(smollm2_tokenizer, tmp_path):
     assert sft.summary["rows_read"] == 999
     assert len(sft.train) + len(sft.eval) == sft.summary["pairs_kept"] > 990
     assert all(e.completion_ids for e in sft.train)
+
+
+@pytest.mark.parametrize("name", ["dpo_en_demo", "dpo_zh_demo"])
+def test_every_sequence_starts_with_one_bos_with_the_mistral_tokenizer(name, tmp_path):
+    """Issue 16 acceptance: default length settings, Mistral's SentencePiece model (adds a BOS)
+    with its chat template. Old (5fd70fa): 164/300 (en) and 230/300 (zh) kept their BOS; the
+    136 / 70 cut prompts lost it."""
+    from dpo_megatron.data.tokenizer import SentencePieceTokenizer
+
+    tok = SentencePieceTokenizer(assets.ensure_sentencepiece_model())
+    path = assets.ASSETS[name]()
+    ds = load_preference_pairs(DataConfig(path=str(path), chat_template="mistral", cache_dir=str(tmp_path),
+                                          verbose=False), tok)
+    assert len(ds.train) == 300
+    for pair in ds.train:
+        for sequence in (pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + pair.rejected_ids):
+            assert sequence[0] == tok.bos_token_id and sequence[1] != tok.bos_token_id
+    cut = ds.summary["truncated"]
+    # measured: en 136 prompts over 256 tokens (103 fit after dropping whole oldest turns), zh 70
+    assert (cut["prompt"], cut["prompt_turns_dropped"], cut["prompt_tokens_cut"]) == (
+        (136, 103, 33) if name == "dpo_en_demo" else (70, 0, 70))

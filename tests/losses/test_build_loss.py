@@ -31,10 +31,16 @@ def softplus(x: float) -> float:
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="unknown loss.name 'dpo'") as error:
-        build_loss({"name": "dpo"})
+    with pytest.raises(ValueError, match="unknown loss.name 'dpoo'") as error:
+        build_loss({"name": "dpoo"})
     for name in LOSSES:
         assert repr(name) in str(error.value)
+    assert "aliases: dpo (= sigmoid)" in str(error.value)
+
+
+def test_dpo_is_an_alias_of_sigmoid():
+    """Issue 16: ``loss.name=dpo`` was unknown; it is Rafailov et al.'s sigmoid loss."""
+    assert repr(build_loss({"name": "dpo"})) == repr(build_loss({"name": "sigmoid"}))
 
 
 def test_parameter_the_loss_does_not_take_lists_valid_keys():

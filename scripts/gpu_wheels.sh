@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Fill the wheel folder scripts/gpu_check.sh installs on a GPU machine without a registry:
+#
+#   scripts/gpu_wheels.sh [DIR]        (default: .whl at the repository root, git-ignored)
+#
+# Run it on a machine with a package registry. The lent GPU machine has Python 3.12 and torch
+# with CUDA (numpy, packaging, PyYAML, transformers, safetensors, tensorboard, psutil included)
+# but not megatron-core or omegaconf: this downloads exactly those two (pure Python, ~2.7 MB),
+# built for CPython 3.12 on x86-64 Linux, whatever this machine is.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DIR="${1:-$ROOT/.whl}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[[ -x "$PY" ]] || PY=python3
+mkdir -p "$DIR"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DIR" \
+  megatron-core==0.16.1 omegaconf==2.4.0
+ls -l "$DIR"
