@@ -37,8 +37,9 @@ from tests.training.test_lifecycle import (
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = ("tokens_per_s", "step_time_s")
-"""Metrics that measure time: everything else must be bit-identical after a resume."""
+TIMING = ("tokens_per_s", "step_time_s", "memory/peak_gib", "memory/current_gib")
+"""Metrics that measure the machine (time; the process's memory, which a resumed process does
+not share with an uninterrupted one): everything else must be bit-identical after a resume."""
 
 
 @pytest.fixture(scope="module")
