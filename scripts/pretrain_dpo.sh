@@ -23,7 +23,7 @@ for a in "$@"; do
     echo "  --list-keys (every config key: type, default, valid range), --print-config (the resolved"
     echo "  config as YAML). Shorthands: loss=ipo is loss.name=ipo; key= clears a string key."
     echo "Before any rank starts, the config, the data files and the model's layout are checked;"
-    echo "a mistake ends the script with one 'config error:' or 'error:' line."
+    echo "a mistake ends the script with one 'config error:' or 'error:' line (exit status 1)."
     exit 0
   fi
 done
@@ -57,5 +57,8 @@ fi
 # the data files (exist, rows fit their format) and the model against the layout; then the world
 # size. A mistake prints one line on stderr and stops here (set -e), before any rank starts.
 NPROC="$("$PYTHON" -m dpo_megatron.config "${args[@]}" | tail -n 1)"
-exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC" \
+# torchrun, run by dpo_megatron/launch.py: a mistake only the ranks meet (a run_dir in use, data
+# that changed) ends with the ranks' one error line and one pointer line, not torchrun's failure
+# block; a crash keeps its traceback and torchrun's block.
+exec "$PYTHON" -m dpo_megatron.launch --standalone --nnodes=1 --nproc-per-node="$NPROC" \
   -m "$ENTRY" "${args[@]}"

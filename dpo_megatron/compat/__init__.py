@@ -12,6 +12,8 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.dist_ckpt_queue`: synchronous ``torch_dist`` saves without a
   spawned ``multiprocessing`` Manager (megatron-core 0.16).
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
+* :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a
+  failed worker until the launcher (:mod:`dpo_megatron.launch`) knows whether it was a crash.
 
 Applying a patch is always its caller's explicit decision, never an import side effect. This
 ``__init__`` imports nothing heavy, so config-only entry points stay fast.

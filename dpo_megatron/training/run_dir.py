@@ -47,7 +47,9 @@ _CHECKPOINT_RE = re.compile(r"^iter_\d{7}")
 class RunDirError(SystemExit):
     """The run folder cannot be used (held by another run, or holding a run this one would mix
     with). A ``SystemExit``: uncaught, rank 0 prints ``error: <message>`` and every rank exits
-    with status 1, without a traceback per rank. ``str()`` is the message."""
+    with status 1, without a traceback per rank; ``dpo_megatron.train`` ends the ranks with
+    ``dpo_megatron.launch.fail`` instead (the launcher's one-line ending). ``str()`` is the
+    message."""
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}" if ranks.rank() == 0 else 1)
