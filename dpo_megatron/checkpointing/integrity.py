@@ -177,10 +177,13 @@ class Verification:
         if not self.has_manifest:
             return (f"WARNING: {ckpt_dir} has no {MANIFEST_FILE} (saved before checksums): its "
                     f"files' sizes and digests cannot be checked (its pickles were scanned)")
-        size = (f"{self.bytes / 1e9:.2f} GB" if self.bytes >= 1e9
-                else f"{self.bytes / 1e6:.1f} MB")
-        return (f"verified {ckpt_dir}: {self.files} files, {size} checked ({HASH_NAME}) in "
-                f"{self.seconds:.2f} s")
+        return (f"verified {ckpt_dir}: {self.files} files, {describe_size(self.bytes)} checked "
+                f"({HASH_NAME}) in {self.seconds:.2f} s")
+
+
+def describe_size(n_bytes: int) -> str:
+    """``2.15 GB`` / ``12.3 MB`` (decimal units, as ``du --si``)."""
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.1f} MB"
 
 
 def verify_checkpoint(folder: str) -> Verification:

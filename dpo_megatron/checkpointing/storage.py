@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from typing import Callable, Optional
 
 from dpo_megatron.checkpointing import ranks
@@ -138,6 +139,11 @@ class CheckpointWriter:
     def __init__(self, ckpt_dir: str, local_bytes: int = 0):
         self.ckpt_dir = os.path.abspath(ckpt_dir)
         self.tmp = f"{self.ckpt_dir}.tmp"
+        self.started = time.perf_counter()
+        self.manifest: Optional[dict] = None
+        """The manifest written by :meth:`commit` (None before)."""
+        self.hash_seconds = 0.0
+        """Wall time of the manifest phase (every rank hashing its share, then the gather)."""
         total = sum(ranks.gather_to_all(int(local_bytes)))
         error = None
         if ranks.rank() == 0:
@@ -177,8 +183,24 @@ class CheckpointWriter:
         from dpo_megatron.checkpointing.integrity import write_manifest
 
         self.phase(lambda tmp: None)  # a barrier before hashing: every file is written
-        self.phase(write_manifest)
+        hashing = time.perf_counter()
+
+        def manifest(tmp: str) -> None:
+            self.manifest = write_manifest(tmp)
+
+        self.phase(manifest)
+        self.hash_seconds = time.perf_counter() - hashing
         self.phase(lambda tmp: replace_dir(tmp, self.ckpt_dir) if ranks.rank() == 0 else None)
+
+    def report(self) -> str:
+        """After :meth:`commit`: ``wrote <folder> (N files, SIZE in S s; checksums H s)``, the
+        cost of the manifest (hashing every file once more) next to that of the whole save."""
+        from dpo_megatron.checkpointing.integrity import describe_size
+
+        files = self.manifest["files"] if self.manifest else {}
+        size = describe_size(self.manifest["total_bytes"] if self.manifest else 0)
+        return (f"wrote checkpoint {self.ckpt_dir} ({len(files)} files, {size} in "
+                f"{time.perf_counter() - self.started:.2f} s; checksums {self.hash_seconds:.2f} s)")
 
     def _agree(self, error: Optional[str]) -> None:
         errors = ranks.agreed_errors(error)

@@ -255,7 +255,7 @@ def _save_rng(folder: str) -> None:
 
 
 def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state: dict,
-                             model_cfg=None) -> None:
+                             model_cfg=None) -> str:
     """Write a training checkpoint at ``ckpt_dir`` atomically, with its manifest (collective:
     every rank calls it).
 
@@ -267,6 +267,10 @@ def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state
         train_state: JSON-serialisable run state (step, run id, scheduler, sampler, loss,
             layout, ...), written by rank 0 as ``train_state.json``.
         model_cfg: ModelConfig stored as ``model_config.json`` when given.
+
+    Returns:
+        The save's one-line report (:meth:`CheckpointWriter.report`: files, size, seconds, and
+        the seconds of the checksums among them).
 
     Raises:
         CheckpointSaveError: on every rank, naming the path and the cause (no space left,
@@ -288,6 +292,7 @@ def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state
 
     writer.phase(write_json)
     writer.commit()
+    return writer.report()
 
 
 def read_train_state(ckpt_dir: str) -> dict:

@@ -67,8 +67,9 @@ def new_run_id() -> str:
 def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
              counters: RunCounters, use_distributed_optimizer: bool, keep_last_n: int,
              model_cfg=None, run_id: Optional[str] = None) -> str:
-    """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective), then
-    delete this run's checkpoints beyond the newest ``keep_last_n``. Returns the folder.
+    """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective; rank 0
+    prints the save's report: size, seconds, seconds of the checksums), then delete this run's
+    checkpoints beyond the newest ``keep_last_n``. Returns the folder.
 
     Raises:
         CheckpointSaveError: the save failed (disk full, read-only, ...): nothing was pruned.
@@ -83,8 +84,9 @@ def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn
         "loss": loss_fn.state_dict(),
         "layout": current_layout(use_distributed_optimizer),
     }
-    save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
+    report = save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
     if ranks.rank() == 0:
+        print(report, flush=True)
         prune_checkpoints(save_dir, keep_last_n, run_id)
     ranks.barrier()
     return ckpt_dir

@@ -28,6 +28,7 @@ def _save(ckpt_dir, *phases, local_bytes=0):
     for fn in phases:
         writer.phase(fn)
     writer.commit()
+    return writer
 
 
 def test_a_save_is_published_complete_with_its_manifest(tmp_path):
@@ -35,6 +36,21 @@ def test_a_save_is_published_complete_with_its_manifest(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001"]
     assert verify_checkpoint(str(tmp_path / "iter_0000001")).files == 2
     assert os.path.isfile(tmp_path / "iter_0000001" / MANIFEST_FILE)
+
+
+def test_a_save_reports_its_size_and_the_cost_of_its_checksums(tmp_path):
+    """The report names the folder, the files and bytes the manifest lists (3 MB + 10 bytes
+    here), and the seconds of the checksums within the seconds of the whole save."""
+    import re
+
+    ckpt = tmp_path / "iter_0000002"
+    writer = _save(ckpt, _write("a.bin", 3_000_000), _write("b.bin", 10))
+    assert writer.manifest["total_bytes"] == 3_000_010
+    match = re.fullmatch(rf"wrote checkpoint {ckpt} \(2 files, 3\.0 MB in ([0-9.]+) s; "
+                         rf"checksums ([0-9.]+) s\)", writer.report())
+    assert match, writer.report()
+    total, hashing = map(float, match.groups())
+    assert 0 <= hashing <= total and hashing == round(writer.hash_seconds, 2)
 
 
 @pytest.mark.parametrize("code, words", [(errno.ENOSPC, "no space left on device"),

@@ -160,6 +160,14 @@ def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fix
     base = tmp_path / "base"
     run_train(base, data_file, tok_dir, *FOUR_STEPS)
     shard = sorted(p.name for p in (base / "checkpoints" / "iter_0000004").glob("*.distcp"))[0]
+    # Each save reports its cost, checksums included (issue 15: the manifest's price).
+    base_log = (base / "train.log").read_text()
+    for step in (2, 4):
+        files = len(json.loads((base / "checkpoints" / f"iter_{step:07d}" / "manifest.json")
+                               .read_text())["files"])
+        assert f"wrote checkpoint {base / 'checkpoints' / f'iter_{step:07d}'} ({files} files, " \
+            in base_log
+    assert base_log.count("; checksums ") == 2
 
     # resume=auto: the newest checkpoint has 4 KiB flipped in a shard and metrics.jsonl a torn
     # last line (killed mid-write): it resumes from iter_2, says why, and redoes steps 3-4
