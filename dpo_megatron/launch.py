@@ -37,22 +37,28 @@ RANK0_GRACE_S = 10.0
 
 def fail(message: str) -> NoReturn:
     """End this rank at a user's mistake: ``message`` on stderr from global rank 0 (every rank
-    meets the same mistake), exit status :data:`USER_ERROR_EXIT`, no traceback.
+    meets the same mistake), exit status :data:`USER_ERROR_EXIT`, no traceback. Under torch
+    elastic another rank waits for rank 0 first, and prints the message itself if rank 0 is
+    still running after :data:`RANK0_GRACE_S` (the mistake was that rank's alone).
 
     Raises:
         SystemExit: always, with code :data:`USER_ERROR_EXIT`.
     """
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    waits = not rank0 and bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if waits:
+        _wait_for_rank0()  # returns only while rank 0 runs on
+    if rank0 or waits:
         print(message, file=sys.stderr, flush=True)
-    elif os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _wait_for_rank0()
     raise SystemExit(USER_ERROR_EXIT)
 
 
 def _wait_for_rank0() -> None:
     """Sleep until torch elastic terminates this rank (it does when rank 0 exits), at most
-    :data:`RANK0_GRACE_S`. The run's own SIGTERM handler (a checkpoint at the next step) is put
-    back to the default first, so the termination is immediate."""
+    :data:`RANK0_GRACE_S` (then the caller prints the message itself: the mistake was this
+    rank's alone). The run's own SIGTERM handler (a checkpoint at the next step) is put back to
+    the default first, so the termination is immediate."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except ValueError:  # not the main thread: the handler stays, the wait still ends

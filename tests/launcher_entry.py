@@ -2,8 +2,8 @@
 ``scripts/pretrain_dpo.sh`` (``DPO_MEGATRON_ENTRY=tests.launcher_entry``), to end a job quickly
 the way a real run ends: ``DPO_TEST_ENDING=mistake`` reports a user's mistake with
 :func:`dpo_megatron.launch.fail` (rank 0 a second after the others, the order in which torch
-elastic would otherwise stop rank 0 before it printed), ``crash`` raises an exception on every
-rank."""
+elastic would otherwise stop rank 0 before it printed), ``mistake_on_rank1`` on rank 1 alone
+(rank 0 runs on), ``crash`` raises an exception on every rank."""
 
 import os
 import time
@@ -15,9 +15,14 @@ MISTAKE = "error: data file pairs.jsonl, row 3: field 'chosen' is missing"
 
 def main() -> None:
     rank = int(os.environ["RANK"])
-    if os.environ["DPO_TEST_ENDING"] == "mistake":
+    ending = os.environ["DPO_TEST_ENDING"]
+    if ending == "mistake":
         if rank == 0:
             time.sleep(1.0)
+        fail(MISTAKE)
+    if ending == "mistake_on_rank1":  # rank 0 goes on (as if waiting in a collective)
+        if rank == 0:
+            time.sleep(300)
         fail(MISTAKE)
     raise RuntimeError(f"a bug on rank {rank}")
 

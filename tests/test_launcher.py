@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -205,6 +206,22 @@ def test_a_mistake_met_on_the_ranks_ends_with_its_line_and_a_pointer(tmp_path):
     assert out.stderr.splitlines() == [
         MISTAKE,
         "launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were stopped)"]
+
+
+@pytest.mark.slow
+def test_a_mistake_met_by_one_rank_alone_is_printed_by_that_rank(tmp_path):
+    """Rank 0 runs on (here: sleeps 300 s): rank 1 waits RANK0_GRACE_S for it, then prints the
+    line itself and exits; torchrun stops rank 0."""
+    from dpo_megatron.launch import RANK0_GRACE_S
+    from tests.launcher_entry import MISTAKE
+
+    started = time.monotonic()
+    out = _ended("mistake_on_rank1", tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        MISTAKE,
+        "launcher: the job stopped at the line above (rank 1; the other 1 rank(s) were stopped)"]
+    assert RANK0_GRACE_S <= time.monotonic() - started < 300  # rank 0 was stopped
 
 
 @pytest.mark.slow
