@@ -19,6 +19,8 @@ setup(
         "omegaconf",
         "tensorboard",
         "numpy",
+        # Checkpoint manifests: XXH3-128 checksums (dpo_megatron/checkpointing/integrity.py).
+        "xxhash>=3",
     ],
     extras_require={
         # peft: the LoRA export test loads the adapters with peft.PeftModel.from_pretrained.

@@ -67,6 +67,10 @@ class CheckpointConfig:
     """Continue a run: ``none`` (start fresh), ``auto`` (the latest complete checkpoint in the
     save directory, else start fresh), or a checkpoint folder (or a folder of them: its latest).
     Restores model, optimizer, LR scheduler, RNG, data position, loss state and step."""
+    overwrite: bool = False
+    """Start afresh (``resume=none``) in a run_dir that holds an earlier run's checkpoints or
+    metrics by moving that run, untouched, to ``<run_dir>.replaced-<time>``; without it such a
+    start is refused (``dpo_megatron/training/run_dir.py``)."""
     export_hf: str = "none"
     """At the end of training write the final policy for Hugging Face: ``false``/``none`` (no
     export), ``true``/``merged`` (an HF folder <save>/hf; LoRA adapters merged into the weights)

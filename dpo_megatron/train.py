@@ -8,8 +8,6 @@ checkpoint) -> final checkpoint.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Optional, Sequence
 
 from dpo_megatron.compat.expected_warnings import filter_expected_warnings
@@ -17,6 +15,7 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 filter_expected_warnings()  # before megatron-core's import-time warnings
 
 from dpo_megatron.config import DPOConfig, load_config, parse_args  # noqa: E402
+from dpo_megatron.launch import fail  # noqa: E402
 from dpo_megatron.training.trainer import NonFiniteLossError, Trainer  # noqa: E402
 
 
@@ -30,27 +29,22 @@ def train(cfg: DPOConfig) -> dict[str, float]:
     return Trainer(cfg).train()
 
 
-def _fail(message: str) -> None:
-    """A user's mistake (config or data), whose message is the whole story: one line on stderr
-    from global rank 0 (every rank meets the same mistake), exit status 1, no traceback."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     config_file, overrides = parse_args(argv)
     try:
         cfg = load_config(config_file, overrides)
     except ValueError as e:
-        _fail(f"config error: {e}")
+        fail(f"config error: {e}")
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel import destroy_distributed
+    from dpo_megatron.training.run_dir import RunDirError
 
     try:
         train(cfg)
-    except DataError as e:  # rank 0's data failure reaches every rank (training.run_data)
-        _fail(f"error: {e}")
+    # A user's mistake every rank meets (rank 0's data failure and its verdict on the run folder
+    # reach every rank): one line, status launch.USER_ERROR_EXIT (the launcher's contract).
+    except (DataError, RunDirError) as e:
+        fail(f"error: {e}")
     finally:
         destroy_distributed()
 

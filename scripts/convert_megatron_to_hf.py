@@ -11,7 +11,8 @@ training) or, with --hf-path, the source HF folder's config.json; a LoRA trainin
 and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir overrides). The output
 is written to a temporary folder and renamed into place when complete. The checkpoint it loads
 (path, training step, run folder) is printed first: a run's ``checkpoints`` folder means its latest
-complete checkpoint, so the line says which one that was.
+complete checkpoint, so the line says which one that was. Every file of CKPT_DIR is then checked
+against its manifest of checksums (and for pickled code) before any tensor is loaded.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
-        load_weights(chunks, model_cfg, args.load)
+        load_weights(chunks, model_cfg, args.load)  # verifies the checksums and pickles first
         export_hf(chunks, model_cfg, args.save, dtype=args.dtype,
                   tokenizer_dir=args.tokenizer_dir)
     finally:

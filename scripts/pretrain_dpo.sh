@@ -23,7 +23,7 @@ for a in "$@"; do
     echo "  --list-keys (every config key: type, default, valid range), --print-config (the resolved"
     echo "  config as YAML). Shorthands: loss=ipo is loss.name=ipo; key= clears a string key."
     echo "Before any rank starts, the config, the data files and the model's layout are checked;"
-    echo "a mistake ends the script with one 'config error:' or 'error:' line."
+    echo "a mistake ends the script with one 'config error:' or 'error:' line (exit status 1)."
     exit 0
   fi
 done
@@ -34,6 +34,11 @@ if [[ $has_config == 0 ]]; then args=(--config "$DEFAULT_CONFIG" "${args[@]+"${a
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# Ctrl-C / SIGTERM: torchrun forwards the signal to its ranks, which finish their step and save a
+# checkpoint (dpo_megatron/training/shutdown.py); give them this long before torchrun's SIGKILL
+# (torchrun's --shutdown-timeout, 30 s by default: less than one SmolLM2 save on a busy CPU).
+# Killing this script with SIGKILL takes the ranks with it (parent-death signal in each rank).
+export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 
 # --list-keys / --print-config: answered by the config module, nothing is launched.
 for a in "${args[@]}"; do
@@ -52,5 +57,8 @@ fi
 # the data files (exist, rows fit their format) and the model against the layout; then the world
 # size. A mistake prints one line on stderr and stops here (set -e), before any rank starts.
 NPROC="$("$PYTHON" -m dpo_megatron.config "${args[@]}" | tail -n 1)"
-exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC" \
+# torchrun, run by dpo_megatron/launch.py: a mistake only the ranks meet (a run_dir in use, data
+# that changed) ends with the ranks' one error line and one pointer line, not torchrun's failure
+# block; a crash keeps its traceback and torchrun's block.
+exec "$PYTHON" -m dpo_megatron.launch --standalone --nnodes=1 --nproc-per-node="$NPROC" \
   -m "$ENTRY" "${args[@]}"

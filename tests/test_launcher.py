@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -110,7 +111,10 @@ def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
 @pytest.mark.slow
 def test_rank_side_data_error_is_one_line(tmp_path):
     """Under another launcher (here one process, no pre-check) a data error is printed once,
-    plainly, with exit status 1. Old: a traceback ending in the message."""
+    plainly, with the exit status of a reported mistake (dpo_megatron.launch.USER_ERROR_EXIT,
+    which scripts/pretrain_dpo.sh turns into 1). Old: a traceback ending in the message."""
+    from dpo_megatron.launch import USER_ERROR_EXIT
+
     from dpo_megatron.assets import ensure_sentencepiece_model
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1")
@@ -120,7 +124,7 @@ def test_rank_side_data_error_is_one_line(tmp_path):
                           f"data.tokenizer={ensure_sentencepiece_model()}", "data.cache_dir=none",
                           f"run_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
-    assert out.returncode == 1
+    assert out.returncode == USER_ERROR_EXIT == 2
     assert _error_lines(out.stderr) == [
         "error: conversational data needs a chat template: the tokenizer has none; set "
         "data.chat_template (chatml, mistral or a Jinja file)"], out.stderr[-3000:]
@@ -175,3 +179,80 @@ def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
     from_sft = [c for c in commands if c.startswith("scripts/pretrain_dpo.sh model.load=runs/sft")]
     assert from_sft and all("run_dir=" in c for c in from_sft)
     assert "dequantised" in readme and "4-bit" in readme
+
+
+# ---------------------------------------------------------------------------------------------
+# A mistake met on the ranks (dpo_megatron/launch.py)
+
+
+def _ended(ending, tmp_path):
+    """scripts/pretrain_dpo.sh at 2 ranks running tests/launcher_entry.py's ``ending``."""
+    return _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+                   "parallel.tensor_model_parallel_size=2", "data.cache_dir=none",
+                   f"run_dir={tmp_path / 'run'}",
+                   env={"DPO_MEGATRON_ENTRY": "tests.launcher_entry", "DPO_TEST_ENDING": ending,
+                        "PYTHONPATH": ROOT})
+
+
+@pytest.mark.slow
+def test_a_mistake_met_on_the_ranks_ends_with_its_line_and_a_pointer(tmp_path):
+    """Old: after the rank's one ``error:`` line torchrun printed a closing-signal and a
+    ``failed (exitcode: 1)`` log line, its own traceback and its ChildFailedError block; and
+    rank 1, exiting first, could get rank 0 terminated before it printed the line."""
+    from tests.launcher_entry import MISTAKE
+
+    out = _ended("mistake", tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        MISTAKE,
+        "launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were stopped)"]
+
+
+@pytest.mark.slow
+def test_a_mistake_met_by_one_rank_alone_is_printed_by_that_rank(tmp_path):
+    """Rank 0 runs on (here: sleeps 300 s): rank 1 waits RANK0_GRACE_S for it, then prints the
+    line itself and exits; torchrun stops rank 0."""
+    from dpo_megatron.launch import RANK0_GRACE_S
+    from tests.launcher_entry import MISTAKE
+
+    started = time.monotonic()
+    out = _ended("mistake_on_rank1", tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        MISTAKE,
+        "launcher: the job stopped at the line above (rank 1; the other 1 rank(s) were stopped)"]
+    assert RANK0_GRACE_S <= time.monotonic() - started < 300  # rank 0 was stopped
+
+
+@pytest.mark.slow
+def test_a_crash_on_the_ranks_keeps_its_traceback_and_torchruns_block(tmp_path):
+    out = _ended("crash", tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.count("Traceback (most recent call last)") >= 2  # a rank's and torchrun's
+    assert "RuntimeError: a bug on rank " in out.stderr
+    assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in out.stderr
+    assert "tests.launcher_entry FAILED" in out.stderr and "exitcode  : 1" in out.stderr
+    assert "failed (exitcode: 1)" in out.stderr  # torch elastic's log line, released
+    assert "launcher:" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_run_dir_refused_on_the_ranks_is_one_line_and_a_pointer_to_its_log(tmp_path):
+    """The run folder is checked by the ranks (rank 0 holds its lock): a fresh run over an
+    earlier one is refused there, through the real entry point, at 2 ranks."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 0.5}\n')
+    (run_dir / "train.log").write_text("the earlier run's log\n")
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+                  "parallel.tensor_model_parallel_size=2", f"run_dir={run_dir}",
+                  env={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        f"error: run_dir {run_dir} already holds a run (metrics.jsonl with 1 record(s)): "
+        f"refusing to mix a fresh run into it (nothing was changed). Continue that run with "
+        f"checkpoint.resume=auto, start afresh with checkpoint.overwrite=true (the old run moves "
+        f"to {run_dir}.replaced-<time>), or choose another run_dir",
+        f"launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
+        f"stopped); rank 0's output is also in {run_dir / 'train.log'}"], out.stderr[-3000:]
+    assert (run_dir / "train.log").read_text() == "the earlier run's log\n"

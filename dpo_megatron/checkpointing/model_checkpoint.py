@@ -4,9 +4,10 @@ The checkpoint is megatron-core's ``dist_checkpointing`` format of ``model.shard
 every tensor is stored once under its global key (``decoder.layers.<global index>...``) with its
 slice offsets, so a job with another layout reads back exactly the slices it owns.
 
-Writes are atomic: all ranks write into ``<ckpt_dir>.tmp``, and after a barrier rank 0 renames
-it to ``ckpt_dir`` (an existing ``ckpt_dir`` is replaced only then). A crash mid-save leaves the
-previous checkpoint intact.
+Writes are atomic: all ranks write into ``<ckpt_dir>.tmp``, the manifest of checksums is written
+last, and rank 0 renames the folder to ``ckpt_dir`` (an existing ``ckpt_dir`` is replaced only
+then; :mod:`~dpo_megatron.checkpointing.storage`). A crash mid-save leaves the previous checkpoint
+intact; loading verifies every file (:mod:`~dpo_megatron.checkpointing.integrity`).
 
 Saves are synchronous and use an in-process results queue (``dpo_megatron.compat.dist_ckpt_queue``:
 megatron-core 0.16 would otherwise spawn a ``multiprocessing`` Manager that re-imports the entry
@@ -18,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from dpo_megatron.checkpointing.integrity import load_sharded, verify_or_raise
+from dpo_megatron.checkpointing.storage import CheckpointWriter
 from dpo_megatron.models.config import ModelConfig
 
 MODEL_CONFIG_FILE = "model_config.json"
@@ -45,64 +47,69 @@ def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def sharded_bytes(sharded_state_dict: dict) -> int:
+    """Bytes of the tensors this rank writes for ``sharded_state_dict`` (main replicas only):
+    the checkpoint writer's free-space estimate."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    total = 0
+    for value in nested_values(sharded_state_dict):
+        if (isinstance(value, ShardedTensor) and value.data is not None
+                and is_main_replica(value.replica_id)):
+            total += value.data.numel() * value.data.element_size()
+    return total
 
 
-def replace_dir(tmp: str, final: str) -> None:
-    """Rename the complete folder ``tmp`` to ``final``; an existing ``final`` is moved aside
-    first and deleted only after the rename (one process, e.g. rank 0, calls this)."""
-    old = f"{final}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+def write_model_config(folder: str, model_cfg: ModelConfig) -> None:
+    """``model_config.json`` into a checkpoint folder (rank 0 only; other ranks do nothing)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    with open(os.path.join(folder, MODEL_CONFIG_FILE), "w") as f:
+        json.dump(dataclasses.asdict(model_cfg), f, indent=2)
 
 
 def save_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str,
                           model_cfg: Optional[ModelConfig] = None) -> None:
-    """Save this job's model weights as a distributed checkpoint at ``ckpt_dir`` (collective).
+    """Save this job's model weights as a distributed checkpoint at ``ckpt_dir`` (collective),
+    atomically and with a manifest of checksums (:class:`~dpo_megatron.checkpointing.storage.
+    CheckpointWriter`).
 
     ``model_cfg``, when given, is stored as ``model_config.json`` next to the tensors.
+
+    Raises:
+        CheckpointSaveError: the disk is full or read-only, or a write failed (the message
+            names the path; nothing is left behind).
     """
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    tmp = f"{ckpt_dir}.tmp"
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
     from dpo_megatron.compat import dist_ckpt_queue
 
+    state = _sharded_state_dict(chunks)
+    writer = CheckpointWriter(ckpt_dir, sharded_bytes(state))
     dist_ckpt_queue.use_in_process_results_queue()
-    dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
-    _barrier()
-    if rank == 0:
-        if model_cfg is not None:
-            with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
-                json.dump(dataclasses.asdict(model_cfg), f, indent=2)
-        replace_dir(tmp, ckpt_dir)
-    _barrier()
+    writer.phase(lambda tmp: dist_checkpointing.save(state, tmp))
+    if model_cfg is not None:
+        writer.phase(lambda tmp: write_model_config(tmp, model_cfg))
+    writer.commit()
 
 
 def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
     """Load weights saved by :func:`save_model_checkpoint` (any layout) into this rank's chunks
-    (collective). Every parameter of the chunks must be in the checkpoint.
+    (collective). Every parameter of the chunks must be in the checkpoint. Every file is first
+    checked against the checkpoint's manifest and no file may hold pickled code
+    (:mod:`~dpo_megatron.checkpointing.integrity`).
 
     Raises:
         FileNotFoundError: ``ckpt_dir`` is not a distributed checkpoint.
+        CheckpointIntegrityError: a file is missing, changed or unsafe (named in the message).
     """
-    from megatron.core import dist_checkpointing
-
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron-core distributed checkpoint "
                                 "(no metadata.json)")
+    verify_or_raise(ckpt_dir)
     sharded = _sharded_state_dict(chunks)
-    loaded = dist_checkpointing.load(sharded, ckpt_dir)
+    loaded = load_sharded(sharded, ckpt_dir)
     models = [_unwrap(c) for c in chunks]
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for model, key in zip(models, keys):

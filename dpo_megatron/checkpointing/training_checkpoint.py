@@ -3,29 +3,33 @@
 One checkpoint is a folder ``<save>/iter_<step, 7 digits>/`` holding
 
 * a megatron-core distributed checkpoint of ``{"model": ..., "optimizer": ...}``
-  (``metadata.json``, ``*.distcp``, ``common.pt``). The model part has the same keys as
-  :func:`~dpo_megatron.checkpointing.save_model_checkpoint`'s, so ``model.load=<this folder>``
-  starts a new run (e.g. DPO after SFT) from its weights. The optimizer part is megatron-core's
-  ``optimizer.sharded_state_dict(model_sharded_state_dict)``; for the distributed optimizer it
-  uses the ``fully_reshardable`` format, where each parameter's Adam moments are stored under
-  the parameter's global key, so they reshard to another TP / PP / DP layout like weights;
-* ``train_state.json`` (rank 0): step, LR scheduler, data sampler position, loss state (BCO),
-  skipped-step counter and the layout it was saved at;
+  (``metadata.json``, ``.metadata``, ``*.distcp``, ``common.pt``). The model part has the same
+  keys as :func:`~dpo_megatron.checkpointing.save_model_checkpoint`'s, so ``model.load=<this
+  folder>`` starts a new run (e.g. DPO after SFT) from its weights. The optimizer part is
+  megatron-core's ``optimizer.sharded_state_dict(model_sharded_state_dict)``; for the
+  distributed optimizer it uses the ``fully_reshardable`` format, where each parameter's Adam
+  moments are stored under the parameter's global key, so they reshard to another TP / PP / DP
+  layout like weights;
+* ``train_state.json`` (rank 0): step, the run's id, LR scheduler, data sampler position, loss
+  state (BCO), skipped-step counter and the layout it was saved at;
 * ``rng/rank_<global rank>.pt`` (every rank): Python, NumPy, torch and megatron-core's
-  model-parallel RNG tracker states, restored when the layout is the same;
-* ``model_config.json``: the architecture (``load_model_config``).
+  model-parallel RNG tracker states as tensors and plain containers (read back with
+  ``torch.load(weights_only=True)``), restored when the layout is the same;
+* ``model_config.json``: the architecture (``load_model_config``);
+* ``manifest.json``, written last: size and XXH3-128 digest of every other file
+  (:mod:`~dpo_megatron.checkpointing.integrity`); loading checks them all first.
 
-Writes are atomic like model checkpoints: everything goes into ``iter_N.tmp`` and rank 0 renames
-it to ``iter_N`` after every rank has finished, so a run killed while saving leaves
-``iter_N.tmp`` behind (ignored, removed by the next save) and the previous checkpoint intact.
-A folder counts as a checkpoint only if its name is ``iter_<digits>`` and it holds both
-``metadata.json`` and ``train_state.json``.
+Writes are atomic (:class:`~dpo_megatron.checkpointing.storage.CheckpointWriter`): everything
+goes into ``iter_N.tmp`` and rank 0 renames it to ``iter_N`` after every rank has finished, so a
+run killed while saving leaves ``iter_N.tmp`` behind (ignored, removed when the run resumes) and
+the previous checkpoint intact; a save that fails (full or read-only disk) removes its ``.tmp``
+and says why. A folder counts as a checkpoint only if its name is ``iter_<digits>`` and it holds
+both ``metadata.json`` and ``train_state.json``.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import random
@@ -37,14 +41,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dpo_megatron.compat import dist_ckpt_queue, torch_adam_resume
+from dpo_megatron.checkpointing import ranks
+from dpo_megatron.checkpointing.integrity import (
+    CheckpointIntegrityError,
+    load_sharded,
+    load_weights_only,
+    verify_or_raise,
+    write_json_atomic,
+)
 from dpo_megatron.checkpointing.model_checkpoint import (
-    MODEL_CONFIG_FILE,
-    _barrier,
     _sharded_state_dict,
     _unwrap,
-    replace_dir,
+    sharded_bytes,
+    write_model_config,
 )
+from dpo_megatron.checkpointing.storage import CheckpointWriter
+from dpo_megatron.compat import dist_ckpt_queue, torch_adam_resume
 
 TRAIN_STATE_FILE = "train_state.json"
 """Non-tensor state of the run (rank 0)."""
@@ -95,7 +107,8 @@ def find_latest_checkpoint(save_dir: str) -> Optional[str]:
 
 
 def resolve_resume(resume: str, save_dir: str) -> Optional[str]:
-    """The checkpoint a run continues from, per ``checkpoint.resume``.
+    """The checkpoint a run continues from, per ``checkpoint.resume`` (before verification:
+    :func:`resume_candidates` lists the fall-backs of ``auto``).
 
     ``""`` / ``"none"``: None (fresh start). ``"auto"``: the latest complete checkpoint in
     ``save_dir`` (None if there is none). Anything else: a checkpoint folder, or a folder of
@@ -104,33 +117,66 @@ def resolve_resume(resume: str, save_dir: str) -> Optional[str]:
     Raises:
         FileNotFoundError: an explicit path holds no complete checkpoint.
     """
+    candidates = resume_candidates(resume, save_dir)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(resume: str, save_dir: str) -> list[str]:
+    """Checkpoints ``checkpoint.resume`` may continue from, the preferred first: for ``auto``
+    every complete checkpoint of ``save_dir``, newest first (the first that verifies is taken);
+    for an explicit path the one it names; for ``none`` nothing.
+
+    Raises:
+        FileNotFoundError: an explicit path holds no complete checkpoint.
+    """
     if resume in ("", "none"):
-        return None
+        return []
     if resume == "auto":
-        return find_latest_checkpoint(save_dir)
+        return [path for _, path in reversed(list_checkpoints(save_dir))]
     if is_complete_checkpoint(resume):
-        return resume
+        return [resume]
     latest = find_latest_checkpoint(resume)
     if latest is None:
         raise FileNotFoundError(
             f"checkpoint.resume={resume!r}: no complete training checkpoint there (expected an "
             f"iter_NNNNNNN folder with metadata.json and {TRAIN_STATE_FILE}, or a folder of them)")
-    return latest
+    return [latest]
 
 
-def prune_checkpoints(save_dir: str, keep_last_n: int) -> list[str]:
-    """Delete all but the newest ``keep_last_n`` complete checkpoints (0: keep all), and stale
-    ``.tmp`` folders. Call on one rank after a save completed. Returns the deleted paths."""
+def checkpoint_run_id(ckpt_dir: str) -> Optional[str]:
+    """The id of the run that wrote a checkpoint (``train_state.json``), None if unreadable or
+    saved before runs had ids."""
+    try:
+        return read_train_state(ckpt_dir).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def prune_checkpoints(save_dir: str, keep_last_n: int, run_id: Optional[str] = None) -> list[str]:
+    """Delete all but the newest ``keep_last_n`` complete checkpoints *of run ``run_id``* (0:
+    keep all); checkpoints of any other run, and unreadable ones, are never touched. Call on one
+    rank after a save completed. Returns the deleted paths."""
     removed = []
     if keep_last_n > 0:
-        for _, path in list_checkpoints(save_dir)[:-keep_last_n]:
+        own = [path for _, path in list_checkpoints(save_dir)
+               if checkpoint_run_id(path) == run_id]
+        for path in own[:-keep_last_n]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def remove_stale_tmp(save_dir: str) -> list[str]:
+    """Delete the ``iter_N.tmp`` / ``iter_N.old`` folders that saves killed mid-way left behind
+    (call on one rank while holding the run-folder lock: no save of another run can be under
+    way). Returns the deleted paths."""
+    removed = []
+    if os.path.isdir(save_dir):
+        for name in sorted(os.listdir(save_dir)):
+            if re.match(r"^iter_\d{7}\.(tmp|old)$", name):
+                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+                removed.append(os.path.join(save_dir, name))
+    return removed
 
 
 def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
@@ -157,12 +203,18 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    """This rank's RNG states: Python, NumPy, torch CPU (and CUDA), megatron-core's tracker."""
+    """This rank's RNG states as tensors and plain containers (loadable with
+    ``torch.load(weights_only=True)``): Python's (a tuple of ints), NumPy's legacy global
+    generator (its 624-word key as an int64 tensor), torch CPU (and CUDA), megatron-core's
+    tracker."""
     from megatron.core import tensor_parallel
 
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -171,12 +223,22 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def set_numpy_state(state) -> None:
+    """Restore NumPy's legacy global generator from :func:`rng_state`'s ``numpy`` entry (or
+    from ``np.random.get_state()``'s tuple, as checkpoints before tensors held it)."""
+    if isinstance(state, dict):
+        state = (state["bit_generator"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                 state["has_gauss"], state["cached_gaussian"])
+    np.random.set_state(tuple(state))
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state` output."""
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -197,43 +259,54 @@ def _full_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
+def _rng_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+def _save_rng(folder: str) -> None:
+    os.makedirs(os.path.join(folder, RNG_DIR), exist_ok=True)
+    torch.save(rng_state(), _rng_file(folder, ranks.rank()))
+
+
 def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state: dict,
-                             model_cfg=None) -> None:
-    """Write a training checkpoint at ``ckpt_dir`` atomically (collective: every rank calls it).
+                             model_cfg=None) -> str:
+    """Write a training checkpoint at ``ckpt_dir`` atomically, with its manifest (collective:
+    every rank calls it).
 
     Args:
         ckpt_dir: the checkpoint folder, normally ``<save>/`` + :func:`checkpoint_name` (step).
         chunks: this rank's policy chunks (DDP-wrapped or not).
-        optimizer: megatron-core optimizer (its state is saved sharded), or None.
-        train_state: JSON-serialisable run state (step, scheduler, sampler, loss, layout, ...),
-            written by rank 0 as ``train_state.json``.
+        optimizer: megatron-core optimizer (its state is saved sharded), or None. It must hold
+            state (at least one update applied): megatron-core cannot save a fresh optimizer.
+        train_state: JSON-serialisable run state (step, run id, scheduler, sampler, loss,
+            layout, ...), written by rank 0 as ``train_state.json``.
         model_cfg: ModelConfig stored as ``model_config.json`` when given.
+
+    Returns:
+        The save's one-line report (:meth:`CheckpointWriter.report`: files, size, seconds, and
+        the seconds of the checksums among them).
+
+    Raises:
+        CheckpointSaveError: on every rank, naming the path and the cause (no space left,
+            read-only file system, ...); the ``.tmp`` folder is removed.
     """
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    tmp = f"{ckpt_dir}.tmp"
-    rank = _rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
+    state = _full_state_dict(chunks, optimizer, is_loading=False)
+    writer = CheckpointWriter(ckpt_dir, sharded_bytes(state))
     dist_ckpt_queue.use_in_process_results_queue()
-    dist_checkpointing.save(_full_state_dict(chunks, optimizer, is_loading=False), tmp)
-    if rank == 0:
-        os.makedirs(os.path.join(tmp, RNG_DIR))
-    _barrier()
-    torch.save(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
-    _barrier()
-    if rank == 0:
+    writer.phase(lambda tmp: dist_checkpointing.save(state, tmp))
+    writer.phase(_save_rng)
+
+    def write_json(tmp: str) -> None:
         if model_cfg is not None:
-            with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
-                json.dump(dataclasses.asdict(model_cfg), f, indent=2)
-        # train_state.json last: it marks the folder complete (see is_complete_checkpoint).
-        with open(os.path.join(tmp, TRAIN_STATE_FILE), "w") as f:
-            json.dump(train_state, f, indent=2)
-        replace_dir(tmp, ckpt_dir)
-    _barrier()
+            write_model_config(tmp, model_cfg)
+        if ranks.rank() == 0:
+            write_json_atomic(os.path.join(tmp, TRAIN_STATE_FILE), train_state)
+
+    writer.phase(write_json)
+    writer.commit()
+    return writer.report()
 
 
 def _optimizer_common(tree) -> dict:
@@ -295,29 +368,42 @@ def _match_optimizer_structure(requested: dict, loaded):
 
 
 def read_train_state(ckpt_dir: str) -> dict:
-    """``train_state.json`` of a checkpoint."""
-    with open(os.path.join(ckpt_dir, TRAIN_STATE_FILE)) as f:
-        return json.load(f)
+    """``train_state.json`` of a checkpoint.
+
+    Raises:
+        CheckpointIntegrityError: the file is not valid JSON (naming it).
+    """
+    path = os.path.join(ckpt_dir, TRAIN_STATE_FILE)
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise CheckpointIntegrityError(ckpt_dir, [f"{TRAIN_STATE_FILE}: not valid JSON "
+                                                      f"({e})"]) from None
 
 
 def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
-                             use_distributed_optimizer: bool) -> dict:
+                             use_distributed_optimizer: bool, verified: bool = False) -> dict:
     """Load model, optimizer and this rank's RNG state from ``ckpt_dir`` (collective).
 
-    Weights load at any layout. The optimizer state loads at any layout when both runs use the
-    distributed optimizer or both do not (megatron-core reshards either format); the RNG states
-    are restored only when the layout is unchanged (they are per rank).
+    Every file is checked against the manifest and for pickled code first, unless the caller
+    has just done so (``verified``). Weights load at any layout. The optimizer state loads at
+    any layout when both runs use the distributed optimizer or both do not (megatron-core
+    reshards either format); the RNG states are restored only when the layout is unchanged
+    (they are per rank) and the checkpoint has them.
 
     Returns:
         The checkpoint's train state (``train_state.json``); the caller restores scheduler,
         sampler and loss state from it.
 
     Raises:
+        CheckpointIntegrityError / UnsafeCheckpointError: a file is missing, changed, or holds
+            pickled objects beyond tensors and plain containers (each named).
         ValueError: the checkpoint's optimizer format (distributed or not) differs from this
             run's; load the weights alone with ``model.load=<ckpt_dir>`` instead.
     """
-    from megatron.core import dist_checkpointing
-
+    if not verified:
+        verify_or_raise(ckpt_dir)
     train_state = read_train_state(ckpt_dir)
     saved = train_state["layout"]
     if optimizer is not None and saved["use_distributed_optimizer"] != use_distributed_optimizer:
@@ -329,7 +415,7 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
     state = _full_state_dict(chunks, optimizer, is_loading=True)
     requested_optimizer = copy.deepcopy(
         {k: v for k, v in _optimizer_common(state.get("optimizer")).items()})
-    loaded = dist_checkpointing.load(state, ckpt_dir)
+    loaded = load_sharded(state, ckpt_dir)
     models = [_unwrap(c) for c in chunks]
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for model, key in zip(models, keys):
@@ -339,6 +425,10 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
         with torch_adam_resume.keep_torch_adam_step(optimizer):
             optimizer.load_state_dict(optimizer_state)
     if saved == current_layout(use_distributed_optimizer):
-        rng_file = os.path.join(ckpt_dir, RNG_DIR, f"rank_{_rank():05d}.pt")
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        rng_file = _rng_file(ckpt_dir, ranks.rank())
+        if os.path.isfile(rng_file):
+            set_rng_state(load_weights_only(rng_file, f"{RNG_DIR}/{os.path.basename(rng_file)}"))
+        elif ranks.rank() == 0:
+            print(f"note: {ckpt_dir} has no {RNG_DIR}/ states: RNG states start fresh",
+                  flush=True)
     return train_state

@@ -18,6 +18,8 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   without transformer-engine (an undefined name).
 * :mod:`~dpo_megatron.compat.moe_alltoall_on_cpu`: the all-to-all MoE token dispatcher on the CPU
   (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
+* :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a
+  failed worker until the launcher (:mod:`dpo_megatron.launch`) knows whether it was a crash.
 
 Applying a patch is always its caller's explicit decision, never an import side effect. This
 ``__init__`` imports nothing heavy, so config-only entry points stay fast.

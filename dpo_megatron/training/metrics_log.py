@@ -2,13 +2,20 @@
 
 Metric names follow TRL (``rewards/chosen``, ``rewards/margins``, ``logps/chosen`` ...): rewards
 are beta-scaled policy-vs-reference log-ratios in nats, logps are summed completion log-probs.
-A resumed run appends to the same ``metrics.jsonl`` after dropping the records of steps past its
-checkpoint (those the interrupted run logged but did not save), so the file reads as one run.
+
+``metrics.jsonl`` is strict JSON (RFC 8259), one object per line: a non-finite value (a skipped
+NaN/Inf step's loss or grad norm) is written as the *string* ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"`` (Python's ``float()`` reads each back), never as the bare ``NaN`` token that
+strict parsers reject. A resumed run appends to the same file after dropping the records of
+steps past its checkpoint (those the interrupted run logged but did not save), so the file
+reads as one run; a torn last line (the process killed mid-write) is dropped with a warning, and
+the file is rewritten atomically (a temporary file renamed over it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import warnings
@@ -30,17 +37,56 @@ def is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def strict_json_value(value):
+    """``value`` with every non-finite float replaced by ``"NaN"`` / ``"Infinity"`` /
+    ``"-Infinity"`` (recursively through dicts and lists), for ``json.dumps(allow_nan=False)``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: strict_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json_value(v) for v in value]
+    return value
+
+
 def truncate_metrics(path: str, last_step: int) -> int:
-    """Drop records of steps after ``last_step`` from a metrics.jsonl; returns how many."""
+    """Drop records of steps after ``last_step`` from a metrics.jsonl, and a torn last line (with
+    a warning); the file is rewritten atomically when anything changes. Returns how many records
+    were dropped (the torn line not counted).
+
+    Raises:
+        ValueError: a line other than the last is not JSON (naming the file and line).
+    """
     if not os.path.isfile(path):
         return 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    if len(kept) != len(lines):
-        with open(path, "w", encoding="utf-8") as f:
+    kept, dropped, torn = [], 0, False
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not a JSON record ({e}); fix or "
+                                 f"remove that line to resume") from None
+            warnings.warn(f"{path}: dropped its torn last line {number} ({line.strip()[:80]!r}, "
+                          f"written when the run was killed)")
+            torn = True
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+        else:
+            dropped += 1
+    if dropped or torn or (lines and not lines[-1].endswith("\n")):
+        tmp = f"{path}.partial"
+        with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
-    return len(lines) - len(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
 
 
 def format_duration(seconds: float) -> str:
@@ -96,7 +142,7 @@ class MetricsLogger:
             return
         values = {**metrics, **(extra or {})}
         record = {"step": step, "split": split, **values}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps(strict_json_value(record), allow_nan=False) + "\n")
         self.jsonl.flush()
         scalars = {f"{split}/{k}": v for k, v in values.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}

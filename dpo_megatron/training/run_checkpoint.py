@@ -1,26 +1,45 @@
-"""What a training checkpoint holds for the loop, and putting it back.
+"""What a training checkpoint holds for the loop, and when it is written and read back.
 
 ``checkpointing.training_checkpoint`` stores tensors (model, optimizer), RNG and a JSON train
-state; this module decides what goes into that train state (step, LR scheduler, data position,
-loss state, skipped-step counters, layout) and restores it into the loop's objects, so a run of
-2N steps and a run of N steps resumed for N more take the same steps with the same numbers.
+state; this module decides what goes into that train state (step, the run's id, LR scheduler,
+data position, loss state, skipped-step counters, layout) and restores it into the loop's
+objects, so a run of 2N steps and a run of N steps resumed for N more take the same steps with
+the same numbers. :class:`Checkpointer` owns the cadence:
+
+* **when**: every ``checkpoint.save_interval`` steps, at the end, and when a SIGINT / SIGTERM
+  reached any rank (:mod:`~dpo_megatron.training.shutdown`; all ranks stop at the same step);
+  never after a step whose update was skipped (NaN/Inf: its weights are the previous step's,
+  and a checkpoint there would let a resume skip the evidence), and never before the first
+  applied update (megatron-core cannot save an optimizer that has no state yet);
+* **what it resumes**: ``checkpoint.resume=auto`` takes the newest checkpoint that passes
+  verification (checksums, no pickled code); the ones it skips are named with the reason and
+  renamed ``iter_N.corrupt``. An explicit checkpoint that fails is an error naming the files;
+* **what it prunes**: only checkpoints carrying this run's id (a run id is drawn at a fresh
+  start and carried over by every resume), so a run never deletes another run's checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-import torch.distributed as dist
-
+from dpo_megatron.checkpointing import ranks
+from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError, verify_checkpoint
 from dpo_megatron.checkpointing.training_checkpoint import (
     checkpoint_name,
     current_layout,
+    find_latest_checkpoint,
     load_training_checkpoint,
     prune_checkpoints,
+    read_train_state,
+    remove_stale_tmp,
+    resume_candidates,
     save_training_checkpoint,
 )
+from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
 
 
 @dataclass
@@ -34,17 +53,32 @@ class RunCounters:
     consecutive_skipped: int = 0
     """Skipped steps in a row up to now (0 after a good step)."""
 
+    @property
+    def applied_updates(self) -> int:
+        """Optimizer updates actually applied (steps minus skipped steps)."""
+        return self.step - self.skipped_steps
+
+
+def new_run_id() -> str:
+    """A fresh run id: start time and 24 random bits, ``20250101-120000-a1b2c3``."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
 
 def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
              counters: RunCounters, use_distributed_optimizer: bool, keep_last_n: int,
-             model_cfg=None, lora: Optional[dict] = None) -> str:
-    """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective), then
-    delete checkpoints beyond the newest ``keep_last_n``. ``lora``: the run's LoRA record,
-    stored as ``train_state["lora"]`` (its ``chunks`` then hold adapters only). Returns the
-    checkpoint folder."""
+             model_cfg=None, lora: Optional[dict] = None, run_id: Optional[str] = None) -> str:
+    """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective; rank 0
+    prints the save's report: size, seconds, seconds of the checksums), then delete this run's
+    checkpoints beyond the newest ``keep_last_n``. ``lora``: the run's LoRA record, stored as
+    ``train_state["lora"]`` (its ``chunks`` then hold adapters only). Returns the folder.
+
+    Raises:
+        CheckpointSaveError: the save failed (disk full, read-only, ...): nothing was pruned.
+    """
     ckpt_dir = os.path.join(save_dir, checkpoint_name(counters.step))
     train_state = {
         "step": counters.step,
+        "run_id": run_id,
         "counters": asdict(counters),
         "scheduler": scheduler.state_dict(),
         "sampler": sampler.state_dict(),
@@ -53,28 +87,34 @@ def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn
     }
     if lora is not None:
         train_state["lora"] = lora
-    save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        prune_checkpoints(save_dir, keep_last_n)
-    if dist.is_initialized():
-        dist.barrier()
+    report = save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
+    if ranks.rank() == 0:
+        print(report, flush=True)
+        prune_checkpoints(save_dir, keep_last_n, run_id)
+    ranks.barrier()
     return ckpt_dir
 
 
 def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
-               use_distributed_optimizer: bool) -> RunCounters:
+               use_distributed_optimizer: bool,
+               verified: bool = False) -> tuple[RunCounters, dict]:
     """Load a checkpoint written by :func:`save_run` into the loop's objects (collective).
 
     The LR schedule continues as saved (megatron-core's behaviour); configured values that
     differ (e.g. a longer ``train_iters``) are reported on rank 0 and ignored.
 
+    Returns:
+        (the counters, the checkpoint's train state).
+
     Raises:
+        CheckpointIntegrityError: a file failed verification (unless ``verified``).
         ValueError: the checkpoint's data order, loss state or optimizer format does not match
             this run's configuration (the message names the setting).
     """
-    state = load_training_checkpoint(ckpt_dir, chunks, optimizer, use_distributed_optimizer)
+    state = load_training_checkpoint(ckpt_dir, chunks, optimizer, use_distributed_optimizer,
+                                     verified=verified)
     changed = schedule_changes(scheduler.state_dict(), state["scheduler"])
-    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+    if changed and ranks.rank() == 0:
         # megatron-core's scheduler keeps the checkpoint's schedule (use_checkpoint_opt_param_
         # scheduler): say so, rather than let a longer train_iters silently keep the old decay.
         print(f"note: {ckpt_dir} continues its own LR schedule; the config's differs in "
@@ -85,7 +125,7 @@ def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_
         loss_fn.load_state_dict(state["loss"])
     except ValueError as e:
         raise ValueError(f"{ckpt_dir}: {e}") from None
-    return RunCounters(**state["counters"])
+    return RunCounters(**state["counters"]), state
 
 
 def schedule_changes(configured: dict, saved: dict) -> dict:
@@ -97,8 +137,6 @@ def schedule_changes(configured: dict, saved: dict) -> dict:
 
 def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]:
     """A line saying the checkpoint was saved at another layout (resharded on load), or None."""
-    from dpo_megatron.checkpointing.training_checkpoint import read_train_state
-
     saved = read_train_state(ckpt_dir)["layout"]
     now = current_layout(use_distributed_optimizer)
     if saved == now:
@@ -133,10 +171,18 @@ def check_lora_record(ckpt_dir: str, lora: Optional[dict]) -> Optional[str]:
     return None
 
 
+def _say(message: str) -> None:
+    if ranks.rank() == 0:
+        print(message, flush=True)
+
+
 class Checkpointer:
     """A run's checkpoints: where (``checkpoint.save`` or ``<run_dir>/checkpoints``), when
-    (every ``checkpoint.save_interval`` steps and at the end), how many (``keep_last_n``) and of
-    what (the stateful objects given here, once).
+    (every ``checkpoint.save_interval`` steps, at the end, on SIGINT / SIGTERM), how many
+    (``keep_last_n`` of this run's) and of what (the stateful objects given here, once).
+
+    Building it installs the SIGINT / SIGTERM handlers (:class:`~dpo_megatron.training.shutdown.
+    StopRequest`); :meth:`close` removes them.
 
     Args:
         cfg: the ``checkpoint`` config section.
@@ -151,34 +197,84 @@ class Checkpointer:
     def __init__(self, cfg, run_dir: str, policy: list, optimizer, scheduler, sampler, loss_fn,
                  model_config, use_distributed_optimizer: bool, lora: Optional[dict] = None):
         self.cfg = cfg
-        self.save_dir = cfg.save or os.path.join(run_dir, "checkpoints")
+        self.save_dir = save_dir_of(cfg, run_dir)
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.sampler, self.loss_fn = sampler, loss_fn
         self.model_config = model_config
         self.use_distributed_optimizer = use_distributed_optimizer
         self.lora = lora
         self.last_saved_step: Optional[int] = None
+        self.run_id: Optional[str] = None
+        self.stop = StopRequest()
+
+    # ------------------------------------------------------------------------------------------
+    # resume
 
     def resume(self) -> tuple[RunCounters, Optional[str], Optional[str]]:
-        """Restore the checkpoint ``checkpoint.resume`` names (collective).
+        """Restore the checkpoint ``checkpoint.resume`` names (collective); with ``auto``, the
+        newest one that verifies (skipped ones are named, with why, and renamed
+        ``iter_N.corrupt``).
 
         Returns:
             (counters, the checkpoint folder or None for a fresh start, a note when it was saved
             at another layout or None).
-        """
-        from dpo_megatron.checkpointing.training_checkpoint import resolve_resume
 
-        resume_from = resolve_resume(self.cfg.resume, self.save_dir)
-        if not resume_from:
-            return RunCounters(), None, None
-        note = layout_note(resume_from, self.use_distributed_optimizer)
-        base_note = check_lora_record(resume_from, self.lora)
-        if base_note and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"WARNING: resuming {resume_from}: {base_note}", flush=True)
-        counters = resume_run(resume_from, self.policy, self.optimizer, self.scheduler,
-                              self.sampler, self.loss_fn, self.use_distributed_optimizer)
-        self.last_saved_step = counters.step
-        return counters, resume_from, note
+        Raises:
+            CheckpointIntegrityError: an explicit checkpoint fails verification, or with
+                ``auto`` none of the run's checkpoints does.
+        """
+        if ranks.rank() == 0:
+            for path in remove_stale_tmp(self.save_dir):
+                print(f"note: removed {path}, left by a save that did not finish", flush=True)
+        candidates = resume_candidates(self.cfg.resume, self.save_dir)
+        skipped: list[tuple[str, list[str]]] = []
+        for path in candidates:
+            verification = verify_checkpoint(path)
+            if verification.problems:
+                if self.cfg.resume != "auto":
+                    verification.raise_if_failed(path)
+                skipped.append((path, verification.problems))
+                continue
+            self._report_skipped(skipped)
+            _say(verification.report(path))
+            note = layout_note(path, self.use_distributed_optimizer)
+            base_note = check_lora_record(path, self.lora)
+            if base_note:
+                _say(f"WARNING: resuming {path}: {base_note}")
+            counters, state = resume_run(path, self.policy, self.optimizer, self.scheduler,
+                                         self.sampler, self.loss_fn,
+                                         self.use_distributed_optimizer, verified=True)
+            self.last_saved_step = counters.step
+            self.run_id = state.get("run_id") or ranks.broadcast_from_rank0(new_run_id())
+            return counters, path, note
+        if skipped:
+            raise CheckpointIntegrityError(self.save_dir, [
+                f"{os.path.basename(p)}: {'; '.join(problems)}" for p, problems in skipped] + [
+                "no checkpoint verifies: move the folder aside or delete the bad checkpoints "
+                "to start afresh (checkpoint.resume=none checkpoint.overwrite=true)"])
+        if self.cfg.resume == "auto":
+            _say(f"no checkpoint: starting fresh (checkpoint.resume=auto found none in "
+                 f"{self.save_dir})")
+        self.run_id = ranks.broadcast_from_rank0(new_run_id())
+        return RunCounters(), None, None
+
+    def _report_skipped(self, skipped: list[tuple[str, list[str]]]) -> None:
+        """Warn about the checkpoints ``auto`` passed over and rename them ``iter_N.corrupt``,
+        so that they neither count as the latest nor get pruned in place of good ones."""
+        for path, problems in skipped:
+            if ranks.rank() == 0:
+                moved = f"{path}.corrupt"
+                try:
+                    os.rename(path, moved)
+                except OSError:
+                    moved = path
+                print(f"WARNING: skipped checkpoint {path}: {'; '.join(problems)} "
+                      f"(moved to {moved})", flush=True)
+        if skipped:
+            ranks.barrier()
+
+    # ------------------------------------------------------------------------------------------
+    # save
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether to save after ``step``: every ``save_interval`` steps, and after the last
@@ -188,16 +284,51 @@ class Checkpointer:
         return step == last_step or bool(self.cfg.save_interval
                                          and step % self.cfg.save_interval == 0)
 
-    def save(self, counters: RunCounters) -> str:
-        """Save the current step (collective); returns the checkpoint folder."""
+    def after_step(self, counters: RunCounters, last_step: int,
+                   update_successful: bool) -> Optional[RunInterrupted]:
+        """The step boundary (collective): save when due or when a rank was signalled, unless
+        the step's update was skipped. Returns the :class:`RunInterrupted` to raise when the
+        run must stop (the caller closes its components first), else None."""
+        signum = self.stop.agreed()
+        step = counters.step
+        saved = False
+        if (signum or self.due(step, last_step)) and step != self.last_saved_step:
+            if update_successful:
+                saved = self.save(counters) is not None
+            else:
+                _say(f"step {step}: its update was skipped (non-finite loss or gradient): no "
+                     f"checkpoint written (last checkpoint: {self.latest()})")
+        if not signum:
+            return None
+        interrupted = RunInterrupted(signum, step, self.latest(),
+                                     saved or step == self.last_saved_step)
+        _say(str(interrupted))
+        return interrupted
+
+    def save(self, counters: RunCounters) -> Optional[str]:
+        """Save the current step (collective); returns the checkpoint folder, or None (with a
+        message) when no update has been applied yet: megatron-core cannot save an optimizer
+        without state, and such a checkpoint would hold the initial weights only."""
+        if counters.applied_updates <= 0:
+            _say(f"step {counters.step}: no optimizer update applied yet (every step so far was "
+                 f"skipped): nothing to checkpoint")
+            return None
         path = save_run(self.save_dir, self.policy, self.optimizer, self.scheduler, self.sampler,
                         self.loss_fn, counters, self.use_distributed_optimizer,
-                        self.cfg.keep_last_n, self.model_config, self.lora)
+                        self.cfg.keep_last_n, self.model_config, lora=self.lora,
+                        run_id=self.run_id)
         self.last_saved_step = counters.step
         return path
 
     def latest(self) -> Optional[str]:
         """The newest complete checkpoint of the save folder, or None."""
-        from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
-
         return find_latest_checkpoint(self.save_dir)
+
+    def close(self) -> None:
+        """Remove the signal handlers."""
+        self.stop.close()
+
+
+def save_dir_of(cfg, run_dir: str) -> str:
+    """The checkpoint folder of a run: ``checkpoint.save`` or ``<run_dir>/checkpoints``."""
+    return cfg.save or os.path.join(run_dir, "checkpoints")

@@ -34,6 +34,8 @@ from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
 from dpo_megatron.training.reference import precomputed_pairs
 from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.training.run_data import RunData, load_run_data
+from dpo_megatron.training.run_dir import RunFolder
+from dpo_megatron.training.shutdown import die_with_launcher
 from dpo_megatron.training.step import StepOutput, train_step
 
 
@@ -63,7 +65,10 @@ class Trainer:
 
     def __init__(self, cfg, data: Optional[RunData] = None):
         self.cfg = cfg
+        die_with_launcher()
         initialize_distributed(cfg.parallel)
+        # First: a folder in use or holding another run is refused before anything is built.
+        self.run_folder = RunFolder.open(cfg)
         set_seed(cfg.train.seed)
         self.device = get_device()
         self.loss_fn = build_loss(cfg.loss)
@@ -224,7 +229,7 @@ class Trainer:
             if is_logging_rank():
                 print(f"nothing to do: {self.resumed_from} is at step {self.counters.step} >= "
                       f"train.train_iters={last}", flush=True)
-            self.logger.close()
+            self.close()
             return {}
         metrics: dict[str, float] = {}
         while self.counters.step < last:
@@ -241,7 +246,7 @@ class Trainer:
                     "skipped_steps": self.counters.skipped_steps, **_memory_over_ranks(),
                     **out.aux_metrics})  # MoE load balancing: beside, not inside, the loss
             if self.counters.consecutive_skipped >= cfg.train.max_nonfinite_steps:
-                self.logger.close()
+                self.close()
                 raise NonFiniteLossError(
                     f"{self.counters.consecutive_skipped} steps in a row (up to step {step}) had "
                     f"a NaN/Inf loss or gradient (train.max_nonfinite_steps="
@@ -249,15 +254,24 @@ class Trainer:
                     f"{self.checkpointer.latest()}")
             if self.evaluator.due(step, last):
                 self.evaluate(step)
-            if self.checkpointer.due(step, last):
-                self.checkpointer.save(self.counters)
+            interrupted = self.checkpointer.after_step(self.counters, last,
+                                                       out.update_successful)
+            if interrupted is not None:  # SIGINT / SIGTERM: saved, all ranks stop here
+                self.close()
+                raise interrupted
         self.export_final()
         if is_logging_rank():
             print(f"saved checkpoint {self.checkpointer.latest()}"
                   + (f" ({self.counters.skipped_steps} non-finite steps skipped)"
                      if self.counters.skipped_steps else ""), flush=True)
-        self.logger.close()
+        self.close()
         return metrics
+
+    def close(self) -> None:
+        """Close the logs, remove the signal handlers and release the run folder."""
+        self.logger.close()
+        self.checkpointer.close()
+        self.run_folder.close()
 
     def export_final(self) -> None:
         """Per ``checkpoint.export_hf``: the final policy as a Hugging Face folder ``<save>/hf``

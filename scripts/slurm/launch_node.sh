@@ -45,10 +45,15 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # megatron-core TP overlap
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # fail, not hang
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# SIGTERM (scancel, preemption): the ranks save a checkpoint at the end of their step; torchrun
+# waits this long for them before SIGKILL (keep it below the cluster's KillWait).
+export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 # Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA in the sbatch file when the cluster needs them.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "node $NODE_RANK/$NNODES on $(hostname): $GPUS_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
-exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" \
+# torchrun, run by dpo_megatron/launch.py (a rank's one error line is not followed by torchrun's
+# failure block; a crash keeps it).
+exec "$PYTHON" -m dpo_megatron.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" \
   --nproc-per-node="$GPUS_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
   -m "$ENTRY" "${args[@]}"

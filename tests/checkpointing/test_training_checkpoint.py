@@ -67,3 +67,32 @@ def test_prune_keeps_the_newest(save_dir):
     assert [s for s, _ in list_checkpoints(str(save_dir))] == [4, 6]
     assert prune_checkpoints(str(save_dir), keep_last_n=0) == []  # 0 keeps everything
     assert (save_dir / "iter_0000010").exists()  # incomplete folders are not counted or removed
+
+
+def _run_checkpoint(folder, step: int, run_id):
+    _fake_checkpoint(folder / checkpoint_name(step))
+    (folder / checkpoint_name(step) / "train_state.json").write_text(
+        json.dumps({"step": step, "run_id": run_id}))
+
+
+def test_prune_removes_only_checkpoints_of_the_current_run(tmp_path):
+    """An older run's higher iterations are not 'newer' checkpoints of this run: pruning never
+    touches them (nor checkpoints without an id), and keeps this run's newest."""
+    for step in (5, 6, 7):
+        _run_checkpoint(tmp_path, step, "old-run")
+    _run_checkpoint(tmp_path, 8, None)
+    for step in (1, 2, 3):
+        _run_checkpoint(tmp_path, step, "new-run")
+    removed = prune_checkpoints(str(tmp_path), keep_last_n=2, run_id="new-run")
+    assert removed == [str(tmp_path / "iter_0000001")]
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [2, 3, 5, 6, 7, 8]
+
+
+def test_resume_candidates_newest_first(save_dir):
+    from dpo_megatron.checkpointing.training_checkpoint import resume_candidates
+
+    assert resume_candidates("auto", str(save_dir)) == [
+        str(save_dir / checkpoint_name(s)) for s in (6, 4, 2)]
+    assert resume_candidates("none", str(save_dir)) == []
+    assert resume_candidates(str(save_dir / "iter_0000002"), "unused") == [
+        str(save_dir / "iter_0000002")]

@@ -78,12 +78,17 @@ def _train(run_dir, data_file, tok_dir, overrides):
     return train(tiny_config(run_dir, data_file, tok_dir, *overrides))
 
 
+def _not_json(token: str):
+    raise ValueError(f"{token} is not JSON")
+
+
 def read_metrics(run_dir, split: str = "train") -> dict[int, dict]:
-    """metrics.jsonl records of one split by step (the last record of a step wins)."""
+    """metrics.jsonl records of one split by step (the last record of a step wins), parsed as
+    strict JSON (a bare NaN / Infinity token fails)."""
     out = {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_not_json)
             if record["split"] == split:
                 out[record["step"]] = record
     return out
@@ -99,7 +104,7 @@ def model_tensors(ckpt_dir) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(ckpt_dir), os.path.join(tmp, "state.pt"))
-        state = torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
+        state = torch.load(os.path.join(tmp, "state.pt"), weights_only=True)
     return {k: v.numpy() for k, v in state.items()
             if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
 
@@ -178,17 +183,18 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, fixture_files):
                         overrides=["train.train_iters=6", "checkpoint.save_interval=1",
                                    "train.max_nonfinite_steps=2", "checkpoint.keep_last_n=0"])[0]
     assert "2 steps in a row (up to step 4)" in message
-    assert "iter_0000003" in message  # the last checkpoint, named in the error
+    assert "iter_0000002" in message  # the last checkpoint, named in the error
     metrics = read_metrics(tmp_path)
     assert sorted(metrics) == [1, 2, 3, 4]
     assert [metrics[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
-    assert math.isnan(metrics[3]["loss"]) and math.isnan(metrics[3]["grad_norm"])
-    # A skipped step changes nothing: the weights after steps 2 and 3 are identical and finite;
-    # the run stopped before saving step 4.
+    # Strict JSON: a non-finite value is the string "NaN", which float() reads back.
+    assert metrics[3]["loss"] == "NaN" and math.isnan(float(metrics[3]["grad_norm"]))
+    # No checkpoint at a skipped step (save_interval=1): step 3's update was skipped, and the
+    # run stopped at step 4 before its save.
     ckpts = tmp_path / "checkpoints"
-    assert sorted(os.listdir(ckpts)) == ["iter_0000001", "iter_0000002", "iter_0000003"]
-    w2 = model_tensors(ckpts / "iter_0000002")
-    assert_same_tensors(w2, model_tensors(ckpts / "iter_0000003"))
+    assert sorted(os.listdir(ckpts)) == ["iter_0000001", "iter_0000002"]
+    assert all(np.isfinite(v).all() for v in model_tensors(ckpts / "iter_0000002").values())
+    assert "step 3: its update was skipped" in (tmp_path / "train.log").read_text()
 
 
 def _train_and_hang_in_second_save(run_dir, data_file, tok_dir):

@@ -55,3 +55,53 @@ def test_wandb_configured_but_missing_warns(tmp_path):
                                                                wandb_project="p"))
     assert logger.wandb is None
     logger.close()
+
+
+def _strict(line: str) -> dict:
+    def reject(token):
+        raise ValueError(f"bare {token} is not JSON")
+    return json.loads(line, parse_constant=reject)
+
+
+def test_metrics_are_strict_json_with_named_non_finite_values(tmp_path):
+    import math
+
+    logger = MetricsLogger(str(tmp_path), total_steps=2, config=LoggingConfig(tensorboard=False))
+    logger.log(1, "train", {"loss": float("nan"), "rewards/margins": float("inf")},
+               {"grad_norm": float("-inf"), "lr": 0.5})
+    logger.close()
+    record = _strict((tmp_path / "metrics.jsonl").read_text())
+    assert record == {"step": 1, "split": "train", "loss": "NaN", "rewards/margins": "Infinity",
+                      "grad_norm": "-Infinity", "lr": 0.5}
+    assert math.isnan(float(record["loss"])) and float(record["grad_norm"]) == -math.inf
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_and_the_file_rewritten(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = "".join(json.dumps({"step": s, "split": "train", "loss": s}) + "\n" for s in (1, 2))
+    path.write_text(good + '{"step": 3, "split": "tr')  # killed mid-write
+    inode = path.stat().st_ino
+    with pytest.warns(UserWarning, match=r"metrics.jsonl: dropped its torn last line 3"):
+        assert truncate_metrics(str(path), 2) == 0
+    assert path.read_text() == good
+    assert path.stat().st_ino != inode  # replaced by rename, not rewritten in place
+    assert not (tmp_path / "metrics.jsonl.partial").exists()
+    logger = MetricsLogger(str(tmp_path), total_steps=3, config=LoggingConfig(tensorboard=False),
+                           start_step=2)
+    logger.log(3, "train", {"loss": 3.0})
+    logger.close()
+    assert [_strict(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_last_line_without_its_newline_gets_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "split": "train"}))
+    assert truncate_metrics(str(path), 1) == 0
+    assert path.read_text().endswith("}\n")
+
+
+def test_a_broken_line_before_the_last_names_the_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON record"):
+        truncate_metrics(str(path), 2)

@@ -1,0 +1,108 @@
+"""How a run ends when it is asked to: Ctrl-C / SIGTERM, and the death of its launcher.
+
+**Signals.** The first SIGINT or SIGTERM a rank receives only sets a flag (:class:`StopRequest`);
+at the next step boundary every rank takes part in one all-reduce of the flags, so all ranks
+learn at the same step that some rank was asked to stop, save a checkpoint of that step and
+exit with status 128 + the signal number (130 for SIGINT, 143 for SIGTERM) and a message saying
+what was saved (:class:`RunInterrupted`). A second signal ends the rank at once (the default
+action is put back after the first). torchrun forwards SIGINT / SIGTERM to its workers and sends
+SIGKILL after its ``--shutdown-timeout`` (30 s by default); a SLURM job gets SIGTERM then, after
+the cluster's KillWait, SIGKILL.
+
+**The launcher's death.** torch elastic starts every worker in its own session, so a worker
+outlives a torchrun (or ``scripts/pretrain_dpo.sh``) killed with SIGKILL and would go on
+training and writing checkpoints. :func:`die_with_launcher` asks Linux to send the rank SIGKILL
+when its parent dies (``prctl(PR_SET_PDEATHSIG)``), for processes started by torch elastic.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher() -> bool:
+    """Under torch elastic on Linux: have the kernel SIGKILL this process when its parent (the
+    torchrun agent) dies. Returns True when set. Outside torchrun nothing is set (a single
+    process started from a shell must not die with that shell's exit)."""
+    if not sys.platform.startswith("linux") or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+class RunInterrupted(SystemExit):
+    """The run stopped on SIGINT / SIGTERM after saving (or not saving, when the last update was
+    skipped) a checkpoint. A ``SystemExit`` whose code is 128 + the signal number, so an
+    uncaught one ends the process with that status; ``str()`` is the message."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str], saved: bool):
+        super().__init__(128 + signum)
+        self.signum, self.step, self.checkpoint, self.saved = signum, step, checkpoint, saved
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.saved:
+            what = f"saved checkpoint {self.checkpoint}"
+        elif self.checkpoint:
+            what = f"step {self.step} not saved; last checkpoint {self.checkpoint}"
+        else:
+            what = f"step {self.step} not saved; no checkpoint"
+        resume = "; continue with checkpoint.resume=auto" if self.checkpoint else ""
+        return f"stopped by {name} after step {self.step}: {what}{resume}"
+
+
+class StopRequest:
+    """Catches SIGINT / SIGTERM in this rank and tells every rank at a step boundary.
+
+    Handlers are installed only from the main thread (Python's rule); elsewhere
+    :meth:`agreed` still takes part in the collective and reports the other ranks' signals.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        for sig in self.SIGNALS:  # a second signal takes the default action: stop now
+            signal.signal(sig, signal.SIG_DFL)
+        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this "
+              f"step, then stopping (send it again to stop at once)", file=sys.stderr,
+              flush=True)
+
+    def agreed(self) -> int:
+        """The signal any rank received (0: none), the same on every rank (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return self.signum
+        from dpo_megatron.parallel.device import get_device
+
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=get_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def close(self) -> None:
+        """Put back the handlers that were there before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

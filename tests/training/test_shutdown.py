@@ -1,0 +1,101 @@
+"""Signals and the launcher's death (no model): the first SIGTERM only sets the flag, a second
+one takes the default action, and a rank started by torch elastic dies with its parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_first_signal_sets_the_flag_and_the_second_is_the_default(capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopRequest()
+    try:
+        assert stop.agreed() == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == signal.SIGTERM  # still alive: only the flag was set
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+        assert "received SIGTERM: saving a checkpoint" in capsys.readouterr().err
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_run_interrupted_exits_with_128_plus_the_signal():
+    saved = RunInterrupted(signal.SIGTERM, 4, "/r/checkpoints/iter_0000004", saved=True)
+    assert saved.code == 143 and isinstance(saved, SystemExit)
+    assert str(saved) == ("stopped by SIGTERM after step 4: saved checkpoint "
+                          "/r/checkpoints/iter_0000004; continue with checkpoint.resume=auto")
+    skipped = RunInterrupted(signal.SIGINT, 5, "/r/checkpoints/iter_0000004", saved=False)
+    assert skipped.code == 130
+    assert "step 5 not saved; last checkpoint /r/checkpoints/iter_0000004" in str(skipped)
+    assert str(RunInterrupted(signal.SIGINT, 1, None, saved=False)).endswith(
+        "step 1 not saved; no checkpoint")
+
+
+def _launcher(env_marker: bool) -> subprocess.Popen:
+    """A stand-in launcher process that starts one 'rank' in its own session (as torch elastic
+    does) and prints the rank's pid."""
+    rank = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        from dpo_megatron.training.shutdown import die_with_launcher
+        print(die_with_launcher(), flush=True)
+        time.sleep(600)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if env_marker:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", {rank!r}], start_new_session=True,
+                             stdout=subprocess.PIPE, text=True)
+        print(p.pid, p.stdout.readline().strip(), flush=True)
+        time.sleep(600)
+    """)
+    return subprocess.Popen([sys.executable, "-c", launcher], env=env, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_rank_dies_within_seconds_of_its_launcher():
+    launcher = _launcher(env_marker=True)
+    pid, armed = launcher.stdout.readline().split()
+    pid = int(pid)
+    assert armed == "True" and _alive(pid)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 5
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the rank outlived its launcher"
+
+
+def test_outside_torch_elastic_nothing_is_armed():
+    launcher = _launcher(env_marker=False)
+    pid, armed = launcher.stdout.readline().split()
+    try:
+        assert armed == "False"  # no parent-death signal outside torch elastic
+    finally:
+        os.kill(int(pid), signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
