@@ -7,6 +7,7 @@ on this engine: translate, print the equivalent ``scripts/pretrain_dpo.sh`` /
         eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false
     bash scripts/train_reference_style.sh ...        # the same
     python -m dpo_megatron.reference_cli --dry-run ...   # print the translation only
+    python -m dpo_megatron.reference_cli --trl dpo_config.yaml [our key=value ...]  # TRL fields
 
 Every key of the reference repo's ``config.yaml`` / ``loss`` / ``model`` groups is accepted
 (:data:`REFERENCE_DEFAULTS`); an unknown key is an error listing them. Keys without an
@@ -209,8 +210,10 @@ class Translation:
     batch_size: int = 1
     sft: bool = False
 
+    config: str = BASE_CONFIG
+
     def command(self) -> list[str]:
-        return ["bash", self.script, "--config", BASE_CONFIG, *self.overrides]
+        return ["bash", self.script, "--config", self.config, *self.overrides]
 
 
 def _local_run_dir(args: dict) -> str:
@@ -448,13 +451,14 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
 # steps, archive, run
 
 
-def count_items(overrides: Sequence[str], sft: bool) -> int:
+def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) -> int:
     """Training items (pairs, or SFT examples) the engine makes of the data with these
-    overrides: the engine's own pipeline, so the count is the run's (its cache is then warm)."""
+    overrides on ``config``: the engine's own pipeline, so the count is the run's (its cache is
+    then warm)."""
     from dpo_megatron.config import load_config
     from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
 
-    cfg = load_config(os.path.join(ROOT, BASE_CONFIG), [*overrides, "train.train_iters=1"])
+    cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.hf_path)
     verbose = cfg.data.verbose
     cfg.data.verbose = False
@@ -532,6 +536,19 @@ def prepare(argv: Sequence[str], devices: Optional[int] = None) -> Translation:
     return t
 
 
+def prepare_trl_command(path: str, extra: Sequence[str],
+                        devices: Optional[int] = None) -> Translation:
+    """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML (``trl_config``) as a
+    Translation on ``configs/trl_dpo.yaml``."""
+    from dpo_megatron.trl_config import TRL_BASE_CONFIG, prepare_trl
+
+    overrides, notes = prepare_trl(path, extra, devices or visible_devices())
+    run_dir = next((o.partition("=")[2] for o in reversed(overrides) if o.startswith("run_dir=")),
+                   "runs/trl")
+    return Translation(script="scripts/pretrain_dpo.sh", overrides=overrides, run_dir=run_dir,
+                       layout=Layout(), notes=notes, config=TRL_BASE_CONFIG)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     dry = "--dry-run" in argv
@@ -540,7 +557,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(__doc__)
         return 0
     try:
-        t = prepare(argv)
+        if argv and argv[0] == "--trl":
+            if len(argv) < 2:
+                raise ReferenceCLIError("--trl needs the path of a TRL DPOConfig YAML")
+            t = prepare_trl_command(argv[1], argv[2:])
+        else:
+            t = prepare(argv)
     except ValueError as e:  # ReferenceCLIError, ArchiveError, our config's errors
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -552,9 +574,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dry:
         return 0
     script = os.path.join(ROOT, t.script)
-    rc = subprocess.call(["bash", script, "--config", os.path.join(ROOT, BASE_CONFIG),
+    rc = subprocess.call(["bash", script, "--config", os.path.join(ROOT, t.config),
                           *t.overrides])
-    if rc == 0:
+    if rc == 0 and t.config == BASE_CONFIG:
         steps = int(t.overrides[-1].partition("=")[2])
         print(f"wrote {write_latest_archive(t.run_dir, steps, t.batch_size)}")
     return rc
