@@ -21,11 +21,12 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest"],
+        # peft: the LoRA export test loads the adapters with peft.PeftModel.from_pretrained.
+        "test": ["pytest", "peft"],
         # NVIDIA apex is optional and detected at run time; the PyPI package named `apex` is an
         # unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],
-        "convert": ["gguf", "accelerate"],
+        "convert": ["gguf", "accelerate", "peft"],
         # scripts/bench_dpo.py: TRL's DPOTrainer side by side (tested with trl 1.16.0).
         "bench": ["trl>=1.16"],
         # data.reference_preprocessing on StackExchange rows: the reference DPO repo strips their

@@ -44,6 +44,7 @@ filter_expected_warnings()  # the launcher imports this module first: before meg
 from dpo_megatron.config_checks import check_choice, check_range  # noqa: E402
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
 from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig  # noqa: E402
+from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
 
@@ -65,16 +66,20 @@ class CheckpointConfig:
     """Continue a run: ``none`` (start fresh), ``auto`` (the latest complete checkpoint in the
     save directory, else start fresh), or a checkpoint folder (or a folder of them: its latest).
     Restores model, optimizer, LR scheduler, RNG, data position, loss state and step."""
-    export_hf: bool = False
-    """Also write the final policy as a Hugging Face folder (<save>/hf)."""
+    export_hf: str = "none"
+    """At the end of training write the final policy for Hugging Face: ``false``/``none`` (no
+    export), ``true``/``merged`` (an HF folder <save>/hf; LoRA adapters merged into the weights)
+    or ``adapter`` (LoRA only: the adapters in PEFT's layout, <save>/hf_adapter)."""
     export_dtype: str = "bfloat16"
     """dtype of the exported HF weights: bfloat16 or float32."""
 
     def validate(self) -> None:
-        """Raises ValueError for a negative interval or count, or an unknown export dtype."""
+        """Raises ValueError for a negative interval or count, an unknown export dtype or
+        ``export_hf`` value."""
         check_range("checkpoint", self, "save_interval", 0, why="0: only at the end")
         check_range("checkpoint", self, "keep_last_n", 0, why="0: keep all")
         check_choice("checkpoint", self, "export_dtype", EXPORT_DTYPES)
+        export_mode(self.export_hf)
 
 
 @dataclass
@@ -102,6 +107,8 @@ class DPOConfig:
     """Reference log-probs: frozen model each step, or precomputed once (and offload)."""
     packing: PackingConfig = field(default_factory=PackingConfig)
     """Padding-free packing of each micro-batch's sequences."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full training; the frozen base is then the reference."""
 
 
 def _resolve_asset(name: str) -> str:
@@ -414,6 +421,8 @@ def validate(cfg: DPOConfig) -> None:
                              "the local layer spec (transformer-engine's packed THD path is not "
                              "wired): set model.transformer_impl=local")
     _validate_loss(cfg)
+    cfg.lora.validate(loss=cfg.loss, reference=cfg.reference, model=cfg.model,
+                      export_hf=cfg.checkpoint.export_hf)
 
 
 def _validate_loss(cfg: DPOConfig) -> None:

@@ -37,11 +37,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 ENGINES = {
-    # name: (packing, reference mode)
+    # name: (packing, reference mode[, extra config overrides])
     "engine": (False, "model"),
     "engine+packing": (True, "model"),
     "engine+precomputed": (False, "precomputed"),
     "engine+packing+precomputed": (True, "precomputed"),
+    # LoRA DPO: rank 16 on all four linear layers; the frozen base is the reference.
+    "lora": (False, "model", ("lora.enabled=true", "lora.rank=16", "lora.alpha=32")),
+    # ... and with full activation recompute (one layer per checkpoint).
+    "lora+recompute": (False, "model", ("lora.enabled=true", "lora.rank=16", "lora.alpha=32",
+                                        "model.recompute_granularity=full",
+                                        "model.recompute_method=uniform",
+                                        "model.recompute_num_layers=1")),
 }
 ALL_RUNS = ["trl", *ENGINES]
 # Default runs per model, sized so the whole harness stays within ~15 minutes on 2 cores: every
@@ -165,7 +172,7 @@ def engine_config(spec: dict):
     from dpo_megatron import assets
     from dpo_megatron.config import load_config
 
-    packed, mode = ENGINES[spec["run"]]
+    packed, mode, *extra = ENGINES[spec["run"]]
     run_dir = tempfile.mkdtemp(prefix="bench_engine_")
     return load_config(None, [  # data.path names the pairs' source; they come in as token ids
         f"run_dir={run_dir}", f"data.path={assets.ensure_dpo_en_demo()}",
@@ -181,7 +188,8 @@ def engine_config(spec: dict):
         f"packing.enabled={str(packed).lower()}", f"reference.mode={mode}",
         # a fresh cache: the precompute pass is measured, never a cache hit
         f"reference.cache_dir={run_dir}/reference", f"reference.micro_batch_size={spec['pairs_per_step']}",
-        "checkpoint.save_interval=0", "logging.tensorboard=false"])
+        "checkpoint.save_interval=0", "logging.tensorboard=false",
+        *(extra[0] if extra else ())])
 
 
 def run_engine(spec: dict) -> dict:
@@ -306,7 +314,8 @@ def _child(spec: dict) -> dict:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{spec['run']} on {spec['model']} failed:\n{proc.stdout[-4000:]}")
+        raise RuntimeError(f"{spec['run']} on {spec['model']} failed (exit status "
+                           f"{proc.returncode}):\n{proc.stdout[-4000:]}")
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     return result

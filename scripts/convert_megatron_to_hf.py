@@ -6,7 +6,8 @@
         --save HF_OUT --tensor-model-parallel-size 2
 
 The architecture is CKPT_DIR/model_config.json (written by convert_hf_to_megatron.py and by
-training) or, with --hf-path, the source HF folder's config.json; config.json, generation config
+training) or, with --hf-path, the source HF folder's config.json; a LoRA training checkpoint
+(adapters only) is merged into the base it was trained on (its hf_path or load); config.json, generation config
 and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir overrides). The output
 is written to a temporary folder and renamed into place when complete. The checkpoint it loads
 (path, training step, run folder) is printed first: a run's ``checkpoints`` folder means its latest
@@ -53,7 +54,7 @@ def describe_checkpoint(path: str) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from dpo_megatron.checkpointing import load_model_checkpoint, load_model_config
+    from dpo_megatron.checkpointing import load_model_config
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
                                      model_config_from_hf)
@@ -80,13 +81,51 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
-        load_model_checkpoint(chunks, args.load)
+        load_weights(chunks, model_cfg, args.load)
         export_hf(chunks, model_cfg, args.save, dtype=args.dtype,
                   tokenizer_dir=args.tokenizer_dir)
     finally:
         destroy_distributed()
     if rank0:
         print(f"wrote {args.save}")
+
+
+def load_weights(chunks: list, model_cfg, ckpt_dir: str) -> None:
+    """The checkpoint's weights into ``chunks``. A LoRA training checkpoint holds adapters only:
+    its base is loaded from where the run took it (``model_config.json``: ``hf_path`` or
+    ``load``), the adapters are attached and loaded, and the export merges them.
+
+    Raises:
+        SystemExit: a LoRA checkpoint whose base was randomly initialised (not recoverable).
+    """
+    import json
+
+    from dpo_megatron.checkpointing import load_model_checkpoint
+    from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE
+
+    state_file = os.path.join(ckpt_dir, TRAIN_STATE_FILE)
+    lora = json.load(open(state_file)).get("lora") if os.path.isfile(state_file) else None
+    if not lora:
+        load_model_checkpoint(chunks, ckpt_dir)
+        return
+    from dpo_megatron.models.lora import AdapterCheckpoint, attach_lora
+    from dpo_megatron.models.lora_config import LoraConfig
+
+    if model_cfg.load:
+        from dpo_megatron.training.model_setup import resolve_model_load
+
+        load_model_checkpoint(chunks, resolve_model_load(model_cfg.load))
+    elif model_cfg.hf_path:
+        from dpo_megatron.models import load_hf_weights
+
+        load_hf_weights(chunks, model_cfg, model_cfg.hf_path)
+    else:
+        raise SystemExit(f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
+                         f"({lora['base']}): there are no base weights to merge them into")
+    fields = {k: v for k, v in lora.items() if k != "base"}
+    adapters = LoraConfig(enabled=True, **fields)
+    attach_lora(chunks, adapters, model_cfg, seed=0)  # values come from the checkpoint
+    load_model_checkpoint([AdapterCheckpoint(c) for c in chunks], ckpt_dir)
 
 
 if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a helper process

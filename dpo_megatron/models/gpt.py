@@ -81,13 +81,17 @@ class DPOGPTModel(GPTModel):
                 hidden_states, tensor_parallel_output_grad=False)
         length, rows, hidden = hidden_states.shape
         picked = hidden_states.transpose(0, 1).reshape(rows * length, hidden)
-        picked = picked.index_select(0, output_index).unsqueeze(1)  # [n, 1, h]
+        # [1, n, h]: the n positions as one "sequence" of batch n, so the logits come out as
+        # [1, n, V/TP] with plain strides. (A transposed [n, 1, V/TP] gives a gradient whose
+        # strides send megatron-core's frozen-weight backward, taken when the output layer is
+        # frozen as under LoRA, into a slow batched matmul: ~15x the time on the CPU.)
+        picked = picked.index_select(0, output_index).unsqueeze(0)
         self.output_layer.sequence_parallel = False  # gathered above
         try:
             logits, _ = self.output_layer(picked, weight=weight)
         finally:
             self.output_layer.sequence_parallel = sequence_parallel
-        return logits.transpose(0, 1)  # [1, n, V/TP]
+        return logits  # [1, n, V/TP]
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPOGPTModel]:

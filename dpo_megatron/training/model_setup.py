@@ -1,5 +1,6 @@
 """The run's models: the architecture resolved from the config, the policy with its starting
-weights, and the frozen reference that starts equal to it."""
+weights (and, with ``lora.enabled``, its adapters), the reference that starts equal to it, and
+what a training checkpoint stores of the policy."""
 
 from __future__ import annotations
 
@@ -48,25 +49,78 @@ def weights_source(cfg, model_cfg: ModelConfig) -> str:
 
 def build_policy(cfg, model_cfg: ModelConfig) -> list:
     """Policy chunks with their starting weights: ``model.load``, else ``model.hf_path``, else
-    random (collective)."""
+    random (collective). With ``lora.enabled`` the weights are then frozen and adapters attached
+    (``dpo_megatron.models.lora``): only the adapters train.
+
+    Raises:
+        ValueError: ``model.load`` names a LoRA checkpoint (it holds adapters, no base weights).
+    """
     policy = build_model_chunks(model_cfg, cfg.parallel)
     if cfg.model.load:
         from dpo_megatron.checkpointing import load_model_checkpoint
 
-        load_model_checkpoint(policy, resolve_model_load(cfg.model.load))
+        path = resolve_model_load(cfg.model.load)
+        _refuse_adapter_checkpoint(path)
+        load_model_checkpoint(policy, path)
     elif model_cfg.hf_path:
         from dpo_megatron.models.conversion import load_hf_weights
 
         load_hf_weights(policy, model_cfg, model_cfg.hf_path)
+    if cfg.lora.enabled:
+        from dpo_megatron.models.lora import attach_lora
+
+        attach_lora(policy, cfg.lora, model_cfg, cfg.train.seed)
     return policy
 
 
-def build_reference(cfg, model_cfg: ModelConfig, policy: list) -> list:
-    """The frozen reference: built with the same function and layout as the policy and copied
-    from it, so each pipeline stage holds its layers of both and step 0 has policy == reference."""
+def _refuse_adapter_checkpoint(path: str) -> None:
+    from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE
+
+    state_file = os.path.join(path, TRAIN_STATE_FILE)
+    if os.path.isfile(state_file):
+        import json
+
+        with open(state_file) as f:
+            lora = json.load(f).get("lora")
+        if lora:
+            raise ValueError(
+                f"model.load={path} is a LoRA checkpoint: it holds adapters, not base weights "
+                f"(base: {lora.get('base')}). Continue it with checkpoint.resume={path}, or "
+                "export it merged (checkpoint.export_hf=merged) and start from that folder")
+
+
+def build_reference(cfg, model_cfg: ModelConfig, policy: list):
+    """The run's reference object (``training.reference``): with LoRA the policy itself with
+    its adapters bypassed (:class:`BaseModelReference`, no second model); else a frozen copy
+    built with the same function and layout as the policy and copied from it, so each pipeline
+    stage holds its layers of both and step 0 has policy == reference."""
+    from dpo_megatron.training.reference import BaseModelReference, ReferenceModel
+
+    if cfg.lora.enabled:
+        return BaseModelReference(policy)
     reference = freeze(build_model_chunks(model_cfg, cfg.parallel))
     copy_weights(policy, reference)
-    return reference
+    return ReferenceModel(reference, offload=cfg.reference.offload)
+
+
+def checkpointed_policy(cfg, model_cfg: ModelConfig, policy: list) -> tuple[list, Optional[dict]]:
+    """What a training checkpoint stores of the policy, and the LoRA record kept with it.
+
+    Returns:
+        (the chunks to checkpoint: the policy itself, or with LoRA its adapters only
+        (``models.lora.AdapterCheckpoint``); None, or with LoRA ``{rank, alpha, dropout,
+        target_modules, base}`` where ``base`` names the base weights' source, which a resume
+        reads again).
+    """
+    if not cfg.lora.enabled:
+        return policy, None
+    from dataclasses import asdict
+
+    from dpo_megatron.models.lora import AdapterCheckpoint
+
+    record = {**asdict(cfg.lora), "base": weights_source(cfg, model_cfg)}
+    record.pop("enabled")
+    return [AdapterCheckpoint(chunk) for chunk in policy], record
 
 
 def check_vocab_fits(tokenizer, model_cfg: ModelConfig) -> None:

@@ -7,7 +7,9 @@ be paid once:
 * ``reference.mode=model`` (default): the frozen :class:`ReferenceModel` runs forward-only
   through the pipeline schedule each step (``training.step.attach_reference_logps``);
   ``reference.offload=true`` keeps its weights in host memory between passes (pinned on CUDA;
-  a no-op on the CPU, where host and device are the same).
+  a no-op on the CPU, where host and device are the same). With LoRA (``lora.enabled``) the
+  reference is :class:`BaseModelReference`: the policy's own chunks with their adapters
+  bypassed, so no second copy of the weights exists.
 * ``reference.mode=precomputed``: one forward-only pass over the training *and* eval pairs before
   the first step stores each pair's per-token completion log-probs in a table (cached on disk,
   keyed by a fingerprint of the reference weights, the layout, the tokenized pairs and the format
@@ -123,6 +125,10 @@ def _tensor_stats(x: torch.Tensor) -> torch.Tensor:
 def weights_fingerprint(chunks: list) -> str:
     """A fingerprint of the model's actual weights, the same on every rank (collective).
 
+    Only frozen parameters count: they are the reference's weights (all of a
+    :class:`ReferenceModel`'s; the base weights of a LoRA policy, whose trainable adapters are
+    bypassed in the reference pass), so a LoRA run and a full run on the same base share a table.
+
     Each rank reduces each of its parameter shards to three float64 numbers (sum, sum of
     squares, an index-weighted sum) on the device; the numbers of all ranks are gathered and
     hashed in global rank order. Identical weights at the identical layout give the identical
@@ -132,7 +138,8 @@ def weights_fingerprint(chunks: list) -> str:
     """
     stats = [_tensor_stats(p.detach().reshape(-1))
              for chunk in chunks
-             for _, p in sorted(getattr(chunk, "module", chunk).named_parameters())]
+             for _, p in sorted(getattr(chunk, "module", chunk).named_parameters())
+             if not p.requires_grad]
     local = torch.cat(stats).cpu().numpy().tobytes() if stats else b""
     gathered = [local]
     if dist.is_initialized():
@@ -194,7 +201,11 @@ def move_chunks(chunks: list, device: torch.device) -> None:
 
 class ReferenceModel:
     """The frozen reference chunks (same layout as the policy), optionally offloaded to the host
-    between passes (``reference.offload``)."""
+    between passes (``reference.offload``).
+
+    A reference object has ``chunks`` (whose frozen parameters are the reference weights),
+    ``attach(batch)`` and ``release()``; the step and the trainer use only these.
+    """
 
     def __init__(self, chunks: list, offload: bool = False):
         self.chunks = chunks
@@ -212,6 +223,37 @@ class ReferenceModel:
         attach_reference_logps(self.chunks, batch)
         if self.offload:
             move_chunks(self.chunks, torch.device("cpu"))
+
+    def release(self) -> None:
+        """Free the reference weights (``reference.mode=precomputed``, after its pass)."""
+        from dpo_megatron.training.model_setup import release
+
+        release(self.chunks)
+
+
+class BaseModelReference:
+    """The reference of a LoRA run: the policy's own chunks with every adapter bypassed.
+
+    LoRA starts from B = 0, so the base model is the step-0 policy, i.e. DPO's reference
+    (Rafailov et al. 2023, sec. 4: pi_ref = the initial policy). The reference pass runs the
+    same modules forward-only, without gradient and with the adapters off; no copy of the
+    weights is built, and none is freed after a precompute pass.
+    """
+
+    def __init__(self, chunks: list):
+        self.chunks = chunks
+
+    def attach(self, batch) -> None:
+        """Store the base model's log-probs in ``batch``'s micro-batches (collective over the
+        pipeline)."""
+        from dpo_megatron.models.lora import adapters_disabled
+        from dpo_megatron.training.step import attach_reference_logps
+
+        with adapters_disabled(self.chunks):
+            attach_reference_logps(self.chunks, batch)
+
+    def release(self) -> None:
+        """Nothing to free: the weights are the policy's."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,9 +37,11 @@ class RunCounters:
 
 def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
              counters: RunCounters, use_distributed_optimizer: bool, keep_last_n: int,
-             model_cfg=None) -> str:
+             model_cfg=None, lora: Optional[dict] = None) -> str:
     """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective), then
-    delete checkpoints beyond the newest ``keep_last_n``. Returns the checkpoint folder."""
+    delete checkpoints beyond the newest ``keep_last_n``. ``lora``: the run's LoRA record,
+    stored as ``train_state["lora"]`` (its ``chunks`` then hold adapters only). Returns the
+    checkpoint folder."""
     ckpt_dir = os.path.join(save_dir, checkpoint_name(counters.step))
     train_state = {
         "step": counters.step,
@@ -49,6 +51,8 @@ def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn
         "loss": loss_fn.state_dict(),
         "layout": current_layout(use_distributed_optimizer),
     }
+    if lora is not None:
+        train_state["lora"] = lora
     save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
     if not dist.is_initialized() or dist.get_rank() == 0:
         prune_checkpoints(save_dir, keep_last_n)
@@ -103,6 +107,32 @@ def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]
     return f"resharding {ckpt_dir} ({changed}); RNG states start fresh"
 
 
+def check_lora_record(ckpt_dir: str, lora: Optional[dict]) -> Optional[str]:
+    """Whether the checkpoint's model state fits this run: both full, or both LoRA with the
+    same adapters (rank, alpha, dropout, targets). Returns a note when the base weights' source
+    differs (the adapters are then applied to another base), else None.
+
+    Raises:
+        ValueError: a LoRA checkpoint for a full run or the reverse, or other adapters.
+    """
+    from dpo_megatron.checkpointing.training_checkpoint import read_train_state
+
+    saved = read_train_state(ckpt_dir).get("lora")
+    if (saved is None) != (lora is None):
+        what = ("LoRA adapters (no base weights)" if saved else "a full model")
+        raise ValueError(f"{ckpt_dir} holds {what}, but this run has lora.enabled="
+                         f"{lora is not None}: resume with the setting it was saved with")
+    if saved is None:
+        return None
+    differ = {k: (saved.get(k), v) for k, v in lora.items() if k != "base" and saved.get(k) != v}
+    if differ:
+        raise ValueError(f"{ckpt_dir} holds other LoRA adapters: {differ} (saved, configured); "
+                         "resume with the lora.* settings it was saved with")
+    if saved.get("base") != lora["base"]:
+        return f"its adapters were trained on {saved.get('base')}, this run's base is {lora['base']}"
+    return None
+
+
 class Checkpointer:
     """A run's checkpoints: where (``checkpoint.save`` or ``<run_dir>/checkpoints``), when
     (every ``checkpoint.save_interval`` steps and at the end), how many (``keep_last_n``) and of
@@ -115,16 +145,18 @@ class Checkpointer:
             resume restores.
         model_config: stored as ``model_config.json`` beside the tensors.
         use_distributed_optimizer: ``train.use_distributed_optimizer``.
+        lora: the run's LoRA record (``model_setup.checkpointed_policy``), None for a full run.
     """
 
     def __init__(self, cfg, run_dir: str, policy: list, optimizer, scheduler, sampler, loss_fn,
-                 model_config, use_distributed_optimizer: bool):
+                 model_config, use_distributed_optimizer: bool, lora: Optional[dict] = None):
         self.cfg = cfg
         self.save_dir = cfg.save or os.path.join(run_dir, "checkpoints")
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.sampler, self.loss_fn = sampler, loss_fn
         self.model_config = model_config
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.lora = lora
         self.last_saved_step: Optional[int] = None
 
     def resume(self) -> tuple[RunCounters, Optional[str], Optional[str]]:
@@ -140,6 +172,9 @@ class Checkpointer:
         if not resume_from:
             return RunCounters(), None, None
         note = layout_note(resume_from, self.use_distributed_optimizer)
+        base_note = check_lora_record(resume_from, self.lora)
+        if base_note and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"WARNING: resuming {resume_from}: {base_note}", flush=True)
         counters = resume_run(resume_from, self.policy, self.optimizer, self.scheduler,
                               self.sampler, self.loss_fn, self.use_distributed_optimizer)
         self.last_saved_step = counters.step
@@ -157,7 +192,7 @@ class Checkpointer:
         """Save the current step (collective); returns the checkpoint folder."""
         path = save_run(self.save_dir, self.policy, self.optimizer, self.scheduler, self.sampler,
                         self.loss_fn, counters, self.use_distributed_optimizer,
-                        self.cfg.keep_last_n, self.model_config)
+                        self.cfg.keep_last_n, self.model_config, self.lora)
         self.last_saved_step = counters.step
         return path
 

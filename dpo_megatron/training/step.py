@@ -121,20 +121,55 @@ def run_schedule(forward_step_func, chunks, micro_batches: list, rows: int, seq_
                  forward_only: bool):
     """megatron-core's forward-backward function over ``micro_batches`` (one per chunk stream).
 
+    Under the interleaved (virtual) pipeline megatron-core needs the micro-batch count to be a
+    multiple of the pipeline size. A training step's count is checked by the config; a forward-
+    only call (evaluation's smaller last step, the reference precompute pass, a greedy decode
+    step) is padded with copies of its last micro-batch, whose outputs are dropped.
+
     Args:
         rows: model rows per micro-batch (R: 2B sequences when padded). The schedule sizes its
             p2p buffers from it, so it is rows, not pairs.
         seq_length: L, tokens per row.
+        forward_only: no backward; the chunks run in eval mode (no dropout: reference passes,
+            evaluation and sampling compute the deterministic model, as Megatron-LM's evaluate).
+
+    Returns:
+        The schedule's forward data store, one entry per given micro-batch (last stage only).
     """
-    return get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=_iterators(micro_batches, len(chunks)),
-        model=chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=rows,
-        forward_only=forward_only,
-    )
+    count = len(micro_batches)
+    padding = _interleaved_padding(count, len(chunks)) if forward_only else 0
+    padded = list(micro_batches) + [micro_batches[-1]] * padding
+    with _eval_mode(chunks) if forward_only else contextlib.nullcontext():
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=_iterators(padded, len(chunks)),
+            model=chunks,
+            num_microbatches=len(padded),
+            seq_length=seq_length,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+    return store[:count]
+
+
+def _interleaved_padding(count: int, num_chunks: int) -> int:
+    """Micro-batches to add so that ``count`` suits the interleaved schedule (0 without it)."""
+    if num_chunks == 1:
+        return 0
+    return -count % parallel_state.get_pipeline_model_parallel_world_size()
+
+
+@contextlib.contextmanager
+def _eval_mode(chunks: list):
+    """The chunks in eval mode within the block, their previous mode restored after."""
+    previous = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, training in zip(chunks, previous):
+            chunk.train(training)
 
 
 def _rows(batch: StepBatch) -> int:

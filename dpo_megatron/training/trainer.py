@@ -29,7 +29,7 @@ from dpo_megatron.training import model_setup
 from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
-from dpo_megatron.training.reference import ReferenceModel, precomputed_pairs
+from dpo_megatron.training.reference import precomputed_pairs
 from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.training.run_data import RunData, load_run_data
 from dpo_megatron.training.step import StepOutput, train_step
@@ -49,8 +49,9 @@ class Trainer:
 
     Attributes:
         policy: this rank's DDP-wrapped policy chunks.
-        reference: the frozen :class:`ReferenceModel`, or None (reference-free loss, or
-            ``reference.mode=precomputed`` after its pass).
+        reference: the reference object (``training.reference``: the frozen
+            :class:`ReferenceModel`, or with LoRA the policy's base, ``BaseModelReference``), or
+            None (reference-free loss, or ``reference.mode=precomputed`` after its pass).
         data: the :class:`RunData` (with ``reference.mode=precomputed`` its pairs carry their
             reference log-probs).
         counters: step and skipped-step counters (restored on resume).
@@ -83,14 +84,16 @@ class Trainer:
         self.timings = {"reference_setup_s": time.perf_counter() - started}
         self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
+        saved_policy, lora_record = model_setup.checkpointed_policy(cfg, self.model_config,
+                                                                   self.policy)
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
         self.evaluator = Evaluator(self.data.eval, self.builder, cfg.train.global_batch_size,
                                    cfg.train.micro_batch_size, cfg.train.eval_interval,
                                    cfg.train.eval_iters)
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run_dir, self.policy,
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run_dir, saved_policy,
                                          self.optimizer, self.scheduler, self.sampler,
                                          self.loss_fn, self.model_config,
-                                         cfg.train.use_distributed_optimizer)
+                                         cfg.train.use_distributed_optimizer, lora_record)
         # Resume after the reference is built: it stays the initial policy, not the checkpoint's.
         self.counters, self.resumed_from, layout_note = self.checkpointer.resume()
         self.logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters, cfg.logging,
@@ -111,14 +114,11 @@ class Trainer:
             shuffle=shuffle,
         )
 
-    def _reference_source(self, chunks: Optional[list]) -> Optional[ReferenceModel]:
-        """The reference model for ``reference.mode=model``; for ``precomputed``, the train and
-        eval pairs take their reference log-probs (one pass, or the cache) and the model is
-        freed: no reference weights are held while training."""
-        if chunks is None:
-            return None
-        reference = ReferenceModel(chunks, offload=self.cfg.reference.offload)
-        if self.cfg.reference.mode == "model":
+    def _reference_source(self, reference):
+        """The reference object for ``reference.mode=model``; for ``precomputed``, the train and
+        eval pairs take their reference log-probs (one pass, or the cache) and the reference is
+        released: no reference weights are held while training."""
+        if reference is None or self.cfg.reference.mode == "model":
             return reference
         from dpo_megatron.checkpointing.training_checkpoint import current_layout
 
@@ -128,7 +128,7 @@ class Trainer:
             setattr(self.data, split, precomputed_pairs(
                 self.cfg.reference, reference, items, self.builder,
                 self.cfg.train.micro_batch_size, self.model_config, layout, split))
-        model_setup.release(chunks)
+        reference.release()
         return None
 
     def _report_start(self, layout_note: Optional[str]) -> None:
@@ -254,17 +254,22 @@ class Trainer:
         return metrics
 
     def export_final(self) -> None:
-        """The final policy as a Hugging Face folder ``<save>/hf`` when ``checkpoint.export_hf``."""
-        if not self.cfg.checkpoint.export_hf:
-            return
+        """Per ``checkpoint.export_hf``: the final policy as a Hugging Face folder ``<save>/hf``
+        (LoRA adapters merged), or the LoRA adapters in PEFT's layout ``<save>/hf_adapter``."""
         import os
 
-        from dpo_megatron.models.conversion import export_hf
+        from dpo_megatron.models.conversion import export_hf, export_peft_adapter
+        from dpo_megatron.models.lora_config import export_mode
 
-        export_hf([c.module for c in self.policy], self.model_config,
-                  os.path.join(self.checkpointer.save_dir, "hf"),
-                  dtype=self.cfg.checkpoint.export_dtype,
-                  tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None)
+        mode = export_mode(self.cfg.checkpoint.export_hf)
+        chunks, dtype = [c.module for c in self.policy], self.cfg.checkpoint.export_dtype
+        if mode == "adapter":
+            export_peft_adapter(chunks, self.model_config, self.cfg.lora,
+                                os.path.join(self.checkpointer.save_dir, "hf_adapter"), dtype)
+        elif mode == "merged":
+            export_hf(chunks, self.model_config, os.path.join(self.checkpointer.save_dir, "hf"),
+                      dtype=dtype,
+                      tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None)
 
 
 def _memory_over_ranks() -> dict[str, float]:

@@ -45,3 +45,40 @@ def test_ten_eval_pairs_with_global_batch_four_are_all_evaluated(world_size):
         for key, value in whole.items():
             assert result[key] == pytest.approx(value, abs=1e-5), key
     assert abs(whole["logps/chosen"] - first8["logps/chosen"]) > 1e-3  # the last 2 pairs matter
+
+
+
+def _evaluate_layout(ckpt_dir, pp, vpp, reference_mode):
+    """Eval metrics over 7 pairs with global batch 4, micro-batch 1: steps of 4 and 3 micro-
+    batches (and one micro-batch per call in the precompute pass)."""
+    pairs = random_pairs(EVAL_PAIRS + 4, seed=5, lengths=lambda i: (3 + i % 5, 2 + i % 4, 4 - i % 3))
+    trainer = tiny_trainer(pairs[:4], pairs[4:11], global_batch_size=4,
+                           micro_batch_size=1, steps=1, seed=3, pp=pp, vpp=vpp, load=ckpt_dir,
+                           reference_mode=reference_mode)
+    return trainer.evaluator.run(trainer.policy, trainer.reference, trainer.loss_fn)
+
+
+@pytest.fixture(scope="module")
+def initial_checkpoint(tmp_path_factory):
+    from tests.training.test_dpo_step import _save_initial
+
+    path = str(tmp_path_factory.mktemp("init") / "ckpt")
+    run_ranks(_save_initial, world_size=1, ckpt_dir=path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_mode", ["model", "precomputed"])
+def test_interleaved_pipeline_evaluates_a_smaller_last_step(initial_checkpoint, reference_mode):
+    """Old: megatron-core's interleaved schedule refused a forward-only call whose micro-batch
+    count is not a multiple of PP (the last eval step's 3 micro-batches at PP 2; the precompute
+    pass's single one). Now such calls are padded with copies whose outputs are dropped, and the
+    eval metrics equal the one-stage run's."""
+    vpp = run_ranks(_evaluate_layout, world_size=2, ckpt_dir=initial_checkpoint, pp=2, vpp=2,
+                    reference_mode=reference_mode)
+    one = run_ranks(_evaluate_layout, world_size=1, ckpt_dir=initial_checkpoint, pp=1, vpp=None,
+                    reference_mode=reference_mode)[0]
+    assert "logps/chosen" in one
+    for metrics in vpp:
+        for key, value in one.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

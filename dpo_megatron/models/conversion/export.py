@@ -1,9 +1,11 @@
-"""Export live megatron-core model chunks (any TP x PP x VPP layout) as a Hugging Face folder.
+"""Export live megatron-core model chunks (any TP x PP x VPP layout) for Hugging Face: the model
+as an HF folder (:func:`export_hf`; LoRA adapters merged into the weights), or a LoRA policy's
+adapters in PEFT's layout (:func:`export_peft_adapter`).
 
 Collective over all ranks. Within each TP group the slices of every parameter are all-gathered
 and merged back to HF tensors (:func:`merge_tp_shards`); the first TP/DP rank of each pipeline
 stage then sends its stage's tensors to global rank 0, one stage at a time, and rank 0 writes
-sharded safetensors as they arrive (so it holds at most one stage plus one shard in memory).
+them as they arrive (so it holds at most one stage plus one shard in memory).
 Rank 0 writes into a temporary folder next to ``out_dir`` and renames it into place at the end:
 a failed export leaves no partial folder. The outcome is broadcast so every rank returns or
 raises together.
@@ -11,15 +13,17 @@ raises together.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from dpo_megatron.models import lora
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures import REPLICATED, expand
 from dpo_megatron.models.conversion.hf_config import hf_config_dict, infer_architecture
@@ -41,30 +45,42 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _tp_shards(local: torch.Tensor, split: bool) -> list[torch.Tensor]:
+    """Every TP rank's slice of a split tensor (collective over the TP group), on the CPU; a
+    replicated tensor as the one slice."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    local = local.detach()
+    if not split or tp_size == 1:
+        return [local.cpu()]
+    shards = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return [s.cpu() for s in shards]
+
+
 def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype
                      ) -> list[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as (HF name, full tensor) pairs in ``dtype``, on the CPU.
+
+    LoRA adapters, when attached, are merged: each adapted weight is exported as
+    W + (alpha / r) B A (``models.lora``), the adapters themselves are not written.
 
     Collective over the TP group (all-gathers every TP-split parameter). Ordered by global
     layer (embedding first, final norm and output layer last).
     """
     arch = infer_architecture(cfg)
     table = {t.megatron: t for t in arch.tensors(cfg)}
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
     for chunk in map(unwrap, chunks):
+        adapter_params = lora.adapter_parameter_ids(chunk)
+        adapted = lora.adapters_by_base_weight(chunk)
         for pattern, layer, param in iter_global_params(chunk):
+            if id(param) in adapter_params:
+                continue  # merged into its base weight below
             if pattern == OUTPUT and cfg.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
             tmap = table_entry(table, pattern, cfg, arch)
-            local = param.detach()
-            if tmap.split == REPLICATED or tp_size == 1:
-                shards = [local]
-            else:
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
-            tensors = merge_tp_shards(tmap, [s.cpu() for s in shards], cfg)
+            local = adapted[id(param)].merged_weight() if id(param) in adapted else param
+            tensors = merge_tp_shards(tmap, _tp_shards(local, tmap.split != REPLICATED), cfg)
             # HF order: embeddings, layers by global index, then final norm and output layer.
             position = -1 if pattern.startswith("embedding") else (
                 layer if layer is not None else cfg.num_layers)
@@ -85,10 +101,11 @@ class _StageReceiver:
             parallel_state.get_pipeline_model_parallel_group())[1:]
         self.own: list[tuple[str, torch.Tensor]] = []
 
-    def collect_own(self, chunks, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def collect_own(self, stage_fn: Callable, chunks, cfg: ModelConfig,
+                    dtype: torch.dtype) -> None:
         """Stage 0's tensors, gathered before writing starts: its TP all-gathers must complete
         even if writing then fails."""
-        self.own = stage_hf_tensors(chunks, cfg, dtype)
+        self.own = stage_fn(chunks, cfg, dtype)
 
     def _receive(self, src: int):
         box = [None]
@@ -110,13 +127,101 @@ class _StageReceiver:
             self._receive(self.pending.pop(0))
 
 
+def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype
+                          ) -> list[tuple[str, torch.Tensor]]:
+    """This rank's pipeline stage's LoRA adapters as PEFT tensors (name, full tensor), in
+    ``dtype`` on the CPU, ordered by global layer.
+
+    A fused megatron layer maps to its HF modules through the architecture's table: the fused
+    ``linear_qkv`` update B A becomes q/k/v updates B_q A, B_k A, B_v A (each module gets A and
+    its rows of B), a gated ``linear_fc1`` becomes gate/up the same way, so the PEFT model
+    computes exactly the fused update. A row-parallel layer's A is gathered over TP (padded
+    head columns dropped), a column-parallel layer's B likewise; names are
+    ``base_model.model.<HF module>.lora_A.weight`` / ``lora_B.weight`` (PEFT's saved layout).
+
+    Collective over the TP group.
+    """
+    arch = infer_architecture(cfg)
+    table = {t.megatron: t for t in arch.tensors(cfg)}
+    out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
+    for chunk in map(unwrap, chunks):
+        where = {id(p): (pattern, layer) for pattern, layer, p in iter_global_params(chunk)}
+        for _, adapter in lora.adapters(chunk):
+            pattern, layer = where[id(adapter.base.weight)]
+            # PEFT stores A [r, in] and B [out, r] whatever HF's weight orientation.
+            tmap = dataclasses.replace(table_entry(table, pattern, cfg, arch), transposed=False)
+            if adapter.parallel_mode == "column":
+                b_parts = merge_tp_shards(tmap, _tp_shards(adapter.lora_b, True), cfg)
+                a_parts = [adapter.lora_a.detach().cpu()] * len(b_parts)
+            else:
+                a_parts = merge_tp_shards(tmap, _tp_shards(adapter.lora_a, True), cfg)
+                b_parts = [adapter.lora_b.detach().cpu()] * len(a_parts)
+            for name, a, b in zip(tmap.hf, a_parts, b_parts):
+                module = "base_model.model." + expand(name, layer).removesuffix(".weight")
+                for suffix, tensor in (("lora_A", a), ("lora_B", b)):
+                    # A copy each: the q/k/v (gate/up) modules share A, safetensors refuses
+                    # tensors that share memory.
+                    out.append(((layer, len(out)), f"{module}.{suffix}.weight",
+                                tensor.to(dtype, copy=True).contiguous()))
+    out.sort(key=lambda item: item[0])
+    return [(name, tensor) for _, name, tensor in out]
+
+
+def peft_adapter_config(model_cfg: ModelConfig, lora_cfg) -> dict:
+    """PEFT's ``adapter_config.json`` for these adapters: LoRA, r, lora_alpha, lora_dropout, and
+    the HF modules they sit on as name suffixes (``self_attn.q_proj``, ...; suffixes, not leaf
+    names, so GPT-2's ``attn.c_proj`` is not confused with ``mlp.c_proj``)."""
+    arch = infer_architecture(model_cfg)
+    targets, fan_in_fan_out = [], False
+    for tmap in arch.tensors(model_cfg):
+        leaf = tmap.megatron.removesuffix(".weight").rsplit(".", 1)[-1]
+        if tmap.megatron.endswith(".weight") and leaf in lora_cfg.target_modules:
+            targets += [n.split("{i}.", 1)[1].removesuffix(".weight") for n in tmap.hf]
+            fan_in_fan_out |= tmap.transposed  # GPT-2's Conv1D stores weights [in, out]
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model_cfg.hf_path or None,
+        "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
+        "target_modules": sorted(targets), "fan_in_fan_out": fan_in_fan_out, "bias": "none",
+        "use_rslora": False, "modules_to_save": None, "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def export_peft_adapter(chunks: list[torch.nn.Module], model_cfg: ModelConfig, lora_cfg,
+                        out_dir: str, dtype: str = "float32") -> None:
+    """Write a LoRA policy's adapters as a PEFT folder: ``adapter_config.json`` +
+    ``adapter_model.safetensors``, loadable with ``peft.PeftModel.from_pretrained(hf_base,
+    out_dir)`` onto the HF model of ``model_cfg.hf_path``. Collective (every rank, its chunks).
+
+    Raises:
+        ValueError: unknown dtype, or chunks without adapters (before any communication).
+        RuntimeError: whatever a rank hit while gathering or writing (on every rank).
+    """
+    if not lora.has_adapters([unwrap(c) for c in chunks]):
+        raise ValueError("export_peft_adapter: the model has no LoRA adapters "
+                         "(checkpoint.export_hf=adapter needs lora.enabled=true)")
+
+    def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
+        from safetensors.torch import save_file
+
+        save_file(dict(tensors), os.path.join(tmp, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        os.chmod(os.path.join(tmp, "adapter_model.safetensors"), 0o644)
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(peft_adapter_config(model_cfg, lora_cfg), f, indent=2, sort_keys=True)
+
+    _export(chunks, stage_adapter_tensors, write, model_cfg, out_dir, dtype)
+
+
 def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: str,
               dtype: str = "bfloat16", tokenizer_dir: str | None = None,
               max_shard_bytes: int = 5 * 1024**3) -> None:
     """Write the model as an HF folder at ``out_dir``: config.json (the source folder's, with
-    ``dtype``), ``model-0000x-of-0000y.safetensors`` + index (vocab padding removed), the source
-    generation_config.json and the tokenizer files of ``tokenizer_dir`` (default: the model's
-    ``hf_path``). Replaces an existing ``out_dir`` only once the new folder is complete.
+    ``dtype``), ``model-0000x-of-0000y.safetensors`` + index (vocab padding removed; LoRA
+    adapters merged into their weights), the source generation_config.json and the tokenizer
+    files of ``tokenizer_dir`` (default: the model's ``hf_path``). Replaces an existing
+    ``out_dir`` only once the new folder is complete.
 
     Collective: every rank of the job calls it with its chunks (DDP-wrapped or not).
 
@@ -124,6 +229,17 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
         ValueError: unknown dtype (before any communication), or whatever rank 0 hit while
             writing (re-raised on every rank as RuntimeError).
     """
+    def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
+        _write_folder(tensors, model_cfg, tmp, dtype, tokenizer_dir or model_cfg.hf_path,
+                      max_shard_bytes)
+
+    _export(chunks, stage_hf_tensors, write, model_cfg, out_dir, dtype)
+
+
+def _export(chunks: list, stage_fn: Callable, write_fn: Callable, model_cfg: ModelConfig,
+            out_dir: str, dtype: str) -> None:
+    """Gather every stage's ``stage_fn`` tensors on rank 0, where ``write_fn(tensors, tmp)``
+    fills a temporary folder that then replaces ``out_dir``; errors reach every rank."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
@@ -134,16 +250,15 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
     if is_rank0:
         receiver = _StageReceiver()
         try:
-            receiver.collect_own(chunks, model_cfg, torch_dtype)
-            _write_folder(receiver.tensors(), model_cfg, out_dir, dtype,
-                          tokenizer_dir or model_cfg.hf_path, max_shard_bytes)
+            receiver.collect_own(stage_fn, chunks, model_cfg, torch_dtype)
+            _into_place(lambda tmp: write_fn(receiver.tensors(), tmp), out_dir)
         except Exception as exc:  # reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
         finally:
             receiver.drain()
     else:
         try:
-            payload = ("ok", stage_hf_tensors(chunks, model_cfg, torch_dtype))
+            payload = ("ok", stage_fn(chunks, model_cfg, torch_dtype))
         except Exception as exc:  # a sender must always answer rank 0
             payload = ("error", f"{type(exc).__name__}: {exc}")
         if sender:
@@ -158,24 +273,30 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
         raise RuntimeError(f"export to {out_dir} failed on rank {dist.get_rank()}: {error}")
 
 
-def _write_folder(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig, out_dir: str,
+def _write_folder(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig, tmp: str,
                   dtype: str, tokenizer_dir: str, max_shard_bytes: int) -> None:
-    """Rank 0's part of :func:`export_hf`: everything into ``<out_dir>.tmp-<pid>``, then rename."""
+    """Rank 0's part of :func:`export_hf`: the HF folder's files into ``tmp``."""
+    config = hf_config_dict(cfg, dtype)
+    write_safetensors_shards(tensors, tmp, max_shard_bytes)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "generation_config.json")):
+        shutil.copy2(os.path.join(cfg.hf_path, "generation_config.json"), tmp)
+    if tokenizer_dir:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copy2(os.path.join(tokenizer_dir, name), tmp)
+
+
+def _into_place(fill: Callable[[str], None], out_dir: str) -> None:
+    """``fill(tmp)`` writes a folder's files into ``<out_dir>.tmp-<pid>``, which then replaces
+    ``out_dir`` (an existing one is removed only after the rename)."""
     out_dir = os.path.abspath(out_dir)
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        config = hf_config_dict(cfg, dtype)
-        write_safetensors_shards(tensors, tmp, max_shard_bytes)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "generation_config.json")):
-            shutil.copy2(os.path.join(cfg.hf_path, "generation_config.json"), tmp)
-        if tokenizer_dir:
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(tokenizer_dir, name)):
-                    shutil.copy2(os.path.join(tokenizer_dir, name), tmp)
+        fill(tmp)
         old = f"{out_dir}.old-{os.getpid()}"
         if os.path.exists(out_dir):
             os.rename(out_dir, old)

@@ -1,0 +1,110 @@
+"""The ``lora.*`` section of the config tree: low-rank adapters on the policy's linear layers.
+
+Imports nothing heavy; the adapters themselves are in :mod:`dpo_megatron.models.lora`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""megatron-core's linear layers an adapter can sit beside: the fused query/key/value and the
+first MLP projection (column-parallel), the attention output and the second MLP projection
+(row-parallel)."""
+
+EXPORT_MODES = ("none", "merged", "adapter")
+"""``checkpoint.export_hf`` values (booleans keep their old meaning: true = merged)."""
+
+
+def export_mode(value) -> str:
+    """``checkpoint.export_hf`` as one of :data:`EXPORT_MODES`.
+
+    ``false`` / ``none`` / empty: no export; ``true`` / ``merged``: the (merged) model as a
+    Hugging Face folder; ``adapter``: the LoRA adapters in PEFT's layout. The config stores the
+    field as a string, so a YAML ``true`` arrives as ``"True"``.
+
+    Raises:
+        ValueError: any other value (naming the valid ones).
+    """
+    text = str(value).strip().lower()
+    aliases = {"": "none", "false": "none", "none": "none", "true": "merged",
+               "merged": "merged", "adapter": "adapter"}
+    if text not in aliases:
+        raise ValueError(f"checkpoint.export_hf={value!r}; valid: false/none, true/merged, "
+                         "adapter")
+    return aliases[text]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
+    linear layer W gets a trainable update ``(alpha / rank) * B A`` (eq. 3, with the scaling of
+    sec. 4.1); W and everything else stay frozen. B starts at zero, so the step-0 policy is the
+    base model, and the frozen base doubles as the reference model (no second copy)."""
+
+    enabled: bool = False
+    """Train adapters instead of the full model."""
+    rank: int = 16
+    """r, the inner dimension of B [out, r] and A [r, in]."""
+    alpha: float = 32.0
+    """The update is scaled by alpha / rank (PEFT's ``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training passes only; PEFT's ``lora_dropout``)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Layers that get adapters, by megatron-core name: any of linear_qkv, linear_proj,
+    linear_fc1, linear_fc2 (every transformer layer's)."""
+
+    def validate(self, *, loss: dict, reference, model, export_hf) -> None:
+        """Reject LoRA settings that cannot run, before any rank starts.
+
+        Args:
+            loss: the ``loss`` section (its losses say whether a reference is read).
+            reference: the ``reference`` section.
+            model: the ``model`` section (the layer implementation).
+            export_hf: ``checkpoint.export_hf``.
+
+        Raises:
+            ValueError: an unknown target module, rank <= 0, alpha <= 0, dropout outside [0, 1),
+                ``export_hf=adapter`` without LoRA, ``reference.offload`` with LoRA (the
+                reference is the policy's own base weights: there is no copy to offload), a
+                loss that reads no reference with ``reference.mode=precomputed`` (with LoRA the
+                base is the reference only for losses that read one; nothing to precompute), or
+                transformer-engine layers (adapters attach to megatron-core's local layers).
+        """
+        mode = export_mode(export_hf)
+        if not self.enabled:
+            if mode == "adapter":
+                raise ValueError("checkpoint.export_hf=adapter writes LoRA adapters: set "
+                                 "lora.enabled=true, or export_hf=merged for the full model")
+            return
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown or not self.target_modules:
+            raise ValueError(f"lora.target_modules={list(self.target_modules)}: "
+                             f"{'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
+                             f"valid: {', '.join(LORA_TARGETS)}")
+        if self.rank <= 0:
+            raise ValueError(f"lora.rank={self.rank} must be >= 1")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha={self.alpha} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if reference.offload:
+            raise ValueError("reference.offload=true with lora.enabled=true: the reference is "
+                             "the policy's own frozen base weights, there is no reference copy "
+                             "to offload; drop reference.offload")
+        from dpo_megatron.losses import build_loss
+
+        loss_fn = build_loss(loss)
+        if not loss_fn.needs_reference and reference.mode == "precomputed":
+            raise ValueError(f"reference.mode=precomputed with lora.enabled=true and loss "
+                             f"{loss.get('name')!r}, which reads no reference: there is nothing "
+                             "to precompute (LoRA's base is the reference only for losses that "
+                             "read one); drop reference.mode")
+        from dpo_megatron.models.transformer_config import use_transformer_engine
+
+        if use_transformer_engine(model.transformer_impl):
+            raise ValueError("lora.enabled=true attaches adapters to megatron-core's local "
+                             "ColumnParallelLinear / RowParallelLinear layers (transformer-"
+                             "engine fuses the norm into linear_qkv / linear_fc1, so the "
+                             "adapter would see the un-normalised input): set "
+                             "model.transformer_impl=local")
