@@ -35,6 +35,30 @@ class ArchiveError(ValueError):
     """A ``policy.pt`` that cannot be used: the message names the file and what is wrong."""
 
 
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def _first_foreign(value: Any, where: str) -> Optional[tuple[str, str]]:
+    """(where, type name) of the first value that is not a tensor or a plain container."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                return f"{where} key {key!r}", type(key).__name__
+            found = _first_foreign(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _first_foreign(item, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    if type(value) in _PLAIN or isinstance(value, torch.Tensor):
+        return None
+    return where, f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights and the bookkeeping of a reference-repo ``policy.pt``.
 
@@ -61,6 +85,15 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     except Exception as e:  # truncated or not a torch file at all
         raise ArchiveError(f"model.archive={path}: not a readable torch.save file: "
                            f"{type(e).__name__}: {e}") from None
+    # weights_only also unpickles the classes a library in this process registered as safe
+    # (megatron-core registers argparse.Namespace, ...): refuse those too, whatever is imported.
+    foreign = _first_foreign(blob, "file")
+    if foreign:
+        raise ArchiveError(
+            f"model.archive={path}: refused: the file holds a pickled object other than tensors "
+            f"and plain containers (dict, list, tuple, str, numbers): {foreign[0]} is a "
+            f"{foreign[1]}. Save only the state_dict (torch.save({{'state': "
+            f"model.state_dict()}}, path))")
     if not isinstance(blob, dict) or "state" not in blob:
         keys = sorted(blob) if isinstance(blob, dict) else type(blob).__name__
         raise ArchiveError(f"model.archive={path}: expected the reference repo's layout "

@@ -82,10 +82,15 @@ def test_pickled_objects_are_refused_naming_the_file(tmp_path):
         load_policy_archive(str(evil))
     assert not marker.exists()  # nothing in the file ran
 
+    # argparse.Namespace is a safe global once megatron-core is imported (it registers it for its
+    # own checkpoints): still refused here, with megatron-core imported or not
     config_obj = tmp_path / "with_namespace.pt"
     torch.save({"state": sd, "config": argparse.Namespace(lr=1.0)}, str(config_obj))
-    with pytest.raises(ArchiveError, match="refused.*Namespace"):
-        load_policy_archive(str(config_obj))
+    for megatron in (False, True):
+        if megatron:
+            import megatron.core.dist_checkpointing  # noqa: F401
+        with pytest.raises(ArchiveError, match="refused.*Namespace"):
+            load_policy_archive(str(config_obj))
 
     with pytest.raises(ArchiveError, match=r"expected the reference repo's layout.*\['model'\]"):
         torch.save({"model": sd}, str(tmp_path / "other.pt"))
