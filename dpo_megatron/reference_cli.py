@@ -72,6 +72,21 @@ REFERENCE_DATASETS: dict[str, tuple[str, str]] = {
 }
 """``datasets=[name]`` -> (hub dataset, our row format); ``preference_datasets.get_dataset``."""
 
+REFERENCE_MODELS: dict[str, str] = {
+    # config/model/*.yaml of the reference repo (name_or_path)
+    "gpt2-large": "gpt2-large", "gpt2-xl": "gpt2-xl", "gptj": "EleutherAI/gpt-j-6b",
+    "llama7b": "huggyllama/llama-7b", "pythia28": "EleutherAI/pythia-2.8b",
+    "pythia69": "EleutherAI/pythia-6.9b",
+    # the smaller Pythia models, named the same way
+    "pythia70m": "EleutherAI/pythia-70m", "pythia160m": "EleutherAI/pythia-160m",
+    "pythia410m": "EleutherAI/pythia-410m", "pythia1b": "EleutherAI/pythia-1b",
+    "pythia14": "EleutherAI/pythia-1.4b",
+}
+"""The reference repo's ``model=`` names -> the hub model they name. Used only for a name that
+``models.config.MODEL_PRESETS`` (the one preset table, which resolves local copies) does not
+have yet: it then becomes ``model.hf_path=<hub name>``. The models work (issue 10) takes these
+names over into MODEL_PRESETS."""
+
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 LOSSES = ("sft", "dpo", "ipo")
 OPTIMIZERS = ("RMSprop", "Adam", "AdamW", "SGD")
@@ -232,7 +247,12 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
 
     out = []
     name = args["model"]
-    if name != "blank_model":
+    if name != "blank_model" and name not in MODEL_PRESETS and name in REFERENCE_MODELS:
+        if not args["model.name_or_path"]:
+            out.append(f"model.hf_path={REFERENCE_MODELS[name]}")
+        t.notes.append(f"model={name}: {REFERENCE_MODELS[name]} (not a preset of "
+                       f"models.config.MODEL_PRESETS here: its hub name, read online)")
+    elif name != "blank_model":
         if name not in MODEL_PRESETS:
             raise ReferenceCLIError(
                 f"model={name}: no such preset here (models.config.MODEL_PRESETS has "

@@ -95,6 +95,13 @@ def test_batch_errors_and_steps():
         _translate([w for w in SFT_LINE if not w.startswith("model.name_or_path")])
     with pytest.raises(ReferenceCLIError, match="model=pythia6900: no such preset.*MODEL_PRESETS"):
         _translate([*SFT_LINE, "model=pythia6900"])
+    # a reference name: the preset when MODEL_PRESETS has it, else its hub name
+    from dpo_megatron.models.config import MODEL_PRESETS
+
+    named = [w for w in SFT_LINE if not w.startswith("model")] + ["model=pythia69"]
+    o = _translate(named).overrides
+    assert ("model=pythia69" in o if "pythia69" in MODEL_PRESETS
+            else "model.hf_path=EleutherAI/pythia-6.9b" in o)
     with pytest.raises(ReferenceCLIError, match="policy_dtype=float16.*use bfloat16"):
         _translate([*SFT_LINE, "model.policy_dtype=float16"])
     # full batches only: 10 items, batch 4 -> 2 per epoch; n_examples rounds up to whole batches
