@@ -13,7 +13,7 @@ loss's own parameters. ``${asset:NAME}`` in a YAML value resolves to a cached of
 (``dpo_megatron.assets``).
 
 Shorthands: ``loss=ipo`` is ``loss.name=ipo`` (a fresh loss section, as ``loss.name`` always
-is); ``model=NAME`` expands a preset of ``models.config.MODEL_PRESETS``; ``key=`` clears a string
+is); ``model=NAME`` expands a preset of ``models.presets.MODEL_PRESETS``; ``key=`` clears a string
 key (``''``), a list key (``[]``) or an optional key (null). Any other scalar given to a section is
 an error that says what the section takes.
 
@@ -43,7 +43,8 @@ filter_expected_warnings()  # the launcher imports this module first: before meg
 
 from dpo_megatron.config_checks import check_choice, check_range  # noqa: E402
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
-from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig  # noqa: E402
+from dpo_megatron.models.config import (MODEL_PRESETS, ModelConfig, model_preset_keys,  # noqa: E402
+                                        preset_name)
 from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
@@ -230,8 +231,8 @@ def _section_scalar(section: str, value: Any, source: str) -> dict:
                              f"loss.name=sigmoid loss.beta=0.1")
         return {"name": value}
     if section == "model":
-        if value in MODEL_PRESETS:
-            return dict(MODEL_PRESETS[value])
+        if isinstance(value, str) and preset_name(value):
+            return model_preset_keys(value)
         presets = ", ".join(sorted(MODEL_PRESETS)) or "none yet"
         raise ValueError(
             f"model={value} (from {source}): model is a section, not a value. Give it a preset "
@@ -446,8 +447,9 @@ def _validate_loss(cfg: DPOConfig) -> None:
 
 
 def world_size_for(cfg: DPOConfig) -> int:
-    """Ranks the launcher should start: TP x PP x DP (DP defaults to 1)."""
-    return cfg.parallel.model_parallel_size() * (cfg.parallel.data_parallel_size or 1)
+    """Ranks the launcher should start: TP x PP x DP (DP defaults to 1, or to what the expert
+    layout needs: ``ParallelConfig.launch_world_size``)."""
+    return cfg.parallel.launch_world_size()
 
 
 # ----------------------------------------------------------------------------------------------

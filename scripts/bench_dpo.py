@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_dpo.py                      # SmolLM2-135M + its 4-layer cut
     .venv/bin/python scripts/bench_dpo.py --models smollm2-4l --steps 4 --engines trl,engine
+    .venv/bin/python scripts/bench_dpo.py --models qwen3moe-e4,qwen3moe-e8 --engines engine
 
 Both engines get the same model (SmolLM2-135M-Instruct, or its first 4 layers), the same first N
 pairs of LLaMA-Factory's dpo_en_demo tokenized once by this engine's data pipeline (TRL receives
@@ -61,16 +62,48 @@ DEFAULT_RUNS = {"smollm2": ["trl", "engine", "engine+packing+precomputed"],
 # shared set-up: model folders and data
 
 
-def model_folder(name: str) -> str:
-    """HF folder of the benchmarked model: 'smollm2' (30 layers) or 'smollm2-4l' (its first 4
-    layers, written once to the cache)."""
+MOE_PREFIX = "qwen3moe-e"
+"""``qwen3moe-e<E>``: a random Qwen3-MoE of SmolLM2's vocabulary with E experts (same layers,
+widths and top-2 routing for every E), to see how a step's cost grows with the experts."""
+
+
+def moe_folder(num_experts: int) -> str:
+    """A random tiny Qwen3-MoE with ``num_experts`` experts (4 layers, hidden 256, experts 256
+    wide, top-2, SmolLM2's tokenizer), written once to the cache."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
     from dpo_megatron import assets
 
+    out = assets.cache_root() / "bench" / f"qwen3moe-e{num_experts}"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    config = Qwen3MoeConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=num_experts,
+        num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.01,
+        vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for f in assets.ensure_smollm2().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
+def model_folder(name: str) -> str:
+    """HF folder of the benchmarked model: 'smollm2' (30 layers), 'smollm2-4l' (its first 4
+    layers, written once to the cache) or ``qwen3moe-e<E>`` (:data:`MOE_PREFIX`)."""
+    from dpo_megatron import assets
+
+    if name.startswith(MOE_PREFIX) and name[len(MOE_PREFIX):].isdigit():
+        return moe_folder(int(name[len(MOE_PREFIX):]))
     full = assets.ensure_smollm2()
     if name == "smollm2":
         return str(full)
     if name != "smollm2-4l":
-        raise ValueError(f"unknown model {name!r}; known: smollm2, smollm2-4l")
+        raise ValueError(f"unknown model {name!r}; known: smollm2, smollm2-4l, "
+                         f"{MOE_PREFIX}<experts>")
     out = assets.cache_root() / "bench" / "smollm2-135m-4layers"
     if (out / "model.safetensors").is_file():
         return str(out)
@@ -383,7 +416,8 @@ def machine() -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,smollm2-4l",
-                        help="comma list of smollm2 (30 layers) and smollm2-4l (4-layer cut)")
+                        help="comma list of smollm2 (30 layers), smollm2-4l (4-layer cut) and "
+                             f"{MOE_PREFIX}<E> (random Qwen3-MoE with E experts)")
     parser.add_argument("--engines", default="",
                         help=f"comma list of {', '.join(ALL_RUNS)} (default: all on smollm2-4l; "
                              "trl, engine, engine+packing+precomputed on smollm2)")

@@ -28,6 +28,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", required=True, help="output checkpoint folder")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="mixture of experts: ranks that split each layer's experts")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="mixture of experts: ranks that split each expert (default: TP)")
     p.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the stored weights (default float32: exact)")
     p.add_argument("--pad-attention-heads", action="store_true",
@@ -43,13 +47,18 @@ def main(argv=None) -> None:
                                      model_config_from_hf)
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    model_cfg = model_config_from_hf(
+        args.hf_path, ModelConfig(params_dtype=args.params_dtype, transformer_impl="local",
+                                  pad_attention_heads=args.pad_attention_heads))
+    tp = args.tensor_model_parallel_size
+    parallel = ParallelConfig(tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                              expert_model_parallel_size=args.expert_model_parallel_size,
+                              expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                              # megatron-core's MoE layer runs TP only with sequence parallelism
+                              sequence_parallel=bool(model_cfg.num_experts) and tp > 1)
     initialize_distributed(parallel)
     try:
-        model_cfg = model_config_from_hf(
-            args.hf_path, ModelConfig(params_dtype=args.params_dtype, transformer_impl="local",
-                                      pad_attention_heads=args.pad_attention_heads))
         chunks = build_model_chunks(model_cfg, parallel)
         load_hf_weights(chunks, model_cfg, args.hf_path)
         save_model_checkpoint(chunks, args.save, model_cfg)

@@ -22,19 +22,22 @@ TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_hea
 
 
 def engine_config(*, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, sp: bool = False,
+                  ep: int = 1, etp: Optional[int] = None,
                   micro_batch_size: int = 1, global_batch_size: int = 4, steps: int = 2,
                   lr: float = 1e-3, loss: Optional[dict] = None, model: Optional[dict] = None,
                   load: str = "", packing: bool = False, bucket_by_length: bool = False,
                   reference_mode: str = "model", offload: bool = False, cache_dir: str = "",
                   run_dir: Optional[str] = None, seed: int = 1234, resume: str = "none",
                   save_interval: int = 0, keep_last_n: int = 0, **train: Any):
-    """A ``DPOConfig`` for a tiny random (or ``load``-ed) model; ``train`` adds ``train.*``."""
+    """A ``DPOConfig`` for a tiny random (or ``load``-ed) model; ``train`` adds ``train.*``.
+    ``ep`` / ``etp``: expert-parallel and expert tensor-parallel sizes (MoE models)."""
     from dpo_megatron.config import config_from_mapping
 
     return config_from_mapping({
         "run_dir": run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "virtual_pipeline_model_parallel_size": vpp, "sequence_parallel": sp},
+                     "virtual_pipeline_model_parallel_size": vpp, "sequence_parallel": sp,
+                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp},
         "model": {**TINY, **(model or {}), "load": load},
         "loss": loss or {"name": "sigmoid", "beta": 0.1},
         "train": {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,

@@ -19,6 +19,18 @@ def test_yaml_and_overrides(tmp_path):
     assert world_size_for(cfg) == 4
 
 
+def test_world_size_fits_the_expert_layout():
+    """DP unset: the fewest ranks on which both TP x PP and expert TP x EP x PP fit."""
+    base = ["data.tokenizer=t", "data.path=d.json"]
+    ep2 = ["parallel.expert_model_parallel_size=2"]
+    assert world_size_for(load_config(None, base + ep2)) == 2
+    tp2pp2 = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]
+    assert world_size_for(load_config(None, base + tp2pp2 + ep2 + [
+        "parallel.expert_tensor_parallel_size=1"])) == 4
+    assert world_size_for(load_config(None, base + tp2pp2 + ep2)) == 8  # expert TP 2 x EP 2 x PP 2
+    assert world_size_for(load_config(None, base + ep2 + ["parallel.data_parallel_size=4"])) == 4
+
+
 def test_unknown_key_lists_valid_keys_of_its_section():
     with pytest.raises(ValueError) as e:
         load_config(None, ["data.tokenizer=t", "data.path=d.json", "train.learning_rate=1"])
@@ -161,9 +173,9 @@ def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
     cfg = load_config(str(f), ["loss.beta=0.3"])
     assert cfg.loss == {"name": "ipo", "beta": 0.3}
     assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == ("/assets/smollm2", True)
-    with pytest.raises(ValueError, match=r"model=pythia69 \(from command line\): model is a section.*preset name \(smollm2\)"
+    with pytest.raises(ValueError, match=r"model=gptj \(from command line\): model is a section.*preset name \(.*smollm2\)"
                                          r".*model.hf_path="):
-        load_config(None, BASE + ["model=pythia69"])
+        load_config(None, BASE + ["model=gptj"])
     with pytest.raises(ValueError, match=r"train=5 \(from command line\): train is a section, not a value"):
         load_config(None, BASE + ["train=5"])
 

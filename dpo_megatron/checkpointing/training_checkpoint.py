@@ -24,6 +24,7 @@ A folder counts as a checkpoint only if its name is ``iter_<digits>`` and it hol
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -49,10 +50,15 @@ TRAIN_STATE_FILE = "train_state.json"
 """Non-tensor state of the run (rank 0)."""
 RNG_DIR = "rng"
 """Per-rank RNG states."""
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "chained_optim_avoid_prefix": True}
 """megatron-core's layout-independent distributed-optimizer format: state is gathered over the
 data-parallel group and stored per parameter under its global key, so it reshards across TP, PP
-and DP (0.16 rejects the older fully_sharded_model_space; dp_reshardable reshards DP only)."""
+and DP (0.16 rejects the older fully_sharded_model_space; dp_reshardable reshards DP only).
+``chained_optim_avoid_prefix``: a mixture-of-experts model at expert parallel > 1 has two
+optimizers (dense and expert parameters reduce over different data-parallel groups) and one at
+EP 1 has one; without their ``chained_<i>.`` key prefixes the state is keyed by parameter alone,
+so it reshards between EP sizes too (a one-optimizer model's keys are unchanged)."""
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
@@ -137,6 +143,8 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size":
             ps.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "use_distributed_optimizer": use_distributed_optimizer,
     }
@@ -222,6 +230,64 @@ def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state
     _barrier()
 
 
+def _optimizer_common(tree) -> dict:
+    """The non-tensor part (parameter groups, sharding type) of each optimizer of a requested
+    distributed-optimizer state, by index: ``{0: ..., 1: ...}`` for a chained optimizer,
+    ``{None: ...}`` for one (a dict with ``param_state``)."""
+    if not tree:
+        return {}
+    singles = {None: tree} if "param_state" in tree else tree
+    return {k: {key: value for key, value in single.items() if key != "param_state"}
+            for k, single in singles.items()}
+
+
+def _adam_step(tree) -> Optional[float]:
+    """The Adam step stored in any parameter group under ``tree`` (all groups step together)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for group in node.get("param_groups") or []:
+            if isinstance(group, dict) and "step" in group:
+                return group["step"]
+        stack.extend(node.values())
+    return None
+
+
+def _match_optimizer_structure(requested: dict, loaded):
+    """The loaded optimizer state in the structure this run's optimizer expects.
+
+    A mixture-of-experts model has one distributed optimizer at expert parallel 1 and two (dense
+    and expert parameters) above it. Their tensor state is keyed by parameter and loads across
+    the change (``OPTIMIZER_METADATA``), but the non-tensor part (parameter groups, flagged by
+    ``is_expert_parallel``) comes back in the saved structure, beside the requested one. Then each
+    optimizer keeps its own parameter groups, with the checkpoint's Adam step, and takes its
+    loaded tensor state. An unchanged structure is returned as loaded.
+
+    Args:
+        requested: :func:`_optimizer_common` of the state that was asked for (before loading).
+        loaded: ``dist_checkpointing.load(...)["optimizer"]``.
+    """
+    indexed = {k for k in loaded if isinstance(k, int)}
+    if None in requested:  # one optimizer now: saved parts of a chained one are under 0, 1, ...
+        saved = [loaded[k] for k in indexed]
+    else:  # chained now: a single saved optimizer's parts are beside the indices
+        saved = [v for k, v in loaded.items() if not isinstance(k, int)]
+    if not saved:
+        return loaded
+    step = next((s for s in map(_adam_step, saved) if s is not None), None)
+    rebuilt = {}
+    for key, common in requested.items():
+        part = copy.deepcopy(common)
+        for group in part.get("optimizer", {}).get("param_groups", []):
+            if step is not None and "step" in group:
+                group["step"] = step
+        source = loaded if key is None else loaded[key]
+        rebuilt[key] = {**part, "param_state": source["param_state"]}
+    return rebuilt[None] if None in rebuilt else rebuilt
+
+
 def read_train_state(ckpt_dir: str) -> dict:
     """``train_state.json`` of a checkpoint."""
     with open(os.path.join(ckpt_dir, TRAIN_STATE_FILE)) as f:
@@ -255,14 +321,17 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
             "optimizer state is not converted between the two formats. Use the same setting, "
             "or start a new run from the weights only with model.load=" + ckpt_dir)
     state = _full_state_dict(chunks, optimizer, is_loading=True)
+    requested_optimizer = copy.deepcopy(
+        {k: v for k, v in _optimizer_common(state.get("optimizer")).items()})
     loaded = dist_checkpointing.load(state, ckpt_dir)
     models = [_unwrap(c) for c in chunks]
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for model, key in zip(models, keys):
         model.load_state_dict(loaded[key], strict=True)
     if optimizer is not None:
+        optimizer_state = _match_optimizer_structure(requested_optimizer, loaded["optimizer"])
         with torch_adam_resume.keep_torch_adam_step(optimizer):
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(optimizer_state)
     if saved == current_layout(use_distributed_optimizer):
         rng_file = os.path.join(ckpt_dir, RNG_DIR, f"rank_{_rank():05d}.pt")
         set_rng_state(torch.load(rng_file, weights_only=False))

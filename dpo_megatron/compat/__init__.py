@@ -12,6 +12,10 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.dist_ckpt_queue`: synchronous ``torch_dist`` saves without a
   spawned ``multiprocessing`` Manager (megatron-core 0.16).
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
+* :mod:`~dpo_megatron.compat.moe_router_without_te`: megatron-core 0.16's MoE router gating
+  without transformer-engine (an undefined name).
+* :mod:`~dpo_megatron.compat.moe_alltoall_on_cpu`: the all-to-all MoE token dispatcher on the CPU
+  (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
 
 Applying a patch is always its caller's explicit decision, never an import side effect. This
 ``__init__`` imports nothing heavy, so config-only entry points stay fast.

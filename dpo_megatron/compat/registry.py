@@ -64,7 +64,8 @@ def register(patch: Patch) -> Patch:
     return patch
 
 
-PATCH_MODULES = ("cuda_on_cpu", "dist_ckpt_queue", "expected_warnings", "torch_adam_resume")
+PATCH_MODULES = ("cuda_on_cpu", "dist_ckpt_queue", "expected_warnings", "moe_alltoall_on_cpu",
+                 "moe_router_without_te", "torch_adam_resume")
 """Every patch module of the package (imported by :func:`patches`)."""
 
 

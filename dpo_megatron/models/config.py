@@ -1,4 +1,5 @@
-"""The model's architecture and numerics, as one typed config (Llama family + GPT-2)."""
+"""The model's architecture and numerics, as one typed config (Llama / Qwen families, GPT-2,
+GPT-NeoX, and mixture-of-experts models)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dpo_megatron.config_checks import check_choice, check_range
+# The one preset table lives in ``models/presets.py`` (reference-repo names such as pythia28 and
+# pythia69, the small Pythias, smollm2); re-exported here, where ``model=NAME`` looks it up.
+from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset_name  # noqa: F401
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -13,15 +17,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTIONS = ("sdpa", "megatron")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-
-MODEL_PRESETS: dict[str, dict] = {
-    # SmolLM2-135M-Instruct from the offline asset cache (dpo_megatron.assets); its 3 key/value
-    # heads are padded to 4 so that TP 1, 2 and 4 all fit and checkpoints reshard.
-    "smollm2": {"hf_path": "${asset:smollm2}", "pad_attention_heads": True},
-}
-"""``model=NAME`` (command line) or ``model: NAME`` (YAML) stands for these ``model.*`` keys;
-later ``model.*`` overrides still apply on top. Any other scalar given to ``model`` is an error
-that lists these names."""
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
@@ -69,6 +65,9 @@ class ModelConfig:
     """'rope' (Llama family) or 'learned_absolute' (GPT-2)."""
     rotary_base: float = 10000.0
     """RoPE theta (> 0)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates, in (0, 1] (GPT-NeoX ``rotary_pct``:
+    Pythia rotates the first 25%); the rest pass through unrotated."""
     rope_scaling_factor: Optional[float] = None
     """Llama-3.1 style RoPE frequency scaling factor (> 0; None: no scaling)."""
     rope_linear_scaling_factor: Optional[float] = None
@@ -79,11 +78,41 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     """Epsilon inside the norm's square root (> 0)."""
     activation: str = "swiglu"
-    """'swiglu' (gated SiLU, Llama) or 'gelu' (GPT-2, tanh approximation)."""
+    """'swiglu' (gated SiLU, Llama), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
+    'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2)."""
     add_qkv_bias: bool = False
     """Biases on the query/key/value projection only (Qwen2)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each head's query and key vectors before RoPE (Qwen3; weights of size
+    ``kv_channels`` shared by all heads)."""
+    parallel_residual: bool = False
+    """GPT-NeoX's parallel residual: attention and MLP both read the layer input,
+    ``x + attn(ln1(x)) + mlp(ln2(x))`` (``dpo_megatron.models.layers``). False: the sequential
+    pre-norm layer ``h = x + attn(ln1(x)); h + mlp(ln2(h))``."""
+    num_experts: Optional[int] = None
+    """Mixture of experts: routed experts per layer, every layer (megatron-core's MoE layer;
+    Mixtral, Qwen3-MoE). None: dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Intermediate width of one expert (Qwen3-MoE ``moe_intermediate_size``); None:
+    ffn_hidden_size."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE
+    ``norm_topk_prob``). False: the top-k entries of the softmax over all experts."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """Weight of the router's load-balancing loss (Fedus et al. 2021, eq. 4) in the training
+    objective, on transformers' scale: ``E * sum_e f_e P_e`` with ``f_e`` the fraction of routing
+    choices sent to expert e, averaged over the layers (``dpo_megatron.models.moe``). None: the HF
+    config's ``router_aux_loss_coef`` (0 for a model without ``hf_path``). 0 switches it off.
+    It lives here, not under ``loss.``: the routers compute it inside the model, and the
+    preference losses never see it."""
+    moe_token_dispatcher: str = "alltoall"
+    """How tokens reach experts on other expert-parallel ranks: 'alltoall' (all-to-all of the
+    routed tokens only) or 'allgather' (every rank gathers every token). Both run on gloo and
+    NCCL."""
     tie_word_embeddings: bool = True
     """Share the input embedding and the output layer's weight."""
     init_method_std: float = 0.02
@@ -106,8 +135,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Ranges of every field: sizes and counts >= 1 (``num_query_groups``, ``kv_channels``,
-        ``recompute_num_layers``: >= 1 or null); ``rotary_base``, ``norm_epsilon``,
-        ``init_method_std`` and the RoPE scaling factors > 0; the names one of the module's
+        ``recompute_num_layers``, ``num_experts``, ``moe_ffn_hidden_size``: >= 1 or null);
+        ``rotary_base``, ``norm_epsilon``, ``init_method_std`` and the RoPE scaling factors > 0;
+        ``rotary_percent`` in (0, 1]; ``moe_aux_loss_coeff`` >= 0 or null; the names one of the module's
         tuples above. The architecture against the layout (heads / TP, layers / PP), the
         activation and the dtype name are checked with the layout, before launch, by
         ``models.transformer_config.build_transformer_config``.
@@ -119,13 +149,19 @@ class ModelConfig:
                      "pad_attention_heads_multiple", "vocab_size", "make_vocab_size_divisible_by",
                      "max_position_embeddings"):
             check_range("model", self, name, 1)
-        for name in ("num_query_groups", "kv_channels", "recompute_num_layers"):
+        for name in ("num_query_groups", "kv_channels", "recompute_num_layers", "num_experts",
+                     "moe_ffn_hidden_size"):
             check_range("model", self, name, 1, optional=True)
         for name in ("rope_scaling_factor", "rope_linear_scaling_factor"):
             check_range("model", self, name, 0, low_open=True, optional=True)
         check_range("model", self, "rotary_base", 0, low_open=True)
+        check_range("model", self, "rotary_percent", 0, 1, low_open=True)
         check_range("model", self, "norm_epsilon", 0, low_open=True)
         check_range("model", self, "init_method_std", 0, low_open=True)
+        check_range("model", self, "moe_router_topk", 1)
+        check_range("model", self, "moe_aux_loss_coeff", 0, optional=True,
+                    why="weight of the routers' load-balancing loss (null: the HF config's)")
+        check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)
         check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)

@@ -17,9 +17,11 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from dpo_megatron.models.attention import attention_mask_from_segments
 from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.moe import set_aux_loss_weight
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.parallel.device import is_cuda
 
 
 class DPOGPTModel(GPTModel):
@@ -34,6 +36,10 @@ class DPOGPTModel(GPTModel):
       for element, as the padded path).
     * ``segment_ids`` [R, L] (packed rows) become the attention mask on the device
       (``models.attention``); None means one causal sequence per row.
+    * ``padding_mask`` [R, L] bool (True = padding, megatron-core's convention) keeps padding
+      tokens out of MoE routers' load-balancing loss; ``moe_aux_loss_weight`` is what the step's
+      gradient division counts this micro-batch as (its pairs: ``dpo_megatron.models.moe``).
+      Both only matter for mixture-of-experts models.
     * ``output_index`` [n]: on the last stage only these flat positions (``r * L + t``) of the
       [R, L] input are projected onto the vocabulary. DPO scores completion tokens only, so prompt
       and padding hidden states never meet the LM head and no [R * L, V/TP] logits tensor is
@@ -48,16 +54,34 @@ class DPOGPTModel(GPTModel):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, *,
                 segment_ids: Optional[torch.Tensor] = None,
-                output_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+                output_index: Optional[torch.Tensor] = None,
+                padding_mask: Optional[torch.Tensor] = None,
+                moe_aux_loss_weight: float = 1.0) -> torch.Tensor:
         if segment_ids is not None:
             attention_mask = attention_mask_from_segments(segment_ids)
         decoder_input = (self.embedding(input_ids=input_ids, position_ids=position_ids)
                          if self.pre_process else None)  # later stages: set_input_tensor
+        if self.config.num_moe_experts:
+            set_aux_loss_weight(self, moe_aux_loss_weight)
+            padding_mask = self._local_padding_mask(padding_mask)
+        else:
+            padding_mask = None
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=self._rotary_per_row(position_ids))
+                                     rotary_pos_emb=self._rotary_per_row(position_ids),
+                                     padding_mask=padding_mask)
         if not self.post_process:
             return hidden_states
         return self._logits(hidden_states, output_index)
+
+    def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]
+                            ) -> Optional[torch.Tensor]:
+        """[R, L] -> this TP rank's [R, L/TP] slice under sequence parallelism (the routers see
+        only their slice of the sequence), on every pipeline stage."""
+        if padding_mask is None or not self.config.sequence_parallel:
+            return padding_mask
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        return padding_mask.chunk(tp, dim=1)[rank].contiguous()
 
     def _rotary_per_row(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """[L, R, 1, dim] RoPE table of each row's positions, or None without RoPE."""
@@ -103,6 +127,8 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
     (``DPOGPTModel``; fp32 on CPU, the model dtype on GPU).
     """
     config = build_transformer_config(model, parallel)
+    if model.num_experts:
+        _enable_moe_patches(model)
     vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
                               parallel.tensor_model_parallel_size)
     vpp = parallel.virtual_pipeline_model_parallel_size
@@ -121,6 +147,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             parallel_output=True,
             share_embeddings_and_output_weights=model.tie_word_embeddings,
             position_embedding_type=model.position_embedding_type,
+            rotary_percent=model.rotary_percent,
             rotary_base=model.rotary_base,  # typed int upstream; RoPE accepts any float theta
             rope_scaling=model.rope_scaling_factor is not None,
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
@@ -131,6 +158,18 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             _mask_vocab_padding(chunk.output_layer, model.vocab_size, vocab)
         chunks.append(chunk)
     return chunks
+
+
+def _enable_moe_patches(model: ModelConfig) -> None:
+    """The compat patches megatron-core's MoE layer needs here (``dpo_megatron.compat``)."""
+    import importlib.util
+
+    from dpo_megatron.compat import moe_alltoall_on_cpu, moe_router_without_te
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        moe_router_without_te.enable()
+    if model.moe_token_dispatcher == "alltoall" and not is_cuda():
+        moe_alltoall_on_cpu.enable()
 
 
 def _mask_vocab_padding(output_layer: torch.nn.Module, vocab_size: int, padded: int) -> None:

@@ -1,4 +1,10 @@
-"""Layer specs (megatron-core ``ModuleSpec``) of the supported architectures."""
+"""Layer specs (megatron-core ``ModuleSpec``) of the supported architectures.
+
+One local spec covers them all, switched by the ModelConfig: RMSNorm or LayerNorm (SP-aware,
+``models.norms``), fused SDPA core attention (``models.attention``), Qwen3's query/key RMSNorm
+(``qk_layernorm``), megatron-core's MoE layer with this engine's router (``models.moe``) and
+GPT-NeoX's parallel-residual layer (``models.layers``).
+"""
 
 from __future__ import annotations
 
@@ -18,24 +24,57 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dpo_megatron.models.attention import SDPAttention
 from dpo_megatron.models.config import ModelConfig
-from dpo_megatron.models.norms import norm_class
+from dpo_megatron.models.layers import ParallelResidualTransformerLayer
+from dpo_megatron.models.moe import DPOTopKRouter
+from dpo_megatron.models.norms import RMSNorm, norm_class
 from dpo_megatron.models.transformer_config import use_transformer_engine
+
+
+def uses_transformer_engine(model: ModelConfig) -> bool:
+    """Whether this model is built with the transformer-engine spec. Mixture-of-experts and
+    parallel-residual models are built with the local spec (their layers are wired for it);
+    ``transformer_impl=auto`` then picks it.
+
+    Raises:
+        ValueError: ``transformer_impl=transformer_engine`` for such a model, or as
+            :func:`use_transformer_engine`.
+    """
+    te = use_transformer_engine(model.transformer_impl)
+    local_only = [name for name, on in (("model.num_experts", model.num_experts),
+                                        ("model.parallel_residual", model.parallel_residual))
+                  if on]
+    if te and local_only:
+        if model.transformer_impl == "transformer_engine":
+            raise ValueError(f"model.transformer_impl=transformer_engine is not wired for "
+                             f"{' / '.join(local_only)}: use model.transformer_impl=local")
+        return False
+    return te
 
 
 def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
                 ) -> ModuleSpec:
     """Transformer-block spec: TE layers when chosen, else local layers with SP-aware norms."""
-    if use_transformer_engine(model.transformer_impl):
-        return get_gpt_layer_with_transformer_engine_spec()
-    layer = get_gpt_layer_local_spec(normalization=model.normalization)
+    if uses_transformer_engine(model):
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    layer = get_gpt_layer_local_spec(num_experts=model.num_experts,
+                                     qk_layernorm=model.qk_layernorm,
+                                     normalization=model.normalization)
+    attention = layer.submodules.self_attention.submodules
     if model.local_attention == "sdpa":
-        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        attention.core_attention = SDPAttention
     elif model.local_attention != "megatron":
         raise ValueError(f"model.local_attention must be sdpa or megatron, got "
                          f"{model.local_attention!r}")
     norm = norm_class(model.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
+    if model.qk_layernorm:  # Qwen3: RMSNorm over head_dim, whatever the layer norm is
+        attention.q_layernorm = RMSNorm
+        attention.k_layernorm = RMSNorm
+    if model.num_experts:
+        layer.submodules.mlp.submodules.router = DPOTopKRouter
+    if model.parallel_residual:
+        layer.module = ParallelResidualTransformerLayer
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,

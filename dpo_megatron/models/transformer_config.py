@@ -20,6 +20,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+ACTIVATIONS = {"swiglu": F.silu, "gelu": gelu_tanh, "gelu_exact": F.gelu}
+"""``model.activation`` -> the elementwise function (SwiGLU gates it: ``gated_linear_unit``)."""
+
+
 def resolve_params_dtype(name: str) -> torch.dtype:
     """'auto' -> bf16 with CUDA, fp32 without; else the named dtype.
 
@@ -103,10 +107,15 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
     Dropout is always 0: DPO's log-ratios must be computed by the same deterministic function for
     policy and reference (and the pipeline compares chosen with rejected).
 
+    Mixture-of-experts models get megatron-core's MoE fields (dropless top-k routing, this
+    engine's load-balancing weighting: ``dpo_megatron.models.moe``) and the expert layout.
+
     Raises:
-        ValueError: heads or query groups not divisible by TP, layers not divisible by PP, or an
-            unknown activation.
+        ValueError: heads or query groups not divisible by TP, layers not divisible by PP, an
+            unknown activation, or MoE fields that do not fit the layout (``models.moe``).
     """
+    from dpo_megatron.models.moe import check_moe, megatron_aux_loss_coeff
+
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups, head_dim = attention_heads(model, tp)
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
@@ -114,10 +123,35 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         raise ValueError(
             f"model has {model.num_layers} layers, not divisible by "
             f"parallel.pipeline_model_parallel_size={pp} x virtual stages {vpp}")
-    if model.activation not in ("swiglu", "gelu"):
-        raise ValueError(f"model.activation must be swiglu or gelu, got {model.activation!r}")
+    if model.activation not in ACTIVATIONS:
+        raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got "
+                         f"{model.activation!r}")
+    if not 0.0 < model.rotary_percent <= 1.0:
+        raise ValueError(f"model.rotary_percent={model.rotary_percent} must be in (0, 1]")
+    etp = parallel.expert_tensor_parallel()
+    expert_width = check_moe(model, parallel.expert_model_parallel_size, etp, tp,
+                             parallel.sequence_parallel)
     dtype = resolve_params_dtype(model.params_dtype)
     swiglu = model.activation == "swiglu"
+    moe = {}
+    if expert_width is not None:
+        aux = megatron_aux_loss_coeff(model)
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_ffn_hidden_size=expert_width,
+            moe_router_topk=model.moe_router_topk,
+            # Renormalised top-k = softmax over the k selected logits (no pre-softmax); the
+            # top-k of the softmax over all experts otherwise.
+            moe_router_pre_softmax=not model.moe_norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+            moe_aux_loss_coeff=aux,
+            moe_token_dispatcher_type=model.moe_token_dispatcher,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=etp,
+        )
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -128,9 +162,10 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else gelu_tanh,
+        activation_func=ACTIVATIONS[model.activation],
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -159,4 +194,5 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
+        **moe,
     )

@@ -3,6 +3,12 @@
 World size = tensor_model_parallel_size x pipeline_model_parallel_size x data-parallel size.
 The data-parallel size is whatever is left of the world size (``data_parallel_size``, when set,
 only tells launchers how many ranks to start and is checked against the world size).
+
+Mixture-of-experts layers are laid out separately, as megatron-core does: world size =
+expert_tensor_parallel_size x expert_model_parallel_size x expert data-parallel size x PP. The
+expert-parallel ranks are carved out of the TP x DP ranks of each pipeline stage, so expert
+parallelism adds no ranks: TP 2 x PP 2 with EP 2 and expert TP 1 runs on the same 4 ranks as
+TP 2 x PP 2.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ class ParallelConfig:
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (>= 2, with PP >= 2;
     None: not interleaved). The micro-batches per step (global batch / (micro batch x DP)) must
     then be a multiple of PP (megatron-core's interleaved schedule)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of each MoE layer (>= 1; each holds num_experts / EP of them);
+    taken from the TP x DP ranks of a pipeline stage. Needs ``model.num_experts``."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert's weight matrices (>= 1; None: tensor_model_parallel_size)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence across the TP group
     (Korthikanti et al. 2022). Needs tensor_model_parallel_size > 1."""
@@ -44,13 +55,33 @@ class ParallelConfig:
         """Ranks holding one copy of the model: TP x PP."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
+    def launch_world_size(self) -> int:
+        """Ranks a launcher should start: TP x PP x DP. With ``data_parallel_size`` unset, DP is
+        the fewest replicas that also fit the expert layout (expert TP x EP x PP must divide the
+        world size): TP 1 x PP 1 with EP 2 needs 2 ranks, TP 2 x PP 2 with EP 2 / expert TP 1
+        needs 4."""
+        import math
+
+        mp = self.model_parallel_size()
+        if self.data_parallel_size is not None:
+            return mp * self.data_parallel_size
+        expert_mp = (self.expert_tensor_parallel() * self.expert_model_parallel_size
+                     * self.pipeline_model_parallel_size)
+        return math.lcm(mp, expert_mp)
+
+    def expert_tensor_parallel(self) -> int:
+        """Expert tensor-parallel size, resolved (None -> tensor_model_parallel_size)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def validate(self, world_size: Optional[int] = None) -> None:
         """Reject layouts that cannot be built; with ``world_size``, also on that many ranks.
 
         Valid ranges: tensor / pipeline sizes >= 1; ``data_parallel_size`` >= 1 or null;
         ``virtual_pipeline_model_parallel_size`` >= 2 or null, and only with PP >= 2;
+        ``expert_model_parallel_size`` >= 1, ``expert_tensor_parallel_size`` >= 1 or null;
         ``sequence_parallel`` only with TP >= 2; ``backend`` auto / nccl / gloo;
-        ``distributed_timeout_minutes`` >= 1.
+        ``distributed_timeout_minutes`` >= 1. With ``world_size``: TP x PP and
+        expert TP x EP x PP divide it.
 
         Raises:
             ValueError: naming the conflicting fields and what to do.
@@ -61,6 +92,10 @@ class ParallelConfig:
                     why="model replicas (null: world size / (TP x PP))")
         check_range("parallel", self, "virtual_pipeline_model_parallel_size", 2, optional=True,
                     why="model chunks per pipeline rank (null: not interleaved)")
+        check_range("parallel", self, "expert_model_parallel_size", 1,
+                    why="ranks that split each layer's experts")
+        check_range("parallel", self, "expert_tensor_parallel_size", 1, optional=True,
+                    why="ranks that split each expert (null: tensor_model_parallel_size)")
         check_range("parallel", self, "distributed_timeout_minutes", 1)
         check_choice("parallel", self, "backend", BACKENDS)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -83,3 +118,12 @@ class ParallelConfig:
                 f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP = "
                 f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
                 f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel()
+        expert_mp = etp * ep * self.pipeline_model_parallel_size
+        if world_size % expert_mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.expert_tensor_parallel_size"
+                f" ({etp}) x parallel.expert_model_parallel_size ({ep}) x "
+                f"parallel.pipeline_model_parallel_size ({self.pipeline_model_parallel_size}) = "
+                f"{expert_mp}: the experts of a pipeline stage are split over its TP x DP ranks; "
+                f"lower the expert sizes or launch a multiple of {expert_mp} ranks")

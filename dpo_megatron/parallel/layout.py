@@ -47,6 +47,8 @@ def initialize_distributed(cfg: ParallelConfig) -> None:
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel(),
             distributed_timeout_minutes=cfg.distributed_timeout_minutes,
         )
 

@@ -14,6 +14,11 @@ step is:
    normalised by the global number of pairs in the step, whatever micro_batch_size, gradient
    accumulation or data-parallel size: sum_i loss_i / N_pairs.
 
+Mixture-of-experts models add the routers' load-balancing loss to the gradient on every stage
+(``dpo_megatron.models.moe``: weighted so that it is the same term on every layout). It is not
+part of the preference loss or its metrics: :class:`StepOutput` reports it apart
+(``aux_metrics``).
+
 Every tensor made here (collective payloads, counts, the NaN flag) is made on the engine's device.
 """
 
@@ -32,6 +37,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
+from dpo_megatron.models.moe import load_balancing_metrics
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
 
@@ -48,6 +54,10 @@ class StepOutput:
         update_successful: False when the optimizer skipped the step (inf/NaN gradient).
         per_pair: this data-parallel rank's per-pair values in micro-batch order ([pairs] each,
             host tensors), on the last pipeline stage only (empty elsewhere).
+        aux_metrics: terms of the objective outside the preference loss, for logging: with a
+            mixture-of-experts model ``moe/load_balancing_loss`` and ``moe/aux_loss`` (the
+            coefficient times it; ``dpo_megatron.models.moe``); empty otherwise and when
+            forward-only.
     """
 
     metrics: dict[str, float]
@@ -55,14 +65,34 @@ class StepOutput:
     grad_norm: Optional[float] = None
     update_successful: bool = True
     per_pair: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def model_forward(model, batch: MicroBatch) -> torch.Tensor:
     """Output of one chunk: hidden states to send on, or on the last stage [1, n, V/TP] logits of
     the n scored positions only (``DPOGPTModel``: prompt and padding positions are never
-    projected onto the vocabulary). Packed rows bring their ``segment_ids``."""
+    projected onto the vocabulary). Packed rows bring their ``segment_ids``; MoE routers get the
+    padding mask and the micro-batch's pairs (their load-balancing weight)."""
     return model(batch.tokens, batch.position_ids, segment_ids=batch.segment_ids,
-                 output_index=batch.output_index)
+                 output_index=batch.output_index, padding_mask=padding_mask(batch),
+                 moe_aux_loss_weight=float(batch.num_items))
+
+
+def padding_mask(batch: MicroBatch) -> torch.Tensor:
+    """[R, L] bool, True at the positions of the model layout that hold no token of a sequence
+    (megatron-core's convention), on the batch's device.
+
+    Packed rows: a row's unused tail has a negative segment id (``data.packing``). Padded rows
+    (model layout = per-sequence layout): a sequence ends with its completion, whose last token
+    is the label of the last scored position, so the tokens of row r are positions
+    ``0 .. last_scored(r) + 1``.
+    """
+    if batch.segment_ids is not None:
+        return batch.segment_ids < 0
+    mask = batch.loss_mask
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last_scored = torch.where(mask > 0, positions, -1).amax(dim=1, keepdim=True)
+    return positions[None, :] > last_scored + 1
 
 
 def _to_sequence_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
@@ -258,7 +288,9 @@ def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         per_pair, metrics, count = _reduce_per_pair(store)
     metrics, count = _share_from_last_stage((metrics, count))
-    return StepOutput(metrics=metrics, num_pairs=count, per_pair=per_pair)
+    aux = ({} if forward_only else
+           load_balancing_metrics(policy_chunks[0].config, len(batch.micro_batches)))
+    return StepOutput(metrics=metrics, num_pairs=count, per_pair=per_pair, aux_metrics=aux)
 
 
 def step_is_finite(loss: float, policy_chunks: list) -> bool:

@@ -233,7 +233,8 @@ class Trainer:
                 self.logger.log(step, "train", metrics, {
                     "grad_norm": out.grad_norm, "lr": lr, "tokens_per_s": tokens / step_time,
                     "step_time_s": step_time, "seq_length": batch.seq_length,
-                    "skipped_steps": self.counters.skipped_steps, **_memory_over_ranks()})
+                    "skipped_steps": self.counters.skipped_steps, **_memory_over_ranks(),
+                    **out.aux_metrics})  # MoE load balancing: beside, not inside, the loss
             if self.counters.consecutive_skipped >= cfg.train.max_nonfinite_steps:
                 self.logger.close()
                 raise NonFiniteLossError(

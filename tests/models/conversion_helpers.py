@@ -40,14 +40,69 @@ TINY_CONFIGS: dict[str, dict] = {
                  n_positions=64, tie_word_embeddings=True),
 }
 
+# The architectures of issue 10, kept apart so the per-architecture layout tests of the tables
+# above do not grow (each of these is tested at all layouts in one launch: test_new_architectures).
+NEW_TINY_CONFIGS: dict[str, dict] = {
+    # Qwen3: q/k RMSNorm, head_dim 32 != hidden / heads = 16, tied like the small Qwen3s.
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen3-MoE: 4 experts of width 32, top-2 renormalised, untied.
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+                      moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, router_aux_loss_coef=0.01, vocab_size=128,
+                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Mixtral: 4 experts of width 48, top-2.
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                    vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False),
+    # Pythia: parallel residual, a quarter of each head rotated, LayerNorm + biases, exact GELU.
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256,
+                     num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
+                     max_position_embeddings=512, rotary_pct=0.25, rotary_emb_base=10000,
+                     use_parallel_residual=True, hidden_act="gelu", layer_norm_eps=1e-5,
+                     tie_word_embeddings=False),
+    # Llama-3.2 (tied, llama3 RoPE scaling factor 32) and Qwen2.5 (q/k/v biases, tied): through
+    # the existing Llama / Qwen2 tables.
+    "llama32": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                     "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}),
+    "qwen25": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   vocab_size=160, max_position_embeddings=512, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True),
+}
+VARIANT_TINY_CONFIGS: dict[str, dict] = {
+    # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.
+    "qwen3_untied": {**NEW_TINY_CONFIGS["qwen3"], "tie_word_embeddings": False},
+    # Llama-3.1 (untied, llama3 RoPE scaling factor 8): the Llama table.
+    "llama31": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                     "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}),
+}
+"""Variants of the architectures above, checked at one layout (TP 2 x PP 2)."""
+ALL_TINY_CONFIGS = {**TINY_CONFIGS, **NEW_TINY_CONFIGS, **VARIANT_TINY_CONFIGS}
+
 
 def build_tiny_hf_model(arch: str, seed: int = 0, **overrides):
     """A randomly initialised transformers model of architecture ``arch`` (key of
-    :data:`TINY_CONFIGS`), fp32, eval mode. Biases and norm weights are randomised too, so a
-    mapping mistake on any tensor changes the outputs."""
+    :data:`TINY_CONFIGS` or :data:`NEW_TINY_CONFIGS`), fp32, eval mode. Biases and norm weights
+    are randomised too, so a mapping mistake on any tensor changes the outputs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(TINY_CONFIGS[arch])
+    kwargs = dict(ALL_TINY_CONFIGS[arch])
     kwargs.update(overrides)
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -99,13 +154,16 @@ def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1
-                    ) -> Optional[torch.Tensor]:
+def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1,
+                    position_ids: Optional[torch.Tensor] = None,
+                    segment_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Forward ``input_ids`` [b, s] through megatron-core's pipeline schedule (forward only).
 
     The batch is split into ``num_microbatches`` equal micro-batches (the interleaved schedule
-    needs a multiple of the pipeline size). Returns the logits gathered over the TP group,
-    [b, s, padded_vocab], on last-stage ranks; None on the others.
+    needs a multiple of the pipeline size). ``position_ids`` / ``segment_ids`` [b, s] describe
+    packed rows (positions restarting at each sequence; default: one sequence per row, positions
+    0..s-1). Returns the logits gathered over the TP group, [b, s, padded_vocab], on last-stage
+    ranks; None on the others.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -113,12 +171,15 @@ def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int
 
     b, s = input_ids.shape
     mbs = b // num_microbatches
-    micro = [input_ids[i * mbs:(i + 1) * mbs] for i in range(num_microbatches)]
-    position_ids = torch.arange(s).unsqueeze(0).expand(mbs, s)
+    if position_ids is None:
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs],
+              None if segment_ids is None else segment_ids[i * mbs:(i + 1) * mbs])
+             for i in range(num_microbatches)]
 
     def forward_step(data_iterator, model):
-        tokens = next(data_iterator)
-        output = model(tokens, position_ids, None)
+        tokens, positions, segments = next(data_iterator)
+        output = model(tokens, positions, None, segment_ids=segments)
 
         def collect(output_tensor, non_loss_data=True):
             return gather_from_tensor_model_parallel_region(output_tensor).detach()

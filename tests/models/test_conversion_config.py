@@ -122,3 +122,108 @@ def test_generated_config_derives_the_same_model(tmp_path, arch):
     out = _write_config(tmp_path / "out", **hf_config_dict(standalone, "float32"))
     again = model_config_from_hf(out)
     assert {**again.__dict__, "hf_path": ""} == standalone.__dict__
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX (issue 10)
+# ---------------------------------------------------------------------------------------------
+
+def _new_config_folder(tmp_path, arch, **overrides):
+    from transformers import AutoConfig
+
+    from tests.models.conversion_helpers import NEW_TINY_CONFIGS
+
+    kwargs = {**NEW_TINY_CONFIGS[arch], **overrides}
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_qwen3_fields(tmp_path):
+    cfg = model_config_from_hf(_new_config_folder(tmp_path, "qwen3"))
+    assert cfg.qk_layernorm and cfg.tie_word_embeddings and not cfg.add_qkv_bias
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 2, 32)
+    assert cfg.kv_channels != cfg.hidden_size // cfg.num_attention_heads  # explicit head_dim
+    assert cfg.rotary_base == 1e6 and cfg.norm_epsilon == 1e-6 and cfg.num_experts is None
+
+
+def test_qwen3_moe_fields(tmp_path):
+    cfg = model_config_from_hf(_new_config_folder(tmp_path, "qwen3_moe"))
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 32)
+    assert cfg.moe_norm_topk_prob and cfg.qk_layernorm and not cfg.tie_word_embeddings
+    assert cfg.moe_aux_loss_coeff == 0.01  # router_aux_loss_coef
+    off = model_config_from_hf(_new_config_folder(tmp_path, "qwen3_moe", norm_topk_prob=False))
+    assert not off.moe_norm_topk_prob
+
+
+def test_mixtral_fields(tmp_path):
+    cfg = model_config_from_hf(_new_config_folder(tmp_path, "mixtral"))
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 48)
+    assert cfg.moe_norm_topk_prob and not cfg.qk_layernorm and cfg.moe_aux_loss_coeff == 0.02
+
+
+def test_moe_aux_loss_coeff_set_by_the_user_wins_over_config_json(tmp_path):
+    folder = _new_config_folder(tmp_path, "qwen3_moe")
+    assert model_config_from_hf(folder, ModelConfig(moe_aux_loss_coeff=0.0)).moe_aux_loss_coeff == 0
+    assert model_config_from_hf(folder, ModelConfig(moe_aux_loss_coeff=0.3)).moe_aux_loss_coeff == 0.3
+
+
+def test_gpt_neox_fields(tmp_path):
+    cfg = model_config_from_hf(_new_config_folder(tmp_path, "gpt_neox"))
+    assert cfg.parallel_residual and cfg.rotary_percent == 0.25
+    assert (cfg.normalization, cfg.activation) == ("LayerNorm", "gelu_exact")
+    assert cfg.add_bias_linear and not cfg.tie_word_embeddings
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 4, 16)
+
+
+PYTHIA_28B_CONFIG = {  # EleutherAI/pythia-2.8b config.json as on the hub (transformers 4 keys)
+    "architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0,
+    "hidden_act": "gelu", "hidden_size": 2560, "initializer_range": 0.02,
+    "intermediate_size": 10240, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+    "model_type": "gpt_neox", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
+    "torch_dtype": "float16", "transformers_version": "4.24.0", "use_cache": True,
+    "use_parallel_residual": True, "vocab_size": 50304}
+
+
+def test_pythia_config_json_as_on_the_hub(tmp_path):
+    cfg = model_config_from_hf(_write_config(tmp_path, **PYTHIA_28B_CONFIG))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size) == (
+        32, 2560, 10240, 50304)
+    assert cfg.rotary_percent == 0.25 and cfg.rotary_base == 10000.0
+    assert cfg.kv_channels == 80 and cfg.parallel_residual and cfg.activation == "gelu_exact"
+
+
+@pytest.mark.parametrize("arch, overrides, match", [
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "every layer must be an MoE layer"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "every layer must be an MoE layer"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "deterministic routing"),
+    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
+    ("gpt_neox", {"attention_bias": False}, "attention_bias=false"),
+])
+def test_unrepresentable_new_architecture_settings_are_named(tmp_path, arch, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf(_new_config_folder(tmp_path, arch, **overrides))
+
+
+def test_unknown_architecture_lists_the_new_ones(tmp_path):
+    folder = _write_config(tmp_path, model_type="falcon", hidden_size=64)
+    with pytest.raises(ValueError) as err:
+        model_config_from_hf(folder)
+    for name in ("gpt_neox", "mixtral", "qwen3", "qwen3_moe", "llama"):
+        assert repr(name) in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "gpt_neox", "llama32", "qwen25"])
+def test_generated_config_of_new_architectures_derives_the_same_model(tmp_path, arch):
+    """Export without a source folder: the written config.json derives the same ModelConfig, and
+    names the right transformers class."""
+    from dpo_megatron.models.conversion.hf_config import infer_architecture
+
+    src = model_config_from_hf(_new_config_folder(tmp_path / "src", arch))
+    standalone = ModelConfig(**{**src.__dict__, "hf_path": ""})
+    written = hf_config_dict(standalone, "float32")
+    out = _write_config(tmp_path / "out", **written)
+    again = model_config_from_hf(out)
+    assert {**again.__dict__, "hf_path": ""} == standalone.__dict__
+    assert written["architectures"] == [infer_architecture(src).hf_class]

@@ -149,3 +149,76 @@ def test_failed_export_raises_on_every_rank_and_writes_nothing(llama_dir, tmp_pa
                        out_dir=out)
     assert all(e is not None and "norm_epsilon" in e for e in errors), errors
     assert os.listdir(tmp_path) == ["hf"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts and GPT-NeoX (issue 10): the same errors, per expert.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    return save_tiny_hf_folder("qwen3_moe", str(tmp_path / "moe"))
+
+
+def test_missing_expert_tensor_is_named(moe_dir):
+    _edit_weights(moe_dir, lambda t: t.pop("model.layers.2.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(KeyError, match=r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        _load(moe_dir)
+
+
+def test_expert_shape_mismatch_is_named(moe_dir):
+    def shrink(t):
+        t["model.layers.1.mlp.experts.0.down_proj.weight"] = torch.zeros(64, 16)
+
+    _edit_weights(moe_dir, shrink)
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight.*\[64, 16\].*\[64, 32\]"):
+        _load(moe_dir)
+
+
+def test_expert_beyond_num_experts_is_unmapped(moe_dir):
+    _edit_weights(moe_dir, lambda t: t.update(
+        {"model.layers.0.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64)}))
+    with pytest.raises(ValueError, match=r"not mapped.*experts\.4\.gate_proj"):
+        _load(moe_dir)
+
+
+def test_gpt_neox_missing_and_unmapped_tensors(tmp_path):
+    folder = save_tiny_hf_folder("gpt_neox", str(tmp_path / "neox"))
+    _edit_weights(folder, lambda t: t.update({
+        "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.zeros(2),  # old buffer: fine
+        "gpt_neox.layers.1.attention.masked_bias": torch.zeros(())}))
+    _load(folder)
+    _edit_weights(folder, lambda t: t.pop("embed_out.weight"))
+    with pytest.raises(KeyError, match="embed_out.weight"):
+        _load(folder)
+
+
+@pytest.mark.parametrize("parallel, match", [
+    (dict(expert_model_parallel_size=3), "4 experts, not divisible by "
+                                         "parallel.expert_model_parallel_size=3"),
+    (dict(expert_tensor_parallel_size=3), r"expert width 32 .* not divisible by "
+                                          "parallel.expert_tensor_parallel_size=3"),
+    (dict(tensor_model_parallel_size=2), "needs parallel.sequence_parallel=true"),
+    (dict(tensor_model_parallel_size=3), "divisible by parallel.tensor_model_parallel_size=3"),
+])
+def test_moe_layout_errors_name_the_fields(moe_dir, parallel, match):
+    from dpo_megatron.models import build_transformer_config
+    from dpo_megatron.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match=match):
+        build_transformer_config(model_config_from_hf(moe_dir), ParallelConfig(**parallel))
+
+
+def test_expert_parallel_without_experts_and_world_size(llama_dir):
+    from dpo_megatron.models import build_transformer_config
+    from dpo_megatron.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        build_transformer_config(model_config_from_hf(llama_dir),
+                                 ParallelConfig(expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by "
+                                         r"parallel.expert_tensor_parallel_size \(2\) x "
+                                         r"parallel.expert_model_parallel_size \(2\)"):
+        ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2).validate(2)
+    ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                   expert_tensor_parallel_size=1).validate(2)  # EP carved from the TP ranks

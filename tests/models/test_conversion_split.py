@@ -113,20 +113,24 @@ def test_padded_attention_heads_zero_groups():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_every_table_entry_round_trips_exactly(arch, tp):
     """read_tp_shard on every rank, then merge_tp_shards, gives back every HF tensor bit for bit
-    (random values; Qwen2-style q/k/v biases included)."""
+    (random values; Qwen2-style q/k/v biases, Qwen3 q/k norms and experts included; an expert's
+    tensors are split over the expert-TP ranks, here of the same size)."""
     from dpo_megatron.models.conversion.load import expected_hf_shapes
 
+    moe = arch in ("qwen3_moe", "mixtral")
     cfg = _cfg(hidden_size=32, ffn_hidden_size=48, num_attention_heads=8, num_query_groups=4,
                kv_channels=4, vocab_size=50, max_position_embeddings=16, num_layers=1,
                tie_word_embeddings=False, add_qkv_bias=arch == "qwen2",
-               add_bias_linear=arch == "gpt2")
+               add_bias_linear=arch in ("gpt2", "gpt_neox"),
+               qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+               num_experts=4 if moe else None, moe_ffn_hidden_size=16 if moe else None)
     table = ARCHITECTURES[arch].tensors(cfg)
     g = torch.Generator().manual_seed(1)
     tensors = {n: torch.randn(s, generator=g)
                for n, s in expected_hf_shapes(ARCHITECTURES[arch], cfg).items()}
     reader = DictReader(tensors)
     for tmap in table:
-        names = [n.replace("{i}", "0") for n in tmap.hf]
+        names = [n.replace("{i}", "0").replace("{e}", "3") for n in tmap.hf]
         local = _local_shape(tmap, cfg, tp, reader, names)
         shards = [read_tp_shard(tmap, names, reader, cfg, r, tp, local) for r in range(tp)]
         assert all(tuple(s.shape) == local for s in shards), tmap.megatron

@@ -4,21 +4,38 @@ tensor is split across tensor-parallel ranks; plus the HF config.json <-> ModelC
 Adding an architecture means adding an :class:`Architecture` to :data:`ARCHITECTURES` (a
 config translator and a tensor table); the loader and exporter have no per-architecture code.
 
-Names use ``{i}`` for the global 0-based layer index. megatron-core names are those of a
-``GPTModel`` built with the local layer spec of :mod:`dpo_megatron.models.gpt` (norms are their
-own modules: ``input_layernorm``, ``pre_mlp_layernorm``, ``final_layernorm``).
+Names use ``{i}`` for the global 0-based layer index and ``{e}`` for the global 0-based expert
+index of a mixture-of-experts layer. megatron-core names are those of a ``GPTModel`` built with
+the local layer spec of :mod:`dpo_megatron.models.gpt` (norms are their own modules:
+``input_layernorm``, ``pre_mlp_layernorm``, ``final_layernorm``; an MoE layer's experts are
+``mlp.experts.local_experts.<local index>``, mapped to ``{e}`` by the loader).
 
 Logical shapes are written in megatron's orientation ``[out, in]`` with symbols resolved by
 :func:`dims`: ``hidden``, ``ffn``, ``vocab`` (unpadded), ``positions``, ``q`` (heads x head_dim),
-``kv`` (key/value heads x head_dim), ``qkv`` (q + 2 kv). ``transposed`` tensors are stored by HF
-as ``[in, out]`` (GPT-2's ``Conv1D``).
+``kv`` (key/value heads x head_dim), ``qkv`` (q + 2 kv), ``head_dim``, ``experts``,
+``expert_ffn`` (one expert's intermediate width). ``transposed`` tensors are stored by HF as
+``[in, out]`` (GPT-2's ``Conv1D``). Tensors of an expert (``{e}`` in the name) are split over the
+expert tensor-parallel group instead of the tensor-parallel group.
+
+Supported (``model_type``: classes, what differs):
+
+* ``llama`` (Llama 2 / 3.x incl. ``rope_type: llama3`` and ``linear``, SmolLM2), ``mistral``,
+  ``qwen2`` (Qwen2 / Qwen2.5: q/k/v biases): one table.
+* ``qwen3`` (``Qwen3ForCausalLM``): the Llama table plus per-head query/key RMSNorm; explicit
+  ``head_dim``.
+* ``qwen3_moe`` (``Qwen3MoeForCausalLM``) and ``mixtral`` (``MixtralForCausalLM``): the Llama
+  attention with an MoE layer (router ``gate`` + per-expert SwiGLU MLPs, the per-expert file
+  layout transformers writes and the hub holds).
+* ``gpt2``: learned positions, Conv1D weights.
+* ``gpt_neox`` (``GPTNeoXForCausalLM``, Pythia): parallel residual, partial rotary, LayerNorm
+  with biases, fused per-head QKV.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dpo_megatron.models.config import ModelConfig
 
@@ -46,7 +63,8 @@ class TensorMap:
     """One megatron-core parameter and the HF tensor(s) it is made of."""
 
     megatron: str
-    """Parameter name in a ``GPTModel`` (``{i}``: global 0-based layer index)."""
+    """Parameter name in a ``GPTModel`` (``{i}``: global 0-based layer index, ``{e}``: global
+    0-based expert index)."""
     hf: tuple[str, ...]
     """HF tensor names, in the order the split expects (QKV: q, k, v or one fused; GATE_UP:
     gate, up)."""
@@ -56,6 +74,11 @@ class TensorMap:
     """Logical shape of each HF tensor in megatron orientation, as symbols (see module doc)."""
     transposed: bool = False
     """HF stores the 2-D tensors as ``[in, out]`` (GPT-2 ``Conv1D``)."""
+
+    @property
+    def expert(self) -> bool:
+        """A tensor of one expert: split over the expert tensor-parallel group."""
+        return is_expert_pattern(self.megatron)
 
 
 @dataclass(frozen=True)
@@ -88,6 +111,9 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
     return {
         "hidden": cfg.hidden_size,
         "ffn": cfg.ffn_hidden_size,
+        "expert_ffn": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        "experts": cfg.num_experts or 0,
+        "head_dim": head_dim,
         "vocab": cfg.vocab_size,
         "positions": cfg.max_position_embeddings,
         "q": cfg.num_attention_heads * head_dim,
@@ -97,10 +123,31 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v biases), SmolLM2 (tied embeddings).
+# Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v biases), SmolLM2 (tied embeddings), Qwen3 (q/k
+# norms), and the MoE members Qwen3-MoE and Mixtral (same attention, routed experts).
 # ---------------------------------------------------------------------------------------------
 
-def _llama_tensors(cfg: ModelConfig) -> list[TensorMap]:
+@dataclass(frozen=True)
+class MoENames:
+    """HF names of one MoE layer's router and expert MLPs (``{i}`` layer, ``{e}`` expert)."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+
+QWEN3_MOE_NAMES = MoENames(router="model.layers.{i}.mlp.gate.weight",
+                           gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                           up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                           down="model.layers.{i}.mlp.experts.{e}.down_proj.weight")
+MIXTRAL_NAMES = MoENames(router="model.layers.{i}.block_sparse_moe.gate.weight",
+                         gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+                         up="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+                         down="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight")
+
+
+def _llama_tensors(cfg: ModelConfig, moe: "MoENames | None" = None) -> list[TensorMap]:
     p = "model.layers.{i}."
     d = "decoder.layers.{i}."
     table = [
@@ -116,14 +163,35 @@ def _llama_tensors(cfg: ModelConfig) -> list[TensorMap]:
                   (("hidden", "q"),)),
         TensorMap(d + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",),
                   REPLICATED, (("hidden",),)),
-        TensorMap(d + "mlp.linear_fc1.weight",
-                  (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), GATE_UP,
-                  (("ffn", "hidden"), ("ffn", "hidden"))),
-        TensorMap(d + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), ROW,
-                  (("hidden", "ffn"),)),
         TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED,
                   (("hidden",),)),
     ]
+    if moe is None:
+        table += [
+            TensorMap(d + "mlp.linear_fc1.weight",
+                      (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), GATE_UP,
+                      (("ffn", "hidden"), ("ffn", "hidden"))),
+            TensorMap(d + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), ROW,
+                      (("hidden", "ffn"),)),
+        ]
+    else:
+        e = d + "mlp.experts.local_experts.{e}."
+        table += [
+            # The router is replicated on every rank (TP and EP alike), kept in fp32 by
+            # megatron-core's TopKRouter when the model is bf16.
+            TensorMap(d + "mlp.router.weight", (moe.router,), REPLICATED,
+                      (("experts", "hidden"),)),
+            TensorMap(e + "linear_fc1.weight", (moe.gate, moe.up), GATE_UP,
+                      (("expert_ffn", "hidden"), ("expert_ffn", "hidden"))),
+            TensorMap(e + "linear_fc2.weight", (moe.down,), ROW, (("hidden", "expert_ffn"),)),
+        ]
+    if cfg.qk_layernorm:  # Qwen3: one RMSNorm weight over head_dim, shared by all heads
+        table += [
+            TensorMap(d + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",),
+                      REPLICATED, (("head_dim",),)),
+            TensorMap(d + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",),
+                      REPLICATED, (("head_dim",),)),
+        ]
     if cfg.add_qkv_bias:
         table.append(TensorMap(
             d + "self_attention.linear_qkv.bias",
@@ -133,6 +201,14 @@ def _llama_tensors(cfg: ModelConfig) -> list[TensorMap]:
         table.append(TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB,
                                (("vocab", "hidden"),)))
     return table
+
+
+def _qwen3_moe_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    return _llama_tensors(cfg, QWEN3_MOE_NAMES)
+
+
+def _mixtral_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    return _llama_tensors(cfg, MIXTRAL_NAMES)
 
 
 def _rope_parameters(hf) -> dict:
@@ -152,12 +228,8 @@ _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
 
 
-def _llama_config_from_hf(hf) -> dict:
-    name = hf.model_type
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ValueError(f"{name}: hidden_act={hf.hidden_act!r} is not supported (only silu)")
-    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
-        raise ValueError(f"{name}: attention_bias / mlp_bias = true is not supported")
+def _llama_rope(hf, name: str) -> tuple[float, Optional[float], Optional[float]]:
+    """(theta, Llama-3 scaling factor, linear scaling factor) of a Llama-family config."""
     rope = _rope_parameters(hf)
     rope_type = rope["rope_type"]
     scaling_factor = linear_factor = None
@@ -173,8 +245,51 @@ def _llama_config_from_hf(hf) -> dict:
     elif rope_type != "default":
         raise ValueError(f"{name}: rope_type={rope_type!r} is not supported "
                          "(supported: default, linear, llama3)")
+    return float(rope["rope_theta"]), scaling_factor, linear_factor
+
+
+def _moe_config_from_hf(hf, name: str) -> dict:
+    """MoE fields of a Qwen3-MoE or Mixtral config (empty for dense models).
+
+    Raises:
+        ValueError: dense layers interleaved with MoE layers (Qwen3-MoE ``decoder_sparse_step``
+            / ``mlp_only_layers``), shared experts, or router jitter (DPO needs the reference
+            and the policy to route alike: a random router is not supported).
+    """
+    if name == "qwen3_moe":
+        if getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", None):
+            raise ValueError(f"{name}: decoder_sparse_step={hf.decoder_sparse_step} / "
+                             f"mlp_only_layers={hf.mlp_only_layers} (dense layers between MoE "
+                             "layers) is not supported: every layer must be an MoE layer")
+        if getattr(hf, "shared_expert_intermediate_size", 0):
+            raise ValueError(f"{name}: shared experts are not supported")
+        return dict(num_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
+                    moe_ffn_hidden_size=hf.moe_intermediate_size,
+                    moe_norm_topk_prob=bool(hf.norm_topk_prob),
+                    moe_aux_loss_coeff=float(hf.router_aux_loss_coef))
+    if name == "mixtral":
+        if getattr(hf, "router_jitter_noise", 0.0):
+            raise ValueError(f"{name}: router_jitter_noise={hf.router_jitter_noise} is not "
+                             "supported: DPO needs deterministic routing (the reference and the "
+                             "policy must route alike); set it to 0")
+        return dict(num_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok,
+                    moe_ffn_hidden_size=hf.intermediate_size, moe_norm_topk_prob=True,
+                    moe_aux_loss_coeff=float(hf.router_aux_loss_coef))
+    return dict(num_experts=None, moe_ffn_hidden_size=None)
+
+
+def _llama_config_from_hf(hf) -> dict:
+    name = hf.model_type
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{name}: hidden_act={hf.hidden_act!r} is not supported (only silu)")
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise ValueError(f"{name}: attention_bias / mlp_bias = true is not supported")
+    theta, scaling_factor, linear_factor = _llama_rope(hf, name)
     window = getattr(hf, "sliding_window", None)
-    if window is not None and (name != "qwen2" or getattr(hf, "use_sliding_window", False)):
+    # Qwen2/3 configs carry a window that is off unless use_sliding_window is set.
+    windowed = (getattr(hf, "use_sliding_window", False) if hasattr(hf, "use_sliding_window")
+                else window is not None)
+    if window is not None and windowed:
         logger.warning("%s: sliding_window=%s is ignored (full causal attention); outputs differ "
                        "from transformers only for sequences longer than the window", name, window)
     heads = hf.num_attention_heads
@@ -189,7 +304,8 @@ def _llama_config_from_hf(hf) -> dict:
         vocab_size=hf.vocab_size,
         max_position_embeddings=hf.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_base=float(rope["rope_theta"]),
+        rotary_base=theta,
+        rotary_percent=1.0,
         rope_scaling_factor=scaling_factor,
         rope_linear_scaling_factor=linear_factor,
         normalization="RMSNorm",
@@ -197,7 +313,10 @@ def _llama_config_from_hf(hf) -> dict:
         activation="swiglu",
         add_bias_linear=False,
         add_qkv_bias=name == "qwen2",
+        qk_layernorm=name in ("qwen3", "qwen3_moe"),
+        parallel_residual=False,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **_moe_config_from_hf(hf, name),
     )
 
 
@@ -209,13 +328,13 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
     elif cfg.rope_linear_scaling_factor is not None:
         rope = {"rope_type": "linear", "rope_theta": cfg.rotary_base,
                 "factor": cfg.rope_linear_scaling_factor}
-    return dict(
+    out = dict(
         num_hidden_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads,
-        head_dim=dims(cfg)["q"] // cfg.num_attention_heads,
+        head_dim=dims(cfg)["head_dim"],
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters=rope,
@@ -223,6 +342,16 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
         hidden_act="silu",
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
+    if cfg.num_experts:
+        out.update(num_experts_per_tok=cfg.moe_router_topk,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coeff or 0.0)
+        if cfg.qk_layernorm:  # Qwen3-MoE
+            out.update(num_experts=cfg.num_experts, norm_topk_prob=cfg.moe_norm_topk_prob,
+                       moe_intermediate_size=dims(cfg)["expert_ffn"])
+        else:  # Mixtral: experts are intermediate_size wide
+            out.update(num_local_experts=cfg.num_experts,
+                       intermediate_size=dims(cfg)["expert_ffn"])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +397,11 @@ def _gpt2_tensors(cfg: ModelConfig) -> list[TensorMap]:
     return table
 
 
+_PLAIN_LAYER = dict(rotary_percent=1.0, qk_layernorm=False, parallel_residual=False,
+                    num_experts=None, moe_ffn_hidden_size=None)
+"""Architecture fields of a dense, sequential layer without query/key norms (GPT-2)."""
+
+
 def _gpt2_config_from_hf(hf) -> dict:
     if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"gpt2: activation_function={hf.activation_function!r} is not supported"
@@ -294,6 +428,7 @@ def _gpt2_config_from_hf(hf) -> dict:
         add_bias_linear=True,
         add_qkv_bias=True,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        **_PLAIN_LAYER,
     )
 
 
@@ -306,6 +441,110 @@ def _gpt2_config_to_hf(cfg: ModelConfig) -> dict:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# GPT-NeoX (Pythia): parallel residual, partial rotary, LayerNorm and linear biases, untied.
+# ---------------------------------------------------------------------------------------------
+
+def _gpt_neox_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    p = "gpt_neox.layers.{i}."
+    d = "decoder.layers.{i}."
+    table = [
+        TensorMap("embedding.word_embeddings.weight", ("gpt_neox.embed_in.weight",), VOCAB,
+                  (("vocab", "hidden"),)),
+        TensorMap(d + "input_layernorm.weight", (p + "input_layernorm.weight",), REPLICATED,
+                  (("hidden",),)),
+        TensorMap(d + "input_layernorm.bias", (p + "input_layernorm.bias",), REPLICATED,
+                  (("hidden",),)),
+        # GPT-NeoX fuses q, k, v per head ([heads, 3 * head_dim] rows: q_h, k_h, v_h), which is
+        # megatron-core's per-group layout with one query head per group: TP rank r's rows are
+        # a contiguous block of heads, i.e. a plain column split.
+        TensorMap(d + "self_attention.linear_qkv.weight", (p + "attention.query_key_value.weight",),
+                  COLUMN, (("qkv", "hidden"),)),
+        TensorMap(d + "self_attention.linear_qkv.bias", (p + "attention.query_key_value.bias",),
+                  COLUMN, (("qkv",),)),
+        TensorMap(d + "self_attention.linear_proj.weight", (p + "attention.dense.weight",), ROW,
+                  (("hidden", "q"),)),
+        TensorMap(d + "self_attention.linear_proj.bias", (p + "attention.dense.bias",),
+                  REPLICATED, (("hidden",),)),
+        TensorMap(d + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",),
+                  REPLICATED, (("hidden",),)),
+        TensorMap(d + "pre_mlp_layernorm.bias", (p + "post_attention_layernorm.bias",),
+                  REPLICATED, (("hidden",),)),
+        TensorMap(d + "mlp.linear_fc1.weight", (p + "mlp.dense_h_to_4h.weight",), COLUMN,
+                  (("ffn", "hidden"),)),
+        TensorMap(d + "mlp.linear_fc1.bias", (p + "mlp.dense_h_to_4h.bias",), COLUMN,
+                  (("ffn",),)),
+        TensorMap(d + "mlp.linear_fc2.weight", (p + "mlp.dense_4h_to_h.weight",), ROW,
+                  (("hidden", "ffn"),)),
+        TensorMap(d + "mlp.linear_fc2.bias", (p + "mlp.dense_4h_to_h.bias",), REPLICATED,
+                  (("hidden",),)),
+        TensorMap("decoder.final_layernorm.weight", ("gpt_neox.final_layer_norm.weight",),
+                  REPLICATED, (("hidden",),)),
+        TensorMap("decoder.final_layernorm.bias", ("gpt_neox.final_layer_norm.bias",),
+                  REPLICATED, (("hidden",),)),
+    ]
+    if not cfg.tie_word_embeddings:
+        table.append(TensorMap("output_layer.weight", ("embed_out.weight",), VOCAB,
+                               (("vocab", "hidden"),)))
+    return table
+
+
+_NEOX_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+
+
+def _gpt_neox_config_from_hf(hf) -> dict:
+    if hf.hidden_act not in _NEOX_ACTIVATIONS:
+        raise ValueError(f"gpt_neox: hidden_act={hf.hidden_act!r} is not supported "
+                         f"(supported: {sorted(_NEOX_ACTIVATIONS)})")
+    if not getattr(hf, "attention_bias", True):
+        raise ValueError("gpt_neox: attention_bias=false is not supported (megatron-core puts "
+                         "biases on all linear layers or none; the MLP has them)")
+    rope = _rope_parameters(hf)
+    if rope["rope_type"] != "default":
+        raise ValueError(f"gpt_neox: rope_type={rope['rope_type']!r} is not supported "
+                         "(supported: default)")
+    partial = rope.get("partial_rotary_factor", getattr(hf, "rotary_pct", 1.0))
+    heads = hf.num_attention_heads
+    return dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        kv_channels=hf.hidden_size // heads,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=float(rope.get("rope_theta", getattr(hf, "rotary_emb_base", 10000.0))),
+        rotary_percent=float(partial),
+        rope_scaling_factor=None,
+        rope_linear_scaling_factor=None,
+        normalization="LayerNorm",
+        norm_epsilon=hf.layer_norm_eps,
+        activation=_NEOX_ACTIVATIONS[hf.hidden_act],
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        qk_layernorm=False,
+        parallel_residual=bool(getattr(hf, "use_parallel_residual", True)),
+        num_experts=None,
+        moe_ffn_hidden_size=None,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
+
+
+def _gpt_neox_config_to_hf(cfg: ModelConfig) -> dict:
+    activation = {"gelu_exact": "gelu", "gelu": "gelu_new"}[cfg.activation]
+    return dict(
+        num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base,
+                         "partial_rotary_factor": cfg.rotary_percent},
+        layer_norm_eps=cfg.norm_epsilon, hidden_act=activation, attention_bias=True,
+        use_parallel_residual=cfg.parallel_residual, tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+
+
 _LLAMA_IGNORED = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -315,9 +554,22 @@ ARCHITECTURES: dict[str, Architecture] = {
                             _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", _llama_config_from_hf,
                           _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", _llama_config_from_hf,
+                          _llama_config_to_hf, _llama_tensors, "model."),
+    "qwen3_moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", _llama_config_from_hf,
+                              _llama_config_to_hf, _qwen3_moe_tensors, "model."),
+    "mixtral": Architecture("mixtral", "MixtralForCausalLM", _llama_config_from_hf,
+                            _llama_config_to_hf, _mixtral_tensors, "model.", _LLAMA_IGNORED),
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", _gpt2_config_from_hf, _gpt2_config_to_hf,
                          _gpt2_tensors, "transformer.",
                          ("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias")),
+    # Checkpoints written by older transformers (the Pythia files on the hub) also hold the
+    # causal-mask and rotary buffers.
+    "gpt_neox": Architecture("gpt_neox", "GPTNeoXForCausalLM", _gpt_neox_config_from_hf,
+                             _gpt_neox_config_to_hf, _gpt_neox_tensors, "gpt_neox.",
+                             ("gpt_neox.layers.{i}.attention.bias",
+                              "gpt_neox.layers.{i}.attention.masked_bias",
+                              "gpt_neox.layers.{i}.attention.rotary_emb.inv_freq")),
 }
 
 
@@ -333,11 +585,21 @@ def get_architecture(model_type: str, source: str = "config.json") -> Architectu
     return ARCHITECTURES[model_type]
 
 
-def expand(pattern: str, layer: int | None) -> str:
-    """A table name with ``{i}`` replaced by the layer index (names without ``{i}`` unchanged)."""
-    return pattern.replace("{i}", str(layer)) if layer is not None else pattern
+def expand(pattern: str, layer: int | None, expert: int | None = None) -> str:
+    """A table name with ``{i}`` replaced by the layer index and ``{e}`` by the expert index
+    (names without them unchanged)."""
+    if layer is not None:
+        pattern = pattern.replace("{i}", str(layer))
+    if expert is not None:
+        pattern = pattern.replace("{e}", str(expert))
+    return pattern
 
 
 def is_layer_pattern(pattern: str) -> bool:
     """Whether a table name is per-layer (contains ``{i}``)."""
     return "{i}" in pattern
+
+
+def is_expert_pattern(pattern: str) -> bool:
+    """Whether a table name is per-expert (contains ``{e}``)."""
+    return "{e}" in pattern

@@ -3,7 +3,8 @@ as an HF folder (:func:`export_hf`; LoRA adapters merged into the weights), or a
 adapters in PEFT's layout (:func:`export_peft_adapter`).
 
 Collective over all ranks. Within each TP group the slices of every parameter are all-gathered
-and merged back to HF tensors (:func:`merge_tp_shards`); the first TP/DP rank of each pipeline
+and merged back to HF tensors (:func:`merge_tp_shards`), experts over their expert-TP and
+expert-parallel groups as well; the first TP/DP rank of each pipeline
 stage then sends its stage's tensors to global rank 0, one stage at a time, and rank 0 writes
 them as they arrive (so it holds at most one stage plus one shard in memory).
 Rank 0 writes into a temporary folder next to ``out_dir`` and renames it into place at the end:
@@ -45,48 +46,75 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's ``local`` (same shape everywhere) in group-rank order."""
+    if size == 1:
+        return [local]
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
 def _tp_shards(local: torch.Tensor, split: bool) -> list[torch.Tensor]:
     """Every TP rank's slice of a split tensor (collective over the TP group), on the CPU; a
     replicated tensor as the one slice."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     local = local.detach()
-    if not split or tp_size == 1:
-        return [local.cpu()]
-    shards = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    shards = _gather(local, parallel_state.get_tensor_model_parallel_group(),
+                     parallel_state.get_tensor_model_parallel_world_size()) if split else [local]
     return [s.cpu() for s in shards]
 
 
-def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype
-                     ) -> list[tuple[str, torch.Tensor]]:
+def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype,
+                     keep: bool = True) -> list[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as (HF name, full tensor) pairs in ``dtype``, on the CPU.
 
     LoRA adapters, when attached, are merged: each adapted weight is exported as
     W + (alpha / r) B A (``models.lora``), the adapters themselves are not written.
 
-    Collective over the TP group (all-gathers every TP-split parameter). Ordered by global
-    layer (embedding first, final norm and output layer last).
+    Collective over the stage: every TP-split parameter is all-gathered over the TP group (an
+    expert's over the expert-TP group), and every expert's merged tensors over the
+    expert-parallel group (EP rank k holds experts ``[k * E/EP, (k + 1) * E/EP)``), so the
+    stage's first rank has all of them. Ordered by global layer (embedding first, final norm and
+    output layer last). ``keep=False``: take part in the collectives, return nothing (ranks that
+    do not send).
     """
     arch = infer_architecture(cfg)
     table = {t.megatron: t for t in arch.tensors(cfg)}
+    tp = (parallel_state.get_tensor_model_parallel_group(),
+          parallel_state.get_tensor_model_parallel_world_size())
+    expert_tp = (parallel_state.get_expert_tensor_parallel_group(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
     for chunk in map(unwrap, chunks):
         adapter_params = lora.adapter_parameter_ids(chunk)
         adapted = lora.adapters_by_base_weight(chunk)
-        for pattern, layer, param in iter_global_params(chunk):
+        for pattern, layer, expert, param in iter_global_params(chunk):
             if id(param) in adapter_params:
                 continue  # merged into its base weight below
             if pattern == OUTPUT and cfg.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
             tmap = table_entry(table, pattern, cfg, arch)
-            local = adapted[id(param)].merged_weight() if id(param) in adapted else param
-            tensors = merge_tp_shards(tmap, _tp_shards(local, tmap.split != REPLICATED), cfg)
+            group, size = expert_tp if tmap.expert else tp
+            local = (adapted[id(param)].merged_weight() if id(param) in adapted else param).detach()
+            shards = [local] if tmap.split == REPLICATED else _gather(local, group, size)
+            tensors = merge_tp_shards(tmap, [s.cpu() for s in shards], cfg)
             # HF order: embeddings, layers by global index, then final norm and output layer.
             position = -1 if pattern.startswith("embedding") else (
                 layer if layer is not None else cfg.num_layers)
             for name, tensor in zip(tmap.hf, tensors):
-                out.append(((position, len(out)), expand(name, layer),
-                            tensor.to(dtype).contiguous()))
+                tensor = tensor.to(dtype).contiguous()
+                if not tmap.expert:
+                    named = [(expand(name, layer), tensor)]
+                else:  # the same local expert of every EP rank: global experts k * E/EP + j
+                    local_experts = len(chunk.decoder.layers[0].mlp.local_expert_indices)
+                    j = expert % local_experts
+                    named = [(expand(name, layer, k * local_experts + j), t)
+                             for k, t in enumerate(_gather(tensor, ep_group, ep_size))]
+                if keep:
+                    out += [((position, len(out) + n), hf_name, t)
+                            for n, (hf_name, t) in enumerate(named)]
     out.sort(key=lambda item: item[0])
     return [(name, tensor) for _, name, tensor in out]
 
@@ -127,8 +155,8 @@ class _StageReceiver:
             self._receive(self.pending.pop(0))
 
 
-def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype
-                          ) -> list[tuple[str, torch.Tensor]]:
+def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype,
+                          keep: bool = True) -> list[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage's LoRA adapters as PEFT tensors (name, full tensor), in
     ``dtype`` on the CPU, ordered by global layer.
 
@@ -139,13 +167,14 @@ def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype
     head columns dropped), a column-parallel layer's B likewise; names are
     ``base_model.model.<HF module>.lora_A.weight`` / ``lora_B.weight`` (PEFT's saved layout).
 
-    Collective over the TP group.
+    Collective over the TP group; ``keep=False``: take part, return nothing (as
+    :func:`stage_hf_tensors`).
     """
     arch = infer_architecture(cfg)
     table = {t.megatron: t for t in arch.tensors(cfg)}
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
     for chunk in map(unwrap, chunks):
-        where = {id(p): (pattern, layer) for pattern, layer, p in iter_global_params(chunk)}
+        where = {id(p): (pattern, layer) for pattern, layer, _, p in iter_global_params(chunk)}
         for _, adapter in lora.adapters(chunk):
             pattern, layer = where[id(adapter.base.weight)]
             # PEFT stores A [r, in] and B [out, r] whatever HF's weight orientation.
@@ -164,7 +193,7 @@ def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype
                     out.append(((layer, len(out)), f"{module}.{suffix}.weight",
                                 tensor.to(dtype, copy=True).contiguous()))
     out.sort(key=lambda item: item[0])
-    return [(name, tensor) for _, name, tensor in out]
+    return [(name, tensor) for _, name, tensor in out] if keep else []
 
 
 def peft_adapter_config(model_cfg: ModelConfig, lora_cfg) -> dict:
@@ -258,7 +287,7 @@ def _export(chunks: list, stage_fn: Callable, write_fn: Callable, model_cfg: Mod
             receiver.drain()
     else:
         try:
-            payload = ("ok", stage_fn(chunks, model_cfg, torch_dtype))
+            payload = ("ok", stage_fn(chunks, model_cfg, torch_dtype, keep=sender))
         except Exception as exc:  # a sender must always answer rank 0
             payload = ("error", f"{type(exc).__name__}: {exc}")
         if sender:

@@ -15,6 +15,10 @@ from dpo_megatron.models.conversion.architectures import (
 )
 
 
+HF_DEFAULTED_FIELDS = ("moe_aux_loss_coeff",)
+"""ModelConfig fields whose None means "the HF config's value" (``router_aux_loss_coef``)."""
+
+
 def read_hf_config_json(hf_path: str) -> dict:
     """The raw ``config.json`` of an HF folder.
 
@@ -23,8 +27,15 @@ def read_hf_config_json(hf_path: str) -> dict:
     """
     path = os.path.join(hf_path, "config.json")
     if not os.path.isfile(path):
+        hint = ""
+        if not os.path.isdir(hf_path) and "/" in hf_path.strip("/"):
+            # A hub name (what a preset resolves to without a local copy): the engine reads
+            # local folders only.
+            hint = (f"; {hf_path!r} looks like a hub name: download it (huggingface-cli download "
+                    f"{hf_path} --local-dir DIR/{hf_path}) and set DPO_MEGATRON_MODELS=DIR or "
+                    f"model.hf_path=DIR/{hf_path}")
         raise FileNotFoundError(f"{path}: no config.json (model.hf_path must be a Hugging Face "
-                                "model folder)")
+                                f"model folder){hint}")
     with open(path) as f:
         return json.load(f)
 
@@ -44,8 +55,10 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     """A ModelConfig whose architecture fields come from ``hf_path/config.json``.
 
     ``base`` supplies the non-architecture fields (params_dtype, transformer_impl, recompute_*,
-    make_vocab_size_divisible_by, init_method_std, load); its architecture fields are replaced.
-    ``hf_path`` is kept in the result.
+    make_vocab_size_divisible_by, init_method_std, load, moe_token_dispatcher); its architecture
+    fields are replaced. Fields the HF config only gives a default for
+    (:data:`HF_DEFAULTED_FIELDS`: the MoE load-balancing coefficient) keep the base's value
+    when it is set. ``hf_path`` is kept in the result.
 
     Raises:
         FileNotFoundError: no config.json.
@@ -58,16 +71,27 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     # rope_parameters); the file is local, nothing is downloaded.
     hf = AutoConfig.from_pretrained(hf_path)
     fields = arch.config_from_hf(hf)
-    return dataclasses.replace(base or ModelConfig(), hf_path=hf_path, **fields)
+    base = base or ModelConfig()
+    for name in HF_DEFAULTED_FIELDS:
+        if getattr(base, name) is not None:
+            fields.pop(name, None)
+    return dataclasses.replace(base, hf_path=hf_path, **fields)
 
 
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
-    positions, Qwen2 for q/k/v-only biases, else Llama."""
+    positions, GPT-NeoX for LayerNorm with RoPE, Qwen3-MoE / Mixtral for experts with / without
+    query-key norms, Qwen3 for query-key norms, Qwen2 for q/k/v-only biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)
     if cfg.position_embedding_type == "learned_absolute":
         return ARCHITECTURES["gpt2"]
+    if cfg.normalization == "LayerNorm":
+        return ARCHITECTURES["gpt_neox"]
+    if cfg.num_experts:
+        return ARCHITECTURES["qwen3_moe" if cfg.qk_layernorm else "mixtral"]
+    if cfg.qk_layernorm:
+        return ARCHITECTURES["qwen3"]
     return ARCHITECTURES["qwen2" if cfg.add_qkv_bias else "llama"]
 
 

@@ -2,7 +2,9 @@
 
 Every rank checks the whole folder against the architecture's table from names and shapes only
 (file headers, no tensor data), so all ranks fail alike with the same message before any
-parameter is touched. Then each rank reads only the slices its parameters own.
+parameter is touched. Then each rank reads only the slices its parameters own: its layers' TP
+slices and, in mixture-of-experts layers, only its experts (expert-parallel rank) and their
+expert-TP slices.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dpo_megatron.models.conversion.architectures import (
     TensorMap,
     dims,
     expand,
+    is_expert_pattern,
     is_layer_pattern,
 )
 from dpo_megatron.models.conversion.hf_config import architecture_of
@@ -26,6 +29,7 @@ from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
 from dpo_megatron.models.conversion.tp_split import read_tp_shard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 TE_FUSED_NORMS = {
@@ -49,12 +53,14 @@ def expected_hf_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[
     out: dict[str, tuple[int, ...]] = {}
     for tmap in arch.tensors(cfg):
         layers = range(cfg.num_layers) if is_layer_pattern(tmap.megatron) else [None]
+        experts = range(cfg.num_experts or 0) if is_expert_pattern(tmap.megatron) else [None]
         for layer in layers:
-            for name, symbols in zip(tmap.hf, tmap.shapes):
-                shape = tuple(sizes[s] for s in symbols)
-                if tmap.transposed and len(shape) == 2:
-                    shape = shape[::-1]
-                out[expand(name, layer)] = shape
+            for expert in experts:
+                for name, symbols in zip(tmap.hf, tmap.shapes):
+                    shape = tuple(sizes[s] for s in symbols)
+                    if tmap.transposed and len(shape) == 2:
+                        shape = shape[::-1]
+                    out[expand(name, layer, expert)] = shape
     return out
 
 
@@ -84,20 +90,38 @@ def check_hf_folder(reader: HFCheckpointReader, arch: Architecture, cfg: ModelCo
                          f"{leftover[:10]}{' ...' if len(leftover) > 10 else ''}")
 
 
-def iter_global_params(chunk: torch.nn.Module
-                       ) -> Iterator[tuple[str, Optional[int], torch.nn.Parameter]]:
-    """(table pattern, global layer index or None, parameter) for every parameter of a chunk.
+def iter_global_params(chunk: torch.nn.Module) -> Iterator[
+        tuple[str, Optional[int], Optional[int], torch.nn.Parameter]]:
+    """(table pattern, global layer index or None, global expert index or None, parameter) for
+    every parameter of a chunk.
 
     Layer indices inside a chunk are local; the global index is ``layer.layer_number - 1``
     (megatron-core's 1-based global numbering, which accounts for pipeline and virtual stages).
+    Expert indices are local to the expert-parallel rank; the global one is the MoE layer's
+    ``local_expert_indices[local]``.
     """
     for name, param in chunk.named_parameters():
         m = _LAYER.match(name)
         if m is None:
-            yield name, None, param
+            yield name, None, None, param
             continue
         layer = chunk.decoder.layers[int(m.group(1))]
-        yield "decoder.layers.{i}." + m.group(2), layer.layer_number - 1, param
+        rest, expert = m.group(2), None
+        e = _EXPERT.match(rest)
+        if e is not None:
+            expert = layer.mlp.local_expert_indices[int(e.group(1))]
+            rest = "mlp.experts.local_experts.{e}." + e.group(2)
+        yield "decoder.layers.{i}." + rest, layer.layer_number - 1, expert, param
+
+
+def tp_layout(tmap: TensorMap) -> tuple[int, int]:
+    """(rank, size) of the group that splits ``tmap``'s tensor: the expert tensor-parallel group
+    for experts' tensors, the tensor-parallel group otherwise."""
+    if tmap.expert:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
 
 
 def table_entry(table: dict[str, TensorMap], pattern: str, cfg: ModelConfig, arch: Architecture
@@ -142,17 +166,16 @@ def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_pa
     try:
         check_hf_folder(reader, arch, model_cfg)
         table = {t.megatron: t for t in arch.tensors(model_cfg)}
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         for chunk in chunks:
-            for pattern, layer, param in iter_global_params(chunk):
+            for pattern, layer, expert, param in iter_global_params(chunk):
                 tmap = table_entry(table, pattern, model_cfg, arch)
-                names = [expand(n, layer) for n in tmap.hf]
+                tp_rank, tp_size = tp_layout(tmap)
+                names = [expand(n, layer, expert) for n in tmap.hf]
                 shard = read_tp_shard(tmap, names, reader, model_cfg, tp_rank, tp_size,
                                       tuple(param.shape))
                 if tuple(shard.shape) != tuple(param.shape):
                     raise ValueError(f"{hf_path}: {names} give {list(shard.shape)} for megatron "
-                                     f"parameter {expand(pattern, layer)} of shape "
+                                     f"parameter {expand(pattern, layer, expert)} of shape "
                                      f"{list(param.shape)} (TP rank {tp_rank}/{tp_size})")
                 param.copy_(shard)
     finally:

@@ -76,7 +76,8 @@ def read_tp_shard(tmap: TensorMap, hf_names: list[str], reader: SliceReader, cfg
     read from ``hf_names``.
 
     Shapes (megatron orientation, per rank): COLUMN / VOCAB [out/tp, ...]; ROW [out, in/tp];
-    QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden]; REPLICATED unchanged.
+    QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden] (``tp`` is the expert TP
+size and ``ffn`` the expert width for experts' tensors); REPLICATED unchanged.
     Where the megatron tensor is larger than HF's (vocabulary padded to a multiple of TP; zero
     key/value groups added by ``ModelConfig.pad_attention_heads``) the extra rows, columns or
     groups are zero.
@@ -92,7 +93,7 @@ def read_tp_shard(tmap: TensorMap, hf_names: list[str], reader: SliceReader, cfg
         return _read_padded(reader, hf_names[0], t, dim, tp_rank * per, (tp_rank + 1) * per,
                             real)
     if tmap.split == GATE_UP:
-        per = cfg.ffn_hidden_size // tp_size
+        per = local_shape[0] // 2  # [gate_r; up_r]: the dense MLP's or one expert's slice
         span = (tp_rank * per, (tp_rank + 1) * per)
         return torch.cat([_read(reader, n, t, 0, *span) for n in hf_names])
     if tmap.split == QKV:

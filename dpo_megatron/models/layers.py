@@ -1,0 +1,54 @@
+"""Transformer layers megatron-core does not ship: GPT-NeoX's parallel residual.
+
+megatron-core's ``TransformerLayer`` is sequential (``h = x + attn(ln1(x)); h + mlp(ln2(h))``).
+GPT-NeoX (Black et al. 2022, sec. 2.1; Pythia) feeds the layer input to both branches::
+
+    y = x + attn(ln1(x)) + mlp(ln2(x))
+
+:class:`ParallelResidualTransformerLayer` is that layer: the same submodules (built from the same
+layer spec, so weights, TP sharding and checkpoints are megatron-core's), another ``forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+
+class ParallelResidualTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` with GPT-NeoX's parallel residual (module docstring).
+
+    Shapes: hidden_states [s(/TP under sequence parallelism), b, h] -> the same, and the
+    (unused, None) cross-attention context, like the parent. Biases are added by the layer's
+    bias-dropout-add modules (dropout is 0 in this engine). Selective recompute of the norms
+    (``recompute_modules`` 'layernorm') does not apply to this layer; full recompute does.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None,
+                context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                inference_context=None, packed_seq_params=None, sequence_len_offset=None,
+                padding_mask=None, **unused):
+        attention = self.self_attention(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states), padding_mask=padding_mask)
+        fused = self.config.bias_dropout_fusion
+        with torch.enable_grad():  # as the parent: bias-dropout-add keeps its graph
+            output = self.self_attn_bda(self.training, fused)(attention, hidden_states,
+                                                               self.hidden_dropout)
+            output = self.mlp_bda(self.training, fused)(mlp, output, self.hidden_dropout)
+        output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad,
+                                      keep_graph=True)
+        return output, context

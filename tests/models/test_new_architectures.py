@@ -1,0 +1,210 @@
+"""Qwen3, Qwen3-MoE, Mixtral and GPT-NeoX (and Llama-3.2 / Qwen2.5 through the existing tables):
+HF -> megatron-core -> HF at every layout, against transformers.
+
+One 4-rank launch per architecture imports a tiny random transformers model at each layout in
+turn (megatron-core's parallel state is rebuilt between layouts): TP x PP in {1, 2}^2 and, for
+the mixture-of-experts models, expert parallel 2 with data parallel 4 (expert data parallel 2)
+and TP 2 x EP 2 (expert TP 2), with the all-to-all token dispatcher (the default) and again with
+the all-gather one. At each layout:
+
+- a right-padded batch: logits (gathered over TP) and per-token log-probs equal transformers'
+  within 1e-5 relative (fp32) at every non-padding position;
+- packed rows (two sequences per row, positions restarting, block-diagonal attention): every
+  sequence's log-probs equal transformers' on that sequence alone, within 1e-5;
+- the export holds exactly the original tensors, bit for bit, and ``from_pretrained`` loads it
+  with no missing, unexpected or mismatched keys.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.models.conversion_helpers import (
+    NEW_TINY_CONFIGS,
+    VARIANT_TINY_CONFIGS,
+    build_tiny_hf_model,
+    pipeline_logits,
+    save_tiny_hf_folder,
+    token_logps,
+)
+from tests.models.test_conversion_parity import _batch, _check_case, _load_all
+from tests.multirank import run_ranks
+
+A2A, GATHER = "alltoall", "allgather"
+DENSE_LAYOUTS = [(1, 1, 1, A2A), (2, 1, 1, A2A), (1, 2, 1, A2A), (2, 2, 1, A2A)]
+# (TP, PP, EP, MoE token dispatcher)
+MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (1, 1, 2, GATHER),
+                               (2, 1, 2, GATHER)]
+MOE = {"qwen3_moe", "mixtral"}
+WORLD = 4
+
+# Packed rows: (sequence lengths) per row, the rest of the row is a tail of its own.
+PACKED_ROWS = [(7, 5), (9, 4)]
+PACKED_LENGTH = 16
+
+
+def _packed(vocab: int, seed: int = 11):
+    """Two packed rows [2, 16]: tokens, restarting positions, segment ids (tail: -1 - row), and
+    the list of (row, start, length) of every sequence."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.zeros(len(PACKED_ROWS), PACKED_LENGTH, dtype=torch.long)
+    positions = torch.zeros_like(tokens)
+    segments = torch.zeros(len(PACKED_ROWS), PACKED_LENGTH, dtype=torch.int32)
+    spans = []
+    for r, lengths in enumerate(PACKED_ROWS):
+        segments[r] = -1 - r
+        offset = 0
+        for j, n in enumerate(lengths):
+            tokens[r, offset:offset + n] = torch.randint(1, vocab, (n,), generator=g)
+            positions[r, offset:offset + n] = torch.arange(n)
+            segments[r, offset:offset + n] = 10 * r + j
+            spans.append((r, offset, n))
+            offset += n
+        positions[r, offset:] = torch.arange(PACKED_LENGTH - offset)
+    return tokens, positions, segments, spans
+
+
+def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
+    """Import, forward (padded and packed) and export at every layout, in these ranks."""
+    from megatron.core import parallel_state as ps
+
+    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
+                                     load_hf_weights, model_config_from_hf)
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    tokens, positions, segments = packed
+    results = []
+    for tp, pp, ep, dispatcher in layouts:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep)
+        base = ModelConfig(params_dtype="float32", transformer_impl="local",
+                           moe_token_dispatcher=dispatcher)
+        cfg = model_config_from_hf(hf_dir, base)
+        # megatron-core's MoE layer runs TP only with sequence parallelism.
+        parallel.sequence_parallel = bool(cfg.num_experts) and tp > 1
+        initialize_distributed(parallel)
+        set_seed(1234)  # random init differs from the HF weights: loading must overwrite all
+        chunks = build_model_chunks(cfg, parallel)
+        load_hf_weights(chunks, cfg, hf_dir)
+        padded = pipeline_logits(chunks, input_ids)
+        packed_logits = pipeline_logits(chunks, tokens, position_ids=positions,
+                                        segment_ids=segments)
+        export_hf(chunks, cfg, os.path.join(out_root, _name(tp, pp, ep, dispatcher)),
+                  dtype="float32")
+        owner = padded is not None and ps.get_data_parallel_rank() == 0 and (
+            ps.get_tensor_model_parallel_rank() == 0)
+        results.append((padded, packed_logits) if owner else None)
+    return results
+
+
+def _name(tp, pp, ep, dispatcher):
+    return f"tp{tp}pp{pp}ep{ep}{dispatcher}"
+
+
+def _rel(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(NEW_TINY_CONFIGS))
+def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"))
+    model = build_tiny_hf_model(arch)
+    vocab = model.config.vocab_size
+    input_ids, mask = _batch(vocab)
+    tokens, positions, segments, spans = _packed(vocab)
+    with torch.no_grad():
+        ref_logits = model(input_ids=input_ids, attention_mask=mask).logits
+        ref_packed = [model(input_ids=tokens[r, s:s + n][None]).logits[0]
+                      for r, s, n in spans]
+    layouts = MOE_LAYOUTS if arch in MOE else DENSE_LAYOUTS
+    per_rank = run_ranks(_each_layout, world_size=WORLD, timeout=1200, hf_dir=hf_dir,
+                         layouts=layouts, input_ids=input_ids,
+                         packed=(tokens, positions, segments), out_root=str(tmp_path / "out"))
+    original = _load_all(hf_dir)
+    real, target = mask.bool(), mask[:, 1:].bool()
+    ref_logps = token_logps(ref_logits, input_ids)
+    for k, (tp, pp, ep, dispatcher) in enumerate(layouts):
+        owners = [r[k] for r in per_rank if r[k] is not None]
+        assert len(owners) == 1, layouts[k]
+        padded, packed = owners[0]
+        where = f"{arch} at TP {tp} x PP {pp} x EP {ep} ({dispatcher})"
+        padded = padded[..., :vocab]
+        assert _rel(padded[real], ref_logits[real]) <= 1e-5, where
+        logps = token_logps(padded, input_ids)
+        assert ((logps - ref_logps).abs() / ref_logps.abs())[target].max() <= 1e-5, where
+        for (r, s, n), ref in zip(spans, ref_packed):
+            got = packed[r, s:s + n, :vocab]
+            seq = tokens[r, s:s + n][None]
+            assert _rel(token_logps(got[None], seq), token_logps(ref[None], seq)) <= 1e-5, where
+        exported = _load_all(str(tmp_path / "out" / _name(tp, pp, ep, dispatcher)))
+        assert sorted(exported) == sorted(original), where
+        for name, tensor in original.items():
+            assert torch.equal(exported[name], tensor), (where, name)
+    last = layouts[-1]
+    reloaded, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out" / _name(*last)), output_loading_info=True)
+    assert type(reloaded).__name__ == type(model).__name__
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(VARIANT_TINY_CONFIGS))
+def test_untied_qwen3_and_llama31_at_tp2_pp2(tmp_path, arch):
+    """Qwen3 with its own output layer and Llama-3.1's RoPE scaling (factor 8): logits and
+    log-probs equal transformers' within 1e-5 at TP 2 x PP 2, export bit-exact and loadable."""
+    from dpo_megatron.models import model_config_from_hf
+
+    _check_case(tmp_path, arch, 2, 2)
+    cfg = model_config_from_hf(str(tmp_path / "hf"))
+    assert cfg.tie_word_embeddings is False
+    if arch == "llama31":
+        assert cfg.rope_scaling_factor == 8.0
+
+
+def _names_read(hf_dir, ep):
+    """Import at EP ``ep`` (DP = world size), recording the tensor names this rank reads."""
+    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
+                                     model_config_from_hf)
+    from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    names = []
+    original = HFCheckpointReader.read
+
+    def recording_read(self, name, *args, **kwargs):
+        names.append(name)
+        return original(self, name, *args, **kwargs)
+
+    HFCheckpointReader.read = recording_read  # this forked rank only
+    parallel = ParallelConfig(expert_model_parallel_size=ep)
+    initialize_distributed(parallel)
+    set_seed(0)
+    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
+                                                   transformer_impl="local"))
+    load_hf_weights(build_model_chunks(cfg, parallel), cfg, hf_dir)
+    return names
+
+
+@pytest.mark.slow
+def test_each_expert_parallel_rank_reads_only_its_experts(tmp_path):
+    """At EP 2 rank k reads experts 2k and 2k+1 of every layer, and every dense tensor."""
+    hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"))
+    per_rank = run_ranks(_names_read, world_size=2, hf_dir=hf_dir, ep=2)
+    experts = [{n for n in names if ".experts." in n} for names in per_rank]
+    dense = [{n for n in names if ".experts." not in n} for names in per_rank]
+    everything = set(_load_all(hf_dir))
+    assert experts[0] | experts[1] == {n for n in everything if ".experts." in n}
+    assert not experts[0] & experts[1]
+    for rank, names in enumerate(experts):
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == {2 * rank,
+                                                                              2 * rank + 1}
+    assert dense[0] == dense[1] == {n for n in everything if ".experts." not in n}
