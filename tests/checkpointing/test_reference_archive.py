@@ -29,12 +29,13 @@ def _engine_logits(hf_dir, input_ids):
     return pipeline_logits(chunks, input_ids)
 
 
-def test_policy_pt_gives_the_hf_models_logps(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])  # tied GPT-2; untied Pythia
+def test_policy_pt_gives_the_hf_models_logps(tmp_path, arch):
     """policy.pt written as the reference repo writes it (a torch.save of {'step_idx', 'state':
     HF state_dict, 'metrics'}) of model B, over a base folder holding model A of the same
     architecture: the engine's per-token log-probs equal model B's within 1e-5 (relative)."""
-    base = save_tiny_hf_folder("gpt2", str(tmp_path / "base"), seed=0)
-    trained = build_tiny_hf_model("gpt2", seed=1)
+    base = save_tiny_hf_folder(arch, str(tmp_path / "base"), seed=0)
+    trained = build_tiny_hf_model(arch, seed=1)
     archive = str(tmp_path / "LATEST" / "policy.pt")
     torch.save({"step_idx": 640, "state": trained.state_dict(), "metrics": {"loss": 1.5}},
                str(tmp_path / "policy_plain.pt"))
@@ -51,7 +52,7 @@ def test_policy_pt_gives_the_hf_models_logps(tmp_path):
     got = token_logps(logits[..., :trained.config.vocab_size], input_ids)
     rel = ((got - expected).abs() / expected.abs()).max().item()
     assert rel <= 1e-5, rel
-    base_logps = hf_logps(build_tiny_hf_model("gpt2", seed=0), input_ids, torch.ones_like(input_ids))
+    base_logps = hf_logps(build_tiny_hf_model(arch, seed=0), input_ids, torch.ones_like(input_ids))
     assert (base_logps - expected).abs().max() > 1e-2  # the archive's weights, not the base's
 
     # and back: our HF export -> policy.pt holds the same tensors
