@@ -112,6 +112,16 @@ class DataConfig:
     se_max_pairs_per_question: int = 1
     """StackExchange: pairs made per question, best-scored answer vs the next lower scores (>= 1)."""
 
+    reference_preprocessing: bool = False
+    """``hh`` / ``shp`` / ``se`` rows as the reference DPO repo (Rafailov et al. 2023,
+    ``preference_datasets.py``) preprocesses them: plain-text prompts ``"\n\nHuman: <text>
+    \n\nAssistant:"`` (HH: the dialogue up to the last common Assistant turn) and completions
+    ``" <answer>"`` with no chat template; SE HTML stripped as there (top-level ``<p>`` text and
+    ``<code>`` blocks, kept as ``<code>...</code>``) and every pair of a question's answers made
+    (higher ``pm_score`` chosen; on a tie the later answer, as there). False: conversations
+    (message lists through the chat template) and this engine's SE rule
+    (``se_max_pairs_per_question``)."""
+
     verbose: bool = True
     """Print the start-up summary (rows read, pairs kept, drops by reason, length percentiles),
     on global rank 0 only when torch.distributed is initialized; also shows progress bars."""

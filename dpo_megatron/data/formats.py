@@ -227,29 +227,17 @@ def parse_hh(text: str, field: str) -> Messages:
 
 
 _HH_ASSISTANT = "\n\nAssistant:"
+_HH_HUMAN = "\n\nHuman: "
 
 
-def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
-    """Anthropic HH-RLHF raw: chosen/rejected are whole dialogues, usually differing only in
-    their last Assistant turn (prompt = the turns before it).
+def hh_split_point(chosen_text: str, rejected_text: str) -> int:
+    """Index in both texts of the ``"\n\nAssistant:"`` that ends their longest common prefix
+    ending with that marker (the prompt is ``text[:index + len(marker)]``).
 
-    Some pairs differ earlier (about 1% of HH-RLHF: a different answer, then further turns).
-    Those are split at the longest common prefix of the two texts that ends with
-    ``"\n\nAssistant:"``: the prompt is the dialogue up to there, each completion the rest of
-    its dialogue (possibly several turns), as in the reference DPO repo's PR #86. They are
-    marked ``diverged_early`` (counted in the data summary).
+    Raises:
+        Filtered: identical texts (``identical``).
+        RowError: no Assistant turn common to both dialogues.
     """
-    chosen_text, rejected_text = _text(row, "chosen"), _text(row, "rejected")
-    chosen = parse_hh(chosen_text, "chosen")
-    rejected = parse_hh(rejected_text, "rejected")
-    if chosen[-1]["role"] != "assistant":
-        raise RowError("chosen", "the dialogue does not end with an Assistant turn")
-    if rejected[-1]["role"] != "assistant":
-        raise RowError("rejected", "the dialogue does not end with an Assistant turn")
-    if chosen[:-1] == rejected[:-1]:
-        prompt = chosen[:-1]
-        _check_prompt_messages(prompt, "chosen")
-        return [Example(prompt, chosen[-1:], rejected[-1:])]
     if chosen_text == rejected_text:
         raise Filtered("identical")
     common = 0
@@ -261,6 +249,45 @@ def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
     if split < 0:
         raise RowError("rejected", "chosen and rejected dialogues share no Assistant turn: no "
                                    "common prompt to split them at")
+    return split
+
+
+def _hh_reference_text(chosen_text: str, rejected_text: str) -> list[Example]:
+    """The reference repo's HH split, as text: prompt up to and including the last common
+    ``"\n\nAssistant:"``, completions the rest of each dialogue (``" answer"``)."""
+    end = hh_split_point(chosen_text, rejected_text) + len(_HH_ASSISTANT)
+    notes = () if chosen_text.rfind(_HH_ASSISTANT) + len(_HH_ASSISTANT) == end == (
+        rejected_text.rfind(_HH_ASSISTANT) + len(_HH_ASSISTANT)) else ("diverged_early",)
+    return [Example(chosen_text[:end], chosen_text[end:], rejected_text[end:], notes=notes)]
+
+
+def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
+    """Anthropic HH-RLHF raw: chosen/rejected are whole dialogues, usually differing only in
+    their last Assistant turn (prompt = the turns before it).
+
+    Some pairs differ earlier (about 1% of HH-RLHF: a different answer, then further turns).
+    Those are split at the longest common prefix of the two texts that ends with
+    ``"\n\nAssistant:"``: the prompt is the dialogue up to there, each completion the rest of
+    its dialogue (possibly several turns), as in the reference DPO repo's PR #86. They are
+    marked ``diverged_early`` (counted in the data summary).
+
+    With ``data.reference_preprocessing`` the example is text, as the reference repo feeds it:
+    prompt ``"\n\nHuman: ...\n\nAssistant:"``, completions ``" answer"`` (same split point).
+    """
+    chosen_text, rejected_text = _text(row, "chosen"), _text(row, "rejected")
+    chosen = parse_hh(chosen_text, "chosen")
+    rejected = parse_hh(rejected_text, "rejected")
+    if chosen[-1]["role"] != "assistant":
+        raise RowError("chosen", "the dialogue does not end with an Assistant turn")
+    if rejected[-1]["role"] != "assistant":
+        raise RowError("rejected", "the dialogue does not end with an Assistant turn")
+    if cfg.reference_preprocessing:
+        return _hh_reference_text(chosen_text, rejected_text)
+    if chosen[:-1] == rejected[:-1]:
+        prompt = chosen[:-1]
+        _check_prompt_messages(prompt, "chosen")
+        return [Example(prompt, chosen[-1:], rejected[-1:])]
+    split = hh_split_point(chosen_text, rejected_text)
     prompt = parse_hh(chosen_text[:split], "chosen")
     _check_prompt_messages(prompt, "chosen")
     completions = [parse_hh(text[split:], field) for field, text in
@@ -268,9 +295,18 @@ def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(prompt, completions[0], completions[1], notes=("diverged_early",))]
 
 
+def _single_turn(question: str, chosen: str, rejected: str, cfg: DataConfig) -> Example:
+    """One question and two answers: the reference repo's text form, or a user/assistant turn."""
+    if cfg.reference_preprocessing:
+        return Example(_HH_HUMAN + question + _HH_ASSISTANT, " " + chosen, " " + rejected)
+    return Example([{"role": "user", "content": question}], [{"role": "assistant", "content": chosen}],
+                   [{"role": "assistant", "content": rejected}])
+
+
 def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
     """Stanford SHP: ``history`` (the post), ``human_ref_A``/``human_ref_B`` comments, ``labels``
-    (1: A preferred), scores; pairs under ``data.shp_min_score_ratio`` are filtered."""
+    (1: A preferred), scores; pairs under ``data.shp_min_score_ratio`` are filtered (the reference
+    DPO repo's filter: ratio of the higher to the lower score >= 2)."""
     history = _text(row, "history")
     a, b = _text(row, "human_ref_A"), _text(row, "human_ref_B")
     label = _get(row, "labels")
@@ -283,8 +319,7 @@ def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
     if float(ratio) < cfg.shp_min_score_ratio:
         raise Filtered("score_ratio")
     chosen, rejected = (a, b) if label == 1 else (b, a)
-    prompt = [{"role": "user", "content": history}]
-    return [Example(prompt, [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}])]
+    return [_single_turn(history, chosen, rejected, cfg)]
 
 
 class _HTMLText(HTMLParser):
@@ -315,11 +350,33 @@ def strip_html(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", out).strip()
 
 
-def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
-    """StackExchange preferences: ``question`` and ``answers`` [{text, pm_score}]; the best-scored
-    answer is chosen against up to ``data.se_max_pairs_per_question`` lower-scored ones (highest
-    first); HTML stripped."""
-    question = strip_html(_text(row, "question"))
+def strip_html_reference(text: str) -> str:
+    """The reference DPO repo's StackExchange HTML rule (``strip_html_tags``, BeautifulSoup's
+    ``html.parser``): of the fragment's top-level elements, a ``<p>`` gives its direct text
+    children (text inside nested tags such as ``<a>`` or ``<em>`` is dropped), a ``<pre>`` each of
+    its ``<code>`` blocks and a ``<code>`` itself as ``"<code>" + text + "</code>"``; anything else
+    is dropped; the parts are joined by blank lines."""
+    try:
+        from bs4 import BeautifulSoup, NavigableString
+    except ImportError:
+        raise RowError("question", "data.reference_preprocessing on StackExchange rows needs "
+                                   "beautifulsoup4 (pip install beautifulsoup4, or the "
+                                   "'reference' extra)") from None
+    parts = []
+    for element in BeautifulSoup(text, "html.parser").children:
+        if isinstance(element, NavigableString):
+            continue
+        if element.name == "p":
+            parts.append("".join(c for c in element.children if isinstance(c, NavigableString)))
+        elif element.name == "pre":
+            parts.extend(f"<code>{code.get_text()}</code>" for code in element.find_all("code"))
+        elif element.name == "code":
+            parts.append(f"<code>{element.get_text()}</code>")
+    return "\n\n".join(parts)
+
+
+def _se_answers(row: dict, strip) -> tuple[str, list[tuple[float, str]]]:
+    question = strip(_text(row, "question"))
     answers = _get(row, "answers")
     if not isinstance(answers, list):
         raise RowError("answers", f"expected a list, got {type(answers).__name__}")
@@ -330,17 +387,33 @@ def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
         score = answer.get("pm_score", answer.get("score"))
         if not isinstance(score, (int, float)):
             raise RowError(f"answers[{i}].pm_score", f"expected a number, got {score!r}")
-        scored.append((float(score), i, strip_html(answer["text"])))
-    scored.sort(key=lambda t: (-t[0], t[1]))  # stable: ties keep the file's order
+        scored.append((float(score), strip(answer["text"])))
+    return question, scored
+
+
+def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
+    """StackExchange preferences: ``question`` and ``answers`` [{text, pm_score}]; the best-scored
+    answer is chosen against up to ``data.se_max_pairs_per_question`` lower-scored ones (highest
+    first); HTML stripped.
+
+    With ``data.reference_preprocessing``: the reference repo's rule instead, every pair (i < j)
+    of answers in file order with the higher ``pm_score`` chosen (a tie: answer j), its HTML
+    rule (:func:`strip_html_reference`) and text form."""
+    if cfg.reference_preprocessing:
+        question, scored = _se_answers(row, strip_html_reference)
+        if len(scored) < 2:
+            raise Filtered("se_no_pair")
+        pairs = [(i, j) if scored[i][0] > scored[j][0] else (j, i)
+                 for i in range(len(scored)) for j in range(i + 1, len(scored))]
+        return [_single_turn(question, scored[c][1], scored[r][1], cfg) for c, r in pairs]
+    question, answers = _se_answers(row, strip_html)
+    scored = sorted(((s, i, t) for i, (s, t) in enumerate(answers)),
+                    key=lambda t: (-t[0], t[1]))  # stable: ties keep the file's order
     if len(scored) < 2 or scored[0][0] == scored[-1][0]:
         raise Filtered("se_no_pair")
     best = scored[0]
     lower = [s for s in scored if s[0] < best[0]][: cfg.se_max_pairs_per_question]
-    prompt = [{"role": "user", "content": question}]
-    return [
-        Example(prompt, [{"role": "assistant", "content": best[2]}], [{"role": "assistant", "content": other[2]}])
-        for other in lower
-    ]
+    return [_single_turn(question, best[2], other[2], cfg) for other in lower]
 
 
 def convert_ultrafeedback(row: dict, cfg: DataConfig) -> list[Example]:

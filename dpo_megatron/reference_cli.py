@@ -1,0 +1,606 @@
+"""The reference DPO repo's command line (Rafailov et al. 2023, ``train.py`` + ``config/*.yaml``)
+on this engine: translate, print the equivalent ``scripts/pretrain_dpo.sh`` /
+``scripts/pretrain_sft.sh`` command, run it.
+
+    python -m dpo_megatron.reference_cli model=pythia69 datasets=[hh] loss=sft \\
+        exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 \\
+        eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false
+    bash scripts/train_reference_style.sh ...        # the same
+    python -m dpo_megatron.reference_cli --dry-run ...   # print the translation only
+    python -m dpo_megatron.reference_cli --trl dpo_config.yaml [our key=value ...]  # TRL fields
+
+Every key of the reference repo's ``config.yaml`` / ``loss`` / ``model`` groups is accepted
+(:data:`REFERENCE_DEFAULTS`); an unknown key is an error listing them. Keys without an
+equivalent here are named in the printed notes, never silently dropped. ``engine.<our key>=v``
+passes one of our own keys through (``engine.data.eval_fraction=0.05``).
+
+What is translated how (the README's "Coming from the reference DPO repo" table lists every key):
+``batch_size`` is the global batch in pairs, ``gradient_accumulation_steps`` the micro-batches
+per step, ``trainer`` a layout over the visible devices (:func:`layout_for`), ``eval_every`` and
+``n_examples`` count examples (divided by ``batch_size`` into steps), ``n_epochs`` counts passes
+over the pairs left after preprocessing (counted here, with the engine's own data pipeline),
+``datasets`` names ``hh`` / ``shp`` / ``se`` (hub datasets) or local files and folders, read with
+``data.reference_preprocessing`` (the reference repo's text prompts), and ``model.archive``
+(a reference-repo ``policy.pt``) becomes an HF folder (``checkpointing.reference_archive``) that
+is loaded as the policy and the reference. After a run, its final policy is written as
+``<run dir>/LATEST/policy.pt``, as the reference trainer does, so the README's SFT line feeds its
+DPO line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import getpass
+import importlib.util
+import math
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_CONFIG = os.path.join("configs", "reference_dpo.yaml")
+
+REFERENCE_DEFAULTS: dict[str, Any] = {
+    # config/config.yaml
+    "seed": 0, "exp_name": None, "batch_size": 4, "eval_batch_size": 16, "debug": False,
+    "fsdp_port": None, "datasets": ["hh"], "wandb.enabled": True, "wandb.entity": None,
+    "wandb.project": "direct-preference-optimization",
+    "local_dirs": ["/scr-ssd", "/scr", ".cache"], "local_run_dir": None,
+    "sample_during_eval": True, "n_eval_model_samples": 16, "do_first_eval": True, "lr": 5e-7,
+    "gradient_accumulation_steps": 1, "max_grad_norm": 10.0, "max_length": 512,
+    "max_prompt_length": 256, "n_epochs": 1, "n_examples": None, "n_eval_examples": 256,
+    "trainer": "BasicTrainer", "optimizer": "RMSprop", "warmup_steps": 150,
+    "activation_checkpointing": False, "eval_every": 20_000, "minimum_log_interval_secs": 1.0,
+    # config/model/*.yaml
+    "model": "blank_model", "model.name_or_path": None, "model.tokenizer_name_or_path": None,
+    "model.archive": None, "model.block_name": None, "model.policy_dtype": "float32",
+    "model.fsdp_policy_mp": None, "model.reference_dtype": "float16",
+    # config/loss/*.yaml
+    "loss": "sft", "loss.beta": None, "loss.label_smoothing": 0.0, "loss.reference_free": False,
+}
+"""Every key the reference repo's Hydra config has, with its default there."""
+
+REFERENCE_DATASETS: dict[str, tuple[str, str]] = {
+    "hh": ("Anthropic/hh-rlhf", "hh"),
+    "shp": ("stanfordnlp/SHP", "shp"),
+    "se": ("HuggingFaceH4/stack-exchange-preferences", "se"),
+}
+"""``datasets=[name]`` -> (hub dataset, our row format); ``preference_datasets.get_dataset``."""
+
+REFERENCE_MODELS: dict[str, str] = {
+    # config/model/*.yaml of the reference repo (name_or_path)
+    "gpt2-large": "gpt2-large", "gpt2-xl": "gpt2-xl", "gptj": "EleutherAI/gpt-j-6b",
+    "llama7b": "huggyllama/llama-7b", "pythia28": "EleutherAI/pythia-2.8b",
+    "pythia69": "EleutherAI/pythia-6.9b",
+    # the smaller Pythia models, named the same way
+    "pythia70m": "EleutherAI/pythia-70m", "pythia160m": "EleutherAI/pythia-160m",
+    "pythia410m": "EleutherAI/pythia-410m", "pythia1b": "EleutherAI/pythia-1b",
+    "pythia14": "EleutherAI/pythia-1.4b",
+}
+"""The reference repo's ``model=`` names -> the hub model they name. Used only for a name that
+``models.config.MODEL_PRESETS`` (the one preset table, which resolves local copies) does not
+have yet: it then becomes ``model.hf_path=<hub name>``. The models work (issue 10) takes these
+names over into MODEL_PRESETS."""
+
+TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
+LOSSES = ("sft", "dpo", "ipo")
+OPTIMIZERS = ("RMSprop", "Adam", "AdamW", "SGD")
+POLICY_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+class ReferenceCLIError(ValueError):
+    """A reference-dialect command that cannot be translated (the message says why)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing
+
+
+def _value(text: str) -> Any:
+    """A Hydra-style value: YAML (lists ``[hh,shp]``, ``true``, ``null``, ``20_000``), and
+    numbers YAML 1.1 reads as strings (``5e-7``)."""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``key=value`` words -> (the reference config with them applied, our passthrough keys).
+
+    Raises:
+        ReferenceCLIError: a word without ``=``, or a key the reference repo does not have
+            (the message lists the keys it has).
+    """
+    args = dict(REFERENCE_DEFAULTS)
+    engine: list[str] = []
+    for word in argv:
+        key, sep, text = word.partition("=")
+        key = key.lstrip("+")  # Hydra's +key= / ++key= add or force a key: the same here
+        if not sep:
+            raise ReferenceCLIError(f"expected key=value, got {word!r}")
+        if key.startswith("engine."):
+            engine.append(f"{key[len('engine.'):]}={text}")
+            continue
+        if key not in REFERENCE_DEFAULTS:
+            import difflib
+
+            close = difflib.get_close_matches(key, REFERENCE_DEFAULTS, n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ReferenceCLIError(
+                f"unknown key {key!r} of the reference DPO repo's command line.{hint} Known keys: "
+                f"{', '.join(REFERENCE_DEFAULTS)} (and engine.<key of ours>=value)")
+        args[key] = _value(text)
+    return args, engine
+
+
+# ----------------------------------------------------------------------------------------------
+# translation
+
+
+@dataclass
+class Layout:
+    """``trainer=`` as our parallel layout."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    description: str = ""
+
+
+def visible_devices() -> int:
+    """Accelerators this launcher would use: ``CUDA_VISIBLE_DEVICES`` entries, else what torch
+    counts; 1 (one CPU process) when there is none. The reference repo uses
+    ``torch.cuda.device_count()`` the same way."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"]) or 1
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def layout_for(trainer: str, devices: int) -> Layout:
+    """The reference repo's trainer class over ``devices`` accelerators, as a layout.
+
+    - ``BasicTrainer``: one process, the model's layers spread over the devices
+      (``device_map='balanced'``) and run one after the other: pipeline parallel over them.
+    - ``FSDPTrainer``: one process per device, each a data-parallel replica, parameters,
+      gradients and optimizer state sharded: data parallel with the optimizer state sharded
+      (megatron-core's distributed optimizer, ZeRO-1; parameters stay whole).
+    - ``TensorParallelTrainer``: every layer split over the devices (``tensor_parallel``):
+      tensor parallel.
+
+    Raises:
+        ReferenceCLIError: an unknown trainer (lists the three).
+    """
+    if trainer == "BasicTrainer":
+        return Layout(pipeline_model_parallel_size=devices,
+                      description=f"layers split over {devices} device(s), run in turn "
+                                  f"(device_map='balanced') -> pipeline parallel {devices}")
+    if trainer == "FSDPTrainer":
+        return Layout(data_parallel_size=devices,
+                      description=f"{devices} FSDP replica(s) -> data parallel {devices}, "
+                                  f"optimizer state sharded (ZeRO-1; parameters are not sharded)")
+    if trainer == "TensorParallelTrainer":
+        return Layout(tensor_model_parallel_size=devices,
+                      description=f"layers split over {devices} device(s) -> tensor parallel "
+                                  f"{devices}")
+    raise ReferenceCLIError(f"trainer={trainer}: unknown trainer; the reference repo has "
+                            f"{', '.join(TRAINERS)}")
+
+
+@dataclass
+class Translation:
+    """A reference command in our terms."""
+
+    script: str
+    """``scripts/pretrain_sft.sh`` or ``scripts/pretrain_dpo.sh``."""
+    overrides: list[str]
+    """Our ``key=value`` overrides, on top of :data:`BASE_CONFIG`."""
+    run_dir: str
+    layout: Layout
+    notes: list[str] = field(default_factory=list)
+    """What differs from the reference repo, one line each (printed)."""
+    archive: Optional[str] = None
+    """``model.archive``: converted to ``archive_dir`` before the run."""
+    archive_dir: Optional[str] = None
+    base_model: Optional[str] = None
+    """The model the archive was trained from (its config.json), when known here."""
+    epochs: Optional[int] = None
+    """``n_epochs`` when the step count still needs the number of pairs (see ``steps_for``)."""
+    examples: Optional[int] = None
+    batch_size: int = 1
+    sft: bool = False
+
+    config: str = BASE_CONFIG
+
+    def command(self) -> list[str]:
+        return ["bash", self.script, "--config", self.config, *self.overrides]
+
+
+def _local_run_dir(args: dict) -> str:
+    """``local_run_dir`` as the reference repo makes it: ``<first existing local_dir (else the
+    last)>/<user>/<exp_name>_<timestamp>``."""
+    if args["local_run_dir"]:
+        return str(args["local_run_dir"])
+    dirs = list(args["local_dirs"] or [".cache"])
+    root = next((d for d in dirs if os.path.exists(d)), dirs[-1])
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    return os.path.join(root, getpass.getuser(), f"{args['exp_name']}_{stamp}")
+
+
+def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
+    from dpo_megatron.models.config import MODEL_PRESETS
+
+    out = []
+    name = args["model"]
+    if name != "blank_model" and name not in MODEL_PRESETS and name in REFERENCE_MODELS:
+        if not args["model.name_or_path"]:
+            out.append(f"model.hf_path={REFERENCE_MODELS[name]}")
+        t.notes.append(f"model={name}: {REFERENCE_MODELS[name]} (not a preset of "
+                       f"models.config.MODEL_PRESETS here: its hub name, read online)")
+    elif name != "blank_model":
+        if name not in MODEL_PRESETS:
+            raise ReferenceCLIError(
+                f"model={name}: no such preset here (models.config.MODEL_PRESETS has "
+                f"{', '.join(sorted(MODEL_PRESETS)) or 'none'}); or give the model itself: "
+                f"model=blank_model model.name_or_path=<HF folder or hub name>")
+        out.append(f"model={name}")
+    path = args["model.name_or_path"]
+    if path:
+        out.append(f"model.hf_path={path}")
+    elif name == "blank_model":
+        raise ReferenceCLIError("model=blank_model needs model.name_or_path=<HF folder or hub "
+                                "name> (the reference repo's '???')")
+    if args["model.tokenizer_name_or_path"]:
+        out.append(f"data.tokenizer={args['model.tokenizer_name_or_path']}")
+    dtype = str(args["model.policy_dtype"])
+    if dtype not in POLICY_DTYPES:
+        raise ReferenceCLIError(f"model.policy_dtype={dtype}: this engine trains in "
+                                f"{' or '.join(POLICY_DTYPES)} (float16 training needs loss "
+                                f"scaling, which is not wired); use bfloat16")
+    out.append(f"model.params_dtype={POLICY_DTYPES[dtype]}")
+    if args["model.reference_dtype"] != dtype:
+        t.notes.append(f"model.reference_dtype={args['model.reference_dtype']}: the reference "
+                       f"model runs in the policy's dtype here ({dtype})")
+    for key in ("model.block_name", "model.fsdp_policy_mp"):
+        if args[key] is not None:
+            t.notes.append(f"{key}={args[key]}: no equivalent (megatron-core layers are the "
+                           f"unit of sharding and recompute); ignored")
+    if args["activation_checkpointing"]:
+        out += ["model.recompute_granularity=full", "model.recompute_method=uniform",
+                "model.recompute_num_layers=1"]
+    if args["model.archive"]:
+        t.archive = str(args["model.archive"])
+        t.archive_dir = os.path.join(run_dir, "archive_hf")
+        t.base_model = path or None
+        out.append(f"model.hf_path={t.archive_dir}")
+    return out
+
+
+def _data_overrides(args: dict, t: Translation) -> list[str]:
+    names = args["datasets"]
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not names:
+        raise ReferenceCLIError(f"datasets={names}: expected a list such as datasets=[hh,shp]")
+    paths, formats, hh = [], [], []
+    for name in names:
+        name = str(name)
+        if name in REFERENCE_DATASETS:
+            hub, fmt = REFERENCE_DATASETS[name]
+            paths.append(hub)
+            formats.append(fmt)
+            hh.append(fmt == "hh")
+        elif os.path.exists(name):
+            paths.append(os.path.abspath(name))
+            formats.append("auto")
+            hh.append(_looks_like_hh(name))
+        else:
+            raise ReferenceCLIError(f"datasets: {name!r} is neither a dataset of the reference "
+                                    f"repo ({', '.join(REFERENCE_DATASETS)}) nor a local file "
+                                    f"or folder")
+    # the reference repo cuts HH prompts keeping their end, the others keeping their start
+    truncation = "keep_end" if all(hh) else "keep_start"
+    if any(hh) and not all(hh):
+        t.notes.append("datasets mixes HH (prompts cut keeping the end) with others (keeping the "
+                       "start): one data.truncation_mode applies here, keep_start")
+    t.notes.append("datasets: the train split trains; the reference repo's evaluation on the "
+                   "test split has no counterpart (give engine.data.eval_fraction=F to hold out "
+                   "a fraction of the train split)")
+    return [f"data.datasets=[{','.join(paths)}]", f"data.formats=[{','.join(formats)}]",
+            f"data.truncation_mode={truncation}", f"data.max_length={args['max_length']}",
+            f"data.max_prompt_length={args['max_prompt_length']}",
+            f"data.seed={args['seed']}"]
+
+
+def _looks_like_hh(path: str) -> bool:
+    """Whether a local data file's first row is an Anthropic HH dialogue (for its truncation)."""
+    try:
+        from dpo_megatron.data.pipeline import check_sources
+        from dpo_megatron.data.config import DataConfig
+
+        return check_sources(DataConfig(path=path, reference_preprocessing=True))[0][1] == "hh"
+    except Exception:  # the launcher's pre-check reports a bad file with its own message
+        return False
+
+
+def _loss_overrides(args: dict) -> list[str]:
+    name = args["loss"]
+    if name not in LOSSES:
+        raise ReferenceCLIError(f"loss={name}: the reference repo's losses are "
+                                f"{', '.join(LOSSES)}")
+    if name == "sft":
+        return ["loss=sft"]
+    if args["loss.beta"] is None:
+        raise ReferenceCLIError(f"loss={name} needs loss.beta (the reference repo's '???'), "
+                                f"e.g. loss.beta=0.1")
+    if name == "ipo":  # its IPO is on summed log-probs (trainers.preference_loss)
+        return ["loss=ipo", f"loss.beta={args['loss.beta']}", "loss.average_logps=false"]
+    out = ["loss=sigmoid", f"loss.beta={args['loss.beta']}",
+           f"loss.label_smoothing={args['loss.label_smoothing']}"]
+    if args["loss.reference_free"]:
+        out.append("loss.reference_free=true")
+    return out
+
+
+def _optimizer_overrides(args: dict, t: Translation) -> list[str]:
+    name = args["optimizer"]
+    if name not in OPTIMIZERS:
+        raise ReferenceCLIError(f"optimizer={name}: the reference repo takes a torch.optim "
+                                f"class; translated here: {', '.join(OPTIMIZERS)}")
+    if name == "RMSprop":
+        t.notes.append(
+            "optimizer=RMSprop: megatron-core 0.16's optimizer offers Adam and SGD only, so Adam "
+            "with beta1=0, beta2=0.99, eps=1e-8 is used (RMSprop's alpha=0.99 second moment, no "
+            "momentum) - it equals RMSprop but for Adam's bias correction of the second moment, "
+            "which makes its first updates smaller (at step 1: 1/sqrt(1-0.99) = 10x)")
+        return ["train.optimizer=adam", "train.adam_beta1=0.0", "train.adam_beta2=0.99",
+                "train.adam_eps=1e-08", "train.weight_decay=0.0"]
+    if name == "Adam":
+        return ["train.optimizer=adam", "train.adam_beta1=0.9", "train.adam_beta2=0.999",
+                "train.weight_decay=0.0"]
+    if name == "AdamW":  # torch.optim.AdamW's default weight decay
+        return ["train.optimizer=adam", "train.adam_beta1=0.9", "train.adam_beta2=0.999",
+                "train.weight_decay=0.01"]
+    t.notes.append("optimizer=SGD: megatron-core's SGD uses momentum 0.9 (torch.optim.SGD: 0)")
+    return ["train.optimizer=sgd", "train.weight_decay=0.0"]
+
+
+def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = None) -> Translation:
+    """A parsed reference command (:func:`parse_args`) -> our script and overrides.
+
+    Args:
+        devices: accelerators to lay ``trainer`` over (default :func:`visible_devices`).
+
+    Raises:
+        ReferenceCLIError: a value the reference repo would reject too (missing ``exp_name``,
+            ``loss.beta``, a batch that does not divide) or one with no translation.
+    """
+    if not args["exp_name"]:
+        raise ReferenceCLIError("exp_name is required (the reference repo's '???'), e.g. "
+                                "exp_name=anthropic_dpo_pythia69")
+    layout = layout_for(str(args["trainer"]), devices or visible_devices())
+    run_dir = _local_run_dir(args)
+    sft = args["loss"] == "sft"
+    t = Translation(script="scripts/pretrain_sft.sh" if sft else "scripts/pretrain_dpo.sh",
+                    overrides=[], run_dir=run_dir, layout=layout, sft=sft)
+
+    batch, accum = int(args["batch_size"]), int(args["gradient_accumulation_steps"])
+    dp = layout.data_parallel_size
+    if batch % (accum * dp):
+        raise ReferenceCLIError(f"batch_size={batch} must be divisible by "
+                                f"gradient_accumulation_steps={accum} x {dp} data-parallel "
+                                f"replica(s) (trainer={args['trainer']})")
+    micro = batch // (accum * dp)
+    t.batch_size = batch
+    eval_steps = max(int(args["eval_every"]) // batch, 1)
+
+    o = [f"run_dir={run_dir}"]
+    o += _model_overrides(args, run_dir, t)
+    o += _loss_overrides(args)
+    o += _data_overrides(args, t)
+    o += [f"parallel.tensor_model_parallel_size={layout.tensor_model_parallel_size}",
+          f"parallel.pipeline_model_parallel_size={layout.pipeline_model_parallel_size}",
+          f"parallel.data_parallel_size={layout.data_parallel_size}",
+          f"train.global_batch_size={batch}", f"train.micro_batch_size={micro}",
+          f"train.lr={args['lr']}", f"train.lr_warmup_iters={args['warmup_steps']}",
+          f"train.clip_grad={args['max_grad_norm']}", f"train.seed={args['seed']}",
+          f"train.eval_interval={eval_steps}",
+          f"train.sample_during_eval={'true' if args['sample_during_eval'] else 'false'}",
+          f"train.eval_num_samples={args['n_eval_model_samples']}"]
+    o += _optimizer_overrides(args, t)
+    if args["debug"]:
+        o.append("checkpoint.save_interval=0")
+        t.notes.append("debug=true: wandb off and checkpoints only at the end (this engine "
+                       "always writes the final one)")
+    else:
+        o.append(f"checkpoint.save_interval={eval_steps}")
+    if args["wandb.enabled"] and not args["debug"]:
+        if importlib.util.find_spec("wandb") is None:
+            t.notes.append("wandb.enabled=true but wandb is not installed: metrics go to "
+                           "TensorBoard and <run_dir>/metrics.jsonl only")
+        else:
+            o += [f"logging.wandb_project={args['wandb.project']}",
+                  f"logging.wandb_run_name={args['exp_name']}"]
+            if args["wandb.entity"]:
+                o.append(f"logging.wandb_entity={args['wandb.entity']}")
+
+    if args["n_examples"] is not None:
+        t.examples = int(args["n_examples"])
+    if args["n_epochs"] is not None:
+        t.epochs = int(args["n_epochs"])
+    if t.examples is None and t.epochs is None:
+        raise ReferenceCLIError("set n_epochs or n_examples (the reference repo needs one)")
+    t.notes += [
+        f"trainer={args['trainer']}: {layout.description}",
+        f"batch_size={batch} pairs per step = train.global_batch_size; "
+        f"gradient_accumulation_steps={accum} -> train.micro_batch_size={micro} per replica",
+        f"eval_every={args['eval_every']} examples -> every {eval_steps} step(s) "
+        f"(train.eval_interval, checkpoint.save_interval)",
+        f"lr warm-up over {args['warmup_steps']} steps follows megatron-core's schedule "
+        f"(lr * step / warmup; the reference's LambdaLR: lr * (step + 1) / (warmup + 1)), then "
+        f"constant",
+    ]
+    if sft:
+        t.notes.append("loss=sft: per-token mean NLL of each completion (the reference sums the "
+                       "completion's log-probs), one example per pair's chosen (the reference: "
+                       "one per distinct prompt, its sft_target)")
+    for key in ("eval_batch_size", "n_eval_examples", "do_first_eval", "fsdp_port",
+                "minimum_log_interval_secs"):
+        if args[key] != REFERENCE_DEFAULTS[key]:
+            t.notes.append(f"{key}={args[key]}: no equivalent here; ignored")
+    t.overrides = o + list(engine)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# steps, archive, run
+
+
+def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) -> int:
+    """Training items (pairs, or SFT examples) the engine makes of the data with these
+    overrides on ``config``: the engine's own pipeline, so the count is the run's (its cache is
+    then warm)."""
+    from dpo_megatron.config import load_config
+    from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
+
+    cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.hf_path)
+    verbose = cfg.data.verbose
+    cfg.data.verbose = False
+    try:
+        dataset = (load_sft_examples if sft else load_preference_pairs)(cfg.data, tokenizer)
+    finally:
+        cfg.data.verbose = verbose
+    return len(dataset.train)
+
+
+def steps_for(t: Translation, items: Optional[int]) -> int:
+    """Optimizer steps: the reference repo's iterator yields only full batches, drops an
+    epoch's last partial batch, and stops after ``n_examples`` (whole batches, rounded up) or
+    ``n_epochs``, whichever comes first.
+
+    Raises:
+        ReferenceCLIError: fewer items than one batch."""
+    limits = []
+    if t.examples is not None:
+        limits.append(math.ceil(t.examples / t.batch_size))
+    if t.epochs is not None:
+        assert items is not None
+        limits.append(t.epochs * (items // t.batch_size))
+    steps = min(limits)
+    if steps < 1:
+        raise ReferenceCLIError(f"{items} training item(s) do not fill one batch_size="
+                                f"{t.batch_size} batch: nothing to train")
+    return steps
+
+
+def base_model_of(overrides: Sequence[str]) -> str:
+    """``model.hf_path`` the overrides give before the archive replaces it (preset or path)."""
+    from dpo_megatron.config import config_from_mapping
+
+    sections: dict = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "model":
+            sections["model"] = value
+        elif key == "model.hf_path" and value:
+            model = sections.setdefault("model", {})
+            if isinstance(model, str):  # a preset, then its folder overridden
+                sections["model"] = model = {}
+            model["hf_path"] = value
+    cfg = config_from_mapping(sections, check=False)
+    return cfg.model.hf_path
+
+
+def write_latest_archive(run_dir: str, steps: int, batch_size: int) -> str:
+    """``<run_dir>/LATEST/policy.pt`` from the run's HF export, as the reference trainer saves
+    it (``step_idx`` counts examples)."""
+    from dpo_megatron.checkpointing.reference_archive import ARCHIVE_NAME, hf_folder_to_archive
+
+    return hf_folder_to_archive(os.path.join(run_dir, "checkpoints", "hf"),
+                                os.path.join(run_dir, "LATEST", ARCHIVE_NAME),
+                                step_idx=steps * batch_size)
+
+
+def prepare(argv: Sequence[str], devices: Optional[int] = None) -> Translation:
+    """Parse, translate, convert ``model.archive`` and count the steps: a Translation whose
+    :meth:`Translation.command` is ready to run."""
+    args, engine = parse_args(argv)
+    t = translate(args, engine, devices)
+    if t.archive:
+        from dpo_megatron.checkpointing.reference_archive import archive_to_hf_folder
+
+        before = [o for o in t.overrides if o != f"model.hf_path={t.archive_dir}"]
+        base = t.base_model or base_model_of(before)
+        tokenizer = args["model.tokenizer_name_or_path"]
+        archive_to_hf_folder(t.archive, base, t.archive_dir, tokenizer=tokenizer)
+        t.notes.append(f"model.archive={t.archive}: weights over {base}'s config.json, written "
+                       f"to {t.archive_dir} (model.hf_path), policy and reference")
+    items = count_items(t.overrides, t.sft) if t.epochs is not None else None
+    t.overrides.append(f"train.train_iters={steps_for(t, items)}")
+    return t
+
+
+def prepare_trl_command(path: str, extra: Sequence[str],
+                        devices: Optional[int] = None) -> Translation:
+    """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML (``trl_config``) as a
+    Translation on ``configs/trl_dpo.yaml``."""
+    from dpo_megatron.trl_config import TRL_BASE_CONFIG, prepare_trl
+
+    overrides, notes = prepare_trl(path, extra, devices or visible_devices())
+    run_dir = next((o.partition("=")[2] for o in reversed(overrides) if o.startswith("run_dir=")),
+                   "runs/trl")
+    return Translation(script="scripts/pretrain_dpo.sh", overrides=overrides, run_dir=run_dir,
+                       layout=Layout(), notes=notes, config=TRL_BASE_CONFIG)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dry = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        if argv and argv[0] == "--trl":
+            if len(argv) < 2:
+                raise ReferenceCLIError("--trl needs the path of a TRL DPOConfig YAML")
+            t = prepare_trl_command(argv[1], argv[2:])
+        else:
+            t = prepare(argv)
+    except ValueError as e:  # ReferenceCLIError, ArchiveError, our config's errors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in t.notes:
+        print(f"note: {note}")
+    print("translated command:")
+    print("  " + shlex.join(t.command()))
+    sys.stdout.flush()
+    if dry:
+        return 0
+    script = os.path.join(ROOT, t.script)
+    rc = subprocess.call(["bash", script, "--config", os.path.join(ROOT, t.config),
+                          *t.overrides])
+    if rc == 0 and t.config == BASE_CONFIG:
+        steps = int(t.overrides[-1].partition("=")[2])
+        print(f"wrote {write_latest_archive(t.run_dir, steps, t.batch_size)}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

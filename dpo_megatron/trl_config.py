@@ -1,0 +1,166 @@
+"""A TRL ``DPOConfig`` YAML (trl 1.16 field names, as ``trl dpo --config FILE`` reads it) as our
+overrides: ``python -m dpo_megatron.reference_cli --trl FILE.yaml [our key=value ...]`` prints the
+equivalent ``scripts/pretrain_dpo.sh`` command and runs it (README, "Coming from TRL").
+
+Field names and defaults: ``trl.trainer.dpo_config.DPOConfig`` and ``transformers.TrainingArguments``
+(trl 1.16.0). A field that is not in :data:`RENAMES` / :data:`SPECIAL` / :data:`UNSUPPORTED` is an
+error listing the known ones; an unsupported one is accepted only at its TRL default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional, Sequence
+
+import yaml
+
+TRL_BASE_CONFIG = os.path.join("configs", "trl_dpo.yaml")
+"""TRL's defaults in our keys: the base of the printed command."""
+
+RENAMES: dict[str, str] = {
+    "beta": "loss.beta", "label_smoothing": "loss.label_smoothing",
+    "use_weighting": "loss.use_weighting", "ld_alpha": "loss.ld_alpha",
+    "discopop_tau": "loss.discopop_tau", "loss_weights": "loss.weights",
+    "max_length": "data.max_length", "max_prompt_length": "data.max_prompt_length",
+    "truncation_mode": "data.truncation_mode", "dataset_num_proc": "data.num_proc",
+    "model_name_or_path": "model.hf_path", "dataset_name": "data.path",
+    "dataset_train_split": "data.split", "output_dir": "run_dir",
+    "learning_rate": "train.lr", "weight_decay": "train.weight_decay",
+    "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
+    "adam_epsilon": "train.adam_eps", "max_grad_norm": "train.clip_grad", "seed": "train.seed",
+    "per_device_train_batch_size": "train.micro_batch_size", "eval_steps": "train.eval_interval",
+    "save_steps": "checkpoint.save_interval", "logging_steps": "train.log_interval",
+    "save_total_limit": "checkpoint.keep_last_n", "pad_to_multiple_of": "train.seq_length_multiple",
+    "precompute_ref_batch_size": "reference.micro_batch_size",
+}
+"""TRL field -> our key, same value."""
+
+SPECIAL = ("loss_type", "rpo_alpha", "gradient_accumulation_steps", "num_train_epochs",
+           "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+           "precompute_ref_log_probs", "padding_free", "gradient_checkpointing", "bf16",
+           "optim", "disable_dropout", "report_to")
+"""TRL fields translated by a rule of :func:`translate_trl`."""
+
+UNSUPPORTED: dict[str, Any] = {
+    "sync_ref_model": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512,
+    "f_divergence_type": "reverse_kl", "activation_offloading": False,
+}
+"""TRL fields with no counterpart here, and the only (default) value accepted."""
+
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant",
+             "constant_with_warmup": "constant"}
+
+
+def known_fields() -> list[str]:
+    return [*RENAMES, *SPECIAL, *UNSUPPORTED]
+
+
+def read_trl_yaml(path: str) -> dict:
+    """The YAML mapping at ``path``. Raises ValueError (naming the file) for anything else."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such TRL config file")
+    with open(path) as f:
+        fields = yaml.safe_load(f) or {}
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path}: a TRL config is a mapping of DPOConfig fields")
+    return fields
+
+
+def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], list[str], dict]:
+    """TRL fields -> (our overrides, notes, step facts for the step count).
+
+    Raises:
+        ValueError: an unknown field (lists the known ones) or an unsupported one set away from
+            TRL's default, naming ``source``.
+    """
+    unknown = sorted(set(fields) - set(known_fields()))
+    if unknown:
+        raise ValueError(f"{source}: unknown TRL DPOConfig field(s) {unknown}; known: "
+                         f"{', '.join(known_fields())}")
+    for name, default in UNSUPPORTED.items():
+        if name in fields and fields[name] != default:
+            raise ValueError(f"{source}: {name}={fields[name]!r} is not supported here (only "
+                             f"TRL's default {default!r})")
+    o = [f"{RENAMES[k]}={_dotlist(v)}" for k, v in fields.items() if k in RENAMES]
+    notes: list[str] = []
+    f = dict(fields)
+    names = f.get("loss_type", ["sigmoid"])
+    names = [names] if isinstance(names, str) else list(names)
+    if f.get("rpo_alpha") is not None:  # trl < 1: sigmoid + alpha x NLL of the chosen
+        o.append(f"loss.sft_weight={f['rpo_alpha']}")
+    o.append(f"loss.name=[{','.join(names)}]" if len(names) > 1 else f"loss.name={names[0]}")
+    micro = int(f.get("per_device_train_batch_size", 8))
+    accum = int(f.get("gradient_accumulation_steps", 1))
+    o += [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum * devices}",
+          f"parallel.data_parallel_size={devices}"]
+    notes.append(f"{devices} visible device(s): data parallel {devices}, global batch "
+                 f"{micro} x {accum} x {devices} = {micro * accum * devices} pairs")
+    schedule = f.get("lr_scheduler_type", "linear")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{source}: lr_scheduler_type={schedule!r}; translated: "
+                         f"{', '.join(SCHEDULES)}")
+    o.append(f"train.lr_decay_style={SCHEDULES[schedule]}")
+    warmup = f.get("warmup_ratio", f.get("warmup_steps", 0)) or 0
+    optim = str(f.get("optim", "adamw_torch_fused"))
+    if optim.startswith("adamw") or optim.startswith("adam"):
+        o.append("train.optimizer=adam")
+    elif optim == "sgd":
+        o.append("train.optimizer=sgd")
+    else:
+        raise ValueError(f"{source}: optim={optim!r}: megatron-core offers adam(w) and sgd")
+    if f.get("precompute_ref_log_probs"):
+        o.append("reference.mode=precomputed")
+    if f.get("padding_free"):
+        o.append("packing.enabled=true")
+    if f.get("gradient_checkpointing", True):
+        o += ["model.recompute_granularity=full", "model.recompute_method=uniform",
+              "model.recompute_num_layers=1"]
+    if f.get("bf16"):
+        o.append("model.params_dtype=bfloat16")
+    if f.get("disable_dropout") is False:
+        notes.append("disable_dropout=false: dropout is always 0 here")
+    report = f.get("report_to", "none")
+    report = [report] if isinstance(report, str) else list(report)
+    if "wandb" in report:
+        o.append("logging.wandb_project=trl")
+    o.append(f"logging.tensorboard={'true' if 'tensorboard' in report else 'false'}")
+    facts = {"max_steps": int(f.get("max_steps", -1)),
+             "epochs": float(f.get("num_train_epochs", 3.0)),
+             "global_batch": micro * accum * devices, "warmup": warmup}
+    return o, notes, facts
+
+
+def trl_steps(facts: dict, items: Optional[int]) -> tuple[int, int]:
+    """(optimizer steps, warm-up steps) as transformers' Trainer counts them: ``max_steps`` when
+    > 0, else ``ceil(num_train_epochs x ceil(pairs / global batch))``; a warm-up below 1 is a
+    ratio of the steps."""
+    if facts["max_steps"] > 0:
+        steps = facts["max_steps"]
+    else:
+        assert items is not None
+        steps = math.ceil(facts["epochs"] * math.ceil(items / facts["global_batch"]))
+    warmup = facts["warmup"]
+    warmup = math.ceil(warmup * steps) if 0 < warmup < 1 else int(warmup)
+    return steps, warmup
+
+
+def _dotlist(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_dotlist(v) for v in value) + "]"
+    return str(value)
+
+
+def prepare_trl(path: str, extra: Sequence[str], devices: int) -> tuple[list[str], list[str]]:
+    """The overrides (with ``train.train_iters`` and ``train.lr_warmup_iters``) for the TRL YAML
+    at ``path`` plus our own ``extra`` overrides, and the notes."""
+    from dpo_megatron.reference_cli import count_items
+
+    overrides, notes, facts = translate_trl(read_trl_yaml(path), path, devices)
+    overrides += list(extra)
+    items = (count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
+             if facts["max_steps"] <= 0 else None)
+    steps, warmup = trl_steps(facts, items)
+    return [*overrides, f"train.lr_warmup_iters={warmup}", f"train.train_iters={steps}"], notes

@@ -1,0 +1,149 @@
+"""The reference DPO repo's command line: parsing, the key-by-key translation, the layouts of its
+trainers, and its errors (no training here; tests/training/test_reference_cli_runs.py runs it)."""
+
+import pytest
+
+from dpo_megatron.reference_cli import (REFERENCE_DEFAULTS, ReferenceCLIError, Translation,
+                                        layout_for, parse_args, steps_for, translate)
+
+SFT_LINE = ("model=blank_model model.name_or_path=/m datasets=[hh] loss=sft "
+            "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 "
+            "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false").split()
+DPO_LINE = ("model=blank_model model.name_or_path=/m datasets=[hh] loss=dpo loss.beta=0.1 "
+            "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=32 "
+            "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false").split()
+
+
+def _translate(words, devices=1, extra=()):
+    args, engine = parse_args([*words, "local_run_dir=/runs/x", *extra])
+    return translate(args, engine, devices=devices)
+
+
+def test_values_parse_as_hydra_does():
+    args, engine = parse_args(["datasets=[hh,shp]", "lr=5e-7", "eval_every=20_000",
+                               "debug=true", "model.archive=null", "engine.data.num_proc=2"])
+    assert args["datasets"] == ["hh", "shp"]
+    assert args["lr"] == 5e-7 and args["eval_every"] == 20000
+    assert args["debug"] is True and args["model.archive"] is None
+    assert engine == ["data.num_proc=2"]
+    assert args["optimizer"] == "RMSprop" and args["max_prompt_length"] == 256  # its defaults
+
+
+def test_unknown_key_names_the_known_ones():
+    with pytest.raises(ReferenceCLIError, match=r"unknown key 'batchsize'.*Did you mean "
+                                                r"batch_size, eval_batch_size\?.*Known keys: seed, exp_name, "
+                                                r"batch_size"):
+        parse_args(["batchsize=4"])
+    with pytest.raises(ReferenceCLIError, match="expected key=value"):
+        parse_args(["hh"])
+
+
+def test_fsdp_sft_line_translation():
+    t = _translate(SFT_LINE, devices=4)
+    assert t.script == "scripts/pretrain_sft.sh"
+    o = t.overrides
+    for want in ["loss=sft", "model.hf_path=/m", "data.datasets=[Anthropic/hh-rlhf]",
+                 "data.formats=[hh]", "data.truncation_mode=keep_end",
+                 "parallel.data_parallel_size=4", "parallel.tensor_model_parallel_size=1",
+                 "train.global_batch_size=64", "train.micro_batch_size=8",  # 64 / (2 x 4)
+                 "train.lr=5e-07", "train.lr_warmup_iters=150", "train.clip_grad=10.0",
+                 "train.sample_during_eval=false", "train.eval_interval=312",  # 20000 // 64
+                 "train.optimizer=adam", "train.adam_beta1=0.0", "train.adam_beta2=0.99",
+                 "run_dir=/runs/x"]:
+        assert want in o, want
+    assert any("RMSprop" in n and "Adam" in n for n in t.notes)
+    assert any(n.startswith("eval_batch_size=32: no equivalent") for n in t.notes)
+    assert t.command()[:4] == ["bash", "scripts/pretrain_sft.sh", "--config",
+                               "configs/reference_dpo.yaml"]
+
+
+def test_dpo_ipo_and_conservative_losses():
+    o = _translate(DPO_LINE).overrides
+    assert {"loss=sigmoid", "loss.beta=0.1", "loss.label_smoothing=0.0"} <= set(o)
+    assert _translate(DPO_LINE).script == "scripts/pretrain_dpo.sh"
+    o = _translate([*DPO_LINE, "loss.label_smoothing=0.2", "loss.reference_free=true"]).overrides
+    assert {"loss.label_smoothing=0.2", "loss.reference_free=true"} <= set(o)
+    ipo = [w.replace("loss=dpo", "loss=ipo") for w in DPO_LINE]
+    assert {"loss=ipo", "loss.beta=0.1", "loss.average_logps=false"} <= set(_translate(ipo).overrides)
+    with pytest.raises(ReferenceCLIError, match="loss=dpo needs loss.beta"):
+        _translate([w for w in DPO_LINE if not w.startswith("loss.beta")])
+    with pytest.raises(ReferenceCLIError, match="the reference repo's losses are sft, dpo, ipo"):
+        _translate([*DPO_LINE, "loss=kto"])
+
+
+@pytest.mark.parametrize("trainer,tp,pp,dp", [("BasicTrainer", 1, 2, 1),
+                                              ("FSDPTrainer", 1, 1, 2),
+                                              ("TensorParallelTrainer", 2, 1, 1)])
+def test_trainers_as_layouts(trainer, tp, pp, dp):
+    layout = layout_for(trainer, 2)
+    assert (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+            layout.data_parallel_size) == (tp, pp, dp)
+    t = _translate([*SFT_LINE, f"trainer={trainer}"], devices=2)
+    assert f"parallel.pipeline_model_parallel_size={pp}" in t.overrides
+    assert any(n.startswith(f"trainer={trainer}: ") for n in t.notes)  # printed
+    with pytest.raises(ReferenceCLIError, match="has BasicTrainer, FSDPTrainer, TensorParallelTrainer"):
+        layout_for("DeepSpeedTrainer", 2)
+
+
+def test_batch_errors_and_steps():
+    with pytest.raises(ReferenceCLIError, match=r"batch_size=64 must be divisible by "
+                                                r"gradient_accumulation_steps=2 x 3"):
+        _translate(SFT_LINE, devices=3)
+    with pytest.raises(ReferenceCLIError, match="exp_name is required"):
+        _translate([w for w in SFT_LINE if not w.startswith("exp_name")])
+    with pytest.raises(ReferenceCLIError, match="model=blank_model needs model.name_or_path"):
+        _translate([w for w in SFT_LINE if not w.startswith("model.name_or_path")])
+    with pytest.raises(ReferenceCLIError, match="model=pythia6900: no such preset.*MODEL_PRESETS"):
+        _translate([*SFT_LINE, "model=pythia6900"])
+    # a reference name: the preset when MODEL_PRESETS has it, else its hub name
+    from dpo_megatron.models.config import MODEL_PRESETS
+
+    named = [w for w in SFT_LINE if not w.startswith("model")] + ["model=pythia69"]
+    o = _translate(named).overrides
+    assert ("model=pythia69" in o if "pythia69" in MODEL_PRESETS
+            else "model.hf_path=EleutherAI/pythia-6.9b" in o)
+    with pytest.raises(ReferenceCLIError, match="policy_dtype=float16.*use bfloat16"):
+        _translate([*SFT_LINE, "model.policy_dtype=float16"])
+    # full batches only: 10 items, batch 4 -> 2 per epoch; n_examples rounds up to whole batches
+    t = Translation("s", [], "r", layout_for("BasicTrainer", 1), batch_size=4, epochs=3)
+    assert steps_for(t, 10) == 6
+    t.examples = 10
+    assert steps_for(t, 10) == 3
+    t.examples, t.epochs = None, 1
+    with pytest.raises(ReferenceCLIError, match="3 training item"):
+        steps_for(t, 3)
+
+
+def test_every_reference_key_is_translated_or_noted():
+    """Each key of the reference config, set away from its default, shows in the overrides or
+    in a note: nothing is dropped silently."""
+    changed = {"seed": 7, "batch_size": 8, "eval_batch_size": 4, "debug": "true",
+               "fsdp_port": 1234, "wandb.enabled": "false", "wandb.entity": "me",
+               "wandb.project": "p", "local_dirs": "[/tmp]", "sample_during_eval": "false",
+               "n_eval_model_samples": 3, "do_first_eval": "false", "lr": 1e-4,
+               "gradient_accumulation_steps": 2, "max_grad_norm": 3.0, "max_length": 64,
+               "max_prompt_length": 32, "n_epochs": 2, "n_examples": 40, "n_eval_examples": 9,
+               "trainer": "BasicTrainer", "optimizer": "AdamW", "warmup_steps": 5,
+               "activation_checkpointing": "true", "eval_every": 64,
+               "minimum_log_interval_secs": 2.0, "model.tokenizer_name_or_path": "/tok",
+               "model.block_name": "GPTNeoXLayer", "model.policy_dtype": "bfloat16",
+               "model.fsdp_policy_mp": "bfloat16", "model.reference_dtype": "bfloat16",
+               "loss.label_smoothing": 0.1, "loss.reference_free": "true"}
+    untested = set(REFERENCE_DEFAULTS) - set(changed) - {
+        "exp_name", "datasets", "model", "model.name_or_path", "model.archive", "loss",
+        "loss.beta", "local_run_dir"}
+    assert not untested, untested
+    t = _translate(DPO_LINE, extra=[f"{k}={v}" for k, v in changed.items()])
+    text = " ".join(t.overrides) + " " + " ".join(t.notes)
+    for token in ["train.seed=7", "data.seed=7", "eval_batch_size=4", "debug=true",
+                  "fsdp_port=1234", "n_eval_examples=9", "do_first_eval=False",
+                  "minimum_log_interval_secs=2.0", "train.lr=0.0001", "train.micro_batch_size=4",
+                  "train.clip_grad=3.0", "data.max_length=64", "data.max_prompt_length=32",
+                  "train.eval_num_samples=3", "train.weight_decay=0.01",
+                  "train.lr_warmup_iters=5", "model.recompute_granularity=full",
+                  "train.eval_interval=8", "data.tokenizer=/tok", "model.block_name=GPTNeoXLayer",
+                  "model.params_dtype=bfloat16", "model.fsdp_policy_mp=bfloat16",
+                  "loss.label_smoothing=0.1", "loss.reference_free=true"]:
+        assert token in text, token
+    assert not any(o.startswith("logging.wandb") for o in t.overrides)
+    assert (t.epochs, t.examples) == (2, 40)

@@ -1,0 +1,65 @@
+"""A TRL DPOConfig YAML through the same translation layer: field by field, TRL's step count,
+and its errors (tests/test_reference_cli.py covers the reference repo's dialect)."""
+
+import json
+
+import pytest
+
+from dpo_megatron.reference_cli import main, prepare_trl_command
+from dpo_megatron.trl_config import translate_trl, trl_steps
+from tests.data.fixtures import tiny_hf_tokenizer
+
+
+def test_fields_translate():
+    fields = {"beta": 0.05, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.2],
+              "label_smoothing": 0.1, "max_length": 256, "truncation_mode": "keep_end",
+              "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+              "learning_rate": 5e-7, "lr_scheduler_type": "cosine", "num_train_epochs": 2,
+              "precompute_ref_log_probs": True, "padding_free": True,
+              "gradient_checkpointing": False, "bf16": True, "seed": 7, "output_dir": "runs/t"}
+    o, notes, facts = translate_trl(fields, "cfg.yaml", devices=2)
+    for want in ["loss.beta=0.05", "loss.name=[sigmoid,sft]", "loss.weights=[1.0,0.2]",
+                 "loss.label_smoothing=0.1", "data.max_length=256", "data.truncation_mode=keep_end",
+                 "train.micro_batch_size=2", "train.global_batch_size=16",  # 2 x 4 x 2 devices
+                 "parallel.data_parallel_size=2", "train.lr=5e-07", "train.lr_decay_style=cosine",
+                 "reference.mode=precomputed", "packing.enabled=true",
+                 "model.params_dtype=bfloat16", "train.seed=7", "run_dir=runs/t",
+                 "train.optimizer=adam"]:
+        assert want in o, want
+    assert not any(x.startswith("model.recompute") for x in o)
+    assert facts == {"max_steps": -1, "epochs": 2.0, "global_batch": 16, "warmup": 0}
+    # transformers' Trainer: ceil(epochs x ceil(pairs / global batch)); a warm-up < 1 is a ratio
+    assert trl_steps(facts, 100) == (14, 0)  # ceil(100 / 16) = 7 per epoch
+    assert trl_steps({**facts, "warmup": 0.1}, 100) == (14, 2)
+    assert trl_steps({**facts, "max_steps": 5}, None) == (5, 0)
+
+
+def test_unknown_and_unsupported_fields():
+    with pytest.raises(ValueError, match=r"cfg.yaml: unknown TRL DPOConfig field\(s\) "
+                                         r"\['betta'\]; known: beta, label_smoothing"):
+        translate_trl({"betta": 0.1}, "cfg.yaml", 1)
+    with pytest.raises(ValueError, match="sync_ref_model=True is not supported"):
+        translate_trl({"sync_ref_model": True}, "cfg.yaml", 1)
+    assert translate_trl({"sync_ref_model": False}, "cfg.yaml", 1)[0]
+
+
+def test_trl_yaml_prints_the_command(tmp_path, capsys):
+    tok_dir = tmp_path / "tok"
+    tiny_hf_tokenizer().save_pretrained(str(tok_dir))
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Hello?", "chosen": " yes.", "rejected": " no."})
+                            + "\n" for _ in range(10)))
+    cfg = tmp_path / "dpo.yaml"
+    cfg.write_text(f"dataset_name: {data}\nbeta: 0.2\nper_device_train_batch_size: 2\n"
+                   f"gradient_accumulation_steps: 2\nnum_train_epochs: 1\nwarmup_steps: 0.5\n"
+                   f"output_dir: {tmp_path}/run\n")
+    extra = [f"data.tokenizer={tok_dir}", "data.cache_dir=none", "data.verbose=false"]
+    t = prepare_trl_command(str(cfg), extra, devices=1)
+    # 10 pairs / global batch 4 -> 3 steps; warm-up ratio 0.5 -> 2 steps
+    assert t.overrides[-2:] == ["train.lr_warmup_iters=2", "train.train_iters=3"]
+    assert t.command()[:4] == ["bash", "scripts/pretrain_dpo.sh", "--config", "configs/trl_dpo.yaml"]
+    assert t.run_dir == f"{tmp_path}/run"
+    assert main(["--dry-run", "--trl", str(cfg), *extra]) == 0
+    out = capsys.readouterr().out
+    assert "bash scripts/pretrain_dpo.sh --config configs/trl_dpo.yaml" in out
+    assert "loss.beta=0.2" in out
