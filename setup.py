@@ -23,8 +23,9 @@ setup(
         "xxhash>=3",
     ],
     extras_require={
-        # peft: the LoRA export test loads the adapters with peft.PeftModel.from_pretrained.
-        "test": ["pytest", "peft"],
+        # peft: the LoRA export test loads the adapters with peft.PeftModel.from_pretrained;
+        # beautifulsoup4: the StackExchange preprocessing tests (the "reference" extra).
+        "test": ["pytest", "peft", "beautifulsoup4"],
         # NVIDIA apex is optional and detected at run time; the PyPI package named `apex` is an
         # unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],
