@@ -313,9 +313,14 @@ def _optimizer_common(tree) -> dict:
     """The non-tensor part (parameter groups, sharding type) of each optimizer of a requested
     distributed-optimizer state, by index: ``{0: ..., 1: ...}`` for a chained optimizer,
     ``{None: ...}`` for one (a dict with ``param_state``)."""
-    if not tree:
+    if not isinstance(tree, dict) or not tree:
         return {}
-    singles = {None: tree} if "param_state" in tree else tree
+    if "param_state" in tree:
+        singles = {None: tree}
+    else:  # a chained one: {0: {..., "param_state"}, 1: ...}; anything else is not restructured
+        singles = {k: v for k, v in tree.items() if isinstance(v, dict) and "param_state" in v}
+        if len(singles) != len(tree):
+            return {}
     return {k: {key: value for key, value in single.items() if key != "param_state"}
             for k, single in singles.items()}
 
@@ -347,7 +352,12 @@ def _match_optimizer_structure(requested: dict, loaded):
     Args:
         requested: :func:`_optimizer_common` of the state that was asked for (before loading).
         loaded: ``dist_checkpointing.load(...)["optimizer"]``.
+
+    Returns ``loaded`` unchanged when ``requested`` is empty (not a distributed-optimizer
+    state: ``train.use_distributed_optimizer=false``).
     """
+    if not requested:  # not a distributed-optimizer state: nothing to restructure
+        return loaded
     indexed = {k for k in loaded if isinstance(k, int)}
     if None in requested:  # one optimizer now: saved parts of a chained one are under 0, 1, ...
         saved = [loaded[k] for k in indexed]

@@ -156,9 +156,11 @@ class Trainer:
                       "from the original. Start runs that must reshard from model.hf_path or "
                       "model.load.", flush=True)
         unit = "examples" if self.sft else "pairs"
+        cp = cfg.parallel.context_parallel_size
         print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
-              f"{cfg.parallel.pipeline_model_parallel_size} x CP "
-              f"{cfg.parallel.context_parallel_size} x DP "
+              f"{cfg.parallel.pipeline_model_parallel_size} x "
+              + (f"CP {cp} x " if cp > 1 else "") +  # CP only when used
+              f"DP "
               f"{parallel_state.get_data_parallel_world_size()} on {self.device} | "
               f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
               f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",

@@ -25,7 +25,9 @@ from tests.models.conversion_helpers import (
 )
 from tests.multirank import run_ranks
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# One rank, and TP 2 x PP 2: every split (tensor and pipeline) at once. TP or PP alone adds no
+# path that TP 2 x PP 2 does not take, and each extra layout costs every architecture a run.
+LAYOUTS = [(1, 1), (2, 2)]
 LENGTHS = [10, 7, 4, 9]  # right padding: rows 1-3 are padded
 PAD_ID = 0
 
