@@ -64,6 +64,20 @@ def tiny_trainer(pairs: Sequence, eval_pairs: Sequence = (), pad_token_id: int =
     return Trainer(cfg, data=RunData(list(pairs), list(eval_pairs), pad_token_id))
 
 
+def save_initial_checkpoint(ckpt_dir: str, seed: int = 3) -> None:
+    """Write a distributed checkpoint of the :data:`TINY` model at TP 1 x PP 1 (random init from
+    ``seed``): layout tests load it at each layout (megatron-core reshards), so every layout
+    starts from the same weights. Collective: call it inside ``run_ranks`` on one rank."""
+    from dpo_megatron.checkpointing import save_model_checkpoint
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    parallel = ParallelConfig()
+    initialize_distributed(parallel)
+    set_seed(seed)
+    save_model_checkpoint(build_model_chunks(ModelConfig(**TINY), parallel), ckpt_dir)
+
+
 def random_pairs(n: int, seed: int, lengths, vocab: int = VOCAB, eos: int = 2):
     """``n`` pairs of random ids; ``lengths(i)`` gives (prompt, chosen, rejected) lengths of pair
     i before the EOS appended to each completion."""

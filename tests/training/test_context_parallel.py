@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from tests.engine import TINY, owns_results, random_pairs, step_record, tiny_trainer
+from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -23,15 +23,6 @@ def _pairs() -> list:
     return random_pairs(GLOBAL_PAIRS, seed=5, lengths=lambda i: (5 + 3 * i, 4 + i, 7 - i))
 
 
-def _save_initial(ckpt_dir):
-    from dpo_megatron.checkpointing import save_model_checkpoint
-    from dpo_megatron.models import ModelConfig, build_model_chunks
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-
-    parallel = ParallelConfig()
-    initialize_distributed(parallel)
-    set_seed(3)
-    save_model_checkpoint(build_model_chunks(ModelConfig(**TINY), parallel), ckpt_dir)
 
 
 def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
@@ -60,11 +51,6 @@ def _per_pair(results, step, key):
     return [v for r in owners for v in r["history"][step]["per_pair"][key]]
 
 
-@pytest.fixture(scope="module")
-def initial_checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("init") / "ckpt")
-    run_ranks(_save_initial, world_size=1, ckpt_dir=path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -58,15 +58,6 @@ def _evaluate_layout(ckpt_dir, pp, vpp, reference_mode):
     return trainer.evaluator.run(trainer.policy, trainer.reference, trainer.loss_fn)
 
 
-@pytest.fixture(scope="module")
-def initial_checkpoint(tmp_path_factory):
-    from tests.training.test_dpo_step import _save_initial
-
-    path = str(tmp_path_factory.mktemp("init") / "ckpt")
-    run_ranks(_save_initial, world_size=1, ckpt_dir=path)
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("reference_mode", ["model", "precomputed"])
 def test_interleaved_pipeline_evaluates_a_smaller_last_step(initial_checkpoint, reference_mode):

@@ -36,22 +36,8 @@ def lora_trainer(pairs, eval_pairs=(), lora=None, **config):
     return Trainer(cfg, data=RunData(list(pairs), list(eval_pairs), 0))
 
 
-def _save_initial(ckpt_dir):
-    from dpo_megatron.checkpointing import save_model_checkpoint
-    from dpo_megatron.models import ModelConfig, build_model_chunks
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-
-    parallel = ParallelConfig()
-    initialize_distributed(parallel)
-    set_seed(3)
-    save_model_checkpoint(build_model_chunks(ModelConfig(**TINY), parallel), ckpt_dir)
 
 
-@pytest.fixture(scope="module")
-def initial_checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("lora_init") / "ckpt")
-    run_ranks(_save_initial, world_size=1, ckpt_dir=path)
-    return path
 
 
 def _run(ckpt_dir, steps=3, lora=None, **config):

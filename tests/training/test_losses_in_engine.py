@@ -14,6 +14,7 @@ import pytest
 from dpo_megatron.losses import LOSSES
 from tests.losses.test_gradients_and_step_zero import STEP_ZERO
 from tests.engine import tiny_trainer
+from tests.engine import save_initial_checkpoint
 from tests.multirank import run_ranks
 from tests.training import test_dpo_step as engine
 
@@ -52,7 +53,7 @@ def _evaluate_all(ckpt_dir, tp, pp):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("losses") / "ckpt")
-    run_ranks(engine._save_initial, world_size=1, ckpt_dir=ckpt)
+    run_ranks(save_initial_checkpoint, world_size=1, ckpt_dir=ckpt)
     single = run_ranks(_evaluate_all, world_size=1, ckpt_dir=ckpt, tp=1, pp=1)[0]
     split = run_ranks(_evaluate_all, world_size=4, ckpt_dir=ckpt, tp=2, pp=2)[0]
     return single, split

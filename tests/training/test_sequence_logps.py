@@ -10,8 +10,8 @@ import torch
 
 from dpo_megatron.data import PreferencePair
 from tests.engine import tiny_trainer
+from tests.engine import save_initial_checkpoint
 from tests.multirank import run_ranks
-from tests.training import test_dpo_step as engine
 
 pytestmark = pytest.mark.slow
 EOS = 2
@@ -52,7 +52,7 @@ def _run(ckpt_dir):
 
 def test_completion_tokens_only_by_hand_and_independent_of_batching(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    run_ranks(engine._save_initial, world_size=1, ckpt_dir=ckpt)
+    run_ranks(save_initial_checkpoint, world_size=1, ckpt_dir=ckpt)
     alone, batched, hand = run_ranks(_run, world_size=1, ckpt_dir=ckpt)[0]
     (chosen,), (rejected,) = alone
     assert chosen == pytest.approx(hand[0], rel=1e-6)      # r1 + r2 + EOS, given the prompt
