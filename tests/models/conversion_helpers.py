@@ -84,13 +84,9 @@ VARIANT_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.
     "qwen3_untied": {**NEW_TINY_CONFIGS["qwen3"], "tie_word_embeddings": False},
     # Llama-3.1 (untied, llama3 RoPE scaling factor 8): the Llama table.
-    "llama31": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                                     "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 8192}),
+    "llama31": {**NEW_TINY_CONFIGS["llama32"], "tie_word_embeddings": False,
+                "rope_parameters": {**NEW_TINY_CONFIGS["llama32"]["rope_parameters"],
+                                    "factor": 8.0}},
 }
 """Variants of the architectures above, checked at one layout (TP 2 x PP 2)."""
 ALL_TINY_CONFIGS = {**TINY_CONFIGS, **NEW_TINY_CONFIGS, **VARIANT_TINY_CONFIGS}
@@ -152,6 +148,25 @@ def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log softmax(logits[:, t]) at token input_ids[:, t+1]: [b, s, V], [b, s] -> [b, s-1]."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def imported_chunks(hf_dir: str, tp: int, pp: int, vpp=None, seed: int = 1234):
+    """(chunks, cfg): the model of ``hf_dir`` built at TP x PP (x VPP) in fp32 with the local
+    spec and padded heads, its weights imported from the folder. Collective."""
+    from dpo_megatron.models import ModelConfig, build_model_chunks, load_hf_weights
+    from dpo_megatron.models.conversion import model_config_from_hf
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              virtual_pipeline_model_parallel_size=vpp)
+    initialize_distributed(parallel)
+    set_seed(seed)
+    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
+                                                   transformer_impl="local",
+                                                   pad_attention_heads=True))
+    chunks = build_model_chunks(cfg, parallel)
+    load_hf_weights(chunks, cfg, hf_dir)
+    return chunks, cfg
 
 
 def layout_of_segments(segment_ids: torch.Tensor):

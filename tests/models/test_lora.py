@@ -17,7 +17,7 @@ import torch
 from dpo_megatron.config import load_config
 from dpo_megatron.models.lora_config import LoraConfig, export_mode
 from dpo_megatron.training.config import ReferenceConfig
-from tests.models.conversion_helpers import pipeline_logits, save_tiny_hf_folder
+from tests.models.conversion_helpers import imported_chunks, pipeline_logits, save_tiny_hf_folder
 from tests.multirank import run_ranks
 
 ARCH = "smollm2"
@@ -89,23 +89,6 @@ def _batch(vocab: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(1, vocab, (2, 12), generator=g)
 
 
-def _build(hf_dir, tp, pp, vpp=None):
-    from dpo_megatron.models import ModelConfig, build_model_chunks, load_hf_weights
-    from dpo_megatron.models.conversion import model_config_from_hf
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=vpp)
-    initialize_distributed(parallel)
-    set_seed(1234)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local",
-                                                   pad_attention_heads=True))
-    chunks = build_model_chunks(cfg, parallel)
-    load_hf_weights(chunks, cfg, hf_dir)
-    return chunks, cfg
-
-
 def _shards(chunks) -> dict:
     """Shapes, TP attributes and trainability of layer 0's adapters on this rank."""
     from dpo_megatron.models.lora import adapters
@@ -127,7 +110,7 @@ def _lora_vs_merged(hf_dir, tp, pp, vpp, input_ids):
     from dpo_megatron.models.lora import (adapters_disabled, attach_lora, merge_adapters,
                                           reset_adapters)
 
-    chunks, cfg = _build(hf_dir, tp, pp, vpp)
+    chunks, cfg = imported_chunks(hf_dir, tp, pp, vpp)
     base = pipeline_logits(chunks, input_ids, num_microbatches=2)
     attach_lora(chunks, LoraConfig(**LORA), cfg, seed=5)
     at_zero = pipeline_logits(chunks, input_ids, num_microbatches=2)  # B = 0: the base model
@@ -208,7 +191,7 @@ def _save_adapters(hf_dir, tp, ckpt_dir, input_ids):
     from dpo_megatron.checkpointing import save_model_checkpoint
     from dpo_megatron.models.lora import AdapterCheckpoint, attach_lora, reset_adapters
 
-    chunks, cfg = _build(hf_dir, tp, 1)
+    chunks, cfg = imported_chunks(hf_dir, tp, 1)
     attach_lora(chunks, LoraConfig(**LORA), cfg, seed=5)
     reset_adapters(chunks, seed=9, b_std=0.05)  # not what seed 5 draws: loading must overwrite
     save_model_checkpoint([AdapterCheckpoint(c) for c in chunks], ckpt_dir)
@@ -222,7 +205,7 @@ def _load_adapters(hf_dir, tp, ckpt_dir, input_ids):
     from dpo_megatron.checkpointing import load_model_checkpoint
     from dpo_megatron.models.lora import AdapterCheckpoint, attach_lora
 
-    chunks, cfg = _build(hf_dir, tp, 1)
+    chunks, cfg = imported_chunks(hf_dir, tp, 1)
     attach_lora(chunks, LoraConfig(**LORA), cfg, seed=5)
     load_model_checkpoint([AdapterCheckpoint(c) for c in chunks], ckpt_dir)
     logits = pipeline_logits(chunks, input_ids, num_microbatches=2)

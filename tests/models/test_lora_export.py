@@ -16,6 +16,7 @@ import torch
 
 from tests.models.conversion_helpers import (
     build_tiny_hf_model,
+    imported_chunks,
     pipeline_logits,
     save_tiny_hf_folder,
     token_logps,
@@ -30,20 +31,12 @@ RANK, ALPHA = 4, 8.0
 def _engine_export(hf_dir, tp, pp, input_ids, adapter_dir, merged_dir, targets):
     from megatron.core import parallel_state as ps
 
-    from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, load_hf_weights
-    from dpo_megatron.models.conversion import export_peft_adapter, model_config_from_hf
+    from dpo_megatron.models import export_hf
+    from dpo_megatron.models.conversion import export_peft_adapter
     from dpo_megatron.models.lora import attach_lora, reset_adapters
     from dpo_megatron.models.lora_config import LoraConfig
-    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    initialize_distributed(parallel)
-    set_seed(1234)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local",
-                                                   pad_attention_heads=True))
-    chunks = build_model_chunks(cfg, parallel)
-    load_hf_weights(chunks, cfg, hf_dir)
+    chunks, cfg = imported_chunks(hf_dir, tp, pp)
     lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, target_modules=targets)
     attach_lora(chunks, lora, cfg, seed=3)
     reset_adapters(chunks, seed=3, b_std=0.1)
