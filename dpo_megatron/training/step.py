@@ -78,8 +78,10 @@ def model_forward(model, batch: MicroBatch) -> torch.Tensor:
     the n scored positions only (``DPOGPTModel``: prompt and padding positions are never
     projected onto the vocabulary). Packed rows bring their layout (``MicroBatch.packed``); MoE
     routers get the padding mask and the micro-batch's pairs (their load-balancing weight)."""
+    # Only routers read the mask: dense models skip building it on every micro-batch.
+    mask = padding_mask(batch) if model.config.num_moe_experts else None
     return model(batch.tokens, batch.position_ids, packed=batch.packed,
-                 output_index=batch.output_index, padding_mask=padding_mask(batch),
+                 output_index=batch.output_index, padding_mask=mask,
                  moe_aux_loss_weight=float(batch.num_items))
 
 
