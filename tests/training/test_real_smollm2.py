@@ -64,7 +64,7 @@ def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):
     pad_id = tokenizer.pad_token_id
     export_dir = str(tmp_path / "hf")
     results = run_ranks(_engine, world_size=4, hf_path=hf_path, pairs=pairs, pad_id=pad_id,
-                        steps=5, export_dir=export_dir)
+                        steps=3, export_dir=export_dir)
     history = next(r for r in results if r[0]["per_pair"])
     step0 = history[0]
     engine = torch.tensor(step0["per_pair"]["logps/chosen"] + step0["per_pair"]["logps/rejected"],
