@@ -215,15 +215,20 @@ def test_eval_datasets_read_their_test_split(tmp_path, capsys):
     write_jsonl(folder / "train.jsonl", [GOOD, GOOD | {"prompt": "Hello!"}, GOOD | {"prompt": "Yes"}])
     write_jsonl(folder / "test.jsonl", [GOOD | {"chosen": " yes"}, GOOD | {"rejected": " blue."},
                                         GOOD | {"prompt": "Hello!", "rejected": " no"}])
-    cfg = DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)], cache_dir="none",
+    cache = tmp_path / "cache"
+    cfg = DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)], cache_dir=str(cache),
                      verbose=True)
     ds = load_preference_pairs(cfg, tok)
+    assert len(list(cache.glob("tokenized-*"))) == 2  # the train and the test split, cached
+    again = load_preference_pairs(cfg, tok)
+    assert (again.train, again.eval) == (ds.train, ds.eval)
     assert [p.prompt_ids for p in ds.train] == [tuple(tok.encode(t)) for t in ("The sky is", "Hello!", "Yes")]
     assert [(p.prompt_ids, p.chosen_ids[:-1], p.rejected_ids[:-1]) for p in ds.eval] == [
         (tuple(tok.encode("The sky is")), tuple(tok.encode(" yes")), tuple(tok.encode(" green."))),
         (tuple(tok.encode("Hello!")), tuple(tok.encode(" blue.")), tuple(tok.encode(" no")))]
     assert (ds.summary["train"], ds.summary["eval"], ds.summary["dropped"]) == (3, 2, {"identical": 1})
     out = capsys.readouterr().out
+    assert f"{folder}[train] (standard): 3 rows, 3 kept" in out
     assert f"eval set {folder}[test] (standard): 3 rows, 2 kept, dropped: identical 1" in out
     with pytest.raises(ValueError, match="data.eval_datasets and data.eval_fraction=0.1 are both set"):
         load_preference_pairs(DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)],
