@@ -135,3 +135,28 @@ def test_packed_equals_padded_tp2_pp2():
     results = run_ranks(_compare, world_size=4, tp=2, pp=2, steps=2, lr=1e-3)
     last = next(r for r in results if r["last"])
     assert_same_trajectory(last["history"][False], last["history"][True])
+
+
+def _step_zero_rewards(share_prompt):
+    pairs = random_pairs(8, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
+    trainer = tiny_trainer(pairs, packing=True, share_prompt=share_prompt, micro_batch_size=4,
+                           global_batch_size=8, steps=1, seed=3)
+    out, batch = trainer.train_step()
+    return {"rows": [mb.tokens.shape[0] for mb in batch.micro_batches],
+            "rewards": {k: out.per_pair[k].tolist() for k in ("rewards/chosen",
+                                                              "rewards/rejected")},
+            "loss": out.metrics["loss"]}
+
+
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["packed", "shared_prompt"])
+def test_step_zero_rewards_are_exactly_zero_on_packed_rows(share_prompt):
+    """At step 0 policy and reference hold the same weights, so every reward is exactly 0 and
+    the loss is fp32 -log sigmoid(0), bit for bit, however the pairs pack. Old: a micro-batch
+    packed into one row left its attention output with strides (h, s * h, 1); torch.matmul then
+    ran the frozen reference's ``linear_proj`` as a batched kernel and the policy's as one mm,
+    and rewards came out at +-2e-7 (a loss 3e-6 off ln 2 on SmolLM2-135M)."""
+    result = run_ranks(_step_zero_rewards, world_size=1, share_prompt=share_prompt)[0]
+    assert 1 in result["rows"]  # a one-row micro-batch: the case that differed
+    for key, values in result["rewards"].items():
+        assert values == [0.0] * 8, (key, values)
+    assert result["loss"] == float(-torch.nn.functional.logsigmoid(torch.zeros(())))
