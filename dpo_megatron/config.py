@@ -534,8 +534,9 @@ def _reads_chosen_only(cfg: DPOConfig) -> bool:
 
 
 def check_data(cfg: DPOConfig) -> None:
-    """Every local data source exists and its rows fit their format, without a tokenizer
-    (``dpo_megatron.data.pipeline.check_sources``): the launchers' pre-check.
+    """Every local data source, training and eval, exists and its rows fit their format,
+    without a tokenizer (``dpo_megatron.data.pipeline.check_sources``): the launchers'
+    pre-check.
 
     Raises:
         DataError: naming the file, the line or row, and the field (or the format the file
@@ -565,7 +566,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
 
     sft = _reads_chosen_only(cfg)
     if cfg.data.cache_dir.lower() == "none" or not all(
-            is_local_source(name) for name, _ in cfg.data.sources()):
+            is_local_source(name) for name, _ in cfg.data.sources() + cfg.data.eval_sources()):
         return False
     model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)

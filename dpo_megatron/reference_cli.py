@@ -12,7 +12,7 @@ on this engine: translate, print the equivalent ``scripts/pretrain_dpo.sh`` /
 Every key of the reference repo's ``config.yaml`` / ``loss`` / ``model`` groups is accepted
 (:data:`REFERENCE_DEFAULTS`); an unknown key is an error listing them. Keys without an
 equivalent here are named in the printed notes, never silently dropped. ``engine.<our key>=v``
-passes one of our own keys through (``engine.data.eval_fraction=0.05``).
+passes one of our own keys through (``engine.data.shp_max_pairs_per_post=0``).
 
 What is translated how (the README's "Coming from the reference DPO repo" table lists every key):
 ``batch_size`` is the global batch in pairs, ``gradient_accumulation_steps`` the micro-batches
@@ -20,7 +20,10 @@ per step, ``trainer`` a layout over the visible devices (:func:`layout_for`), ``
 ``n_examples`` count examples (divided by ``batch_size`` into steps), ``n_epochs`` counts passes
 over the pairs left after preprocessing (counted here, with the engine's own data pipeline),
 ``datasets`` names ``hh`` / ``shp`` / ``se`` (hub datasets) or local files and folders, read with
-``data.reference_preprocessing`` (the reference repo's text prompts), and ``model.archive``
+``data.reference_preprocessing`` (the reference repo's text prompts): their train split trains and
+their test split (``data.eval_datasets``, ``data.eval_split=test``; a local folder's test files)
+is the eval set that ``eval_every``, ``eval_batch_size``, ``n_eval_examples`` and
+``do_first_eval`` act on, as there (:func:`eval_overrides`), and ``model.archive``
 (a reference-repo ``policy.pt``) becomes an HF folder (``checkpointing.reference_archive``) that
 is loaded as the policy and the reference. After a run, its final policy is written as
 ``<run dir>/LATEST/policy.pt``, as the reference trainer does, so the README's SFT line feeds its
@@ -219,6 +222,8 @@ class Translation:
     archive_dir: Optional[str] = None
     base_model: Optional[str] = None
     """The model the archive was trained from (its config.json), when known here."""
+    eval_sets: list[str] = field(default_factory=list)
+    """The datasets whose test split is the eval set (``data.eval_datasets``)."""
     epochs: Optional[int] = None
     """``n_epochs`` when the step count still needs the number of pairs (see ``steps_for``)."""
     examples: Optional[int] = None
@@ -291,51 +296,122 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
     return out
 
 
+EVAL_SPLIT = "test"
+"""The split the reference trainer evaluates on (``get_batch_iterator(split='test')``)."""
+
+
 def _data_overrides(args: dict, t: Translation) -> list[str]:
+    """``datasets=[...]`` as our training and eval sources (the eval keys: :func:`eval_overrides`).
+
+    A reference name reads its hub dataset's train split and, but for ``se`` (its hub copy has
+    no test split), its test split as the eval set; a local folder trains on its train split
+    and evaluates on its test split when it has one; a local file only trains.
+
+    Raises:
+        ReferenceCLIError: a name that is neither a reference dataset nor a local path.
+    """
+    from dpo_megatron.data.reader import local_split_names
+
     names = args["datasets"]
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, list) or not names:
         raise ReferenceCLIError(f"datasets={names}: expected a list such as datasets=[hh,shp]")
-    paths, formats, hh = [], [], []
+    paths, formats, kinds, evals, eval_formats, no_eval = [], [], [], [], [], []
     for name in names:
         name = str(name)
         if name in REFERENCE_DATASETS:
-            hub, fmt = REFERENCE_DATASETS[name]
-            paths.append(hub)
-            formats.append(fmt)
-            hh.append(fmt == "hh")
+            path, fmt = REFERENCE_DATASETS[name]
+            kind, has_test = fmt, fmt != "se"
         elif os.path.exists(name):
-            paths.append(os.path.abspath(name))
-            formats.append("auto")
-            hh.append(_looks_like_hh(name))
+            path, fmt = os.path.abspath(name), "auto"
+            kind, has_test = _local_format(name), EVAL_SPLIT in local_split_names(name)
         else:
             raise ReferenceCLIError(f"datasets: {name!r} is neither a dataset of the reference "
                                     f"repo ({', '.join(REFERENCE_DATASETS)}) nor a local file "
                                     f"or folder")
+        paths.append(path)
+        formats.append(fmt)
+        kinds.append(kind)
+        if has_test:
+            evals.append(path)
+            eval_formats.append(fmt)
+        else:
+            no_eval.append(name)
     # the reference repo cuts HH prompts keeping their end, the others keeping their start
+    hh = [k == "hh" for k in kinds]
     truncation = "keep_end" if all(hh) else "keep_start"
     if any(hh) and not all(hh):
         t.notes.append("datasets mixes HH (prompts cut keeping the end) with others (keeping the "
                        "start): one data.truncation_mode applies here, keep_start")
-    t.notes.append("datasets: the train split trains; the reference repo's evaluation on the "
-                   "test split has no counterpart (give engine.data.eval_fraction=F to hold out "
-                   "a fraction of the train split)")
-    return [f"data.datasets=[{','.join(paths)}]", f"data.formats=[{','.join(formats)}]",
-            f"data.truncation_mode={truncation}", f"data.max_length={args['max_length']}",
-            f"data.max_prompt_length={args['max_prompt_length']}",
-            f"data.seed={args['seed']}"]
+    t.eval_sets = evals
+    if evals:
+        t.notes.append(f"datasets: the train split trains; the {EVAL_SPLIT} split of "
+                       f"{', '.join(evals)} is the eval set (data.eval_datasets, "
+                       f"data.eval_split={EVAL_SPLIT}), as the reference repo evaluates")
+    for name in no_eval:
+        why = ("the reference repo evaluates on 1% of its train split, shuffled with seed 42; "
+               "the hub copy has no test split" if name == "se" else
+               "a file is read whole; a folder with train.jsonl and test.jsonl has both splits"
+               if os.path.isfile(name) else f"the folder has no {EVAL_SPLIT} files, e.g. "
+               f"{EVAL_SPLIT}.jsonl")
+        t.notes.append(f"datasets: {name}: no {EVAL_SPLIT} split, no eval set from it ({why})")
+    if not evals:
+        t.notes.append("no eval set: eval_every, eval_batch_size, n_eval_examples, "
+                       "do_first_eval and sample_during_eval have nothing to act on "
+                       "(engine.data.eval_fraction=F holds out part of the train split)")
+    if "shp" in kinds:
+        t.notes.append("datasets: SHP keeps at most data.shp_max_pairs_per_post=5 pairs per post "
+                       "(the SHP card's advice; the first ones in file order); the reference "
+                       "repo's get_shp keeps every pair with score ratio >= 2: "
+                       "engine.data.shp_max_pairs_per_post=0 for its exact set")
+    out = [f"data.datasets=[{','.join(paths)}]", f"data.formats=[{','.join(formats)}]"]
+    if evals:
+        out += [f"data.eval_datasets=[{','.join(evals)}]",
+                f"data.eval_formats=[{','.join(eval_formats)}]", f"data.eval_split={EVAL_SPLIT}"]
+    return out + [f"data.truncation_mode={truncation}", f"data.max_length={args['max_length']}",
+                  f"data.max_prompt_length={args['max_prompt_length']}",
+                  f"data.seed={args['seed']}"]
 
 
-def _looks_like_hh(path: str) -> bool:
-    """Whether a local data file's first row is an Anthropic HH dialogue (for its truncation)."""
+def eval_overrides(args: dict, batch_size: int) -> tuple[list[str], int, list[str]]:
+    """The reference trainer's evaluation in our keys: (overrides, steps between evaluations,
+    notes).
+
+    It evaluates before a train batch whenever its example count (``batch_size`` per step) is a
+    multiple of ``eval_every`` (at 0 only with ``do_first_eval``), i.e. every
+    ``lcm(eval_every, batch_size) / batch_size`` steps, on the first ``n_eval_examples`` eval
+    pairs in whole ``eval_batch_size`` batches: ``train.eval_interval``,
+    ``train.eval_at_start``, ``train.eval_global_batch_size`` and ``train.eval_iters =
+    ceil(n_eval_examples / eval_batch_size)`` batches.
+    """
+    every, eval_batch = int(args["eval_every"]), int(args["eval_batch_size"])
+    steps = math.lcm(every, batch_size) // batch_size
+    batches = math.ceil(int(args["n_eval_examples"]) / eval_batch)
+    out = [f"train.eval_interval={steps}", f"train.eval_global_batch_size={eval_batch}",
+           f"train.eval_iters={batches}",
+           f"train.eval_at_start={'true' if args['do_first_eval'] else 'false'}"]
+    notes = [f"eval_every={every} examples -> every {steps} step(s) (its example count, "
+             f"{batch_size} per step, a multiple of {every}: train.eval_interval, "
+             f"checkpoint.save_interval), and after the last step",
+             f"eval_batch_size={eval_batch}, n_eval_examples={args['n_eval_examples']} -> "
+             f"train.eval_global_batch_size={eval_batch}, train.eval_iters={batches}: the first "
+             f"{batches * eval_batch} eval pairs in file order (the reference draws them from "
+             f"its shuffled test split)",
+             f"do_first_eval={args['do_first_eval']} -> train.eval_at_start (step 0)"]
+    return out, steps, notes
+
+
+def _local_format(path: str) -> str:
+    """The format of a local data file or folder's first rows (for its truncation), or
+    ``"auto"`` when it cannot be read."""
     try:
         from dpo_megatron.data.pipeline import check_sources
         from dpo_megatron.data.config import DataConfig
 
-        return check_sources(DataConfig(path=path, reference_preprocessing=True))[0][1] == "hh"
+        return check_sources(DataConfig(path=path, reference_preprocessing=True))[0][1]
     except Exception:  # the launcher's pre-check reports a bad file with its own message
-        return False
+        return "auto"
 
 
 def _loss_overrides(args: dict) -> list[str]:
@@ -364,10 +440,11 @@ def _optimizer_overrides(args: dict, t: Translation) -> list[str]:
                                 f"class; translated here: {', '.join(OPTIMIZERS)}")
     if name == "RMSprop":
         t.notes.append(
-            "optimizer=RMSprop: megatron-core 0.16's optimizer offers Adam and SGD only, so Adam "
-            "with beta1=0, beta2=0.99, eps=1e-8 is used (RMSprop's alpha=0.99 second moment, no "
-            "momentum) - it equals RMSprop but for Adam's bias correction of the second moment, "
-            "which makes its first updates smaller (at step 1: 1/sqrt(1-0.99) = 10x)")
+            "optimizer=RMSprop: not available (megatron-core 0.16 offers Adam and SGD only); "
+            "used instead: Adam with beta1=0, beta2=0.99, eps=1e-8, no weight decay, i.e. "
+            "torch's RMSprop defaults (alpha=0.99, no momentum) plus Adam's bias correction of "
+            "the second moment, which makes the first updates smaller than RMSprop's by "
+            "sqrt(1 - 0.99^step): 10x smaller at step 1, 1.26x at step 100, 1.03x at step 300")
         return ["train.optimizer=adam", "train.adam_beta1=0.0", "train.adam_beta2=0.99",
                 "train.adam_eps=1e-08", "train.weight_decay=0.0"]
     if name == "Adam":
@@ -407,7 +484,7 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
                                 f"replica(s) (trainer={args['trainer']})")
     micro = batch // (accum * dp)
     t.batch_size = batch
-    eval_steps = max(int(args["eval_every"]) // batch, 1)
+    evaluation, eval_steps, eval_notes = eval_overrides(args, batch)
 
     o = [f"run_dir={run_dir}"]
     o += _model_overrides(args, run_dir, t)
@@ -419,7 +496,7 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
           f"train.global_batch_size={batch}", f"train.micro_batch_size={micro}",
           f"train.lr={args['lr']}", f"train.lr_warmup_iters={args['warmup_steps']}",
           f"train.clip_grad={args['max_grad_norm']}", f"train.seed={args['seed']}",
-          f"train.eval_interval={eval_steps}",
+          *evaluation,
           f"train.sample_during_eval={'true' if args['sample_during_eval'] else 'false'}",
           f"train.eval_num_samples={args['n_eval_model_samples']}"]
     o += _optimizer_overrides(args, t)
@@ -449,8 +526,7 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
         f"trainer={args['trainer']}: {layout.description}",
         f"batch_size={batch} pairs per step = train.global_batch_size; "
         f"gradient_accumulation_steps={accum} -> train.micro_batch_size={micro} per replica",
-        f"eval_every={args['eval_every']} examples -> every {eval_steps} step(s) "
-        f"(train.eval_interval, checkpoint.save_interval)",
+        *(eval_notes if t.eval_sets else []),
         f"lr warm-up over {args['warmup_steps']} steps follows megatron-core's schedule "
         f"(lr * step / warmup; the reference's LambdaLR: lr * (step + 1) / (warmup + 1)), then "
         f"constant",
@@ -459,8 +535,7 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
         t.notes.append("loss=sft: per-token mean NLL of each completion (the reference sums the "
                        "completion's log-probs), one example per pair's chosen (the reference: "
                        "one per distinct prompt, its sft_target)")
-    for key in ("eval_batch_size", "n_eval_examples", "do_first_eval", "fsdp_port",
-                "minimum_log_interval_secs"):
+    for key in ("fsdp_port", "minimum_log_interval_secs"):
         if args[key] != REFERENCE_DEFAULTS[key]:
             t.notes.append(f"{key}={args[key]}: no equivalent here; ignored")
     t.overrides = o + list(engine)

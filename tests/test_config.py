@@ -87,6 +87,7 @@ def test_early_errors_for_sorting_losses_and_data_format():
 # ---------------------------------------------------------------------------------------------
 # Issue 16: ranges, shorthands, parsing, the fast pre-check
 
+import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -121,13 +122,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "packing.enabled=true too"),
     ("data.max_prompt_length=1", "data.max_prompt_length=1 must be >= 2"),
     ("data.se_max_pairs_per_question=0", "must be >= 1"),
+    ("data.shp_max_pairs_per_post=-1", "data.shp_max_pairs_per_post=-1 must be >= 0: 0: no cap"),
+    ("train.eval_global_batch_size=-1", "train.eval_global_batch_size=-1 must be >= 0"),
+    ("data.eval_datasets=[e.json]", "data.eval_datasets and data.eval_fraction=0.1 are both set"),
+    ("data.eval_formats=[hh]", "data.eval_formats has 1 entries for 0 data.eval_datasets"),
 ])
 def test_every_field_is_range_checked_before_launch(override, message):
     """Old (5fd70fa): all of these loaded; 0 intervals / sizes crashed later with
     ZeroDivisionError, max_nonfinite_steps=0 stopped a healthy run, a negative lr failed only
     after the model was built, the others ran."""
+    extra = ["data.eval_fraction=0.1"] if override.startswith("data.eval_datasets") else []
     with pytest.raises(ValueError, match=re.escape(message)):
-        load_config(None, BASE + [override])
+        load_config(None, BASE + extra + [override])
+
+
+def test_pre_check_reads_the_eval_files(tmp_path):
+    """The launchers' pre-check (``python -m dpo_megatron.config``) reads data.eval_datasets as it
+    reads the training data: a bad eval row stops it, naming file, line and field."""
+    good = {"prompt": "Hi", "chosen": " yes", "rejected": " no"}
+    (tmp_path / "train.jsonl").write_text(json.dumps(good) + "\n")
+    (tmp_path / "eval.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good | {"prompt": 1}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["data.tokenizer=t", f"data.path={tmp_path / 'train.jsonl'}",
+              f"data.eval_datasets=[{tmp_path / 'eval.jsonl'}]"])
+    assert str(e.value) == (f"error: {tmp_path / 'eval.jsonl'}: line 2: field 'prompt': expected a "
+                            f"string, got int; set data.on_error=skip to drop and count them")
 
 
 def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsys):

@@ -1,6 +1,8 @@
 """The reference DPO repo's command line: parsing, the key-by-key translation, the layouts of its
 trainers, and its errors (no training here; tests/training/test_reference_cli_runs.py runs it)."""
 
+import json
+
 import pytest
 
 from dpo_megatron.reference_cli import (REFERENCE_DEFAULTS, ReferenceCLIError, Translation,
@@ -44,15 +46,21 @@ def test_fsdp_sft_line_translation():
     o = t.overrides
     for want in ["loss=sft", "model.hf_path=/m", "data.datasets=[Anthropic/hh-rlhf]",
                  "data.formats=[hh]", "data.truncation_mode=keep_end",
+                 "data.eval_datasets=[Anthropic/hh-rlhf]", "data.eval_formats=[hh]",
+                 "data.eval_split=test",
                  "parallel.data_parallel_size=4", "parallel.tensor_model_parallel_size=1",
                  "train.global_batch_size=64", "train.micro_batch_size=8",  # 64 / (2 x 4)
                  "train.lr=5e-07", "train.lr_warmup_iters=150", "train.clip_grad=10.0",
-                 "train.sample_during_eval=false", "train.eval_interval=312",  # 20000 // 64
+                 # its example count, 64 per step, is a multiple of 20000 every 625 steps (40000)
+                 "train.sample_during_eval=false", "train.eval_interval=625",
+                 "checkpoint.save_interval=625", "train.eval_global_batch_size=32",
+                 "train.eval_iters=8", "train.eval_at_start=true",  # 256 / 32; do_first_eval
                  "train.optimizer=adam", "train.adam_beta1=0.0", "train.adam_beta2=0.99",
                  "run_dir=/runs/x"]:
         assert want in o, want
-    assert any("RMSprop" in n and "Adam" in n for n in t.notes)
-    assert any(n.startswith("eval_batch_size=32: no equivalent") for n in t.notes)
+    (rmsprop,) = [n for n in t.notes if n.startswith("optimizer=RMSprop")]
+    assert "not available" in rmsprop and "used instead: Adam with beta1=0" in rmsprop
+    assert any("the test split of Anthropic/hh-rlhf is the eval set" in n for n in t.notes)
     assert t.command()[:4] == ["bash", "scripts/pretrain_sft.sh", "--config",
                                "configs/reference_dpo.yaml"]
 
@@ -135,15 +143,43 @@ def test_every_reference_key_is_translated_or_noted():
     assert not untested, untested
     t = _translate(DPO_LINE, extra=[f"{k}={v}" for k, v in changed.items()])
     text = " ".join(t.overrides) + " " + " ".join(t.notes)
-    for token in ["train.seed=7", "data.seed=7", "eval_batch_size=4", "debug=true",
-                  "fsdp_port=1234", "n_eval_examples=9", "do_first_eval=False",
+    for token in ["train.seed=7", "data.seed=7", "debug=true",
+                  "fsdp_port=1234",
                   "minimum_log_interval_secs=2.0", "train.lr=0.0001", "train.micro_batch_size=4",
                   "train.clip_grad=3.0", "data.max_length=64", "data.max_prompt_length=32",
                   "train.eval_num_samples=3", "train.weight_decay=0.01",
                   "train.lr_warmup_iters=5", "model.recompute_granularity=full",
-                  "train.eval_interval=8", "data.tokenizer=/tok", "model.block_name=GPTNeoXLayer",
+                  "train.eval_interval=8", "train.eval_global_batch_size=4",
+                  "train.eval_iters=3", "train.eval_at_start=false", "data.tokenizer=/tok", "model.block_name=GPTNeoXLayer",
                   "model.params_dtype=bfloat16", "model.fsdp_policy_mp=bfloat16",
                   "loss.label_smoothing=0.1", "loss.reference_free=true"]:
         assert token in text, token
     assert not any(o.startswith("logging.wandb") for o in t.overrides)
     assert (t.epochs, t.examples) == (2, 40)
+
+
+def test_datasets_train_and_test_splits(tmp_path):
+    """hh / shp evaluate on their hub test split, se (no test split on the hub) and a local file
+    on nothing; a local folder with train and test files on its test files."""
+    t = _translate([*DPO_LINE, "datasets=[hh,shp,se]"])
+    assert {"data.datasets=[Anthropic/hh-rlhf,stanfordnlp/SHP,HuggingFaceH4/stack-exchange-preferences]",
+            "data.eval_datasets=[Anthropic/hh-rlhf,stanfordnlp/SHP]", "data.eval_formats=[hh,shp]",
+            "data.eval_split=test"} <= set(t.overrides)
+    assert any(n.startswith("datasets: se: no test split, no eval set from it (the reference "
+                            "repo evaluates on 1%") for n in t.notes)
+    assert any("shp_max_pairs_per_post=5" in n and "=0 for its exact set" in n for n in t.notes)
+    hh = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi\n\nAssistant: No."}
+    folder = tmp_path / "hh"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(json.dumps(hh) + "\n")
+    t = _translate([*DPO_LINE, f"datasets=[{folder}]"])
+    assert {f"data.datasets=[{folder}]", f"data.eval_datasets=[{folder}]",
+            "data.truncation_mode=keep_end"} <= set(t.overrides)
+    t = _translate([*DPO_LINE, f"datasets=[{folder / 'train.jsonl'}]"])
+    assert not any(o.startswith("data.eval_datasets") for o in t.overrides)
+    assert any(n.startswith(f"datasets: {folder / 'train.jsonl'}: no test split, no eval set "
+                            f"from it (a file is read whole") for n in t.notes)
+    assert any(n.startswith("no eval set: eval_every, eval_batch_size") for n in t.notes)
+    assert not any(n.startswith("eval_batch_size=") for n in t.notes)
+    assert "data.truncation_mode=keep_end" in t.overrides  # its rows are HH's

@@ -52,6 +52,21 @@ class DataConfig:
     split: str = "train"
     """Split to read from a hub dataset or a folder with several splits."""
 
+    eval_datasets: list[str] = field(default_factory=list)
+    """Datasets whose pairs are the evaluation set (same forms as ``path``; a hub name or a
+    folder is read at ``eval_split``, a file whole), converted, tokenized, checked and cached as
+    the training data are, every kept pair evaluated once in file order. The training sources
+    may be named again here: a folder holding ``train.jsonl`` and ``test.jsonl`` (split names
+    as ``datasets.load_dataset`` infers them from file names) trains on the one and evaluates
+    on the other. Excludes ``eval_fraction``. Empty: the eval set is ``eval_fraction`` of the
+    training sources (or none)."""
+
+    eval_formats: list[str] = field(default_factory=list)
+    """Per-dataset formats for ``eval_datasets`` (same length); empty: ``format``."""
+
+    eval_split: str = "test"
+    """Split of ``eval_datasets`` read from a hub dataset or a folder with several splits."""
+
     tokenizer: str = ""
     """HF tokenizer folder / hub name, or a SentencePiece ``.model`` file. Empty: the engine
     passes the model folder."""
@@ -80,7 +95,7 @@ class DataConfig:
 
     eval_fraction: float = 0.0
     """Fraction of each source's kept pairs held out for evaluation (chosen by ``seed``), in
-    [0, 1)."""
+    [0, 1); 0 with ``eval_datasets`` (one eval set or the other)."""
 
     seed: int = 1234
     """Seed for the eval split and the mixing draws (>= 0)."""
@@ -108,6 +123,13 @@ class DataConfig:
     shp_min_score_ratio: float = 2.0
     """SHP: keep a pair only if the preferred comment's score is at least this multiple of the
     other's (the SteamSHP paper's filter); >= 0 (0 or 1: no filter)."""
+
+    shp_max_pairs_per_post: int = 5
+    """SHP: most pairs kept per post (rows sharing ``post_id``, else the same ``history``): the
+    first ones in file order that pass ``shp_min_score_ratio``, counted before the length
+    limits; the rest are dropped as ``shp_pairs_per_post``. 5 as in the SHP dataset card's
+    recipe ("no more than 5 preferences from each post to prevent overfitting"); >= 0, 0: no
+    cap (the reference DPO repo's ``get_shp`` keeps every pair)."""
 
     se_max_pairs_per_question: int = 1
     """StackExchange: pairs made per question, best-scored answer vs the next lower scores (>= 1)."""
@@ -142,6 +164,15 @@ class DataConfig:
         formats = list(self.formats) if self.formats else [self.format] * len(names)
         return list(zip(names, formats))
 
+    def eval_sources(self) -> list[tuple[str, str]]:
+        """[(dataset, format)] of ``eval_datasets`` (empty when none); ValueError when
+        ``eval_formats`` does not match it in length."""
+        if self.eval_formats and len(self.eval_formats) != len(self.eval_datasets):
+            raise ValueError(f"data.eval_formats has {len(self.eval_formats)} entries for "
+                             f"{len(self.eval_datasets)} data.eval_datasets")
+        formats = list(self.eval_formats) or [self.format] * len(self.eval_datasets)
+        return list(zip(self.eval_datasets, formats))
+
     def validate(self) -> None:
         """Raise ValueError naming the field for any invalid setting (the ranges in the field docs)."""
         check_choice("data", self, "truncation_mode", TRUNCATION_MODES)
@@ -152,6 +183,7 @@ class DataConfig:
                         why="room for the BOS and one token (0: no prompt cut)")
         check_range("data", self, "seed", 0)
         check_range("data", self, "shp_min_score_ratio", 0)
+        check_range("data", self, "shp_max_pairs_per_post", 0, why="0: no cap")
         check_range("data", self, "se_max_pairs_per_question", 1)
         if self.max_prompt_length and self.max_prompt_length + self.min_completion_tokens > self.max_length:
             raise ValueError(
@@ -163,11 +195,15 @@ class DataConfig:
             raise ValueError("data.min_completion_tokens must be >= 1: a pair needs completion tokens on both sides")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.eval_datasets and self.eval_fraction:
+            raise ValueError(f"data.eval_datasets and data.eval_fraction={self.eval_fraction} are "
+                             f"both set: the eval set is one or the other (set "
+                             f"data.eval_fraction=0 to evaluate on data.eval_datasets)")
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
         from .formats import CONVERTERS  # formats imports this module
 
-        for _, fmt in self.sources():  # before any reading: a typo fails at once
+        for _, fmt in self.sources() + self.eval_sources():  # before any reading: a typo fails at once
             if fmt != "auto" and fmt not in CONVERTERS:
                 raise ValueError(f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}")
 

@@ -43,12 +43,14 @@ class Example:
     """One preference example before tokenization; ``rejected`` is None for SFT-only rows.
 
     ``notes`` name what a converter did that the summary counts without dropping the row
-    (``diverged_early``: an HH pair split before its last turn)."""
+    (``diverged_early``: an HH pair split before its last turn). ``group`` names the post an
+    SHP pair comes from, for ``data.shp_max_pairs_per_post`` (empty: no group)."""
 
     prompt: Text
     chosen: Text
     rejected: Text | None
     notes: tuple[str, ...] = ()
+    group: str = ""
 
     @property
     def conversational(self) -> bool:
@@ -295,18 +297,22 @@ def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(prompt, completions[0], completions[1], notes=("diverged_early",))]
 
 
-def _single_turn(question: str, chosen: str, rejected: str, cfg: DataConfig) -> Example:
+def _single_turn(question: str, chosen: str, rejected: str, cfg: DataConfig,
+                 group: str = "") -> Example:
     """One question and two answers: the reference repo's text form, or a user/assistant turn."""
     if cfg.reference_preprocessing:
-        return Example(_HH_HUMAN + question + _HH_ASSISTANT, " " + chosen, " " + rejected)
+        return Example(_HH_HUMAN + question + _HH_ASSISTANT, " " + chosen, " " + rejected,
+                       group=group)
     return Example([{"role": "user", "content": question}], [{"role": "assistant", "content": chosen}],
-                   [{"role": "assistant", "content": rejected}])
+                   [{"role": "assistant", "content": rejected}], group=group)
 
 
 def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
     """Stanford SHP: ``history`` (the post), ``human_ref_A``/``human_ref_B`` comments, ``labels``
     (1: A preferred), scores; pairs under ``data.shp_min_score_ratio`` are filtered (the reference
-    DPO repo's filter: ratio of the higher to the lower score >= 2)."""
+    DPO repo's filter: ratio of the higher to the lower score >= 2). The example's ``group`` is
+    the row's ``post_id`` (else its ``history``): the pipeline keeps the first
+    ``data.shp_max_pairs_per_post`` pairs of each."""
     history = _text(row, "history")
     a, b = _text(row, "human_ref_A"), _text(row, "human_ref_B")
     label = _get(row, "labels")
@@ -319,7 +325,8 @@ def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
     if float(ratio) < cfg.shp_min_score_ratio:
         raise Filtered("score_ratio")
     chosen, rejected = (a, b) if label == 1 else (b, a)
-    return [_single_turn(history, chosen, rejected, cfg)]
+    post = row.get("post_id")
+    return [_single_turn(history, chosen, rejected, cfg, str(post) if post else history)]
 
 
 class _HTMLText(HTMLParser):

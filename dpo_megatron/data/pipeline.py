@@ -9,15 +9,17 @@
    (``skip``); a file none of whose rows fits its format stops the load either way, naming the
    format its columns fit; filtered rows (empty completion, chosen == rejected, ...) are
    counted by reason;
-4. length limits are applied (``lengths.fit_lengths``), duplicates counted (and dropped with
-   ``drop_duplicates``), each source's eval share is split off, and the training pairs of
-   several sources are mixed by ``weights``;
+4. per-post caps are applied (SHP: ``shp_max_pairs_per_post``), length limits
+   (``lengths.fit_lengths``), duplicates counted (and dropped with ``drop_duplicates``), each
+   source's eval share is split off, and the training pairs of several sources are mixed by
+   ``weights``; the sources of ``eval_datasets`` (read at ``eval_split``) go through steps 1-4
+   the same way, their kept pairs making the eval set;
 5. the summary (rows read, pairs kept, drops by reason, cuts by kind, notes, duplicates, length
    percentiles) is printed.
 
-``check_sources`` runs steps 1 and the conversion of step 2 without a tokenizer: the launchers'
-pre-check, so that a missing file or a row that does not fit its format is reported before any
-rank starts.
+``check_sources`` runs steps 1 and the conversion of step 2 without a tokenizer, over the training
+and the eval sources: the launchers' pre-check, so that a missing file or a row that does not fit
+its format is reported before any rank starts.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
 from .config import DataConfig, as_data_config
 from .encode import EncodeSettings, TokenBudget, encode_example, encode_settings
-from .formats import CONVERTERS, SFT_ONLY_FORMATS, Example, Filtered, RowError, detect_format
+from .formats import CONVERTERS, SFT_ONLY_FORMATS, Filtered, RowError, detect_format
 from .lengths import fit_lengths
 from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample
 from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, is_local_source, read_source
@@ -46,7 +48,7 @@ from .tokenizer import resolve_chat_template, tokenizer_fingerprint
 logger = logging.getLogger(__name__)
 
 # Bump when tokenization or conversion changes what a cached entry would contain.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # Settings that change the tokenized rows. The length limits do since the encoder drops whole
 # turns and bounds huge texts before tokenizing; their token cuts still apply after the cache.
 _TOKENIZE_FIELDS = ("on_error", "shp_min_score_ratio", "se_max_pairs_per_question",
@@ -76,17 +78,21 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     cfg.validate()
     chat_template = resolve_chat_template(cfg.chat_template)
     settings = encode_settings(tokenizer, chat_template)
-    sources = cfg.sources()  # formats already checked by validate()
-    per_source = []
-    for index, (name, fmt) in enumerate(sources):
-        source = read_source(name, cfg.split, cfg.on_error)
+
+    def load_source(index: int, name: str, fmt: str, split: str) -> dict:
+        source = read_source(name, split, cfg.on_error)
         fmt = _source_format(source, fmt, sft)
         tokenized = tokenize_source(source, fmt, tokenizer, settings, cfg, sft)
-        per_source.append(_fit_source(index, source, fmt, tokenized, cfg, sft, settings))
+        return _fit_source(index, source, fmt, tokenized, cfg, sft, settings)
 
-    eval_ = [x for info in per_source for x in info["eval"]]
+    # formats already checked by validate(); eval sources hold no eval share (validate())
+    per_source = [load_source(i, name, fmt, cfg.split) for i, (name, fmt) in enumerate(cfg.sources())]
+    eval_sources = [load_source(i, name, fmt, cfg.eval_split) | {"role": "eval"}
+                    for i, (name, fmt) in enumerate(cfg.eval_sources())]
+    eval_ = [x for info in per_source for x in info["eval"]] + \
+        [x for info in eval_sources for x in info["kept"]]
     train = _mix([info["train"] for info in per_source], cfg)
-    summary = _summarize(per_source, train, eval_, cfg, sft)
+    summary = _summarize(per_source + eval_sources, train, eval_, cfg, sft)
     if cfg.verbose and _is_rank_zero():
         print(format_summary(summary), flush=True)
     logger.info("%s", format_summary(summary))
@@ -121,8 +127,9 @@ def _source_format(source: Source, fmt: str, sft: bool) -> str:
 
 
 def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
-    """[(source, format)] after reading every local source and converting each of its rows
-    (no tokenizer): what ``load_preference_pairs`` would refuse before tokenizing, refused here.
+    """[(source, format)] after reading every local source, training (``data.split``) then eval
+    (``data.eval_datasets`` at ``data.eval_split``), and converting each of its rows (no
+    tokenizer): what ``load_preference_pairs`` would refuse before tokenizing, refused here.
     Hub names are not read (they need the network); the load checks them.
 
     Raises:
@@ -130,11 +137,12 @@ def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
     """
     cfg = as_data_config(cfg)
     out = []
-    for name, fmt in cfg.sources():
+    for (name, fmt), split in [(s, cfg.split) for s in cfg.sources()] + \
+            [(s, cfg.eval_split) for s in cfg.eval_sources()]:
         if not is_local_source(name):
             out.append((name, fmt))
             continue
-        source = read_source(name, cfg.split, cfg.on_error)
+        source = read_source(name, split, cfg.on_error)
         fmt = _source_format(source, fmt, sft)
         errors, converted = [], 0
         for where, row in _rows(source):
@@ -208,9 +216,9 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
     cfg = DataConfig(**cfg_dict)
     budget = TokenBudget(cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode)
     out = {"where": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": [], "error": [],
-           "prompt_length_uncut": [], "notes": []}
+           "prompt_length_uncut": [], "notes": [], "group": []}
 
-    def emit(where, encoded=None, drop="", error=""):
+    def emit(where, encoded=None, drop="", error="", group=""):
         out["where"].append(where)
         out["prompt_ids"].append(list(encoded.prompt_ids) if encoded else [])
         out["chosen_ids"].append(list(encoded.chosen_ids) if encoded else [])
@@ -219,6 +227,7 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
         out["notes"].append(list(encoded.notes) if encoded else [])
         out["drop"].append(drop)
         out["error"].append(error)
+        out["group"].append(group)
 
     columns = [c for c in batch if c not in (JSON_COLUMN, WHERE_COLUMN)]
     for k, index in enumerate(indices):
@@ -230,9 +239,10 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
             examples = CONVERTERS[fmt](row, cfg)
             for example in examples:
                 if sft:
-                    example = Example(example.prompt, example.chosen, None, example.notes)
+                    example = replace(example, rejected=None)
                 try:
-                    emit(where, encode_example(example, tokenizer, settings, budget))
+                    emit(where, encode_example(example, tokenizer, settings, budget),
+                         group=example.group)
                 except Filtered as f:
                     emit(where, drop=f.reason)
         except Filtered as f:
@@ -242,11 +252,10 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
     return out
 
 
-def _source_identity(source: Source) -> dict:
-    path = Path(source.label)
-    if path.is_file():
-        stat = path.stat()
-        return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+def _source_identity(source: Source) -> dict | list:
+    if source.files:
+        stats = [(str(Path(f).resolve()), Path(f).stat()) for f in source.files]
+        return [{"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns} for p, st in stats]
     return {"name": source.label, "fingerprint": getattr(source.dataset, "_fingerprint", None)}
 
 
@@ -295,6 +304,7 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             "error": datasets.Value("string"),
             "prompt_length_uncut": datasets.Value("int64"),
             "notes": datasets.Sequence(datasets.Value("string")),
+            "group": datasets.Value("string"),
         }
     )
     quiet = not cfg.verbose and datasets.is_progress_bar_enabled()
@@ -361,17 +371,24 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
     first_seen: dict[tuple, str] = {}
     duplicates: list[tuple[str, str]] = []  # (where, where it repeats)
     rows = set()
+    cap = cfg.shp_max_pairs_per_post if fmt == "shp" else 0
+    per_group: Counter = Counter()  # kept pairs so far of each group (an SHP post)
     # A tokenizer that puts a BOS first keeps it through every cut (a template's first special
     # token, e.g. ChatML's <|im_start|> reported as "BOS" by SmolLM2, is cut like any token).
     bos = settings.bos_token_id if settings.add_bos else None
-    for where, p, c, r, drop, uncut, row_notes in zip(
+    for where, p, c, r, drop, uncut, row_notes, group in zip(
         tokenized["where"], tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"],
-        tokenized["drop"], tokenized["prompt_length_uncut"], tokenized["notes"],
+        tokenized["drop"], tokenized["prompt_length_uncut"], tokenized["notes"], tokenized["group"],
     ):
         rows.add(where)
         if drop:
             dropped[drop] += 1
             continue
+        if cap and group:
+            per_group[group] += 1
+            if per_group[group] > cap:
+                dropped["shp_pairs_per_post"] += 1
+                continue
         notes.update(row_notes)
         key = (tuple(p), tuple(c), () if sft else tuple(r))
         if key in first_seen:
@@ -477,7 +494,8 @@ def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig
         "lengths_before_cut": {k: length_stats(before[k]) for k in names},
         "lengths": {k: length_stats(after[k]) for k in (*names, "pair")},
         "sources": [
-            {k: info[k] for k in ("label", "format", "rows_read", "dropped")} | {"pairs_kept": len(info["kept"])}
+            {k: info[k] for k in ("label", "format", "rows_read", "dropped")}
+            | {"pairs_kept": len(info["kept"]), "role": info.get("role", "train")}
             for info in per_source
         ],
     }

@@ -4,8 +4,10 @@ JSON and JSON Lines files are parsed here, line by line, so that a malformed lin
 with its file and line number (``datasets``' JSON loader reports a pyarrow parse error without
 either) and so that rows whose fields change type from row to row (a string here, a message list
 there) still load; each row is kept as its JSON text in a one-column ``Dataset`` (column
-``_json``, with its location in ``_where``). Parquet, Arrow and CSV files, saved datasets and hub
-names go through ``datasets`` as they are.
+``_json``, with its location in ``_where``); so are the JSON files of a split of a folder (split
+names inferred from file names as ``datasets.load_dataset`` does: ``train.jsonl``, ``test.jsonl``,
+``data/validation-*.json`` ...). Parquet, Arrow and CSV files, saved datasets and hub names go
+through ``datasets`` as they are.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ class MissingDataError(DataError, FileNotFoundError):
 
 @dataclass
 class Source:
-    """One dataset's raw rows. ``label`` names it in messages; ``malformed`` counts skipped lines."""
+    """One dataset's raw rows. ``label`` names it in messages; ``malformed`` counts skipped
+    lines; ``files`` are the local files read (their paths, sizes and times identify the data
+    in the tokenization cache; empty: the dataset's own fingerprint does)."""
 
     label: str
     dataset: object  # datasets.Dataset
     malformed: int = 0
+    files: tuple[str, ...] = ()
 
 
 def is_local_source(name: str) -> bool:
@@ -56,7 +61,7 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
             import datasets
 
             ds = datasets.load_dataset(_LOADERS[suffix], data_files=str(path), split="train")
-            return Source(str(path), ds)
+            return Source(str(path), ds, files=(str(path),))
         raise DataError(f"{path}: unknown data file type {suffix!r}; expected .json, .jsonl, .parquet, .arrow or .csv")
     if path.is_dir():
         import datasets
@@ -68,6 +73,12 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
                     raise DataError(f"{path}: no split {split!r}; it has {sorted(ds)} (set data.split)")
                 ds = ds[split]
             return Source(str(path), ds)
+        splits = folder_splits(path)
+        if split not in splits:
+            raise DataError(f"{path}: no split {split!r}; its files make the split(s) "
+                            f"{sorted(splits)} (named as datasets.load_dataset names them)")
+        if all(Path(f).suffix.lower() in (".json", ".jsonl") for f in splits[split]):
+            return _read_json_files(f"{path}[{split}]", [Path(f) for f in splits[split]], on_error)
         return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
     if is_local_source(name):
         raise MissingDataError(f"data file {name} does not exist")
@@ -76,12 +87,49 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
     return Source(f"{name}[{split}]", datasets.load_dataset(name, split=split))
 
 
-def _read_json(path: Path, on_error: str) -> Source:
+def folder_splits(path: Path) -> dict[str, list[str]]:
+    """Split name -> data files of a folder of data files, as ``datasets.load_dataset(folder)``
+    infers them (``train.jsonl`` / ``test.jsonl``, ``data/train-*.parquet``, ...; a folder
+    whose file names name no split is all ``train``); {} for a folder ``datasets`` cannot read.
+    Reads no rows."""
     import datasets
 
-    rows, where, malformed = read_json_rows(path, on_error)
+    try:
+        data_files = datasets.load_dataset_builder(str(path)).config.data_files or {}
+    except (FileNotFoundError, ValueError):  # no data files, or files of mixed types
+        return {}
+    return {str(split): [str(f) for f in files] for split, files in data_files.items()}
+
+
+def local_split_names(name: str) -> list[str]:
+    """The splits a local ``data.datasets`` entry has: a folder's (saved ``DatasetDict`` or data
+    files, :func:`folder_splits`), ``[]`` for a file or a saved single ``Dataset`` (read whole)."""
+    path = Path(name).expanduser()
+    if not path.is_dir() or (path / "dataset_info.json").is_file():
+        return []
+    if (path / "dataset_dict.json").is_file():
+        return list(json.loads((path / "dataset_dict.json").read_text())["splits"])
+    return sorted(folder_splits(path))
+
+
+def _read_json(path: Path, on_error: str) -> Source:
+    return _read_json_files(str(path), [path], on_error)
+
+
+def _read_json_files(label: str, paths: list[Path], on_error: str) -> Source:
+    """JSON / JSON Lines files as one source; a row's location names its file when there are
+    several or the label is not the file (``test.jsonl line 3``)."""
+    import datasets
+
+    rows, where, malformed = [], [], 0
+    for path in paths:
+        file_rows, file_where, file_malformed = read_json_rows(path, on_error)
+        prefix = "" if label == str(path) else f"{path.name} "
+        rows += file_rows
+        where += [prefix + w for w in file_where]
+        malformed += file_malformed
     ds = datasets.Dataset.from_dict({WHERE_COLUMN: where, JSON_COLUMN: rows})
-    return Source(str(path), ds, malformed)
+    return Source(label, ds, malformed, files=tuple(str(p) for p in paths))
 
 
 def read_json_rows(path: Path, on_error: str = "raise") -> tuple[list[str], list[str], int]:

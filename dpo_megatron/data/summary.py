@@ -37,8 +37,9 @@ def format_summary(summary: dict) -> str:
     ]
     for source in summary["sources"]:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(source["dropped"].items())) or "none"
+        role = "eval set " if source.get("role") == "eval" else ""
         lines.append(
-            f"  {source['label']} ({source['format']}): {source['rows_read']} rows, "
+            f"  {role}{source['label']} ({source['format']}): {source['rows_read']} rows, "
             f"{source['pairs_kept']} kept, dropped: {dropped}"
         )
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(summary["dropped"].items())) or "none"

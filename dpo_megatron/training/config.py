@@ -56,6 +56,12 @@ class TrainConfig:
     """Steps between evaluations on the eval split (>= 0; 0: only at the end if there is one)."""
     eval_iters: int = 0
     """Eval batches per evaluation (>= 0; 0: the whole eval split)."""
+    eval_global_batch_size: int = 0
+    """Pairs per eval batch over all data-parallel ranks (>= 0; 0: ``global_batch_size``); each
+    rank's share is split into ``micro_batch_size`` micro-batches where it divides."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step of a run starting at step 0 (logged as step 0; the
+    reference DPO repo's ``do_first_eval``)."""
     sample_during_eval: bool = False
     """At each evaluation, greedily decode the first ``eval_num_samples`` eval prompts and write
     them to ``<run_dir>/samples/step_<step>.jsonl``."""
@@ -82,7 +88,7 @@ class TrainConfig:
         check_range("train", self, "max_nonfinite_steps", 1,
                     why="the number of NaN/Inf steps in a row that stops the run (1: the first)")
         for name in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
-                     "seed", "eval_interval", "eval_iters"):
+                     "seed", "eval_interval", "eval_iters", "eval_global_batch_size"):
             check_range("train", self, name, 0)
         check_range("train", self, "clip_grad", 0, why="0 turns clipping off")
         check_range("train", self, "min_lr", 0, self.lr, why="a floor below train.lr")

@@ -1,11 +1,12 @@
 """Evaluation: forward-only metrics over the eval split, and greedy samples for a few prompts.
 
 :class:`Evaluator` owns when it runs (``train.eval_interval`` and the end of training) and what it
-reads: every eval pair (or example), in order, in global batches of ``train.global_batch_size``
-with a smaller last one, each split over the data-parallel ranks. It runs the same pipeline step as
-training with ``forward_only=True`` and reports the pair-weighted means of the loss's metrics
-(``loss``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen`` ...; for ``sft``:
-``nll_loss``, ``logps/chosen``).
+reads: every eval pair (or example), in order, in global batches of ``train.eval_global_batch_size``
+(default ``train.global_batch_size``) with a smaller last one, each split over the data-parallel
+ranks. It runs the same pipeline step as training with ``forward_only=True`` and reports the
+pair-weighted means of the loss's metrics (``loss``, ``rewards/accuracies``, ``rewards/margins``,
+``logps/chosen`` ...; for ``sft``: ``nll_loss``, ``logps/chosen``) and ``items``, the number of
+pairs (or examples) they are the means of.
 
 ``greedy_generate`` decodes a few prompts token by token through the pipeline schedule (one
 forward-only pass per new token, no KV cache: meant for a handful of short samples in the
@@ -62,28 +63,36 @@ class Evaluator:
         items: the eval pairs (or SFT examples); with ``reference.mode=precomputed`` they carry
             their reference log-probs and no reference model is needed.
         builder: the run's batch builder (padded, packed or SFT).
-        global_batch_size, micro_batch_size: ``train.*`` (items per step / per micro-batch).
+        global_batch_size, micro_batch_size: items per eval step (``train.eval_global_batch_size``
+            or ``train.global_batch_size``) and per micro-batch (``train.micro_batch_size``).
         interval: evaluate every this many steps (0: only at the end).
         max_steps: ``train.eval_iters`` (0: the whole split).
+        at_start: also evaluate before the first step (``train.eval_at_start``).
     """
 
     def __init__(self, items: Sequence, builder: BatchBuilder, global_batch_size: int,
-                 micro_batch_size: int, interval: int = 0, max_steps: int = 0):
+                 micro_batch_size: int, interval: int = 0, max_steps: int = 0,
+                 at_start: bool = False):
         self.items = items
         self.builder = builder
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.interval = interval
         self.max_steps = max_steps
+        self.at_start = at_start
 
     def due(self, step: int, last_step: int) -> bool:
-        """Whether to evaluate after ``step`` (every ``interval`` steps, and after the last)."""
+        """Whether to evaluate after ``step`` (every ``interval`` steps, and after the last);
+        ``step`` 0 is before the first step (``at_start``)."""
         if not self.items:
             return False
+        if step == 0:
+            return self.at_start
         return step == last_step or bool(self.interval and step % self.interval == 0)
 
     def run(self, policy_chunks: list, reference, loss_fn) -> dict[str, float]:
-        """Metric name -> mean over all evaluated pairs (collective); {} for an empty split.
+        """Metric name -> mean over all evaluated pairs, and ``items``: their number
+        (collective); {} for an empty split.
 
         Each rank sums its own pairs' values over all eval steps (a rank may have none in the
         last, smaller step); the sums are combined over the data-parallel ranks once, at the
@@ -116,7 +125,7 @@ class Evaluator:
             total = sum(n for _, n in parts)
             keys = list(dict.fromkeys(k for part, _ in parts for k in part))  # first-seen order
             metrics = ({k: sum(part.get(k, 0.0) for part, _ in parts) / total for k in keys}
-                       if total else {})
+                       | {"items": total} if total else {})
         return _share_from_last_stage(metrics)
 
 

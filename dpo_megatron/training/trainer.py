@@ -96,9 +96,11 @@ class Trainer:
         saved_policy, lora_record = model_setup.checkpointed_policy(cfg, self.model_config,
                                                                    self.policy)
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
-        self.evaluator = Evaluator(self.data.eval, self.builder, cfg.train.global_batch_size,
-                                   cfg.train.micro_batch_size, cfg.train.eval_interval,
-                                   cfg.train.eval_iters)
+        self.evaluator = Evaluator(
+            self.data.eval, self.builder,
+            cfg.train.eval_global_batch_size or cfg.train.global_batch_size,
+            cfg.train.micro_batch_size, cfg.train.eval_interval, cfg.train.eval_iters,
+            at_start=cfg.train.eval_at_start)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run_dir, saved_policy,
                                          self.optimizer, self.scheduler, self.sampler,
                                          self.loss_fn, self.model_config,
@@ -234,6 +236,8 @@ class Trainer:
             self.close()
             return {}
         metrics: dict[str, float] = {}
+        if self.counters.step == 0 and self.evaluator.due(0, last):
+            self.evaluate(0)
         while self.counters.step < last:
             t0 = time.time()
             lr = current_lr(self.optimizer)

@@ -88,7 +88,10 @@ def test_hh():
 def test_shp_labels_and_score_ratio():
     row = {"history": "Why?", "human_ref_A": "Because A.", "human_ref_B": "Because B.", "labels": 0,
            "score_A": 3, "score_B": 12, "score_ratio": 4.0}
-    assert convert_shp(row, CFG) == [Example([U("Why?")], [A("Because B.")], [A("Because A.")])]
+    # grouped by post (for data.shp_max_pairs_per_post): its post_id, else its history
+    assert convert_shp(row, CFG) == [Example([U("Why?")], [A("Because B.")], [A("Because A.")],
+                                             group="Why?")]
+    assert convert_shp(row | {"post_id": "qt3nxl"}, CFG)[0].group == "qt3nxl"
     assert convert_shp(row | {"labels": 1}, CFG)[0].chosen == [A("Because A.")]
     with pytest.raises(Filtered, match="score_ratio"):
         convert_shp(row | {"score_ratio": 1.5}, CFG)

@@ -203,3 +203,53 @@ def test_config_from_omegaconf_and_dict(tmp_path):
 def test_unknown_format_fails_before_reading():
     with pytest.raises(ValueError, match="data.format='sharegtp'; known formats: auto, alpaca, conversational"):
         load_preference_pairs(DataConfig(path="/nonexistent.jsonl", format="sharegtp"), tiny_hf_tokenizer())
+
+
+def test_eval_datasets_read_their_test_split(tmp_path, capsys):
+    """A folder with train.jsonl and test.jsonl named in data.datasets and data.eval_datasets:
+    the train split trains, the test split's kept pairs (2 of 3: one is identical) evaluate,
+    through the same conversion and checks; eval_fraction alongside is refused."""
+    tok = tiny_hf_tokenizer()
+    folder = tmp_path / "hh"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [GOOD, GOOD | {"prompt": "Hello!"}, GOOD | {"prompt": "Yes"}])
+    write_jsonl(folder / "test.jsonl", [GOOD | {"chosen": " yes"}, GOOD | {"rejected": " blue."},
+                                        GOOD | {"prompt": "Hello!", "rejected": " no"}])
+    cache = tmp_path / "cache"
+    cfg = DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)], cache_dir=str(cache),
+                     verbose=True)
+    ds = load_preference_pairs(cfg, tok)
+    assert len(list(cache.glob("tokenized-*"))) == 2  # the train and the test split, cached
+    again = load_preference_pairs(cfg, tok)
+    assert (again.train, again.eval) == (ds.train, ds.eval)
+    assert [p.prompt_ids for p in ds.train] == [tuple(tok.encode(t)) for t in ("The sky is", "Hello!", "Yes")]
+    assert [(p.prompt_ids, p.chosen_ids[:-1], p.rejected_ids[:-1]) for p in ds.eval] == [
+        (tuple(tok.encode("The sky is")), tuple(tok.encode(" yes")), tuple(tok.encode(" green."))),
+        (tuple(tok.encode("Hello!")), tuple(tok.encode(" blue.")), tuple(tok.encode(" no")))]
+    assert (ds.summary["train"], ds.summary["eval"], ds.summary["dropped"]) == (3, 2, {"identical": 1})
+    out = capsys.readouterr().out
+    assert f"{folder}[train] (standard): 3 rows, 3 kept" in out
+    assert f"eval set {folder}[test] (standard): 3 rows, 2 kept, dropped: identical 1" in out
+    with pytest.raises(ValueError, match="data.eval_datasets and data.eval_fraction=0.1 are both set"):
+        load_preference_pairs(DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)],
+                                         eval_fraction=0.1), tok)
+
+
+def test_eval_datasets_errors_name_file_line_and_field(tmp_path):
+    """The launchers' pre-check (check_sources) and the load read the eval files too: a bad row
+    of test.jsonl is named by its file and line; a missing split is named with the ones there."""
+    from dpo_megatron.data.pipeline import check_sources
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [GOOD])
+    write_jsonl(folder / "test.jsonl", [GOOD, GOOD | {"chosen": 3}])
+    cfg = DataConfig(path=str(folder), eval_datasets=[str(folder)], on_error="raise")
+    with pytest.raises(DataError, match=r"d\[test\]: test.jsonl line 2: field 'chosen': expected a string"):
+        check_sources(cfg)
+    with pytest.raises(DataError, match=r"test.jsonl line 2: field 'chosen'"):
+        load_preference_pairs(_cfg(folder, eval_datasets=[str(folder)]), tiny_hf_tokenizer())
+    assert check_sources(DataConfig(path=str(folder), eval_datasets=[str(folder / "train.jsonl")])) == [
+        (f"{folder}[train]", "standard"), (str(folder / "train.jsonl"), "standard")]
+    with pytest.raises(DataError, match=r"no split 'validation'; its files make the split\(s\) \['test', 'train'\]"):
+        check_sources(DataConfig(path=str(folder), eval_datasets=[str(folder)], eval_split="validation"))

@@ -122,3 +122,23 @@ def test_reference_dataset_names_are_the_hub_ones(name):
     assert REFERENCE_DATASETS[name] == {
         "hh": ("Anthropic/hh-rlhf", "hh"), "shp": ("stanfordnlp/SHP", "shp"),
         "se": ("HuggingFaceH4/stack-exchange-preferences", "se")}[name]
+
+
+def test_shp_at_most_five_pairs_per_post(tmp_path):
+    """Post "blue" has six pairs with score ratio >= 2 (and one under it, in the middle); the
+    cap keeps its first five in file order, counted per post_id across an interleaved post."""
+    rows = [_shp_row("blue", f"Answer {i}.", f"Wrong {i}.", 5 if i == 2 else 10, 3, 1)
+            for i in range(7)]
+    rows.insert(2, _shp_row("dark", "Space.", "It is night.", 12, 4, 1))
+    path = write_jsonl(tmp_path / "shp.jsonl", rows)
+    got, summary = _pairs(path)
+    blue = "\n\nHuman: Why is the sky blue?\n\nAssistant:"
+    assert [(p, c) for p, c, _ in got] == [
+        (blue, " Answer 0." + EOS), (blue, " Answer 1." + EOS),
+        ("\n\nHuman: Why is the sky dark?\n\nAssistant:", " Space." + EOS),
+        (blue, " Answer 3." + EOS), (blue, " Answer 4." + EOS), (blue, " Answer 5." + EOS)]
+    assert summary["dropped"] == {"score_ratio": 1, "shp_pairs_per_post": 1}  # Answer 2, 6
+    got, summary = _pairs(path, shp_max_pairs_per_post=0)  # no cap: the reference repo's set
+    assert len(got) == 7 and summary["dropped"] == {"score_ratio": 1}
+    got, _ = _pairs(path, shp_max_pairs_per_post=1)
+    assert [c for _, c, _ in got] == [" Answer 0." + EOS, " Space." + EOS]

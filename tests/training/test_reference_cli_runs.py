@@ -125,3 +125,57 @@ def test_reference_readme_lines_sft_then_dpo(tmp_path, tiny_files):
     _run([*shlex.split(dpo_cmd), f"run_dir={direct_dir}"], env)
     direct = _losses(direct_dir)
     assert direct == pytest.approx(losses, abs=1e-6), (direct, losses)
+
+
+def _train_translated(config, overrides):
+    from dpo_megatron.config import load_config
+    from dpo_megatron.train import train
+
+    return train(load_config(os.path.join(ROOT, config), overrides))
+
+
+def test_hh_folder_test_split_is_the_eval_set(tmp_path, tiny_files):
+    """``datasets=[folder]`` with train.jsonl (8 pairs) and test.jsonl (5 rows, one with chosen
+    == rejected): the translated run trains on the 8 train pairs (2 steps of batch_size=4) and
+    evaluates, before the first step (do_first_eval) and after step 2 (eval_every=8 examples),
+    on the 4 kept test pairs in batches of eval_batch_size=3 (3 + 1); at step 0 the policy is the
+    reference, so the eval loss is ln 2 exactly. With n_eval_examples=3 one batch of 3 is read."""
+    from dpo_megatron.reference_cli import prepare
+    from tests.multirank import run_ranks
+
+    model_dir, _ = tiny_files
+    folder = tmp_path / "hh"
+    folder.mkdir()
+
+    def dialogue(i, answer):
+        return f"\n\nHuman: Is {i} a number?\n\nAssistant: {answer}"
+
+    def write(name, rows):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("train.jsonl", [{"chosen": dialogue(i, "Yes."), "rejected": dialogue(i, "No.")}
+                          for i in range(8)])
+    write("test.jsonl", [{"chosen": dialogue(i, "Yes, it is."), "rejected": dialogue(i, "No.")}
+                         for i in range(4)] + [{"chosen": dialogue(9, "Yes."),
+                                                "rejected": dialogue(9, "Yes.")}])
+    argv = ["model=blank_model", f"model.name_or_path={model_dir}", f"datasets=[{folder}]",
+            "loss=dpo", "loss.beta=0.1", "exp_name=eval_split", "batch_size=4",
+            "gradient_accumulation_steps=2", "eval_batch_size=3", "eval_every=8",
+            "sample_during_eval=false", "wandb.enabled=false", f"local_run_dir={tmp_path / 'run'}",
+            f"engine.data.cache_dir={tmp_path / 'cache'}", *MOVE]
+    t = prepare(argv, devices=1)
+    assert {f"data.eval_datasets=[{folder}]", "data.eval_split=test", "train.eval_interval=2",
+            "train.eval_global_batch_size=3", "train.eval_at_start=true",
+            "train.train_iters=2"} <= set(t.overrides)
+    run_ranks(_train_translated, world_size=1, config=t.config, overrides=t.overrides)
+    evals = read_metrics(tmp_path / "run", "eval")
+    assert sorted(evals) == [0, 2] and sorted(read_metrics(tmp_path / "run")) == [1, 2]
+    assert [evals[s]["items"] for s in (0, 2)] == [4, 4]  # the test pairs, not the 8 train ones
+    assert abs(evals[0]["loss"] - math.log(2)) < 1e-6 and evals[0]["rewards/margins"] == 0.0
+    assert abs(evals[2]["loss"] - math.log(2)) > 1e-4  # after two steps
+
+    t = prepare([*argv, "n_eval_examples=3", "do_first_eval=false", "n_examples=4",
+                 f"local_run_dir={tmp_path / 'run3'}"], devices=1)
+    run_ranks(_train_translated, world_size=1, config=t.config, overrides=t.overrides)
+    evals = read_metrics(tmp_path / "run3", "eval")
+    assert sorted(evals) == [1] and evals[1]["items"] == 3  # the last step only, one batch of 3
