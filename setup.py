@@ -24,8 +24,9 @@ setup(
     ],
     extras_require={
         # peft: the LoRA export test loads the adapters with peft.PeftModel.from_pretrained;
-        # beautifulsoup4: the StackExchange preprocessing tests (the "reference" extra).
-        "test": ["pytest", "peft", "beautifulsoup4"],
+        # beautifulsoup4: the StackExchange preprocessing tests (the "reference" extra);
+        # pytest-xdist: the suite runs on two workers (README's test command).
+        "test": ["pytest", "pytest-xdist", "peft", "beautifulsoup4"],
         # NVIDIA apex is optional and detected at run time; the PyPI package named `apex` is an
         # unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],

@@ -452,19 +452,20 @@ def _train_records(run_dir) -> int:
 
 def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
         tmp_path, fixture_files, straight_run):
-    """Three times: kill -9 the launcher's process group (bash, torchrun) at a random moment:
-    after a random number of logged steps (0: as soon as the run folder is open, i.e. during
-    start-up; one draw in each third of the run) plus up to 1.5 s, so that it lands in start-up,
-    a step, an evaluation or a save. Its ranks, in sessions of their own, must be gone within 10 s
+    """Twice: kill -9 the launcher's process group (bash, torchrun) at a random moment: after a
+    random number of logged steps (0: as soon as the run folder is open, i.e. during start-up;
+    one draw in each half of the run) plus up to 1.5 s, so that it lands in start-up, a step, an
+    evaluation or a save. Its ranks, in sessions of their own, must be gone within 10 s
     (parent-death signal); resume=auto must then finish with the reference's metrics and
-    checkpoint files, bit for bit. ``DPO_KILL_SEED`` replays a failing draw."""
+    checkpoint files, bit for bit. Every run draws new moments (the seed is printed);
+    ``DPO_KILL_SEED`` replays a failing draw."""
     data_file, tok_dir = fixture_files
     straight = straight_run
     seed = int(os.environ.get("DPO_KILL_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
-    for trial in range(3):
-        # One draw in each third of the run: start-up or step 1, steps 2-4, steps 5-7.
-        after_steps = rng.randint(*((0, 1), (2, 4), (5, 6))[trial])
+    for trial in range(2):
+        # One draw in each half of the run: start-up or steps 1-3, steps 4-7.
+        after_steps = rng.randint(*((0, 3), (4, 6))[trial])
         extra = rng.uniform(0.0, 1.5)
         run_dir = tmp_path / f"trial{trial}"
         proc, marker = _launch(run_dir, data_file, tok_dir)
