@@ -86,7 +86,7 @@ REFERENCE_MODELS: dict[str, str] = {
     "pythia14": "EleutherAI/pythia-1.4b",
 }
 """The reference repo's ``model=`` names -> the hub model they name. Used only for a name that
-``models.config.MODEL_PRESETS`` (the one preset table, which resolves local copies) does not
+``models.presets.MODEL_PRESETS`` (the one preset table, which resolves local copies) does not
 have yet: it then becomes ``model.hf_path=<hub name>``. The models work (issue 10) takes these
 names over into MODEL_PRESETS."""
 
@@ -256,11 +256,11 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
         if not args["model.name_or_path"]:
             out.append(f"model.hf_path={REFERENCE_MODELS[name]}")
         t.notes.append(f"model={name}: {REFERENCE_MODELS[name]} (not a preset of "
-                       f"models.config.MODEL_PRESETS here: its hub name, read online)")
+                       f"models.presets.MODEL_PRESETS here: its hub name, read online)")
     elif name != "blank_model":
         if name not in MODEL_PRESETS:
             raise ReferenceCLIError(
-                f"model={name}: no such preset here (models.config.MODEL_PRESETS has "
+                f"model={name}: no such preset here (models.presets.MODEL_PRESETS has "
                 f"{', '.join(sorted(MODEL_PRESETS)) or 'none'}); or give the model itself: "
                 f"model=blank_model model.name_or_path=<HF folder or hub name>")
         out.append(f"model={name}")
@@ -549,16 +549,33 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
 def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) -> int:
     """Training items (pairs, or SFT examples) the engine makes of the data with these
     overrides on ``config``: the engine's own pipeline, so the count is the run's (its cache is
-    then warm)."""
+    then warm).
+
+    Raises:
+        ReferenceCLIError: the tokenizer or the data cannot be read (e.g. a hub model or
+            dataset on an offline machine), with what to give instead.
+    """
     from dpo_megatron.config import load_config
     from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
 
     cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.hf_path)
+    tokenizer_source = cfg.data.tokenizer or cfg.model.hf_path
     verbose = cfg.data.verbose
     cfg.data.verbose = False
     try:
+        tokenizer = load_tokenizer(tokenizer_source)
         dataset = (load_sft_examples if sft else load_preference_pairs)(cfg.data, tokenizer)
+    except OSError as e:  # also the hub clients' ConnectionError / OfflineModeIsEnabled
+        # n_epochs -> steps needs the pairs counted, so this is where a hub name meets a
+        # machine without the hub: one line that says what to give instead, no traceback.
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
+        data = ", ".join(source for source, _ in cfg.data.sources())
+        raise ReferenceCLIError(
+            f"cannot read the tokenizer {tokenizer_source!r} or the data {data} to count the "
+            f"training pairs (n_epochs -> steps): {reason}. Without the Hugging Face hub, give "
+            f"local copies: model=blank_model model.name_or_path=<HF folder> (or download the "
+            f"preset's model and set DPO_MEGATRON_MODELS) and datasets=[<local file or "
+            f"folder>]") from e
     finally:
         cfg.data.verbose = verbose
     return len(dataset.train)

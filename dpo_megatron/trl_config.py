@@ -39,8 +39,17 @@ RENAMES: dict[str, str] = {
 SPECIAL = ("loss_type", "rpo_alpha", "gradient_accumulation_steps", "num_train_epochs",
            "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
            "precompute_ref_log_probs", "padding_free", "gradient_checkpointing", "bf16",
-           "optim", "disable_dropout", "report_to")
-"""TRL fields translated by a rule of :func:`translate_trl`."""
+           "optim", "disable_dropout", "report_to", "use_peft", "lora_r", "lora_alpha",
+           "lora_dropout", "lora_target_modules")
+"""TRL fields translated by a rule of :func:`translate_trl` (the ``lora_*`` and ``use_peft``
+ones are TRL's ``ModelConfig``, read from the same YAML by ``trl dpo --config``)."""
+
+PEFT_MODULES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+                "qkv_proj": "linear_qkv", "query_key_value": "linear_qkv",
+                "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+                "down_proj": "linear_fc2"}
+"""PEFT target module names (Llama / Qwen / Mistral / GPT-NeoX) -> the megatron-core linear
+layer that holds them (q, k and v are one fused layer; gate and up another)."""
 
 UNSUPPORTED: dict[str, Any] = {
     "sync_ref_model": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512,
@@ -125,10 +134,42 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
     if "wandb" in report:
         o.append("logging.wandb_project=trl")
     o.append(f"logging.tensorboard={'true' if 'tensorboard' in report else 'false'}")
+    o += _peft_overrides(f, source, notes)
     facts = {"max_steps": int(f.get("max_steps", -1)),
              "epochs": float(f.get("num_train_epochs", 3.0)),
              "global_batch": micro * accum * devices, "warmup": warmup}
     return o, notes, facts
+
+
+def _peft_overrides(f: dict, source: str, notes: list[str]) -> list[str]:
+    """``use_peft`` + ``lora_*`` (TRL ``ModelConfig``, defaults r 16, alpha 32, dropout 0.05,
+    PEFT's targets for Llama: q_proj, v_proj) -> ``lora.*``. Raises ValueError naming a target
+    module with no megatron-core layer here."""
+    if not f.get("use_peft"):
+        ignored = [k for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+                   if k in f]
+        if ignored:
+            notes.append(f"{', '.join(ignored)} ignored: use_peft is not true (as in TRL)")
+        return []
+    targets = f.get("lora_target_modules") or ["q_proj", "v_proj"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if targets == ["all-linear"]:
+        layers = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    else:
+        unknown = [t for t in targets if t not in PEFT_MODULES]
+        if unknown:
+            raise ValueError(f"{source}: lora_target_modules {unknown}: translated are "
+                             f"all-linear and {', '.join(PEFT_MODULES)}")
+        layers = list(dict.fromkeys(PEFT_MODULES[t] for t in targets))
+    fused = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
+    for layer, parts in fused.items():
+        named = [t for t in targets if t in parts]
+        if named and len(named) < len(parts):
+            notes.append(f"lora_target_modules {named}: {layer} fuses {', '.join(parts)}, so "
+                         f"its one adapter covers all of them")
+    return ["lora.enabled=true", f"lora.rank={int(f.get('lora_r', 16))}",
+            f"lora.alpha={f.get('lora_alpha', 32)}", f"lora.dropout={f.get('lora_dropout', 0.05)}",
+            f"lora.target_modules=[{','.join(layers)}]"]
 
 
 def trl_steps(facts: dict, items: Optional[int]) -> tuple[int, int]:

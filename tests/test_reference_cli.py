@@ -183,3 +183,25 @@ def test_datasets_train_and_test_splits(tmp_path):
     assert any(n.startswith("no eval set: eval_every, eval_batch_size") for n in t.notes)
     assert not any(n.startswith("eval_batch_size=") for n in t.notes)
     assert "data.truncation_mode=keep_end" in t.overrides  # its rows are HH's
+
+
+def test_hub_names_on_an_offline_machine_end_in_one_line(tmp_path):
+    """The README's line as pasted (a hub model preset, the hub HH dataset) on a machine without
+    the hub: the dry run counts the pairs (n_epochs -> steps), so it must read tokenizer and
+    data. Old: a transformers traceback after a minute of retries; now one ``error:`` line that
+    names both sources and the local alternatives, exit status 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "DPO_MEGATRON_MODELS": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
+    line = [w for w in SFT_LINE if not w.startswith("model")] + ["model=pythia69"]
+    proc = subprocess.run([sys.executable, "-m", "dpo_megatron.reference_cli", *line,
+                           f"local_run_dir={tmp_path}", "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "EleutherAI/pythia-6.9b" in errors[0] and "Anthropic/hh-rlhf" in errors[0]
+    assert "model.name_or_path=<HF folder>" in errors[0] and "datasets=[<local" in errors[0]

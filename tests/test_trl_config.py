@@ -63,3 +63,24 @@ def test_trl_yaml_prints_the_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bash scripts/pretrain_dpo.sh --config configs/trl_dpo.yaml" in out
     assert "loss.beta=0.2" in out
+
+
+def test_peft_fields_become_lora():
+    """TRL's ModelConfig LoRA fields (``trl dpo --config`` reads them from the same YAML)."""
+    fields = {"use_peft": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.1,
+              "lora_target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+    o, notes, _ = translate_trl(fields, "cfg.yaml", 1)
+    assert o[-5:] == ["lora.enabled=true", "lora.rank=8", "lora.alpha=16", "lora.dropout=0.1",
+                      "lora.target_modules=[linear_qkv,linear_proj,linear_fc2]"]
+    assert any("linear_qkv fuses q_proj, k_proj, v_proj" in n for n in notes)
+    # TRL's defaults: r 16, alpha 32, dropout 0.05, PEFT's Llama targets q_proj and v_proj
+    assert translate_trl({"use_peft": True}, "c", 1)[0][-5:] == [
+        "lora.enabled=true", "lora.rank=16", "lora.alpha=32", "lora.dropout=0.05",
+        "lora.target_modules=[linear_qkv]"]
+    assert translate_trl({"use_peft": True, "lora_target_modules": "all-linear"}, "c", 1)[0][-1] \
+        == "lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"
+    o, notes, _ = translate_trl({"lora_r": 8}, "c", 1)  # without use_peft TRL trains fully
+    assert not any(x.startswith("lora.") for x in o) and "use_peft is not true" in notes[-1]
+    with pytest.raises(ValueError, match=r"lora_target_modules \['c_attn'\]: translated are "
+                                         r"all-linear and q_proj"):
+        translate_trl({"use_peft": True, "lora_target_modules": ["c_attn"]}, "c", 1)

@@ -75,16 +75,23 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        detail = str(e).strip().splitlines()
-        reason = next((line for line in detail if "Unsupported global" in line), detail[0] if detail else "")
+        detail = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = next((line for line in detail if "Unsupported global" in line), None)
+        if reason is None:  # not a pickle of objects at all: garbage or a truncated file
+            cause = next((line for line in detail if line.startswith(("Unsupported operand",
+                                                                       "invalid load key"))),
+                         detail[-1] if detail else "")
+            raise ArchiveError(f"model.archive={path}: not a readable torch.save file "
+                               f"(corrupt, truncated or another format): {cause}") from None
         raise ArchiveError(
             f"model.archive={path}: refused: the file holds a pickled object other than tensors "
             f"and plain containers (dict, list, tuple, str, numbers), and loading it would run "
             f"code from the file. Save only the state_dict (torch.save({{'state': "
             f"model.state_dict()}}, path)). torch says: {reason.strip()}") from None
     except Exception as e:  # truncated or not a torch file at all
-        raise ArchiveError(f"model.archive={path}: not a readable torch.save file: "
-                           f"{type(e).__name__}: {e}") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ArchiveError(f"model.archive={path}: not a readable torch.save file (corrupt, "
+                           f"truncated or another format): {type(e).__name__}: {first}") from None
     # weights_only also unpickles the classes a library in this process registered as safe
     # (megatron-core registers argparse.Namespace, ...): refuse those too, whatever is imported.
     foreign = _first_foreign(blob, "file")

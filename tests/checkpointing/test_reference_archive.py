@@ -101,6 +101,17 @@ def test_pickled_objects_are_refused_naming_the_file(tmp_path):
         load_policy_archive(str(tmp_path / "list.pt"))
     with pytest.raises(ArchiveError, match="no such file"):
         load_policy_archive(str(tmp_path / "absent.pt"))
+    # Garbage and a cut file are damage, not a security refusal (old: "refused: ... would run
+    # code", and torch's advice to load with weights_only=False)
+    (tmp_path / "garbage.pt").write_text("garbage")
+    good = tmp_path / "good.pt"
+    torch.save({"step_idx": 0, "state": sd, "metrics": {}}, str(good))
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    for name in ("garbage.pt", "cut.pt"):
+        with pytest.raises(ArchiveError, match=r"not a readable torch.save file \(corrupt, "
+                                               r"truncated or another format\)") as info:
+            load_policy_archive(str(tmp_path / name))
+        assert "refused" not in str(info.value) and "weights_only" not in str(info.value)
 
 
 def test_archive_of_another_model_is_refused(tmp_path):
