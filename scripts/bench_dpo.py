@@ -52,6 +52,10 @@ ENGINES = {
     "engine+packing+precomputed": PACKED + PRECOMPUTED,
     "engine+shared+precomputed": SHARED + PRECOMPUTED,
     "engine+shared+precomputed+recompute": SHARED + PRECOMPUTED + RECOMPUTE,
+    # full recompute of the first 8 of the 30 layers only: between the two settings above
+    "engine+shared+precomputed+recompute8": SHARED + PRECOMPUTED + (
+        "model.recompute_granularity=full", "model.recompute_method=block",
+        "model.recompute_num_layers=8"),
     # LoRA DPO: rank 16 on all four linear layers; the frozen base is the reference.
     "lora": LORA,
     "lora+recompute": LORA + RECOMPUTE,
