@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from dpo_megatron.models.lora_config import LORA_TARGETS
+
 TRL_BASE_CONFIG = os.path.join("configs", "trl_dpo.yaml")
 """TRL's defaults in our keys: the base of the printed command."""
 
@@ -154,7 +156,7 @@ def _peft_overrides(f: dict, source: str, notes: list[str]) -> list[str]:
     targets = f.get("lora_target_modules") or ["q_proj", "v_proj"]
     targets = [targets] if isinstance(targets, str) else list(targets)
     if targets == ["all-linear"]:
-        layers = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+        layers = list(LORA_TARGETS)
     else:
         unknown = [t for t in targets if t not in PEFT_MODULES]
         if unknown:

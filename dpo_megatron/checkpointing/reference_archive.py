@@ -59,6 +59,12 @@ def _first_foreign(value: Any, where: str) -> Optional[tuple[str, str]]:
     return where, f"{type(value).__module__}.{type(value).__qualname__}"
 
 
+def _unreadable(path: str, cause: str) -> ArchiveError:
+    """The error for a file that is damaged, not dangerous: garbage, cut short, another format."""
+    return ArchiveError(f"model.archive={path}: not a readable torch.save file (corrupt, "
+                        f"truncated or another format): {cause}")
+
+
 def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights and the bookkeeping of a reference-repo ``policy.pt``.
 
@@ -81,8 +87,7 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
             cause = next((line for line in detail if line.startswith(("Unsupported operand",
                                                                        "invalid load key"))),
                          detail[-1] if detail else "")
-            raise ArchiveError(f"model.archive={path}: not a readable torch.save file "
-                               f"(corrupt, truncated or another format): {cause}") from None
+            raise _unreadable(path, cause) from None
         raise ArchiveError(
             f"model.archive={path}: refused: the file holds a pickled object other than tensors "
             f"and plain containers (dict, list, tuple, str, numbers), and loading it would run "
@@ -90,8 +95,7 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
             f"model.state_dict()}}, path)). torch says: {reason.strip()}") from None
     except Exception as e:  # truncated or not a torch file at all
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ArchiveError(f"model.archive={path}: not a readable torch.save file (corrupt, "
-                           f"truncated or another format): {type(e).__name__}: {first}") from None
+        raise _unreadable(path, f"{type(e).__name__}: {first}") from None
     # weights_only also unpickles the classes a library in this process registered as safe
     # (megatron-core registers argparse.Namespace, ...): refuse those too, whatever is imported.
     foreign = _first_foreign(blob, "file")
