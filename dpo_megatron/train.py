@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+if __name__ == "__main__":  # first, before torch: glibc reads its malloc tunables at start-up
+    from dpo_megatron.parallel.host_malloc import restart_with_malloc_tunables
+
+    restart_with_malloc_tunables()
+
+from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # noqa: E402
 
 filter_expected_warnings()  # before megatron-core's import-time warnings
 

@@ -16,6 +16,10 @@ fraction (pad positions / positions computed), step time (median over steps afte
 peak RSS, step-0 loss and logps; then ratios against TRL. On a machine shared with other jobs the
 CPU-time figures are the fairer comparison: they do not count time the process spent waiting for
 a core. Results go to a JSON file and a Markdown table (``--markdown``).
+
+Each run's C allocator is its own default: engine runs get the glibc malloc tunables the engine's
+entry point sets (``dpo_megatron.parallel.host_malloc``), TRL runs glibc's defaults; ``trl+malloc``
+is TRL with the engine's tunables, to tell the allocator's share of a memory gap from the rest.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ ENGINES = {
     "lora": LORA,
     "lora+recompute": LORA + RECOMPUTE,
 }
-ALL_RUNS = ["trl", *ENGINES]
+TRL_RUNS = ("trl", "trl+malloc")  # TRL with glibc's malloc defaults / with the engine's tunables
+ALL_RUNS = [*TRL_RUNS, *ENGINES]
 # Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
 # alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
 # plain and the best ones.
@@ -389,6 +394,10 @@ def _child(spec: dict) -> dict:
     env.update(OMP_NUM_THREADS=str(spec["threads"]),
                MKL_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
+    if spec["run"] != "trl":  # the engine's own allocator settings (and trl+malloc's)
+        from dpo_megatron.parallel.host_malloc import malloc_env
+
+        env = malloc_env(env) or env
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
@@ -512,7 +521,10 @@ def main(argv=None) -> int:
 
     if args.worker:
         spec = json.loads(args.worker)
-        result = run_trl(spec) if spec["run"] == "trl" else run_engine(spec)
+        result = run_trl(spec) if spec["run"] in TRL_RUNS else run_engine(spec)
+        from dpo_megatron.parallel.host_malloc import describe
+
+        result["host_malloc"] = describe()
         Path(args.worker_out).write_text(json.dumps(result))
         return 0
 
@@ -538,7 +550,7 @@ def main(argv=None) -> int:
         bench_pairs(base["pairs"], base["max_length"], base["max_prompt_length"])  # warm cache
         report["results"][model] = {}
         runs = chosen or DEFAULT_RUNS.get(model, ALL_RUNS)
-        for run in [r for r in runs if has_trl or r != "trl"]:
+        for run in [r for r in runs if has_trl or r not in TRL_RUNS]:
             t0 = time.time()
             result = _child({**base, "model": model, "model_path": path, "run": run})
             report["results"][model][run] = result

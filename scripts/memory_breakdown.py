@@ -195,4 +195,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # The engine's own allocator settings, as its entry point sets them (before torch).
+    from dpo_megatron.parallel.host_malloc import restart_with_malloc_tunables
+
+    restart_with_malloc_tunables()
     sys.exit(main())

@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import platform
 import sys
 from pathlib import Path
 
@@ -129,6 +130,10 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     for a, b in zip(engine["losses"], trl["losses"], strict=True):
         assert abs(a - b) < 1e-4
     assert engine["padded_fraction"] <= trl["padded_fraction"]
+    # each with its own allocator defaults: the engine's glibc tunables, TRL glibc's own
+    if platform.libc_ver()[0] == "glibc":
+        assert engine["host_malloc"] == "host malloc: mmap_threshold=4194304, hugetlb=1"
+        assert trl["host_malloc"] == "host malloc: the C library's default"
 
 
 def test_pair_forward_flops_by_hand():

@@ -126,6 +126,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("train.eval_global_batch_size=-1", "train.eval_global_batch_size=-1 must be >= 0"),
     ("data.eval_datasets=[e.json]", "data.eval_datasets and data.eval_fraction=0.1 are both set"),
     ("data.eval_formats=[hh]", "data.eval_formats has 1 entries for 0 data.eval_datasets"),
+    ("model.recompute_modules=[layernorm]", "model.recompute_modules=['layernorm'] needs "
+     "model.recompute_granularity=selective, got None"),
+    ("model.recompute_modules=[moe_act]", "model.recompute_modules: 'moe_act' is not one of "
+     "core_attn, layernorm, mlp, moe"),
 ])
 def test_every_field_is_range_checked_before_launch(override, message):
     """Old (5fd70fa): all of these loaded; 0 intervals / sizes crashed later with

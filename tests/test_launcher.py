@@ -4,6 +4,7 @@ scripts' --help texts; the exporter names the checkpoint it loads."""
 
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -38,6 +39,8 @@ def test_under_torchrun_no_python_pp2(tmp_path):
                   str(tmp_path / "run"))
     # One job of 2 ranks (no nested launch): one layout line, PP 2.
     assert stdout.count("layout TP") == 1 and "TP 1 x PP 2 x DP 1" in stdout
+    if platform.libc_ver()[0] == "glibc":  # each rank restarted itself with the malloc tunables
+        assert "on cpu (host malloc: mmap_threshold=4194304, hugetlb=1) |" in stdout, stdout
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
 * :mod:`~dpo_megatron.compat.moe_router_without_te`: megatron-core 0.16's MoE router gating
   without transformer-engine (an undefined name).
+* :mod:`~dpo_megatron.compat.checkpoint_without_output_without_te`: megatron-core 0.16's
+  output-discarding checkpoint (selective recompute of the norms) without transformer-engine
+  (an undefined name).
 * :mod:`~dpo_megatron.compat.moe_alltoall_on_cpu`: the all-to-all MoE token dispatcher on the CPU
   (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
 * :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a

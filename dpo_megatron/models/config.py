@@ -17,6 +17,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTIONS = ("auto", "sdpa", "flex", "megatron")  # models.attention: the kernels
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")  # megatron-core's, for these layers
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -135,6 +136,11 @@ class ModelConfig:
     """With 'full': 'uniform' or 'block'."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per recompute group (>= 1)."""
+    recompute_modules: Optional[list[str]] = None
+    """With 'selective': the submodules megatron-core recomputes in backward (null: its default,
+    ['core_attn']): 'core_attn' (attention of the local 'megatron' kernel; the fused kernels
+    keep no scores), 'layernorm' (both norms' outputs dropped after use: a cheap recompute),
+    'mlp' (the dense MLP: the largest activations), 'moe' (the MoE layer)."""
 
     def validate(self) -> None:
         """Ranges of every field: sizes and counts >= 1 (``num_query_groups``, ``kv_channels``,
@@ -172,3 +178,12 @@ class ModelConfig:
         check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES,
                      optional=True)
         check_choice("model", self, "recompute_method", RECOMPUTE_METHODS, optional=True)
+        if self.recompute_modules is not None:
+            for module in self.recompute_modules:
+                if module not in RECOMPUTE_MODULES:
+                    raise ValueError(f"model.recompute_modules: {module!r} is not one of "
+                                     f"{', '.join(RECOMPUTE_MODULES)}")
+            if self.recompute_granularity != "selective":
+                raise ValueError(f"model.recompute_modules={list(self.recompute_modules)} needs "
+                                 f"model.recompute_granularity=selective, got "
+                                 f"{self.recompute_granularity!r}")

@@ -13,7 +13,10 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from dpo_megatron.models.attention import packed_format, packed_seq_params
 from dpo_megatron.models.context_attention import (
@@ -26,6 +29,7 @@ from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.parallel.device import is_cuda
+from dpo_megatron.training.logprobs import HeadLogps, vocab_parallel_linear_logps
 
 
 class DPOGPTModel(GPTModel):
@@ -62,18 +66,28 @@ class DPOGPTModel(GPTModel):
       its own gather (as megatron-core's GPTModel does when it keeps only the last token's
       logits).
 
-    Outputs: hidden states [L(/TP), R, h] off the last stage; on it, vocab-parallel logits
-    [1, n, V/TP] with ``output_index`` (in that order), else [R, L, V/TP].
+    * ``target_ids`` [n] (with ``output_index``): the last stage returns the log-probs of these
+      targets instead of logits, through ``training.logprobs.vocab_parallel_linear_logps``,
+      which never holds the [n, V/TP] logits (``log_sum_p2=True`` adds the WPO normaliser).
+
+    Outputs: hidden states [L(/TP), R, h] off the last stage; on it, with ``target_ids`` a
+    ``HeadLogps`` of [n] fp32 tensors, else vocab-parallel logits [1, n, V/TP] with
+    ``output_index`` (in that order), else [R, L, V/TP].
     """
 
     thd = False
     """True when the layers are transformer-engine's: packed rows then go in THD form."""
 
+    vocab_valid_columns: Optional[int] = None
+    """Columns of this TP rank's vocabulary shard that hold real tokens (None: all); the rest
+    is padding (``build_model_chunks``)."""
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, *,
                 packed=None, output_index: Optional[torch.Tensor] = None,
+                target_ids: Optional[torch.Tensor] = None, log_sum_p2: bool = False,
                 padding_mask: Optional[torch.Tensor] = None,
-                moe_aux_loss_weight: float = 1.0) -> torch.Tensor:
+                moe_aux_loss_weight: float = 1.0):
         if self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
             # This CP rank's tokens (data.context_split): query and gathered key coordinates.
             params = None
@@ -94,7 +108,27 @@ class DPOGPTModel(GPTModel):
                                      padding_mask=padding_mask, packed_seq_params=params)
         if not self.post_process:
             return hidden_states
-        return self._logits(hidden_states, output_index)
+        if output_index is None:
+            logits, _ = self.output_layer(hidden_states, weight=self._output_weight())
+            return logits.transpose(0, 1).contiguous()  # [L, R, V/TP] -> [R, L, V/TP]
+        picked = self._scored_hidden(hidden_states, output_index)
+        if target_ids is not None:
+            weight = self._output_weight()
+            return vocab_parallel_linear_logps(
+                copy_to_tensor_model_parallel_region(picked),
+                self.output_layer.weight if weight is None else weight, target_ids,
+                self.vocab_valid_columns, log_sum_p2=log_sum_p2)
+        # [1, n, h]: the n positions as one "sequence" of batch n, so the logits come out as
+        # [1, n, V/TP] with plain strides. (A transposed [n, 1, V/TP] gives a gradient whose
+        # strides send megatron-core's frozen-weight backward, taken when the output layer is
+        # frozen as under LoRA, into a slow batched matmul: ~15x the time on the CPU.)
+        sequence_parallel = self.output_layer.sequence_parallel
+        self.output_layer.sequence_parallel = False  # gathered by _scored_hidden
+        try:
+            logits, _ = self.output_layer(picked.unsqueeze(0), weight=self._output_weight())
+        finally:
+            self.output_layer.sequence_parallel = sequence_parallel
+        return logits  # [1, n, V/TP]
 
     def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]
                             ) -> Optional[torch.Tensor]:
@@ -120,32 +154,24 @@ class DPOGPTModel(GPTModel):
         table = self.rotary_pos_emb.get_emb(length)[:, 0, 0, :]  # [L, dim]
         return table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2)
 
-    def _logits(self, hidden_states: torch.Tensor,
-                output_index: Optional[torch.Tensor]) -> torch.Tensor:
-        weight = (self.shared_embedding_or_output_weight()
-                  if self.share_embeddings_and_output_weights else None)
-        if output_index is None:
-            logits, _ = self.output_layer(hidden_states, weight=weight)
-            return logits.transpose(0, 1).contiguous()  # [L, R, V/TP] -> [R, L, V/TP]
-        sequence_parallel = self.output_layer.sequence_parallel
-        if sequence_parallel:
-            # The output layer's input copy all-reduces the input gradient over TP, so the
-            # gather's backward only splits (tensor_parallel_output_grad=False).
+    def _output_weight(self) -> Optional[torch.Tensor]:
+        """The LM head's weight when tied to the word embeddings, else None (the output layer's
+        own)."""
+        return (self.shared_embedding_or_output_weight()
+                if self.share_embeddings_and_output_weights else None)
+
+    def _scored_hidden(self, hidden_states: torch.Tensor, output_index: torch.Tensor
+                       ) -> torch.Tensor:
+        """[L(/TP), R, h] final hidden states -> [n, h] at the flat positions ``output_index``
+        (``r * L + t``), all-gathered along the sequence first under sequence parallelism."""
+        if self.output_layer.sequence_parallel:
+            # The LM head's input copy all-reduces the input gradient over TP, so the gather's
+            # backward only splits (tensor_parallel_output_grad=False).
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False)
         length, rows, hidden = hidden_states.shape
         picked = hidden_states.transpose(0, 1).reshape(rows * length, hidden)
-        # [1, n, h]: the n positions as one "sequence" of batch n, so the logits come out as
-        # [1, n, V/TP] with plain strides. (A transposed [n, 1, V/TP] gives a gradient whose
-        # strides send megatron-core's frozen-weight backward, taken when the output layer is
-        # frozen as under LoRA, into a slow batched matmul: ~15x the time on the CPU.)
-        picked = picked.index_select(0, output_index).unsqueeze(0)
-        self.output_layer.sequence_parallel = False  # gathered above
-        try:
-            logits, _ = self.output_layer(picked, weight=weight)
-        finally:
-            self.output_layer.sequence_parallel = sequence_parallel
-        return logits  # [1, n, V/TP]
+        return picked.index_select(0, output_index)
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPOGPTModel]:
@@ -159,6 +185,10 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
     config = build_transformer_config(model, parallel)
     if model.num_experts:
         _enable_moe_patches(model)
+    if model.recompute_granularity == "selective" and not _have_transformer_engine():
+        from dpo_megatron.compat import checkpoint_without_output_without_te
+
+        checkpoint_without_output_without_te.enable()
     vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
                               parallel.tensor_model_parallel_size)
     vpp = parallel.virtual_pipeline_model_parallel_size
@@ -186,40 +216,46 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
         )
         chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
         if chunk.post_process and vocab > model.vocab_size:
-            _mask_vocab_padding(chunk.output_layer, model.vocab_size, vocab)
+            _mask_vocab_padding(chunk, model.vocab_size, vocab)
         chunks.append(chunk)
     return chunks
 
 
-def _enable_moe_patches(model: ModelConfig) -> None:
-    """The compat patches megatron-core's MoE layer needs here (``dpo_megatron.compat``)."""
+def _have_transformer_engine() -> bool:
     import importlib.util
 
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _enable_moe_patches(model: ModelConfig) -> None:
+    """The compat patches megatron-core's MoE layer needs here (``dpo_megatron.compat``)."""
     from dpo_megatron.compat import moe_alltoall_on_cpu, moe_router_without_te
 
-    if importlib.util.find_spec("transformer_engine") is None:
+    if not _have_transformer_engine():
         moe_router_without_te.enable()
     if model.moe_token_dispatcher == "alltoall" and not is_cuda():
         moe_alltoall_on_cpu.enable()
 
 
-def _mask_vocab_padding(output_layer: torch.nn.Module, vocab_size: int, padded: int) -> None:
+def _mask_vocab_padding(chunk: DPOGPTModel, vocab_size: int, padded: int) -> None:
     """Give the padding columns of the vocabulary a logit of -inf.
 
     Padding rows of the output weight are zero, so without this every padding id would get logit
     0 and a share of the softmax: log-probs would differ from the unpadded (HF) model. With -inf
     they get probability exactly 0 and zero gradient. Applied as a forward hook, so it holds for
-    every caller of the output layer (training, evaluation, sampling).
+    every caller of the output layer (evaluation's sampling, conversion checks), and as
+    ``vocab_valid_columns`` for the log-prob head, which does not call the output layer.
     """
     shard = padded // parallel_state.get_tensor_model_parallel_world_size()
     start = parallel_state.get_tensor_model_parallel_rank() * shard
     first_pad = max(vocab_size - start, 0)  # local column of the first padding id
     if first_pad >= shard:
         return  # this TP rank holds real tokens only
+    chunk.vocab_valid_columns = first_pad
 
     def hook(module, inputs, output):
         logits, bias = output
         pad = torch.arange(first_pad, shard, device=logits.device)
         return logits.index_fill(-1, pad, float("-inf")), bias
 
-    output_layer.register_forward_hook(hook)
+    chunk.output_layer.register_forward_hook(hook)

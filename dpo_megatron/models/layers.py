@@ -23,8 +23,19 @@ class ParallelResidualTransformerLayer(TransformerLayer):
     Shapes: hidden_states [s(/TP under sequence parallelism), b, h] -> the same, and the
     (unused, None) cross-attention context, like the parent. Biases are added by the layer's
     bias-dropout-add modules (dropout is 0 in this engine). Selective recompute of the norms
-    (``recompute_modules`` 'layernorm') does not apply to this layer; full recompute does.
+    (``recompute_modules`` 'layernorm') is refused, as is 'mlp' (the parent's hooks for them sit
+    in its sequential forward); full recompute works.
+
+    Raises:
+        ValueError: at construction, with ``model.recompute_modules`` 'layernorm' or 'mlp'.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm or self.recompute_mlp:
+            raise ValueError("model.recompute_modules: 'layernorm' and 'mlp' are not wired for "
+                             "GPT-NeoX's parallel residual (model.parallel_residual); use "
+                             "model.recompute_granularity=full")
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None,
                 context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,

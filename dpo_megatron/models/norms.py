@@ -15,11 +15,49 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """x [..., h], weight [h] -> weight * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) in fp32.
+
+    The forward is ``LlamaRMSNorm``'s, op for op. Backward needs only x and rstd [..., 1]:
+    autograd on those ops would also keep the normalised x (a second [..., h] tensor, and in
+    bf16 an fp32 copy of x), so this saves one to two activations of the hidden size per norm.
+    With y = x * rstd: dL/dx = rstd * (g - y * mean(g * y)), g = weight * dL/dout (in fp32),
+    and dL/dweight = sum over tokens of dL/dout * y.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(_fp32_or_wider(x))
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        wide = rstd.dtype
+        y = x.to(wide) * rstd
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            g = (grad_out * weight).to(wide)
+            grad_x = (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_out.to(wide) * y.to(x.dtype).to(wide)).reshape(
+                -1, x.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x, grad_weight, None
+
+
+def _fp32_or_wider(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 (as HF), fp64 for fp64 (so gradcheck sees the exact function)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class RMSNorm(torch.nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019, eq. 4), computed in fp32 like HF Llama.
 
     y = weight * (x / sqrt(mean(x^2) + eps)), with the normalisation in fp32 and the result cast
     back to the input dtype before the weight multiply (matches ``LlamaRMSNorm`` bit for bit).
+    Backward keeps only x and the per-token rstd (:class:`_RMSNormFunction`).
 
     Shapes: x [..., hidden_size] -> [..., hidden_size].
     """
@@ -31,9 +69,7 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class LayerNorm(torch.nn.Module):

@@ -206,5 +206,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
+        **({} if model.recompute_modules is None
+           else {"recompute_modules": list(model.recompute_modules)}),
         **moe,
     )

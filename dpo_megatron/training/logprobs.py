@@ -10,20 +10,33 @@ sum) give exact log-probs without ever gathering the vocabulary:
 (the standard log-sum-exp identity; the same decomposition as megatron-core's
 ``vocab_parallel_cross_entropy``). Everything is computed in fp32 for bf16/fp16/fp32 logits (fp64 stays fp64).
 
-Memory: the fp32 copy of the logits is made one chunk of rows at a time, and backward recomputes
-the softmax from the saved (model-dtype) logits and the saved per-token log-sum-exp, so no
-fp32 [tokens, vocab/TP] tensor outlives a chunk.
+Two entry points:
+
+* :func:`vocab_parallel_token_logps` takes logits. The fp32 copy is made one chunk of rows at a
+  time, and backward recomputes the softmax from the saved (model-dtype) logits and the saved
+  per-token log-sum-exp, so no fp32 [tokens, vocab/TP] tensor outlives a chunk.
+* :func:`vocab_parallel_linear_logps` takes the hidden states and the LM-head weight (what the
+  training step uses). It never holds the [tokens, vocab/TP] logits: each chunk of rows is
+  projected, reduced and dropped, and backward projects it again (one more LM-head matmul) to
+  form that chunk's gradient, so only the hidden states [tokens, h] and the log-sum-exp are saved.
+  This is the "fused linear cross-entropy" of Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989,
+  sec. 3.3) applied to log-probs; at SmolLM2's 49,152-token vocabulary the logits are 85x the
+  size of the hidden states they come from.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_TOKENS = 1024
-"""Rows (tokens) of logits converted to fp32 at a time."""
+"""Rows (tokens) of logits converted to fp32 at a time (:func:`vocab_parallel_token_logps`)."""
+
+DEFAULT_CHUNK_ELEMENTS = 2 ** 24
+"""Logits per chunk of :func:`vocab_parallel_linear_logps` (64 MiB in fp32): the rows of a chunk
+are this over the vocabulary shard (341 rows for SmolLM2 at TP 1)."""
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -32,9 +45,9 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 logits; fp64 stays fp64 (for gradcheck)."""
-    return torch.promote_types(logits.dtype, torch.float32)
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; fp64 stays fp64 (for gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def _target_in_shard(labels: torch.Tensor, vocab_start: int, shard_size: int):
@@ -42,6 +55,36 @@ def _target_in_shard(labels: torch.Tensor, vocab_start: int, shard_size: int):
     owned = (labels >= vocab_start) & (labels < vocab_start + shard_size)
     local = (labels - vocab_start).clamp(0, shard_size - 1)
     return local, owned
+
+
+def _chunk_logps(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, group
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's (log p(label) [c], log-sum-exp [c]) from its compute-dtype logits z [c, V/TP]
+    (z is not modified)."""
+    m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    sum_exp = _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+    lse = m + sum_exp.log()
+    target = z.gather(-1, local[:, None]).squeeze(-1)
+    # where, not multiply: an unowned target's clamped index may be a -inf padding column.
+    target = _all_reduce(torch.where(owned, target, 0.0), dist.ReduceOp.SUM, group)
+    return target - lse, lse
+
+
+def _chunk_log_sum_p2(z: torch.Tensor, group) -> torch.Tensor:
+    """log sum_v p_v^2 [c] of one chunk's compute-dtype logits z [c, V/TP]."""
+    m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    sum1 = _all_reduce((z - m[:, None]).exp().sum(-1), dist.ReduceOp.SUM, group)
+    sum2 = _all_reduce((2 * (z - m[:, None])).exp().sum(-1), dist.ReduceOp.SUM, group)
+    return sum2.log() - 2 * sum1.log()
+
+
+def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, local: torch.Tensor,
+                owned: torch.Tensor) -> torch.Tensor:
+    """d(sum_t grad_t log p(y_t)) / dz [c, V/TP] = grad_t (1[v == y_t] - softmax(z_t)_v), this
+    rank's vocabulary slice (compute dtype)."""
+    g = grad[:, None]
+    chunk = -(z - lse[:, None]).exp() * g
+    return chunk.scatter_add_(-1, local[:, None], g * owned[:, None])
 
 
 class _VocabParallelTokenLogps(torch.autograd.Function):
@@ -55,31 +98,22 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
         lse = torch.empty(n, dtype=dtype, device=logits.device)
         local, owned = _target_in_shard(labels, vocab_start, shard)
         for s in range(0, n, chunk_tokens):
-            z = logits[s:s + chunk_tokens].to(dtype)
-            m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            sum_exp = _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
-            lse[s:s + chunk_tokens] = m + sum_exp.log()
-            target = z.gather(-1, local[s:s + chunk_tokens, None]).squeeze(-1)
-            # where, not multiply: an unowned target's clamped index may be a -inf padding column.
-            target = torch.where(owned[s:s + chunk_tokens], target, 0.0)
-            target = _all_reduce(target, dist.ReduceOp.SUM, group)
-            logps[s:s + chunk_tokens] = target - lse[s:s + chunk_tokens]
+            rows = slice(s, s + chunk_tokens)
+            logps[rows], lse[rows] = _chunk_logps(logits[rows].to(dtype), local[rows],
+                                                  owned[rows], group)
         ctx.save_for_backward(logits, local, owned, lse)
         ctx.chunk_tokens = chunk_tokens
         return logps
 
     @staticmethod
     def backward(ctx, grad_logps):
-        # d log p(y) / d z_v = 1[v == y] - softmax(z)_v; each rank fills its vocabulary slice.
         logits, local, owned, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         grad_logps = grad_logps.to(lse.dtype)
-        step = ctx.chunk_tokens
-        for s in range(0, logits.shape[0], step):
-            g = grad_logps[s:s + step, None]
-            chunk = -(logits[s:s + step].to(lse.dtype) - lse[s:s + step, None]).exp() * g
-            chunk.scatter_add_(-1, local[s:s + step, None], g * owned[s:s + step, None])
-            grad_logits[s:s + step] = chunk.to(logits.dtype)
+        for s in range(0, logits.shape[0], ctx.chunk_tokens):
+            rows = slice(s, s + ctx.chunk_tokens)
+            grad_logits[rows] = _chunk_grad(logits[rows].to(lse.dtype), lse[rows],
+                                            grad_logps[rows], local[rows], owned[rows])
         return grad_logits, None, None, None, None
 
 
@@ -131,12 +165,128 @@ def vocab_parallel_log_sum_p2(
     """
     group, _ = _tp_context(group)
     flat = logits.reshape(-1, logits.shape[-1])
-    dtype = _compute_dtype(logits)
-    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+    out = torch.empty(flat.shape[0], dtype=_compute_dtype(logits), device=logits.device)
     for s in range(0, flat.shape[0], chunk_tokens):
-        z = flat[s:s + chunk_tokens].to(dtype)
-        m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-        sum1 = _all_reduce((z - m[:, None]).exp().sum(-1), dist.ReduceOp.SUM, group)
-        sum2 = _all_reduce((2 * (z - m[:, None])).exp().sum(-1), dist.ReduceOp.SUM, group)
-        out[s:s + chunk_tokens] = sum2.log() - 2 * sum1.log()
+        out[s:s + chunk_tokens] = _chunk_log_sum_p2(flat[s:s + chunk_tokens].to(out.dtype), group)
     return out.view(logits.shape[:-1])
+
+
+class HeadLogps(NamedTuple):
+    """What :func:`vocab_parallel_linear_logps` returns: ``token_logps`` [n] (nats, fp32,
+    differentiable) and ``log_sum_p2`` [n] (fp32, no gradient; None unless asked for)."""
+
+    token_logps: torch.Tensor
+    log_sum_p2: Optional[torch.Tensor]
+
+
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, valid_columns: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """One chunk's logits [c, V/TP] in the compute dtype; vocabulary padding columns (from
+    ``valid_columns`` on) are -inf, as the output layer's padding hook makes them
+    (``models.gpt``)."""
+    z = torch.mm(hidden, weight.t()).to(dtype)
+    if valid_columns < z.shape[1]:
+        z[:, valid_columns:] = float("-inf")
+    return z
+
+
+class _LinearTokenLogps(torch.autograd.Function):
+    """hidden [n, h], weight [V/TP, h], labels [n] -> (log p(label) [n], log sum p^2 [n] or
+    None), the logits one chunk of rows at a time (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, group, vocab_start, valid_columns, chunk_rows,
+                with_log_sum_p2):
+        n, shard = hidden.shape[0], weight.shape[0]
+        dtype = _compute_dtype(hidden)
+        logps = torch.empty(n, dtype=dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        log_sum_p2 = (torch.empty(n, dtype=dtype, device=hidden.device) if with_log_sum_p2
+                      else None)
+        local, owned = _target_in_shard(labels, vocab_start, shard)
+        for s in range(0, n, chunk_rows):
+            rows = slice(s, s + chunk_rows)
+            z = _head_logits(hidden[rows], weight, valid_columns, dtype)
+            logps[rows], lse[rows] = _chunk_logps(z, local[rows], owned[rows], group)
+            if log_sum_p2 is not None:
+                log_sum_p2[rows] = _chunk_log_sum_p2(z, group)
+        ctx.save_for_backward(hidden, weight, local, owned, lse)
+        ctx.chunk_rows, ctx.valid_columns = chunk_rows, valid_columns
+        if log_sum_p2 is not None:
+            ctx.mark_non_differentiable(log_sum_p2)
+        return logps, log_sum_p2
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_log_sum_p2):
+        hidden, weight, local, owned, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # The weight gradient sums over every chunk: kept in the compute dtype (fp32 for bf16).
+        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+                       if need_weight else None)
+        grad_logps = grad_logps.to(lse.dtype)
+        for s in range(0, hidden.shape[0], ctx.chunk_rows):
+            rows = slice(s, s + ctx.chunk_rows)
+            z = _head_logits(hidden[rows], weight, ctx.valid_columns, lse.dtype)
+            grad_z = _chunk_grad(z, lse[rows], grad_logps[rows], local[rows], owned[rows])
+            grad_z = grad_z.to(hidden.dtype)
+            del z
+            if need_hidden:
+                torch.mm(grad_z, weight, out=grad_hidden[rows])
+            if need_weight:
+                if grad_weight.dtype == hidden.dtype:
+                    grad_weight.addmm_(grad_z.t(), hidden[rows])
+                else:
+                    grad_weight += torch.mm(grad_z.t(), hidden[rows])
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def vocab_parallel_linear_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    valid_columns: Optional[int] = None,
+    log_sum_p2: bool = False,
+    group=None,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> HeadLogps:
+    """log p(labels[t]) from the hidden states and this rank's LM-head shard, without the logits.
+
+    Equal to ``vocab_parallel_token_logps(hidden @ weight.T, labels)`` (up to the rounding of
+    the matmul's row blocking), but the [n, V/TP] logits exist one chunk of rows at a time, in
+    forward and in backward (module docstring). The caller hands the same ``hidden`` to every TP
+    rank and reduces its gradient over TP (megatron-core's ``copy_to_tensor_model_parallel_
+    region``, as ``ColumnParallelLinear`` does).
+
+    Args:
+        hidden: [n, h] the scored positions' final hidden states (model dtype).
+        weight: [V/TP, h] this TP rank's rows of the output weight (the word embeddings when
+            tied); its gradient is accumulated by autograd as for the output layer.
+        labels: [n] int64 target ids in the full vocabulary.
+        valid_columns: this rank's columns that hold real tokens (the rest is vocabulary
+            padding: probability 0); default all.
+        log_sum_p2: also return log sum_v p_v^2 per position (WPO weights:
+            :func:`vocab_parallel_log_sum_p2`).
+        group: TP process group (default: megatron-core's).
+        chunk_elements: logits per chunk (rows = this over V/TP, at least 1).
+
+    Returns:
+        :class:`HeadLogps` of [n] fp32 tensors (fp64 for fp64 inputs), nats.
+
+    Raises:
+        ValueError: ``hidden`` and ``weight`` disagree on h, or ``labels`` is not [n].
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [n, h] and weight [V/TP, h] expected, got "
+                         f"{list(hidden.shape)} and {list(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels [{hidden.shape[0]}] expected, got {list(labels.shape)}")
+    group, rank = _tp_context(group)
+    shard = weight.shape[0]
+    valid = shard if valid_columns is None else valid_columns
+    rows = max(1, chunk_elements // shard)
+    logps, p2 = _LinearTokenLogps.apply(hidden, weight, labels, group, rank * shard, valid,
+                                        rows, log_sum_p2)
+    return HeadLogps(logps, p2)

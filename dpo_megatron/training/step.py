@@ -44,7 +44,7 @@ from dpo_megatron.parallel.context import (
     sum_over_context_parallel,
 )
 from dpo_megatron.parallel.device import get_device
-from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
+from dpo_megatron.training.logprobs import HeadLogps
 
 
 @dataclass
@@ -73,15 +73,18 @@ class StepOutput:
     aux_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def model_forward(model, batch: MicroBatch) -> torch.Tensor:
-    """Output of one chunk: hidden states to send on, or on the last stage [1, n, V/TP] logits of
-    the n scored positions only (``DPOGPTModel``: prompt and padding positions are never
-    projected onto the vocabulary). Packed rows bring their layout (``MicroBatch.packed``); MoE
-    routers get the padding mask and the micro-batch's pairs (their load-balancing weight)."""
+def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False):
+    """Output of one chunk: hidden states to send on, or on the last stage the log-probs of the
+    micro-batch's n scored targets (``DPOGPTModel`` with ``target_ids``: a ``HeadLogps`` of [n]
+    fp32 tensors, the WPO normaliser too with ``log_sum_p2``). Prompt and padding positions are
+    never projected onto the vocabulary, and the scored ones one chunk at a time. Packed rows
+    bring their layout (``MicroBatch.packed``); MoE routers get the padding mask and the
+    micro-batch's pairs (their load-balancing weight)."""
     # Only routers read the mask: dense models skip building it on every micro-batch.
     mask = padding_mask(batch) if model.config.num_moe_experts else None
     return model(batch.tokens, batch.position_ids, packed=batch.packed,
-                 output_index=batch.output_index, padding_mask=mask,
+                 output_index=batch.output_index, target_ids=batch.target_ids,
+                 log_sum_p2=log_sum_p2, padding_mask=mask,
                  moe_aux_loss_weight=float(batch.num_items))
 
 
@@ -109,16 +112,15 @@ def _to_sequence_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor
     return flat.view(mask.shape)
 
 
-def token_logps(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """[N, S] log p(label_t) (nats), zero on prompt and padding positions, from the [1, n, V/TP]
-    logits of the scored positions.
+def token_logps(scored: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """[N, S] per-token values (log p(label_t) in nats, or another per-token quantity), zero on
+    prompt and padding positions, from the [n] values of the scored positions.
 
     Under context parallelism each CP rank scores the tokens it holds (``data.context_split``)
     and the [N, S] tables are summed over the CP group (``parallel.context``: identity backward),
     so every CP rank holds every sequence's log-probs (hence its sums and token counts) and
     computes the same loss once per pair."""
-    logps = vocab_parallel_token_logps(logits.reshape(-1, logits.shape[-1]), batch.target_ids)
-    return sum_over_context_parallel(_to_sequence_layout(logps, batch))
+    return sum_over_context_parallel(_to_sequence_layout(scored, batch))
 
 
 def _count(n: int) -> torch.Tensor:
@@ -134,19 +136,18 @@ def _count(n: int) -> torch.Tensor:
 def _reference_forward_step(data_iterator, model):
     batch = next(data_iterator)
 
-    def store(logits):
-        batch.reference_logps = token_logps(logits, batch).detach()
-        return logits.new_zeros(()), _count(0), {}
+    def store(head):
+        batch.reference_logps = token_logps(head.token_logps, batch).detach()
+        return head.token_logps.new_zeros(()), _count(0), {}
 
     return model_forward(model, batch), store
 
 
-def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
+def _policy_loss(loss_fn, batch: MicroBatch, head: HeadLogps):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
-    policy_token_logps = token_logps(logits, batch)
-    log_sum_p2 = (sum_over_context_parallel(
-        _to_sequence_layout(vocab_parallel_log_sum_p2(logits), batch))
-        if loss_fn.needs_token_log_sum_p2 else None)
+    policy_token_logps = token_logps(head.token_logps, batch)
+    log_sum_p2 = (token_logps(head.log_sum_p2, batch) if loss_fn.needs_token_log_sum_p2
+                  else None)
     losses, metrics = loss_fn(policy_token_logps, batch.reference_logps, batch.loss_mask,
                               log_sum_p2, chosen_only=batch.chosen_only)
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
@@ -155,7 +156,8 @@ def _policy_loss(loss_fn, batch: MicroBatch, logits: torch.Tensor):
 
 def _policy_forward_step(loss_fn, data_iterator, model):
     batch = next(data_iterator)
-    return model_forward(model, batch), partial(_policy_loss, loss_fn, batch)
+    return (model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
+            partial(_policy_loss, loss_fn, batch))
 
 
 def _iterators(micro_batches: list, num_chunks: int):

@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch, make_batch_builder
 from dpo_megatron.losses import build_loss
-from dpo_megatron.parallel import initialize_distributed, set_seed
+from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training import model_setup
@@ -163,7 +163,9 @@ class Trainer:
               f"{cfg.parallel.pipeline_model_parallel_size} x "
               + (f"CP {cp} x " if cp > 1 else "") +  # CP only when used
               f"DP "
-              f"{parallel_state.get_data_parallel_world_size()} on {self.device} | "
+              f"{parallel_state.get_data_parallel_world_size()} on {self.device} "
+              # The CPU's tensors are the C allocator's (parallel.host_malloc).
+              + (f"({host_malloc.describe()}) " if self.device.type == "cpu" else "") + "| "
               f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
               f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
               flush=True)

@@ -81,3 +81,76 @@ def test_vocab_padding_columns_get_minus_inf_logits():
     assert torch.isfinite(shards[0][0]).all() and shards[0][1] and shards[1][1]
     assert torch.isinf(shards[1][0][..., 250 - 128:]).all()
     assert torch.isfinite(shards[1][0][..., :250 - 128]).all()
+
+
+def _head_against_logits(tp, tie):
+    """The same chunk scored twice: logits then log-probs, and the log-prob head (target_ids)."""
+    import torch
+
+    from dpo_megatron.models import build_model_chunks
+    from dpo_megatron.parallel import initialize_distributed, set_seed
+    from dpo_megatron.training.logprobs import vocab_parallel_token_logps
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp)
+    initialize_distributed(parallel)
+    set_seed(0)
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                      vocab_size=250, make_vocab_size_divisible_by=64, tie_word_embeddings=tie)
+    chunk = build_model_chunks(cfg, parallel)[0]
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 250, (2, 6), generator=g)
+    index = torch.tensor([1, 2, 3, 3, 7, 8, 11])  # a repeated position, as shared prompts have
+    targets = torch.randint(0, 250, (7,), generator=g)
+    weights = torch.arange(1.0, 8.0)
+    results = []
+    for head in (False, True):
+        chunk.zero_grad(set_to_none=True)
+        out = chunk(tokens, torch.arange(6).expand(2, 6), output_index=index,
+                    target_ids=targets if head else None)
+        logps = out.token_logps if head else vocab_parallel_token_logps(out[0], targets)
+        (logps * weights).sum().backward()
+        results.append((logps.detach(), {n: p.grad.clone() for n, p in chunk.named_parameters()
+                                         if p.grad is not None}))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_log_prob_head_equals_logits_then_log_probs(tie):
+    """The chunked head (no [n, V/TP] logits) against the output layer's logits, at TP 1 and at
+    TP 2 where rank 1's shard ends in 6 padding columns: the same log-probs and gradients."""
+    import torch
+
+    from tests.multirank import run_ranks
+
+    (single,) = run_ranks(_head_against_logits, world_size=1, tp=1, tie=tie)
+    for rank_results in [single] + list(run_ranks(_head_against_logits, world_size=2, tp=2,
+                                                  tie=tie)):
+        (logps, grads), (head_logps, head_grads) = rank_results
+        torch.testing.assert_close(head_logps, logps, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(head_logps, single[0][0], rtol=1e-6, atol=1e-6)
+        assert grads.keys() == head_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(head_grads[name], grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _build_parallel_residual_with_norm_recompute():
+    from dpo_megatron.models import build_model_chunks
+    from dpo_megatron.parallel import initialize_distributed
+
+    initialize_distributed(ParallelConfig())
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                      vocab_size=64, parallel_residual=True, normalization="LayerNorm",
+                      recompute_granularity="selective", recompute_modules=["layernorm"])
+    try:
+        build_model_chunks(cfg, ParallelConfig())
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_parallel_residual_refuses_selective_recompute_of_the_norms():
+    from tests.multirank import run_ranks
+
+    (message,) = run_ranks(_build_parallel_residual_with_norm_recompute, world_size=1)
+    assert "not wired for GPT-NeoX's parallel residual" in message, message

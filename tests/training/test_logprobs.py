@@ -1,9 +1,14 @@
-"""TP-reduced per-token log-probs equal log_softmax + gather on the full vocabulary."""
+"""TP-reduced per-token log-probs equal log_softmax + gather on the full vocabulary, from logits
+and from the hidden states through the chunked LM head (``vocab_parallel_linear_logps``)."""
 
 import pytest
 import torch
 
-from dpo_megatron.training.logprobs import vocab_parallel_log_sum_p2, vocab_parallel_token_logps
+from dpo_megatron.training.logprobs import (
+    vocab_parallel_linear_logps,
+    vocab_parallel_log_sum_p2,
+    vocab_parallel_token_logps,
+)
 from tests.multirank import run_ranks
 
 
@@ -128,3 +133,134 @@ def test_tp2_padding_shard_matches_unpadded_vocabulary():
     grad = torch.cat([g for _, g in results], -1)
     torch.testing.assert_close(grad[..., :12], x.grad, rtol=1e-6, atol=1e-6)
     assert (grad[..., 12:] == 0).all()
+
+
+# --- the chunked LM head: hidden states and the output weight in, log-probs out -------------
+
+def _head(dtype=torch.float32, n=11, h=6, vocab=12):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(n, h, generator=g, dtype=dtype)
+    weight = torch.randn(vocab, h, generator=g, dtype=dtype)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    return hidden, weight, labels
+
+
+def _head_reference(hidden, weight, labels, valid=None):
+    """Plain autograd: full logits, log_softmax over the real columns, weighted sum backward."""
+    x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logits = (x @ w.T)[:, :valid]
+    logps = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
+    p = torch.softmax(logits.detach(), -1)
+    (logps * torch.arange(1.0, len(labels) + 1, dtype=logps.dtype)).sum().backward()
+    return logps.detach(), (p ** 2).sum(-1).log(), x.grad, w.grad
+
+
+def _head_run(hidden, weight, labels, **kwargs):
+    x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = vocab_parallel_linear_logps(x, w, labels, **kwargs)
+    (out.token_logps * torch.arange(1.0, len(labels) + 1, dtype=out.token_logps.dtype)).sum(
+        ).backward()
+    return out, x.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_elements", [12, 5 * 12, 10 ** 6])  # 1 row, 5 rows, one chunk
+def test_linear_head_equals_full_logits_and_autograd(chunk_elements):
+    hidden, weight, labels = _head()
+    logps, lsp2, grad_x, grad_w = _head_reference(hidden, weight, labels)
+    out, gx, gw = _head_run(hidden, weight, labels, log_sum_p2=True,
+                            chunk_elements=chunk_elements)
+    assert out.token_logps.dtype == torch.float32 and not out.log_sum_p2.requires_grad
+    torch.testing.assert_close(out.token_logps, logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.log_sum_p2, lsp2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx, grad_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, grad_w, rtol=1e-5, atol=1e-6)
+    # and the same as the logits-based path on the same logits
+    torch.testing.assert_close(out.token_logps,
+                               vocab_parallel_token_logps(hidden @ weight.T, labels),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_linear_head_gradcheck_float64():
+    hidden, weight, labels = _head(torch.float64, n=5, h=3, vocab=7)
+    x, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+
+    def fn(a, b):
+        return vocab_parallel_linear_logps(a, b, labels, valid_columns=6,
+                                           chunk_elements=14).token_logps
+
+    assert torch.autograd.gradcheck(fn, (x, w))
+
+
+def test_linear_head_padding_columns_get_probability_zero():
+    hidden, weight, labels = _head()
+    padded = torch.cat([weight, torch.zeros(4, weight.shape[1])])  # 4 padding ids, zero rows
+    logps, lsp2, grad_x, grad_w = _head_reference(hidden, weight, labels)
+    out, gx, gw = _head_run(hidden, padded, labels, valid_columns=12, log_sum_p2=True,
+                            chunk_elements=32)
+    torch.testing.assert_close(out.token_logps, logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.log_sum_p2, lsp2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx, grad_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw[:12], grad_w, rtol=1e-5, atol=1e-6)
+    assert (gw[12:] == 0).all()
+
+
+def test_linear_head_frozen_weight_gets_no_gradient():
+    """LoRA freezes the output layer: only the hidden states get a gradient."""
+    hidden, weight, labels = _head()
+    _, _, grad_x, _ = _head_reference(hidden, weight, labels)
+    x = hidden.clone().requires_grad_(True)
+    out = vocab_parallel_linear_logps(x, weight, labels, chunk_elements=36)
+    (out.token_logps * torch.arange(1.0, 12)).sum().backward()
+    torch.testing.assert_close(x.grad, grad_x, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_head_saves_no_vocabulary_wide_tensor():
+    """The memory contract: backward keeps the hidden states and per-token values only."""
+    hidden, weight, labels = _head(n=64, h=8, vocab=40)
+    x, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        vocab_parallel_linear_logps(x, w, labels, chunk_elements=400).token_logps.sum()
+    assert {tuple(t.shape) for t in saved} == {(64, 8), (40, 8), (64,)}
+
+
+def test_linear_head_rejects_mismatched_shapes():
+    hidden, weight, labels = _head()
+    with pytest.raises(ValueError, match=r"hidden \[n, h\] and weight"):
+        vocab_parallel_linear_logps(hidden, weight[:, :4], labels)
+    with pytest.raises(ValueError, match=r"labels \[11\]"):
+        vocab_parallel_linear_logps(hidden, weight, labels[:5])
+
+
+def _tp_linear_head(tp):
+    import torch.distributed as dist
+
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed
+
+    initialize_distributed(ParallelConfig(tensor_model_parallel_size=tp))
+    hidden, weight, labels = _head()
+    shard = weight.shape[0] // tp
+    rank = dist.get_rank()
+    x = hidden.clone().requires_grad_(True)
+    w = weight[rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
+    out = vocab_parallel_linear_logps(copy_to_tensor_model_parallel_region(x), w, labels,
+                                      log_sum_p2=True, chunk_elements=2 * shard)
+    (out.token_logps * torch.arange(1.0, 12)).sum().backward()
+    return out.token_logps.detach(), out.log_sum_p2, x.grad, w.grad
+
+
+@pytest.mark.slow
+def test_linear_head_tp2_and_tp3_equal_full_vocabulary():
+    hidden, weight, labels = _head()
+    logps, lsp2, grad_x, grad_w = _head_reference(hidden, weight, labels)
+    for tp in (2, 3):
+        shard = weight.shape[0] // tp
+        for rank, (out, p2, gx, gw) in enumerate(run_ranks(_tp_linear_head, world_size=tp,
+                                                           tp=tp)):
+            torch.testing.assert_close(out, logps, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(p2, lsp2, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(gx, grad_x, rtol=1e-5, atol=1e-6)  # all-reduced over TP
+            torch.testing.assert_close(gw, grad_w[rank * shard:(rank + 1) * shard],
+                                       rtol=1e-5, atol=1e-6)

@@ -1,0 +1,69 @@
+"""RMSNorm: HF Llama's forward bit for bit, the analytic backward, and what it keeps for it."""
+
+import pytest
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dpo_megatron.models.norms import RMSNorm
+
+
+def _norm(dtype, hidden=16):
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
+                               params_dtype=dtype)
+    norm = RMSNorm(config, hidden, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, hidden))
+    return norm
+
+
+def _composite(x, weight, eps=1e-5):
+    """LlamaRMSNorm's forward (transformers), the ops autograd differentiates one by one."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_is_llama_rmsnorm_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = _norm(dtype)
+    hf = LlamaRMSNorm(16, eps=1e-5).to(dtype)
+    hf.weight.data.copy_(norm.weight.data)
+    x = (torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    assert torch.equal(norm(x), hf(x))
+
+
+def test_backward_matches_autograd_of_the_composite_ops():
+    norm = _norm(torch.float32)
+    x = (torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1)) * 2
+         ).requires_grad_(True)
+    grad = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(2))
+    gx, gw = torch.autograd.grad(norm(x), (x, norm.weight), grad)
+    w = norm.weight.detach().clone().requires_grad_(True)
+    rx, rw = torch.autograd.grad(_composite(x, w), (x, w), grad)
+    torch.testing.assert_close(gx, rx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-6, atol=1e-6)
+
+
+def test_gradcheck_float64():
+    norm = _norm(torch.float64, hidden=6)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: norm(a), (x,))
+    assert torch.autograd.gradcheck(lambda w: torch.nn.utils.stateless.functional_call(
+        norm, {"weight": w}, (x.detach(),)), (norm.weight.detach().clone().requires_grad_(),))
+
+
+def test_backward_keeps_only_the_input_and_the_per_token_rstd():
+    """Autograd over the composite ops also keeps the normalised input ([..., h] again)."""
+    norm = _norm(torch.float32)
+    x = torch.randn(8, 2, 16, requires_grad=True)
+    for forward, expected in ((norm, [(8, 2, 16), (16,), (8, 2, 1)]),
+                              (lambda a: _composite(a, norm.weight),
+                               [(8, 2, 16), (8, 2, 16), (16,), (8, 2, 1)])):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            forward(x)
+        big = {t.untyped_storage().data_ptr(): tuple(t.shape) for t in saved}
+        assert sorted(big.values()) == sorted(expected)
