@@ -396,8 +396,8 @@ def eval_overrides(args: dict, batch_size: int) -> tuple[list[str], int, list[st
              f"checkpoint.save_interval), and after the last step",
              f"eval_batch_size={eval_batch}, n_eval_examples={args['n_eval_examples']} -> "
              f"train.eval_global_batch_size={eval_batch}, train.eval_iters={batches}: the first "
-             f"{batches * eval_batch} eval pairs in file order (the reference draws them from "
-             f"its shuffled test split)",
+             f"{batches * eval_batch} eval pairs in file order, or all of them when the eval set "
+             f"is smaller (the reference draws them from its shuffled test split)",
              f"do_first_eval={args['do_first_eval']} -> train.eval_at_start (step 0)"]
     return out, steps, notes
 
@@ -538,6 +538,10 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
     for key in ("fsdp_port", "minimum_log_interval_secs"):
         if args[key] != REFERENCE_DEFAULTS[key]:
             t.notes.append(f"{key}={args[key]}: no equivalent here; ignored")
+    moved = sorted({e.partition("=")[0] for e in engine if e.startswith("parallel.")})
+    if moved:  # later overrides win: the layout is the one these keys make
+        t.notes.append(f"{', '.join('engine.' + k for k in moved)} replace(s) the layout of "
+                       f"trainer={args['trainer']} above")
     t.overrides = o + list(engine)
     return t
 
@@ -691,6 +695,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rc == 0 and t.config == BASE_CONFIG:
         steps = int(t.overrides[-1].partition("=")[2])
         print(f"wrote {write_latest_archive(t.run_dir, steps, t.batch_size)}")
+    elif rc != 0 and t.config == BASE_CONFIG:
+        # The engine's messages name its own keys; on this command line they take a prefix.
+        print("note: an engine key named above (such as data.on_error=skip) goes on this command "
+              "line with the prefix engine. (engine.data.on_error=skip)", file=sys.stderr)
     return rc
 
 

@@ -31,7 +31,7 @@ RENAMES: dict[str, str] = {
     "learning_rate": "train.lr", "weight_decay": "train.weight_decay",
     "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
     "adam_epsilon": "train.adam_eps", "max_grad_norm": "train.clip_grad", "seed": "train.seed",
-    "per_device_train_batch_size": "train.micro_batch_size", "eval_steps": "train.eval_interval",
+    "per_device_train_batch_size": "train.micro_batch_size",
     "save_steps": "checkpoint.save_interval", "logging_steps": "train.log_interval",
     "save_total_limit": "checkpoint.keep_last_n", "pad_to_multiple_of": "train.seq_length_multiple",
     "precompute_ref_batch_size": "reference.micro_batch_size",
@@ -42,7 +42,8 @@ SPECIAL = ("loss_type", "rpo_alpha", "gradient_accumulation_steps", "num_train_e
            "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
            "precompute_ref_log_probs", "padding_free", "gradient_checkpointing", "bf16",
            "optim", "disable_dropout", "report_to", "use_peft", "lora_r", "lora_alpha",
-           "lora_dropout", "lora_target_modules")
+           "lora_dropout", "lora_target_modules", "eval_strategy", "eval_steps",
+           "per_device_eval_batch_size", "dataset_test_split")
 """TRL fields translated by a rule of :func:`translate_trl` (the ``lora_*`` and ``use_peft``
 ones are TRL's ``ModelConfig``, read from the same YAML by ``trl dpo --config``)."""
 
@@ -137,10 +138,43 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
         o.append("logging.wandb_project=trl")
     o.append(f"logging.tensorboard={'true' if 'tensorboard' in report else 'false'}")
     o += _peft_overrides(f, source, notes)
+    o += _eval_overrides(f, source, devices, notes)
     facts = {"max_steps": int(f.get("max_steps", -1)),
              "epochs": float(f.get("num_train_epochs", 3.0)),
-             "global_batch": micro * accum * devices, "warmup": warmup}
+             "global_batch": micro * accum * devices, "warmup": warmup,
+             "eval_each_epoch": f.get("eval_strategy") == "epoch"}
     return o, notes, facts
+
+
+def _eval_overrides(f: dict, source: str, devices: int, notes: list[str]) -> list[str]:
+    """``eval_strategy`` (TrainingArguments, default 'no'), ``eval_steps`` (default: every
+    ``logging_steps``), ``per_device_eval_batch_size`` (8) and ``trl dpo``'s
+    ``dataset_test_split`` ('test') -> ``data.eval_*`` and ``train.eval_*``: as ``trl dpo``,
+    the eval set is the test split of ``dataset_name``, evaluated whole. 'epoch' sets its
+    interval once the pairs are counted (:func:`prepare_trl`). Raises ValueError for another
+    strategy, or an evaluation without ``dataset_name``."""
+    strategy = str(f.get("eval_strategy", "no"))
+    named = [k for k in ("eval_steps", "per_device_eval_batch_size", "dataset_test_split")
+             if k in f]
+    if strategy == "no":
+        if named:
+            notes.append(f"{', '.join(named)} ignored: eval_strategy is 'no' (as in TRL)")
+        return []
+    if strategy not in ("steps", "epoch"):
+        raise ValueError(f"{source}: eval_strategy={strategy!r}; translated: no, steps, epoch")
+    if "dataset_name" not in f:
+        raise ValueError(f"{source}: eval_strategy={strategy} evaluates on the test split of "
+                         f"dataset_name, which is not set")
+    split = f.get("dataset_test_split", "test")
+    batch = int(f.get("per_device_eval_batch_size", 8)) * devices
+    o = [f"data.eval_datasets=[{f['dataset_name']}]", f"data.eval_split={split}",
+         f"train.eval_global_batch_size={batch}", "train.eval_iters=0"]
+    if strategy == "steps":
+        o.append(f"train.eval_interval={int(f.get('eval_steps') or f.get('logging_steps', 10))}")
+    notes.append(f"eval_strategy={strategy}: the {split!r} split of {f['dataset_name']}, whole, "
+                 f"in batches of {batch} pairs, every "
+                 + ("epoch" if strategy == "epoch" else "train.eval_interval steps"))
+    return o
 
 
 def _peft_overrides(f: dict, source: str, notes: list[str]) -> list[str]:
@@ -206,4 +240,8 @@ def prepare_trl(path: str, extra: Sequence[str], devices: int) -> tuple[list[str
     items = (count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
              if facts["max_steps"] <= 0 else None)
     steps, warmup = trl_steps(facts, items)
+    if facts["eval_each_epoch"]:  # transformers: after each epoch's last step
+        items = items if items is not None else count_items(overrides, sft=False,
+                                                            config=TRL_BASE_CONFIG)
+        overrides.append(f"train.eval_interval={math.ceil(items / facts['global_batch'])}")
     return [*overrides, f"train.lr_warmup_iters={warmup}", f"train.train_iters={steps}"], notes

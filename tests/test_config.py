@@ -266,3 +266,13 @@ def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
     message = str(e.value)
     assert message.startswith("error: ") and "\n" not in message
     assert "look like format 'sharegpt': set data.format=sharegpt" in message and "on_error" not in message
+
+
+def test_a_warm_up_that_outlasts_the_run_is_announced():
+    """The reference repo's warmup_steps=150 on a 12-step run: the peak lr is never reached."""
+    from dpo_megatron.training.config import TrainConfig
+
+    assert TrainConfig(train_iters=12, lr_warmup_iters=11).warmup_warning() is None
+    assert TrainConfig(train_iters=12, lr_warmup_iters=150, lr=5e-7).warmup_warning() == (
+        "WARNING: train.lr_warmup_iters=150 >= train.train_iters=12: the run ends 12/150 of the "
+        "way through its linear warm-up and never reaches train.lr=5e-07")

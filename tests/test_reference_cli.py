@@ -205,3 +205,30 @@ def test_hub_names_on_an_offline_machine_end_in_one_line(tmp_path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "EleutherAI/pythia-6.9b" in errors[0] and "Anthropic/hh-rlhf" in errors[0]
     assert "model.name_or_path=<HF folder>" in errors[0] and "datasets=[<local" in errors[0]
+
+
+def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, capsys):
+    """The engine's own messages name its keys (``data.on_error=skip``); the reference command
+    line takes them as ``engine.data.on_error=skip``, and says so after a failed run."""
+    from dpo_megatron import reference_cli
+    from dpo_megatron.reference_cli import Layout
+
+    t = Translation(script="scripts/pretrain_dpo.sh", overrides=["train.train_iters=1"],
+                    run_dir="/runs/x", layout=Layout())
+    monkeypatch.setattr(reference_cli, "prepare", lambda argv: t)
+    for rc in (1, 0):
+        monkeypatch.setattr(reference_cli.subprocess, "call", lambda cmd, rc=rc: rc)
+        monkeypatch.setattr(reference_cli, "write_latest_archive", lambda *a: "/runs/x/LATEST")
+        assert reference_cli.main(["loss=dpo"]) == rc
+        err = capsys.readouterr().err
+        assert ("with the prefix engine. (engine.data.on_error=skip)" in err) == (rc == 1), err
+
+
+def test_an_engine_layout_override_is_named_beside_the_trainers_layout():
+    t = _translate(DPO_LINE, devices=4, extra=["engine.parallel.tensor_model_parallel_size=2",
+                                               "engine.parallel.data_parallel_size=2"])
+    assert t.overrides[-2:] == ["parallel.tensor_model_parallel_size=2",
+                                "parallel.data_parallel_size=2"]
+    assert ("engine.parallel.data_parallel_size, engine.parallel.tensor_model_parallel_size "
+            "replace(s) the layout of trainer=FSDPTrainer above") in t.notes
+    assert not any("replace(s) the layout" in n for n in _translate(DPO_LINE).notes)

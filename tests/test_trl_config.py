@@ -27,7 +27,8 @@ def test_fields_translate():
                  "train.optimizer=adam"]:
         assert want in o, want
     assert not any(x.startswith("model.recompute") for x in o)
-    assert facts == {"max_steps": -1, "epochs": 2.0, "global_batch": 16, "warmup": 0}
+    assert facts == {"max_steps": -1, "epochs": 2.0, "global_batch": 16, "warmup": 0,
+                     "eval_each_epoch": False}
     # transformers' Trainer: ceil(epochs x ceil(pairs / global batch)); a warm-up < 1 is a ratio
     assert trl_steps(facts, 100) == (14, 0)  # ceil(100 / 16) = 7 per epoch
     assert trl_steps({**facts, "warmup": 0.1}, 100) == (14, 2)
@@ -63,6 +64,12 @@ def test_trl_yaml_prints_the_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bash scripts/pretrain_dpo.sh --config configs/trl_dpo.yaml" in out
     assert "loss.beta=0.2" in out
+    # eval_strategy=epoch: an evaluation after each epoch's last step (3 steps per epoch here)
+    cfg.write_text(cfg.read_text().replace("num_train_epochs: 1", "num_train_epochs: 2")
+                   + "eval_strategy: epoch\nmax_steps: 4\n")
+    t = prepare_trl_command(str(cfg), extra, devices=1)
+    assert t.overrides[-3:] == ["train.eval_interval=3", "train.lr_warmup_iters=2",
+                                "train.train_iters=4"]
 
 
 def test_peft_fields_become_lora():
@@ -84,3 +91,28 @@ def test_peft_fields_become_lora():
     with pytest.raises(ValueError, match=r"lora_target_modules \['c_attn'\]: translated are "
                                          r"all-linear and q_proj"):
         translate_trl({"use_peft": True, "lora_target_modules": ["c_attn"]}, "c", 1)
+
+
+def test_eval_strategy_evaluates_on_the_test_split_of_dataset_name():
+    """``trl dpo``: with eval_strategy steps / epoch the eval set is dataset_name's
+    dataset_test_split, evaluated whole every eval_steps (default: logging_steps)."""
+    base = {"dataset_name": "trl-lib/ultrafeedback_binarized", "logging_steps": 5}
+    o, notes, facts = translate_trl({**base, "eval_strategy": "steps", "eval_steps": 50,
+                                     "per_device_eval_batch_size": 4,
+                                     "dataset_test_split": "validation"}, "cfg.yaml", 2)
+    assert {"data.eval_datasets=[trl-lib/ultrafeedback_binarized]", "data.eval_split=validation",
+            "train.eval_global_batch_size=8", "train.eval_iters=0",
+            "train.eval_interval=50"} <= set(o)
+    assert not facts["eval_each_epoch"]
+    o, _, _ = translate_trl({**base, "eval_strategy": "steps"}, "cfg.yaml", 1)
+    assert {"data.eval_split=test", "train.eval_global_batch_size=8",
+            "train.eval_interval=5"} <= set(o)  # the defaults: test, 8, logging_steps
+    o, _, facts = translate_trl({**base, "eval_strategy": "epoch"}, "cfg.yaml", 1)
+    assert facts["eval_each_epoch"] and not any(x.startswith("train.eval_interval") for x in o)
+    o, notes, _ = translate_trl({**base, "eval_steps": 50}, "cfg.yaml", 1)  # strategy 'no'
+    assert not any(x.startswith(("data.eval", "train.eval")) for x in o)
+    assert "eval_steps ignored: eval_strategy is 'no' (as in TRL)" in notes
+    with pytest.raises(ValueError, match="eval_strategy='best'; translated: no, steps, epoch"):
+        translate_trl({**base, "eval_strategy": "best"}, "cfg.yaml", 1)
+    with pytest.raises(ValueError, match="test split of dataset_name, which is not set"):
+        translate_trl({"eval_strategy": "steps"}, "cfg.yaml", 1)

@@ -4,6 +4,7 @@ reference (``reference.*``) and logging (``logging.*``). Imports nothing heavy."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dpo_megatron.config_checks import check_choice, check_range
 
@@ -75,6 +76,16 @@ class TrainConfig:
     seq_length_multiple: int = 8
     """Each step's micro-batches are padded to the longest sequence rounded up to this x TP
     (>= 1)."""
+
+    def warmup_warning(self) -> Optional[str]:
+        """A line for the start of a run whose warm-up does not end before its last step (the
+        learning rate then never reaches ``lr``: the reference repo's 150 warm-up steps on a
+        short run), else None."""
+        if self.lr_warmup_iters < self.train_iters:
+            return None
+        return (f"WARNING: train.lr_warmup_iters={self.lr_warmup_iters} >= train.train_iters="
+                f"{self.train_iters}: the run ends {self.train_iters}/{self.lr_warmup_iters} of "
+                f"the way through its linear warm-up and never reaches train.lr={self.lr:g}")
 
     def validate(self) -> None:
         """The ranges in the field docs, and the names of the decay style and the optimizer.

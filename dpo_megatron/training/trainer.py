@@ -169,6 +169,8 @@ class Trainer:
               f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
               f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
               flush=True)
+        if cfg.train.warmup_warning():
+            print(cfg.train.warmup_warning(), flush=True)
 
     # ------------------------------------------------------------------------------------------
     # steps
