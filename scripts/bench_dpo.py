@@ -17,9 +17,10 @@ peak RSS, step-0 loss and logps; then ratios against TRL. On a machine shared wi
 CPU-time figures are the fairer comparison: they do not count time the process spent waiting for
 a core. Results go to a JSON file and a Markdown table (``--markdown``).
 
-Each run's C allocator is its own default: engine runs get the glibc malloc tunables the engine's
-entry point sets (``dpo_megatron.parallel.host_malloc``), TRL runs glibc's defaults; ``trl+malloc``
-is TRL with the engine's tunables, to tell the allocator's share of a memory gap from the rest.
+Every run uses glibc's malloc as it comes; a run name ending in ``+malloc`` (``trl+malloc``,
+``engine+malloc``, ...) runs that setting with the engine's opt-in tunables
+(``DPO_MEGATRON_HOST_MALLOC=release``: ``dpo_megatron.parallel.host_malloc``), which hand large
+freed tensors back to the OS.
 """
 
 from __future__ import annotations
@@ -60,12 +61,22 @@ ENGINES = {
     "engine+shared+precomputed+recompute8": SHARED + PRECOMPUTED + (
         "model.recompute_granularity=full", "model.recompute_method=block",
         "model.recompute_num_layers=8"),
+    # the same with the output layer's logits kept for backward (no second LM-head matmul)
+    "engine+shared+precomputed+recompute8+unfused": SHARED + PRECOMPUTED + (
+        "model.recompute_granularity=full", "model.recompute_method=block",
+        "model.recompute_num_layers=8", "model.fused_lm_head=false"),
     # LoRA DPO: rank 16 on all four linear layers; the frozen base is the reference.
     "lora": LORA,
     "lora+recompute": LORA + RECOMPUTE,
 }
-TRL_RUNS = ("trl", "trl+malloc")  # TRL with glibc's malloc defaults / with the engine's tunables
-ALL_RUNS = [*TRL_RUNS, *ENGINES]
+MALLOC = "+malloc"  # suffix: the same run with the engine's opt-in glibc malloc tunables
+TRL_RUNS = ("trl", "trl" + MALLOC)
+ALL_RUNS = [*TRL_RUNS, *ENGINES, "engine" + MALLOC]
+
+
+def setting(run: str) -> str:
+    """The TRL / ENGINES name of a run (without the ``+malloc`` suffix)."""
+    return run[:-len(MALLOC)] if run.endswith(MALLOC) else run
 # Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
 # alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
 # plain and the best ones.
@@ -272,7 +283,7 @@ def engine_config(spec: dict):
         f"reference.cache_dir={run_dir}/reference", f"reference.micro_batch_size={spec['pairs_per_step']}",
         "checkpoint.save_interval=0", "logging.tensorboard=false",
         f"model.local_attention={spec.get('local_attention') or 'sdpa'}",
-        *ENGINES[spec["run"]]])
+        *ENGINES[setting(spec["run"])]])
 
 
 def run_engine(spec: dict) -> dict:
@@ -394,10 +405,10 @@ def _child(spec: dict) -> dict:
     env.update(OMP_NUM_THREADS=str(spec["threads"]),
                MKL_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
-    if spec["run"] != "trl":  # the engine's own allocator settings (and trl+malloc's)
-        from dpo_megatron.parallel.host_malloc import malloc_env
+    if spec["run"].endswith(MALLOC):
+        from dpo_megatron.parallel.host_malloc import SWITCH, malloc_env
 
-        env = malloc_env(env) or env
+        env = malloc_env({**env, SWITCH: "release"}) or env
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)

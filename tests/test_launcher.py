@@ -16,8 +16,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(cmd, run_dir):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+def _run(cmd, run_dir, env=None):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env or {}))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     out = subprocess.run(cmd + [f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True,
@@ -36,11 +36,13 @@ def test_under_torchrun_no_python_pp2(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     stdout = _run([torchrun, "--nproc-per-node", "2", "--no-python", "scripts/pretrain_dpo.sh",
                    "--config", "configs/tiny_cpu.yaml", "parallel.pipeline_model_parallel_size=2"],
-                  str(tmp_path / "run"))
+                  str(tmp_path / "run"), env={"DPO_MEGATRON_HOST_MALLOC": "release"})
     # One job of 2 ranks (no nested launch): one layout line, PP 2.
     assert stdout.count("layout TP") == 1 and "TP 1 x PP 2 x DP 1" in stdout
-    if platform.libc_ver()[0] == "glibc":  # each rank restarted itself with the malloc tunables
+    if platform.libc_ver()[0] == "glibc":  # opted in: each rank restarted with the tunables
         assert "on cpu (host malloc: mmap_threshold=4194304, hugetlb=1) |" in stdout, stdout
+    else:
+        assert "on cpu (host malloc: the C library's default) |" in stdout, stdout
 
 
 # ---------------------------------------------------------------------------------------------

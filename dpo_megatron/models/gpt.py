@@ -29,7 +29,12 @@ from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.parallel.device import is_cuda
-from dpo_megatron.training.logprobs import HeadLogps, vocab_parallel_linear_logps
+from dpo_megatron.training.logprobs import (
+    HeadLogps,
+    vocab_parallel_linear_logps,
+    vocab_parallel_log_sum_p2,
+    vocab_parallel_token_logps,
+)
 
 
 class DPOGPTModel(GPTModel):
@@ -78,6 +83,10 @@ class DPOGPTModel(GPTModel):
     thd = False
     """True when the layers are transformer-engine's: packed rows then go in THD form."""
 
+    fused_lm_head = True
+    """``model.fused_lm_head``: with ``target_ids``, the chunked log-prob head, else the output
+    layer's logits reduced to log-probs (``build_model_chunks``)."""
+
     vocab_valid_columns: Optional[int] = None
     """Columns of this TP rank's vocabulary shard that hold real tokens (None: all); the rest
     is padding (``build_model_chunks``)."""
@@ -112,7 +121,7 @@ class DPOGPTModel(GPTModel):
             logits, _ = self.output_layer(hidden_states, weight=self._output_weight())
             return logits.transpose(0, 1).contiguous()  # [L, R, V/TP] -> [R, L, V/TP]
         picked = self._scored_hidden(hidden_states, output_index)
-        if target_ids is not None:
+        if target_ids is not None and self.fused_lm_head:
             weight = self._output_weight()
             return vocab_parallel_linear_logps(
                 copy_to_tensor_model_parallel_region(picked),
@@ -128,6 +137,9 @@ class DPOGPTModel(GPTModel):
             logits, _ = self.output_layer(picked.unsqueeze(0), weight=self._output_weight())
         finally:
             self.output_layer.sequence_parallel = sequence_parallel
+        if target_ids is not None:  # model.fused_lm_head=false: the logits stay for backward
+            return HeadLogps(vocab_parallel_token_logps(logits[0], target_ids),
+                             vocab_parallel_log_sum_p2(logits[0]) if log_sum_p2 else None)
         return logits  # [1, n, V/TP]
 
     def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]
@@ -215,6 +227,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             vp_stage=stage,
         )
         chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
+        chunk.fused_lm_head = model.fused_lm_head
         if chunk.post_process and vocab > model.vocab_size:
             _mask_vocab_padding(chunk, model.vocab_size, vocab)
         chunks.append(chunk)

@@ -1,4 +1,4 @@
-"""How the engine's processes use the C allocator: freed activations go back to the OS.
+"""An opt-in C allocator setting for CPU runs: freed activations go back to the OS.
 
 On a GPU, PyTorch's caching allocator owns the device memory. On the CPU (gloo), every tensor is a
 ``malloc`` of the C library. glibc serves a block below its mmap threshold from the heap, and each
@@ -10,23 +10,26 @@ use. On SmolLM2-135M (30 layers, 4 pairs of up to 512 tokens, fp32) the resident
 the bytes in use by 2.7-4.3 GiB at a step's peak, about 0.5 GiB of it code and libraries
 (``docs/BENCHMARKS.md``, "Where a step's peak memory goes").
 
-The engine runs with two glibc tunables (``GLIBC_TUNABLES``, :data:`TUNABLES`):
+With ``DPO_MEGATRON_HOST_MALLOC=release`` the engine runs with two glibc tunables
+(``GLIBC_TUNABLES``, :data:`TUNABLES`):
 
 * ``glibc.malloc.mmap_threshold=4194304``: blocks of 4 MiB and more (every activation of a real
   model) are mapped when made and unmapped when freed, at a threshold glibc no longer raises; the
   small blocks stay in the heap.
 * ``glibc.malloc.hugetlb=1``: those mappings ask for transparent huge pages (``madvise``), so
-  mapping a block costs one page fault per 2 MiB instead of one per 4 KiB. Without it the mapped
-  blocks made steps 13% slower on the 4-layer cut; with it no slower than the heap. Where the
-  kernel offers no transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` =
-  ``never``) only the threshold applies.
+  mapping a block costs one page fault per 2 MiB instead of one per 4 KiB.
+
+The price is the kernel's work of mapping and zeroing fresh pages for every large tensor:
+measured on SmolLM2-135M (30 layers, 4 pairs, shared prompts, precomputed reference), the peak RSS
+fell from 8.32 to 6.51 GiB and the step time rose from 55.5 to 67.5 s (17% slower; 40% without
+huge pages: 77.6 s). So it is off by default: a setting for a machine short of memory.
 
 glibc reads ``GLIBC_TUNABLES`` once, when a process starts, so :func:`restart_with_malloc_tunables`
 re-executes the process (same PID, arguments and descriptors) with them before anything is
 imported; the training entry point calls it first. Launchers need not know about it. Nothing
-changes when the C library is not glibc, when ``GLIBC_TUNABLES`` already sets a ``glibc.malloc``
-tunable (the user's own choice), or with ``DPO_MEGATRON_HOST_MALLOC=system``. The loss is the
-same either way: only where the bytes live changes.
+changes unless ``DPO_MEGATRON_HOST_MALLOC=release``, when the C library is not glibc, or when
+``GLIBC_TUNABLES`` already sets a ``glibc.malloc`` tunable (the user's own choice). The loss is
+the same either way: only where the bytes live changes.
 
 This module imports nothing beyond the standard library: it runs before torch is imported.
 """
@@ -41,15 +44,16 @@ from typing import Mapping, Optional
 TUNABLES = ("glibc.malloc.mmap_threshold=4194304", "glibc.malloc.hugetlb=1")
 """The engine's glibc malloc tunables (module docstring)."""
 
-OPT_OUT = "DPO_MEGATRON_HOST_MALLOC"
-"""Environment variable: ``system`` leaves glibc's own malloc behaviour."""
+SWITCH = "DPO_MEGATRON_HOST_MALLOC"
+"""Environment variable: ``release`` turns the tunables on; unset (or ``system``): glibc's own
+malloc behaviour."""
 
 
 def malloc_env(environ: Mapping[str, str]) -> Optional[dict[str, str]]:
     """``environ`` with :data:`TUNABLES` added to ``GLIBC_TUNABLES``, or None when nothing is
-    to change: not glibc, ``DPO_MEGATRON_HOST_MALLOC=system``, or ``GLIBC_TUNABLES`` already sets
-    a ``glibc.malloc`` tunable (the engine's own, or the user's)."""
-    if platform.libc_ver()[0] != "glibc" or environ.get(OPT_OUT, "") == "system":
+    to change: ``DPO_MEGATRON_HOST_MALLOC`` is not ``release``, not glibc, or ``GLIBC_TUNABLES``
+    already sets a ``glibc.malloc`` tunable (the engine's own, or the user's)."""
+    if environ.get(SWITCH, "") != "release" or platform.libc_ver()[0] != "glibc":
         return None
     current = environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc." in current:

@@ -103,11 +103,13 @@ def _head_against_logits(tp, tie):
     targets = torch.randint(0, 250, (7,), generator=g)
     weights = torch.arange(1.0, 8.0)
     results = []
-    for head in (False, True):
+    for head in ("logits", "fused", "unfused"):  # unfused: model.fused_lm_head=false
         chunk.zero_grad(set_to_none=True)
+        chunk.fused_lm_head = head == "fused"
         out = chunk(tokens, torch.arange(6).expand(2, 6), output_index=index,
-                    target_ids=targets if head else None)
-        logps = out.token_logps if head else vocab_parallel_token_logps(out[0], targets)
+                    target_ids=None if head == "logits" else targets)
+        logps = (vocab_parallel_token_logps(out[0], targets) if head == "logits"
+                 else out.token_logps)
         (logps * weights).sum().backward()
         results.append((logps.detach(), {n: p.grad.clone() for n, p in chunk.named_parameters()
                                          if p.grad is not None}))
@@ -117,8 +119,9 @@ def _head_against_logits(tp, tie):
 @pytest.mark.slow
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_log_prob_head_equals_logits_then_log_probs(tie):
-    """The chunked head (no [n, V/TP] logits) against the output layer's logits, at TP 1 and at
-    TP 2 where rank 1's shard ends in 6 padding columns: the same log-probs and gradients."""
+    """The chunked head (no [n, V/TP] logits) and model.fused_lm_head=false against the output
+    layer's logits, at TP 1 and at TP 2 where rank 1's shard ends in 6 padding columns: the same
+    log-probs and gradients (bit for bit unfused)."""
     import torch
 
     from tests.multirank import run_ranks
@@ -126,12 +129,14 @@ def test_log_prob_head_equals_logits_then_log_probs(tie):
     (single,) = run_ranks(_head_against_logits, world_size=1, tp=1, tie=tie)
     for rank_results in [single] + list(run_ranks(_head_against_logits, world_size=2, tp=2,
                                                   tie=tie)):
-        (logps, grads), (head_logps, head_grads) = rank_results
+        (logps, grads), (head_logps, head_grads), (unfused, unfused_grads) = rank_results
         torch.testing.assert_close(head_logps, logps, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(head_logps, single[0][0], rtol=1e-6, atol=1e-6)
-        assert grads.keys() == head_grads.keys()
+        assert torch.equal(unfused, logps)  # the same ops as the logits path
+        assert grads.keys() == head_grads.keys() == unfused_grads.keys()
         for name in grads:
             torch.testing.assert_close(head_grads[name], grads[name], rtol=1e-5, atol=1e-7)
+            assert torch.equal(unfused_grads[name], grads[name])
 
 
 def _build_parallel_residual_with_norm_recompute():

@@ -1,5 +1,6 @@
-"""parallel.host_malloc: the engine's processes run with glibc's malloc tunables, so that large
-freed tensors go back to the OS; the user's own setting and the opt-out are kept."""
+"""parallel.host_malloc: with DPO_MEGATRON_HOST_MALLOC=release the engine's processes run with
+glibc's malloc tunables, so that large freed tensors go back to the OS; the user's own setting
+and the default (off) are kept."""
 
 import platform
 import subprocess
@@ -14,14 +15,16 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only
 
 @glibc
 def test_tunables_are_added_once_and_a_users_choice_is_kept():
-    env = host_malloc.malloc_env({"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304:"
-                                                     "glibc.malloc.hugetlb=1"}
+    on = {"DPO_MEGATRON_HOST_MALLOC": "release"}
+    env = host_malloc.malloc_env({"PATH": "/bin", **on})
+    assert env == {"PATH": "/bin", **on, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304:"
+                                                           "glibc.malloc.hugetlb=1"}
     assert host_malloc.malloc_env(env) is None  # already restarted: no loop
-    other = host_malloc.malloc_env({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"})
+    other = host_malloc.malloc_env({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F", **on})
     assert other["GLIBC_TUNABLES"] == ("glibc.cpu.hwcaps=-AVX512F:" + ":".join(
         host_malloc.TUNABLES))
-    assert host_malloc.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+    assert host_malloc.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", **on}) is None
+    assert host_malloc.malloc_env({"PATH": "/bin"}) is None  # off by default
     assert host_malloc.malloc_env({"DPO_MEGATRON_HOST_MALLOC": "system"}) is None
     assert host_malloc.describe(env) == "host malloc: mmap_threshold=4194304, hugetlb=1"
     assert host_malloc.describe({}) == "host malloc: the C library's default"
@@ -29,7 +32,7 @@ def test_tunables_are_added_once_and_a_users_choice_is_kept():
 
 def test_not_glibc_changes_nothing(monkeypatch):
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
-    assert host_malloc.malloc_env({"PATH": "/bin"}) is None
+    assert host_malloc.malloc_env({"DPO_MEGATRON_HOST_MALLOC": "release"}) is None
 
 
 # Two 8 MiB blocks one after the other: glibc maps the first, and on its free raises the mmap
@@ -55,11 +58,11 @@ print("mapped", libc.mallinfo2().hblkhd >= 8 << 20, "args", sys.argv[1:],
 
 
 @glibc
-@pytest.mark.parametrize("opt_out", [False, True], ids=["engine", "system"])
+@pytest.mark.parametrize("opt_out", [False, True], ids=["release", "default"])
 def test_restart_maps_large_blocks_in_the_same_process(opt_out):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "."}
-    if opt_out:
-        env["DPO_MEGATRON_HOST_MALLOC"] = "system"
+    if not opt_out:
+        env["DPO_MEGATRON_HOST_MALLOC"] = "release"
     out = subprocess.run([sys.executable, "-c", PROBE, "a", "b=1"], capture_output=True,
                          text=True, env=env, timeout=120, check=True).stdout.splitlines()
     pids = [line for line in out if line.startswith("pid")]
