@@ -59,6 +59,12 @@ def _child(fn, rank, world_size, port, kwargs, conn):
             pass
 
 
+PORT_TAKEN = "EADDRINUSE"
+"""In a rank's error when another process bound the rendezvous port between ``free_port()`` and
+the rank's TCPStore (parallel test workers, a benchmark beside the suite): nothing of ``fn`` ran
+past process-group set-up, so the ranks are started again on a new port."""
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
               **kwargs) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``world_size`` ranks; return the list of results by rank.
@@ -66,6 +72,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
     Raises:
         RuntimeError: with the failing rank's traceback, or on timeout (all ranks are killed).
     """
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(fn, world_size, timeout, kwargs)
+        except RuntimeError as e:
+            if PORT_TAKEN not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks_once(fn: Callable[..., Any], world_size: int, timeout: float,
+                    kwargs: dict) -> list[Any]:
     ctx = process_context()
     port = free_port()
     procs, conns = [], []
