@@ -57,25 +57,36 @@ def _target_in_shard(labels: torch.Tensor, vocab_start: int, shard_size: int):
     return local, owned
 
 
-def _chunk_logps(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, group
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's (log p(label) [c], log-sum-exp [c]) from its compute-dtype logits z [c, V/TP]
-    (z is not modified)."""
+def _chunk_max_and_sum_exp(z: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_v z [c], sum_v exp(z - max) [c]) over the whole vocabulary of a chunk's
+    compute-dtype logits z [c, V/TP]."""
     m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    sum_exp = _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+    return m, _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+
+
+def _log_sum_p2_from(z: torch.Tensor, m: torch.Tensor, sum_exp: torch.Tensor, group
+                     ) -> torch.Tensor:
+    """log sum_v p_v^2 [c], given the chunk's :func:`_chunk_max_and_sum_exp`."""
+    sum2 = _all_reduce((2 * (z - m[:, None])).exp().sum(-1), dist.ReduceOp.SUM, group)
+    return sum2.log() - 2 * sum_exp.log()
+
+
+def _chunk_logps(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, group,
+                 with_log_sum_p2: bool = False):
+    """One chunk's (log p(label) [c], log-sum-exp [c], log sum_v p_v^2 [c] or None) from its
+    compute-dtype logits z [c, V/TP] (z is not modified)."""
+    m, sum_exp = _chunk_max_and_sum_exp(z, group)
     lse = m + sum_exp.log()
     target = z.gather(-1, local[:, None]).squeeze(-1)
     # where, not multiply: an unowned target's clamped index may be a -inf padding column.
     target = _all_reduce(torch.where(owned, target, 0.0), dist.ReduceOp.SUM, group)
-    return target - lse, lse
+    p2 = _log_sum_p2_from(z, m, sum_exp, group) if with_log_sum_p2 else None
+    return target - lse, lse, p2
 
 
 def _chunk_log_sum_p2(z: torch.Tensor, group) -> torch.Tensor:
     """log sum_v p_v^2 [c] of one chunk's compute-dtype logits z [c, V/TP]."""
-    m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    sum1 = _all_reduce((z - m[:, None]).exp().sum(-1), dist.ReduceOp.SUM, group)
-    sum2 = _all_reduce((2 * (z - m[:, None])).exp().sum(-1), dist.ReduceOp.SUM, group)
-    return sum2.log() - 2 * sum1.log()
+    return _log_sum_p2_from(z, *_chunk_max_and_sum_exp(z, group), group)
 
 
 def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, local: torch.Tensor,
@@ -99,8 +110,8 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
         local, owned = _target_in_shard(labels, vocab_start, shard)
         for s in range(0, n, chunk_tokens):
             rows = slice(s, s + chunk_tokens)
-            logps[rows], lse[rows] = _chunk_logps(logits[rows].to(dtype), local[rows],
-                                                  owned[rows], group)
+            logps[rows], lse[rows], _ = _chunk_logps(logits[rows].to(dtype), local[rows],
+                                                     owned[rows], group)
         ctx.save_for_backward(logits, local, owned, lse)
         ctx.chunk_tokens = chunk_tokens
         return logps
@@ -207,9 +218,10 @@ class _LinearTokenLogps(torch.autograd.Function):
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
             z = _head_logits(hidden[rows], weight, valid_columns, dtype)
-            logps[rows], lse[rows] = _chunk_logps(z, local[rows], owned[rows], group)
-            if log_sum_p2 is not None:
-                log_sum_p2[rows] = _chunk_log_sum_p2(z, group)
+            logps[rows], lse[rows], p2 = _chunk_logps(z, local[rows], owned[rows], group,
+                                                      with_log_sum_p2)
+            if p2 is not None:
+                log_sum_p2[rows] = p2
         ctx.save_for_backward(hidden, weight, local, owned, lse)
         ctx.chunk_rows, ctx.valid_columns = chunk_rows, valid_columns
         if log_sum_p2 is not None:
