@@ -17,10 +17,11 @@ peak RSS, step-0 loss and logps; then ratios against TRL. On a machine shared wi
 CPU-time figures are the fairer comparison: they do not count time the process spent waiting for
 a core. Results go to a JSON file and a Markdown table (``--markdown``).
 
-Every run uses glibc's malloc as it comes; a run name ending in ``+malloc`` (``trl+malloc``,
+Every run uses glibc's malloc as it comes, the engine's runs with their default
+``DPO_MEGATRON_HOST_MALLOC=trim`` (free heap pages returned after each layer's forward:
+``dpo_megatron.parallel.host_malloc``); a run name ending in ``+malloc`` (``trl+malloc``,
 ``engine+malloc``, ...) runs that setting with the engine's opt-in tunables
-(``DPO_MEGATRON_HOST_MALLOC=release``: ``dpo_megatron.parallel.host_malloc``), which hand large
-freed tensors back to the OS.
+(``DPO_MEGATRON_HOST_MALLOC=release``), which hand large freed tensors back to the OS.
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ def run_engine(spec: dict) -> dict:
         epoch_tokens / summary["real_tokens_per_cpu_s"] + precompute_cpu_s)
     return {**summary, "step0": step0, "precompute_s": precompute_s,
             "precompute_cpu_s": precompute_cpu_s, "peak_rss_bytes": meter.stop(), "steps": steps,
-            "reference_model_held": trainer.reference is not None}
+            "reference_model_held": trainer.reference is not None,
+            "heap_trimmed_layers": trainer.heap_trimmed_layers}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,7 +537,7 @@ def main(argv=None) -> int:
         result = run_trl(spec) if spec["run"] in TRL_RUNS else run_engine(spec)
         from dpo_megatron.parallel.host_malloc import describe
 
-        result["host_malloc"] = describe()
+        result["host_malloc"] = describe(trimming=result.get("heap_trimmed_layers", 0) > 0)
         Path(args.worker_out).write_text(json.dumps(result))
         return 0
 

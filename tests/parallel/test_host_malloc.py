@@ -1,6 +1,7 @@
-"""parallel.host_malloc: with DPO_MEGATRON_HOST_MALLOC=release the engine's processes run with
+"""parallel.host_malloc: by default (trim) the policy's layers return the C heap's free pages to
+the OS after each forward; with DPO_MEGATRON_HOST_MALLOC=release the engine's processes run with
 glibc's malloc tunables, so that large freed tensors go back to the OS; the user's own setting
-and the default (off) are kept."""
+and system (nothing) are kept."""
 
 import platform
 import subprocess
@@ -28,6 +29,17 @@ def test_tunables_are_added_once_and_a_users_choice_is_kept():
     assert host_malloc.malloc_env({"DPO_MEGATRON_HOST_MALLOC": "system"}) is None
     assert host_malloc.describe(env) == "host malloc: mmap_threshold=4194304, hugetlb=1"
     assert host_malloc.describe({}) == "host malloc: the C library's default"
+    assert host_malloc.describe({}, trimming=True) == (
+        "host malloc: the C library's default, free heap pages returned after each layer")
+
+
+def test_mode_is_trim_unless_set_and_a_typo_is_an_error():
+    assert host_malloc.mode({}) == host_malloc.mode({"DPO_MEGATRON_HOST_MALLOC": ""}) == "trim"
+    for value in ("trim", "release", "system"):
+        assert host_malloc.mode({"DPO_MEGATRON_HOST_MALLOC": value}) == value
+    with pytest.raises(ValueError, match="DPO_MEGATRON_HOST_MALLOC='relase': expected one of "
+                                         "trim, release, system"):
+        host_malloc.malloc_env({"DPO_MEGATRON_HOST_MALLOC": "relase"})
 
 
 def test_not_glibc_changes_nothing(monkeypatch):
@@ -71,3 +83,87 @@ def test_restart_maps_large_blocks_in_the_same_process(opt_out):
     mapped = "mapped False" if opt_out else "mapped True"
     assert out[-1].startswith(mapped) and "args ['a', 'b=1']" in out[-1], out
     assert ("hugetlb=1" in out[-1]) != opt_out
+
+
+def test_a_typo_stops_the_entry_point_with_one_line():
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "DPO_MEGATRON_HOST_MALLOC": "on"}
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "error: DPO_MEGATRON_HOST_MALLOC='on': expected one of trim, release, system "
+        "(unset means trim)"), out.stderr
+
+
+# 64 heap blocks of 1 MiB, written (resident), then every other one freed: 32 MiB of holes that
+# glibc keeps resident because a block in use follows each. release_free_heap hands their pages
+# back; the blocks in use keep their bytes.
+TRIM_PROBE = """
+import ctypes
+from dpo_megatron.parallel.host_malloc import release_free_heap
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+blocks = [libc.malloc(1 << 20) for _ in range(64)]
+for i, b in enumerate(blocks):
+    ctypes.memset(b, i + 1, 1 << 20)
+for b in blocks[0::2]:
+    libc.free(b)
+before = rss()
+release_free_heap()
+after = rss()
+kept = all(ctypes.string_at(b + 4096 * k, 1)[0] == i + 1
+           for i, b in list(enumerate(blocks))[1::2] for k in range(256))
+print((before - after) >> 20, kept)
+"""
+
+
+@glibc
+def test_release_free_heap_returns_the_pages_of_freed_blocks():
+    # the heap, not mmap: glibc's threshold fixed above the blocks' size
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ".",
+           "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"}
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
+    released_mib, kept = int(out[0]), out[1]
+    assert 30 <= released_mib <= 34 and kept == "True", out
+
+
+def _count_trims(switch, device):
+    """Forward calls of release_free_heap in two forwards of a 3-layer chunk."""
+    import os
+
+    import torch
+
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    os.environ.pop(host_malloc.SWITCH, None)
+    if switch:
+        os.environ[host_malloc.SWITCH] = switch
+    initialize_distributed(ParallelConfig())
+    set_seed(0)
+    chunks = build_model_chunks(ModelConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64,
+                                            num_attention_heads=2, vocab_size=64), ParallelConfig())
+    calls = []
+    host_malloc.release_free_heap = lambda: calls.append(1)
+    hooked = host_malloc.trim_after_each_layer(chunks, torch.device(device))
+    tokens = torch.randint(0, 64, (2, 5))
+    before = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
+    chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None).sum().backward()
+    after = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
+    return hooked, len(calls), torch.equal(before, after)
+
+
+@glibc
+@pytest.mark.parametrize("switch, device, hooked", [
+    ("", "cpu", 3), ("trim", "cpu", 3), ("system", "cpu", 0), ("release", "cpu", 0),
+    ("", "cuda", 0)])
+def test_the_policys_layers_trim_after_each_forward_on_cpu_only(switch, device, hooked):
+    from tests.multirank import run_ranks
+
+    (result,) = run_ranks(_count_trims, world_size=1, switch=switch, device=device)
+    # three forwards of three layers; no weight changed (no optimizer step): same output
+    assert result == (hooked, 3 * hooked, True)
