@@ -18,10 +18,11 @@ CPU-time figures are the fairer comparison: they do not count time the process s
 a core. Results go to a JSON file and a Markdown table (``--markdown``).
 
 Every run uses glibc's malloc as it comes, the engine's runs with their default
-``DPO_MEGATRON_HOST_MALLOC=trim`` (free heap pages returned after each layer's forward:
+``DPO_MEGATRON_HOST_MALLOC=trim`` (free heap pages returned between layers' forwards:
 ``dpo_megatron.parallel.host_malloc``); a run name ending in ``+malloc`` (``trl+malloc``,
 ``engine+malloc``, ...) runs that setting with the engine's opt-in tunables
-(``DPO_MEGATRON_HOST_MALLOC=release``), which hand large freed tensors back to the OS.
+(``DPO_MEGATRON_HOST_MALLOC=release``), which hand large freed tensors back to the OS, and
+``engine+system-malloc`` the engine without its heap trimming (``DPO_MEGATRON_HOST_MALLOC=system``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ ENGINES = {
     "engine+shared+precomputed+recompute8": SHARED + PRECOMPUTED + (
         "model.recompute_granularity=full", "model.recompute_method=block",
         "model.recompute_num_layers=8"),
-    # the same with the output layer's logits kept for backward (no second LM-head matmul)
+    # the output layer's logits kept for backward (no second LM-head matmul)
+    "engine+shared+precomputed+unfused": SHARED + PRECOMPUTED + ("model.fused_lm_head=false",),
     "engine+shared+precomputed+recompute8+unfused": SHARED + PRECOMPUTED + (
         "model.recompute_granularity=full", "model.recompute_method=block",
         "model.recompute_num_layers=8", "model.fused_lm_head=false"),
@@ -71,13 +73,20 @@ ENGINES = {
     "lora+recompute": LORA + RECOMPUTE,
 }
 MALLOC = "+malloc"  # suffix: the same run with the engine's opt-in glibc malloc tunables
+SYSTEM_MALLOC = "+system-malloc"  # suffix: the engine without its default heap trimming
+HOST_MALLOC_SUFFIXES = {MALLOC: "release", SYSTEM_MALLOC: "system"}
+"""Run-name suffix -> the ``DPO_MEGATRON_HOST_MALLOC`` value the run is started with."""
 TRL_RUNS = ("trl", "trl" + MALLOC)
-ALL_RUNS = [*TRL_RUNS, *ENGINES, "engine" + MALLOC]
+ALL_RUNS = [*TRL_RUNS, *ENGINES, "engine" + MALLOC, "engine" + SYSTEM_MALLOC]
+
+
+def _suffix(run: str) -> str:
+    return next((s for s in HOST_MALLOC_SUFFIXES if run.endswith(s)), "")
 
 
 def setting(run: str) -> str:
-    """The TRL / ENGINES name of a run (without the ``+malloc`` suffix)."""
-    return run[:-len(MALLOC)] if run.endswith(MALLOC) else run
+    """The TRL / ENGINES name of a run (without a :data:`HOST_MALLOC_SUFFIXES` suffix)."""
+    return run[:len(run) - len(_suffix(run))]
 # Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
 # alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
 # plain and the best ones.
@@ -178,22 +187,10 @@ def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
 
 
 def malloc_in_use() -> int:
-    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap in use
-    + mmapped blocks), or 0 where that is not available. RSS minus this is allocator slack."""
-    import ctypes
+    """glibc's bytes in use (``dpo_megatron.parallel.host_malloc.malloc_in_use``)."""
+    from dpo_megatron.parallel.host_malloc import malloc_in_use as in_use
 
-    class _Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-            "fordblks", "keepcost")]
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _Info
-    except (OSError, AttributeError):
-        return 0
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
+    return in_use()
 
 
 class PeakRSS:
@@ -323,7 +320,7 @@ def run_engine(spec: dict) -> dict:
     return {**summary, "step0": step0, "precompute_s": precompute_s,
             "precompute_cpu_s": precompute_cpu_s, "peak_rss_bytes": meter.stop(), "steps": steps,
             "reference_model_held": trainer.reference is not None,
-            "heap_trimmed_layers": trainer.heap_trimmed_layers}
+            "heap_trims": trainer.heap_trimmer.trims if trainer.heap_trimmer else None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,10 +404,12 @@ def _child(spec: dict) -> dict:
     env.update(OMP_NUM_THREADS=str(spec["threads"]),
                MKL_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
-    if spec["run"].endswith(MALLOC):
+    env.pop("DPO_MEGATRON_HOST_MALLOC", None)  # each run's own setting, not the caller's
+    if _suffix(spec["run"]):
         from dpo_megatron.parallel.host_malloc import SWITCH, malloc_env
 
-        env = malloc_env({**env, SWITCH: "release"}) or env
+        env[SWITCH] = HOST_MALLOC_SUFFIXES[_suffix(spec["run"])]
+        env = malloc_env(env) or env
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
@@ -510,8 +509,9 @@ def main(argv=None) -> int:
                         help="comma list of smollm2 (30 layers), smollm2-4l (4-layer cut) and "
                              f"{MOE_PREFIX}<E> (random Qwen3-MoE with E experts)")
     parser.add_argument("--engines", default="",
-                        help=f"comma list of {', '.join(ALL_RUNS)} (default: all on smollm2-4l; "
-                             "trl, engine, engine+packing+precomputed on smollm2)")
+                        help=f"comma list of {', '.join(ALL_RUNS)}; any engine setting also "
+                             f"with {' or '.join(HOST_MALLOC_SUFFIXES)} (default: all on "
+                             "smollm2-4l; trl, engine, engine+packing+precomputed on smollm2)")
     parser.add_argument("--pairs", type=int, default=0,
                         help="first N pairs (default: pairs-per-step x steps)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
@@ -537,12 +537,12 @@ def main(argv=None) -> int:
         result = run_trl(spec) if spec["run"] in TRL_RUNS else run_engine(spec)
         from dpo_megatron.parallel.host_malloc import describe
 
-        result["host_malloc"] = describe(trimming=result.get("heap_trimmed_layers", 0) > 0)
+        result["host_malloc"] = describe(trimming=result.get("heap_trims") is not None)
         Path(args.worker_out).write_text(json.dumps(result))
         return 0
 
     chosen = [e for e in args.engines.split(",") if e]
-    unknown = [e for e in chosen if e not in ALL_RUNS]
+    unknown = [e for e in chosen if e not in ALL_RUNS and setting(e) not in ENGINES]
     if unknown:
         parser.error(f"unknown engines {unknown}; known: {ALL_RUNS}")
     import importlib.util

@@ -131,12 +131,12 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
         assert abs(a - b) < 1e-4
     assert engine["padded_fraction"] <= trl["padded_fraction"]
     # both with glibc's own malloc (the "+malloc" runs get the engine's opt-in tunables); the
-    # engine returns its free heap pages after each of the tiny model's layers, TRL does not
+    # engine returns its free heap pages between layers (at least once), TRL does not
     assert trl["host_malloc"] == "host malloc: the C library's default"
     if platform.libc_ver()[0] == "glibc":
-        assert engine["heap_trimmed_layers"] == 2
+        assert engine["heap_trims"] >= 1 and trl.get("heap_trims") is None
         assert engine["host_malloc"] == ("host malloc: the C library's default, free heap pages "
-                                         "returned after each layer")
+                                         "returned between layers")
 
 
 def test_pair_forward_flops_by_hand():

@@ -8,23 +8,25 @@ the first step on nearly every activation lives in the heap. A forward pass free
 does not fit the next layer's tensors into all of those holes: the freed pages stay resident.
 On SmolLM2-135M (30 layers, 4 pairs of up to 512 tokens, fp32) the heap held 2.9-3.1 GiB of free
 blocks at a step's peak beside 5.8 GiB in use: the resident set was 10.9 GiB for 7.9 GiB of
-tensors and libraries (``docs/BENCHMARKS.md``, "The C allocator's free pages").
+tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned after each layer").
 
 ``DPO_MEGATRON_HOST_MALLOC`` (:data:`SWITCH`) chooses what the engine does about it:
 
-* unset or ``trim`` (the default): after each transformer layer's forward in the policy,
-  :func:`release_free_heap` calls glibc's ``malloc_trim(0)``, which returns every whole page of
-  the heap's free blocks to the OS (``madvise(MADV_DONTNEED)``) and keeps the blocks themselves,
-  so the resident set follows the bytes in use (7.8 GiB instead of 10.9 above). A call walks
-  glibc's free lists: about 25 ms per layer there, under 1% of the step; the pages a later tensor
-  reuses are faulted in again.
+* unset or ``trim`` (the default): after each transformer layer's forward in the policy, a
+  :class:`HeapTrimmer` checks how much free heap is resident and, past :data:`TRIM_SLACK_BYTES`,
+  calls glibc's ``malloc_trim(0)`` (:func:`release_free_heap`), which returns every whole page
+  of the heap's free blocks to the OS (``madvise(MADV_DONTNEED)``) and keeps the blocks
+  themselves, so the resident set stays within that bound of the bytes in use. Trimming after
+  every layer gave 8.0 GiB instead of 10.8 in a side-by-side run (``docs/BENCHMARKS.md``) but made
+  a step 4.7% slower: each trim also hands back pages the next layer's transients reuse, which the
+  kernel maps and zeroes again; the bound trims every few layers instead.
 * ``release``: glibc's tunables :data:`TUNABLES` (``GLIBC_TUNABLES``):
   ``glibc.malloc.mmap_threshold=4194304`` maps every block of 4 MiB and more when made and unmaps
   it when freed, and ``glibc.malloc.hugetlb=1`` asks for transparent huge pages for those
   mappings. The resident set is about the same as with ``trim``, but mapping and zeroing fresh
   pages for every large tensor made a step 17% slower (55.5 -> 67.5 s on
   ``engine+shared+precomputed``).
-* ``system``: glibc as it comes, nothing trimmed.
+* ``system``: glibc as it comes, nothing trimmed: the fastest, with the largest resident set.
 
 glibc reads ``GLIBC_TUNABLES`` once, when a process starts, so :func:`restart_with_malloc_tunables`
 re-executes the process (same PID, arguments and descriptors) with them before anything is
@@ -116,35 +118,105 @@ def release_free_heap() -> None:
         _libc().malloc_trim(0)
 
 
+def malloc_in_use() -> int:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap in use
+    + mapped blocks), or 0 where that is not available. RSS minus this is allocator slack (and
+    code, libraries and the interpreter's own arenas)."""
+    try:
+        mallinfo2 = _libc().mallinfo2 if _glibc() else None
+    except (OSError, AttributeError):  # glibc before 2.33
+        mallinfo2 = None
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def resident_bytes() -> int:
+    """This process's resident set in bytes (``/proc/self/statm``), or 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
 @functools.lru_cache(maxsize=1)
 def _libc():
     return ctypes.CDLL("libc.so.6")
 
 
-def trim_after_each_layer(model_chunks: Sequence, device) -> int:
-    """In ``trim`` mode on a CPU device with glibc, make every transformer layer of
-    ``model_chunks`` call :func:`release_free_heap` after its forward (a forward hook, so also in
-    recomputed forwards); elsewhere nothing.
+TRIM_SLACK_BYTES = 512 << 20
+"""Resident free heap a layer's forward may leave before :class:`HeapTrimmer` trims."""
+
+
+class HeapTrimmer:
+    """Trims the C heap (:func:`release_free_heap`) when its resident free pages exceed a bound.
+
+    Trimming after every layer keeps the resident set lowest, but each trim also hands back the
+    pages of blocks the next layer's transients reuse, and the kernel then maps and zeroes them
+    again (a step of SmolLM2's 30 layers was 5-9% slower). So each call estimates the resident
+    free heap as RSS - bytes in use - the non-heap rest (code, libraries, the interpreter's
+    arenas: RSS - bytes in use just after the last trim) and trims only above ``slack_bytes``:
+    the peak keeps at most about that much slack, at a trim every few layers.
+
+    Args:
+        slack_bytes: the bound (:data:`TRIM_SLACK_BYTES`); negative: trim at every call.
+        rss, in_use: readers of the resident set and the allocator's bytes in use
+            (:func:`resident_bytes`, :func:`malloc_in_use`; replaced in tests). Where either reads
+            0 (not Linux / glibc before 2.33) every call trims.
+    """
+
+    def __init__(self, slack_bytes: int = TRIM_SLACK_BYTES, rss=resident_bytes,
+                 in_use=malloc_in_use):
+        self.slack_bytes, self.rss, self.in_use = slack_bytes, rss, in_use
+        self.rest: Optional[int] = None  # RSS - bytes in use after the last trim
+        self.trims = 0
+
+    def __call__(self, *hook_args) -> None:
+        if self.rest is not None and self.slack_bytes >= 0:
+            rss, used = self.rss(), self.in_use()
+            if rss and used and rss - used - self.rest <= self.slack_bytes:
+                return
+        release_free_heap()
+        self.trims += 1
+        self.rest = self.rss() - self.in_use()
+
+
+def trim_after_each_layer(model_chunks: Sequence, device,
+                          trimmer: Optional[HeapTrimmer] = None) -> Optional[HeapTrimmer]:
+    """In ``trim`` mode on a CPU device with glibc, call a :class:`HeapTrimmer` after every
+    transformer layer's forward in ``model_chunks`` (a forward hook, so also in recomputed
+    forwards); elsewhere nothing.
 
     Args:
         model_chunks: the policy's model chunks (``torch.nn.Module``, DDP-wrapped or not).
         device: the engine's ``torch.device``: on a GPU the activations are not the C heap's.
+        trimmer: the trimmer to call (default: a new one with :data:`TRIM_SLACK_BYTES`).
 
     Returns:
-        the number of layers hooked (0 when nothing was done).
+        the trimmer (its ``trims`` count the trims), or None when nothing was hooked.
 
     Raises:
         ValueError: an unknown ``DPO_MEGATRON_HOST_MALLOC`` (:func:`mode`).
     """
     if mode() != "trim" or device.type != "cpu" or not _glibc():
-        return 0
+        return None
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    trimmer = trimmer or HeapTrimmer()
     layers = [m for chunk in model_chunks for m in chunk.modules()
               if isinstance(m, TransformerLayer)]
     for layer in layers:
-        layer.register_forward_hook(lambda module, args, output: release_free_heap())
-    return len(layers)
+        layer.register_forward_hook(trimmer)
+    return trimmer if layers else None
 
 
 def describe(environ: Mapping[str, str] = os.environ, trimming: bool = False) -> str:
@@ -154,4 +226,4 @@ def describe(environ: Mapping[str, str] = os.environ, trimming: bool = False) ->
               if t.startswith("glibc.malloc.")]
     text = "host malloc: " + (", ".join(t[len("glibc.malloc."):] for t in active)
                               if active else "the C library's default")
-    return text + (", free heap pages returned after each layer" if trimming else "")
+    return text + (", free heap pages returned between layers" if trimming else "")

@@ -92,8 +92,8 @@ class Trainer:
         self.reference = self._reference_source(reference)
         self.timings = {"reference_setup_s": time.perf_counter() - started}
         # On the CPU the policy's activations are the C heap's: its free pages go back to the OS
-        # after each layer (parallel.host_malloc), or a step's peak holds GiBs of freed blocks.
-        self.heap_trimmed_layers = host_malloc.trim_after_each_layer(policy, self.device)
+        # between layers (parallel.host_malloc), or a step's peak holds GiBs of freed blocks.
+        self.heap_trimmer = host_malloc.trim_after_each_layer(policy, self.device)
         self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
         saved_policy, lora_record = model_setup.checkpointed_policy(cfg, self.model_config,
@@ -168,7 +168,7 @@ class Trainer:
               f"DP "
               f"{parallel_state.get_data_parallel_world_size()} on {self.device} "
               # The CPU's tensors are the C allocator's (parallel.host_malloc).
-              + (f"({host_malloc.describe(trimming=self.heap_trimmed_layers > 0)}) "
+              + (f"({host_malloc.describe(trimming=self.heap_trimmer is not None)}) "
                  if self.device.type == "cpu" else "") + "| "
               f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
               f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",

@@ -30,7 +30,7 @@ def test_tunables_are_added_once_and_a_users_choice_is_kept():
     assert host_malloc.describe(env) == "host malloc: mmap_threshold=4194304, hugetlb=1"
     assert host_malloc.describe({}) == "host malloc: the C library's default"
     assert host_malloc.describe({}, trimming=True) == (
-        "host malloc: the C library's default, free heap pages returned after each layer")
+        "host malloc: the C library's default, free heap pages returned between layers")
 
 
 def test_mode_is_trim_unless_set_and_a_typo_is_an_error():
@@ -131,8 +131,32 @@ def test_release_free_heap_returns_the_pages_of_freed_blocks():
     assert 30 <= released_mib <= 34 and kept == "True", out
 
 
-def _count_trims(switch, device):
-    """Forward calls of release_free_heap in two forwards of a 3-layer chunk."""
+def test_the_trimmer_trims_when_the_resident_free_heap_passes_its_bound(monkeypatch):
+    trims = []
+    monkeypatch.setattr(host_malloc, "release_free_heap", lambda: trims.append(1))
+    mib = 1 << 20
+    state = {"rss": 1000 * mib, "used": 600 * mib}  # 400 MiB of code, libraries, interpreter
+    trimmer = host_malloc.HeapTrimmer(100 * mib, rss=lambda: state["rss"],
+                                      in_use=lambda: state["used"])
+    trimmer()  # the first call trims and learns the non-heap rest
+    assert (len(trims), trimmer.rest) == (1, 400 * mib)
+    state.update(rss=1700 * mib, used=1250 * mib)  # 50 MiB of resident free heap: kept
+    trimmer()
+    assert len(trims) == 1
+    state.update(rss=1801 * mib, used=1300 * mib)  # 101 MiB: trimmed
+    trimmer()
+    assert len(trims) == 2 and trimmer.trims == 2
+    state.update(rss=1800 * mib, used=1400 * mib)  # after the trim: 0 free heap resident
+    trimmer()
+    assert len(trims) == 2
+    state.update(rss=0)  # no /proc: every call trims
+    trimmer()
+    assert len(trims) == 3
+
+
+def _count_trims(switch, device, slack):
+    """Trims in three forwards of a 3-layer chunk (one with backward), and whether the output
+    stayed the same."""
     import os
 
     import torch
@@ -147,23 +171,23 @@ def _count_trims(switch, device):
     set_seed(0)
     chunks = build_model_chunks(ModelConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64,
                                             num_attention_heads=2, vocab_size=64), ParallelConfig())
-    calls = []
-    host_malloc.release_free_heap = lambda: calls.append(1)
-    hooked = host_malloc.trim_after_each_layer(chunks, torch.device(device))
+    trimmer = host_malloc.trim_after_each_layer(chunks, torch.device(device),
+                                                host_malloc.HeapTrimmer(slack))
     tokens = torch.randint(0, 64, (2, 5))
     before = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
     chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None).sum().backward()
     after = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
-    return hooked, len(calls), torch.equal(before, after)
+    return trimmer and trimmer.trims, torch.equal(before, after)
 
 
 @glibc
-@pytest.mark.parametrize("switch, device, hooked", [
-    ("", "cpu", 3), ("trim", "cpu", 3), ("system", "cpu", 0), ("release", "cpu", 0),
-    ("", "cuda", 0)])
-def test_the_policys_layers_trim_after_each_forward_on_cpu_only(switch, device, hooked):
+@pytest.mark.parametrize("switch, device, slack, trims", [
+    ("", "cpu", -1, 9), ("trim", "cpu", -1, 9), ("", "cpu", 1 << 40, 1),
+    ("system", "cpu", -1, None), ("release", "cpu", -1, None), ("", "cuda", -1, None)])
+def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, trims):
     from tests.multirank import run_ranks
 
-    (result,) = run_ranks(_count_trims, world_size=1, switch=switch, device=device)
-    # three forwards of three layers; no weight changed (no optimizer step): same output
-    assert result == (hooked, 3 * hooked, True)
+    (result,) = run_ranks(_count_trims, world_size=1, switch=switch, device=device, slack=slack)
+    # 3 forwards x 3 layers with no bound; with a bound no tiny model passes, the first call
+    # only; no trimmer outside trim mode on CPU. No weight changed (no optimizer step).
+    assert result == (trims, True)
