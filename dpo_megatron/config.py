@@ -605,7 +605,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return
     from dpo_megatron.data.reader import DataError
+    from dpo_megatron.parallel.host_malloc import mode
 
+    try:
+        mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
         check_model_layout(cfg)

@@ -135,8 +135,8 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     assert trl["host_malloc"] == "host malloc: the C library's default"
     if platform.libc_ver()[0] == "glibc":
         assert engine["heap_trims"] >= 1 and trl.get("heap_trims") is None
-        assert engine["host_malloc"] == ("host malloc: the C library's default, free heap pages "
-                                         "returned between layers")
+        assert engine["host_malloc"] == ("host malloc: trim (free heap pages returned between "
+                                         "layers; glibc's default malloc)")
 
 
 def test_pair_forward_flops_by_hand():

@@ -85,6 +85,16 @@ def test_config_mistake_stops_the_launcher_with_one_line():
     assert "torch.distributed" not in out.stderr and out.stdout == ""
 
 
+def test_a_host_malloc_typo_stops_the_launcher_with_one_line():
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+                  env={"DPO_MEGATRON_HOST_MALLOC": "relase"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "error: DPO_MEGATRON_HOST_MALLOC='relase': expected one of trim, release, system "
+        "(unset means trim)"]
+    assert "torch.distributed" not in out.stderr and out.stdout == ""
+
+
 def test_missing_data_stops_the_launcher_with_one_line(tmp_path):
     """Old: every rank printed a FileNotFoundError traceback, then torchrun its failure block."""
     out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",

@@ -8,7 +8,7 @@ the first step on nearly every activation lives in the heap. A forward pass free
 does not fit the next layer's tensors into all of those holes: the freed pages stay resident.
 On SmolLM2-135M (30 layers, 4 pairs of up to 512 tokens, fp32) the heap held 2.9-3.1 GiB of free
 blocks at a step's peak beside 5.8 GiB in use: the resident set was 10.9 GiB for 7.9 GiB of
-tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned after each layer").
+tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned between layers").
 
 ``DPO_MEGATRON_HOST_MALLOC`` (:data:`SWITCH`) chooses what the engine does about it:
 
@@ -16,10 +16,11 @@ tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned after e
   :class:`HeapTrimmer` checks how much free heap is resident and, past :data:`TRIM_SLACK_BYTES`,
   calls glibc's ``malloc_trim(0)`` (:func:`release_free_heap`), which returns every whole page
   of the heap's free blocks to the OS (``madvise(MADV_DONTNEED)``) and keeps the blocks
-  themselves, so the resident set stays within that bound of the bytes in use. Trimming after
-  every layer gave 8.0 GiB instead of 10.8 in a side-by-side run (``docs/BENCHMARKS.md``) but made
-  a step 4.7% slower: each trim also hands back pages the next layer's transients reuse, which the
-  kernel maps and zeroes again; the bound trims every few layers instead.
+  themselves, so the resident set stays within that bound of the bytes in use (per process).
+  Trimming after every layer gave 8.0 GiB instead of 10.8 in a side-by-side run
+  (``docs/BENCHMARKS.md``) but made a step 5-8% slower: each trim also hands back pages the next
+  layer's transients reuse, which the kernel maps and zeroes again. The bound trims every few
+  layers instead: about 2% of a step (+1.7% on the shared-prompt setting measured), 8.0-8.2 GiB.
 * ``release``: glibc's tunables :data:`TUNABLES` (``GLIBC_TUNABLES``):
   ``glibc.malloc.mmap_threshold=4194304`` maps every block of 4 MiB and more when made and unmaps
   it when freed, and ``glibc.malloc.hugetlb=1`` asks for transparent huge pages for those
@@ -102,8 +103,10 @@ def restart_with_malloc_tunables() -> None:
     """
     try:
         env = malloc_env(os.environ)
-    except ValueError as exc:  # before torch: one line, not a traceback
-        raise SystemExit(f"error: {exc}") from None
+    except ValueError as exc:  # before torch: one line from rank 0, not a traceback per rank
+        from dpo_megatron.launch import fail
+
+        fail(f"error: {exc}")
     if env is None:
         return
     sys.stdout.flush()
@@ -162,10 +165,12 @@ class HeapTrimmer:
 
     Trimming after every layer keeps the resident set lowest, but each trim also hands back the
     pages of blocks the next layer's transients reuse, and the kernel then maps and zeroes them
-    again (a step of SmolLM2's 30 layers was 5-9% slower). So each call estimates the resident
+    again (a step of SmolLM2's 30 layers was 5-8% slower). So each call estimates the resident
     free heap as RSS - bytes in use - the non-heap rest (code, libraries, the interpreter's
     arenas: RSS - bytes in use just after the last trim) and trims only above ``slack_bytes``:
-    the peak keeps at most about that much slack, at a trim every few layers.
+    the peak keeps at most about that much slack, at a trim every few layers. Growth outside
+    the C heap (the interpreter's arenas, mapped files) reads as free heap until the next trim
+    measures the rest again: at worst an early trim.
 
     Args:
         slack_bytes: the bound (:data:`TRIM_SLACK_BYTES`); negative: trim at every call.
@@ -194,7 +199,8 @@ def trim_after_each_layer(model_chunks: Sequence, device,
                           trimmer: Optional[HeapTrimmer] = None) -> Optional[HeapTrimmer]:
     """In ``trim`` mode on a CPU device with glibc, call a :class:`HeapTrimmer` after every
     transformer layer's forward in ``model_chunks`` (a forward hook, so also in recomputed
-    forwards); elsewhere nothing.
+    forwards, and with LoRA in the reference pass, which runs the policy's own layers); elsewhere
+    nothing. The trimmer is per process: each rank keeps its own bound.
 
     Args:
         model_chunks: the policy's model chunks (``torch.nn.Module``, DDP-wrapped or not).
@@ -202,7 +208,7 @@ def trim_after_each_layer(model_chunks: Sequence, device,
         trimmer: the trimmer to call (default: a new one with :data:`TRIM_SLACK_BYTES`).
 
     Returns:
-        the trimmer (its ``trims`` count the trims), or None when nothing was hooked.
+        the trimmer (its ``trims`` count the trims), or None in another mode or on a GPU.
 
     Raises:
         ValueError: an unknown ``DPO_MEGATRON_HOST_MALLOC`` (:func:`mode`).
@@ -212,18 +218,21 @@ def trim_after_each_layer(model_chunks: Sequence, device,
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     trimmer = trimmer or HeapTrimmer()
-    layers = [m for chunk in model_chunks for m in chunk.modules()
-              if isinstance(m, TransformerLayer)]
-    for layer in layers:
-        layer.register_forward_hook(trimmer)
-    return trimmer if layers else None
+    for chunk in model_chunks:
+        for layer in chunk.modules():
+            if isinstance(layer, TransformerLayer):
+                layer.register_forward_hook(trimmer)
+    return trimmer  # also on a stage without layers: every rank runs in the same mode
 
 
 def describe(environ: Mapping[str, str] = os.environ, trimming: bool = False) -> str:
-    """One phrase for the start-up line: the malloc tunables in force, or glibc's default, and
-    whether free heap pages are returned after each layer (``trimming``)."""
+    """One phrase for the start-up line: the malloc tunables in force (``release`` or the user's
+    own), or glibc's default, and with ``trimming`` that free heap pages are returned between
+    layers (``trim``)."""
     active = [t for t in environ.get("GLIBC_TUNABLES", "").split(":")
               if t.startswith("glibc.malloc.")]
-    text = "host malloc: " + (", ".join(t[len("glibc.malloc."):] for t in active)
-                              if active else "the C library's default")
-    return text + (", free heap pages returned between layers" if trimming else "")
+    tunables = ", ".join(t[len("glibc.malloc."):] for t in active)
+    if trimming:
+        return ("host malloc: trim (free heap pages returned between layers; "
+                + (tunables or "glibc's default malloc") + ")")
+    return "host malloc: " + (tunables or "the C library's default")

@@ -30,7 +30,9 @@ def test_tunables_are_added_once_and_a_users_choice_is_kept():
     assert host_malloc.describe(env) == "host malloc: mmap_threshold=4194304, hugetlb=1"
     assert host_malloc.describe({}) == "host malloc: the C library's default"
     assert host_malloc.describe({}, trimming=True) == (
-        "host malloc: the C library's default, free heap pages returned between layers")
+        "host malloc: trim (free heap pages returned between layers; glibc's default malloc)")
+    assert host_malloc.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, trimming=True) \
+        == "host malloc: trim (free heap pages returned between layers; arena_max=2)"
 
 
 def test_mode_is_trim_unless_set_and_a_typo_is_an_error():
@@ -89,7 +91,7 @@ def test_a_typo_stops_the_entry_point_with_one_line():
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "DPO_MEGATRON_HOST_MALLOC": "on"}
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env,
                          timeout=120)
-    assert out.returncode == 1 and out.stderr.strip() == (
+    assert out.returncode == 2 and out.stderr.strip() == (  # launch.USER_ERROR_EXIT
         "error: DPO_MEGATRON_HOST_MALLOC='on': expected one of trim, release, system "
         "(unset means trim)"), out.stderr
 
@@ -154,9 +156,8 @@ def test_the_trimmer_trims_when_the_resident_free_heap_passes_its_bound(monkeypa
     assert len(trims) == 3
 
 
-def _count_trims(switch, device, slack):
-    """Trims in three forwards of a 3-layer chunk (one with backward), and whether the output
-    stayed the same."""
+def _count_trims(switch, device, slack, recompute):
+    """Trims in three forwards of a 3-layer chunk (one with backward), and its first output."""
     import os
 
     import torch
@@ -169,25 +170,36 @@ def _count_trims(switch, device, slack):
         os.environ[host_malloc.SWITCH] = switch
     initialize_distributed(ParallelConfig())
     set_seed(0)
+    extra = dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1) if recompute else {}
     chunks = build_model_chunks(ModelConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64,
-                                            num_attention_heads=2, vocab_size=64), ParallelConfig())
+                                            num_attention_heads=2, vocab_size=64, **extra),
+                                ParallelConfig())
     trimmer = host_malloc.trim_after_each_layer(chunks, torch.device(device),
                                                 host_malloc.HeapTrimmer(slack))
     tokens = torch.randint(0, 64, (2, 5))
-    before = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
+    first = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
     chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None).sum().backward()
-    after = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
-    return trimmer and trimmer.trims, torch.equal(before, after)
+    chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
+    return trimmer and trimmer.trims, first.detach()
 
 
 @glibc
-@pytest.mark.parametrize("switch, device, slack, trims", [
-    ("", "cpu", -1, 9), ("trim", "cpu", -1, 9), ("", "cpu", 1 << 40, 1),
-    ("system", "cpu", -1, None), ("release", "cpu", -1, None), ("", "cuda", -1, None)])
-def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, trims):
+@pytest.mark.parametrize("switch, device, slack, recompute, trims", [
+    ("", "cpu", -1, False, 9), ("trim", "cpu", -1, False, 9), ("", "cpu", -1, True, 12),
+    ("", "cpu", 1 << 40, False, 1), ("system", "cpu", -1, False, None),
+    ("release", "cpu", -1, False, None), ("", "cuda", -1, False, None)])
+def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, recompute, trims):
+    import torch
+
     from tests.multirank import run_ranks
 
-    (result,) = run_ranks(_count_trims, world_size=1, switch=switch, device=device, slack=slack)
-    # 3 forwards x 3 layers with no bound; with a bound no tiny model passes, the first call
-    # only; no trimmer outside trim mode on CPU. No weight changed (no optimizer step).
-    assert result == (trims, True)
+    # 3 forwards x 3 layers with no bound (and the 3 layers recomputed in the one backward with
+    # full recompute); with a bound no tiny model passes, only the first call; no trimmer
+    # outside trim mode on CPU
+    (result,) = run_ranks(_count_trims, world_size=1, switch=switch, device=device, slack=slack,
+                          recompute=recompute)
+    (untrimmed,) = run_ranks(_count_trims, world_size=1, switch="system", device="cpu",
+                             slack=slack, recompute=recompute)
+    assert result[0] == trims
+    assert torch.equal(result[1], untrimmed[1])  # trimming moves no byte in use
