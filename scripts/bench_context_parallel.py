@@ -47,9 +47,10 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from bench_dpo import PeakRSS, malloc_in_use
+    from bench_dpo import PeakRSS
     from dpo_megatron.config import config_from_mapping
     from dpo_megatron.data import PreferencePair
+    from dpo_megatron.parallel.host_malloc import malloc_in_use
     from dpo_megatron.training.run_data import RunData
     from dpo_megatron.training.trainer import Trainer
 

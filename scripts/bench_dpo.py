@@ -44,6 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# standard library only: safe before the worker imports torch
+from dpo_megatron.parallel.host_malloc import (  # noqa: E402
+    SWITCH, describe, malloc_env, malloc_in_use)
+
 PACKED = ("packing.enabled=true",)
 SHARED = ("packing.enabled=true", "packing.share_prompt=true")
 PRECOMPUTED = ("reference.mode=precomputed",)
@@ -184,13 +188,6 @@ def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
 
 # ----------------------------------------------------------------------------------------------
 # measurement
-
-
-def malloc_in_use() -> int:
-    """glibc's bytes in use (``dpo_megatron.parallel.host_malloc.malloc_in_use``)."""
-    from dpo_megatron.parallel.host_malloc import malloc_in_use as in_use
-
-    return in_use()
 
 
 class PeakRSS:
@@ -404,10 +401,8 @@ def _child(spec: dict) -> dict:
     env.update(OMP_NUM_THREADS=str(spec["threads"]),
                MKL_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
-    env.pop("DPO_MEGATRON_HOST_MALLOC", None)  # each run's own setting, not the caller's
+    env.pop(SWITCH, None)  # each run's own setting, not the caller's
     if _suffix(spec["run"]):
-        from dpo_megatron.parallel.host_malloc import SWITCH, malloc_env
-
         env[SWITCH] = HOST_MALLOC_SUFFIXES[_suffix(spec["run"])]
         env = malloc_env(env) or env
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
@@ -535,8 +530,6 @@ def main(argv=None) -> int:
     if args.worker:
         spec = json.loads(args.worker)
         result = run_trl(spec) if spec["run"] in TRL_RUNS else run_engine(spec)
-        from dpo_megatron.parallel.host_malloc import describe
-
         result["host_malloc"] = describe(trimming=result.get("heap_trims") is not None)
         Path(args.worker_out).write_text(json.dumps(result))
         return 0

@@ -125,13 +125,9 @@ def malloc_in_use() -> int:
     """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap in use
     + mapped blocks), or 0 where that is not available. RSS minus this is allocator slack (and
     code, libraries and the interpreter's own arenas)."""
-    try:
-        mallinfo2 = _libc().mallinfo2 if _glibc() else None
-    except (OSError, AttributeError):  # glibc before 2.33
-        mallinfo2 = None
+    mallinfo2 = _mallinfo2() if _glibc() else None
     if mallinfo2 is None:
         return 0
-    mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return info.uordblks + info.hblkhd
 
@@ -140,6 +136,18 @@ class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
         "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=1)
+def _mallinfo2():
+    """glibc's ``mallinfo2`` with its return type set, looked up once (it is read after every
+    layer), or None before glibc 2.33."""
+    try:
+        function = _libc().mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
 
 
 def resident_bytes() -> int:
