@@ -4,8 +4,8 @@ On a GPU a tensor left on the host fails loudly: a CUDA kernel or an NCCL collec
 On the CPU (gloo) host and device are the same memory, so nothing fails and no test would notice.
 :class:`HostTensorCheck` makes the difference visible:
 
-* the engine's device becomes ``cpu:0`` (``dpo_megatron.parallel.device.CPU_DEVICE``): the same
-  memory, but a name that factory calls and ``Tensor.to`` record;
+* the engine's device becomes ``cpu:0`` (``dpo_megatron.parallel.device.set_gloo_device``):
+  the same memory, but a name that factory calls and ``Tensor.to`` record;
 * every tensor is tagged: **device** when made with ``device=`` the engine's device or CUDA,
   moved there with ``.to`` / ``.cuda()`` (the host -> device boundary), or computed from a device
   tensor (parameters count as device); **host** when made by a factory with no device (or a plain
@@ -202,12 +202,10 @@ class HostTensorCheck(TorchFunctionMode):
         from dpo_megatron.models.gpt import DPOGPTModel
         from dpo_megatron.parallel import device
 
-        cuda_on_cpu.enable()
-        self._saved = [(device, "CPU_DEVICE", device.CPU_DEVICE),
-                       (torch.cuda, "current_device", torch.cuda.current_device)]
-        device.CPU_DEVICE = ENGINE_DEVICE
-        # megatron-core allocates on torch.cuda.current_device(): the engine's device.
-        torch.cuda.current_device = lambda: "cpu:0"
+        # The engine's device, and where megatron-core's CUDA requests land: ``cpu:0``.
+        device.set_gloo_device(ENGINE_DEVICE)
+        cuda_on_cpu.enable(ENGINE_DEVICE)
+        self._saved = []
         for name in _COLLECTIVES:
             original, checked = self._wrap_collective(name)
             self._saved.append((dist, name, original))
@@ -221,6 +219,11 @@ class HostTensorCheck(TorchFunctionMode):
         self._hook.remove()
         for owner, name, value in reversed(self._saved):
             setattr(owner, name, value)
+        from dpo_megatron.compat import cuda_on_cpu
+        from dpo_megatron.parallel import device
+
+        device.set_gloo_device(None)
+        cuda_on_cpu.enable(device.CPU_DEVICE)
         return super().__exit__(*exc)
 
 

@@ -16,6 +16,10 @@ equivalents.
 Switched on by the device owner (:mod:`dpo_megatron.parallel.device`) when the engine's device is
 the CPU: a machine without CUDA, or ``parallel.backend=gloo`` forced on a CUDA machine (then the
 whole run, megatron-core's buffers included, stays on the host). Never on a CUDA device.
+
+The device CUDA requests land on is the engine's gloo device: the CPU, or in tests a stand-in
+accelerator (``tests/strict_device.py``'s ``strict:0``, whose tensors keep CPU storage but refuse
+host operands as CUDA does) chosen through :func:`dpo_megatron.parallel.device.set_gloo_device`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ __all__ = ["PATCH", "enable", "is_enabled"]
 
 _ENABLED = False
 _MODE: "_CudaToCpuMode | None" = None
+_TARGET = torch.device("cpu")
+"""Where CUDA requests land (:func:`enable`'s ``device``)."""
 
 # Tensor.type() strings megatron-core compares against, keyed by the CPU dtype.
 _CUDA_TYPE_NAMES = {
@@ -63,7 +69,7 @@ def is_cuda_device(device: Any) -> bool:
 
 
 def _cpu_if_cuda(value: Any) -> Any:
-    return torch.device("cpu") if is_cuda_device(value) else value
+    return _TARGET if is_cuda_device(value) else value
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -74,8 +80,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         if "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
         if func is torch.Tensor.cuda:
-            # Tensor.cuda(device=None, non_blocking=False): stay where we are (the CPU).
-            return args[0]
+            # Tensor.cuda(device=None, non_blocking=False): to the target (a no-op on the CPU).
+            return args[0].to(_TARGET)
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _cpu_if_cuda(args[1]), *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -115,23 +121,32 @@ def _patch_cuda_module() -> None:
     # A string, not an int: megatron passes it straight to ``device=`` and that must also work
     # where the mode is not on the stack (the autograd engine runs backward() of custom
     # Functions, e.g. the TP linear layers', outside the thread's torch-function modes).
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: str(_TARGET)
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.nvtx.range_push = lambda msg: None
     torch.cuda.nvtx.range_pop = lambda: None
 
 
-def enable() -> bool:
-    """Redirect megatron-core's CUDA calls to the CPU for the rest of the process.
+def enable(device: "torch.device | str" = "cpu") -> bool:
+    """Redirect megatron-core's CUDA calls to ``device`` (the CPU, or a test's stand-in for an
+    accelerator that computes on CPU storage) for the rest of the process.
 
-    Idempotent. Must run before megatron-core builds models, buffers or optimizers. The caller
-    (the device owner) calls it only when the engine's device is the CPU.
+    Idempotent; a second call only changes the target. Must run before megatron-core builds
+    models, buffers or optimizers. The caller (the device owner) calls it only when the engine's
+    device is not CUDA. The RNG helpers act on the CPU generator whatever the target.
 
     Returns:
         True (the redirection is active).
+
+    Raises:
+        ValueError: ``device`` is a CUDA device.
     """
-    global _ENABLED, _MODE
+    global _ENABLED, _MODE, _TARGET
+    device = torch.device(device)
+    if device.type == "cuda":
+        raise ValueError(f"cuda_on_cpu.enable: the target must not be CUDA (got {device})")
+    _TARGET = device
     if _ENABLED:
         return True
     _patch_cuda_module()

@@ -12,7 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
-from dpo_megatron.parallel.device import backend, is_cuda
+from dpo_megatron.parallel.device import backend, is_cuda, is_host
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -192,8 +192,9 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         context_parallel_size=parallel.context_parallel_size,
-        # On a GPU, initialise on the GPU; on the CPU device megatron-core's CPU path.
-        use_cpu_initialization=not is_cuda(),
+        # On a device other than the host (a GPU, the tests' strict:0) initialise there, as a GPU
+        # run does; on the CPU device megatron-core's CPU path.
+        use_cpu_initialization=is_host(),
         # gloo matches point-to-point messages between two ranks in posting order. Batched p2p
         # posts [send_prev, recv_prev, send_next, recv_next] on every rank, so with interleaved
         # (virtual) pipelining at PP 2, where the previous and the next rank are the same peer, an

@@ -9,8 +9,12 @@ torchtitan's ``get_local_device()``: the backend decides, nothing else does.
 
 Every tensor the engine creates for a collective, a mask, a loss or a metric is created with
 ``device=get_device()``; host data (collated token ids, precomputed reference tables) reaches the
-device through :func:`to_device` only (pinned and non-blocking on CUDA). ``tests/host_tensors.py``
-checks both on CPU machines, where host and device are otherwise the same.
+device through :func:`to_device` only (pinned and non-blocking on CUDA).
+
+On a CPU machine host and device are the same, so nothing fails when a tensor is left on the
+host. Tests make them differ through one seam, :func:`set_gloo_device`: ``tests/strict_device.py``
+runs the engine on ``strict:0``, a stand-in accelerator whose tensors keep CPU storage but refuse
+host operands as CUDA does; ``tests/host_tensors.py`` on ``cpu:0``, tagging tensors.
 """
 
 from __future__ import annotations
@@ -22,12 +26,29 @@ import torch
 
 BACKENDS = ("auto", "nccl", "gloo")
 CPU_DEVICE = torch.device("cpu")
-"""The device of a gloo run. ``tests/host_tensors.py`` sets ``cpu:0`` here: the same memory, but a
-name that factory calls and ``Tensor.to`` record, so a check can tell tensors made for the device
-from tensors left on the host."""
+"""The device of a gloo run, unless a test chose another with :func:`set_gloo_device`."""
 
 _DEVICE: Optional[torch.device] = None
 _BACKEND: Optional[str] = None
+_GLOO_DEVICE: torch.device = CPU_DEVICE
+
+
+def set_gloo_device(device: "torch.device | str | None") -> None:
+    """Make the next :func:`setup_device` for gloo compute on ``device`` (``None``: the CPU again).
+
+    A test seam: on a CPU-only machine the engine's device is the host, so a tensor left on the
+    host goes unnoticed. A test sets a device that is not the host but computes on CPU storage
+    (``tests/strict_device.py``: ``strict:0``); megatron-core's CUDA requests land there too
+    (:func:`dpo_megatron.compat.cuda_on_cpu.enable`). Call before :func:`setup_device`.
+
+    Raises:
+        ValueError: ``device`` is a CUDA device (use the nccl backend for that).
+    """
+    global _GLOO_DEVICE
+    device = CPU_DEVICE if device is None else torch.device(device)
+    if device.type == "cuda":
+        raise ValueError(f"set_gloo_device: {device} is CUDA; use parallel.backend=nccl")
+    _GLOO_DEVICE = device
 
 
 def resolve_backend(backend: str) -> str:
@@ -55,7 +76,7 @@ def setup_device(backend: str) -> torch.device:
     the same backend.
 
     Returns:
-        ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` for gloo.
+        ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` for gloo (or what :func:`set_gloo_device` chose).
     """
     global _DEVICE, _BACKEND
     if backend == "nccl":
@@ -65,8 +86,8 @@ def setup_device(backend: str) -> torch.device:
         from dpo_megatron.compat import cuda_on_cpu, eager_fusions
         from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 
-        device = CPU_DEVICE
-        cuda_on_cpu.enable()
+        device = _GLOO_DEVICE
+        cuda_on_cpu.enable(device)
         eager_fusions.enable()
         filter_expected_warnings(cpu=True)
     _DEVICE, _BACKEND = device, backend
@@ -90,6 +111,12 @@ def get_device() -> torch.device:
 def is_cuda() -> bool:
     """True when the engine computes on a GPU."""
     return get_device().type == "cuda"
+
+
+def is_host() -> bool:
+    """True when the engine's device is the host itself (the CPU of a gloo run); False on a GPU
+    and on a test's stand-in accelerator (:func:`set_gloo_device`)."""
+    return get_device().type == "cpu"
 
 
 def to_device(tensor: torch.Tensor) -> torch.Tensor:
