@@ -25,16 +25,30 @@ is not the host and behaves like CUDA where it matters:
 
 :class:`StrictDevice` points the engine at ``strict:0`` through its one seam,
 :func:`dpo_megatron.parallel.device.set_gloo_device`; megatron-core's CUDA requests then land
-there as well (:mod:`dpo_megatron.compat.cuda_on_cpu`). Usage, inside a rank, before anything
-is built::
+there as well (:mod:`dpo_megatron.compat.cuda_on_cpu`). Usage, inside a rank (``run_ranks``),
+before anything is built::
 
     with StrictDevice():
         Trainer(cfg).train()      # raises StrictDeviceError where a GPU run would fail
 
-Where the stand-in is stricter than a GPU: ``host_param.data = strict_tensor`` (legal on CUDA,
-it moves the parameter) raises torch's "incompatible tensor type" error, because a host tensor
-cannot become a Python subclass; ``Module.to`` / ``Module._apply`` work (they make new
-parameters). Values are those of the CPU: the stand-in proves placement, not kernels.
+Importing this module changes nothing; :func:`install` (run by :class:`StrictDevice`) registers
+the backend for the rest of the process, and ``torch.accelerator`` then reports ``strict``, as
+it reports ``cuda`` on a GPU machine: install it in rank processes only, never in the pytest
+process.
+
+Harness details that a GPU does not need:
+
+* ``host_tensor.data = strict_tensor`` moves a tensor to the device on CUDA; a host tensor
+  cannot become a wrapper by a metadata swap, so while a :class:`StrictDevice` is active the
+  Python object is given a strict tensor in place (``torch.utils.swap_tensors``, keeping its
+  identity, ``requires_grad`` and attributes: megatron-core's DDP does this to parameters it
+  moves into its buffers). The reverse (``strict.data = host``) is handled the same way.
+* ``data_ptr()``, ``untyped_storage()`` and ``tolist()`` answer from the CPU tensor behind
+  the wrapper (the wrapper itself has no storage); ``numpy()`` refuses, as on CUDA.
+* megatron-core's notice "CPU RNG state changed within GPU RNG context" is dropped: its GPU
+  branch initialises weights in a fork of the CUDA generator, which on this machine is the CPU's.
+
+Values are the CPU's: the stand-in proves placement, not kernels.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 from typing import Any, Callable
 
 import torch
@@ -49,6 +64,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 DEVICE_TYPE = "strict"
+DEVICE = f"{DEVICE_TYPE}:0"
+"""The stand-in device, as a ``device=`` argument (valid once :func:`install` ran)."""
 aten = torch.ops.aten
 
 # Ops CUDA runs with operands on two devices: copies and moves.
@@ -125,14 +142,7 @@ class StrictTensor(torch.Tensor):
 
 
 def _is_strict_device(device: Any) -> bool:
-    if device is None:
-        return False
-    return torch.device(device).type == DEVICE_TYPE if isinstance(device, (str, torch.device)) \
-        else False
-
-
-def _name(func) -> str:
-    return str(getattr(func, "__qualname__", None) or func)
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == DEVICE_TYPE
 
 
 def _mismatch(what: str, host: list) -> StrictDeviceError:
@@ -145,15 +155,16 @@ def _mismatch(what: str, host: list) -> StrictDeviceError:
 
 def _check_operands(func, args, kwargs) -> None:
     """Raise :class:`StrictDeviceError` when ``func`` meets a strict tensor and a host tensor of
-    dim >= 1 (CUDA's rule; 0-dim CPU scalars, copies and host index lists pass)."""
+    dim >= 1 (CUDA's rule: 0-dim CPU scalars, copies and the host index lists of advanced
+    indexing into a strict tensor pass)."""
     if func in _CROSSING:
         return
     operands = (args, kwargs)
-    if func in _HOST_INDICES:  # (self, indices, ...): the indices may stay on the host
+    if func in _HOST_INDICES and isinstance(args[0], StrictTensor):  # (self, indices, ...)
         operands = ((args[0], *args[2:]), kwargs)
-    tensors = [t for t in tree_flatten(operands)[0] if isinstance(t, torch.Tensor)]
-    host = [t for t in tensors if not isinstance(t, StrictTensor) and t.dim() > 0]
-    if host and len(host) < len(tensors):
+    host = [t for t in tree_flatten(operands)[0] if isinstance(t, torch.Tensor)
+            and not isinstance(t, StrictTensor) and t.dim() > 0]
+    if host:
         raise _mismatch(f"aten op {func}", host)
 
 
@@ -317,6 +328,12 @@ def install() -> None:
 # -- collectives ---------------------------------------------------------------------------------
 
 
+def _not_the_rng_notice(record) -> bool:
+    # megatron-core's GPU branch initialises weights inside its CUDA RNG fork and warns when the
+    # CPU generator moved meanwhile; here (compat.cuda_on_cpu) the CUDA generator *is* the CPU's.
+    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
 class StrictDevice:
     """Run the engine on ``strict:0`` while active (see the module docstring).
 
@@ -384,6 +401,7 @@ class StrictDevice:
         from dpo_megatron.parallel import device
 
         device.set_gloo_device(DEVICE)
+        logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_not_the_rng_notice)
         for name in _COLLECTIVES:
             original = getattr(dist, name)
             self._saved.append((dist, name, original))
@@ -399,12 +417,10 @@ class StrictDevice:
             setattr(owner, name, value)
         self._saved.clear()
         device.set_gloo_device(None)
+        logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(
+            _not_the_rng_notice)
         if _CROSS_DEVICE_DATA is not None:
             _CROSS_DEVICE_DATA.active = False
-
-
-install()  # importing the module registers the backend: ``torch.device("strict")`` exists after
-DEVICE = torch.device(DEVICE_TYPE, 0)
 
 
 def is_strict(tensor: torch.Tensor) -> bool:

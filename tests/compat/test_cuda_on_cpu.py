@@ -119,3 +119,32 @@ def test_the_patch_is_declared_for_the_versions_it_was_tested_on():
     assert cuda_on_cpu.PATCH.versions["megatron-core"] == ">=0.16.0,<0.17"
     assert not cuda_on_cpu.PATCH.off_on_other_versions  # a CPU run cannot do without it
     assert cuda_on_cpu.PATCH.mismatches() == {}  # this environment is the tested one
+
+
+def test_the_redirection_lands_on_the_gloo_device_a_test_chose():
+    """``parallel.device.set_gloo_device`` (the seam of ``tests/strict_device.py``): the engine's
+    device, megatron-core's CUDA requests and its weight initialisation follow it."""
+    assert _run(
+        "import torch\n"
+        "from dpo_megatron.models import ModelConfig\n"
+        "from dpo_megatron.models.transformer_config import build_transformer_config\n"
+        "from dpo_megatron.parallel import ParallelConfig, device\n"
+        "try:\n"
+        "    device.set_gloo_device('cuda:0')\n"
+        "except ValueError as e:\n"
+        "    assert 'parallel.backend=nccl' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('cuda accepted as a gloo device')\n"
+        "def on_host_init():\n"
+        "    config = build_transformer_config(ModelConfig(), ParallelConfig())\n"
+        "    return config.use_cpu_initialization\n"
+        "assert on_host_init()\n"
+        "device.set_gloo_device('meta')\n"
+        "assert device.setup_device('gloo') == torch.device('meta') == device.get_device()\n"
+        "assert not device.is_host() and not device.is_cuda()\n"
+        "assert torch.cuda.current_device() == 'meta'\n"
+        "assert torch.empty(2, device='cuda').device.type == 'meta'\n"
+        "assert torch.zeros(2).cuda().device.type == 'meta'\n"
+        "assert torch.zeros(2).to('cuda:1').device.type == 'meta'\n"
+        "assert not on_host_init()  # megatron-core's GPU branch: weights made on the device\n"
+        "print('ok')\n") == "ok"
