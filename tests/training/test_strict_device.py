@@ -6,9 +6,10 @@ On the CPU the engine's device is the host, so a placement check there proves no
 ``strict:0`` it is not: megatron-core takes its GPU branch (weights initialised on the device,
 ``use_cpu_initialization=False``), and a parameter, buffer, batch or flag left on the host fails
 the run where a GPU run would. One rank-world of 2 ranks runs each feature for one step, from
-data loading to the checkpoint save; one rank runs the engine again with each old defect put
-back (the six of ``test_device_boundary.py``, and the norms left on the host), and each must
-fail there, in the module that made the host tensor.
+data loading to the checkpoint save; one rank runs the engine again with each old defect of
+``test_device_boundary.py`` put back (the model not placed: its norms left on the host; a batch
+not moved; host flags and counts in collectives), and each must fail there, in the module that
+made the host tensor.
 """
 
 from __future__ import annotations
@@ -51,19 +52,15 @@ PLANS = {
 }
 
 
-def _no_placement(chunk, dtype):
-    """``models.gpt.place_chunk`` before it existed: nothing moved the model to the device."""
-
-
-# The old defects, put back by replacing one module attribute, and the file the strict device
-# must stop the run in (the innermost engine or megatron-core frame of its error).
-STRICT_DEFECTS = {
-    # models/norms.py made its weights with torch.ones(...) and nothing moved them; on a GPU the
-    # frozen reference's first norm meets a device activation (the policy's are moved by DDP)
-    "norms left on the host": ("dpo_megatron.models.gpt", "place_chunk", _no_placement,
-                               "dpo_megatron/models/norms.py"),
-    **DEFECTS,
-}
+# The old defects of test_device_boundary.py, each put back by replacing one module attribute,
+# and the file the strict device must stop the run in (the innermost engine or megatron-core
+# frame of its error). Without models.gpt.place_chunk, megatron-core's GPU branch makes every
+# weight on the device except those made by plain factories: the norms (models/norms.py's
+# torch.ones), QK norms and learned positions. The policy's are moved by DDP (they train); the
+# frozen reference's first norm then meets a device activation, as on a GPU.
+NORMS_ON_HOST = "model not placed: norms left on the host"
+STRICT_DEFECTS = {name: defect for name, defect in DEFECTS.items() if name != "model not placed"}
+STRICT_DEFECTS[NORMS_ON_HOST] = (*DEFECTS["model not placed"][:3], "dpo_megatron/models/norms.py")
 
 
 def _run_name(name: str) -> str:
