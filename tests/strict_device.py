@@ -411,12 +411,15 @@ class StrictDevice:
         return self
 
     def __exit__(self, *exc) -> None:
+        from dpo_megatron.compat import cuda_on_cpu
         from dpo_megatron.parallel import device
 
         for owner, name, value in reversed(self._saved):
             setattr(owner, name, value)
         self._saved.clear()
         device.set_gloo_device(None)
+        if cuda_on_cpu.is_enabled():  # megatron-core's CUDA requests: back to the host
+            cuda_on_cpu.enable(device.CPU_DEVICE)
         logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(
             _not_the_rng_notice)
         if _CROSS_DEVICE_DATA is not None:
