@@ -498,8 +498,11 @@ class Worker:
             CheckTimeout: no result within ``timeout`` seconds (the worker is killed).
         """
         result = Path(job["result"])
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it died since its last check (BrokenPipeError)
+            pass  # reported below, with its exit status
         deadline = time.monotonic() + timeout
         while not result.exists():
             if self.proc.poll() is not None:
@@ -627,6 +630,15 @@ def run_checks(checks: list[Check], settings: dict, report: Report, budget: floa
             worker.kill()
 
 
+def _version(package: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allow-cpu", action="store_true",
@@ -672,19 +684,21 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     logs = out.parent / "gpu_check_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    import torch
-
     from gpu_bench import peak_tflops
 
-    cuda = torch.cuda.is_available()
-    name = torch.cuda.get_device_name(0) if cuda and not args.allow_cpu else "cpu"
+    name, cuda_version, torch_version = "cpu", None, _version("torch")
+    if not args.allow_cpu:  # the rehearsal's parent imports no torch: it runs nothing itself
+        import torch
+
+        if torch.cuda.is_available():
+            name, cuda_version = torch.cuda.get_device_name(0), torch.version.cuda
     peak, sku = peak_tflops(name, args.peak_tflops)
-    header = {"device": name, "sku": sku, "peak_tflops": peak, "torch": torch.__version__,
-              "cuda": torch.version.cuda, "python": sys.version.split()[0],
+    header = {"device": name, "sku": sku, "peak_tflops": peak, "torch": torch_version,
+              "cuda": cuda_version, "python": sys.version.split()[0],
               "budget_s": args.budget, "order": [c.name for c in checks]}
-    print(f"gpu_check on {name} ({sku}): torch {torch.__version__}, python "
+    print(f"gpu_check on {name} ({sku}): torch {torch_version}, python "
           f"{header['python']}, {len(checks)} checks, budget {args.budget:.0f} s", flush=True)
-    if not cuda and not args.allow_cpu:
+    if name == "cpu" and not args.allow_cpu:
         report = Report(out, header, [])
         report.checks["setup"] = {"pass": False, "status": "fail",
                                   "line": "no CUDA device: run on a GPU machine, or pass "

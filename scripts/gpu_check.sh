@@ -23,7 +23,9 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exec "$PY" scripts/gpu_check.py --help
 fi
-if ! "$PY" -c "import megatron.core, omegaconf" 2>/dev/null; then
+# found, not imported (importing megatron-core takes seconds: the checks' workers do that)
+if ! "$PY" -c "import importlib.util as u, sys
+sys.exit(not (u.find_spec('megatron.core') and u.find_spec('omegaconf')))" 2>/dev/null; then
   if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     echo "FAIL install: megatron-core is not importable and $WHEELS holds no wheels" \
          "(run scripts/gpu_wheels.sh on a machine with a registry and copy .whl/ along:" \

@@ -118,22 +118,21 @@ def test_budget_spent_marks_the_rest_not_run(tmp_path):
     assert "FAIL inject-hang-0: timed out after 3 s" in out
 
 
-@pytest.mark.slow
 def test_a_stopped_run_keeps_the_checks_done(tmp_path):
-    """SIGTERM (what gpu_check.sh's `timeout` sends) in the middle of a check: the checks done
-    are in the JSON, the one in flight is marked stopped, the rest not run; exit status 124."""
+    """SIGTERM (what gpu_check.sh's `timeout` sends) in the middle of a check: the check done
+    is in the JSON, the one in flight is marked stopped, the rest not run; exit status 124."""
     json_path = tmp_path / "gpu_check.json"
-    proc = _start(tmp_path, "--checks", "flex,bench", "--inject", "hang@1", "--inject-cap",
-                  "600", "--cap-scale", "20")
+    proc = _start(tmp_path, "--checks", "bench", "--inject", "raise@0", "--inject", "hang@1",
+                  "--inject-cap", "600")
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             result = _read(json_path)
             if result and result["checks"]["inject-hang-1"]["status"] == "running":
                 break
             assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
-        assert _finished(result) == ["flex"]  # on disk while the run goes on
+            time.sleep(0.1)
+        assert _finished(result) == ["inject-raise-0"]  # on disk while the run goes on
         os.kill(result["pid"], signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -143,8 +142,9 @@ def test_a_stopped_run_keeps_the_checks_done(tmp_path):
     assert proc.returncode == 124, out
     assert "FAIL time: stopped" in out
     assert result["state"] == "stopped"
-    assert result["checks"]["flex"]["pass"] is True
+    assert result["checks"]["inject-raise-0"]["status"] == "fail"
     assert result["checks"]["inject-hang-1"]["status"] == "stopped"
+    assert result["checks"]["inject-hang-1"]["line"] == "stopped by SIGTERM while running"
     assert result["checks"]["bench"] == {"pass": False, "status": "not run",
                                          "line": "not run: stopped by SIGTERM"}
 
@@ -152,11 +152,12 @@ def test_a_stopped_run_keeps_the_checks_done(tmp_path):
 @pytest.mark.slow
 def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
     """The whole script on gloo/CPU with tiny shapes: every check runs and is recorded; an
-    exception, a dead worker and a time-out (injected between real checks) stop nothing; the
-    JSON is rewritten after each check (watched while the run goes on)."""
+    exception, a dead worker and a time-out (injected between the CPU baselines and the device
+    checks, which then start in a fresh worker) stop nothing; the JSON is rewritten after each
+    check (watched while the run goes on)."""
     json_path = tmp_path / "gpu_check.json"
-    proc = _start(tmp_path, "--cap-scale", "20", "--inject", "raise@4", "--inject", "exit@7",
-                  "--inject", "hang@10", "--inject-cap", "0.25", GPU_CHECK_BUDGET="3000")
+    proc = _start(tmp_path, "--cap-scale", "20", "--inject", "raise@3", "--inject", "exit@4",
+                  "--inject", "hang@5", "--inject-cap", "0.25", GPU_CHECK_BUDGET="3000")
     seen = []  # the finished checks of every state of the file
     try:
         while proc.poll() is None:
@@ -170,15 +171,15 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
             proc.kill()
     result = json.loads(json_path.read_text())
     order = result["order"]
-    assert order == ["cpu-llama", "cpu-gpt2", "cpu-moe", "flex", "inject-raise-4", "fp32-llama",
-                     "bf16-llama", "inject-exit-7", "bf16-gpt2", "packed", "inject-hang-10",
+    assert order == ["cpu-llama", "cpu-gpt2", "cpu-moe", "inject-raise-3", "inject-exit-4",
+                     "inject-hang-5", "flex", "fp32-llama", "bf16-llama", "bf16-gpt2", "packed",
                      "shared-prompt", "lora", "moe", "resume", "bench", "bench-shared"]
     # rewritten after each check: the file held every prefix of the order, in turn
     assert seen[0] == [] and seen == [order[:k] for k in range(len(order) + 1)], seen
     checks = result["checks"]
     assert result["state"] == "done" and all("time_s" in checks[n] for n in order)
-    raised, died, hung = (checks[n] for n in ("inject-raise-4", "inject-exit-7",
-                                              "inject-hang-10"))
+    raised, died, hung = (checks[n] for n in ("inject-raise-3", "inject-exit-4",
+                                              "inject-hang-5"))
     assert raised["status"] == "fail" and "injected failure (--inject raise)" in raised["error"]
     assert died["line"] == "the device worker exited with status 3 before reporting"
     assert "injected crash (--inject exit)" in died["error"]
@@ -186,7 +187,7 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
     # every real check passed, the one right after each failure included; GPT-2 in bf16 is the
     # known defect of issue 24 item 2 (megatron-core's fp32 learned positions) until it lands
     failed = {n for n in order if not checks[n]["pass"]}
-    assert failed - {"bf16-gpt2"} == {"inject-raise-4", "inject-exit-7", "inject-hang-10"}, out
+    assert failed - {"bf16-gpt2"} == {"inject-raise-3", "inject-exit-4", "inject-hang-5"}, out
     if "bf16-gpt2" in failed:
         assert "mixed dtype" in checks["bf16-gpt2"]["line"]
     assert proc.returncode == len(failed)
