@@ -20,7 +20,8 @@ GPU Clusters", eq. 3 without the backward factor) for the work this engine does
 (``pair_forward_flops``: layers over the tokens it runs, a shared prompt once; the LM head over
 completion tokens; attention over the (query, key) pairs each token sees). The peak is the
 datasheet's dense bf16 figure of the exact SKU (``peak_tflops``); for a GPU not in the table MFU
-is ``null`` and ``sku`` names the GPU. The step-0 loss must be ln 2 (policy == reference) or the script exits non-zero.
+is ``null`` and ``sku`` names the GPU. The step-0 loss must be ln 2 (policy == reference) or
+the script exits non-zero.
 """
 
 from __future__ import annotations

@@ -22,4 +22,9 @@ mkdir -p "$DIR"
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DIR" \
   megatron-core==0.16.1 omegaconf==2.4.0
 ls -l "$DIR"
-echo "$DIR is git-ignored: copy it with the tree, or pass carry: [\"$(realpath --relative-to="$ROOT" "$DIR" 2>/dev/null || echo .whl)\"] to the device tool"
+if [[ "$(realpath -m "$DIR")" == "$ROOT/.whl" ]]; then
+  echo ".whl/ is git-ignored: copy it with the tree, or name it in the device tool's carry" \
+       "list (carry: [\".whl\"])"
+else
+  echo "copy $DIR to the GPU machine and run: GPU_WHEELS=<that folder> bash scripts/gpu_check.sh"
+fi

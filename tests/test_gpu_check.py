@@ -77,13 +77,14 @@ def test_peak_table_is_exact_per_sku():
 
 
 def test_the_cpu_baseline_runs_with_cuda_hidden(monkeypatch):
-    """The CPU baseline's worker (gloo, hence the engine's CPU redirection) sees no GPU; the
-    device worker keeps the GPUs it was given; neither inherits a launcher's rank variables."""
+    """A gloo worker (the CPU baseline, or any with --allow-cpu: the engine's CPU redirection is
+    on there) sees no GPU; an NCCL worker keeps the GPUs it was given; neither inherits a
+    launcher's rank variables."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     monkeypatch.setenv("RANK", "5")
-    cpu, device = gpu_check.worker_env("cpu"), gpu_check.worker_env("device")
-    assert cpu["CUDA_VISIBLE_DEVICES"] == "" and device["CUDA_VISIBLE_DEVICES"] == "3"
-    assert "RANK" not in cpu and "RANK" not in device
+    gloo, nccl = gpu_check.worker_env("gloo"), gpu_check.worker_env("nccl")
+    assert gloo["CUDA_VISIBLE_DEVICES"] == "" and nccl["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "RANK" not in gloo and "RANK" not in nccl
     assert {c.name for c in gpu_check.CHECKS if c.role == "cpu"} == {
         "cpu-llama", "cpu-gpt2", "cpu-moe"}
 
@@ -173,7 +174,7 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
     order = result["order"]
     assert order == ["cpu-llama", "cpu-gpt2", "cpu-moe", "inject-raise-3", "inject-exit-4",
                      "inject-hang-5", "flex", "fp32-llama", "bf16-llama", "bf16-gpt2", "packed",
-                     "shared-prompt", "lora", "moe", "resume", "bench", "bench-shared"]
+                     "shared-prompt", "lora", "moe", "bench", "bench-shared", "resume"]
     # rewritten after each check: the file held every prefix of the order, in turn
     assert seen[0] == [] and seen == [order[:k] for k in range(len(order) + 1)], seen
     checks = result["checks"]
