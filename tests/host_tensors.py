@@ -8,8 +8,11 @@ On the CPU (gloo) host and device are the same memory, so nothing fails and no t
   memory, but a name that factory calls and ``Tensor.to`` record;
 * every tensor is tagged: **device** when made with ``device=`` the engine's device or CUDA,
   moved there with ``.to`` / ``.cuda()`` (the host -> device boundary), or computed from a device
-  tensor (parameters count as device); **host** when made by a factory with no device (or a plain
-  ``cpu``), moved with ``.cpu()``, or computed from host tensors only;
+  tensor; **host** when made by a factory with no device (or a plain ``cpu``), moved with
+  ``.cpu()``, or computed from host tensors only. A parameter takes the tag of the tensor it was
+  made from (``nn.Parameter(torch.ones(h))`` is a host parameter until a ``.to`` / ``.data =``
+  moves it), so a model left on the host is seen like any other host tensor; only parameters
+  made before the check started count as device;
 * ``Tensor.device`` of a device tensor answers ``cpu:0``, so code that places new tensors by an
   existing one's device behaves as it would on a GPU.
 
@@ -52,7 +55,8 @@ _NEW = {torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
         torch.Tensor.new_full, torch.Tensor.new_tensor}
 # Ops that CUDA runs across devices, or whose extra tensors are indices it moves itself.
 _CROSSING = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda,
-             torch.Tensor.__getitem__, torch.Tensor.pin_memory}
+             torch.Tensor.__getitem__, torch.Tensor.pin_memory,
+             torch._has_compatible_shallow_copy_type}  # Module.to asks it before ``.data =``
 # Joining ops: every input must be on one device, 0-dim or not.
 _JOINING = {torch.cat, torch.stack, torch.concat, torch.concatenate, torch.hstack, torch.vstack}
 _DEVICE_ATTR = torch._C.TensorBase.device
@@ -204,7 +208,19 @@ class HostTensorCheck(TorchFunctionMode):
 
         cuda_on_cpu.enable()
         self._saved = [(device, "CPU_DEVICE", device.CPU_DEVICE),
-                       (torch.cuda, "current_device", torch.cuda.current_device)]
+                       (torch.cuda, "current_device", torch.cuda.current_device),
+                       (torch.nn.Parameter, "__new__",
+                        staticmethod(torch.nn.Parameter.__new__))]
+        make_parameter = torch.nn.Parameter.__new__
+        check = self
+
+        def tagged_parameter(cls, data=None, requires_grad=True):
+            param = make_parameter(cls, data, requires_grad)
+            if data is not None:
+                check._tag(param, check.where.get(data))
+            return param
+
+        torch.nn.Parameter.__new__ = staticmethod(tagged_parameter)
         device.CPU_DEVICE = ENGINE_DEVICE
         # megatron-core allocates on torch.cuda.current_device(): the engine's device.
         torch.cuda.current_device = lambda: "cpu:0"

@@ -28,7 +28,7 @@ from dpo_megatron.models.moe import set_aux_loss_weight
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
-from dpo_megatron.parallel.device import is_cuda
+from dpo_megatron.parallel.device import get_device, is_cuda
 from dpo_megatron.training.logprobs import (
     HeadLogps,
     vocab_parallel_linear_logps,
@@ -187,8 +187,9 @@ class DPOGPTModel(GPTModel):
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPOGPTModel]:
-    """This rank's model chunks (one, or one per virtual pipeline stage), randomly initialised
-    on the engine's device (``dpo_megatron.parallel.device``).
+    """This rank's model chunks (one, or one per virtual pipeline stage), randomly initialised,
+    every parameter and buffer on the engine's device (``dpo_megatron.parallel.device``) in the
+    model dtype (:func:`place_chunk`).
 
     Requires megatron-core's parallel state (``dpo_megatron.parallel.initialize_distributed``).
     Outputs of each chunk's forward on the last stage are vocab-parallel logits
@@ -226,12 +227,34 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             seq_len_interpolation_factor=model.rope_linear_scaling_factor,
             vp_stage=stage,
         )
+        place_chunk(chunk, config.params_dtype)
         chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
         chunk.fused_lm_head = model.fused_lm_head
         if chunk.post_process and vocab > model.vocab_size:
             _mask_vocab_padding(chunk, model.vocab_size, vocab)
         chunks.append(chunk)
     return chunks
+
+
+def place_chunk(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Put a freshly built chunk on the engine's device, in the model dtype: the one owner of
+    both for every model the engine builds (policy, frozen reference, LoRA base, conversion).
+
+    megatron-core never moves a model: Megatron-LM's ``get_model`` calls ``model.cuda()`` after
+    building, and its DDP moves only trainable parameters (and only with the distributed
+    optimizer). Modules made with plain factories (this package's norms, megatron-core's learned
+    position embedding) are created on the host, so a frozen reference would keep them there.
+    Likewise megatron-core's ``Float16Module`` casts the whole model (``module.bfloat16()``:
+    every floating parameter and buffer); without it the learned position embedding stays fp32
+    and meets bf16 weights. The MoE routers are already in the model dtype (megatron-core's
+    ``Router.reset_parameters``) and compute in fp32 (``moe_router_dtype='fp32'``); an fp32
+    ``expert_bias`` is restored by megatron-core itself before use.
+
+    Args:
+        chunk: a model chunk (its parameters and buffers anywhere, any floating dtype).
+        dtype: the model dtype (``TransformerConfig.params_dtype``).
+    """
+    chunk.to(device=get_device(), dtype=dtype)
 
 
 def _have_transformer_engine() -> bool:

@@ -21,7 +21,10 @@ Two entry points:
   form that chunk's gradient, so only the hidden states [tokens, h] and the log-sum-exp are saved.
   This is the "fused linear cross-entropy" of Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989,
   sec. 3.3) applied to log-probs; at SmolLM2's 49,152-token vocabulary the logits are 85x the
-  size of the hidden states they come from.
+  size of the hidden states they come from. For a bf16 model its matmul accumulates and writes
+  fp32 logits (:func:`_matmul_wide`), so no logit is rounded to bf16. The unfused head
+  (``model.fused_lm_head=false``) takes the output layer's logits in the model dtype, as
+  megatron-core makes them: there the logits are bf16-rounded before the fp32 log-softmax.
 """
 
 from __future__ import annotations
@@ -190,12 +193,31 @@ class HeadLogps(NamedTuple):
     log_sum_p2: Optional[torch.Tensor]
 
 
+def _matmul_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a [m, k] @ b [k, n] with ``dtype`` (fp32 for bf16 inputs) accumulation *and* output.
+
+    A bf16 matmul rounds its output to bf16: a logit near 20 moves by up to 0.06 nats, which
+    DPO's log-ratios would see as noise. On CUDA the bf16 GEMM writes fp32 directly
+    (``out_dtype``, no wider copy of the weight); where that overload is missing (the CPU, older
+    torch) the inputs are widened first, one chunk at a time: the same products, the same fp32
+    accumulation."""
+    if a.dtype == dtype:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=dtype)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return torch.mm(a.to(dtype), b.to(dtype))
+
+
 def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, valid_columns: int,
                  dtype: torch.dtype) -> torch.Tensor:
-    """One chunk's logits [c, V/TP] in the compute dtype; vocabulary padding columns (from
+    """One chunk's logits [c, V/TP] in the compute dtype (fp32 for a bf16 model: the LM head's
+    matmul accumulates and writes fp32, :func:`_matmul_wide`); vocabulary padding columns (from
     ``valid_columns`` on) are -inf, as the output layer's padding hook makes them
     (``models.gpt``)."""
-    z = torch.mm(hidden, weight.t()).to(dtype)
+    z = _matmul_wide(hidden, weight.t(), dtype)
     if valid_columns < z.shape[1]:
         z[:, valid_columns:] = float("-inf")
     return z

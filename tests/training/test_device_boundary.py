@@ -42,6 +42,9 @@ DEFECTS = {
     # the precomputed-reference cache verdict all-reduced from a host tensor
     "cache verdict on host": ("dpo_megatron.training.reference", "get_device", _host,
                               "training/reference.py"),
+    # no model placed on the device (norms and the frozen reference stayed on the host)
+    "model not placed": ("dpo_megatron.models.gpt", "place_chunk", lambda chunk, dtype: None,
+                         "megatron/core"),
 }
 
 

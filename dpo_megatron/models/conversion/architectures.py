@@ -177,8 +177,8 @@ def _llama_tensors(cfg: ModelConfig, moe: "MoENames | None" = None) -> list[Tens
     else:
         e = d + "mlp.experts.local_experts.{e}."
         table += [
-            # The router is replicated on every rank (TP and EP alike), kept in fp32 by
-            # megatron-core's TopKRouter when the model is bf16.
+            # The router is replicated on every rank (TP and EP alike), in the model dtype
+            # (megatron-core's TopKRouter computes its logits in fp32: moe_router_dtype).
             TensorMap(d + "mlp.router.weight", (moe.router,), REPLICATED,
                       (("experts", "hidden"),)),
             TensorMap(e + "linear_fc1.weight", (moe.gate, moe.up), GATE_UP,
