@@ -185,13 +185,10 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
     assert died["line"] == "the device worker exited with status 3 before reporting"
     assert "injected crash (--inject exit)" in died["error"]
     assert hung["status"] == "timeout" and hung["line"] == "timed out after 5 s"
-    # every real check passed, the one right after each failure included; GPT-2 in bf16 is the
-    # known defect of issue 24 item 2 (megatron-core's fp32 learned positions) until it lands
+    # every real check passed, the one right after the failures included
     failed = {n for n in order if not checks[n]["pass"]}
-    assert failed - {"bf16-gpt2"} == {"inject-raise-3", "inject-exit-4", "inject-hang-5"}, out
-    if "bf16-gpt2" in failed:
-        assert "mixed dtype" in checks["bf16-gpt2"]["line"]
-    assert proc.returncode == len(failed)
+    assert failed == {"inject-raise-3", "inject-exit-4", "inject-hang-5"}, out
+    assert proc.returncode == 3
     assert [line.split(":")[0] for line in out.splitlines()
             if line.startswith(("PASS", "FAIL"))] == [
         f"{'FAIL' if n in failed else 'PASS'} {n}" for n in order]
@@ -201,7 +198,7 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
         assert checks[name]["cuda_available"] is False
         assert checks[name]["loss"] == pytest.approx(0.6931471805599453, abs=1e-7)
     assert checks["fp32-llama"]["max_rel"] <= gpu_check.FP32_REL
-    for name in ("bf16-llama", "packed", "shared-prompt", "lora"):
+    for name in ("bf16-llama", "bf16-gpt2", "packed", "shared-prompt", "lora"):
         assert checks[name]["loss"] == pytest.approx(0.6931471805599453, abs=1e-7)
         assert checks[name]["max_rel"] <= gpu_check.BF16_REL
     assert checks["moe"]["max_rel"] <= gpu_check.MOE_REL
