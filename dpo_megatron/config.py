@@ -29,6 +29,7 @@ import ast
 import difflib
 import inspect
 import os
+import sys
 import textwrap
 import warnings
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -613,6 +614,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
+        from dpo_megatron.training.model_setup import (require_sequence_parallel,
+                                                       resolve_model_config)
+
+        note = require_sequence_parallel(cfg, resolve_model_config(cfg))  # as the ranks will
+        if note:  # stderr: the launcher reads the world size from stdout's last line
+            print(note, file=sys.stderr, flush=True)
         check_model_layout(cfg)
         prepare_data(cfg)
     except DataError as e:

@@ -75,6 +75,8 @@ class Trainer:
         # A loss that reads no rejected completion (sft) trains on prompt + chosen rows only.
         self.sft = not self.loss_fn.needs_rejected
         self.model_config = model_setup.resolve_model_config(cfg)
+        self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg,
+                                                                            self.model_config)
         self.data = data if data is not None else load_run_data(cfg, self.model_config,
                                                                 self.sft)
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
@@ -160,6 +162,8 @@ class Trainer:
                       "layout: its reference model is re-drawn at the new layout and differs "
                       "from the original. Start runs that must reshard from model.hf_path or "
                       "model.load.", flush=True)
+        if self.sequence_parallel_note:
+            print(self.sequence_parallel_note, flush=True)
         unit = "examples" if self.sft else "pairs"
         cp = cfg.parallel.context_parallel_size
         print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
