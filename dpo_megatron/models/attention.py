@@ -225,14 +225,13 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         0, rows.output_index)
 
 
-def packed_attention_route(query: torch.Tensor) -> str:
-    """How the ``sdpa`` kernel runs packed rows with ``query`` [T, heads, hn]: ``varlen``
-    (:func:`varlen_attention`, flash-attention's varlen kernel) on CUDA in fp16 / bf16 with a
-    head size flash-attention takes (a multiple of 8, at most 256), else ``rows``
-    (:func:`span_attention`)."""
-    hn = query.shape[-1]
-    if (query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
-            and hn % 8 == 0 and hn <= 256):
+def packed_attention_route(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """How the ``sdpa`` kernel runs packed rows of queries on ``device`` in ``dtype``:
+    ``varlen`` (:func:`varlen_attention`, flash-attention's varlen kernel) on CUDA in fp16 /
+    bf16 with a head size flash-attention takes (a multiple of 8, at most 256), else ``rows``
+    (:func:`span_attention`: the flash kernel on the CPU, memory-efficient attention on CUDA)."""
+    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256):
         return "varlen"
     return "rows"
 
@@ -269,7 +268,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
     :func:`packed_attention_route`. Shapes as :func:`span_attention`; ``layout`` the
     micro-batch's ``PackedLayout`` on the device."""
-    if packed_attention_route(query) == "varlen":
+    if packed_attention_route(query.device, query.dtype, query.shape[-1]) == "varlen":
         return varlen_attention(query, key, value, layout, scale)
     return span_attention(query, key, value, layout.spans, scale, layout.rows)
 
