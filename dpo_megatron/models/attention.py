@@ -17,9 +17,13 @@ micro-batches' forwards in between.
 Kernels of the local spec (``model.local_attention``):
 
 * ``sdpa``: torch ``scaled_dot_product_attention``. Padded rows: ``is_causal``. Packed rows: one
-  call per span (a varlen attention by loop: each span's exact causal block, never an [L, L]
-  mask; the rejected span of a shared-prompt pair attends to [prompt ; rejected] keys gathered
-  by two slices). Forward and backward on CPU and GPU.
+  call per micro-batch and layer, never a mask (:func:`packed_attention`): on CUDA in fp16 /
+  bf16 torch's varlen flash-attention over the spans (:func:`varlen_attention`; a shared-prompt
+  rejected span attends to its [prompt ; rejected] keys gathered by ``kv_index``, bottom-right
+  causal), elsewhere one ``is_causal`` call over the spans laid out as square rows
+  (:func:`span_attention`). Grouped-query keys go as ``enable_gqa`` where a fused kernel takes
+  it and expanded where CUDA's memory-efficient kernel must serve (:func:`sdpa`), so SDPA's
+  math kernel is never needed. Forward and backward on CPU and GPU.
 * ``flex``: torch FlexAttention with a ``BlockMask`` built from the segment and branch ids (no
   [L, L] mask: fully masked 128 x 128 blocks are skipped). Compiled with Triton on CUDA; on CPU
   torch runs it eagerly and forward-only (no backward), so it serves reference / evaluation
