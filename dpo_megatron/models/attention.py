@@ -41,6 +41,8 @@ bottom-right causal mask.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -229,13 +231,31 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         0, rows.output_index)
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_varlen_arguments(varlen_attn: Callable) -> bool:
+    return {"scale", "window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys()
+
+
+def varlen_supported() -> bool:
+    """True when this torch's ``torch.nn.attention.varlen.varlen_attn`` takes what
+    :func:`varlen_attention` passes (a softmax scale, a causal window, grouped-query keys), as
+    torch 2.13's does; older releases lack the module or those arguments."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return _takes_varlen_arguments(varlen_attn)
+
+
 def packed_attention_route(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """How the ``sdpa`` kernel runs packed rows of queries on ``device`` in ``dtype``:
     ``varlen`` (:func:`varlen_attention`, flash-attention's varlen kernel) on CUDA in fp16 /
-    bf16 with a head size flash-attention takes (a multiple of 8, at most 256), else ``rows``
-    (:func:`span_attention`: the flash kernel on the CPU, memory-efficient attention on CUDA)."""
+    bf16 with a head size flash-attention takes (a multiple of 8, at most 256) and a torch whose
+    varlen call takes grouped-query keys (:func:`varlen_supported`), else ``rows``
+    (:func:`span_attention`: the flash kernel on the CPU and on CUDA in fp16 / bf16,
+    memory-efficient attention on CUDA in fp32)."""
     if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and head_dim <= 256):
+            and head_dim % 8 == 0 and head_dim <= 256 and varlen_supported()):
         return "varlen"
     return "rows"
 

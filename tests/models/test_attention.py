@@ -163,6 +163,20 @@ def test_packed_route_by_device_and_dtype(device, dtype, head_dim, route):
     assert packed_attention_route(torch.device(device), dtype, head_dim) == route
 
 
+def test_no_varlen_route_on_a_torch_whose_varlen_call_lacks_grouped_keys(monkeypatch):
+    """torch releases before 2.13 have no varlen call or one without a scale, a causal window
+    and grouped-query keys: packed rows then take the span rows (flash through SDPA)."""
+    import torch.nn.attention.varlen as varlen
+
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        raise AssertionError("not called")
+
+    cuda = torch.device("cuda")
+    assert packed_attention_route(cuda, torch.bfloat16, 64) == "varlen"
+    monkeypatch.setattr(varlen, "varlen_attn", older)
+    assert packed_attention_route(cuda, torch.bfloat16, 64) == "rows"
+
+
 @pytest.mark.parametrize("device, dtype, masked, expand", [
     ("cuda", torch.bfloat16, False, False),  # flash-attention takes enable_gqa
     ("cuda", torch.bfloat16, True, True),    # a mask: memory-efficient attention, no GQA
