@@ -36,7 +36,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .batch import AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, round_up
+from .batch import (AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, padding_spans,
+                    round_up)
 from .collate import check_rows, pair_rows, reference_logps, score_mask, score_targets
 from .config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from .pairs import PreferencePair
@@ -215,9 +216,7 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
             starts[j] = base
             offset += n
         position_ids[r, offset:] = torch.arange(row_length - offset)
-        if offset < row_length:
-            tail = (r * row_length + offset, (r + 1) * row_length)
-            spans.append(AttentionSpan(*tail, (tail,), padding=True))
+        spans += padding_spans(r * row_length + offset, (r + 1) * row_length)
     rows = pair_rows(pairs)
     longest = max(len(p) + len(c) for p, c in rows)
     loss_mask = score_mask(rows, longest)

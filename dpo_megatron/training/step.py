@@ -318,14 +318,21 @@ def step_is_finite(loss: float, policy_chunks: list) -> bool:
     Checks each rank's DDP gradient buffers (after the data-parallel reduction, before the
     optimizer reads them) and all-reduces the verdict over the world, so every rank skips the
     same step. A NaN/Inf anywhere in a rank's buffer would reach the global gradient norm.
+
+    The test is on each buffer's sum: one fused reduction that reads the buffer once and makes
+    no temporary of its size (``isfinite`` would make a bool copy of every gradient). A sum is
+    NaN/Inf iff an element is, or iff finite elements overflow the dtype's range (|sum| > 3.4e38
+    in fp32 / bf16); gradients that large overflow the squared norm too, so skipping such a step
+    is what the norm would say.
     """
     bad = torch.zeros(1, device=get_device())
     if not math.isfinite(loss):
         bad.fill_(1.0)
     else:
-        for chunk in policy_chunks:
-            for buffer in getattr(chunk, "buffers", []):
-                bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().float())
+        sums = [buffer.grad_data.sum().float() for chunk in policy_chunks
+                for buffer in getattr(chunk, "buffers", [])]
+        if sums:
+            bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1)
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0.0
