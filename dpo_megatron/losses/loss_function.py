@@ -74,6 +74,9 @@ _VALUE_RULES: dict[Any, Callable[[float], bool]] = {
     "sft_weight": _in_range(0.0, _INF),
     "rpo_alpha": _in_range(0.0, _INF),
     "cpo_alpha": _in_range(0.0, _INF),
+    "beta_dpo_alpha": _in_range(0.0, _INF),
+    "beta_dpo_filter_ratio": _in_range(0.0, 1.0, high_open=True),
+    "beta_dpo_momentum": _in_range(0.0, 1.0, high_open=True),
 }
 
 
@@ -106,6 +109,11 @@ class LossComponent:
     weight: float
     params: dict[str, Any]
     state: Optional[LossState]
+
+    @property
+    def fn_params(self) -> dict[str, Any]:
+        """The parameters the pure function takes (the others configure the state)."""
+        return {key: self.params[key] for key in self.spec.fn_params}
 
 
 class LossFunction:
@@ -142,6 +150,7 @@ class LossFunction:
         policy_token_log_sum_p2: Optional[Tensor] = None,
         *,
         chosen_only: bool = False,
+        step_inputs: Optional[Mapping[str, Any]] = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-pair losses and metrics of one micro-batch.
 
@@ -153,6 +162,8 @@ class LossFunction:
             loss_mask: [2B, S] 1 on completion-token label positions, else 0.
             policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with WPO.
             chosen_only: rows are chosen completions only (allowed when not `needs_rejected`).
+            step_inputs: this micro-batch's share of `begin_step`'s answer (scalars, and [B]
+                per-pair values), passed to the loss with the step statistic; None when unset.
         Returns:
             losses: [B] per-pair loss (nats for the likelihood-based losses; squared or unitless
                 log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums over pairs and divides by the global pair count.
@@ -182,9 +193,11 @@ class LossFunction:
         metrics: dict[str, Tensor] = {}
         for component in self.components:
             runtime = component.state.loss_kwargs() if component.state is not None else {}
+            if step_inputs and component is self._statistic_component:
+                runtime = {**runtime, **step_inputs}
             losses, component_metrics = component.spec.fn(
                 policy_chosen, policy_rejected, reference_chosen, reference_rejected,
-                chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, **component.params, **runtime,
+                chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, **component.fn_params, **runtime,
             )
             total = total + component.weight * losses
             for name, value in component_metrics.items():
@@ -197,6 +210,42 @@ class LossFunction:
             total = total * weights
             metrics["wpo/weights"] = weights
         return total, metrics
+
+    def needs_step_statistic(self, training: bool) -> bool:
+        """True when the engine must run the step-statistic pass (`registry.StepStatistic`) before
+        a training step (``training``) or an evaluation step."""
+        component = self._statistic_component
+        return component is not None and (training or component.state.in_evaluation)
+
+    def pair_statistics(self, policy_token_logps: Tensor, reference_token_logps: Optional[Tensor],
+                        loss_mask: Tensor) -> Tensor:
+        """[B] detached per-pair values of one micro-batch for the step statistic.
+
+        Args: as `__call__` (rows [2B, S], chosen then rejected).
+        """
+        with torch.no_grad():
+            loss_mask = loss_mask.to(policy_token_logps.dtype)
+            policy_chosen, policy_rejected = split_pairs(self._sequence_logps(policy_token_logps, loss_mask))
+            if self.needs_reference:
+                reference = self._sequence_logps(reference_token_logps, loss_mask)
+            else:  # reference_free: an implicit reference with log-prob 0
+                reference = torch.zeros_like(policy_token_logps[:, 0])
+            reference_chosen, reference_rejected = split_pairs(reference)
+            return self._statistic_component.state.pair_values(policy_chosen, policy_rejected, reference_chosen,
+                                                               reference_rejected)
+
+    def begin_step(self, values: Tensor, keys: Tensor, training: bool
+                   ) -> tuple[dict[str, float], dict[str, Tensor]]:
+        """The step statistic of the global batch: `StepStatistic.begin_step` of the loss that has one.
+        Call it on every rank with the same values, so that every rank's state stays the same."""
+        return self._statistic_component.state.begin_step(values, keys, training)
+
+    @property
+    def _statistic_component(self) -> Optional[LossComponent]:
+        for component in self.components:
+            if component.state is not None and hasattr(component.state, "begin_step"):
+                return component
+        return None
 
     def _sequence_logps(self, token_logps: Tensor, loss_mask: Tensor) -> Tensor:
         """[2B, S] -> [2B] summed log-probs, LD-DPO-weighted when ld_alpha is set."""
@@ -299,12 +348,16 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         for key, default in spec.params.items():
             params[key] = _coerce(key, config[key], type(default)) if key in config else default
             _check_value(spec.name, key, params[key])
-        state = spec.state_factory() if spec.state_factory is not None else None
+        state = (spec.state_factory(**{key: params[key] for key in spec.state_params})
+                 if spec.state_factory is not None else None)
         components.append(LossComponent(spec, weight, params, state))
 
     modifier_values = {key: _coerce(key, config[key], kind) for key, kind in modifier_kinds.items() if key in config}
     for key, value in modifier_values.items():
         _check_value(",".join(names), key, value)
+    with_statistic = [c.spec.name for c in components if c.state is not None and hasattr(c.state, "begin_step")]
+    if len(with_statistic) > 1:
+        raise ValueError(f"loss.name lists {with_statistic}: at most one loss with a step statistic can be combined")
     sorting = sorted(set(names) & _SORTING_LOSSES)
     if modifier_values.get("use_weighting") and sorting:
         raise ValueError(f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within the "

@@ -11,7 +11,8 @@ from tests.losses.pairs import as_tensor
 # Three pairs away from every kink (hinge's 1 - beta h = 0, ties in AOT's sorts).
 PAIRS = dict(pc=[-12.0, -30.5, -7.25], pr=[-20.0, -28.0, -9.5], rc=[-13.0, -29.0, -8.0], rr=[-15.0, -27.5, -11.0],
              ct=[8, 20, 5], rt=[10, 16, 7])
-EXTRA_PARAMS = {"bco_pair": {"reward_mean": 0.3}, "robust": {"label_smoothing": 0.2},
+EXTRA_PARAMS = {"bco_pair": {"reward_mean": 0.3}, "cal_dpo": {"beta": 0.1},
+                "beta_dpo": {"batch_beta": 0.17, "pair_weights": torch.tensor([1.5, 0.0, 1.5], dtype=torch.float64)}, "robust": {"label_smoothing": 0.2},
                 "sigmoid": {"label_smoothing": 0.1}, "simpo": {"cpo_alpha": 0.5}}
 
 
@@ -33,6 +34,7 @@ STEP_ZERO = {
     "exo_pair": -math.log(2.0) - 0.5 * (math.log(1e-3) + math.log(0.999)), "nca_pair": 2 * math.log(2.0),
     "bco_pair": 2 * math.log(2.0), "sppo_hard": 50.0, "aot": math.log(2.0), "aot_unpaired": math.log(2.0),
     "apo_zero": 1.0, "apo_down": 1.0, "discopop": 0.5 * (math.log(2.0) + 1.0),
+    "beta_dpo": math.log(2.0), "cal_dpo": math.log(2.0) + 1.0 / (4 * 1e-3 ** 2),
 }
 
 

@@ -72,7 +72,8 @@ def test_reference_based_losses_give_their_step_zero_value_in_the_engine(results
     for i, cfg in enumerate(CONFIGS):
         name = cfg["name"]
         if len(cfg) == 1 and name in STEP_ZERO and STEP_ZERO[name] is not None:
-            assert abs(split[i]["loss"] - STEP_ZERO[name]) < 1e-5, name
+            # relative for cal_dpo's ln 2 + 250000 (fp32 spacing there is 1.6e-2)
+            assert abs(split[i]["loss"] - STEP_ZERO[name]) < 1e-5 * max(1.0, STEP_ZERO[name]), name
             assert split[i]["rewards/margins"] == 0.0, name
 
 
