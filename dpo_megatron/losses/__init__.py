@@ -6,7 +6,8 @@
 
 Modules: `registry` (name -> spec), `terms` (shared formula pieces), `dpo_family` (reference-based
 losses), `reference_free` (SimPO, CPO, ORPO, SFT), `sequence` (per-token -> per-sequence
-reductions, LD-DPO, WPO weights), `running_mean` (BCO's reward shift), `loss_function` (build_loss).
+reductions, LD-DPO, WPO weights), `running_mean` (BCO's reward shift), `step_statistics` (beta-DPO's
+statistic of the whole step's batch), `loss_function` (build_loss).
 """
 
 # Importing the formula modules registers their losses in LOSSES.
