@@ -31,6 +31,8 @@ LossFn = Callable[..., LossOutput]
 
 # Keyword-only arguments every loss function takes that are data, not config.
 TOKEN_COUNT_ARGS = ("chosen_tokens", "rejected_tokens")
+# Data argument of unpaired losses (`LossSpec.unpaired`): [B] 1.0 desirable, 0.0 undesirable.
+LABEL_ARG = "desirable"
 
 
 class LossState(Protocol):
@@ -50,16 +52,12 @@ class LossState(Protocol):
 class StepStatistic(Protocol):
     """A loss state whose loss needs a statistic of the whole step's batch before any gradient.
 
-    The engine calls, per step: `pair_values` on every micro-batch of a forward-only policy pass
+    The engine calls, per training step: `pair_values` on every micro-batch of a forward-only policy pass
     (after the reference pass); then `begin_step` once on every rank with the values of all pairs of
     the global batch; then the loss function of each micro-batch with the per-pair slice of what
     `begin_step` returned. The statistic thus never depends on micro-batch size, data-parallel size
-    or pipeline layout.
+    or pipeline layout. Evaluation steps call the loss with the state's `loss_kwargs()` only.
     """
-
-    in_evaluation: bool
-    """Whether evaluation (forward-only) steps also need the statistic (else the loss runs with its
-    runtime parameters unset)."""
 
     def pair_values(self, policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
                     reference_rejected_logps) -> torch.Tensor:
@@ -93,6 +91,9 @@ class LossSpec:
     """Keyword arguments supplied by the state at call time; not config keys."""
     uses_rejected: bool = True
     """False when the loss reads only the chosen completions (`sft`)."""
+    unpaired: bool = False
+    """True for losses of unpaired examples (KTO): the "chosen" sequence is the example's completion,
+    the "rejected" one the mismatched completion of the KL estimate, and `fn` takes `desirable`."""
     params: dict[str, Any] = field(init=False)
     """Config keys this loss accepts -> paper defaults (read from `fn`'s and the state's signatures)."""
     fn_params: tuple[str, ...] = field(init=False)
@@ -101,7 +102,7 @@ class LossSpec:
     """The keys of `params` that `state_factory` takes."""
 
     def __post_init__(self) -> None:
-        fn_params = _keyword_defaults(self.name, self.fn, skip=(*TOKEN_COUNT_ARGS, *self.runtime_params))
+        fn_params = _keyword_defaults(self.name, self.fn, skip=(*TOKEN_COUNT_ARGS, LABEL_ARG, *self.runtime_params))
         state_params = _keyword_defaults(self.name, self.state_factory) if self.state_factory else {}
         for key in fn_params.keys() & state_params.keys():
             if fn_params[key] != state_params[key]:
@@ -148,6 +149,7 @@ def register_loss(
     state_factory: Optional[Callable[[], LossState]] = None,
     runtime_params: tuple[str, ...] = (),
     uses_rejected: bool = True,
+    unpaired: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering `fn` under `name` in `LOSSES`.
 
@@ -158,7 +160,8 @@ def register_loss(
     def decorate(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, {fn.__qualname__})")
-        LOSSES[name] = LossSpec(name, fn, needs_reference, state_factory, runtime_params, uses_rejected)
+        LOSSES[name] = LossSpec(name, fn, needs_reference, state_factory, runtime_params, uses_rejected,
+                                 unpaired)
         return fn
 
     return decorate

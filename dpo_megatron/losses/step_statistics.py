@@ -43,7 +43,6 @@ class BetaDPOStatistics:
         beta_dpo_momentum: m of the moving averages (0.9 as the authors' code).
     """
 
-    in_evaluation = False
     min_beta = 1e-3
     """The authors' floor on beta_batch."""
 

@@ -155,7 +155,7 @@ def _policy_loss(loss_fn, batch: MicroBatch, step_inputs: dict, head: HeadLogps)
                   else None)
     losses, metrics = loss_fn(policy_token_logps, batch.reference_logps, batch.loss_mask,
                               log_sum_p2, chosen_only=batch.chosen_only,
-                              step_inputs=step_inputs or None)
+                              step_inputs=step_inputs or None, desirable=batch.desirable)
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), _count(losses.shape[0]), reported
 
@@ -365,6 +365,7 @@ def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_
     per_pair, metrics, count = ({}, None, 0)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         per_pair, metrics, count = _reduce_per_pair(store)
+        metrics = loss_fn.finish_metrics(metrics, count)
     metrics, count = _share_from_last_stage((metrics, count))
     aux = ({} if forward_only else
            load_balancing_metrics(policy_chunks[0].config, len(batch.micro_batches)))
