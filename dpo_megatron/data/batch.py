@@ -220,6 +220,9 @@ class MicroBatch:
             when the items carry precomputed values; None when a reference pass must compute them.
         item_indices: dataset indices of the B items, in row order (host metadata).
         sequences_per_item: 2 for preference pairs, 1 for SFT examples.
+        desirable: [B] fp32 labels of unpaired examples (1.0 desirable, 0.0 undesirable; rows
+            are then completions and mismatched completions, ``data.pairs.UnpairedPair``); None
+            for pairs.
     """
 
     tokens: torch.Tensor
@@ -233,6 +236,7 @@ class MicroBatch:
     reference_logps: Optional[torch.Tensor] = None
     item_indices: tuple[int, ...] = ()
     sequences_per_item: int = 2
+    desirable: Optional[torch.Tensor] = None
 
     @property
     def segment_ids(self) -> Optional[torch.Tensor]:

@@ -38,7 +38,8 @@ import torch
 
 from .batch import (AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, padding_spans,
                     round_up)
-from .collate import check_rows, pair_rows, reference_logps, score_mask, score_targets
+from .collate import (check_rows, desirable_labels, pair_rows, reference_logps, score_mask,
+                      score_targets)
 from .config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from .pairs import PreferencePair
 
@@ -232,7 +233,8 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
     return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
                       loss_mask=loss_mask, output_index=output_index, score_index=score_index,
                       target_ids=target_ids, packed=layout,
-                      reference_logps=reference_logps(pairs, loss_mask))
+                      reference_logps=reference_logps(pairs, loss_mask),
+                      desirable=desirable_labels(pairs))
 
 
 def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int,
