@@ -148,3 +148,20 @@ def run_in_turn(each: Callable[..., Any], cases: dict[str, dict]) -> dict[str, A
             ps.destroy_model_parallel()
         out[name] = each(**kwargs)
     return out
+
+
+def _call(fn: Callable[..., Any], **kwargs) -> Any:
+    return fn(**kwargs)
+
+
+def run_cases(world_size: int, cases: dict[str, tuple[Callable[..., Any], dict]],
+              timeout: float = 600.0) -> dict[str, list[Any]]:
+    """Run ``fn(**kwargs)`` for every ``name: (fn, kwargs)`` of ``cases``, in order, in one
+    world of ``world_size`` ranks (:func:`run_in_turn`); returns ``{name: results by rank}``.
+
+    Raises:
+        RuntimeError: as :func:`run_ranks` (the first failing case ends the world).
+    """
+    per_rank = run_ranks(run_in_turn, world_size=world_size, timeout=timeout, each=_call,
+                         cases={name: {"fn": fn, **kwargs} for name, (fn, kwargs) in cases.items()})
+    return {name: [r[name] for r in per_rank] for name in cases}
