@@ -6,7 +6,7 @@ not change parameter shards, so the same checkpoint loads at every CP size). Pai
 lengths, so rows are padded to whole 2 x CP chunks and chunks hold prompt, completion and padding
 tokens in every mix.
 
-The layouts of one world size run in one rank-world, one after the other (``run_in_turn``): the
+The cases of one world size run in one rank-world, one after the other (``run_cases``): the
 module fixture ``runs`` starts four worlds instead of one per case.
 """
 
@@ -15,7 +15,7 @@ import math
 import pytest
 
 from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
-from tests.multirank import run_in_turn, run_ranks
+from tests.multirank import run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -121,10 +121,6 @@ def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
     return out
 
 
-def _case(ckpt_dir, kind, kwargs):
-    return (_run_layout if kind == "layout" else _checkpoint_run)(ckpt_dir=ckpt_dir, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def runs(initial_checkpoint, tmp_path_factory):
     """Every case's per-rank results by name: ``baseline`` (CP 1 padded, micro-batches of 2),
@@ -137,27 +133,24 @@ def runs(initial_checkpoint, tmp_path_factory):
         return str(root / f"save_cp{save_cp}_load_cp{load_cp}" / part)
 
     by_world: dict[int, dict] = {1: {}, 2: {}, 4: {}}
-    by_world[1]["baseline"] = ("layout", dict(micro_batch_size=2))
+    ckpt = {"ckpt_dir": initial_checkpoint}
+    by_world[1]["baseline"] = (_run_layout, dict(**ckpt, micro_batch_size=2))
     for name, (world, layout) in {**LAYOUTS, **PACKED}.items():
-        by_world[world][name] = ("layout", {"micro_batch_size": 2, **layout})
-    by_world[2]["host_check"] = ("layout", {"micro_batch_size": 2, **HOST_CHECK})
+        by_world[world][name] = (_run_layout, {**ckpt, "micro_batch_size": 2, **layout})
+    by_world[2]["host_check"] = (_run_layout, {**ckpt, "micro_batch_size": 2, **HOST_CHECK})
     for save_cp, load_cp in RESHARD:
-        by_world[save_cp][f"save_cp{save_cp}_load_cp{load_cp}/first"] = (
-            "checkpoint", dict(run_dir=reshard_dir(save_cp, load_cp, "first"), cp=save_cp))
+        by_world[save_cp][f"save_cp{save_cp}_load_cp{load_cp}/first"] = (_checkpoint_run, dict(
+            **ckpt, run_dir=reshard_dir(save_cp, load_cp, "first"), cp=save_cp))
     resumes = {}
     for save_cp, load_cp in RESHARD:
-        resumes[load_cp] = (f"save_cp{save_cp}_load_cp{load_cp}/resumed", "checkpoint", dict(
-            run_dir=reshard_dir(save_cp, load_cp, "resumed"), cp=load_cp,
-            resume=reshard_dir(save_cp, load_cp, "first") + "/checkpoints/iter_0000001"))
-    by_world[2][resumes[2][0]] = resumes[2][1:]  # its checkpoint is saved in world 1, run first
+        resumes[load_cp] = {f"save_cp{save_cp}_load_cp{load_cp}/resumed": (_checkpoint_run, dict(
+            **ckpt, run_dir=reshard_dir(save_cp, load_cp, "resumed"), cp=load_cp,
+            resume=reshard_dir(save_cp, load_cp, "first") + "/checkpoints/iter_0000001"))}
+    by_world[2].update(resumes[2])  # its checkpoint is saved in world 1, which runs first
 
     out = {}
-    for world, cases in [(1, by_world[1]), (2, by_world[2]), (4, by_world[4]),
-                         (1, {resumes[1][0]: resumes[1][1:]})]:
-        per_rank = run_ranks(run_in_turn, world_size=world, each=_case, cases={
-            name: dict(ckpt_dir=initial_checkpoint, kind=kind, kwargs=kwargs)
-            for name, (kind, kwargs) in cases.items()})
-        out.update({name: [r[name] for r in per_rank] for name in cases})
+    for world, cases in [(1, by_world[1]), (2, by_world[2]), (4, by_world[4]), (1, resumes[1])]:
+        out.update(run_cases(world, cases))
     return out
 
 
