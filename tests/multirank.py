@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import pickle
 import time
 import traceback
 from typing import Any, Callable
@@ -50,11 +51,14 @@ def _child(fn, rank, world_size, port, kwargs, conn):
     import torch
 
     torch.set_num_threads(1)
+    # Results go as plain pickled bytes: multiprocessing's own pickler would hand tensors over as
+    # shared-memory file descriptors that the parent fetches from this process afterwards, and
+    # a rank that has exited by then fails the run ("Connection reset by peer").
     try:
         result = fn(**kwargs)
-        conn.send(("ok", result))
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # report everything, including assertion errors, to the parent
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         conn.close()
         try:
@@ -114,7 +118,7 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, timeout: float,
                                    f"{timeout:.0f} s")
             for rank in [r for r, c in pending.items() if c in ready]:
                 try:
-                    status, payload = pending.pop(rank).recv()
+                    status, payload = pickle.loads(pending.pop(rank).recv_bytes())
                 except EOFError:  # died without reporting (killed, segfault)
                     status, payload = "error", f"exited with code {procs[rank].exitcode}"
                 if status == "error":
