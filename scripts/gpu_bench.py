@@ -18,8 +18,10 @@ forward+backward + 1 x forward for the reference, or 3 x when the reference is p
 forward FLOPs follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on
 GPU Clusters", eq. 3 without the backward factor) for the work this engine does
 (``pair_forward_flops``: layers over the tokens it runs, a shared prompt once; the LM head over
-completion tokens; attention over the (query, key) pairs each token sees).
-The step-0 loss must be ln 2 (policy == reference) or the script exits non-zero.
+completion tokens; attention over the (query, key) pairs each token sees). The peak is the
+datasheet's dense bf16 figure of the exact SKU (``peak_tflops``); for a GPU not in the table MFU
+is ``null`` and ``sku`` names the GPU. The step-0 loss must be ln 2 (policy == reference) or
+the script exits non-zero.
 """
 
 from __future__ import annotations
@@ -32,14 +34,37 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# Dense bf16 peak (no sparsity), TFLOP/s, by a substring of torch.cuda.get_device_name().
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0,
-                    "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "A6000": 155.0}
+# Dense bf16 peak (no sparsity) in TFLOP/s, from NVIDIA's datasheets, by the exact name
+# torch.cuda.get_device_name() gives (case and spacing aside). Exact, not by substring: the
+# PCIe and NVL boards of a chip run at lower clocks and power than its SXM board (H100 SXM
+# 989.4, H100 NVL 835.5, H100 PCIe 756.5), and "H100" is a substring of all three.
+PEAK_BF16_TFLOPS: dict[str, tuple[str, float]] = {
+    "NVIDIA H100 80GB HBM3": ("H100 SXM", 989.4),
+    "NVIDIA H100 PCIe": ("H100 PCIe", 756.5),
+    "NVIDIA H100 NVL": ("H100 NVL", 835.5),
+    "NVIDIA H200": ("H200 SXM", 989.4),
+    "NVIDIA H200 NVL": ("H200 NVL", 835.5),
+    "NVIDIA GH200 480GB": ("GH200", 989.4),
+    "NVIDIA GH200 144G HBM3e": ("GH200", 989.4),
+    "NVIDIA B200": ("B200", 2250.0),
+    "NVIDIA A100-SXM4-40GB": ("A100 SXM", 312.0),
+    "NVIDIA A100-SXM4-80GB": ("A100 SXM", 312.0),
+    "NVIDIA A100-SXM-80GB": ("A100 SXM", 312.0),
+    "NVIDIA A100-PCIE-40GB": ("A100 PCIe", 312.0),
+    "NVIDIA A100 80GB PCIe": ("A100 PCIe", 312.0),
+    "NVIDIA L40S": ("L40S", 362.05),
+    "NVIDIA L40": ("L40", 181.05),
+    "NVIDIA L4": ("L4", 121.0),
+    "NVIDIA A10": ("A10", 125.0),
+    "NVIDIA A40": ("A40", 149.7),
+    "NVIDIA RTX A6000": ("RTX A6000", 154.8),
+}
 
 LLAMA_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
                 num_query_groups=8, vocab_size=128256, rotary_base=500000.0,
@@ -108,46 +133,104 @@ def synthetic_pairs(n: int, vocab: int, max_length: int, seed: int):
     return pairs
 
 
-def bench_config(args, shape: dict, cuda: bool):
-    """The engine's config for the benchmark: random init, one rank, sigmoid DPO, constant LR,
-    no checkpoints, synthetic pairs in order (the data comes in directly, no tokenizer)."""
-    import tempfile
+def run_config(run_dir: str, shape: dict, *, steps: int, global_batch_size: int,
+               micro_batch_size: int, seed: int, backend: str = "auto",
+               params_dtype: str = "auto", lr: float = 1e-6, packing: bool = False,
+               share_prompt: bool = False, local_attention: str = "auto",
+               transformer_impl: str = "auto", recompute: str = "", reference: str = "model",
+               offload_reference: bool = False, cache_dir: str = "",
+               context_parallel_size: int = 1, distributed_optimizer: bool = True,
+               extra: Optional[dict[str, dict[str, Any]]] = None):
+    """The engine's config for a one-replica run on pairs given directly (no tokenizer): sigmoid
+    DPO (beta 0.1), constant LR, pairs in order, no checkpoints or TensorBoard unless ``extra``
+    says so. Used by this benchmark and by ``scripts/gpu_check.py``.
 
+    Args:
+        run_dir: the run folder.
+        shape: ``model.*`` architecture keys (e.g. :data:`LLAMA_1B`).
+        steps, global_batch_size, micro_batch_size, seed: ``train.*`` (batches in pairs).
+        backend: ``parallel.backend``; params_dtype: ``model.params_dtype``; the rest as the
+            same-named command-line options of this script.
+        extra: further keys by section, merged over these (``{"model": {"load": DIR}}``,
+            ``{"lora": {"enabled": True}}``, ``{"checkpoint": {"save_interval": 2}}``).
+
+    Raises:
+        ValueError: a key the config tree does not have (``config_from_mapping``).
+    """
     from dpo_megatron.config import config_from_mapping
 
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    return config_from_mapping({
-        "run_dir": tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
-        "parallel": {"backend": args.backend,
-                     "context_parallel_size": args.context_parallel_size},
-        "model": {**shape, "params_dtype": "bfloat16" if cuda else "float32",
-                  "transformer_impl": args.transformer_impl,
-                  "local_attention": args.local_attention,
-                  "recompute_granularity": args.recompute or None,
-                  "recompute_method": "uniform" if args.recompute == "full" else None,
-                  "recompute_num_layers": 1 if args.recompute == "full" else None},
+    mapping: dict[str, Any] = {
+        "run_dir": run_dir,
+        "parallel": {"backend": backend, "context_parallel_size": context_parallel_size},
+        "model": {**shape, "params_dtype": params_dtype, "transformer_impl": transformer_impl,
+                  "local_attention": local_attention,
+                  "recompute_granularity": recompute or None,
+                  "recompute_method": "uniform" if recompute == "full" else None,
+                  "recompute_num_layers": 1 if recompute == "full" else None},
         "data": {"shuffle": False},
         "loss": {"name": "sigmoid", "beta": 0.1},
-        "train": {"lr": 1e-6, "lr_decay_style": "constant", "train_iters": args.steps,
-                  "global_batch_size": args.global_batch_size,
-                  "micro_batch_size": args.micro_batch_size, "seed": args.seed,
-                  "use_distributed_optimizer": args.distributed_optimizer},
-        "packing": {"enabled": args.packing or args.share_prompt,
-                    "share_prompt": args.share_prompt},
-        "reference": {"mode": args.reference, "offload": args.offload_reference,
-                      "cache_dir": os.path.join(out_dir, ".gpu_bench_reference")},
+        "train": {"lr": lr, "lr_decay_style": "constant", "train_iters": steps,
+                  "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
+                  "seed": seed, "use_distributed_optimizer": distributed_optimizer},
+        "packing": {"enabled": packing or share_prompt, "share_prompt": share_prompt},
+        "reference": {"mode": reference, "offload": offload_reference, "cache_dir": cache_dir},
         "checkpoint": {"save_interval": 0},
         "logging": {"tensorboard": False},
-    }, check=False)
+    }
+    for section, values in (extra or {}).items():
+        mapping.setdefault(section, {}).update(values)
+    return config_from_mapping(mapping, check=False)
 
 
-def peak_tflops(name: str, override: float) -> float:
-    if override:
-        return override
-    for key, value in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return value
-    return float("nan")
+def bench_config(args, shape: dict, cuda: bool):
+    """:func:`run_config` for this script's options: random init, bf16 on CUDA (fp32 on the
+    CPU), lr 1e-6, the precomputed-reference cache next to ``--out``."""
+    import tempfile
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    return run_config(
+        tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir), shape, steps=args.steps,
+        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+        seed=args.seed, backend=args.backend, params_dtype="bfloat16" if cuda else "float32",
+        packing=args.packing, share_prompt=args.share_prompt,
+        local_attention=args.local_attention, transformer_impl=args.transformer_impl,
+        recompute=args.recompute, reference=args.reference,
+        offload_reference=args.offload_reference,
+        cache_dir=os.path.join(out_dir, ".gpu_bench_reference"),
+        context_parallel_size=args.context_parallel_size,
+        distributed_optimizer=args.distributed_optimizer)
+
+
+def _gpu_key(name: str) -> str:
+    return " ".join(name.split()).lower()
+
+
+_PEAK_BY_KEY = {_gpu_key(name): value for name, value in PEAK_BF16_TFLOPS.items()}
+
+
+def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]:
+    """The dense bf16 peak of the GPU ``torch.cuda.get_device_name()`` calls ``name``.
+
+    Matched exactly against :data:`PEAK_BF16_TFLOPS` (case and runs of spaces aside), never by
+    substring: ``NVIDIA H100 PCIe`` is 756.5, ``NVIDIA H100 80GB HBM3`` (SXM) 989.4.
+
+    Args:
+        name: the device name.
+        override: TFLOP/s given by the user (``--peak-tflops``); > 0 wins over the table.
+
+    Returns:
+        (TFLOP/s, SKU) such as ``(989.4, "H200 SXM")``; ``(override, "given: NAME")`` with an
+        override; ``(None, "unknown GPU 'NAME'")`` for a name not in the table (MFU is then
+        reported as unknown).
+    """
+    if override > 0:
+        return override, f"given: {name}"
+    found = _PEAK_BY_KEY.get(_gpu_key(name))
+    if found is None:
+        return None, (f"unknown GPU {name!r} (not in gpu_bench.PEAK_BF16_TFLOPS; pass "
+                      f"--peak-tflops)")
+    sku, tflops = found
+    return tflops, sku
 
 
 def main(argv=None) -> int:
@@ -241,7 +324,7 @@ def main(argv=None) -> int:
     fwd = sum(r["forward_flops"] for r in timed) / len(timed)
     achieved = passes * fwd / step_time / args.context_parallel_size
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    peak = peak_tflops(name, args.peak_tflops) * 1e12
+    peak, sku = peak_tflops(name, args.peak_tflops)
     result = {
         "device": name, "transformer_engine": te, "params": n_params,
         "settings": vars(args), "step_time_median_s": step_time,
@@ -250,7 +333,9 @@ def main(argv=None) -> int:
         / sum(r["real_tokens"] for r in timed),
         "padded_fraction": 1 - sum(r["model_tokens"] for r in timed)
         / sum(r["computed_tokens"] for r in timed),
-        "model_tflops_per_s": achieved / 1e12, "mfu": achieved / peak,
+        # None when the GPU is not in the peak table: ``sku`` then names it
+        "model_tflops_per_s": achieved / 1e12, "mfu": achieved / (peak * 1e12) if peak else None,
+        "peak_tflops": peak, "sku": sku,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "precompute_s": precompute_s, "step0_loss": records[0]["loss"], "steps": records,
     }

@@ -23,6 +23,11 @@ VPY="$ROOT/.venv/bin/python"
 # multi-GB CUDA build. GPU machines: set TORCH_SPEC (e.g. TORCH_SPEC=torch) to choose your own.
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 "$VPY" -m pip install -q -e ".[test,convert,bench]"
+# Earlier versions of the assets step installed mistral-common with --no-deps to read one file;
+# transformers.AutoTokenizer then takes its Mistral-format branch for every mistral / mixtral
+# folder and dies on the missing tiktoken. The assets step now reads the file from the downloaded
+# wheel; this removes such a partial install (a working one is left alone).
+"$VPY" -m dpo_megatron.assets --remove-partial-mistral-common
 if [[ "${SKIP_ASSETS:-0}" != 1 ]]; then
   "$VPY" -m dpo_megatron.assets
 fi

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import pickle
 import time
 import traceback
 from typing import Any, Callable
@@ -25,10 +26,16 @@ from dpo_megatron.parallel.layout import free_port
 # and megatron-core once. Forking the pytest process itself is not safe: earlier in-process tests
 # leave threads (tokenizers, tqdm, torch pools) whose locks a forked child can inherit held, and
 # a rank then hangs in its first collective.
+# Everything most ranks import is imported here once per test process, not once per rank
+# (about 1 s for the trainer and 2 s for transformers per rank on a busy 2-core machine); none of
+# these modules starts a thread at import.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
             "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
             "megatron.core.optimizer", "megatron.core.dist_checkpointing",
-            "dpo_megatron.training.step", "dpo_megatron.losses", "dpo_megatron.data"]
+            "dpo_megatron.training.step", "dpo_megatron.losses", "dpo_megatron.data",
+            "dpo_megatron.training.trainer", "dpo_megatron.train",
+            "dpo_megatron.models.conversion", "transformers",
+            "transformers.models.auto.tokenization_auto"]
 
 
 def process_context():
@@ -44,11 +51,14 @@ def _child(fn, rank, world_size, port, kwargs, conn):
     import torch
 
     torch.set_num_threads(1)
+    # Results go as plain pickled bytes: multiprocessing's own pickler would hand tensors over as
+    # shared-memory file descriptors that the parent fetches from this process afterwards, and
+    # a rank that has exited by then fails the run ("Connection reset by peer").
     try:
         result = fn(**kwargs)
-        conn.send(("ok", result))
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # report everything, including assertion errors, to the parent
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         conn.close()
         try:
@@ -108,7 +118,7 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, timeout: float,
                                    f"{timeout:.0f} s")
             for rank in [r for r, c in pending.items() if c in ready]:
                 try:
-                    status, payload = pending.pop(rank).recv()
+                    status, payload = pickle.loads(pending.pop(rank).recv_bytes())
                 except EOFError:  # died without reporting (killed, segfault)
                     status, payload = "error", f"exited with code {procs[rank].exitcode}"
                 if status == "error":
@@ -124,3 +134,38 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, timeout: float,
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return results
+
+
+def run_in_turn(each: Callable[..., Any], cases: dict[str, dict]) -> dict[str, Any]:
+    """Inside :func:`run_ranks`: ``each(**kwargs)`` for every ``name: kwargs`` of ``cases`` in
+    order, on the same ranks, megatron-core's parallel state torn down before each (a case may
+    use another layout); returns ``{name: result}``. Many cases in one rank-world save a world's
+    start-up and the first build's imports per case (seconds each on a 2-core machine)::
+
+        runs = run_ranks(run_in_turn, world_size=4, each=_run_layout, cases={...})[rank]
+    """
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for name, kwargs in cases.items():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        out[name] = each(**kwargs)
+    return out
+
+
+def _call(fn: Callable[..., Any], **kwargs) -> Any:
+    return fn(**kwargs)
+
+
+def run_cases(world_size: int, cases: dict[str, tuple[Callable[..., Any], dict]],
+              timeout: float = 600.0) -> dict[str, list[Any]]:
+    """Run ``fn(**kwargs)`` for every ``name: (fn, kwargs)`` of ``cases``, in order, in one
+    world of ``world_size`` ranks (:func:`run_in_turn`); returns ``{name: results by rank}``.
+
+    Raises:
+        RuntimeError: as :func:`run_ranks` (the first failing case ends the world).
+    """
+    per_rank = run_ranks(run_in_turn, world_size=world_size, timeout=timeout, each=_call,
+                         cases={name: {"fn": fn, **kwargs} for name, (fn, kwargs) in cases.items()})
+    return {name: [r[name] for r in per_rank] for name in cases}

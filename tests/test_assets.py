@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,17 @@ def test_pip_failure_is_a_clear_error():
 
 
 def test_package_dir_finds_installed_package():
-    folder = assets.package_dir(assets.MISTRAL_COMMON_MODULE, assets.MISTRAL_COMMON_PACKAGE)
-    assert (folder / "data" / assets.MISTRAL_SP_MODEL.name).is_file()
+    folder = assets.package_dir(assets.SMOLLM2_MODULE, assets.SMOLLM2_PACKAGE)
+    assert (folder / assets.SMOLLM2_GGUF.name).is_file()
 
 
-def test_sentencepiece_model_cached_and_repaired(tmp_cache):
+def test_sentencepiece_model_cached_and_repaired(tmp_cache, monkeypatch):
+    """Read from the downloaded mistral-common wheel; pip never installs anything (issue 29: an
+    install made transformers take its Mistral-format branch for Mistral-family folders)."""
+    pip_calls = []
+    run_pip = assets._run_pip
+    monkeypatch.setattr(assets, "_run_pip", lambda args, what: (pip_calls.append(args[0]),
+                                                                 run_pip(args, what)))
     path = assets.ensure_sentencepiece_model()
     assert path == tmp_cache / "mistral-sentencepiece" / "tokenizer.model"
     assert path.stat().st_size == 493_443
@@ -88,6 +95,8 @@ def test_sentencepiece_model_cached_and_repaired(tmp_cache):
     path.write_bytes(b"corrupt")
     assert assets.ensure_sentencepiece_model() == path
     assert assets.sha256_file(path) == assets.MISTRAL_SP_MODEL.sha256
+    assert pip_calls == ["download", "download"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tokenizer.model"]  # no wheel left
 
     import sentencepiece
 
@@ -132,3 +141,34 @@ def test_smollm2_export():
     assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_setup_removes_a_partial_mistral_common(tmp_path):
+    """What scripts/setup.sh runs first: in a fresh venv holding mistral-common installed
+    ``--no-deps`` (as set-ups before issue 29 left it), the package is uninstalled with one line
+    saying why; a second run finds nothing to do."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
+                    assets.MISTRAL_COMMON_PACKAGE], check=True, capture_output=True)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
+    probe = "import importlib.util; print(importlib.util.find_spec('mistral_common') is not None)"
+
+    def run(*args):
+        return subprocess.run([python, *args], env=env, capture_output=True, text=True)
+
+    assert run("-c", probe).stdout == "True\n"
+    first = run("-m", "dpo_megatron.assets", "--remove-partial-mistral-common")
+    assert first.returncode == 0, first.stderr
+    assert re.fullmatch(rf"removed mistral-common from {re.escape(str(venv))}: installed without "
+                        r"its dependencies \(no \w+\), it made transformers fail on every "
+                        r"Mistral-family tokenizer\n", first.stdout), first.stdout
+    assert run("-c", probe).stdout == "False\n"
+    second = run("-m", "dpo_megatron.assets", "--remove-partial-mistral-common")
+    assert (second.returncode, second.stdout) == (0, "")

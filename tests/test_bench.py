@@ -89,10 +89,11 @@ def test_forward_flops_llama_1b_by_hand():
 
 
 def test_peak_lookup():
-    assert gpu.peak_tflops("NVIDIA H200", 0) == 989.0
-    assert gpu.peak_tflops("NVIDIA A100-SXM4-80GB", 0) == 312.0
-    assert gpu.peak_tflops("anything", 123.0) == 123.0
-    assert math.isnan(gpu.peak_tflops("Unknown GPU", 0))
+    # the whole table, exact per SKU: tests/test_gpu_check.py::test_peak_table_is_exact_per_sku
+    assert gpu.peak_tflops("NVIDIA H200", 0) == (989.4, "H200 SXM")
+    assert gpu.peak_tflops("NVIDIA A100-SXM4-80GB", 0) == (312.0, "A100 SXM")
+    assert gpu.peak_tflops("anything", 123.0) == (123.0, "given: anything")
+    assert gpu.peak_tflops("Unknown GPU", 0)[0] is None
 
 
 def _tiny_hf_model(folder: Path) -> str:

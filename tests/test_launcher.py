@@ -185,7 +185,10 @@ def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
     commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S)
                 for line in block.replace("\\\n", " ").splitlines() if line.strip()]
     for command in commands:
-        first = command.split()[0]
+        words = command.split()
+        while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # an environment prefix
+            words = words[1:]
+        first = words[0]
         assert first in ("bash", "scripts/pretrain_dpo.sh", "scripts/pretrain_sft.sh", "sbatch") \
             or first.startswith(".venv/bin/"), command
     from_sft = [c for c in commands if c.startswith("scripts/pretrain_dpo.sh model.load=runs/sft")]

@@ -246,16 +246,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _full_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
-    """``{"model"...: model sharded state, "optimizer": optimizer sharded state}``."""
+    """``{"model": ..., "optimizer": ...}`` for one chunk, ``{"model0": ..., "model1": ...,
+    "optimizer": ...}`` for virtual pipeline chunks.
+
+    The optimizer is given the model part as it is, nested per chunk (as Megatron-LM's
+    ``generate_state_dict`` does): megatron-core finds each parameter's ShardedTensor by walking
+    every value of that tree. The chunks' dicts must not be merged into one: their local keys
+    (``decoder.layers.0...``: layer numbers within a chunk) are the same in every chunk, so a
+    merge keeps only the last chunk's entries and the optimizer fails on the first parameter of
+    another chunk (``Model param ... not in model_sharded_state_dict``)."""
     state = _sharded_state_dict(chunks)
     if optimizer is not None:
         if is_loading:
             torch_adam_resume.materialize_optimizer_state(optimizer)
-        model_state = {}
-        for value in state.values():
-            model_state.update(value)
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+            state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
 
 

@@ -50,6 +50,74 @@ class AttentionSpan(NamedTuple):
     """A row's unused tail (it attends causally to itself; nothing reads its outputs)."""
 
 
+PADDING_SPAN = 128
+"""Most positions in one padding span (:func:`padding_spans`)."""
+
+
+def padding_spans(start: int, end: int) -> list[AttentionSpan]:
+    """Flat positions ``start .. end - 1`` that nothing reads (a row's unused tail), as padding
+    spans of at most :data:`PADDING_SPAN` positions, each attending causally to itself.
+
+    A varlen kernel (flash-attention's, transformer-engine's THD) computes every span it is
+    given: a tail of n positions as one span would cost it as much attention as a sequence of n
+    tokens (n^2 / 2), in pieces it costs at most n * PADDING_SPAN / 2.
+    Example: ``padding_spans(10, 300)`` -> spans [10, 138), [138, 266), [266, 300).
+    """
+    return [AttentionSpan(a, min(a + PADDING_SPAN, end), ((a, min(a + PADDING_SPAN, end)),),
+                          padding=True) for a in range(start, end, PADDING_SPAN)]
+
+
+@dataclass
+class SpanRows:
+    """The spans of packed rows as N square causal rows of W slots: one SDPA call with
+    ``is_causal`` computes every span at once, with no mask (:func:`span_rows`).
+
+    Row n holds the n-th non-padding span: its K keys in slots 0..K-1 and its Q queries in the
+    last Q of them (K-Q..K-1), so top-left causal attention over the row is the span's
+    bottom-right rule (query i sees keys 0..K-Q+i). Slots before the queries hold filler queries
+    (the span's first query again: a shared-prompt rejected row recomputes its prompt's queries,
+    as an unshared row would) and slots after K filler keys and queries (causality hides filler
+    keys from every real query); nothing reads the fillers' outputs, so they get no gradient.
+
+    Attributes:
+        query_index: [N, W] int64 position in the query tensor of each slot's query.
+        key_index: [N, W] int64 position in the key / value tensors of each slot's key.
+        output_index: [Tq] int64 slot (``n * W + j``) whose output is query position t's;
+            a padding span's positions point at slot 0 (nothing reads them).
+    """
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    output_index: torch.Tensor
+
+    def to_device(self) -> "SpanRows":
+        """The same rows with their tensors on the engine's device."""
+        return SpanRows(*(to_device(getattr(self, f.name)) for f in fields(self)))
+
+
+def span_rows(spans: Sequence[AttentionSpan]) -> SpanRows:
+    """:class:`SpanRows` of ``spans`` (their queries tiling 0..Tq-1 in order; host tensors).
+
+    Example: spans [0, 4) on keys [0, 4) and [4, 7) on keys [0, 2) ++ [4, 7) (a shared-prompt
+    pair, prompt 2, chosen 2, rejected 3) -> W = 5; row 0 queries / keys [0, 1, 2, 3, 0];
+    row 1 queries [4, 4, 4, 5, 6], keys [0, 1, 4, 5, 6]; output_index [0, 1, 2, 3, 7, 8, 9].
+    """
+    real = [s for s in spans if not s.padding]
+    keys = [torch.cat([torch.arange(b, e) for b, e in s.keys]) for s in real]
+    width = max(len(k) for k in keys)
+    query_index = torch.empty((len(real), width), dtype=torch.int64)
+    key_index = torch.empty((len(real), width), dtype=torch.int64)
+    output_index = torch.zeros(spans[-1].q_end, dtype=torch.int64)
+    for n, (s, k) in enumerate(zip(real, keys)):
+        n_k, n_q = len(k), s.q_end - s.q_start
+        key_index[n, :n_k], key_index[n, n_k:] = k, k[0]
+        query_index[n] = s.q_start
+        query_index[n, n_k - n_q:n_k] = torch.arange(s.q_start, s.q_end)
+        start = n * width + n_k - n_q
+        output_index[s.q_start:s.q_end] = torch.arange(start, start + n_q)
+    return SpanRows(query_index, key_index, output_index)
+
+
 @dataclass
 class PackedLayout:
     """Where the sequences of packed rows lie: everything an attention kernel needs, built on the
@@ -60,8 +128,9 @@ class PackedLayout:
     * per position (dense masks, FlexAttention block masks): query t of row r sees key s iff
       ``segment_ids[r, s] == segment_ids[r, t]``, ``s <= t`` and ``branch_ids[r, s]`` is 0 or
       ``branch_ids[r, t]``;
-    * per span (SDPA per sequence, transformer-engine's THD format): :class:`AttentionSpan` list
-      and its cumulative forms ``cu_seqlens_q`` / ``cu_seqlens_kv`` / ``kv_index``.
+    * per span (varlen kernels, transformer-engine's THD format): :class:`AttentionSpan` list
+      and its cumulative forms ``cu_seqlens_q`` / ``cu_seqlens_kv`` / ``kv_index``, and the
+      same spans as square causal rows for one SDPA call (``rows``, :class:`SpanRows`).
 
     Attributes:
         segment_ids: [R, L] int32, one id per packed unit (a sequence, or a shared-prompt pair);
@@ -75,6 +144,7 @@ class PackedLayout:
         kv_index: [K] int64 flat positions of the gathered keys (span after span), or None when
             every span's keys are its own queries (then ``cu_seqlens_kv == cu_seqlens_q``).
         max_seqlen_q, max_seqlen_kv: longest span's queries / keys (tokens).
+        rows: the spans as :class:`SpanRows` (None for a layout built without them).
     """
 
     segment_ids: torch.Tensor
@@ -85,6 +155,7 @@ class PackedLayout:
     kv_index: Optional[torch.Tensor]
     max_seqlen_q: int
     max_seqlen_kv: int
+    rows: Optional[SpanRows] = None
 
     @classmethod
     def from_spans(cls, segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor],
@@ -116,12 +187,14 @@ class PackedLayout:
             return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
 
         return cls(segment_ids, branch_ids, spans, cumulative(q_lens), cumulative(kv_lens),
-                   kv_index, max(q_lens), max(kv_lens))
+                   kv_index, max(q_lens), max(kv_lens), span_rows(spans))
 
     def to_device(self) -> "PackedLayout":
         """The same layout with its tensors on the engine's device (spans stay host ints)."""
         moved = {f.name: to_device(getattr(self, f.name)) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
+        if self.rows is not None:
+            moved["rows"] = self.rows.to_device()
         return replace(self, **moved)
 
 
@@ -147,6 +220,9 @@ class MicroBatch:
             when the items carry precomputed values; None when a reference pass must compute them.
         item_indices: dataset indices of the B items, in row order (host metadata).
         sequences_per_item: 2 for preference pairs, 1 for SFT examples.
+        desirable: [B] fp32 labels of unpaired examples (1.0 desirable, 0.0 undesirable; rows
+            are then completions and mismatched completions, ``data.pairs.UnpairedPair``); None
+            for pairs.
     """
 
     tokens: torch.Tensor
@@ -160,6 +236,7 @@ class MicroBatch:
     reference_logps: Optional[torch.Tensor] = None
     item_indices: tuple[int, ...] = ()
     sequences_per_item: int = 2
+    desirable: Optional[torch.Tensor] = None
 
     @property
     def segment_ids(self) -> Optional[torch.Tensor]:

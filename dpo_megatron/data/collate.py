@@ -60,6 +60,21 @@ def score_targets(rows: Sequence[Row], loss_mask: torch.Tensor
     return score_index, ids[:, 1:].reshape(-1)[score_index]
 
 
+def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
+    """[B] fp32 labels of unpaired examples (``UnpairedPair.desirable``: 1.0 / 0.0), or None for
+    preference pairs.
+
+    Raises:
+        ValueError: a micro-batch mixes unpaired examples and pairs.
+    """
+    labels = [getattr(p, "desirable", None) for p in pairs]
+    if all(label is None for label in labels):
+        return None
+    if any(label is None for label in labels):
+        raise ValueError("a micro-batch mixes unpaired examples and preference pairs")
+    return torch.tensor([float(label) for label in labels], dtype=torch.float32)
+
+
 def reference_logps(pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
                     ) -> Optional[torch.Tensor]:
     """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
@@ -126,6 +141,7 @@ def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int,
     """
     batch = collate_rows(pair_rows(pairs), pad_token_id, seq_length)
     batch.reference_logps = reference_logps(pairs, batch.loss_mask)
+    batch.desirable = desirable_labels(pairs)
     return batch
 
 

@@ -51,6 +51,9 @@ class Example:
     rejected: Text | None
     notes: tuple[str, ...] = ()
     group: str = ""
+    label: bool | None = None
+    """Unpaired rows (KTO): True for a desirable completion, False for an undesirable one; the
+    completion is then ``chosen`` and ``rejected`` is None. None for pairs."""
 
     @property
     def conversational(self) -> bool:
@@ -450,6 +453,38 @@ def convert_alpaca(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(prompt, [{"role": "assistant", "content": _text(row, "output")}], None)]
 
 
+def _label(row: dict) -> bool:
+    value = _get(row, "label")
+    if not isinstance(value, bool):
+        raise RowError("label", f"expected true (desirable) or false (undesirable), got {value!r}")
+    return value
+
+
+def convert_kto_messages(row: dict, cfg: DataConfig) -> list[Example]:
+    """LLaMA-Factory's KTO rows (``kto_en_demo``): ``{"messages": [{"role", "content"}, ...],
+    "label": bool}``; the completion is the last (assistant) message, the prompt the ones before
+    it (ending with a user message)."""
+    messages = _messages(_get(row, "messages"), "messages")
+    if not messages or messages[-1]["role"] != "assistant":
+        raise RowError("messages", "the last message must be the assistant's completion")
+    _check_prompt_messages(messages[:-1], "messages")
+    return [Example(messages[:-1], messages[-1:], None, label=_label(row))]
+
+
+def convert_unpaired(row: dict, cfg: DataConfig) -> list[Example]:
+    """TRL unpaired standard: ``{"prompt": str, "completion": str, "label": bool}``."""
+    return [Example(_text(row, "prompt"), _text(row, "completion"), None, label=_label(row))]
+
+
+def convert_unpaired_conversational(row: dict, cfg: DataConfig) -> list[Example]:
+    """TRL unpaired conversational: ``prompt`` and ``completion`` are message lists, ``label`` bool."""
+    prompt = _messages(_get(row, "prompt"), "prompt")
+    completion = _messages(_get(row, "completion"), "completion")
+    _check_prompt_messages(prompt, "prompt")
+    _check_completion_messages(completion, "completion")
+    return [Example(prompt, completion, None, label=_label(row))]
+
+
 CONVERTERS: dict[str, Callable[[dict, DataConfig], list[Example]]] = {
     "standard": convert_standard,
     "implicit": convert_implicit,
@@ -461,8 +496,13 @@ CONVERTERS: dict[str, Callable[[dict, DataConfig], list[Example]]] = {
     "se": convert_se,
     "ultrafeedback": convert_ultrafeedback,
     "alpaca": convert_alpaca,
+    "kto_messages": convert_kto_messages,
+    "unpaired": convert_unpaired,
+    "unpaired_conversational": convert_unpaired_conversational,
 }
 SFT_ONLY_FORMATS = frozenset({"alpaca"})
+UNPAIRED_FORMATS = frozenset({"kto_messages", "unpaired", "unpaired_conversational"})
+"""Formats of unpaired rows (a completion and a desirable / undesirable label): KTO's data."""
 
 
 def detect_format(columns: list[str], first_row: dict | None, label: str = "the data") -> str:
@@ -481,6 +521,11 @@ def detect_format(columns: list[str], first_row: dict | None, label: str = "the 
         candidates.append("se")
     elif {"instruction", "output"} <= cols:
         candidates.append("alpaca")
+    elif {"messages", "label"} <= cols:
+        candidates.append("kto_messages")
+    elif {"prompt", "completion", "label"} <= cols:
+        completion = (first_row or {}).get("completion")
+        candidates.append("unpaired_conversational" if isinstance(completion, list) else "unpaired")
     elif {"chosen", "rejected"} <= cols:
         chosen = (first_row or {}).get("chosen")
         if "prompt" in cols:

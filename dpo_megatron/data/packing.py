@@ -36,8 +36,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .batch import AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, round_up
-from .collate import check_rows, pair_rows, reference_logps, score_mask, score_targets
+from .batch import (AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, padding_spans,
+                    round_up)
+from .collate import (check_rows, desirable_labels, pair_rows, reference_logps, score_mask,
+                      score_targets)
 from .config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from .pairs import PreferencePair
 
@@ -215,9 +217,7 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
             starts[j] = base
             offset += n
         position_ids[r, offset:] = torch.arange(row_length - offset)
-        if offset < row_length:
-            tail = (r * row_length + offset, (r + 1) * row_length)
-            spans.append(AttentionSpan(*tail, (tail,), padding=True))
+        spans += padding_spans(r * row_length + offset, (r + 1) * row_length)
     rows = pair_rows(pairs)
     longest = max(len(p) + len(c) for p, c in rows)
     loss_mask = score_mask(rows, longest)
@@ -233,7 +233,8 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
     return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
                       loss_mask=loss_mask, output_index=output_index, score_index=score_index,
                       target_ids=target_ids, packed=layout,
-                      reference_logps=reference_logps(pairs, loss_mask))
+                      reference_logps=reference_logps(pairs, loss_mask),
+                      desirable=desirable_labels(pairs))
 
 
 def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int,

@@ -34,6 +34,26 @@ class PreferencePair:
 
 
 @dataclass(frozen=True)
+class UnpairedPair(PreferencePair):
+    """An unpaired example (KTO) laid out as a pair, so that every batch form (padded, packed, the
+    precomputed reference) carries it as it carries pairs: ``chosen_ids`` is the example's
+    completion, ``rejected_ids`` the completion of another example of the dataset (after this
+    prompt: the mismatched pair of KTO's KL estimate, ``data.unpaired.with_kl_completions``), and
+    ``desirable`` its label."""
+
+    desirable: bool = True
+
+
+@dataclass(frozen=True)
+class UnpairedExample:
+    """One prompt with one completion and its label (thumbs up: ``desirable``), as token ids."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    desirable: bool
+
+
+@dataclass(frozen=True)
 class SFTExample:
     """One prompt with its target completion (the SFT view of a preference pair: the chosen side)."""
 
@@ -48,6 +68,16 @@ class PreferenceDataset:
 
     train: list[PreferencePair]
     eval: list[PreferencePair]
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass
+class UnpairedDataset:
+    """Unpaired examples ready for batching (as :class:`UnpairedPair`, each with its mismatched
+    completion), with the same kind of summary as PreferenceDataset plus the label counts."""
+
+    train: list[UnpairedPair]
+    eval: list[UnpairedPair]
     summary: dict = field(default_factory=dict)
 
 

@@ -38,9 +38,9 @@ import numpy as np
 
 from .config import DataConfig, as_data_config
 from .encode import EncodeSettings, TokenBudget, encode_example, encode_settings
-from .formats import CONVERTERS, SFT_ONLY_FORMATS, Filtered, RowError, detect_format
+from .formats import CONVERTERS, SFT_ONLY_FORMATS, UNPAIRED_FORMATS, Filtered, RowError, detect_format
 from .lengths import fit_lengths
-from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample
+from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample, UnpairedDataset, UnpairedExample
 from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, is_local_source, read_source
 from .summary import format_summary, length_stats
 from .tokenizer import resolve_chat_template, tokenizer_fingerprint
@@ -48,7 +48,7 @@ from .tokenizer import resolve_chat_template, tokenizer_fingerprint
 logger = logging.getLogger(__name__)
 
 # Bump when tokenization or conversion changes what a cached entry would contain.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 # Settings that change the tokenized rows. The length limits do since the encoder drops whole
 # turns and bounds huge texts before tokenizing; their token cuts still apply after the cache.
 _TOKENIZE_FIELDS = ("on_error", "shp_min_score_ratio", "se_max_pairs_per_question",
@@ -63,17 +63,48 @@ def load_preference_pairs(cfg: DataConfig, tokenizer) -> PreferenceDataset:
     """
     train, eval_, summary = _load(cfg, tokenizer, sft=False)
     return PreferenceDataset(
-        [PreferencePair(p, c, r) for p, c, r in train], [PreferencePair(p, c, r) for p, c, r in eval_], summary
+        [PreferencePair(p, c, r) for p, c, r, _ in train], [PreferencePair(p, c, r) for p, c, r, _ in eval_], summary
     )
 
 
 def load_sft_examples(cfg: DataConfig, tokenizer) -> SFTDataset:
     """The SFT view of the same files: prompt + chosen (or an Alpaca file's output) per example."""
     train, eval_, summary = _load(cfg, tokenizer, sft=True)
-    return SFTDataset([SFTExample(p, c) for p, c, _ in train], [SFTExample(p, c) for p, c, _ in eval_], summary)
+    return SFTDataset([SFTExample(p, c) for p, c, _, _ in train], [SFTExample(p, c) for p, c, _, _ in eval_],
+                      summary)
 
 
-def _load(cfg: DataConfig, tokenizer, sft: bool):
+def load_unpaired_examples(cfg: DataConfig, tokenizer) -> UnpairedDataset:
+    """Unpaired examples for KTO (formats ``kto_messages``, ``unpaired``,
+    ``unpaired_conversational``), each with its mismatched completion for the KL estimate
+    (``unpaired.with_kl_completions``, within the train and the eval split); the summary adds
+    ``labels`` (desirable / undesirable counts of the training split). Same errors as
+    :func:`load_preference_pairs`."""
+    from .unpaired import label_counts, with_kl_completions
+
+    cfg = as_data_config(cfg)
+    train, eval_, summary = _load(cfg, tokenizer, sft=False, unpaired=True)
+
+    def examples(items):
+        return [UnpairedExample(p, c, bool(label)) for p, c, _, label in items]
+
+    train, eval_ = (with_kl_completions(examples(x), cfg.max_length) for x in (train, eval_))
+    summary["labels"] = label_counts(train)
+    if cfg.verbose and _is_rank_zero():
+        print(f"labels (train): {summary['labels']['desirable']} desirable, "
+              f"{summary['labels']['undesirable']} undesirable", flush=True)
+    return UnpairedDataset(train, eval_, summary)
+
+
+def load_items(cfg: DataConfig, tokenizer, kind: str):
+    """The items a loss trains on (``LossFunction.item_kind``): "pairs"
+    (:func:`load_preference_pairs`), "sft" (:func:`load_sft_examples`) or "unpaired"
+    (:func:`load_unpaired_examples`)."""
+    loaders = {"pairs": load_preference_pairs, "sft": load_sft_examples, "unpaired": load_unpaired_examples}
+    return loaders[kind](cfg, tokenizer)
+
+
+def _load(cfg: DataConfig, tokenizer, sft: bool, unpaired: bool = False):
     cfg = as_data_config(cfg)
     cfg.validate()
     chat_template = resolve_chat_template(cfg.chat_template)
@@ -81,9 +112,9 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
 
     def load_source(index: int, name: str, fmt: str, split: str) -> dict:
         source = read_source(name, split, cfg.on_error)
-        fmt = _source_format(source, fmt, sft)
+        fmt = _source_format(source, fmt, sft, unpaired)
         tokenized = tokenize_source(source, fmt, tokenizer, settings, cfg, sft)
-        return _fit_source(index, source, fmt, tokenized, cfg, sft, settings)
+        return _fit_source(index, source, fmt, tokenized, cfg, sft or unpaired, settings)
 
     # formats already checked by validate(); eval sources hold no eval share (validate())
     per_source = [load_source(i, name, fmt, cfg.split) for i, (name, fmt) in enumerate(cfg.sources())]
@@ -92,7 +123,7 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     eval_ = [x for info in per_source for x in info["eval"]] + \
         [x for info in eval_sources for x in info["kept"]]
     train = _mix([info["train"] for info in per_source], cfg)
-    summary = _summarize(per_source + eval_sources, train, eval_, cfg, sft)
+    summary = _summarize(per_source + eval_sources, train, eval_, cfg, sft or unpaired)
     if cfg.verbose and _is_rank_zero():
         print(format_summary(summary), flush=True)
     logger.info("%s", format_summary(summary))
@@ -106,12 +137,13 @@ def _load(cfg: DataConfig, tokenizer, sft: bool):
     return train, eval_, summary
 
 
-def _source_format(source: Source, fmt: str, sft: bool) -> str:
+def _source_format(source: Source, fmt: str, sft: bool, unpaired: bool = False) -> str:
     """The format of a source: ``fmt``, or detected from its columns for ``auto``.
 
     Raises:
         DataError: the source has no rows, its format cannot be told from its columns (naming
-            the source), or its format has no rejected answers outside SFT.
+            the source), its format has no rejected answers outside SFT, or its rows are
+            unpaired for a paired loss or paired for an unpaired one.
     """
     if len(source.dataset) == 0:
         raise DataError(f"{source.label}: no rows")
@@ -123,10 +155,16 @@ def _source_format(source: Source, fmt: str, sft: bool) -> str:
     if fmt in SFT_ONLY_FORMATS and not sft:
         raise DataError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the "
                         f"SFT stage only (loss.name=sft)")
+    if unpaired and fmt not in UNPAIRED_FORMATS:
+        raise DataError(f"{source.label}: format {fmt!r} holds pairs; an unpaired loss (kto) reads "
+                        f"rows with a completion and a label: {', '.join(sorted(UNPAIRED_FORMATS))}")
+    if not unpaired and fmt in UNPAIRED_FORMATS:
+        raise DataError(f"{source.label}: format {fmt!r} holds unpaired rows (a completion and a "
+                        f"label): train on it with loss.name=kto")
     return fmt
 
 
-def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
+def check_sources(cfg: DataConfig, sft: bool = False, unpaired: bool = False) -> list[tuple[str, str]]:
     """[(source, format)] after reading every local source, training (``data.split``) then eval
     (``data.eval_datasets`` at ``data.eval_split``), and converting each of its rows (no
     tokenizer): what ``load_preference_pairs`` would refuse before tokenizing, refused here.
@@ -143,7 +181,7 @@ def check_sources(cfg: DataConfig, sft: bool = False) -> list[tuple[str, str]]:
             out.append((name, fmt))
             continue
         source = read_source(name, split, cfg.on_error)
-        fmt = _source_format(source, fmt, sft)
+        fmt = _source_format(source, fmt, sft, unpaired)
         errors, converted = [], 0
         for where, row in _rows(source):
             try:
@@ -216,9 +254,9 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
     cfg = DataConfig(**cfg_dict)
     budget = TokenBudget(cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode)
     out = {"where": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": [], "error": [],
-           "prompt_length_uncut": [], "notes": [], "group": []}
+           "prompt_length_uncut": [], "notes": [], "group": [], "label": []}
 
-    def emit(where, encoded=None, drop="", error="", group=""):
+    def emit(where, encoded=None, drop="", error="", group="", label=None):
         out["where"].append(where)
         out["prompt_ids"].append(list(encoded.prompt_ids) if encoded else [])
         out["chosen_ids"].append(list(encoded.chosen_ids) if encoded else [])
@@ -228,6 +266,7 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
         out["drop"].append(drop)
         out["error"].append(error)
         out["group"].append(group)
+        out["label"].append(-1 if label is None else int(label))
 
     columns = [c for c in batch if c not in (JSON_COLUMN, WHERE_COLUMN)]
     for k, index in enumerate(indices):
@@ -242,7 +281,7 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
                     example = replace(example, rejected=None)
                 try:
                     emit(where, encode_example(example, tokenizer, settings, budget),
-                         group=example.group)
+                         group=example.group, label=example.label)
                 except Filtered as f:
                     emit(where, drop=f.reason)
         except Filtered as f:
@@ -305,6 +344,7 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             "prompt_length_uncut": datasets.Value("int64"),
             "notes": datasets.Sequence(datasets.Value("string")),
             "group": datasets.Value("string"),
+            "label": datasets.Value("int8"),
         }
     )
     quiet = not cfg.verbose and datasets.is_progress_bar_enabled()
@@ -364,7 +404,7 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
     dropped: Counter = Counter()
     if source.malformed:
         dropped["malformed"] += source.malformed
-    kept: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    kept: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]] = []  # (p, c, r, label)
     before = {"prompt": [], "chosen": [], "rejected": []}
     truncated: Counter = Counter()
     notes: Counter = Counter()
@@ -376,9 +416,10 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
     # A tokenizer that puts a BOS first keeps it through every cut (a template's first special
     # token, e.g. ChatML's <|im_start|> reported as "BOS" by SmolLM2, is cut like any token).
     bos = settings.bos_token_id if settings.add_bos else None
-    for where, p, c, r, drop, uncut, row_notes, group in zip(
+    for where, p, c, r, drop, uncut, row_notes, group, label in zip(
         tokenized["where"], tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"],
         tokenized["drop"], tokenized["prompt_length_uncut"], tokenized["notes"], tokenized["group"],
+        tokenized["label"],
     ):
         rows.add(where)
         if drop:
@@ -390,7 +431,7 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
                 dropped["shp_pairs_per_post"] += 1
                 continue
         notes.update(row_notes)
-        key = (tuple(p), tuple(c), () if sft else tuple(r))
+        key = (tuple(p), tuple(c), () if sft else tuple(r), label)
         if key in first_seen:
             duplicates.append((where, first_seen[key]))
             if cfg.drop_duplicates:
@@ -413,7 +454,7 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
         truncated["prompt_tokens_cut"] += len(fp) < len(p)
         truncated["chosen"] += len(fc) < len(c)
         truncated["rejected"] += (not sft) and len(fr) < len(r)
-        kept.append((tuple(fp), tuple(fc), () if sft else tuple(fr)))
+        kept.append((tuple(fp), tuple(fc), () if sft else tuple(fr), label))
 
     n_eval = int(round(cfg.eval_fraction * len(kept)))
     if cfg.eval_fraction > 0 and len(kept) >= 2:
@@ -468,11 +509,11 @@ def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig
             before[k].extend(info["before"][k])
     kept = [x for info in per_source for x in info["kept"]]
     after = {
-        "prompt": [len(p) for p, _, _ in kept],
-        "chosen": [len(c) for _, c, _ in kept],
-        "rejected": [len(r) for _, _, r in kept],
+        "prompt": [len(x[0]) for x in kept],
+        "chosen": [len(x[1]) for x in kept],
+        "rejected": [len(x[2]) for x in kept],
     }
-    after["pair"] = [len(p) + max(len(c), len(r)) for p, c, r in kept]
+    after["pair"] = [len(x[0]) + max(len(x[1]), len(x[2])) for x in kept]
     names = ("prompt", "chosen") if sft else ("prompt", "chosen", "rejected")
     return {
         "unit": "examples" if sft else "pairs",

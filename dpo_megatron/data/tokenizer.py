@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -184,7 +185,9 @@ def load_tokenizer(path: str):
     """A tokenizer from an HF folder / hub name, or a SentencePiece model (a ``.model`` file, or a
     folder holding only ``tokenizer.model``). A tokenizer without a pad token pads with EOS.
 
-    Raises FileNotFoundError for a ``.model`` path that does not exist, ValueError for an empty path.
+    Raises FileNotFoundError for a ``.model`` path that does not exist, ValueError for an empty
+    path or for a ``mistral-common`` installed without its dependencies (which transformers
+    imports for Mistral-family folders; the message says how to remove it).
     """
     if not path:
         raise ValueError("no tokenizer path: set data.tokenizer (or the model folder)")
@@ -199,7 +202,21 @@ def load_tokenizer(path: str):
         return SentencePieceTokenizer(p / "tokenizer.model")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(p) if p.exists() else path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p) if p.exists() else path)
+    except ImportError:
+        # transformers routes mistral / mixtral folders through mistral_common whenever it is
+        # importable; one installed without its dependencies (earlier set-ups did) fails there.
+        from dpo_megatron.assets import mistral_common_unusable
+
+        missing = mistral_common_unusable()
+        if missing is None:
+            raise
+        raise ValueError(
+            f"cannot load the tokenizer of {path}: transformers reads Mistral-family tokenizers "
+            f"through mistral-common, installed in {sys.prefix} without its dependency "
+            f"{missing}; run `bash scripts/setup.sh` again (it removes that install) or "
+            f"`{sys.executable} -m pip uninstall mistral-common`") from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

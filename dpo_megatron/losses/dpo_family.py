@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from dpo_megatron.losses.registry import LossOutput, register_loss
 from dpo_megatron.losses.running_mean import RunningRewardMean
+from dpo_megatron.losses.step_statistics import BetaDPOStatistics
 from dpo_megatron.losses.terms import add_nll_term, bradley_terry_loss, per_token_average, preference_metrics
 
 Tensor = torch.Tensor
@@ -314,3 +316,56 @@ def discopop_loss(
     modulation = torch.sigmoid(logits / discopop_tau)
     losses = (1.0 - modulation) * -F.logsigmoid(logits) + modulation * torch.exp(-logits)
     return losses, ratios.metrics(beta)
+
+
+@register_loss("beta_dpo", needs_reference=True, state_factory=BetaDPOStatistics,
+               runtime_params=("batch_beta", "pair_weights"))
+def beta_dpo_loss(
+    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
+    reference_rejected_logps: Tensor, *, chosen_tokens: Tensor, rejected_tokens: Tensor,
+    beta: float = 0.1, batch_beta: Optional[float] = None, pair_weights: Optional[Tensor] = None,
+) -> LossOutput:
+    """beta-DPO: w_i * -log sigma(beta_batch h_i) (Wu et al. 2024, "beta-DPO: Direct Preference
+    Optimization with Dynamic beta", arXiv:2407.08639, Eq. 8 with the beta-guided filter of Sec. 4.2).
+
+    beta_batch = beta_0 [1 + alpha (mean_{kept} M_i - M_0)] and the weights w_i (N/K for the K kept
+    pairs of the global batch, 0 for the filtered ones) come from the step statistic
+    (`step_statistics.BetaDPOStatistics`, whose keys beta_dpo_alpha = 0.6, beta_dpo_filter_ratio =
+    0.2, beta_dpo_momentum = 0.9 are config keys of this loss); unset (evaluation, or a direct call)
+    they are beta_0 and 1. rewards/* use beta_0 (as the authors' code). Metrics add `beta_dpo/beta`
+    (beta_batch) and `beta_dpo/kept` (1 for a kept pair). Step-0 value (policy == reference): ln 2,
+    the mean over the kept pairs.
+    """
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    step_beta = beta if batch_beta is None else batch_beta
+    losses = -F.logsigmoid(step_beta * ratios.margin)
+    weights = torch.ones_like(losses) if pair_weights is None else pair_weights.to(losses)
+    metrics = ratios.metrics(beta)
+    metrics["beta_dpo/beta"] = torch.full_like(losses, step_beta).detach()
+    metrics["beta_dpo/kept"] = (weights > 0).to(losses.dtype)
+    return losses * weights, metrics
+
+
+@register_loss("cal_dpo", needs_reference=True)
+def cal_dpo_loss(
+    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
+    reference_rejected_logps: Tensor, *, chosen_tokens: Tensor, rejected_tokens: Tensor,
+    beta: float = 1e-3,
+) -> LossOutput:
+    """Cal-DPO: a DPO term on the unscaled log-ratios plus a calibration term pulling them to the
+    fixed targets +-1/(2 beta):
+        -log sigma(h_w - h_l) + 1/2 [(h_w - 1/(2 beta))^2 + (h_l + 1/(2 beta))^2]
+    (Xiao et al. 2024, "Cal-DPO: Calibrated Direct Preference Optimization for Language Model
+    Alignment", arXiv:2412.14516, Eq. 10, with the 1/2 on the calibration term of the authors' code,
+    github.com/tengxiao1/Cal-DPO, `loss_type="Cal-DPO"`; beta = 1e-3 as their run script).
+    The calibration term is per pair, so no batch statistic is involved. rewards/* are beta * h as
+    for DPO; metrics add `cal_dpo/calibration` (the calibration term). Step-0 value:
+    ln 2 + 1 / (4 beta^2).
+    """
+    ratios = LogRatios.of(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    target = 0.5 / beta
+    calibration = 0.5 * ((ratios.chosen - target) ** 2 + (ratios.rejected + target) ** 2)
+    losses = -F.logsigmoid(ratios.margin) + calibration
+    metrics = ratios.metrics(beta)
+    metrics["cal_dpo/calibration"] = calibration.detach()
+    return losses, metrics

@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dpo_megatron.losses.registry import LossSpec, LossState, get_loss_spec
+from dpo_megatron.losses.kto import finish_kto_metrics, weight_advice
+from dpo_megatron.losses.registry import LABEL_ARG, LossSpec, LossState, get_loss_spec
 from dpo_megatron.losses.sequence import (
     length_desensitized_logps,
     sequence_logps,
@@ -74,6 +75,11 @@ _VALUE_RULES: dict[Any, Callable[[float], bool]] = {
     "sft_weight": _in_range(0.0, _INF),
     "rpo_alpha": _in_range(0.0, _INF),
     "cpo_alpha": _in_range(0.0, _INF),
+    "beta_dpo_alpha": _in_range(0.0, _INF),
+    "beta_dpo_filter_ratio": _in_range(0.0, 1.0, high_open=True),
+    "beta_dpo_momentum": _in_range(0.0, 1.0, high_open=True),
+    "desirable_weight": _in_range(0.0, _INF, low_open=True),
+    "undesirable_weight": _in_range(0.0, _INF, low_open=True),
 }
 
 
@@ -107,6 +113,11 @@ class LossComponent:
     params: dict[str, Any]
     state: Optional[LossState]
 
+    @property
+    def fn_params(self) -> dict[str, Any]:
+        """The parameters the pure function takes (the others configure the state)."""
+        return {key: self.params[key] for key in self.spec.fn_params}
+
 
 class LossFunction:
     """Per-pair preference loss over per-token log-probs; see `__call__`.
@@ -116,6 +127,8 @@ class LossFunction:
         needs_token_log_sum_p2: the engine must pass `policy_token_log_sum_p2` (WPO).
         needs_rejected: False when only chosen completions are read (pure `sft`); the engine may
             then pass chosen rows only with `chosen_only=True`.
+        unpaired: the loss trains on unpaired examples (KTO): the engine passes `desirable` labels,
+            and rows are completions then mismatched completions (`data.unpaired`).
     """
 
     def __init__(self, components: Sequence[LossComponent], modifiers: LossModifiers) -> None:
@@ -128,6 +141,7 @@ class LossFunction:
             any(c.spec.uses_rejected for c in self.components) or modifiers.use_weighting
             or modifiers.ld_alpha is not None
         )
+        self.unpaired = any(c.spec.unpaired for c in self.components)
 
     def __repr__(self) -> str:
         parts = [f"{c.weight:g}*{c.spec.name}({', '.join(f'{k}={v}' for k, v in c.params.items())})"
@@ -142,6 +156,8 @@ class LossFunction:
         policy_token_log_sum_p2: Optional[Tensor] = None,
         *,
         chosen_only: bool = False,
+        step_inputs: Optional[Mapping[str, Any]] = None,
+        desirable: Optional[Tensor] = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-pair losses and metrics of one micro-batch.
 
@@ -153,6 +169,9 @@ class LossFunction:
             loss_mask: [2B, S] 1 on completion-token label positions, else 0.
             policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with WPO.
             chosen_only: rows are chosen completions only (allowed when not `needs_rejected`).
+            step_inputs: this micro-batch's share of `begin_step`'s answer (scalars, and [B]
+                per-pair values), passed to the loss with the step statistic; None when unset.
+            desirable: [B] 1.0 / 0.0 labels of unpaired examples (required when `unpaired`).
         Returns:
             losses: [B] per-pair loss (nats for the likelihood-based losses; squared or unitless
                 log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums over pairs and divides by the global pair count.
@@ -161,7 +180,8 @@ class LossFunction:
             ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs
                 missing, or chosen_only for a loss that reads rejected completions.
         """
-        self._check_inputs(policy_token_logps, reference_token_logps, loss_mask, policy_token_log_sum_p2, chosen_only)
+        self._check_inputs(policy_token_logps, reference_token_logps, loss_mask, policy_token_log_sum_p2, chosen_only,
+                           desirable)
         loss_mask = loss_mask.to(policy_token_logps.dtype)
         counts = sequence_token_counts(loss_mask, policy_token_logps.dtype)
         if chosen_only:
@@ -182,9 +202,13 @@ class LossFunction:
         metrics: dict[str, Tensor] = {}
         for component in self.components:
             runtime = component.state.loss_kwargs() if component.state is not None else {}
+            if step_inputs and component is self._statistic_component:
+                runtime = {**runtime, **step_inputs}
+            if component.spec.unpaired:
+                runtime[LABEL_ARG] = desirable
             losses, component_metrics = component.spec.fn(
                 policy_chosen, policy_rejected, reference_chosen, reference_rejected,
-                chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, **component.params, **runtime,
+                chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, **component.fn_params, **runtime,
             )
             total = total + component.weight * losses
             for name, value in component_metrics.items():
@@ -198,6 +222,49 @@ class LossFunction:
             metrics["wpo/weights"] = weights
         return total, metrics
 
+    @property
+    def item_kind(self) -> str:
+        """What the loss trains on: "unpaired" examples (KTO), "sft" examples (no rejected
+        completion read) or preference "pairs" (`data.pipeline.load_items`)."""
+        if self.unpaired:
+            return "unpaired"
+        return "pairs" if self.needs_rejected else "sft"
+
+    def needs_step_statistic(self, training: bool) -> bool:
+        """True when the engine must run the step-statistic pass (`registry.StepStatistic`) before
+        this step: a training step (``training``) of a loss with a step statistic."""
+        return training and self._statistic_component is not None
+
+    def pair_statistics(self, policy_token_logps: Tensor, reference_token_logps: Optional[Tensor],
+                        loss_mask: Tensor) -> Tensor:
+        """[B] detached per-pair values of one micro-batch for the step statistic.
+
+        Args: as `__call__` (rows [2B, S], chosen then rejected).
+        """
+        with torch.no_grad():
+            loss_mask = loss_mask.to(policy_token_logps.dtype)
+            policy_chosen, policy_rejected = split_pairs(self._sequence_logps(policy_token_logps, loss_mask))
+            if self.needs_reference:
+                reference = self._sequence_logps(reference_token_logps, loss_mask)
+            else:  # reference_free: an implicit reference with log-prob 0
+                reference = torch.zeros_like(policy_token_logps[:, 0])
+            reference_chosen, reference_rejected = split_pairs(reference)
+            return self._statistic_component.state.pair_values(policy_chosen, policy_rejected, reference_chosen,
+                                                               reference_rejected)
+
+    def begin_step(self, values: Tensor, keys: Tensor, training: bool
+                   ) -> tuple[dict[str, float], dict[str, Tensor]]:
+        """The step statistic of the global batch: `StepStatistic.begin_step` of the loss that has one.
+        Call it on every rank with the same values, so that every rank's state stays the same."""
+        return self._statistic_component.state.begin_step(values, keys, training)
+
+    @property
+    def _statistic_component(self) -> Optional[LossComponent]:
+        for component in self.components:
+            if component.state is not None and hasattr(component.state, "begin_step"):
+                return component
+        return None
+
     def _sequence_logps(self, token_logps: Tensor, loss_mask: Tensor) -> Tensor:
         """[2B, S] -> [2B] summed log-probs, LD-DPO-weighted when ld_alpha is set."""
         if self.modifiers.ld_alpha is None:
@@ -206,11 +273,14 @@ class LossFunction:
 
     def _check_inputs(
         self, policy: Tensor, reference: Optional[Tensor], loss_mask: Tensor, log_sum_p2: Optional[Tensor],
-        chosen_only: bool,
+        chosen_only: bool, desirable: Optional[Tensor] = None,
     ) -> None:
         if policy.dim() != 2 or policy.shape != loss_mask.shape:
             raise ValueError(f"policy_token_logps {tuple(policy.shape)} and loss_mask {tuple(loss_mask.shape)} "
                              "must both be [2B, S]")
+        if self.unpaired and (desirable is None or desirable.shape != (policy.shape[0] // 2,)):
+            raise ValueError(f"{self!r} trains on unpaired examples: pass desirable labels [B] for the "
+                             f"{policy.shape[0]} rows, got {None if desirable is None else tuple(desirable.shape)}")
         if chosen_only and self.needs_rejected:
             raise ValueError(f"chosen_only=True, but {self!r} reads the rejected completions")
         if self.needs_reference:
@@ -225,6 +295,22 @@ class LossFunction:
         if self.needs_token_log_sum_p2 and (log_sum_p2 is None or log_sum_p2.shape != policy.shape):
             raise ValueError("loss.use_weighting (WPO) needs policy_token_log_sum_p2 of shape "
                              f"{tuple(policy.shape)}, got {None if log_sum_p2 is None else tuple(log_sum_p2.shape)}")
+
+    def data_advice(self, train_items: Sequence) -> Optional[str]:
+        """A warning about the training data for this loss, or None: for KTO the paper's check of
+        lambda_D n_D / (lambda_U n_U) in [1, 4/3] (`kto.weight_advice`) over the items' labels."""
+        if not self.unpaired:
+            return None
+        params = self.components[0].params
+        n_desirable = sum(1 for item in train_items if item.desirable)
+        return weight_advice(n_desirable, len(train_items) - n_desirable, params["desirable_weight"],
+                             params["undesirable_weight"])
+
+    def finish_metrics(self, means: Mapping[str, float], count: int) -> dict[str, float]:
+        """The step's (or evaluation's) reported metrics from the means over `count` items of the
+        per-item metrics: unchanged, except for unpaired losses, whose per-side means are taken
+        over that side's examples (TRL's KTO metrics, `kto.finish_kto_metrics`)."""
+        return finish_kto_metrics(means, count) if self.unpaired else dict(means)
 
     def on_step_end(self, global_metrics: Mapping[str, float]) -> None:
         """After each optimizer step: fold the step's globally averaged metrics into loss states (BCO)."""
@@ -299,12 +385,24 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         for key, default in spec.params.items():
             params[key] = _coerce(key, config[key], type(default)) if key in config else default
             _check_value(spec.name, key, params[key])
-        state = spec.state_factory() if spec.state_factory is not None else None
+        state = (spec.state_factory(**{key: params[key] for key in spec.state_params})
+                 if spec.state_factory is not None else None)
         components.append(LossComponent(spec, weight, params, state))
 
     modifier_values = {key: _coerce(key, config[key], kind) for key, kind in modifier_kinds.items() if key in config}
     for key, value in modifier_values.items():
         _check_value(",".join(names), key, value)
+    with_statistic = [c.spec.name for c in components if c.state is not None and hasattr(c.state, "begin_step")]
+    if len(with_statistic) > 1:
+        raise ValueError(f"loss.name lists {with_statistic}: at most one loss with a step statistic can be combined")
+    unpaired = [spec.name for spec in specs if spec.unpaired]
+    if unpaired and len(specs) > 1:
+        raise ValueError(f"loss.name={names}: {unpaired} trains on unpaired examples and cannot be combined "
+                         "with other losses")
+    misfits = sorted(k for k in ("sft_weight", "use_weighting", "ld_alpha") if modifier_values.get(k))
+    if unpaired and misfits:
+        raise ValueError(f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are a "
+                         "completion and a mismatched completion, not a chosen and a rejected answer")
     sorting = sorted(set(names) & _SORTING_LOSSES)
     if modifier_values.get("use_weighting") and sorting:
         raise ValueError(f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within the "

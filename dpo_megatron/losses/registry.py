@@ -8,7 +8,14 @@ A registered function has the signature
 Its keyword-only parameters with defaults (other than the token counts and the runtime values a
 loss state supplies, e.g. BCO's running reward mean) are the config keys the loss accepts under
 `loss.`; their defaults are the paper defaults. Reading them off the signature keeps one source of
-truth for valid keys and defaults.
+truth for valid keys and defaults. A loss state's own keyword-only constructor parameters (e.g.
+beta-DPO's momentum) are config keys of the loss too, read the same way.
+
+Step statistics: a loss whose formula uses a statistic of the whole optimizer step's batch (all
+micro-batches, all data-parallel ranks), e.g. beta-DPO's batch-level beta, has a state that is also a
+:class:`StepStatistic`. The engine then runs a forward-only policy pass before the step's
+forward-backward, gathers the per-pair values the state asks for over the global batch, and hands the
+state's answer (scalars and per-pair values) to every micro-batch's loss call (`training.step`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ LossFn = Callable[..., LossOutput]
 
 # Keyword-only arguments every loss function takes that are data, not config.
 TOKEN_COUNT_ARGS = ("chosen_tokens", "rejected_tokens")
+# Data argument of unpaired losses (`LossSpec.unpaired`): [B] 1.0 desirable, 0.0 undesirable.
+LABEL_ARG = "desirable"
 
 
 class LossState(Protocol):
@@ -38,6 +47,32 @@ class LossState(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StepStatistic(Protocol):
+    """A loss state whose loss needs a statistic of the whole step's batch before any gradient.
+
+    The engine calls, per training step: `pair_values` on every micro-batch of a forward-only policy pass
+    (after the reference pass); then `begin_step` once on every rank with the values of all pairs of
+    the global batch; then the loss function of each micro-batch with the per-pair slice of what
+    `begin_step` returned. The statistic thus never depends on micro-batch size, data-parallel size
+    or pipeline layout. Evaluation steps call the loss with the state's `loss_kwargs()` only.
+    """
+
+    def pair_values(self, policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
+                    reference_rejected_logps) -> torch.Tensor:
+        """[B] detached per-pair values the statistic is computed from."""
+
+    def begin_step(self, values: torch.Tensor, keys: torch.Tensor, training: bool
+                   ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Statistic of the global batch -> (scalar runtime kwargs, per-pair runtime kwargs [N]).
+
+        Args:
+            values: [N] float64 `pair_values` of every pair of the step, all ranks together.
+            keys: [N] int64 a layout-independent key per pair (its dataset index), so that any
+                randomness can be drawn in an order that does not depend on the layout.
+            training: False for an evaluation step (state must then not change).
+        """
 
 
 @dataclass(frozen=True)
@@ -56,20 +91,42 @@ class LossSpec:
     """Keyword arguments supplied by the state at call time; not config keys."""
     uses_rejected: bool = True
     """False when the loss reads only the chosen completions (`sft`)."""
+    unpaired: bool = False
+    """True for losses of unpaired examples (KTO): the "chosen" sequence is the example's completion,
+    the "rejected" one the mismatched completion of the KL estimate, and `fn` takes `desirable`."""
     params: dict[str, Any] = field(init=False)
-    """Config keys this loss accepts -> paper defaults (read from `fn`'s signature)."""
+    """Config keys this loss accepts -> paper defaults (read from `fn`'s and the state's signatures)."""
+    fn_params: tuple[str, ...] = field(init=False)
+    """The keys of `params` that `fn` takes."""
+    state_params: tuple[str, ...] = field(init=False)
+    """The keys of `params` that `state_factory` takes."""
 
     def __post_init__(self) -> None:
-        params = {}
-        for arg in inspect.signature(self.fn).parameters.values():
-            if arg.kind is not inspect.Parameter.KEYWORD_ONLY:
-                continue
-            if arg.name in TOKEN_COUNT_ARGS or arg.name in self.runtime_params:
-                continue
-            if arg.default is inspect.Parameter.empty:
-                raise TypeError(f"loss {self.name!r}: config parameter {arg.name!r} needs a default")
-            params[arg.name] = arg.default
-        object.__setattr__(self, "params", params)
+        fn_params = _keyword_defaults(self.name, self.fn, skip=(*TOKEN_COUNT_ARGS, LABEL_ARG, *self.runtime_params))
+        state_params = _keyword_defaults(self.name, self.state_factory) if self.state_factory else {}
+        for key in fn_params.keys() & state_params.keys():
+            if fn_params[key] != state_params[key]:
+                raise TypeError(f"loss {self.name!r}: {key!r} defaults to {fn_params[key]} in the loss "
+                                f"and {state_params[key]} in its state")
+        object.__setattr__(self, "params", {**fn_params, **state_params})
+        object.__setattr__(self, "fn_params", tuple(fn_params))
+        object.__setattr__(self, "state_params", tuple(state_params))
+
+
+def _keyword_defaults(name: str, fn: Callable, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`fn`'s keyword-only parameters (except `skip`) -> their defaults.
+
+    Raises:
+        TypeError: a keyword-only parameter without a default.
+    """
+    params = {}
+    for arg in inspect.signature(fn).parameters.values():
+        if arg.kind is not inspect.Parameter.KEYWORD_ONLY or arg.name in skip:
+            continue
+        if arg.default is inspect.Parameter.empty:
+            raise TypeError(f"loss {name!r}: config parameter {arg.name!r} needs a default")
+        params[arg.name] = arg.default
+    return params
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -92,6 +149,7 @@ def register_loss(
     state_factory: Optional[Callable[[], LossState]] = None,
     runtime_params: tuple[str, ...] = (),
     uses_rejected: bool = True,
+    unpaired: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering `fn` under `name` in `LOSSES`.
 
@@ -102,7 +160,8 @@ def register_loss(
     def decorate(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, {fn.__qualname__})")
-        LOSSES[name] = LossSpec(name, fn, needs_reference, state_factory, runtime_params, uses_rejected)
+        LOSSES[name] = LossSpec(name, fn, needs_reference, state_factory, runtime_params, uses_rejected,
+                                 unpaired)
         return fn
 
     return decorate

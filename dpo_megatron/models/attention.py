@@ -17,9 +17,13 @@ micro-batches' forwards in between.
 Kernels of the local spec (``model.local_attention``):
 
 * ``sdpa``: torch ``scaled_dot_product_attention``. Padded rows: ``is_causal``. Packed rows: one
-  call per span (a varlen attention by loop: each span's exact causal block, never an [L, L]
-  mask; the rejected span of a shared-prompt pair attends to [prompt ; rejected] keys gathered
-  by two slices). Forward and backward on CPU and GPU.
+  call per micro-batch and layer, never a mask (:func:`packed_attention`): on CUDA in fp16 /
+  bf16 torch's varlen flash-attention over the spans (:func:`varlen_attention`; a shared-prompt
+  rejected span attends to its [prompt ; rejected] keys gathered by ``kv_index``, bottom-right
+  causal), elsewhere one ``is_causal`` call over the spans laid out as square rows
+  (:func:`span_attention`). Grouped-query keys go as ``enable_gqa`` where a fused kernel takes
+  it and expanded where CUDA's memory-efficient kernel must serve (:func:`sdpa`), so SDPA's
+  math kernel is never needed. Forward and backward on CPU and GPU.
 * ``flex``: torch FlexAttention with a ``BlockMask`` built from the segment and branch ids (no
   [L, L] mask: fully masked 128 x 128 blocks are skipped). Compiled with Triton on CUDA; on CPU
   torch runs it eagerly and forward-only (no backward), so it serves reference / evaluation
@@ -37,6 +41,8 @@ bottom-right causal mask.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -47,6 +53,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dpo_megatron.data.batch import SpanRows, span_rows
 from dpo_megatron.models.config import LOCAL_ATTENTIONS as LOCAL_ATTENTION
 from dpo_megatron.parallel.device import is_cuda
 
@@ -144,50 +151,150 @@ def attention_mask_from_segments(segment_ids: torch.Tensor,
 # kernels
 
 
-def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans,
-                   scale: Optional[float], masks: Optional[dict] = None) -> torch.Tensor:
-    """Varlen causal attention by loop: ``scaled_dot_product_attention`` once per span.
+def gqa_by_expansion(device: torch.device, dtype: torch.dtype, masked: bool) -> bool:
+    """True when grouped-query keys / values must be expanded to the query heads before SDPA
+    (``repeat_interleave``), False when ``enable_gqa=True`` reaches a fused kernel.
+
+    On CUDA only flash-attention takes ``enable_gqa``, and only for fp16 / bf16 without a mask;
+    memory-efficient attention (fp32, or a mask) refuses it, so SDPA would fall back to its math
+    kernel (the [heads, n_q, n_k] scores materialised and kept for backward). Expanded keys keep
+    the memory-efficient kernel. On the CPU the fused (flash) kernel takes ``enable_gqa`` with or
+    without a mask, in every dtype.
+    """
+    if device.type != "cuda":
+        return False
+    return masked or dtype not in (torch.float16, torch.bfloat16)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float],
+         is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with grouped-query keys the way a fused kernel takes
+    them (:func:`gqa_by_expansion`).
 
     Args:
-        query: [T, heads, hn], key / value: [T, groups, hn] in flat positions (heads a multiple
-            of groups: grouped-query attention).
-        spans: ``AttentionSpan`` list tiling 0..T-1 (``PackedLayout.spans``); a span's queries
-            attend to its key ranges, bottom-right causal; padding spans give zeros.
+        query: [b, heads, s_q, hn]; key / value: [b, groups, s_k, hn] (heads a multiple of
+            groups).
         scale: softmax scale (None: 1 / sqrt(hn)).
-        masks: cache of bottom-right causal masks by (queries, keys) (reused across layers).
+        is_causal: top-left causal (query i sees keys 0..i).
+        attn_mask: bool, True = visible (broadcast to [b, heads, s_q, s_k]), or None.
 
     Returns:
-        [T, heads, hn] attention output (softmax(q k^T * scale) v per span; Vaswani et al. 2017,
-        eq. 1).
+        [b, heads, s_q, hn]: softmax(q k^T * scale) v (Vaswani et al. 2017, eq. 1).
     """
-    gqa = query.shape[1] != key.shape[1]
-    masks = {} if masks is None else masks
-    pieces = []
-    for span in spans:
-        q = query[span.q_start:span.q_end]
-        if span.padding:  # nothing reads a tail's output
-            pieces.append(q.new_zeros(q.shape))
-            continue
-        if len(span.keys) == 1:
-            k, v = (t[span.keys[0][0]:span.keys[0][1]] for t in (key, value))
-        else:
-            k, v = (torch.cat([t[b:e] for b, e in span.keys]) for t in (key, value))
-        n_q, n_k = q.shape[0], k.shape[0]
-        # [1, heads, s, hn]: torch's fused CPU kernel takes 4-D inputs only (3-D ones fall back
-        # to the unfused math path, which materialises the [heads, s, s] scores).
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if n_q == n_k:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=n_q > 1, scale=scale,
-                                                 enable_gqa=gqa)
-        else:  # query i sees keys 0 .. n_k - n_q + i
-            mask = masks.get((n_q, n_k))
-            if mask is None:
-                mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
-                masks[(n_q, n_k)] = mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                 enable_gqa=gqa)
-        pieces.append(out[0].transpose(0, 1))
-    return torch.cat(pieces)
+    groups = key.shape[1]
+    if groups != query.shape[1] and gqa_by_expansion(query.device, query.dtype,
+                                                     attn_mask is not None):
+        key, value = (t.repeat_interleave(query.shape[1] // groups, dim=1) for t in (key, value))
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                          is_causal=is_causal, scale=scale,
+                                          enable_gqa=key.shape[1] != query.shape[1])
+
+
+def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans,
+                   scale: Optional[float], rows: Optional[SpanRows] = None) -> torch.Tensor:
+    """Attention of packed spans in one ``scaled_dot_product_attention`` call, with no mask.
+
+    The spans are laid out as square causal rows (:class:`~dpo_megatron.data.batch.SpanRows`:
+    a span's keys, with its queries in the last slots), gathered into [N, heads, W, hn], and run
+    with ``is_causal``: the flash kernel on the CPU (``enable_gqa``) and on CUDA in fp16 / bf16,
+    memory-efficient attention on CUDA in fp32 (keys expanded, :func:`sdpa`). Compute:
+    N * W^2 / 2 scores, W the longest span's keys (a rejected span also recomputes its prompt's
+    queries). On CUDA in fp16 / bf16 the engine takes :func:`varlen_attention` instead.
+
+    Args:
+        query: [Tq, heads, hn], key / value: [Tk, groups, hn] in flat positions (heads a
+            multiple of groups: grouped-query attention).
+        spans: ``AttentionSpan`` list whose queries tile 0..Tq-1 in order and whose keys lie in
+            0..Tk-1 (``PackedLayout.spans``); a span's queries attend to its key ranges,
+            bottom-right causal.
+        scale: softmax scale (None: 1 / sqrt(hn)).
+        rows: the spans' :class:`SpanRows` on the query's device (``PackedLayout.rows``); None:
+            built here from ``spans``.
+
+    Returns:
+        [Tq, heads, hn] attention output (softmax(q k^T * scale) v per span; Vaswani et al.
+        2017, eq. 1); a padding span's positions hold another position's output (nothing reads
+        them).
+    """
+    if rows is None:
+        rows = span_rows(spans)
+        rows = SpanRows(*(t.to(query.device) for t in (rows.query_index, rows.key_index,
+                                                       rows.output_index)))
+    n, width = rows.query_index.shape
+    flat_q, flat_k = rows.query_index.reshape(-1), rows.key_index.reshape(-1)
+    # [N, W, heads, hn] -> [N, heads, W, hn]: the fused CPU kernel takes the strided view.
+    q = query.index_select(0, flat_q).view(n, width, *query.shape[1:]).transpose(1, 2)
+    k, v = (t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2)
+            for t in (key, value))
+    out = sdpa(q, k, v, scale, is_causal=width > 1)
+    return out.transpose(1, 2).reshape(n * width, *query.shape[1:]).index_select(
+        0, rows.output_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_varlen_arguments(varlen_attn: Callable) -> bool:
+    return {"scale", "window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys()
+
+
+def varlen_supported() -> bool:
+    """True when this torch's ``torch.nn.attention.varlen.varlen_attn`` takes what
+    :func:`varlen_attention` passes (a softmax scale, a causal window, grouped-query keys), as
+    torch 2.13's does; older releases lack the module or those arguments."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return _takes_varlen_arguments(varlen_attn)
+
+
+def packed_attention_route(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """How the ``sdpa`` kernel runs packed rows of queries on ``device`` in ``dtype``:
+    ``varlen`` (:func:`varlen_attention`, flash-attention's varlen kernel) on CUDA in fp16 /
+    bf16 with a head size flash-attention takes (a multiple of 8, at most 256) and a torch whose
+    varlen call takes grouped-query keys (:func:`varlen_supported`), else ``rows``
+    (:func:`span_attention`: the flash kernel on the CPU and on CUDA in fp16 / bf16,
+    memory-efficient attention on CUDA in fp32)."""
+    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256 and varlen_supported()):
+        return "varlen"
+    return "rows"
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout,
+                     scale: Optional[float]) -> torch.Tensor:
+    """Attention of packed spans in one call of torch's varlen flash-attention
+    (``torch.nn.attention.varlen.varlen_attn``): every span at its own length, bottom-right
+    causal (``window_size=(-1, 0)``: with Q queries and K keys query i sees keys 0..K-Q+i,
+    flash-attention's convention, the spans' rule), grouped-query keys as they are.
+
+    Args:
+        query: [T, heads, hn], key / value: [T, groups, hn] in flat positions (fp16 / bf16 on
+            CUDA).
+        layout: the micro-batch's ``PackedLayout`` on the device: ``cu_seqlens_q`` /
+            ``cu_seqlens_kv`` / ``max_seqlen_*``, and ``kv_index`` (shared prompts: each span's
+            keys gathered span after span, a rejected span's prompt then its own).
+        scale: softmax scale (None: 1 / sqrt(hn)).
+
+    Returns:
+        [T, heads, hn].
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    if layout.kv_index is not None:
+        key, value = key.index_select(0, layout.kv_index), value.index_select(0, layout.kv_index)
+    return varlen_attn(query, key, value, layout.cu_seqlens_q, layout.cu_seqlens_kv,
+                       layout.max_seqlen_q, layout.max_seqlen_kv, scale=scale,
+                       window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout,
+                     scale: Optional[float]) -> torch.Tensor:
+    """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
+    :func:`packed_attention_route`. Shapes as :func:`span_attention`; ``layout`` the
+    micro-batch's ``PackedLayout`` on the device."""
+    if packed_attention_route(query.device, query.dtype, query.shape[-1]) == "varlen":
+        return varlen_attention(query, key, value, layout, scale)
+    return span_attention(query, key, value, layout.spans, scale, layout.rows)
 
 
 _FLEX: dict[str, Callable] = {}
@@ -289,8 +396,7 @@ class LocalAttention(DotProductAttention):
         sq, b = query.shape[0], query.shape[1]
         if layout is not None and self.kernel == "sdpa":
             flat = [t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in (query, key, value)]
-            out = span_attention(*flat, layout.spans, self.softmax_scale,
-                                 packed_seq_params.cache.setdefault("span_masks", {}))
+            out = packed_attention(*flat, layout, self.softmax_scale)
             # [sq, b, h] with row-major strides, also for one row (b = 1), where transpose +
             # contiguous() would keep strides (h, sq * h, 1): torch.matmul folds [s, b, h] @ W^T
             # into one mm when W requires grad (the policy) but, for a frozen W (the reference),
@@ -301,17 +407,14 @@ class LocalAttention(DotProductAttention):
             out = out.view(b, sq, self.hidden_size_per_partition)
             return out.transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         if layout is not None:  # flex
             block_mask = packed_seq_params.cached("block_mask", lambda: flex_block_mask(
                 layout.segment_ids, layout.branch_ids))
             out = flex_attention_rows(q, k, v, block_mask, self.softmax_scale)
         elif attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            out = sdpa(q, k, v, self.softmax_scale, is_causal=q.shape[2] > 1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            out = sdpa(q, k, v, self.softmax_scale, attn_mask=~attention_mask)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 

@@ -21,13 +21,15 @@ The kernel is blockwise attention with an online softmax (Milakov & Gimelshein 2
 FlashAttention recurrence, Dao et al. 2022, Alg. 1, and its backward, Alg. 2, recomputing the
 probabilities from the saved log-sum-exp): the visibility is computed per [block x block] tile
 from the coordinates and fully hidden tiles are skipped (about half of them under a causal
-mask), so neither an [L / CP, L] mask nor the scores are ever held: per layer only q, k, v, the
-output and the log-sum-exp are kept for backward. All of it in the model dtype with fp32
+mask; the host reads which ones once per forward pass, :func:`visible_tiles`, never per tile),
+so neither an [L / CP, L] mask nor the scores are ever held: per layer only q, k, v, the output
+and the log-sum-exp are kept for backward. All of it in the model dtype with fp32
 accumulation for bf16 / fp16 inputs.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Optional
 
@@ -82,10 +84,39 @@ def _visible(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return ((pos_k <= pos_q) & (seg_k == seg_q) & ((br_k == 0) | (br_k == br_q))).unsqueeze(1)
 
 
-def _tiles(n_q: int, n_k: int, block: int):
+_TILE_MAPS: dict[int, tuple] = {}
+"""id(coords) -> (weak reference to coords, block, n_q, tiles): the visible tiles of the
+coordinates of one micro-batch's forward, found by its first layer and reused by the others."""
+
+
+def visible_tiles(coords: torch.Tensor, n_q: int, block: int) -> list[tuple[slice, slice]]:
+    """The [block x block] tiles (query slice, key slice) in which some query sees some key under
+    the coordinate rule; the others are skipped. ``coords`` [R', 3, n_q + n_k]
+    (:func:`context_parallel_coordinates`).
+
+    The tile map is computed on the device (one [R', block, n_k] comparison per query tile) and
+    read by the host once, not once per tile (each read would wait for the device), and only
+    once per set of coordinates: the layers of one forward pass share them.
+    """
+    hit = _TILE_MAPS.get(id(coords))
+    if hit is not None and hit[0]() is coords and hit[1:3] == (block, n_q):
+        return hit[3]
+    n_k = coords.shape[2] - n_q
+    n_kt = -(-n_k // block)
+    keys = coords[:, :, n_q:]
+    rows = []
     for qs in range(0, n_q, block):
-        for ks in range(0, n_k, block):
-            yield slice(qs, min(qs + block, n_q)), slice(ks, min(ks + block, n_k))
+        seen = _visible(coords[:, :, qs:min(qs + block, n_q)], keys).any(2).any(1).any(0)  # [n_k]
+        rows.append(torch.nn.functional.pad(seen, (0, n_kt * block - n_k)).view(n_kt, block)
+                    .any(1))
+    tile_map = torch.stack(rows).tolist()  # the one host read
+    tiles = [(slice(qs, min(qs + block, n_q)), slice(ks, min(ks + block, n_k)))
+             for i, qs in enumerate(range(0, n_q, block))
+             for j, ks in enumerate(range(0, n_k, block)) if tile_map[i][j]]
+    key = id(coords)
+    _TILE_MAPS[key] = (weakref.ref(coords, lambda _: _TILE_MAPS.pop(key, None)), block, n_q,
+                       tiles)
+    return tiles
 
 
 def _expand_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
@@ -112,16 +143,15 @@ class _BlockwiseAttention(torch.autograd.Function):
     def forward(ctx, q, k_local, v_local, coords, scale, block, group):
         k, v = ((k_local, v_local) if group is None
                 else (all_gather_dim(k_local, group, 2), all_gather_dim(v_local, group, 2)))
-        n_q, n_k, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        n_q, rep = q.shape[2], q.shape[1] // k.shape[1]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         shape = q.shape[:3]
         m = q.new_full(shape, float("-inf"), dtype=acc_dtype)
         denom = q.new_zeros(shape, dtype=acc_dtype)
         acc = q.new_zeros(q.shape, dtype=acc_dtype)
-        for qs, ks in _tiles(n_q, n_k, block):
+        tiles = visible_tiles(coords, n_q, block)
+        for qs, ks in tiles:
             visible = _visible(coords[:, :, qs], coords[:, :, n_q + ks.start:n_q + ks.stop])
-            if not bool(visible.any()):
-                continue
             kb, vb = (_expand_groups(t[:, :, ks], rep) for t in (k, v))
             s = (q[:, :, qs] @ kb.transpose(-1, -2)).to(acc_dtype) * scale
             s = s.masked_fill(~visible, float("-inf"))
@@ -135,26 +165,24 @@ class _BlockwiseAttention(torch.autograd.Function):
         out = (acc / denom[..., None]).to(q.dtype)  # every query sees itself: denom > 0
         lse = m + denom.log()
         ctx.save_for_backward(q, k_local, v_local, coords, out, lse)
-        ctx.scale, ctx.block, ctx.group = scale, block, group
+        ctx.scale, ctx.group, ctx.tiles = scale, group, tiles
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, coords, out, lse = ctx.saved_tensors
-        scale, block, group = ctx.scale, ctx.block, ctx.group
+        scale, group = ctx.scale, ctx.group
         if group is not None:
             k, v = all_gather_dim(k, group, 2), all_gather_dim(v, group, 2)
-        n_q, n_k, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        n_q, rep = q.shape[2], q.shape[1] // k.shape[1]
         acc_dtype = lse.dtype
         grad_out = grad_out.contiguous()
         delta = (grad_out.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # [b, heads, Sq]
         dq = torch.zeros_like(q, dtype=acc_dtype)
         dk = torch.zeros_like(k, dtype=acc_dtype)
         dv = torch.zeros_like(v, dtype=acc_dtype)
-        for qs, ks in _tiles(n_q, n_k, block):
+        for qs, ks in ctx.tiles:  # the forward's: no host read here
             visible = _visible(coords[:, :, qs], coords[:, :, n_q + ks.start:n_q + ks.stop])
-            if not bool(visible.any()):
-                continue
             kb, vb = (_expand_groups(t[:, :, ks], rep) for t in (k, v))
             qb, gb = q[:, :, qs], grad_out[:, :, qs]
             s = (qb @ kb.transpose(-1, -2)).to(acc_dtype) * scale

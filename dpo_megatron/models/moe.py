@@ -129,6 +129,12 @@ def load_balancing_metrics(config, num_micro_batches: int) -> dict[str, float]:
             "moe/aux_loss": coeff * per_layer_sum / num_micro_batches}
 
 
+def moe_needs_sequence_parallel(model: ModelConfig, tensor_model_parallel_size: int) -> bool:
+    """True for a mixture-of-experts model at TP > 1: megatron-core's MoE layer refuses to train
+    with tensor parallelism but without sequence parallelism."""
+    return bool(model.num_experts) and tensor_model_parallel_size > 1
+
+
 def check_moe(model: ModelConfig, expert_model_parallel_size: int,
               expert_tensor_parallel_size: int, tensor_model_parallel_size: int,
               sequence_parallel: bool) -> Optional[int]:
@@ -166,7 +172,7 @@ def check_moe(model: ModelConfig, expert_model_parallel_size: int,
     if model.moe_token_dispatcher not in ("alltoall", "allgather"):
         raise ValueError(f"model.moe_token_dispatcher must be alltoall or allgather, got "
                          f"{model.moe_token_dispatcher!r}")
-    if tensor_model_parallel_size > 1 and not sequence_parallel:
+    if moe_needs_sequence_parallel(model, tensor_model_parallel_size) and not sequence_parallel:
         raise ValueError("a mixture-of-experts model at parallel.tensor_model_parallel_size="
                          f"{tensor_model_parallel_size} needs parallel.sequence_parallel=true "
                          "(megatron-core's MoE layer refuses to train with TP but without it)")

@@ -50,7 +50,8 @@ class ParallelConfig:
     """Ranks that split each expert's weight matrices (>= 1; None: tensor_model_parallel_size)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence across the TP group
-    (Korthikanti et al. 2022). Needs tensor_model_parallel_size > 1."""
+    (Korthikanti et al. 2022). Needs tensor_model_parallel_size > 1. Turned on (and said so at
+    start-up) for a mixture-of-experts model at TP > 1: megatron-core's MoE layer requires it."""
     backend: str = "auto"
     """'auto' (NCCL with CUDA, gloo without), 'nccl' or 'gloo'. The backend decides the device
     (``dpo_megatron.parallel.device``): NCCL computes on cuda:LOCAL_RANK, gloo on the CPU, so

@@ -51,6 +51,31 @@ def set_gloo_device(device: "torch.device | str | None") -> None:
     _GLOO_DEVICE = device
 
 
+CUDA_ALLOCATOR_DEFAULT = "expandable_segments:True"
+"""The CUDA caching allocator's settings when the user gives none: micro-batches change shape
+from step to step (padded rows to the step's longest sequence, packed rows to its tokens), and
+with fixed-size segments the freed blocks of one shape fit the next one badly (fragmentation,
+then out-of-memory with memory reserved but free); expandable segments grow and shrink in
+place."""
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""The variables torch reads its allocator settings from (the second is the newer name)."""
+
+
+def default_cuda_allocator(environ=os.environ) -> Optional[str]:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF`` to :data:`CUDA_ALLOCATOR_DEFAULT` unless the user set it
+    (or ``PYTORCH_ALLOC_CONF``), before CUDA initialises: torch reads it once, at its first
+    CUDA call. The user's own value, even an empty one, is left as it is (the override).
+
+    Returns:
+        The value set, or None when nothing was set (the user's value in force, or CUDA already
+        initialised, when setting it would no longer take effect).
+    """
+    if any(name in environ for name in ALLOCATOR_ENV) or torch.cuda.is_initialized():
+        return None
+    environ[ALLOCATOR_ENV[0]] = CUDA_ALLOCATOR_DEFAULT
+    return CUDA_ALLOCATOR_DEFAULT
+
+
 def resolve_backend(backend: str) -> str:
     """``auto`` -> ``nccl`` with CUDA, ``gloo`` without; ``nccl`` / ``gloo`` as given.
 
@@ -73,13 +98,15 @@ def _local_rank() -> int:
 def setup_device(backend: str) -> torch.device:
     """Resolve the device for ``backend`` (a resolved backend: ``nccl`` or ``gloo``), make it
     current, switch on the CPU redirection when it is the CPU, and remember it. Idempotent for
-    the same backend.
+    the same backend. For NCCL the CUDA allocator gets :data:`CUDA_ALLOCATOR_DEFAULT` first
+    unless the user chose its settings (:func:`default_cuda_allocator`).
 
     Returns:
         ``cuda:LOCAL_RANK`` for NCCL, ``cpu`` for gloo (or what :func:`set_gloo_device` chose).
     """
     global _DEVICE, _BACKEND
     if backend == "nccl":
+        default_cuda_allocator()  # before set_device: the first CUDA call reads the settings
         device = torch.device("cuda", _local_rank())
         torch.cuda.set_device(device)
     else:

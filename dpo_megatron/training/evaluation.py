@@ -124,8 +124,9 @@ class Evaluator:
                                    group=parallel_state.get_data_parallel_group())
             total = sum(n for _, n in parts)
             keys = list(dict.fromkeys(k for part, _ in parts for k in part))  # first-seen order
-            metrics = ({k: sum(part.get(k, 0.0) for part, _ in parts) / total for k in keys}
-                       | {"items": total} if total else {})
+            metrics = (loss_fn.finish_metrics(
+                {k: sum(part.get(k, 0.0) for part, _ in parts) / total for k in keys}, total)
+                | {"items": total} if total else {})
         return _share_from_last_stage(metrics)
 
 

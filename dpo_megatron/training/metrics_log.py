@@ -29,7 +29,8 @@ METRICS_FILE = "metrics.jsonl"
 """One JSON record per logged step and split, in the run directory."""
 _CONSOLE_KEYS = (("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin"),
                  ("nll_loss", "nll"), ("logps/chosen", "logps/chosen"),
-                 ("logps/rejected", "logps/rejected"), ("moe/aux_loss", "moe_aux"))
+                 ("logps/rejected", "logps/rejected"), ("kl", "kl"), ("beta_dpo/beta", "beta"),
+                 ("moe/aux_loss", "moe_aux"))
 
 
 def is_logging_rank() -> bool:

@@ -38,6 +38,27 @@ def resolve_model_config(cfg) -> ModelConfig:
     return cfg.model
 
 
+def require_sequence_parallel(cfg, model_cfg: ModelConfig) -> Optional[str]:
+    """Turn ``parallel.sequence_parallel`` on where megatron-core requires it: a mixture-of-
+    experts model at TP > 1 (its MoE layer refuses to train with TP but without sequence
+    parallelism, so there is no other choice to respect). Changes ``cfg.parallel`` in place; call
+    it right after :func:`resolve_model_config`, before anything reads the layout (row lengths
+    become multiples of TP).
+
+    Returns:
+        The line that says so, or None when nothing changed.
+    """
+    from dpo_megatron.models.moe import moe_needs_sequence_parallel
+
+    tp = cfg.parallel.tensor_model_parallel_size
+    if cfg.parallel.sequence_parallel or not moe_needs_sequence_parallel(model_cfg, tp):
+        return None
+    cfg.parallel.sequence_parallel = True
+    return (f"note: parallel.sequence_parallel turned on: megatron-core's mixture-of-experts "
+            f"layer ({model_cfg.num_experts} experts) needs it at "
+            f"parallel.tensor_model_parallel_size={tp}")
+
+
 def weights_source(cfg, model_cfg: ModelConfig) -> str:
     """Where the starting weights come from, in words (printed at start-up)."""
     if cfg.model.load:

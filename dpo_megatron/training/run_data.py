@@ -16,8 +16,8 @@ class RunData:
     """Tokenized items of a run.
 
     Attributes:
-        train, eval: preference pairs, or SFT examples for a loss that reads no rejected
-            completion.
+        train, eval: preference pairs, SFT examples for a loss that reads no rejected
+            completion, or unpaired examples (``data.pairs.UnpairedPair``) for KTO.
         pad_token_id: fills padding positions (never scored).
         tokenizer: the tokenizer (None when the caller brings its own token ids, e.g. tests and
             benchmarks).
@@ -31,20 +31,26 @@ class RunData:
     summary: dict = field(default_factory=dict)
 
 
-def load_run_data(cfg, model_cfg, sft: bool) -> RunData:
+def load_run_data(cfg, model_cfg, kind: str) -> RunData:
     """Load tokenizer and tokenized items (collective): rank 0 first, so the others hit its
     cache; its failure reaches every rank, or they would wait in a collective until the timeout.
+
+    ``kind``: what the loss trains on (``LossFunction.item_kind``: pairs, sft or unpaired).
 
     Raises:
         DataError: no training items left after filtering, or bad input (the pipeline's error
             on rank 0, "rank 0 failed" on the others).
     """
-    from dpo_megatron.data import DataError, load_preference_pairs, load_sft_examples, load_tokenizer
+    from dpo_megatron.data import DataError, load_tokenizer
+    from dpo_megatron.data.pipeline import load_items
     from dpo_megatron.training.model_setup import check_vocab_fits
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     check_vocab_fits(tokenizer, model_cfg)
-    load = load_sft_examples if sft else load_preference_pairs
+
+    def load(data_cfg, tokenizer):
+        return load_items(data_cfg, tokenizer, kind)
+
     failure, dataset = None, None
     if dist.get_rank() == 0:
         try:

@@ -7,6 +7,11 @@ step is:
 1. when the loss reads a reference and the batch does not carry precomputed reference log-probs,
    the frozen ``reference_model`` runs forward-only through the schedule and its per-token
    log-probs are stored in each micro-batch on the last stage (``reference_logps``);
+1b. when the loss takes a statistic of the whole step's batch (``losses.registry.StepStatistic``:
+   beta-DPO's batch beta and filter), the policy runs forward-only through the schedule, each
+   micro-batch's per-pair values are gathered over the data-parallel ranks, and the loss's state
+   turns the global batch's values into the step's inputs (:func:`step_statistic_inputs`), the
+   same whatever the layout; each micro-batch's share rides with it into step 2;
 2. the policy runs forward+backward through the schedule; on the last stage the loss function
    turns per-token log-probs into per-pair losses and returns their *sum* with the pair count;
 3. megatron-core's ``finalize_model_grads`` (``calculate_per_token_loss=True``) all-reduces the
@@ -143,21 +148,72 @@ def _reference_forward_step(data_iterator, model):
     return model_forward(model, batch), store
 
 
-def _policy_loss(loss_fn, batch: MicroBatch, head: HeadLogps):
+def _policy_loss(loss_fn, batch: MicroBatch, step_inputs: dict, head: HeadLogps):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
     policy_token_logps = token_logps(head.token_logps, batch)
     log_sum_p2 = (token_logps(head.log_sum_p2, batch) if loss_fn.needs_token_log_sum_p2
                   else None)
     losses, metrics = loss_fn(policy_token_logps, batch.reference_logps, batch.loss_mask,
-                              log_sum_p2, chosen_only=batch.chosen_only)
+                              log_sum_p2, chosen_only=batch.chosen_only,
+                              step_inputs=step_inputs or None, desirable=batch.desirable)
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), _count(losses.shape[0]), reported
 
 
 def _policy_forward_step(loss_fn, data_iterator, model):
-    batch = next(data_iterator)
+    batch, step_inputs = next(data_iterator)
     return (model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
-            partial(_policy_loss, loss_fn, batch))
+            partial(_policy_loss, loss_fn, batch, step_inputs))
+
+
+def _statistic_forward_step(loss_fn, data_iterator, model):
+    batch = next(data_iterator)
+
+    def values(head):
+        pair_values = loss_fn.pair_statistics(token_logps(head.token_logps, batch),
+                                              batch.reference_logps, batch.loss_mask)
+        return head.token_logps.new_zeros(()), _count(0), {"values": pair_values}
+
+    return model_forward(model, batch), values
+
+
+@torch.no_grad()
+def step_statistic_inputs(policy_chunks: list, batch: StepBatch, loss_fn: Callable,
+                          training: bool) -> list[dict]:
+    """The loss's step statistic over the global batch, as each micro-batch's loss inputs.
+
+    A forward-only policy pass gives each pair's value (``loss_fn.pair_statistics``) on the last
+    stage; the values and dataset indices of every data-parallel rank are gathered (rank order),
+    shared with the whole pipeline group, and every rank calls ``loss_fn.begin_step`` with them, so
+    the loss's state stays identical everywhere. The cost is one extra forward of the policy.
+
+    Returns:
+        One dict per micro-batch (the step's scalars and that micro-batch's [B] slice of the
+        per-pair values, on the device); empty dicts off the last stage.
+    """
+    store = run_schedule(partial(_statistic_forward_step, loss_fn), policy_chunks,
+                         batch.micro_batches, _rows(batch), batch.seq_length, True)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    gathered = None
+    if last:
+        local = (torch.cat([d["values"].reshape(-1) for d in store]).double().cpu().tolist(),
+                 [i for mb in batch.micro_batches for i in mb.item_indices])
+        gathered = [None] * parallel_state.get_data_parallel_world_size()
+        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+    gathered = _share_from_last_stage(gathered)
+    values = torch.tensor([v for rank_values, _ in gathered for v in rank_values], dtype=torch.float64)
+    keys = torch.tensor([k for _, rank_keys in gathered for k in rank_keys], dtype=torch.int64)
+    scalars, per_pair = loss_fn.begin_step(values, keys, training)
+    if not last:
+        return [{} for _ in batch.micro_batches]
+    offset = sum(len(rank_values) for rank_values, _ in
+                 gathered[:parallel_state.get_data_parallel_rank()])
+    inputs = []
+    for mb in batch.micro_batches:
+        sliced = {k: v[offset:offset + mb.num_items].to(get_device()) for k, v in per_pair.items()}
+        inputs.append({**scalars, **sliced})
+        offset += mb.num_items
+    return inputs
 
 
 def _iterators(micro_batches: list, num_chunks: int):
@@ -280,10 +336,13 @@ def run_policy(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callab
             raise ValueError("this loss needs reference log-probs: the batch carries none and "
                              "no reference model was built")
         reference.attach(batch)
+    inputs = (step_statistic_inputs(policy_chunks, batch, loss_fn, training=not forward_only)
+              if loss_fn.needs_step_statistic(not forward_only) else
+              [{} for _ in batch.micro_batches])
     step = partial(_policy_forward_step, loss_fn)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        return run_schedule(step, policy_chunks, batch.micro_batches, _rows(batch),
-                            batch.seq_length, forward_only)
+        return run_schedule(step, policy_chunks, list(zip(batch.micro_batches, inputs)),
+                            _rows(batch), batch.seq_length, forward_only)
 
 
 def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable,
@@ -306,6 +365,7 @@ def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_
     per_pair, metrics, count = ({}, None, 0)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         per_pair, metrics, count = _reduce_per_pair(store)
+        metrics = loss_fn.finish_metrics(metrics, count)
     metrics, count = _share_from_last_stage((metrics, count))
     aux = ({} if forward_only else
            load_balancing_metrics(policy_chunks[0].config, len(batch.micro_batches)))
@@ -318,14 +378,21 @@ def step_is_finite(loss: float, policy_chunks: list) -> bool:
     Checks each rank's DDP gradient buffers (after the data-parallel reduction, before the
     optimizer reads them) and all-reduces the verdict over the world, so every rank skips the
     same step. A NaN/Inf anywhere in a rank's buffer would reach the global gradient norm.
+
+    The test is on each buffer's sum: one fused reduction that reads the buffer once and makes
+    no temporary of its size (``isfinite`` would make a bool copy of every gradient). A sum is
+    NaN/Inf iff an element is, or iff finite elements overflow the dtype's range (|sum| > 3.4e38
+    in fp32 / bf16); gradients that large overflow the squared norm too, so skipping such a step
+    is what the norm would say.
     """
     bad = torch.zeros(1, device=get_device())
     if not math.isfinite(loss):
         bad.fill_(1.0)
     else:
-        for chunk in policy_chunks:
-            for buffer in getattr(chunk, "buffers", []):
-                bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().float())
+        sums = [buffer.grad_data.sum().float() for chunk in policy_chunks
+                for buffer in getattr(chunk, "buffers", [])]
+        if sums:
+            bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1)
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0.0

@@ -75,8 +75,10 @@ class Trainer:
         # A loss that reads no rejected completion (sft) trains on prompt + chosen rows only.
         self.sft = not self.loss_fn.needs_rejected
         self.model_config = model_setup.resolve_model_config(cfg)
+        self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg,
+                                                                            self.model_config)
         self.data = data if data is not None else load_run_data(cfg, self.model_config,
-                                                                self.sft)
+                                                                self.loss_fn.item_kind)
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
         multiple = math.lcm(cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
                             cfg.parallel.sequence_granule())
@@ -160,7 +162,9 @@ class Trainer:
                       "layout: its reference model is re-drawn at the new layout and differs "
                       "from the original. Start runs that must reshard from model.hf_path or "
                       "model.load.", flush=True)
-        unit = "examples" if self.sft else "pairs"
+        if self.sequence_parallel_note:
+            print(self.sequence_parallel_note, flush=True)
+        unit = "pairs" if self.loss_fn.item_kind == "pairs" else "examples"
         cp = cfg.parallel.context_parallel_size
         print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
               f"{cfg.parallel.pipeline_model_parallel_size} x "
@@ -175,6 +179,8 @@ class Trainer:
               flush=True)
         if cfg.train.warmup_warning():
             print(cfg.train.warmup_warning(), flush=True)
+        if self.loss_fn.unpaired and self.loss_fn.data_advice(self.data.train):
+            print(f"WARNING: {self.loss_fn.data_advice(self.data.train)}", flush=True)
 
     # ------------------------------------------------------------------------------------------
     # steps

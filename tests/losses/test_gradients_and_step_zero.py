@@ -11,7 +11,9 @@ from tests.losses.pairs import as_tensor
 # Three pairs away from every kink (hinge's 1 - beta h = 0, ties in AOT's sorts).
 PAIRS = dict(pc=[-12.0, -30.5, -7.25], pr=[-20.0, -28.0, -9.5], rc=[-13.0, -29.0, -8.0], rr=[-15.0, -27.5, -11.0],
              ct=[8, 20, 5], rt=[10, 16, 7])
-EXTRA_PARAMS = {"bco_pair": {"reward_mean": 0.3}, "robust": {"label_smoothing": 0.2},
+EXTRA_PARAMS = {"bco_pair": {"reward_mean": 0.3}, "cal_dpo": {"beta": 0.1},
+                "kto": {"desirable": torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64), "kl": 0.3},
+                "beta_dpo": {"batch_beta": 0.17, "pair_weights": torch.tensor([1.5, 0.0, 1.5], dtype=torch.float64)}, "robust": {"label_smoothing": 0.2},
                 "sigmoid": {"label_smoothing": 0.1}, "simpo": {"cpo_alpha": 0.5}}
 
 
@@ -33,6 +35,7 @@ STEP_ZERO = {
     "exo_pair": -math.log(2.0) - 0.5 * (math.log(1e-3) + math.log(0.999)), "nca_pair": 2 * math.log(2.0),
     "bco_pair": 2 * math.log(2.0), "sppo_hard": 50.0, "aot": math.log(2.0), "aot_unpaired": math.log(2.0),
     "apo_zero": 1.0, "apo_down": 1.0, "discopop": 0.5 * (math.log(2.0) + 1.0),
+    "kto": 0.5, "beta_dpo": math.log(2.0), "cal_dpo": math.log(2.0) + 1.0 / (4 * 1e-3 ** 2),
 }
 
 
@@ -53,11 +56,17 @@ def test_every_reference_based_loss_has_a_step_zero_value():
 @pytest.mark.parametrize("name", sorted(STEP_ZERO))
 def test_step_zero_value_and_zero_rewards(name):
     token_logps, loss_mask = token_batch()
-    losses, metrics = build_loss({"name": name})(token_logps, token_logps.clone(), loss_mask)
+    desirable = torch.tensor([1.0, 0.0, 1.0]) if LOSSES[name].unpaired else None
+    loss_fn = build_loss({"name": name})
+    losses, metrics = loss_fn(token_logps, token_logps.clone(), loss_mask, desirable=desirable)
     expected = STEP_ZERO[name]
     if name == "rpo":  # ln 2 + per-token NLL of each chosen completion (alpha 1)
         expected = math.log(2.0) - (token_logps[:3].sum(-1) / loss_mask[:3].sum(-1))
     torch.testing.assert_close(losses, torch.broadcast_to(torch.as_tensor(expected, dtype=torch.float64), (3,)),
                                rtol=0, atol=1e-12)
+    if loss_fn.unpaired:  # KTO: per-side means over the step (finish_metrics), no accuracy
+        means = loss_fn.finish_metrics({k: v.mean().item() for k, v in metrics.items()}, 3)
+        assert [means[k] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")] == [0.0] * 3
+        return
     for metric in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert metrics[metric].tolist() == [0.0, 0.0, 0.0], metric

@@ -1,7 +1,8 @@
 """The attention kernels against one another and against the rule by hand: dense SDPA with the
-visibility mask, SDPA per span, FlexAttention, megatron-core's DotProductAttention, and the THD
-inputs transformer-engine would get (checked here by an explicit varlen computation, since TE
-cannot run on CPU)."""
+visibility mask, the spans as square causal rows in one SDPA call, FlexAttention, megatron-core's
+DotProductAttention, and the varlen inputs flash-attention and transformer-engine would get
+(checked here by an explicit varlen computation, since neither runs on CPU); and which call each
+path makes."""
 
 import math
 
@@ -14,9 +15,11 @@ from dpo_megatron.data.batch import AttentionSpan
 from dpo_megatron.data.packing import pack_pairs, pack_shared_prompt_pairs
 from tests.engine import random_pairs, tiny_trainer
 from tests.multirank import run_ranks
-from dpo_megatron.models.attention import (flex_attention_rows, flex_block_mask, packed_seq_params,
+from dpo_megatron.models.attention import (flex_attention_rows, flex_block_mask,
+                                           gqa_by_expansion, packed_attention,
+                                           packed_attention_route, packed_seq_params,
                                            resolve_local_attention, shared_prompt_thd_inputs,
-                                           span_attention, visible_keys)
+                                           span_attention, varlen_attention, visible_keys)
 
 PAIRS = [PreferencePair((5, 6, 7), (8, 9, 2), (10, 2)),
          PreferencePair((11,), (12, 13, 14, 15, 2), (16, 17, 2)),
@@ -101,6 +104,88 @@ def test_flex_refuses_to_train_on_cpu():
         flex_attention_rows(q, k, v, flex_block_mask(layout.segment_ids), scale=None)
 
 
+class SDPACalls:
+    """Records every ``scaled_dot_product_attention`` call (then runs it) while active."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = F.scaled_dot_product_attention
+
+        def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+            self.calls.append(dict(mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa,
+                                   heads=q.shape[-3], groups=k.shape[-3]))
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+
+
+@pytest.mark.parametrize("name", ["packed", "shared", "shared_rows"])
+def test_packed_rows_make_one_maskless_sdpa_call_served_by_flash(name, monkeypatch):
+    """The packed rows of a micro-batch: one SDPA call (not one per span), no mask (so no
+    boolean mask with grouped-query attention, which only SDPA's math kernel serves on CUDA),
+    and the fused flash kernel serves it on CPU (``sdpa_kernel`` refuses the others)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layout = _layouts()[name]
+    q, k, v = _qkv(layout.segment_ids.numel(), grad=True)
+    spy = SDPACalls(monkeypatch)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = packed_attention(q, k, v, layout, scale=None)
+        out.sum().backward()
+    assert len(layout.spans) >= 4 and len(spy.calls) == 1
+    call = spy.calls[0]
+    assert call["mask"] is None and call["is_causal"]
+    assert (call["heads"], call["groups"], call["enable_gqa"]) == (HEADS, GROUPS, True)
+
+
+def test_span_rows_cover_each_span_once():
+    """Every real query position is read from the slot of its own query; rows are as wide as
+    the most keys of a span (a rejected span: its prompt and itself)."""
+    layout = _layouts()["shared"]
+    rows = layout.rows
+    spans = [s for s in layout.spans if not s.padding]
+    assert rows.query_index.shape == (len(spans), max(sum(e - b for b, e in s.keys)
+                                                      for s in spans))
+    flat = rows.query_index.reshape(-1)
+    real = _real(layout)
+    positions = torch.arange(layout.segment_ids.numel())
+    assert torch.equal(flat[rows.output_index][real], positions[real])
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, route", [
+    ("cuda", torch.bfloat16, 64, "varlen"), ("cuda", torch.float16, 128, "varlen"),
+    ("cuda", torch.float32, 64, "rows"), ("cuda", torch.bfloat16, 260, "rows"),
+    ("cuda", torch.bfloat16, 12, "rows"), ("cpu", torch.bfloat16, 64, "rows"),
+    ("cpu", torch.float32, 64, "rows")])
+def test_packed_route_by_device_and_dtype(device, dtype, head_dim, route):
+    assert packed_attention_route(torch.device(device), dtype, head_dim) == route
+
+
+def test_no_varlen_route_on_a_torch_whose_varlen_call_lacks_grouped_keys(monkeypatch):
+    """torch releases before 2.13 have no varlen call or one without a scale, a causal window
+    and grouped-query keys: packed rows then take the span rows (flash through SDPA)."""
+    import torch.nn.attention.varlen as varlen
+
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        raise AssertionError("not called")
+
+    cuda = torch.device("cuda")
+    assert packed_attention_route(cuda, torch.bfloat16, 64) == "varlen"
+    monkeypatch.setattr(varlen, "varlen_attn", older)
+    assert packed_attention_route(cuda, torch.bfloat16, 64) == "rows"
+
+
+@pytest.mark.parametrize("device, dtype, masked, expand", [
+    ("cuda", torch.bfloat16, False, False),  # flash-attention takes enable_gqa
+    ("cuda", torch.bfloat16, True, True),    # a mask: memory-efficient attention, no GQA
+    ("cuda", torch.float32, False, True),    # fp32: memory-efficient attention, no GQA
+    ("cpu", torch.float32, True, False), ("cpu", torch.bfloat16, False, False)])
+def test_grouped_query_keys_expanded_only_where_cuda_needs_it(device, dtype, masked, expand):
+    assert gqa_by_expansion(torch.device(device), dtype, masked) is expand
+
+
 def _thd_reference(q, k, v, cu_q, cu_kv):
     """Varlen attention from cu_seqlens alone, bottom-right causal, softmax written out."""
     out = torch.zeros_like(q)
@@ -139,6 +224,31 @@ def test_thd_inputs_for_transformer_engine(name):
     thd = _thd_reference(q, *gathered, layout.cu_seqlens_q.tolist(), cu_kv.tolist())
     real = _real(layout)
     torch.testing.assert_close(thd[real], _dense(q, k, v, layout)[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["packed", "shared", "shared_rows"])
+def test_varlen_call_computes_the_dense_rule(name, monkeypatch):
+    """What the CUDA fp16 / bf16 route gives torch's varlen flash-attention (one call per
+    micro-batch; it has no CPU kernel, so the call is answered here by the varlen rule written
+    out from cu_seqlens, bottom-right causal): the dense rule at every real position."""
+    import torch.nn.attention.varlen as varlen
+
+    layout = _layouts()[name]
+    q, k, v = _qkv(layout.segment_ids.numel())
+    calls = []
+
+    def fake(query, key, value, cu_q, cu_kv, max_q, max_kv, *, scale=None, window_size,
+             enable_gqa):
+        calls.append((window_size, enable_gqa, max_q, max_kv))
+        assert key.shape[0] == int(cu_kv[-1]) and query.shape[0] == int(cu_q[-1])
+        assert max_q == max(torch.diff(cu_q).tolist()) and max_kv == max(torch.diff(cu_kv).tolist())
+        return _thd_reference(query, key, value, cu_q.tolist(), cu_kv.tolist())
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    out = varlen_attention(q, k, v, layout, scale=None)
+    assert calls == [((-1, 0), True, layout.max_seqlen_q, layout.max_seqlen_kv)]
+    real = _real(layout)
+    torch.testing.assert_close(out[real], _dense(q, k, v, layout)[real], rtol=1e-5, atol=1e-6)
 
 
 def test_thd_needs_one_row():
@@ -217,6 +327,42 @@ def test_every_kernel_gives_the_sdpa_log_probs():
         for key in want:
             a, b = torch.tensor(want[key]), torch.tensor(got[key])
             assert ((a - b).abs() <= 1e-5 * a.abs()).all(), (setting, key, a, b)
+
+
+def _count_sdpa_calls(form):
+    """SDPA calls of one forward-only step (policy and reference, 2 layers, 2 micro-batches)."""
+    from dpo_megatron.training.step import dpo_forward_backward
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((attn_mask is not None, q.shape[-3] != k.shape[-3]))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    pairs = random_pairs(4, 9, lambda i: (3 + 2 * i, 2 + (3 * i) % 5, 4 - i % 3))
+    trainer = tiny_trainer(pairs, model=dict(num_layers=2, local_attention="sdpa"), seed=3,
+                           micro_batch_size=2, global_batch_size=4, packing=True,
+                           share_prompt=form == "shared")
+    batch = trainer.next_batch()
+    F.scaled_dot_product_attention = spy
+    try:
+        dpo_forward_backward(trainer.policy, trainer.reference, batch, trainer.loss_fn,
+                             forward_only=True)
+    finally:
+        F.scaled_dot_product_attention = real
+    return {"calls": calls, "spans": [len(mb.packed.spans) for mb in batch.micro_batches]}
+
+
+def test_packed_model_makes_one_sdpa_call_per_layer_and_micro_batch():
+    """Through the real model: 2 models (policy, reference) x 2 layers x 2 micro-batches = 8
+    calls for packed and shared-prompt rows alike (one per span would be 2 x 2 x (4 + 4)), none
+    with a mask; the tiny model has grouped-query attention (4 heads, 2 groups)."""
+    for form in ("packed", "shared"):
+        out = run_ranks(_count_sdpa_calls, world_size=1, form=form)[0]
+        assert min(out["spans"]) >= 4
+        assert len(out["calls"]) == 8, form
+        assert all(gqa and not masked for masked, gqa in out["calls"]), form
 
 
 def _train_flex():

@@ -57,3 +57,38 @@ def test_positions_not_row_order_decide_causality():
     broken = blockwise_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm],
                                  context_parallel_coordinates(wrong), 0.3, 3)
     assert not torch.allclose(broken, natural[:, :, perm], atol=1e-6)
+
+
+class HostReads:
+    """Counts the reads of device values by the host (``bool()``, ``item()``, ``tolist()``):
+    on a GPU each one waits for every kernel queued before it."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("__bool__", "item", "tolist"):
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _real=real, **kwargs):
+                self.count += 1
+                return _real(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_the_host_reads_the_tile_map_once_per_forward_not_per_tile(monkeypatch):
+    """Block 3 on rows of 10 tokens: 16 tiles per pass. The forward reads which tiles to compute
+    once; the backward and another layer's forward on the same coordinates read nothing."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5, 0, 1], list(range(10))])
+    segments = torch.tensor([[0] * 8 + [1, 1], [2] * 10])
+    branches = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 0, 0], [0] * 10])
+    coords = context_parallel_coordinates(positions, segments, branches)
+    q, k, v = _inputs(2, 10)
+    want = _reference(q, k, v, visible_keys(segments, branches))
+    reads = HostReads(monkeypatch)
+    out = blockwise_attention(q, k, v, coords, 0.3, 3)
+    assert reads.count == 1
+    out.sum().backward()
+    again = blockwise_attention(q, k, v, coords, 0.3, 3)  # the next layer
+    assert reads.count == 1
+    monkeypatch.undo()
+    assert torch.allclose(out, want, atol=1e-12) and torch.allclose(again, want, atol=1e-12)

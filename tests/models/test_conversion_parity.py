@@ -1,7 +1,8 @@
 """HF -> megatron-core -> HF at every TP x PP layout, for every architecture.
 
-One set of ranks per case imports a tiny random transformers model, runs a right-padded batch
-through megatron-core's pipeline schedule and exports the model back. Checked:
+Each case imports a tiny random transformers model, runs a right-padded batch through
+megatron-core's pipeline schedule and exports the model back; the cases of one world size run one
+after the other in one set of ranks (the module fixture ``cases``). Checked:
 - logits (gathered over TP) and per-token log-probs equal transformers' within 1e-5 relative
   (fp32) at every non-padding position;
 - the exported folder holds exactly the original tensors, bit for bit, and
@@ -23,7 +24,7 @@ from tests.models.conversion_helpers import (
     save_tiny_hf_folder,
     token_logps,
 )
-from tests.multirank import run_ranks
+from tests.multirank import run_cases, run_ranks
 
 # One rank, and TP 2 x PP 2: every split (tensor and pipeline) at once. TP or PP alone adds no
 # path that TP 2 x PP 2 does not take, and each extra layout costs every architecture a run.
@@ -71,23 +72,33 @@ def _load_all(folder):
     return tensors
 
 
-def _check_case(tmp_path, arch, tp, pp, vpp=None, num_microbatches=1, **save_kwargs):
-    from transformers import AutoModelForCausalLM
-
-    hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"), **save_kwargs)
+def _prepare_case(folder, arch, tp, pp, vpp=None, num_microbatches=1, **save_kwargs) -> dict:
+    """Write the tiny ``arch`` folder under ``folder`` (``hf``; the export goes to ``exported``)
+    and compute transformers' logits and log-probs on the padded batch: the case's ranks'
+    kwargs (``run``, for :func:`_import_forward_export` on ``tp * pp`` ranks) and what
+    :func:`_verify_case` compares them with."""
+    hf_dir = save_tiny_hf_folder(arch, str(folder / "hf"), **save_kwargs)
     model = build_tiny_hf_model(arch)
-    vocab = model.config.vocab_size
-    input_ids, mask = _batch(vocab)
+    input_ids, mask = _batch(model.config.vocab_size)
     with torch.no_grad():
         ref_logits = model(input_ids=input_ids, attention_mask=mask).logits
-    ref_logps = hf_logps(model, input_ids, mask)
-    out_dir = str(tmp_path / "exported")
+    out_dir = str(folder / "exported")
+    return {"world_size": tp * pp, "tp": tp, "vocab": model.config.vocab_size, "mask": mask,
+            "input_ids": input_ids, "ref_logits": ref_logits, "hf_dir": hf_dir,
+            "ref_logps": hf_logps(model, input_ids, mask), "out_dir": out_dir,
+            "run": dict(hf_dir=hf_dir, tp=tp, pp=pp, vpp=vpp, input_ids=input_ids,
+                        out_dir=out_dir, num_microbatches=num_microbatches)}
 
-    results = run_ranks(_import_forward_export, world_size=tp * pp, hf_dir=hf_dir, tp=tp, pp=pp,
-                        vpp=vpp, input_ids=input_ids, out_dir=out_dir,
-                        num_microbatches=num_microbatches)
+
+def _verify_case(case: dict, results: list) -> None:
+    from transformers import AutoModelForCausalLM
+
+    vocab, mask, input_ids = case["vocab"], case["mask"], case["input_ids"]
+    ref_logits, ref_logps = case["ref_logits"], case["ref_logps"]
+    hf_dir, out_dir = case["hf_dir"], case["out_dir"]
     logits = [r for r in results if r is not None]
-    assert len(logits) == tp  # every rank of the last stage returns the gathered logits
+    assert len(results) == case["world_size"]
+    assert len(logits) == case["tp"]  # every rank of the last stage returns the gathered logits
     got = logits[0][..., :vocab]
     real = mask.bool()
     scale = ref_logits[real].abs().max()
@@ -109,30 +120,64 @@ def _check_case(tmp_path, arch, tp, pp, vpp=None, num_microbatches=1, **save_kwa
     assert not info["mismatched_keys"], info
 
 
+def run_parity_cases(cases: dict[str, dict]) -> dict[str, list]:
+    """Results by rank of every prepared case (:func:`_prepare_case`), by name: the cases of one
+    world size in one set of ranks."""
+    out = {}
+    for world in sorted({c["world_size"] for c in cases.values()}):
+        out.update(run_cases(world, {name: (_import_forward_export, c["run"])
+                                     for name, c in cases.items() if c["world_size"] == world}))
+    return out
+
+
+SPECIAL = {  # name: (arch, tp, pp, vpp, micro-batches, save_tiny_hf_folder kwargs)
+    # PP 2 x VPP 2: each rank holds two non-adjacent layers (global index from layer_number).
+    "virtual_pipeline": ("llama", 1, 2, 2, 2, {}),
+    # A folder split into many shards with an index (each rank opens only what it needs).
+    "sharded": ("qwen2", 2, 2, None, 1, {"max_shard_size": "40KB"}),
+    "pytorch_bin": ("mistral", 2, 1, None, 1, {"safe_serialization": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """``{name: (prepared case, results by rank)}`` of every architecture at every layout
+    (``{arch}_tp{t}pp{p}``) and of SPECIAL."""
+    root = tmp_path_factory.mktemp("parity")
+    prepared = {f"{arch}_tp{tp}pp{pp}": _prepare_case(root / f"{arch}_tp{tp}pp{pp}", arch, tp, pp)
+                for arch in sorted(TINY_CONFIGS) for tp, pp in LAYOUTS}
+    for name, (arch, tp, pp, vpp, micro, save_kwargs) in SPECIAL.items():
+        prepared[name] = _prepare_case(root / name, arch, tp, pp, vpp, micro, **save_kwargs)
+    results = run_parity_cases(prepared)
+    return {name: (case, results[name]) for name, case in prepared.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-def test_import_matches_transformers_and_export_round_trips(tmp_path, arch, tp, pp):
-    _check_case(tmp_path, arch, tp, pp)
+def test_import_matches_transformers_and_export_round_trips(cases, arch, tp, pp):
+    _verify_case(*cases[f"{arch}_tp{tp}pp{pp}"])
 
 
 @pytest.mark.slow
-def test_virtual_pipeline_chunks(tmp_path):
+def test_virtual_pipeline_chunks(cases):
     """PP 2 x VPP 2: each rank holds two non-adjacent layers (global index from layer_number)."""
-    _check_case(tmp_path, "llama", 1, 2, vpp=2, num_microbatches=2)
+    _verify_case(*cases["virtual_pipeline"])
 
 
 @pytest.mark.slow
-def test_sharded_safetensors_input(tmp_path):
+def test_sharded_safetensors_input(cases):
     """A folder split into many shards with an index (each rank opens only what it needs)."""
-    _check_case(tmp_path, "qwen2", 2, 2, max_shard_size="40KB")
-    assert len(glob.glob(str(tmp_path / "hf" / "model-*.safetensors"))) > 3
+    case, results = cases["sharded"]
+    _verify_case(case, results)
+    assert len(glob.glob(os.path.join(case["hf_dir"], "model-*.safetensors"))) > 3
 
 
 @pytest.mark.slow
-def test_pytorch_bin_input(tmp_path):
-    _check_case(tmp_path, "mistral", 2, 1, safe_serialization=False)
-    assert os.path.exists(tmp_path / "hf" / "pytorch_model.bin")
+def test_pytorch_bin_input(cases):
+    case, results = cases["pytorch_bin"]
+    _verify_case(case, results)
+    assert os.path.exists(os.path.join(case["hf_dir"], "pytorch_model.bin"))
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from dpo_megatron.config import load_config
 from dpo_megatron.models.lora_config import LoraConfig, export_mode
 from dpo_megatron.training.config import ReferenceConfig
 from tests.models.conversion_helpers import imported_chunks, pipeline_logits, save_tiny_hf_folder
-from tests.multirank import run_ranks
+from tests.multirank import run_cases, run_ranks
 
 ARCH = "smollm2"
 LORA = dict(enabled=True, rank=4, alpha=8.0)
@@ -158,13 +158,39 @@ def test_adapted_forward_equals_the_merged_dense_forward_on_one_rank(single_rank
     assert r["shards"]["trainable"] == ["lora_a", "lora_b"]  # the base is frozen
 
 
+LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2), (2, 2, None)]  # (TP, PP, VPP)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(hf_dir, single_rank, tmp_path_factory):
+    """Per-rank results by name of the slow tests' cases: ``layout{(tp, pp, vpp)}`` for each of
+    LAYOUTS, ``save_tp2`` (adapters saved at TP 2 to ``ckpt``) and ``load_tp1`` (loaded at TP
+    1), and the adapter checkpoint's path ``ckpt``. Three worlds: 2 ranks (the TP 2 / PP 2
+    layouts and the save), 4 ranks, 1 rank (the load)."""
+    ids, _ = single_rank
+    adapter_ids = _batch(256)
+    ckpt = str(tmp_path_factory.mktemp("lora_adapters") / "adapters")
+    by_world: dict[int, dict] = {2: {}, 4: {}}
+    for tp, pp, vpp in LAYOUTS:
+        by_world[tp * pp][f"layout{(tp, pp, vpp)}"] = (_lora_vs_merged, dict(
+            hf_dir=hf_dir, tp=tp, pp=pp, vpp=vpp, input_ids=ids))
+    by_world[2]["save_tp2"] = (_save_adapters, dict(hf_dir=hf_dir, tp=2, ckpt_dir=ckpt,
+                                                    input_ids=adapter_ids))
+    runs = {"ckpt": ckpt}
+    for world, cases in by_world.items():
+        runs.update(run_cases(world, cases))
+    runs.update(run_cases(1, {"load_tp1": (_load_adapters, dict(
+        hf_dir=hf_dir, tp=1, ckpt_dir=ckpt, input_ids=adapter_ids))}))
+    return runs
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp, vpp", [(2, 1, None), (1, 2, None), (1, 2, 2), (2, 2, None)])
-def test_adapted_forward_equals_merged_and_single_rank_at_every_layout(hf_dir, single_rank,
+@pytest.mark.parametrize("tp, pp, vpp", LAYOUTS)
+def test_adapted_forward_equals_merged_and_single_rank_at_every_layout(slow_runs, single_rank,
                                                                        tp, pp, vpp):
-    ids, one = single_rank
-    results = run_ranks(_lora_vs_merged, world_size=tp * pp, hf_dir=hf_dir, tp=tp, pp=pp,
-                        vpp=vpp, input_ids=ids)
+    _, one = single_rank
+    results = slow_runs[f"layout{(tp, pp, vpp)}"]
+    assert len(results) == tp * pp
     r = next(x for x in results if "adapted" in x)
     assert torch.equal(r["at_zero"], r["bypassed"])
     assert _max_rel(r["bypassed"], r["base"]) < 1e-6
@@ -213,21 +239,17 @@ def _load_adapters(hf_dir, tp, ckpt_dir, input_ids):
 
 
 @pytest.mark.slow
-def test_adapter_checkpoint_holds_only_adapters_and_reshards_across_tp(hf_dir, tmp_path):
+def test_adapter_checkpoint_holds_only_adapters_and_reshards_across_tp(slow_runs):
     from torch.distributed.checkpoint import FileSystemReader
 
-    ids = _batch(256)
-    ckpt = str(tmp_path / "adapters")
-    saved = run_ranks(_save_adapters, world_size=2, hf_dir=hf_dir, tp=2, ckpt_dir=ckpt,
-                      input_ids=ids)[0]
+    ckpt, saved = slow_runs["ckpt"], slow_runs["save_tp2"][0]
     keys = set(FileSystemReader(ckpt).read_metadata().state_dict_metadata)
     # megatron-core stacks a tensor of all layers under one key (layer = leading axis):
     # 4 targets x (A, B), and no base weight.
     assert sorted(k.split("decoder.layers.")[1] for k in keys) == sorted(
         f"{m}_lora.lora_{p}" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
                                        "mlp.linear_fc1", "mlp.linear_fc2") for p in "ab")
-    loaded = run_ranks(_load_adapters, world_size=1, hf_dir=hf_dir, tp=1, ckpt_dir=ckpt,
-                       input_ids=ids)[0]
+    loaded = slow_runs["load_tp1"][0]
     # TP 2 -> TP 1: B of the gated fc1 ([gate_r; up_r] per rank) and the padded qkv groups
     # land where TP 1 expects them, so the model computes the same function.
     assert _max_rel(loaded, saved) < 1e-5

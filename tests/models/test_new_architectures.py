@@ -1,8 +1,9 @@
 """Qwen3, Qwen3-MoE, Mixtral and GPT-NeoX (and Llama-3.2 / Qwen2.5 through the existing tables):
 HF -> megatron-core -> HF at every layout, against transformers.
 
-One 4-rank launch per architecture imports a tiny random transformers model at each layout in
-turn (megatron-core's parallel state is rebuilt between layouts): one rank, and TP 2 x PP 2
+One 4-rank launch for all architectures imports a tiny random transformers model of each at each
+layout in turn (megatron-core's parallel state is rebuilt between layouts; the module fixture
+``runs``): one rank, and TP 2 x PP 2
 (every tensor split and the layer split at once: a slice mapped to the wrong rank or stage
 fails there as it would at TP 2 or PP 2 alone) and, for the mixture-of-experts models,
 expert parallel 2 with data parallel 4 (expert data parallel 2) and TP 2 x EP 2 (expert TP 2),
@@ -32,8 +33,14 @@ from tests.models.conversion_helpers import (
     save_tiny_hf_folder,
     token_logps,
 )
-from tests.models.test_conversion_parity import _batch, _check_case, _load_all
-from tests.multirank import run_ranks
+from tests.models.test_conversion_parity import (
+    _batch,
+    _import_forward_export,
+    _load_all,
+    _prepare_case,
+    _verify_case,
+)
+from tests.multirank import run_cases, run_ranks
 
 A2A, GATHER = "alltoall", "allgather"
 DENSE_LAYOUTS = [(1, 1, 1, A2A), (2, 2, 1, A2A)]
@@ -112,12 +119,10 @@ def _rel(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", sorted(NEW_TINY_CONFIGS))
-def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
-    from transformers import AutoModelForCausalLM
-
-    hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"))
+def _prepare_arch(folder, arch) -> dict:
+    """The tiny ``arch`` folder under ``folder``, transformers' outputs on the padded batch and on
+    each packed sequence alone, and the kwargs of :func:`_each_layout` (``run``)."""
+    hf_dir = save_tiny_hf_folder(arch, str(folder / "hf"))
     model = build_tiny_hf_model(arch)
     vocab = model.config.vocab_size
     input_ids, mask = _batch(vocab)
@@ -127,10 +132,41 @@ def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
         ref_packed = [model(input_ids=tokens[r, s:s + n][None]).logits[0]
                       for r, s, n in spans]
     layouts = MOE_LAYOUTS if arch in MOE else DENSE_LAYOUTS
-    per_rank = run_ranks(_each_layout, world_size=WORLD, timeout=1200, hf_dir=hf_dir,
-                         layouts=layouts, input_ids=input_ids,
-                         packed=(tokens, positions, segments), out_root=str(tmp_path / "out"))
-    original = _load_all(hf_dir)
+    return {"arch": arch, "hf_dir": hf_dir, "model_class": type(model).__name__, "vocab": vocab,
+            "input_ids": input_ids, "mask": mask, "tokens": tokens, "spans": spans,
+            "ref_logits": ref_logits, "ref_packed": ref_packed, "layouts": layouts,
+            "out_root": str(folder / "out"),
+            "run": dict(hf_dir=hf_dir, layouts=layouts, input_ids=input_ids,
+                        packed=(tokens, positions, segments), out_root=str(folder / "out"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: (prepared, results by rank)}``: every architecture of NEW_TINY_CONFIGS at its
+    layouts and each of VARIANT_TINY_CONFIGS at TP 2 x PP 2 (``variant_{arch}``), all in one
+    world of 4 ranks."""
+    root = tmp_path_factory.mktemp("new_architectures")
+    prepared = {arch: _prepare_arch(root / arch, arch) for arch in sorted(NEW_TINY_CONFIGS)}
+    cases = {arch: (_each_layout, p["run"]) for arch, p in prepared.items()}
+    for arch in sorted(VARIANT_TINY_CONFIGS):
+        prepared[f"variant_{arch}"] = case = _prepare_case(root / f"variant_{arch}", arch, 2, 2)
+        cases[f"variant_{arch}"] = (_import_forward_export, case["run"])
+    results = run_cases(WORLD, cases, timeout=2400)
+    return {name: (p, results[name]) for name, p in prepared.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(NEW_TINY_CONFIGS))
+def test_every_layout_matches_transformers_and_round_trips(runs, arch):
+    from transformers import AutoModelForCausalLM
+
+    prepared, per_rank = runs[arch]
+    vocab, input_ids, mask = prepared["vocab"], prepared["input_ids"], prepared["mask"]
+    tokens, spans, layouts = prepared["tokens"], prepared["spans"], prepared["layouts"]
+    ref_logits, ref_packed = prepared["ref_logits"], prepared["ref_packed"]
+    out_root = prepared["out_root"]
+    assert len(per_rank) == WORLD
+    original = _load_all(prepared["hf_dir"])
     real, target = mask.bool(), mask[:, 1:].bool()
     ref_logps = token_logps(ref_logits, input_ids)
     for k, (tp, pp, ep, dispatcher) in enumerate(layouts):
@@ -146,27 +182,28 @@ def test_every_layout_matches_transformers_and_round_trips(tmp_path, arch):
             got = packed[r, s:s + n, :vocab]
             seq = tokens[r, s:s + n][None]
             assert _rel(token_logps(got[None], seq), token_logps(ref[None], seq)) <= 1e-5, where
-        exported = _load_all(str(tmp_path / "out" / _name(tp, pp, ep, dispatcher)))
+        exported = _load_all(os.path.join(out_root, _name(tp, pp, ep, dispatcher)))
         assert sorted(exported) == sorted(original), where
         for name, tensor in original.items():
             assert torch.equal(exported[name], tensor), (where, name)
     last = layouts[-1]
     reloaded, info = AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "out" / _name(*last)), output_loading_info=True)
-    assert type(reloaded).__name__ == type(model).__name__
+        os.path.join(out_root, _name(*last)), output_loading_info=True)
+    assert type(reloaded).__name__ == prepared["model_class"]
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(VARIANT_TINY_CONFIGS))
-def test_untied_qwen3_and_llama31_at_tp2_pp2(tmp_path, arch):
+def test_untied_qwen3_and_llama31_at_tp2_pp2(runs, arch):
     """Qwen3 with its own output layer and Llama-3.1's RoPE scaling (factor 8): logits and
     log-probs equal transformers' within 1e-5 at TP 2 x PP 2, export bit-exact and loadable."""
     from dpo_megatron.models import model_config_from_hf
 
-    _check_case(tmp_path, arch, 2, 2)
-    cfg = model_config_from_hf(str(tmp_path / "hf"))
+    case, results = runs[f"variant_{arch}"]
+    _verify_case(case, results)
+    cfg = model_config_from_hf(case["hf_dir"])
     assert cfg.tie_word_embeddings is False
     if arch == "llama31":
         assert cfg.rope_scaling_factor == 8.0

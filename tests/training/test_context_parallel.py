@@ -5,6 +5,9 @@ Every layout runs the real ``Trainer`` from one distributed checkpoint written a
 not change parameter shards, so the same checkpoint loads at every CP size). Pairs have odd
 lengths, so rows are padded to whole 2 x CP chunks and chunks hold prompt, completion and padding
 tokens in every mix.
+
+The cases of one world size run in one rank-world, one after the other (``run_cases``): the
+module fixture ``runs`` starts four worlds instead of one per case.
 """
 
 import math
@@ -12,7 +15,7 @@ import math
 import pytest
 
 from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
-from tests.multirank import run_ranks
+from tests.multirank import run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +24,6 @@ GLOBAL_PAIRS = 4
 
 def _pairs() -> list:
     return random_pairs(GLOBAL_PAIRS, seed=5, lengths=lambda i: (5 + 3 * i, 4 + i, 7 - i))
-
-
 
 
 def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
@@ -39,6 +40,7 @@ def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
         trainer = tiny_trainer(_pairs(), load=ckpt_dir, global_batch_size=GLOBAL_PAIRS,
                                steps=steps, lr=1e-3, seed=11, **layout)
         history = [step_record(*trainer.train_step()) for _ in range(steps)]
+    trainer.close()
     return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(),
             "cp_rank": ps.get_context_parallel_rank(), "history": history,
             "host_report": check.report() if host_check else ""}
@@ -49,14 +51,6 @@ def _per_pair(results, step, key):
     owners = sorted((r for r in results if r["owner"] and r["cp_rank"] == 0),
                     key=lambda r: r["dp_rank"])
     return [v for r in owners for v in r["history"][step]["per_pair"][key]]
-
-
-
-
-@pytest.fixture(scope="module")
-def baseline(initial_checkpoint):
-    """The CP 1 padded run, micro-batches of 2 pairs."""
-    return run_ranks(_run_layout, world_size=1, ckpt_dir=initial_checkpoint, micro_batch_size=2)
 
 
 def _rel(a, b):
@@ -86,21 +80,12 @@ LAYOUTS = {  # name: (world size, layout)
     "cp4": (4, dict(cp=4)),
     "cp2_tp2_sp": (4, dict(cp=2, tp=2, sp=True)),
     "cp2_pp2": (4, dict(cp=2, pp=2)),
-    "cp2_pp2_vpp2": (4, dict(cp=2, pp=2, vpp=2)),
+    "cp2_pp2_vpp2": (4, dict(cp=2, pp=2, vpp=2, micro_batch_size=1)),
     "cp2_dp2": (4, dict(cp=2)),
     "cp2_recompute": (2, dict(cp=2, model={"recompute_granularity": "full",
                                            "recompute_method": "uniform",
                                            "recompute_num_layers": 1})),
 }
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_matches_cp1(initial_checkpoint, baseline, name):
-    world, layout = LAYOUTS[name]
-    results = run_ranks(_run_layout, world_size=world, ckpt_dir=initial_checkpoint,
-                        micro_batch_size=2 if name != "cp2_pp2_vpp2" else 1, **layout)
-    _assert_matches(results, baseline)
-
 
 PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut unit by unit
     "packed_cp2": (2, dict(cp=2, packing=True)),
@@ -114,22 +99,9 @@ PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut uni
                                               reference_mode="precomputed")),
 }
 
+HOST_CHECK = dict(steps=1, host_check=True, cp=2, packing=True, share_prompt=True)
 
-@pytest.mark.parametrize("name", list(PACKED))
-def test_packed_and_shared_prompt_context_parallel_match_padded_cp1(initial_checkpoint,
-                                                                    baseline, name):
-    world, layout = PACKED[name]
-    results = run_ranks(_run_layout, world_size=world, ckpt_dir=initial_checkpoint,
-                        micro_batch_size=2, **layout)
-    _assert_matches(results, baseline)
-
-
-def test_context_parallel_leaves_no_tensor_on_the_host(initial_checkpoint):
-    results = run_ranks(_run_layout, world_size=2, ckpt_dir=initial_checkpoint, steps=1,
-                        host_check=True, micro_batch_size=2, cp=2, packing=True,
-                        share_prompt=True)
-    for rank, r in enumerate(results):
-        assert r["host_report"] == "", f"rank {rank}:\n{r['host_report']}"
+RESHARD = [(2, 1), (1, 2)]  # (CP of the save, CP of the resume)
 
 
 def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
@@ -143,20 +115,70 @@ def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
         history.append(step_record(*trainer.train_step()))
         trainer.checkpointer.save(trainer.counters)
     history.append(step_record(*trainer.train_step()))
-    return {"history": history, "saved": trainer.checkpointer.latest(),
-            "step": trainer.counters.step}
+    out = {"history": history, "saved": trainer.checkpointer.latest(),
+           "step": trainer.counters.step}
+    trainer.close()
+    return out
 
 
-@pytest.mark.parametrize("save_cp, load_cp", [(2, 1), (1, 2)])
-def test_checkpoints_reshard_across_context_parallel_sizes(initial_checkpoint, tmp_path,
-                                                           save_cp, load_cp):
+@pytest.fixture(scope="module")
+def runs(initial_checkpoint, tmp_path_factory):
+    """Every case's per-rank results by name: ``baseline`` (CP 1 padded, micro-batches of 2),
+    each name of LAYOUTS and PACKED, ``host_check``, and ``save_cp{s}_load_cp{l}/first`` and
+    ``/resumed`` for each (s, l) of RESHARD. Four rank-worlds: CP 1 (baseline, the CP 1 saves),
+    2, 4, and CP 1 again (the resumes of the CP 2 saves)."""
+    root = tmp_path_factory.mktemp("cp_reshard")
+
+    def reshard_dir(save_cp, load_cp, part):
+        return str(root / f"save_cp{save_cp}_load_cp{load_cp}" / part)
+
+    by_world: dict[int, dict] = {1: {}, 2: {}, 4: {}}
+    ckpt = {"ckpt_dir": initial_checkpoint}
+    by_world[1]["baseline"] = (_run_layout, dict(**ckpt, micro_batch_size=2))
+    for name, (world, layout) in {**LAYOUTS, **PACKED}.items():
+        by_world[world][name] = (_run_layout, {**ckpt, "micro_batch_size": 2, **layout})
+    by_world[2]["host_check"] = (_run_layout, {**ckpt, "micro_batch_size": 2, **HOST_CHECK})
+    for save_cp, load_cp in RESHARD:
+        by_world[save_cp][f"save_cp{save_cp}_load_cp{load_cp}/first"] = (_checkpoint_run, dict(
+            **ckpt, run_dir=reshard_dir(save_cp, load_cp, "first"), cp=save_cp))
+    resumes = {}
+    for save_cp, load_cp in RESHARD:
+        resumes[load_cp] = {f"save_cp{save_cp}_load_cp{load_cp}/resumed": (_checkpoint_run, dict(
+            **ckpt, run_dir=reshard_dir(save_cp, load_cp, "resumed"), cp=load_cp,
+            resume=reshard_dir(save_cp, load_cp, "first") + "/checkpoints/iter_0000001"))}
+    by_world[2].update(resumes[2])  # its checkpoint is saved in world 1, which runs first
+
+    out = {}
+    for world, cases in [(1, by_world[1]), (2, by_world[2]), (4, by_world[4]), (1, resumes[1])]:
+        out.update(run_cases(world, cases))
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_matches_cp1(runs, name):
+    _assert_matches(runs[name], runs["baseline"])
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_and_shared_prompt_context_parallel_match_padded_cp1(runs, name):
+    _assert_matches(runs[name], runs["baseline"])
+
+
+def test_context_parallel_leaves_no_tensor_on_the_host(runs):
+    for rank, r in enumerate(runs["host_check"]):
+        assert r["host_report"] == "", f"rank {rank}:\n{r['host_report']}"
+
+
+@pytest.mark.parametrize("save_cp, load_cp", RESHARD)
+def test_checkpoints_reshard_across_context_parallel_sizes(runs, save_cp, load_cp):
     """A checkpoint (weights + distributed-optimizer state) saved at one CP size resumes at
     another: step 2 after the resume equals step 2 of the uninterrupted run (1e-5)."""
-    first = run_ranks(_checkpoint_run, world_size=save_cp, ckpt_dir=initial_checkpoint,
-                      run_dir=str(tmp_path / "first"), cp=save_cp)
-    resumed = run_ranks(_checkpoint_run, world_size=load_cp, ckpt_dir=initial_checkpoint,
-                        run_dir=str(tmp_path / "resumed"), cp=load_cp, resume=first[0]["saved"])
+    first = runs[f"save_cp{save_cp}_load_cp{load_cp}/first"]
+    resumed = runs[f"save_cp{save_cp}_load_cp{load_cp}/resumed"]
     assert resumed[0]["step"] == 2
+    # the checkpoint the resume was given
+    assert first[0]["saved"].endswith(f"save_cp{save_cp}_load_cp{load_cp}/first/checkpoints/"
+                                      "iter_0000001")
     want, got = first[0]["history"][1], resumed[0]["history"][0]
     for key in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
         assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, key

@@ -452,24 +452,31 @@ def _train_records(run_dir) -> int:
 
 def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
         tmp_path, fixture_files, straight_run):
-    """Twice: kill -9 the launcher's process group (bash, torchrun) at a random moment: after a
-    random number of logged steps (0: as soon as the run folder is open, i.e. during start-up;
-    one draw in each half of the run) plus up to 1.5 s, so that it lands in start-up, a step, an
-    evaluation or a save. Its ranks, in sessions of their own, must be gone within 10 s
-    (parent-death signal); resume=auto must then finish with the reference's metrics and
-    checkpoint files, bit for bit. Every run draws new moments (the seed is printed);
-    ``DPO_KILL_SEED`` replays a failing draw."""
+    """Twice in one run: kill -9 the launcher's process group (bash, torchrun) at a random moment:
+    after a random number of logged steps (first 0-3, 0: as soon as the run folder is open, i.e.
+    during start-up; then, in the run resumed from that, 4-6) plus up to 1.5 s, so that it lands
+    in start-up, a step, an evaluation or a save. Its ranks, in sessions of their own, must be
+    gone within 10 s (parent-death signal). The second kill hits a resumed run, so the resume
+    after the first kill continues into it: resume=auto after the second must finish with the
+    reference's metrics and checkpoint files, bit for bit (a resume that drifted before the
+    second kill leaves its steps' records or checkpoints behind, which then differ). Every run
+    draws new moments (the seed is printed); ``DPO_KILL_SEED`` replays a failing draw."""
     data_file, tok_dir = fixture_files
     straight = straight_run
     seed = int(os.environ.get("DPO_KILL_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
+    run_dir = tmp_path / "run"
     for trial in range(2):
-        # One draw in each half of the run: start-up or steps 1-3, steps 4-7.
+        # One draw in each half of the run: start-up or steps 1-3, then steps 4-6 (of the run
+        # resumed from the first kill's checkpoint: it keeps the records up to it).
         after_steps = rng.randint(*((0, 3), (4, 6))[trial])
         extra = rng.uniform(0.0, 1.5)
-        run_dir = tmp_path / f"trial{trial}"
-        proc, marker = _launch(run_dir, data_file, tok_dir)
+        resume = ["checkpoint.resume=auto"] if trial else []
+        proc, marker = _launch(run_dir, data_file, tok_dir, *resume)
+        # The resumed run counts once it has logged a step of its own: by then it has dropped
+        # the records past its checkpoint that the killed run left.
         _wait_for(lambda: (run_dir / "train.log").exists()
+                  and (not trial or "[train] step " in Path(proc.output_path).read_text())
                   and _train_records(run_dir) >= after_steps, f"{after_steps} steps")
         time.sleep(extra)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -483,8 +490,8 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
         print(where)
         assert not _processes_with(marker), f"ranks outlived the launcher ({where})"
         assert not (run_dir / "checkpoints" / "iter_0000008").exists(), where
-        _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
-        _assert_same_run(run_dir, straight)
+    _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
+    _assert_same_run(run_dir, straight)
 
 
 def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(

@@ -5,6 +5,9 @@ losses and gradient norms. ``reference.mode=precomputed`` runs the base once.
 
 Base weights come from one distributed checkpoint written at TP 1 x PP 1 and loaded at each
 layout, so every layout adapts the same model; adapters are drawn layout-independently.
+
+The cases of one world size run one after the other in one rank-world (``run_cases``): the
+fast tests' single-rank cases, the slow ones', and the 2- and 4-rank layouts.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import math
 import pytest
 
 from tests.engine import TINY, engine_config, random_pairs
-from tests.multirank import run_ranks
+from tests.multirank import run_cases
 
 GLOBAL_PAIRS = 8
 LORA = dict(enabled=True, rank=4, alpha=8.0)
@@ -36,10 +39,6 @@ def lora_trainer(pairs, eval_pairs=(), lora=None, **config):
     return Trainer(cfg, data=RunData(list(pairs), list(eval_pairs), 0))
 
 
-
-
-
-
 def _run(ckpt_dir, steps=3, lora=None, **config):
     """``steps`` LoRA steps; per step the loss, margins and grad norm, plus what was built."""
     import dpo_megatron.training.model_setup as model_setup
@@ -50,7 +49,10 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     model_setup.build_model_chunks = lambda *a, **k: (built.append(1), original(*a, **k))[1]
     config = {"micro_batch_size": 2, "global_batch_size": GLOBAL_PAIRS, "lr": 1e-2,
               "seed": 11, **config}
-    trainer = lora_trainer(_pairs(), lora=lora, load=ckpt_dir, steps=steps, **config)
+    try:
+        trainer = lora_trainer(_pairs(), lora=lora, load=ckpt_dir, steps=steps, **config)
+    finally:  # the next case in these ranks counts its own builds
+        model_setup.build_model_chunks = original
     history = []
     for _ in range(steps):
         out, _ = trainer.train_step()
@@ -59,6 +61,7 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
                        | {"grad_norm": out.grad_norm})
     adapter_ids = set().union(*(adapter_parameter_ids(c) for c in trainer.policy))
     optimized = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    trainer.close()
     return {
         "history": history,
         "models_built": len(built),
@@ -76,9 +79,49 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     }
 
 
+LAYOUTS = [  # (TP, PP, DP, sequence parallel, virtual stages)
+    (2, 1, 1, True, None),
+    (1, 2, 1, False, None),
+    (1, 2, 1, False, 2),
+    (1, 1, 2, False, None),
+]
+TP2PP2 = (2, 2, 1, False, None)
+
+SETTINGS = [
+    {"model": {**TINY, "recompute_granularity": "full", "recompute_method": "uniform",
+               "recompute_num_layers": 1}},
+    {"model": {**TINY, "recompute_granularity": "selective"}},
+    {"packing": True},
+]
+
+
 @pytest.fixture(scope="module")
-def baseline(initial_checkpoint):
-    return run_ranks(_run, world_size=1, ckpt_dir=initial_checkpoint)[0]
+def quick_runs(initial_checkpoint):
+    """The fast tests' single-rank cases: the baseline and adapter dropout."""
+    ckpt = {"ckpt_dir": initial_checkpoint}
+    return run_cases(1, {"baseline": (_run, ckpt), "dropout": (_dropout_run, ckpt)})
+
+
+@pytest.fixture(scope="module")
+def baseline(quick_runs):
+    return quick_runs["baseline"][0]
+
+
+@pytest.fixture(scope="module")
+def slow_runs(initial_checkpoint, tmp_path_factory):
+    """The slow tests' cases: single-rank settings and the precomputed reference, then every
+    layout (2 ranks, then 4)."""
+    ckpt = {"ckpt_dir": initial_checkpoint}
+    runs = run_cases(1, {
+        **{f"setting{i}": (_run, {**ckpt, **setting}) for i, setting in enumerate(SETTINGS)},
+        "precomputed": (_precomputed_then_full,
+                        {**ckpt, "cache_dir": str(tmp_path_factory.mktemp("lora_cache"))})})
+    for world in (2, 4):
+        runs.update(run_cases(world, {
+            f"layout{layout}": (_run, dict(**ckpt, tp=tp, pp=pp, sp=sp, vpp=vpp))
+            for layout in LAYOUTS + [TP2PP2] for tp, pp, dp, sp, vpp in [layout]
+            if tp * pp * dp == world}))
+    return runs
 
 
 def _rel(a, b):
@@ -108,8 +151,8 @@ def test_single_rank_lora_trains_only_adapters_against_the_base(baseline):
 
 
 @pytest.mark.slow
-def test_step0_is_ln2_with_no_reference_model_at_tp2_pp2(initial_checkpoint, baseline):
-    results = run_ranks(_run, world_size=4, ckpt_dir=initial_checkpoint, tp=2, pp=2)
+def test_step0_is_ln2_with_no_reference_model_at_tp2_pp2(slow_runs, baseline):
+    results = slow_runs[f"layout{TP2PP2}"]
     for r in results:
         assert abs(r["history"][0]["loss"] - math.log(2)) < 1e-6
         assert r["history"][0]["rewards/margins"] == 0
@@ -118,35 +161,21 @@ def test_step0_is_ln2_with_no_reference_model_at_tp2_pp2(initial_checkpoint, bas
     _assert_same_steps(results[0], baseline)
 
 
-LAYOUTS = [  # (TP, PP, DP, sequence parallel, virtual stages)
-    (2, 1, 1, True, None),
-    (1, 2, 1, False, None),
-    (1, 2, 1, False, 2),
-    (1, 1, 2, False, None),
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, dp, sp, vpp", LAYOUTS)
-def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, dp, sp, vpp):
-    results = run_ranks(_run, world_size=tp * pp * dp, ckpt_dir=initial_checkpoint, tp=tp,
-                        pp=pp, sp=sp, vpp=vpp)
+def test_layout_matches_single_rank(slow_runs, baseline, tp, pp, dp, sp, vpp):
+    results = slow_runs[f"layout{(tp, pp, dp, sp, vpp)}"]
+    assert len(results) == tp * pp * dp
     for r in results:
         _assert_same_steps(r, baseline)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", [
-    {"model": {**TINY, "recompute_granularity": "full", "recompute_method": "uniform",
-               "recompute_num_layers": 1}},
-    {"model": {**TINY, "recompute_granularity": "selective"}},
-    {"packing": True},
-])
-def test_recompute_and_packing_give_the_same_steps(initial_checkpoint, baseline, setting):
+@pytest.mark.parametrize("index", range(len(SETTINGS)))
+def test_recompute_and_packing_give_the_same_steps(slow_runs, baseline, index):
     # Full recompute checkpoints each layer: without the embedding output requiring grad the
     # adapters inside would get no gradient (grad norm 0).
-    got = run_ranks(_run, world_size=1, ckpt_dir=initial_checkpoint, **setting)[0]
-    _assert_same_steps(got, baseline)
+    _assert_same_steps(slow_runs[f"setting{index}"][0], baseline)
 
 
 def _precomputed_then_full(ckpt_dir, cache_dir):
@@ -160,24 +189,29 @@ def _precomputed_then_full(ckpt_dir, cache_dir):
     step_module.attach_reference_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
     common = dict(load=ckpt_dir, micro_batch_size=2, global_batch_size=GLOBAL_PAIRS, lr=1e-2,
                   seed=11, steps=3, reference_mode="precomputed", cache_dir=cache_dir)
-    trainer = lora_trainer(_pairs(), **common)
-    passes_before = len(calls)
-    losses = [trainer.train_step()[0].metrics["loss"] for _ in range(3)]
-    out = {"losses": losses, "precompute_passes": passes_before,
-           "training_passes": len(calls) - passes_before,
-           "reference_held": trainer.reference is not None,
-           "policy_intact": all(p.numel() > 0 for c in trainer.policy for p in c.parameters())}
-    calls.clear()
-    full = tiny_trainer(_pairs(), **common)
-    out["full_run_passes"] = len(calls)
-    out["full_step0"] = full.train_step()[0].metrics["loss"]
+    try:
+        trainer = lora_trainer(_pairs(), **common)
+        passes_before = len(calls)
+        losses = [trainer.train_step()[0].metrics["loss"] for _ in range(3)]
+        out = {"losses": losses, "precompute_passes": passes_before,
+               "training_passes": len(calls) - passes_before,
+               "reference_held": trainer.reference is not None,
+               "policy_intact": all(p.numel() > 0 for c in trainer.policy
+                                    for p in c.parameters())}
+        trainer.close()
+        calls.clear()
+        full = tiny_trainer(_pairs(), **common)
+        out["full_run_passes"] = len(calls)
+        out["full_step0"] = full.train_step()[0].metrics["loss"]
+        full.close()
+    finally:  # the next case in these ranks runs the real function
+        step_module.attach_reference_logps = original
     return out
 
 
 @pytest.mark.slow
-def test_precomputed_reference_runs_the_base_once(initial_checkpoint, baseline, tmp_path):
-    out = run_ranks(_precomputed_then_full, world_size=1, ckpt_dir=initial_checkpoint,
-                    cache_dir=str(tmp_path))[0]
+def test_precomputed_reference_runs_the_base_once(slow_runs, baseline):
+    out = slow_runs["precomputed"][0]
     for a, b in zip(out["losses"], [s["loss"] for s in baseline["history"]], strict=True):
         assert _rel(a, b) < 1e-5
     assert out["precompute_passes"] == 4 and out["training_passes"] == 0  # 8 pairs / 2 per pass
@@ -191,11 +225,13 @@ def _dropout_run(ckpt_dir):
                            global_batch_size=GLOBAL_PAIRS, lr=1e-2, seed=11, steps=2,
                            lora={**LORA, "dropout": 0.5})
     losses = [trainer.train_step()[0].metrics["loss"] for _ in range(2)]
-    return losses, trainer.evaluate(2)["loss"], trainer.evaluate(2)["loss"]
+    out = losses, trainer.evaluate(2)["loss"], trainer.evaluate(2)["loss"]
+    trainer.close()
+    return out
 
 
-def test_adapter_dropout_trains_and_is_off_in_forward_only_passes(initial_checkpoint, baseline):
-    losses, eval_a, eval_b = run_ranks(_dropout_run, world_size=1, ckpt_dir=initial_checkpoint)[0]
+def test_adapter_dropout_trains_and_is_off_in_forward_only_passes(quick_runs, baseline):
+    losses, eval_a, eval_b = quick_runs["dropout"][0]
     assert abs(losses[0] - math.log(2)) < 1e-6  # B = 0: dropout on the input changes nothing
     assert math.isfinite(losses[1]) and losses[1] != baseline["history"][1]["loss"]
     assert eval_a == eval_b  # evaluation runs in eval mode: deterministic

@@ -30,19 +30,20 @@ def _pairs() -> list:
                         vocab=VOCAB)
 
 
-def run_plans(hf_dir: str, root: str, plans: list[dict]) -> None:
-    """Train each plan in turn on these ranks: ``name`` (run folder under ``root``), ``tp``,
-    ``pp``, ``ep``, ``etp``, ``resume`` ('none' or a plan name whose step-2 checkpoint to
-    resume). 8 pairs per step in micro-batches of 2, a checkpoint every 2 steps, metrics in
-    ``<root>/<name>/metrics.jsonl``."""
+def run_plans(root: str, plans: list[dict]) -> None:
+    """Train each plan in turn on these ranks: ``name`` (run folder under ``root``), ``hf_dir``
+    (the tiny transformers folder to start from), ``tp``, ``pp``, ``ep``, ``etp``, ``resume``
+    ('none' or a plan name whose step-2 checkpoint to resume). 8 pairs per step in micro-batches
+    of 2, a checkpoint every 2 steps, metrics in ``<root>/<name>/metrics.jsonl``."""
     from megatron.core import parallel_state as ps
 
     from dpo_megatron.models.conversion import model_config_from_hf
 
-    moe = bool(model_config_from_hf(hf_dir).num_experts)
     for plan in plans:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()  # the next plan may use another layout
+        hf_dir = plan["hf_dir"]
+        moe = bool(model_config_from_hf(hf_dir).num_experts)
         resume = plan.get("resume", "none")
         if resume != "none":
             resume = os.path.join(root, resume, "checkpoints", "iter_0000002")
@@ -79,23 +80,48 @@ def _starts_at_ln2(metrics: dict, moe: bool) -> None:
     assert metrics[STEPS]["loss"] < first["loss"]  # it trains
 
 
-def _layouts(tmp_path, arch: str, plans: list[dict]):
-    hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"))
-    run_ranks(run_plans, world_size=1, hf_dir=hf_dir, root=str(tmp_path),
-              plans=[{"name": "single"}])
-    run_ranks(run_plans, world_size=4, timeout=1200, hf_dir=hf_dir, root=str(tmp_path),
-              plans=plans)
-    return {name: read_metrics(tmp_path / name) for name in ["single"] + [p["name"] for p in plans]}
-
-
 TP2PP2 = dict(tp=2, pp=2)
+EP1, EP2 = dict(**TP2PP2, ep=1), dict(**TP2PP2, ep=2, etp=1)
+DENSE_PLANS = [{"name": "tp2pp2", **TP2PP2}, {"name": "resumed", **TP2PP2, "resume": "tp2pp2"}]
+PLANS = {  # architecture: its 4-rank plans (each also runs on one rank as "single")
+    "qwen3": DENSE_PLANS,
+    "gpt_neox": DENSE_PLANS,
+    "qwen3_moe": [
+        {"name": "ep1", **EP1},
+        {"name": "ep1_resumed", **EP1, "resume": "ep1"},
+        {"name": "ep2", **EP2},
+        {"name": "ep2_from_ep1", **EP2, "resume": "ep1"},
+        {"name": "ep1_from_ep2", **EP1, "resume": "ep2"},
+        {"name": "etp2", "tp": 2, "ep": 2, "etp": 2},
+    ],
+    "mixtral": [{"name": "ep2", **EP2}],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{arch: {plan name: metrics by step}}`` for every plan of PLANS and ``single`` (one
+    rank): one launch of 1 rank and one of 4 ranks for all architectures."""
+    root = tmp_path_factory.mktemp("moe_dpo")
+    single, four = [], []
+    for arch, plans in PLANS.items():
+        hf_dir = save_tiny_hf_folder(arch, str(root / "hf" / arch))
+        single.append({"name": f"{arch}/single", "hf_dir": hf_dir})
+        for plan in plans:
+            four.append({**plan, "name": f"{arch}/{plan['name']}", "hf_dir": hf_dir})
+            if "resume" in plan:
+                four[-1]["resume"] = f"{arch}/{plan['resume']}"
+    run_ranks(run_plans, world_size=1, root=str(root), plans=single)
+    run_ranks(run_plans, world_size=4, timeout=3600, root=str(root), plans=four)
+    return {arch: {name: read_metrics(root / arch / name)
+                   for name in ["single"] + [p["name"] for p in plans]}
+            for arch, plans in PLANS.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gpt_neox"])
-def test_dense_dpo_at_tp2_pp2_matches_one_rank_and_resumes_exactly(tmp_path, arch):
-    runs = _layouts(tmp_path, arch, [{"name": "tp2pp2", **TP2PP2},
-                                     {"name": "resumed", **TP2PP2, "resume": "tp2pp2"}])
+def test_dense_dpo_at_tp2_pp2_matches_one_rank_and_resumes_exactly(runs, arch):
+    runs = runs[arch]
     for name in ("single", "tp2pp2"):
         _starts_at_ln2(runs[name], moe=False)
     _assert_same(runs["tp2pp2"], runs["single"], range(1, STEPS + 1), 1e-5, "TP 2 x PP 2")
@@ -104,20 +130,12 @@ def test_dense_dpo_at_tp2_pp2_matches_one_rank_and_resumes_exactly(tmp_path, arc
 
 
 @pytest.mark.slow
-def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(tmp_path):
+def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(runs):
     """Qwen3-MoE at TP 2 x PP 2 (sequence parallel) with EP 1 and with EP 2 (experts split over
     the two TP ranks of each stage, expert TP 1), and TP 2 x EP 2 with each expert split over 2
     ranks (expert TP 2, data parallel 2): all equal the single-rank run; resume at the same
     layout is exact; a step-2 checkpoint of EP 1 resumes at EP 2 and the other way round."""
-    ep1, ep2 = dict(**TP2PP2, ep=1), dict(**TP2PP2, ep=2, etp=1)
-    runs = _layouts(tmp_path, "qwen3_moe", [
-        {"name": "ep1", **ep1},
-        {"name": "ep1_resumed", **ep1, "resume": "ep1"},
-        {"name": "ep2", **ep2},
-        {"name": "ep2_from_ep1", **ep2, "resume": "ep1"},
-        {"name": "ep1_from_ep2", **ep1, "resume": "ep2"},
-        {"name": "etp2", "tp": 2, "ep": 2, "etp": 2},
-    ])
+    runs = runs["qwen3_moe"]
     for name in ("single", "ep1", "ep2", "etp2"):
         _starts_at_ln2(runs[name], moe=True)
     every_step = range(1, STEPS + 1)
@@ -130,11 +148,11 @@ def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(tmp_path):
 
 
 @pytest.mark.slow
-def test_mixtral_dpo_at_tp2_pp2_ep2_matches_one_rank(tmp_path):
+def test_mixtral_dpo_at_tp2_pp2_ep2_matches_one_rank(runs):
     """Mixtral (no QK norm, its own router and expert naming) through the same MoE layers: at
     TP 2 x PP 2 x EP 2 it equals the single-rank run at every step. Resume and resharding are the
     layers' and the checkpoint's, not the architecture's: the Qwen3-MoE test above covers them."""
-    runs = _layouts(tmp_path, "mixtral", [{"name": "ep2", **TP2PP2, "ep": 2, "etp": 1}])
+    runs = runs["mixtral"]
     for name in ("single", "ep2"):
         _starts_at_ln2(runs[name], moe=True)
     _assert_same(runs["ep2"], runs["single"], range(1, STEPS + 1), 1e-5, "TP 2 x PP 2 x EP 2")

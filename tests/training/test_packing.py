@@ -53,6 +53,17 @@ def test_pack_pairs_layout_by_hand():
     assert padded.target_ids.tolist() == [12, 2, 21, 2, 13, 14, 2, 22, 2]
 
 
+def test_a_long_tail_is_cut_into_short_padding_spans():
+    """A varlen kernel computes every span it is given: an unused tail of 294 positions as one
+    causal span would cost it as much as a 294-token sequence."""
+    pairs = [PreferencePair((10, 11), (12,), (13,))]
+    out = pack_pairs(pairs, pad_token_id=0, row_length=300)
+    tail = [(s.q_start, s.q_end, s.keys) for s in out.packed.spans if s.padding]
+    assert tail == [(6, 134, ((6, 134),)), (134, 262, ((134, 262),)), (262, 300, ((262, 300),))]
+    assert out.packed.cu_seqlens_q.tolist() == [0, 3, 6, 134, 262, 300]
+    assert out.packed.max_seqlen_q == 128
+
+
 def test_every_micro_batch_of_a_step_has_one_shape():
     pairs = [PreferencePair((1,) * n, (2,) * m, (3,) * k) for n, m, k in
              [(3, 2, 5), (1, 1, 1), (6, 1, 2), (2, 2, 2)]]
