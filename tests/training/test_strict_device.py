@@ -9,7 +9,8 @@ the run where a GPU run would. One rank-world of 2 ranks runs each feature for o
 data loading to the checkpoint save; one rank runs the engine again with each old defect of
 ``test_device_boundary.py`` put back (the model not placed: its norms left on the host; a batch
 not moved; host flags and counts in collectives), and each must fail there, in the module that
-made the host tensor.
+made the host tensor (except the step's reductions, which no longer fail on a GPU either:
+``NOT_A_GPU_FAILURE``).
 """
 
 from __future__ import annotations
@@ -183,7 +184,15 @@ def defect_results(tmp_path_factory):
     return run_ranks(_defect_runs, world_size=1, root=str(root), names=list(STRICT_DEFECTS))[0]
 
 
-@pytest.mark.parametrize("defect", list(STRICT_DEFECTS))
+# step.py's host tensors under this defect are now a 0-dim count (a CPU scalar, which CUDA
+# accepts) and a NaN flag that the buffers' device flag replaces unless the loss is non-finite:
+# a GPU run finishes too (test_device_boundary's HostTensorCheck sees nothing either, on main).
+NOT_A_GPU_FAILURE = {"step reductions on host"}
+
+
+@pytest.mark.parametrize("defect", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="a GPU run finishes too"))
+    if name in NOT_A_GPU_FAILURE else name for name in STRICT_DEFECTS])
 def test_each_old_defect_fails_on_the_strict_device(defect_results, defect):
     error = defect_results[defect]
     assert error is not None, f"{defect}: the run finished on strict:0"
