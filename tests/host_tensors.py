@@ -64,6 +64,10 @@ _DATA_ATTR = torch._C.TensorBase.data
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                 "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "reduce",
                 "send", "recv", "isend", "irecv", "batch_isend_irecv")
+# Collectives of Python objects pickle into a tensor on their ``device`` argument: told a host
+# device on a GPU run, NCCL refuses it.
+_OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
+                       "scatter_object_list")
 
 
 def _is_device_name(device: Any) -> Optional[bool]:
@@ -193,6 +197,16 @@ class HostTensorCheck(TorchFunctionMode):
 
         return original, checked
 
+    def _wrap_object_collective(self, name: str):
+        original = getattr(dist, name)
+
+        def checked(*args, **kwargs):
+            if _is_device_name(kwargs.get("device")) is False:
+                self._record(f"torch.distributed.{name} told device={kwargs['device']} (host)")
+            return original(*args, **kwargs)
+
+        return original, checked
+
     def _check_model_inputs(self, module, args, kwargs):
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and self.kind(t) == HOST:
@@ -221,6 +235,10 @@ class HostTensorCheck(TorchFunctionMode):
             return param
 
         torch.nn.Parameter.__new__ = staticmethod(tagged_parameter)
+        for name in _OBJECT_COLLECTIVES:
+            original, checked = self._wrap_object_collective(name)
+            self._saved.append((dist, name, original))
+            setattr(dist, name, checked)
         for name in _COLLECTIVES:
             original, checked = self._wrap_collective(name)
             self._saved.append((dist, name, original))

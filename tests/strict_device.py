@@ -80,6 +80,10 @@ _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor
                 "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
                 "_reduce_scatter_base", "all_to_all", "all_to_all_single", "reduce", "gather",
                 "scatter", "send", "recv", "isend", "irecv")
+_OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
+                       "scatter_object_list")
+"""Collectives of Python objects: they pickle into a tensor on their ``device`` argument (by
+default the backend's: CUDA for NCCL). Told ``device=cpu`` on a GPU run, NCCL refuses it."""
 
 
 class StrictDeviceError(RuntimeError):
@@ -374,6 +378,20 @@ class StrictDevice:
 
         return run
 
+    def _object_collective(self, name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def run(*args, **kwargs):
+            group = self._group_of(original, args, kwargs)
+            device = kwargs.get("device")
+            if (device is not None and torch.device(device).type == "cpu"
+                    and not any(group is g for g in self.host_groups)):
+                raise StrictDeviceError(
+                    f"torch.distributed.{name} was told device={device}: NCCL stages objects "
+                    f"in device tensors only (tests/strict_device.py)")
+            return original(*args, **kwargs)
+
+        return run
+
     def _new_group(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def run(*args, **kwargs):
@@ -406,6 +424,10 @@ class StrictDevice:
             original = getattr(dist, name)
             self._saved.append((dist, name, original))
             setattr(dist, name, self._collective(name, original))
+        for name in _OBJECT_COLLECTIVES:
+            original = getattr(dist, name)
+            self._saved.append((dist, name, original))
+            setattr(dist, name, self._object_collective(name, original))
         self._saved.append((dist, "new_group", dist.new_group))
         dist.new_group = self._new_group(dist.new_group)
         return self

@@ -9,8 +9,8 @@ the run where a GPU run would. One rank-world of 2 ranks runs each feature for o
 data loading to the checkpoint save; one rank runs the engine again with each old defect of
 ``test_device_boundary.py`` put back (the model not placed: its norms left on the host; a batch
 not moved; host flags and counts in collectives), and each must fail there, in the module that
-made the host tensor (except the step's reductions, which no longer fail on a GPU either:
-``NOT_A_GPU_FAILURE``).
+made the host tensor (the step's results shared along the pipeline from a host tensor: on 2
+ranks at PP 2, ``PIPELINE_DEFECTS``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.multirank import run_ranks
-from tests.training.test_device_boundary import DEFECTS
+from tests.training.test_device_boundary import DEFECTS, PIPELINE_DEFECTS
 from tests.training.test_lifecycle import model_tensors, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -154,7 +154,7 @@ def test_the_checkpoint_holds_the_device_values(plan_results):
     assert abs(in_checkpoint - on_device) <= 1e-9 * on_device
 
 
-def _defect_runs(root: str, names: list[str]) -> dict[str, dict]:
+def _defect_runs(root: str, names: list[str], overrides: tuple = ()) -> dict[str, dict]:
     """One run per defect, each put back alone, on strict:0: the error (type, innermost engine
     or megatron-core frame, message), or None when the run finished."""
     from dpo_megatron.training.trainer import Trainer
@@ -167,9 +167,9 @@ def _defect_runs(root: str, names: list[str]) -> dict[str, dict]:
             module = importlib.import_module(module_name)
             saved = getattr(module, attr)
             setattr(module, attr, replacement)
-            overrides = ["reference.mode=precomputed"] if "cache" in name else EVAL
+            extra = ["reference.mode=precomputed"] if "cache" in name else EVAL
             try:
-                Trainer(_config(root, name, {}, *overrides)).train()
+                Trainer(_config(root, name, {}, *extra, *overrides)).train()
                 out[name] = None
             except Exception as e:
                 out[name] = {"type": type(e).__name__, "where": _innermost(e), "message": str(e)}
@@ -181,18 +181,18 @@ def _defect_runs(root: str, names: list[str]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def defect_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("strict_defects")
-    return run_ranks(_defect_runs, world_size=1, root=str(root), names=list(STRICT_DEFECTS))[0]
+    single = [n for n in STRICT_DEFECTS if n not in PIPELINE_DEFECTS]
+    results = run_ranks(_defect_runs, world_size=1, root=str(root), names=single)[0]
+    # A defect met only between pipeline stages: 2 ranks at PP 2; the error of either rank.
+    piped = run_ranks(_defect_runs, world_size=2, root=str(root),
+                      names=sorted(PIPELINE_DEFECTS), overrides=["parallel."
+                                                                 "pipeline_model_parallel_size=2"])
+    for name in PIPELINE_DEFECTS:
+        results[name] = next((r[name] for r in piped if r[name] is not None), None)
+    return results
 
 
-# step.py's host tensors under this defect are now a 0-dim count (a CPU scalar, which CUDA
-# accepts) and a NaN flag that the buffers' device flag replaces unless the loss is non-finite:
-# a GPU run finishes too (test_device_boundary's HostTensorCheck sees nothing either, on main).
-NOT_A_GPU_FAILURE = {"step reductions on host"}
-
-
-@pytest.mark.parametrize("defect", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="a GPU run finishes too"))
-    if name in NOT_A_GPU_FAILURE else name for name in STRICT_DEFECTS])
+@pytest.mark.parametrize("defect", sorted(STRICT_DEFECTS))
 def test_each_old_defect_fails_on_the_strict_device(defect_results, defect):
     error = defect_results[defect]
     assert error is not None, f"{defect}: the run finished on strict:0"
