@@ -240,3 +240,57 @@ def test_the_gpu_path_needs_only_what_the_gpu_machine_has_or_the_wheels_carry():
                           text=True, timeout=120, env=_clean_env(PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# the device checks on a device that is not the host (tests/strict_device.py)
+
+STRICT_CHECKS = ("fp32-llama", "bf16-llama", "bf16-gpt2", "packed", "shared-prompt", "lora",
+                 "moe", "resume")
+"""The checks that run the engine on the device (flex calls a kernel; the bench is a
+subprocess of its own, with its own device set-up)."""
+
+
+def _settings(work: str) -> dict:
+    return {"backend": "gloo", "tiny": True, "attention": "auto", "transformer_impl": "local",
+            "seed": 1234, "work": work, "logs": work, "inject": [], "bench": {}}
+
+
+def _run_checks(work: str, names: list[str], baselines: dict, strict: bool) -> dict:
+    """Run gpu_check's checks ``names`` in this rank (on strict:0 when ``strict``)."""
+    import contextlib
+
+    by_name = {c.name: c for c in gpu_check.CHECKS}
+    settings = _settings(work)
+    if strict:
+        from tests.strict_device import StrictDevice
+
+        context = StrictDevice()
+    else:
+        context = contextlib.nullcontext()
+    out = {}
+    with context:
+        for name in names:
+            check = by_name[name]
+            out[name] = check.run(settings, baselines.get(check.baseline))
+    return out
+
+
+@pytest.mark.slow
+def test_the_device_checks_pass_on_the_strict_device(tmp_path):
+    """The rehearsal's device checks on ``strict:0``, a device that is not the host (the CPU
+    baselines on the plain CPU, in their own rank): each passes, and runs on ``strict:0``, so no
+    check's engine run leaves a tensor on the host that a GPU would refuse."""
+    from tests.multirank import run_ranks
+
+    work = str(tmp_path)
+    baselines = run_ranks(_run_checks, world_size=1, work=work,
+                          names=["cpu-llama", "cpu-gpt2", "cpu-moe"], baselines={},
+                          strict=False)[0]
+    assert all(b["pass"] for b in baselines.values()), baselines
+    results = run_ranks(_run_checks, world_size=1, work=work, names=list(STRICT_CHECKS),
+                        baselines=baselines, strict=True)[0]
+    for name in STRICT_CHECKS:
+        record = results[name]
+        assert record["pass"], (name, record["line"])
+        assert record["line"].startswith("strict:0"), (name, record["line"])
