@@ -317,8 +317,14 @@ def _load_yaml(config_file: str):
     return _expand_layer(layer, config_file)
 
 
-def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DPOConfig:
+def load_config(config_file: Optional[str], overrides: Sequence[str] = (),
+                check: bool = True) -> DPOConfig:
     """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
+
+    ``check=False`` leaves out :func:`validate` (the cross-field rules and the loss registry,
+    which imports torch): for checks that read a few plain fields first, such as the run
+    folder's (:func:`dpo_megatron.training.run_dir.check_run_dir`); :func:`validate` the result
+    before using it for more.
 
     Raises:
         ValueError: an unknown key (naming where it came from, close matches and the valid
@@ -341,7 +347,8 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DP
     except ValidationError as e:
         raise ValueError(f"invalid value for config key {e.full_key!r}: "
                          f"{str(e.msg).splitlines()[0]}") from None
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -597,8 +604,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.list_keys:
         print(list_keys())
         return
+    from dpo_megatron.training.run_dir import RunDirError, check_run_dir
+
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, check=False)
+        if not args.print_config:
+            try:  # first: the run folder's refusals need neither torch, the data nor the model
+                check_run_dir(cfg)
+            except RunDirError as e:
+                raise SystemExit(f"error: {e}") from None
+        validate(cfg)
     except ValueError as e:
         raise SystemExit(f"config error: {e}") from None
     if args.print_config:
@@ -606,7 +621,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel.host_malloc import mode
-
     try:
         mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
     except ValueError as e:

@@ -249,7 +249,10 @@ def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
               "train.eval_interval=1", "train.sample_during_eval=true", "train.eval_num_samples=2",
               "train.eval_sample_max_new_tokens=4", "logging.tensorboard=true")
     evals = read_metrics(tmp_path, "eval")
-    assert sorted(evals) == [1, 2]  # every eval_interval, the end not repeated
+    # step 0 (train.eval_at_start, on by default: the baseline, loss ln 2), every
+    # eval_interval, the end not repeated
+    assert sorted(evals) == [0, 1, 2]
+    assert abs(evals[0]["loss"] - math.log(2)) < 1e-6 and evals[0]["rewards/margins"] == 0.0
     for record in evals.values():
         assert 0.0 <= record["rewards/accuracies"] <= 1.0
         assert {"loss", "rewards/margins", "logps/chosen", "logps/rejected"} <= set(record)
@@ -323,7 +326,7 @@ def test_sft_on_real_alpaca_then_dpo_on_real_pairs(tmp_path):
                          "data.eval_fraction=0.01", "train.eval_interval=1",
                          "train.eval_iters=2"])
     nll = {step: r["nll_loss"] for step, r in read_metrics(sft_dir, "eval").items()}
-    assert sorted(nll) == list(range(1, 9))
+    assert sorted(nll) == list(range(0, 9))  # step 0: eval_at_start
     # Random init starts near ln 49152 = 10.8 nats/token; every step lowers the eval NLL.
     assert all(nll[s + 1] < nll[s] for s in range(1, 8)), nll
     assert nll[8] < nll[1] - 0.2, nll
