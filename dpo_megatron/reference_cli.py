@@ -655,7 +655,7 @@ def prepare(argv: Sequence[str], devices: Optional[int] = None) -> Translation:
 def prepare_trl_command(path: str, extra: Sequence[str],
                         devices: Optional[int] = None) -> Translation:
     """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML (``trl_config``) as a
-    Translation on ``configs/trl_dpo.yaml``."""
+    Translation on ``configs/from_trl_base.yaml``."""
     from dpo_megatron.trl_config import TRL_BASE_CONFIG, prepare_trl
 
     overrides, notes = prepare_trl(path, extra, devices or visible_devices())

@@ -97,6 +97,6 @@ def drop_warning(summary: dict) -> str | None:
         return None
     reasons = "; ".join(f"{reason} {count}" + (f" ({DROP_REMEDIES[reason]})"
                                                 if reason in DROP_REMEDIES else "")
-                        for reason, count in sorted(dropped.items(), key=lambda kv: -kv[1]))
+                        for reason, count in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])))
     return (f"WARNING: {lost} of {total} {summary['unit']} ({100 * lost / total:.0f}%) were "
             f"dropped: {reasons}")
