@@ -488,6 +488,31 @@ def _validate_loss(cfg: DPOConfig) -> None:
     build_loss(cfg.loss)
 
 
+def resolved_config(cfg: DPOConfig, model_config=None, loss_fn=None) -> dict:
+    """The tree as the run uses it (``--print-config``, and the config the Trainer gives to
+    W&B): ``model`` is the architecture the run builds (``model.hf_path``'s config.json, or the
+    one stored with the ``model.load`` checkpoint; ``training.model_setup.
+    resolve_model_config``), ``loss`` every parameter of the chosen loss(es) and the modifiers
+    with their defaults (``LossFunction.config_section``). ``model_config`` / ``loss_fn``: the
+    run's own, when it has built them.
+
+    Raises:
+        OSError / ValueError: the model folder or checkpoint cannot be read.
+    """
+    if model_config is None:
+        from dpo_megatron.training.model_setup import resolve_model_config
+
+        model_config = resolve_model_config(cfg)
+    if loss_fn is None:
+        from dpo_megatron.losses import build_loss
+
+        loss_fn = build_loss(cfg.loss)
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    tree["model"] = OmegaConf.to_container(OmegaConf.structured(model_config))
+    tree["loss"] = loss_fn.config_section()
+    return tree
+
+
 def world_size_for(cfg: DPOConfig) -> int:
     """Ranks the launcher should start: TP x PP x DP (DP defaults to 1, or to what the expert
     layout needs: ``ParallelConfig.launch_world_size``)."""
@@ -617,7 +642,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ValueError as e:
         raise SystemExit(f"config error: {e}") from None
     if args.print_config:
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        try:
+            print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
+        except (OSError, ValueError) as e:  # the model folder or checkpoint
+            raise SystemExit(f"config error: {e}") from None
         return
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel.host_malloc import mode

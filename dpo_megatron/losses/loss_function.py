@@ -134,6 +134,22 @@ class LossFunction:
                  for c in self.components]
         return f"LossFunction({' + '.join(parts)}, {self.modifiers})"
 
+    def config_section(self) -> dict[str, Any]:
+        """The ``loss`` config section of this function with every parameter written out, the
+        defaults included (``--print-config``): ``build_loss`` of it gives the same function.
+        ``weights`` appears when several losses are combined; ``reference_free`` only where a
+        selected loss uses a reference (elsewhere it is not a key)."""
+        names = [c.spec.name for c in self.components]
+        section: dict[str, Any] = {"name": names[0] if len(names) == 1 else names}
+        if len(names) > 1:
+            section["weights"] = [c.weight for c in self.components]
+        for c in self.components:
+            section.update(c.params)
+        modifiers = dataclasses.asdict(self.modifiers)
+        if not any(c.spec.needs_reference for c in self.components):
+            modifiers.pop("reference_free")
+        return {**section, **modifiers}
+
     def describe(self) -> str:
         """One readable line for the start-up log: each loss with every parameter (defaults
         included; weighted when there are several) and the modifiers that are on, e.g.

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 from typing import Optional
 
 from megatron.core import parallel_state
 
+from dpo_megatron.config import resolved_config
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch, make_batch_builder
 from dpo_megatron.losses import build_loss
@@ -109,7 +109,9 @@ class Trainer:
         self.evaluations: dict[str, tuple[int, dict[str, float]]] = {}
         """The first and the last evaluation of this process: (step, metrics)."""
         self.logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters, cfg.logging,
-                                    start_step=self.counters.step, run_config=asdict(cfg))
+                                    start_step=self.counters.step,
+                                    run_config=resolved_config(cfg, self.model_config,
+                                                               self.loss_fn))
         self._report_start(layout_note)
 
     # ------------------------------------------------------------------------------------------
