@@ -48,7 +48,7 @@ LAUNCHER_EXIT = 1
 mistakes)."""
 LAUNCHER_EXITS = {USER_ERROR_EXIT: LAUNCHER_EXIT, FAULT_EXIT: FAULT_EXIT}
 """A rank's reported stop -> the launcher's exit status."""
-RANK0_GRACE_S = 10.0
+RANK0_GRACE_S = 20.0
 """How long the other ranks wait for rank 0 to print and exit before exiting anyway."""
 
 
@@ -63,12 +63,20 @@ def fail(message: str, status: int = USER_ERROR_EXIT) -> NoReturn:
         SystemExit: always, with code ``status``.
     """
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    waits = not rank0 and bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
+    elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
         int(os.environ.get("WORLD_SIZE", "1")) > 1
+    waits = not rank0 and elastic
     if waits:
         _wait_for_rank0()  # returns only while rank 0 runs on
     if rank0 or waits:
         print(message, file=sys.stderr, flush=True)
+    if rank0 and elastic:
+        # Exit now, not after the process-group teardown and the interpreter's: the others
+        # wait for this exit, and one that took longer than their grace (a busy machine)
+        # would have them print the line again. Everything the run wrote is on disk already
+        # (line-buffered log, complete checkpoints); the kernel releases the run's lock.
+        sys.stdout.flush()
+        os._exit(status)
     raise SystemExit(status)
 
 
