@@ -308,3 +308,31 @@ def test_a_world_size_that_does_not_fit_the_layout_is_one_line(tmp_path):
     assert theirs.returncode == 1
     assert theirs.stderr.count(line) == 1 and "ValueError" not in theirs.stderr
     assert "exitcode  : 2" in theirs.stderr  # torchrun's own block: not ours to change
+
+
+@pytest.mark.parametrize("fault", ["checksum", "disk", "nan"])
+def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatch, capsys, fault):
+    """The faults a run meets and reports (a checkpoint failing verification, a full disk, the
+    NaN stop) end a rank with their ``error:`` line and ``FAULT_EXIT`` (3), which the launcher
+    passes on (a mistake's 2 becomes 1). Old: an uncaught exception, a traceback per rank."""
+    import dpo_megatron.train as train_module
+    from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
+    from dpo_megatron.checkpointing.storage import CheckpointSaveError
+    from dpo_megatron.launch import FAULT_EXIT, LAUNCHER_EXITS
+    from dpo_megatron.training.shutdown import NonFiniteLossError
+
+    error = {"checksum": CheckpointIntegrityError("/r/iter_0000002", ["a.distcp: changed"]),
+             "disk": CheckpointSaveError("saving checkpoint /r/iter_0000004 failed: no space "
+                                         "left on device writing /r/iter_0000004.tmp/a.distcp"),
+             "nan": NonFiniteLossError("2 steps in a row (up to step 4) had a NaN/Inf loss")}[fault]
+
+    def train(cfg):
+        raise error
+
+    monkeypatch.setattr(train_module, "train", train)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        train_module.main(["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path}"])
+    assert stopped.value.code == FAULT_EXIT == LAUNCHER_EXITS[FAULT_EXIT] == 3
+    assert capsys.readouterr().err.splitlines() == [f"error: {error}"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import random
 import shutil
 import signal
@@ -260,6 +261,24 @@ def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
                (tmp_path / "samples" / "step_0000002.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and all(set(s) == {"prompt", "sample", "chosen"} for s in samples)
     assert os.listdir(tmp_path / "tensorboard")
+    # The end-of-run summary: steps, the last step's and the first and last evaluations'
+    # values (as logged), where the checkpoint and the logs are.
+    log = (tmp_path / "train.log").read_text()
+    summary = log[log.index("run summary: "):].splitlines()
+    last, e0, e2 = read_metrics(tmp_path)[2], evals[0], evals[2]
+
+    def brief(m):
+        return (f"loss {m['loss']:.4f}, acc {m['rewards/accuracies']:.4f}, "
+                f"margin {m['rewards/margins']:.4f}")
+
+    assert re.fullmatch(rf"run summary: 2 step\(s\) in \d+s; last step: {brief(last)}",
+                        summary[0]), summary
+    assert summary[1:] == [
+        f"  eval: step 0 {brief(e0)} ({int(e0['items'])} pairs) -> step 2 {brief(e2)} "
+        f"({int(e2['items'])} pairs)",
+        f"  checkpoint: {tmp_path / 'checkpoints' / 'iter_0000002'}",
+        f"  logs: {tmp_path / 'train.log'}, {tmp_path / 'metrics.jsonl'}, "
+        f"{tmp_path / 'tensorboard'}"]
 
 
 def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
