@@ -318,8 +318,14 @@ def _load_yaml(config_file: str):
     return _expand_layer(layer, config_file)
 
 
-def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DPOConfig:
+def load_config(config_file: Optional[str], overrides: Sequence[str] = (),
+                check: bool = True) -> DPOConfig:
     """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
+
+    ``check=False`` leaves out :func:`validate` (the cross-field rules and the loss registry,
+    which imports torch): for checks that read a few plain fields first, such as the run
+    folder's (:func:`dpo_megatron.training.run_dir.check_run_dir`); :func:`validate` the result
+    before using it for more.
 
     Raises:
         ValueError: an unknown key (naming where it came from, close matches and the valid
@@ -342,7 +348,8 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = ()) -> DP
     except ValidationError as e:
         raise ValueError(f"invalid value for config key {e.full_key!r}: "
                          f"{str(e.msg).splitlines()[0]}") from None
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -482,6 +489,31 @@ def _validate_loss(cfg: DPOConfig) -> None:
     build_loss(cfg.loss)
 
 
+def resolved_config(cfg: DPOConfig, model_config=None, loss_fn=None) -> dict:
+    """The tree as the run uses it (``--print-config``, and the config the Trainer gives to
+    W&B): ``model`` is the architecture the run builds (``model.hf_path``'s config.json, or the
+    one stored with the ``model.load`` checkpoint; ``training.model_setup.
+    resolve_model_config``), ``loss`` every parameter of the chosen loss(es) and the modifiers
+    with their defaults (``LossFunction.config_section``). ``model_config`` / ``loss_fn``: the
+    run's own, when it has built them.
+
+    Raises:
+        OSError / ValueError: the model folder or checkpoint cannot be read.
+    """
+    if model_config is None:
+        from dpo_megatron.training.model_setup import resolve_model_config
+
+        model_config = resolve_model_config(cfg)
+    if loss_fn is None:
+        from dpo_megatron.losses import build_loss
+
+        loss_fn = build_loss(cfg.loss)
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    tree["model"] = OmegaConf.to_container(OmegaConf.structured(model_config))
+    tree["loss"] = loss_fn.config_section()
+    return tree
+
+
 def world_size_for(cfg: DPOConfig) -> int:
     """Ranks the launcher should start: TP x PP x DP (DP defaults to 1, or to what the expert
     layout needs: ``ParallelConfig.launch_world_size``)."""
@@ -599,16 +631,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.list_keys:
         print(list_keys())
         return
+    from dpo_megatron.training.run_dir import RunDirError, check_run_dir
+
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, check=False)
+        if not args.print_config:
+            try:  # first: the run folder's refusals need neither torch, the data nor the model
+                check_run_dir(cfg)
+            except RunDirError as e:
+                raise SystemExit(f"error: {e}") from None
+        validate(cfg)
     except ValueError as e:
         raise SystemExit(f"config error: {e}") from None
     if args.print_config:
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        try:
+            print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
+        except (OSError, ValueError) as e:  # the model folder or checkpoint
+            raise SystemExit(f"config error: {e}") from None
         return
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel.host_malloc import mode
-
     try:
         mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
     except ValueError as e:

@@ -236,13 +236,22 @@ class Translation:
         return ["bash", self.script, "--config", self.config, *self.overrides]
 
 
+RUNS_ROOT = "runs"
+"""Where a run goes when the command leaves ``local_dirs`` at the reference repo's default."""
+
+
 def _local_run_dir(args: dict) -> str:
-    """``local_run_dir`` as the reference repo makes it: ``<first existing local_dir (else the
-    last)>/<user>/<exp_name>_<timestamp>``."""
+    """``local_run_dir`` as the reference repo makes it, ``<first existing local_dir (else the
+    last)>/<user>/<exp_name>_<timestamp>``, except that with its default ``local_dirs``
+    (``/scr-ssd``, ``/scr``, ``.cache``: the last, a hidden folder inside this clone, on any
+    machine but Stanford's) the run goes to the visible ``runs/<user>/...`` beside the engine's
+    other runs."""
     if args["local_run_dir"]:
         return str(args["local_run_dir"])
     dirs = list(args["local_dirs"] or [".cache"])
     root = next((d for d in dirs if os.path.exists(d)), dirs[-1])
+    if dirs == REFERENCE_DEFAULTS["local_dirs"] and root == dirs[-1]:
+        root = RUNS_ROOT
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
     return os.path.join(root, getpass.getuser(), f"{args['exp_name']}_{stamp}")
 
@@ -523,6 +532,11 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
     if t.examples is None and t.epochs is None:
         raise ReferenceCLIError("set n_epochs or n_examples (the reference repo needs one)")
     t.notes += [
+        f"run_dir {run_dir}" + (" (local_run_dir)" if args["local_run_dir"] else
+                                f" (<local_dir>/<user>/<exp_name>_<time>; local_dirs at the "
+                                f"reference default -> {RUNS_ROOT}/, not the hidden .cache/)"
+                                if run_dir.startswith(RUNS_ROOT + os.sep) else
+                                " (<first existing local_dir>/<user>/<exp_name>_<time>)"),
         f"trainer={args['trainer']}: {layout.description}",
         f"batch_size={batch} pairs per step = train.global_batch_size; "
         f"gradient_accumulation_steps={accum} -> train.micro_batch_size={micro} per replica",
@@ -562,11 +576,18 @@ def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) 
     from dpo_megatron.config import load_config
     from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
 
+    from dpo_megatron.data.reader import is_local_source
+
     cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
     tokenizer_source = cfg.data.tokenizer or cfg.model.hf_path
     verbose = cfg.data.verbose
     cfg.data.verbose = False
+    remote = [name for name in (tokenizer_source,) if not os.path.isdir(name)] + \
+        [name for name, _ in cfg.data.sources() if not is_local_source(name)]
     try:
+        if remote and hub_offline():  # say so now, not after the hub clients' retries
+            raise OSError(f"the Hugging Face hub is not reachable from here (offline) for "
+                          f"{', '.join(remote)}")
         tokenizer = load_tokenizer(tokenizer_source)
         dataset = (load_sft_examples if sft else load_preference_pairs)(cfg.data, tokenizer)
     except OSError as e:  # also the hub clients' ConnectionError / OfflineModeIsEnabled
@@ -583,6 +604,29 @@ def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) 
     finally:
         cfg.data.verbose = verbose
     return len(dataset.train)
+
+
+def hub_offline(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub is out of reach: ``HF_HUB_OFFLINE`` (or
+    ``TRANSFORMERS_OFFLINE`` / ``HF_DATASETS_OFFLINE``) is set, or no TCP connection to the hub
+    (``HF_ENDPOINT``, default huggingface.co, port 443) opens within ``timeout_s``. One try:
+    the hub clients would otherwise spend about a minute on retries before failing."""
+    import socket
+    from urllib.parse import urlparse
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False
+
+
+DRY_RUN_STEPS = "N"
+"""``train.train_iters`` of a dry run whose step count needs the pairs counted (not done)."""
 
 
 def steps_for(t: Translation, items: Optional[int]) -> int:
@@ -633,11 +677,27 @@ def write_latest_archive(run_dir: str, steps: int, batch_size: int) -> str:
                                 step_idx=steps * batch_size)
 
 
-def prepare(argv: Sequence[str], devices: Optional[int] = None) -> Translation:
+def prepare(argv: Sequence[str], devices: Optional[int] = None,
+            dry_run: bool = False) -> Translation:
     """Parse, translate, convert ``model.archive`` and count the steps: a Translation whose
-    :meth:`Translation.command` is ready to run."""
+    :meth:`Translation.command` is ready to run. ``dry_run``: only translate, reading no model,
+    archive or data (offline, in seconds): the archive is not converted and a step count that
+    needs the pairs counted is printed as ``train.train_iters=N`` with a note."""
     args, engine = parse_args(argv)
     t = translate(args, engine, devices)
+    if dry_run:
+        if t.archive:
+            t.notes.append(f"model.archive={t.archive}: converted to {t.archive_dir} "
+                           f"(model.hf_path) when the command runs; --dry-run reads nothing")
+        if t.epochs is not None:
+            t.notes.append(f"train.train_iters={DRY_RUN_STEPS}: n_epochs={t.epochs} x (pairs "
+                           f"left after preprocessing // batch_size={t.batch_size})"
+                           + (f", at most n_examples" if t.examples is not None else "")
+                           + ", counted when the command runs; --dry-run reads no data")
+            t.overrides.append(f"train.train_iters={DRY_RUN_STEPS}")
+        else:
+            t.overrides.append(f"train.train_iters={steps_for(t, None)}")
+        return t
     if t.archive:
         from dpo_megatron.checkpointing.reference_archive import archive_to_hf_folder
 
@@ -655,7 +715,7 @@ def prepare(argv: Sequence[str], devices: Optional[int] = None) -> Translation:
 def prepare_trl_command(path: str, extra: Sequence[str],
                         devices: Optional[int] = None) -> Translation:
     """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML (``trl_config``) as a
-    Translation on ``configs/trl_dpo.yaml``."""
+    Translation on ``configs/from_trl_base.yaml``."""
     from dpo_megatron.trl_config import TRL_BASE_CONFIG, prepare_trl
 
     overrides, notes = prepare_trl(path, extra, devices or visible_devices())
@@ -678,7 +738,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ReferenceCLIError("--trl needs the path of a TRL DPOConfig YAML")
             t = prepare_trl_command(argv[1], argv[2:])
         else:
-            t = prepare(argv)
+            t = prepare(argv, dry_run=dry)
     except ValueError as e:  # ReferenceCLIError, ArchiveError, our config's errors
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,30 +19,52 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # no
 
 filter_expected_warnings()  # before megatron-core's import-time warnings
 
-from dpo_megatron.config import DPOConfig, load_config, parse_args  # noqa: E402
-from dpo_megatron.launch import fail  # noqa: E402
-from dpo_megatron.training.trainer import NonFiniteLossError, Trainer  # noqa: E402
+import os  # noqa: E402
+
+from dpo_megatron.config import DPOConfig, load_config, parse_args, validate  # noqa: E402
+from dpo_megatron.launch import FAULT_EXIT, fail  # noqa: E402
+from dpo_megatron.training.run_dir import RunDirError, check_run_dir  # noqa: E402
+from dpo_megatron.training.shutdown import NonFiniteLossError  # noqa: E402
 
 
 def train(cfg: DPOConfig) -> dict[str, float]:
-    """Build the run's :class:`Trainer` and train; returns the last step's metrics.
+    """Build the run's :class:`~dpo_megatron.training.trainer.Trainer` and train; returns the
+    last step's metrics.
 
     Raises:
         NonFiniteLossError: ``train.max_nonfinite_steps`` steps in a row had a NaN/Inf loss or
             gradient (the checkpoints written before are intact).
     """
+    from dpo_megatron.training.trainer import Trainer
+
     return Trainer(cfg).train()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """One rank of a run. Every stop found here ends in one line and a status
+    (:mod:`dpo_megatron.launch`): a mistake (config, layout against the launched world size,
+    data, run folder) with ``USER_ERROR_EXIT``, a fault of the run (a checkpoint failing
+    verification, a full disk, the NaN stop) with ``FAULT_EXIT``, SIGINT / SIGTERM with
+    128 + the signal's number after saving."""
     config_file, overrides = parse_args(argv)
     try:
-        cfg = load_config(config_file, overrides)
+        cfg = load_config(config_file, overrides, check=False)
+        # Before the heavy imports (torch, megatron-core), so that these stop in seconds: the
+        # layout against the ranks launched (torchrun's WORLD_SIZE; 1 alone: an external
+        # torchrun with the wrong --nproc-per-node), then the run folder's refusals (rank 0).
+        cfg.parallel.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                check_run_dir(cfg)
+            except RunDirError as e:
+                fail(f"error: {e}")
+        validate(cfg)
     except ValueError as e:
         fail(f"config error: {e}")
+    from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
+    from dpo_megatron.checkpointing.storage import CheckpointSaveError
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel import destroy_distributed
-    from dpo_megatron.training.run_dir import RunDirError
 
     try:
         train(cfg)
@@ -50,11 +72,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # reach every rank): one line, status launch.USER_ERROR_EXIT (the launcher's contract).
     except (DataError, RunDirError) as e:
         fail(f"error: {e}")
+    # A fault every rank meets (the checks and the save are collective, the NaN count is the
+    # same everywhere): its message names the file or step and the last good checkpoint.
+    except (CheckpointIntegrityError, CheckpointSaveError, NonFiniteLossError) as e:
+        fail(f"error: {e}", FAULT_EXIT)
     finally:
         destroy_distributed()
 
 
-__all__ = ["NonFiniteLossError", "Trainer", "main", "train"]
+__all__ = ["NonFiniteLossError", "main", "train"]
 
 if __name__ == "__main__":
     main()

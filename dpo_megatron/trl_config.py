@@ -17,7 +17,7 @@ import yaml
 
 from dpo_megatron.models.lora_config import LORA_TARGETS
 
-TRL_BASE_CONFIG = os.path.join("configs", "trl_dpo.yaml")
+TRL_BASE_CONFIG = os.path.join("configs", "from_trl_base.yaml")
 """TRL's defaults in our keys: the base of the printed command."""
 
 RENAMES: dict[str, str] = {
@@ -121,6 +121,7 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
         o.append("train.optimizer=sgd")
     else:
         raise ValueError(f"{source}: optim={optim!r}: megatron-core offers adam(w) and sgd")
+    o += _truncation_overrides(f, notes)
     if f.get("precompute_ref_log_probs"):
         o.append("reference.mode=precomputed")
     if f.get("padding_free"):
@@ -146,6 +147,24 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
     return o, notes, facts
 
 
+def _truncation_overrides(f: dict, notes: list[str]) -> list[str]:
+    """TRL 1.x's ``max_length`` truncation (``DataCollatorForPreference``): with
+    ``keep_start`` (its default) each prompt + completion keeps its first ``max_length``
+    tokens and a pair whose prompt alone fills ``max_length`` is dropped before training
+    (``DPOTrainer._prepare_dataset``): exactly ``data.max_prompt_length=0`` with
+    ``keep_start`` here (the base config), nothing to add. With ``keep_end`` (deprecated in TRL
+    1.x) TRL keeps each sequence's last ``max_length`` tokens, so no pair is dropped: here the
+    prompt is cut keeping its end to half of ``max_length`` (unless ``max_prompt_length`` is
+    given), so long prompts are cut, not dropped (noted: the cut point differs)."""
+    if f.get("truncation_mode") != "keep_end" or "max_prompt_length" in f:
+        return []
+    max_length = int(f.get("max_length") or 1024)
+    notes.append(f"truncation_mode=keep_end: TRL keeps each sequence's last {max_length} "
+                 f"tokens; here a long prompt keeps its end, cut to data.max_prompt_length="
+                 f"{max_length // 2}, and the completions their start")
+    return [f"data.max_prompt_length={max_length // 2}"]
+
+
 def _eval_overrides(f: dict, source: str, devices: int, notes: list[str]) -> list[str]:
     """``eval_strategy`` (TrainingArguments, default 'no'), ``eval_steps`` (default: every
     ``logging_steps``), ``per_device_eval_batch_size`` (8) and ``trl dpo``'s
@@ -168,7 +187,8 @@ def _eval_overrides(f: dict, source: str, devices: int, notes: list[str]) -> lis
     split = f.get("dataset_test_split", "test")
     batch = int(f.get("per_device_eval_batch_size", 8)) * devices
     o = [f"data.eval_datasets=[{f['dataset_name']}]", f"data.eval_split={split}",
-         f"train.eval_global_batch_size={batch}", "train.eval_iters=0"]
+         f"train.eval_global_batch_size={batch}", "train.eval_iters=0",
+         "train.eval_at_start=false"]  # TrainingArguments.eval_on_start defaults to False
     if strategy == "steps":
         o.append(f"train.eval_interval={int(f.get('eval_steps') or f.get('logging_steps', 10))}")
     notes.append(f"eval_strategy={strategy}: the {split!r} split of {f['dataset_name']}, whole, "

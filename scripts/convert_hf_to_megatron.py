@@ -21,6 +21,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # noqa: E402
+
+filter_expected_warnings()  # before megatron-core's import-time warnings (Apex, TE)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

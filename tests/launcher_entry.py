@@ -3,7 +3,9 @@
 the way a real run ends: ``DPO_TEST_ENDING=mistake`` reports a user's mistake with
 :func:`dpo_megatron.launch.fail` (rank 0 a second after the others, the order in which torch
 elastic would otherwise stop rank 0 before it printed), ``mistake_on_rank1`` on rank 1 alone
-(rank 0 runs on), ``crash`` raises an exception on every rank."""
+(rank 0 runs on), ``crash`` raises an exception on every rank, ``nan_from_step_N`` runs the
+real ``dpo_megatron.train`` (its own stops and messages) with a loss that is NaN from optimizer
+step N on."""
 
 import os
 import time
@@ -13,9 +15,41 @@ from dpo_megatron.launch import fail
 MISTAKE = "error: data file pairs.jsonl, row 3: field 'chosen' is missing"
 
 
+def _train_with_nan_from(step_from: int) -> None:
+    """dpo_megatron.train.main (arguments from the command line) where every loss value of
+    optimizer step ``step_from`` and later is NaN, on every rank."""
+    import dpo_megatron.train as train_module
+    import dpo_megatron.training.trainer as trainer_module
+
+    real_build_loss, real_step = trainer_module.build_loss, trainer_module.Trainer.train_step
+    nan = {"on": False}
+
+    def build_loss(cfg):
+        loss_fn = real_build_loss(cfg)
+        real_call = loss_fn.__call__
+
+        class NaNLoss(type(loss_fn)):
+            def __call__(self, *args, **kwargs):
+                losses, metrics = real_call(*args, **kwargs)
+                return (losses * float("nan") if nan["on"] else losses), metrics
+
+        loss_fn.__class__ = NaNLoss
+        return loss_fn
+
+    def train_step(self):
+        nan["on"] = self.counters.step + 1 >= step_from
+        return real_step(self)
+
+    trainer_module.build_loss = build_loss
+    trainer_module.Trainer.train_step = train_step
+    train_module.main()
+
+
 def main() -> None:
-    rank = int(os.environ["RANK"])
     ending = os.environ["DPO_TEST_ENDING"]
+    if ending.startswith("nan_from_step_"):
+        return _train_with_nan_from(int(ending.rsplit("_", 1)[1]))
+    rank = int(os.environ["RANK"])
     if ending == "mistake":
         if rank == 0:
             time.sleep(1.0)

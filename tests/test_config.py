@@ -276,3 +276,39 @@ def test_a_warm_up_that_outlasts_the_run_is_announced():
     assert TrainConfig(train_iters=12, lr_warmup_iters=150, lr=5e-7).warmup_warning() == (
         "WARNING: train.lr_warmup_iters=150 >= train.train_iters=12: the run ends 12/150 of the "
         "way through its linear warm-up and never reaches train.lr=5e-07")
+
+
+def test_print_config_is_the_resolved_config(tmp_path, capsys):
+    """With ``model.hf_path`` the architecture shown is the folder's (what the run builds: the
+    Trainer's ``resolve_model_config``), not the file's toy fields; the loss shows every
+    parameter with its default (what the run's start-up line describes). Old: 2 layers,
+    hidden 64 and vocabulary 49152 of tiny_cpu.yaml beside the folder, and ``loss: {name:
+    ipo}``."""
+    import json
+
+    import yaml
+
+    from dpo_megatron.config import main
+    from dpo_megatron.losses import build_loss
+    from dpo_megatron.training.model_setup import resolve_model_config
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"))
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    args = ["--config", "configs/tiny_cpu.yaml", f"model.hf_path={folder}", "loss=ipo"]
+    main([*args, "--print-config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model = printed["model"]
+    assert (model["num_layers"], model["hidden_size"], model["vocab_size"],
+            model["num_attention_heads"], model["num_query_groups"], model["ffn_hidden_size"]) \
+        == (hf["num_hidden_layers"], hf["hidden_size"], hf["vocab_size"],
+            hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"])
+    assert model["num_layers"] != 2 or model["hidden_size"] != 64  # not tiny_cpu.yaml's
+    cfg = load_config(args[1], args[2:])
+    run_model = resolve_model_config(cfg)
+    assert model == {k: getattr(run_model, k) for k in model}
+    assert printed["loss"] == {"name": "ipo", "beta": 0.1, "average_logps": True,
+                               "reference_free": False, "sft_weight": 0.0,
+                               "use_weighting": False, "ld_alpha": None}
+    assert build_loss(printed["loss"]).describe() == build_loss(cfg.loss).describe() == \
+        "loss ipo(beta=0.1, average_logps=True)"

@@ -73,7 +73,8 @@ def test_ipo_shorthand_trains_ipo_through_the_launcher_at_tp2_pp2(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = re.findall(r"\[train\] step 1/1 \| loss ([0-9.]+)", out.stdout)
     assert losses == ["25.0000"], out.stdout[-3000:]
-    assert "1*ipo(beta=0.1" in out.stdout and "TP 2 x PP 2 x DP 1" in out.stdout
+    assert "| loss ipo(beta=0.1, average_logps=True) |" in out.stdout  # not a Python repr
+    assert "TP 2 x PP 2 x DP 1" in out.stdout
     assert (tmp_path / "run" / "checkpoints" / "iter_0000001" / "manifest.json").is_file()
 
 
@@ -251,23 +252,90 @@ def test_a_crash_on_the_ranks_keeps_its_traceback_and_torchruns_block(tmp_path):
     assert "launcher:" not in out.stderr
 
 
-@pytest.mark.slow
-def test_a_run_dir_refused_on_the_ranks_is_one_line_and_a_pointer_to_its_log(tmp_path):
-    """The run folder is checked by the ranks (rank 0 holds its lock): a fresh run over an
-    earlier one is refused there, through the real entry point, at 2 ranks."""
+def test_a_run_dir_refusal_comes_in_seconds_before_any_heavy_import(tmp_path):
+    """Re-running a finished run's command (a fresh run over its folder) is refused by the
+    launcher's pre-check, and by rank 0 of ``dpo_megatron.train`` under another launcher, before
+    torch / megatron-core / the data are loaded: one line, nothing changed. Old: refused only
+    once the ranks had started (about 50 s on the SmolLM2 job)."""
+    from dpo_megatron.launch import USER_ERROR_EXIT
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 0.5}\n')
     (run_dir / "train.log").write_text("the earlier run's log\n")
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-                  "parallel.tensor_model_parallel_size=2", f"run_dir={run_dir}",
-                  env={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
-    assert out.returncode == 1, out.stderr[-3000:]
-    assert out.stderr.splitlines() == [
+    message = (
         f"error: run_dir {run_dir} already holds a run (metrics.jsonl with 1 record(s)): "
         f"refusing to mix a fresh run into it (nothing was changed). Continue that run with "
         f"checkpoint.resume=auto, start afresh with checkpoint.overwrite=true (the old run moves "
-        f"to {run_dir}.replaced-<time>), or choose another run_dir",
-        f"launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
-        f"stopped); rank 0's output is also in {run_dir / 'train.log'}"], out.stderr[-3000:]
+        f"to {run_dir}.replaced-<time>), or choose another run_dir")
+    started = time.monotonic()
+    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
+                  "parallel.tensor_model_parallel_size=2", f"run_dir={run_dir}")
+    assert time.monotonic() - started < 15
+    assert out.returncode == 1 and out.stderr.splitlines() == [message], out.stderr[-3000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    started = time.monotonic()
+    ranks = subprocess.run([sys.executable, "-m", "dpo_megatron.train", "--config",
+                            "configs/tiny_cpu.yaml", f"run_dir={run_dir}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert time.monotonic() - started < 15
+    assert ranks.returncode == USER_ERROR_EXIT and ranks.stderr.splitlines() == [message]
     assert (run_dir / "train.log").read_text() == "the earlier run's log\n"
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "train.log"]
+
+
+@pytest.mark.slow
+def test_a_world_size_that_does_not_fit_the_layout_is_one_line(tmp_path):
+    """3 ranks for TP 2: every rank finds it before the heavy imports; rank 0 alone prints it.
+    Through the launcher: that line and the pointer, exit status 1; under a plain torchrun the
+    same single line, then torchrun's own report of exit code 2. Old: a ValueError traceback
+    from every rank, then torchrun's failure block."""
+    args = ["-m", "dpo_megatron.train", "--config", "configs/tiny_cpu.yaml",
+            "parallel.tensor_model_parallel_size=2", f"run_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    line = ("config error: world size 3 is not divisible by parallel.tensor_model_parallel_size "
+            "(2) x parallel.pipeline_model_parallel_size (1) x parallel.context_parallel_size (1)"
+            " = 2: launch a multiple of 2 ranks")
+    ours = subprocess.run([sys.executable, "-m", "dpo_megatron.launch", "--standalone",
+                           "--nproc-per-node=3", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert ours.returncode == 1
+    assert ours.stderr.splitlines() == [
+        line, "launcher: the job stopped at the line above (rank 0; the other 2 rank(s) were "
+              "stopped)"], ours.stderr[-3000:]
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    theirs = subprocess.run([torchrun, "--standalone", "--nproc-per-node=3", *args], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert theirs.returncode == 1
+    assert theirs.stderr.count(line) == 1 and "ValueError" not in theirs.stderr
+    assert "exitcode  : 2" in theirs.stderr  # torchrun's own block: not ours to change
+
+
+@pytest.mark.parametrize("fault", ["checksum", "disk", "nan"])
+def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatch, capsys, fault):
+    """The faults a run meets and reports (a checkpoint failing verification, a full disk, the
+    NaN stop) end a rank with their ``error:`` line and ``FAULT_EXIT`` (3), which the launcher
+    passes on (a mistake's 2 becomes 1). Old: an uncaught exception, a traceback per rank."""
+    import dpo_megatron.train as train_module
+    from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
+    from dpo_megatron.checkpointing.storage import CheckpointSaveError
+    from dpo_megatron.launch import FAULT_EXIT, LAUNCHER_EXITS
+    from dpo_megatron.training.shutdown import NonFiniteLossError
+
+    error = {"checksum": CheckpointIntegrityError("/r/iter_0000002", ["a.distcp: changed"]),
+             "disk": CheckpointSaveError("saving checkpoint /r/iter_0000004 failed: no space "
+                                         "left on device writing /r/iter_0000004.tmp/a.distcp"),
+             "nan": NonFiniteLossError("2 steps in a row (up to step 4) had a NaN/Inf loss")}[fault]
+
+    def train(cfg):
+        raise error
+
+    monkeypatch.setattr(train_module, "train", train)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        train_module.main(["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path}"])
+    assert stopped.value.code == FAULT_EXIT == LAUNCHER_EXITS[FAULT_EXIT] == 3
+    assert capsys.readouterr().err.splitlines() == [f"error: {error}"]

@@ -185,25 +185,55 @@ def test_datasets_train_and_test_splits(tmp_path):
     assert "data.truncation_mode=keep_end" in t.overrides  # its rows are HH's
 
 
-def test_hub_names_on_an_offline_machine_end_in_one_line(tmp_path):
-    """The README's line as pasted (a hub model preset, the hub HH dataset) on a machine without
-    the hub: the dry run counts the pairs (n_epochs -> steps), so it must read tokenizer and
-    data. Old: a transformers traceback after a minute of retries; now one ``error:`` line that
-    names both sources and the local alternatives, exit status 2."""
+def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path):
+    """The README's two lines as pasted (a hub model preset, the hub HH dataset, a
+    ``model.archive`` path that does not exist here), with ``--dry-run`` on a machine without
+    the hub: the translation is printed, nothing is read (steps ``N``, noted; the archive
+    noted), the run goes to a visible ``runs/`` folder, not ``.cache/<user>``. Without
+    ``--dry-run`` the pairs must be counted: one ``error:`` line naming both sources and the
+    local alternatives, exit status 2, at once. Old: the first dry run spent about a minute on
+    hub retries before that error, the second needed the archive file to exist, and the run
+    folder was ``.cache/<user>/...`` inside the clone."""
     import os
+    import re
     import subprocess
     import sys
+    import time
 
+    from dpo_megatron.reference_cli import ROOT
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = [line.split()[2:] for line in f.read().splitlines()
+                 if line.startswith("bash scripts/train_reference_style.sh model=")]
+    assert len(lines) == 2 and any(w.startswith("model.archive=") for w in lines[1])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "DPO_MEGATRON_MODELS": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
-    line = [w for w in SFT_LINE if not w.startswith("model")] + ["model=pythia69"]
-    proc = subprocess.run([sys.executable, "-m", "dpo_megatron.reference_cli", *line,
-                           f"local_run_dir={tmp_path}", "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=300)
+
+    def run(*words):
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "dpo_megatron.reference_cli", *words],
+                              env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        return proc, time.monotonic() - started
+
+    for words, script in zip(lines, ("pretrain_sft.sh", "pretrain_dpo.sh")):
+        proc, _ = run("--dry-run", *words)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+        command = proc.stdout.split("translated command:\n")[1].strip()
+        assert command.startswith(f"bash scripts/{script} --config configs/reference_dpo.yaml")
+        assert command.endswith("train.train_iters=N")
+        assert re.search(r"run_dir=runs/[^/ ]+/anthropic_dpo_pythia69_\S+ ", command), command
+        assert "note: train.train_iters=N: n_epochs=1 x (pairs left after preprocessing" in \
+            proc.stdout
+        assert not (tmp_path / ".cache").exists() and not (tmp_path / "runs").exists()
+    assert "note: model.archive=/path/to/run/LATEST/policy.pt: converted to runs/" in proc.stdout
+    proc, seconds = run(*lines[0])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert seconds < 15
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "EleutherAI/pythia-6.9b" in errors[0] and "Anthropic/hh-rlhf" in errors[0]
+    assert "not reachable from here (offline)" in errors[0]
     assert "model.name_or_path=<HF folder>" in errors[0] and "datasets=[<local" in errors[0]
 
 
@@ -215,7 +245,7 @@ def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, 
 
     t = Translation(script="scripts/pretrain_dpo.sh", overrides=["train.train_iters=1"],
                     run_dir="/runs/x", layout=Layout())
-    monkeypatch.setattr(reference_cli, "prepare", lambda argv: t)
+    monkeypatch.setattr(reference_cli, "prepare", lambda argv, **kw: t)
     for rc in (1, 0):
         monkeypatch.setattr(reference_cli.subprocess, "call", lambda cmd, rc=rc: rc)
         monkeypatch.setattr(reference_cli, "write_latest_archive", lambda *a: "/runs/x/LATEST")

@@ -58,11 +58,11 @@ def test_trl_yaml_prints_the_command(tmp_path, capsys):
     t = prepare_trl_command(str(cfg), extra, devices=1)
     # 10 pairs / global batch 4 -> 3 steps; warm-up ratio 0.5 -> 2 steps
     assert t.overrides[-2:] == ["train.lr_warmup_iters=2", "train.train_iters=3"]
-    assert t.command()[:4] == ["bash", "scripts/pretrain_dpo.sh", "--config", "configs/trl_dpo.yaml"]
+    assert t.command()[:4] == ["bash", "scripts/pretrain_dpo.sh", "--config", "configs/from_trl_base.yaml"]
     assert t.run_dir == f"{tmp_path}/run"
     assert main(["--dry-run", "--trl", str(cfg), *extra]) == 0
     out = capsys.readouterr().out
-    assert "bash scripts/pretrain_dpo.sh --config configs/trl_dpo.yaml" in out
+    assert "bash scripts/pretrain_dpo.sh --config configs/from_trl_base.yaml" in out
     assert "loss.beta=0.2" in out
     # eval_strategy=epoch: an evaluation after each epoch's last step (3 steps per epoch here)
     cfg.write_text(cfg.read_text().replace("num_train_epochs: 1", "num_train_epochs: 2")
@@ -116,3 +116,49 @@ def test_eval_strategy_evaluates_on_the_test_split_of_dataset_name():
         translate_trl({**base, "eval_strategy": "best"}, "cfg.yaml", 1)
     with pytest.raises(ValueError, match="test split of dataset_name, which is not set"):
         translate_trl({"eval_strategy": "steps"}, "cfg.yaml", 1)
+
+
+def test_max_length_truncates_as_trl_does():
+    """``max_length`` with TRL's default ``keep_start``: each prompt + completion keeps its
+    first max_length tokens (TRL's ``DataCollatorForPreference``, called here on the same ids)
+    and a pair whose prompt alone fills max_length is dropped, as TRL's DPOTrainer drops it
+    before training; no prompt is cut on its own. ``keep_end`` (TRL keeps each sequence's end,
+    dropping nothing) cuts long prompts here instead of dropping their pairs."""
+    import inspect
+    import os
+
+    pytest.importorskip("trl")
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+
+    from dpo_megatron.config import load_config
+    from dpo_megatron.data.formats import Filtered
+    from dpo_megatron.data.lengths import fit_lengths
+    from dpo_megatron.reference_cli import ROOT
+    from dpo_megatron.trl_config import TRL_BASE_CONFIG
+
+    assert 'len(example["prompt_ids"]) < args.max_length' in inspect.getsource(DPOTrainer)
+    overrides, notes, _ = translate_trl({"max_length": 8}, "cfg.yaml", 1)
+    data = load_config(os.path.join(ROOT, TRL_BASE_CONFIG),
+                       [*overrides, "data.path=unused.jsonl", "data.tokenizer=x"]).data
+    assert (data.max_length, data.max_prompt_length, data.truncation_mode) == (8, 0, "keep_start")
+    collator = DataCollatorForPreference(pad_token_id=0, max_length=8)
+    for n_prompt, n_chosen, n_rejected in [(3, 2, 4), (5, 6, 1), (7, 3, 3), (8, 1, 2), (12, 2, 2)]:
+        prompt = list(range(100, 100 + n_prompt))
+        chosen, rejected = list(range(200, 200 + n_chosen)), list(range(300, 300 + n_rejected))
+        if n_prompt >= 8:  # TRL's DPOTrainer filters the pair out
+            with pytest.raises(Filtered, match="prompt_too_long"):
+                fit_lengths(prompt, chosen, rejected, data)
+            continue
+        p, c, r = fit_lengths(prompt, chosen, rejected, data)
+        batch = collator([{"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}])
+        for row, completion in ((0, c), (1, r)):
+            length = int(batch["attention_mask"][row].sum())
+            assert batch["input_ids"][row][:length].tolist() == p + completion
+            assert batch["completion_mask"][row][:length].tolist() == \
+                [0] * len(p) + [1] * len(completion)
+
+    overrides, notes, _ = translate_trl({"max_length": 320, "truncation_mode": "keep_end"},
+                                        "cfg.yaml", 1)
+    assert "data.max_prompt_length=160" in overrides and "data.truncation_mode=keep_end" in overrides
+    assert any(n.startswith("truncation_mode=keep_end: TRL keeps each sequence's last 320")
+               for n in notes)

@@ -1,8 +1,8 @@
 """Silence the warnings that are expected on every run, so real ones stand out.
 
 megatron-core 0.16 warns on import about each optional GPU extra it cannot find, recommends a CUDA
-environment variable even on CPU, and calls torch.distributed functions that torch 2.13 marks
-deprecated. None of these is actionable for a user; everything else still prints.
+environment variable even on CPU, and calls torch.distributed functions (and, loading a
+checkpoint, torch DCP's ``load_state_dict`` and ShardedTensor) that torch 2.13 marks deprecated. None of these is actionable for a user; everything else still prints.
 
 Switched on by the entry points (trainer, launcher's config check, converters) before
 megatron-core is imported. Imports nothing heavy: the config check must stay fast.
@@ -29,6 +29,11 @@ _EXPECTED = [
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"),
     # megatron-core's schedules read .grad of received activations (non-leaf on some stages).
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf"),
+    # megatron-core's checkpoint loader calls torch DCP's deprecated entry point and builds
+    # ShardedTensors: two FutureWarnings per rank on every checkpoint load (resume, model.load,
+    # scripts/convert_megatron_to_hf.py), about megatron-core's code, not the user's.
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
 
 ]
 _CPU_ONLY = [

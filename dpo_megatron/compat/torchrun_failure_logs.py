@@ -6,9 +6,11 @@ other worker, then ``failed (exitcode: N) local_rank: R (pid: P) of binary: B``,
 launcher raises its ``ChildFailedError``. When the worker stopped at a user's mistake (it printed
 one ``error:`` line and exited with ``dpo_megatron.launch.USER_ERROR_EXIT``) those lines only
 repeat its exit status around that line; for a crash they belong in front of torchrun's failure
-block. :class:`HeldFailureLogs` is a ``logging.Filter`` on that logger which keeps exactly these
-two records aside; the launcher then drops them (a user's mistake) or releases them, in order (a
-crash, a signal, anything else). Every other record of the logger passes at once.
+block. The first line is also logged when torchrun forwards a SIGINT / SIGTERM it received to
+its workers, which then save and end with their own line. :class:`HeldFailureLogs` is a
+``logging.Filter`` on that logger which keeps exactly these
+two records aside; the launcher then drops them (a reported stop, a forwarded signal) or releases them,
+in order (a crash, anything else). Every other record of the logger passes at once.
 
 Switched on by :mod:`dpo_megatron.launch` only, around its call of torchrun's ``main``. If torch
 renames the logger or rewords the messages, nothing is held and the lines simply print.
@@ -29,17 +31,22 @@ PATCH = register(Patch(
     off_on_other_versions=False,  # a filter of unknown messages holds nothing
 ))
 
-LOGGER = "torch.distributed.elastic.multiprocessing.api"
-"""The logger of torch elastic's process context (``get_logger()`` names it after its module)."""
-HELD_MESSAGES = (
-    "Sending process %s closing signal %s",
-    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-)
-"""The unformatted messages (``LogRecord.msg``) that are held back."""
+HELD: dict[str, tuple[str, ...]] = {
+    # torch elastic's process context (``get_logger()`` names a logger after its module)
+    "torch.distributed.elastic.multiprocessing.api": (
+        "Sending process %s closing signal %s",
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+    ),
+    # its agent, when torchrun itself gets SIGINT / SIGTERM and forwards it
+    "torch.distributed.elastic.agent.server.api": (
+        "Received %s death signal, shutting down workers",
+    ),
+}
+"""Logger -> the unformatted messages (``LogRecord.msg``) held back on it."""
 
 
 class HeldFailureLogs(logging.Filter):
-    """Keeps the records of :data:`HELD_MESSAGES` logged on :data:`LOGGER` while installed.
+    """Keeps the records of :data:`HELD` while installed (one filter on each of its loggers).
 
     Use as a context manager (installs the filter; on exit releases whatever is still held), and
     call :meth:`drop` to discard the held records instead.
@@ -48,16 +55,17 @@ class HeldFailureLogs(logging.Filter):
     def __init__(self):
         super().__init__()
         self.records: list[logging.LogRecord] = []
-        self._logger = logging.getLogger(LOGGER)
+        self._loggers = [logging.getLogger(name) for name in HELD]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg in HELD_MESSAGES:
+        if record.msg in HELD.get(record.name, ()):
             self.records.append(record)
             return False
         return True
 
     def __enter__(self) -> "HeldFailureLogs":
-        self._logger.addFilter(self)
+        for logger in self._loggers:
+            logger.addFilter(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -65,12 +73,16 @@ class HeldFailureLogs(logging.Filter):
 
     def release(self) -> None:
         """Remove the filter and emit the held records, in the order they were logged."""
-        self._logger.removeFilter(self)
+        self._remove()
         records, self.records = self.records, []
         for record in records:
-            self._logger.handle(record)
+            logging.getLogger(record.name).handle(record)
 
     def drop(self) -> None:
         """Remove the filter and discard the held records."""
-        self._logger.removeFilter(self)
+        self._remove()
         self.records = []
+
+    def _remove(self) -> None:
+        for logger in self._loggers:
+            logger.removeFilter(self)

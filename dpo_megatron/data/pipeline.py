@@ -42,7 +42,7 @@ from .formats import CONVERTERS, SFT_ONLY_FORMATS, UNPAIRED_FORMATS, Filtered, R
 from .lengths import fit_lengths
 from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample, UnpairedDataset, UnpairedExample
 from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, is_local_source, read_source
-from .summary import format_summary, length_stats
+from .summary import drop_warning, format_summary, length_stats
 from .tokenizer import resolve_chat_template, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,11 @@ def _load(cfg: DataConfig, tokenizer, sft: bool, unpaired: bool = False):
         [x for info in eval_sources for x in info["kept"]]
     train = _mix([info["train"] for info in per_source], cfg)
     summary = _summarize(per_source + eval_sources, train, eval_, cfg, sft or unpaired)
+    warning = drop_warning(summary)
     if cfg.verbose and _is_rank_zero():
         print(format_summary(summary), flush=True)
+        if warning:
+            print(warning, flush=True)
     logger.info("%s", format_summary(summary))
     spaced = summary["notes"].get("prompt_ends_with_space", 0)
     if spaced and _is_rank_zero():  # once per load, with the count (TRL warns per row)

@@ -17,6 +17,25 @@ NOTES = {
 }
 """What each note counted in the summary means (``Example.notes``, ``encode.Encoded.notes``)."""
 
+DROP_WARNING_SHARE = 0.10
+"""A load that drops more than this share of its items prints a warning (:func:`drop_warning`):
+a tenth of the data lost is more than a user would accept without a word, and every drop reason
+below it stays visible in the summary's counts."""
+
+DROP_REMEDIES = {
+    "prompt_too_long": "the prompt leaves no room for a completion in data.max_length: raise "
+                       "data.max_length, or set data.max_prompt_length (> 0) to cut long "
+                       "prompts instead of dropping their pairs",
+    "identical_after_cut": "chosen and rejected are the same once cut to data.max_length: "
+                           "raise data.max_length",
+    "duplicate": "data.drop_duplicates=false keeps repeated pairs",
+    "malformed": "rows that could not be read (data.on_error=skip drops them; fix the file)",
+    "shp_pairs_per_post": "data.shp_max_pairs_per_post caps pairs per post (0: no cap)",
+    "score_ratio": "SHP pairs under data.shp_min_score_ratio",
+}
+"""Drop reason -> what it means and the config key that changes it (reasons not listed, such
+as ``identical``, are facts of the rows: no key keeps them)."""
+
 
 def length_stats(lengths: Sequence[int]) -> dict[str, int]:
     """{"p50", "p90", "p99", "max"} of token lengths (nearest-rank, so values are real lengths)."""
@@ -65,3 +84,19 @@ def format_summary(summary: dict) -> str:
             text = " ".join(f"{k} {v}" for k, v in stats.items())
             lines.append(f"  {stage} {name} tokens: {text}")
     return "\n".join(lines)
+
+
+def drop_warning(summary: dict) -> str | None:
+    """One ``WARNING:`` line when more than :data:`DROP_WARNING_SHARE` of the items a load met
+    were dropped (a summary from the pipeline), naming the counts, each reason and the key that
+    changes it; None otherwise."""
+    dropped = summary["dropped"]
+    lost = sum(dropped.values())
+    total = lost + summary["pairs_kept"]
+    if not total or lost / total <= DROP_WARNING_SHARE:
+        return None
+    reasons = "; ".join(f"{reason} {count}" + (f" ({DROP_REMEDIES[reason]})"
+                                                if reason in DROP_REMEDIES else "")
+                        for reason, count in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (f"WARNING: {lost} of {total} {summary['unit']} ({100 * lost / total:.0f}%) were "
+            f"dropped: {reasons}")

@@ -148,6 +148,45 @@ class LossFunction:
                  for c in self.components]
         return f"LossFunction({' + '.join(parts)}, {self.modifiers})"
 
+    def config_section(self) -> dict[str, Any]:
+        """The ``loss`` config section of this function with every parameter written out, the
+        defaults included (``--print-config``): ``build_loss`` of it gives the same function.
+        ``weights`` appears when several losses are combined; ``reference_free`` only where a
+        selected loss uses a reference (elsewhere it is not a key)."""
+        names = [c.spec.name for c in self.components]
+        section: dict[str, Any] = {"name": names[0] if len(names) == 1 else names}
+        if len(names) > 1:
+            section["weights"] = [c.weight for c in self.components]
+        for c in self.components:
+            section.update(c.params)
+        modifiers = dataclasses.asdict(self.modifiers)
+        if not any(c.spec.needs_reference for c in self.components):
+            modifiers.pop("reference_free")
+        return {**section, **modifiers}
+
+    def describe(self) -> str:
+        """One readable line for the start-up log: each loss with every parameter (defaults
+        included; weighted when there are several) and the modifiers that are on, e.g.
+        ``loss sigmoid(beta=0.1, label_smoothing=0)`` or ``loss 1 x sigmoid(beta=0.1, ...) +
+        0.5 x sft() | reference-free``."""
+        def params(c: LossComponent) -> str:
+            return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in c.params.items())
+
+        single = len(self.components) == 1
+        parts = [(f"{c.spec.name}" if single else f"{c.weight:g} x {c.spec.name}")
+                 + f"({params(c)})" for c in self.components]
+        m, mods = self.modifiers, []
+        if m.reference_free:
+            mods.append("reference-free")
+        if m.sft_weight:
+            mods.append(f"+ {m.sft_weight:g} x NLL of the chosen (sft_weight)")
+        if m.use_weighting:
+            mods.append("WPO weighting (use_weighting)")
+        if m.ld_alpha is not None:
+            mods.append(f"LD-DPO (ld_alpha={m.ld_alpha:g})")
+        return "loss " + " + ".join(parts) + (" | " + ", ".join(mods) if mods else "")
+
     def __call__(
         self,
         policy_token_logps: Tensor,

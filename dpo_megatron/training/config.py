@@ -60,9 +60,10 @@ class TrainConfig:
     eval_global_batch_size: int = 0
     """Pairs per eval batch over all data-parallel ranks (>= 0; 0: ``global_batch_size``); each
     rank's share is split into ``micro_batch_size`` micro-batches where it divides."""
-    eval_at_start: bool = False
+    eval_at_start: bool = True
     """Also evaluate before the first step of a run starting at step 0 (logged as step 0; the
-    reference DPO repo's ``do_first_eval``)."""
+    reference DPO repo's ``do_first_eval``), when there is an eval set: the baseline the later
+    evaluations are read against (at step 0 a DPO loss is ln 2 and the margins 0)."""
     sample_during_eval: bool = False
     """At each evaluation, greedily decode the first ``eval_num_samples`` eval prompts and write
     them to ``<run_dir>/samples/step_<step>.jsonl``."""

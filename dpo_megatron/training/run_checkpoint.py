@@ -39,6 +39,7 @@ from dpo_megatron.checkpointing.training_checkpoint import (
     resume_candidates,
     save_training_checkpoint,
 )
+from dpo_megatron.training.run_dir import save_dir_of
 from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
 
 
@@ -329,6 +330,3 @@ class Checkpointer:
         self.stop.close()
 
 
-def save_dir_of(cfg, run_dir: str) -> str:
-    """The checkpoint folder of a run: ``checkpoint.save`` or ``<run_dir>/checkpoints``."""
-    return cfg.save or os.path.join(run_dir, "checkpoints")

@@ -31,8 +31,6 @@ import sys
 import time
 from typing import Optional
 
-from dpo_megatron.checkpointing import ranks
-from dpo_megatron.training.run_checkpoint import save_dir_of
 
 LOCK_FILE = "run.lock"
 """Exclusive lock of the run that owns the folder (empty when no run holds it)."""
@@ -44,6 +42,21 @@ METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT_RE = re.compile(r"^iter_\d{7}")
 
 
+def save_dir_of(cfg, run_dir: str) -> str:
+    """The checkpoint folder of a run: ``checkpoint.save`` or ``<run_dir>/checkpoints``."""
+    return cfg.save or os.path.join(run_dir, "checkpoints")
+
+
+def _global_rank() -> int:
+    """The process's global rank: torch.distributed's once it is started, else the launcher's
+    ``RANK`` (0 without one). Read without importing torch: :func:`check_run_dir` runs before
+    the heavy imports."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 class RunDirError(SystemExit):
     """The run folder cannot be used (held by another run, or holding a run this one would mix
     with). A ``SystemExit``: uncaught, rank 0 prints ``error: <message>`` and every rank exits
@@ -52,7 +65,7 @@ class RunDirError(SystemExit):
     message."""
 
     def __init__(self, message: str):
-        super().__init__(f"error: {message}" if ranks.rank() == 0 else 1)
+        super().__init__(f"error: {message}" if _global_rank() == 0 else 1)
         self.message = message
 
     def __str__(self) -> str:
@@ -171,6 +184,37 @@ def _flock(fd: int) -> bool:
         raise
 
 
+def _probe_lock(run_dir: str) -> None:
+    """Refuse, as :meth:`RunLock.acquire` would, a run folder whose lock a live run holds;
+    takes nothing (the lock is tried and let go at once) and creates nothing.
+
+    Raises:
+        RunDirError: another live run holds the lock (naming its owner).
+    """
+    path = os.path.join(os.path.realpath(run_dir), LOCK_FILE)
+    if path in RunLock._held or not os.path.isfile(path):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # unreadable: the run's own acquire reports it
+    try:
+        previous = _read_owner(fd)
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            raise RunDirError(_in_use_message(run_dir, previous or {})) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            _check_owner_without_flock(previous, run_dir, path)
+    finally:
+        os.close(fd)
+
+
 def _fd_path(fd: int) -> str:
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
@@ -247,9 +291,9 @@ def move_aside(run_dir: str, save_dir: str) -> list[str]:
     return moved
 
 
-def check_no_mixing(cfg, run_dir: str, save_dir: str) -> list[str]:
+def check_no_mixing(cfg, run_dir: str, save_dir: str, move: bool = True) -> list[str]:
     """Refuse a fresh run over an earlier one (unless ``checkpoint.overwrite``, which moves the
-    earlier one aside). Returns the new locations of what was moved.
+    earlier one aside; ``move=False`` only checks). Returns the new locations of what was moved.
 
     Raises:
         RunDirError: naming what the folder holds and the three ways forward.
@@ -268,7 +312,7 @@ def check_no_mixing(cfg, run_dir: str, save_dir: str) -> list[str]:
     if not found:
         return []
     if overwrite:
-        return move_aside(run_dir, save_dir)
+        return move_aside(run_dir, save_dir) if move else []
     started = ("a fresh run" if resume == "none"
                else f"a run resuming another run's checkpoint ({resume})")
     raise RunDirError(
@@ -276,6 +320,22 @@ def check_no_mixing(cfg, run_dir: str, save_dir: str) -> list[str]:
         f"into it (nothing was changed). Continue that run with checkpoint.resume=auto, start "
         f"afresh with checkpoint.overwrite=true (the old run moves to "
         f"{os.path.normpath(run_dir)}.replaced-<time>), or choose another run_dir")
+
+
+def check_run_dir(cfg) -> None:
+    """What :meth:`RunFolder.open` would refuse, checked beforehand by one process without
+    torch, megatron-core or the data: a run folder in use by a live run, or a fresh run over an
+    earlier one (re-running a finished run's command). Read-only: it takes no lock and moves
+    nothing; the run's own :meth:`RunFolder.open` stays the authority. The launchers' pre-check
+    and rank 0 of ``dpo_megatron.train`` call it first, so these refusals come in seconds,
+    not after the model is built.
+
+    Raises:
+        RunDirError: with the message :meth:`RunFolder.open` would give.
+    """
+    run_dir = cfg.run_dir
+    _probe_lock(run_dir)
+    check_no_mixing(cfg, run_dir, save_dir_of(cfg.checkpoint, run_dir), move=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,6 +410,8 @@ class RunFolder:
         """
         run_dir = cfg.run_dir
         save_dir = save_dir_of(cfg.checkpoint, run_dir)
+        from dpo_megatron.checkpointing import ranks
+
         folder, error = cls(run_dir, save_dir), None
         if ranks.rank() == 0:
             try:

@@ -43,6 +43,11 @@ def die_with_launcher() -> bool:
     return True
 
 
+class NonFiniteLossError(RuntimeError):
+    """Too many steps in a row had a NaN/Inf loss or gradient (``train.max_nonfinite_steps``);
+    the message names the last checkpoint written."""
+
+
 class RunInterrupted(SystemExit):
     """The run stopped on SIGINT / SIGTERM after saving (or not saving, when the last update was
     skipped) a checkpoint. A ``SystemExit`` whose code is 128 + the signal number, so an
@@ -84,6 +89,8 @@ class StopRequest:
         self.signum = signum
         for sig in self.SIGNALS:  # a second signal takes the default action: stop now
             signal.signal(sig, signal.SIG_DFL)
+        if int(os.environ.get("RANK", "0")) != 0:  # torchrun signals every rank: say it once
+            return
         print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this "
               f"step, then stopping (send it again to stop at once)", file=sys.stderr,
               flush=True)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 from typing import Optional
 
 from megatron.core import parallel_state
 
+from dpo_megatron.config import resolved_config
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch, make_batch_builder
 from dpo_megatron.losses import build_loss
@@ -35,12 +35,8 @@ from dpo_megatron.training.reference import precomputed_pairs
 from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.training.run_data import RunData, load_run_data
 from dpo_megatron.training.run_dir import RunFolder
-from dpo_megatron.training.shutdown import die_with_launcher
+from dpo_megatron.training.shutdown import NonFiniteLossError, die_with_launcher
 from dpo_megatron.training.step import StepOutput, train_step
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many steps in a row had a NaN/Inf loss or gradient (``train.max_nonfinite_steps``)."""
 
 
 class Trainer:
@@ -112,8 +108,12 @@ class Trainer:
                                          cfg.train.use_distributed_optimizer, lora_record)
         # Resume after the reference is built: it stays the initial policy, not the checkpoint's.
         self.counters, self.resumed_from, layout_note = self.checkpointer.resume()
+        self.evaluations: dict[str, tuple[int, dict[str, float]]] = {}
+        """The first and the last evaluation of this process: (step, metrics)."""
         self.logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters, cfg.logging,
-                                    start_step=self.counters.step, run_config=asdict(cfg))
+                                    start_step=self.counters.step,
+                                    run_config=resolved_config(cfg, self.model_config,
+                                                               self.loss_fn))
         self._report_start(layout_note)
 
     # ------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class Trainer:
               # The CPU's tensors are the C allocator's (parallel.host_malloc).
               + (f"({host_malloc.describe(trimming=self.heap_trimmer is not None)}) "
                  if self.device.type == "cpu" else "") + "| "
-              f"{self.loss_fn!r} | {len(self.data.train)} train / {len(self.data.eval)} eval "
+              f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
               f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
               flush=True)
         if cfg.train.warmup_warning():
@@ -213,6 +213,8 @@ class Trainer:
         metrics = self.evaluator.run(self.policy, self.reference, self.loss_fn)
         if metrics:
             self.logger.log(step, "eval", metrics)
+            self.evaluations.setdefault("first", (step, metrics))
+            self.evaluations["last"] = (step, metrics)
         if self.cfg.train.sample_during_eval and self.cfg.train.eval_num_samples > 0:
             records = self.samples()
             if is_logging_rank():
@@ -250,6 +252,7 @@ class Trainer:
             self.close()
             return {}
         metrics: dict[str, float] = {}
+        started, first_step = time.time(), self.counters.step
         if self.counters.step == 0 and self.evaluator.due(0, last):
             self.evaluate(0)
         while self.counters.step < last:
@@ -279,13 +282,42 @@ class Trainer:
             if interrupted is not None:  # SIGINT / SIGTERM: saved, all ranks stop here
                 self.close()
                 raise interrupted
-        self.export_final()
+        export = self.export_final()
         if is_logging_rank():
             print(f"saved checkpoint {self.checkpointer.latest()}"
                   + (f" ({self.counters.skipped_steps} non-finite steps skipped)"
                      if self.counters.skipped_steps else ""), flush=True)
+            print(self.summary(metrics, first_step, time.time() - started, export), flush=True)
         self.close()
         return metrics
+
+    def summary(self, metrics: dict[str, float], first_step: int, seconds: float,
+                export: Optional[str]) -> str:
+        """The end-of-run block (rank 0 prints it): what the run achieved (steps, the last
+        step's loss and accuracy, the first and last evaluation) and where its files are."""
+        cfg, step = self.cfg, self.counters.step
+        done = step - first_step
+        lines = [f"run summary: {done} step(s) in {seconds:.0f}s"
+                 + (f" (steps {first_step + 1}-{step} of {cfg.train.train_iters}, resumed)"
+                    if first_step else "")
+                 + (f", {self.counters.skipped_steps} skipped (non-finite)"
+                    if self.counters.skipped_steps else "")
+                 + (f"; last step: {_brief(metrics)}" if metrics else "")]
+        if self.evaluations:
+            first, last = self.evaluations["first"], self.evaluations["last"]
+            lines.append("  eval: " + " -> ".join(
+                f"step {s} {_brief(m)} ({int(m.get('items', 0))} {'examples' if self.sft else 'pairs'})"
+                for s, m in ([first, last] if first[0] != last[0] else [last])))
+        lines.append(f"  checkpoint: {self.checkpointer.latest()}")
+        if export:
+            lines.append(f"  export: {export}")
+        import os
+
+        logs = [os.path.join(cfg.run_dir, "train.log"), os.path.join(cfg.run_dir, "metrics.jsonl")]
+        if cfg.logging.tensorboard:
+            logs.append(os.path.join(cfg.run_dir, "tensorboard"))
+        lines.append(f"  logs: {', '.join(logs)}")
+        return "\n".join(lines)
 
     def close(self) -> None:
         """Close the logs, remove the signal handlers and release the run folder."""
@@ -293,9 +325,10 @@ class Trainer:
         self.checkpointer.close()
         self.run_folder.close()
 
-    def export_final(self) -> None:
+    def export_final(self) -> Optional[str]:
         """Per ``checkpoint.export_hf``: the final policy as a Hugging Face folder ``<save>/hf``
-        (LoRA adapters merged), or the LoRA adapters in PEFT's layout ``<save>/hf_adapter``."""
+        (LoRA adapters merged), or the LoRA adapters in PEFT's layout ``<save>/hf_adapter``;
+        says so on rank 0. Returns what was written (a description with its folder), or None."""
         import os
 
         from dpo_megatron.models.conversion import export_hf, export_peft_adapter
@@ -304,12 +337,30 @@ class Trainer:
         mode = export_mode(self.cfg.checkpoint.export_hf)
         chunks, dtype = [c.module for c in self.policy], self.cfg.checkpoint.export_dtype
         if mode == "adapter":
-            export_peft_adapter(chunks, self.model_config, self.cfg.lora,
-                                os.path.join(self.checkpointer.save_dir, "hf_adapter"), dtype)
+            folder = os.path.join(self.checkpointer.save_dir, "hf_adapter")
+            export_peft_adapter(chunks, self.model_config, self.cfg.lora, folder, dtype)
+            what = (f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> "
+                    f"{folder}")
         elif mode == "merged":
-            export_hf(chunks, self.model_config, os.path.join(self.checkpointer.save_dir, "hf"),
-                      dtype=dtype,
+            folder = os.path.join(self.checkpointer.save_dir, "hf")
+            export_hf(chunks, self.model_config, folder, dtype=dtype,
                       tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None)
+            what = ("Hugging Face model" + (" (LoRA adapters merged)" if self.cfg.lora.enabled
+                                            else "") + f" -> {folder}")
+        else:
+            return None
+        if is_logging_rank():
+            print(f"exported the {what}", flush=True)
+        return what
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    """``loss 0.6512, acc 0.7500, margin 0.0500`` (SFT: the loss and ``nll_loss``)."""
+    keys = (("loss", "loss"), ("nll_loss", "nll"), ("rewards/accuracies", "acc"),
+            ("rewards/margins", "margin"))
+    return ", ".join(f"{label} {metrics[k]:.4f}" for k, label in keys
+                     if isinstance(metrics.get(k), (int, float)) and
+                     not (k == "nll_loss" and "rewards/accuracies" in metrics))
 
 
 def _memory_over_ranks() -> dict[str, float]:

@@ -36,6 +36,30 @@ def test_drops_counted_by_reason(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "data: 5 rows read, 2 pairs kept (2 train, 0 eval)" in out
     assert "dropped by reason: empty_completion 1, identical 1, prompt_too_long 1" in out
+    # More than DROP_WARNING_SHARE (10%) lost: one warning line, each reason with its key.
+    assert out.splitlines()[-1] == (
+        "WARNING: 3 of 5 pairs (60%) were dropped: empty_completion 1; identical 1; "
+        "prompt_too_long 1 (the prompt leaves no room for a completion in data.max_length: "
+        "raise data.max_length, or set data.max_prompt_length (> 0) to cut long prompts "
+        "instead of dropping their pairs)")
+
+
+def test_no_drop_warning_at_or_below_a_tenth(tmp_path, capsys):
+    """1 of 10 pairs dropped (10%): the counts say it, no warning; 2 of 10 warn."""
+    from dpo_megatron.data.summary import DROP_WARNING_SHARE
+
+    assert DROP_WARNING_SHARE == 0.10
+    long = {"prompt": "The sky is blue. " * 20, "chosen": " yes", "rejected": " no"}
+    for n_long, warned in ((1, False), (2, True)):
+        rows = [{"prompt": f"Hello {i}!", "chosen": " yes", "rejected": " no"}
+                for i in range(10 - n_long)] + [long] * n_long
+        path = write_jsonl(tmp_path / f"d{n_long}.jsonl", rows)
+        load_preference_pairs(_cfg(path, max_length=16, max_prompt_length=0, verbose=True),
+                              tiny_hf_tokenizer())
+        out = capsys.readouterr().out
+        assert ("WARNING:" in out) == warned, out
+        assert (f"WARNING: {n_long} of 10 pairs (20%) were dropped: prompt_too_long {n_long} "
+                in out) == warned
 
 
 def test_malformed_json_line_names_file_and_line(tmp_path):

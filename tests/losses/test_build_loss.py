@@ -242,3 +242,13 @@ def test_reference_free_combination_passes_zero_reference_to_reference_based_los
     # Both see the policy margin -6 + 10 = 4 at beta 0.1; CPO adds its NLL 6 / 3.
     assert metrics["loss/sigmoid"].item() == pytest.approx(softplus(-0.4), abs=1e-12)
     assert losses.item() == pytest.approx(2 * softplus(-0.4) + 2.0, abs=1e-12)
+
+
+def test_describe_is_one_readable_line_with_every_parameter():
+    """The start-up line's loss: names, parameters with their defaults, weights when several,
+    the modifiers that are on. Old: ``LossFunction(1*sigmoid(...), LossModifiers(...))``."""
+    assert build_loss({"name": "sigmoid"}).describe() == \
+        "loss sigmoid(beta=0.1, label_smoothing=0)"
+    assert build_loss({"name": ["sigmoid", "sft"], "weights": [1.0, 0.5], "beta": 0.2,
+                       "ld_alpha": 0.5}).describe() == \
+        "loss 1 x sigmoid(beta=0.2, label_smoothing=0) + 0.5 x sft() | LD-DPO (ld_alpha=0.5)"

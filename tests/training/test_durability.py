@@ -385,13 +385,14 @@ def _launcher_args(run_dir, data_file, tok_dir, *overrides) -> list[str]:
             "logging.tensorboard=false", *KILL_RUN, *overrides]
 
 
-def _launch(run_dir, data_file, tok_dir, *overrides) -> tuple[subprocess.Popen, str]:
+def _launch(run_dir, data_file, tok_dir, *overrides, env=None) -> tuple[subprocess.Popen, str]:
     """``scripts/pretrain_dpo.sh`` (torchrun, 2 ranks) in its own session; returns the process
     and the marker in its environment (to find its ranks)."""
     marker = uuid.uuid4().hex
+    extra = env or {}
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", DPO_TEST_MARKER=marker)
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", DPO_TEST_MARKER=marker, **extra)
     log = open(Path(run_dir).parent / f"{Path(run_dir).name}-{marker[:6]}.out", "w")
     proc = subprocess.Popen(_launcher_args(run_dir, data_file, tok_dir, *overrides), cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -515,3 +516,97 @@ def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
     assert not _processes_with(marker)
     _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
     _assert_same_run(run_dir, straight)
+
+
+# ----------------------------------------------------------------------------------------------
+# stops found inside the ranks, through the launcher: their line, no traceback, a clear status
+
+
+def _messages(output: str) -> list[str]:
+    """The output's lines but the per-step / per-evaluation log lines and blank lines."""
+    return [line for line in output.splitlines()
+            if line.strip() and not line.startswith(("[train]", "[eval]"))]
+
+
+def _tail_after(output: str, first: str) -> list[str]:
+    """:func:`_messages` from the first line starting with ``first``."""
+    lines = _messages(output)
+    starts = [i for i, line in enumerate(lines) if line.startswith(first)]
+    assert starts, output[-3000:]
+    return lines[starts[0]:]
+
+
+def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
+        tmp_path, fixture_files, straight_run):
+    """SIGTERM to the launcher (a scheduler's, ``kill``): the ranks save the step they are in,
+    rank 0 says so, the launcher adds one line and exits with 143 (128 + 15); resume=auto then
+    finishes exactly like the run never stopped. Old: after the correct save torchrun printed
+    its ``SignalException`` traceback (45 lines, out of order) and each rank announced the
+    signal."""
+    data_file, tok_dir = fixture_files
+    run_dir = tmp_path / "run"
+    proc, marker = _launch(run_dir, data_file, tok_dir)
+    # A shared CI machine can take minutes to start 2 ranks: wait for step 1 that long.
+    _wait_for(lambda: _train_records(run_dir) >= 1, "step 1", timeout=900)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143
+    output = Path(proc.output_path).read_text()
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    assert "death signal" not in output and "closing signal" not in output, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(stopped) == 1, output[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    ckpt = run_dir / "checkpoints" / f"iter_{step:07d}"
+    tail = _tail_after(output, "received SIGTERM")
+    assert len(tail) == 4, tail
+    assert tail[0] == ("received SIGTERM: saving a checkpoint at the end of this step, then "
+                       "stopping (send it again to stop at once)")
+    assert tail[1].startswith(f"wrote checkpoint {ckpt} ("), tail
+    assert tail[2:] == [
+        f"stopped by SIGTERM after step {step}: saved checkpoint {ckpt}; continue with "
+        f"checkpoint.resume=auto",
+        f"launcher: the job stopped on SIGTERM (forwarded to every rank; rank 0's line above "
+        f"says what was saved); rank 0's output is also in {run_dir / 'train.log'}"]
+    assert not _processes_with(marker)
+    _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
+    _assert_same_run(run_dir, straight_run)
+
+
+def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
+        tmp_path, fixture_files, straight_run):
+    """Two faults met by the ranks, through the launcher: resuming a checkpoint with a changed
+    shard, and ``train.max_nonfinite_steps`` NaN steps in a row. Each ends with the rank's
+    ``error:`` line and the launcher's pointer, exit status 3 (``launch.FAULT_EXIT``), no
+    traceback. Old: a traceback from every rank, torchrun's failure block, exit status 1."""
+    from dpo_megatron.launch import FAULT_EXIT
+
+    data_file, tok_dir = fixture_files
+    ckpt = tmp_path / "copied" / "iter_0000002"
+    shutil.copytree(straight_run / "checkpoints" / "iter_0000002", ckpt)
+    shard = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp")[0]
+    flip_bytes(str(ckpt / shard))
+    run_dir = tmp_path / "corrupt"
+    proc, _ = _launch(run_dir, data_file, tok_dir, f"checkpoint.resume={ckpt}")
+    assert proc.wait(timeout=300) == FAULT_EXIT == 3
+    output = Path(proc.output_path).read_text()
+    assert "Traceback" not in output, output[-3000:]
+    tail = _tail_after(output, "error:")
+    assert len(tail) == 2, tail
+    assert tail[0].startswith(f"error: checkpoint {ckpt} failed verification: {shard}: ")
+    assert tail[1] == (f"launcher: the job stopped at the line above (rank 0; the other 1 "
+                       f"rank(s) were stopped); rank 0's output is also in "
+                       f"{run_dir / 'train.log'}")
+
+    run_dir = tmp_path / "nan"
+    proc, _ = _launch(run_dir, data_file, tok_dir, "train.max_nonfinite_steps=2",
+                      env={"DPO_MEGATRON_ENTRY": "tests.launcher_entry",
+                           "DPO_TEST_ENDING": "nan_from_step_3", "PYTHONPATH": str(ROOT)})
+    assert proc.wait(timeout=300) == FAULT_EXIT
+    output = Path(proc.output_path).read_text()
+    assert "Traceback" not in output, output[-3000:]
+    assert _tail_after(output, "error:") == [
+        f"error: 2 steps in a row (up to step 4) had a NaN/Inf loss or gradient "
+        f"(train.max_nonfinite_steps=2); stopping. Last checkpoint: "
+        f"{run_dir / 'checkpoints' / 'iter_0000002'}",
+        f"launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
+        f"stopped); rank 0's output is also in {run_dir / 'train.log'}"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import random
 import shutil
 import signal
@@ -249,7 +250,10 @@ def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
               "train.eval_interval=1", "train.sample_during_eval=true", "train.eval_num_samples=2",
               "train.eval_sample_max_new_tokens=4", "logging.tensorboard=true")
     evals = read_metrics(tmp_path, "eval")
-    assert sorted(evals) == [1, 2]  # every eval_interval, the end not repeated
+    # step 0 (train.eval_at_start, on by default: the baseline, loss ln 2), every
+    # eval_interval, the end not repeated
+    assert sorted(evals) == [0, 1, 2]
+    assert abs(evals[0]["loss"] - math.log(2)) < 1e-6 and evals[0]["rewards/margins"] == 0.0
     for record in evals.values():
         assert 0.0 <= record["rewards/accuracies"] <= 1.0
         assert {"loss", "rewards/margins", "logps/chosen", "logps/rejected"} <= set(record)
@@ -257,6 +261,24 @@ def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
                (tmp_path / "samples" / "step_0000002.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and all(set(s) == {"prompt", "sample", "chosen"} for s in samples)
     assert os.listdir(tmp_path / "tensorboard")
+    # The end-of-run summary: steps, the last step's and the first and last evaluations'
+    # values (as logged), where the checkpoint and the logs are.
+    log = (tmp_path / "train.log").read_text()
+    summary = log[log.index("run summary: "):].splitlines()
+    last, e0, e2 = read_metrics(tmp_path)[2], evals[0], evals[2]
+
+    def brief(m):
+        return (f"loss {m['loss']:.4f}, acc {m['rewards/accuracies']:.4f}, "
+                f"margin {m['rewards/margins']:.4f}")
+
+    assert re.fullmatch(rf"run summary: 2 step\(s\) in \d+s; last step: {brief(last)}",
+                        summary[0]), summary
+    assert summary[1:] == [
+        f"  eval: step 0 {brief(e0)} ({int(e0['items'])} pairs) -> step 2 {brief(e2)} "
+        f"({int(e2['items'])} pairs)",
+        f"  checkpoint: {tmp_path / 'checkpoints' / 'iter_0000002'}",
+        f"  logs: {tmp_path / 'train.log'}, {tmp_path / 'metrics.jsonl'}, "
+        f"{tmp_path / 'tensorboard'}"]
 
 
 def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
@@ -323,7 +345,7 @@ def test_sft_on_real_alpaca_then_dpo_on_real_pairs(tmp_path):
                          "data.eval_fraction=0.01", "train.eval_interval=1",
                          "train.eval_iters=2"])
     nll = {step: r["nll_loss"] for step, r in read_metrics(sft_dir, "eval").items()}
-    assert sorted(nll) == list(range(1, 9))
+    assert sorted(nll) == list(range(0, 9))  # step 0: eval_at_start
     # Random init starts near ln 49152 = 10.8 nats/token; every step lowers the eval NLL.
     assert all(nll[s + 1] < nll[s] for s in range(1, 8)), nll
     assert nll[8] < nll[1] - 0.2, nll

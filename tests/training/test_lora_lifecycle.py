@@ -50,6 +50,11 @@ def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path, straig
         assert b[step]["loss"] == a[step]["loss"], step
         assert b[step]["grad_norm"] == a[step]["grad_norm"], step
     assert a[4]["loss"] < a[1]["loss"]
+    # The export is said, with its folder, and the end-of-run summary points at it.
+    folder = straight_run / "checkpoints" / "hf_adapter"
+    what = f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
+    log = (straight_run / "train.log").read_text().splitlines()
+    assert f"exported the {what}" in log and f"  export: {what}" in log
 
     ckpt = straight_run / "checkpoints" / "iter_0000004"
     tensors = model_tensors(ckpt)

@@ -19,6 +19,7 @@ from dpo_megatron.training.run_dir import (
     RunFolder,
     RunLock,
     check_no_mixing,
+    check_run_dir,
 )
 from tests.checkpointing.faults import tree_digest
 
@@ -57,6 +58,27 @@ def test_a_second_run_is_refused_naming_the_owner(holder):
     with pytest.raises(RunDirError, match=rf"run_dir .*run is in use by another run \(pid "
                                           rf"{proc.pid} on .*started .*one run per run_dir"):
         RunLock.acquire(str(run_dir))
+
+
+def test_check_run_dir_refuses_what_open_would_and_changes_nothing(holder, tmp_path):
+    """The pre-check of the launchers (no torch): a folder held by a live run, a fresh run over
+    an earlier one; overwrite=true and resume=auto pass and nothing is moved or locked."""
+    run_dir, proc = holder
+    owner = (run_dir / LOCK_FILE).read_text()
+    with pytest.raises(RunDirError, match=rf"is in use by another run \(pid {proc.pid} on "):
+        check_run_dir(_config(run_dir))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    check_run_dir(_config(run_dir))  # a dead owner's lock is stale: no refusal
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="already holds a run .metrics.jsonl with 1 record"):
+        check_run_dir(_config(run_dir))
+    check_run_dir(_config(run_dir, "checkpoint.overwrite=true"))
+    check_run_dir(_config(run_dir, "checkpoint.resume=auto"))
+    check_run_dir(_config(tmp_path / "absent"))
+    assert not (tmp_path / "absent").exists()
+    assert (run_dir / LOCK_FILE).read_text() == owner  # never taken: the dead owner's record
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", LOCK_FILE]
 
 
 def test_the_lock_of_a_killed_run_is_stale_and_taken_over(holder):
