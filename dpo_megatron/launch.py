@@ -15,7 +15,11 @@ Two halves, one contract (:data:`USER_ERROR_EXIT`):
   about the failure (:mod:`dpo_megatron.compat.torchrun_failure_logs`) are replaced by one line
   pointing at the error and the run's ``train.log``, and the launcher exits with status 1, as the
   launchers' pre-check does for the mistakes it catches. Any other failure (an exception's
-  traceback, a signal, a rank killed) keeps torchrun's block and its exit status.
+  traceback, a rank killed) keeps torchrun's block and its exit status. When the launcher itself
+  is asked to stop (SIGTERM from ``scancel``, SLURM preemption or a time limit; SIGINT), it
+  forwards the signal to the ranks, waits for them to save at the end of their step (a repeated
+  SIGTERM does not cut that wait short: :mod:`dpo_megatron.compat.torchrun_repeated_signal`), then
+  prints one line and exits with 128 + the signal number instead of torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -89,18 +93,32 @@ def stopped_line(rank: int, failed: int, training_args: Sequence[str]) -> str:
     return f"launcher: the job stopped at the line above (rank {rank}{others}){where}"
 
 
+def signal_line(signum: int) -> str:
+    """The launcher's one line after it was stopped by ``signum`` (its exit status is 128 +
+    ``signum``; the ranks print what they saved)."""
+    return (f"launcher: stopped by {signal.Signals(signum).name}: the ranks were asked to save a "
+            f"checkpoint at the end of their step and stop (their lines above say what was "
+            f"saved)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """torchrun with the ending described in the module docstring."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from dpo_megatron.compat.torchrun_failure_logs import HeldFailureLogs
+    from dpo_megatron.compat.torchrun_repeated_signal import RepeatedSigtermIgnored
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    with HeldFailureLogs() as held:
+    with HeldFailureLogs() as held, RepeatedSigtermIgnored():
         try:
             torchrun(argv)
+        except SignalException as e:
+            print(signal_line(e.sigval), file=sys.stderr, flush=True)
+            raise SystemExit(128 + int(e.sigval)) from None
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             if failure.exitcode != USER_ERROR_EXIT:
