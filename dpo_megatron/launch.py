@@ -103,11 +103,10 @@ def signal_line(signum: int) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """torchrun with the ending described in the module docstring."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from dpo_megatron.compat.torchrun_failure_logs import HeldFailureLogs
     from dpo_megatron.compat.torchrun_repeated_signal import RepeatedSigtermIgnored
