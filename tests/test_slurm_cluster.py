@@ -377,7 +377,8 @@ def test_a_lost_node_ends_the_job_and_the_requeued_job_resumes(cluster, work, un
     last = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iter_*"))
     started = cluster.cluster("start")  # the node comes back (ReturnToService=2)
     assert started.returncode == 0, started.stderr
-    cluster.release(job_id)
+    # Slurm's own hold of a requeued job (~2 minutes) stays: started at once, the new run was
+    # seen killed after its last step, by the late clean-up of the run lost with n2
     job = cluster.wait_done(job_id)
     log = out.read_text()
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
