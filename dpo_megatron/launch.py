@@ -23,7 +23,9 @@ Two halves, one contract (the exit statuses below):
   A SIGINT / SIGTERM sent to the launcher (Ctrl-C, ``kill``, a scheduler) is forwarded to the
   ranks by torchrun, which waits for them to save and exit; instead of the ``SignalException``
   traceback torchrun then raises, the launcher prints one line and exits with 128 + the
-  signal's number. Any other failure (an exception's traceback, a rank killed) keeps
+  signal's number (a repeated SIGTERM, as Slurm's ``scancel`` sends to every process of the
+  step, does not cut torchrun's wait short: :mod:`dpo_megatron.compat.torchrun_repeated_signal`).
+  Any other failure (an exception's traceback, a rank killed) keeps
   torchrun's block and its exit status.
 """
 
@@ -131,13 +133,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from torch.distributed.run import main as torchrun
 
     from dpo_megatron.compat.torchrun_failure_logs import HeldFailureLogs
+    from dpo_megatron.compat.torchrun_repeated_signal import RepeatedSigtermIgnored
 
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def training_args() -> list[str]:
         return get_args_parser().parse_args(argv).training_script_args
 
-    with HeldFailureLogs() as held:
+    with HeldFailureLogs() as held, RepeatedSigtermIgnored():
         try:
             torchrun(argv)
         except ChildFailedError as e:

@@ -76,3 +76,37 @@ def test_two_simulated_nodes_form_one_job_with_the_one_node_losses(tmp_path):
     assert (two_nodes / "checkpoints" / "iter_0000003" / "train_state.json").exists()
     assert '"data_parallel_size": 2' in (
         two_nodes / "checkpoints" / "iter_0000003" / "train_state.json").read_text()
+
+
+def _rendezvous(tmp_path: Path, node_addr: str) -> subprocess.CompletedProcess:
+    """launch_node.sh on a node list whose first name does not resolve, with a stand-in
+    ``scontrol`` (NodeAddr ``node_addr``) and ``echo`` in place of python: the launcher's
+    arguments come back on stdout."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo no-such-node-a.invalid; echo no-such-node-b.invalid ;;
+  "show node") echo "NodeName=$4 Arch=x86_64 NodeAddr={node_addr} NodeHostName=$4" ;;
+esac
+""")
+    scontrol.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_NNODES="2", SLURM_NODEID="1",
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="no-such-node-[a-b].invalid",
+               GPUS_PER_NODE="1", PYTHON="echo")
+    return subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "launch_node.sh")], env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_the_rendezvous_is_the_first_nodes_node_addr_when_its_name_does_not_resolve(tmp_path):
+    out = _rendezvous(tmp_path, "127.0.0.1")
+    assert out.returncode == 0, out.stderr
+    assert "--master-addr=127.0.0.1 --master-port=29507" in out.stdout
+    out = _rendezvous(tmp_path, "no-such-node-a.invalid")  # NodeAddr defaults to the name
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        "launch_node.sh: the rendezvous host, node no-such-node-a.invalid (NodeAddr "
+        "no-such-node-a.invalid), does not resolve on " + os.uname().nodename + ": set "
+        "MASTER_ADDR to an address of no-such-node-a.invalid reachable from every node")

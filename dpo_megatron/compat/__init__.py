@@ -23,6 +23,8 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
 * :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a
   failed worker until the launcher (:mod:`dpo_megatron.launch`) knows whether it was a crash.
+* :mod:`~dpo_megatron.compat.torchrun_repeated_signal`: torch elastic's agent keeps waiting for
+  its workers to save when SLURM repeats a job's SIGTERM.
 
 Applying a patch is always its caller's explicit decision, never an import side effect. This
 ``__init__`` imports nothing heavy, so config-only entry points stay fast.

@@ -66,7 +66,7 @@ def register(patch: Patch) -> Patch:
 
 PATCH_MODULES = ("cuda_on_cpu", "dist_ckpt_queue", "eager_fusions", "expected_warnings",
                  "moe_alltoall_on_cpu", "moe_router_without_te", "torch_adam_resume",
-                 "torchrun_failure_logs")
+                 "torchrun_failure_logs", "torchrun_repeated_signal")
 """Every patch module of the package (imported by :func:`patches`)."""
 
 

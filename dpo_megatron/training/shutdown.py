@@ -4,10 +4,12 @@
 at the next step boundary every rank takes part in one all-reduce of the flags, so all ranks
 learn at the same step that some rank was asked to stop, save a checkpoint of that step and
 exit with status 128 + the signal number (130 for SIGINT, 143 for SIGTERM) and a message saying
-what was saved (:class:`RunInterrupted`). A second signal ends the rank at once (the default
-action is put back after the first). torchrun forwards SIGINT / SIGTERM to its workers and sends
-SIGKILL after its ``--shutdown-timeout`` (30 s by default); a SLURM job gets SIGTERM then, after
-the cluster's KillWait, SIGKILL.
+what was saved (:class:`RunInterrupted`). After the first signal a SIGINT (a second Ctrl-C) ends
+the rank at once, while further SIGTERMs are ignored: a rank under SLURM gets SIGTERM twice, from
+slurmstepd (which signals every process of a job step: ``scancel --signal=TERM``, preemption, the
+time limit) and again from torchrun, which forwards its own; honouring the second would kill the
+rank in the middle of its checkpoint. torchrun sends SIGKILL after its ``--shutdown-timeout``
+(``PET_SHUTDOWN_TIMEOUT``), SLURM after the cluster's KillWait, so the stop stays bounded.
 
 **The launcher's death.** torch elastic starts every worker in its own session, so a worker
 outlives a torchrun (or ``scripts/pretrain_dpo.sh``) killed with SIGKILL and would go on
@@ -70,7 +72,8 @@ class RunInterrupted(SystemExit):
 
 
 class StopRequest:
-    """Catches SIGINT / SIGTERM in this rank and tells every rank at a step boundary.
+    """Catches SIGINT / SIGTERM in this rank and tells every rank at a step boundary (after the
+    first signal: SIGINT takes the default action, SIGTERM is ignored).
 
     Handlers are installed only from the main thread (Python's rule); elsewhere
     :meth:`agreed` still takes part in the collective and reports the other ranks' signals.
@@ -87,12 +90,14 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
-        for sig in self.SIGNALS:  # a second signal takes the default action: stop now
-            signal.signal(sig, signal.SIG_DFL)
+        # Ctrl-C again: stop now. SIGTERM again: the same request from another sender (see the
+        # module docstring), ignored.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun signals every rank: say it once
             return
         print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this "
-              f"step, then stopping (send it again to stop at once)", file=sys.stderr,
+              f"step, then stopping (Ctrl-C / SIGINT stops at once)", file=sys.stderr,
               flush=True)
 
     def agreed(self) -> int:

@@ -15,5 +15,23 @@ if [[ $has_resume == 0 ]]; then args+=("checkpoint.resume=auto"); fi
 if [[ -n "${DPO_MEGATRON_NO_SRUN:-}" ]]; then
   exec bash "$ROOT/scripts/slurm/launch_node.sh" "${args[@]}"
 fi
-exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-  bash "$ROOT/scripts/slurm/launch_node.sh" "${args[@]}"
+# srun runs in the background of this (batch) shell, which passes a SIGTERM or SIGINT it gets on
+# to the ranks as that signal (scancel --signal=TERM of the job's steps): each saves at the end of
+# its step and stops. srun itself must not get it: srun answers SIGTERM by SIGKILLing the step
+# ("forcing job termination"), which is what `sbatch --signal=B:TERM@60` (the batch shell only,
+# 60 s before the time limit) or `scancel --batch` would otherwise do to a job that exec'd srun.
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  bash "$ROOT/scripts/slurm/launch_node.sh" "${args[@]}" &
+step=$!
+forward() {
+  echo "job.sh: $1 on the batch shell: passing it to the ranks (they save at the end of their step)" >&2
+  scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null || true  # fails once the job has ended
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+# wait returns early when a trapped signal arrives: wait again until srun has ended
+while :; do
+  rc=0; wait "$step" || rc=$?
+  kill -0 "$step" 2>/dev/null || break
+done
+exit "$rc"

@@ -6,7 +6,8 @@
 #
 # Reads (SLURM sets the first three):
 #   SLURM_NNODES, SLURM_NODEID       nodes in the job, this node's index (0 = rendezvous host)
-#   SLURM_JOB_NODELIST               the rendezvous host is its first name (scontrol show hostnames)
+#   SLURM_JOB_NODELIST               the rendezvous host is its first node's NodeAddr (scontrol
+#                                    show node), else that node's name when it resolves
 #   MASTER_ADDR, MASTER_PORT         override the rendezvous host / port (default port 29500 +
 #                                    SLURM_JOB_ID % 1000, so jobs sharing a node do not collide)
 #   GPUS_PER_NODE                    processes per node (default SLURM_GPUS_ON_NODE, else the
@@ -25,8 +26,19 @@ else PYTHON=python3; fi
 
 NNODES="${SLURM_NNODES:?SLURM_NNODES is not set: run under srun (scripts/slurm/*.sbatch)}"
 NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set: run under srun (scripts/slurm/*.sbatch)}"
+# The rendezvous host: the first node's NodeAddr (what slurmctld itself uses to reach it), else
+# its name. A node name need not resolve (NodeName=n1 NodeAddr=10.0.0.7): c10d would retry an
+# unresolvable name for minutes, so stop with one line instead.
+resolves() { getent ahosts "$1" >/dev/null 2>&1; }  # names and address literals
 if [[ -z "${MASTER_ADDR:-}" ]]; then
-  MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n 1)"
+  first="$(scontrol show hostnames "${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set: run under srun or set MASTER_ADDR}}" | head -n 1)"
+  addr="$(scontrol show node -o "$first" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')"
+  if [[ -n "$addr" ]] && resolves "$addr"; then MASTER_ADDR="$addr"
+  elif resolves "$first"; then MASTER_ADDR="$first"
+  else
+    echo "launch_node.sh: the rendezvous host, node $first (NodeAddr ${addr:-unknown}), does not resolve on $(hostname): set MASTER_ADDR to an address of $first reachable from every node" >&2
+    exit 1
+  fi
 fi
 MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then

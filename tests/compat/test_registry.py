@@ -13,7 +13,7 @@ def test_every_patch_is_declared_and_matches_this_environment():
     names = [p.name for p in patches()]
     assert names == ["cuda_on_cpu", "dist_ckpt_queue", "eager_fusions", "expected_warnings",
                      "moe_alltoall_on_cpu", "moe_router_without_te", "torch_adam_resume",
-                     "torchrun_failure_logs"]
+                     "torchrun_failure_logs", "torchrun_repeated_signal"]
     for patch in patches():
         assert patch.why and patch.switched_on and patch.versions
         assert patch.mismatches() == {}, patch.name

@@ -560,7 +560,7 @@ def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
     tail = _tail_after(output, "received SIGTERM")
     assert len(tail) == 4, tail
     assert tail[0] == ("received SIGTERM: saving a checkpoint at the end of this step, then "
-                       "stopping (send it again to stop at once)")
+                       "stopping (Ctrl-C / SIGINT stops at once)")
     assert tail[1].startswith(f"wrote checkpoint {ckpt} ("), tail
     assert tail[2:] == [
         f"stopped by SIGTERM after step {step}: saved checkpoint {ckpt}; continue with "

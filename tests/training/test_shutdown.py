@@ -1,5 +1,6 @@
-"""Signals and the launcher's death (no model): the first SIGTERM only sets the flag, a second
-one takes the default action, and a rank started by torch elastic dies with its parent."""
+"""Signals and the launcher's death (no model): the first SIGTERM only sets the flag, a repeated
+SIGTERM is ignored and a SIGINT then takes the default action, and a rank started by torch elastic
+dies with its parent."""
 
 from __future__ import annotations
 
@@ -17,14 +18,18 @@ from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_the_first_signal_sets_the_flag_and_the_second_is_the_default(capsys):
+def test_the_first_signal_sets_the_flag_a_second_sigint_is_the_default(capsys):
     before = signal.getsignal(signal.SIGTERM)
     stop = StopRequest()
     try:
         assert stop.agreed() == 0
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.agreed() == signal.SIGTERM  # still alive: only the flag was set
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        # SLURM's slurmstepd and torchrun both send SIGTERM: the repeat must not kill the rank
+        # in its checkpoint
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
         assert "received SIGTERM: saving a checkpoint" in capsys.readouterr().err
     finally:
