@@ -8,19 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("bench_dpo")
-gpu = _load("gpu_bench")
+bench = load_script("bench_dpo")
+gpu = load_script("gpu_bench")
 
 
 def test_summarize_by_hand():

@@ -2,7 +2,6 @@
 between them), what a cut-short run leaves, the exact peak-FLOPs table, the CPU baseline's
 hidden CUDA, and the rule that the GPU path needs no package the GPU machine lacks."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -13,19 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_bench = _load("gpu_bench")
-gpu_check = _load("gpu_check")
+gpu_bench = load_script("gpu_bench")
+gpu_check = load_script("gpu_check")
 
 
 def _clean_env(**extra) -> dict:

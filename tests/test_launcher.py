@@ -160,13 +160,11 @@ def test_help_texts_and_key_listing(tmp_path):
 def test_exporter_names_the_checkpoint_it_loads(tmp_path):
     """Old: it printed only ``wrote OUT``, so exporting a run's checkpoints folder after another
     run had written there exported the wrong weights without a word."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("convert_megatron_to_hf",
-                                                  os.path.join(ROOT, "scripts", "convert_megatron_to_hf.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from tests.scripts import load_script
+
+    module = load_script("convert_megatron_to_hf")
     ckpt = tmp_path / "runs" / "dpo" / "checkpoints" / "iter_0000012"
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text(json.dumps({"step": 12}))

@@ -1,6 +1,5 @@
 """Model-only distributed checkpoints: save at one layout, load at another, atomically."""
 
-import importlib.util
 import os
 
 import pytest
@@ -100,11 +99,9 @@ def test_load_from_non_checkpoint_folder(tmp_path):
 
 
 def _run_script(name, argv):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
-                                                                     name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
+    from tests.scripts import load_script
+
+    load_script(name).main(argv)
 
 
 @pytest.mark.slow

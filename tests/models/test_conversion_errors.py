@@ -1,6 +1,5 @@
 """Bad inputs: a clear error naming the culprit, and nothing written."""
 
-import importlib.util
 import json
 import os
 
@@ -73,11 +72,9 @@ def test_unknown_architecture(llama_dir):
 
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
-                                                                     name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.scripts import load_script
+
+    return load_script(name)
 
 
 def _convert(argv):
