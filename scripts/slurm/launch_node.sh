@@ -31,7 +31,9 @@ NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set: run under srun (scripts/slur
 # unresolvable name for minutes, so stop with one line instead.
 resolves() { getent ahosts "$1" >/dev/null 2>&1; }  # names and address literals
 if [[ -z "${MASTER_ADDR:-}" ]]; then
-  first="$(scontrol show hostnames "${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set: run under srun or set MASTER_ADDR}}" | head -n 1)"
+  # No `| head -n 1`: under pipefail, scontrol killed by SIGPIPE would end the script (141).
+  first="$(scontrol show hostnames "${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set: run under srun or set MASTER_ADDR}}")"
+  first="${first%%$'\n'*}"
   addr="$(scontrol show node -o "$first" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')"
   if [[ -n "$addr" ]] && resolves "$addr"; then MASTER_ADDR="$addr"
   elif resolves "$first"; then MASTER_ADDR="$first"
