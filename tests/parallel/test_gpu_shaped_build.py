@@ -27,23 +27,6 @@ from tests.multirank import run_ranks
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_neox", "gpt2"]
 
 
-class _CudaToMeta(torch.overrides.TorchFunctionMode):
-    """Every CUDA device in a torch call becomes ``meta`` (pushed above the CPU redirection, so
-    it sees the calls first)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from dpo_megatron.compat.cuda_on_cpu import is_cuda_device
-
-        kwargs = dict(kwargs or {})
-        if is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "meta"
-        if func is torch.Tensor.cuda:
-            return args[0].to("meta")
-        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
-            args = (args[0], "meta", *args[2:])
-        return func(*args, **kwargs)
-
-
 def _host_tensors(chunks) -> list[str]:
     """Names of every parameter, buffer and tensor attribute of ``chunks`` still on the host."""
     found = []
@@ -66,6 +49,7 @@ def _wrong_dtypes(chunks, dtype: torch.dtype) -> list[str]:
 def _gpu_shaped_builds(cases: list[tuple[str, str, str, bool]], place: bool = True) -> dict:
     """Build each (architecture, HF folder, params dtype, LoRA) case through the CUDA branch
     with CUDA allocations on ``meta``; returns {case: (host tensors, wrong dtypes)}."""
+    from dpo_megatron.compat import cuda_on_cpu
     from dpo_megatron.models import ModelConfig, build_model_chunks, model_config_from_hf
     from dpo_megatron.models import gpt
     from dpo_megatron.models.lora import attach_lora
@@ -77,23 +61,22 @@ def _gpu_shaped_builds(cases: list[tuple[str, str, str, bool]], place: bool = Tr
     initialize_distributed(parallel)  # gloo: the CPU redirection is on underneath
     set_seed(0)
     device._DEVICE = torch.device("cuda", 0)  # the engine now believes it is on a GPU
-    torch.cuda.current_device = lambda: "meta"
+    cuda_on_cpu.enable("meta")  # and every CUDA allocation lands on meta
     # The all-to-all MoE dispatcher makes a side stream in its GPU branch: no tensor, no place.
     torch.cuda.Stream = lambda *args, **kwargs: object()
     if not place:
         gpt.place_chunk = lambda chunk, dtype: None  # the defect: nothing moves the model
     assert get_device().type == "cuda"
     out = {}
-    with _CudaToMeta():
-        for arch, hf_dir, dtype, lora in cases:
-            cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype=dtype,
-                                                           transformer_impl="local"))
-            chunks = build_model_chunks(cfg, parallel)
-            if lora:
-                attach_lora(chunks, LoraConfig(enabled=True, rank=4), cfg, seed=0)
-            want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-            out[f"{arch}/{dtype}/lora={lora}"] = (_host_tensors(chunks),
-                                                  _wrong_dtypes(chunks, want))
+    for arch, hf_dir, dtype, lora in cases:
+        cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype=dtype,
+                                                       transformer_impl="local"))
+        chunks = build_model_chunks(cfg, parallel)
+        if lora:
+            attach_lora(chunks, LoraConfig(enabled=True, rank=4), cfg, seed=0)
+        want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        out[f"{arch}/{dtype}/lora={lora}"] = (_host_tensors(chunks),
+                                              _wrong_dtypes(chunks, want))
     return out
 
 
