@@ -193,6 +193,11 @@ class HeadLogps(NamedTuple):
     log_sum_p2: Optional[torch.Tensor]
 
 
+_MM_OUT_DTYPE = True
+"""Whether ``torch.mm(..., out_dtype=)`` is still worth trying on CUDA (found missing once, it is
+not tried again for every chunk of every step)."""
+
+
 def _matmul_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a [m, k] @ b [k, n] with ``dtype`` (fp32 for bf16 inputs) accumulation *and* output.
 
@@ -201,13 +206,14 @@ def _matmul_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     (``out_dtype``, no wider copy of the weight); where that overload is missing (the CPU, older
     torch) the inputs are widened first, one chunk at a time: the same products, the same fp32
     accumulation."""
+    global _MM_OUT_DTYPE
     if a.dtype == dtype:
         return torch.mm(a, b)
-    if a.is_cuda:
+    if a.is_cuda and _MM_OUT_DTYPE:
         try:
             return torch.mm(a, b, out_dtype=dtype)
         except (TypeError, RuntimeError, NotImplementedError):
-            pass
+            _MM_OUT_DTYPE = False  # this torch lacks the overload: widen from now on
     return torch.mm(a.to(dtype), b.to(dtype))
 
 
