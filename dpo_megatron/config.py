@@ -44,8 +44,7 @@ filter_expected_warnings()  # the launcher imports this module first: before meg
 
 from dpo_megatron.config_checks import check_choice, check_range  # noqa: E402
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
-from dpo_megatron.models.config import (MODEL_PRESETS, ModelConfig, model_preset_keys,  # noqa: E402
-                                        preset_name)
+from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name  # noqa: E402
 from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
@@ -175,9 +174,13 @@ def _field_docs(node_type: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -191,14 +194,20 @@ def list_keys() -> str:
         docs = _field_docs(node_type)
         hints = get_type_hints(node_type)
         for f in fields(node_type):
-            default = (f.default_factory() if f.default_factory is not MISSING  # type: ignore[misc]
-                       else f.default)
+            default = (
+                f.default_factory()
+                if f.default_factory is not MISSING  # type: ignore[misc]
+                else f.default
+            )
             if is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
                 continue
             hint = hints[f.name]
-            kind = (str(hint).replace("typing.", "") if getattr(hint, "__args__", None)
-                    else getattr(hint, "__name__", str(hint)))
+            kind = (
+                str(hint).replace("typing.", "")
+                if getattr(hint, "__args__", None)
+                else getattr(hint, "__name__", str(hint))
+            )
             lines.append(f"{prefix}{f.name} ({kind}, default {default!r})")
             if f.name in docs:
                 lines.extend("    " + line for line in textwrap.wrap(docs[f.name], 92))
@@ -215,8 +224,11 @@ def _unknown_key_message(bad_key: str, source: str) -> str:
     section = bad_key.split(".")[0]
     in_section = [k for k in keys if k.startswith(section + ".")]
     hint = f" Did you mean {', '.join(close)}?" if close else ""
-    listing = (f"Valid keys of {section}: {', '.join(in_section)}" if in_section else
-               f"Valid sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}")
+    listing = (
+        f"Valid keys of {section}: {', '.join(in_section)}"
+        if in_section
+        else f"Valid sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}"
+    )
     return f"unknown config key {bad_key!r} (from {source}).{hint} {listing}"
 
 
@@ -232,8 +244,10 @@ def _section_scalar(section: str, value: Any, source: str) -> dict:
     """
     if section == "loss":
         if value == "" or isinstance(value, (dict, DictConfig)):
-            raise ValueError(f"loss= needs a loss name (from {source}), e.g. loss=ipo or "
-                             f"loss.name=sigmoid loss.beta=0.1")
+            raise ValueError(
+                f"loss= needs a loss name (from {source}), e.g. loss=ipo or "
+                f"loss.name=sigmoid loss.beta=0.1"
+            )
         return {"name": value}
     if section == "model":
         if isinstance(value, str) and preset_name(value):
@@ -243,11 +257,14 @@ def _section_scalar(section: str, value: Any, source: str) -> dict:
             f"model={value} (from {source}): model is a section, not a value. Give it a preset "
             f"name ({presets}) or its keys: model.hf_path=<Hugging Face folder> for pretrained "
             f"weights, model.load=<checkpoint folder>, or the architecture of a random model "
-            f"(model.num_layers=..., model.hidden_size=...; --list-keys lists them all)")
+            f"(model.num_layers=..., model.hidden_size=...; --list-keys lists them all)"
+        )
     example = next(iter(_valid_keys(_sections()[section], f"{section}.")), f"{section}.<key>")
-    raise ValueError(f"{section}={value} (from {source}): {section} is a section, not a value; "
-                     f"set its keys, e.g. {example}=... (python -m dpo_megatron.config "
-                     f"--list-keys lists them)")
+    raise ValueError(
+        f"{section}={value} (from {source}): {section} is a section, not a value; "
+        f"set its keys, e.g. {example}=... (python -m dpo_megatron.config "
+        f"--list-keys lists them)"
+    )
 
 
 def _expand_override(item: str) -> list[str]:
@@ -299,8 +316,9 @@ def _merge_layer(merged, layer, source: str):
         raise ValueError(_unknown_key_message(e.full_key or str(e), source)) from None
     except ValidationError as e:
         key = e.full_key or "?"
-        raise ValueError(f"invalid value for config key {key!r} (from {source}): "
-                         f"{str(e.msg).splitlines()[0]}") from None
+        raise ValueError(
+            f"invalid value for config key {key!r} (from {source}): {str(e.msg).splitlines()[0]}"
+        ) from None
 
 
 def _load_yaml(config_file: str):
@@ -312,14 +330,17 @@ def _load_yaml(config_file: str):
         detail = " ".join(str(e).split())
         raise ValueError(f"config file {config_file} is not valid YAML: {detail}") from None
     if not isinstance(layer, DictConfig):
-        raise ValueError(f"config file {config_file} must be a mapping of sections (run_dir, "
-                         f"parallel, model, data, loss, train, ...), got a "
-                         f"{type(layer).__name__.replace('Config', '').lower()}")
+        raise ValueError(
+            f"config file {config_file} must be a mapping of sections (run_dir, "
+            f"parallel, model, data, loss, train, ...), got a "
+            f"{type(layer).__name__.replace('Config', '').lower()}"
+        )
     return _expand_layer(layer, config_file)
 
 
-def load_config(config_file: Optional[str], overrides: Sequence[str] = (),
-                check: bool = True) -> DPOConfig:
+def load_config(
+    config_file: Optional[str], overrides: Sequence[str] = (), check: bool = True
+) -> DPOConfig:
     """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
 
     ``check=False`` leaves out :func:`validate` (the cross-field rules and the loss registry,
@@ -346,8 +367,9 @@ def load_config(config_file: Optional[str], overrides: Sequence[str] = (),
         OmegaConf.resolve(merged)
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ValidationError as e:
-        raise ValueError(f"invalid value for config key {e.full_key!r}: "
-                         f"{str(e.msg).splitlines()[0]}") from None
+        raise ValueError(
+            f"invalid value for config key {e.full_key!r}: {str(e.msg).splitlines()[0]}"
+        ) from None
     if check:
         validate(cfg)
     return cfg
@@ -410,7 +432,8 @@ def validate(cfg: DPOConfig) -> None:
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by "
-            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}")
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
+        )
     if p.virtual_pipeline_model_parallel_size is not None and dp is not None:
         micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
         if micro_batches % p.pipeline_model_parallel_size:
@@ -421,22 +444,28 @@ def validate(cfg: DPOConfig) -> None:
                 f"{t.global_batch_size} / ({t.micro_batch_size} x {dp}) = {micro_batches}, to "
                 f"be a multiple of parallel.pipeline_model_parallel_size="
                 f"{p.pipeline_model_parallel_size} (megatron-core's interleaved schedule): "
-                f"change the batch sizes or drop virtual_pipeline_model_parallel_size")
+                f"change the batch sizes or drop virtual_pipeline_model_parallel_size"
+            )
     if not cfg.model.hf_path and not cfg.model.load and not cfg.data.tokenizer:
-        raise ValueError("set model.hf_path (weights + tokenizer) or data.tokenizer for a "
-                         "randomly initialised model")
+        raise ValueError(
+            "set model.hf_path (weights + tokenizer) or data.tokenizer for a "
+            "randomly initialised model"
+        )
     if cfg.packing.enabled and cfg.packing.row_length and cfg.model.transformer_impl != "local":
         from dpo_megatron.models.transformer_config import use_transformer_engine
 
         # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
         if use_transformer_engine(cfg.model.transformer_impl):
-            raise ValueError("transformer-engine takes packed rows in THD form, one row per "
-                             f"micro-batch: leave packing.row_length=0 (got "
-                             f"{cfg.packing.row_length}) or set model.transformer_impl=local")
+            raise ValueError(
+                "transformer-engine takes packed rows in THD form, one row per "
+                f"micro-batch: leave packing.row_length=0 (got "
+                f"{cfg.packing.row_length}) or set model.transformer_impl=local"
+            )
     _validate_context_parallel(cfg)
     _validate_loss(cfg)
-    cfg.lora.validate(loss=cfg.loss, reference=cfg.reference, model=cfg.model,
-                      export_hf=cfg.checkpoint.export_hf)
+    cfg.lora.validate(
+        loss=cfg.loss, reference=cfg.reference, model=cfg.model, export_hf=cfg.checkpoint.export_hf
+    )
 
 
 def _validate_context_parallel(cfg: DPOConfig) -> None:
@@ -450,23 +479,31 @@ def _validate_context_parallel(cfg: DPOConfig) -> None:
     granule = p.sequence_granule()
     row = cfg.packing.row_length
     if cfg.packing.enabled and row and row % granule:
-        why = (f"2 x parallel.context_parallel_size={cp}"
-               + (f" x parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} "
-                  f"(sequence parallelism)" if p.sequence_parallel else ""))
+        why = f"2 x parallel.context_parallel_size={cp}" + (
+            f" x parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} "
+            f"(sequence parallelism)"
+            if p.sequence_parallel
+            else ""
+        )
         raise ValueError(
             f"packing.row_length={row} cannot be cut into equal context-parallel chunks: every "
             f"packed row is split into {why} = {granule} pieces: set packing.row_length to a "
             f"multiple of {granule} (e.g. {-(-row // granule) * granule}), or 0 (the step's "
-            f"longest micro-batch, rounded up automatically)")
+            f"longest micro-batch, rounded up automatically)"
+        )
     local = cfg.model.transformer_impl != "transformer_engine"
     if cfg.model.local_attention == "megatron" and local:
-        raise ValueError("parallel.context_parallel_size > 1 attends with the context-parallel "
-                         "SDPA attention (models.context_attention); model.local_attention="
-                         "megatron has no context-parallel form: set model.local_attention=sdpa")
+        raise ValueError(
+            "parallel.context_parallel_size > 1 attends with the context-parallel "
+            "SDPA attention (models.context_attention); model.local_attention="
+            "megatron has no context-parallel form: set model.local_attention=sdpa"
+        )
     if cfg.train.sample_during_eval:
-        raise ValueError("train.sample_during_eval=true decodes greedily one token at a time, "
-                         "which is not split across context-parallel ranks: set "
-                         "train.sample_during_eval=false or parallel.context_parallel_size=1")
+        raise ValueError(
+            "train.sample_during_eval=true decodes greedily one token at a time, "
+            "which is not split across context-parallel ranks: set "
+            "train.sample_during_eval=false or parallel.context_parallel_size=1"
+        )
 
 
 def _validate_loss(cfg: DPOConfig) -> None:
@@ -478,14 +515,19 @@ def _validate_loss(cfg: DPOConfig) -> None:
     from dpo_megatron.losses.registry import canonical_loss_name
 
     name = cfg.loss["name"]
-    cfg.loss["name"] = ([canonical_loss_name(str(n)) for n in name] if isinstance(name, list)
-                        else canonical_loss_name(str(name)))
+    cfg.loss["name"] = (
+        [canonical_loss_name(str(n)) for n in name]
+        if isinstance(name, list)
+        else canonical_loss_name(str(name))
+    )
     names = cfg.loss["name"] if isinstance(cfg.loss["name"], list) else [cfg.loss["name"]]
     sorting = sorted({"aot", "aot_unpaired"} & set(names))
     if sorting and cfg.train.micro_batch_size < 2:
-        raise ValueError(f"loss {sorting[0]} sorts the log-ratios of the pairs within one "
-                         f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
-                         f"train.micro_batch_size >= 2 (its value depends on that size)")
+        raise ValueError(
+            f"loss {sorting[0]} sorts the log-ratios of the pairs within one "
+            f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
+            f"train.micro_batch_size >= 2 (its value depends on that size)"
+        )
     build_loss(cfg.loss)
 
 
@@ -600,16 +642,22 @@ def prepare_data(cfg: DPOConfig) -> bool:
     from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
 
     if cfg.data.cache_dir.lower() == "none" or not all(
-            is_local_source(name) for name, _ in cfg.data.sources() + cfg.data.eval_sources()):
+        is_local_source(name) for name, _ in cfg.data.sources() + cfg.data.eval_sources()
+    ):
         return False
     model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     check_vocab_fits(tokenizer, model_cfg)
-    dataset = load_items(dataclasses.replace(cfg.data, verbose=False), tokenizer,  # not in the cache key
-                         _item_kind(cfg))
+    dataset = load_items(
+        dataclasses.replace(cfg.data, verbose=False),
+        tokenizer,  # not in the cache key
+        _item_kind(cfg),
+    )
     if not dataset.train:
-        raise DataError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} after "
-                        f"filtering: {dataset.summary['dropped']}")
+        raise DataError(
+            f"no training pairs left in {cfg.data.path or cfg.data.datasets} after "
+            f"filtering: {dataset.summary['dropped']}"
+        )
     return True
 
 
@@ -623,10 +671,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
     """
     parser = _parser(main.__doc__.splitlines()[0])
-    parser.add_argument("--list-keys", action="store_true",
-                        help="print every config key with its type, default and valid range")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML and exit")
+    parser.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="print every config key with its type, default and valid range",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
     args = _parse(parser, argv)
     if args.list_keys:
         print(list_keys())
@@ -651,14 +703,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel.host_malloc import mode
+
     try:
         mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
-        from dpo_megatron.training.model_setup import (require_sequence_parallel,
-                                                       resolve_model_config)
+        from dpo_megatron.training.model_setup import (
+            require_sequence_parallel,
+            resolve_model_config,
+        )
 
         note = require_sequence_parallel(cfg, resolve_model_config(cfg))  # as the ranks will
         if note:  # stderr: the launcher reads the world size from stdout's last line

@@ -11,9 +11,18 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 
-def check_range(section: str, obj: Any, name: str, low: Optional[float] = None,
-                high: Optional[float] = None, *, low_open: bool = False,
-                high_open: bool = False, optional: bool = False, why: str = "") -> None:
+def check_range(
+    section: str,
+    obj: Any,
+    name: str,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    why: str = "",
+) -> None:
     """``obj.<name>`` lies in [low, high] (``low_open`` / ``high_open``: that end excluded).
 
     Args:
@@ -46,8 +55,9 @@ def check_range(section: str, obj: Any, name: str, low: Optional[float] = None,
     raise ValueError(f"{section}.{name}={value!r} must be {rule}{tail}")
 
 
-def check_choice(section: str, obj: Any, name: str, choices: Iterable[Any], *,
-                 optional: bool = False) -> None:
+def check_choice(
+    section: str, obj: Any, name: str, choices: Iterable[Any], *, optional: bool = False
+) -> None:
     """``obj.<name>`` is one of ``choices`` (or None when ``optional``).
 
     Raises:

@@ -65,8 +65,9 @@ def fail(message: str, status: int = USER_ERROR_EXIT) -> NoReturn:
         SystemExit: always, with code ``status``.
     """
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    elastic = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
-        int(os.environ.get("WORLD_SIZE", "1")) > 1
+    elastic = (
+        bool(os.environ.get("TORCHELASTIC_RUN_ID")) and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    )
     waits = not rank0 and elastic
     if waits:
         _wait_for_rank0()  # returns only while rank 0 runs on
@@ -121,8 +122,10 @@ def signal_line(signum: int, training_args: Sequence[str]) -> str:
     """The launcher's one line after it forwarded SIGINT / SIGTERM to the ranks and they ended."""
     log = _train_log(training_args)
     where = f"; rank 0's output is also in {log}" if log else ""
-    return (f"launcher: the job stopped on {signal.Signals(signum).name} (forwarded to every "
-            f"rank; rank 0's line above says what was saved){where}")
+    return (
+        f"launcher: the job stopped on {signal.Signals(signum).name} (forwarded to every "
+        f"rank; rank 0's line above says what was saved){where}"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -148,8 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if failure.exitcode not in LAUNCHER_EXITS:
                 raise
             held.drop()
-            print(stopped_line(rank, len(e.failures), training_args()), file=sys.stderr,
-                  flush=True)
+            print(stopped_line(rank, len(e.failures), training_args()), file=sys.stderr, flush=True)
             raise SystemExit(LAUNCHER_EXITS[failure.exitcode]) from None
         except SignalException as e:
             # torchrun has sent the signal on to the ranks and waited for them (its shutdown

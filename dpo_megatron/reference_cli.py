@@ -50,21 +50,49 @@ BASE_CONFIG = os.path.join("configs", "reference_dpo.yaml")
 
 REFERENCE_DEFAULTS: dict[str, Any] = {
     # config/config.yaml
-    "seed": 0, "exp_name": None, "batch_size": 4, "eval_batch_size": 16, "debug": False,
-    "fsdp_port": None, "datasets": ["hh"], "wandb.enabled": True, "wandb.entity": None,
+    "seed": 0,
+    "exp_name": None,
+    "batch_size": 4,
+    "eval_batch_size": 16,
+    "debug": False,
+    "fsdp_port": None,
+    "datasets": ["hh"],
+    "wandb.enabled": True,
+    "wandb.entity": None,
     "wandb.project": "direct-preference-optimization",
-    "local_dirs": ["/scr-ssd", "/scr", ".cache"], "local_run_dir": None,
-    "sample_during_eval": True, "n_eval_model_samples": 16, "do_first_eval": True, "lr": 5e-7,
-    "gradient_accumulation_steps": 1, "max_grad_norm": 10.0, "max_length": 512,
-    "max_prompt_length": 256, "n_epochs": 1, "n_examples": None, "n_eval_examples": 256,
-    "trainer": "BasicTrainer", "optimizer": "RMSprop", "warmup_steps": 150,
-    "activation_checkpointing": False, "eval_every": 20_000, "minimum_log_interval_secs": 1.0,
+    "local_dirs": ["/scr-ssd", "/scr", ".cache"],
+    "local_run_dir": None,
+    "sample_during_eval": True,
+    "n_eval_model_samples": 16,
+    "do_first_eval": True,
+    "lr": 5e-7,
+    "gradient_accumulation_steps": 1,
+    "max_grad_norm": 10.0,
+    "max_length": 512,
+    "max_prompt_length": 256,
+    "n_epochs": 1,
+    "n_examples": None,
+    "n_eval_examples": 256,
+    "trainer": "BasicTrainer",
+    "optimizer": "RMSprop",
+    "warmup_steps": 150,
+    "activation_checkpointing": False,
+    "eval_every": 20_000,
+    "minimum_log_interval_secs": 1.0,
     # config/model/*.yaml
-    "model": "blank_model", "model.name_or_path": None, "model.tokenizer_name_or_path": None,
-    "model.archive": None, "model.block_name": None, "model.policy_dtype": "float32",
-    "model.fsdp_policy_mp": None, "model.reference_dtype": "float16",
+    "model": "blank_model",
+    "model.name_or_path": None,
+    "model.tokenizer_name_or_path": None,
+    "model.archive": None,
+    "model.block_name": None,
+    "model.policy_dtype": "float32",
+    "model.fsdp_policy_mp": None,
+    "model.reference_dtype": "float16",
     # config/loss/*.yaml
-    "loss": "sft", "loss.beta": None, "loss.label_smoothing": 0.0, "loss.reference_free": False,
+    "loss": "sft",
+    "loss.beta": None,
+    "loss.label_smoothing": 0.0,
+    "loss.reference_free": False,
 }
 """Every key the reference repo's Hydra config has, with its default there."""
 
@@ -77,12 +105,17 @@ REFERENCE_DATASETS: dict[str, tuple[str, str]] = {
 
 REFERENCE_MODELS: dict[str, str] = {
     # config/model/*.yaml of the reference repo (name_or_path)
-    "gpt2-large": "gpt2-large", "gpt2-xl": "gpt2-xl", "gptj": "EleutherAI/gpt-j-6b",
-    "llama7b": "huggyllama/llama-7b", "pythia28": "EleutherAI/pythia-2.8b",
+    "gpt2-large": "gpt2-large",
+    "gpt2-xl": "gpt2-xl",
+    "gptj": "EleutherAI/gpt-j-6b",
+    "llama7b": "huggyllama/llama-7b",
+    "pythia28": "EleutherAI/pythia-2.8b",
     "pythia69": "EleutherAI/pythia-6.9b",
     # the smaller Pythia models, named the same way
-    "pythia70m": "EleutherAI/pythia-70m", "pythia160m": "EleutherAI/pythia-160m",
-    "pythia410m": "EleutherAI/pythia-410m", "pythia1b": "EleutherAI/pythia-1b",
+    "pythia70m": "EleutherAI/pythia-70m",
+    "pythia160m": "EleutherAI/pythia-160m",
+    "pythia410m": "EleutherAI/pythia-410m",
+    "pythia1b": "EleutherAI/pythia-1b",
     "pythia14": "EleutherAI/pythia-1.4b",
 }
 """The reference repo's ``model=`` names -> the hub model they name. Used only for a name that
@@ -135,7 +168,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         if not sep:
             raise ReferenceCLIError(f"expected key=value, got {word!r}")
         if key.startswith("engine."):
-            engine.append(f"{key[len('engine.'):]}={text}")
+            engine.append(f"{key[len('engine.') :]}={text}")
             continue
         if key not in REFERENCE_DEFAULTS:
             import difflib
@@ -144,7 +177,8 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise ReferenceCLIError(
                 f"unknown key {key!r} of the reference DPO repo's command line.{hint} Known keys: "
-                f"{', '.join(REFERENCE_DEFAULTS)} (and engine.<key of ours>=value)")
+                f"{', '.join(REFERENCE_DEFAULTS)} (and engine.<key of ours>=value)"
+            )
         args[key] = _value(text)
     return args, engine
 
@@ -190,19 +224,25 @@ def layout_for(trainer: str, devices: int) -> Layout:
         ReferenceCLIError: an unknown trainer (lists the three).
     """
     if trainer == "BasicTrainer":
-        return Layout(pipeline_model_parallel_size=devices,
-                      description=f"layers split over {devices} device(s), run in turn "
-                                  f"(device_map='balanced') -> pipeline parallel {devices}")
+        return Layout(
+            pipeline_model_parallel_size=devices,
+            description=f"layers split over {devices} device(s), run in turn "
+            f"(device_map='balanced') -> pipeline parallel {devices}",
+        )
     if trainer == "FSDPTrainer":
-        return Layout(data_parallel_size=devices,
-                      description=f"{devices} FSDP replica(s) -> data parallel {devices}, "
-                                  f"optimizer state sharded (ZeRO-1; parameters are not sharded)")
+        return Layout(
+            data_parallel_size=devices,
+            description=f"{devices} FSDP replica(s) -> data parallel {devices}, "
+            f"optimizer state sharded (ZeRO-1; parameters are not sharded)",
+        )
     if trainer == "TensorParallelTrainer":
-        return Layout(tensor_model_parallel_size=devices,
-                      description=f"layers split over {devices} device(s) -> tensor parallel "
-                                  f"{devices}")
-    raise ReferenceCLIError(f"trainer={trainer}: unknown trainer; the reference repo has "
-                            f"{', '.join(TRAINERS)}")
+        return Layout(
+            tensor_model_parallel_size=devices,
+            description=f"layers split over {devices} device(s) -> tensor parallel {devices}",
+        )
+    raise ReferenceCLIError(
+        f"trainer={trainer}: unknown trainer; the reference repo has {', '.join(TRAINERS)}"
+    )
 
 
 @dataclass
@@ -264,39 +304,53 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
     if name != "blank_model" and name not in MODEL_PRESETS and name in REFERENCE_MODELS:
         if not args["model.name_or_path"]:
             out.append(f"model.hf_path={REFERENCE_MODELS[name]}")
-        t.notes.append(f"model={name}: {REFERENCE_MODELS[name]} (not a preset of "
-                       f"models.presets.MODEL_PRESETS here: its hub name, read online)")
+        t.notes.append(
+            f"model={name}: {REFERENCE_MODELS[name]} (not a preset of "
+            f"models.presets.MODEL_PRESETS here: its hub name, read online)"
+        )
     elif name != "blank_model":
         if name not in MODEL_PRESETS:
             raise ReferenceCLIError(
                 f"model={name}: no such preset here (models.presets.MODEL_PRESETS has "
                 f"{', '.join(sorted(MODEL_PRESETS)) or 'none'}); or give the model itself: "
-                f"model=blank_model model.name_or_path=<HF folder or hub name>")
+                f"model=blank_model model.name_or_path=<HF folder or hub name>"
+            )
         out.append(f"model={name}")
     path = args["model.name_or_path"]
     if path:
         out.append(f"model.hf_path={path}")
     elif name == "blank_model":
-        raise ReferenceCLIError("model=blank_model needs model.name_or_path=<HF folder or hub "
-                                "name> (the reference repo's '???')")
+        raise ReferenceCLIError(
+            "model=blank_model needs model.name_or_path=<HF folder or hub "
+            "name> (the reference repo's '???')"
+        )
     if args["model.tokenizer_name_or_path"]:
         out.append(f"data.tokenizer={args['model.tokenizer_name_or_path']}")
     dtype = str(args["model.policy_dtype"])
     if dtype not in POLICY_DTYPES:
-        raise ReferenceCLIError(f"model.policy_dtype={dtype}: this engine trains in "
-                                f"{' or '.join(POLICY_DTYPES)} (float16 training needs loss "
-                                f"scaling, which is not wired); use bfloat16")
+        raise ReferenceCLIError(
+            f"model.policy_dtype={dtype}: this engine trains in "
+            f"{' or '.join(POLICY_DTYPES)} (float16 training needs loss "
+            f"scaling, which is not wired); use bfloat16"
+        )
     out.append(f"model.params_dtype={POLICY_DTYPES[dtype]}")
     if args["model.reference_dtype"] != dtype:
-        t.notes.append(f"model.reference_dtype={args['model.reference_dtype']}: the reference "
-                       f"model runs in the policy's dtype here ({dtype})")
+        t.notes.append(
+            f"model.reference_dtype={args['model.reference_dtype']}: the reference "
+            f"model runs in the policy's dtype here ({dtype})"
+        )
     for key in ("model.block_name", "model.fsdp_policy_mp"):
         if args[key] is not None:
-            t.notes.append(f"{key}={args[key]}: no equivalent (megatron-core layers are the "
-                           f"unit of sharding and recompute); ignored")
+            t.notes.append(
+                f"{key}={args[key]}: no equivalent (megatron-core layers are the "
+                f"unit of sharding and recompute); ignored"
+            )
     if args["activation_checkpointing"]:
-        out += ["model.recompute_granularity=full", "model.recompute_method=uniform",
-                "model.recompute_num_layers=1"]
+        out += [
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+        ]
     if args["model.archive"]:
         t.archive = str(args["model.archive"])
         t.archive_dir = os.path.join(run_dir, "archive_hf")
@@ -336,9 +390,11 @@ def _data_overrides(args: dict, t: Translation) -> list[str]:
             path, fmt = os.path.abspath(name), "auto"
             kind, has_test = _local_format(name), EVAL_SPLIT in local_split_names(name)
         else:
-            raise ReferenceCLIError(f"datasets: {name!r} is neither a dataset of the reference "
-                                    f"repo ({', '.join(REFERENCE_DATASETS)}) nor a local file "
-                                    f"or folder")
+            raise ReferenceCLIError(
+                f"datasets: {name!r} is neither a dataset of the reference "
+                f"repo ({', '.join(REFERENCE_DATASETS)}) nor a local file "
+                f"or folder"
+            )
         paths.append(path)
         formats.append(fmt)
         kinds.append(kind)
@@ -351,36 +407,53 @@ def _data_overrides(args: dict, t: Translation) -> list[str]:
     hh = [k == "hh" for k in kinds]
     truncation = "keep_end" if all(hh) else "keep_start"
     if any(hh) and not all(hh):
-        t.notes.append("datasets mixes HH (prompts cut keeping the end) with others (keeping the "
-                       "start): one data.truncation_mode applies here, keep_start")
+        t.notes.append(
+            "datasets mixes HH (prompts cut keeping the end) with others (keeping the "
+            "start): one data.truncation_mode applies here, keep_start"
+        )
     t.eval_sets = evals
     if evals:
-        t.notes.append(f"datasets: the train split trains; the {EVAL_SPLIT} split of "
-                       f"{', '.join(evals)} is the eval set (data.eval_datasets, "
-                       f"data.eval_split={EVAL_SPLIT}), as the reference repo evaluates")
+        t.notes.append(
+            f"datasets: the train split trains; the {EVAL_SPLIT} split of "
+            f"{', '.join(evals)} is the eval set (data.eval_datasets, "
+            f"data.eval_split={EVAL_SPLIT}), as the reference repo evaluates"
+        )
     for name in no_eval:
-        why = ("the reference repo evaluates on 1% of its train split, shuffled with seed 42; "
-               "the hub copy has no test split" if name == "se" else
-               "a file is read whole; a folder with train.jsonl and test.jsonl has both splits"
-               if os.path.isfile(name) else f"the folder has no {EVAL_SPLIT} files, e.g. "
-               f"{EVAL_SPLIT}.jsonl")
+        why = (
+            "the reference repo evaluates on 1% of its train split, shuffled with seed 42; "
+            "the hub copy has no test split"
+            if name == "se"
+            else "a file is read whole; a folder with train.jsonl and test.jsonl has both splits"
+            if os.path.isfile(name)
+            else f"the folder has no {EVAL_SPLIT} files, e.g. {EVAL_SPLIT}.jsonl"
+        )
         t.notes.append(f"datasets: {name}: no {EVAL_SPLIT} split, no eval set from it ({why})")
     if not evals:
-        t.notes.append("no eval set: eval_every, eval_batch_size, n_eval_examples, "
-                       "do_first_eval and sample_during_eval have nothing to act on "
-                       "(engine.data.eval_fraction=F holds out part of the train split)")
+        t.notes.append(
+            "no eval set: eval_every, eval_batch_size, n_eval_examples, "
+            "do_first_eval and sample_during_eval have nothing to act on "
+            "(engine.data.eval_fraction=F holds out part of the train split)"
+        )
     if "shp" in kinds:
-        t.notes.append("datasets: SHP keeps at most data.shp_max_pairs_per_post=5 pairs per post "
-                       "(the SHP card's advice; the first ones in file order); the reference "
-                       "repo's get_shp keeps every pair with score ratio >= 2: "
-                       "engine.data.shp_max_pairs_per_post=0 for its exact set")
+        t.notes.append(
+            "datasets: SHP keeps at most data.shp_max_pairs_per_post=5 pairs per post "
+            "(the SHP card's advice; the first ones in file order); the reference "
+            "repo's get_shp keeps every pair with score ratio >= 2: "
+            "engine.data.shp_max_pairs_per_post=0 for its exact set"
+        )
     out = [f"data.datasets=[{','.join(paths)}]", f"data.formats=[{','.join(formats)}]"]
     if evals:
-        out += [f"data.eval_datasets=[{','.join(evals)}]",
-                f"data.eval_formats=[{','.join(eval_formats)}]", f"data.eval_split={EVAL_SPLIT}"]
-    return out + [f"data.truncation_mode={truncation}", f"data.max_length={args['max_length']}",
-                  f"data.max_prompt_length={args['max_prompt_length']}",
-                  f"data.seed={args['seed']}"]
+        out += [
+            f"data.eval_datasets=[{','.join(evals)}]",
+            f"data.eval_formats=[{','.join(eval_formats)}]",
+            f"data.eval_split={EVAL_SPLIT}",
+        ]
+    return out + [
+        f"data.truncation_mode={truncation}",
+        f"data.max_length={args['max_length']}",
+        f"data.max_prompt_length={args['max_prompt_length']}",
+        f"data.seed={args['seed']}",
+    ]
 
 
 def eval_overrides(args: dict, batch_size: int) -> tuple[list[str], int, list[str]]:
@@ -397,17 +470,22 @@ def eval_overrides(args: dict, batch_size: int) -> tuple[list[str], int, list[st
     every, eval_batch = int(args["eval_every"]), int(args["eval_batch_size"])
     steps = math.lcm(every, batch_size) // batch_size
     batches = math.ceil(int(args["n_eval_examples"]) / eval_batch)
-    out = [f"train.eval_interval={steps}", f"train.eval_global_batch_size={eval_batch}",
-           f"train.eval_iters={batches}",
-           f"train.eval_at_start={'true' if args['do_first_eval'] else 'false'}"]
-    notes = [f"eval_every={every} examples -> every {steps} step(s) (its example count, "
-             f"{batch_size} per step, a multiple of {every}: train.eval_interval, "
-             f"checkpoint.save_interval), and after the last step",
-             f"eval_batch_size={eval_batch}, n_eval_examples={args['n_eval_examples']} -> "
-             f"train.eval_global_batch_size={eval_batch}, train.eval_iters={batches}: the first "
-             f"{batches * eval_batch} eval pairs in file order, or all of them when the eval set "
-             f"is smaller (the reference draws them from its shuffled test split)",
-             f"do_first_eval={args['do_first_eval']} -> train.eval_at_start (step 0)"]
+    out = [
+        f"train.eval_interval={steps}",
+        f"train.eval_global_batch_size={eval_batch}",
+        f"train.eval_iters={batches}",
+        f"train.eval_at_start={'true' if args['do_first_eval'] else 'false'}",
+    ]
+    notes = [
+        f"eval_every={every} examples -> every {steps} step(s) (its example count, "
+        f"{batch_size} per step, a multiple of {every}: train.eval_interval, "
+        f"checkpoint.save_interval), and after the last step",
+        f"eval_batch_size={eval_batch}, n_eval_examples={args['n_eval_examples']} -> "
+        f"train.eval_global_batch_size={eval_batch}, train.eval_iters={batches}: the first "
+        f"{batches * eval_batch} eval pairs in file order, or all of them when the eval set "
+        f"is smaller (the reference draws them from its shuffled test split)",
+        f"do_first_eval={args['do_first_eval']} -> train.eval_at_start (step 0)",
+    ]
     return out, steps, notes
 
 
@@ -415,8 +493,8 @@ def _local_format(path: str) -> str:
     """The format of a local data file or folder's first rows (for its truncation), or
     ``"auto"`` when it cannot be read."""
     try:
-        from dpo_megatron.data.pipeline import check_sources
         from dpo_megatron.data.config import DataConfig
+        from dpo_megatron.data.pipeline import check_sources
 
         return check_sources(DataConfig(path=path, reference_preprocessing=True))[0][1]
     except Exception:  # the launcher's pre-check reports a bad file with its own message
@@ -426,17 +504,20 @@ def _local_format(path: str) -> str:
 def _loss_overrides(args: dict) -> list[str]:
     name = args["loss"]
     if name not in LOSSES:
-        raise ReferenceCLIError(f"loss={name}: the reference repo's losses are "
-                                f"{', '.join(LOSSES)}")
+        raise ReferenceCLIError(f"loss={name}: the reference repo's losses are {', '.join(LOSSES)}")
     if name == "sft":
         return ["loss=sft"]
     if args["loss.beta"] is None:
-        raise ReferenceCLIError(f"loss={name} needs loss.beta (the reference repo's '???'), "
-                                f"e.g. loss.beta=0.1")
+        raise ReferenceCLIError(
+            f"loss={name} needs loss.beta (the reference repo's '???'), e.g. loss.beta=0.1"
+        )
     if name == "ipo":  # its IPO is on summed log-probs (trainers.preference_loss)
         return ["loss=ipo", f"loss.beta={args['loss.beta']}", "loss.average_logps=false"]
-    out = ["loss=sigmoid", f"loss.beta={args['loss.beta']}",
-           f"loss.label_smoothing={args['loss.label_smoothing']}"]
+    out = [
+        "loss=sigmoid",
+        f"loss.beta={args['loss.beta']}",
+        f"loss.label_smoothing={args['loss.label_smoothing']}",
+    ]
     if args["loss.reference_free"]:
         out.append("loss.reference_free=true")
     return out
@@ -445,23 +526,39 @@ def _loss_overrides(args: dict) -> list[str]:
 def _optimizer_overrides(args: dict, t: Translation) -> list[str]:
     name = args["optimizer"]
     if name not in OPTIMIZERS:
-        raise ReferenceCLIError(f"optimizer={name}: the reference repo takes a torch.optim "
-                                f"class; translated here: {', '.join(OPTIMIZERS)}")
+        raise ReferenceCLIError(
+            f"optimizer={name}: the reference repo takes a torch.optim "
+            f"class; translated here: {', '.join(OPTIMIZERS)}"
+        )
     if name == "RMSprop":
         t.notes.append(
             "optimizer=RMSprop: not available (megatron-core 0.16 offers Adam and SGD only); "
             "used instead: Adam with beta1=0, beta2=0.99, eps=1e-8, no weight decay, i.e. "
             "torch's RMSprop defaults (alpha=0.99, no momentum) plus Adam's bias correction of "
             "the second moment, which makes the first updates smaller than RMSprop's by "
-            "sqrt(1 - 0.99^step): 10x smaller at step 1, 1.26x at step 100, 1.03x at step 300")
-        return ["train.optimizer=adam", "train.adam_beta1=0.0", "train.adam_beta2=0.99",
-                "train.adam_eps=1e-08", "train.weight_decay=0.0"]
+            "sqrt(1 - 0.99^step): 10x smaller at step 1, 1.26x at step 100, 1.03x at step 300"
+        )
+        return [
+            "train.optimizer=adam",
+            "train.adam_beta1=0.0",
+            "train.adam_beta2=0.99",
+            "train.adam_eps=1e-08",
+            "train.weight_decay=0.0",
+        ]
     if name == "Adam":
-        return ["train.optimizer=adam", "train.adam_beta1=0.9", "train.adam_beta2=0.999",
-                "train.weight_decay=0.0"]
+        return [
+            "train.optimizer=adam",
+            "train.adam_beta1=0.9",
+            "train.adam_beta2=0.999",
+            "train.weight_decay=0.0",
+        ]
     if name == "AdamW":  # torch.optim.AdamW's default weight decay
-        return ["train.optimizer=adam", "train.adam_beta1=0.9", "train.adam_beta2=0.999",
-                "train.weight_decay=0.01"]
+        return [
+            "train.optimizer=adam",
+            "train.adam_beta1=0.9",
+            "train.adam_beta2=0.999",
+            "train.weight_decay=0.01",
+        ]
     t.notes.append("optimizer=SGD: megatron-core's SGD uses momentum 0.9 (torch.optim.SGD: 0)")
     return ["train.optimizer=sgd", "train.weight_decay=0.0"]
 
@@ -477,20 +574,29 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
             ``loss.beta``, a batch that does not divide) or one with no translation.
     """
     if not args["exp_name"]:
-        raise ReferenceCLIError("exp_name is required (the reference repo's '???'), e.g. "
-                                "exp_name=anthropic_dpo_pythia69")
+        raise ReferenceCLIError(
+            "exp_name is required (the reference repo's '???'), e.g. "
+            "exp_name=anthropic_dpo_pythia69"
+        )
     layout = layout_for(str(args["trainer"]), devices or visible_devices())
     run_dir = _local_run_dir(args)
     sft = args["loss"] == "sft"
-    t = Translation(script="scripts/pretrain_sft.sh" if sft else "scripts/pretrain_dpo.sh",
-                    overrides=[], run_dir=run_dir, layout=layout, sft=sft)
+    t = Translation(
+        script="scripts/pretrain_sft.sh" if sft else "scripts/pretrain_dpo.sh",
+        overrides=[],
+        run_dir=run_dir,
+        layout=layout,
+        sft=sft,
+    )
 
     batch, accum = int(args["batch_size"]), int(args["gradient_accumulation_steps"])
     dp = layout.data_parallel_size
     if batch % (accum * dp):
-        raise ReferenceCLIError(f"batch_size={batch} must be divisible by "
-                                f"gradient_accumulation_steps={accum} x {dp} data-parallel "
-                                f"replica(s) (trainer={args['trainer']})")
+        raise ReferenceCLIError(
+            f"batch_size={batch} must be divisible by "
+            f"gradient_accumulation_steps={accum} x {dp} data-parallel "
+            f"replica(s) (trainer={args['trainer']})"
+        )
     micro = batch // (accum * dp)
     t.batch_size = batch
     evaluation, eval_steps, eval_notes = eval_overrides(args, batch)
@@ -499,29 +605,40 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
     o += _model_overrides(args, run_dir, t)
     o += _loss_overrides(args)
     o += _data_overrides(args, t)
-    o += [f"parallel.tensor_model_parallel_size={layout.tensor_model_parallel_size}",
-          f"parallel.pipeline_model_parallel_size={layout.pipeline_model_parallel_size}",
-          f"parallel.data_parallel_size={layout.data_parallel_size}",
-          f"train.global_batch_size={batch}", f"train.micro_batch_size={micro}",
-          f"train.lr={args['lr']}", f"train.lr_warmup_iters={args['warmup_steps']}",
-          f"train.clip_grad={args['max_grad_norm']}", f"train.seed={args['seed']}",
-          *evaluation,
-          f"train.sample_during_eval={'true' if args['sample_during_eval'] else 'false'}",
-          f"train.eval_num_samples={args['n_eval_model_samples']}"]
+    o += [
+        f"parallel.tensor_model_parallel_size={layout.tensor_model_parallel_size}",
+        f"parallel.pipeline_model_parallel_size={layout.pipeline_model_parallel_size}",
+        f"parallel.data_parallel_size={layout.data_parallel_size}",
+        f"train.global_batch_size={batch}",
+        f"train.micro_batch_size={micro}",
+        f"train.lr={args['lr']}",
+        f"train.lr_warmup_iters={args['warmup_steps']}",
+        f"train.clip_grad={args['max_grad_norm']}",
+        f"train.seed={args['seed']}",
+        *evaluation,
+        f"train.sample_during_eval={'true' if args['sample_during_eval'] else 'false'}",
+        f"train.eval_num_samples={args['n_eval_model_samples']}",
+    ]
     o += _optimizer_overrides(args, t)
     if args["debug"]:
         o.append("checkpoint.save_interval=0")
-        t.notes.append("debug=true: wandb off and checkpoints only at the end (this engine "
-                       "always writes the final one)")
+        t.notes.append(
+            "debug=true: wandb off and checkpoints only at the end (this engine "
+            "always writes the final one)"
+        )
     else:
         o.append(f"checkpoint.save_interval={eval_steps}")
     if args["wandb.enabled"] and not args["debug"]:
         if importlib.util.find_spec("wandb") is None:
-            t.notes.append("wandb.enabled=true but wandb is not installed: metrics go to "
-                           "TensorBoard and <run_dir>/metrics.jsonl only")
+            t.notes.append(
+                "wandb.enabled=true but wandb is not installed: metrics go to "
+                "TensorBoard and <run_dir>/metrics.jsonl only"
+            )
         else:
-            o += [f"logging.wandb_project={args['wandb.project']}",
-                  f"logging.wandb_run_name={args['exp_name']}"]
+            o += [
+                f"logging.wandb_project={args['wandb.project']}",
+                f"logging.wandb_run_name={args['exp_name']}",
+            ]
             if args["wandb.entity"]:
                 o.append(f"logging.wandb_entity={args['wandb.entity']}")
 
@@ -532,11 +649,15 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
     if t.examples is None and t.epochs is None:
         raise ReferenceCLIError("set n_epochs or n_examples (the reference repo needs one)")
     t.notes += [
-        f"run_dir {run_dir}" + (" (local_run_dir)" if args["local_run_dir"] else
-                                f" (<local_dir>/<user>/<exp_name>_<time>; local_dirs at the "
-                                f"reference default -> {RUNS_ROOT}/, not the hidden .cache/)"
-                                if run_dir.startswith(RUNS_ROOT + os.sep) else
-                                " (<first existing local_dir>/<user>/<exp_name>_<time>)"),
+        f"run_dir {run_dir}"
+        + (
+            " (local_run_dir)"
+            if args["local_run_dir"]
+            else f" (<local_dir>/<user>/<exp_name>_<time>; local_dirs at the "
+            f"reference default -> {RUNS_ROOT}/, not the hidden .cache/)"
+            if run_dir.startswith(RUNS_ROOT + os.sep)
+            else " (<first existing local_dir>/<user>/<exp_name>_<time>)"
+        ),
         f"trainer={args['trainer']}: {layout.description}",
         f"batch_size={batch} pairs per step = train.global_batch_size; "
         f"gradient_accumulation_steps={accum} -> train.micro_batch_size={micro} per replica",
@@ -546,16 +667,20 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
         f"constant",
     ]
     if sft:
-        t.notes.append("loss=sft: per-token mean NLL of each completion (the reference sums the "
-                       "completion's log-probs), one example per pair's chosen (the reference: "
-                       "one per distinct prompt, its sft_target)")
+        t.notes.append(
+            "loss=sft: per-token mean NLL of each completion (the reference sums the "
+            "completion's log-probs), one example per pair's chosen (the reference: "
+            "one per distinct prompt, its sft_target)"
+        )
     for key in ("fsdp_port", "minimum_log_interval_secs"):
         if args[key] != REFERENCE_DEFAULTS[key]:
             t.notes.append(f"{key}={args[key]}: no equivalent here; ignored")
     moved = sorted({e.partition("=")[0] for e in engine if e.startswith("parallel.")})
     if moved:  # later overrides win: the layout is the one these keys make
-        t.notes.append(f"{', '.join('engine.' + k for k in moved)} replace(s) the layout of "
-                       f"trainer={args['trainer']} above")
+        t.notes.append(
+            f"{', '.join('engine.' + k for k in moved)} replace(s) the layout of "
+            f"trainer={args['trainer']} above"
+        )
     t.overrides = o + list(engine)
     return t
 
@@ -575,19 +700,20 @@ def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) 
     """
     from dpo_megatron.config import load_config
     from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
-
     from dpo_megatron.data.reader import is_local_source
 
     cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
     tokenizer_source = cfg.data.tokenizer or cfg.model.hf_path
     verbose = cfg.data.verbose
     cfg.data.verbose = False
-    remote = [name for name in (tokenizer_source,) if not os.path.isdir(name)] + \
-        [name for name, _ in cfg.data.sources() if not is_local_source(name)]
+    remote = [name for name in (tokenizer_source,) if not os.path.isdir(name)] + [
+        name for name, _ in cfg.data.sources() if not is_local_source(name)
+    ]
     try:
         if remote and hub_offline():  # say so now, not after the hub clients' retries
-            raise OSError(f"the Hugging Face hub is not reachable from here (offline) for "
-                          f"{', '.join(remote)}")
+            raise OSError(
+                f"the Hugging Face hub is not reachable from here (offline) for {', '.join(remote)}"
+            )
         tokenizer = load_tokenizer(tokenizer_source)
         dataset = (load_sft_examples if sft else load_preference_pairs)(cfg.data, tokenizer)
     except OSError as e:  # also the hub clients' ConnectionError / OfflineModeIsEnabled
@@ -600,7 +726,8 @@ def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) 
             f"training pairs (n_epochs -> steps): {reason}. Without the Hugging Face hub, give "
             f"local copies: model=blank_model model.name_or_path=<HF folder> (or download the "
             f"preset's model and set DPO_MEGATRON_MODELS) and datasets=[<local file or "
-            f"folder>]") from e
+            f"folder>]"
+        ) from e
     finally:
         cfg.data.verbose = verbose
     return len(dataset.train)
@@ -644,8 +771,10 @@ def steps_for(t: Translation, items: Optional[int]) -> int:
         limits.append(t.epochs * (items // t.batch_size))
     steps = min(limits)
     if steps < 1:
-        raise ReferenceCLIError(f"{items} training item(s) do not fill one batch_size="
-                                f"{t.batch_size} batch: nothing to train")
+        raise ReferenceCLIError(
+            f"{items} training item(s) do not fill one batch_size="
+            f"{t.batch_size} batch: nothing to train"
+        )
     return steps
 
 
@@ -672,13 +801,16 @@ def write_latest_archive(run_dir: str, steps: int, batch_size: int) -> str:
     it (``step_idx`` counts examples)."""
     from dpo_megatron.checkpointing.reference_archive import ARCHIVE_NAME, hf_folder_to_archive
 
-    return hf_folder_to_archive(os.path.join(run_dir, "checkpoints", "hf"),
-                                os.path.join(run_dir, "LATEST", ARCHIVE_NAME),
-                                step_idx=steps * batch_size)
+    return hf_folder_to_archive(
+        os.path.join(run_dir, "checkpoints", "hf"),
+        os.path.join(run_dir, "LATEST", ARCHIVE_NAME),
+        step_idx=steps * batch_size,
+    )
 
 
-def prepare(argv: Sequence[str], devices: Optional[int] = None,
-            dry_run: bool = False) -> Translation:
+def prepare(
+    argv: Sequence[str], devices: Optional[int] = None, dry_run: bool = False
+) -> Translation:
     """Parse, translate, convert ``model.archive`` and count the steps: a Translation whose
     :meth:`Translation.command` is ready to run. ``dry_run``: only translate, reading no model,
     archive or data (offline, in seconds): the archive is not converted and a step count that
@@ -687,13 +819,17 @@ def prepare(argv: Sequence[str], devices: Optional[int] = None,
     t = translate(args, engine, devices)
     if dry_run:
         if t.archive:
-            t.notes.append(f"model.archive={t.archive}: converted to {t.archive_dir} "
-                           f"(model.hf_path) when the command runs; --dry-run reads nothing")
+            t.notes.append(
+                f"model.archive={t.archive}: converted to {t.archive_dir} "
+                f"(model.hf_path) when the command runs; --dry-run reads nothing"
+            )
         if t.epochs is not None:
-            t.notes.append(f"train.train_iters={DRY_RUN_STEPS}: n_epochs={t.epochs} x (pairs "
-                           f"left after preprocessing // batch_size={t.batch_size})"
-                           + (f", at most n_examples" if t.examples is not None else "")
-                           + ", counted when the command runs; --dry-run reads no data")
+            t.notes.append(
+                f"train.train_iters={DRY_RUN_STEPS}: n_epochs={t.epochs} x (pairs "
+                f"left after preprocessing // batch_size={t.batch_size})"
+                + (", at most n_examples" if t.examples is not None else "")
+                + ", counted when the command runs; --dry-run reads no data"
+            )
             t.overrides.append(f"train.train_iters={DRY_RUN_STEPS}")
         else:
             t.overrides.append(f"train.train_iters={steps_for(t, None)}")
@@ -705,24 +841,34 @@ def prepare(argv: Sequence[str], devices: Optional[int] = None,
         base = t.base_model or base_model_of(before)
         tokenizer = args["model.tokenizer_name_or_path"]
         archive_to_hf_folder(t.archive, base, t.archive_dir, tokenizer=tokenizer)
-        t.notes.append(f"model.archive={t.archive}: weights over {base}'s config.json, written "
-                       f"to {t.archive_dir} (model.hf_path), policy and reference")
+        t.notes.append(
+            f"model.archive={t.archive}: weights over {base}'s config.json, written "
+            f"to {t.archive_dir} (model.hf_path), policy and reference"
+        )
     items = count_items(t.overrides, t.sft) if t.epochs is not None else None
     t.overrides.append(f"train.train_iters={steps_for(t, items)}")
     return t
 
 
-def prepare_trl_command(path: str, extra: Sequence[str],
-                        devices: Optional[int] = None) -> Translation:
+def prepare_trl_command(
+    path: str, extra: Sequence[str], devices: Optional[int] = None
+) -> Translation:
     """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML (``trl_config``) as a
     Translation on ``configs/from_trl_base.yaml``."""
     from dpo_megatron.trl_config import TRL_BASE_CONFIG, prepare_trl
 
     overrides, notes = prepare_trl(path, extra, devices or visible_devices())
-    run_dir = next((o.partition("=")[2] for o in reversed(overrides) if o.startswith("run_dir=")),
-                   "runs/trl")
-    return Translation(script="scripts/pretrain_dpo.sh", overrides=overrides, run_dir=run_dir,
-                       layout=Layout(), notes=notes, config=TRL_BASE_CONFIG)
+    run_dir = next(
+        (o.partition("=")[2] for o in reversed(overrides) if o.startswith("run_dir=")), "runs/trl"
+    )
+    return Translation(
+        script="scripts/pretrain_dpo.sh",
+        overrides=overrides,
+        run_dir=run_dir,
+        layout=Layout(),
+        notes=notes,
+        config=TRL_BASE_CONFIG,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -750,15 +896,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dry:
         return 0
     script = os.path.join(ROOT, t.script)
-    rc = subprocess.call(["bash", script, "--config", os.path.join(ROOT, t.config),
-                          *t.overrides])
+    rc = subprocess.call(["bash", script, "--config", os.path.join(ROOT, t.config), *t.overrides])
     if rc == 0 and t.config == BASE_CONFIG:
         steps = int(t.overrides[-1].partition("=")[2])
         print(f"wrote {write_latest_archive(t.run_dir, steps, t.batch_size)}")
     elif rc != 0 and t.config == BASE_CONFIG:
         # The engine's messages name its own keys; on this command line they take a prefix.
-        print("note: an engine key named above (such as data.on_error=skip) goes on this command "
-              "line with the prefix engine. (engine.data.on_error=skip)", file=sys.stderr)
+        print(
+            "note: an engine key named above (such as data.on_error=skip) goes on this command "
+            "line with the prefix engine. (engine.data.on_error=skip)",
+            file=sys.stderr,
+        )
     return rc
 
 

@@ -21,47 +21,94 @@ TRL_BASE_CONFIG = os.path.join("configs", "from_trl_base.yaml")
 """TRL's defaults in our keys: the base of the printed command."""
 
 RENAMES: dict[str, str] = {
-    "beta": "loss.beta", "label_smoothing": "loss.label_smoothing",
-    "use_weighting": "loss.use_weighting", "ld_alpha": "loss.ld_alpha",
-    "discopop_tau": "loss.discopop_tau", "loss_weights": "loss.weights",
-    "max_length": "data.max_length", "max_prompt_length": "data.max_prompt_length",
-    "truncation_mode": "data.truncation_mode", "dataset_num_proc": "data.num_proc",
-    "model_name_or_path": "model.hf_path", "dataset_name": "data.path",
-    "dataset_train_split": "data.split", "output_dir": "run_dir",
-    "learning_rate": "train.lr", "weight_decay": "train.weight_decay",
-    "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
-    "adam_epsilon": "train.adam_eps", "max_grad_norm": "train.clip_grad", "seed": "train.seed",
+    "beta": "loss.beta",
+    "label_smoothing": "loss.label_smoothing",
+    "use_weighting": "loss.use_weighting",
+    "ld_alpha": "loss.ld_alpha",
+    "discopop_tau": "loss.discopop_tau",
+    "loss_weights": "loss.weights",
+    "max_length": "data.max_length",
+    "max_prompt_length": "data.max_prompt_length",
+    "truncation_mode": "data.truncation_mode",
+    "dataset_num_proc": "data.num_proc",
+    "model_name_or_path": "model.hf_path",
+    "dataset_name": "data.path",
+    "dataset_train_split": "data.split",
+    "output_dir": "run_dir",
+    "learning_rate": "train.lr",
+    "weight_decay": "train.weight_decay",
+    "adam_beta1": "train.adam_beta1",
+    "adam_beta2": "train.adam_beta2",
+    "adam_epsilon": "train.adam_eps",
+    "max_grad_norm": "train.clip_grad",
+    "seed": "train.seed",
     "per_device_train_batch_size": "train.micro_batch_size",
-    "save_steps": "checkpoint.save_interval", "logging_steps": "train.log_interval",
-    "save_total_limit": "checkpoint.keep_last_n", "pad_to_multiple_of": "train.seq_length_multiple",
+    "save_steps": "checkpoint.save_interval",
+    "logging_steps": "train.log_interval",
+    "save_total_limit": "checkpoint.keep_last_n",
+    "pad_to_multiple_of": "train.seq_length_multiple",
     "precompute_ref_batch_size": "reference.micro_batch_size",
 }
 """TRL field -> our key, same value."""
 
-SPECIAL = ("loss_type", "rpo_alpha", "gradient_accumulation_steps", "num_train_epochs",
-           "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
-           "precompute_ref_log_probs", "padding_free", "gradient_checkpointing", "bf16",
-           "optim", "disable_dropout", "report_to", "use_peft", "lora_r", "lora_alpha",
-           "lora_dropout", "lora_target_modules", "eval_strategy", "eval_steps",
-           "per_device_eval_batch_size", "dataset_test_split")
+SPECIAL = (
+    "loss_type",
+    "rpo_alpha",
+    "gradient_accumulation_steps",
+    "num_train_epochs",
+    "max_steps",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "precompute_ref_log_probs",
+    "padding_free",
+    "gradient_checkpointing",
+    "bf16",
+    "optim",
+    "disable_dropout",
+    "report_to",
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "eval_strategy",
+    "eval_steps",
+    "per_device_eval_batch_size",
+    "dataset_test_split",
+)
 """TRL fields translated by a rule of :func:`translate_trl` (the ``lora_*`` and ``use_peft``
 ones are TRL's ``ModelConfig``, read from the same YAML by ``trl dpo --config``)."""
 
-PEFT_MODULES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
-                "qkv_proj": "linear_qkv", "query_key_value": "linear_qkv",
-                "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
-                "down_proj": "linear_fc2"}
+PEFT_MODULES = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "qkv_proj": "linear_qkv",
+    "query_key_value": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
 """PEFT target module names (Llama / Qwen / Mistral / GPT-NeoX) -> the megatron-core linear
 layer that holds them (q, k and v are one fused layer; gate and up another)."""
 
 UNSUPPORTED: dict[str, Any] = {
-    "sync_ref_model": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512,
-    "f_divergence_type": "reverse_kl", "activation_offloading": False,
+    "sync_ref_model": False,
+    "ref_model_mixup_alpha": 0.6,
+    "ref_model_sync_steps": 512,
+    "f_divergence_type": "reverse_kl",
+    "activation_offloading": False,
 }
 """TRL fields with no counterpart here, and the only (default) value accepted."""
 
-SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant",
-             "constant_with_warmup": "constant"}
+SCHEDULES = {
+    "linear": "linear",
+    "cosine": "cosine",
+    "constant": "constant",
+    "constant_with_warmup": "constant",
+}
 
 
 def known_fields() -> list[str]:
@@ -88,12 +135,16 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
     """
     unknown = sorted(set(fields) - set(known_fields()))
     if unknown:
-        raise ValueError(f"{source}: unknown TRL DPOConfig field(s) {unknown}; known: "
-                         f"{', '.join(known_fields())}")
+        raise ValueError(
+            f"{source}: unknown TRL DPOConfig field(s) {unknown}; known: "
+            f"{', '.join(known_fields())}"
+        )
     for name, default in UNSUPPORTED.items():
         if name in fields and fields[name] != default:
-            raise ValueError(f"{source}: {name}={fields[name]!r} is not supported here (only "
-                             f"TRL's default {default!r})")
+            raise ValueError(
+                f"{source}: {name}={fields[name]!r} is not supported here (only "
+                f"TRL's default {default!r})"
+            )
     o = [f"{RENAMES[k]}={_dotlist(v)}" for k, v in fields.items() if k in RENAMES]
     notes: list[str] = []
     f = dict(fields)
@@ -104,14 +155,20 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
     o.append(f"loss.name=[{','.join(names)}]" if len(names) > 1 else f"loss.name={names[0]}")
     micro = int(f.get("per_device_train_batch_size", 8))
     accum = int(f.get("gradient_accumulation_steps", 1))
-    o += [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum * devices}",
-          f"parallel.data_parallel_size={devices}"]
-    notes.append(f"{devices} visible device(s): data parallel {devices}, global batch "
-                 f"{micro} x {accum} x {devices} = {micro * accum * devices} pairs")
+    o += [
+        f"train.micro_batch_size={micro}",
+        f"train.global_batch_size={micro * accum * devices}",
+        f"parallel.data_parallel_size={devices}",
+    ]
+    notes.append(
+        f"{devices} visible device(s): data parallel {devices}, global batch "
+        f"{micro} x {accum} x {devices} = {micro * accum * devices} pairs"
+    )
     schedule = f.get("lr_scheduler_type", "linear")
     if schedule not in SCHEDULES:
-        raise ValueError(f"{source}: lr_scheduler_type={schedule!r}; translated: "
-                         f"{', '.join(SCHEDULES)}")
+        raise ValueError(
+            f"{source}: lr_scheduler_type={schedule!r}; translated: {', '.join(SCHEDULES)}"
+        )
     o.append(f"train.lr_decay_style={SCHEDULES[schedule]}")
     warmup = f.get("warmup_ratio", f.get("warmup_steps", 0)) or 0
     optim = str(f.get("optim", "adamw_torch_fused"))
@@ -127,8 +184,11 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
     if f.get("padding_free"):
         o.append("packing.enabled=true")
     if f.get("gradient_checkpointing", True):
-        o += ["model.recompute_granularity=full", "model.recompute_method=uniform",
-              "model.recompute_num_layers=1"]
+        o += [
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+        ]
     if f.get("bf16"):
         o.append("model.params_dtype=bfloat16")
     if f.get("disable_dropout") is False:
@@ -140,10 +200,13 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
     o.append(f"logging.tensorboard={'true' if 'tensorboard' in report else 'false'}")
     o += _peft_overrides(f, source, notes)
     o += _eval_overrides(f, source, devices, notes)
-    facts = {"max_steps": int(f.get("max_steps", -1)),
-             "epochs": float(f.get("num_train_epochs", 3.0)),
-             "global_batch": micro * accum * devices, "warmup": warmup,
-             "eval_each_epoch": f.get("eval_strategy") == "epoch"}
+    facts = {
+        "max_steps": int(f.get("max_steps", -1)),
+        "epochs": float(f.get("num_train_epochs", 3.0)),
+        "global_batch": micro * accum * devices,
+        "warmup": warmup,
+        "eval_each_epoch": f.get("eval_strategy") == "epoch",
+    }
     return o, notes, facts
 
 
@@ -159,9 +222,11 @@ def _truncation_overrides(f: dict, notes: list[str]) -> list[str]:
     if f.get("truncation_mode") != "keep_end" or "max_prompt_length" in f:
         return []
     max_length = int(f.get("max_length") or 1024)
-    notes.append(f"truncation_mode=keep_end: TRL keeps each sequence's last {max_length} "
-                 f"tokens; here a long prompt keeps its end, cut to data.max_prompt_length="
-                 f"{max_length // 2}, and the completions their start")
+    notes.append(
+        f"truncation_mode=keep_end: TRL keeps each sequence's last {max_length} "
+        f"tokens; here a long prompt keeps its end, cut to data.max_prompt_length="
+        f"{max_length // 2}, and the completions their start"
+    )
     return [f"data.max_prompt_length={max_length // 2}"]
 
 
@@ -173,8 +238,9 @@ def _eval_overrides(f: dict, source: str, devices: int, notes: list[str]) -> lis
     interval once the pairs are counted (:func:`prepare_trl`). Raises ValueError for another
     strategy, or an evaluation without ``dataset_name``."""
     strategy = str(f.get("eval_strategy", "no"))
-    named = [k for k in ("eval_steps", "per_device_eval_batch_size", "dataset_test_split")
-             if k in f]
+    named = [
+        k for k in ("eval_steps", "per_device_eval_batch_size", "dataset_test_split") if k in f
+    ]
     if strategy == "no":
         if named:
             notes.append(f"{', '.join(named)} ignored: eval_strategy is 'no' (as in TRL)")
@@ -182,18 +248,26 @@ def _eval_overrides(f: dict, source: str, devices: int, notes: list[str]) -> lis
     if strategy not in ("steps", "epoch"):
         raise ValueError(f"{source}: eval_strategy={strategy!r}; translated: no, steps, epoch")
     if "dataset_name" not in f:
-        raise ValueError(f"{source}: eval_strategy={strategy} evaluates on the test split of "
-                         f"dataset_name, which is not set")
+        raise ValueError(
+            f"{source}: eval_strategy={strategy} evaluates on the test split of "
+            f"dataset_name, which is not set"
+        )
     split = f.get("dataset_test_split", "test")
     batch = int(f.get("per_device_eval_batch_size", 8)) * devices
-    o = [f"data.eval_datasets=[{f['dataset_name']}]", f"data.eval_split={split}",
-         f"train.eval_global_batch_size={batch}", "train.eval_iters=0",
-         "train.eval_at_start=false"]  # TrainingArguments.eval_on_start defaults to False
+    o = [
+        f"data.eval_datasets=[{f['dataset_name']}]",
+        f"data.eval_split={split}",
+        f"train.eval_global_batch_size={batch}",
+        "train.eval_iters=0",
+        "train.eval_at_start=false",
+    ]  # TrainingArguments.eval_on_start defaults to False
     if strategy == "steps":
         o.append(f"train.eval_interval={int(f.get('eval_steps') or f.get('logging_steps', 10))}")
-    notes.append(f"eval_strategy={strategy}: the {split!r} split of {f['dataset_name']}, whole, "
-                 f"in batches of {batch} pairs, every "
-                 + ("epoch" if strategy == "epoch" else "train.eval_interval steps"))
+    notes.append(
+        f"eval_strategy={strategy}: the {split!r} split of {f['dataset_name']}, whole, "
+        f"in batches of {batch} pairs, every "
+        + ("epoch" if strategy == "epoch" else "train.eval_interval steps")
+    )
     return o
 
 
@@ -202,8 +276,9 @@ def _peft_overrides(f: dict, source: str, notes: list[str]) -> list[str]:
     PEFT's targets for Llama: q_proj, v_proj) -> ``lora.*``. Raises ValueError naming a target
     module with no megatron-core layer here."""
     if not f.get("use_peft"):
-        ignored = [k for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-                   if k in f]
+        ignored = [
+            k for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules") if k in f
+        ]
         if ignored:
             notes.append(f"{', '.join(ignored)} ignored: use_peft is not true (as in TRL)")
         return []
@@ -214,18 +289,26 @@ def _peft_overrides(f: dict, source: str, notes: list[str]) -> list[str]:
     else:
         unknown = [t for t in targets if t not in PEFT_MODULES]
         if unknown:
-            raise ValueError(f"{source}: lora_target_modules {unknown}: translated are "
-                             f"all-linear and {', '.join(PEFT_MODULES)}")
+            raise ValueError(
+                f"{source}: lora_target_modules {unknown}: translated are "
+                f"all-linear and {', '.join(PEFT_MODULES)}"
+            )
         layers = list(dict.fromkeys(PEFT_MODULES[t] for t in targets))
     fused = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
     for layer, parts in fused.items():
         named = [t for t in targets if t in parts]
         if named and len(named) < len(parts):
-            notes.append(f"lora_target_modules {named}: {layer} fuses {', '.join(parts)}, so "
-                         f"its one adapter covers all of them")
-    return ["lora.enabled=true", f"lora.rank={int(f.get('lora_r', 16))}",
-            f"lora.alpha={f.get('lora_alpha', 32)}", f"lora.dropout={f.get('lora_dropout', 0.05)}",
-            f"lora.target_modules=[{','.join(layers)}]"]
+            notes.append(
+                f"lora_target_modules {named}: {layer} fuses {', '.join(parts)}, so "
+                f"its one adapter covers all of them"
+            )
+    return [
+        "lora.enabled=true",
+        f"lora.rank={int(f.get('lora_r', 16))}",
+        f"lora.alpha={f.get('lora_alpha', 32)}",
+        f"lora.dropout={f.get('lora_dropout', 0.05)}",
+        f"lora.target_modules=[{','.join(layers)}]",
+    ]
 
 
 def trl_steps(facts: dict, items: Optional[int]) -> tuple[int, int]:
@@ -257,11 +340,17 @@ def prepare_trl(path: str, extra: Sequence[str], devices: int) -> tuple[list[str
 
     overrides, notes, facts = translate_trl(read_trl_yaml(path), path, devices)
     overrides += list(extra)
-    items = (count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
-             if facts["max_steps"] <= 0 else None)
+    items = (
+        count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
+        if facts["max_steps"] <= 0
+        else None
+    )
     steps, warmup = trl_steps(facts, items)
     if facts["eval_each_epoch"]:  # transformers: after each epoch's last step
-        items = items if items is not None else count_items(overrides, sft=False,
-                                                            config=TRL_BASE_CONFIG)
+        items = (
+            items
+            if items is not None
+            else count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
+        )
         overrides.append(f"train.eval_interval={math.ceil(items / facts['global_batch'])}")
     return [*overrides, f"train.lr_warmup_iters={warmup}", f"train.train_iters={steps}"], notes

@@ -37,8 +37,15 @@ for path in (str(REPO), str(REPO / "scripts")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
-             num_query_groups=2, vocab_size=512, tie_word_embeddings=False)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=256,
+    ffn_hidden_size=512,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
 
 
 def _worker(args) -> None:
@@ -46,8 +53,8 @@ def _worker(args) -> None:
 
     import torch
     import torch.distributed as dist
-
     from bench_dpo import PeakRSS
+
     from dpo_megatron.config import config_from_mapping
     from dpo_megatron.data import PreferencePair
     from dpo_megatron.parallel.host_malloc import malloc_in_use
@@ -58,18 +65,28 @@ def _worker(args) -> None:
     half = args.length // 2
     g = torch.Generator().manual_seed(0)
     ids = lambda n: tuple(torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist())  # noqa: E731
-    pair = PreferencePair(ids(half), ids(args.length - half - 1) + (2,),
-                          ids(args.length - half - 1) + (2,))
-    cfg = config_from_mapping({
-        "run_dir": tempfile.mkdtemp(prefix="bench_cp_"),
-        "parallel": {"context_parallel_size": args.worker_cp, "backend": "gloo"},
-        "model": MODEL,
-        "loss": {"name": "sigmoid", "beta": 0.1},
-        "train": {"micro_batch_size": 1, "global_batch_size": 1, "train_iters": 2, "lr": 1e-4,
-                  "lr_decay_style": "constant", "seed": 1},
-        "checkpoint": {"save_interval": 0},
-        "logging": {"tensorboard": False},
-    }, check=False)
+    pair = PreferencePair(
+        ids(half), ids(args.length - half - 1) + (2,), ids(args.length - half - 1) + (2,)
+    )
+    cfg = config_from_mapping(
+        {
+            "run_dir": tempfile.mkdtemp(prefix="bench_cp_"),
+            "parallel": {"context_parallel_size": args.worker_cp, "backend": "gloo"},
+            "model": MODEL,
+            "loss": {"name": "sigmoid", "beta": 0.1},
+            "train": {
+                "micro_batch_size": 1,
+                "global_batch_size": 1,
+                "train_iters": 2,
+                "lr": 1e-4,
+                "lr_decay_style": "constant",
+                "seed": 1,
+            },
+            "checkpoint": {"save_interval": 0},
+            "logging": {"tensorboard": False},
+        },
+        check=False,
+    )
     trainer = Trainer(cfg, data=RunData([pair], [], 0))
     first, _ = trainer.train_step()
     rss_before = PeakRSS()._proc.memory_info().rss
@@ -80,11 +97,12 @@ def _worker(args) -> None:
     record = {
         "rank": dist.get_rank(),
         "local_tokens_per_row": batch.micro_batches[0].tokens.shape[1],
-        "peak_rss_gib": max(sampler.peak, resource.getrusage(
-            resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        "peak_rss_gib": max(sampler.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        / 2**30,
         "step_rss_gib": (sampler.peak - rss_before) / 2**30,
         "step_in_use_gib": (sampler.peak_in_use - in_use_before) / 2**30,
-        "step1_loss": first.metrics["loss"], "step2_loss": out.metrics["loss"],
+        "step1_loss": first.metrics["loss"],
+        "step2_loss": out.metrics["loss"],
         "step1_grad_norm": first.grad_norm,
     }
     records = [None] * dist.get_world_size()
@@ -109,19 +127,36 @@ def main(argv=None) -> int:
     report = {"length": args.length, "model": MODEL, "runs": {}}
     for cp in (int(c) for c in args.cp.split(",")):
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                            str(cp), "--master-port", str(free_port()), __file__,
-                            "--length", str(args.length), "--worker-cp", str(cp),
-                            "--worker-out", tmp.name], check=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1",
-                                "PYTHONPATH": str(REPO)})
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc-per-node",
+                    str(cp),
+                    "--master-port",
+                    str(free_port()),
+                    __file__,
+                    "--length",
+                    str(args.length),
+                    "--worker-cp",
+                    str(cp),
+                    "--worker-out",
+                    tmp.name,
+                ],
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+            )
             report["runs"][cp] = json.loads(Path(tmp.name).read_text())
         worst = max(report["runs"][cp], key=lambda r: r["step_in_use_gib"])
-        print(f"CP {cp}: per rank peak RSS "
-              f"{[round(r['peak_rss_gib'], 3) for r in report['runs'][cp]]} GiB, step in use "
-              f"{[round(r['step_in_use_gib'], 3) for r in report['runs'][cp]]} GiB (max "
-              f"{worst['step_in_use_gib']:.3f}), loss {worst['step1_loss']:.6f}, grad norm "
-              f"{worst['step1_grad_norm']:.6f}", flush=True)
+        print(
+            f"CP {cp}: per rank peak RSS "
+            f"{[round(r['peak_rss_gib'], 3) for r in report['runs'][cp]]} GiB, step in use "
+            f"{[round(r['step_in_use_gib'], 3) for r in report['runs'][cp]]} GiB (max "
+            f"{worst['step_in_use_gib']:.3f}), loss {worst['step1_loss']:.6f}, grad norm "
+            f"{worst['step1_grad_norm']:.6f}",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -39,20 +39,21 @@ import threading
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # standard library only: safe before the worker imports torch
-from dpo_megatron.parallel.host_malloc import (  # noqa: E402
-    SWITCH, describe, malloc_env, malloc_in_use)
+from dpo_megatron.parallel.host_malloc import SWITCH, describe, malloc_env, malloc_in_use  # noqa: E402
 
 PACKED = ("packing.enabled=true",)
 SHARED = ("packing.enabled=true", "packing.share_prompt=true")
 PRECOMPUTED = ("reference.mode=precomputed",)
-RECOMPUTE = ("model.recompute_granularity=full", "model.recompute_method=uniform",  # a layer each
-             "model.recompute_num_layers=1")
+RECOMPUTE = (
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",  # a layer each
+    "model.recompute_num_layers=1",
+)
 LORA = ("lora.enabled=true", "lora.rank=16", "lora.alpha=32")
 ENGINES = {
     # name: the engine's config overrides on top of engine_config()'s
@@ -64,14 +65,23 @@ ENGINES = {
     "engine+shared+precomputed": SHARED + PRECOMPUTED,
     "engine+shared+precomputed+recompute": SHARED + PRECOMPUTED + RECOMPUTE,
     # full recompute of the first 8 of the 30 layers only: between the two settings above
-    "engine+shared+precomputed+recompute8": SHARED + PRECOMPUTED + (
-        "model.recompute_granularity=full", "model.recompute_method=block",
-        "model.recompute_num_layers=8"),
+    "engine+shared+precomputed+recompute8": SHARED
+    + PRECOMPUTED
+    + (
+        "model.recompute_granularity=full",
+        "model.recompute_method=block",
+        "model.recompute_num_layers=8",
+    ),
     # the output layer's logits kept for backward (no second LM-head matmul)
     "engine+shared+precomputed+unfused": SHARED + PRECOMPUTED + ("model.fused_lm_head=false",),
-    "engine+shared+precomputed+recompute8+unfused": SHARED + PRECOMPUTED + (
-        "model.recompute_granularity=full", "model.recompute_method=block",
-        "model.recompute_num_layers=8", "model.fused_lm_head=false"),
+    "engine+shared+precomputed+recompute8+unfused": SHARED
+    + PRECOMPUTED
+    + (
+        "model.recompute_granularity=full",
+        "model.recompute_method=block",
+        "model.recompute_num_layers=8",
+        "model.fused_lm_head=false",
+    ),
     # LoRA DPO: rank 16 on all four linear layers; the frozen base is the reference.
     "lora": LORA,
     "lora+recompute": LORA + RECOMPUTE,
@@ -90,15 +100,24 @@ def _suffix(run: str) -> str:
 
 def setting(run: str) -> str:
     """The TRL / ENGINES name of a run (without a :data:`HOST_MALLOC_SUFFIXES` suffix)."""
-    return run[:len(run) - len(_suffix(run))]
+    return run[: len(run) - len(_suffix(run))]
+
+
 # Default runs per model: on the full model TRL, the plain default, packing alone, shared prompts
 # alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
 # plain and the best ones.
-DEFAULT_RUNS = {"smollm2": ["trl", "engine", "engine+packing", "engine+shared",
-                            "engine+packing+precomputed", "engine+shared+precomputed",
-                            "engine+shared+precomputed+recompute"],
-                "smollm2-4l": ["trl", "engine", "engine+packing", "engine+shared",
-                               "engine+shared+precomputed"]}
+DEFAULT_RUNS = {
+    "smollm2": [
+        "trl",
+        "engine",
+        "engine+packing",
+        "engine+shared",
+        "engine+packing+precomputed",
+        "engine+shared+precomputed",
+        "engine+shared+precomputed+recompute",
+    ],
+    "smollm2-4l": ["trl", "engine", "engine+packing", "engine+shared", "engine+shared+precomputed"],
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,10 +141,21 @@ def moe_folder(num_experts: int) -> str:
     if (out / "model.safetensors").is_file():
         return str(out)
     config = Qwen3MoeConfig(
-        hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=num_experts,
-        num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.01,
-        vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     for f in assets.ensure_smollm2().iterdir():
@@ -139,14 +169,15 @@ def model_folder(name: str) -> str:
     layers, written once to the cache) or ``qwen3moe-e<E>`` (:data:`MOE_PREFIX`)."""
     from dpo_megatron import assets
 
-    if name.startswith(MOE_PREFIX) and name[len(MOE_PREFIX):].isdigit():
-        return moe_folder(int(name[len(MOE_PREFIX):]))
+    if name.startswith(MOE_PREFIX) and name[len(MOE_PREFIX) :].isdigit():
+        return moe_folder(int(name[len(MOE_PREFIX) :]))
     full = assets.ensure_smollm2()
     if name == "smollm2":
         return str(full)
     if name != "smollm2-4l":
-        raise ValueError(f"unknown model {name!r}; known: smollm2, smollm2-4l, "
-                         f"{MOE_PREFIX}<experts>")
+        raise ValueError(
+            f"unknown model {name!r}; known: smollm2, smollm2-4l, {MOE_PREFIX}<experts>"
+        )
     out = assets.cache_root() / "bench" / "smollm2-135m-4layers"
     if (out / "model.safetensors").is_file():
         return str(out)
@@ -156,11 +187,16 @@ def model_folder(name: str) -> str:
     config = json.loads((full / "config.json").read_text())
     config["num_hidden_layers"] = 4
     tensors = load_file(str(full / "model.safetensors"))
-    keep = {k: v for k, v in tensors.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4}
+    keep = {
+        k: v
+        for k, v in tensors.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4
+    }
     for f in full.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name not in ("config.json",
-                                                              "dpo_megatron_asset.json"):
+        if f.suffix in (".json", ".jinja") and f.name not in (
+            "config.json",
+            "dpo_megatron_asset.json",
+        ):
             (out / f.name).write_bytes(f.read_bytes())
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tmp = out / ".model.safetensors.tmp"
@@ -176,9 +212,14 @@ def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
     from dpo_megatron.data import DataConfig, load_preference_pairs, load_tokenizer
 
     tokenizer = load_tokenizer(str(assets.ensure_smollm2()))
-    cfg = DataConfig(path=str(assets.ensure_dpo_en_demo()), format="sharegpt",
-                     max_length=max_length, max_prompt_length=max_prompt_length,
-                     eval_fraction=0.0, verbose=False)
+    cfg = DataConfig(
+        path=str(assets.ensure_dpo_en_demo()),
+        format="sharegpt",
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        eval_fraction=0.0,
+        verbose=False,
+    )
     pairs = load_preference_pairs(cfg, tokenizer).train
     if len(pairs) < num_pairs:
         raise ValueError(f"only {len(pairs)} pairs fit max_length={max_length}")
@@ -263,22 +304,36 @@ def engine_config(spec: dict):
     from dpo_megatron.config import load_config
 
     run_dir = tempfile.mkdtemp(prefix="bench_engine_")
-    return load_config(None, [  # data.path names the pairs' source; they come in as token ids
-        f"run_dir={run_dir}", f"data.path={assets.ensure_dpo_en_demo()}",
-        f"model.hf_path={spec['model_path']}", "model.params_dtype=float32",
-        "model.transformer_impl=local",
-        f"model.recompute_granularity={spec['recompute'] or 'null'}",
-        "loss.name=sigmoid", f"loss.beta={spec['beta']}",
-        f"train.lr={spec['lr']}", "train.lr_decay_style=constant", "train.clip_grad=1.0",
-        "train.weight_decay=0.0", f"train.train_iters={spec['steps']}",
-        f"train.global_batch_size={spec['pairs_per_step']}",
-        f"train.micro_batch_size={spec['micro_batch_size']}", f"train.seed={spec['seed']}",
-        "train.use_distributed_optimizer=false", "data.shuffle=false",
-        # a fresh cache: the precompute pass is measured, never a cache hit
-        f"reference.cache_dir={run_dir}/reference", f"reference.micro_batch_size={spec['pairs_per_step']}",
-        "checkpoint.save_interval=0", "logging.tensorboard=false",
-        f"model.local_attention={spec.get('local_attention') or 'sdpa'}",
-        *ENGINES[setting(spec["run"])]])
+    return load_config(
+        None,
+        [  # data.path names the pairs' source; they come in as token ids
+            f"run_dir={run_dir}",
+            f"data.path={assets.ensure_dpo_en_demo()}",
+            f"model.hf_path={spec['model_path']}",
+            "model.params_dtype=float32",
+            "model.transformer_impl=local",
+            f"model.recompute_granularity={spec['recompute'] or 'null'}",
+            "loss.name=sigmoid",
+            f"loss.beta={spec['beta']}",
+            f"train.lr={spec['lr']}",
+            "train.lr_decay_style=constant",
+            "train.clip_grad=1.0",
+            "train.weight_decay=0.0",
+            f"train.train_iters={spec['steps']}",
+            f"train.global_batch_size={spec['pairs_per_step']}",
+            f"train.micro_batch_size={spec['micro_batch_size']}",
+            f"train.seed={spec['seed']}",
+            "train.use_distributed_optimizer=false",
+            "data.shuffle=false",
+            # a fresh cache: the precompute pass is measured, never a cache hit
+            f"reference.cache_dir={run_dir}/reference",
+            f"reference.micro_batch_size={spec['pairs_per_step']}",
+            "checkpoint.save_interval=0",
+            "logging.tensorboard=false",
+            f"model.local_attention={spec.get('local_attention') or 'sdpa'}",
+            *ENGINES[setting(spec["run"])],
+        ],
+    )
 
 
 def run_engine(spec: dict) -> dict:
@@ -302,10 +357,16 @@ def run_engine(spec: dict) -> dict:
     for step in range(spec["steps"]):
         w0, c0 = time.perf_counter(), time.process_time()
         out, batch = trainer.train_step()
-        steps.append({"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
-                      "real_tokens": batch.real_tokens, "loss": out.metrics["loss"],
-                      "model_tokens": batch.computed_tokens,
-                      "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches)})
+        steps.append(
+            {
+                "wall_s": time.perf_counter() - w0,
+                "cpu_s": time.process_time() - c0,
+                "real_tokens": batch.real_tokens,
+                "loss": out.metrics["loss"],
+                "model_tokens": batch.computed_tokens,
+                "computed_tokens": sum(mb.tokens.numel() for mb in batch.micro_batches),
+            }
+        )
         if step == 0:
             step0 = {k: out.metrics[k] for k in ("loss", "logps/chosen", "logps/rejected")}
     summary = summarize(steps, spec["warmup"])
@@ -313,11 +374,18 @@ def run_engine(spec: dict) -> dict:
     # is moved before training, so its gain is per epoch after the first (or per cached rerun).
     epoch_tokens = sum(s["real_tokens"] for s in steps)
     summary["real_tokens_per_cpu_s_first_epoch"] = epoch_tokens / (
-        epoch_tokens / summary["real_tokens_per_cpu_s"] + precompute_cpu_s)
-    return {**summary, "step0": step0, "precompute_s": precompute_s,
-            "precompute_cpu_s": precompute_cpu_s, "peak_rss_bytes": meter.stop(), "steps": steps,
-            "reference_model_held": trainer.reference is not None,
-            "heap_trims": trainer.heap_trimmer.trims if trainer.heap_trimmer else None}
+        epoch_tokens / summary["real_tokens_per_cpu_s"] + precompute_cpu_s
+    )
+    return {
+        **summary,
+        "step0": step0,
+        "precompute_s": precompute_s,
+        "precompute_cpu_s": precompute_cpu_s,
+        "peak_rss_bytes": meter.stop(),
+        "steps": steps,
+        "reference_model_held": trainer.reference is not None,
+        "heap_trims": trainer.heap_trimmer.trims if trainer.heap_trimmer else None,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,9 +404,16 @@ def run_trl(spec: dict) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
-    data = datasets.Dataset.from_list([
-        {"prompt_ids": list(p.prompt_ids), "chosen_ids": list(p.chosen_ids),
-         "rejected_ids": list(p.rejected_ids)} for p in pairs])
+    data = datasets.Dataset.from_list(
+        [
+            {
+                "prompt_ids": list(p.prompt_ids),
+                "chosen_ids": list(p.chosen_ids),
+                "rejected_ids": list(p.rejected_ids),
+            }
+            for p in pairs
+        ]
+    )
     steps: list[dict] = []
 
     class Trainer(DPOTrainer):
@@ -349,8 +424,12 @@ def run_trl(spec: dict) -> dict:
             return SequentialSampler(self.train_dataset)  # the engine's order (no shuffle)
 
         def training_step(self, model, inputs, *args, **kwargs):
-            steps.append({"real_tokens": int(inputs["attention_mask"].sum()),
-                          "computed_tokens": int(inputs["input_ids"].numel())})
+            steps.append(
+                {
+                    "real_tokens": int(inputs["attention_mask"].sum()),
+                    "computed_tokens": int(inputs["input_ids"].numel()),
+                }
+            )
             return super().training_step(model, inputs, *args, **kwargs)
 
     class Clock(TrainerCallback):
@@ -358,32 +437,59 @@ def run_trl(spec: dict) -> dict:
             self.w0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            steps[-1].update(wall_s=time.perf_counter() - self.w0,
-                             cpu_s=time.process_time() - self.c0)
+            steps[-1].update(
+                wall_s=time.perf_counter() - self.w0, cpu_s=time.process_time() - self.c0
+            )
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
     args = DPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), per_device_train_batch_size=spec[
-            "pairs_per_step"], gradient_accumulation_steps=1, max_steps=spec["steps"],
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        beta=spec["beta"], loss_type=["sigmoid"], max_length=spec["max_length"],
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
-        dataloader_num_workers=0, seed=spec["seed"], disable_dropout=True,
-        gradient_checkpointing=False)
-    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                      callbacks=[Clock()])
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
+        per_device_train_batch_size=spec["pairs_per_step"],
+        gradient_accumulation_steps=1,
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        beta=spec["beta"],
+        loss_type=["sigmoid"],
+        max_length=spec["max_length"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        seed=spec["seed"],
+        disable_dropout=True,
+        gradient_checkpointing=False,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     for s, h in zip(steps, logs):
         s["loss"] = float(h["loss"])
-    step0 = {k: float(logs[0][k]) for k in ("loss", "logps/chosen", "logps/rejected")
-             if k in logs[0]}
+    step0 = {
+        k: float(logs[0][k]) for k in ("loss", "logps/chosen", "logps/rejected") if k in logs[0]
+    }
     summary = summarize(steps, spec["warmup"])
     summary["real_tokens_per_cpu_s_first_epoch"] = summary["real_tokens_per_cpu_s"]
-    return {**summary, "step0": step0, "precompute_s": 0.0, "precompute_cpu_s": 0.0,
-            "peak_rss_bytes": meter.stop(), "steps": steps}
+    return {
+        **summary,
+        "step0": step0,
+        "precompute_s": 0.0,
+        "precompute_cpu_s": 0.0,
+        "peak_rss_bytes": meter.stop(),
+        "steps": steps,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,22 +501,35 @@ def _child(spec: dict) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     # A fresh single-process world: no launcher variables inherited from the caller.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+    launcher = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "TORCHELASTIC_RUN_ID",
+    )
     env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env.update(OMP_NUM_THREADS=str(spec["threads"]),
-               MKL_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore")
+    env.update(
+        OMP_NUM_THREADS=str(spec["threads"]),
+        MKL_NUM_THREADS=str(spec["threads"]),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONWARNINGS="ignore",
+    )
     env.pop(SWITCH, None)  # each run's own setting, not the caller's
     if _suffix(spec["run"]):
         env[SWITCH] = HOST_MALLOC_SUFFIXES[_suffix(spec["run"])]
         env = malloc_env(env) or env
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{spec['run']} on {spec['model']} failed (exit status "
-                           f"{proc.returncode}):\n{proc.stdout[-4000:]}")
+        raise RuntimeError(
+            f"{spec['run']} on {spec['model']} failed (exit status "
+            f"{proc.returncode}):\n{proc.stdout[-4000:]}"
+        )
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     return result
@@ -434,8 +553,11 @@ def model_tokens_per_pair(result: dict, pairs_per_step: int) -> float:
     size. Example: 4 pairs, 3,000 real tokens per step, 0.8 model tokens per real token -> 600."""
     if not pairs_per_step:
         return float("nan")
-    return (result.get("real_tokens_per_step", float("nan"))
-            * result.get("model_tokens_per_real_token", 1.0) / pairs_per_step)
+    return (
+        result.get("real_tokens_per_step", float("nan"))
+        * result.get("model_tokens_per_real_token", 1.0)
+        / pairs_per_step
+    )
 
 
 def markdown(report: dict) -> str:
@@ -444,12 +566,15 @@ def markdown(report: dict) -> str:
     lines = []
     pairs_per_step = report.get("settings", {}).get("pairs_per_step", 0)
     for model, runs in report["results"].items():
-        lines += [f"#### {model}", "",
-                  "| run | real tok/s (wall) | real tok/s (CPU) | real tok/s (CPU), 1st epoch "
-                  "incl. precompute | padded fraction | step time median (s) | peak RSS (GiB) | "
-                  "step-0 loss | step-0 logps/chosen | precompute (s) | model tokens / pair | "
-                  "model / real tokens |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"#### {model}",
+            "",
+            "| run | real tok/s (wall) | real tok/s (CPU) | real tok/s (CPU), 1st epoch "
+            "incl. precompute | padded fraction | step time median (s) | peak RSS (GiB) | "
+            "step-0 loss | step-0 logps/chosen | precompute (s) | model tokens / pair | "
+            "model / real tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in runs.items():
             lines.append(
                 f"| {name} | {r['real_tokens_per_s']:.1f} | {r['real_tokens_per_cpu_s']:.1f} | "
@@ -458,26 +583,37 @@ def markdown(report: dict) -> str:
                 f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['step0']['loss']:.6f} | "
                 f"{r['step0'].get('logps/chosen', float('nan')):.3f} | "
                 f"{r['precompute_s']:.1f} | {model_tokens_per_pair(r, pairs_per_step):.1f} | "
-                f"{r.get('model_tokens_per_real_token', 1.0):.3f} |")
+                f"{r.get('model_tokens_per_real_token', 1.0):.3f} |"
+            )
         if "engine+packing" in runs:
             base = runs["engine+packing"]
             for name in [n for n in runs if n.startswith("engine+shared")]:
                 r = runs[name]
                 speed = r["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"]
-                work = (r.get("model_tokens_per_real_token", 1.0)
-                        / base.get("model_tokens_per_real_token", 1.0))
-                lines += ["", f"{name} / engine+packing: real tok/s (CPU) {speed:.2f}x, "
-                          f"model tokens per pair {work:.3f}x"]
+                work = r.get("model_tokens_per_real_token", 1.0) / base.get(
+                    "model_tokens_per_real_token", 1.0
+                )
+                lines += [
+                    "",
+                    f"{name} / engine+packing: real tok/s (CPU) {speed:.2f}x, "
+                    f"model tokens per pair {work:.3f}x",
+                ]
         if "trl" in runs:
-            lines += ["", "| run / TRL | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
-                      "step-0 loss diff |", "|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                "| run / TRL | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
+                "step-0 loss diff |",
+                "|---|---|---|---|---|---|",
+            ]
             for name, r in runs.items():
                 if name == "trl":
                     continue
                 q = ratios(r, runs["trl"])
-                lines.append(f"| {name} | {q['real_tokens_per_s']:.2f}x | "
-                             f"{q['real_tokens_per_cpu_s']:.2f}x | {q['step_time_median']:.2f}x | "
-                             f"{q['peak_rss']:.2f}x | {q['step0_loss_abs_diff']:.1e} |")
+                lines.append(
+                    f"| {name} | {q['real_tokens_per_s']:.2f}x | "
+                    f"{q['real_tokens_per_cpu_s']:.2f}x | {q['step_time_median']:.2f}x | "
+                    f"{q['peak_rss']:.2f}x | {q['step0_loss_abs_diff']:.1e} |"
+                )
         lines += ["", "Loss per step (max |difference| from the plain engine's):", ""]
         for name, r in runs.items():
             diff = ""
@@ -493,27 +629,43 @@ def machine() -> dict:
     import torch
 
     load = os.getloadavg()
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average_at_start": [round(x, 2) for x in load]}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average_at_start": [round(x, 2) for x in load],
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="smollm2,smollm2-4l",
-                        help="comma list of smollm2 (30 layers), smollm2-4l (4-layer cut) and "
-                             f"{MOE_PREFIX}<E> (random Qwen3-MoE with E experts)")
-    parser.add_argument("--engines", default="",
-                        help=f"comma list of {', '.join(ALL_RUNS)}; any engine setting also "
-                             f"with {' or '.join(HOST_MALLOC_SUFFIXES)} (default: all on "
-                             "smollm2-4l; trl, engine, engine+packing+precomputed on smollm2)")
-    parser.add_argument("--pairs", type=int, default=0,
-                        help="first N pairs (default: pairs-per-step x steps)")
+    parser.add_argument(
+        "--models",
+        default="smollm2,smollm2-4l",
+        help="comma list of smollm2 (30 layers), smollm2-4l (4-layer cut) and "
+        f"{MOE_PREFIX}<E> (random Qwen3-MoE with E experts)",
+    )
+    parser.add_argument(
+        "--engines",
+        default="",
+        help=f"comma list of {', '.join(ALL_RUNS)}; any engine setting also "
+        f"with {' or '.join(HOST_MALLOC_SUFFIXES)} (default: all on "
+        "smollm2-4l; trl, engine, engine+packing+precomputed on smollm2)",
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=0, help="first N pairs (default: pairs-per-step x steps)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
     parser.add_argument("--pairs-per-step", type=int, default=4)
-    parser.add_argument("--micro-batch-size", type=int, default=0,
-                        help="engine micro-batch (pairs; default: pairs-per-step)")
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=0,
+        help="engine micro-batch (pairs; default: pairs-per-step)",
+    )
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--max-prompt-length", type=int, default=256)
     parser.add_argument("--beta", type=float, default=0.1)
@@ -543,13 +695,29 @@ def main(argv=None) -> int:
     has_trl = importlib.util.find_spec("trl") is not None
     if not has_trl:
         print("trl is not installed (pip install -e .[bench]): engine runs only", flush=True)
-    base = {k: getattr(args, k) for k in ("steps", "warmup", "pairs_per_step", "max_length",
-                                          "max_prompt_length", "beta", "lr", "seed", "threads",
-                                          "recompute")}
+    base = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "warmup",
+            "pairs_per_step",
+            "max_length",
+            "max_prompt_length",
+            "beta",
+            "lr",
+            "seed",
+            "threads",
+            "recompute",
+        )
+    }
     base["pairs"] = args.pairs or args.pairs_per_step * args.steps
     base["micro_batch_size"] = args.micro_batch_size or args.pairs_per_step
-    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "settings": base,
-              "machine": machine(), "results": {}}
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "settings": base,
+        "machine": machine(),
+        "results": {},
+    }
     started = time.time()
     for model in [m for m in args.models.split(",") if m]:
         path = model_folder(model)
@@ -560,11 +728,14 @@ def main(argv=None) -> int:
             t0 = time.time()
             result = _child({**base, "model": model, "model_path": path, "run": run})
             report["results"][model][run] = result
-            print(f"{model:11s} {run:27s} {result['real_tokens_per_s']:8.1f} tok/s wall "
-                  f"{result['real_tokens_per_cpu_s']:8.1f} tok/s cpu  padded "
-                  f"{result['padded_fraction']:.3f}  step {result['step_time_median_s']:.2f} s  "
-                  f"rss {result['peak_rss_bytes'] / 2**30:.2f} GiB  loss0 "
-                  f"{result['step0']['loss']:.6f}  ({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"{model:11s} {run:27s} {result['real_tokens_per_s']:8.1f} tok/s wall "
+                f"{result['real_tokens_per_cpu_s']:8.1f} tok/s cpu  padded "
+                f"{result['padded_fraction']:.3f}  step {result['step_time_median_s']:.2f} s  "
+                f"rss {result['peak_rss_bytes'] / 2**30:.2f} GiB  loss0 "
+                f"{result['step0']['loss']:.6f}  ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             Path(args.out).write_text(json.dumps(report, indent=1))
     report["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report["total_s"] = time.time() - started

@@ -32,35 +32,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", required=True, help="output checkpoint folder")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="mixture of experts: ranks that split each layer's experts")
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="mixture of experts: ranks that split each expert (default: TP)")
-    p.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the stored weights (default float32: exact)")
-    p.add_argument("--pad-attention-heads", action="store_true",
-                   help="add zero key/value groups when TP does not divide them (e.g. SmolLM2-135M,"
-                        " 3 KV heads, at TP 2); recorded in the checkpoint's model_config.json")
+    p.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="mixture of experts: ranks that split each layer's experts",
+    )
+    p.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="mixture of experts: ranks that split each expert (default: TP)",
+    )
+    p.add_argument(
+        "--params-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the stored weights (default float32: exact)",
+    )
+    p.add_argument(
+        "--pad-attention-heads",
+        action="store_true",
+        help="add zero key/value groups when TP does not divide them (e.g. SmolLM2-135M,"
+        " 3 KV heads, at TP 2); recorded in the checkpoint's model_config.json",
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     from dpo_megatron.checkpointing import save_model_checkpoint
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
-                                     model_config_from_hf)
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.models.moe import moe_needs_sequence_parallel
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
     model_cfg = model_config_from_hf(
-        args.hf_path, ModelConfig(params_dtype=args.params_dtype, transformer_impl="local",
-                                  pad_attention_heads=args.pad_attention_heads))
+        args.hf_path,
+        ModelConfig(
+            params_dtype=args.params_dtype,
+            transformer_impl="local",
+            pad_attention_heads=args.pad_attention_heads,
+        ),
+    )
     tp = args.tensor_model_parallel_size
-    parallel = ParallelConfig(tensor_model_parallel_size=tp,
-                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                              expert_model_parallel_size=args.expert_model_parallel_size,
-                              expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                              sequence_parallel=moe_needs_sequence_parallel(model_cfg, tp))
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=moe_needs_sequence_parallel(model_cfg, tp),
+    )
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)

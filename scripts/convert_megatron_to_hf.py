@@ -33,9 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="megatron-core distributed checkpoint folder")
     p.add_argument("--save", required=True, help="output HF folder")
-    p.add_argument("--hf-path", default=None,
-                   help="source HF folder (config.json, tokenizer); default: the hf_path stored "
-                        "in the checkpoint's model_config.json")
+    p.add_argument(
+        "--hf-path",
+        default=None,
+        help="source HF folder (config.json, tokenizer); default: the hf_path stored "
+        "in the checkpoint's model_config.json",
+    )
     p.add_argument("--tokenizer-dir", default=None, help="folder to copy tokenizer files from")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -44,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def describe_checkpoint(path: str) -> str:
-    """"checkpoint <path> (step N of run <run folder>)" for a training checkpoint, else
+    """ "checkpoint <path> (step N of run <run folder>)" for a training checkpoint, else
     "checkpoint <path> (not a training checkpoint: no train_state.json)"."""
     from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE, read_train_state
 
@@ -61,8 +64,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from dpo_megatron.checkpointing import load_model_config
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
-                                     model_config_from_hf)
+    from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, model_config_from_hf
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
     # A run's checkpoints/ folder (as model.load accepts) means its latest checkpoint.
@@ -73,22 +75,24 @@ def main(argv=None) -> None:
     if rank0:
         print(f"loading {describe_checkpoint(args.load)}", flush=True)
     stored = load_model_config(args.load)
-    base = dataclasses.replace(stored or ModelConfig(), params_dtype="float32",
-                               transformer_impl="local")  # keeps e.g. pad_attention_heads
+    base = dataclasses.replace(
+        stored or ModelConfig(), params_dtype="float32", transformer_impl="local"
+    )  # keeps e.g. pad_attention_heads
     if args.hf_path:
         model_cfg = model_config_from_hf(args.hf_path, base)
     elif stored is not None:
         model_cfg = dataclasses.replace(stored, params_dtype="float32", transformer_impl="local")
     else:
         raise SystemExit(f"{args.load} has no model_config.json: pass --hf-path")
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
         load_weights(chunks, model_cfg, args.load)  # verifies the checksums and pickles first
-        export_hf(chunks, model_cfg, args.save, dtype=args.dtype,
-                  tokenizer_dir=args.tokenizer_dir)
+        export_hf(chunks, model_cfg, args.save, dtype=args.dtype, tokenizer_dir=args.tokenizer_dir)
     finally:
         destroy_distributed()
     if rank0:
@@ -125,8 +129,10 @@ def load_weights(chunks: list, model_cfg, ckpt_dir: str) -> None:
 
         load_hf_weights(chunks, model_cfg, model_cfg.hf_path)
     else:
-        raise SystemExit(f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
-                         f"({lora['base']}): there are no base weights to merge them into")
+        raise SystemExit(
+            f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
+            f"({lora['base']}): there are no base weights to merge them into"
+        )
     fields = {k: v for k, v in lora.items() if k != "base"}
     adapters = LoraConfig(enabled=True, **fields)
     attach_lora(chunks, adapters, model_cfg, seed=0)  # values come from the checkpoint

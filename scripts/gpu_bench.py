@@ -66,16 +66,33 @@ PEAK_BF16_TFLOPS: dict[str, tuple[str, float]] = {
     "NVIDIA RTX A6000": ("RTX A6000", 154.8),
 }
 
-LLAMA_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
-                num_query_groups=8, vocab_size=128256, rotary_base=500000.0,
-                max_position_embeddings=4096, tie_word_embeddings=True)
-TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-            num_query_groups=2, vocab_size=512, rotary_base=10000.0,
-            max_position_embeddings=1024, tie_word_embeddings=True)
+LLAMA_1B = dict(
+    num_layers=16,
+    hidden_size=2048,
+    ffn_hidden_size=8192,
+    num_attention_heads=32,
+    num_query_groups=8,
+    vocab_size=128256,
+    rotary_base=500000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=512,
+    rotary_base=10000.0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
 
 
-def forward_flops_per_token(layers: int, hidden: int, ffn: int, heads: int, groups: int,
-                            vocab: int, context: float) -> float:
+def forward_flops_per_token(
+    layers: int, hidden: int, ffn: int, heads: int, groups: int, vocab: int, context: float
+) -> float:
     """Forward FLOPs of one token (multiply-add = 2 FLOPs).
 
     Linear layers: 2 x weights (q, o: h^2 each; k, v: h^2 x groups/heads each; SwiGLU: 3 h ffn;
@@ -89,8 +106,9 @@ def forward_flops_per_token(layers: int, hidden: int, ffn: int, heads: int, grou
     return 2.0 * (layers * per_layer + hidden * vocab) + 4.0 * layers * hidden * context
 
 
-def pair_forward_flops(shape: dict, prompt: int, chosen: int, rejected: int,
-                       share_prompt: bool) -> float:
+def pair_forward_flops(
+    shape: dict, prompt: int, chosen: int, rejected: int, share_prompt: bool
+) -> float:
     """Forward FLOPs of one pair as this engine computes it: the layers over every token it runs
     (the prompt twice, or once with a shared prompt), the LM head over the completion tokens only
     (prompt positions are never projected onto the vocabulary), and attention over the
@@ -100,9 +118,15 @@ def pair_forward_flops(shape: dict, prompt: int, chosen: int, rejected: int,
     tokens, attention pairs 3 + 3 (prompt + chosen causal) + 1 x 2 + 1 (rejected on the prompt
     and itself) = 9; unshared: 6 tokens, (3 + 3) x 2 = 12 attention pairs.
     """
-    layers = forward_flops_per_token(shape["num_layers"], shape["hidden_size"],
-                                     shape["ffn_hidden_size"], shape["num_attention_heads"],
-                                     shape["num_query_groups"], vocab=0, context=0)
+    layers = forward_flops_per_token(
+        shape["num_layers"],
+        shape["hidden_size"],
+        shape["ffn_hidden_size"],
+        shape["num_attention_heads"],
+        shape["num_query_groups"],
+        vocab=0,
+        context=0,
+    )
     sequences = [prompt + chosen, prompt + rejected]
     causal = lambda n: n * (n + 1) // 2  # noqa: E731
     if share_prompt:
@@ -112,8 +136,11 @@ def pair_forward_flops(shape: dict, prompt: int, chosen: int, rejected: int,
         tokens = sum(sequences)
         attention = sum(causal(n) for n in sequences)
     scored = chosen + rejected
-    return (layers * tokens + 2.0 * shape["hidden_size"] * shape["vocab_size"] * scored
-            + 4.0 * shape["num_layers"] * shape["hidden_size"] * attention)
+    return (
+        layers * tokens
+        + 2.0 * shape["hidden_size"] * shape["vocab_size"] * scored
+        + 4.0 * shape["num_layers"] * shape["hidden_size"] * attention
+    )
 
 
 def synthetic_pairs(n: int, vocab: int, max_length: int, seed: int):
@@ -133,14 +160,29 @@ def synthetic_pairs(n: int, vocab: int, max_length: int, seed: int):
     return pairs
 
 
-def run_config(run_dir: str, shape: dict, *, steps: int, global_batch_size: int,
-               micro_batch_size: int, seed: int, backend: str = "auto",
-               params_dtype: str = "auto", lr: float = 1e-6, packing: bool = False,
-               share_prompt: bool = False, local_attention: str = "auto",
-               transformer_impl: str = "auto", recompute: str = "", reference: str = "model",
-               offload_reference: bool = False, cache_dir: str = "",
-               context_parallel_size: int = 1, distributed_optimizer: bool = True,
-               extra: Optional[dict[str, dict[str, Any]]] = None):
+def run_config(
+    run_dir: str,
+    shape: dict,
+    *,
+    steps: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    backend: str = "auto",
+    params_dtype: str = "auto",
+    lr: float = 1e-6,
+    packing: bool = False,
+    share_prompt: bool = False,
+    local_attention: str = "auto",
+    transformer_impl: str = "auto",
+    recompute: str = "",
+    reference: str = "model",
+    offload_reference: bool = False,
+    cache_dir: str = "",
+    context_parallel_size: int = 1,
+    distributed_optimizer: bool = True,
+    extra: Optional[dict[str, dict[str, Any]]] = None,
+):
     """The engine's config for a one-replica run on pairs given directly (no tokenizer): sigmoid
     DPO (beta 0.1), constant LR, pairs in order, no checkpoints or TensorBoard unless ``extra``
     says so. Used by this benchmark and by ``scripts/gpu_check.py``.
@@ -162,16 +204,26 @@ def run_config(run_dir: str, shape: dict, *, steps: int, global_batch_size: int,
     mapping: dict[str, Any] = {
         "run_dir": run_dir,
         "parallel": {"backend": backend, "context_parallel_size": context_parallel_size},
-        "model": {**shape, "params_dtype": params_dtype, "transformer_impl": transformer_impl,
-                  "local_attention": local_attention,
-                  "recompute_granularity": recompute or None,
-                  "recompute_method": "uniform" if recompute == "full" else None,
-                  "recompute_num_layers": 1 if recompute == "full" else None},
+        "model": {
+            **shape,
+            "params_dtype": params_dtype,
+            "transformer_impl": transformer_impl,
+            "local_attention": local_attention,
+            "recompute_granularity": recompute or None,
+            "recompute_method": "uniform" if recompute == "full" else None,
+            "recompute_num_layers": 1 if recompute == "full" else None,
+        },
         "data": {"shuffle": False},
         "loss": {"name": "sigmoid", "beta": 0.1},
-        "train": {"lr": lr, "lr_decay_style": "constant", "train_iters": steps,
-                  "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
-                  "seed": seed, "use_distributed_optimizer": distributed_optimizer},
+        "train": {
+            "lr": lr,
+            "lr_decay_style": "constant",
+            "train_iters": steps,
+            "global_batch_size": global_batch_size,
+            "micro_batch_size": micro_batch_size,
+            "seed": seed,
+            "use_distributed_optimizer": distributed_optimizer,
+        },
         "packing": {"enabled": packing or share_prompt, "share_prompt": share_prompt},
         "reference": {"mode": reference, "offload": offload_reference, "cache_dir": cache_dir},
         "checkpoint": {"save_interval": 0},
@@ -189,16 +241,25 @@ def bench_config(args, shape: dict, cuda: bool):
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     return run_config(
-        tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir), shape, steps=args.steps,
-        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-        seed=args.seed, backend=args.backend, params_dtype="bfloat16" if cuda else "float32",
-        packing=args.packing, share_prompt=args.share_prompt,
-        local_attention=args.local_attention, transformer_impl=args.transformer_impl,
-        recompute=args.recompute, reference=args.reference,
+        tempfile.mkdtemp(prefix="gpu_bench_", dir=out_dir),
+        shape,
+        steps=args.steps,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+        backend=args.backend,
+        params_dtype="bfloat16" if cuda else "float32",
+        packing=args.packing,
+        share_prompt=args.share_prompt,
+        local_attention=args.local_attention,
+        transformer_impl=args.transformer_impl,
+        recompute=args.recompute,
+        reference=args.reference,
         offload_reference=args.offload_reference,
         cache_dir=os.path.join(out_dir, ".gpu_bench_reference"),
         context_parallel_size=args.context_parallel_size,
-        distributed_optimizer=args.distributed_optimizer)
+        distributed_optimizer=args.distributed_optimizer,
+    )
 
 
 def _gpu_key(name: str) -> str:
@@ -227,8 +288,9 @@ def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]
         return override, f"given: {name}"
     found = _PEAK_BY_KEY.get(_gpu_key(name))
     if found is None:
-        return None, (f"unknown GPU {name!r} (not in gpu_bench.PEAK_BF16_TFLOPS; pass "
-                      f"--peak-tflops)")
+        return None, (
+            f"unknown GPU {name!r} (not in gpu_bench.PEAK_BF16_TFLOPS; pass --peak-tflops)"
+        )
     sku, tflops = found
     return tflops, sku
 
@@ -236,38 +298,67 @@ def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--context-parallel-size", type=int, default=1,
-                        help="CP ranks splitting each sequence (launch that many ranks with "
-                             "torchrun --nproc-per-node N; tokens/s count the replica's "
-                             "step, MFU is per GPU)")
+    parser.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="CP ranks splitting each sequence (launch that many ranks with "
+        "torchrun --nproc-per-node N; tokens/s count the replica's "
+        "step, MFU is per GPU)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="pairs")
     parser.add_argument("--global-batch-size", type=int, default=16, help="pairs per step")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--reference", default="model", choices=["model", "precomputed"])
     parser.add_argument("--offload-reference", action="store_true")
-    parser.add_argument("--packing", action="store_true",
-                        help="padding-free packing (local kernels; THD with transformer-engine)")
-    parser.add_argument("--share-prompt", action="store_true",
-                        help="one [prompt | chosen | rejected] unit per pair (implies --packing)")
-    parser.add_argument("--transformer-impl", default="auto",
-                        choices=["auto", "local", "transformer_engine"])
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="padding-free packing (local kernels; THD with transformer-engine)",
+    )
+    parser.add_argument(
+        "--share-prompt",
+        action="store_true",
+        help="one [prompt | chosen | rejected] unit per pair (implies --packing)",
+    )
+    parser.add_argument(
+        "--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"]
+    )
     parser.add_argument("--recompute", default="", choices=["", "selective", "full"])
-    parser.add_argument("--local-attention", default="auto",
-                        choices=["auto", "sdpa", "flex", "megatron"],
-                        help="core attention of the local spec (model.local_attention; auto: "
-                             "FlexAttention on CUDA)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                        help="gloo runs on the host even on a CUDA machine")
-    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
-                        default=True, help="megatron-core's distributed optimizer (default on)")
-    parser.add_argument("--peak-tflops", type=float, default=0.0,
-                        help="override the GPU's dense bf16 peak (TFLOP/s)")
+    parser.add_argument(
+        "--local-attention",
+        default="auto",
+        choices=["auto", "sdpa", "flex", "megatron"],
+        help="core attention of the local spec (model.local_attention; auto: "
+        "FlexAttention on CUDA)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="gloo runs on the host even on a CUDA machine",
+    )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="megatron-core's distributed optimizer (default on)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="override the GPU's dense bf16 peak (TFLOP/s)",
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (smoke test)")
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default="runs/gpu_bench.json",
-                        help="result JSON (the precomputed-reference cache goes next to it)")
+    parser.add_argument(
+        "--out",
+        default="runs/gpu_bench.json",
+        help="result JSON (the precomputed-reference cache goes next to it)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -275,8 +366,10 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
-        print("no CUDA device: run on a GPU machine, or pass --allow-cpu --tiny for a smoke test",
-              file=sys.stderr)
+        print(
+            "no CUDA device: run on a GPU machine, or pass --allow-cpu --tiny for a smoke test",
+            file=sys.stderr,
+        )
         return 2
 
     from dpo_megatron.training.run_data import RunData
@@ -284,8 +377,9 @@ def main(argv=None) -> int:
 
     shape = TINY if args.tiny else LLAMA_1B
     cfg = bench_config(args, shape, cuda)
-    pairs = synthetic_pairs(args.global_batch_size * args.steps, shape["vocab_size"],
-                            args.max_length, args.seed)
+    pairs = synthetic_pairs(
+        args.global_batch_size * args.steps, shape["vocab_size"], args.max_length, args.seed
+    )
     trainer = Trainer(cfg, data=RunData(pairs, [], 2))
     from dpo_megatron.models.transformer_config import use_transformer_engine
 
@@ -302,19 +396,35 @@ def main(argv=None) -> int:
         out, batch = trainer.train_step()
         sync()
         step_pairs = [pairs[i] for mb in batch.micro_batches for i in mb.item_indices]
-        records.append({"time_s": time.perf_counter() - w0, "real_tokens": batch.real_tokens,
-                        "model_tokens": batch.computed_tokens,
-                        # every CP rank holds 1 / CP of each micro-batch's positions
-                        "computed_tokens": args.context_parallel_size * sum(
-                            mb.tokens.numel() for mb in batch.micro_batches),
-                        "forward_flops": sum(pair_forward_flops(
-                            shape, len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids),
-                            args.share_prompt) for p in step_pairs),
-                        "seq_length": batch.seq_length, "loss": out.metrics["loss"]})
-        print(f"step {step}: loss {out.metrics['loss']:.6f} time {records[-1]['time_s']:.3f} s "
-              f"seq {batch.seq_length}", flush=True)
+        records.append(
+            {
+                "time_s": time.perf_counter() - w0,
+                "real_tokens": batch.real_tokens,
+                "model_tokens": batch.computed_tokens,
+                # every CP rank holds 1 / CP of each micro-batch's positions
+                "computed_tokens": args.context_parallel_size
+                * sum(mb.tokens.numel() for mb in batch.micro_batches),
+                "forward_flops": sum(
+                    pair_forward_flops(
+                        shape,
+                        len(p.prompt_ids),
+                        len(p.chosen_ids),
+                        len(p.rejected_ids),
+                        args.share_prompt,
+                    )
+                    for p in step_pairs
+                ),
+                "seq_length": batch.seq_length,
+                "loss": out.metrics["loss"],
+            }
+        )
+        print(
+            f"step {step}: loss {out.metrics['loss']:.6f} time {records[-1]['time_s']:.3f} s "
+            f"seq {batch.seq_length}",
+            flush=True,
+        )
 
-    timed = records[args.warmup:] or records
+    timed = records[args.warmup :] or records
     step_time = statistics.median(r["time_s"] for r in timed)
     real = sum(r["real_tokens"] for r in timed) / len(timed)
     # This rank's micro-batches are the whole step (one rank, or the CP ranks of one replica,
@@ -326,26 +436,32 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak, sku = peak_tflops(name, args.peak_tflops)
     result = {
-        "device": name, "transformer_engine": te, "params": n_params,
-        "settings": vars(args), "step_time_median_s": step_time,
+        "device": name,
+        "transformer_engine": te,
+        "params": n_params,
+        "settings": vars(args),
+        "step_time_median_s": step_time,
         "real_tokens_per_s": real / step_time,
         "model_tokens_per_real_token": sum(r["model_tokens"] for r in timed)
         / sum(r["real_tokens"] for r in timed),
-        "padded_fraction": 1 - sum(r["model_tokens"] for r in timed)
-        / sum(r["computed_tokens"] for r in timed),
+        "padded_fraction": 1
+        - sum(r["model_tokens"] for r in timed) / sum(r["computed_tokens"] for r in timed),
         # None when the GPU is not in the peak table: ``sku`` then names it
-        "model_tflops_per_s": achieved / 1e12, "mfu": achieved / (peak * 1e12) if peak else None,
-        "peak_tflops": peak, "sku": sku,
+        "model_tflops_per_s": achieved / 1e12,
+        "mfu": achieved / (peak * 1e12) if peak else None,
+        "peak_tflops": peak,
+        "sku": sku,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "precompute_s": precompute_s, "step0_loss": records[0]["loss"], "steps": records,
+        "precompute_s": precompute_s,
+        "step0_loss": records[0]["loss"],
+        "steps": records,
     }
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
         return 0
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("steps", "settings")},
-                     indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("steps", "settings")}, indent=1))
     if abs(records[0]["loss"] - math.log(2)) > 1e-3:
         print(f"step-0 loss {records[0]['loss']} != ln 2", file=sys.stderr)
         return 1

@@ -77,8 +77,14 @@ FLEX_REL = 1e-2
 """FlexAttention in bf16 vs the dense rule in fp32 on the same bf16 inputs: max absolute
 difference of outputs and of q / k / v gradients, over the largest value of each (the CPU
 rehearsal measures 3.5e-3 for the output: bf16 output rounding)."""
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID")
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,14 +94,27 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 def model_shape(arch: str, tiny: bool) -> dict:
     """``model.*`` keys of the small ``llama`` / ``gpt2`` / ``moe`` models the checks train."""
     hidden = 64 if tiny else 128
-    shape = dict(num_layers=2 if tiny else 4, hidden_size=hidden, ffn_hidden_size=2 * hidden,
-                 num_attention_heads=4, num_query_groups=2, vocab_size=256 if tiny else 512,
-                 max_position_embeddings=256 if tiny else 512, tie_word_embeddings=False)
+    shape = dict(
+        num_layers=2 if tiny else 4,
+        hidden_size=hidden,
+        ffn_hidden_size=2 * hidden,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=256 if tiny else 512,
+        max_position_embeddings=256 if tiny else 512,
+        tie_word_embeddings=False,
+    )
     if arch == "gpt2":  # as models.conversion maps a GPT-2 config.json
-        shape.update(num_query_groups=4, ffn_hidden_size=4 * hidden,
-                     position_embedding_type="learned_absolute", normalization="LayerNorm",
-                     activation="gelu", add_bias_linear=True, add_qkv_bias=True,
-                     tie_word_embeddings=True)
+        shape.update(
+            num_query_groups=4,
+            ffn_hidden_size=4 * hidden,
+            position_embedding_type="learned_absolute",
+            normalization="LayerNorm",
+            activation="gelu",
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            tie_word_embeddings=True,
+        )
     elif arch == "moe":
         shape.update(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=hidden)
     elif arch != "llama":
@@ -110,10 +129,22 @@ def _batches(settings: dict) -> dict:
     return {"global_batch_size": 8, "micro_batch_size": 2, "max_length": 96}
 
 
-def engine_run(settings: dict, arch: str, run_dir: str, *, backend: str, dtype: str,
-               steps: int = 1, load: str = "", lr: float = 1e-4, packing: bool = False,
-               share_prompt: bool = False, lora: bool = False, save_interval: int = 0,
-               resume: str = "none") -> dict:
+def engine_run(
+    settings: dict,
+    arch: str,
+    run_dir: str,
+    *,
+    backend: str,
+    dtype: str,
+    steps: int = 1,
+    load: str = "",
+    lr: float = 1e-4,
+    packing: bool = False,
+    share_prompt: bool = False,
+    lora: bool = False,
+    save_interval: int = 0,
+    resume: str = "none",
+) -> dict:
     """``steps`` optimizer steps of the engine's ``Trainer`` on synthetic pairs (the same pairs
     for the same settings), in this process.
 
@@ -127,27 +158,45 @@ def engine_run(settings: dict, arch: str, run_dir: str, *, backend: str, dtype: 
     from dpo_megatron.training.trainer import Trainer
 
     shape, sizes = model_shape(arch, settings["tiny"]), _batches(settings)
-    extra: dict[str, dict] = {"model": {"load": load},
-                              "checkpoint": {"save_interval": save_interval, "resume": resume,
-                                             "keep_last_n": 0}}
+    extra: dict[str, dict] = {
+        "model": {"load": load},
+        "checkpoint": {"save_interval": save_interval, "resume": resume, "keep_last_n": 0},
+    }
     if lora:
         extra["lora"] = {"enabled": True, "rank": 8, "alpha": 16.0}
-    cfg = run_config(run_dir, shape, steps=steps, global_batch_size=sizes["global_batch_size"],
-                     micro_batch_size=sizes["micro_batch_size"], seed=settings["seed"],
-                     backend=backend, params_dtype=dtype, lr=lr, packing=packing,
-                     share_prompt=share_prompt, local_attention=settings["attention"],
-                     transformer_impl=settings["transformer_impl"], extra=extra)
-    pairs = synthetic_pairs(sizes["global_batch_size"] * 4, shape["vocab_size"],
-                            sizes["max_length"], settings["seed"])
+    cfg = run_config(
+        run_dir,
+        shape,
+        steps=steps,
+        global_batch_size=sizes["global_batch_size"],
+        micro_batch_size=sizes["micro_batch_size"],
+        seed=settings["seed"],
+        backend=backend,
+        params_dtype=dtype,
+        lr=lr,
+        packing=packing,
+        share_prompt=share_prompt,
+        local_attention=settings["attention"],
+        transformer_impl=settings["transformer_impl"],
+        extra=extra,
+    )
+    pairs = synthetic_pairs(
+        sizes["global_batch_size"] * 4, shape["vocab_size"], sizes["max_length"], settings["seed"]
+    )
     trainer = Trainer(cfg, data=RunData(pairs, [], 2))
     try:
         records = []
         while trainer.counters.step < steps:
             out, _ = trainer.train_step()
-            records.append({"step": trainer.counters.step, "loss": out.metrics["loss"],
-                            "grad_norm": out.grad_norm,
-                            "logps": out.per_pair["logps/chosen"].tolist()
-                            + out.per_pair["logps/rejected"].tolist()})
+            records.append(
+                {
+                    "step": trainer.counters.step,
+                    "loss": out.metrics["loss"],
+                    "grad_norm": out.grad_norm,
+                    "logps": out.per_pair["logps/chosen"].tolist()
+                    + out.per_pair["logps/rejected"].tolist(),
+                }
+            )
             if trainer.checkpointer.due(trainer.counters.step, steps):
                 trainer.checkpointer.save(trainer.counters)
         return {"device": str(trainer.device), "steps": records}
@@ -180,49 +229,76 @@ def cpu_baseline(settings: dict, arch: str) -> dict:
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     if torch.cuda.is_available():
-        raise RuntimeError("the CPU baseline sees CUDA: its worker must run with "
-                           "CUDA_VISIBLE_DEVICES=''")
+        raise RuntimeError(
+            "the CPU baseline sees CUDA: its worker must run with CUDA_VISIBLE_DEVICES=''"
+        )
     init = _work(settings, f"init-{arch}")
     parallel = ParallelConfig(backend="gloo")
     initialize_distributed(parallel)
     set_seed(settings["seed"])
-    chunks = build_model_chunks(ModelConfig(**model_shape(arch, settings["tiny"]),
-                                            params_dtype="float32"), parallel)
+    chunks = build_model_chunks(
+        ModelConfig(**model_shape(arch, settings["tiny"]), params_dtype="float32"), parallel
+    )
     save_model_checkpoint(chunks, init)
-    run = engine_run(settings, arch, _work(settings, f"cpu-{arch}"), backend="gloo",
-                     dtype="float32", load=init)
+    run = engine_run(
+        settings, arch, _work(settings, f"cpu-{arch}"), backend="gloo", dtype="float32", load=init
+    )
     step0 = run["steps"][0]
     ok = abs(step0["loss"] - LN2) < 1e-6
-    return {"pass": ok, "line": f"{run['device']} fp32 (CUDA hidden): step-0 loss "
-            f"{step0['loss']:.8f} (ln 2 = {LN2:.8f})", "loss": step0["loss"],
-            "logps": step0["logps"], "init": init, "cuda_visible_devices":
-            os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda_available": torch.cuda.is_available()}
+    return {
+        "pass": ok,
+        "line": f"{run['device']} fp32 (CUDA hidden): step-0 loss "
+        f"{step0['loss']:.8f} (ln 2 = {LN2:.8f})",
+        "loss": step0["loss"],
+        "logps": step0["logps"],
+        "init": init,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_available": torch.cuda.is_available(),
+    }
 
 
-def device_step(settings: dict, baseline: Optional[dict], arch: str, dtype: str,
-                tolerance: float, **options) -> dict:
+def device_step(
+    settings: dict, baseline: Optional[dict], arch: str, dtype: str, tolerance: float, **options
+) -> dict:
     """One step on the device from the baseline's weights: ln 2 at step 0 and the log-probs
     within ``tolerance`` (relative) of the CPU baseline's. ``options``: :func:`engine_run`'s."""
     name = f"{dtype}-{arch}" + "".join(f"-{k}" for k, v in options.items() if v is True)
-    run = engine_run(settings, arch, _work(settings, name), backend=settings["backend"],
-                     dtype=dtype, load=baseline["init"] if baseline else "", **options)
+    run = engine_run(
+        settings,
+        arch,
+        _work(settings, name),
+        backend=settings["backend"],
+        dtype=dtype,
+        load=baseline["init"] if baseline else "",
+        **options,
+    )
     step0 = run["steps"][0]
-    line = (f"{run['device']} {dtype}: step-0 loss {step0['loss']:.8f} "
-            f"(ln 2 {'+' if step0['loss'] >= LN2 else '-'} {abs(step0['loss'] - LN2):.1e})")
+    line = (
+        f"{run['device']} {dtype}: step-0 loss {step0['loss']:.8f} "
+        f"(ln 2 {'+' if step0['loss'] >= LN2 else '-'} {abs(step0['loss'] - LN2):.1e})"
+    )
     numbers = {"loss": step0["loss"], "grad_norm": step0["grad_norm"], "steps": run["steps"]}
     ok = abs(step0["loss"] - LN2) < 1e-6 and math.isfinite(step0["grad_norm"])
     if baseline is None:
-        return {"pass": False, "line": line + "; no CPU baseline to compare with (it failed)",
-                **numbers}
+        return {
+            "pass": False,
+            "line": line + "; no CPU baseline to compare with (it failed)",
+            **numbers,
+        }
     rel = _max_rel(step0["logps"], baseline["logps"])
-    return {"pass": ok and rel <= tolerance, "line": line + f", log-probs vs CPU fp32 max rel "
-            f"diff {rel:.2e} (<= {tolerance:g})", "max_rel": rel, **numbers}
+    return {
+        "pass": ok and rel <= tolerance,
+        "line": line + f", log-probs vs CPU fp32 max rel diff {rel:.2e} (<= {tolerance:g})",
+        "max_rel": rel,
+        **numbers,
+    }
 
 
 def check_lora(settings: dict, baseline: Optional[dict]) -> dict:
     """LoRA in bf16: step 0 is the base model (B = 0), step 1 has moved the adapters."""
-    record = device_step(settings, baseline, "llama", "bfloat16", BF16_REL, lora=True, steps=2,
-                         lr=1e-3)
+    record = device_step(
+        settings, baseline, "llama", "bfloat16", BF16_REL, lora=True, steps=2, lr=1e-3
+    )
     second = record["steps"][1]["loss"]
     moved = second != LN2 and math.isfinite(second)
     record["line"] += f"; step-2 loss {second:.8f} ({'moved' if moved else 'still ln 2'})"
@@ -239,8 +315,7 @@ def check_flex(settings: dict, baseline: Optional[dict]) -> dict:
     from gpu_bench import synthetic_pairs
 
     from dpo_megatron.data.packing import pack_shared_prompt_pairs, shared_pair_length
-    from dpo_megatron.models.attention import (flex_attention_rows, flex_block_mask,
-                                               visible_keys)
+    from dpo_megatron.models.attention import flex_attention_rows, flex_block_mask, visible_keys
     from dpo_megatron.parallel.device import get_device
 
     device = get_device()
@@ -251,8 +326,10 @@ def check_flex(settings: dict, baseline: Optional[dict]) -> dict:
     segments, branches = (t.to(device) for t in (layout.segment_ids, layout.branch_ids))
     heads, groups, dim = 8, 2, 32 if tiny else 64
     generator = torch.Generator().manual_seed(settings["seed"])
-    q, k, v = (torch.randn(1, n, length, dim, generator=generator).to(device, torch.bfloat16)
-               for n in (heads, groups, groups))
+    q, k, v = (
+        torch.randn(1, n, length, dim, generator=generator).to(device, torch.bfloat16)
+        for n in (heads, groups, groups)
+    )
     backward = device.type == "cuda"
     for t in (q, k, v):
         t.requires_grad_(backward)
@@ -260,19 +337,26 @@ def check_flex(settings: dict, baseline: Optional[dict]) -> dict:
     # the rule itself: every query's visible keys as a dense mask, fp32, heads repeated for GQA
     qf, kf, vf = (t.detach().float().requires_grad_(backward) for t in (q, k, v))
     dense = F.scaled_dot_product_attention(
-        qf, kf.repeat_interleave(heads // groups, 1), vf.repeat_interleave(heads // groups, 1),
-        attn_mask=visible_keys(segments, branches))
+        qf,
+        kf.repeat_interleave(heads // groups, 1),
+        vf.repeat_interleave(heads // groups, 1),
+        attn_mask=visible_keys(segments, branches),
+    )
     out_diff = ((out.float() - dense).abs().max() / dense.abs().max()).item()
     numbers: dict[str, Any] = {"length": length, "out_max_rel": out_diff}
     ok = out_diff <= FLEX_REL
-    line = (f"{device} bf16, {len(pairs)} shared-prompt pairs in {length} positions, "
-            f"{heads} heads / {groups} KV groups: output max diff {out_diff:.1e} of the largest")
+    line = (
+        f"{device} bf16, {len(pairs)} shared-prompt pairs in {length} positions, "
+        f"{heads} heads / {groups} KV groups: output max diff {out_diff:.1e} of the largest"
+    )
     if backward:
         weight = torch.randn(out.shape, generator=generator).to(device)
         (out.float() * weight).sum().backward()
         (dense * weight).sum().backward()
-        grad_diff = max(((a.grad.float() - b.grad).abs().max() / b.grad.abs().max()).item()
-                        for a, b in ((q, qf), (k, kf), (v, vf)))
+        grad_diff = max(
+            ((a.grad.float() - b.grad).abs().max() / b.grad.abs().max()).item()
+            for a, b in ((q, qf), (k, kf), (v, vf))
+        )
         numbers["grad_max_rel"] = grad_diff
         ok = ok and grad_diff <= FLEX_REL
         line += f", gradients max diff {grad_diff:.1e} of the largest"
@@ -283,8 +367,9 @@ def check_flex(settings: dict, baseline: Optional[dict]) -> dict:
 
 def check_resume(settings: dict, baseline: Optional[dict]) -> dict:
     """bf16: 4 steps straight vs 2 steps + checkpoint + resume for 2 (same losses, grad norms)."""
-    common = dict(backend=settings["backend"], dtype="bfloat16",
-                  load=baseline["init"] if baseline else "")
+    common = dict(
+        backend=settings["backend"], dtype="bfloat16", load=baseline["init"] if baseline else ""
+    )
     straight = engine_run(settings, "llama", _work(settings, "straight"), steps=4, **common)
     cut = _work(settings, "cut")
     engine_run(settings, "llama", cut, steps=2, save_interval=2, **common)
@@ -293,11 +378,15 @@ def check_resume(settings: dict, baseline: Optional[dict]) -> dict:
     got = resumed["steps"]
     pairs = list(zip(got, want, strict=True))
     exact = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in pairs)
-    rel = max(_max_rel([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]])
-              for a, b in pairs)
-    return {"pass": rel <= 1e-6, "line": f"{resumed['device']} bf16: steps 3-4 resumed from the "
-            f"step-2 checkpoint vs straight: {'bit-identical' if exact else 'not bit-identical'}"
-            f", max rel diff {rel:.2e} (<= 1e-6)", "bit_identical": exact, "max_rel": rel}
+    rel = max(_max_rel([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]]) for a, b in pairs)
+    return {
+        "pass": rel <= 1e-6,
+        "line": f"{resumed['device']} bf16: steps 3-4 resumed from the "
+        f"step-2 checkpoint vs straight: {'bit-identical' if exact else 'not bit-identical'}"
+        f", max rel diff {rel:.2e} (<= 1e-6)",
+        "bit_identical": exact,
+        "max_rel": rel,
+    }
 
 
 def check_bench(settings: dict, share_prompt: bool) -> dict:
@@ -308,11 +397,26 @@ def check_bench(settings: dict, share_prompt: bool) -> dict:
     bench = settings["bench"]
     name = "bench-shared" if share_prompt else "bench"
     out = Path(settings["work"]) / f"{name}.json"
-    argv = ["--out", str(out), "--steps", str(bench["steps"]), "--warmup", str(bench["warmup"]),
-            "--max-length", str(bench["max_length"]), "--micro-batch-size",
-            str(bench["micro_batch"]), "--global-batch-size", str(bench["global_batch"]),
-            "--local-attention", settings["attention"], "--transformer-impl",
-            settings["transformer_impl"], "--backend", settings["backend"]]
+    argv = [
+        "--out",
+        str(out),
+        "--steps",
+        str(bench["steps"]),
+        "--warmup",
+        str(bench["warmup"]),
+        "--max-length",
+        str(bench["max_length"]),
+        "--micro-batch-size",
+        str(bench["micro_batch"]),
+        "--global-batch-size",
+        str(bench["global_batch"]),
+        "--local-attention",
+        settings["attention"],
+        "--transformer-impl",
+        settings["transformer_impl"],
+        "--backend",
+        settings["backend"],
+    ]
     if share_prompt:
         argv.append("--share-prompt")
     if bench["peak_tflops"]:
@@ -324,24 +428,43 @@ def check_bench(settings: dict, share_prompt: bool) -> dict:
     status = gpu_bench.main(argv)
     r = json.loads(out.read_text())
     Path(settings["logs"], f"{name}.json").write_text(out.read_text())  # travels back with $OUT
-    mfu = (f"MFU {r['mfu']:.1%} of {r['sku']} ({r['peak_tflops']:g} TFLOP/s)"
-           if r["mfu"] is not None else f"MFU unknown: {r['sku']}")
+    mfu = (
+        f"MFU {r['mfu']:.1%} of {r['sku']} ({r['peak_tflops']:g} TFLOP/s)"
+        if r["mfu"] is not None
+        else f"MFU unknown: {r['sku']}"
+    )
     memory = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else "n/a"
-    return {"pass": status == 0 and r["real_tokens_per_s"] > 0,
-            "line": f"{r['device']} {r['params'] / 1e9:.2f} B params, seq <= "
-                    f"{bench['max_length']}{', shared prompts' if share_prompt else ''}: "
-                    f"{r['real_tokens_per_s']:.0f} real tokens/s, {mfu} (policy fwd+bwd + "
-                    f"reference fwd), step {r['step_time_median_s']:.3f} s, padded fraction "
-                    f"{r['padded_fraction']:.2f}, peak memory {memory}, step-0 loss "
-                    f"{r['step0_loss']:.6f}",
-            **{k: r[k] for k in ("device", "sku", "peak_tflops", "mfu", "model_tflops_per_s",
-                                 "real_tokens_per_s", "step_time_median_s", "peak_memory_gib",
-                                 "padded_fraction", "step0_loss", "params")}}
+    return {
+        "pass": status == 0 and r["real_tokens_per_s"] > 0,
+        "line": f"{r['device']} {r['params'] / 1e9:.2f} B params, seq <= "
+        f"{bench['max_length']}{', shared prompts' if share_prompt else ''}: "
+        f"{r['real_tokens_per_s']:.0f} real tokens/s, {mfu} (policy fwd+bwd + "
+        f"reference fwd), step {r['step_time_median_s']:.3f} s, padded fraction "
+        f"{r['padded_fraction']:.2f}, peak memory {memory}, step-0 loss "
+        f"{r['step0_loss']:.6f}",
+        **{
+            k: r[k]
+            for k in (
+                "device",
+                "sku",
+                "peak_tflops",
+                "mfu",
+                "model_tflops_per_s",
+                "real_tokens_per_s",
+                "step_time_median_s",
+                "peak_memory_gib",
+                "padded_fraction",
+                "step0_loss",
+                "params",
+            )
+        },
+    }
 
 
 def injected(kind: str) -> Callable[[dict, Optional[dict]], dict]:
     """A check that fails on purpose (``--inject``): ``raise`` an exception, ``exit`` the worker
     (as a CUDA abort would), or ``hang`` past its time-out."""
+
     def run(settings: dict, baseline: Optional[dict]) -> dict:
         if kind == "raise":
             raise RuntimeError("injected failure (--inject raise)")
@@ -350,6 +473,7 @@ def injected(kind: str) -> Callable[[dict, Optional[dict]], dict]:
             os._exit(3)
         while True:  # hang
             time.sleep(1)
+
     return run
 
 
@@ -370,19 +494,47 @@ CHECKS: tuple[Check, ...] = (
     Check("cpu-gpt2", "cpu", 60, lambda s, b: cpu_baseline(s, "gpt2")),
     Check("cpu-moe", "cpu", 60, lambda s, b: cpu_baseline(s, "moe")),
     Check("flex", "device", 150, check_flex),
-    Check("fp32-llama", "device", 120,
-          lambda s, b: device_step(s, b, "llama", "float32", FP32_REL), "cpu-llama"),
-    Check("bf16-llama", "device", 90,
-          lambda s, b: device_step(s, b, "llama", "bfloat16", BF16_REL), "cpu-llama"),
-    Check("bf16-gpt2", "device", 90,
-          lambda s, b: device_step(s, b, "gpt2", "bfloat16", BF16_REL), "cpu-gpt2"),
-    Check("packed", "device", 120, lambda s, b: device_step(
-        s, b, "llama", "bfloat16", BF16_REL, packing=True), "cpu-llama"),
-    Check("shared-prompt", "device", 120, lambda s, b: device_step(
-        s, b, "llama", "bfloat16", BF16_REL, packing=True, share_prompt=True), "cpu-llama"),
+    Check(
+        "fp32-llama",
+        "device",
+        120,
+        lambda s, b: device_step(s, b, "llama", "float32", FP32_REL),
+        "cpu-llama",
+    ),
+    Check(
+        "bf16-llama",
+        "device",
+        90,
+        lambda s, b: device_step(s, b, "llama", "bfloat16", BF16_REL),
+        "cpu-llama",
+    ),
+    Check(
+        "bf16-gpt2",
+        "device",
+        90,
+        lambda s, b: device_step(s, b, "gpt2", "bfloat16", BF16_REL),
+        "cpu-gpt2",
+    ),
+    Check(
+        "packed",
+        "device",
+        120,
+        lambda s, b: device_step(s, b, "llama", "bfloat16", BF16_REL, packing=True),
+        "cpu-llama",
+    ),
+    Check(
+        "shared-prompt",
+        "device",
+        120,
+        lambda s, b: device_step(
+            s, b, "llama", "bfloat16", BF16_REL, packing=True, share_prompt=True
+        ),
+        "cpu-llama",
+    ),
     Check("lora", "device", 90, check_lora, "cpu-llama"),
-    Check("moe", "device", 90,
-          lambda s, b: device_step(s, b, "moe", "bfloat16", MOE_REL), "cpu-moe"),
+    Check(
+        "moe", "device", 90, lambda s, b: device_step(s, b, "moe", "bfloat16", MOE_REL), "cpu-moe"
+    ),
     # the MFU before resume: if the budget runs short, the figure the run is for comes first
     Check("bench", "device", 240, lambda s, b: check_bench(s, share_prompt=False)),
     Check("bench-shared", "device", 240, lambda s, b: check_bench(s, share_prompt=True)),
@@ -405,8 +557,7 @@ def plan(names: Optional[list[str]], injections: list[str], inject_cap: float) -
         kind, _, pos = item.partition("@")
         if kind not in ("raise", "exit", "hang") or not pos.isdigit():
             raise ValueError(f"--inject {item!r}: KIND@POS with KIND raise, exit or hang")
-        checks.insert(int(pos), Check(f"inject-{kind}-{pos}", "device", inject_cap,
-                                      injected(kind)))
+        checks.insert(int(pos), Check(f"inject-{kind}-{pos}", "device", inject_cap, injected(kind)))
     return checks
 
 
@@ -435,8 +586,14 @@ def serve(role: str, settings: dict) -> int:
         except BaseException:  # noqa: BLE001 - every failure is the check's result
             error = traceback.format_exc()
             print(error, flush=True)
-            _write_json(Path(job["result"]), {"pass": False, "line": "raised " + error.strip()
-                                              .splitlines()[-1][:300], "error": _tail(error)})
+            _write_json(
+                Path(job["result"]),
+                {
+                    "pass": False,
+                    "line": "raised " + error.strip().splitlines()[-1][:300],
+                    "error": _tail(error),
+                },
+            )
             return 1
         _write_json(Path(job["result"]), record)
         _release_memory()
@@ -484,10 +641,22 @@ class Worker:
         backend = "gloo" if role == "cpu" else settings["backend"]
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", str(Path(__file__).resolve()), "--serve", role,
-                 "--settings", json.dumps({**settings, "backend": backend})],
-                stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, text=True,
-                env=worker_env(backend), start_new_session=True)  # killpg reaches its children
+                [
+                    sys.executable,
+                    "-u",
+                    str(Path(__file__).resolve()),
+                    "--serve",
+                    role,
+                    "--settings",
+                    json.dumps({**settings, "backend": backend}),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=worker_env(backend),
+                start_new_session=True,
+            )  # killpg reaches its children
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -508,8 +677,10 @@ class Worker:
         deadline = time.monotonic() + timeout
         while not result.exists():
             if self.proc.poll() is not None:
-                raise WorkerDied(f"the {self.role} worker exited with status "
-                                 f"{self.proc.returncode} before reporting")
+                raise WorkerDied(
+                    f"the {self.role} worker exited with status "
+                    f"{self.proc.returncode} before reporting"
+                )
             if time.monotonic() > deadline:
                 self.kill()
                 raise CheckTimeout(f"timed out after {timeout:.0f} s")
@@ -540,11 +711,18 @@ class Report:
 
     def write(self) -> None:
         done = [c for c in self.checks.values() if "pass" in c]
-        _write_json(self.path, {
-            **self.header, "state": self.state, "pid": os.getpid(),
-            "elapsed_s": round(time.monotonic() - self.started, 1),
-            "passed": sum(c["pass"] for c in done),
-            "failed": sum(not c["pass"] for c in done), "checks": self.checks})
+        _write_json(
+            self.path,
+            {
+                **self.header,
+                "state": self.state,
+                "pid": os.getpid(),
+                "elapsed_s": round(time.monotonic() - self.started, 1),
+                "passed": sum(c["pass"] for c in done),
+                "failed": sum(not c["pass"] for c in done),
+                "checks": self.checks,
+            },
+        )
 
     def start(self, name: str) -> None:
         self.checks[name] = {"status": "running"}
@@ -553,8 +731,11 @@ class Report:
     def finish(self, name: str, record: dict) -> None:
         record.setdefault("status", "pass" if record["pass"] else "fail")
         self.checks[name] = record
-        print(f"{'PASS' if record['pass'] else 'FAIL'} {name}: {record['line']}"
-              + (f" [{record['time_s']:.0f} s]" if "time_s" in record else ""), flush=True)
+        print(
+            f"{'PASS' if record['pass'] else 'FAIL'} {name}: {record['line']}"
+            + (f" [{record['time_s']:.0f} s]" if "time_s" in record else ""),
+            flush=True,
+        )
         self.write()
 
     def failed(self) -> int:
@@ -578,8 +759,14 @@ def _log_tail(log: Path, offset: int) -> str:
         return ""
 
 
-def run_checks(checks: list[Check], settings: dict, report: Report, budget: float,
-               logs: Path, cap_scale: float = 1.0) -> bool:
+def run_checks(
+    checks: list[Check],
+    settings: dict,
+    report: Report,
+    budget: float,
+    logs: Path,
+    cap_scale: float = 1.0,
+) -> bool:
     """Run ``checks`` in order, each in a worker of its role (a fresh one after any failure)
     with a time-out of its cap x ``cap_scale`` or what is left of ``budget`` (seconds),
     recording each in ``report``. Returns False when stopped by a signal."""
@@ -590,9 +777,14 @@ def run_checks(checks: list[Check], settings: dict, report: Report, budget: floa
         for index, check in enumerate(checks):
             left = budget - (time.monotonic() - started)
             if left <= 0:
-                report.finish(check.name, {"pass": False, "status": "not run", "line":
-                                           f"not run: the time budget of {budget:.0f} s was "
-                                           f"spent"})
+                report.finish(
+                    check.name,
+                    {
+                        "pass": False,
+                        "status": "not run",
+                        "line": f"not run: the time budget of {budget:.0f} s was spent",
+                    },
+                )
                 continue
             current, t0 = check.name, time.monotonic()
             report.start(check.name)
@@ -602,14 +794,21 @@ def run_checks(checks: list[Check], settings: dict, report: Report, budget: floa
                 worker = workers[check.role] = Worker(check.role, settings, log)
             offset = worker.log.stat().st_size
             baseline = report.checks.get(check.baseline) if check.baseline else None
-            job = {"check": check.name, "baseline": baseline if baseline and baseline.get(
-                "pass") else None, "result": str(Path(settings["work"]) / f"{index:02d}.json")}
+            job = {
+                "check": check.name,
+                "baseline": baseline if baseline and baseline.get("pass") else None,
+                "result": str(Path(settings["work"]) / f"{index:02d}.json"),
+            }
             try:
                 record = worker.run(job, min(check.cap_s * cap_scale, left))
             except (WorkerDied, CheckTimeout) as e:
                 status = "timeout" if isinstance(e, CheckTimeout) else "fail"
-                record = {"pass": False, "status": status, "line": str(e),
-                          "error": _log_tail(worker.log, offset)}
+                record = {
+                    "pass": False,
+                    "status": status,
+                    "line": str(e),
+                    "error": _log_tail(worker.log, offset),
+                }
             record["time_s"] = round(time.monotonic() - t0, 2)
             if not record["pass"]:
                 worker.kill()
@@ -618,14 +817,20 @@ def run_checks(checks: list[Check], settings: dict, report: Report, budget: floa
         return True
     except Stopped as e:
         if current is not None:
-            report.checks[current] = {"pass": False, "status": "stopped", "line":
-                                      f"stopped by {e} while running", "time_s": round(
-                                          time.monotonic() - t0, 2)}
+            report.checks[current] = {
+                "pass": False,
+                "status": "stopped",
+                "line": f"stopped by {e} while running",
+                "time_s": round(time.monotonic() - t0, 2),
+            }
             print(f"FAIL {current}: stopped by {e} while running", flush=True)
         for name, record in report.checks.items():
             if record.get("status") == "pending":
-                report.checks[name] = {"pass": False, "status": "not run",
-                                       "line": f"not run: stopped by {e}"}
+                report.checks[name] = {
+                    "pass": False,
+                    "status": "not run",
+                    "line": f"not run: stopped by {e}",
+                }
         return False
     finally:
         for worker in workers.values():
@@ -643,35 +848,62 @@ def _version(package: str) -> Optional[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="run every check on gloo/CPU (the rehearsal)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="smallest shapes, bench on gpu_bench's --tiny model (rehearsal)")
+    parser.add_argument(
+        "--allow-cpu", action="store_true", help="run every check on gloo/CPU (the rehearsal)"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smallest shapes, bench on gpu_bench's --tiny model (rehearsal)",
+    )
     parser.add_argument("--checks", help="comma-separated subset, in this order (default: all)")
     parser.add_argument("--list", action="store_true", help="print the checks and exit")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="seconds for the whole run (each check also has its own cap)")
-    parser.add_argument("--cap-scale", type=float, default=1.0,
-                        help="multiply every check's time-out (a slow or shared CPU)")
-    parser.add_argument("--local-attention", default="auto",
-                        help="model.local_attention of the packed / shared-prompt checks and "
-                             "the bench (auto: flex on CUDA, sdpa on the CPU)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=420.0,
+        help="seconds for the whole run (each check also has its own cap)",
+    )
+    parser.add_argument(
+        "--cap-scale",
+        type=float,
+        default=1.0,
+        help="multiply every check's time-out (a slow or shared CPU)",
+    )
+    parser.add_argument(
+        "--local-attention",
+        default="auto",
+        help="model.local_attention of the packed / shared-prompt checks and "
+        "the bench (auto: flex on CUDA, sdpa on the CPU)",
+    )
     parser.add_argument("--transformer-impl", default="local", help="model.transformer_impl")
     parser.add_argument("--bench-steps", type=int, default=8)
     parser.add_argument("--bench-warmup", type=int, default=2)
     parser.add_argument("--bench-max-length", type=int, default=2048)
     parser.add_argument("--bench-micro-batch", type=int, default=4, help="pairs")
     parser.add_argument("--bench-global-batch", type=int, default=16, help="pairs")
-    parser.add_argument("--peak-tflops", type=float, default=0.0,
-                        help="the GPU's dense bf16 peak, if not in gpu_bench's table")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="the GPU's dense bf16 peak, if not in gpu_bench's table",
+    )
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default="runs/gpu_check/gpu_check.json",
-                        help="the JSON; worker logs and bench results go to gpu_check_logs/ "
-                             "beside it")
-    parser.add_argument("--inject", action="append", default=[], metavar="KIND@POS",
-                        help="insert a failing check (raise, exit, hang) at position POS")
-    parser.add_argument("--inject-cap", type=float, default=3.0,
-                        help="time-out of injected checks, seconds")
+    parser.add_argument(
+        "--out",
+        default="runs/gpu_check/gpu_check.json",
+        help="the JSON; worker logs and bench results go to gpu_check_logs/ beside it",
+    )
+    parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@POS",
+        help="insert a failing check (raise, exit, hang) at position POS",
+    )
+    parser.add_argument(
+        "--inject-cap", type=float, default=3.0, help="time-out of injected checks, seconds"
+    )
     parser.add_argument("--serve", choices=["device", "cpu"], help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -695,16 +927,29 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             name, cuda_version = torch.cuda.get_device_name(0), torch.version.cuda
     peak, sku = peak_tflops(name, args.peak_tflops)
-    header = {"device": name, "sku": sku, "peak_tflops": peak, "torch": torch_version,
-              "cuda": cuda_version, "python": sys.version.split()[0],
-              "budget_s": args.budget, "order": [c.name for c in checks]}
-    print(f"gpu_check on {name} ({sku}): torch {torch_version}, python "
-          f"{header['python']}, {len(checks)} checks, budget {args.budget:.0f} s", flush=True)
+    header = {
+        "device": name,
+        "sku": sku,
+        "peak_tflops": peak,
+        "torch": torch_version,
+        "cuda": cuda_version,
+        "python": sys.version.split()[0],
+        "budget_s": args.budget,
+        "order": [c.name for c in checks],
+    }
+    print(
+        f"gpu_check on {name} ({sku}): torch {torch_version}, python "
+        f"{header['python']}, {len(checks)} checks, budget {args.budget:.0f} s",
+        flush=True,
+    )
     if name == "cpu" and not args.allow_cpu:
         report = Report(out, header, [])
-        report.checks["setup"] = {"pass": False, "status": "fail",
-                                  "line": "no CUDA device: run on a GPU machine, or pass "
-                                          "--allow-cpu for the CPU rehearsal"}
+        report.checks["setup"] = {
+            "pass": False,
+            "status": "fail",
+            "line": "no CUDA device: run on a GPU machine, or pass "
+            "--allow-cpu for the CPU rehearsal",
+        }
         report.state = "done"
         report.write()
         print(f"FAIL setup: {report.checks['setup']['line']}", flush=True)
@@ -713,24 +958,37 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
-        settings = {"backend": "gloo" if args.allow_cpu else "nccl", "tiny": args.tiny,
-                    "attention": args.local_attention, "transformer_impl": args.transformer_impl,
-                    "seed": args.seed, "work": work, "logs": str(logs), "inject": args.inject,
-                    "bench": {"steps": args.bench_steps, "warmup": args.bench_warmup,
-                              "max_length": args.bench_max_length,
-                              "micro_batch": args.bench_micro_batch,
-                              "global_batch": args.bench_global_batch,
-                              "peak_tflops": args.peak_tflops}}
+        settings = {
+            "backend": "gloo" if args.allow_cpu else "nccl",
+            "tiny": args.tiny,
+            "attention": args.local_attention,
+            "transformer_impl": args.transformer_impl,
+            "seed": args.seed,
+            "work": work,
+            "logs": str(logs),
+            "inject": args.inject,
+            "bench": {
+                "steps": args.bench_steps,
+                "warmup": args.bench_warmup,
+                "max_length": args.bench_max_length,
+                "micro_batch": args.bench_micro_batch,
+                "global_batch": args.bench_global_batch,
+                "peak_tflops": args.peak_tflops,
+            },
+        }
         if args.tiny:
-            settings["bench"].update(steps=2, warmup=1, max_length=64, micro_batch=1,
-                                     global_batch=2)
+            settings["bench"].update(
+                steps=2, warmup=1, max_length=64, micro_batch=1, global_batch=2
+            )
         finished = run_checks(checks, settings, report, args.budget, logs, args.cap_scale)
     report.state = "done" if finished else "stopped"
     report.write()
     failed = report.failed()
-    print(f"{len(report.checks) - failed} passed, {failed} failed in "
-          f"{time.monotonic() - report.started:.0f} s; results in {out}, logs in {logs}",
-          flush=True)
+    print(
+        f"{len(report.checks) - failed} passed, {failed} failed in "
+        f"{time.monotonic() - report.started:.0f} s; results in {out}, logs in {logs}",
+        flush=True,
+    )
     return min(failed, 100) if finished else 124
 
 

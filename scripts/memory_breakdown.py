@@ -30,7 +30,7 @@ for path in (REPO, REPO / "scripts"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def _rss() -> int:
@@ -58,8 +58,12 @@ class SavedActivations:
 
         self.exclude, self.seen = exclude, set()
         self.by_kind: dict[str, int] = {}
-        self._kinds = {vocab_shard: "logits (vocabulary-wide)", ffn: "MLP", 2 * ffn: "MLP",
-                       hidden: "hidden-size (norms, residual, projections)"}
+        self._kinds = {
+            vocab_shard: "logits (vocabulary-wide)",
+            ffn: "MLP",
+            2 * ffn: "MLP",
+            hidden: "hidden-size (norms, residual, projections)",
+        }
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
@@ -83,7 +87,6 @@ class SavedActivations:
 def breakdown(spec: dict) -> dict:
     """The numbers of one engine setting (see the module docstring)."""
     import torch
-
     from bench_dpo import PeakRSS, bench_pairs, engine_config
 
     torch.set_num_threads(spec["threads"])
@@ -97,19 +100,24 @@ def breakdown(spec: dict) -> dict:
     after_setup = _rss()
     params = [p for c in trainer.policy for p in c.parameters()]
     policy_bytes, param_ptrs = _storage_bytes(params)
-    ref_params = ([p for c in trainer.reference.chunks for p in c.parameters()]
-                  if trainer.reference is not None else [])
+    ref_params = (
+        [p for c in trainer.reference.chunks for p in c.parameters()]
+        if trainer.reference is not None
+        else []
+    )
     reference_bytes, ref_ptrs = _storage_bytes(ref_params)
     buffers = [b for c in trainer.policy for b in getattr(c, "buffers", [])]
     grad_bytes, grad_ptrs = _storage_bytes([b.grad_data for b in buffers])
-    ddp_param_bytes, _ = _storage_bytes([b.param_data for b in buffers
-                                         if getattr(b, "param_data", None) is not None])
+    ddp_param_bytes, _ = _storage_bytes(
+        [b.param_data for b in buffers if getattr(b, "param_data", None) is not None]
+    )
     model = trainer.model_config
     from dpo_megatron.models.transformer_config import padded_vocab_size
 
     shard = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 1)
-    saved = SavedActivations(param_ptrs | ref_ptrs | grad_ptrs, shard, model.hidden_size,
-                             model.ffn_hidden_size)
+    saved = SavedActivations(
+        param_ptrs | ref_ptrs | grad_ptrs, shard, model.hidden_size, model.ffn_hidden_size
+    )
     steps = []
     for step in range(spec["steps"]):
         step_meter = PeakRSS()
@@ -123,45 +131,78 @@ def breakdown(spec: dict) -> dict:
             import ctypes
 
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        steps.append({"peak_rss": step_meter.stop_sampling(),
-                      "peak_malloc_in_use": step_meter.peak_in_use,
-                      "cpu_s": time.process_time() - t0,
-                      "loss": out.metrics["loss"], "shape": list(batch.micro_batches[0]
-                                                                 .tokens.shape),
-                      "model_tokens": batch.computed_tokens, "real_tokens": batch.real_tokens})
-    state = [v for s in trainer.optimizer.optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor)] if hasattr(trainer.optimizer, "optimizer") else []
+        steps.append(
+            {
+                "peak_rss": step_meter.stop_sampling(),
+                "peak_malloc_in_use": step_meter.peak_in_use,
+                "cpu_s": time.process_time() - t0,
+                "loss": out.metrics["loss"],
+                "shape": list(batch.micro_batches[0].tokens.shape),
+                "model_tokens": batch.computed_tokens,
+                "real_tokens": batch.real_tokens,
+            }
+        )
+    state = (
+        [
+            v
+            for s in trainer.optimizer.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        if hasattr(trainer.optimizer, "optimizer")
+        else []
+    )
     adam_bytes, _ = _storage_bytes(state)
     peak = meter.stop()
     activations = sum(saved.by_kind.values())
     held = policy_bytes + reference_bytes + grad_bytes + ddp_param_bytes + adam_bytes
     return {
-        "engine": spec["run"], "model": spec["model"], "steps": steps,
-        "process_before_engine": before, "rss_after_setup": after_setup,
-        "policy_weights": policy_bytes, "reference_weights": reference_bytes,
-        "ddp_grad_buffers": grad_bytes, "ddp_param_buffers": ddp_param_bytes,
-        "adam_state": adam_bytes, "saved_activations": activations,
-        "saved_by_kind": saved.by_kind, "peak_rss": peak,
+        "engine": spec["run"],
+        "model": spec["model"],
+        "steps": steps,
+        "process_before_engine": before,
+        "rss_after_setup": after_setup,
+        "policy_weights": policy_bytes,
+        "reference_weights": reference_bytes,
+        "ddp_grad_buffers": grad_bytes,
+        "ddp_param_buffers": ddp_param_bytes,
+        "adam_state": adam_bytes,
+        "saved_activations": activations,
+        "saved_by_kind": saved.by_kind,
+        "peak_rss": peak,
         "transient_and_slack": peak - before - held - activations,
     }
 
 
 def table(result: dict) -> str:
     """The breakdown as a Markdown table (GiB)."""
-    rows = [("process before the engine (interpreter, libraries, data)",
-             result["process_before_engine"]),
-            ("policy weights", result["policy_weights"]),
-            ("reference weights", result["reference_weights"]),
-            ("DDP gradient buffers", result["ddp_grad_buffers"]),
-            ("DDP parameter buffers", result["ddp_param_buffers"]),
-            ("Adam state (exp_avg, exp_avg_sq)", result["adam_state"])]
+    rows = [
+        (
+            "process before the engine (interpreter, libraries, data)",
+            result["process_before_engine"],
+        ),
+        ("policy weights", result["policy_weights"]),
+        ("reference weights", result["reference_weights"]),
+        ("DDP gradient buffers", result["ddp_grad_buffers"]),
+        ("DDP parameter buffers", result["ddp_param_buffers"]),
+        ("Adam state (exp_avg, exp_avg_sq)", result["adam_state"]),
+    ]
     rows += [(f"saved activations: {k}", v) for k, v in sorted(result["saved_by_kind"].items())]
-    rows += [("transients (logit gradients, reference forward, allocator slack)",
-              result["transient_and_slack"]), ("**peak RSS**", result["peak_rss"])]
-    lines = [f"{result['engine']} on {result['model']}, micro-batch shape "
-             f"{result['steps'][0]['shape']}, {result['steps'][0]['model_tokens']} positions "
-             f"computed for {result['steps'][0]['real_tokens']} real tokens (step 1)", "",
-             "| component | GiB |", "|---|---|"]
+    rows += [
+        (
+            "transients (logit gradients, reference forward, allocator slack)",
+            result["transient_and_slack"],
+        ),
+        ("**peak RSS**", result["peak_rss"]),
+    ]
+    lines = [
+        f"{result['engine']} on {result['model']}, micro-batch shape "
+        f"{result['steps'][0]['shape']}, {result['steps'][0]['model_tokens']} positions "
+        f"computed for {result['steps'][0]['real_tokens']} real tokens (step 1)",
+        "",
+        "| component | GiB |",
+        "|---|---|",
+    ]
     lines += [f"| {name} | {value / GIB:.2f} |" for name, value in rows]
     return "\n".join(lines)
 
@@ -177,16 +218,31 @@ def main(argv=None) -> int:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--max-prompt-length", type=int, default=256)
     parser.add_argument("--recompute", default="")
-    parser.add_argument("--trim", action="store_true",
-                        help="malloc_trim(0) after each step (hand freed heap pages back)")
+    parser.add_argument(
+        "--trim",
+        action="store_true",
+        help="malloc_trim(0) after each step (hand freed heap pages back)",
+    )
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    spec = {"run": args.engine, "model": args.model, "model_path": model_folder(args.model),
-            "steps": args.steps, "warmup": 0, "pairs_per_step": args.pairs_per_step,
-            "micro_batch_size": args.pairs_per_step, "pairs": args.pairs_per_step * args.steps,
-            "max_length": args.max_length, "max_prompt_length": args.max_prompt_length,
-            "beta": 0.1, "lr": 1e-6, "seed": 1234, "threads": 1, "recompute": args.recompute,
-            "trim": args.trim}
+    spec = {
+        "run": args.engine,
+        "model": args.model,
+        "model_path": model_folder(args.model),
+        "steps": args.steps,
+        "warmup": 0,
+        "pairs_per_step": args.pairs_per_step,
+        "micro_batch_size": args.pairs_per_step,
+        "pairs": args.pairs_per_step * args.steps,
+        "max_length": args.max_length,
+        "max_prompt_length": args.max_prompt_length,
+        "beta": 0.1,
+        "lr": 1e-6,
+        "seed": 1234,
+        "threads": 1,
+        "recompute": args.recompute,
+        "trim": args.trim,
+    }
     result = breakdown(spec)
     print(table(result))
     if args.out:

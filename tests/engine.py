@@ -17,41 +17,90 @@ from typing import Any, Optional, Sequence
 
 VOCAB = 256
 
-TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-            num_query_groups=2, vocab_size=VOCAB, tie_word_embeddings=False)
+TINY = dict(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=VOCAB,
+    tie_word_embeddings=False,
+)
 
 
-def engine_config(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
-                  sp: bool = False, ep: int = 1, etp: Optional[int] = None,
-                  micro_batch_size: int = 1, global_batch_size: int = 4, steps: int = 2,
-                  lr: float = 1e-3, loss: Optional[dict] = None, model: Optional[dict] = None,
-                  load: str = "", packing: bool = False, bucket_by_length: bool = False,
-                  share_prompt: bool = False, packing_row_length: int = 0,
-                  reference_mode: str = "model", offload: bool = False, cache_dir: str = "",
-                  run_dir: Optional[str] = None, seed: int = 1234, resume: str = "none",
-                  save_interval: int = 0, keep_last_n: int = 0, **train: Any):
+def engine_config(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: Optional[int] = None,
+    sp: bool = False,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    micro_batch_size: int = 1,
+    global_batch_size: int = 4,
+    steps: int = 2,
+    lr: float = 1e-3,
+    loss: Optional[dict] = None,
+    model: Optional[dict] = None,
+    load: str = "",
+    packing: bool = False,
+    bucket_by_length: bool = False,
+    share_prompt: bool = False,
+    packing_row_length: int = 0,
+    reference_mode: str = "model",
+    offload: bool = False,
+    cache_dir: str = "",
+    run_dir: Optional[str] = None,
+    seed: int = 1234,
+    resume: str = "none",
+    save_interval: int = 0,
+    keep_last_n: int = 0,
+    **train: Any,
+):
     """A ``DPOConfig`` for a tiny random (or ``load``-ed) model; ``train`` adds ``train.*``.
     ``ep`` / ``etp``: expert-parallel and expert tensor-parallel sizes (MoE models)."""
     from dpo_megatron.config import config_from_mapping
 
-    return config_from_mapping({
-        "run_dir": run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "context_parallel_size": cp,
-                     "virtual_pipeline_model_parallel_size": vpp, "sequence_parallel": sp,
-                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp},
-        "model": {**TINY, **(model or {}), "load": load},
-        "loss": loss or {"name": "sigmoid", "beta": 0.1},
-        "train": {"micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
-                  "train_iters": steps, "lr": lr, "lr_decay_style": "constant", "seed": seed,
-                  **train},
-        "packing": {"enabled": packing, "bucket_by_length": bucket_by_length,
-                     "share_prompt": share_prompt, "row_length": packing_row_length},
-        "reference": {"mode": reference_mode, "offload": offload, "cache_dir": cache_dir},
-        "checkpoint": {"resume": resume, "save_interval": save_interval,
-                       "keep_last_n": keep_last_n},
-        "logging": {"tensorboard": False},
-    }, check=False)
+    return config_from_mapping(
+        {
+            "run_dir": run_dir or tempfile.mkdtemp(prefix="dpo-engine-"),
+            "parallel": {
+                "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
+                "context_parallel_size": cp,
+                "virtual_pipeline_model_parallel_size": vpp,
+                "sequence_parallel": sp,
+                "expert_model_parallel_size": ep,
+                "expert_tensor_parallel_size": etp,
+            },
+            "model": {**TINY, **(model or {}), "load": load},
+            "loss": loss or {"name": "sigmoid", "beta": 0.1},
+            "train": {
+                "micro_batch_size": micro_batch_size,
+                "global_batch_size": global_batch_size,
+                "train_iters": steps,
+                "lr": lr,
+                "lr_decay_style": "constant",
+                "seed": seed,
+                **train,
+            },
+            "packing": {
+                "enabled": packing,
+                "bucket_by_length": bucket_by_length,
+                "share_prompt": share_prompt,
+                "row_length": packing_row_length,
+            },
+            "reference": {"mode": reference_mode, "offload": offload, "cache_dir": cache_dir},
+            "checkpoint": {
+                "resume": resume,
+                "save_interval": save_interval,
+                "keep_last_n": keep_last_n,
+            },
+            "logging": {"tensorboard": False},
+        },
+        check=False,
+    )
 
 
 def tiny_trainer(pairs: Sequence, eval_pairs: Sequence = (), pad_token_id: int = 0, **config):
@@ -95,9 +144,12 @@ def random_pairs(n: int, seed: int, lengths, vocab: int = VOCAB, eos: int = 2):
 
 def step_record(out, batch) -> dict:
     """Plain values of one step (for comparisons across processes)."""
-    return {"metrics": out.metrics, "grad_norm": out.grad_norm,
-            "per_pair": {k: v.tolist() for k, v in out.per_pair.items()},
-            "shape": list(batch.micro_batches[0].tokens.shape)}
+    return {
+        "metrics": out.metrics,
+        "grad_norm": out.grad_norm,
+        "per_pair": {k: v.tolist() for k, v in out.per_pair.items()},
+        "shape": list(batch.micro_batches[0].tokens.shape),
+    }
 
 
 def owns_results() -> bool:

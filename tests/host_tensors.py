@@ -45,29 +45,81 @@ from torch.utils.weak import WeakIdKeyDictionary
 HOST, DEVICE = "host", "device"
 ENGINE_DEVICE = torch.device("cpu", 0)
 
-_FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
-              torch.arange, torch.linspace, torch.logspace, torch.rand, torch.randn,
-              torch.randint, torch.randperm, torch.eye, torch.empty_strided, torch.scalar_tensor,
-              torch.tril_indices, torch.triu_indices, torch.from_numpy, torch.frombuffer}
-_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
-         torch.randn_like, torch.randint_like}
-_NEW = {torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
-        torch.Tensor.new_full, torch.Tensor.new_tensor}
+_FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.eye,
+    torch.empty_strided,
+    torch.scalar_tensor,
+    torch.tril_indices,
+    torch.triu_indices,
+    torch.from_numpy,
+    torch.frombuffer,
+}
+_LIKE = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+}
+_NEW = {
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_full,
+    torch.Tensor.new_tensor,
+}
 # Ops that CUDA runs across devices, or whose extra tensors are indices it moves itself.
-_CROSSING = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda,
-             torch.Tensor.__getitem__, torch.Tensor.pin_memory,
-             torch._has_compatible_shallow_copy_type}  # Module.to asks it before ``.data =``
+_CROSSING = {
+    torch.Tensor.copy_,
+    torch.Tensor.to,
+    torch.Tensor.cpu,
+    torch.Tensor.cuda,
+    torch.Tensor.__getitem__,
+    torch.Tensor.pin_memory,
+    torch._has_compatible_shallow_copy_type,
+}  # Module.to asks it before ``.data =``
 # Joining ops: every input must be on one device, 0-dim or not.
 _JOINING = {torch.cat, torch.stack, torch.concat, torch.concatenate, torch.hstack, torch.vstack}
 _DEVICE_ATTR = torch._C.TensorBase.device
 _DATA_ATTR = torch._C.TensorBase.data
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-                "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "reduce",
-                "send", "recv", "isend", "irecv", "batch_isend_irecv")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 # Collectives of Python objects pickle into a tensor on their ``device`` argument: told a host
 # device on a GPU run, NCCL refuses it.
-_OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
-                       "scatter_object_list")
+_OBJECT_COLLECTIVES = (
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+)
 
 
 def _is_device_name(device: Any) -> Optional[bool]:
@@ -111,8 +163,11 @@ class HostTensorCheck(TorchFunctionMode):
                 self.where[t] = kind
 
     def _record(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if "dpo_megatron" in f.filename
-                  or "megatron/core" in f.filename]
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-2]
+            if "dpo_megatron" in f.filename or "megatron/core" in f.filename
+        ]
         where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
         self.violations.append((what, where))
 
@@ -147,12 +202,13 @@ class HostTensorCheck(TorchFunctionMode):
         if func is torch.Tensor.__setitem__:  # index tensors may live anywhere
             inputs = [t for t in (args[0], args[2]) if isinstance(t, torch.Tensor)]
         device = [t for t in inputs if self.kind(t) == DEVICE]
-        host = [t for t in inputs if self.kind(t) == HOST
-                and (t.dim() > 0 or func in _JOINING)]
+        host = [t for t in inputs if self.kind(t) == HOST and (t.dim() > 0 or func in _JOINING)]
         if device and host:
             name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
-            self._record(f"{name} mixes device tensors with host tensor(s) of shape "
-                         f"{[tuple(t.shape) for t in host]}")
+            self._record(
+                f"{name} mixes device tensors with host tensor(s) of shape "
+                f"{[tuple(t.shape) for t in host]}"
+            )
 
     def _output_kind(self, func, args, kwargs, kinds) -> Optional[str]:
         if func in _FACTORIES or func in _NEW:
@@ -187,12 +243,15 @@ class HostTensorCheck(TorchFunctionMode):
 
         def checked(*args, **kwargs):
             for t in tree_flatten((args, kwargs))[0]:
-                tensors = [t] if isinstance(t, torch.Tensor) else [
-                    getattr(t, "tensor", None)]  # P2POp of batch_isend_irecv
+                tensors = (
+                    [t] if isinstance(t, torch.Tensor) else [getattr(t, "tensor", None)]
+                )  # P2POp of batch_isend_irecv
                 for x in tensors:
                     if isinstance(x, torch.Tensor) and self.kind(x) == HOST:
-                        self._record(f"torch.distributed.{name} given a host tensor of shape "
-                                     f"{tuple(x.shape)}")
+                        self._record(
+                            f"torch.distributed.{name} given a host tensor of shape "
+                            f"{tuple(x.shape)}"
+                        )
             return original(*args, **kwargs)
 
         return original, checked
@@ -210,8 +269,9 @@ class HostTensorCheck(TorchFunctionMode):
     def _check_model_inputs(self, module, args, kwargs):
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and self.kind(t) == HOST:
-                self._record(f"{type(module).__name__}.forward given a host tensor of shape "
-                             f"{tuple(t.shape)}")
+                self._record(
+                    f"{type(module).__name__}.forward given a host tensor of shape {tuple(t.shape)}"
+                )
 
     def __enter__(self):
         import megatron.core.tensor_parallel.random  # noqa: F401  (before the RNG patch)
@@ -223,8 +283,7 @@ class HostTensorCheck(TorchFunctionMode):
         # The engine's device, and where megatron-core's CUDA requests land: ``cpu:0``.
         device.set_gloo_device(ENGINE_DEVICE)
         cuda_on_cpu.enable(ENGINE_DEVICE)
-        self._saved = [(torch.nn.Parameter, "__new__",
-                        staticmethod(torch.nn.Parameter.__new__))]
+        self._saved = [(torch.nn.Parameter, "__new__", staticmethod(torch.nn.Parameter.__new__))]
         make_parameter = torch.nn.Parameter.__new__
         check = self
 
@@ -244,8 +303,8 @@ class HostTensorCheck(TorchFunctionMode):
             self._saved.append((dist, name, original))
             setattr(dist, name, checked)
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, a: self._check_model_inputs(m, a, {}) if isinstance(m, DPOGPTModel)
-            else None)
+            lambda m, a: self._check_model_inputs(m, a, {}) if isinstance(m, DPOGPTModel) else None
+        )
         return super().__enter__()
 
     def __exit__(self, *exc):

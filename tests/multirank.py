@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 from dpo_megatron.parallel.layout import free_port
 
-
 # Ranks are forked from a forkserver: a clean single-threaded process that has imported torch
 # and megatron-core once. Forking the pytest process itself is not safe: earlier in-process tests
 # leave threads (tokenizers, tqdm, torch pools) whose locks a forked child can inherit held, and
@@ -29,13 +28,23 @@ from dpo_megatron.parallel.layout import free_port
 # Everything most ranks import is imported here once per test process, not once per rank
 # (about 1 s for the trainer and 2 s for transformers per rank on a busy 2-core machine); none of
 # these modules starts a thread at import.
-_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
-            "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
-            "megatron.core.optimizer", "megatron.core.dist_checkpointing",
-            "dpo_megatron.training.step", "dpo_megatron.losses", "dpo_megatron.data",
-            "dpo_megatron.training.trainer", "dpo_megatron.train",
-            "dpo_megatron.models.conversion", "transformers",
-            "transformers.models.auto.tokenization_auto"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "dpo_megatron.training.step",
+    "dpo_megatron.losses",
+    "dpo_megatron.data",
+    "dpo_megatron.training.trainer",
+    "dpo_megatron.train",
+    "dpo_megatron.models.conversion",
+    "transformers",
+    "transformers.models.auto.tokenization_auto",
+]
 
 
 def process_context():
@@ -46,8 +55,13 @@ def process_context():
 
 
 def _child(fn, rank, world_size, port, kwargs, conn):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -75,8 +89,9 @@ the rank's TCPStore (parallel test workers, a benchmark beside the suite): nothi
 past process-group set-up, so the ranks are started again on a new port."""
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
-              **kwargs) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, timeout: float = 600.0, **kwargs
+) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``world_size`` ranks; return the list of results by rank.
 
     Raises:
@@ -91,8 +106,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 600.0,
     raise AssertionError("unreachable")
 
 
-def _run_ranks_once(fn: Callable[..., Any], world_size: int, timeout: float,
-                    kwargs: dict) -> list[Any]:
+def _run_ranks_once(
+    fn: Callable[..., Any], world_size: int, timeout: float, kwargs: dict
+) -> list[Any]:
     ctx = process_context()
     port = free_port()
     procs, conns = [], []
@@ -114,8 +130,7 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, timeout: float,
             remaining = deadline - time.monotonic()
             ready = mp_connection.wait(list(pending.values()), timeout=max(remaining, 0))
             if not ready:
-                raise RuntimeError(f"ranks {sorted(pending)} gave no result within "
-                                   f"{timeout:.0f} s")
+                raise RuntimeError(f"ranks {sorted(pending)} gave no result within {timeout:.0f} s")
             for rank in [r for r, c in pending.items() if c in ready]:
                 try:
                     status, payload = pickle.loads(pending.pop(rank).recv_bytes())
@@ -158,14 +173,20 @@ def _call(fn: Callable[..., Any], **kwargs) -> Any:
     return fn(**kwargs)
 
 
-def run_cases(world_size: int, cases: dict[str, tuple[Callable[..., Any], dict]],
-              timeout: float = 600.0) -> dict[str, list[Any]]:
+def run_cases(
+    world_size: int, cases: dict[str, tuple[Callable[..., Any], dict]], timeout: float = 600.0
+) -> dict[str, list[Any]]:
     """Run ``fn(**kwargs)`` for every ``name: (fn, kwargs)`` of ``cases``, in order, in one
     world of ``world_size`` ranks (:func:`run_in_turn`); returns ``{name: results by rank}``.
 
     Raises:
         RuntimeError: as :func:`run_ranks` (the first failing case ends the world).
     """
-    per_rank = run_ranks(run_in_turn, world_size=world_size, timeout=timeout, each=_call,
-                         cases={name: {"fn": fn, **kwargs} for name, (fn, kwargs) in cases.items()})
+    per_rank = run_ranks(
+        run_in_turn,
+        world_size=world_size,
+        timeout=timeout,
+        each=_call,
+        cases={name: {"fn": fn, **kwargs} for name, (fn, kwargs) in cases.items()},
+    )
     return {name: [r[name] for r in per_rank] for name in cases}

@@ -69,19 +69,47 @@ DEVICE = f"{DEVICE_TYPE}:0"
 aten = torch.ops.aten
 
 # Ops CUDA runs with operands on two devices: copies and moves.
-_CROSSING = {aten.copy_.default, aten._to_copy.default, aten._copy_from.default,
-             aten._copy_from_and_resize.default}
+_CROSSING = {
+    aten.copy_.default,
+    aten._to_copy.default,
+    aten._copy_from.default,
+    aten._copy_from_and_resize.default,
+}
 # Ops whose second argument is a list of index tensors that CUDA moves to the device itself.
-_HOST_INDICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
-                 aten._index_put_impl_.default, aten._unsafe_index.Tensor,
-                 aten._unsafe_index_put.default}
+_HOST_INDICES = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+    aten._unsafe_index.Tensor,
+    aten._unsafe_index_put.default,
+}
 # torch.distributed functions that take tensors (NCCL refuses host tensors in all of them).
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-                "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
-                "_reduce_scatter_base", "all_to_all", "all_to_all_single", "reduce", "gather",
-                "scatter", "send", "recv", "isend", "irecv")
-_OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
-                       "scatter_object_list")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+_OBJECT_COLLECTIVES = (
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+)
 """Collectives of Python objects: they pickle into a tensor on their ``device`` argument (by
 default the backend's: CUDA for NCCL). Told ``device=cpu`` on a GPU run, NCCL refuses it."""
 
@@ -104,11 +132,19 @@ class StrictTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, elem: torch.Tensor):
         if isinstance(elem, StrictTensor) or elem.device.type != "cpu":
-            raise TypeError(f"StrictTensor wraps a plain CPU tensor, got {type(elem).__name__} "
-                            f"on {elem.device}")
+            raise TypeError(
+                f"StrictTensor wraps a plain CPU tensor, got {type(elem).__name__} on {elem.device}"
+            )
         out = torch.Tensor._make_wrapper_subclass(
-            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
-            dtype=elem.dtype, layout=elem.layout, device=DEVICE, requires_grad=False)
+            cls,
+            elem.size(),
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=DEVICE,
+            requires_grad=False,
+        )
         out.elem = elem
         return out
 
@@ -154,7 +190,8 @@ def _mismatch(what: str, host: list) -> StrictDeviceError:
     return StrictDeviceError(
         f"Expected all tensors to be on the same device, but found at least two devices, "
         f"{DEVICE} and cpu! ({what} was given host tensor(s) of shape {shapes} beside "
-        f"{DEVICE} tensors: tests/strict_device.py)")
+        f"{DEVICE} tensors: tests/strict_device.py)"
+    )
 
 
 def _check_operands(func, args, kwargs) -> None:
@@ -166,8 +203,11 @@ def _check_operands(func, args, kwargs) -> None:
     operands = (args, kwargs)
     if func in _HOST_INDICES and isinstance(args[0], StrictTensor):  # (self, indices, ...)
         operands = ((args[0], *args[2:]), kwargs)
-    host = [t for t in tree_flatten(operands)[0] if isinstance(t, torch.Tensor)
-            and not isinstance(t, StrictTensor) and t.dim() > 0]
+    host = [
+        t
+        for t in tree_flatten(operands)[0]
+        if isinstance(t, torch.Tensor) and not isinstance(t, StrictTensor) and t.dim() > 0
+    ]
     if host:
         raise _mismatch(f"aten op {func}", host)
 
@@ -186,8 +226,11 @@ def _run_on_cpu(func, args, kwargs):
             inputs[id(x)] = x
         return x
 
-    to_host = "device" in kwargs and kwargs["device"] is not None \
+    to_host = (
+        "device" in kwargs
+        and kwargs["device"] is not None
         and not _is_strict_device(kwargs["device"])
+    )
     args, kwargs = tree_map(unwrap, (args, kwargs))
     if _is_strict_device(kwargs.get("device")):
         kwargs["device"] = torch.device("cpu")
@@ -241,9 +284,13 @@ class _CrossDeviceData(torch.overrides.TorchFunctionMode):
     active = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if (self.active and getattr(func, "__self__", None) is _DATA_ATTR
-                and func.__name__ == "__set__" and not isinstance(args[0], StrictTensor)
-                and isinstance(args[1], StrictTensor)):
+        if (
+            self.active
+            and getattr(func, "__self__", None) is _DATA_ATTR
+            and func.__name__ == "__set__"
+            and not isinstance(args[0], StrictTensor)
+            and isinstance(args[1], StrictTensor)
+        ):
             return _set_data(*args)
         return func(*args, **(kwargs or {}))
 
@@ -252,16 +299,23 @@ _CROSS_DEVICE_DATA: _CrossDeviceData | None = None
 
 
 def _to_numpy(tensor: StrictTensor, *args, **kwargs):
-    raise TypeError(f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to "
-                    f"copy the tensor to host memory first.")
+    raise TypeError(
+        f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to "
+        f"copy the tensor to host memory first."
+    )
 
 
 _ON_ELEM = {  # methods answered by the CPU tensor behind the wrapper
-    torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tensor.storage,
-    torch.Tensor._typed_storage, torch.Tensor.tolist,
+    torch.Tensor.data_ptr,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.storage,
+    torch.Tensor._typed_storage,
+    torch.Tensor.tolist,
 }
-_OVERRIDES: dict[Callable, Callable] = {torch.Tensor.numpy: _to_numpy,
-                                        torch.Tensor.__array__: _to_numpy}
+_OVERRIDES: dict[Callable, Callable] = {
+    torch.Tensor.numpy: _to_numpy,
+    torch.Tensor.__array__: _to_numpy,
+}
 
 
 def _function_override(func) -> Callable | None:
@@ -286,7 +340,8 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
 
 def _copy_from(src, dst, non_blocking=False):
     (dst.elem if isinstance(dst, StrictTensor) else dst).copy_(
-        src.elem if isinstance(src, StrictTensor) else src)
+        src.elem if isinstance(src, StrictTensor) else src
+    )
     return dst
 
 
@@ -365,15 +420,20 @@ class StrictDevice:
         def run(*args, **kwargs):
             group = self._group_of(original, args, kwargs)
             if not any(group is g for g in self.host_groups):
-                host = [t for t in tree_flatten((args, kwargs))[0]
-                        if isinstance(t, torch.Tensor) and not isinstance(t, StrictTensor)]
+                host = [
+                    t
+                    for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor) and not isinstance(t, StrictTensor)
+                ]
                 if host:
                     shapes = ", ".join(str(tuple(t.shape)) for t in host)
                     raise StrictDeviceError(
                         f"torch.distributed.{name} was given host tensor(s) of shape {shapes}: "
-                        f"NCCL takes device tensors only (tests/strict_device.py)")
+                        f"NCCL takes device tensors only (tests/strict_device.py)"
+                    )
             args, kwargs = tree_map(
-                lambda x: x.elem if isinstance(x, StrictTensor) else x, (args, kwargs))
+                lambda x: x.elem if isinstance(x, StrictTensor) else x, (args, kwargs)
+            )
             return original(*args, **kwargs)
 
         return run
@@ -383,11 +443,15 @@ class StrictDevice:
         def run(*args, **kwargs):
             group = self._group_of(original, args, kwargs)
             device = kwargs.get("device")
-            if (device is not None and torch.device(device).type == "cpu"
-                    and not any(group is g for g in self.host_groups)):
+            if (
+                device is not None
+                and torch.device(device).type == "cpu"
+                and not any(group is g for g in self.host_groups)
+            ):
                 raise StrictDeviceError(
                     f"torch.distributed.{name} was told device={device}: NCCL stages objects "
-                    f"in device tensors only (tests/strict_device.py)")
+                    f"in device tensors only (tests/strict_device.py)"
+                )
             return original(*args, **kwargs)
 
         return run
@@ -397,8 +461,7 @@ class StrictDevice:
         def run(*args, **kwargs):
             group = original(*args, **kwargs)
             try:
-                backend = inspect.signature(original).bind(*args, **kwargs).arguments.get(
-                    "backend")
+                backend = inspect.signature(original).bind(*args, **kwargs).arguments.get("backend")
             except TypeError:
                 backend = None
             if backend is not None and str(backend).lower() == "gloo":
@@ -442,8 +505,7 @@ class StrictDevice:
         device.set_gloo_device(None)
         if cuda_on_cpu.is_enabled():  # megatron-core's CUDA requests: back to the host
             cuda_on_cpu.enable(device.CPU_DEVICE)
-        logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(
-            _not_the_rng_notice)
+        logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_not_the_rng_notice)
         if _CROSS_DEVICE_DATA is not None:
             _CROSS_DEVICE_DATA.active = False
 

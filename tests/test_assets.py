@@ -27,7 +27,10 @@ def test_verify_file(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"abc")
     good = FileCheck("f.bin", 3, hashlib.sha256(b"abc").hexdigest())
-    assert assets.sha256_file(path) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert (
+        assets.sha256_file(path)
+        == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    )
     assets.verify_file(path, good)
     with pytest.raises(AssetError, match=r"f.bin: .* has 3 bytes, expected 4"):
         assets.verify_file(path, FileCheck("f.bin", 4, good.sha256))
@@ -59,7 +62,9 @@ def test_manifest_validity(tmp_path):
     assert not assets._manifest_valid(folder)
     assets._write_manifest(folder, "test")
     manifest = json.loads((folder / assets.MANIFEST).read_text())
-    assert manifest["files"] == {"x.bin": {"size": 5, "sha256": hashlib.sha256(b"hello").hexdigest()}}
+    assert manifest["files"] == {
+        "x.bin": {"size": 5, "sha256": hashlib.sha256(b"hello").hexdigest()}
+    }
     assert assets._manifest_valid(folder, full=True)
     (folder / "x.bin").write_bytes(b"jello")  # same size, different content
     assert assets._manifest_valid(folder)
@@ -83,8 +88,9 @@ def test_sentencepiece_model_cached_and_repaired(tmp_cache, monkeypatch):
     install made transformers take its Mistral-format branch for Mistral-family folders)."""
     pip_calls = []
     run_pip = assets._run_pip
-    monkeypatch.setattr(assets, "_run_pip", lambda args, what: (pip_calls.append(args[0]),
-                                                                 run_pip(args, what)))
+    monkeypatch.setattr(
+        assets, "_run_pip", lambda args, what: (pip_calls.append(args[0]), run_pip(args, what))
+    )
     path = assets.ensure_sentencepiece_model()
     assert path == tmp_cache / "mistral-sentencepiece" / "tokenizer.model"
     assert path.stat().st_size == 493_443
@@ -128,18 +134,27 @@ def test_smollm2_export():
     folder = assets.ensure_smollm2()
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (576, 30, 3)
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (
+        576,
+        30,
+        3,
+    )
     assert config["tie_word_embeddings"] is True
     digest, numel = assets.tensors_sha256(folder / "model.safetensors")
     assert (digest, numel) == (assets.SMOLLM2_TENSORS_SHA256, 134_515_008)
 
     from transformers import AutoTokenizer
 
-    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "GPT2Tokenizer"
+    assert (
+        json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+        == "GPT2Tokenizer"
+    )
     tok = AutoTokenizer.from_pretrained(str(folder))
     assert tok("Hello")["input_ids"] == [19556]  # no BOS
     assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -154,8 +169,11 @@ def test_setup_removes_a_partial_mistral_common(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
-                    assets.MISTRAL_COMMON_PACKAGE], check=True, capture_output=True)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", assets.MISTRAL_COMMON_PACKAGE],
+        check=True,
+        capture_output=True,
+    )
     root = Path(__file__).resolve().parents[1]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
     probe = "import importlib.util; print(importlib.util.find_spec('mistral_common') is not None)"
@@ -166,9 +184,12 @@ def test_setup_removes_a_partial_mistral_common(tmp_path):
     assert run("-c", probe).stdout == "True\n"
     first = run("-m", "dpo_megatron.assets", "--remove-partial-mistral-common")
     assert first.returncode == 0, first.stderr
-    assert re.fullmatch(rf"removed mistral-common from {re.escape(str(venv))}: installed without "
-                        r"its dependencies \(no \w+\), it made transformers fail on every "
-                        r"Mistral-family tokenizer\n", first.stdout), first.stdout
+    assert re.fullmatch(
+        rf"removed mistral-common from {re.escape(str(venv))}: installed without "
+        r"its dependencies \(no \w+\), it made transformers fail on every "
+        r"Mistral-family tokenizer\n",
+        first.stdout,
+    ), first.stdout
     assert run("-c", probe).stdout == "False\n"
     second = run("-m", "dpo_megatron.assets", "--remove-partial-mistral-common")
     assert (second.returncode, second.stdout) == (0, "")

@@ -38,11 +38,24 @@ def test_summarize_by_hand():
 
 
 def test_ratios_and_markdown():
-    row = {"real_tokens_per_s": 30.0, "real_tokens_per_cpu_s": 40.0, "step_time_median_s": 2.0,
-           "peak_rss_bytes": 2**30, "padded_fraction": 0.1, "precompute_s": 0.0,
-           "step0": {"loss": 0.6931, "logps/chosen": -10.0}, "losses": [0.6931]}
-    trl = dict(row, real_tokens_per_s=20.0, real_tokens_per_cpu_s=10.0, step_time_median_s=4.0,
-               peak_rss_bytes=2**31, step0={"loss": 0.6932, "logps/chosen": -10.0})
+    row = {
+        "real_tokens_per_s": 30.0,
+        "real_tokens_per_cpu_s": 40.0,
+        "step_time_median_s": 2.0,
+        "peak_rss_bytes": 2**30,
+        "padded_fraction": 0.1,
+        "precompute_s": 0.0,
+        "step0": {"loss": 0.6931, "logps/chosen": -10.0},
+        "losses": [0.6931],
+    }
+    trl = dict(
+        row,
+        real_tokens_per_s=20.0,
+        real_tokens_per_cpu_s=10.0,
+        step_time_median_s=4.0,
+        peak_rss_bytes=2**31,
+        step0={"loss": 0.6932, "logps/chosen": -10.0},
+    )
     q = bench.ratios(row, trl)
     assert q["real_tokens_per_s"] == 1.5 and q["real_tokens_per_cpu_s"] == 4.0
     assert q["step_time_median"] == 0.5 and q["peak_rss"] == 0.5
@@ -55,19 +68,32 @@ def test_shared_prompt_figures_by_hand():
     """Tokens computed per pair (a shared prompt once) and the shared-prompt runs against packing
     alone: 4 pairs, 3,000 real tokens per step; packing computes every real token (750 per
     pair), shared prompts 0.8 of them (600 per pair) at 1.2x the CPU rate."""
-    row = {"real_tokens_per_s": 30.0, "real_tokens_per_cpu_s": 40.0, "step_time_median_s": 2.0,
-           "peak_rss_bytes": 2**30, "padded_fraction": 0.1, "precompute_s": 0.0,
-           "step0": {"loss": 0.6931, "logps/chosen": -10.0}, "losses": [0.6931],
-           "real_tokens_per_step": 3000.0, "model_tokens_per_real_token": 1.0}
+    row = {
+        "real_tokens_per_s": 30.0,
+        "real_tokens_per_cpu_s": 40.0,
+        "step_time_median_s": 2.0,
+        "peak_rss_bytes": 2**30,
+        "padded_fraction": 0.1,
+        "precompute_s": 0.0,
+        "step0": {"loss": 0.6931, "logps/chosen": -10.0},
+        "losses": [0.6931],
+        "real_tokens_per_step": 3000.0,
+        "model_tokens_per_real_token": 1.0,
+    }
     shared = dict(row, real_tokens_per_cpu_s=48.0, model_tokens_per_real_token=0.8)
     assert bench.model_tokens_per_pair(row, 4) == 750.0
     assert bench.model_tokens_per_pair(shared, 4) == 600.0
     assert math.isnan(bench.model_tokens_per_pair(row, 0))
-    text = bench.markdown({"settings": {"pairs_per_step": 4},
-                           "results": {"m": {"engine+packing": row, "engine+shared": shared}}})
+    text = bench.markdown(
+        {
+            "settings": {"pairs_per_step": 4},
+            "results": {"m": {"engine+packing": row, "engine+shared": shared}},
+        }
+    )
     assert "| 0.0 | 750.0 | 1.000 |" in text and "| 0.0 | 600.0 | 0.800 |" in text
-    assert ("engine+shared / engine+packing: real tok/s (CPU) 1.20x, model tokens per pair "
-            "0.800x") in text
+    assert (
+        "engine+shared / engine+packing: real tok/s (CPU) 1.20x, model tokens per pair 0.800x"
+    ) in text
 
 
 def test_forward_flops_llama_1b_by_hand():
@@ -97,10 +123,19 @@ def _tiny_hf_model(folder: Path) -> str:
     from dpo_megatron import assets
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=2048, attention_dropout=0.0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        attention_dropout=0.0,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     for f in assets.ensure_smollm2().iterdir():  # the tokenizer files TRL loads
         if f.name.startswith("tokenizer") or f.suffix == ".jinja":
@@ -113,15 +148,29 @@ def _tiny_hf_model(folder: Path) -> str:
 def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     """Both engines on the same tiny Llama and the same real pairs: same loss at every step."""
     path = _tiny_hf_model(tmp_path / "tiny")
-    spec = {"steps": 3, "warmup": 1, "pairs_per_step": 2, "micro_batch_size": 2,
-            "max_length": 256, "max_prompt_length": 128, "beta": 0.1, "lr": 1e-3, "seed": 1,
-            "threads": 1, "recompute": "", "pairs": 6, "model": "tiny", "model_path": path}
+    spec = {
+        "steps": 3,
+        "warmup": 1,
+        "pairs_per_step": 2,
+        "micro_batch_size": 2,
+        "max_length": 256,
+        "max_prompt_length": 128,
+        "beta": 0.1,
+        "lr": 1e-3,
+        "seed": 1,
+        "threads": 1,
+        "recompute": "",
+        "pairs": 6,
+        "model": "tiny",
+        "model_path": path,
+    }
     trl = bench._child({**spec, "run": "trl"})
     engine = bench._child({**spec, "run": "engine+packing"})
     assert abs(trl["step0"]["loss"] - math.log(2)) < 1e-6
     assert abs(engine["step0"]["loss"] - math.log(2)) < 1e-6
     assert abs(engine["step0"]["logps/chosen"] - trl["step0"]["logps/chosen"]) < 1e-4 * abs(
-        trl["step0"]["logps/chosen"])
+        trl["step0"]["logps/chosen"]
+    )
     for a, b in zip(engine["losses"], trl["losses"], strict=True):
         assert abs(a - b) < 1e-4
     assert engine["padded_fraction"] <= trl["padded_fraction"]
@@ -130,13 +179,20 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     assert trl["host_malloc"] == "host malloc: the C library's default"
     if platform.libc_ver()[0] == "glibc":
         assert engine["heap_trims"] >= 1 and trl.get("heap_trims") is None
-        assert engine["host_malloc"] == ("host malloc: trim (free heap pages returned between "
-                                         "layers; glibc's default malloc)")
+        assert engine["host_malloc"] == (
+            "host malloc: trim (free heap pages returned between layers; glibc's default malloc)"
+        )
 
 
 def test_pair_forward_flops_by_hand():
-    shape = dict(num_layers=2, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
-                 num_query_groups=2, vocab_size=10)
+    shape = dict(
+        num_layers=2,
+        hidden_size=4,
+        ffn_hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=2,
+        vocab_size=10,
+    )
     layers = gpu.forward_flops_per_token(2, 4, 8, 2, 2, vocab=0, context=0)
     assert layers == 2 * 2 * (2 * 16 + 2 * 16 + 3 * 32)
     # prompt 2, chosen 1, rejected 1: shared 4 tokens, 9 attention pairs; unshared 6 and 12.
@@ -149,8 +205,17 @@ def test_pair_forward_flops_by_hand():
 
 def test_bench_engines_are_valid_configs():
     """Every setting of the bench's ENGINES table is a config the engine accepts."""
-    spec = {"model_path": "", "recompute": "", "beta": 0.1, "lr": 1e-6, "steps": 1,
-            "pairs_per_step": 4, "micro_batch_size": 4, "seed": 1, "local_attention": "sdpa"}
+    spec = {
+        "model_path": "",
+        "recompute": "",
+        "beta": 0.1,
+        "lr": 1e-6,
+        "steps": 1,
+        "pairs_per_step": 4,
+        "micro_batch_size": 4,
+        "seed": 1,
+        "local_attention": "sdpa",
+    }
     for name in bench.ENGINES:
         cfg = bench.engine_config({**spec, "run": name, "model_path": str(_assets_smollm2())})
         assert cfg.packing.share_prompt == ("shared" in name)
@@ -173,10 +238,27 @@ def test_gpu_bench_runs_the_shared_prompt_path_on_cpu(tmp_path):
     import subprocess
 
     out = tmp_path / "shared.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench.py"), "--allow-cpu",
-                    "--tiny", "--share-prompt", "--local-attention", "sdpa", "--steps", "2",
-                    "--warmup", "1", "--out", str(out)], check=True, cwd=tmp_path,
-                   env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_bench.py"),
+            "--allow-cpu",
+            "--tiny",
+            "--share-prompt",
+            "--local-attention",
+            "sdpa",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert abs(result["step0_loss"] - math.log(2)) < 1e-6
     assert 0.5 < result["model_tokens_per_real_token"] < 1.0  # each prompt computed once
@@ -191,13 +273,40 @@ def test_gpu_bench_takes_a_context_parallel_size(tmp_path):
     import subprocess
 
     out = tmp_path / "cp.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-port", str(_free_port()), str(REPO / "scripts" / "gpu_bench.py"),
-                    "--allow-cpu", "--tiny", "--backend", "gloo", "--context-parallel-size", "2",
-                    "--max-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
-                    "--steps", "2", "--warmup", "1", "--out", str(out)], check=True,
-                   cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
-                                      "OMP_NUM_THREADS": "1"}, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(REPO / "scripts" / "gpu_bench.py"),
+            "--allow-cpu",
+            "--tiny",
+            "--backend",
+            "gloo",
+            "--context-parallel-size",
+            "2",
+            "--max-length",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert abs(result["step0_loss"] - math.log(2)) < 1e-6
     assert result["settings"]["context_parallel_size"] == 2

@@ -9,10 +9,13 @@ from dpo_megatron.config import load_config, parse_args, world_size_for
 
 def test_yaml_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("parallel:\n  tensor_model_parallel_size: 2\ntrain:\n  lr: 0.5\n"
-                 "data:\n  tokenizer: tok\n  path: d.json\n")
-    cfg = load_config(str(f), ["loss.beta=0.3", "train.lr=0.25",
-                               "parallel.pipeline_model_parallel_size=2"])
+    f.write_text(
+        "parallel:\n  tensor_model_parallel_size: 2\ntrain:\n  lr: 0.5\n"
+        "data:\n  tokenizer: tok\n  path: d.json\n"
+    )
+    cfg = load_config(
+        str(f), ["loss.beta=0.3", "train.lr=0.25", "parallel.pipeline_model_parallel_size=2"]
+    )
     assert cfg.train.lr == 0.25  # the command line wins over the file
     assert cfg.loss == {"name": "sigmoid", "beta": 0.3}
     assert cfg.parallel.tensor_model_parallel_size == 2
@@ -25,8 +28,12 @@ def test_world_size_fits_the_expert_layout():
     ep2 = ["parallel.expert_model_parallel_size=2"]
     assert world_size_for(load_config(None, base + ep2)) == 2
     tp2pp2 = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]
-    assert world_size_for(load_config(None, base + tp2pp2 + ep2 + [
-        "parallel.expert_tensor_parallel_size=1"])) == 4
+    assert (
+        world_size_for(
+            load_config(None, base + tp2pp2 + ep2 + ["parallel.expert_tensor_parallel_size=1"])
+        )
+        == 4
+    )
     assert world_size_for(load_config(None, base + tp2pp2 + ep2)) == 8  # expert TP 2 x EP 2 x PP 2
     assert world_size_for(load_config(None, base + ep2 + ["parallel.data_parallel_size=4"])) == 4
 
@@ -45,8 +52,16 @@ def test_wrong_type_names_the_key():
 
 def test_batch_sizes_must_divide():
     with pytest.raises(ValueError, match="global_batch_size"):
-        load_config(None, ["data.tokenizer=t", "data.path=d.json", "train.global_batch_size=6",
-                           "train.micro_batch_size=4", "parallel.data_parallel_size=1"])
+        load_config(
+            None,
+            [
+                "data.tokenizer=t",
+                "data.path=d.json",
+                "train.global_batch_size=6",
+                "train.micro_batch_size=4",
+                "parallel.data_parallel_size=1",
+            ],
+        )
 
 
 def test_missing_file_and_bad_override():
@@ -98,39 +113,61 @@ BASE = ["data.tokenizer=t", "data.path=d.json"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.log_interval=0", "train.log_interval=0 must be >= 1"),
-    ("train.seq_length_multiple=0", "train.seq_length_multiple=0 must be >= 1"),
-    ("parallel.data_parallel_size=0", "parallel.data_parallel_size=0 must be >= 1"),
-    ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps=0 must be >= 1"),
-    ("train.train_iters=0", "train.train_iters=0 must be >= 1"),
-    ("train.train_iters=-5", "train.train_iters=-5 must be >= 1"),
-    ("checkpoint.save_interval=-1", "checkpoint.save_interval=-1 must be >= 0"),
-    ("train.clip_grad=-1", "train.clip_grad=-1.0 must be >= 0"),
-    ("train.lr=-0.001", "train.lr=-0.001 must be >= 0"),
-    ("train.adam_beta2=1.0", "train.adam_beta2=1.0 must be >= 0 and < 1"),
-    ("train.lr_decay_style=step", "train.lr_decay_style='step'; expected one of constant"),
-    ("parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size=0 must be >= 1"),
-    ("parallel.distributed_timeout_minutes=0", "must be >= 1"),
-    ("model.num_layers=0", "model.num_layers=0 must be >= 1"),
-    ("model.norm_epsilon=0", "model.norm_epsilon=0.0 must be > 0"),
-    ("model.local_attention=flash", "model.local_attention='flash'; expected one of auto, sdpa, flex, megatron"),
-    ("checkpoint.keep_last_n=-1", "checkpoint.keep_last_n=-1 must be >= 0"),
-    ("checkpoint.export_dtype=fp8", "checkpoint.export_dtype='fp8'"),
-    ("packing.row_length=-8", "packing.row_length=-8 must be >= 0"),
-    ("packing.share_prompt=true", "packing.share_prompt=true lays pairs out in packed rows: set "
-     "packing.enabled=true too"),
-    ("data.max_prompt_length=1", "data.max_prompt_length=1 must be >= 2"),
-    ("data.se_max_pairs_per_question=0", "must be >= 1"),
-    ("data.shp_max_pairs_per_post=-1", "data.shp_max_pairs_per_post=-1 must be >= 0: 0: no cap"),
-    ("train.eval_global_batch_size=-1", "train.eval_global_batch_size=-1 must be >= 0"),
-    ("data.eval_datasets=[e.json]", "data.eval_datasets and data.eval_fraction=0.1 are both set"),
-    ("data.eval_formats=[hh]", "data.eval_formats has 1 entries for 0 data.eval_datasets"),
-    ("model.recompute_modules=[layernorm]", "model.recompute_modules=['layernorm'] needs "
-     "model.recompute_granularity=selective, got None"),
-    ("model.recompute_modules=[moe_act]", "model.recompute_modules: 'moe_act' is not one of "
-     "core_attn, layernorm, mlp, moe"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.log_interval=0", "train.log_interval=0 must be >= 1"),
+        ("train.seq_length_multiple=0", "train.seq_length_multiple=0 must be >= 1"),
+        ("parallel.data_parallel_size=0", "parallel.data_parallel_size=0 must be >= 1"),
+        ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps=0 must be >= 1"),
+        ("train.train_iters=0", "train.train_iters=0 must be >= 1"),
+        ("train.train_iters=-5", "train.train_iters=-5 must be >= 1"),
+        ("checkpoint.save_interval=-1", "checkpoint.save_interval=-1 must be >= 0"),
+        ("train.clip_grad=-1", "train.clip_grad=-1.0 must be >= 0"),
+        ("train.lr=-0.001", "train.lr=-0.001 must be >= 0"),
+        ("train.adam_beta2=1.0", "train.adam_beta2=1.0 must be >= 0 and < 1"),
+        ("train.lr_decay_style=step", "train.lr_decay_style='step'; expected one of constant"),
+        (
+            "parallel.tensor_model_parallel_size=0",
+            "parallel.tensor_model_parallel_size=0 must be >= 1",
+        ),
+        ("parallel.distributed_timeout_minutes=0", "must be >= 1"),
+        ("model.num_layers=0", "model.num_layers=0 must be >= 1"),
+        ("model.norm_epsilon=0", "model.norm_epsilon=0.0 must be > 0"),
+        (
+            "model.local_attention=flash",
+            "model.local_attention='flash'; expected one of auto, sdpa, flex, megatron",
+        ),
+        ("checkpoint.keep_last_n=-1", "checkpoint.keep_last_n=-1 must be >= 0"),
+        ("checkpoint.export_dtype=fp8", "checkpoint.export_dtype='fp8'"),
+        ("packing.row_length=-8", "packing.row_length=-8 must be >= 0"),
+        (
+            "packing.share_prompt=true",
+            "packing.share_prompt=true lays pairs out in packed rows: set packing.enabled=true too",
+        ),
+        ("data.max_prompt_length=1", "data.max_prompt_length=1 must be >= 2"),
+        ("data.se_max_pairs_per_question=0", "must be >= 1"),
+        (
+            "data.shp_max_pairs_per_post=-1",
+            "data.shp_max_pairs_per_post=-1 must be >= 0: 0: no cap",
+        ),
+        ("train.eval_global_batch_size=-1", "train.eval_global_batch_size=-1 must be >= 0"),
+        (
+            "data.eval_datasets=[e.json]",
+            "data.eval_datasets and data.eval_fraction=0.1 are both set",
+        ),
+        ("data.eval_formats=[hh]", "data.eval_formats has 1 entries for 0 data.eval_datasets"),
+        (
+            "model.recompute_modules=[layernorm]",
+            "model.recompute_modules=['layernorm'] needs "
+            "model.recompute_granularity=selective, got None",
+        ),
+        (
+            "model.recompute_modules=[moe_act]",
+            "model.recompute_modules: 'moe_act' is not one of core_attn, layernorm, mlp, moe",
+        ),
+    ],
+)
 def test_every_field_is_range_checked_before_launch(override, message):
     """Old (5fd70fa): all of these loaded; 0 intervals / sizes crashed later with
     ZeroDivisionError, max_nonfinite_steps=0 stopped a healthy run, a negative lr failed only
@@ -145,12 +182,21 @@ def test_pre_check_reads_the_eval_files(tmp_path):
     reads the training data: a bad eval row stops it, naming file, line and field."""
     good = {"prompt": "Hi", "chosen": " yes", "rejected": " no"}
     (tmp_path / "train.jsonl").write_text(json.dumps(good) + "\n")
-    (tmp_path / "eval.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good | {"prompt": 1}) + "\n")
+    (tmp_path / "eval.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps(good | {"prompt": 1}) + "\n"
+    )
     with pytest.raises(SystemExit) as e:
-        main(["data.tokenizer=t", f"data.path={tmp_path / 'train.jsonl'}",
-              f"data.eval_datasets=[{tmp_path / 'eval.jsonl'}]"])
-    assert str(e.value) == (f"error: {tmp_path / 'eval.jsonl'}: line 2: field 'prompt': expected a "
-                            f"string, got int; set data.on_error=skip to drop and count them")
+        main(
+            [
+                "data.tokenizer=t",
+                f"data.path={tmp_path / 'train.jsonl'}",
+                f"data.eval_datasets=[{tmp_path / 'eval.jsonl'}]",
+            ]
+        )
+    assert str(e.value) == (
+        f"error: {tmp_path / 'eval.jsonl'}: line 2: field 'prompt': expected a "
+        f"string, got int; set data.on_error=skip to drop and count them"
+    )
 
 
 def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsys):
@@ -171,16 +217,24 @@ def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsy
 def test_config_anywhere_on_the_command_line(tmp_path):
     """Old: ``k=v --config F`` failed in argparse (unrecognized arguments)."""
     assert parse_args(["train.lr=0.1", "--config", "c.yaml", "loss.beta=1"]) == (
-        "c.yaml", ["train.lr=0.1", "loss.beta=1"])
+        "c.yaml",
+        ["train.lr=0.1", "loss.beta=1"],
+    )
 
 
 def test_loss_shorthand_trains_that_loss():
     """``loss=ipo loss.beta=0.1`` is IPO at beta 0.1. Old: {"name": "sigmoid", "beta": 0.1}
     (the scalar silently lost), and ``loss=ipo`` alone "Cannot assign str to Dict"."""
-    assert load_config(None, BASE + ["loss=ipo", "loss.beta=0.1"]).loss == {"name": "ipo", "beta": 0.1}
+    assert load_config(None, BASE + ["loss=ipo", "loss.beta=0.1"]).loss == {
+        "name": "ipo",
+        "beta": 0.1,
+    }
     assert load_config(None, BASE + ["loss=ipo"]).loss == {"name": "ipo"}
     assert load_config(None, BASE + ["loss=dpo"]).loss == {"name": "sigmoid"}
-    assert load_config(None, BASE + ["loss.name=dpo", "loss.beta=0.2"]).loss == {"name": "sigmoid", "beta": 0.2}
+    assert load_config(None, BASE + ["loss.name=dpo", "loss.beta=0.2"]).loss == {
+        "name": "sigmoid",
+        "beta": 0.2,
+    }
     with pytest.raises(ValueError, match="loss= needs a loss name"):
         load_config(None, BASE + ["loss="])
     with pytest.raises(ValueError, match="unknown loss.name 'dpoo'.*aliases: dpo \\(= sigmoid\\)"):
@@ -198,18 +252,25 @@ def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
     cfg = load_config(str(f), ["loss.beta=0.3"])
     assert cfg.loss == {"name": "ipo", "beta": 0.3}
     assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == ("/assets/smollm2", True)
-    with pytest.raises(ValueError, match=r"model=gptj \(from command line\): model is a section.*preset name \(.*smollm2\)"
-                                         r".*model.hf_path="):
+    with pytest.raises(
+        ValueError,
+        match=r"model=gptj \(from command line\): model is a section.*preset name \(.*smollm2\)"
+        r".*model.hf_path=",
+    ):
         load_config(None, BASE + ["model=gptj"])
-    with pytest.raises(ValueError, match=r"train=5 \(from command line\): train is a section, not a value"):
+    with pytest.raises(
+        ValueError, match=r"train=5 \(from command line\): train is a section, not a value"
+    ):
         load_config(None, BASE + ["train=5"])
 
 
 def test_empty_value_clears_a_string_list_or_optional_key(tmp_path):
     """Old: ``data.chat_template=`` gave "field 'chat_template' is not Optional"."""
     f = tmp_path / "c.yaml"
-    f.write_text("data:\n  path: d.json\n  tokenizer: t\n  chat_template: chatml\n  datasets: []\n"
-                 "parallel:\n  data_parallel_size: 1\n")
+    f.write_text(
+        "data:\n  path: d.json\n  tokenizer: t\n  chat_template: chatml\n  datasets: []\n"
+        "parallel:\n  data_parallel_size: 1\n"
+    )
     cfg = load_config(str(f), ["data.chat_template=", "parallel.data_parallel_size="])
     assert cfg.data.chat_template == "" and cfg.parallel.data_parallel_size is None
     assert load_config(None, BASE + ["data.weights="]).data.weights == []
@@ -217,9 +278,16 @@ def test_empty_value_clears_a_string_list_or_optional_key(tmp_path):
 
 def test_interleaved_pipeline_micro_batches_must_be_a_multiple_of_pp():
     """Old: passed validation and failed inside megatron-core's interleaved schedule at step 1."""
-    layout = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
-              "parallel.data_parallel_size=1", "train.micro_batch_size=1"]
-    with pytest.raises(ValueError, match=r"micro-batches per step.*= 3, to be a multiple of parallel.pipeline_model_parallel_size=2"):
+    layout = [
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+        "parallel.data_parallel_size=1",
+        "train.micro_batch_size=1",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"micro-batches per step.*= 3, to be a multiple of parallel.pipeline_model_parallel_size=2",
+    ):
         load_config(None, BASE + layout + ["train.global_batch_size=3"])
     load_config(None, BASE + layout + ["train.global_batch_size=4"])
 
@@ -227,7 +295,10 @@ def test_interleaved_pipeline_micro_batches_must_be_a_multiple_of_pp():
 def test_list_keys_and_print_config(capsys, tmp_path):
     """Old: ``--help`` pointed to a key list that did not exist."""
     text = list_keys()
-    assert "train.log_interval (int, default 1)\n    Steps between log lines / TensorBoard points (>= 1)." in text
+    assert (
+        "train.log_interval (int, default 1)\n    Steps between log lines / TensorBoard points (>= 1)."
+        in text
+    )
     assert "parallel.data_parallel_size (Optional[int], default None)" in text
     main(["--list-keys"])
     assert "checkpoint.save_interval (int, default 0)" in capsys.readouterr().out
@@ -240,16 +311,26 @@ def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_pat
     """The launchers' pre-check reports a range / key / YAML mistake without importing torch or
     megatron-core (seconds, not the tens of seconds those imports take on a busy 2-core machine).
     Old: ``import dpo_megatron.config`` imported megatron-core (through dpo_megatron.models)."""
-    code = ("import sys\n"
-            "from dpo_megatron.config import main\n"
-            "try:\n"
-            "    main(['data.path=d.json', 'data.tokenizer=t', 'train.log_interval=0'])\n"
-            "except SystemExit as e:\n"
-            "    print(e)\n"
-            "print(sorted(m for m in ('torch', 'megatron', 'datasets', 'transformers') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
-    assert out.stdout.splitlines() == ["config error: train.log_interval=0 must be >= 1", "[]"], out.stderr
+    code = (
+        "import sys\n"
+        "from dpo_megatron.config import main\n"
+        "try:\n"
+        "    main(['data.path=d.json', 'data.tokenizer=t', 'train.log_interval=0'])\n"
+        "except SystemExit as e:\n"
+        "    print(e)\n"
+        "print(sorted(m for m in ('torch', 'megatron', 'datasets', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=120,
+    )
+    assert out.stdout.splitlines() == ["config error: train.log_interval=0 must be >= 1", "[]"], (
+        out.stderr
+    )
 
 
 def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
@@ -259,13 +340,18 @@ def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
         main(["data.tokenizer=t", f"data.path={tmp_path}/missing.jsonl"])
     assert str(e.value) == f"error: data file {tmp_path}/missing.jsonl does not exist"
     sharegpt = tmp_path / "sg.jsonl"
-    sharegpt.write_text('{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", '
-                        '"value": "a"}, "rejected": {"from": "gpt", "value": "b"}}\n')
+    sharegpt.write_text(
+        '{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", '
+        '"value": "a"}, "rejected": {"from": "gpt", "value": "b"}}\n'
+    )
     with pytest.raises(SystemExit) as e:
         main(["data.tokenizer=t", f"data.path={sharegpt}", "data.format=hh"])
     message = str(e.value)
     assert message.startswith("error: ") and "\n" not in message
-    assert "look like format 'sharegpt': set data.format=sharegpt" in message and "on_error" not in message
+    assert (
+        "look like format 'sharegpt': set data.format=sharegpt" in message
+        and "on_error" not in message
+    )
 
 
 def test_a_warm_up_that_outlasts_the_run_is_announced():
@@ -275,7 +361,8 @@ def test_a_warm_up_that_outlasts_the_run_is_announced():
     assert TrainConfig(train_iters=12, lr_warmup_iters=11).warmup_warning() is None
     assert TrainConfig(train_iters=12, lr_warmup_iters=150, lr=5e-7).warmup_warning() == (
         "WARNING: train.lr_warmup_iters=150 >= train.train_iters=12: the run ends 12/150 of the "
-        "way through its linear warm-up and never reaches train.lr=5e-07")
+        "way through its linear warm-up and never reaches train.lr=5e-07"
+    )
 
 
 def test_print_config_is_the_resolved_config(tmp_path, capsys):
@@ -299,16 +386,36 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
     main([*args, "--print-config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     model = printed["model"]
-    assert (model["num_layers"], model["hidden_size"], model["vocab_size"],
-            model["num_attention_heads"], model["num_query_groups"], model["ffn_hidden_size"]) \
-        == (hf["num_hidden_layers"], hf["hidden_size"], hf["vocab_size"],
-            hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"])
+    assert (
+        model["num_layers"],
+        model["hidden_size"],
+        model["vocab_size"],
+        model["num_attention_heads"],
+        model["num_query_groups"],
+        model["ffn_hidden_size"],
+    ) == (
+        hf["num_hidden_layers"],
+        hf["hidden_size"],
+        hf["vocab_size"],
+        hf["num_attention_heads"],
+        hf["num_key_value_heads"],
+        hf["intermediate_size"],
+    )
     assert model["num_layers"] != 2 or model["hidden_size"] != 64  # not tiny_cpu.yaml's
     cfg = load_config(args[1], args[2:])
     run_model = resolve_model_config(cfg)
     assert model == {k: getattr(run_model, k) for k in model}
-    assert printed["loss"] == {"name": "ipo", "beta": 0.1, "average_logps": True,
-                               "reference_free": False, "sft_weight": 0.0,
-                               "use_weighting": False, "ld_alpha": None}
-    assert build_loss(printed["loss"]).describe() == build_loss(cfg.loss).describe() == \
-        "loss ipo(beta=0.1, average_logps=True)"
+    assert printed["loss"] == {
+        "name": "ipo",
+        "beta": 0.1,
+        "average_logps": True,
+        "reference_free": False,
+        "sft_weight": 0.0,
+        "use_weighting": False,
+        "ld_alpha": None,
+    }
+    assert (
+        build_loss(printed["loss"]).describe()
+        == build_loss(cfg.loss).describe()
+        == "loss ipo(beta=0.1, average_logps=True)"
+    )

@@ -28,9 +28,14 @@ def _clean_env(**extra) -> dict:
 
 def _start(tmp_path, *args, **env) -> subprocess.Popen:
     """``gpu_check.sh ARGS`` on the CPU (gloo, tiny shapes), results in ``tmp_path``."""
-    return subprocess.Popen(["bash", "scripts/gpu_check.sh", "--allow-cpu", "--tiny", *args],
-                            cwd=REPO, env=_clean_env(OUT=str(tmp_path), **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        ["bash", "scripts/gpu_check.sh", "--allow-cpu", "--tiny", *args],
+        cwd=REPO,
+        env=_clean_env(OUT=str(tmp_path), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _read(path: Path):
@@ -57,13 +62,21 @@ def test_peak_table_is_exact_per_sku():
     assert peak("NVIDIA H200") == (989.4, "H200 SXM")
     assert peak("NVIDIA H200 NVL") == (835.5, "H200 NVL")
     assert peak("NVIDIA GH200 480GB") == (989.4, "GH200")
-    for a100 in ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB",
-                 "NVIDIA A100 80GB PCIe"):
+    for a100 in (
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA A100-SXM4-40GB",
+        "NVIDIA A100-PCIE-40GB",
+        "NVIDIA A100 80GB PCIe",
+    ):
         assert peak(a100)[0] == 312.0
     assert peak("nvidia  h100 pcie") == (756.5, "H100 PCIe")  # case and spacing aside
     # a name that merely contains a known one is unknown: MFU is then reported as unknown
-    for name in ("NVIDIA H100", "NVIDIA H200 141GB HBM3e MIG 1g.18gb", "Tesla V100-SXM2-16GB",
-                 "cpu"):
+    for name in (
+        "NVIDIA H100",
+        "NVIDIA H200 141GB HBM3e MIG 1g.18gb",
+        "Tesla V100-SXM2-16GB",
+        "cpu",
+    ):
         tflops, sku = peak(name)
         assert tflops is None and f"unknown GPU {name!r}" in sku
     assert peak("Tesla V100-SXM2-16GB", 125.0) == (125.0, "given: Tesla V100-SXM2-16GB")
@@ -79,7 +92,10 @@ def test_the_cpu_baseline_runs_with_cuda_hidden(monkeypatch):
     assert gloo["CUDA_VISIBLE_DEVICES"] == "" and nccl["CUDA_VISIBLE_DEVICES"] == "3"
     assert "RANK" not in gloo and "RANK" not in nccl
     assert {c.name for c in gpu_check.CHECKS if c.role == "cpu"} == {
-        "cpu-llama", "cpu-gpt2", "cpu-moe"}
+        "cpu-llama",
+        "cpu-gpt2",
+        "cpu-moe",
+    }
 
 
 def test_plan_places_injected_checks_and_rejects_unknown_names():
@@ -98,8 +114,16 @@ def test_plan_places_injected_checks_and_rejects_unknown_names():
 def test_budget_spent_marks_the_rest_not_run(tmp_path):
     """A check that hangs is stopped at the budget; the checks after it are recorded as not
     run, and the exit status counts them all."""
-    proc = _start(tmp_path, "--checks", "flex,bench", "--inject", "hang@0", "--inject-cap",
-                  "600", GPU_CHECK_BUDGET="3")
+    proc = _start(
+        tmp_path,
+        "--checks",
+        "flex,bench",
+        "--inject",
+        "hang@0",
+        "--inject-cap",
+        "600",
+        GPU_CHECK_BUDGET="3",
+    )
     out, _ = proc.communicate(timeout=300)
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert proc.returncode == 3, out
@@ -107,8 +131,11 @@ def test_budget_spent_marks_the_rest_not_run(tmp_path):
     hang, flex, bench = (result["checks"][n] for n in ("inject-hang-0", "flex", "bench"))
     assert hang["status"] == "timeout" and hang["line"] == "timed out after 3 s"
     assert 3 <= hang["time_s"] < 60
-    assert flex == bench == {"pass": False, "status": "not run",
-                             "line": "not run: the time budget of 3 s was spent"}
+    assert (
+        flex
+        == bench
+        == {"pass": False, "status": "not run", "line": "not run: the time budget of 3 s was spent"}
+    )
     assert "FAIL inject-hang-0: timed out after 3 s" in out
 
 
@@ -116,8 +143,17 @@ def test_a_stopped_run_keeps_the_checks_done(tmp_path):
     """SIGTERM (what gpu_check.sh's `timeout` sends) in the middle of a check: the check done
     is in the JSON, the one in flight is marked stopped, the rest not run; exit status 124."""
     json_path = tmp_path / "gpu_check.json"
-    proc = _start(tmp_path, "--checks", "bench", "--inject", "raise@0", "--inject", "hang@1",
-                  "--inject-cap", "600")
+    proc = _start(
+        tmp_path,
+        "--checks",
+        "bench",
+        "--inject",
+        "raise@0",
+        "--inject",
+        "hang@1",
+        "--inject-cap",
+        "600",
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -139,8 +175,11 @@ def test_a_stopped_run_keeps_the_checks_done(tmp_path):
     assert result["checks"]["inject-raise-0"]["status"] == "fail"
     assert result["checks"]["inject-hang-1"]["status"] == "stopped"
     assert result["checks"]["inject-hang-1"]["line"] == "stopped by SIGTERM while running"
-    assert result["checks"]["bench"] == {"pass": False, "status": "not run",
-                                         "line": "not run: stopped by SIGTERM"}
+    assert result["checks"]["bench"] == {
+        "pass": False,
+        "status": "not run",
+        "line": "not run: stopped by SIGTERM",
+    }
 
 
 @pytest.mark.slow
@@ -150,8 +189,20 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
     checks, which then start in a fresh worker) stop nothing; the JSON is rewritten after each
     check (watched while the run goes on)."""
     json_path = tmp_path / "gpu_check.json"
-    proc = _start(tmp_path, "--cap-scale", "20", "--inject", "raise@3", "--inject", "exit@4",
-                  "--inject", "hang@5", "--inject-cap", "0.25", GPU_CHECK_BUDGET="3000")
+    proc = _start(
+        tmp_path,
+        "--cap-scale",
+        "20",
+        "--inject",
+        "raise@3",
+        "--inject",
+        "exit@4",
+        "--inject",
+        "hang@5",
+        "--inject-cap",
+        "0.25",
+        GPU_CHECK_BUDGET="3000",
+    )
     seen = []  # the finished checks of every state of the file
     try:
         while proc.poll() is None:
@@ -165,15 +216,30 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
             proc.kill()
     result = json.loads(json_path.read_text())
     order = result["order"]
-    assert order == ["cpu-llama", "cpu-gpt2", "cpu-moe", "inject-raise-3", "inject-exit-4",
-                     "inject-hang-5", "flex", "fp32-llama", "bf16-llama", "bf16-gpt2", "packed",
-                     "shared-prompt", "lora", "moe", "bench", "bench-shared", "resume"]
+    assert order == [
+        "cpu-llama",
+        "cpu-gpt2",
+        "cpu-moe",
+        "inject-raise-3",
+        "inject-exit-4",
+        "inject-hang-5",
+        "flex",
+        "fp32-llama",
+        "bf16-llama",
+        "bf16-gpt2",
+        "packed",
+        "shared-prompt",
+        "lora",
+        "moe",
+        "bench",
+        "bench-shared",
+        "resume",
+    ]
     # rewritten after each check: the file held every prefix of the order, in turn
     assert seen[0] == [] and seen == [order[:k] for k in range(len(order) + 1)], seen
     checks = result["checks"]
     assert result["state"] == "done" and all("time_s" in checks[n] for n in order)
-    raised, died, hung = (checks[n] for n in ("inject-raise-3", "inject-exit-4",
-                                              "inject-hang-5"))
+    raised, died, hung = (checks[n] for n in ("inject-raise-3", "inject-exit-4", "inject-hang-5"))
     assert raised["status"] == "fail" and "injected failure (--inject raise)" in raised["error"]
     assert died["line"] == "the device worker exited with status 3 before reporting"
     assert "injected crash (--inject exit)" in died["error"]
@@ -182,9 +248,9 @@ def test_rehearsal_of_every_check_with_failures_injected(tmp_path):
     failed = {n for n in order if not checks[n]["pass"]}
     assert failed == {"inject-raise-3", "inject-exit-4", "inject-hang-5"}, out
     assert proc.returncode == 3
-    assert [line.split(":")[0] for line in out.splitlines()
-            if line.startswith(("PASS", "FAIL"))] == [
-        f"{'FAIL' if n in failed else 'PASS'} {n}" for n in order]
+    assert [
+        line.split(":")[0] for line in out.splitlines() if line.startswith(("PASS", "FAIL"))
+    ] == [f"{'FAIL' if n in failed else 'PASS'} {n}" for n in order]
     # the numbers behind the PASS lines
     for name in ("cpu-llama", "cpu-gpt2", "cpu-moe"):
         assert checks[name]["cuda_visible_devices"] == ""
@@ -210,9 +276,14 @@ def test_missing_wheels_fail_with_a_clear_line(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexit 1\n")
     fake.chmod(0o755)
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60,
-                          env=_clean_env(PYTHON=str(fake), GPU_WHEELS=str(tmp_path / "none")))
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(PYTHON=str(fake), GPU_WHEELS=str(tmp_path / "none")),
+    )
     assert proc.returncode == 1
     assert "FAIL install" in proc.stdout and "scripts/gpu_wheels.sh" in proc.stdout
     assert "git-ignored" in proc.stdout
@@ -222,15 +293,23 @@ def test_the_gpu_path_needs_only_what_the_gpu_machine_has_or_the_wheels_carry():
     """The H200 image has torch, numpy, packaging, PyYAML, jinja2, tensorboard, transformers,
     safetensors, psutil; the wheels carry megatron-core and omegaconf. Nothing else may be
     imported on the way to a GPU check step (datasets, for one, is not there)."""
-    code = ("import sys; sys.path.insert(0, 'scripts')\n"
-            "import gpu_check, gpu_bench\n"
-            "import dpo_megatron.train, dpo_megatron.config, dpo_megatron.training.trainer\n"
-            "import dpo_megatron.models.attention, dpo_megatron.data.packing\n"
-            "bad = [m for m in ('datasets', 'trl', 'peft', 'pandas', 'pyarrow', 'sentencepiece')"
-            " if m in sys.modules]\n"
-            "print(bad)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=_clean_env(PYTHONPATH=str(REPO)))
+    code = (
+        "import sys; sys.path.insert(0, 'scripts')\n"
+        "import gpu_check, gpu_bench\n"
+        "import dpo_megatron.train, dpo_megatron.config, dpo_megatron.training.trainer\n"
+        "import dpo_megatron.models.attention, dpo_megatron.data.packing\n"
+        "bad = [m for m in ('datasets', 'trl', 'peft', 'pandas', 'pyarrow', 'sentencepiece')"
+        " if m in sys.modules]\n"
+        "print(bad)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
@@ -238,15 +317,32 @@ def test_the_gpu_path_needs_only_what_the_gpu_machine_has_or_the_wheels_carry():
 # ----------------------------------------------------------------------------------------------
 # the device checks on a device that is not the host (tests/strict_device.py)
 
-STRICT_CHECKS = ("fp32-llama", "bf16-llama", "bf16-gpt2", "packed", "shared-prompt", "lora",
-                 "moe", "resume")
+STRICT_CHECKS = (
+    "fp32-llama",
+    "bf16-llama",
+    "bf16-gpt2",
+    "packed",
+    "shared-prompt",
+    "lora",
+    "moe",
+    "resume",
+)
 """The checks that run the engine on the device (flex calls a kernel; the bench is a
 subprocess of its own, with its own device set-up)."""
 
 
 def _settings(work: str) -> dict:
-    return {"backend": "gloo", "tiny": True, "attention": "auto", "transformer_impl": "local",
-            "seed": 1234, "work": work, "logs": work, "inject": [], "bench": {}}
+    return {
+        "backend": "gloo",
+        "tiny": True,
+        "attention": "auto",
+        "transformer_impl": "local",
+        "seed": 1234,
+        "work": work,
+        "logs": work,
+        "inject": [],
+        "bench": {},
+    }
 
 
 def _run_checks(work: str, names: list[str], baselines: dict, strict: bool) -> dict:
@@ -277,12 +373,23 @@ def test_the_device_checks_pass_on_the_strict_device(tmp_path):
     from tests.multirank import run_ranks
 
     work = str(tmp_path)
-    baselines = run_ranks(_run_checks, world_size=1, work=work,
-                          names=["cpu-llama", "cpu-gpt2", "cpu-moe"], baselines={},
-                          strict=False)[0]
+    baselines = run_ranks(
+        _run_checks,
+        world_size=1,
+        work=work,
+        names=["cpu-llama", "cpu-gpt2", "cpu-moe"],
+        baselines={},
+        strict=False,
+    )[0]
     assert all(b["pass"] for b in baselines.values()), baselines
-    results = run_ranks(_run_checks, world_size=1, work=work, names=list(STRICT_CHECKS),
-                        baselines=baselines, strict=True)[0]
+    results = run_ranks(
+        _run_checks,
+        world_size=1,
+        work=work,
+        names=list(STRICT_CHECKS),
+        baselines=baselines,
+        strict=True,
+    )[0]
     for name in STRICT_CHECKS:
         record = results[name]
         assert record["pass"], (name, record["line"])

@@ -20,8 +20,9 @@ def _run(cmd, run_dir, env=None):
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env or {}))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
-    out = subprocess.run(cmd + [f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        cmd + [f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"\[train\] step \d+/2 \| loss ([0-9.]+)", out.stdout)]
     assert len(losses) == 2, out.stdout[-3000:]
@@ -34,9 +35,20 @@ def _run(cmd, run_dir, env=None):
 @pytest.mark.slow
 def test_under_torchrun_no_python_pp2(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    stdout = _run([torchrun, "--nproc-per-node", "2", "--no-python", "scripts/pretrain_dpo.sh",
-                   "--config", "configs/tiny_cpu.yaml", "parallel.pipeline_model_parallel_size=2"],
-                  str(tmp_path / "run"), env={"DPO_MEGATRON_HOST_MALLOC": "release"})
+    stdout = _run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            "scripts/pretrain_dpo.sh",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "parallel.pipeline_model_parallel_size=2",
+        ],
+        str(tmp_path / "run"),
+        env={"DPO_MEGATRON_HOST_MALLOC": "release"},
+    )
     # One job of 2 ranks (no nested launch): one layout line, PP 2.
     assert stdout.count("layout TP") == 1 and "TP 1 x PP 2 x DP 1" in stdout
     if platform.libc_ver()[0] == "glibc":  # opted in: each rank restarted with the tunables
@@ -53,8 +65,9 @@ def _script(*args, env=None, timeout=600):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
-    return subprocess.run(["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _error_lines(stderr):
@@ -67,9 +80,17 @@ def test_ipo_shorthand_trains_ipo_through_the_launcher_at_tp2_pp2(tmp_path):
     IPO: its step-0 loss is (0 - 1/(2 x 0.1))^2 = 25 (Azar et al. 2023, eq. 17), computed on the
     last stage from TP-reduced log-probs; the step's checkpoint is written. Old: the scalar was
     dropped and the run trained sigmoid DPO (ln 2 = 0.6931)."""
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "loss=ipo",
-                  "loss.beta=0.1", "train.train_iters=1", "parallel.tensor_model_parallel_size=2",
-                  "parallel.pipeline_model_parallel_size=2", f"run_dir={tmp_path / 'run'}")
+    out = _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "loss=ipo",
+        "loss.beta=0.1",
+        "train.train_iters=1",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        f"run_dir={tmp_path / 'run'}",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = re.findall(r"\[train\] step 1/1 \| loss ([0-9.]+)", out.stdout)
     assert losses == ["25.0000"], out.stdout[-3000:]
@@ -80,28 +101,41 @@ def test_ipo_shorthand_trains_ipo_through_the_launcher_at_tp2_pp2(tmp_path):
 
 def test_config_mistake_stops_the_launcher_with_one_line():
     """Old: ``train.log_interval=0`` launched the ranks, which died of ZeroDivisionError."""
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "train.log_interval=0")
+    out = _script(
+        "scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "train.log_interval=0"
+    )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == ["config error: train.log_interval=0 must be >= 1"]
     assert "torch.distributed" not in out.stderr and out.stdout == ""
 
 
 def test_a_host_malloc_typo_stops_the_launcher_with_one_line():
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-                  env={"DPO_MEGATRON_HOST_MALLOC": "relase"})
+    out = _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        env={"DPO_MEGATRON_HOST_MALLOC": "relase"},
+    )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         "error: DPO_MEGATRON_HOST_MALLOC='relase': expected one of trim, release, system "
-        "(unset means trim)"]
+        "(unset means trim)"
+    ]
     assert "torch.distributed" not in out.stderr and out.stdout == ""
 
 
 def test_missing_data_stops_the_launcher_with_one_line(tmp_path):
     """Old: every rank printed a FileNotFoundError traceback, then torchrun its failure block."""
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-                  f"data.path={tmp_path}/missing.jsonl")
+    out = _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.path={tmp_path}/missing.jsonl",
+    )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [f"error: data file {tmp_path}/missing.jsonl does not exist"]
+    assert out.stderr.strip().splitlines() == [
+        f"error: data file {tmp_path}/missing.jsonl does not exist"
+    ]
 
 
 @pytest.mark.slow
@@ -111,13 +145,19 @@ def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
     traceback from every rank plus torchrun's failure block."""
     from dpo_megatron.assets import ensure_sentencepiece_model
 
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-                  f"data.tokenizer={ensure_sentencepiece_model()}", f"data.cache_dir={tmp_path}",
-                  env={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    out = _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.tokenizer={ensure_sentencepiece_model()}",
+        f"data.cache_dir={tmp_path}",
+        env={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"},
+    )
     assert out.returncode == 1
     assert _error_lines(out.stderr) == [
         "error: conversational data needs a chat template: the tokenizer has none; set "
-        "data.chat_template (chatml, mistral or a Jinja file)"], out.stderr[-3000:]
+        "data.chat_template (chatml, mistral or a Jinja file)"
+    ], out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
 
 
@@ -126,33 +166,54 @@ def test_rank_side_data_error_is_one_line(tmp_path):
     """Under another launcher (here one process, no pre-check) a data error is printed once,
     plainly, with the exit status of a reported mistake (dpo_megatron.launch.USER_ERROR_EXIT,
     which scripts/pretrain_dpo.sh turns into 1). Old: a traceback ending in the message."""
+    from dpo_megatron.assets import ensure_sentencepiece_model
     from dpo_megatron.launch import USER_ERROR_EXIT
 
-    from dpo_megatron.assets import ensure_sentencepiece_model
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1"
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, "-m", "dpo_megatron.train", "--config", "configs/tiny_cpu.yaml",
-                          f"data.tokenizer={ensure_sentencepiece_model()}", "data.cache_dir=none",
-                          f"run_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpo_megatron.train",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"data.tokenizer={ensure_sentencepiece_model()}",
+            "data.cache_dir=none",
+            f"run_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == USER_ERROR_EXIT == 2
     assert _error_lines(out.stderr) == [
         "error: conversational data needs a chat template: the tokenizer has none; set "
-        "data.chat_template (chatml, mistral or a Jinja file)"], out.stderr[-3000:]
+        "data.chat_template (chatml, mistral or a Jinja file)"
+    ], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
 
 
 def test_help_texts_and_key_listing(tmp_path):
     """Old: ``setup.sh --help`` ran the whole install, ``pretrain_sft.sh --help`` printed the DPO
     text, and the key list ``--help`` pointed to did not exist."""
-    setup = _script("scripts/setup.sh", "--help", env={"PYTHON": "/bin/false"})  # an install would fail
+    setup = _script(
+        "scripts/setup.sh", "--help", env={"PYTHON": "/bin/false"}
+    )  # an install would fail
     assert setup.returncode == 0 and setup.stdout.startswith("Set up a fresh machine")
     sft = _script("scripts/pretrain_sft.sh", "--help")
     assert sft.returncode == 0 and sft.stdout.startswith("Launch the SFT stage")
     dpo = _script("scripts/pretrain_dpo.sh", "--help")
-    assert dpo.returncode == 0 and dpo.stdout.startswith("Launch DPO training") and "--list-keys" in dpo.stdout
+    assert (
+        dpo.returncode == 0
+        and dpo.stdout.startswith("Launch DPO training")
+        and "--list-keys" in dpo.stdout
+    )
     keys = _script("scripts/pretrain_dpo.sh", "--list-keys")
     assert keys.returncode == 0 and "train.global_batch_size (int, default 4)" in keys.stdout
 
@@ -169,11 +230,13 @@ def test_exporter_names_the_checkpoint_it_loads(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text(json.dumps({"step": 12}))
     assert module.describe_checkpoint(str(ckpt)) == (
-        f"checkpoint {ckpt} (step 12 of run {tmp_path / 'runs' / 'dpo'})")
+        f"checkpoint {ckpt} (step 12 of run {tmp_path / 'runs' / 'dpo'})"
+    )
     converted = tmp_path / "converted"
     converted.mkdir()
     assert module.describe_checkpoint(str(converted)) == (
-        f"checkpoint {converted} (not a training checkpoint: no train_state.json)")
+        f"checkpoint {converted} (not a training checkpoint: no train_state.json)"
+    )
 
 
 def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
@@ -181,15 +244,23 @@ def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
     the SFT -> DPO example wrote into the main job's run_dir (the next export took its weights)."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S)
-                for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    commands = [
+        line.strip()
+        for block in re.findall(r"```bash\n(.*?)```", readme, re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.strip()
+    ]
     for command in commands:
         words = command.split()
         while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # an environment prefix
             words = words[1:]
         first = words[0]
-        assert first in ("bash", "scripts/pretrain_dpo.sh", "scripts/pretrain_sft.sh", "sbatch") \
-            or first.startswith(".venv/bin/"), command
+        assert first in (
+            "bash",
+            "scripts/pretrain_dpo.sh",
+            "scripts/pretrain_sft.sh",
+            "sbatch",
+        ) or first.startswith(".venv/bin/"), command
     from_sft = [c for c in commands if c.startswith("scripts/pretrain_dpo.sh model.load=runs/sft")]
     assert from_sft and all("run_dir=" in c for c in from_sft)
     assert "dequantised" in readme and "4-bit" in readme
@@ -201,11 +272,19 @@ def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
 
 def _ended(ending, tmp_path):
     """scripts/pretrain_dpo.sh at 2 ranks running tests/launcher_entry.py's ``ending``."""
-    return _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-                   "parallel.tensor_model_parallel_size=2", "data.cache_dir=none",
-                   f"run_dir={tmp_path / 'run'}",
-                   env={"DPO_MEGATRON_ENTRY": "tests.launcher_entry", "DPO_TEST_ENDING": ending,
-                        "PYTHONPATH": ROOT})
+    return _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "parallel.tensor_model_parallel_size=2",
+        "data.cache_dir=none",
+        f"run_dir={tmp_path / 'run'}",
+        env={
+            "DPO_MEGATRON_ENTRY": "tests.launcher_entry",
+            "DPO_TEST_ENDING": ending,
+            "PYTHONPATH": ROOT,
+        },
+    )
 
 
 @pytest.mark.slow
@@ -219,7 +298,8 @@ def test_a_mistake_met_on_the_ranks_ends_with_its_line_and_a_pointer(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.splitlines() == [
         MISTAKE,
-        "launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were stopped)"]
+        "launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were stopped)",
+    ]
 
 
 @pytest.mark.slow
@@ -234,7 +314,8 @@ def test_a_mistake_met_by_one_rank_alone_is_printed_by_that_rank(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.splitlines() == [
         MISTAKE,
-        "launcher: the job stopped at the line above (rank 1; the other 1 rank(s) were stopped)"]
+        "launcher: the job stopped at the line above (rank 1; the other 1 rank(s) were stopped)",
+    ]
     assert RANK0_GRACE_S <= time.monotonic() - started < 300  # rank 0 was stopped
 
 
@@ -265,17 +346,35 @@ def test_a_run_dir_refusal_comes_in_seconds_before_any_heavy_import(tmp_path):
         f"error: run_dir {run_dir} already holds a run (metrics.jsonl with 1 record(s)): "
         f"refusing to mix a fresh run into it (nothing was changed). Continue that run with "
         f"checkpoint.resume=auto, start afresh with checkpoint.overwrite=true (the old run moves "
-        f"to {run_dir}.replaced-<time>), or choose another run_dir")
+        f"to {run_dir}.replaced-<time>), or choose another run_dir"
+    )
     started = time.monotonic()
-    out = _script("scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-                  "parallel.tensor_model_parallel_size=2", f"run_dir={run_dir}")
+    out = _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "parallel.tensor_model_parallel_size=2",
+        f"run_dir={run_dir}",
+    )
     assert time.monotonic() - started < 15
     assert out.returncode == 1 and out.stderr.splitlines() == [message], out.stderr[-3000:]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     started = time.monotonic()
-    ranks = subprocess.run([sys.executable, "-m", "dpo_megatron.train", "--config",
-                            "configs/tiny_cpu.yaml", f"run_dir={run_dir}"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
+    ranks = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpo_megatron.train",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"run_dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert time.monotonic() - started < 15
     assert ranks.returncode == USER_ERROR_EXIT and ranks.stderr.splitlines() == [message]
     assert (run_dir / "train.log").read_text() == "the earlier run's log\n"
@@ -288,24 +387,44 @@ def test_a_world_size_that_does_not_fit_the_layout_is_one_line(tmp_path):
     Through the launcher: that line and the pointer, exit status 1; under a plain torchrun the
     same single line, then torchrun's own report of exit code 2. Old: a ValueError traceback
     from every rank, then torchrun's failure block."""
-    args = ["-m", "dpo_megatron.train", "--config", "configs/tiny_cpu.yaml",
-            "parallel.tensor_model_parallel_size=2", f"run_dir={tmp_path / 'run'}"]
+    args = [
+        "-m",
+        "dpo_megatron.train",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "parallel.tensor_model_parallel_size=2",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
-    line = ("config error: world size 3 is not divisible by parallel.tensor_model_parallel_size "
-            "(2) x parallel.pipeline_model_parallel_size (1) x parallel.context_parallel_size (1)"
-            " = 2: launch a multiple of 2 ranks")
-    ours = subprocess.run([sys.executable, "-m", "dpo_megatron.launch", "--standalone",
-                           "--nproc-per-node=3", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    line = (
+        "config error: world size 3 is not divisible by parallel.tensor_model_parallel_size "
+        "(2) x parallel.pipeline_model_parallel_size (1) x parallel.context_parallel_size (1)"
+        " = 2: launch a multiple of 2 ranks"
+    )
+    ours = subprocess.run(
+        [sys.executable, "-m", "dpo_megatron.launch", "--standalone", "--nproc-per-node=3", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ours.returncode == 1
     assert ours.stderr.splitlines() == [
-        line, "launcher: the job stopped at the line above (rank 0; the other 2 rank(s) were "
-              "stopped)"], ours.stderr[-3000:]
+        line,
+        "launcher: the job stopped at the line above (rank 0; the other 2 rank(s) were stopped)",
+    ], ours.stderr[-3000:]
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    theirs = subprocess.run([torchrun, "--standalone", "--nproc-per-node=3", *args], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
+    theirs = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node=3", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert theirs.returncode == 1
     assert theirs.stderr.count(line) == 1 and "ValueError" not in theirs.stderr
     assert "exitcode  : 2" in theirs.stderr  # torchrun's own block: not ours to change
@@ -322,10 +441,14 @@ def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatc
     from dpo_megatron.launch import FAULT_EXIT, LAUNCHER_EXITS
     from dpo_megatron.training.shutdown import NonFiniteLossError
 
-    error = {"checksum": CheckpointIntegrityError("/r/iter_0000002", ["a.distcp: changed"]),
-             "disk": CheckpointSaveError("saving checkpoint /r/iter_0000004 failed: no space "
-                                         "left on device writing /r/iter_0000004.tmp/a.distcp"),
-             "nan": NonFiniteLossError("2 steps in a row (up to step 4) had a NaN/Inf loss")}[fault]
+    error = {
+        "checksum": CheckpointIntegrityError("/r/iter_0000002", ["a.distcp: changed"]),
+        "disk": CheckpointSaveError(
+            "saving checkpoint /r/iter_0000004 failed: no space "
+            "left on device writing /r/iter_0000004.tmp/a.distcp"
+        ),
+        "nan": NonFiniteLossError("2 steps in a row (up to step 4) had a NaN/Inf loss"),
+    }[fault]
 
     def train(cfg):
         raise error

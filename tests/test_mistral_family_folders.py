@@ -28,11 +28,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-                    "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
-                    "model_max_length": 32768}
-SP_NOTE = ("note: parallel.sequence_parallel turned on: megatron-core's mixture-of-experts layer "
-           "(4 experts) needs it at parallel.tensor_model_parallel_size=2")
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "model_max_length": 32768,
+}
+SP_NOTE = (
+    "note: parallel.sequence_parallel turned on: megatron-core's mixture-of-experts layer "
+    "(4 experts) needs it at parallel.tensor_model_parallel_size=2"
+)
 
 
 def test_sequence_parallel_is_required_only_for_moe_at_tp_above_1():
@@ -43,8 +51,9 @@ def test_sequence_parallel_is_required_only_for_moe_at_tp_above_1():
     from dpo_megatron.training.model_setup import require_sequence_parallel
 
     def resolved(tp, experts, sp=False):
-        cfg = SimpleNamespace(parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                                      sequence_parallel=sp))
+        cfg = SimpleNamespace(
+            parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
+        )
         note = require_sequence_parallel(cfg, ModelConfig(num_experts=experts))
         return note, cfg.parallel.sequence_parallel
 
@@ -77,19 +86,33 @@ def folders(tmp_path_factory):
 
 
 def _env(extra_path):
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{ROOT}:{extra_path}", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}:{extra_path}",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     return env
 
 
 def _args(folders, arch, *extra):
-    return ["--config", folders["config"], f"model.hf_path={folders[arch]}",
-            f"data.path={folders['data']}", "data.format=standard", "data.max_length=32",
-            "data.max_prompt_length=16", "train.micro_batch_size=1",
-            "train.global_batch_size=2", "train.train_iters=1", "logging.tensorboard=false",
-            *extra]
+    return [
+        "--config",
+        folders["config"],
+        f"model.hf_path={folders[arch]}",
+        f"data.path={folders['data']}",
+        "data.format=standard",
+        "data.max_length=32",
+        "data.max_prompt_length=16",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "train.train_iters=1",
+        "logging.tensorboard=false",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -108,36 +131,67 @@ def partial_mistral_common(tmp_path_factory):
     from dpo_megatron.assets import MISTRAL_COMMON_PACKAGE
 
     folder = tmp_path_factory.mktemp("partial_mistral_common")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                    str(folder), MISTRAL_COMMON_PACKAGE], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(folder),
+            MISTRAL_COMMON_PACKAGE,
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(folder)
 
 
 @pytest.mark.slow
-def test_a_partial_mistral_common_stops_the_precheck_with_one_line(folders,
-                                                                   partial_mistral_common):
+def test_a_partial_mistral_common_stops_the_precheck_with_one_line(folders, partial_mistral_common):
     """Old: a 30-line traceback ending in ``ModuleNotFoundError: No module named 'tiktoken'``."""
     env = _env(partial_mistral_common)
     missing = subprocess.run(  # the module the partial install misses (tiktoken here)
-        [sys.executable, "-c", "try:\n import mistral_common.tokens.tokenizers.tekken\n"
-                               "except ImportError as e:\n print(e.name)"],
-        env=env, capture_output=True, text=True, check=True).stdout.strip()
+        [
+            sys.executable,
+            "-c",
+            "try:\n import mistral_common.tokens.tokenizers.tekken\n"
+            "except ImportError as e:\n print(e.name)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert missing
-    out = subprocess.run([sys.executable, "-m", "dpo_megatron.config",
-                          *_args(folders, "mistral")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "dpo_megatron.config", *_args(folders, "mistral")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 1
     assert out.stderr.splitlines() == [
         f"config error: cannot load the tokenizer of {folders['mistral']}: transformers reads "
         f"Mistral-family tokenizers through mistral-common, installed in {sys.prefix} without "
         f"its dependency {missing}; run `bash scripts/setup.sh` again (it removes that install) "
-        f"or `{sys.executable} -m pip uninstall mistral-common`"], out.stderr[-3000:]
+        f"or `{sys.executable} -m pip uninstall mistral-common`"
+    ], out.stderr[-3000:]
 
 
 def _launch(folders, arch, run_dir, env, *extra):
-    out = subprocess.run(["bash", "scripts/pretrain_dpo.sh", *_args(folders, arch, *extra),
-                          f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        ["bash", "scripts/pretrain_dpo.sh", *_args(folders, arch, *extra), f"run_dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"\[train\] step 1/1 \| loss ([0-9.]+)", out.stdout)]
@@ -147,8 +201,9 @@ def _launch(folders, arch, run_dir, env, *extra):
 
 
 @pytest.mark.slow
-def test_mistral_and_mixtral_folders_train_through_the_launcher(folders, without_mistral_common,
-                                                                tmp_path):
+def test_mistral_and_mixtral_folders_train_through_the_launcher(
+    folders, without_mistral_common, tmp_path
+):
     """The pre-check and one step of each folder with its SentencePiece tokenizer; the Mixtral
     one at TP 2 without ``parallel.sequence_parallel`` (turned on, and said so by the pre-check
     and by rank 0). Old: the Mistral-format branch's traceback (in a venv set up before), and
@@ -157,8 +212,9 @@ def test_mistral_and_mixtral_folders_train_through_the_launcher(folders, without
     env = _env(without_mistral_common)
     mistral = _launch(folders, "mistral", str(tmp_path / "mistral"), env)
     assert "layout TP 1 x PP 1 x DP 1" in mistral.stdout and SP_NOTE not in mistral.stdout
-    mixtral = _launch(folders, "mixtral", str(tmp_path / "mixtral"), env,
-                      "parallel.tensor_model_parallel_size=2")
+    mixtral = _launch(
+        folders, "mixtral", str(tmp_path / "mixtral"), env, "parallel.tensor_model_parallel_size=2"
+    )
     assert mixtral.stderr.splitlines().count(SP_NOTE) == 1, mixtral.stderr[-3000:]  # pre-check
     assert mixtral.stdout.splitlines().count(SP_NOTE) == 1, mixtral.stdout[-3000:]  # rank 0
     assert "layout TP 2 x PP 1 x DP 1" in mixtral.stdout

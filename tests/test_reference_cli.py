@@ -5,15 +5,26 @@ import json
 
 import pytest
 
-from dpo_megatron.reference_cli import (REFERENCE_DEFAULTS, ReferenceCLIError, Translation,
-                                        layout_for, parse_args, steps_for, translate)
+from dpo_megatron.reference_cli import (
+    REFERENCE_DEFAULTS,
+    ReferenceCLIError,
+    Translation,
+    layout_for,
+    parse_args,
+    steps_for,
+    translate,
+)
 
-SFT_LINE = ("model=blank_model model.name_or_path=/m datasets=[hh] loss=sft "
-            "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 "
-            "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false").split()
-DPO_LINE = ("model=blank_model model.name_or_path=/m datasets=[hh] loss=dpo loss.beta=0.1 "
-            "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=32 "
-            "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false").split()
+SFT_LINE = (
+    "model=blank_model model.name_or_path=/m datasets=[hh] loss=sft "
+    "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 "
+    "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false"
+).split()
+DPO_LINE = (
+    "model=blank_model model.name_or_path=/m datasets=[hh] loss=dpo loss.beta=0.1 "
+    "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=32 "
+    "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false"
+).split()
 
 
 def _translate(words, devices=1, extra=()):
@@ -22,8 +33,16 @@ def _translate(words, devices=1, extra=()):
 
 
 def test_values_parse_as_hydra_does():
-    args, engine = parse_args(["datasets=[hh,shp]", "lr=5e-7", "eval_every=20_000",
-                               "debug=true", "model.archive=null", "engine.data.num_proc=2"])
+    args, engine = parse_args(
+        [
+            "datasets=[hh,shp]",
+            "lr=5e-7",
+            "eval_every=20_000",
+            "debug=true",
+            "model.archive=null",
+            "engine.data.num_proc=2",
+        ]
+    )
     assert args["datasets"] == ["hh", "shp"]
     assert args["lr"] == 5e-7 and args["eval_every"] == 20000
     assert args["debug"] is True and args["model.archive"] is None
@@ -32,9 +51,12 @@ def test_values_parse_as_hydra_does():
 
 
 def test_unknown_key_names_the_known_ones():
-    with pytest.raises(ReferenceCLIError, match=r"unknown key 'batchsize'.*Did you mean "
-                                                r"batch_size, eval_batch_size\?.*Known keys: seed, exp_name, "
-                                                r"batch_size"):
+    with pytest.raises(
+        ReferenceCLIError,
+        match=r"unknown key 'batchsize'.*Did you mean "
+        r"batch_size, eval_batch_size\?.*Known keys: seed, exp_name, "
+        r"batch_size",
+    ):
         parse_args(["batchsize=4"])
     with pytest.raises(ReferenceCLIError, match="expected key=value"):
         parse_args(["hh"])
@@ -44,25 +66,44 @@ def test_fsdp_sft_line_translation():
     t = _translate(SFT_LINE, devices=4)
     assert t.script == "scripts/pretrain_sft.sh"
     o = t.overrides
-    for want in ["loss=sft", "model.hf_path=/m", "data.datasets=[Anthropic/hh-rlhf]",
-                 "data.formats=[hh]", "data.truncation_mode=keep_end",
-                 "data.eval_datasets=[Anthropic/hh-rlhf]", "data.eval_formats=[hh]",
-                 "data.eval_split=test",
-                 "parallel.data_parallel_size=4", "parallel.tensor_model_parallel_size=1",
-                 "train.global_batch_size=64", "train.micro_batch_size=8",  # 64 / (2 x 4)
-                 "train.lr=5e-07", "train.lr_warmup_iters=150", "train.clip_grad=10.0",
-                 # its example count, 64 per step, is a multiple of 20000 every 625 steps (40000)
-                 "train.sample_during_eval=false", "train.eval_interval=625",
-                 "checkpoint.save_interval=625", "train.eval_global_batch_size=32",
-                 "train.eval_iters=8", "train.eval_at_start=true",  # 256 / 32; do_first_eval
-                 "train.optimizer=adam", "train.adam_beta1=0.0", "train.adam_beta2=0.99",
-                 "run_dir=/runs/x"]:
+    for want in [
+        "loss=sft",
+        "model.hf_path=/m",
+        "data.datasets=[Anthropic/hh-rlhf]",
+        "data.formats=[hh]",
+        "data.truncation_mode=keep_end",
+        "data.eval_datasets=[Anthropic/hh-rlhf]",
+        "data.eval_formats=[hh]",
+        "data.eval_split=test",
+        "parallel.data_parallel_size=4",
+        "parallel.tensor_model_parallel_size=1",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=8",  # 64 / (2 x 4)
+        "train.lr=5e-07",
+        "train.lr_warmup_iters=150",
+        "train.clip_grad=10.0",
+        # its example count, 64 per step, is a multiple of 20000 every 625 steps (40000)
+        "train.sample_during_eval=false",
+        "train.eval_interval=625",
+        "checkpoint.save_interval=625",
+        "train.eval_global_batch_size=32",
+        "train.eval_iters=8",
+        "train.eval_at_start=true",  # 256 / 32; do_first_eval
+        "train.optimizer=adam",
+        "train.adam_beta1=0.0",
+        "train.adam_beta2=0.99",
+        "run_dir=/runs/x",
+    ]:
         assert want in o, want
     (rmsprop,) = [n for n in t.notes if n.startswith("optimizer=RMSprop")]
     assert "not available" in rmsprop and "used instead: Adam with beta1=0" in rmsprop
     assert any("the test split of Anthropic/hh-rlhf is the eval set" in n for n in t.notes)
-    assert t.command()[:4] == ["bash", "scripts/pretrain_sft.sh", "--config",
-                               "configs/reference_dpo.yaml"]
+    assert t.command()[:4] == [
+        "bash",
+        "scripts/pretrain_sft.sh",
+        "--config",
+        "configs/reference_dpo.yaml",
+    ]
 
 
 def test_dpo_ipo_and_conservative_losses():
@@ -72,30 +113,41 @@ def test_dpo_ipo_and_conservative_losses():
     o = _translate([*DPO_LINE, "loss.label_smoothing=0.2", "loss.reference_free=true"]).overrides
     assert {"loss.label_smoothing=0.2", "loss.reference_free=true"} <= set(o)
     ipo = [w.replace("loss=dpo", "loss=ipo") for w in DPO_LINE]
-    assert {"loss=ipo", "loss.beta=0.1", "loss.average_logps=false"} <= set(_translate(ipo).overrides)
+    assert {"loss=ipo", "loss.beta=0.1", "loss.average_logps=false"} <= set(
+        _translate(ipo).overrides
+    )
     with pytest.raises(ReferenceCLIError, match="loss=dpo needs loss.beta"):
         _translate([w for w in DPO_LINE if not w.startswith("loss.beta")])
     with pytest.raises(ReferenceCLIError, match="the reference repo's losses are sft, dpo, ipo"):
         _translate([*DPO_LINE, "loss=kto"])
 
 
-@pytest.mark.parametrize("trainer,tp,pp,dp", [("BasicTrainer", 1, 2, 1),
-                                              ("FSDPTrainer", 1, 1, 2),
-                                              ("TensorParallelTrainer", 2, 1, 1)])
+@pytest.mark.parametrize(
+    "trainer,tp,pp,dp",
+    [("BasicTrainer", 1, 2, 1), ("FSDPTrainer", 1, 1, 2), ("TensorParallelTrainer", 2, 1, 1)],
+)
 def test_trainers_as_layouts(trainer, tp, pp, dp):
     layout = layout_for(trainer, 2)
-    assert (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-            layout.data_parallel_size) == (tp, pp, dp)
+    assert (
+        layout.tensor_model_parallel_size,
+        layout.pipeline_model_parallel_size,
+        layout.data_parallel_size,
+    ) == (tp, pp, dp)
     t = _translate([*SFT_LINE, f"trainer={trainer}"], devices=2)
     assert f"parallel.pipeline_model_parallel_size={pp}" in t.overrides
     assert any(n.startswith(f"trainer={trainer}: ") for n in t.notes)  # printed
-    with pytest.raises(ReferenceCLIError, match="has BasicTrainer, FSDPTrainer, TensorParallelTrainer"):
+    with pytest.raises(
+        ReferenceCLIError, match="has BasicTrainer, FSDPTrainer, TensorParallelTrainer"
+    ):
         layout_for("DeepSpeedTrainer", 2)
 
 
 def test_batch_errors_and_steps():
-    with pytest.raises(ReferenceCLIError, match=r"batch_size=64 must be divisible by "
-                                                r"gradient_accumulation_steps=2 x 3"):
+    with pytest.raises(
+        ReferenceCLIError,
+        match=r"batch_size=64 must be divisible by "
+        r"gradient_accumulation_steps=2 x 3",
+    ):
         _translate(SFT_LINE, devices=3)
     with pytest.raises(ReferenceCLIError, match="exp_name is required"):
         _translate([w for w in SFT_LINE if not w.startswith("exp_name")])
@@ -108,8 +160,11 @@ def test_batch_errors_and_steps():
 
     named = [w for w in SFT_LINE if not w.startswith("model")] + ["model=pythia69"]
     o = _translate(named).overrides
-    assert ("model=pythia69" in o if "pythia69" in MODEL_PRESETS
-            else "model.hf_path=EleutherAI/pythia-6.9b" in o)
+    assert (
+        "model=pythia69" in o
+        if "pythia69" in MODEL_PRESETS
+        else "model.hf_path=EleutherAI/pythia-6.9b" in o
+    )
     with pytest.raises(ReferenceCLIError, match="policy_dtype=float16.*use bfloat16"):
         _translate([*SFT_LINE, "model.policy_dtype=float16"])
     # full batches only: 10 items, batch 4 -> 2 per epoch; n_examples rounds up to whole batches
@@ -125,34 +180,84 @@ def test_batch_errors_and_steps():
 def test_every_reference_key_is_translated_or_noted():
     """Each key of the reference config, set away from its default, shows in the overrides or
     in a note: nothing is dropped silently."""
-    changed = {"seed": 7, "batch_size": 8, "eval_batch_size": 4, "debug": "true",
-               "fsdp_port": 1234, "wandb.enabled": "false", "wandb.entity": "me",
-               "wandb.project": "p", "local_dirs": "[/tmp]", "sample_during_eval": "false",
-               "n_eval_model_samples": 3, "do_first_eval": "false", "lr": 1e-4,
-               "gradient_accumulation_steps": 2, "max_grad_norm": 3.0, "max_length": 64,
-               "max_prompt_length": 32, "n_epochs": 2, "n_examples": 40, "n_eval_examples": 9,
-               "trainer": "BasicTrainer", "optimizer": "AdamW", "warmup_steps": 5,
-               "activation_checkpointing": "true", "eval_every": 64,
-               "minimum_log_interval_secs": 2.0, "model.tokenizer_name_or_path": "/tok",
-               "model.block_name": "GPTNeoXLayer", "model.policy_dtype": "bfloat16",
-               "model.fsdp_policy_mp": "bfloat16", "model.reference_dtype": "bfloat16",
-               "loss.label_smoothing": 0.1, "loss.reference_free": "true"}
-    untested = set(REFERENCE_DEFAULTS) - set(changed) - {
-        "exp_name", "datasets", "model", "model.name_or_path", "model.archive", "loss",
-        "loss.beta", "local_run_dir"}
+    changed = {
+        "seed": 7,
+        "batch_size": 8,
+        "eval_batch_size": 4,
+        "debug": "true",
+        "fsdp_port": 1234,
+        "wandb.enabled": "false",
+        "wandb.entity": "me",
+        "wandb.project": "p",
+        "local_dirs": "[/tmp]",
+        "sample_during_eval": "false",
+        "n_eval_model_samples": 3,
+        "do_first_eval": "false",
+        "lr": 1e-4,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 3.0,
+        "max_length": 64,
+        "max_prompt_length": 32,
+        "n_epochs": 2,
+        "n_examples": 40,
+        "n_eval_examples": 9,
+        "trainer": "BasicTrainer",
+        "optimizer": "AdamW",
+        "warmup_steps": 5,
+        "activation_checkpointing": "true",
+        "eval_every": 64,
+        "minimum_log_interval_secs": 2.0,
+        "model.tokenizer_name_or_path": "/tok",
+        "model.block_name": "GPTNeoXLayer",
+        "model.policy_dtype": "bfloat16",
+        "model.fsdp_policy_mp": "bfloat16",
+        "model.reference_dtype": "bfloat16",
+        "loss.label_smoothing": 0.1,
+        "loss.reference_free": "true",
+    }
+    untested = (
+        set(REFERENCE_DEFAULTS)
+        - set(changed)
+        - {
+            "exp_name",
+            "datasets",
+            "model",
+            "model.name_or_path",
+            "model.archive",
+            "loss",
+            "loss.beta",
+            "local_run_dir",
+        }
+    )
     assert not untested, untested
     t = _translate(DPO_LINE, extra=[f"{k}={v}" for k, v in changed.items()])
     text = " ".join(t.overrides) + " " + " ".join(t.notes)
-    for token in ["train.seed=7", "data.seed=7", "debug=true",
-                  "fsdp_port=1234",
-                  "minimum_log_interval_secs=2.0", "train.lr=0.0001", "train.micro_batch_size=4",
-                  "train.clip_grad=3.0", "data.max_length=64", "data.max_prompt_length=32",
-                  "train.eval_num_samples=3", "train.weight_decay=0.01",
-                  "train.lr_warmup_iters=5", "model.recompute_granularity=full",
-                  "train.eval_interval=8", "train.eval_global_batch_size=4",
-                  "train.eval_iters=3", "train.eval_at_start=false", "data.tokenizer=/tok", "model.block_name=GPTNeoXLayer",
-                  "model.params_dtype=bfloat16", "model.fsdp_policy_mp=bfloat16",
-                  "loss.label_smoothing=0.1", "loss.reference_free=true"]:
+    for token in [
+        "train.seed=7",
+        "data.seed=7",
+        "debug=true",
+        "fsdp_port=1234",
+        "minimum_log_interval_secs=2.0",
+        "train.lr=0.0001",
+        "train.micro_batch_size=4",
+        "train.clip_grad=3.0",
+        "data.max_length=64",
+        "data.max_prompt_length=32",
+        "train.eval_num_samples=3",
+        "train.weight_decay=0.01",
+        "train.lr_warmup_iters=5",
+        "model.recompute_granularity=full",
+        "train.eval_interval=8",
+        "train.eval_global_batch_size=4",
+        "train.eval_iters=3",
+        "train.eval_at_start=false",
+        "data.tokenizer=/tok",
+        "model.block_name=GPTNeoXLayer",
+        "model.params_dtype=bfloat16",
+        "model.fsdp_policy_mp=bfloat16",
+        "loss.label_smoothing=0.1",
+        "loss.reference_free=true",
+    ]:
         assert token in text, token
     assert not any(o.startswith("logging.wandb") for o in t.overrides)
     assert (t.epochs, t.examples) == (2, 40)
@@ -162,24 +267,42 @@ def test_datasets_train_and_test_splits(tmp_path):
     """hh / shp evaluate on their hub test split, se (no test split on the hub) and a local file
     on nothing; a local folder with train and test files on its test files."""
     t = _translate([*DPO_LINE, "datasets=[hh,shp,se]"])
-    assert {"data.datasets=[Anthropic/hh-rlhf,stanfordnlp/SHP,HuggingFaceH4/stack-exchange-preferences]",
-            "data.eval_datasets=[Anthropic/hh-rlhf,stanfordnlp/SHP]", "data.eval_formats=[hh,shp]",
-            "data.eval_split=test"} <= set(t.overrides)
-    assert any(n.startswith("datasets: se: no test split, no eval set from it (the reference "
-                            "repo evaluates on 1%") for n in t.notes)
+    assert {
+        "data.datasets=[Anthropic/hh-rlhf,stanfordnlp/SHP,HuggingFaceH4/stack-exchange-preferences]",
+        "data.eval_datasets=[Anthropic/hh-rlhf,stanfordnlp/SHP]",
+        "data.eval_formats=[hh,shp]",
+        "data.eval_split=test",
+    } <= set(t.overrides)
+    assert any(
+        n.startswith(
+            "datasets: se: no test split, no eval set from it (the reference repo evaluates on 1%"
+        )
+        for n in t.notes
+    )
     assert any("shp_max_pairs_per_post=5" in n and "=0 for its exact set" in n for n in t.notes)
-    hh = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi\n\nAssistant: No."}
+    hh = {
+        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello.",
+        "rejected": "\n\nHuman: Hi\n\nAssistant: No.",
+    }
     folder = tmp_path / "hh"
     folder.mkdir()
     for split in ("train", "test"):
         (folder / f"{split}.jsonl").write_text(json.dumps(hh) + "\n")
     t = _translate([*DPO_LINE, f"datasets=[{folder}]"])
-    assert {f"data.datasets=[{folder}]", f"data.eval_datasets=[{folder}]",
-            "data.truncation_mode=keep_end"} <= set(t.overrides)
+    assert {
+        f"data.datasets=[{folder}]",
+        f"data.eval_datasets=[{folder}]",
+        "data.truncation_mode=keep_end",
+    } <= set(t.overrides)
     t = _translate([*DPO_LINE, f"datasets=[{folder / 'train.jsonl'}]"])
     assert not any(o.startswith("data.eval_datasets") for o in t.overrides)
-    assert any(n.startswith(f"datasets: {folder / 'train.jsonl'}: no test split, no eval set "
-                            f"from it (a file is read whole") for n in t.notes)
+    assert any(
+        n.startswith(
+            f"datasets: {folder / 'train.jsonl'}: no test split, no eval set "
+            f"from it (a file is read whole"
+        )
+        for n in t.notes
+    )
     assert any(n.startswith("no eval set: eval_every, eval_batch_size") for n in t.notes)
     assert not any(n.startswith("eval_batch_size=") for n in t.notes)
     assert "data.truncation_mode=keep_end" in t.overrides  # its rows are HH's
@@ -203,17 +326,30 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
     from dpo_megatron.reference_cli import ROOT
 
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        lines = [line.split()[2:] for line in f.read().splitlines()
-                 if line.startswith("bash scripts/train_reference_style.sh model=")]
+        lines = [
+            line.split()[2:]
+            for line in f.read().splitlines()
+            if line.startswith("bash scripts/train_reference_style.sh model=")
+        ]
     assert len(lines) == 2 and any(w.startswith("model.archive=") for w in lines[1])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "DPO_MEGATRON_MODELS": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "DPO_MEGATRON_MODELS": str(tmp_path),
+        "HF_HOME": str(tmp_path / "hf"),
+    }
 
     def run(*words):
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "dpo_megatron.reference_cli", *words],
-                              env=env, cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dpo_megatron.reference_cli", *words],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return proc, time.monotonic() - started
 
     for words, script in zip(lines, ("pretrain_sft.sh", "pretrain_dpo.sh")):
@@ -223,8 +359,9 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
         assert command.startswith(f"bash scripts/{script} --config configs/reference_dpo.yaml")
         assert command.endswith("train.train_iters=N")
         assert re.search(r"run_dir=runs/[^/ ]+/anthropic_dpo_pythia69_\S+ ", command), command
-        assert "note: train.train_iters=N: n_epochs=1 x (pairs left after preprocessing" in \
-            proc.stdout
+        assert (
+            "note: train.train_iters=N: n_epochs=1 x (pairs left after preprocessing" in proc.stdout
+        )
         assert not (tmp_path / ".cache").exists() and not (tmp_path / "runs").exists()
     assert "note: model.archive=/path/to/run/LATEST/policy.pt: converted to runs/" in proc.stdout
     proc, seconds = run(*lines[0])
@@ -243,8 +380,12 @@ def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, 
     from dpo_megatron import reference_cli
     from dpo_megatron.reference_cli import Layout
 
-    t = Translation(script="scripts/pretrain_dpo.sh", overrides=["train.train_iters=1"],
-                    run_dir="/runs/x", layout=Layout())
+    t = Translation(
+        script="scripts/pretrain_dpo.sh",
+        overrides=["train.train_iters=1"],
+        run_dir="/runs/x",
+        layout=Layout(),
+    )
     monkeypatch.setattr(reference_cli, "prepare", lambda argv, **kw: t)
     for rc in (1, 0):
         monkeypatch.setattr(reference_cli.subprocess, "call", lambda cmd, rc=rc: rc)
@@ -255,10 +396,20 @@ def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, 
 
 
 def test_an_engine_layout_override_is_named_beside_the_trainers_layout():
-    t = _translate(DPO_LINE, devices=4, extra=["engine.parallel.tensor_model_parallel_size=2",
-                                               "engine.parallel.data_parallel_size=2"])
-    assert t.overrides[-2:] == ["parallel.tensor_model_parallel_size=2",
-                                "parallel.data_parallel_size=2"]
-    assert ("engine.parallel.data_parallel_size, engine.parallel.tensor_model_parallel_size "
-            "replace(s) the layout of trainer=FSDPTrainer above") in t.notes
+    t = _translate(
+        DPO_LINE,
+        devices=4,
+        extra=[
+            "engine.parallel.tensor_model_parallel_size=2",
+            "engine.parallel.data_parallel_size=2",
+        ],
+    )
+    assert t.overrides[-2:] == [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.data_parallel_size=2",
+    ]
+    assert (
+        "engine.parallel.data_parallel_size, engine.parallel.tensor_model_parallel_size "
+        "replace(s) the layout of trainer=FSDPTrainer above"
+    ) in t.notes
     assert not any("replace(s) the layout" in n for n in _translate(DPO_LINE).notes)

@@ -28,31 +28,64 @@ def _args(tmp_path: Path, run_dir: Path) -> list[str]:
     data_file, tok_dir = write_fixture(tmp_path / "data")
     config = tmp_path / "tiny.yaml"
     config.write_text("{}\n")
-    return ["--config", str(config), f"run_dir={run_dir}", f"data.path={data_file}",
-            f"data.tokenizer={tok_dir}", "data.format=standard", "data.max_length=32",
-            "data.max_prompt_length=16", "data.cache_dir=none", "data.verbose=false",
-            "model.vocab_size=400", *TINY_MODEL, "parallel.data_parallel_size=2",
-            "train.micro_batch_size=1", "train.global_batch_size=4", "train.train_iters=3",
-            "train.lr=1e-3", "logging.tensorboard=false"]
+    return [
+        "--config",
+        str(config),
+        f"run_dir={run_dir}",
+        f"data.path={data_file}",
+        f"data.tokenizer={tok_dir}",
+        "data.format=standard",
+        "data.max_length=32",
+        "data.max_prompt_length=16",
+        "data.cache_dir=none",
+        "data.verbose=false",
+        "model.vocab_size=400",
+        *TINY_MODEL,
+        "parallel.data_parallel_size=2",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+        "train.train_iters=3",
+        "train.lr=1e-3",
+        "logging.tensorboard=false",
+    ]
 
 
 def _node_env(nnodes: int, node_id: int, gpus_per_node: int, port: int) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                "TORCHELASTIC"))}
-    env.update(SLURM_NNODES=str(nnodes), SLURM_NODEID=str(node_id), SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               GPUS_PER_NODE=str(gpus_per_node), DPO_MEGATRON_NO_SRUN="1",
-               DPO_MEGATRON_ROOT=str(ROOT), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC")
+        )
+    }
+    env.update(
+        SLURM_NNODES=str(nnodes),
+        SLURM_NODEID=str(node_id),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="localhost",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GPUS_PER_NODE=str(gpus_per_node),
+        DPO_MEGATRON_NO_SRUN="1",
+        DPO_MEGATRON_ROOT=str(ROOT),
+        PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+    )
     return env
 
 
 def _launch(args: list[str], nnodes: int, gpus_per_node: int) -> None:
     port = free_port()
-    procs = [subprocess.Popen(["bash", str(SBATCH), *args],
-                              env=_node_env(nnodes, node, gpus_per_node, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in range(nnodes)]
+    procs = [
+        subprocess.Popen(
+            ["bash", str(SBATCH), *args],
+            env=_node_env(nnodes, node, gpus_per_node, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(nnodes)
+    ]
     outputs = []
     try:
         for p in procs:
@@ -74,8 +107,10 @@ def test_two_simulated_nodes_form_one_job_with_the_one_node_losses(tmp_path):
     for step in a:
         assert a[step]["loss"] == b[step]["loss"], step
     assert (two_nodes / "checkpoints" / "iter_0000003" / "train_state.json").exists()
-    assert '"data_parallel_size": 2' in (
-        two_nodes / "checkpoints" / "iter_0000003" / "train_state.json").read_text()
+    assert (
+        '"data_parallel_size": 2'
+        in (two_nodes / "checkpoints" / "iter_0000003" / "train_state.json").read_text()
+    )
 
 
 def _rendezvous(tmp_path: Path, node_addr: str) -> subprocess.CompletedProcess:
@@ -93,11 +128,22 @@ esac
 """)
     scontrol.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_NNODES="2", SLURM_NODEID="1",
-               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="no-such-node-[a-b].invalid",
-               GPUS_PER_NODE="1", PYTHON="echo")
-    return subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "launch_node.sh")], env=env,
-                          capture_output=True, text=True, timeout=30)
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        SLURM_NNODES="2",
+        SLURM_NODEID="1",
+        SLURM_JOB_ID="7",
+        SLURM_JOB_NODELIST="no-such-node-[a-b].invalid",
+        GPUS_PER_NODE="1",
+        PYTHON="echo",
+    )
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm" / "launch_node.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_the_rendezvous_is_the_first_nodes_node_addr_when_its_name_does_not_resolve(tmp_path):
@@ -109,4 +155,5 @@ def test_the_rendezvous_is_the_first_nodes_node_addr_when_its_name_does_not_reso
     assert out.stderr.strip() == (
         "launch_node.sh: the rendezvous host, node no-such-node-a.invalid (NodeAddr "
         "no-such-node-a.invalid), does not resolve on " + os.uname().nodename + ": set "
-        "MASTER_ADDR to an address of no-such-node-a.invalid reachable from every node")
+        "MASTER_ADDR to an address of no-such-node-a.invalid reachable from every node"
+    )

@@ -62,27 +62,53 @@ class Cluster:
     def __init__(self, state: Path, port: int):
         self.state = state
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
-        self.env.update(DPO_MEGATRON_SLURM_DIR=str(state), DPO_MEGATRON_SLURM_PORT=str(port),
-                        SLURM_CONF=str(state / "slurm.conf"), OMP_NUM_THREADS="1")
+        self.env.update(
+            DPO_MEGATRON_SLURM_DIR=str(state),
+            DPO_MEGATRON_SLURM_PORT=str(port),
+            SLURM_CONF=str(state / "slurm.conf"),
+            OMP_NUM_THREADS="1",
+        )
 
     def run(self, *cmd: str, check: bool = True) -> str:
-        out = subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run(
+            cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         if check and out.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr}")
         return out.stdout
 
     def cluster(self, action: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(CLUSTER), action], env=self.env, capture_output=True,
-                              text=True, timeout=180)
+        return subprocess.run(
+            ["bash", str(CLUSTER), action],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
-    def sbatch(self, script: Path, out: Path, args: list[str], *flags: str,
-               env: dict | None = None) -> str:
+    def sbatch(
+        self, script: Path, out: Path, args: list[str], *flags: str, env: dict | None = None
+    ) -> str:
         """Submit ``script`` from the repository root; returns the job id."""
-        cmd = ["sbatch", "--parsable", f"--output={out}", "--open-mode=append", "--time=20",
-               *CPU_FLAGS, *flags, str(script), *args]
-        res = subprocess.run(cmd, env={**self.env, **(env or {})}, cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+        cmd = [
+            "sbatch",
+            "--parsable",
+            f"--output={out}",
+            "--open-mode=append",
+            "--time=20",
+            *CPU_FLAGS,
+            *flags,
+            str(script),
+            *args,
+        ]
+        res = subprocess.run(
+            cmd,
+            env={**self.env, **(env or {})},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         return res.stdout.strip().split(";")[0]
 
@@ -95,8 +121,15 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.job(job_id)
-            if job["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
-                                       "REQUEUED", "RESIZING", "SUSPENDED"):
+            if job["JobState"] not in (
+                "PENDING",
+                "RUNNING",
+                "COMPLETING",
+                "CONFIGURING",
+                "REQUEUED",
+                "RESIZING",
+                "SUSPENDED",
+            ):
                 return job
             time.sleep(0.5)
         raise AssertionError(f"job {job_id} still {job['JobState']} after {timeout} s")
@@ -209,8 +242,10 @@ def _losses(run_dir: Path) -> list[float]:
 
 def _stopped_step(log: str, after: int = 0) -> int:
     """The step of the last 'stopped by SIGTERM after step K: saved checkpoint' line."""
-    steps = [int(k) for k in re.findall(r"^stopped by SIGTERM after step (\d+): saved checkpoint",
-                                        log, re.M)]
+    steps = [
+        int(k)
+        for k in re.findall(r"^stopped by SIGTERM after step (\d+): saved checkpoint", log, re.M)
+    ]
     assert steps and steps[-1] > after, log[-3000:]
     assert steps[-1] < STEPS, f"the run ended before the signal (step {steps[-1]})"
     return steps[-1]
@@ -222,10 +257,20 @@ def time_limit_job(cluster, work):
     jobs of the module so that its start-up overlaps theirs; (job id, run_dir, output)."""
     folder, config = work
     run_dir, out = folder / "dpo_time_limit", folder / "time_limit.out"
-    job_id = cluster.sbatch(DPO, out, ["--config", str(config), f"run_dir={run_dir}",
-                                       "train.train_iters=1000000",
-                                       "checkpoint.save_interval=1000000"],
-                            "--nodes=1", "--time=10", env={"GPUS_PER_NODE": "1"})
+    job_id = cluster.sbatch(
+        DPO,
+        out,
+        [
+            "--config",
+            str(config),
+            f"run_dir={run_dir}",
+            "train.train_iters=1000000",
+            "checkpoint.save_interval=1000000",
+        ],
+        "--nodes=1",
+        "--time=10",
+        env={"GPUS_PER_NODE": "1"},
+    )
     return job_id, run_dir, out
 
 
@@ -235,13 +280,17 @@ def uninterrupted(cluster, work, time_limit_job):
     (two-node losses, one-node losses, two-node output)."""
     folder, config = work
     two, one = folder / "dpo_two_nodes", folder / "dpo_one_node"
-    jobs = [cluster.sbatch(DPO, folder / "two.out", _dpo_args(config, two), "--nodes=2"),
-            cluster.sbatch(DPO, folder / "one.out", _dpo_args(config, one), "--nodes=1",
-                           env={"GPUS_PER_NODE": "2"})]
+    jobs = [
+        cluster.sbatch(DPO, folder / "two.out", _dpo_args(config, two), "--nodes=2"),
+        cluster.sbatch(
+            DPO, folder / "one.out", _dpo_args(config, one), "--nodes=1", env={"GPUS_PER_NODE": "2"}
+        ),
+    ]
     for job_id, out in zip(jobs, ("two.out", "one.out")):
         job = cluster.wait_done(job_id)
-        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
-            (folder / out).read_text()[-4000:]
+        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), (
+            folder / out
+        ).read_text()[-4000:]
     return _losses(two), _losses(one), (folder / "two.out").read_text()
 
 
@@ -273,23 +322,40 @@ def test_a_job_at_its_time_limit_saves_before_it_is_killed(cluster, time_limit_j
 
 def test_sft_tensor_parallel_across_two_nodes_logs_the_one_node_losses(cluster, work):
     folder, config = work
-    args = ["--config", str(config), "loss.name=sft", "train.train_iters=3",
-            "parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=1"]
+    args = [
+        "--config",
+        str(config),
+        "loss.name=sft",
+        "train.train_iters=3",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.data_parallel_size=1",
+    ]
     two, one = folder / "sft_two_nodes", folder / "sft_one_node"
-    jobs = [cluster.sbatch(SFT, folder / "sft_two.out", [*args, f"run_dir={two}"], "--nodes=2"),
-            cluster.sbatch(SFT, folder / "sft_one.out", [*args, f"run_dir={one}"], "--nodes=1",
-                           env={"GPUS_PER_NODE": "2"})]
+    jobs = [
+        cluster.sbatch(SFT, folder / "sft_two.out", [*args, f"run_dir={two}"], "--nodes=2"),
+        cluster.sbatch(
+            SFT,
+            folder / "sft_one.out",
+            [*args, f"run_dir={one}"],
+            "--nodes=1",
+            env={"GPUS_PER_NODE": "2"},
+        ),
+    ]
     for job_id, out in zip(jobs, ("sft_two.out", "sft_one.out")):
         job = cluster.wait_done(job_id)
-        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
-            (folder / out).read_text()[-4000:]
+        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), (
+            folder / out
+        ).read_text()[-4000:]
     assert len(_losses(two)) == 3 and _losses(two) == _losses(one)
-    assert '"tensor_model_parallel_size": 2' in \
-        (two / "checkpoints" / "iter_0000003" / "train_state.json").read_text()
+    assert (
+        '"tensor_model_parallel_size": 2'
+        in (two / "checkpoints" / "iter_0000003" / "train_state.json").read_text()
+    )
 
 
 def test_scancel_term_saves_every_rank_and_requeue_resumes_to_the_same_numbers(
-        cluster, work, uninterrupted):
+    cluster, work, uninterrupted
+):
     folder, config = work
     run_dir, out = folder / "dpo_preempted", folder / "preempted.out"
     job_id = cluster.sbatch(DPO, out, _dpo_args(config, run_dir), "--nodes=2")
@@ -342,8 +408,9 @@ def _job_processes(job_id: str, node: str | None = None) -> set[int]:
             continue
         if node is None and cmdline.startswith(f"slurmstepd: [{job_id}.".encode()):
             pids.add(int(entry))
-        if f"SLURM_JOB_ID={job_id}".encode() in env and \
-                (node is None or f"SLURMD_NODENAME={node}".encode() in env):
+        if f"SLURM_JOB_ID={job_id}".encode() in env and (
+            node is None or f"SLURMD_NODENAME={node}".encode() in env
+        ):
             pids.add(int(entry))
             parent = int(stat.rsplit(")", 1)[1].split()[1])
             try:

@@ -44,7 +44,8 @@ def _observe() -> dict:
         out["matmul host"] = _refused(lambda: dev @ host.T)
         out["cat host"] = _refused(lambda: torch.cat([dev, host]))
         out["index a host tensor by device ids"] = _refused(
-            lambda: host[torch.tensor([1], device=DEVICE)])
+            lambda: host[torch.tensor([1], device=DEVICE)]
+        )
         out["add scalar"] = (dev + torch.tensor(2.0)).cpu().tolist()
         out["host index"] = dev[torch.tensor([1, 0])].cpu().tolist()
         put = dev.clone()
@@ -53,10 +54,20 @@ def _observe() -> dict:
         back = torch.zeros(2, 3)
         back.copy_(dev * 2)
         out["copy to host"] = (type(back) is torch.Tensor, back.tolist())
-        out["moves"] = [is_strict(t) for t in (
-            dev.cpu(), dev.to("cpu"), dev.to(torch.float64), torch.zeros(2, device=DEVICE),
-            torch.tensor([1, 2], device=DEVICE), torch.ones_like(host, device=DEVICE),
-            dev.new_zeros(3), torch.arange(3, device=DEVICE), dev.sum())]
+        out["moves"] = [
+            is_strict(t)
+            for t in (
+                dev.cpu(),
+                dev.to("cpu"),
+                dev.to(torch.float64),
+                torch.zeros(2, device=DEVICE),
+                torch.tensor([1, 2], device=DEVICE),
+                torch.ones_like(host, device=DEVICE),
+                dev.new_zeros(3),
+                torch.arange(3, device=DEVICE),
+                dev.sum(),
+            )
+        ]
         out["item"] = dev.sum().item()
         # a module moved to the device computes the CPU's values and gradients
         torch.manual_seed(0)
@@ -65,8 +76,11 @@ def _observe() -> dict:
         on_device.load_state_dict(layer.state_dict())
         layer(host).square().sum().backward()
         on_device(dev).square().sum().backward()
-        out["module"] = (is_strict(on_device.weight), is_strict(on_device.weight.grad),
-                         torch.equal(on_device.weight.grad.cpu(), layer.weight.grad))
+        out["module"] = (
+            is_strict(on_device.weight),
+            is_strict(on_device.weight.grad),
+            torch.equal(on_device.weight.grad.cpu(), layer.weight.grad),
+        )
         out["module given host input"] = _refused(lambda: on_device(host))
         # host.data = device tensor moves the parameter, as on CUDA (megatron-core's DDP)
         param = torch.nn.Parameter(torch.ones(3))
@@ -75,9 +89,14 @@ def _observe() -> dict:
         alias = param
         param.data = buffer[1:4]
         buffer.add_(1.0)
-        out["moved by .data"] = (alias is param, is_strict(param),
-                                 isinstance(param, torch.nn.Parameter), param.requires_grad,
-                                 param.sequence_parallel, param.cpu().tolist())
+        out["moved by .data"] = (
+            alias is param,
+            is_strict(param),
+            isinstance(param, torch.nn.Parameter),
+            param.requires_grad,
+            param.sequence_parallel,
+            param.cpu().tolist(),
+        )
         out["numpy"] = ""
         try:
             dev.numpy()
@@ -105,14 +124,25 @@ def test_the_engine_and_megatron_core_compute_on_the_strict_device(seen):
     assert seen["megatron's cuda"]
 
 
-@pytest.mark.parametrize("what", ["add host", "matmul host", "cat host",
-                                  "index a host tensor by device ids",
-                                  "module given host input", "all_reduce host"])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "add host",
+        "matmul host",
+        "cat host",
+        "index a host tensor by device ids",
+        "module given host input",
+        "all_reduce host",
+    ],
+)
 def test_what_cuda_or_nccl_refuses_is_refused(seen, what):
-    assert seen[what].startswith(("Expected all tensors to be on the same device, but found at "
-                                  "least two devices, strict:0 and cpu!",
-                                  "torch.distributed.all_reduce was given host tensor(s)")), \
-        seen[what]
+    assert seen[what].startswith(
+        (
+            "Expected all tensors to be on the same device, but found at "
+            "least two devices, strict:0 and cpu!",
+            "torch.distributed.all_reduce was given host tensor(s)",
+        )
+    ), seen[what]
 
 
 def test_what_cuda_accepts_runs_with_the_cpu_values(seen):

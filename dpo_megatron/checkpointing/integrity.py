@@ -100,7 +100,7 @@ def checkpoint_files(folder: str) -> list[str]:
 
 def _share(names: list[str]) -> list[str]:
     """This rank's share of ``names`` (round robin)."""
-    return names[ranks.rank()::ranks.world_size()]
+    return names[ranks.rank() :: ranks.world_size()]
 
 
 def write_manifest(folder: str) -> dict:
@@ -114,9 +114,12 @@ def write_manifest(folder: str) -> dict:
     files: dict[str, Any] = {}
     for part in ranks.gather_to_all(local):
         files.update(part)
-    manifest = {"format": MANIFEST_FORMAT, "hash": HASH_NAME,
-                "total_bytes": sum(e["size"] for e in files.values()),
-                "files": dict(sorted(files.items()))}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "hash": HASH_NAME,
+        "total_bytes": sum(e["size"] for e in files.values()),
+        "files": dict(sorted(files.items())),
+    }
     if ranks.rank() == 0:
         write_json_atomic(os.path.join(folder, MANIFEST_FILE), manifest)
     return manifest
@@ -175,10 +178,14 @@ class Verification:
     def report(self, ckpt_dir: str) -> str:
         """The line rank 0 prints about a checkpoint that passed."""
         if not self.has_manifest:
-            return (f"WARNING: {ckpt_dir} has no {MANIFEST_FILE} (saved before checksums): its "
-                    f"files' sizes and digests cannot be checked (its pickles were scanned)")
-        return (f"verified {ckpt_dir}: {self.files} files, {describe_size(self.bytes)} checked "
-                f"({HASH_NAME}) in {self.seconds:.2f} s")
+            return (
+                f"WARNING: {ckpt_dir} has no {MANIFEST_FILE} (saved before checksums): its "
+                f"files' sizes and digests cannot be checked (its pickles were scanned)"
+            )
+        return (
+            f"verified {ckpt_dir}: {self.files} files, {describe_size(self.bytes)} checked "
+            f"({HASH_NAME}) in {self.seconds:.2f} s"
+        )
 
 
 def describe_size(n_bytes: int) -> str:
@@ -207,11 +214,14 @@ def verify_checkpoint(folder: str) -> Verification:
         failed = {p.split(": ", 1)[0] for p in problems}
         scan = unsafe_pickles(folder, skip=failed)
     unsafe = ranks.broadcast_from_rank0(scan)
-    return Verification(problems=problems + unsafe,
-                        unsafe=any("unreadable" not in p for p in unsafe),
-                        has_manifest=entries is not None, files=len(entries or {}),
-                        bytes=sum(e["size"] for e in (entries or {}).values()),
-                        seconds=time.perf_counter() - start)
+    return Verification(
+        problems=problems + unsafe,
+        unsafe=any("unreadable" not in p for p in unsafe),
+        has_manifest=entries is not None,
+        files=len(entries or {}),
+        bytes=sum(e["size"] for e in (entries or {}).values()),
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _manifest_and_listing(folder: str) -> tuple[Optional[dict], list[str]]:
@@ -224,8 +234,10 @@ def _manifest_and_listing(folder: str) -> tuple[Optional[dict], list[str]]:
     entries = manifest["files"]
     present = set(checkpoint_files(folder))
     problems = [f"{name}: missing" for name in sorted(set(entries) - present)]
-    problems += [f"{name}: not in the manifest (added after the save)"
-                 for name in sorted(present - set(entries))]
+    problems += [
+        f"{name}: not in the manifest (added after the save)"
+        for name in sorted(present - set(entries))
+    ]
     return entries, problems
 
 
@@ -235,12 +247,15 @@ def _check_file(folder: str, name: str, entry: dict) -> list[str]:
         return []  # reported by rank 0 as missing
     size = os.path.getsize(path)
     if size != entry["size"]:
-        return [f"{name}: {size} bytes, the manifest says {entry['size']} (truncated or "
-                f"overwritten)"]
+        return [
+            f"{name}: {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+        ]
     _, digest = file_digest(path)
     if digest != entry[HASH_NAME]:
-        return [f"{name}: {HASH_NAME} digest {digest} does not match the manifest's "
-                f"{entry[HASH_NAME]} (the file's content changed after the save)"]
+        return [
+            f"{name}: {HASH_NAME} digest {digest} does not match the manifest's "
+            f"{entry[HASH_NAME]} (the file's content changed after the save)"
+        ]
     return []
 
 
@@ -256,13 +271,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module.startswith("torch.distributed.checkpoint"):
             obj = super().find_class(module, name)
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj)
-                                          or issubclass(obj, enum.Enum)):
+            if isinstance(obj, type) and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
                 return obj
         elif module == "torch":
             obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout,
-                                                     torch.memory_format)):
+            if obj is torch.Size or isinstance(
+                obj, (torch.dtype, torch.layout, torch.memory_format)
+            ):
                 return obj
         elif (module, name) == ("torch.serialization", "_get_layout"):
             # How torch pickles a layout (``torch.strided``): a name lookup, part of the format.
@@ -283,8 +300,9 @@ def read_dcp_metadata(folder: str):
         with open(path, "rb") as f:
             return _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(folder, [f"{_DCP_METADATA}: {e}: refused (it may only "
-                                             "hold torch DCP metadata)"]) from None
+        raise UnsafeCheckpointError(
+            folder, [f"{_DCP_METADATA}: {e}: refused (it may only hold torch DCP metadata)"]
+        ) from None
 
 
 def load_weights_only(path: str, what: Optional[str] = None):
@@ -298,9 +316,13 @@ def load_weights_only(path: str, what: Optional[str] = None):
     except pickle.UnpicklingError as e:
         folder = os.path.dirname(path)
         reason = _refusal_reason(e)
-        raise UnsafeCheckpointError(folder, [
-            f"{what or os.path.basename(path)}: holds objects other than tensors and plain "
-            f"containers, refused ({reason})"]) from None
+        raise UnsafeCheckpointError(
+            folder,
+            [
+                f"{what or os.path.basename(path)}: holds objects other than tensors and plain "
+                f"containers, refused ({reason})"
+            ],
+        ) from None
 
 
 def _refusal_reason(e: BaseException) -> str:
@@ -348,8 +370,11 @@ def unsafe_pickles(folder: str, skip: frozenset = frozenset()) -> list[str]:
             for path, key, data in _dcp_items(folder, byte_items=True):
                 if path in skip:
                     continue
-                reason = ("stored with a transform, cannot be checked" if data is None
-                          else _weights_only_problem(data))
+                reason = (
+                    "stored with a transform, cannot be checked"
+                    if data is None
+                    else _weights_only_problem(data)
+                )
                 if reason:
                     problems.append(f"{path}: item {key}: {reason}: refused")
         except UnsafeCheckpointError as e:
@@ -366,8 +391,10 @@ def unsafe_pickles(folder: str, skip: frozenset = frozenset()) -> list[str]:
             with open(path, "rb") as f:
                 reason = _weights_only_problem(f.read())
             if reason:
-                problems.append(f"{name}: holds objects other than tensors and plain containers "
-                                f"({reason}): refused")
+                problems.append(
+                    f"{name}: holds objects other than tensors and plain containers "
+                    f"({reason}): refused"
+                )
     return problems
 
 
@@ -387,8 +414,10 @@ def is_weights_only_refusal(exc: BaseException) -> bool:
     failures) is torch's weights-only unpickling refusal."""
     from dpo_megatron.checkpointing.storage import exceptions_in
 
-    return any(isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e)
-               for e in exceptions_in(exc))
+    return any(
+        isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e)
+        for e in exceptions_in(exc)
+    )
 
 
 def verify_or_raise(folder: str) -> Verification:

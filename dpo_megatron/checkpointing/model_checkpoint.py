@@ -55,8 +55,11 @@ def sharded_bytes(sharded_state_dict: dict) -> int:
 
     total = 0
     for value in nested_values(sharded_state_dict):
-        if (isinstance(value, ShardedTensor) and value.data is not None
-                and is_main_replica(value.replica_id)):
+        if (
+            isinstance(value, ShardedTensor)
+            and value.data is not None
+            and is_main_replica(value.replica_id)
+        ):
             total += value.data.numel() * value.data.element_size()
     return total
 
@@ -69,8 +72,9 @@ def write_model_config(folder: str, model_cfg: ModelConfig) -> None:
         json.dump(dataclasses.asdict(model_cfg), f, indent=2)
 
 
-def save_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str,
-                          model_cfg: Optional[ModelConfig] = None) -> None:
+def save_model_checkpoint(
+    chunks: list[torch.nn.Module], ckpt_dir: str, model_cfg: Optional[ModelConfig] = None
+) -> None:
     """Save this job's model weights as a distributed checkpoint at ``ckpt_dir`` (collective),
     atomically and with a manifest of checksums (:class:`~dpo_megatron.checkpointing.storage.
     CheckpointWriter`).
@@ -105,8 +109,9 @@ def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
         CheckpointIntegrityError: a file is missing, changed or unsafe (named in the message).
     """
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
-        raise FileNotFoundError(f"{ckpt_dir}: not a megatron-core distributed checkpoint "
-                                "(no metadata.json)")
+        raise FileNotFoundError(
+            f"{ckpt_dir}: not a megatron-core distributed checkpoint (no metadata.json)"
+        )
     verify_or_raise(ckpt_dir)
     sharded = _sharded_state_dict(chunks)
     loaded = load_sharded(sharded, ckpt_dir)

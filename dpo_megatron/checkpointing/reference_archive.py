@@ -27,8 +27,13 @@ ARCHIVE_NAME = "policy.pt"
 
 # Buffers older transformers versions kept in a state_dict (GPT-2 / GPT-NeoX causal masks, rotary
 # frequencies): recomputed by the model, so an archive may hold them and they are not weights.
-_RECOMPUTED_BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias",
-                       ".attention.masked_bias", ".rotary_emb.inv_freq")
+_RECOMPUTED_BUFFERS = (
+    ".attn.bias",
+    ".attn.masked_bias",
+    ".attention.bias",
+    ".attention.masked_bias",
+    ".rotary_emb.inv_freq",
+)
 
 
 class ArchiveError(ValueError):
@@ -61,8 +66,10 @@ def _first_foreign(value: Any, where: str) -> Optional[tuple[str, str]]:
 
 def _unreadable(path: str, cause: str) -> ArchiveError:
     """The error for a file that is damaged, not dangerous: garbage, cut short, another format."""
-    return ArchiveError(f"model.archive={path}: not a readable torch.save file (corrupt, "
-                        f"truncated or another format): {cause}")
+    return ArchiveError(
+        f"model.archive={path}: not a readable torch.save file (corrupt, "
+        f"truncated or another format): {cause}"
+    )
 
 
 def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -84,15 +91,21 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
         detail = [line.strip() for line in str(e).splitlines() if line.strip()]
         reason = next((line for line in detail if "Unsupported global" in line), None)
         if reason is None:  # not a pickle of objects at all: garbage or a truncated file
-            cause = next((line for line in detail if line.startswith(("Unsupported operand",
-                                                                       "invalid load key"))),
-                         detail[-1] if detail else "")
+            cause = next(
+                (
+                    line
+                    for line in detail
+                    if line.startswith(("Unsupported operand", "invalid load key"))
+                ),
+                detail[-1] if detail else "",
+            )
             raise _unreadable(path, cause) from None
         raise ArchiveError(
             f"model.archive={path}: refused: the file holds a pickled object other than tensors "
             f"and plain containers (dict, list, tuple, str, numbers), and loading it would run "
             f"code from the file. Save only the state_dict (torch.save({{'state': "
-            f"model.state_dict()}}, path)). torch says: {reason.strip()}") from None
+            f"model.state_dict()}}, path)). torch says: {reason.strip()}"
+        ) from None
     except Exception as e:  # truncated or not a torch file at all
         first = (str(e).strip().splitlines() or [""])[0]
         raise _unreadable(path, f"{type(e).__name__}: {first}") from None
@@ -104,36 +117,49 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
             f"model.archive={path}: refused: the file holds a pickled object other than tensors "
             f"and plain containers (dict, list, tuple, str, numbers): {foreign[0]} is a "
             f"{foreign[1]}. Save only the state_dict (torch.save({{'state': "
-            f"model.state_dict()}}, path))")
+            f"model.state_dict()}}, path))"
+        )
     if not isinstance(blob, dict) or "state" not in blob:
         keys = sorted(blob) if isinstance(blob, dict) else type(blob).__name__
-        raise ArchiveError(f"model.archive={path}: expected the reference repo's layout "
-                           f"{{'step_idx', 'state', 'metrics'}}, got {keys}")
+        raise ArchiveError(
+            f"model.archive={path}: expected the reference repo's layout "
+            f"{{'step_idx', 'state', 'metrics'}}, got {keys}"
+        )
     state = blob["state"]
     if not isinstance(state, dict) or not state:
-        raise ArchiveError(f"model.archive={path}: 'state' must be a non-empty state_dict, got "
-                           f"{type(state).__name__}")
+        raise ArchiveError(
+            f"model.archive={path}: 'state' must be a non-empty state_dict, got "
+            f"{type(state).__name__}"
+        )
     for name, value in state.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise ArchiveError(f"model.archive={path}: state[{name!r}] is a "
-                               f"{type(value).__name__}, not a tensor")
+            raise ArchiveError(
+                f"model.archive={path}: state[{name!r}] is a {type(value).__name__}, not a tensor"
+            )
     return state, {k: v for k, v in blob.items() if k != "state"}
 
 
-def save_policy_archive(path: str, state: dict[str, torch.Tensor], step_idx: int,
-                        metrics: Optional[dict] = None) -> str:
+def save_policy_archive(
+    path: str, state: dict[str, torch.Tensor], step_idx: int, metrics: Optional[dict] = None
+) -> str:
     """Write ``state`` (HF names -> tensors) as the reference repo does; returns ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save({"step_idx": int(step_idx), "state": {k: v.detach().cpu().contiguous()
-                                                      for k, v in state.items()},
-                "metrics": dict(metrics or {})}, tmp)
+    torch.save(
+        {
+            "step_idx": int(step_idx),
+            "state": {k: v.detach().cpu().contiguous() for k, v in state.items()},
+            "metrics": dict(metrics or {}),
+        },
+        tmp,
+    )
     os.replace(tmp, path)  # a reader never sees half a file
     return path
 
 
-def archive_to_hf_folder(archive: str, base: str, out_dir: str,
-                         tokenizer: Optional[str] = None) -> str:
+def archive_to_hf_folder(
+    archive: str, base: str, out_dir: str, tokenizer: Optional[str] = None
+) -> str:
     """A Hugging Face folder holding ``base``'s architecture (config.json) and tokenizer with the
     archive's weights, written with the model's own ``save_pretrained``.
 
@@ -156,17 +182,23 @@ def archive_to_hf_folder(archive: str, base: str, out_dir: str,
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # size mismatches
         lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
-        raise ArchiveError(f"model.archive={archive} does not fit {base}: "
-                           f"{'; '.join(lines[:3]) or e}") from None
-    tied = {k for k in result.missing_keys
-            if k == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)}
+        raise ArchiveError(
+            f"model.archive={archive} does not fit {base}: {'; '.join(lines[:3]) or e}"
+        ) from None
+    tied = {
+        k
+        for k in result.missing_keys
+        if k == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
+    }
     missing = sorted(set(result.missing_keys) - tied)
     unexpected = sorted(k for k in result.unexpected_keys if not k.endswith(_RECOMPUTED_BUFFERS))
     if missing or unexpected:
-        raise ArchiveError(f"model.archive={archive} does not fit {base} "
-                           f"({type(model).__name__}): missing {missing[:5]}"
-                           f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                           f"{' ...' if len(unexpected) > 5 else ''}")
+        raise ArchiveError(
+            f"model.archive={archive} does not fit {base} "
+            f"({type(model).__name__}): missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}"
+        )
     model.save_pretrained(out_dir)
     try:
         AutoTokenizer.from_pretrained(tokenizer or base).save_pretrained(out_dir)
@@ -176,8 +208,9 @@ def archive_to_hf_folder(archive: str, base: str, out_dir: str,
     return out_dir
 
 
-def hf_folder_to_archive(hf_dir: str, path: str, step_idx: int,
-                         metrics: Optional[dict] = None) -> str:
+def hf_folder_to_archive(
+    hf_dir: str, path: str, step_idx: int, metrics: Optional[dict] = None
+) -> str:
     """Write the weights of the HF folder ``hf_dir`` as a reference-repo ``policy.pt``."""
     from transformers import AutoModelForCausalLM
 

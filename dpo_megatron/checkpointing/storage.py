@@ -107,15 +107,16 @@ def describe_storage_error(exc: BaseException, path: str) -> str:
     """One line for a failed write under ``path``: the cause in words and the path."""
     os_error = _find_oserror(exc)
     code = os_error.errno if os_error is not None else None
-    where = (os_error.filename if os_error is not None and os_error.filename else path)
+    where = os_error.filename if os_error is not None and os_error.filename else path
     if code is None:  # no errno survived (torch's zip writer): ask the file system
         if _read_only(path):
             code = errno.EROFS
         elif free_bytes(path) < _RESERVE_BYTES:
             code = errno.ENOSPC
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return (f"no space left on device writing {where} ({free_bytes(path) / 1e6:.1f} MB "
-                f"free there)")
+        return (
+            f"no space left on device writing {where} ({free_bytes(path) / 1e6:.1f} MB free there)"
+        )
     if code == errno.EROFS:
         return f"read-only file system: cannot write {where}"
     if code in (errno.EACCES, errno.EPERM):
@@ -157,9 +158,11 @@ class CheckpointWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)  # a save killed earlier
             free = free_bytes(parent)
             if needed and free < needed * 1.05 + _RESERVE_BYTES:
-                return (f"no space left on device for checkpoint {self.ckpt_dir}: it needs "
-                        f"about {needed / 1e6:.1f} MB, {free / 1e6:.1f} MB free on the file "
-                        f"system of {parent}")
+                return (
+                    f"no space left on device for checkpoint {self.ckpt_dir}: it needs "
+                    f"about {needed / 1e6:.1f} MB, {free / 1e6:.1f} MB free on the file "
+                    f"system of {parent}"
+                )
             os.makedirs(self.tmp)
         except OSError as e:
             return describe_storage_error(e, parent)
@@ -199,8 +202,10 @@ class CheckpointWriter:
 
         files = self.manifest["files"] if self.manifest else {}
         size = describe_size(self.manifest["total_bytes"] if self.manifest else 0)
-        return (f"wrote checkpoint {self.ckpt_dir} ({len(files)} files, {size} in "
-                f"{time.perf_counter() - self.started:.2f} s; checksums {self.hash_seconds:.2f} s)")
+        return (
+            f"wrote checkpoint {self.ckpt_dir} ({len(files)} files, {size} in "
+            f"{time.perf_counter() - self.started:.2f} s; checksums {self.hash_seconds:.2f} s)"
+        )
 
     def _agree(self, error: Optional[str]) -> None:
         errors = ranks.agreed_errors(error)
@@ -214,4 +219,5 @@ class CheckpointWriter:
         raise CheckpointSaveError(
             f"saving checkpoint {self.ckpt_dir} failed: {'; '.join(errors)}. Removed "
             f"{os.path.basename(self.tmp)}; earlier checkpoints in "
-            f"{os.path.dirname(self.ckpt_dir)} are untouched") from getattr(self, "_cause", None)
+            f"{os.path.dirname(self.ckpt_dir)} are untouched"
+        ) from getattr(self, "_cause", None)

@@ -62,8 +62,10 @@ TRAIN_STATE_FILE = "train_state.json"
 """Non-tensor state of the run (rank 0)."""
 RNG_DIR = "rng"
 """Per-rank RNG states."""
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                      "chained_optim_avoid_prefix": True}
+OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
 """megatron-core's layout-independent distributed-optimizer format: state is gathered over the
 data-parallel group and stored per parameter under its global key, so it reshards across TP, PP
 and DP (0.16 rejects the older fully_sharded_model_space; dp_reshardable reshards DP only).
@@ -81,9 +83,11 @@ def checkpoint_name(step: int) -> str:
 
 def is_complete_checkpoint(path: str) -> bool:
     """True for a finished training checkpoint folder (both metadata files present)."""
-    return (_ITER_RE.match(os.path.basename(os.path.normpath(path))) is not None
-            and os.path.isfile(os.path.join(path, "metadata.json"))
-            and os.path.isfile(os.path.join(path, TRAIN_STATE_FILE)))
+    return (
+        _ITER_RE.match(os.path.basename(os.path.normpath(path))) is not None
+        and os.path.isfile(os.path.join(path, "metadata.json"))
+        and os.path.isfile(os.path.join(path, TRAIN_STATE_FILE))
+    )
 
 
 def list_checkpoints(save_dir: str) -> list[tuple[int, str]]:
@@ -139,7 +143,8 @@ def resume_candidates(resume: str, save_dir: str) -> list[str]:
     if latest is None:
         raise FileNotFoundError(
             f"checkpoint.resume={resume!r}: no complete training checkpoint there (expected an "
-            f"iter_NNNNNNN folder with metadata.json and {TRAIN_STATE_FILE}, or a folder of them)")
+            f"iter_NNNNNNN folder with metadata.json and {TRAIN_STATE_FILE}, or a folder of them)"
+        )
     return [latest]
 
 
@@ -158,8 +163,7 @@ def prune_checkpoints(save_dir: str, keep_last_n: int, run_id: Optional[str] = N
     rank after a save completed. Returns the deleted paths."""
     removed = []
     if keep_last_n > 0:
-        own = [path for _, path in list_checkpoints(save_dir)
-               if checkpoint_run_id(path) == run_id]
+        own = [path for _, path in list_checkpoints(save_dir) if checkpoint_run_id(path) == run_id]
         for path in own[:-keep_last_n]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -186,8 +190,7 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
     layout = {
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size":
-            ps.get_virtual_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
         "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
@@ -212,9 +215,13 @@ def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "bit_generator": str(name),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -227,8 +234,13 @@ def set_numpy_state(state) -> None:
     """Restore NumPy's legacy global generator from :func:`rng_state`'s ``numpy`` entry (or
     from ``np.random.get_state()``'s tuple, as checkpoints before tensors held it)."""
     if isinstance(state, dict):
-        state = (state["bit_generator"], state["keys"].numpy().astype(np.uint32), state["pos"],
-                 state["has_gauss"], state["cached_gaussian"])
+        state = (
+            state["bit_generator"],
+            state["keys"].numpy().astype(np.uint32),
+            state["pos"],
+            state["has_gauss"],
+            state["cached_gaussian"],
+        )
     np.random.set_state(tuple(state))
 
 
@@ -260,7 +272,8 @@ def _full_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
         if is_loading:
             torch_adam_resume.materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+            state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
     return state
 
 
@@ -273,8 +286,9 @@ def _save_rng(folder: str) -> None:
     torch.save(rng_state(), _rng_file(folder, ranks.rank()))
 
 
-def save_training_checkpoint(ckpt_dir: str, chunks: list, optimizer, train_state: dict,
-                             model_cfg=None) -> str:
+def save_training_checkpoint(
+    ckpt_dir: str, chunks: list, optimizer, train_state: dict, model_cfg=None
+) -> str:
     """Write a training checkpoint at ``ckpt_dir`` atomically, with its manifest (collective:
     every rank calls it).
 
@@ -326,8 +340,10 @@ def _optimizer_common(tree) -> dict:
         singles = {k: v for k, v in tree.items() if isinstance(v, dict) and "param_state" in v}
         if len(singles) != len(tree):
             return {}
-    return {k: {key: value for key, value in single.items() if key != "param_state"}
-            for k, single in singles.items()}
+    return {
+        k: {key: value for key, value in single.items() if key != "param_state"}
+        for k, single in singles.items()
+    }
 
 
 def _adam_step(tree) -> Optional[float]:
@@ -393,12 +409,14 @@ def read_train_state(ckpt_dir: str) -> dict:
         try:
             return json.load(f)
         except ValueError as e:
-            raise CheckpointIntegrityError(ckpt_dir, [f"{TRAIN_STATE_FILE}: not valid JSON "
-                                                      f"({e})"]) from None
+            raise CheckpointIntegrityError(
+                ckpt_dir, [f"{TRAIN_STATE_FILE}: not valid JSON ({e})"]
+            ) from None
 
 
-def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
-                             use_distributed_optimizer: bool, verified: bool = False) -> dict:
+def load_training_checkpoint(
+    ckpt_dir: str, chunks: list, optimizer, use_distributed_optimizer: bool, verified: bool = False
+) -> dict:
     """Load model, optimizer and this rank's RNG state from ``ckpt_dir`` (collective).
 
     Every file is checked against the manifest and for pickled code first, unless the caller
@@ -426,10 +444,12 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
             f"{ckpt_dir} was saved with train.use_distributed_optimizer="
             f"{saved['use_distributed_optimizer']} but this run has {use_distributed_optimizer}: "
             "optimizer state is not converted between the two formats. Use the same setting, "
-            "or start a new run from the weights only with model.load=" + ckpt_dir)
+            "or start a new run from the weights only with model.load=" + ckpt_dir
+        )
     state = _full_state_dict(chunks, optimizer, is_loading=True)
     requested_optimizer = copy.deepcopy(
-        {k: v for k, v in _optimizer_common(state.get("optimizer")).items()})
+        {k: v for k, v in _optimizer_common(state.get("optimizer")).items()}
+    )
     loaded = load_sharded(state, ckpt_dir)
     models = [_unwrap(c) for c in chunks]
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
@@ -444,6 +464,5 @@ def load_training_checkpoint(ckpt_dir: str, chunks: list, optimizer,
         if os.path.isfile(rng_file):
             set_rng_state(load_weights_only(rng_file, f"{RNG_DIR}/{os.path.basename(rng_file)}"))
         elif ranks.rank() == 0:
-            print(f"note: {ckpt_dir} has no {RNG_DIR}/ states: RNG states start fresh",
-                  flush=True)
+            print(f"note: {ckpt_dir} has no {RNG_DIR}/ states: RNG states start fresh", flush=True)
     return train_state

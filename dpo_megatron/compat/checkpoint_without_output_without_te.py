@@ -17,15 +17,17 @@ from __future__ import annotations
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="checkpoint_without_output_without_te",
-    why="megatron-core 0.16's CheckpointWithoutOutput takes fp8=False for FP8 (fp8 is not None) "
+PATCH = register(
+    Patch(
+        name="checkpoint_without_output_without_te",
+        why="megatron-core 0.16's CheckpointWithoutOutput takes fp8=False for FP8 (fp8 is not None) "
         "and reads transformer-engine's FP8GlobalStateManager: NameError on selective recompute "
         "of 'layernorm' without transformer-engine",
-    versions={"megatron-core": "==0.16.*"},
-    switched_on="when a model with recompute_granularity=selective is built and "
-                "transformer-engine is not importable",
-))
+        versions={"megatron-core": "==0.16.*"},
+        switched_on="when a model with recompute_granularity=selective is built and "
+        "transformer-engine is not importable",
+    )
+)
 
 __all__ = ["PATCH", "enable"]
 

@@ -31,14 +31,16 @@ from torch.overrides import TorchFunctionMode
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="cuda_on_cpu",
-    why="megatron-core allocates on torch.cuda.current_device() / 'cuda', checks "
+PATCH = register(
+    Patch(
+        name="cuda_on_cpu",
+        why="megatron-core allocates on torch.cuda.current_device() / 'cuda', checks "
         "torch.cuda.*Tensor type names and forks the CUDA RNG; without CUDA these fail",
-    versions={"megatron-core": ">=0.16.0,<0.17", "torch": ">=2.6"},
-    switched_on="when the engine's device is the CPU (gloo backend)",
-    off_on_other_versions=False,  # a CPU run cannot do without it
-))
+        versions={"megatron-core": ">=0.16.0,<0.17", "torch": ">=2.6"},
+        switched_on="when the engine's device is the CPU (gloo backend)",
+        off_on_other_versions=False,  # a CPU run cannot do without it
+    )
+)
 
 __all__ = ["PATCH", "enable", "is_enabled"]
 

@@ -16,13 +16,15 @@ import queue
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="dist_ckpt_queue",
-    why="megatron-core 0.16's synchronous torch_dist save starts a spawn Manager (slow, and it "
+PATCH = register(
+    Patch(
+        name="dist_ckpt_queue",
+        why="megatron-core 0.16's synchronous torch_dist save starts a spawn Manager (slow, and it "
         "hangs when the entry module has no __main__ guard)",
-    versions={"megatron-core": "==0.16.*"},
-    switched_on="before each synchronous distributed-checkpoint save",
-))
+        versions={"megatron-core": "==0.16.*"},
+        switched_on="before each synchronous distributed-checkpoint save",
+    )
+)
 
 
 def use_in_process_results_queue() -> bool:

@@ -16,16 +16,24 @@ from __future__ import annotations
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="eager_fusions",
-    why="megatron-core's fused SwiGLU is torch.compile'd: minutes of C++ compilation per shape "
+PATCH = register(
+    Patch(
+        name="eager_fusions",
+        why="megatron-core's fused SwiGLU is torch.compile'd: minutes of C++ compilation per shape "
         "on the CPU",
-    versions={"megatron-core": "==0.16.*"},
-    switched_on="by the device owner when the engine's device is the CPU",
-))
+        versions={"megatron-core": "==0.16.*"},
+        switched_on="by the device owner when the engine's device is the CPU",
+    )
+)
 
-FUSED = ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
-         "weighted_swiglu_back")
+FUSED = (
+    "swiglu",
+    "bias_swiglu",
+    "weighted_swiglu",
+    "swiglu_back",
+    "bias_swiglu_back",
+    "weighted_swiglu_back",
+)
 """The ``torch.compile``'d functions of ``megatron.core.fusions.fused_bias_swiglu``."""
 
 

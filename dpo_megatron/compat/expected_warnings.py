@@ -14,13 +14,15 @@ import warnings
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="expected_warnings",
-    why="megatron-core prints import-time and per-call warnings that no user can act on",
-    versions={"megatron-core": ">=0.16.0,<0.17"},
-    switched_on="at every entry point, before megatron-core is imported",
-    off_on_other_versions=False,  # filters of unknown messages are harmless
-))
+PATCH = register(
+    Patch(
+        name="expected_warnings",
+        why="megatron-core prints import-time and per-call warnings that no user can act on",
+        versions={"megatron-core": ">=0.16.0,<0.17"},
+        switched_on="at every entry point, before megatron-core is imported",
+        off_on_other_versions=False,  # filters of unknown messages are harmless
+    )
+)
 
 _EXPECTED = [
     # (category, message regex)
@@ -34,12 +36,14 @@ _EXPECTED = [
     # scripts/convert_megatron_to_hf.py), about megatron-core's code, not the user's.
     (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
-
 ]
 _CPU_ONLY = [
     # CUDA performance advice: actionable on a GPU, printed on CPU runs too.
-    (UserWarning, r"When using .* it is recommended to set the environment variable "
-                  r"CUDA_DEVICE_MAX_CONNECTIONS"),
+    (
+        UserWarning,
+        r"When using .* it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+    ),
 ]
 
 

@@ -32,14 +32,16 @@ import torch
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="moe_alltoall_on_cpu",
-    why="megatron-core 0.16's all-to-all MoE dispatcher creates and synchronises a side CUDA "
+PATCH = register(
+    Patch(
+        name="moe_alltoall_on_cpu",
+        why="megatron-core 0.16's all-to-all MoE dispatcher creates and synchronises a side CUDA "
         "stream for its device-to-host copies; without CUDA torch.cuda.Stream raises",
-    versions={"megatron-core": "==0.16.*", "torch": ">=2.6"},
-    switched_on="when a mixture-of-experts model with the alltoall dispatcher is built on the "
-                "CPU device (gloo)",
-))
+        versions={"megatron-core": "==0.16.*", "torch": ">=2.6"},
+        switched_on="when a mixture-of-experts model with the alltoall dispatcher is built on the "
+        "CPU device (gloo)",
+    )
+)
 
 __all__ = ["PATCH", "enable", "is_enabled", "HostStream"]
 
@@ -122,8 +124,10 @@ def enable() -> bool:
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM
     torch.cuda.stream = _HostStreamContext
     token_dispatcher.maybe_move_tensor_to_cpu = host_copy
-    _ORIGINAL.update(gather=mappings._gather_along_first_dim,
-                     reduce_scatter=mappings._reduce_scatter_along_first_dim)
+    _ORIGINAL.update(
+        gather=mappings._gather_along_first_dim,
+        reduce_scatter=mappings._reduce_scatter_along_first_dim,
+    )
     mappings._gather_along_first_dim = gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
     _ENABLED = True
@@ -134,9 +138,12 @@ _ORIGINAL: dict = {}
 
 
 def _uneven_on_gloo(group, split_sizes) -> bool:
-    return (split_sizes is not None and group.size() > 1
-            and torch.distributed.get_backend(group) == "gloo"
-            and len(set(split_sizes)) > 1)
+    return (
+        split_sizes is not None
+        and group.size() > 1
+        and torch.distributed.get_backend(group) == "gloo"
+        and len(set(split_sizes)) > 1
+    )
 
 
 def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -148,14 +155,13 @@ def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_bu
         return _ORIGINAL["gather"](input_, group, output_split_sizes, use_global_buffer)
     longest = max(output_split_sizes)
     padded = input_.new_zeros((longest, *input_.shape[1:]))
-    padded[:input_.shape[0]] = input_
+    padded[: input_.shape[0]] = input_
     pieces = [torch.empty_like(padded) for _ in range(group.size())]
     torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
     return torch.cat([p[:n] for p, n in zip(pieces, output_split_sizes)], dim=0)
 
 
-def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
-                                   use_global_buffer=False):
+def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
     """megatron-core's ``_reduce_scatter_along_first_dim``; uneven pieces on gloo through an
     all-reduce of the whole tensor.
 
@@ -167,7 +173,7 @@ def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
     torch.distributed.all_reduce(total, group=group)
     rank = group.rank()
     start = sum(input_split_sizes[:rank])
-    return total[start:start + input_split_sizes[rank]].contiguous()
+    return total[start : start + input_split_sizes[rank]].contiguous()
 
 
 def host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):

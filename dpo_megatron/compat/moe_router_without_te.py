@@ -15,14 +15,16 @@ from __future__ import annotations
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="moe_router_without_te",
-    why="megatron-core 0.16's router gating reads te_general_gemm, which is only defined when "
+PATCH = register(
+    Patch(
+        name="moe_router_without_te",
+        why="megatron-core 0.16's router gating reads te_general_gemm, which is only defined when "
         "transformer-engine imports: NameError on every MoE forward without it",
-    versions={"megatron-core": "==0.16.*"},
-    switched_on="when a mixture-of-experts model is built and transformer-engine is not "
-                "importable",
-))
+        versions={"megatron-core": "==0.16.*"},
+        switched_on="when a mixture-of-experts model is built and transformer-engine is not "
+        "importable",
+    )
+)
 
 __all__ = ["PATCH", "enable"]
 

@@ -64,9 +64,17 @@ def register(patch: Patch) -> Patch:
     return patch
 
 
-PATCH_MODULES = ("cuda_on_cpu", "dist_ckpt_queue", "eager_fusions", "expected_warnings",
-                 "moe_alltoall_on_cpu", "moe_router_without_te", "torch_adam_resume",
-                 "torchrun_failure_logs", "torchrun_repeated_signal")
+PATCH_MODULES = (
+    "cuda_on_cpu",
+    "dist_ckpt_queue",
+    "eager_fusions",
+    "expected_warnings",
+    "moe_alltoall_on_cpu",
+    "moe_router_without_te",
+    "torch_adam_resume",
+    "torchrun_failure_logs",
+    "torchrun_repeated_signal",
+)
 """Every patch module of the package (imported by :func:`patches`)."""
 
 
@@ -106,10 +114,13 @@ def check_installed(*checked: Patch) -> list[str]:
         if not bad or patch.name in _WARNED:
             continue
         found = ", ".join(f"{d} {v} (written for {s})" for d, (v, s) in bad.items())
-        effect = ("stays off" if patch.off_on_other_versions
-                  else "stays on, unverified on this version")
-        message = (f"dpo_megatron.compat.{patch.name}: {found}; the patch {effect}. "
-                   f"See tests/compat/test_{patch.name}.py.")
+        effect = (
+            "stays off" if patch.off_on_other_versions else "stays on, unverified on this version"
+        )
+        message = (
+            f"dpo_megatron.compat.{patch.name}: {found}; the patch {effect}. "
+            f"See tests/compat/test_{patch.name}.py."
+        )
         _WARNED.add(patch.name)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         messages.append(message)

@@ -26,13 +26,15 @@ import torch
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="torch_adam_resume",
-    why="megatron-core 0.16's distributed optimizer cannot load fully_reshardable state into "
+PATCH = register(
+    Patch(
+        name="torch_adam_resume",
+        why="megatron-core 0.16's distributed optimizer cannot load fully_reshardable state into "
         "torch's Adam: no state before the first step, KeyError 'step', one shared step tensor",
-    versions={"megatron-core": "==0.16.*"},
-    switched_on="loading a training checkpoint into megatron-core's optimizer on torch's Adam",
-))
+        versions={"megatron-core": "==0.16.*"},
+        switched_on="loading a training checkpoint into megatron-core's optimizer on torch's Adam",
+    )
+)
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -43,8 +45,10 @@ def needed(optimizer) -> bool:
     """True when this megatron-core optimizer wraps torch's Adam on the versions it fixes."""
     if not PATCH.applies_to_installed():
         return False
-    return any(isinstance(getattr(opt, "optimizer", None), torch.optim.Adam)
-               for opt in _inner_optimizers(optimizer))
+    return any(
+        isinstance(getattr(opt, "optimizer", None), torch.optim.Adam)
+        for opt in _inner_optimizers(optimizer)
+    )
 
 
 def materialize_optimizer_state(optimizer) -> None:
@@ -53,8 +57,11 @@ def materialize_optimizer_state(optimizer) -> None:
         return
     for opt in _inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
-        if (inner is not None and not inner.state
-                and hasattr(opt, "_init_optimizer_states_with_dummy_values")):
+        if (
+            inner is not None
+            and not inner.state
+            and hasattr(opt, "_init_optimizer_states_with_dummy_values")
+        ):
             opt._init_optimizer_states_with_dummy_values()
 
 
@@ -85,6 +92,6 @@ def keep_torch_adam_step(optimizer):
             del opt._set_main_param_and_optimizer_states  # back to the class method
     for opt in _inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
-        for param_state in (inner.state.values() if inner is not None else ()):
+        for param_state in inner.state.values() if inner is not None else ():
             if isinstance(param_state.get("step"), torch.Tensor):
                 param_state["step"] = param_state["step"].clone()

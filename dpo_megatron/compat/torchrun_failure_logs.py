@@ -22,14 +22,16 @@ import logging
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="torchrun_failure_logs",
-    why="torch elastic logs a closing-signal and a 'failed (exitcode: N)' line around a worker "
+PATCH = register(
+    Patch(
+        name="torchrun_failure_logs",
+        why="torch elastic logs a closing-signal and a 'failed (exitcode: N)' line around a worker "
         "that stopped at a user's mistake, after that mistake's one error line",
-    versions={"torch": ">=2.13,<2.14"},
-    switched_on="by dpo_megatron.launch (scripts/pretrain_dpo.sh) around torchrun's main",
-    off_on_other_versions=False,  # a filter of unknown messages holds nothing
-))
+        versions={"torch": ">=2.13,<2.14"},
+        switched_on="by dpo_megatron.launch (scripts/pretrain_dpo.sh) around torchrun's main",
+        off_on_other_versions=False,  # a filter of unknown messages holds nothing
+    )
+)
 
 HELD: dict[str, tuple[str, ...]] = {
     # torch elastic's process context (``get_logger()`` names a logger after its module)

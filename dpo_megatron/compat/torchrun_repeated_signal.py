@@ -21,13 +21,15 @@ from typing import Optional
 
 from dpo_megatron.compat.registry import Patch, register
 
-PATCH = register(Patch(
-    name="torchrun_repeated_signal",
-    why="torch elastic's agent aborts its wait for the workers at a second SIGTERM (SLURM sends "
+PATCH = register(
+    Patch(
+        name="torchrun_repeated_signal",
+        why="torch elastic's agent aborts its wait for the workers at a second SIGTERM (SLURM sends "
         "more than one), so the workers die in the checkpoint of a preempted job",
-    versions={"torch": ">=2.13,<2.14"},
-    switched_on="by dpo_megatron.launch (scripts/slurm/launch_node.sh) around torchrun's main",
-))
+        versions={"torch": ">=2.13,<2.14"},
+        switched_on="by dpo_megatron.launch (scripts/slurm/launch_node.sh) around torchrun's main",
+    )
+)
 
 MODULE = "torch.distributed.elastic.multiprocessing.api"
 """The module whose ``_terminate_process_handler`` the agent installs in ``PContext.start``."""
@@ -53,8 +55,11 @@ class RepeatedSigtermIgnored:
         if self.received is not None and signum == signal.SIGTERM:
             import sys
 
-            print("launcher: SIGTERM again: still waiting for the ranks to save and stop",
-                  file=sys.stderr, flush=True)
+            print(
+                "launcher: SIGTERM again: still waiting for the ranks to save and stop",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         if self.received is None:
             self.received = signum

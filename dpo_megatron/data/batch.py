@@ -63,8 +63,12 @@ def padding_spans(start: int, end: int) -> list[AttentionSpan]:
     tokens (n^2 / 2), in pieces it costs at most n * PADDING_SPAN / 2.
     Example: ``padding_spans(10, 300)`` -> spans [10, 138), [138, 266), [266, 300).
     """
-    return [AttentionSpan(a, min(a + PADDING_SPAN, end), ((a, min(a + PADDING_SPAN, end)),),
-                          padding=True) for a in range(start, end, PADDING_SPAN)]
+    return [
+        AttentionSpan(
+            a, min(a + PADDING_SPAN, end), ((a, min(a + PADDING_SPAN, end)),), padding=True
+        )
+        for a in range(start, end, PADDING_SPAN)
+    ]
 
 
 @dataclass
@@ -112,9 +116,9 @@ def span_rows(spans: Sequence[AttentionSpan]) -> SpanRows:
         n_k, n_q = len(k), s.q_end - s.q_start
         key_index[n, :n_k], key_index[n, n_k:] = k, k[0]
         query_index[n] = s.q_start
-        query_index[n, n_k - n_q:n_k] = torch.arange(s.q_start, s.q_end)
+        query_index[n, n_k - n_q : n_k] = torch.arange(s.q_start, s.q_end)
         start = n * width + n_k - n_q
-        output_index[s.q_start:s.q_end] = torch.arange(start, start + n_q)
+        output_index[s.q_start : s.q_end] = torch.arange(start, start + n_q)
     return SpanRows(query_index, key_index, output_index)
 
 
@@ -158,8 +162,12 @@ class PackedLayout:
     rows: Optional[SpanRows] = None
 
     @classmethod
-    def from_spans(cls, segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor],
-                   spans: Sequence[AttentionSpan]) -> "PackedLayout":
+    def from_spans(
+        cls,
+        segment_ids: torch.Tensor,
+        branch_ids: Optional[torch.Tensor],
+        spans: Sequence[AttentionSpan],
+    ) -> "PackedLayout":
         """The layout of ``spans`` (host tensors).
 
         Raises:
@@ -171,28 +179,42 @@ class PackedLayout:
         for s in spans:
             n_keys = sum(e - b for b, e in s.keys)
             if s.q_start != position or s.q_end <= s.q_start or n_keys < s.q_end - s.q_start:
-                raise ValueError(f"attention span {s} does not continue at position {position} "
-                                 "or has fewer keys than queries")
+                raise ValueError(
+                    f"attention span {s} does not continue at position {position} "
+                    "or has fewer keys than queries"
+                )
             position = s.q_end
         if position != segment_ids.numel():
-            raise ValueError(f"attention spans cover {position} of {segment_ids.numel()} "
-                             "positions")
+            raise ValueError(f"attention spans cover {position} of {segment_ids.numel()} positions")
         q_lens = [s.q_end - s.q_start for s in spans]
         kv_lens = [sum(e - b for b, e in s.keys) for s in spans]
         shared = any(s.keys != ((s.q_start, s.q_end),) for s in spans)
-        kv_index = (torch.cat([torch.arange(b, e) for s in spans for b, e in s.keys])
-                    if shared else None)
+        kv_index = (
+            torch.cat([torch.arange(b, e) for s in spans for b, e in s.keys]) if shared else None
+        )
 
         def cumulative(lengths):
             return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
 
-        return cls(segment_ids, branch_ids, spans, cumulative(q_lens), cumulative(kv_lens),
-                   kv_index, max(q_lens), max(kv_lens), span_rows(spans))
+        return cls(
+            segment_ids,
+            branch_ids,
+            spans,
+            cumulative(q_lens),
+            cumulative(kv_lens),
+            kv_index,
+            max(q_lens),
+            max(kv_lens),
+            span_rows(spans),
+        )
 
     def to_device(self) -> "PackedLayout":
         """The same layout with its tensors on the engine's device (spans stay host ints)."""
-        moved = {f.name: to_device(getattr(self, f.name)) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {
+            f.name: to_device(getattr(self, f.name))
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         if self.rows is not None:
             moved["rows"] = self.rows.to_device()
         return replace(self, **moved)
@@ -331,15 +353,20 @@ class BatchBuilder:
         """
         raise NotImplementedError
 
-    def micro_batch_indices(self, items: Sequence,
-                            micro_batch_indices: list[list[int]]) -> list[list[int]]:
+    def micro_batch_indices(
+        self, items: Sequence, micro_batch_indices: list[list[int]]
+    ) -> list[list[int]]:
         """The grouping the builder actually uses (bucketing may regroup)."""
         return micro_batch_indices
 
 
-def make_batch_builder(pad_token_id: int, multiple: int, packing=None,
-                       sft: bool = False, context_parallel: tuple[int, int] = (0, 1)
-                       ) -> BatchBuilder:
+def make_batch_builder(
+    pad_token_id: int,
+    multiple: int,
+    packing=None,
+    sft: bool = False,
+    context_parallel: tuple[int, int] = (0, 1),
+) -> BatchBuilder:
     """The builder for a run: SFT examples (padded, chosen only), shared-prompt pairs
     (``packing.share_prompt``), packed pairs (``packing.enabled``) or padded pairs. With
     ``context_parallel`` = (CP rank, CP size), size > 1: packed units are padded to a multiple of
@@ -359,13 +386,19 @@ def make_batch_builder(pad_token_id: int, multiple: int, packing=None,
         packing.validate()
     if sft:
         if packed:
-            raise ValueError("packing.enabled=true packs preference pairs; an SFT loss trains "
-                             "on single completions: set packing.enabled=false")
+            raise ValueError(
+                "packing.enabled=true packs preference pairs; an SFT loss trains "
+                "on single completions: set packing.enabled=false"
+            )
         builder = SFTExamples(pad_token_id, multiple)
     elif packed:
         kind = SharedPromptPairs if packing.share_prompt else PackedPairs
-        builder = kind(pad_token_id, multiple, packing,
-                       unit_multiple=2 * context_parallel[1] if context_parallel[1] > 1 else 1)
+        builder = kind(
+            pad_token_id,
+            multiple,
+            packing,
+            unit_multiple=2 * context_parallel[1] if context_parallel[1] > 1 else 1,
+        )
     else:
         builder = PaddedPairs(pad_token_id, multiple)
     rank, size = context_parallel

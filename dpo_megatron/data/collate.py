@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batch import BatchBuilder, MicroBatch, StepBatch, round_up
-from .pairs import PreferencePair, SFTExample
+from dpo_megatron.data.batch import BatchBuilder, MicroBatch, StepBatch, round_up
+from dpo_megatron.data.pairs import PreferencePair, SFTExample
 
 Row = tuple[Sequence[int], Sequence[int]]
 """(prompt_ids, completion_ids) of one sequence."""
@@ -25,8 +25,9 @@ Row = tuple[Sequence[int], Sequence[int]]
 
 def pair_rows(pairs: Sequence[PreferencePair]) -> list[Row]:
     """B pairs -> 2B (prompt, completion) rows: chosen rows first, then rejected (batch order)."""
-    return ([(p.prompt_ids, p.chosen_ids) for p in pairs]
-            + [(p.prompt_ids, p.rejected_ids) for p in pairs])
+    return [(p.prompt_ids, p.chosen_ids) for p in pairs] + [
+        (p.prompt_ids, p.rejected_ids) for p in pairs
+    ]
 
 
 def check_rows(rows: Sequence[Row]) -> None:
@@ -34,8 +35,9 @@ def check_rows(rows: Sequence[Row]) -> None:
     or nothing to score)."""
     for i, (prompt, completion) in enumerate(rows):
         if not prompt or not completion:
-            raise ValueError(f"row {i} has an empty prompt ({len(prompt)}) or completion "
-                             f"({len(completion)})")
+            raise ValueError(
+                f"row {i} has an empty prompt ({len(prompt)}) or completion ({len(completion)})"
+            )
 
 
 def score_mask(rows: Sequence[Row], length: int) -> torch.Tensor:
@@ -43,19 +45,20 @@ def score_mask(rows: Sequence[Row], length: int) -> torch.Tensor:
     completion token for t in [len(prompt) - 1, len(prompt) + len(completion) - 1)."""
     mask = torch.zeros((len(rows), length), dtype=torch.float32)
     for i, (prompt, completion) in enumerate(rows):
-        mask[i, len(prompt) - 1:len(prompt) + len(completion) - 1] = 1.0
+        mask[i, len(prompt) - 1 : len(prompt) + len(completion) - 1] = 1.0
     return mask
 
 
-def score_targets(rows: Sequence[Row], loss_mask: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def score_targets(
+    rows: Sequence[Row], loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(score_index, target_ids) of the per-sequence layout: the flat positions ``i * S + t`` of
     the scored tokens ([n] int64, row-major) and the token each predicts, ``ids_i[t + 1]`` with
     ``ids_i`` = prompt + completion of row i ([n] int64)."""
     n, length = loss_mask.shape
     ids = torch.zeros((n, length + 1), dtype=torch.int64)
     for i, (prompt, completion) in enumerate(rows):
-        ids[i, :len(prompt) + len(completion)] = torch.tensor([*prompt, *completion])
+        ids[i, : len(prompt) + len(completion)] = torch.tensor([*prompt, *completion])
     score_index = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
     return score_index, ids[:, 1:].reshape(-1)[score_index]
 
@@ -75,8 +78,9 @@ def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
     return torch.tensor([float(label) for label in labels], dtype=torch.float32)
 
 
-def reference_logps(pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
-                    ) -> Optional[torch.Tensor]:
+def reference_logps(
+    pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
+) -> Optional[torch.Tensor]:
     """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
     when the pairs carry none.
 
@@ -88,22 +92,25 @@ def reference_logps(pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
     if not any(carried):
         return None
     if not all(carried):
-        raise ValueError("a micro-batch mixes pairs with and without precomputed reference "
-                         "log-probs")
-    rows = ([p.reference_chosen_logps for p in pairs]
-            + [p.reference_rejected_logps for p in pairs])
+        raise ValueError(
+            "a micro-batch mixes pairs with and without precomputed reference log-probs"
+        )
+    rows = [p.reference_chosen_logps for p in pairs] + [p.reference_rejected_logps for p in pairs]
     counts = loss_mask.sum(-1).long().tolist()
     for k, (values, n) in enumerate(zip(rows, counts)):
         if values.numel() != n:
-            raise ValueError(f"precomputed reference row {k} has {values.numel()} values for {n} "
-                             "completion tokens: the table is stale")
+            raise ValueError(
+                f"precomputed reference row {k} has {values.numel()} values for {n} "
+                "completion tokens: the table is stale"
+            )
     out = torch.zeros_like(loss_mask)
     out[loss_mask.bool()] = torch.cat(rows).to(out.dtype)
     return out
 
 
-def collate_rows(rows: Sequence[Row], pad_token_id: int, seq_length: int,
-                 sequences_per_item: int = 2) -> MicroBatch:
+def collate_rows(
+    rows: Sequence[Row], pad_token_id: int, seq_length: int, sequences_per_item: int = 2
+) -> MicroBatch:
     """(prompt_ids, completion_ids) rows -> a padded :class:`MicroBatch` of [N, seq_length].
 
     Padding (right) uses ``pad_token_id``; the last label column is padding.
@@ -117,22 +124,31 @@ def collate_rows(rows: Sequence[Row], pad_token_id: int, seq_length: int,
     for i, (prompt, completion) in enumerate(rows):
         length = len(prompt) + len(completion)
         if length > seq_length:
-            raise ValueError(f"row {i} has {length} tokens (prompt {len(prompt)} + completion "
-                             f"{len(completion)}) > seq_length {seq_length}")
+            raise ValueError(
+                f"row {i} has {length} tokens (prompt {len(prompt)} + completion "
+                f"{len(completion)}) > seq_length {seq_length}"
+            )
         tokens[i, :length] = torch.tensor([*prompt, *completion], dtype=torch.int64)
     labels = torch.full_like(tokens, pad_token_id)
     labels[:, :-1] = tokens[:, 1:]
     loss_mask = score_mask(rows, seq_length)
     scored = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
     position_ids = torch.arange(seq_length, dtype=torch.int64).expand(n, -1).contiguous()
-    return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
-                      loss_mask=loss_mask, output_index=scored, score_index=scored,
-                      target_ids=labels.reshape(-1)[scored],
-                      sequences_per_item=sequences_per_item)
+    return MicroBatch(
+        tokens=tokens,
+        labels=labels,
+        position_ids=position_ids,
+        loss_mask=loss_mask,
+        output_index=scored,
+        score_index=scored,
+        target_ids=labels.reshape(-1)[scored],
+        sequences_per_item=sequences_per_item,
+    )
 
 
-def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int,
-                  seq_length: int) -> MicroBatch:
+def collate_pairs(
+    pairs: Sequence[PreferencePair], pad_token_id: int, seq_length: int
+) -> MicroBatch:
     """B pairs -> 2B padded rows (prompt+chosen for rows 0..B-1, prompt+rejected for B..2B-1,
     same pair order), with the pairs' precomputed reference log-probs when they carry them.
 
@@ -145,12 +161,15 @@ def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int,
     return batch
 
 
-def collate_sft(examples: Sequence[SFTExample], pad_token_id: int,
-                seq_length: int) -> MicroBatch:
+def collate_sft(examples: Sequence[SFTExample], pad_token_id: int, seq_length: int) -> MicroBatch:
     """B SFT examples -> B padded rows (``sequences_per_item=1``), same layout as
     :func:`collate_pairs`."""
-    return collate_rows([(e.prompt_ids, e.completion_ids) for e in examples], pad_token_id,
-                        seq_length, sequences_per_item=1)
+    return collate_rows(
+        [(e.prompt_ids, e.completion_ids) for e in examples],
+        pad_token_id,
+        seq_length,
+        sequences_per_item=1,
+    )
 
 
 def padded_length(lengths: Sequence[int], multiple: int = 8) -> int:
@@ -169,8 +188,9 @@ class PaddedPairs(BatchBuilder):
     (rounded up to ``multiple``), because the pipeline schedule sizes its buffers once per
     step."""
 
-    def build(self, items: Sequence[PreferencePair],
-              micro_batch_indices: list[list[int]]) -> StepBatch:
+    def build(
+        self, items: Sequence[PreferencePair], micro_batch_indices: list[list[int]]
+    ) -> StepBatch:
         step = [items[i] for mb in micro_batch_indices for i in mb]
         seq_length = padded_length([max(pair_lengths(p)) for p in step], self.multiple)
         micro_batches = []
@@ -193,8 +213,7 @@ class SFTExamples(BatchBuilder):
 
     sequences_per_item = 1
 
-    def build(self, items: Sequence[SFTExample],
-              micro_batch_indices: list[list[int]]) -> StepBatch:
+    def build(self, items: Sequence[SFTExample], micro_batch_indices: list[list[int]]) -> StepBatch:
         step = [items[i] for mb in micro_batch_indices for i in mb]
         seq_length = padded_length([example_length(e) for e in step], self.multiple)
         micro_batches = []

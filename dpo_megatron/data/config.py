@@ -151,14 +151,20 @@ class DataConfig:
     def sources(self) -> list[tuple[str, str]]:
         """[(dataset, format)] for every dataset this config names; ValueError on conflicts."""
         if self.path and self.datasets:
-            raise ValueError("data.path and data.datasets are both set: use one (data.datasets for a mix)")
+            raise ValueError(
+                "data.path and data.datasets are both set: use one (data.datasets for a mix)"
+            )
         names = [self.path] if self.path else list(self.datasets)
         if not names:
             raise ValueError("no data: set data.path (one dataset) or data.datasets (a mix)")
         if self.formats and len(self.formats) != len(names):
-            raise ValueError(f"data.formats has {len(self.formats)} entries for {len(names)} datasets")
+            raise ValueError(
+                f"data.formats has {len(self.formats)} entries for {len(names)} datasets"
+            )
         if self.weights and len(self.weights) != len(names):
-            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(names)} datasets")
+            raise ValueError(
+                f"data.weights has {len(self.weights)} entries for {len(names)} datasets"
+            )
         if self.weights and (min(self.weights) < 0 or sum(self.weights) <= 0):
             raise ValueError(f"data.weights must be >= 0 with a positive sum, got {self.weights}")
         formats = list(self.formats) if self.formats else [self.format] * len(names)
@@ -168,8 +174,10 @@ class DataConfig:
         """[(dataset, format)] of ``eval_datasets`` (empty when none); ValueError when
         ``eval_formats`` does not match it in length."""
         if self.eval_formats and len(self.eval_formats) != len(self.eval_datasets):
-            raise ValueError(f"data.eval_formats has {len(self.eval_formats)} entries for "
-                             f"{len(self.eval_datasets)} data.eval_datasets")
+            raise ValueError(
+                f"data.eval_formats has {len(self.eval_formats)} entries for "
+                f"{len(self.eval_datasets)} data.eval_datasets"
+            )
         formats = list(self.eval_formats) or [self.format] * len(self.eval_datasets)
         return list(zip(self.eval_datasets, formats))
 
@@ -179,33 +187,49 @@ class DataConfig:
         check_choice("data", self, "on_error", ON_ERROR_MODES)
         check_range("data", self, "max_length", 2)
         if self.max_prompt_length != 0:
-            check_range("data", self, "max_prompt_length", 2,
-                        why="room for the BOS and one token (0: no prompt cut)")
+            check_range(
+                "data",
+                self,
+                "max_prompt_length",
+                2,
+                why="room for the BOS and one token (0: no prompt cut)",
+            )
         check_range("data", self, "seed", 0)
         check_range("data", self, "shp_min_score_ratio", 0)
         check_range("data", self, "shp_max_pairs_per_post", 0, why="0: no cap")
         check_range("data", self, "se_max_pairs_per_question", 1)
-        if self.max_prompt_length and self.max_prompt_length + self.min_completion_tokens > self.max_length:
+        if (
+            self.max_prompt_length
+            and self.max_prompt_length + self.min_completion_tokens > self.max_length
+        ):
             raise ValueError(
                 f"data.max_prompt_length={self.max_prompt_length} leaves fewer than data.min_completion_tokens="
                 f"{self.min_completion_tokens} of data.max_length={self.max_length}: lower max_prompt_length "
                 "(or set it to 0 to drop over-long prompts instead of cutting them)"
             )
         if self.min_completion_tokens < 1:
-            raise ValueError("data.min_completion_tokens must be >= 1: a pair needs completion tokens on both sides")
+            raise ValueError(
+                "data.min_completion_tokens must be >= 1: a pair needs completion tokens on both sides"
+            )
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.eval_datasets and self.eval_fraction:
-            raise ValueError(f"data.eval_datasets and data.eval_fraction={self.eval_fraction} are "
-                             f"both set: the eval set is one or the other (set "
-                             f"data.eval_fraction=0 to evaluate on data.eval_datasets)")
+            raise ValueError(
+                f"data.eval_datasets and data.eval_fraction={self.eval_fraction} are "
+                f"both set: the eval set is one or the other (set "
+                f"data.eval_fraction=0 to evaluate on data.eval_datasets)"
+            )
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
-        from .formats import CONVERTERS  # formats imports this module
+        from dpo_megatron.data.formats import CONVERTERS  # formats imports this module
 
-        for _, fmt in self.sources() + self.eval_sources():  # before any reading: a typo fails at once
+        for _, fmt in (
+            self.sources() + self.eval_sources()
+        ):  # before any reading: a typo fails at once
             if fmt != "auto" and fmt not in CONVERTERS:
-                raise ValueError(f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}")
+                raise ValueError(
+                    f"data.format={fmt!r}; known formats: auto, {', '.join(sorted(CONVERTERS))}"
+                )
 
 
 @dataclass
@@ -240,11 +264,18 @@ class PackingConfig:
         Raises:
             ValueError: a negative ``row_length``; ``share_prompt`` without ``enabled``.
         """
-        check_range("packing", self, "row_length", 0,
-                    why="0: one row per micro-batch, or the tokens per packed row")
+        check_range(
+            "packing",
+            self,
+            "row_length",
+            0,
+            why="0: one row per micro-batch, or the tokens per packed row",
+        )
         if self.share_prompt and not self.enabled:
-            raise ValueError("packing.share_prompt=true lays pairs out in packed rows: set "
-                             "packing.enabled=true too")
+            raise ValueError(
+                "packing.share_prompt=true lays pairs out in packed rows: set "
+                "packing.enabled=true too"
+            )
 
 
 def as_data_config(cfg: Any) -> DataConfig:
@@ -270,4 +301,6 @@ def as_data_config(cfg: Any) -> DataConfig:
         if unknown:
             raise ValueError(f"unknown data config key(s) {unknown}; known: {sorted(known)}")
         return DataConfig(**cfg)
-    raise TypeError(f"expected a DataConfig (or a DictConfig / dict of one), got {type(cfg).__name__}")
+    raise TypeError(
+        f"expected a DataConfig (or a DictConfig / dict of one), got {type(cfg).__name__}"
+    )

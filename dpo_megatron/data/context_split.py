@@ -30,10 +30,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from dpo_megatron.data.batch import BatchBuilder, MicroBatch, StepBatch
 from dpo_megatron.parallel.context import chunk_positions
 from dpo_megatron.parallel.device import to_device
-
-from .batch import BatchBuilder, MicroBatch, StepBatch
 
 
 @dataclass
@@ -51,8 +50,14 @@ class LocalRows:
 
     def to_device(self) -> "LocalRows":
         """The same rows with their tensors on the engine's device."""
-        return replace(self, **{f.name: to_device(getattr(self, f.name)) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: to_device(getattr(self, f.name))
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 def _row_spans(segment_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -77,8 +82,14 @@ def local_positions(batch: MicroBatch, rank: int, size: int) -> torch.Tensor:
     out = []
     for r in range(rows):
         try:
-            out.append(torch.cat([start + chunk_positions(n, rank, size)
-                                  for start, n in _row_spans(batch.packed.segment_ids[r])]))
+            out.append(
+                torch.cat(
+                    [
+                        start + chunk_positions(n, rank, size)
+                        for start, n in _row_spans(batch.packed.segment_ids[r])
+                    ]
+                )
+            )
         except ValueError as err:
             raise ValueError(f"packed row {r}: {err}") from None
     return torch.stack(out)
@@ -101,12 +112,21 @@ def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
     def cut(t):
         return None if t is None else t.gather(1, keep)
 
-    packed = (None if batch.packed is None
-              else LocalRows(cut(batch.packed.segment_ids), cut(batch.packed.branch_ids)))
-    return replace(batch, tokens=cut(batch.tokens), labels=cut(batch.labels),
-                   position_ids=cut(batch.position_ids), packed=packed,
-                   output_index=mapped[held], score_index=batch.score_index[held],
-                   target_ids=batch.target_ids[held])
+    packed = (
+        None
+        if batch.packed is None
+        else LocalRows(cut(batch.packed.segment_ids), cut(batch.packed.branch_ids))
+    )
+    return replace(
+        batch,
+        tokens=cut(batch.tokens),
+        labels=cut(batch.labels),
+        position_ids=cut(batch.position_ids),
+        packed=packed,
+        output_index=mapped[held],
+        score_index=batch.score_index[held],
+        target_ids=batch.target_ids[held],
+    )
 
 
 class ContextParallelSplit(BatchBuilder):
@@ -124,5 +144,9 @@ class ContextParallelSplit(BatchBuilder):
 
     def build(self, items: Sequence, micro_batch_indices: list[list[int]]) -> StepBatch:
         step = self.inner.build(items, micro_batch_indices)
-        return replace(step, micro_batches=[split_micro_batch(mb, self.rank, self.size)
-                                            for mb in step.micro_batches])
+        return replace(
+            step,
+            micro_batches=[
+                split_micro_batch(mb, self.rank, self.size) for mb in step.micro_batches
+            ],
+        )

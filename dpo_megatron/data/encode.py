@@ -29,10 +29,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .formats import Example, Filtered, Messages, RowError
-from .reader import DataError
-from .tokenizer import (adds_bos, encode_continuation, max_token_chars, prepends_space,
-                        render_chat, special_ids)
+from dpo_megatron.data.formats import Example, Filtered, Messages, RowError
+from dpo_megatron.data.reader import DataError
+from dpo_megatron.data.tokenizer import (
+    adds_bos,
+    encode_continuation,
+    max_token_chars,
+    prepends_space,
+    render_chat,
+    special_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -156,18 +162,24 @@ def _bound_example(example: Example, settings: EncodeSettings, budget: TokenBudg
             return None
         if isinstance(value, str):
             return bound_text(value, max_tokens, settings, end)
-        return [{**m, "content": bound_text(m["content"], max_tokens, settings, end)}
-                for m in value]
+        return [
+            {**m, "content": bound_text(m["content"], max_tokens, settings, end)} for m in value
+        ]
 
-    bounded = replace(example, prompt=bound(example.prompt, prompt_tokens, keep_end),
-                      chosen=bound(example.chosen, budget.max_length, False),
-                      rejected=bound(example.rejected, budget.max_length, False))
-    return bounded if bounded == example else replace(
-        bounded, notes=(*bounded.notes, "text_bounded"))
+    bounded = replace(
+        example,
+        prompt=bound(example.prompt, prompt_tokens, keep_end),
+        chosen=bound(example.chosen, budget.max_length, False),
+        rejected=bound(example.rejected, budget.max_length, False),
+    )
+    return (
+        bounded if bounded == example else replace(bounded, notes=(*bounded.notes, "text_bounded"))
+    )
 
 
-def encode_example(example: Example, tokenizer, settings: EncodeSettings,
-                   budget: TokenBudget = TokenBudget()) -> Encoded:
+def encode_example(
+    example: Example, tokenizer, settings: EncodeSettings, budget: TokenBudget = TokenBudget()
+) -> Encoded:
     """Token ids of one example; completions end with one EOS/end-of-turn, the prompt starts
     with exactly one BOS when the tokenizer adds one (see the module doc for the length rules
     applied here).
@@ -184,8 +196,7 @@ def encode_example(example: Example, tokenizer, settings: EncodeSettings,
     example = _bound_example(example, settings, budget)
     notes = list(example.notes)
     if example.conversational:
-        prompt_ids, completions, uncut, dropped = _encode_chat(example, tokenizer, settings,
-                                                               budget)
+        prompt_ids, completions, uncut, dropped = _encode_chat(example, tokenizer, settings, budget)
         if dropped:
             notes.append("turns_dropped")
     else:
@@ -229,8 +240,10 @@ def _encode_chat(example: Example, tokenizer, settings: EncodeSettings, budget: 
     were dropped)."""
     template = settings.chat_template
     if not (template or getattr(tokenizer, "chat_template", None)):
-        raise DataError("conversational data needs a chat template: the tokenizer has none; set "
-                        "data.chat_template (chatml, mistral or a Jinja file)")
+        raise DataError(
+            "conversational data needs a chat template: the tokenizer has none; set "
+            "data.chat_template (chatml, mistral or a Jinja file)"
+        )
 
     def prompt_tokens(messages):
         text = render_chat(tokenizer, messages, True, template)
@@ -261,5 +274,9 @@ def _encode_chat(example: Example, tokenizer, settings: EncodeSettings, budget: 
                 "the chat template renders the prompt differently inside the full conversation, so the "
                 "completion cannot be cut off after the prompt",
             )
-        completions.append(encode_continuation(tokenizer, full[len(prompt_text) :].rstrip(), settings.space_prefixed))
+        completions.append(
+            encode_continuation(
+                tokenizer, full[len(prompt_text) :].rstrip(), settings.space_prefixed
+            )
+        )
     return prompt_ids, completions, uncut, dropped

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from typing import Any, Callable, Union
 
-from .config import DataConfig
+from dpo_megatron.data.config import DataConfig
 
 Messages = list[dict]
 Text = Union[str, Messages]
@@ -83,12 +83,16 @@ def _messages(value: Any, field: str) -> Messages:
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            raise RowError(f"{field}[{i}]", f"expected a message dict, got {type(message).__name__}")
+            raise RowError(
+                f"{field}[{i}]", f"expected a message dict, got {type(message).__name__}"
+            )
         role, content = message.get("role"), message.get("content")
         if role not in ("system", "user", "assistant"):
             raise RowError(f"{field}[{i}].role", f"expected system/user/assistant, got {role!r}")
         if not isinstance(content, str):
-            raise RowError(f"{field}[{i}].content", f"expected a string, got {type(content).__name__}")
+            raise RowError(
+                f"{field}[{i}].content", f"expected a string, got {type(content).__name__}"
+            )
         out.append({"role": role, "content": content})
     return out
 
@@ -97,7 +101,9 @@ def _check_prompt_messages(prompt: Messages, field: str) -> None:
     if not prompt:
         raise RowError(field, "the prompt has no messages")
     if prompt[-1]["role"] != "user":
-        raise RowError(field, f"the prompt's last message must be from the user, got {prompt[-1]['role']!r}")
+        raise RowError(
+            field, f"the prompt's last message must be from the user, got {prompt[-1]['role']!r}"
+        )
 
 
 def _check_completion_messages(messages: Messages, field: str) -> None:
@@ -105,7 +111,10 @@ def _check_completion_messages(messages: Messages, field: str) -> None:
         raise RowError(field, "no completion message")
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
-            raise RowError(f"{field}[{i}].role", f"a completion message must be from the assistant, got {message['role']!r}")
+            raise RowError(
+                f"{field}[{i}].role",
+                f"a completion message must be from the assistant, got {message['role']!r}",
+            )
 
 
 def common_text_prefix(a: str, b: str) -> str:
@@ -123,8 +132,9 @@ def common_text_prefix(a: str, b: str) -> str:
         n += 1
     if n == len(a) == len(b):
         return a
-    mid_word = 0 < n < min(len(a), len(b)) and not (a[n - 1].isspace() or a[n].isspace()
-                                                    or b[n].isspace())
+    mid_word = 0 < n < min(len(a), len(b)) and not (
+        a[n - 1].isspace() or a[n].isspace() or b[n].isspace()
+    )
     while mid_word and n > 0 and not a[n - 1].isspace():
         n -= 1  # back to the start of the word the strings differ in
     while n > 0 and a[n - 1].isspace():
@@ -184,7 +194,13 @@ def convert_conversational_implicit(row: dict, cfg: DataConfig) -> list[Example]
     return [Example(prompt, chosen[n:], rejected[n:])]
 
 
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
 
 
 def _sharegpt_turn(value: Any, field: str) -> dict:
@@ -194,9 +210,13 @@ def _sharegpt_turn(value: Any, field: str) -> dict:
         raise RowError(field, f"expected a {{from, value}} dict, got {type(value).__name__}")
     role = SHAREGPT_ROLES.get(value.get("from"))
     if role is None:
-        raise RowError(f"{field}.from", f"expected one of {sorted(SHAREGPT_ROLES)}, got {value.get('from')!r}")
+        raise RowError(
+            f"{field}.from", f"expected one of {sorted(SHAREGPT_ROLES)}, got {value.get('from')!r}"
+        )
     if not isinstance(value.get("value"), str):
-        raise RowError(f"{field}.value", f"expected a string, got {type(value.get('value')).__name__}")
+        raise RowError(
+            f"{field}.value", f"expected a string, got {type(value.get('value')).__name__}"
+        )
     return {"role": role, "content": value["value"]}
 
 
@@ -207,7 +227,11 @@ def convert_sharegpt(row: dict, cfg: DataConfig) -> list[Example]:
     if not isinstance(turns, list):
         raise RowError("conversations", f"expected a list of turns, got {type(turns).__name__}")
     prompt = [_sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(turns)]
-    if isinstance(row.get("system"), str) and row["system"] and not (prompt and prompt[0]["role"] == "system"):
+    if (
+        isinstance(row.get("system"), str)
+        and row["system"]
+        and not (prompt and prompt[0]["role"] == "system")
+    ):
         prompt.insert(0, {"role": "system", "content": row["system"]})
     _check_prompt_messages(prompt, "conversations")
     chosen = [_sharegpt_turn(_get(row, "chosen"), "chosen")]
@@ -228,7 +252,9 @@ def parse_hh(text: str, field: str) -> Messages:
     if len(parts) < 3:
         raise RowError(field, "no '\\n\\nHuman:' / '\\n\\nAssistant:' turns")
     roles = {"Human": "user", "Assistant": "assistant"}
-    return [{"role": roles[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
+    return [
+        {"role": roles[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)
+    ]
 
 
 _HH_ASSISTANT = "\n\nAssistant:"
@@ -252,8 +278,11 @@ def hh_split_point(chosen_text: str, rejected_text: str) -> int:
         common += 1
     split = chosen_text.rfind(_HH_ASSISTANT, 0, common)  # the marker lies wholly in the prefix
     if split < 0:
-        raise RowError("rejected", "chosen and rejected dialogues share no Assistant turn: no "
-                                   "common prompt to split them at")
+        raise RowError(
+            "rejected",
+            "chosen and rejected dialogues share no Assistant turn: no "
+            "common prompt to split them at",
+        )
     return split
 
 
@@ -261,8 +290,13 @@ def _hh_reference_text(chosen_text: str, rejected_text: str) -> list[Example]:
     """The reference repo's HH split, as text: prompt up to and including the last common
     ``"\n\nAssistant:"``, completions the rest of each dialogue (``" answer"``)."""
     end = hh_split_point(chosen_text, rejected_text) + len(_HH_ASSISTANT)
-    notes = () if chosen_text.rfind(_HH_ASSISTANT) + len(_HH_ASSISTANT) == end == (
-        rejected_text.rfind(_HH_ASSISTANT) + len(_HH_ASSISTANT)) else ("diverged_early",)
+    notes = (
+        ()
+        if chosen_text.rfind(_HH_ASSISTANT) + len(_HH_ASSISTANT)
+        == end
+        == (rejected_text.rfind(_HH_ASSISTANT) + len(_HH_ASSISTANT))
+        else ("diverged_early",)
+    )
     return [Example(chosen_text[:end], chosen_text[end:], rejected_text[end:], notes=notes)]
 
 
@@ -295,19 +329,27 @@ def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
     split = hh_split_point(chosen_text, rejected_text)
     prompt = parse_hh(chosen_text[:split], "chosen")
     _check_prompt_messages(prompt, "chosen")
-    completions = [parse_hh(text[split:], field) for field, text in
-                   (("chosen", chosen_text), ("rejected", rejected_text))]
+    completions = [
+        parse_hh(text[split:], field)
+        for field, text in (("chosen", chosen_text), ("rejected", rejected_text))
+    ]
     return [Example(prompt, completions[0], completions[1], notes=("diverged_early",))]
 
 
-def _single_turn(question: str, chosen: str, rejected: str, cfg: DataConfig,
-                 group: str = "") -> Example:
+def _single_turn(
+    question: str, chosen: str, rejected: str, cfg: DataConfig, group: str = ""
+) -> Example:
     """One question and two answers: the reference repo's text form, or a user/assistant turn."""
     if cfg.reference_preprocessing:
-        return Example(_HH_HUMAN + question + _HH_ASSISTANT, " " + chosen, " " + rejected,
-                       group=group)
-    return Example([{"role": "user", "content": question}], [{"role": "assistant", "content": chosen}],
-                   [{"role": "assistant", "content": rejected}], group=group)
+        return Example(
+            _HH_HUMAN + question + _HH_ASSISTANT, " " + chosen, " " + rejected, group=group
+        )
+    return Example(
+        [{"role": "user", "content": question}],
+        [{"role": "assistant", "content": chosen}],
+        [{"role": "assistant", "content": rejected}],
+        group=group,
+    )
 
 
 def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
@@ -333,7 +375,24 @@ def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
 
 
 class _HTMLText(HTMLParser):
-    _BLOCKS = {"p", "br", "div", "pre", "li", "ul", "ol", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "hr"}
+    _BLOCKS = {
+        "p",
+        "br",
+        "div",
+        "pre",
+        "li",
+        "ul",
+        "ol",
+        "blockquote",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "tr",
+        "hr",
+    }
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -369,9 +428,12 @@ def strip_html_reference(text: str) -> str:
     try:
         from bs4 import BeautifulSoup, NavigableString
     except ImportError:
-        raise RowError("question", "data.reference_preprocessing on StackExchange rows needs "
-                                   "beautifulsoup4 (pip install beautifulsoup4, or the "
-                                   "'reference' extra)") from None
+        raise RowError(
+            "question",
+            "data.reference_preprocessing on StackExchange rows needs "
+            "beautifulsoup4 (pip install beautifulsoup4, or the "
+            "'reference' extra)",
+        ) from None
     parts = []
     for element in BeautifulSoup(text, "html.parser").children:
         if isinstance(element, NavigableString):
@@ -413,12 +475,16 @@ def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
         question, scored = _se_answers(row, strip_html_reference)
         if len(scored) < 2:
             raise Filtered("se_no_pair")
-        pairs = [(i, j) if scored[i][0] > scored[j][0] else (j, i)
-                 for i in range(len(scored)) for j in range(i + 1, len(scored))]
+        pairs = [
+            (i, j) if scored[i][0] > scored[j][0] else (j, i)
+            for i in range(len(scored))
+            for j in range(i + 1, len(scored))
+        ]
         return [_single_turn(question, scored[c][1], scored[r][1], cfg) for c, r in pairs]
     question, answers = _se_answers(row, strip_html)
-    scored = sorted(((s, i, t) for i, (s, t) in enumerate(answers)),
-                    key=lambda t: (-t[0], t[1]))  # stable: ties keep the file's order
+    scored = sorted(
+        ((s, i, t) for i, (s, t) in enumerate(answers)), key=lambda t: (-t[0], t[1])
+    )  # stable: ties keep the file's order
     if len(scored) < 2 or scored[0][0] == scored[-1][0]:
         raise Filtered("se_no_pair")
     best = scored[0]
@@ -431,9 +497,13 @@ def convert_ultrafeedback(row: dict, cfg: DataConfig) -> list[Example]:
     chosen = _messages(_get(row, "chosen"), "chosen")
     rejected = _messages(_get(row, "rejected"), "rejected")
     if len(chosen) < 2 or len(rejected) < 2:
-        raise RowError("chosen" if len(chosen) < 2 else "rejected", "expected the user prompt and an answer")
+        raise RowError(
+            "chosen" if len(chosen) < 2 else "rejected", "expected the user prompt and an answer"
+        )
     if chosen[:-1] != rejected[:-1]:
-        raise RowError("rejected", "chosen and rejected conversations differ before the last answer")
+        raise RowError(
+            "rejected", "chosen and rejected conversations differ before the last answer"
+        )
     prompt = chosen[:-1]
     _check_prompt_messages(prompt, "chosen")
     _check_completion_messages(chosen[-1:], "chosen")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .config import DataConfig
-from .formats import Filtered
+from dpo_megatron.data.config import DataConfig
+from dpo_megatron.data.formats import Filtered
 
 
-def cut_prompt(prompt_ids: Sequence[int], max_prompt_length: int, truncation_mode: str,
-               bos_token_id: int | None = None) -> list[int]:
+def cut_prompt(
+    prompt_ids: Sequence[int],
+    max_prompt_length: int,
+    truncation_mode: str,
+    bos_token_id: int | None = None,
+) -> list[int]:
     """The prompt cut to ``max_prompt_length`` tokens (0 = no cut).
 
     ``keep_end`` keeps the last tokens (the turn being answered), ``keep_start`` the first. A
@@ -22,7 +26,7 @@ def cut_prompt(prompt_ids: Sequence[int], max_prompt_length: int, truncation_mod
         return prompt_ids
     if truncation_mode == "keep_end":
         if bos_token_id is not None and prompt_ids[0] == bos_token_id:
-            return [bos_token_id, *prompt_ids[len(prompt_ids) - max_prompt_length + 1:]]
+            return [bos_token_id, *prompt_ids[len(prompt_ids) - max_prompt_length + 1 :]]
         return prompt_ids[-max_prompt_length:]
     if truncation_mode == "keep_start":
         return prompt_ids[:max_prompt_length]

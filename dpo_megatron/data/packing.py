@@ -36,12 +36,25 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .batch import (AttentionSpan, BatchBuilder, MicroBatch, PackedLayout, StepBatch, padding_spans,
-                    round_up)
-from .collate import (check_rows, desirable_labels, pair_rows, reference_logps, score_mask,
-                      score_targets)
-from .config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
-from .pairs import PreferencePair
+from dpo_megatron.data.batch import (
+    AttentionSpan,
+    BatchBuilder,
+    MicroBatch,
+    PackedLayout,
+    StepBatch,
+    padding_spans,
+    round_up,
+)
+from dpo_megatron.data.collate import (
+    check_rows,
+    desirable_labels,
+    pair_rows,
+    reference_logps,
+    score_mask,
+    score_targets,
+)
+from dpo_megatron.data.config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
+from dpo_megatron.data.pairs import PreferencePair
 
 
 @dataclass
@@ -80,9 +93,13 @@ class PackedUnit:
 def sequence_unit(index: int, prompt: Sequence[int], completion: Sequence[int]) -> PackedUnit:
     """Sequence ``index`` (prompt + completion) as a unit attending to itself."""
     n = len(prompt) + len(completion)
-    return PackedUnit(tokens=[*prompt, *completion], position_ids=list(range(n)),
-                      branch_ids=[0] * n, spans=[AttentionSpan(0, n, ((0, n),))],
-                      sequences=[(index, list(range(n)))])
+    return PackedUnit(
+        tokens=[*prompt, *completion],
+        position_ids=list(range(n)),
+        branch_ids=[0] * n,
+        spans=[AttentionSpan(0, n, ((0, n),))],
+        sequences=[(index, list(range(n)))],
+    )
 
 
 def shared_prompt_unit(index: int, num_pairs: int, pair: PreferencePair) -> PackedUnit:
@@ -99,10 +116,15 @@ def shared_prompt_unit(index: int, num_pairs: int, pair: PreferencePair) -> Pack
         tokens=[*prompt, *chosen, *rejected],
         position_ids=[*range(p + c), *range(p, p + r)],
         branch_ids=[0] * p + [1] * c + [2] * r,
-        spans=[AttentionSpan(0, p + c, ((0, p + c),)),
-               AttentionSpan(p + c, p + c + r, ((0, p), (p + c, p + c + r)))],
-        sequences=[(index, list(range(p + c))),
-                   (num_pairs + index, [*range(p), *range(p + c, p + c + r)])])
+        spans=[
+            AttentionSpan(0, p + c, ((0, p + c),)),
+            AttentionSpan(p + c, p + c + r, ((0, p), (p + c, p + c + r))),
+        ],
+        sequences=[
+            (index, list(range(p + c))),
+            (num_pairs + index, [*range(p), *range(p + c, p + c + r)]),
+        ],
+    )
 
 
 def pad_unit(unit: PackedUnit, multiple: int, pad_token_id: int) -> PackedUnit:
@@ -118,12 +140,13 @@ def pad_unit(unit: PackedUnit, multiple: int, pad_token_id: int) -> PackedUnit:
     if extra == 0:
         return unit
     first = max(unit.position_ids) + 1
-    return PackedUnit(tokens=[*unit.tokens, *[pad_token_id] * extra],
-                      position_ids=[*unit.position_ids, *range(first, first + extra)],
-                      branch_ids=[*unit.branch_ids, *[0] * extra],
-                      spans=[*unit.spans, AttentionSpan(n, n + extra, ((n, n + extra),),
-                                                        padding=True)],
-                      sequences=unit.sequences)
+    return PackedUnit(
+        tokens=[*unit.tokens, *[pad_token_id] * extra],
+        position_ids=[*unit.position_ids, *range(first, first + extra)],
+        branch_ids=[*unit.branch_ids, *[0] * extra],
+        spans=[*unit.spans, AttentionSpan(n, n + extra, ((n, n + extra),), padding=True)],
+        sequences=unit.sequences,
+    )
 
 
 def pair_units(pairs: Sequence[PreferencePair]) -> list[PackedUnit]:
@@ -153,8 +176,10 @@ def plan_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     room: list[int] = []
     for i in order:
         if lengths[i] > capacity:
-            raise ValueError(f"packed unit {i} has {lengths[i]} tokens > packing row length "
-                             f"{capacity} (raise packing.row_length or leave it 0)")
+            raise ValueError(
+                f"packed unit {i} has {lengths[i]} tokens > packing row length "
+                f"{capacity} (raise packing.row_length or leave it 0)"
+            )
         for r, free in enumerate(room):
             if lengths[i] <= free:
                 rows[r].append(i)
@@ -166,8 +191,13 @@ def plan_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad_token_id: int,
-               row_length: int, num_rows: int = 0) -> MicroBatch:
+def pack_units(
+    units: Sequence[PackedUnit],
+    pairs: Sequence[PreferencePair],
+    pad_token_id: int,
+    row_length: int,
+    num_rows: int = 0,
+) -> MicroBatch:
     """Place one micro-batch's units into R rows of ``row_length`` tokens (first-fit
     decreasing) and map its scored tokens (see the module docstring).
 
@@ -190,7 +220,9 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
     """
     plan = plan_rows([len(u) for u in units], row_length)
     if num_rows and num_rows < len(plan):
-        raise ValueError(f"micro-batch needs {len(plan)} packed rows, more than num_rows={num_rows}")
+        raise ValueError(
+            f"micro-batch needs {len(plan)} packed rows, more than num_rows={num_rows}"
+        )
     n_rows = num_rows or len(plan)
     tokens = torch.full((n_rows, row_length), pad_token_id, dtype=torch.int64)
     labels = torch.full((n_rows, row_length), pad_token_id, dtype=torch.int64)
@@ -204,16 +236,19 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
     for r in range(n_rows):
         segment_ids[r] = -1 - r
         offset = 0
-        for j in (plan[r] if r < len(plan) else []):
+        for j in plan[r] if r < len(plan) else []:
             unit, n, base = units[j], len(units[j]), r * row_length + offset
-            tokens[r, offset:offset + n] = torch.tensor(unit.tokens)
-            labels[r, offset:offset + n] = torch.tensor(unit.labels(pad_token_id))
-            position_ids[r, offset:offset + n] = torch.tensor(unit.position_ids)
-            branch_ids[r, offset:offset + n] = torch.tensor(unit.branch_ids, dtype=torch.int8)
-            segment_ids[r, offset:offset + n] = j
-            spans += [AttentionSpan(base + s.q_start, base + s.q_end,
-                                    tuple((base + b, base + e) for b, e in s.keys))
-                      for s in unit.spans]
+            tokens[r, offset : offset + n] = torch.tensor(unit.tokens)
+            labels[r, offset : offset + n] = torch.tensor(unit.labels(pad_token_id))
+            position_ids[r, offset : offset + n] = torch.tensor(unit.position_ids)
+            branch_ids[r, offset : offset + n] = torch.tensor(unit.branch_ids, dtype=torch.int8)
+            segment_ids[r, offset : offset + n] = j
+            spans += [
+                AttentionSpan(
+                    base + s.q_start, base + s.q_end, tuple((base + b, base + e) for b, e in s.keys)
+                )
+                for s in unit.spans
+            ]
             starts[j] = base
             offset += n
         position_ids[r, offset:] = torch.arange(row_length - offset)
@@ -226,19 +261,27 @@ def pack_units(units: Sequence[PackedUnit], pairs: Sequence[PreferencePair], pad
     where = torch.zeros((len(rows), longest), dtype=torch.int64)
     for j, unit in enumerate(units):
         for i, local in unit.sequences:
-            where[i, :len(local)] = starts[j] + torch.tensor(local)
+            where[i, : len(local)] = starts[j] + torch.tensor(local)
     output_index = where.reshape(-1)[score_index]
     shared = any(b != 0 for u in units for b in u.branch_ids)
     layout = PackedLayout.from_spans(segment_ids, branch_ids if shared else None, spans)
-    return MicroBatch(tokens=tokens, labels=labels, position_ids=position_ids,
-                      loss_mask=loss_mask, output_index=output_index, score_index=score_index,
-                      target_ids=target_ids, packed=layout,
-                      reference_logps=reference_logps(pairs, loss_mask),
-                      desirable=desirable_labels(pairs))
+    return MicroBatch(
+        tokens=tokens,
+        labels=labels,
+        position_ids=position_ids,
+        loss_mask=loss_mask,
+        output_index=output_index,
+        score_index=score_index,
+        target_ids=target_ids,
+        packed=layout,
+        reference_logps=reference_logps(pairs, loss_mask),
+        desirable=desirable_labels(pairs),
+    )
 
 
-def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int,
-               num_rows: int = 0) -> MicroBatch:
+def pack_pairs(
+    pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int, num_rows: int = 0
+) -> MicroBatch:
     """Pack one micro-batch of B pairs as 2B sequences into R rows of ``row_length`` tokens
     (:func:`pack_units`).
 
@@ -249,8 +292,9 @@ def pack_pairs(pairs: Sequence[PreferencePair], pad_token_id: int, row_length: i
     return pack_units(pair_units(pairs), pairs, pad_token_id, row_length, num_rows)
 
 
-def pack_shared_prompt_pairs(pairs: Sequence[PreferencePair], pad_token_id: int,
-                             row_length: int, num_rows: int = 0) -> MicroBatch:
+def pack_shared_prompt_pairs(
+    pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int, num_rows: int = 0
+) -> MicroBatch:
     """Pack one micro-batch of B pairs as B ``[prompt | chosen | rejected]`` units
     (:func:`pack_units`); same per-sequence layout as :func:`pack_pairs`.
 
@@ -271,9 +315,11 @@ def shared_pair_length(pair: PreferencePair) -> int:
     return len(pair.prompt_ids) + len(pair.chosen_ids) + len(pair.rejected_ids)
 
 
-def bucket_micro_batches(pairs: Sequence[PreferencePair], micro_batch_indices: list[list[int]],
-                         key: Callable[[PreferencePair], int] = sequence_pair_length
-                         ) -> list[list[int]]:
+def bucket_micro_batches(
+    pairs: Sequence[PreferencePair],
+    micro_batch_indices: list[list[int]],
+    key: Callable[[PreferencePair], int] = sequence_pair_length,
+) -> list[list[int]]:
     """Regroup a rank's step into micro-batches of similar pair length, longest pairs first.
 
     The micro-batch sizes and the set of pairs are kept; pairs are sorted by ``key`` (default:
@@ -285,7 +331,7 @@ def bucket_micro_batches(pairs: Sequence[PreferencePair], micro_batch_indices: l
     ordered = sorted(flat, key=lambda i: -length[i])
     out, start = [], 0
     for mb in micro_batch_indices:
-        out.append(ordered[start:start + len(mb)])
+        out.append(ordered[start : start + len(mb)])
         start += len(mb)
     return out
 
@@ -300,8 +346,9 @@ class PackedPairs(BatchBuilder):
     pair_length = staticmethod(sequence_pair_length)
     """Length key of a pair for bucketing."""
 
-    def __init__(self, pad_token_id: int, multiple: int, packing: PackingConfig,
-                 unit_multiple: int = 1):
+    def __init__(
+        self, pad_token_id: int, multiple: int, packing: PackingConfig, unit_multiple: int = 1
+    ):
         super().__init__(pad_token_id, multiple)
         self.packing = packing
         self.unit_multiple = unit_multiple
@@ -312,8 +359,9 @@ class PackedPairs(BatchBuilder):
             return bucket_micro_batches(items, micro_batch_indices, self.pair_length)
         return micro_batch_indices
 
-    def build(self, items: Sequence[PreferencePair],
-              micro_batch_indices: list[list[int]]) -> StepBatch:
+    def build(
+        self, items: Sequence[PreferencePair], micro_batch_indices: list[list[int]]
+    ) -> StepBatch:
         micro_batch_indices = self.micro_batch_indices(items, micro_batch_indices)
         step = [[items[i] for i in mb] for mb in micro_batch_indices]
         raw = [self.units(mb) for mb in step]
@@ -329,8 +377,11 @@ class PackedPairs(BatchBuilder):
             batch = pack_units(us, mb, self.pad_token_id, length, n_rows)
             batch.item_indices = tuple(idx)
             micro_batches.append(batch)
-        real_tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
-                          for mb in step for p in mb)
+        real_tokens = sum(
+            2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
+            for mb in step
+            for p in mb
+        )
         model_tokens = sum(len(u) for us in raw for u in us)  # without the 2 x CP padding
         return StepBatch(micro_batches, length, real_tokens, model_tokens)
 

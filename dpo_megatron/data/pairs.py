@@ -27,10 +27,12 @@ class PreferencePair:
     prompt_ids: tuple[int, ...]
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
-    reference_chosen_logps: Optional["torch.Tensor"] = field(default=None, compare=False,
-                                                             repr=False)
-    reference_rejected_logps: Optional["torch.Tensor"] = field(default=None, compare=False,
-                                                               repr=False)
+    reference_chosen_logps: Optional["torch.Tensor"] = field(
+        default=None, compare=False, repr=False
+    )
+    reference_rejected_logps: Optional["torch.Tensor"] = field(
+        default=None, compare=False, repr=False
+    )
 
 
 @dataclass(frozen=True)

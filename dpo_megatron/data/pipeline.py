@@ -36,14 +36,35 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import DataConfig, as_data_config
-from .encode import EncodeSettings, TokenBudget, encode_example, encode_settings
-from .formats import CONVERTERS, SFT_ONLY_FORMATS, UNPAIRED_FORMATS, Filtered, RowError, detect_format
-from .lengths import fit_lengths
-from .pairs import PreferenceDataset, PreferencePair, SFTDataset, SFTExample, UnpairedDataset, UnpairedExample
-from .reader import JSON_COLUMN, WHERE_COLUMN, DataError, Source, is_local_source, read_source
-from .summary import drop_warning, format_summary, length_stats
-from .tokenizer import resolve_chat_template, tokenizer_fingerprint
+from dpo_megatron.data.config import DataConfig, as_data_config
+from dpo_megatron.data.encode import EncodeSettings, TokenBudget, encode_example, encode_settings
+from dpo_megatron.data.formats import (
+    CONVERTERS,
+    SFT_ONLY_FORMATS,
+    UNPAIRED_FORMATS,
+    Filtered,
+    RowError,
+    detect_format,
+)
+from dpo_megatron.data.lengths import fit_lengths
+from dpo_megatron.data.pairs import (
+    PreferenceDataset,
+    PreferencePair,
+    SFTDataset,
+    SFTExample,
+    UnpairedDataset,
+    UnpairedExample,
+)
+from dpo_megatron.data.reader import (
+    JSON_COLUMN,
+    WHERE_COLUMN,
+    DataError,
+    Source,
+    is_local_source,
+    read_source,
+)
+from dpo_megatron.data.summary import drop_warning, format_summary, length_stats
+from dpo_megatron.data.tokenizer import resolve_chat_template, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +72,14 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 4
 # Settings that change the tokenized rows. The length limits do since the encoder drops whole
 # turns and bounds huge texts before tokenizing; their token cuts still apply after the cache.
-_TOKENIZE_FIELDS = ("on_error", "shp_min_score_ratio", "se_max_pairs_per_question",
-                    "max_length", "max_prompt_length", "truncation_mode")
+_TOKENIZE_FIELDS = (
+    "on_error",
+    "shp_min_score_ratio",
+    "se_max_pairs_per_question",
+    "max_length",
+    "max_prompt_length",
+    "truncation_mode",
+)
 
 
 def load_preference_pairs(cfg: DataConfig, tokenizer) -> PreferenceDataset:
@@ -63,15 +90,20 @@ def load_preference_pairs(cfg: DataConfig, tokenizer) -> PreferenceDataset:
     """
     train, eval_, summary = _load(cfg, tokenizer, sft=False)
     return PreferenceDataset(
-        [PreferencePair(p, c, r) for p, c, r, _ in train], [PreferencePair(p, c, r) for p, c, r, _ in eval_], summary
+        [PreferencePair(p, c, r) for p, c, r, _ in train],
+        [PreferencePair(p, c, r) for p, c, r, _ in eval_],
+        summary,
     )
 
 
 def load_sft_examples(cfg: DataConfig, tokenizer) -> SFTDataset:
     """The SFT view of the same files: prompt + chosen (or an Alpaca file's output) per example."""
     train, eval_, summary = _load(cfg, tokenizer, sft=True)
-    return SFTDataset([SFTExample(p, c) for p, c, _, _ in train], [SFTExample(p, c) for p, c, _, _ in eval_],
-                      summary)
+    return SFTDataset(
+        [SFTExample(p, c) for p, c, _, _ in train],
+        [SFTExample(p, c) for p, c, _, _ in eval_],
+        summary,
+    )
 
 
 def load_unpaired_examples(cfg: DataConfig, tokenizer) -> UnpairedDataset:
@@ -80,7 +112,7 @@ def load_unpaired_examples(cfg: DataConfig, tokenizer) -> UnpairedDataset:
     (``unpaired.with_kl_completions``, within the train and the eval split); the summary adds
     ``labels`` (desirable / undesirable counts of the training split). Same errors as
     :func:`load_preference_pairs`."""
-    from .unpaired import label_counts, with_kl_completions
+    from dpo_megatron.data.unpaired import label_counts, with_kl_completions
 
     cfg = as_data_config(cfg)
     train, eval_, summary = _load(cfg, tokenizer, sft=False, unpaired=True)
@@ -91,8 +123,11 @@ def load_unpaired_examples(cfg: DataConfig, tokenizer) -> UnpairedDataset:
     train, eval_ = (with_kl_completions(examples(x), cfg.max_length) for x in (train, eval_))
     summary["labels"] = label_counts(train)
     if cfg.verbose and _is_rank_zero():
-        print(f"labels (train): {summary['labels']['desirable']} desirable, "
-              f"{summary['labels']['undesirable']} undesirable", flush=True)
+        print(
+            f"labels (train): {summary['labels']['desirable']} desirable, "
+            f"{summary['labels']['undesirable']} undesirable",
+            flush=True,
+        )
     return UnpairedDataset(train, eval_, summary)
 
 
@@ -100,7 +135,11 @@ def load_items(cfg: DataConfig, tokenizer, kind: str):
     """The items a loss trains on (``LossFunction.item_kind``): "pairs"
     (:func:`load_preference_pairs`), "sft" (:func:`load_sft_examples`) or "unpaired"
     (:func:`load_unpaired_examples`)."""
-    loaders = {"pairs": load_preference_pairs, "sft": load_sft_examples, "unpaired": load_unpaired_examples}
+    loaders = {
+        "pairs": load_preference_pairs,
+        "sft": load_sft_examples,
+        "unpaired": load_unpaired_examples,
+    }
     return loaders[kind](cfg, tokenizer)
 
 
@@ -117,11 +156,16 @@ def _load(cfg: DataConfig, tokenizer, sft: bool, unpaired: bool = False):
         return _fit_source(index, source, fmt, tokenized, cfg, sft or unpaired, settings)
 
     # formats already checked by validate(); eval sources hold no eval share (validate())
-    per_source = [load_source(i, name, fmt, cfg.split) for i, (name, fmt) in enumerate(cfg.sources())]
-    eval_sources = [load_source(i, name, fmt, cfg.eval_split) | {"role": "eval"}
-                    for i, (name, fmt) in enumerate(cfg.eval_sources())]
-    eval_ = [x for info in per_source for x in info["eval"]] + \
-        [x for info in eval_sources for x in info["kept"]]
+    per_source = [
+        load_source(i, name, fmt, cfg.split) for i, (name, fmt) in enumerate(cfg.sources())
+    ]
+    eval_sources = [
+        load_source(i, name, fmt, cfg.eval_split) | {"role": "eval"}
+        for i, (name, fmt) in enumerate(cfg.eval_sources())
+    ]
+    eval_ = [x for info in per_source for x in info["eval"]] + [
+        x for info in eval_sources for x in info["kept"]
+    ]
     train = _mix([info["train"] for info in per_source], cfg)
     summary = _summarize(per_source + eval_sources, train, eval_, cfg, sft or unpaired)
     warning = drop_warning(summary)
@@ -136,7 +180,9 @@ def _load(cfg: DataConfig, tokenizer, sft: bool, unpaired: bool = False):
             "%d text prompt(s) end with a space: the space becomes a token of its own at the end "
             "of the prompt, a boundary the model rarely sees before an answer (completions then "
             "start without their usual space-led token). Move the space into the completions or "
-            "strip it.", spaced)
+            "strip it.",
+            spaced,
+        )
     return train, eval_, summary
 
 
@@ -156,18 +202,26 @@ def _source_format(source: Source, fmt: str, sft: bool, unpaired: bool = False) 
         except ValueError as e:
             raise DataError(str(e)) from None
     if fmt in SFT_ONLY_FORMATS and not sft:
-        raise DataError(f"{source.label}: format {fmt!r} has no rejected answers; it serves the "
-                        f"SFT stage only (loss.name=sft)")
+        raise DataError(
+            f"{source.label}: format {fmt!r} has no rejected answers; it serves the "
+            f"SFT stage only (loss.name=sft)"
+        )
     if unpaired and fmt not in UNPAIRED_FORMATS:
-        raise DataError(f"{source.label}: format {fmt!r} holds pairs; an unpaired loss (kto) reads "
-                        f"rows with a completion and a label: {', '.join(sorted(UNPAIRED_FORMATS))}")
+        raise DataError(
+            f"{source.label}: format {fmt!r} holds pairs; an unpaired loss (kto) reads "
+            f"rows with a completion and a label: {', '.join(sorted(UNPAIRED_FORMATS))}"
+        )
     if not unpaired and fmt in UNPAIRED_FORMATS:
-        raise DataError(f"{source.label}: format {fmt!r} holds unpaired rows (a completion and a "
-                        f"label): train on it with loss.name=kto")
+        raise DataError(
+            f"{source.label}: format {fmt!r} holds unpaired rows (a completion and a "
+            f"label): train on it with loss.name=kto"
+        )
     return fmt
 
 
-def check_sources(cfg: DataConfig, sft: bool = False, unpaired: bool = False) -> list[tuple[str, str]]:
+def check_sources(
+    cfg: DataConfig, sft: bool = False, unpaired: bool = False
+) -> list[tuple[str, str]]:
     """[(source, format)] after reading every local source, training (``data.split``) then eval
     (``data.eval_datasets`` at ``data.eval_split``), and converting each of its rows (no
     tokenizer): what ``load_preference_pairs`` would refuse before tokenizing, refused here.
@@ -178,8 +232,9 @@ def check_sources(cfg: DataConfig, sft: bool = False, unpaired: bool = False) ->
     """
     cfg = as_data_config(cfg)
     out = []
-    for (name, fmt), split in [(s, cfg.split) for s in cfg.sources()] + \
-            [(s, cfg.eval_split) for s in cfg.eval_sources()]:
+    for (name, fmt), split in [(s, cfg.split) for s in cfg.sources()] + [
+        (s, cfg.eval_split) for s in cfg.eval_sources()
+    ]:
         if not is_local_source(name):
             out.append((name, fmt))
             continue
@@ -209,8 +264,9 @@ def _rows(source: Source):
             yield f"row {index}", row
 
 
-def _raise_row_errors(source: Source, fmt: str, errors: list[str], fitting: int,
-                      cfg: DataConfig) -> None:
+def _raise_row_errors(
+    source: Source, fmt: str, errors: list[str], fitting: int, cfg: DataConfig
+) -> None:
     """Stop on malformed rows: always when no row fits ``fmt`` (naming the format the columns
     fit instead: skipping would drop every row), else per ``data.on_error``."""
     if not errors:
@@ -218,13 +274,18 @@ def _raise_row_errors(source: Source, fmt: str, errors: list[str], fitting: int,
     if fitting == 0:
         try:
             looks = detect_format(_columns(source), _first_row(source), source.label)
-            hint = (f"its columns {sorted(_columns(source))} look like format {looks!r}: set "
-                    f"data.format={looks} (or auto)" if looks != fmt else
-                    f"its columns look like {fmt!r} but no row parses as one")
+            hint = (
+                f"its columns {sorted(_columns(source))} look like format {looks!r}: set "
+                f"data.format={looks} (or auto)"
+                if looks != fmt
+                else f"its columns look like {fmt!r} but no row parses as one"
+            )
         except ValueError:
             hint = f"its columns {sorted(_columns(source))} fit no known format"
-        raise DataError(f"{source.label}: no row fits data.format={fmt!r} (first: "
-                        f"{errors[0].removeprefix(source.label + ': ')}); {hint}")
+        raise DataError(
+            f"{source.label}: no row fits data.format={fmt!r} (first: "
+            f"{errors[0].removeprefix(source.label + ': ')}); {hint}"
+        )
     if cfg.on_error == "raise":
         more = f" (and {len(errors) - 1} more bad rows)" if len(errors) > 1 else ""
         raise DataError(errors[0] + more + "; set data.on_error=skip to drop and count them")
@@ -252,12 +313,24 @@ def _first_row(source: Source) -> dict:
 # tokenization (parallel, cached)
 
 
-def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer, settings, label, sft) -> dict:
+def _tokenize_batch(
+    batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer, settings, label, sft
+) -> dict:
     """``datasets.map`` worker: rows -> one output row per example or per dropped/bad row."""
     cfg = DataConfig(**cfg_dict)
     budget = TokenBudget(cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode)
-    out = {"where": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "drop": [], "error": [],
-           "prompt_length_uncut": [], "notes": [], "group": [], "label": []}
+    out = {
+        "where": [],
+        "prompt_ids": [],
+        "chosen_ids": [],
+        "rejected_ids": [],
+        "drop": [],
+        "error": [],
+        "prompt_length_uncut": [],
+        "notes": [],
+        "group": [],
+        "label": [],
+    }
 
     def emit(where, encoded=None, drop="", error="", group="", label=None):
         out["where"].append(where)
@@ -283,8 +356,12 @@ def _tokenize_batch(batch: dict, indices: list[int], *, fmt, cfg_dict, tokenizer
                 if sft:
                     example = replace(example, rejected=None)
                 try:
-                    emit(where, encode_example(example, tokenizer, settings, budget),
-                         group=example.group, label=example.label)
+                    emit(
+                        where,
+                        encode_example(example, tokenizer, settings, budget),
+                        group=example.group,
+                        label=example.label,
+                    )
                 except Filtered as f:
                     emit(where, drop=f.reason)
         except Filtered as f:
@@ -301,7 +378,9 @@ def _source_identity(source: Source) -> dict | list:
     return {"name": source.label, "fingerprint": getattr(source.dataset, "_fingerprint", None)}
 
 
-def tokenization_cache_key(source: Source, fmt: str, tokenizer, settings: EncodeSettings, cfg: DataConfig, sft: bool) -> str:
+def tokenization_cache_key(
+    source: Source, fmt: str, tokenizer, settings: EncodeSettings, cfg: DataConfig, sft: bool
+) -> str:
     """sha256 over the data's identity, the tokenizer, the chat template and the token-affecting settings."""
     key = {
         "version": CACHE_VERSION,
@@ -310,7 +389,9 @@ def tokenization_cache_key(source: Source, fmt: str, tokenizer, settings: Encode
         "format": fmt,
         "sft": sft,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "settings": {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(settings).items()},
+        "settings": {
+            k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(settings).items()
+        },
         "config": {k: getattr(cfg, k) for k in _TOKENIZE_FIELDS},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
@@ -321,12 +402,14 @@ def _cache_root(cfg: DataConfig) -> Path | None:
         return None
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    from ..assets import cache_root
+    from dpo_megatron.assets import cache_root
 
     return cache_root() / "data"
 
 
-def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSettings, cfg: DataConfig, sft: bool):
+def tokenize_source(
+    source: Source, fmt: str, tokenizer, settings: EncodeSettings, cfg: DataConfig, sft: bool
+):
     """Tokenized rows of one source (a ``datasets.Dataset`` with where/prompt_ids/chosen_ids/
     rejected_ids/drop/error columns), from the cache when the key matches."""
     import datasets
@@ -363,7 +446,12 @@ def tokenize_source(source: Source, fmt: str, tokenizer, settings: EncodeSetting
             remove_columns=source.dataset.column_names,
             features=features,
             fn_kwargs=dict(
-                fmt=fmt, cfg_dict=asdict(cfg), tokenizer=tokenizer, settings=settings, label=source.label, sft=sft
+                fmt=fmt,
+                cfg_dict=asdict(cfg),
+                tokenizer=tokenizer,
+                settings=settings,
+                label=source.label,
+                sft=sft,
             ),
             new_fingerprint=key[:32],  # our key: spares datasets from hashing the tokenizer
             load_from_cache_file=False,
@@ -399,15 +487,24 @@ def _save_atomically(tokenized, cached: Path) -> None:
 # length limits, eval split, mixing
 
 
-def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig, sft: bool,
-                settings: EncodeSettings) -> dict:
+def _fit_source(
+    index: int,
+    source: Source,
+    fmt: str,
+    tokenized,
+    cfg: DataConfig,
+    sft: bool,
+    settings: EncodeSettings,
+) -> dict:
     errors = [e for e in tokenized["error"] if e]
     fitting = sum(1 for d in tokenized["drop"] if d != "malformed")
     _raise_row_errors(source, fmt, errors, fitting, cfg)
     dropped: Counter = Counter()
     if source.malformed:
         dropped["malformed"] += source.malformed
-    kept: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]] = []  # (p, c, r, label)
+    kept: list[
+        tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
+    ] = []  # (p, c, r, label)
     before = {"prompt": [], "chosen": [], "rejected": []}
     truncated: Counter = Counter()
     notes: Counter = Counter()
@@ -420,8 +517,14 @@ def _fit_source(index: int, source: Source, fmt: str, tokenized, cfg: DataConfig
     # token, e.g. ChatML's <|im_start|> reported as "BOS" by SmolLM2, is cut like any token).
     bos = settings.bos_token_id if settings.add_bos else None
     for where, p, c, r, drop, uncut, row_notes, group, label in zip(
-        tokenized["where"], tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"],
-        tokenized["drop"], tokenized["prompt_length_uncut"], tokenized["notes"], tokenized["group"],
+        tokenized["where"],
+        tokenized["prompt_ids"],
+        tokenized["chosen_ids"],
+        tokenized["rejected_ids"],
+        tokenized["drop"],
+        tokenized["prompt_length_uncut"],
+        tokenized["notes"],
+        tokenized["group"],
         tokenized["label"],
     ):
         rows.add(where)
@@ -494,12 +597,16 @@ def _mix(trains: list[list], cfg: DataConfig) -> list:
             continue
         rng = np.random.default_rng([cfg.seed, 1_000_003, i])
         full, rest = divmod(n, len(pairs))
-        idx = list(range(len(pairs))) * full + sorted(rng.choice(len(pairs), rest, replace=False).tolist())
+        idx = list(range(len(pairs))) * full + sorted(
+            rng.choice(len(pairs), rest, replace=False).tolist()
+        )
         out.extend(pairs[j] for j in idx)
     return out
 
 
-def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig, sft: bool) -> dict:
+def _summarize(
+    per_source: list[dict], train: list, eval_: list, cfg: DataConfig, sft: bool
+) -> dict:
     dropped: Counter = Counter()
     truncated: Counter = Counter()
     notes: Counter = Counter()
@@ -527,13 +634,19 @@ def _summarize(per_source: list[dict], train: list, eval_: list, cfg: DataConfig
         "max_length": cfg.max_length,
         "max_prompt_length": cfg.max_prompt_length,
         "dropped": dict(dropped),
-        "truncated": {k: truncated[k] for k in ("prompt", "prompt_turns_dropped", "prompt_tokens_cut", "chosen", "rejected")},
+        "truncated": {
+            k: truncated[k]
+            for k in ("prompt", "prompt_turns_dropped", "prompt_tokens_cut", "chosen", "rejected")
+        },
         "notes": dict(notes),
         "duplicates": {
             "count": sum(len(info["duplicates"]) for info in per_source),
             "dropped": cfg.drop_duplicates,
-            "examples": [f"{info['label']}: {where} repeats {first}"
-                         for info in per_source for where, first in info["duplicates"][:3]],
+            "examples": [
+                f"{info['label']}: {where} repeats {first}"
+                for info in per_source
+                for where, first in info["duplicates"][:3]
+            ],
         },
         "lengths_before_cut": {k: length_stats(before[k]) for k in names},
         "lengths": {k: length_stats(after[k]) for k in (*names, "pair")},

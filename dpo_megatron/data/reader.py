@@ -44,8 +44,11 @@ class Source:
 def is_local_source(name: str) -> bool:
     """Whether a ``data.path`` / ``data.datasets`` entry names a local file or folder (an
     existing path, or one that looks like a path or a data file), not a hub dataset."""
-    return (Path(name).expanduser().exists() or name.startswith((".", "/", "~"))
-            or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS))
+    return (
+        Path(name).expanduser().exists()
+        or name.startswith((".", "/", "~"))
+        or Path(name).suffix.lower() in (".json", ".jsonl", *_LOADERS)
+    )
 
 
 def read_source(name: str, split: str = "train", on_error: str = "raise") -> Source:
@@ -62,7 +65,9 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
 
             ds = datasets.load_dataset(_LOADERS[suffix], data_files=str(path), split="train")
             return Source(str(path), ds, files=(str(path),))
-        raise DataError(f"{path}: unknown data file type {suffix!r}; expected .json, .jsonl, .parquet, .arrow or .csv")
+        raise DataError(
+            f"{path}: unknown data file type {suffix!r}; expected .json, .jsonl, .parquet, .arrow or .csv"
+        )
     if path.is_dir():
         import datasets
 
@@ -70,13 +75,17 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
-                    raise DataError(f"{path}: no split {split!r}; it has {sorted(ds)} (set data.split)")
+                    raise DataError(
+                        f"{path}: no split {split!r}; it has {sorted(ds)} (set data.split)"
+                    )
                 ds = ds[split]
             return Source(str(path), ds)
         splits = folder_splits(path)
         if split not in splits:
-            raise DataError(f"{path}: no split {split!r}; its files make the split(s) "
-                            f"{sorted(splits)} (named as datasets.load_dataset names them)")
+            raise DataError(
+                f"{path}: no split {split!r}; its files make the split(s) "
+                f"{sorted(splits)} (named as datasets.load_dataset names them)"
+            )
         if all(Path(f).suffix.lower() in (".json", ".jsonl") for f in splits[split]):
             return _read_json_files(f"{path}[{split}]", [Path(f) for f in splits[split]], on_error)
         return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
@@ -157,10 +166,12 @@ def _not_utf8(path: Path, data: bytes, error: UnicodeDecodeError) -> DataError:
     the line (from 1) and offset in the file."""
     line = data.count(b"\n", 0, error.start) + 1
     column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
-    return DataError(f"{path}: line {line}, byte {column} (file offset {error.start}): byte "
-                     f"0x{data[error.start]:02x} is "
-                     f"not UTF-8 ({error.reason}); re-save the file as UTF-8, or set "
-                     f"data.on_error=skip to drop the rows that hold such bytes")
+    return DataError(
+        f"{path}: line {line}, byte {column} (file offset {error.start}): byte "
+        f"0x{data[error.start]:02x} is "
+        f"not UTF-8 ({error.reason}); re-save the file as UTF-8, or set "
+        f"data.on_error=skip to drop the rows that hold such bytes"
+    )
 
 
 def _parse_whole(path: Path, data: bytes, on_error: str):
@@ -177,12 +188,16 @@ def _parse_whole(path: Path, data: bytes, on_error: str):
     except json.JSONDecodeError as e:
         if e.msg == "Extra data" and "\n" in text[: e.pos]:
             return None  # several values, one per line: JSON Lines
-        raise DataError(f"{path}: line {e.lineno} column {e.colno}: malformed JSON: {e.msg}") from None
+        raise DataError(
+            f"{path}: line {e.lineno} column {e.colno}: malformed JSON: {e.msg}"
+        ) from None
     if isinstance(value, dict):
         if text.strip().count("\n") == 0:
             return None  # a JSON Lines file of one row
-        raise DataError(f"{path}: one JSON object (keys {sorted(value)[:8]}), not a list of rows: "
-                        f"expected a JSON array of row objects, or JSON Lines (one object per line)")
+        raise DataError(
+            f"{path}: one JSON object (keys {sorted(value)[:8]}), not a list of rows: "
+            f"expected a JSON array of row objects, or JSON Lines (one object per line)"
+        )
     if not isinstance(value, list):
         raise DataError(f"{path}: expected a JSON array of row objects, got {type(value).__name__}")
     rows, where, malformed = [], [], 0
@@ -218,15 +233,19 @@ def _read_lines(path: Path, data: bytes, on_error: str) -> tuple[list[str], list
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 column = e.start + 1
-                raise ValueError(f"byte {column} (file offset {line_offset + e.start}): byte "
-                                 f"0x{raw[e.start]:02x} is not UTF-8 ({e.reason}); re-save the "
-                                 f"file as UTF-8") from None
+                raise ValueError(
+                    f"byte {column} (file offset {line_offset + e.start}): byte "
+                    f"0x{raw[e.start]:02x} is not UTF-8 ({e.reason}); re-save the "
+                    f"file as UTF-8"
+                ) from None
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"malformed JSON: {e}") from None
             if not isinstance(value, dict):
-                raise ValueError(f"expected a JSON object per line, got a JSON {type(value).__name__}")
+                raise ValueError(
+                    f"expected a JSON object per line, got a JSON {type(value).__name__}"
+                )
         except ValueError as e:
             if on_error == "skip":
                 malformed += 1

@@ -41,7 +41,9 @@ class PairSampler:
                 f"data_parallel_size={data_parallel_size}: each rank must get a whole number of micro-batches"
             )
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank={data_parallel_rank} not in [0, {data_parallel_size})")
+            raise ValueError(
+                f"data_parallel_rank={data_parallel_rank} not in [0, {data_parallel_size})"
+            )
         self.num_pairs = num_pairs
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size

@@ -10,9 +10,9 @@ PERCENTILES = (50, 90, 99)
 
 NOTES = {
     "diverged_early": "HH dialogues that differ before their last turn, split after their last "
-                      "common '\\n\\nAssistant:' (completions of several turns)",
+    "common '\\n\\nAssistant:' (completions of several turns)",
     "prompt_ends_with_space": "text prompts ending in a space (a lone space token at the "
-                              "prompt/completion boundary)",
+    "prompt/completion boundary)",
     "text_bounded": "examples with a text far over the length limits, cut before tokenizing",
 }
 """What each note counted in the summary means (``Example.notes``, ``encode.Encoded.notes``)."""
@@ -24,10 +24,10 @@ below it stays visible in the summary's counts."""
 
 DROP_REMEDIES = {
     "prompt_too_long": "the prompt leaves no room for a completion in data.max_length: raise "
-                       "data.max_length, or set data.max_prompt_length (> 0) to cut long "
-                       "prompts instead of dropping their pairs",
+    "data.max_length, or set data.max_prompt_length (> 0) to cut long "
+    "prompts instead of dropping their pairs",
     "identical_after_cut": "chosen and rejected are the same once cut to data.max_length: "
-                           "raise data.max_length",
+    "raise data.max_length",
     "duplicate": "data.drop_duplicates=false keeps repeated pairs",
     "malformed": "rows that could not be read (data.on_error=skip drops them; fix the file)",
     "shp_pairs_per_post": "data.shp_max_pairs_per_post caps pairs per post (0: no cap)",
@@ -74,7 +74,11 @@ def format_summary(summary: dict) -> str:
             lines.append(f"  {name}: {count} ({NOTES.get(name, 'see dpo_megatron.data')})")
     duplicates = summary.get("duplicates", {})
     if duplicates.get("count"):
-        what = "dropped (data.drop_duplicates=true)" if duplicates["dropped"] else "kept (data.drop_duplicates=true drops them)"
+        what = (
+            "dropped (data.drop_duplicates=true)"
+            if duplicates["dropped"]
+            else "kept (data.drop_duplicates=true drops them)"
+        )
         lines.append(
             f"  duplicates: {duplicates['count']} pairs repeat an earlier pair's tokens, {what}; "
             f"e.g. {'; '.join(duplicates['examples'])}"
@@ -95,8 +99,11 @@ def drop_warning(summary: dict) -> str | None:
     total = lost + summary["pairs_kept"]
     if not total or lost / total <= DROP_WARNING_SHARE:
         return None
-    reasons = "; ".join(f"{reason} {count}" + (f" ({DROP_REMEDIES[reason]})"
-                                                if reason in DROP_REMEDIES else "")
-                        for reason, count in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])))
-    return (f"WARNING: {lost} of {total} {summary['unit']} ({100 * lost / total:.0f}%) were "
-            f"dropped: {reasons}")
+    reasons = "; ".join(
+        f"{reason} {count}" + (f" ({DROP_REMEDIES[reason]})" if reason in DROP_REMEDIES else "")
+        for reason, count in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+    )
+    return (
+        f"WARNING: {lost} of {total} {summary['unit']} ({100 * lost / total:.0f}%) were "
+        f"dropped: {reasons}"
+    )

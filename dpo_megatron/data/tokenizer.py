@@ -70,13 +70,23 @@ class SentencePieceTokenizer:
         proto.normalizer_spec.add_dummy_prefix = False
         self._sp_continue = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         n = self._sp.get_piece_size()
-        self.all_special_ids = [i for i in range(n) if self._sp.is_control(i) or self._sp.is_unknown(i)]
-        specials = sorted((self._sp.id_to_piece(i) for i in self.all_special_ids), key=len, reverse=True)
+        self.all_special_ids = [
+            i for i in range(n) if self._sp.is_control(i) or self._sp.is_unknown(i)
+        ]
+        specials = sorted(
+            (self._sp.id_to_piece(i) for i in self.all_special_ids), key=len, reverse=True
+        )
         self._special_to_id = {self._sp.id_to_piece(i): i for i in self.all_special_ids}
-        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+        self._special_re = (
+            re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+        )
 
     def __getstate__(self) -> dict:  # picklable for datasets.map(num_proc>1)
-        return {"model_file": self.model_file, "_model_bytes": self._model_bytes, "chat_template": self.chat_template}
+        return {
+            "model_file": self.model_file,
+            "_model_bytes": self._model_bytes,
+            "chat_template": self.chat_template,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -156,7 +166,9 @@ class SentencePieceTokenizer:
         """Render ``conversation`` with a Jinja chat template (as transformers does)."""
         template = chat_template or self.chat_template
         if not template:
-            raise ValueError(f"SentencePiece model {self.model_file} has no chat template; set data.chat_template")
+            raise ValueError(
+                f"SentencePiece model {self.model_file} has no chat template; set data.chat_template"
+            )
         text = _jinja_template(template).render(
             messages=conversation,
             add_generation_prompt=add_generation_prompt,
@@ -196,8 +208,10 @@ def load_tokenizer(path: str):
         if not p.is_file():
             raise FileNotFoundError(f"SentencePiece model {p} does not exist")
         return SentencePieceTokenizer(p)
-    if p.is_dir() and (p / "tokenizer.model").is_file() and not (
-        (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()
+    if (
+        p.is_dir()
+        and (p / "tokenizer.model").is_file()
+        and not ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file())
     ):
         return SentencePieceTokenizer(p / "tokenizer.model")
     from transformers import AutoTokenizer
@@ -216,7 +230,8 @@ def load_tokenizer(path: str):
             f"cannot load the tokenizer of {path}: transformers reads Mistral-family tokenizers "
             f"through mistral-common, installed in {sys.prefix} without its dependency "
             f"{missing}; run `bash scripts/setup.sh` again (it removes that install) or "
-            f"`{sys.executable} -m pip uninstall mistral-common`") from None
+            f"`{sys.executable} -m pip uninstall mistral-common`"
+        ) from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -240,7 +255,9 @@ def has_chat_template(tokenizer, chat_template: str | None) -> bool:
     return bool(chat_template or getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template: str | None) -> str:
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template: str | None
+) -> str:
     """Chat-template text of ``messages`` (``chat_template`` overrides the tokenizer's own)."""
     kwargs = {"chat_template": chat_template} if chat_template else {}
     return tokenizer.apply_chat_template(
@@ -320,7 +337,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
         digest.update(tokenizer._model_bytes)
         digest.update((tokenizer.chat_template or "").encode())
         return "sp-" + digest.hexdigest()
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(
+        tokenizer, "_tokenizer", None
+    )
     if backend is not None and hasattr(backend, "to_str"):
         digest.update(backend.to_str().encode())
     else:

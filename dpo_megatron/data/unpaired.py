@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .pairs import UnpairedExample, UnpairedPair
+from dpo_megatron.data.pairs import UnpairedExample, UnpairedPair
 
 
 def with_kl_completions(examples: Sequence[UnpairedExample], max_length: int) -> list[UnpairedPair]:
@@ -25,9 +25,15 @@ def with_kl_completions(examples: Sequence[UnpairedExample], max_length: int) ->
     for i, example in enumerate(examples):
         other = examples[i - 1].completion_ids
         if max_length:
-            other = other[:max(1, max_length - len(example.prompt_ids))]
-        pairs.append(UnpairedPair(example.prompt_ids, example.completion_ids, tuple(other),
-                                  desirable=example.desirable))
+            other = other[: max(1, max_length - len(example.prompt_ids))]
+        pairs.append(
+            UnpairedPair(
+                example.prompt_ids,
+                example.completion_ids,
+                tuple(other),
+                desirable=example.desirable,
+            )
+        )
     return pairs
 
 

@@ -32,13 +32,19 @@ class KLReferencePoint:
     def __init__(self) -> None:
         self.kl = 0.0
 
-    def pair_values(self, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
-                    reference_chosen_logps: Tensor, reference_rejected_logps: Tensor) -> Tensor:
+    def pair_values(
+        self,
+        policy_chosen_logps: Tensor,
+        policy_rejected_logps: Tensor,
+        reference_chosen_logps: Tensor,
+        reference_rejected_logps: Tensor,
+    ) -> Tensor:
         """[B] h(x, y') = log pi(y'|x) - log pi_ref(y'|x) of the mismatched completions (nats)."""
         return (policy_rejected_logps - reference_rejected_logps).detach()
 
-    def begin_step(self, values: Tensor, keys: Tensor, training: bool
-                   ) -> tuple[dict[str, float], dict[str, Tensor]]:
+    def begin_step(
+        self, values: Tensor, keys: Tensor, training: bool
+    ) -> tuple[dict[str, float], dict[str, Tensor]]:
         """({"kl": z_0}, {}) for the global batch's values; remembered for evaluation."""
         kl = max(0.0, values.double().mean().item())
         if training:
@@ -58,12 +64,25 @@ class KLReferencePoint:
         self.kl = float(state["kl"])
 
 
-@register_loss("kto", needs_reference=True, unpaired=True, state_factory=KLReferencePoint,
-               runtime_params=("kl",))
+@register_loss(
+    "kto",
+    needs_reference=True,
+    unpaired=True,
+    state_factory=KLReferencePoint,
+    runtime_params=("kl",),
+)
 def kto_loss(
-    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
-    reference_rejected_logps: Tensor, *, chosen_tokens: Tensor, rejected_tokens: Tensor,
-    desirable: Tensor, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    reference_chosen_logps: Tensor,
+    reference_rejected_logps: Tensor,
+    *,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    desirable: Tensor,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
     kl: float = 0.0,
 ) -> LossOutput:
     """KTO: with h = log pi(y|x) - log pi_ref(y|x) and the reference point z_0 = kl,
@@ -84,13 +103,17 @@ def kto_loss(
     rewards = beta * (policy_chosen_logps - reference_chosen_logps)
     desirable = desirable.to(rewards.dtype)
     undesirable = 1.0 - desirable
-    losses = (desirable * desirable_weight * (1.0 - torch.sigmoid(rewards - beta * kl))
-              + undesirable * undesirable_weight * (1.0 - torch.sigmoid(beta * kl - rewards)))
+    losses = desirable * desirable_weight * (
+        1.0 - torch.sigmoid(rewards - beta * kl)
+    ) + undesirable * undesirable_weight * (1.0 - torch.sigmoid(beta * kl - rewards))
     rewards, logps = rewards.detach(), policy_chosen_logps.detach()
     metrics = {
-        "rewards/chosen_sum": rewards * desirable, "rewards/rejected_sum": rewards * undesirable,
-        "logps/chosen_sum": logps * desirable, "logps/rejected_sum": logps * undesirable,
-        "count/chosen": desirable, "count/rejected": undesirable,
+        "rewards/chosen_sum": rewards * desirable,
+        "rewards/rejected_sum": rewards * undesirable,
+        "logps/chosen_sum": logps * desirable,
+        "logps/rejected_sum": logps * undesirable,
+        "count/chosen": desirable,
+        "count/rejected": undesirable,
         "kl": torch.full_like(rewards, kl),
     }
     return losses, metrics
@@ -114,8 +137,9 @@ def finish_kto_metrics(means: Mapping[str, float], count: int) -> dict[str, floa
     return out
 
 
-def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
-                  undesirable_weight: float) -> Optional[str]:
+def weight_advice(
+    n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> Optional[str]:
     """The paper's check (Ethayarajh et al. 2024, Sec. 4.2, as TRL's KTOTrainer warns): a warning
     when lambda_D n_D / (lambda_U n_U) is outside [1, 4/3], with the weights that would fit;
     None when it is inside or a side has no examples (then there is no ratio to fix)."""
@@ -126,7 +150,9 @@ def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
         return None
     d_low = undesirable_weight * n_undesirable / n_desirable
     u_high = desirable_weight * n_desirable / n_undesirable
-    return (f"KTO: loss.desirable_weight * {n_desirable} desirable / (loss.undesirable_weight * "
-            f"{n_undesirable} undesirable) = {ratio:.3g} is outside the paper's [1, 4/3]; set EITHER "
-            f"loss.desirable_weight in [{d_low:.3g}, {4 / 3 * d_low:.3g}] OR loss.undesirable_weight in "
-            f"[{0.75 * u_high:.3g}, {u_high:.3g}] (not both)")
+    return (
+        f"KTO: loss.desirable_weight * {n_desirable} desirable / (loss.undesirable_weight * "
+        f"{n_undesirable} undesirable) = {ratio:.3g} is outside the paper's [1, 4/3]; set EITHER "
+        f"loss.desirable_weight in [{d_low:.3g}, {4 / 3 * d_low:.3g}] OR loss.undesirable_weight in "
+        f"[{0.75 * u_high:.3g}, {u_high:.3g}] (not both)"
+    )

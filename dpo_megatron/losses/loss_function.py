@@ -46,11 +46,14 @@ class LossModifiers:
 
 # Modifier key -> value type checked by `_coerce` (field annotations are strings under `annotations`).
 _MODIFIER_KINDS: dict[str, type] = {
-    field.name: bool if field.type == "bool" else float for field in dataclasses.fields(LossModifiers)
+    field.name: bool if field.type == "bool" else float
+    for field in dataclasses.fields(LossModifiers)
 }
 
 
-def _in_range(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Callable[[float], bool]:
+def _in_range(
+    low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> Callable[[float], bool]:
     def check(value: float) -> bool:
         above = value > low if low_open else value >= low
         below = value < high if high_open else value <= high
@@ -101,7 +104,9 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
 def _check_value(loss_name: str, key: str, value: Any) -> None:
     rule = _VALUE_RULES.get((loss_name, key), _VALUE_RULES.get(key))
     if rule is not None and not rule(value):
-        raise ValueError(f"loss.{key}={value} is out of range {rule.__doc__} for loss {loss_name!r}")
+        raise ValueError(
+            f"loss.{key}={value} is out of range {rule.__doc__} for loss {loss_name!r}"
+        )
 
 
 @dataclass
@@ -138,14 +143,17 @@ class LossFunction:
         self.needs_reference = self._any_reference_based and not modifiers.reference_free
         self.needs_token_log_sum_p2 = modifiers.use_weighting
         self.needs_rejected = (
-            any(c.spec.uses_rejected for c in self.components) or modifiers.use_weighting
+            any(c.spec.uses_rejected for c in self.components)
+            or modifiers.use_weighting
             or modifiers.ld_alpha is not None
         )
         self.unpaired = any(c.spec.unpaired for c in self.components)
 
     def __repr__(self) -> str:
-        parts = [f"{c.weight:g}*{c.spec.name}({', '.join(f'{k}={v}' for k, v in c.params.items())})"
-                 for c in self.components]
+        parts = [
+            f"{c.weight:g}*{c.spec.name}({', '.join(f'{k}={v}' for k, v in c.params.items())})"
+            for c in self.components
+        ]
         return f"LossFunction({' + '.join(parts)}, {self.modifiers})"
 
     def config_section(self) -> dict[str, Any]:
@@ -169,13 +177,17 @@ class LossFunction:
         included; weighted when there are several) and the modifiers that are on, e.g.
         ``loss sigmoid(beta=0.1, label_smoothing=0)`` or ``loss 1 x sigmoid(beta=0.1, ...) +
         0.5 x sft() | reference-free``."""
+
         def params(c: LossComponent) -> str:
-            return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                             for k, v in c.params.items())
+            return ", ".join(
+                f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in c.params.items()
+            )
 
         single = len(self.components) == 1
-        parts = [(f"{c.spec.name}" if single else f"{c.weight:g} x {c.spec.name}")
-                 + f"({params(c)})" for c in self.components]
+        parts = [
+            (f"{c.spec.name}" if single else f"{c.weight:g} x {c.spec.name}") + f"({params(c)})"
+            for c in self.components
+        ]
         m, mods = self.modifiers, []
         if m.reference_free:
             mods.append("reference-free")
@@ -219,23 +231,39 @@ class LossFunction:
             ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs
                 missing, or chosen_only for a loss that reads rejected completions.
         """
-        self._check_inputs(policy_token_logps, reference_token_logps, loss_mask, policy_token_log_sum_p2, chosen_only,
-                           desirable)
+        self._check_inputs(
+            policy_token_logps,
+            reference_token_logps,
+            loss_mask,
+            policy_token_log_sum_p2,
+            chosen_only,
+            desirable,
+        )
         loss_mask = loss_mask.to(policy_token_logps.dtype)
         counts = sequence_token_counts(loss_mask, policy_token_logps.dtype)
         if chosen_only:
             policy_chosen = sequence_logps(policy_token_logps, loss_mask)
             chosen_tokens = counts
-            policy_rejected, rejected_tokens = torch.zeros_like(policy_chosen), torch.ones_like(counts)
+            policy_rejected, rejected_tokens = (
+                torch.zeros_like(policy_chosen),
+                torch.ones_like(counts),
+            )
         else:
-            policy_chosen, policy_rejected = split_pairs(self._sequence_logps(policy_token_logps, loss_mask))
+            policy_chosen, policy_rejected = split_pairs(
+                self._sequence_logps(policy_token_logps, loss_mask)
+            )
             chosen_tokens, rejected_tokens = split_pairs(counts)
 
         reference_chosen = reference_rejected = None
         if self.needs_reference:
-            reference_chosen, reference_rejected = split_pairs(self._sequence_logps(reference_token_logps, loss_mask))
+            reference_chosen, reference_rejected = split_pairs(
+                self._sequence_logps(reference_token_logps, loss_mask)
+            )
         elif self._any_reference_based:  # reference_free: an implicit reference with log-prob 0
-            reference_chosen, reference_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+            reference_chosen, reference_rejected = (
+                torch.zeros_like(policy_chosen),
+                torch.zeros_like(policy_rejected),
+            )
 
         total: Tensor = torch.zeros_like(policy_chosen)
         metrics: dict[str, Tensor] = {}
@@ -246,15 +274,25 @@ class LossFunction:
             if component.spec.unpaired:
                 runtime[LABEL_ARG] = desirable
             losses, component_metrics = component.spec.fn(
-                policy_chosen, policy_rejected, reference_chosen, reference_rejected,
-                chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, **component.fn_params, **runtime,
+                policy_chosen,
+                policy_rejected,
+                reference_chosen,
+                reference_rejected,
+                chosen_tokens=chosen_tokens,
+                rejected_tokens=rejected_tokens,
+                **component.fn_params,
+                **runtime,
             )
             total = total + component.weight * losses
             for name, value in component_metrics.items():
-                metrics.setdefault(name, value)  # shared names (rewards/*) come from the first loss listed
+                metrics.setdefault(
+                    name, value
+                )  # shared names (rewards/*) come from the first loss listed
             if len(self.components) > 1:
                 metrics[f"loss/{component.spec.name}"] = losses.detach()
-        total = add_nll_term(total, metrics, self.modifiers.sft_weight, policy_chosen, chosen_tokens)
+        total = add_nll_term(
+            total, metrics, self.modifiers.sft_weight, policy_chosen, chosen_tokens
+        )
         if self.modifiers.use_weighting:
             weights = wpo_weights(policy_token_logps, policy_token_log_sum_p2, loss_mask)
             total = total * weights
@@ -274,25 +312,30 @@ class LossFunction:
         this step: a training step (``training``) of a loss with a step statistic."""
         return training and self._statistic_component is not None
 
-    def pair_statistics(self, policy_token_logps: Tensor, reference_token_logps: Optional[Tensor],
-                        loss_mask: Tensor) -> Tensor:
+    def pair_statistics(
+        self, policy_token_logps: Tensor, reference_token_logps: Optional[Tensor], loss_mask: Tensor
+    ) -> Tensor:
         """[B] detached per-pair values of one micro-batch for the step statistic.
 
         Args: as `__call__` (rows [2B, S], chosen then rejected).
         """
         with torch.no_grad():
             loss_mask = loss_mask.to(policy_token_logps.dtype)
-            policy_chosen, policy_rejected = split_pairs(self._sequence_logps(policy_token_logps, loss_mask))
+            policy_chosen, policy_rejected = split_pairs(
+                self._sequence_logps(policy_token_logps, loss_mask)
+            )
             if self.needs_reference:
                 reference = self._sequence_logps(reference_token_logps, loss_mask)
             else:  # reference_free: an implicit reference with log-prob 0
                 reference = torch.zeros_like(policy_token_logps[:, 0])
             reference_chosen, reference_rejected = split_pairs(reference)
-            return self._statistic_component.state.pair_values(policy_chosen, policy_rejected, reference_chosen,
-                                                               reference_rejected)
+            return self._statistic_component.state.pair_values(
+                policy_chosen, policy_rejected, reference_chosen, reference_rejected
+            )
 
-    def begin_step(self, values: Tensor, keys: Tensor, training: bool
-                   ) -> tuple[dict[str, float], dict[str, Tensor]]:
+    def begin_step(
+        self, values: Tensor, keys: Tensor, training: bool
+    ) -> tuple[dict[str, float], dict[str, Tensor]]:
         """The step statistic of the global batch: `StepStatistic.begin_step` of the loss that has one.
         Call it on every rank with the same values, so that every rank's state stays the same."""
         return self._statistic_component.state.begin_step(values, keys, training)
@@ -311,29 +354,44 @@ class LossFunction:
         return length_desensitized_logps(token_logps, loss_mask, self.modifiers.ld_alpha)
 
     def _check_inputs(
-        self, policy: Tensor, reference: Optional[Tensor], loss_mask: Tensor, log_sum_p2: Optional[Tensor],
-        chosen_only: bool, desirable: Optional[Tensor] = None,
+        self,
+        policy: Tensor,
+        reference: Optional[Tensor],
+        loss_mask: Tensor,
+        log_sum_p2: Optional[Tensor],
+        chosen_only: bool,
+        desirable: Optional[Tensor] = None,
     ) -> None:
         if policy.dim() != 2 or policy.shape != loss_mask.shape:
-            raise ValueError(f"policy_token_logps {tuple(policy.shape)} and loss_mask {tuple(loss_mask.shape)} "
-                             "must both be [2B, S]")
+            raise ValueError(
+                f"policy_token_logps {tuple(policy.shape)} and loss_mask {tuple(loss_mask.shape)} "
+                "must both be [2B, S]"
+            )
         if self.unpaired and (desirable is None or desirable.shape != (policy.shape[0] // 2,)):
-            raise ValueError(f"{self!r} trains on unpaired examples: pass desirable labels [B] for the "
-                             f"{policy.shape[0]} rows, got {None if desirable is None else tuple(desirable.shape)}")
+            raise ValueError(
+                f"{self!r} trains on unpaired examples: pass desirable labels [B] for the "
+                f"{policy.shape[0]} rows, got {None if desirable is None else tuple(desirable.shape)}"
+            )
         if chosen_only and self.needs_rejected:
             raise ValueError(f"chosen_only=True, but {self!r} reads the rejected completions")
         if self.needs_reference:
             if reference is None:
                 raise ValueError(f"{self!r} needs reference_token_logps, got None")
             if reference.shape != policy.shape:
-                raise ValueError(f"reference_token_logps {tuple(reference.shape)} != policy_token_logps "
-                                 f"{tuple(policy.shape)}")
+                raise ValueError(
+                    f"reference_token_logps {tuple(reference.shape)} != policy_token_logps "
+                    f"{tuple(policy.shape)}"
+                )
         elif reference is not None:
-            raise ValueError(f"{self!r} uses no reference model; pass reference_token_logps=None "
-                             "(and do not run one)")
+            raise ValueError(
+                f"{self!r} uses no reference model; pass reference_token_logps=None "
+                "(and do not run one)"
+            )
         if self.needs_token_log_sum_p2 and (log_sum_p2 is None or log_sum_p2.shape != policy.shape):
-            raise ValueError("loss.use_weighting (WPO) needs policy_token_log_sum_p2 of shape "
-                             f"{tuple(policy.shape)}, got {None if log_sum_p2 is None else tuple(log_sum_p2.shape)}")
+            raise ValueError(
+                "loss.use_weighting (WPO) needs policy_token_log_sum_p2 of shape "
+                f"{tuple(policy.shape)}, got {None if log_sum_p2 is None else tuple(log_sum_p2.shape)}"
+            )
 
     def data_advice(self, train_items: Sequence) -> Optional[str]:
         """A warning about the training data for this loss, or None: for KTO the paper's check of
@@ -342,8 +400,12 @@ class LossFunction:
             return None
         params = self.components[0].params
         n_desirable = sum(1 for item in train_items if item.desirable)
-        return weight_advice(n_desirable, len(train_items) - n_desirable, params["desirable_weight"],
-                             params["undesirable_weight"])
+        return weight_advice(
+            n_desirable,
+            len(train_items) - n_desirable,
+            params["desirable_weight"],
+            params["undesirable_weight"],
+        )
 
     def finish_metrics(self, means: Mapping[str, float], count: int) -> dict[str, float]:
         """The step's (or evaluation's) reported metrics from the means over `count` items of the
@@ -369,7 +431,9 @@ class LossFunction:
         """
         expected = sorted(self.state_dict())
         if sorted(state) != expected:
-            raise ValueError(f"loss state in checkpoint has {sorted(state)}, the configured loss expects {expected}")
+            raise ValueError(
+                f"loss state in checkpoint has {sorted(state)}, the configured loss expects {expected}"
+            )
         for component in self.components:
             if component.state is not None:
                 component.state.load_state_dict(dict(state[component.spec.name]))
@@ -406,14 +470,18 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         raise ValueError(f"loss.name lists a loss twice: {names}")
     specs = [get_loss_spec(name) for name in names]
 
-    weights = [_coerce("weights", w, float) for w in _as_list(config.pop("weights", [1.0] * len(names)))]
+    weights = [
+        _coerce("weights", w, float) for w in _as_list(config.pop("weights", [1.0] * len(names)))
+    ]
     if len(weights) != len(names):
         raise ValueError(f"loss.weights has {len(weights)} entries for {len(names)} losses {names}")
 
     modifier_kinds = dict(_MODIFIER_KINDS)
     if not any(spec.needs_reference for spec in specs):
         del modifier_kinds["reference_free"]
-    valid = sorted({"name", "weights", *modifier_kinds, *(key for spec in specs for key in spec.params)})
+    valid = sorted(
+        {"name", "weights", *modifier_kinds, *(key for spec in specs for key in spec.params)}
+    )
     unknown = sorted(key for key in config if key not in valid)
     if unknown:
         raise ValueError(f"loss.name={names} takes no parameter(s) {unknown}; valid keys: {valid}")
@@ -424,26 +492,45 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         for key, default in spec.params.items():
             params[key] = _coerce(key, config[key], type(default)) if key in config else default
             _check_value(spec.name, key, params[key])
-        state = (spec.state_factory(**{key: params[key] for key in spec.state_params})
-                 if spec.state_factory is not None else None)
+        state = (
+            spec.state_factory(**{key: params[key] for key in spec.state_params})
+            if spec.state_factory is not None
+            else None
+        )
         components.append(LossComponent(spec, weight, params, state))
 
-    modifier_values = {key: _coerce(key, config[key], kind) for key, kind in modifier_kinds.items() if key in config}
+    modifier_values = {
+        key: _coerce(key, config[key], kind)
+        for key, kind in modifier_kinds.items()
+        if key in config
+    }
     for key, value in modifier_values.items():
         _check_value(",".join(names), key, value)
-    with_statistic = [c.spec.name for c in components if c.state is not None and hasattr(c.state, "begin_step")]
+    with_statistic = [
+        c.spec.name for c in components if c.state is not None and hasattr(c.state, "begin_step")
+    ]
     if len(with_statistic) > 1:
-        raise ValueError(f"loss.name lists {with_statistic}: at most one loss with a step statistic can be combined")
+        raise ValueError(
+            f"loss.name lists {with_statistic}: at most one loss with a step statistic can be combined"
+        )
     unpaired = [spec.name for spec in specs if spec.unpaired]
     if unpaired and len(specs) > 1:
-        raise ValueError(f"loss.name={names}: {unpaired} trains on unpaired examples and cannot be combined "
-                         "with other losses")
-    misfits = sorted(k for k in ("sft_weight", "use_weighting", "ld_alpha") if modifier_values.get(k))
+        raise ValueError(
+            f"loss.name={names}: {unpaired} trains on unpaired examples and cannot be combined "
+            "with other losses"
+        )
+    misfits = sorted(
+        k for k in ("sft_weight", "use_weighting", "ld_alpha") if modifier_values.get(k)
+    )
     if unpaired and misfits:
-        raise ValueError(f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are a "
-                         "completion and a mismatched completion, not a chosen and a rejected answer")
+        raise ValueError(
+            f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are a "
+            "completion and a mismatched completion, not a chosen and a rejected answer"
+        )
     sorting = sorted(set(names) & _SORTING_LOSSES)
     if modifier_values.get("use_weighting") and sorting:
-        raise ValueError(f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within the "
-                         "micro-batch, so per-pair weights would not line up with the losses")
+        raise ValueError(
+            f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within the "
+            "micro-batch, so per-pair weights would not line up with the losses"
+        )
     return LossFunction(components, LossModifiers(**modifier_values))

@@ -27,9 +27,17 @@ Tensor = torch.Tensor
 
 @register_loss("simpo", needs_reference=False)
 def simpo_loss(
-    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor], *, chosen_tokens: Tensor, rejected_tokens: Tensor,
-    beta: float = 2.0, simpo_gamma: float = 1.0, label_smoothing: float = 0.0, cpo_alpha: float = 0.0,
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    reference_chosen_logps: Optional[Tensor],
+    reference_rejected_logps: Optional[Tensor],
+    *,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    beta: float = 2.0,
+    simpo_gamma: float = 1.0,
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 0.0,
     average_logps: bool = True,
 ) -> LossOutput:
     """SimPO: -log sigma(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma)
@@ -45,32 +53,53 @@ def simpo_loss(
     else:
         chosen, rejected = policy_chosen_logps, policy_rejected_logps
     losses = bradley_terry_loss(beta * (chosen - rejected) - simpo_gamma, label_smoothing)
-    metrics = preference_metrics(beta * chosen, beta * rejected, policy_chosen_logps, policy_rejected_logps)
+    metrics = preference_metrics(
+        beta * chosen, beta * rejected, policy_chosen_logps, policy_rejected_logps
+    )
     return add_nll_term(losses, metrics, cpo_alpha, policy_chosen_logps, chosen_tokens), metrics
 
 
 @register_loss("cpo", needs_reference=False)
 def cpo_loss(
-    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor], *, chosen_tokens: Tensor, rejected_tokens: Tensor,
-    beta: float = 0.1, label_smoothing: float = 0.0, cpo_alpha: float = 1.0,
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    reference_chosen_logps: Optional[Tensor],
+    reference_rejected_logps: Optional[Tensor],
+    *,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 1.0,
 ) -> LossOutput:
     """CPO: -log sigma(beta log pi(y_w|x) - beta log pi(y_l|x)) + cpo_alpha * NLL(y_w)
     (Xu et al. 2024, "Contrastive Preference Optimization", arXiv:2401.08417, L_CPO = L_prefer + L_NLL,
     Sec. 3; summed log-probs in L_prefer, per-token NLL, beta 0.1 and alpha 1 as in the paper).
     For CPO-SimPO use `simpo` with cpo_alpha > 0.
     """
-    losses = bradley_terry_loss(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
-    metrics = preference_metrics(beta * policy_chosen_logps, beta * policy_rejected_logps, policy_chosen_logps,
-                                 policy_rejected_logps)
+    losses = bradley_terry_loss(
+        beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing
+    )
+    metrics = preference_metrics(
+        beta * policy_chosen_logps,
+        beta * policy_rejected_logps,
+        policy_chosen_logps,
+        policy_rejected_logps,
+    )
     return add_nll_term(losses, metrics, cpo_alpha, policy_chosen_logps, chosen_tokens), metrics
 
 
 @register_loss("orpo", needs_reference=False)
 def orpo_loss(
-    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor], *, chosen_tokens: Tensor, rejected_tokens: Tensor,
-    beta: float = 0.1, average_logps: bool = True,
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    reference_chosen_logps: Optional[Tensor],
+    reference_rejected_logps: Optional[Tensor],
+    *,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    beta: float = 0.1,
+    average_logps: bool = True,
 ) -> LossOutput:
     """ORPO: NLL(y_w) - lambda * log sigma(log odds(y_w) - log odds(y_l)), odds(y) = p / (1 - p),
     p = exp(mean per-token log pi(y|x))  (Hong et al. 2024, "ORPO: Monolithic Preference Optimization
@@ -94,13 +123,20 @@ def orpo_loss(
     metrics = preference_metrics(beta * chosen, beta * rejected, chosen_sum, rejected_sum)
     metrics["log_odds_ratio"] = log_odds_ratio.detach()
     metrics["log_odds_chosen"] = log_odds.detach()
-    return add_nll_term(-beta * log_odds_ratio, metrics, 1.0, chosen_sum, chosen_tokens.to(compute_dtype)), metrics
+    return add_nll_term(
+        -beta * log_odds_ratio, metrics, 1.0, chosen_sum, chosen_tokens.to(compute_dtype)
+    ), metrics
 
 
 @register_loss("sft", needs_reference=False, uses_rejected=False)
 def sft_loss(
-    policy_chosen_logps: Tensor, policy_rejected_logps: Optional[Tensor], reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor], *, chosen_tokens: Tensor, rejected_tokens: Optional[Tensor],
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Optional[Tensor],
+    reference_chosen_logps: Optional[Tensor],
+    reference_rejected_logps: Optional[Tensor],
+    *,
+    chosen_tokens: Tensor,
+    rejected_tokens: Optional[Tensor],
 ) -> LossOutput:
     """SFT: per-token negative log-likelihood of the chosen completion, -log pi(y_w|x) / |y_w|.
     Uses neither the rejected completion nor a reference model. Metrics: nll_loss, logps/chosen.

@@ -59,12 +59,18 @@ class StepStatistic(Protocol):
     or pipeline layout. Evaluation steps call the loss with the state's `loss_kwargs()` only.
     """
 
-    def pair_values(self, policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
-                    reference_rejected_logps) -> torch.Tensor:
+    def pair_values(
+        self,
+        policy_chosen_logps,
+        policy_rejected_logps,
+        reference_chosen_logps,
+        reference_rejected_logps,
+    ) -> torch.Tensor:
         """[B] detached per-pair values the statistic is computed from."""
 
-    def begin_step(self, values: torch.Tensor, keys: torch.Tensor, training: bool
-                   ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    def begin_step(
+        self, values: torch.Tensor, keys: torch.Tensor, training: bool
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Statistic of the global batch -> (scalar runtime kwargs, per-pair runtime kwargs [N]).
 
         Args:
@@ -102,12 +108,18 @@ class LossSpec:
     """The keys of `params` that `state_factory` takes."""
 
     def __post_init__(self) -> None:
-        fn_params = _keyword_defaults(self.name, self.fn, skip=(*TOKEN_COUNT_ARGS, LABEL_ARG, *self.runtime_params))
-        state_params = _keyword_defaults(self.name, self.state_factory) if self.state_factory else {}
+        fn_params = _keyword_defaults(
+            self.name, self.fn, skip=(*TOKEN_COUNT_ARGS, LABEL_ARG, *self.runtime_params)
+        )
+        state_params = (
+            _keyword_defaults(self.name, self.state_factory) if self.state_factory else {}
+        )
         for key in fn_params.keys() & state_params.keys():
             if fn_params[key] != state_params[key]:
-                raise TypeError(f"loss {self.name!r}: {key!r} defaults to {fn_params[key]} in the loss "
-                                f"and {state_params[key]} in its state")
+                raise TypeError(
+                    f"loss {self.name!r}: {key!r} defaults to {fn_params[key]} in the loss "
+                    f"and {state_params[key]} in its state"
+                )
         object.__setattr__(self, "params", {**fn_params, **state_params})
         object.__setattr__(self, "fn_params", tuple(fn_params))
         object.__setattr__(self, "state_params", tuple(state_params))
@@ -159,9 +171,12 @@ def register_loss(
 
     def decorate(fn: LossFn) -> LossFn:
         if name in LOSSES:
-            raise ValueError(f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, {fn.__qualname__})")
-        LOSSES[name] = LossSpec(name, fn, needs_reference, state_factory, runtime_params, uses_rejected,
-                                 unpaired)
+            raise ValueError(
+                f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, {fn.__qualname__})"
+            )
+        LOSSES[name] = LossSpec(
+            name, fn, needs_reference, state_factory, runtime_params, uses_rejected, unpaired
+        )
         return fn
 
     return decorate
@@ -176,6 +191,7 @@ def get_loss_spec(name: str) -> LossSpec:
     name = canonical_loss_name(name)
     if name not in LOSSES:
         aliases = ", ".join(f"{a} (= {n})" for a, n in sorted(LOSS_ALIASES.items()))
-        raise ValueError(f"unknown loss.name {name!r}; valid names: {sorted(LOSSES)}; "
-                         f"aliases: {aliases}")
+        raise ValueError(
+            f"unknown loss.name {name!r}; valid names: {sorted(LOSSES)}; aliases: {aliases}"
+        )
     return LOSSES[name]

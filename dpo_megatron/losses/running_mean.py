@@ -31,7 +31,9 @@ class RunningRewardMean:
                 metrics the loss returned).
         """
         if self.metric not in global_metrics:
-            raise KeyError(f"bco_pair needs the step's global {self.metric!r} metric; got {sorted(global_metrics)}")
+            raise KeyError(
+                f"bco_pair needs the step's global {self.metric!r} metric; got {sorted(global_metrics)}"
+            )
         self.count += 1
         self.mean += (float(global_metrics[self.metric]) - self.mean) / self.count
 

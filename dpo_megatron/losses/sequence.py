@@ -54,11 +54,15 @@ def length_desensitized_logps(token_logps: Tensor, loss_mask: Tensor, ld_alpha: 
     chosen_lengths, rejected_lengths = split_pairs(loss_mask.sum(dim=-1))
     public_lengths = torch.minimum(chosen_lengths, rejected_lengths).repeat(2)
     in_public = position <= public_lengths.unsqueeze(-1)
-    weights = torch.where(in_public, torch.ones_like(token_logps), torch.full_like(token_logps, ld_alpha))
+    weights = torch.where(
+        in_public, torch.ones_like(token_logps), torch.full_like(token_logps, ld_alpha)
+    )
     return sequence_logps(token_logps * weights, loss_mask)
 
 
-def wpo_weights(policy_token_logps: Tensor, policy_token_log_sum_p2: Tensor, loss_mask: Tensor) -> Tensor:
+def wpo_weights(
+    policy_token_logps: Tensor, policy_token_log_sum_p2: Tensor, loss_mask: Tensor
+) -> Tensor:
     """WPO pair weights (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference
     Optimization", arXiv:2406.11827, Eq. 2, with the sampling-probability normalisation of its
     Sec. 3 as implemented in TRL): per sequence

@@ -46,8 +46,14 @@ class BetaDPOStatistics:
     min_beta = 1e-3
     """The authors' floor on beta_batch."""
 
-    def __init__(self, *, beta: float = 0.1, beta_dpo_alpha: float = 0.6, beta_dpo_filter_ratio: float = 0.2,
-                 beta_dpo_momentum: float = 0.9) -> None:
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        beta_dpo_alpha: float = 0.6,
+        beta_dpo_filter_ratio: float = 0.2,
+        beta_dpo_momentum: float = 0.9,
+    ) -> None:
         self.beta = beta
         self.alpha = beta_dpo_alpha
         self.filter_ratio = beta_dpo_filter_ratio
@@ -56,18 +62,26 @@ class BetaDPOStatistics:
         self.margin_std = 0.0
         self.steps = 0
 
-    def pair_values(self, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
-                    reference_chosen_logps: Tensor, reference_rejected_logps: Tensor) -> Tensor:
+    def pair_values(
+        self,
+        policy_chosen_logps: Tensor,
+        policy_rejected_logps: Tensor,
+        reference_chosen_logps: Tensor,
+        reference_rejected_logps: Tensor,
+    ) -> Tensor:
         """[B] the log-ratio margins M_i = h_w - h_l (detached, nats)."""
-        return ((policy_chosen_logps - reference_chosen_logps)
-                - (policy_rejected_logps - reference_rejected_logps)).detach()
+        return (
+            (policy_chosen_logps - reference_chosen_logps)
+            - (policy_rejected_logps - reference_rejected_logps)
+        ).detach()
 
     def kept_count(self, n: int) -> int:
         """K: pairs kept of a batch of n (at least one)."""
         return max(1, math.floor(n * (1.0 - self.filter_ratio) + 1e-9))
 
-    def begin_step(self, values: Tensor, keys: Tensor, training: bool
-                   ) -> tuple[dict[str, float], dict[str, Tensor]]:
+    def begin_step(
+        self, values: Tensor, keys: Tensor, training: bool
+    ) -> tuple[dict[str, float], dict[str, Tensor]]:
         """One training step's beta_batch and per-pair weights (see the class docstring).
 
         Args:
@@ -90,7 +104,9 @@ class BetaDPOStatistics:
         self.steps += 1
         weights = torch.zeros(n, dtype=torch.float64)
         weights[kept] = n / kept.numel()
-        batch_beta = self.beta * (1.0 + self.alpha * (values[kept].mean().item() - self.margin_mean))
+        batch_beta = self.beta * (
+            1.0 + self.alpha * (values[kept].mean().item() - self.margin_mean)
+        )
         return {"batch_beta": max(self.min_beta, batch_beta)}, {"pair_weights": weights}
 
     def _draw(self, log_weights: Tensor, keys: Tensor, k: int) -> Tensor:

@@ -16,8 +16,15 @@ _EXPORTS = {
     "model_config_from_hf": "dpo_megatron.models.conversion",
 }
 
-__all__ = ["DPOGPTModel", "ModelConfig", "build_model_chunks", "build_transformer_config", "export_hf",
-           "load_hf_weights", "model_config_from_hf"]
+__all__ = [
+    "DPOGPTModel",
+    "ModelConfig",
+    "build_model_chunks",
+    "build_transformer_config",
+    "export_hf",
+    "load_hf_weights",
+    "model_config_from_hf",
+]
 
 
 def __getattr__(name):

@@ -48,7 +48,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -65,8 +64,9 @@ def resolve_local_attention(name: str) -> str:
         ValueError: an unknown name.
     """
     if name not in LOCAL_ATTENTION:
-        raise ValueError(f"model.local_attention must be one of {', '.join(LOCAL_ATTENTION)}, "
-                         f"got {name!r}")
+        raise ValueError(
+            f"model.local_attention must be one of {', '.join(LOCAL_ATTENTION)}, got {name!r}"
+        )
     if name == "auto":
         return "flex" if is_cuda() else "sdpa"
     return name
@@ -110,18 +110,25 @@ def packed_seq_params(layout, thd: bool) -> PackedSequenceParams:
     if not thd:
         return PackedSequenceParams(qkv_format="sbhd", layout=layout)
     if layout.segment_ids.shape[0] != 1:
-        raise ValueError(f"transformer-engine's THD format takes one packed row per micro-batch, "
-                         f"got {layout.segment_ids.shape[0]}: leave packing.row_length=0")
+        raise ValueError(
+            f"transformer-engine's THD format takes one packed row per micro-batch, "
+            f"got {layout.segment_ids.shape[0]}: leave packing.row_length=0"
+        )
     # Keys are stored in token order: the same boundaries as the queries (RoPE reads these).
     # A shared prompt's gathered keys are the TE core attention's business (te_core_attention).
-    return PackedSequenceParams(qkv_format="thd", cu_seqlens_q=layout.cu_seqlens_q,
-                                cu_seqlens_kv=layout.cu_seqlens_q,
-                                max_seqlen_q=layout.max_seqlen_q,
-                                max_seqlen_kv=layout.max_seqlen_q, layout=layout)
+    return PackedSequenceParams(
+        qkv_format="thd",
+        cu_seqlens_q=layout.cu_seqlens_q,
+        cu_seqlens_kv=layout.cu_seqlens_q,
+        max_seqlen_q=layout.max_seqlen_q,
+        max_seqlen_kv=layout.max_seqlen_q,
+        layout=layout,
+    )
 
 
-def visible_keys(segment_ids: torch.Tensor,
-                 branch_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def visible_keys(
+    segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Dense visibility of packed rows: [R, 1, L, L] bool, True where query t may attend to key s.
 
     Args:
@@ -141,8 +148,9 @@ def visible_keys(segment_ids: torch.Tensor,
     return visible.unsqueeze(1)
 
 
-def attention_mask_from_segments(segment_ids: torch.Tensor,
-                                 branch_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_mask_from_segments(
+    segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """megatron-core's mask convention of :func:`visible_keys`: [R, 1, L, L] bool, True = masked."""
     return ~visible_keys(segment_ids, branch_ids)
 
@@ -166,8 +174,14 @@ def gqa_by_expansion(device: torch.device, dtype: torch.dtype, masked: bool) -> 
     return masked or dtype not in (torch.float16, torch.bfloat16)
 
 
-def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float],
-         is_causal: bool = False, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: Optional[float],
+    is_causal: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with grouped-query keys the way a fused kernel takes
     them (:func:`gqa_by_expansion`).
 
@@ -182,16 +196,29 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Opt
         [b, heads, s_q, hn]: softmax(q k^T * scale) v (Vaswani et al. 2017, eq. 1).
     """
     groups = key.shape[1]
-    if groups != query.shape[1] and gqa_by_expansion(query.device, query.dtype,
-                                                     attn_mask is not None):
+    if groups != query.shape[1] and gqa_by_expansion(
+        query.device, query.dtype, attn_mask is not None
+    ):
         key, value = (t.repeat_interleave(query.shape[1] // groups, dim=1) for t in (key, value))
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                          is_causal=is_causal, scale=scale,
-                                          enable_gqa=key.shape[1] != query.shape[1])
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
 
 
-def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans,
-                   scale: Optional[float], rows: Optional[SpanRows] = None) -> torch.Tensor:
+def span_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans,
+    scale: Optional[float],
+    rows: Optional[SpanRows] = None,
+) -> torch.Tensor:
     """Attention of packed spans in one ``scaled_dot_product_attention`` call, with no mask.
 
     The spans are laid out as square causal rows (:class:`~dpo_megatron.data.batch.SpanRows`:
@@ -218,22 +245,27 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     if rows is None:
         rows = span_rows(spans)
-        rows = SpanRows(*(t.to(query.device) for t in (rows.query_index, rows.key_index,
-                                                       rows.output_index)))
+        rows = SpanRows(
+            *(t.to(query.device) for t in (rows.query_index, rows.key_index, rows.output_index))
+        )
     n, width = rows.query_index.shape
     flat_q, flat_k = rows.query_index.reshape(-1), rows.key_index.reshape(-1)
     # [N, W, heads, hn] -> [N, heads, W, hn]: the fused CPU kernel takes the strided view.
     q = query.index_select(0, flat_q).view(n, width, *query.shape[1:]).transpose(1, 2)
-    k, v = (t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2)
-            for t in (key, value))
+    k, v = (
+        t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2) for t in (key, value)
+    )
     out = sdpa(q, k, v, scale, is_causal=width > 1)
-    return out.transpose(1, 2).reshape(n * width, *query.shape[1:]).index_select(
-        0, rows.output_index)
+    return (
+        out.transpose(1, 2).reshape(n * width, *query.shape[1:]).index_select(0, rows.output_index)
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _takes_varlen_arguments(varlen_attn: Callable) -> bool:
-    return {"scale", "window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys()
+    return {"scale", "window_size", "enable_gqa"} <= inspect.signature(
+        varlen_attn
+    ).parameters.keys()
 
 
 def varlen_supported() -> bool:
@@ -254,14 +286,20 @@ def packed_attention_route(device: torch.device, dtype: torch.dtype, head_dim: i
     varlen call takes grouped-query keys (:func:`varlen_supported`), else ``rows``
     (:func:`span_attention`: the flash kernel on the CPU and on CUDA in fp16 / bf16,
     memory-efficient attention on CUDA in fp32)."""
-    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and head_dim <= 256 and varlen_supported()):
+    if (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and varlen_supported()
+    ):
         return "varlen"
     return "rows"
 
 
-def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout,
-                     scale: Optional[float]) -> torch.Tensor:
+def varlen_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout, scale: Optional[float]
+) -> torch.Tensor:
     """Attention of packed spans in one call of torch's varlen flash-attention
     (``torch.nn.attention.varlen.varlen_attn``): every span at its own length, bottom-right
     causal (``window_size=(-1, 0)``: with Q queries and K keys query i sees keys 0..K-Q+i,
@@ -282,13 +320,23 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     if layout.kv_index is not None:
         key, value = key.index_select(0, layout.kv_index), value.index_select(0, layout.kv_index)
-    return varlen_attn(query, key, value, layout.cu_seqlens_q, layout.cu_seqlens_kv,
-                       layout.max_seqlen_q, layout.max_seqlen_kv, scale=scale,
-                       window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
+    return varlen_attn(
+        query,
+        key,
+        value,
+        layout.cu_seqlens_q,
+        layout.cu_seqlens_kv,
+        layout.max_seqlen_q,
+        layout.max_seqlen_kv,
+        scale=scale,
+        window_size=(-1, 0),
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
 
 
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout,
-                     scale: Optional[float]) -> torch.Tensor:
+def packed_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout, scale: Optional[float]
+) -> torch.Tensor:
     """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
     :func:`packed_attention_route`. Shapes as :func:`span_attention`; ``layout`` the
     micro-batch's ``PackedLayout`` on the device."""
@@ -320,33 +368,45 @@ def flex_block_mask(segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor
     seg = segment_ids
 
     if branch_ids is None:
+
         def mask_mod(b, h, q, k):
             return (seg[b, q] == seg[b, k]) & (k <= q)
     else:
         br = branch_ids.to(torch.int32)
 
         def mask_mod(b, h, q, k):
-            return ((seg[b, q] == seg[b, k]) & (k <= q)
-                    & ((br[b, k] == 0) | (br[b, k] == br[b, q])))
+            return (seg[b, q] == seg[b, k]) & (k <= q) & ((br[b, k] == 0) | (br[b, k] == br[b, q]))
 
     rows, length = seg.shape
     return create_block_mask(mask_mod, rows, None, length, length, device=seg.device)
 
 
-def flex_attention_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
-                        scale: Optional[float]) -> torch.Tensor:
+def flex_attention_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, scale: Optional[float]
+) -> torch.Tensor:
     """FlexAttention over [R, heads, L, hn] queries (keys [R, groups, L, hn]) with a block mask.
 
     Raises:
         RuntimeError: training on the CPU (torch's FlexAttention has no CPU backward).
     """
-    if query.device.type == "cpu" and torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad):
-        raise RuntimeError("model.local_attention=flex cannot train on the CPU (torch's "
-                           "FlexAttention has no CPU backward): use sdpa (or auto) there")
+    if (
+        query.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and (query.requires_grad or key.requires_grad)
+    ):
+        raise RuntimeError(
+            "model.local_attention=flex cannot train on the CPU (torch's "
+            "FlexAttention has no CPU backward): use sdpa (or auto) there"
+        )
     flex_attention, _ = _flex_functions()
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
-                          enable_gqa=query.shape[1] != key.shape[1])
+    return flex_attention(
+        query,
+        key,
+        value,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
 
 
 class LocalAttention(DotProductAttention):
@@ -374,25 +434,40 @@ class LocalAttention(DotProductAttention):
         self.kernel = kernel
 
     def _parent_handles(self, attention_bias) -> bool:
-        return (self.kernel == "megatron"
-                or self.scale_mask_softmax.window_size is not None
-                or self.softmax_offset is not None
-                or self.config.apply_query_key_layer_scaling
-                or (self.training and self.attention_dropout.p > 0)
-                or attention_bias is not None)
+        return (
+            self.kernel == "megatron"
+            or self.scale_mask_softmax.window_size is not None
+            or self.softmax_offset is not None
+            or self.config.apply_query_key_layer_scaling
+            or (self.training and self.attention_dropout.p > 0)
+            or attention_bias is not None
+        )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         layout = getattr(packed_seq_params, "layout", None)
         if packed_seq_params is not None and layout is None:
-            raise ValueError("the local attention reads packed rows from PackedSequenceParams "
-                             "(dpo_megatron.models.attention.packed_seq_params)")
+            raise ValueError(
+                "the local attention reads packed rows from PackedSequenceParams "
+                "(dpo_megatron.models.attention.packed_seq_params)"
+            )
         if self._parent_handles(attention_bias):
             if layout is not None:
-                attention_mask = packed_seq_params.cached("dense_mask", lambda: (
-                    attention_mask_from_segments(layout.segment_ids, layout.branch_ids)))
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, None)
+                attention_mask = packed_seq_params.cached(
+                    "dense_mask",
+                    lambda: attention_mask_from_segments(layout.segment_ids, layout.branch_ids),
+                )
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, None
+            )
         sq, b = query.shape[0], query.shape[1]
         if layout is not None and self.kernel == "sdpa":
             flat = [t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in (query, key, value)]
@@ -408,8 +483,9 @@ class LocalAttention(DotProductAttention):
             return out.transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         if layout is not None:  # flex
-            block_mask = packed_seq_params.cached("block_mask", lambda: flex_block_mask(
-                layout.segment_ids, layout.branch_ids))
+            block_mask = packed_seq_params.cached(
+                "block_mask", lambda: flex_block_mask(layout.segment_ids, layout.branch_ids)
+            )
             out = flex_attention_rows(q, k, v, block_mask, self.softmax_scale)
         elif attention_mask is None:
             out = sdpa(q, k, v, self.softmax_scale, is_causal=q.shape[2] > 1)
@@ -426,9 +502,9 @@ SDPAttention = LocalAttention
 # transformer-engine
 
 
-def shared_prompt_thd_inputs(key: torch.Tensor, value: torch.Tensor,
-                             params: PackedSequenceParams) -> tuple[torch.Tensor, torch.Tensor,
-                                                                   dict]:
+def shared_prompt_thd_inputs(
+    key: torch.Tensor, value: torch.Tensor, params: PackedSequenceParams
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """THD keys / values and TE arguments for shared-prompt pairs.
 
     Args:
@@ -444,9 +520,14 @@ def shared_prompt_thd_inputs(key: torch.Tensor, value: torch.Tensor,
     """
     layout = params.layout
     index = layout.kv_index
-    kwargs = dict(qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
-                  cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_kv=layout.cu_seqlens_kv,
-                  max_seqlen_q=layout.max_seqlen_q, max_seqlen_kv=layout.max_seqlen_kv)
+    kwargs = dict(
+        qkv_format="thd",
+        attn_mask_type="padding_causal_bottom_right",
+        cu_seqlens_q=layout.cu_seqlens_q,
+        cu_seqlens_kv=layout.cu_seqlens_kv,
+        max_seqlen_q=layout.max_seqlen_q,
+        max_seqlen_kv=layout.max_seqlen_kv,
+    )
     return key.index_select(0, index), value.index_select(0, index), kwargs
 
 
@@ -461,15 +542,33 @@ def te_core_attention() -> type:
     class TEPackedAttention(TEDotProductAttention):
         packed_format = "thd"
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type,
-                    attention_bias=None, packed_seq_params=None, num_splits=None):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type,
+            attention_bias=None,
+            packed_seq_params=None,
+            num_splits=None,
+        ):
             layout = getattr(packed_seq_params, "layout", None)
             if layout is None or layout.kv_index is None:
-                return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                       attention_bias, packed_seq_params, num_splits)
+                return super().forward(
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    attn_mask_type,
+                    attention_bias,
+                    packed_seq_params,
+                    num_splits,
+                )
             if attention_bias is not None:
-                raise ValueError("shared-prompt pairs take no attention bias with "
-                                 "transformer-engine")
+                raise ValueError(
+                    "shared-prompt pairs take no attention bias with transformer-engine"
+                )
             key, value, kwargs = shared_prompt_thd_inputs(key, value, packed_seq_params)
             # TE's own DotProductAttention: megatron-core's wrapper maps only its mask enum,
             # which has no padding + bottom-right causal type.
@@ -485,11 +584,16 @@ def packed_format(model: torch.nn.Module) -> str:
     Raises:
         ValueError: a model with no core attention of this module.
     """
-    formats = {m.packed_format for m in model.modules() if hasattr(m, "packed_format")
-               and isinstance(m.packed_format, str)}
+    formats = {
+        m.packed_format
+        for m in model.modules()
+        if hasattr(m, "packed_format") and isinstance(m.packed_format, str)
+    }
     if len(formats) != 1:
-        raise ValueError(f"expected one packed format in the model's core attention, got "
-                         f"{sorted(formats) or 'none'}")
+        raise ValueError(
+            f"expected one packed format in the model's core attention, got "
+            f"{sorted(formats) or 'none'}"
+        )
     return formats.pop()
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dpo_megatron.config_checks import check_choice, check_range
+
 # The one preset table lives in ``models/presets.py`` (reference-repo names such as pythia28 and
 # pythia69, the small Pythias, smollm2); re-exported here, where ``model=NAME`` looks it up.
 from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset_name  # noqa: F401
@@ -160,12 +161,24 @@ class ModelConfig:
         Raises:
             ValueError: ``model.<field>=<value> must be ...``.
         """
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "pad_attention_heads_multiple", "vocab_size", "make_vocab_size_divisible_by",
-                     "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "pad_attention_heads_multiple",
+            "vocab_size",
+            "make_vocab_size_divisible_by",
+            "max_position_embeddings",
+        ):
             check_range("model", self, name, 1)
-        for name in ("num_query_groups", "kv_channels", "recompute_num_layers", "num_experts",
-                     "moe_ffn_hidden_size"):
+        for name in (
+            "num_query_groups",
+            "kv_channels",
+            "recompute_num_layers",
+            "num_experts",
+            "moe_ffn_hidden_size",
+        ):
             check_range("model", self, name, 1, optional=True)
         for name in ("rope_scaling_factor", "rope_linear_scaling_factor"):
             check_range("model", self, name, 0, low_open=True, optional=True)
@@ -174,22 +187,31 @@ class ModelConfig:
         check_range("model", self, "norm_epsilon", 0, low_open=True)
         check_range("model", self, "init_method_std", 0, low_open=True)
         check_range("model", self, "moe_router_topk", 1)
-        check_range("model", self, "moe_aux_loss_coeff", 0, optional=True,
-                    why="weight of the routers' load-balancing loss (null: the HF config's)")
+        check_range(
+            "model",
+            self,
+            "moe_aux_loss_coeff",
+            0,
+            optional=True,
+            why="weight of the routers' load-balancing loss (null: the HF config's)",
+        )
         check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)
         check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)
         check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
-        check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES,
-                     optional=True)
+        check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES, optional=True)
         check_choice("model", self, "recompute_method", RECOMPUTE_METHODS, optional=True)
         if self.recompute_modules is not None:
             for module in self.recompute_modules:
                 if module not in RECOMPUTE_MODULES:
-                    raise ValueError(f"model.recompute_modules: {module!r} is not one of "
-                                     f"{', '.join(RECOMPUTE_MODULES)}")
+                    raise ValueError(
+                        f"model.recompute_modules: {module!r} is not one of "
+                        f"{', '.join(RECOMPUTE_MODULES)}"
+                    )
             if self.recompute_granularity != "selective":
-                raise ValueError(f"model.recompute_modules={list(self.recompute_modules)} needs "
-                                 f"model.recompute_granularity=selective, got "
-                                 f"{self.recompute_granularity!r}")
+                raise ValueError(
+                    f"model.recompute_modules={list(self.recompute_modules)} needs "
+                    f"model.recompute_granularity=selective, got "
+                    f"{self.recompute_granularity!r}"
+                )

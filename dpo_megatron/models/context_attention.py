@@ -34,7 +34,6 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
-
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from dpo_megatron.parallel.context import (
@@ -49,9 +48,11 @@ BLOCK = 512
 
 
 @torch.no_grad()
-def context_parallel_coordinates(position_ids: torch.Tensor,
-                                 segment_ids: Optional[torch.Tensor] = None,
-                                 branch_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def context_parallel_coordinates(
+    position_ids: torch.Tensor,
+    segment_ids: Optional[torch.Tensor] = None,
+    branch_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """This CP rank's query coordinates and the all-gathered key coordinates, in one tensor (the
     ``attention_mask`` argument of :class:`ContextParallelAttention`: a tensor, so megatron-core's
     recompute saves it like any activation).
@@ -67,12 +68,21 @@ def context_parallel_coordinates(position_ids: torch.Tensor,
         rows whose positions are the same in every row (broadcast over the rows).
     """
     rows = position_ids
-    if segment_ids is None and branch_ids is None and bool(
-            (position_ids == position_ids[:1]).all()):
+    if (
+        segment_ids is None
+        and branch_ids is None
+        and bool((position_ids == position_ids[:1]).all())
+    ):
         rows = position_ids[:1]
     zeros = torch.zeros_like(rows)
-    query = torch.stack([rows, zeros if segment_ids is None else segment_ids.to(rows.dtype),
-                         zeros if branch_ids is None else branch_ids.to(rows.dtype)], 1)
+    query = torch.stack(
+        [
+            rows,
+            zeros if segment_ids is None else segment_ids.to(rows.dtype),
+            zeros if branch_ids is None else branch_ids.to(rows.dtype),
+        ],
+        1,
+    )
     keys = gather_along_sequence(query.permute(2, 0, 1).contiguous()).permute(1, 2, 0)
     return torch.cat([query, keys], dim=2)
 
@@ -106,16 +116,17 @@ def visible_tiles(coords: torch.Tensor, n_q: int, block: int) -> list[tuple[slic
     keys = coords[:, :, n_q:]
     rows = []
     for qs in range(0, n_q, block):
-        seen = _visible(coords[:, :, qs:min(qs + block, n_q)], keys).any(2).any(1).any(0)  # [n_k]
-        rows.append(torch.nn.functional.pad(seen, (0, n_kt * block - n_k)).view(n_kt, block)
-                    .any(1))
+        seen = _visible(coords[:, :, qs : min(qs + block, n_q)], keys).any(2).any(1).any(0)  # [n_k]
+        rows.append(torch.nn.functional.pad(seen, (0, n_kt * block - n_k)).view(n_kt, block).any(1))
     tile_map = torch.stack(rows).tolist()  # the one host read
-    tiles = [(slice(qs, min(qs + block, n_q)), slice(ks, min(ks + block, n_k)))
-             for i, qs in enumerate(range(0, n_q, block))
-             for j, ks in enumerate(range(0, n_k, block)) if tile_map[i][j]]
+    tiles = [
+        (slice(qs, min(qs + block, n_q)), slice(ks, min(ks + block, n_k)))
+        for i, qs in enumerate(range(0, n_q, block))
+        for j, ks in enumerate(range(0, n_k, block))
+        if tile_map[i][j]
+    ]
     key = id(coords)
-    _TILE_MAPS[key] = (weakref.ref(coords, lambda _: _TILE_MAPS.pop(key, None)), block, n_q,
-                       tiles)
+    _TILE_MAPS[key] = (weakref.ref(coords, lambda _: _TILE_MAPS.pop(key, None)), block, n_q, tiles)
     return tiles
 
 
@@ -141,8 +152,11 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_local, v_local, coords, scale, block, group):
-        k, v = ((k_local, v_local) if group is None
-                else (all_gather_dim(k_local, group, 2), all_gather_dim(v_local, group, 2)))
+        k, v = (
+            (k_local, v_local)
+            if group is None
+            else (all_gather_dim(k_local, group, 2), all_gather_dim(v_local, group, 2))
+        )
         n_q, rep = q.shape[2], q.shape[1] // k.shape[1]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         shape = q.shape[:3]
@@ -151,7 +165,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         acc = q.new_zeros(q.shape, dtype=acc_dtype)
         tiles = visible_tiles(coords, n_q, block)
         for qs, ks in tiles:
-            visible = _visible(coords[:, :, qs], coords[:, :, n_q + ks.start:n_q + ks.stop])
+            visible = _visible(coords[:, :, qs], coords[:, :, n_q + ks.start : n_q + ks.stop])
             kb, vb = (_expand_groups(t[:, :, ks], rep) for t in (k, v))
             s = (q[:, :, qs] @ kb.transpose(-1, -2)).to(acc_dtype) * scale
             s = s.masked_fill(~visible, float("-inf"))
@@ -182,7 +196,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         dk = torch.zeros_like(k, dtype=acc_dtype)
         dv = torch.zeros_like(v, dtype=acc_dtype)
         for qs, ks in ctx.tiles:  # the forward's: no host read here
-            visible = _visible(coords[:, :, qs], coords[:, :, n_q + ks.start:n_q + ks.stop])
+            visible = _visible(coords[:, :, qs], coords[:, :, n_q + ks.start : n_q + ks.stop])
             kb, vb = (_expand_groups(t[:, :, ks], rep) for t in (k, v))
             qb, gb = q[:, :, qs], grad_out[:, :, qs]
             s = (qb @ kb.transpose(-1, -2)).to(acc_dtype) * scale
@@ -197,9 +211,15 @@ class _BlockwiseAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def blockwise_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        coords: torch.Tensor, scale: float, block: int = BLOCK,
-                        group=None) -> torch.Tensor:
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    coords: torch.Tensor,
+    scale: float,
+    block: int = BLOCK,
+    group=None,
+) -> torch.Tensor:
     """Attention of ``query`` [b, heads, Sq, hn] over ``key`` / ``value`` [b, groups, Sk, hn]
     under the coordinate rule (:func:`context_parallel_coordinates`: [R', 3, Sq + Sk]), softmax
     scale ``scale``. With a CP ``group``, ``key`` / ``value`` are this rank's share and are
@@ -227,16 +247,25 @@ class ContextParallelAttention(DotProductAttention):
         super().__init__(replace(config, context_parallel_size=1), *args, **kwargs)
         self.config = config
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if attention_bias is not None or packed_seq_params is not None or attention_mask is None:
-            raise ValueError("context-parallel local attention takes its coordinates as "
-                             "attention_mask (models.context_attention."
-                             "context_parallel_coordinates) and no bias or packed_seq_params")
+            raise ValueError(
+                "context-parallel local attention takes its coordinates as "
+                "attention_mask (models.context_attention."
+                "context_parallel_coordinates) and no bias or packed_seq_params"
+            )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        out = blockwise_attention(q, k, v, attention_mask, scale,
-                                  group=context_parallel_group())
+        out = blockwise_attention(q, k, v, attention_mask, scale, group=context_parallel_group())
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import (
@@ -19,11 +18,11 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from dpo_megatron.models.attention import packed_format, packed_seq_params
+from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.context_attention import (
     context_parallel_coordinates,
     uses_context_parallel_attention,
 )
-from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.moe import set_aux_loss_weight
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
@@ -91,30 +90,46 @@ class DPOGPTModel(GPTModel):
     """Columns of this TP rank's vocabulary shard that hold real tokens (None: all); the rest
     is padding (``build_model_chunks``)."""
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, *,
-                packed=None, output_index: Optional[torch.Tensor] = None,
-                target_ids: Optional[torch.Tensor] = None, log_sum_p2: bool = False,
-                padding_mask: Optional[torch.Tensor] = None,
-                moe_aux_loss_weight: float = 1.0):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        packed=None,
+        output_index: Optional[torch.Tensor] = None,
+        target_ids: Optional[torch.Tensor] = None,
+        log_sum_p2: bool = False,
+        padding_mask: Optional[torch.Tensor] = None,
+        moe_aux_loss_weight: float = 1.0,
+    ):
         if self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
             # This CP rank's tokens (data.context_split): query and gathered key coordinates.
             params = None
             attention_mask = context_parallel_coordinates(
-                position_ids, getattr(packed, "segment_ids", None),
-                getattr(packed, "branch_ids", None))
+                position_ids,
+                getattr(packed, "segment_ids", None),
+                getattr(packed, "branch_ids", None),
+            )
         else:
             params = None if packed is None else packed_seq_params(packed, thd=self.thd)
-        decoder_input = (self.embedding(input_ids=input_ids, position_ids=position_ids)
-                         if self.pre_process else None)  # later stages: set_input_tensor
+        decoder_input = (
+            self.embedding(input_ids=input_ids, position_ids=position_ids)
+            if self.pre_process
+            else None
+        )  # later stages: set_input_tensor
         if self.config.num_moe_experts:
             set_aux_loss_weight(self, moe_aux_loss_weight)
             padding_mask = self._local_padding_mask(padding_mask)
         else:
             padding_mask = None
-        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=self._rotary_per_row(position_ids),
-                                     padding_mask=padding_mask, packed_seq_params=params)
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=self._rotary_per_row(position_ids),
+            padding_mask=padding_mask,
+            packed_seq_params=params,
+        )
         if not self.post_process:
             return hidden_states
         if output_index is None:
@@ -125,8 +140,11 @@ class DPOGPTModel(GPTModel):
             weight = self._output_weight()
             return vocab_parallel_linear_logps(
                 copy_to_tensor_model_parallel_region(picked),
-                self.output_layer.weight if weight is None else weight, target_ids,
-                self.vocab_valid_columns, log_sum_p2=log_sum_p2)
+                self.output_layer.weight if weight is None else weight,
+                target_ids,
+                self.vocab_valid_columns,
+                log_sum_p2=log_sum_p2,
+            )
         # [1, n, h]: the n positions as one "sequence" of batch n, so the logits come out as
         # [1, n, V/TP] with plain strides. (A transposed [n, 1, V/TP] gives a gradient whose
         # strides send megatron-core's frozen-weight backward, taken when the output layer is
@@ -138,12 +156,13 @@ class DPOGPTModel(GPTModel):
         finally:
             self.output_layer.sequence_parallel = sequence_parallel
         if target_ids is not None:  # model.fused_lm_head=false: the logits stay for backward
-            return HeadLogps(vocab_parallel_token_logps(logits[0], target_ids),
-                             vocab_parallel_log_sum_p2(logits[0]) if log_sum_p2 else None)
+            return HeadLogps(
+                vocab_parallel_token_logps(logits[0], target_ids),
+                vocab_parallel_log_sum_p2(logits[0]) if log_sum_p2 else None,
+            )
         return logits  # [1, n, V/TP]
 
-    def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]
-                            ) -> Optional[torch.Tensor]:
+    def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[R, L] -> this TP rank's [R, L/TP] slice under sequence parallelism (the routers see
         only their slice of the sequence), on every pipeline stage."""
         if padding_mask is None or not self.config.sequence_parallel:
@@ -169,18 +188,23 @@ class DPOGPTModel(GPTModel):
     def _output_weight(self) -> Optional[torch.Tensor]:
         """The LM head's weight when tied to the word embeddings, else None (the output layer's
         own)."""
-        return (self.shared_embedding_or_output_weight()
-                if self.share_embeddings_and_output_weights else None)
+        return (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else None
+        )
 
-    def _scored_hidden(self, hidden_states: torch.Tensor, output_index: torch.Tensor
-                       ) -> torch.Tensor:
+    def _scored_hidden(
+        self, hidden_states: torch.Tensor, output_index: torch.Tensor
+    ) -> torch.Tensor:
         """[L(/TP), R, h] final hidden states -> [n, h] at the flat positions ``output_index``
         (``r * L + t``), all-gathered along the sequence first under sequence parallelism."""
         if self.output_layer.sequence_parallel:
             # The LM head's input copy all-reduces the input gradient over TP, so the gather's
             # backward only splits (tensor_parallel_output_grad=False).
             hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False)
+                hidden_states, tensor_parallel_output_grad=False
+            )
         length, rows, hidden = hidden_states.shape
         picked = hidden_states.transpose(0, 1).reshape(rows * length, hidden)
         return picked.index_select(0, output_index)
@@ -202,8 +226,9 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
         from dpo_megatron.compat import checkpoint_without_output_without_te
 
         checkpoint_without_output_without_te.enable()
-    vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                              parallel.tensor_model_parallel_size)
+    vocab = padded_vocab_size(
+        model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
+    )
     vpp = parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -213,10 +238,12 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             transformer_layer_spec=layer_spec(model, config, stage),
             vocab_size=vocab,
             max_sequence_length=model.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                               vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                               vp_stage=stage),
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
             parallel_output=True,
             share_embeddings_and_output_weights=model.tie_word_embeddings,
             position_embedding_type=model.position_embedding_type,

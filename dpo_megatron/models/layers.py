@@ -12,7 +12,6 @@ layer spec, so weights, TP sharding and checkpoints are megatron-core's), anothe
 from __future__ import annotations
 
 import torch
-
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
@@ -33,15 +32,29 @@ class ParallelResidualTransformerLayer(TransformerLayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm or self.recompute_mlp:
-            raise ValueError("model.recompute_modules: 'layernorm' and 'mlp' are not wired for "
-                             "GPT-NeoX's parallel residual (model.parallel_residual); use "
-                             "model.recompute_granularity=full")
+            raise ValueError(
+                "model.recompute_modules: 'layernorm' and 'mlp' are not wired for "
+                "GPT-NeoX's parallel residual (model.parallel_residual); use "
+                "model.recompute_granularity=full"
+            )
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None,
-                context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,
-                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
-                inference_context=None, packed_seq_params=None, sequence_len_offset=None,
-                padding_mask=None, **unused):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context=None,
+        context_mask=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        padding_mask=None,
+        **unused,
+    ):
         attention = self.self_attention(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -57,9 +70,11 @@ class ParallelResidualTransformerLayer(TransformerLayer):
         mlp = self.mlp(self.pre_mlp_layernorm(hidden_states), padding_mask=padding_mask)
         fused = self.config.bias_dropout_fusion
         with torch.enable_grad():  # as the parent: bias-dropout-add keeps its graph
-            output = self.self_attn_bda(self.training, fused)(attention, hidden_states,
-                                                               self.hidden_dropout)
+            output = self.self_attn_bda(self.training, fused)(
+                attention, hidden_states, self.hidden_dropout
+            )
             output = self.mlp_bda(self.training, fused)(mlp, output, self.hidden_dropout)
-        output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad,
-                                      keep_graph=True)
+        output = make_viewless_tensor(
+            inp=output, requires_grad=output.requires_grad, keep_graph=True
+        )
         return output, context

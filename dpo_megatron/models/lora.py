@@ -48,7 +48,6 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -72,8 +71,12 @@ from dpo_megatron.models.lora_config import LORA_TARGETS, LoraConfig
 
 ADAPTER_SUFFIX = "_lora"
 """An adapter of ``<parent>.linear_qkv`` is the module ``<parent>.linear_qkv_lora``."""
-_PARALLEL_MODE = {"linear_qkv": "column", "linear_fc1": "column",
-                  "linear_proj": "row", "linear_fc2": "row"}
+_PARALLEL_MODE = {
+    "linear_qkv": "column",
+    "linear_fc1": "column",
+    "linear_proj": "row",
+    "linear_fc2": "row",
+}
 _LAYER_CLASS = {"column": ColumnParallelLinear, "row": RowParallelLinear}
 
 
@@ -105,21 +108,34 @@ class LoRAAdapter(torch.nn.Module):
     before its bias: column [s, b, out/TP]; row [s(/TP), b, out].
     """
 
-    def __init__(self, base: torch.nn.Module, parallel_mode: str, rank: int, alpha: float,
-                 dropout: float, gated: bool = False, name: str = "",
-                 zero_input_from: Optional[int] = None):
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        parallel_mode: str,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        gated: bool = False,
+        name: str = "",
+        zero_input_from: Optional[int] = None,
+    ):
         super().__init__()
         if getattr(base, "gather_output", False):
-            raise ValueError("LoRA on a ColumnParallelLinear with gather_output=True is not "
-                             "supported (megatron-core's transformer layers never gather)")
+            raise ValueError(
+                "LoRA on a ColumnParallelLinear with gather_output=True is not "
+                "supported (megatron-core's transformer layers never gather)"
+            )
         self.parallel_mode = parallel_mode
         self.rank, self.scaling, self.dropout, self.gated = rank, alpha / rank, dropout, gated
         self.global_name, self.zero_input_from = name, zero_input_from
         self.tp_group = base.tp_group
         self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         # Expert layers leave TP communication to the token dispatcher (explicit_expert_comm).
-        self.sequence_parallel = (base.sequence_parallel and self.tp_size > 1
-                                  and not getattr(base, "explicit_expert_comm", False))
+        self.sequence_parallel = (
+            base.sequence_parallel
+            and self.tp_size > 1
+            and not getattr(base, "explicit_expert_comm", False)
+        )
         self._base = weakref.ref(base)  # not a submodule: its weights keep their names
         self.enabled = True
         out_local, in_local = base.weight.shape
@@ -159,7 +175,7 @@ class LoRAAdapter(torch.nn.Module):
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) as in PEFT
         a = torch.empty(self.rank, self.in_features).uniform_(-bound, bound, generator=g)
         if self.zero_input_from is not None:
-            a[:, self.zero_input_from:] = 0
+            a[:, self.zero_input_from :] = 0
         b = torch.empty(self.out_features, self.rank).normal_(0.0, 1.0, generator=g) * b_std
         self.lora_a.copy_(self._local(a, dim=1) if self.parallel_mode == "row" else a)
         self.lora_b.copy_(self._local(b, dim=0) if self.parallel_mode == "column" else b)
@@ -168,8 +184,9 @@ class LoRAAdapter(torch.nn.Module):
         """This TP rank's shard of a full adapter matrix along ``dim`` (a gated fc1's output is
         [gate; up] in full and [gate_r; up_r] per rank)."""
         if self.gated and dim == 0:
-            return torch.cat([h.chunk(self.tp_size, dim=0)[self.tp_rank]
-                              for h in full.chunk(2, dim=0)])
+            return torch.cat(
+                [h.chunk(self.tp_size, dim=0)[self.tp_rank] for h in full.chunk(2, dim=0)]
+            )
         return full.chunk(self.tp_size, dim=dim)[self.tp_rank]
 
     # ------------------------------------------------------------------------------------------
@@ -187,8 +204,9 @@ class LoRAAdapter(torch.nn.Module):
         h = F.linear(x, self.lora_a)
         if self.parallel_mode == "column":
             if self.sequence_parallel:
-                h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
-                                                         group=self.tp_group)
+                h = gather_from_sequence_parallel_region(
+                    h, tensor_parallel_output_grad=True, group=self.tp_group
+                )
             elif self.tp_size > 1:
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
         elif self.sequence_parallel:
@@ -205,8 +223,11 @@ class LoRAAdapter(torch.nn.Module):
         if not self.training or self.dropout == 0.0:
             return x
         partitioned = self.parallel_mode == "row" or self.sequence_parallel
-        fork = (tensor_parallel.get_cuda_rng_tracker().fork() if partitioned
-                else contextlib.nullcontext())
+        fork = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if partitioned
+            else contextlib.nullcontext()
+        )
         with fork:
             return F.dropout(x, self.dropout, training=True)
 
@@ -223,24 +244,33 @@ class LoRAAdapter(torch.nn.Module):
         w = self.base.weight
         return (w.float() + self.delta_weight().float()).to(w.dtype)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
         """megatron-core distributed-checkpoint entries: the split matrix along its TP axis (a
         gated fc1's B through the SwiGLU factory), the replicated one once."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         axis = {"lora_b": 0} if self.parallel_mode == "column" else {"lora_a": 1}
         sharded = make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, axis, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axis,
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
         if self.gated:
             key = f"{prefix}lora_b"
             sharded[key] = apply_swiglu_sharded_factory(
-                sharded[key], sharded_offsets, metadata.get("singleton_local_shards", False))
+                sharded[key], sharded_offsets, metadata.get("singleton_local_shards", False)
+            )
         return sharded
 
     def extra_repr(self) -> str:
-        return (f"{self.parallel_mode}, in={self.in_features}, out={self.out_features}, "
-                f"rank={self.rank}, scaling={self.scaling:g}, TP={self.tp_size}")
+        return (
+            f"{self.parallel_mode}, in={self.in_features}, out={self.out_features}, "
+            f"rank={self.rank}, scaling={self.scaling:g}, TP={self.tp_size}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,23 +328,39 @@ def attach_lora(chunks: list, lora: LoraConfig, model_cfg, seed: int) -> list[Lo
                 raise ValueError(
                     f"lora.target_modules: {name} is a {type(layer).__name__}; adapters attach "
                     f"to megatron-core's {_LAYER_CLASS[mode].__name__} (set "
-                    "model.transformer_impl=local)")
+                    "model.transformer_impl=local)"
+                )
             if getattr(layer, "is_expert", False) and get_pg_size(layer.tp_group) > 1:
-                raise NotImplementedError(f"LoRA on {name}: MoE experts with expert tensor "
-                                          "parallelism > 1 are not supported")
+                raise NotImplementedError(
+                    f"LoRA on {name}: MoE experts with expert tensor "
+                    "parallelism > 1 are not supported"
+                )
             gated = leaf == "linear_fc1" and layer.config.gated_linear_unit
-            zero_from = (_padded_head_inputs(model_cfg, get_pg_size(layer.tp_group))
-                         if leaf == "linear_proj" else None)
-            adapter = LoRAAdapter(layer, mode, lora.rank, lora.alpha, lora.dropout, gated,
-                                  global_module_name(model, name), zero_from)
+            zero_from = (
+                _padded_head_inputs(model_cfg, get_pg_size(layer.tp_group))
+                if leaf == "linear_proj"
+                else None
+            )
+            adapter = LoRAAdapter(
+                layer,
+                mode,
+                lora.rank,
+                lora.alpha,
+                lora.dropout,
+                gated,
+                global_module_name(model, name),
+                zero_from,
+            )
             adapter.reset_parameters(seed)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             parent.add_module(leaf + ADAPTER_SUFFIX, adapter)
             adapters.append(adapter)
             found += 1
         if not found and len(getattr(getattr(model, "decoder", None), "layers", [])):
-            raise ValueError(f"lora.target_modules={list(lora.target_modules)} matched no layer "
-                             f"of this model (known: {', '.join(LORA_TARGETS)})")
+            raise ValueError(
+                f"lora.target_modules={list(lora.target_modules)} matched no layer "
+                f"of this model (known: {', '.join(LORA_TARGETS)})"
+            )
         if model.config.recompute_granularity == "full" and getattr(model, "pre_process", False):
             model.embedding.register_forward_hook(_input_requires_grad)
     return adapters
@@ -400,8 +446,9 @@ class AdapterCheckpoint:
     def __init__(self, chunk: torch.nn.Module):
         self._chunk = chunk  # not ``module``: the checkpoint code unwraps ``.module`` chains
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
         full = _unwrap(self._chunk).sharded_state_dict(prefix, sharded_offsets, metadata)
         return {k: v for k, v in full.items() if is_adapter_key(k)}
 
@@ -415,12 +462,25 @@ class AdapterCheckpoint:
         wanted = {k for k in model.state_dict() if is_adapter_key(k)}
         missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
         if strict and (missing or unexpected):
-            raise KeyError(f"LoRA checkpoint does not match the model's adapters: missing "
-                           f"{missing[:4]}, unexpected {unexpected[:4]}")
+            raise KeyError(
+                f"LoRA checkpoint does not match the model's adapters: missing "
+                f"{missing[:4]}, unexpected {unexpected[:4]}"
+            )
         model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=False)
 
 
-__all__ = ["ADAPTER_SUFFIX", "AdapterCheckpoint", "LoRAAdapter", "adapter_parameter_ids",
-           "adapters", "adapters_by_base_weight", "adapters_disabled", "attach_lora",
-           "global_module_name", "has_adapters", "is_adapter_key", "merge_adapters",
-           "reset_adapters"]
+__all__ = [
+    "ADAPTER_SUFFIX",
+    "AdapterCheckpoint",
+    "LoRAAdapter",
+    "adapter_parameter_ids",
+    "adapters",
+    "adapters_by_base_weight",
+    "adapters_disabled",
+    "attach_lora",
+    "global_module_name",
+    "has_adapters",
+    "is_adapter_key",
+    "merge_adapters",
+    "reset_adapters",
+]

@@ -27,11 +27,16 @@ def export_mode(value) -> str:
         ValueError: any other value (naming the valid ones).
     """
     text = str(value).strip().lower()
-    aliases = {"": "none", "false": "none", "none": "none", "true": "merged",
-               "merged": "merged", "adapter": "adapter"}
+    aliases = {
+        "": "none",
+        "false": "none",
+        "none": "none",
+        "true": "merged",
+        "merged": "merged",
+        "adapter": "adapter",
+    }
     if text not in aliases:
-        raise ValueError(f"checkpoint.export_hf={value!r}; valid: false/none, true/merged, "
-                         "adapter")
+        raise ValueError(f"checkpoint.export_hf={value!r}; valid: false/none, true/merged, adapter")
     return aliases[text]
 
 
@@ -74,14 +79,18 @@ class LoraConfig:
         mode = export_mode(export_hf)
         if not self.enabled:
             if mode == "adapter":
-                raise ValueError("checkpoint.export_hf=adapter writes LoRA adapters: set "
-                                 "lora.enabled=true, or export_hf=merged for the full model")
+                raise ValueError(
+                    "checkpoint.export_hf=adapter writes LoRA adapters: set "
+                    "lora.enabled=true, or export_hf=merged for the full model"
+                )
             return
         unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
         if unknown or not self.target_modules:
-            raise ValueError(f"lora.target_modules={list(self.target_modules)}: "
-                             f"{'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
-                             f"valid: {', '.join(LORA_TARGETS)}")
+            raise ValueError(
+                f"lora.target_modules={list(self.target_modules)}: "
+                f"{'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
+                f"valid: {', '.join(LORA_TARGETS)}"
+            )
         if self.rank <= 0:
             raise ValueError(f"lora.rank={self.rank} must be >= 1")
         if self.alpha <= 0:
@@ -89,22 +98,28 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
         if reference.offload:
-            raise ValueError("reference.offload=true with lora.enabled=true: the reference is "
-                             "the policy's own frozen base weights, there is no reference copy "
-                             "to offload; drop reference.offload")
+            raise ValueError(
+                "reference.offload=true with lora.enabled=true: the reference is "
+                "the policy's own frozen base weights, there is no reference copy "
+                "to offload; drop reference.offload"
+            )
         from dpo_megatron.losses import build_loss
 
         loss_fn = build_loss(loss)
         if not loss_fn.needs_reference and reference.mode == "precomputed":
-            raise ValueError(f"reference.mode=precomputed with lora.enabled=true and loss "
-                             f"{loss.get('name')!r}, which reads no reference: there is nothing "
-                             "to precompute (LoRA's base is the reference only for losses that "
-                             "read one); drop reference.mode")
+            raise ValueError(
+                f"reference.mode=precomputed with lora.enabled=true and loss "
+                f"{loss.get('name')!r}, which reads no reference: there is nothing "
+                "to precompute (LoRA's base is the reference only for losses that "
+                "read one); drop reference.mode"
+            )
         from dpo_megatron.models.transformer_config import use_transformer_engine
 
         if use_transformer_engine(model.transformer_impl):
-            raise ValueError("lora.enabled=true attaches adapters to megatron-core's local "
-                             "ColumnParallelLinear / RowParallelLinear layers (transformer-"
-                             "engine fuses the norm into linear_qkv / linear_fc1, so the "
-                             "adapter would see the un-normalised input): set "
-                             "model.transformer_impl=local")
+            raise ValueError(
+                "lora.enabled=true attaches adapters to megatron-core's local "
+                "ColumnParallelLinear / RowParallelLinear layers (transformer-"
+                "engine fuses the norm into linear_qkv / linear_fc1, so the "
+                "adapter would see the un-normalised input): set "
+                "model.transformer_impl=local"
+            )

@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     clear_aux_losses_tracker,
@@ -73,17 +72,28 @@ class DPOTopKRouter(TopKRouter):
     aux_loss_weight: float = 1.0
     """What the step's final gradient division counts this micro-batch as (its pairs)."""
 
-    def attach_and_log_load_balancing_loss(self, activation: torch.Tensor, aux_loss_coeff: float,
-                                           aux_loss: torch.Tensor, aux_loss_name: str,
-                                           reduce_group, reduce_group_has_dp: bool = False,
-                                           valid_token_count=None) -> torch.Tensor:
+    def attach_and_log_load_balancing_loss(
+        self,
+        activation: torch.Tensor,
+        aux_loss_coeff: float,
+        aux_loss: torch.Tensor,
+        aux_loss_name: str,
+        reduce_group,
+        reduce_group_has_dp: bool = False,
+        valid_token_count=None,
+    ) -> torch.Tensor:
         """Record ``aux_loss / aux_loss_coeff`` for logging (megatron-core's tracker) and attach
         ``aux_loss * aux_loss_weight`` to ``activation``'s backward. ``valid_token_count`` (the
         per-token weight megatron-core would use) is ignored."""
         num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
-        save_to_aux_losses_tracker(aux_loss_name, aux_loss / aux_loss_coeff, self.layer_number,
-                                   num_layers, reduce_group=reduce_group,
-                                   reduce_group_has_dp=reduce_group_has_dp)
+        save_to_aux_losses_tracker(
+            aux_loss_name,
+            aux_loss / aux_loss_coeff,
+            self.layer_number,
+            num_layers,
+            reduce_group=reduce_group,
+            reduce_group_has_dp=reduce_group_has_dp,
+        )
         return MoEAuxLossAutoScaler.apply(activation, aux_loss * self.aux_loss_weight)
 
 
@@ -124,9 +134,13 @@ def load_balancing_metrics(config, num_micro_batches: int) -> dict[str, float]:
     # Each layer's entry sums megatron-core's LB / k over this rank's micro-batches.
     per_layer_sum = float(tracker[TRACKED]["values"].sum().item())
     clear_aux_losses_tracker()
-    return {"moe/load_balancing_loss": per_layer_sum * config.moe_router_topk
-            / config.num_layers / num_micro_batches,
-            "moe/aux_loss": coeff * per_layer_sum / num_micro_batches}
+    return {
+        "moe/load_balancing_loss": per_layer_sum
+        * config.moe_router_topk
+        / config.num_layers
+        / num_micro_batches,
+        "moe/aux_loss": coeff * per_layer_sum / num_micro_batches,
+    }
 
 
 def moe_needs_sequence_parallel(model: ModelConfig, tensor_model_parallel_size: int) -> bool:
@@ -135,9 +149,13 @@ def moe_needs_sequence_parallel(model: ModelConfig, tensor_model_parallel_size: 
     return bool(model.num_experts) and tensor_model_parallel_size > 1
 
 
-def check_moe(model: ModelConfig, expert_model_parallel_size: int,
-              expert_tensor_parallel_size: int, tensor_model_parallel_size: int,
-              sequence_parallel: bool) -> Optional[int]:
+def check_moe(
+    model: ModelConfig,
+    expert_model_parallel_size: int,
+    expert_tensor_parallel_size: int,
+    tensor_model_parallel_size: int,
+    sequence_parallel: bool,
+) -> Optional[int]:
     """The expert width, after checking the MoE fields against the layout.
 
     Returns:
@@ -151,31 +169,44 @@ def check_moe(model: ModelConfig, expert_model_parallel_size: int,
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
     if not model.num_experts:
         if ep > 1:
-            raise ValueError(f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts "
-                             "model (model.num_experts)")
+            raise ValueError(
+                f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts "
+                "model (model.num_experts)"
+            )
         return None
     experts, topk = model.num_experts, model.moe_router_topk
     if experts % ep:
-        raise ValueError(f"model has {experts} experts, not divisible by "
-                         f"parallel.expert_model_parallel_size={ep}")
+        raise ValueError(
+            f"model has {experts} experts, not divisible by "
+            f"parallel.expert_model_parallel_size={ep}"
+        )
     if not 1 <= topk <= experts:
-        raise ValueError(f"model.moe_router_topk={topk} must be in [1, model.num_experts="
-                         f"{experts}]")
+        raise ValueError(
+            f"model.moe_router_topk={topk} must be in [1, model.num_experts={experts}]"
+        )
     if topk == 1 and model.moe_norm_topk_prob:
-        raise ValueError("model.moe_router_topk=1 with model.moe_norm_topk_prob=true gives every "
-                         "token weight 1; megatron-core's top-1 router weights by the softmax "
-                         "probability: set model.moe_norm_topk_prob=false")
+        raise ValueError(
+            "model.moe_router_topk=1 with model.moe_norm_topk_prob=true gives every "
+            "token weight 1; megatron-core's top-1 router weights by the softmax "
+            "probability: set model.moe_norm_topk_prob=false"
+        )
     width = model.moe_ffn_hidden_size or model.ffn_hidden_size
     if width % etp:
-        raise ValueError(f"expert width {width} (model.moe_ffn_hidden_size) is not divisible by "
-                         f"parallel.expert_tensor_parallel_size={etp}")
+        raise ValueError(
+            f"expert width {width} (model.moe_ffn_hidden_size) is not divisible by "
+            f"parallel.expert_tensor_parallel_size={etp}"
+        )
     if model.moe_token_dispatcher not in ("alltoall", "allgather"):
-        raise ValueError(f"model.moe_token_dispatcher must be alltoall or allgather, got "
-                         f"{model.moe_token_dispatcher!r}")
+        raise ValueError(
+            f"model.moe_token_dispatcher must be alltoall or allgather, got "
+            f"{model.moe_token_dispatcher!r}"
+        )
     if moe_needs_sequence_parallel(model, tensor_model_parallel_size) and not sequence_parallel:
-        raise ValueError("a mixture-of-experts model at parallel.tensor_model_parallel_size="
-                         f"{tensor_model_parallel_size} needs parallel.sequence_parallel=true "
-                         "(megatron-core's MoE layer refuses to train with TP but without it)")
+        raise ValueError(
+            "a mixture-of-experts model at parallel.tensor_model_parallel_size="
+            f"{tensor_model_parallel_size} needs parallel.sequence_parallel=true "
+            "(megatron-core's MoE layer refuses to train with TP but without it)"
+        )
     if (model.moe_aux_loss_coeff or 0.0) < 0:
         raise ValueError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} must be >= 0")
     return width

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -42,8 +41,12 @@ class _RMSNormFunction(torch.autograd.Function):
             g = (grad_out * weight).to(wide)
             grad_x = (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad_out.to(wide) * y.to(x.dtype).to(wide)).reshape(
-                -1, x.shape[-1]).sum(0).to(weight.dtype)
+            grad_weight = (
+                (grad_out.to(wide) * y.to(x.dtype).to(wide))
+                .reshape(-1, x.shape[-1])
+                .sum(0)
+                .to(weight.dtype)
+            )
         return grad_x, grad_weight, None
 
 
@@ -98,6 +101,7 @@ def norm_class(normalization: str) -> type[torch.nn.Module]:
     """
     classes = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
     if normalization not in classes:
-        raise ValueError(f"model.normalization must be one of {sorted(classes)}, "
-                         f"got {normalization!r}")
+        raise ValueError(
+            f"model.normalization must be one of {sorted(classes)}, got {normalization!r}"
+        )
     return classes[normalization]

@@ -59,8 +59,9 @@ class ModelPreset:
 
 def _pythia(size: str, layers: int, hidden: int, heads: int, vocab: int = 50304) -> ModelPreset:
     """Pythia (Biderman et al. 2023, table 1): GPT-NeoX, ffn = 4 x hidden, untied."""
-    return ModelPreset(f"EleutherAI/pythia-{size}", "gpt_neox", layers, hidden, heads,
-                       4 * hidden, vocab, size)
+    return ModelPreset(
+        f"EleutherAI/pythia-{size}", "gpt_neox", layers, hidden, heads, 4 * hidden, vocab, size
+    )
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
@@ -78,9 +79,18 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     "pythia14": _pythia("1.4b", 24, 2048, 16),
     # SmolLM2-135M-Instruct from the offline asset cache; its 3 key/value heads are padded to 4
     # so that TP 1, 2 and 4 all fit and checkpoints reshard.
-    "smollm2": ModelPreset("HuggingFaceTB/SmolLM2-135M-Instruct", "llama", 30, 576, 9, 1536,
-                           49152, "135m", asset="smollm2",
-                           model_keys={"pad_attention_heads": True}),
+    "smollm2": ModelPreset(
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "llama",
+        30,
+        576,
+        9,
+        1536,
+        49152,
+        "135m",
+        asset="smollm2",
+        model_keys={"pad_attention_heads": True},
+    ),
 }
 """Preset name -> model. The reference repo's ``gptj`` is absent: GPT-J is not mapped."""
 
@@ -118,16 +128,20 @@ def _check_folder(folder: str, name: str, preset: ModelPreset) -> None:
     """A local copy must be the preset's model (its config.json states the same facts)."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    facts = {"model_type": preset.model_type,
-             ("num_hidden_layers", "n_layer"): preset.num_layers,
-             ("hidden_size", "n_embd"): preset.hidden_size,
-             ("num_attention_heads", "n_head"): preset.num_attention_heads}
+    facts = {
+        "model_type": preset.model_type,
+        ("num_hidden_layers", "n_layer"): preset.num_layers,
+        ("hidden_size", "n_embd"): preset.hidden_size,
+        ("num_attention_heads", "n_head"): preset.num_attention_heads,
+    }
     for keys, want in facts.items():
         keys = keys if isinstance(keys, tuple) else (keys,)
         got = next((config[k] for k in keys if k in config), None)
         if got != want:
-            raise ValueError(f"{folder}/config.json: {keys[0]}={got!r}, but preset {name!r} "
-                             f"({preset.hub_name}) has {want!r}: the folder holds another model")
+            raise ValueError(
+                f"{folder}/config.json: {keys[0]}={got!r}, but preset {name!r} "
+                f"({preset.hub_name}) has {want!r}: the folder holds another model"
+            )
 
 
 def resolve_model_preset(name: str, search_dirs: Optional[Sequence[str]] = None) -> str:
@@ -179,5 +193,6 @@ def model_preset_keys(name: str, search_dirs: Optional[Sequence[str]] = None) ->
     """
     preset = get_preset(name)
     hf_path = _local_copy(name, preset, search_dirs) or (
-        f"${{asset:{preset.asset}}}" if preset.asset else preset.hub_name)
+        f"${{asset:{preset.asset}}}" if preset.asset else preset.hub_name
+    )
     return {"hf_path": hf_path, **preset.model_keys}

@@ -41,34 +41,47 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
             :func:`use_transformer_engine`.
     """
     te = use_transformer_engine(model.transformer_impl)
-    local_only = [name for name, on in (("model.num_experts", model.num_experts),
-                                        ("model.parallel_residual", model.parallel_residual))
-                  if on]
+    local_only = [
+        name
+        for name, on in (
+            ("model.num_experts", model.num_experts),
+            ("model.parallel_residual", model.parallel_residual),
+        )
+        if on
+    ]
     if te and local_only:
         if model.transformer_impl == "transformer_engine":
-            raise ValueError(f"model.transformer_impl=transformer_engine is not wired for "
-                             f"{' / '.join(local_only)}: use model.transformer_impl=local")
+            raise ValueError(
+                f"model.transformer_impl=transformer_engine is not wired for "
+                f"{' / '.join(local_only)}: use model.transformer_impl=local"
+            )
         return False
     return te
 
 
-def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
-                ) -> ModuleSpec:
+def layer_spec(
+    model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
+) -> ModuleSpec:
     """Transformer-block spec: TE layers when chosen (their attention does context parallelism
     itself), else local layers with SP-aware norms and, under context parallelism,
     ``models.context_attention.ContextParallelAttention``."""
     if uses_transformer_engine(model):
         layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
         layer.submodules.self_attention.submodules.core_attention = core_attention_spec(
-            model.local_attention, transformer_engine=True)
+            model.local_attention, transformer_engine=True
+        )
         return layer
-    layer = get_gpt_layer_local_spec(num_experts=model.num_experts,
-                                     qk_layernorm=model.qk_layernorm,
-                                     normalization=model.normalization)
+    layer = get_gpt_layer_local_spec(
+        num_experts=model.num_experts,
+        qk_layernorm=model.qk_layernorm,
+        normalization=model.normalization,
+    )
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = (
-        ContextParallelAttention if config.context_parallel_size > 1  # gathers keys/values
-        else core_attention_spec(model.local_attention, transformer_engine=False))
+        ContextParallelAttention
+        if config.context_parallel_size > 1  # gathers keys/values
+        else core_attention_spec(model.local_attention, transformer_engine=False)
+    )
     norm = norm_class(model.normalization)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm

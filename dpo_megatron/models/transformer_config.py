@@ -7,7 +7,6 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dpo_megatron.models.config import ModelConfig
@@ -48,12 +47,15 @@ def use_transformer_engine(impl: str) -> bool:
     available = is_cuda() and importlib.util.find_spec("transformer_engine")
     if impl == "transformer_engine":
         if not available:
-            raise ValueError("model.transformer_impl=transformer_engine needs CUDA and the "
-                             "transformer-engine package (pip install .[gpu])")
+            raise ValueError(
+                "model.transformer_impl=transformer_engine needs CUDA and the "
+                "transformer-engine package (pip install .[gpu])"
+            )
         return True
     if impl not in ("auto", "local"):
-        raise ValueError(f"model.transformer_impl must be auto, local or transformer_engine, "
-                         f"got {impl!r}")
+        raise ValueError(
+            f"model.transformer_impl must be auto, local or transformer_engine, got {impl!r}"
+        )
     return impl == "auto" and bool(available)
 
 
@@ -81,8 +83,9 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
     groups = model.num_query_groups or heads
     head_dim = model.kv_channels or model.hidden_size // heads
     if heads % groups:
-        raise ValueError(f"model.num_attention_heads={heads} is not divisible by "
-                         f"model.num_query_groups={groups}")
+        raise ValueError(
+            f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}"
+        )
     tp = tensor_model_parallel_size
     if model.pad_attention_heads:
         multiple = model.pad_attention_heads_multiple
@@ -92,12 +95,14 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
             raise ValueError(
                 f"model has {groups} key/value groups after padding to a multiple of "
                 f"model.pad_attention_heads_multiple={multiple}, not divisible by "
-                f"parallel.tensor_model_parallel_size={tp}: set the multiple to a multiple of {tp}")
+                f"parallel.tensor_model_parallel_size={tp}: set the multiple to a multiple of {tp}"
+            )
     elif groups % tp or heads % tp:
         raise ValueError(
             f"model has {heads} attention heads and {groups} key/value heads; both must be "
             f"divisible by parallel.tensor_model_parallel_size={tp} (or set "
-            f"model.pad_attention_heads=true to add zero heads)")
+            f"model.pad_attention_heads=true to add zero heads)"
+        )
     return heads, groups, head_dim
 
 
@@ -123,21 +128,26 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
     if model.num_layers % (pp * vpp):
         raise ValueError(
             f"model has {model.num_layers} layers, not divisible by "
-            f"parallel.pipeline_model_parallel_size={pp} x virtual stages {vpp}")
+            f"parallel.pipeline_model_parallel_size={pp} x virtual stages {vpp}"
+        )
     if model.activation not in ACTIVATIONS:
-        raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got "
-                         f"{model.activation!r}")
+        raise ValueError(
+            f"model.activation must be one of {sorted(ACTIVATIONS)}, got {model.activation!r}"
+        )
     if not 0.0 < model.rotary_percent <= 1.0:
         raise ValueError(f"model.rotary_percent={model.rotary_percent} must be in (0, 1]")
     if model.num_experts and parallel.context_parallel_size > 1:
         # The context-parallel split (data.context_split) does not cut the routers' padding mask.
-        raise ValueError(f"model.num_experts={model.num_experts} with parallel."
-                         f"context_parallel_size={parallel.context_parallel_size}: mixture-of-"
-                         f"experts models do not run under context parallelism yet; set "
-                         f"parallel.context_parallel_size=1 (expert parallelism still applies)")
+        raise ValueError(
+            f"model.num_experts={model.num_experts} with parallel."
+            f"context_parallel_size={parallel.context_parallel_size}: mixture-of-"
+            f"experts models do not run under context parallelism yet; set "
+            f"parallel.context_parallel_size=1 (expert parallelism still applies)"
+        )
     etp = parallel.expert_tensor_parallel()
-    expert_width = check_moe(model, parallel.expert_model_parallel_size, etp, tp,
-                             parallel.sequence_parallel)
+    expert_width = check_moe(
+        model, parallel.expert_model_parallel_size, etp, tp, parallel.sequence_parallel
+    )
     dtype = resolve_params_dtype(model.params_dtype)
     swiglu = model.activation == "swiglu"
     moe = {}
@@ -207,7 +217,10 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
-        **({} if model.recompute_modules is None
-           else {"recompute_modules": list(model.recompute_modules)}),
+        **(
+            {}
+            if model.recompute_modules is None
+            else {"recompute_modules": list(model.recompute_modules)}
+        ),
         **moe,
     )

@@ -61,8 +61,11 @@ class ParallelConfig:
 
     def model_parallel_size(self) -> int:
         """Ranks that share one data-parallel replica's pairs: TP x PP x CP."""
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                * self.context_parallel_size)
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
 
     def sequence_granule(self) -> int:
         """Tokens a model row's length must be a multiple of for this layout: 2 x CP (the
@@ -81,8 +84,11 @@ class ParallelConfig:
         mp = self.model_parallel_size()
         if self.data_parallel_size is not None:
             return mp * self.data_parallel_size
-        expert_mp = (self.expert_tensor_parallel() * self.expert_model_parallel_size
-                     * self.pipeline_model_parallel_size)
+        expert_mp = (
+            self.expert_tensor_parallel()
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
         return math.lcm(mp, expert_mp)
 
     def expert_tensor_parallel(self) -> int:
@@ -105,25 +111,57 @@ class ParallelConfig:
         """
         check_range("parallel", self, "tensor_model_parallel_size", 1)
         check_range("parallel", self, "pipeline_model_parallel_size", 1)
-        check_range("parallel", self, "context_parallel_size", 1,
-                    why="ranks that split each sequence (1: no context parallelism)")
-        check_range("parallel", self, "data_parallel_size", 1, optional=True,
-                    why="model replicas (null: world size / (TP x PP))")
-        check_range("parallel", self, "virtual_pipeline_model_parallel_size", 2, optional=True,
-                    why="model chunks per pipeline rank (null: not interleaved)")
-        check_range("parallel", self, "expert_model_parallel_size", 1,
-                    why="ranks that split each layer's experts")
-        check_range("parallel", self, "expert_tensor_parallel_size", 1, optional=True,
-                    why="ranks that split each expert (null: tensor_model_parallel_size)")
+        check_range(
+            "parallel",
+            self,
+            "context_parallel_size",
+            1,
+            why="ranks that split each sequence (1: no context parallelism)",
+        )
+        check_range(
+            "parallel",
+            self,
+            "data_parallel_size",
+            1,
+            optional=True,
+            why="model replicas (null: world size / (TP x PP))",
+        )
+        check_range(
+            "parallel",
+            self,
+            "virtual_pipeline_model_parallel_size",
+            2,
+            optional=True,
+            why="model chunks per pipeline rank (null: not interleaved)",
+        )
+        check_range(
+            "parallel",
+            self,
+            "expert_model_parallel_size",
+            1,
+            why="ranks that split each layer's experts",
+        )
+        check_range(
+            "parallel",
+            self,
+            "expert_tensor_parallel_size",
+            1,
+            optional=True,
+            why="ranks that split each expert (null: tensor_model_parallel_size)",
+        )
         check_range("parallel", self, "distributed_timeout_minutes", 1)
         check_choice("parallel", self, "backend", BACKENDS)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("parallel.sequence_parallel=true needs "
-                             "parallel.tensor_model_parallel_size > 1")
+            raise ValueError(
+                "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1"
+            )
         if self.virtual_pipeline_model_parallel_size is not None and (
-                self.pipeline_model_parallel_size < 2):
-            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
-                             "parallel.pipeline_model_parallel_size >= 2")
+            self.pipeline_model_parallel_size < 2
+        ):
+            raise ValueError(
+                "parallel.virtual_pipeline_model_parallel_size needs "
+                "parallel.pipeline_model_parallel_size >= 2"
+            )
         if world_size is None:
             return
         mp = self.model_parallel_size()
@@ -132,12 +170,14 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size"
                 f" ({self.tensor_model_parallel_size}) x parallel.pipeline_model_parallel_size"
                 f" ({self.pipeline_model_parallel_size}) x parallel.context_parallel_size"
-                f" ({self.context_parallel_size}) = {mp}: launch a multiple of {mp} ranks")
+                f" ({self.context_parallel_size}) = {mp}: launch a multiple of {mp} ranks"
+            )
         if self.data_parallel_size is not None and self.data_parallel_size * mp != world_size:
             raise ValueError(
                 f"parallel.data_parallel_size={self.data_parallel_size} x TP x PP x CP = "
                 f"{self.data_parallel_size * mp} but the job has {world_size} ranks: launch "
-                f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size")
+                f"{self.data_parallel_size * mp} ranks or drop parallel.data_parallel_size"
+            )
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel()
         expert_mp = etp * ep * self.pipeline_model_parallel_size
         if world_size % expert_mp:
@@ -146,4 +186,5 @@ class ParallelConfig:
                 f" ({etp}) x parallel.expert_model_parallel_size ({ep}) x "
                 f"parallel.pipeline_model_parallel_size ({self.pipeline_model_parallel_size}) = "
                 f"{expert_mp}: the experts of a pipeline stage are split over its TP x DP ranks; "
-                f"lower the expert sizes or launch a multiple of {expert_mp} ranks")
+                f"lower the expert sizes or launch a multiple of {expert_mp} ranks"
+            )

@@ -60,8 +60,10 @@ def chunk_positions(length: int, rank: int, size: int) -> torch.Tensor:
     if size == 1:
         return torch.arange(length)
     if length % (2 * size):
-        raise ValueError(f"a span of {length} tokens cannot be cut into 2 x CP = {2 * size} equal "
-                         f"chunks: pad it to a multiple of {2 * size}")
+        raise ValueError(
+            f"a span of {length} tokens cannot be cut into 2 x CP = {2 * size} equal "
+            f"chunks: pad it to a multiple of {2 * size}"
+        )
     chunk = length // (2 * size)
     first, second = rank * chunk, (2 * size - 1 - rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])

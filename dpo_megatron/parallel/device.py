@@ -172,10 +172,12 @@ def memory_stats() -> dict[str, float]:
     process's resident set (peak from ``getrusage``, current from ``/proc/self/statm``), which
     holds weights, optimizer state and activations alike.
     """
-    gib = float(2 ** 30)
+    gib = float(2**30)
     if is_cuda():
-        return {"peak": torch.cuda.max_memory_allocated() / gib,
-                "current": torch.cuda.memory_allocated() / gib}
+        return {
+            "peak": torch.cuda.max_memory_allocated() / gib,
+            "current": torch.cuda.memory_allocated() / gib,
+        }
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

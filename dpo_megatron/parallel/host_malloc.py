@@ -67,8 +67,9 @@ def mode(environ: Mapping[str, str] = os.environ) -> str:
     """
     value = environ.get(SWITCH, "") or "trim"
     if value not in MODES:
-        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)} "
-                         "(unset means trim)")
+        raise ValueError(
+            f"{SWITCH}={value!r}: expected one of {', '.join(MODES)} (unset means trim)"
+        )
     return value
 
 
@@ -133,9 +134,21 @@ def malloc_in_use() -> int:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -187,8 +200,9 @@ class HeapTrimmer:
             0 (not Linux / glibc before 2.33) every call trims.
     """
 
-    def __init__(self, slack_bytes: int = TRIM_SLACK_BYTES, rss=resident_bytes,
-                 in_use=malloc_in_use):
+    def __init__(
+        self, slack_bytes: int = TRIM_SLACK_BYTES, rss=resident_bytes, in_use=malloc_in_use
+    ):
         self.slack_bytes, self.rss, self.in_use = slack_bytes, rss, in_use
         self.rest: Optional[int] = None  # RSS - bytes in use after the last trim
         self.trims = 0
@@ -203,8 +217,9 @@ class HeapTrimmer:
         self.rest = self.rss() - self.in_use()
 
 
-def trim_after_each_layer(model_chunks: Sequence, device,
-                          trimmer: Optional[HeapTrimmer] = None) -> Optional[HeapTrimmer]:
+def trim_after_each_layer(
+    model_chunks: Sequence, device, trimmer: Optional[HeapTrimmer] = None
+) -> Optional[HeapTrimmer]:
     """In ``trim`` mode on a CPU device with glibc, call a :class:`HeapTrimmer` after every
     transformer layer's forward in ``model_chunks`` (a forward hook, so also in recomputed
     forwards, and with LoRA in the reference pass, which runs the policy's own layers); elsewhere
@@ -237,10 +252,14 @@ def describe(environ: Mapping[str, str] = os.environ, trimming: bool = False) ->
     """One phrase for the start-up line: the malloc tunables in force (``release`` or the user's
     own), or glibc's default, and with ``trimming`` that free heap pages are returned between
     layers (``trim``)."""
-    active = [t for t in environ.get("GLIBC_TUNABLES", "").split(":")
-              if t.startswith("glibc.malloc.")]
-    tunables = ", ".join(t[len("glibc.malloc."):] for t in active)
+    active = [
+        t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")
+    ]
+    tunables = ", ".join(t[len("glibc.malloc.") :] for t in active)
     if trimming:
-        return ("host malloc: trim (free heap pages returned between layers; "
-                + (tunables or "glibc's default malloc") + ")")
+        return (
+            "host malloc: trim (free heap pages returned between layers; "
+            + (tunables or "glibc's default malloc")
+            + ")"
+        )
     return "host malloc: " + (tunables or "the C library's default")

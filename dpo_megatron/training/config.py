@@ -84,9 +84,11 @@ class TrainConfig:
         short run), else None."""
         if self.lr_warmup_iters < self.train_iters:
             return None
-        return (f"WARNING: train.lr_warmup_iters={self.lr_warmup_iters} >= train.train_iters="
-                f"{self.train_iters}: the run ends {self.train_iters}/{self.lr_warmup_iters} of "
-                f"the way through its linear warm-up and never reaches train.lr={self.lr:g}")
+        return (
+            f"WARNING: train.lr_warmup_iters={self.lr_warmup_iters} >= train.train_iters="
+            f"{self.train_iters}: the run ends {self.train_iters}/{self.lr_warmup_iters} of "
+            f"the way through its linear warm-up and never reaches train.lr={self.lr:g}"
+        )
 
     def validate(self) -> None:
         """The ranges in the field docs, and the names of the decay style and the optimizer.
@@ -94,13 +96,33 @@ class TrainConfig:
         Raises:
             ValueError: ``train.<field>=<value> must be ...``.
         """
-        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
-                     "eval_sample_max_new_tokens", "seq_length_multiple"):
+        for name in (
+            "micro_batch_size",
+            "global_batch_size",
+            "train_iters",
+            "log_interval",
+            "eval_sample_max_new_tokens",
+            "seq_length_multiple",
+        ):
             check_range("train", self, name, 1)
-        check_range("train", self, "max_nonfinite_steps", 1,
-                    why="the number of NaN/Inf steps in a row that stops the run (1: the first)")
-        for name in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
-                     "seed", "eval_interval", "eval_iters", "eval_global_batch_size"):
+        check_range(
+            "train",
+            self,
+            "max_nonfinite_steps",
+            1,
+            why="the number of NaN/Inf steps in a row that stops the run (1: the first)",
+        )
+        for name in (
+            "lr",
+            "min_lr",
+            "lr_warmup_iters",
+            "lr_decay_iters",
+            "weight_decay",
+            "seed",
+            "eval_interval",
+            "eval_iters",
+            "eval_global_batch_size",
+        ):
             check_range("train", self, name, 0)
         check_range("train", self, "clip_grad", 0, why="0 turns clipping off")
         check_range("train", self, "min_lr", 0, self.lr, why="a floor below train.lr")
@@ -110,11 +132,18 @@ class TrainConfig:
         check_choice("train", self, "lr_decay_style", LR_DECAY_STYLES)
         check_choice("train", self, "optimizer", OPTIMIZERS)
         if self.sample_during_eval:
-            check_range("train", self, "eval_num_samples", 1,
-                        why="prompts decoded with train.sample_during_eval=true")
+            check_range(
+                "train",
+                self,
+                "eval_num_samples",
+                1,
+                why="prompts decoded with train.sample_during_eval=true",
+            )
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"train.global_batch_size={self.global_batch_size} must be "
-                             f"divisible by train.micro_batch_size={self.micro_batch_size}")
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} must be "
+                f"divisible by train.micro_batch_size={self.micro_batch_size}"
+            )
 
 
 @dataclass

@@ -22,7 +22,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 
 from dpo_megatron.data.batch import BatchBuilder
@@ -30,8 +29,9 @@ from dpo_megatron.parallel.device import get_device, to_device
 from dpo_megatron.training.step import _share_from_last_stage, run_policy, run_schedule
 
 
-def eval_micro_batch_indices(num_items: int, global_batch_size: int, micro_batch_size: int,
-                             dp_rank: int, dp_size: int) -> list[list[list[int]]]:
+def eval_micro_batch_indices(
+    num_items: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[list[list[int]]]:
     """This data-parallel rank's micro-batches of each eval step, covering all ``num_items``.
 
     Items are taken in order, ``global_batch_size`` per step (the last step smaller); a step's
@@ -47,10 +47,11 @@ def eval_micro_batch_indices(num_items: int, global_batch_size: int, micro_batch
     for start in range(0, num_items, global_batch_size):
         step_items = list(range(start, min(start + global_batch_size, num_items)))
         share = -(-len(step_items) // dp_size)
-        mine = step_items[dp_rank * share:(dp_rank + 1) * share]
+        mine = step_items[dp_rank * share : (dp_rank + 1) * share]
         if len(mine) % micro_batch_size == 0:
-            steps.append([mine[i:i + micro_batch_size]
-                          for i in range(0, len(mine), micro_batch_size)])
+            steps.append(
+                [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+            )
         else:
             steps.append([mine] if mine else [])
     return steps
@@ -70,9 +71,16 @@ class Evaluator:
         at_start: also evaluate before the first step (``train.eval_at_start``).
     """
 
-    def __init__(self, items: Sequence, builder: BatchBuilder, global_batch_size: int,
-                 micro_batch_size: int, interval: int = 0, max_steps: int = 0,
-                 at_start: bool = False):
+    def __init__(
+        self,
+        items: Sequence,
+        builder: BatchBuilder,
+        global_batch_size: int,
+        micro_batch_size: int,
+        interval: int = 0,
+        max_steps: int = 0,
+        at_start: bool = False,
+    ):
         self.items = items
         self.builder = builder
         self.global_batch_size = global_batch_size
@@ -99,11 +107,14 @@ class Evaluator:
         end, and shared from the last pipeline stage.
         """
         steps = eval_micro_batch_indices(
-            len(self.items), self.global_batch_size, self.micro_batch_size,
+            len(self.items),
+            self.global_batch_size,
+            self.micro_batch_size,
             parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size())
+            parallel_state.get_data_parallel_world_size(),
+        )
         if self.max_steps:
-            steps = steps[:self.max_steps]
+            steps = steps[: self.max_steps]
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         sums: dict[str, float] = {}
         count = 0
@@ -120,13 +131,19 @@ class Evaluator:
         metrics = None
         if last:
             parts = [None] * parallel_state.get_data_parallel_world_size()
-            dist.all_gather_object(parts, (sums, count),
-                                   group=parallel_state.get_data_parallel_group())
+            dist.all_gather_object(
+                parts, (sums, count), group=parallel_state.get_data_parallel_group()
+            )
             total = sum(n for _, n in parts)
             keys = list(dict.fromkeys(k for part, _ in parts for k in part))  # first-seen order
-            metrics = (loss_fn.finish_metrics(
-                {k: sum(part.get(k, 0.0) for part, _ in parts) / total for k in keys}, total)
-                | {"items": total} if total else {})
+            metrics = (
+                loss_fn.finish_metrics(
+                    {k: sum(part.get(k, 0.0) for part, _ in parts) / total for k in keys}, total
+                )
+                | {"items": total}
+                if total
+                else {}
+            )
         return _share_from_last_stage(metrics)
 
 
@@ -161,9 +178,15 @@ def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: Optional[int] = None
 
 
 @torch.no_grad()
-def greedy_generate(chunks: list, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    stop_ids: Sequence[int], pad_id: int, multiple: int,
-                    vocab_size: Optional[int] = None) -> list[list[int]]:
+def greedy_generate(
+    chunks: list,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    multiple: int,
+    vocab_size: Optional[int] = None,
+) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (collective over the whole model-parallel group).
 
     Args:
@@ -186,7 +209,7 @@ def greedy_generate(chunks: list, prompts: Sequence[Sequence[int]], max_new_toke
         seq_length = -(-max(lengths) // multiple) * multiple
         tokens = torch.full((len(rows), seq_length), pad_id, dtype=torch.int64)
         for i, row in enumerate(rows):
-            tokens[i, :len(row)] = torch.tensor(row)
+            tokens[i, : len(row)] = torch.tensor(row)
         positions = torch.arange(seq_length).expand(len(rows), -1).contiguous()
         # The last real position of each row, flat in [rows * seq_length]: the only logits read.
         last = torch.tensor([i * seq_length + n - 1 for i, n in enumerate(lengths)])
@@ -198,7 +221,11 @@ def greedy_generate(chunks: list, prompts: Sequence[Sequence[int]], max_new_toke
 
             def pick(logits):  # [1, rows, V/TP] on the last stage
                 picked.append(vocab_parallel_argmax(logits[0], vocab_size))
-                return logits.new_zeros(()), torch.tensor(0, dtype=torch.int, device=get_device()), {}
+                return (
+                    logits.new_zeros(()),
+                    torch.tensor(0, dtype=torch.int, device=get_device()),
+                    {},
+                )
 
             # Plain causal forward: right padding does not reach the positions read here.
             return model(tokens_, positions_, output_index=last_), pick

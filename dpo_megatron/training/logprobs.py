@@ -37,7 +37,7 @@ import torch.distributed as dist
 DEFAULT_CHUNK_TOKENS = 1024
 """Rows (tokens) of logits converted to fp32 at a time (:func:`vocab_parallel_token_logps`)."""
 
-DEFAULT_CHUNK_ELEMENTS = 2 ** 24
+DEFAULT_CHUNK_ELEMENTS = 2**24
 """Logits per chunk of :func:`vocab_parallel_linear_logps` (64 MiB in fp32): the rows of a chunk
 are this over the vocabulary shard (341 rows for SmolLM2 at TP 1)."""
 
@@ -67,15 +67,17 @@ def _chunk_max_and_sum_exp(z: torch.Tensor, group) -> tuple[torch.Tensor, torch.
     return m, _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
 
 
-def _log_sum_p2_from(z: torch.Tensor, m: torch.Tensor, sum_exp: torch.Tensor, group
-                     ) -> torch.Tensor:
+def _log_sum_p2_from(
+    z: torch.Tensor, m: torch.Tensor, sum_exp: torch.Tensor, group
+) -> torch.Tensor:
     """log sum_v p_v^2 [c], given the chunk's :func:`_chunk_max_and_sum_exp`."""
     sum2 = _all_reduce((2 * (z - m[:, None])).exp().sum(-1), dist.ReduceOp.SUM, group)
     return sum2.log() - 2 * sum_exp.log()
 
 
-def _chunk_logps(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, group,
-                 with_log_sum_p2: bool = False):
+def _chunk_logps(
+    z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, group, with_log_sum_p2: bool = False
+):
     """One chunk's (log p(label) [c], log-sum-exp [c], log sum_v p_v^2 [c] or None) from its
     compute-dtype logits z [c, V/TP] (z is not modified)."""
     m, sum_exp = _chunk_max_and_sum_exp(z, group)
@@ -92,8 +94,9 @@ def _chunk_log_sum_p2(z: torch.Tensor, group) -> torch.Tensor:
     return _log_sum_p2_from(z, *_chunk_max_and_sum_exp(z, group), group)
 
 
-def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, local: torch.Tensor,
-                owned: torch.Tensor) -> torch.Tensor:
+def _chunk_grad(
+    z: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, local: torch.Tensor, owned: torch.Tensor
+) -> torch.Tensor:
     """d(sum_t grad_t log p(y_t)) / dz [c, V/TP] = grad_t (1[v == y_t] - softmax(z_t)_v), this
     rank's vocabulary slice (compute dtype)."""
     g = grad[:, None]
@@ -113,8 +116,9 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
         local, owned = _target_in_shard(labels, vocab_start, shard)
         for s in range(0, n, chunk_tokens):
             rows = slice(s, s + chunk_tokens)
-            logps[rows], lse[rows], _ = _chunk_logps(logits[rows].to(dtype), local[rows],
-                                                     owned[rows], group)
+            logps[rows], lse[rows], _ = _chunk_logps(
+                logits[rows].to(dtype), local[rows], owned[rows], group
+            )
         ctx.save_for_backward(logits, local, owned, lse)
         ctx.chunk_tokens = chunk_tokens
         return logps
@@ -126,8 +130,9 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
         grad_logps = grad_logps.to(lse.dtype)
         for s in range(0, logits.shape[0], ctx.chunk_tokens):
             rows = slice(s, s + ctx.chunk_tokens)
-            grad_logits[rows] = _chunk_grad(logits[rows].to(lse.dtype), lse[rows],
-                                            grad_logps[rows], local[rows], owned[rows])
+            grad_logits[rows] = _chunk_grad(
+                logits[rows].to(lse.dtype), lse[rows], grad_logps[rows], local[rows], owned[rows]
+            )
         return grad_logits, None, None, None, None
 
 
@@ -163,7 +168,8 @@ def vocab_parallel_token_logps(
     group, rank = _tp_context(group)
     shard = logits.shape[-1]
     flat = _VocabParallelTokenLogps.apply(
-        logits.reshape(-1, shard), labels.reshape(-1), group, rank * shard, chunk_tokens)
+        logits.reshape(-1, shard), labels.reshape(-1), group, rank * shard, chunk_tokens
+    )
     return flat.view(labels.shape)
 
 
@@ -181,7 +187,9 @@ def vocab_parallel_log_sum_p2(
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=_compute_dtype(logits), device=logits.device)
     for s in range(0, flat.shape[0], chunk_tokens):
-        out[s:s + chunk_tokens] = _chunk_log_sum_p2(flat[s:s + chunk_tokens].to(out.dtype), group)
+        out[s : s + chunk_tokens] = _chunk_log_sum_p2(
+            flat[s : s + chunk_tokens].to(out.dtype), group
+        )
     return out.view(logits.shape[:-1])
 
 
@@ -217,8 +225,9 @@ def _matmul_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.mm(a.to(dtype), b.to(dtype))
 
 
-def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, valid_columns: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, valid_columns: int, dtype: torch.dtype
+) -> torch.Tensor:
     """One chunk's logits [c, V/TP] in the compute dtype (fp32 for a bf16 model: the LM head's
     matmul accumulates and writes fp32, :func:`_matmul_wide`); vocabulary padding columns (from
     ``valid_columns`` on) are -inf, as the output layer's padding hook makes them
@@ -234,20 +243,21 @@ class _LinearTokenLogps(torch.autograd.Function):
     None), the logits one chunk of rows at a time (module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, group, vocab_start, valid_columns, chunk_rows,
-                with_log_sum_p2):
+    def forward(
+        ctx, hidden, weight, labels, group, vocab_start, valid_columns, chunk_rows, with_log_sum_p2
+    ):
         n, shard = hidden.shape[0], weight.shape[0]
         dtype = _compute_dtype(hidden)
         logps = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
-        log_sum_p2 = (torch.empty(n, dtype=dtype, device=hidden.device) if with_log_sum_p2
-                      else None)
+        log_sum_p2 = torch.empty(n, dtype=dtype, device=hidden.device) if with_log_sum_p2 else None
         local, owned = _target_in_shard(labels, vocab_start, shard)
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
             z = _head_logits(hidden[rows], weight, valid_columns, dtype)
-            logps[rows], lse[rows], p2 = _chunk_logps(z, local[rows], owned[rows], group,
-                                                      with_log_sum_p2)
+            logps[rows], lse[rows], p2 = _chunk_logps(
+                z, local[rows], owned[rows], group, with_log_sum_p2
+            )
             if p2 is not None:
                 log_sum_p2[rows] = p2
         ctx.save_for_backward(hidden, weight, local, owned, lse)
@@ -262,8 +272,11 @@ class _LinearTokenLogps(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # The weight gradient sums over every chunk: kept in the compute dtype (fp32 for bf16).
-        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-                       if need_weight else None)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+            if need_weight
+            else None
+        )
         grad_logps = grad_logps.to(lse.dtype)
         for s in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(s, s + ctx.chunk_rows)
@@ -319,14 +332,17 @@ def vocab_parallel_linear_logps(
         ValueError: ``hidden`` and ``weight`` disagree on h, or ``labels`` is not [n].
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [n, h] and weight [V/TP, h] expected, got "
-                         f"{list(hidden.shape)} and {list(weight.shape)}")
+        raise ValueError(
+            f"hidden [n, h] and weight [V/TP, h] expected, got "
+            f"{list(hidden.shape)} and {list(weight.shape)}"
+        )
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels [{hidden.shape[0]}] expected, got {list(labels.shape)}")
     group, rank = _tp_context(group)
     shard = weight.shape[0]
     valid = shard if valid_columns is None else valid_columns
     rows = max(1, chunk_elements // shard)
-    logps, p2 = _LinearTokenLogps.apply(hidden, weight, labels, group, rank * shard, valid,
-                                        rows, log_sum_p2)
+    logps, p2 = _LinearTokenLogps.apply(
+        hidden, weight, labels, group, rank * shard, valid, rows, log_sum_p2
+    )
     return HeadLogps(logps, p2)

@@ -27,10 +27,17 @@ from dpo_megatron.training.config import LoggingConfig  # noqa: F401  (the secti
 
 METRICS_FILE = "metrics.jsonl"
 """One JSON record per logged step and split, in the run directory."""
-_CONSOLE_KEYS = (("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin"),
-                 ("nll_loss", "nll"), ("logps/chosen", "logps/chosen"),
-                 ("logps/rejected", "logps/rejected"), ("kl", "kl"), ("beta_dpo/beta", "beta"),
-                 ("moe/aux_loss", "moe_aux"))
+_CONSOLE_KEYS = (
+    ("loss", "loss"),
+    ("rewards/accuracies", "acc"),
+    ("rewards/margins", "margin"),
+    ("nll_loss", "nll"),
+    ("logps/chosen", "logps/chosen"),
+    ("logps/rejected", "logps/rejected"),
+    ("kl", "kl"),
+    ("beta_dpo/beta", "beta"),
+    ("moe/aux_loss", "moe_aux"),
+)
 
 
 def is_logging_rank() -> bool:
@@ -70,10 +77,14 @@ def truncate_metrics(path: str, last_step: int) -> int:
                 raise ValueError("not a JSON object")
         except ValueError as e:
             if number < len(lines):
-                raise ValueError(f"{path}, line {number}: not a JSON record ({e}); fix or "
-                                 f"remove that line to resume") from None
-            warnings.warn(f"{path}: dropped its torn last line {number} ({line.strip()[:80]!r}, "
-                          f"written when the run was killed)")
+                raise ValueError(
+                    f"{path}, line {number}: not a JSON record ({e}); fix or "
+                    f"remove that line to resume"
+                ) from None
+            warnings.warn(
+                f"{path}: dropped its torn last line {number} ({line.strip()[:80]!r}, "
+                f"written when the run was killed)"
+            )
             torn = True
             continue
         if record.get("step", 0) <= last_step:
@@ -112,8 +123,14 @@ class MetricsLogger:
         run_config: the full config as a plain dict, given to W&B.
     """
 
-    def __init__(self, run_dir: str, total_steps: int, config: Optional[LoggingConfig] = None,
-                 start_step: int = 0, run_config: Optional[dict] = None):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        config: Optional[LoggingConfig] = None,
+        start_step: int = 0,
+        run_config: Optional[dict] = None,
+    ):
         config = config or LoggingConfig()
         self.total_steps = total_steps
         self.start_step = start_step
@@ -131,13 +148,20 @@ class MetricsLogger:
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"),
-                                        purge_step=start_step + 1 if start_step else None)
+            self.writer = SummaryWriter(
+                os.path.join(run_dir, "tensorboard"),
+                purge_step=start_step + 1 if start_step else None,
+            )
         if config.wandb_project:
             self.wandb = _start_wandb(config, run_dir, run_config)
 
-    def log(self, step: int, split: str, metrics: dict[str, float],
-            extra: Optional[dict[str, float]] = None) -> None:
+    def log(
+        self,
+        step: int,
+        split: str,
+        metrics: dict[str, float],
+        extra: Optional[dict[str, float]] = None,
+    ) -> None:
         """Record ``metrics`` (+ ``extra`` like lr, grad_norm, tokens/s) under ``split/``."""
         if not self.enabled:
             return
@@ -145,8 +169,11 @@ class MetricsLogger:
         record = {"step": step, "split": split, **values}
         self.jsonl.write(json.dumps(strict_json_value(record), allow_nan=False) + "\n")
         self.jsonl.flush()
-        scalars = {f"{split}/{k}": v for k, v in values.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            f"{split}/{k}": v
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.writer is not None:
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
@@ -161,12 +188,16 @@ class MetricsLogger:
         done = step - self.start_step
         eta = elapsed / done * max(self.total_steps - step, 0) if done > 0 else 0.0
         parts = [f"[{split}] step {step}/{self.total_steps}"]
-        parts += [f"{label} {values[k]:.4f}" for k, label in _CONSOLE_KEYS
-                  if values.get(k) is not None]
-        for k, label, fmt in (("grad_norm", "grad_norm", "{:.3f}"), ("lr", "lr", "{:.2e}"),
-                              ("tokens_per_s", "tokens/s", "{:.0f}"),
-                              ("step_time_s", "step", "{:.2f}s"),
-                              ("skipped_steps", "skipped", "{:d}")):
+        parts += [
+            f"{label} {values[k]:.4f}" for k, label in _CONSOLE_KEYS if values.get(k) is not None
+        ]
+        for k, label, fmt in (
+            ("grad_norm", "grad_norm", "{:.3f}"),
+            ("lr", "lr", "{:.2e}"),
+            ("tokens_per_s", "tokens/s", "{:.0f}"),
+            ("step_time_s", "step", "{:.2f}s"),
+            ("skipped_steps", "skipped", "{:d}"),
+        ):
             if values.get(k) is not None:
                 parts.append(f"{label} " + fmt.format(values[k]))
         parts.append(f"elapsed {format_duration(elapsed)} eta {format_duration(eta)}")
@@ -186,9 +217,16 @@ def _start_wandb(config: LoggingConfig, run_dir: str, run_config: Optional[dict]
     try:
         import wandb
     except ImportError:
-        warnings.warn("logging.wandb_project is set but the wandb package is not installed "
-                      "(pip install wandb): logging to TensorBoard and metrics.jsonl only")
+        warnings.warn(
+            "logging.wandb_project is set but the wandb package is not installed "
+            "(pip install wandb): logging to TensorBoard and metrics.jsonl only"
+        )
         return None
-    return wandb.init(project=config.wandb_project, entity=config.wandb_entity or None,
-                      name=config.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
-                      dir=run_dir, config=run_config, resume="allow")
+    return wandb.init(
+        project=config.wandb_project,
+        entity=config.wandb_entity or None,
+        name=config.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
+        dir=run_dir,
+        config=run_config,
+        resume="allow",
+    )

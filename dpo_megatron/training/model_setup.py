@@ -54,9 +54,11 @@ def require_sequence_parallel(cfg, model_cfg: ModelConfig) -> Optional[str]:
     if cfg.parallel.sequence_parallel or not moe_needs_sequence_parallel(model_cfg, tp):
         return None
     cfg.parallel.sequence_parallel = True
-    return (f"note: parallel.sequence_parallel turned on: megatron-core's mixture-of-experts "
-            f"layer ({model_cfg.num_experts} experts) needs it at "
-            f"parallel.tensor_model_parallel_size={tp}")
+    return (
+        f"note: parallel.sequence_parallel turned on: megatron-core's mixture-of-experts "
+        f"layer ({model_cfg.num_experts} experts) needs it at "
+        f"parallel.tensor_model_parallel_size={tp}"
+    )
 
 
 def weights_source(cfg, model_cfg: ModelConfig) -> str:
@@ -107,7 +109,8 @@ def _refuse_adapter_checkpoint(path: str) -> None:
             raise ValueError(
                 f"model.load={path} is a LoRA checkpoint: it holds adapters, not base weights "
                 f"(base: {lora.get('base')}). Continue it with checkpoint.resume={path}, or "
-                "export it merged (checkpoint.export_hf=merged) and start from that folder")
+                "export it merged (checkpoint.export_hf=merged) and start from that folder"
+            )
 
 
 def build_reference(cfg, model_cfg: ModelConfig, policy: list):
@@ -154,8 +157,10 @@ def check_vocab_fits(tokenizer, model_cfg: ModelConfig) -> None:
         return
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
     if size > model_cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {size} ids but model.vocab_size is "
-                         f"{model_cfg.vocab_size}: set model.vocab_size >= {size}")
+        raise ValueError(
+            f"the tokenizer has {size} ids but model.vocab_size is "
+            f"{model_cfg.vocab_size}: set model.vocab_size >= {size}"
+        )
 
 
 def release(chunks: Optional[list]) -> None:

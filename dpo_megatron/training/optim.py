@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -26,10 +25,15 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list[DistributedD
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
-        wrapped.append(DistributedDataParallel(
-            config=chunk.config, ddp_config=ddp_config, module=chunk,
-            # Bucketing only matters for overlap; later chunks keep it off like megatron's train.
-            disable_bucketing=i > 0))
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                # Bucketing only matters for overlap; later chunks keep it off like megatron's train.
+                disable_bucketing=i > 0,
+            )
+        )
     wrapped[0].config.finalize_model_grads_func = finalize_model_grads
     return wrapped
 

@@ -69,8 +69,10 @@ class ReferenceTable:
         """Raises ValueError for a file of another format version."""
         blob = torch.load(path, weights_only=True)
         if blob.get("version") != CACHE_VERSION:
-            raise ValueError(f"{path}: reference table version {blob.get('version')}, "
-                             f"expected {CACHE_VERSION}; delete it to recompute")
+            raise ValueError(
+                f"{path}: reference table version {blob.get('version')}, "
+                f"expected {CACHE_VERSION}; delete it to recompute"
+            )
         sizes = blob["lengths"].reshape(-1).tolist()
         parts = torch.split(blob["values"], sizes)
         return cls(list(parts[0::2]), list(parts[1::2]))
@@ -83,16 +85,19 @@ class ReferenceTable:
                 completion's (a stale table).
         """
         if len(self.chosen) != len(pairs):
-            raise ValueError(f"reference table has {len(self.chosen)} pairs, the data "
-                             f"{len(pairs)}: the table is stale")
+            raise ValueError(
+                f"reference table has {len(self.chosen)} pairs, the data "
+                f"{len(pairs)}: the table is stale"
+            )
         out = []
         for i, (p, c, r) in enumerate(zip(pairs, self.chosen, self.rejected)):
             if c.numel() != len(p.chosen_ids) or r.numel() != len(p.rejected_ids):
-                raise ValueError(f"reference table row {i} has {c.numel()}/{r.numel()} values for "
-                                 f"{len(p.chosen_ids)}/{len(p.rejected_ids)} completion tokens: "
-                                 "the table is stale")
-            out.append(dataclasses.replace(p, reference_chosen_logps=c,
-                                           reference_rejected_logps=r))
+                raise ValueError(
+                    f"reference table row {i} has {c.numel()}/{r.numel()} values for "
+                    f"{len(p.chosen_ids)}/{len(p.rejected_ids)} completion tokens: "
+                    "the table is stale"
+                )
+            out.append(dataclasses.replace(p, reference_chosen_logps=c, reference_rejected_logps=r))
         return out
 
 
@@ -115,7 +120,7 @@ def _tensor_stats(x: torch.Tensor) -> torch.Tensor:
     """[3] float64: sum, sum of squares and index-weighted sum of a flat tensor (in chunks)."""
     out = torch.zeros(3, dtype=torch.float64, device=x.device)
     for s in range(0, x.numel(), _FINGERPRINT_CHUNK):
-        c = x[s:s + _FINGERPRINT_CHUNK].double()
+        c = x[s : s + _FINGERPRINT_CHUNK].double()
         ramp = torch.arange(s, s + c.numel(), dtype=torch.float64, device=x.device)
         out += torch.stack([c.sum(), (c * c).sum(), (c * ramp).sum()])
     return out
@@ -136,10 +141,12 @@ def weights_fingerprint(chunks: list) -> str:
     gives another. (megatron-core draws random weights per pipeline stage, so they depend on
     the layout: a layout-independent key would wrongly share tables between layouts.)
     """
-    stats = [_tensor_stats(p.detach().reshape(-1))
-             for chunk in chunks
-             for _, p in sorted(getattr(chunk, "module", chunk).named_parameters())
-             if not p.requires_grad]
+    stats = [
+        _tensor_stats(p.detach().reshape(-1))
+        for chunk in chunks
+        for _, p in sorted(getattr(chunk, "module", chunk).named_parameters())
+        if not p.requires_grad
+    ]
     local = torch.cat(stats).cpu().numpy().tobytes() if stats else b""
     gathered = [local]
     if dist.is_initialized():
@@ -148,8 +155,9 @@ def weights_fingerprint(chunks: list) -> str:
     return hashlib.sha256(b"".join(gathered)).hexdigest()
 
 
-def reference_cache_key(pairs: Sequence[PreferencePair], model_config, weights: str,
-                        layout: dict) -> str:
+def reference_cache_key(
+    pairs: Sequence[PreferencePair], model_config, weights: str, layout: dict
+) -> str:
     """Key of a precomputed table: everything the reference log-probs depend on.
 
     Args:
@@ -266,9 +274,12 @@ def _completion_values(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> li
     return [row[m] for row, m in zip(token_logps, loss_mask)]
 
 
-def precompute_reference_logps(reference: ReferenceModel, pairs: Sequence[PreferencePair],
-                               builder: BatchBuilder,
-                               micro_batch_size: int) -> Optional[ReferenceTable]:
+def precompute_reference_logps(
+    reference: ReferenceModel,
+    pairs: Sequence[PreferencePair],
+    builder: BatchBuilder,
+    micro_batch_size: int,
+) -> Optional[ReferenceTable]:
     """One forward-only pass of the reference over all pairs (split over data-parallel ranks).
 
     Collective over the whole world. Returns the full table on last-pipeline-stage ranks, None on
@@ -285,7 +296,7 @@ def precompute_reference_logps(reference: ReferenceModel, pairs: Sequence[Prefer
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for b in range(batches):
-        idx = mine[b * micro_batch_size:(b + 1) * micro_batch_size] or [0]
+        idx = mine[b * micro_batch_size : (b + 1) * micro_batch_size] or [0]
         step = builder.build(pairs, [idx]).to_device()
         reference.attach(step)
         if last:
@@ -294,13 +305,15 @@ def precompute_reference_logps(reference: ReferenceModel, pairs: Sequence[Prefer
             for k, i in enumerate(mb.item_indices):
                 values[i] = (rows[k], rows[len(mb.item_indices) + k])
     gathered = [None] * dp
-    dist.all_gather_object(gathered, values if last else None,
-                           group=parallel_state.get_data_parallel_group())
+    dist.all_gather_object(
+        gathered, values if last else None, group=parallel_state.get_data_parallel_group()
+    )
     if not last:
         return None
     merged = {i: v for part in gathered for i, v in part.items()}
-    return ReferenceTable([merged[i][0] for i in range(len(pairs))],
-                          [merged[i][1] for i in range(len(pairs))])
+    return ReferenceTable(
+        [merged[i][0] for i in range(len(pairs))], [merged[i][1] for i in range(len(pairs))]
+    )
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -309,10 +322,16 @@ def _all_ranks_agree(flag: bool) -> bool:
     return bool(t.item())
 
 
-def precomputed_pairs(cfg: ReferenceConfig, reference: ReferenceModel,
-                      pairs: Sequence[PreferencePair], builder: BatchBuilder,
-                      micro_batch_size: int, model_config, layout: dict,
-                      split: str = "train") -> list[PreferencePair]:
+def precomputed_pairs(
+    cfg: ReferenceConfig,
+    reference: ReferenceModel,
+    pairs: Sequence[PreferencePair],
+    builder: BatchBuilder,
+    micro_batch_size: int,
+    model_config,
+    layout: dict,
+    split: str = "train",
+) -> list[PreferencePair]:
     """``pairs`` carrying their reference log-probs: from the cache when every rank finds the
     table of these weights, layout and pairs, else computed (one forward-only pass) and written
     by one rank (last stage, TP rank 0, DP rank 0); every rank then reads the file (the cache
@@ -328,10 +347,14 @@ def precomputed_pairs(cfg: ReferenceConfig, reference: ReferenceModel,
     path = cache_path(cfg, key)
     hit = _all_ranks_agree(path.is_file())
     if not hit:
-        table = precompute_reference_logps(reference, pairs, builder,
-                                           cfg.micro_batch_size or micro_batch_size)
-        writer = (table is not None and parallel_state.get_tensor_model_parallel_rank() == 0
-                  and parallel_state.get_data_parallel_rank() == 0)
+        table = precompute_reference_logps(
+            reference, pairs, builder, cfg.micro_batch_size or micro_batch_size
+        )
+        writer = (
+            table is not None
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0
+        )
         if writer:
             table.save(path)
         dist.barrier()

@@ -65,9 +65,20 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
-             counters: RunCounters, use_distributed_optimizer: bool, keep_last_n: int,
-             model_cfg=None, lora: Optional[dict] = None, run_id: Optional[str] = None) -> str:
+def save_run(
+    save_dir: str,
+    chunks: list,
+    optimizer,
+    scheduler,
+    sampler,
+    loss_fn,
+    counters: RunCounters,
+    use_distributed_optimizer: bool,
+    keep_last_n: int,
+    model_cfg=None,
+    lora: Optional[dict] = None,
+    run_id: Optional[str] = None,
+) -> str:
     """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective; rank 0
     prints the save's report: size, seconds, seconds of the checksums), then delete this run's
     checkpoints beyond the newest ``keep_last_n``. ``lora``: the run's LoRA record, stored as
@@ -96,9 +107,16 @@ def save_run(save_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn
     return ckpt_dir
 
 
-def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_fn,
-               use_distributed_optimizer: bool,
-               verified: bool = False) -> tuple[RunCounters, dict]:
+def resume_run(
+    ckpt_dir: str,
+    chunks: list,
+    optimizer,
+    scheduler,
+    sampler,
+    loss_fn,
+    use_distributed_optimizer: bool,
+    verified: bool = False,
+) -> tuple[RunCounters, dict]:
     """Load a checkpoint written by :func:`save_run` into the loop's objects (collective).
 
     The LR schedule continues as saved (megatron-core's behaviour); configured values that
@@ -112,14 +130,18 @@ def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_
         ValueError: the checkpoint's data order, loss state or optimizer format does not match
             this run's configuration (the message names the setting).
     """
-    state = load_training_checkpoint(ckpt_dir, chunks, optimizer, use_distributed_optimizer,
-                                     verified=verified)
+    state = load_training_checkpoint(
+        ckpt_dir, chunks, optimizer, use_distributed_optimizer, verified=verified
+    )
     changed = schedule_changes(scheduler.state_dict(), state["scheduler"])
     if changed and ranks.rank() == 0:
         # megatron-core's scheduler keeps the checkpoint's schedule (use_checkpoint_opt_param_
         # scheduler): say so, rather than let a longer train_iters silently keep the old decay.
-        print(f"note: {ckpt_dir} continues its own LR schedule; the config's differs in "
-              f"{changed} (ignored)", flush=True)
+        print(
+            f"note: {ckpt_dir} continues its own LR schedule; the config's differs in "
+            f"{changed} (ignored)",
+            flush=True,
+        )
     scheduler.load_state_dict(state["scheduler"])
     try:
         sampler.load_state_dict(state["sampler"])
@@ -132,8 +154,11 @@ def resume_run(ckpt_dir: str, chunks: list, optimizer, scheduler, sampler, loss_
 def schedule_changes(configured: dict, saved: dict) -> dict:
     """Scheduler settings (not the step count) whose configured value differs from the saved
     one: name -> (saved, configured)."""
-    return {k: (saved[k], v) for k, v in configured.items()
-            if k != "num_steps" and k in saved and saved[k] != v}
+    return {
+        k: (saved[k], v)
+        for k, v in configured.items()
+        if k != "num_steps" and k in saved and saved[k] != v
+    }
 
 
 def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]:
@@ -158,17 +183,23 @@ def check_lora_record(ckpt_dir: str, lora: Optional[dict]) -> Optional[str]:
 
     saved = read_train_state(ckpt_dir).get("lora")
     if (saved is None) != (lora is None):
-        what = ("LoRA adapters (no base weights)" if saved else "a full model")
-        raise ValueError(f"{ckpt_dir} holds {what}, but this run has lora.enabled="
-                         f"{lora is not None}: resume with the setting it was saved with")
+        what = "LoRA adapters (no base weights)" if saved else "a full model"
+        raise ValueError(
+            f"{ckpt_dir} holds {what}, but this run has lora.enabled="
+            f"{lora is not None}: resume with the setting it was saved with"
+        )
     if saved is None:
         return None
     differ = {k: (saved.get(k), v) for k, v in lora.items() if k != "base" and saved.get(k) != v}
     if differ:
-        raise ValueError(f"{ckpt_dir} holds other LoRA adapters: {differ} (saved, configured); "
-                         "resume with the lora.* settings it was saved with")
+        raise ValueError(
+            f"{ckpt_dir} holds other LoRA adapters: {differ} (saved, configured); "
+            "resume with the lora.* settings it was saved with"
+        )
     if saved.get("base") != lora["base"]:
-        return f"its adapters were trained on {saved.get('base')}, this run's base is {lora['base']}"
+        return (
+            f"its adapters were trained on {saved.get('base')}, this run's base is {lora['base']}"
+        )
     return None
 
 
@@ -195,8 +226,19 @@ class Checkpointer:
         lora: the run's LoRA record (``model_setup.checkpointed_policy``), None for a full run.
     """
 
-    def __init__(self, cfg, run_dir: str, policy: list, optimizer, scheduler, sampler, loss_fn,
-                 model_config, use_distributed_optimizer: bool, lora: Optional[dict] = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str,
+        policy: list,
+        optimizer,
+        scheduler,
+        sampler,
+        loss_fn,
+        model_config,
+        use_distributed_optimizer: bool,
+        lora: Optional[dict] = None,
+    ):
         self.cfg = cfg
         self.save_dir = save_dir_of(cfg, run_dir)
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
@@ -242,20 +284,33 @@ class Checkpointer:
             base_note = check_lora_record(path, self.lora)
             if base_note:
                 _say(f"WARNING: resuming {path}: {base_note}")
-            counters, state = resume_run(path, self.policy, self.optimizer, self.scheduler,
-                                         self.sampler, self.loss_fn,
-                                         self.use_distributed_optimizer, verified=True)
+            counters, state = resume_run(
+                path,
+                self.policy,
+                self.optimizer,
+                self.scheduler,
+                self.sampler,
+                self.loss_fn,
+                self.use_distributed_optimizer,
+                verified=True,
+            )
             self.last_saved_step = counters.step
             self.run_id = state.get("run_id") or ranks.broadcast_from_rank0(new_run_id())
             return counters, path, note
         if skipped:
-            raise CheckpointIntegrityError(self.save_dir, [
-                f"{os.path.basename(p)}: {'; '.join(problems)}" for p, problems in skipped] + [
-                "no checkpoint verifies: move the folder aside or delete the bad checkpoints "
-                "to start afresh (checkpoint.resume=none checkpoint.overwrite=true)"])
+            raise CheckpointIntegrityError(
+                self.save_dir,
+                [f"{os.path.basename(p)}: {'; '.join(problems)}" for p, problems in skipped]
+                + [
+                    "no checkpoint verifies: move the folder aside or delete the bad checkpoints "
+                    "to start afresh (checkpoint.resume=none checkpoint.overwrite=true)"
+                ],
+            )
         if self.cfg.resume == "auto":
-            _say(f"no checkpoint: starting fresh (checkpoint.resume=auto found none in "
-                 f"{self.save_dir})")
+            _say(
+                f"no checkpoint: starting fresh (checkpoint.resume=auto found none in "
+                f"{self.save_dir})"
+            )
         self.run_id = ranks.broadcast_from_rank0(new_run_id())
         return RunCounters(), None, None
 
@@ -269,8 +324,10 @@ class Checkpointer:
                     os.rename(path, moved)
                 except OSError:
                     moved = path
-                print(f"WARNING: skipped checkpoint {path}: {'; '.join(problems)} "
-                      f"(moved to {moved})", flush=True)
+                print(
+                    f"WARNING: skipped checkpoint {path}: {'; '.join(problems)} (moved to {moved})",
+                    flush=True,
+                )
         if skipped:
             ranks.barrier()
 
@@ -282,11 +339,13 @@ class Checkpointer:
         (unless that step is already saved)."""
         if step == self.last_saved_step:
             return False
-        return step == last_step or bool(self.cfg.save_interval
-                                         and step % self.cfg.save_interval == 0)
+        return step == last_step or bool(
+            self.cfg.save_interval and step % self.cfg.save_interval == 0
+        )
 
-    def after_step(self, counters: RunCounters, last_step: int,
-                   update_successful: bool) -> Optional[RunInterrupted]:
+    def after_step(
+        self, counters: RunCounters, last_step: int, update_successful: bool
+    ) -> Optional[RunInterrupted]:
         """The step boundary (collective): save when due or when a rank was signalled, unless
         the step's update was skipped. Returns the :class:`RunInterrupted` to raise when the
         run must stop (the caller closes its components first), else None."""
@@ -297,12 +356,15 @@ class Checkpointer:
             if update_successful:
                 saved = self.save(counters) is not None
             else:
-                _say(f"step {step}: its update was skipped (non-finite loss or gradient): no "
-                     f"checkpoint written (last checkpoint: {self.latest()})")
+                _say(
+                    f"step {step}: its update was skipped (non-finite loss or gradient): no "
+                    f"checkpoint written (last checkpoint: {self.latest()})"
+                )
         if not signum:
             return None
-        interrupted = RunInterrupted(signum, step, self.latest(),
-                                     saved or step == self.last_saved_step)
+        interrupted = RunInterrupted(
+            signum, step, self.latest(), saved or step == self.last_saved_step
+        )
         _say(str(interrupted))
         return interrupted
 
@@ -311,13 +373,25 @@ class Checkpointer:
         message) when no update has been applied yet: megatron-core cannot save an optimizer
         without state, and such a checkpoint would hold the initial weights only."""
         if counters.applied_updates <= 0:
-            _say(f"step {counters.step}: no optimizer update applied yet (every step so far was "
-                 f"skipped): nothing to checkpoint")
+            _say(
+                f"step {counters.step}: no optimizer update applied yet (every step so far was "
+                f"skipped): nothing to checkpoint"
+            )
             return None
-        path = save_run(self.save_dir, self.policy, self.optimizer, self.scheduler, self.sampler,
-                        self.loss_fn, counters, self.use_distributed_optimizer,
-                        self.cfg.keep_last_n, self.model_config, lora=self.lora,
-                        run_id=self.run_id)
+        path = save_run(
+            self.save_dir,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.sampler,
+            self.loss_fn,
+            counters,
+            self.use_distributed_optimizer,
+            self.cfg.keep_last_n,
+            self.model_config,
+            lora=self.lora,
+            run_id=self.run_id,
+        )
         self.last_saved_step = counters.step
         return path
 
@@ -328,5 +402,3 @@ class Checkpointer:
     def close(self) -> None:
         """Remove the signal handlers."""
         self.stop.close()
-
-

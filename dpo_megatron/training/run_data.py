@@ -66,8 +66,9 @@ def load_run_data(cfg, model_cfg, kind: str) -> RunData:
     if dataset is None:
         dataset = load(cfg.data, tokenizer)
     if not dataset.train:
-        raise DataError(f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
-                         f"after filtering: {dataset.summary}")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
-        tokenizer.eos_token_id
+        raise DataError(
+            f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
+            f"after filtering: {dataset.summary}"
+        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return RunData(dataset.train, dataset.eval, pad, tokenizer, dataset.summary)

@@ -31,7 +31,6 @@ import sys
 import time
 from typing import Optional
 
-
 LOCK_FILE = "run.lock"
 """Exclusive lock of the run that owns the folder (empty when no run holds it)."""
 CONFIG_FILE = "config.yaml"
@@ -87,15 +86,19 @@ def _start_ticks(pid: int) -> Optional[int]:
 
 
 def _owner_record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "start_ticks": _start_ticks(os.getpid()),
-            "command": " ".join(sys.argv)[:500]}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "start_ticks": _start_ticks(os.getpid()),
+        "command": " ".join(sys.argv)[:500],
+    }
 
 
 def _describe_owner(owner: dict) -> str:
-    return (f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}"
-            + (f" ({owner['command']})" if owner.get("command") else ""))
+    return f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}" + (
+        f" ({owner['command']})" if owner.get("command") else ""
+    )
 
 
 class RunLock:
@@ -223,8 +226,10 @@ def _fd_path(fd: int) -> str:
 
 
 def _in_use_message(run_dir: str, owner: dict) -> str:
-    return (f"run_dir {run_dir} is in use by another run ({_describe_owner(owner)}): one run per "
-            f"run_dir. Wait for it to finish, stop it, or choose another run_dir")
+    return (
+        f"run_dir {run_dir} is in use by another run ({_describe_owner(owner)}): one run per "
+        f"run_dir. Wait for it to finish, stop it, or choose another run_dir"
+    )
 
 
 def _check_owner_without_flock(owner: Optional[dict], run_dir: str, path: str) -> None:
@@ -233,7 +238,8 @@ def _check_owner_without_flock(owner: Optional[dict], run_dir: str, path: str) -
     if owner.get("host") != socket.gethostname():
         raise RunDirError(
             _in_use_message(run_dir, owner) + f" (this file system has no locks, so whether "
-            f"that run is still alive cannot be checked from here: if it is gone, delete {path})")
+            f"that run is still alive cannot be checked from here: if it is gone, delete {path})"
+        )
     ticks = _start_ticks(int(owner["pid"]))
     if ticks is not None and ticks == owner.get("start_ticks"):
         raise RunDirError(_in_use_message(run_dir, owner))
@@ -302,10 +308,13 @@ def check_no_mixing(cfg, run_dir: str, save_dir: str, move: bool = True) -> list
     resume = ckpt.resume or "none"
     overwrite = ckpt.overwrite
     if overwrite and resume == "auto":
-        raise RunDirError("checkpoint.overwrite=true starts the run afresh, "
-                          "checkpoint.resume=auto continues it: choose one")
-    own = resume == "auto" or (resume != "none" and (_inside(resume, save_dir)
-                                                      or _inside(resume, run_dir)))
+        raise RunDirError(
+            "checkpoint.overwrite=true starts the run afresh, "
+            "checkpoint.resume=auto continues it: choose one"
+        )
+    own = resume == "auto" or (
+        resume != "none" and (_inside(resume, save_dir) or _inside(resume, run_dir))
+    )
     if own:
         return []
     found = previous_run(run_dir, save_dir)
@@ -313,13 +322,15 @@ def check_no_mixing(cfg, run_dir: str, save_dir: str, move: bool = True) -> list
         return []
     if overwrite:
         return move_aside(run_dir, save_dir) if move else []
-    started = ("a fresh run" if resume == "none"
-               else f"a run resuming another run's checkpoint ({resume})")
+    started = (
+        "a fresh run" if resume == "none" else f"a run resuming another run's checkpoint ({resume})"
+    )
     raise RunDirError(
         f"run_dir {run_dir} already holds a run ({'; '.join(found)}): refusing to mix {started} "
         f"into it (nothing was changed). Continue that run with checkpoint.resume=auto, start "
         f"afresh with checkpoint.overwrite=true (the old run moves to "
-        f"{os.path.normpath(run_dir)}.replaced-<time>), or choose another run_dir")
+        f"{os.path.normpath(run_dir)}.replaced-<time>), or choose another run_dir"
+    )
 
 
 def check_run_dir(cfg) -> None:
@@ -394,8 +405,7 @@ class RunFolder:
     """The run folder of a running run: its lock, config.yaml and train.log (rank 0 holds them;
     other ranks hold nothing). Build it with :meth:`open`; :meth:`close` at the end."""
 
-    def __init__(self, run_dir: str, save_dir: str, lock: Optional[RunLock] = None,
-                 log=None):
+    def __init__(self, run_dir: str, save_dir: str, lock: Optional[RunLock] = None, log=None):
         self.run_dir, self.save_dir = run_dir, save_dir
         self.lock, self.log = lock, log
         self._streams = None
@@ -434,18 +444,24 @@ class RunFolder:
         self._start_log()
         stale = self.lock.stale_owner
         if stale:
-            print(f"note: took over the lock of a run that is gone ({_describe_owner(stale)})",
-                  flush=True)
+            print(
+                f"note: took over the lock of a run that is gone ({_describe_owner(stale)})",
+                flush=True,
+            )
         for path in moved:
             print(f"moved the previous run to {path} (checkpoint.overwrite=true)", flush=True)
-        print(f"run_dir {self.run_dir} | checkpoints -> {self.save_dir} | config {config_path} "
-              f"| log {os.path.join(self.run_dir, LOG_FILE)}", flush=True)
+        print(
+            f"run_dir {self.run_dir} | checkpoints -> {self.save_dir} | config {config_path} "
+            f"| log {os.path.join(self.run_dir, LOG_FILE)}",
+            flush=True,
+        )
 
     def _start_log(self) -> None:
-        self.log = open(os.path.join(self.run_dir, LOG_FILE), "a", buffering=1,
-                        encoding="utf-8")
-        self.log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S %z')} pid {os.getpid()} on "
-                       f"{socket.gethostname()}: {' '.join(sys.argv)}\n")
+        self.log = open(os.path.join(self.run_dir, LOG_FILE), "a", buffering=1, encoding="utf-8")
+        self.log.write(
+            f"==== {time.strftime('%Y-%m-%d %H:%M:%S %z')} pid {os.getpid()} on "
+            f"{socket.gethostname()}: {' '.join(sys.argv)}\n"
+        )
         self._streams = (sys.stdout, sys.stderr)
         sys.stdout = _Tee(_untee(sys.stdout), self.log)
         sys.stderr = _Tee(_untee(sys.stderr), self.log)

@@ -96,9 +96,12 @@ class StopRequest:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun signals every rank: say it once
             return
-        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this "
-              f"step, then stopping (Ctrl-C / SIGINT stops at once)", file=sys.stderr,
-              flush=True)
+        print(
+            f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this "
+            f"step, then stopping (Ctrl-C / SIGINT stops at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def agreed(self) -> int:
         """The signal any rank received (0: none), the same on every rank (collective)."""

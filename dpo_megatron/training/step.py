@@ -38,7 +38,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -87,10 +86,16 @@ def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False):
     micro-batch's pairs (their load-balancing weight)."""
     # Only routers read the mask: dense models skip building it on every micro-batch.
     mask = padding_mask(batch) if model.config.num_moe_experts else None
-    return model(batch.tokens, batch.position_ids, packed=batch.packed,
-                 output_index=batch.output_index, target_ids=batch.target_ids,
-                 log_sum_p2=log_sum_p2, padding_mask=mask,
-                 moe_aux_loss_weight=float(batch.num_items))
+    return model(
+        batch.tokens,
+        batch.position_ids,
+        packed=batch.packed,
+        output_index=batch.output_index,
+        target_ids=batch.target_ids,
+        log_sum_p2=log_sum_p2,
+        padding_mask=mask,
+        moe_aux_loss_weight=float(batch.num_items),
+    )
 
 
 def padding_mask(batch: MicroBatch) -> torch.Tensor:
@@ -134,8 +139,9 @@ def _count(n: int) -> torch.Tensor:
     megatron-core's ``finalize_model_grads`` sums it over the data-parallel-with-context group,
     as DDP sums the gradients; every CP rank computes the same pairs' loss, so only CP rank 0
     counts them and the divisor stays the global pair count whatever CP is."""
-    return torch.tensor(n if is_first_context_parallel_rank() else 0, dtype=torch.int,
-                        device=get_device())
+    return torch.tensor(
+        n if is_first_context_parallel_rank() else 0, dtype=torch.int, device=get_device()
+    )
 
 
 def _reference_forward_step(data_iterator, model):
@@ -151,35 +157,44 @@ def _reference_forward_step(data_iterator, model):
 def _policy_loss(loss_fn, batch: MicroBatch, step_inputs: dict, head: HeadLogps):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
     policy_token_logps = token_logps(head.token_logps, batch)
-    log_sum_p2 = (token_logps(head.log_sum_p2, batch) if loss_fn.needs_token_log_sum_p2
-                  else None)
-    losses, metrics = loss_fn(policy_token_logps, batch.reference_logps, batch.loss_mask,
-                              log_sum_p2, chosen_only=batch.chosen_only,
-                              step_inputs=step_inputs or None, desirable=batch.desirable)
+    log_sum_p2 = token_logps(head.log_sum_p2, batch) if loss_fn.needs_token_log_sum_p2 else None
+    losses, metrics = loss_fn(
+        policy_token_logps,
+        batch.reference_logps,
+        batch.loss_mask,
+        log_sum_p2,
+        chosen_only=batch.chosen_only,
+        step_inputs=step_inputs or None,
+        desirable=batch.desirable,
+    )
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), _count(losses.shape[0]), reported
 
 
 def _policy_forward_step(loss_fn, data_iterator, model):
     batch, step_inputs = next(data_iterator)
-    return (model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
-            partial(_policy_loss, loss_fn, batch, step_inputs))
+    return (
+        model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
+        partial(_policy_loss, loss_fn, batch, step_inputs),
+    )
 
 
 def _statistic_forward_step(loss_fn, data_iterator, model):
     batch = next(data_iterator)
 
     def values(head):
-        pair_values = loss_fn.pair_statistics(token_logps(head.token_logps, batch),
-                                              batch.reference_logps, batch.loss_mask)
+        pair_values = loss_fn.pair_statistics(
+            token_logps(head.token_logps, batch), batch.reference_logps, batch.loss_mask
+        )
         return head.token_logps.new_zeros(()), _count(0), {"values": pair_values}
 
     return model_forward(model, batch), values
 
 
 @torch.no_grad()
-def step_statistic_inputs(policy_chunks: list, batch: StepBatch, loss_fn: Callable,
-                          training: bool) -> list[dict]:
+def step_statistic_inputs(
+    policy_chunks: list, batch: StepBatch, loss_fn: Callable, training: bool
+) -> list[dict]:
     """The loss's step statistic over the global batch, as each micro-batch's loss inputs.
 
     A forward-only policy pass gives each pair's value (``loss_fn.pair_statistics``) on the last
@@ -191,26 +206,39 @@ def step_statistic_inputs(policy_chunks: list, batch: StepBatch, loss_fn: Callab
         One dict per micro-batch (the step's scalars and that micro-batch's [B] slice of the
         per-pair values, on the device); empty dicts off the last stage.
     """
-    store = run_schedule(partial(_statistic_forward_step, loss_fn), policy_chunks,
-                         batch.micro_batches, _rows(batch), batch.seq_length, True)
+    store = run_schedule(
+        partial(_statistic_forward_step, loss_fn),
+        policy_chunks,
+        batch.micro_batches,
+        _rows(batch),
+        batch.seq_length,
+        True,
+    )
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     gathered = None
     if last:
-        local = (torch.cat([d["values"].reshape(-1) for d in store]).double().cpu().tolist(),
-                 [i for mb in batch.micro_batches for i in mb.item_indices])
+        local = (
+            torch.cat([d["values"].reshape(-1) for d in store]).double().cpu().tolist(),
+            [i for mb in batch.micro_batches for i in mb.item_indices],
+        )
         gathered = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
     gathered = _share_from_last_stage(gathered)
-    values = torch.tensor([v for rank_values, _ in gathered for v in rank_values], dtype=torch.float64)
+    values = torch.tensor(
+        [v for rank_values, _ in gathered for v in rank_values], dtype=torch.float64
+    )
     keys = torch.tensor([k for _, rank_keys in gathered for k in rank_keys], dtype=torch.int64)
     scalars, per_pair = loss_fn.begin_step(values, keys, training)
     if not last:
         return [{} for _ in batch.micro_batches]
-    offset = sum(len(rank_values) for rank_values, _ in
-                 gathered[:parallel_state.get_data_parallel_rank()])
+    offset = sum(
+        len(rank_values) for rank_values, _ in gathered[: parallel_state.get_data_parallel_rank()]
+    )
     inputs = []
     for mb in batch.micro_batches:
-        sliced = {k: v[offset:offset + mb.num_items].to(get_device()) for k, v in per_pair.items()}
+        sliced = {
+            k: v[offset : offset + mb.num_items].to(get_device()) for k, v in per_pair.items()
+        }
         inputs.append({**scalars, **sliced})
         offset += mb.num_items
     return inputs
@@ -222,8 +250,9 @@ def _iterators(micro_batches: list, num_chunks: int):
     return its if num_chunks > 1 else its[0]
 
 
-def run_schedule(forward_step_func, chunks, micro_batches: list, rows: int, seq_length: int,
-                 forward_only: bool):
+def run_schedule(
+    forward_step_func, chunks, micro_batches: list, rows: int, seq_length: int, forward_only: bool
+):
     """megatron-core's forward-backward function over ``micro_batches`` (one per chunk stream).
 
     Under the interleaved (virtual) pipeline megatron-core needs the micro-batch count to be a
@@ -285,8 +314,14 @@ def _rows(batch: StepBatch) -> int:
 def attach_reference_logps(reference_chunks: list, batch: StepBatch) -> None:
     """Run the frozen reference forward-only; store ``reference_logps`` [N, S] in each
     micro-batch on the last pipeline stage (other stages are left unchanged)."""
-    run_schedule(_reference_forward_step, reference_chunks, batch.micro_batches, _rows(batch),
-                 batch.seq_length, True)
+    run_schedule(
+        _reference_forward_step,
+        reference_chunks,
+        batch.micro_batches,
+        _rows(batch),
+        batch.seq_length,
+        True,
+    )
 
 
 def _reduce_per_pair(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, int]:
@@ -299,8 +334,11 @@ def _reduce_per_pair(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, 
     dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
     sums = sums.tolist()
     total = int(sums[-1])
-    return ({k: v.cpu() for k, v in per_pair.items()},
-            {k: sums[i] / total for i, k in enumerate(keys)}, total)
+    return (
+        {k: v.cpu() for k, v in per_pair.items()},
+        {k: sums[i] / total for i, k in enumerate(keys)},
+        total,
+    )
 
 
 def _share_from_last_stage(payload: Any) -> Any:
@@ -309,13 +347,17 @@ def _share_from_last_stage(payload: Any) -> Any:
         return payload
     box = [payload]
     dist.broadcast_object_list(
-        box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(), device=get_device())
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+        device=get_device(),
+    )
     return box[0]
 
 
-def run_policy(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable,
-               forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
+def run_policy(
+    policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable, forward_only: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """Reference pass (when the loss needs reference log-probs and the batch carries none), then
     the policy's forward(+backward) over the micro-batches.
 
@@ -333,20 +375,31 @@ def run_policy(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callab
     """
     if loss_fn.needs_reference and not batch.has_reference_logps:
         if reference is None:
-            raise ValueError("this loss needs reference log-probs: the batch carries none and "
-                             "no reference model was built")
+            raise ValueError(
+                "this loss needs reference log-probs: the batch carries none and "
+                "no reference model was built"
+            )
         reference.attach(batch)
-    inputs = (step_statistic_inputs(policy_chunks, batch, loss_fn, training=not forward_only)
-              if loss_fn.needs_step_statistic(not forward_only) else
-              [{} for _ in batch.micro_batches])
+    inputs = (
+        step_statistic_inputs(policy_chunks, batch, loss_fn, training=not forward_only)
+        if loss_fn.needs_step_statistic(not forward_only)
+        else [{} for _ in batch.micro_batches]
+    )
     step = partial(_policy_forward_step, loss_fn)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        return run_schedule(step, policy_chunks, list(zip(batch.micro_batches, inputs)),
-                            _rows(batch), batch.seq_length, forward_only)
+        return run_schedule(
+            step,
+            policy_chunks,
+            list(zip(batch.micro_batches, inputs)),
+            _rows(batch),
+            batch.seq_length,
+            forward_only,
+        )
 
 
-def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable,
-                         forward_only: bool = False) -> StepOutput:
+def dpo_forward_backward(
+    policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable, forward_only: bool = False
+) -> StepOutput:
     """:func:`run_policy`, then its per-pair values reduced over the data-parallel ranks.
 
     Args:
@@ -367,8 +420,11 @@ def dpo_forward_backward(policy_chunks: list, reference, batch: StepBatch, loss_
         per_pair, metrics, count = _reduce_per_pair(store)
         metrics = loss_fn.finish_metrics(metrics, count)
     metrics, count = _share_from_last_stage((metrics, count))
-    aux = ({} if forward_only else
-           load_balancing_metrics(policy_chunks[0].config, len(batch.micro_batches)))
+    aux = (
+        {}
+        if forward_only
+        else load_balancing_metrics(policy_chunks[0].config, len(batch.micro_batches))
+    )
     return StepOutput(metrics=metrics, num_pairs=count, per_pair=per_pair, aux_metrics=aux)
 
 
@@ -389,8 +445,11 @@ def step_is_finite(loss: float, policy_chunks: list) -> bool:
     if not math.isfinite(loss):
         bad.fill_(1.0)
     else:
-        sums = [buffer.grad_data.sum().float() for chunk in policy_chunks
-                for buffer in getattr(chunk, "buffers", [])]
+        sums = [
+            buffer.grad_data.sum().float()
+            for chunk in policy_chunks
+            for buffer in getattr(chunk, "buffers", [])
+        ]
         if sums:
             bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1)
     if dist.is_initialized():
@@ -398,8 +457,9 @@ def step_is_finite(loss: float, policy_chunks: list) -> bool:
     return bad.item() == 0.0
 
 
-def train_step(policy_chunks, reference, optimizer, scheduler, batch: StepBatch,
-               loss_fn) -> StepOutput:
+def train_step(
+    policy_chunks, reference, optimizer, scheduler, batch: StepBatch, loss_fn
+) -> StepOutput:
     """One optimizer step: zero grads, forward+backward over the micro-batches, clip, update.
 
     The optimizer is megatron-core's (distributed) optimizer; ``scheduler`` its

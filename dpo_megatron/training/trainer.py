@@ -71,19 +71,31 @@ class Trainer:
         # A loss that reads no rejected completion (sft) trains on prompt + chosen rows only.
         self.sft = not self.loss_fn.needs_rejected
         self.model_config = model_setup.resolve_model_config(cfg)
-        self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg,
-                                                                            self.model_config)
-        self.data = data if data is not None else load_run_data(cfg, self.model_config,
-                                                                self.loss_fn.item_kind)
+        self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg, self.model_config)
+        self.data = (
+            data
+            if data is not None
+            else load_run_data(cfg, self.model_config, self.loss_fn.item_kind)
+        )
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
-        multiple = math.lcm(cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
-                            cfg.parallel.sequence_granule())
+        multiple = math.lcm(
+            cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
+            cfg.parallel.sequence_granule(),
+        )
         self.multiple = multiple
-        self.builder = make_batch_builder(self.data.pad_token_id, multiple, cfg.packing,
-                                          self.sft, context_parallel_rank_and_size())
+        self.builder = make_batch_builder(
+            self.data.pad_token_id,
+            multiple,
+            cfg.packing,
+            self.sft,
+            context_parallel_rank_and_size(),
+        )
         policy = model_setup.build_policy(cfg, self.model_config)
-        reference = (model_setup.build_reference(cfg, self.model_config, policy)
-                     if self.loss_fn.needs_reference else None)
+        reference = (
+            model_setup.build_reference(cfg, self.model_config, policy)
+            if self.loss_fn.needs_reference
+            else None
+        )
         # Before DDP and the optimizer: a precomputed reference is freed before gradient buffers
         # and optimizer state exist, so the two models never coexist with them.
         started = time.perf_counter()
@@ -94,26 +106,42 @@ class Trainer:
         self.heap_trimmer = host_malloc.trim_after_each_layer(policy, self.device)
         self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
-        saved_policy, lora_record = model_setup.checkpointed_policy(cfg, self.model_config,
-                                                                   self.policy)
+        saved_policy, lora_record = model_setup.checkpointed_policy(
+            cfg, self.model_config, self.policy
+        )
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
         self.evaluator = Evaluator(
-            self.data.eval, self.builder,
+            self.data.eval,
+            self.builder,
             cfg.train.eval_global_batch_size or cfg.train.global_batch_size,
-            cfg.train.micro_batch_size, cfg.train.eval_interval, cfg.train.eval_iters,
-            at_start=cfg.train.eval_at_start)
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run_dir, saved_policy,
-                                         self.optimizer, self.scheduler, self.sampler,
-                                         self.loss_fn, self.model_config,
-                                         cfg.train.use_distributed_optimizer, lora_record)
+            cfg.train.micro_batch_size,
+            cfg.train.eval_interval,
+            cfg.train.eval_iters,
+            at_start=cfg.train.eval_at_start,
+        )
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint,
+            cfg.run_dir,
+            saved_policy,
+            self.optimizer,
+            self.scheduler,
+            self.sampler,
+            self.loss_fn,
+            self.model_config,
+            cfg.train.use_distributed_optimizer,
+            lora_record,
+        )
         # Resume after the reference is built: it stays the initial policy, not the checkpoint's.
         self.counters, self.resumed_from, layout_note = self.checkpointer.resume()
         self.evaluations: dict[str, tuple[int, dict[str, float]]] = {}
         """The first and the last evaluation of this process: (step, metrics)."""
-        self.logger = MetricsLogger(cfg.run_dir, cfg.train.train_iters, cfg.logging,
-                                    start_step=self.counters.step,
-                                    run_config=resolved_config(cfg, self.model_config,
-                                                               self.loss_fn))
+        self.logger = MetricsLogger(
+            cfg.run_dir,
+            cfg.train.train_iters,
+            cfg.logging,
+            start_step=self.counters.step,
+            run_config=resolved_config(cfg, self.model_config, self.loss_fn),
+        )
         self._report_start(layout_note)
 
     # ------------------------------------------------------------------------------------------
@@ -141,9 +169,20 @@ class Trainer:
         layout = current_layout(self.cfg.train.use_distributed_optimizer)
         for split in ("train", "eval"):
             items = getattr(self.data, split)
-            setattr(self.data, split, precomputed_pairs(
-                self.cfg.reference, reference, items, self.builder,
-                self.cfg.train.micro_batch_size, self.model_config, layout, split))
+            setattr(
+                self.data,
+                split,
+                precomputed_pairs(
+                    self.cfg.reference,
+                    reference,
+                    items,
+                    self.builder,
+                    self.cfg.train.micro_batch_size,
+                    self.model_config,
+                    layout,
+                    split,
+                ),
+            )
         reference.release()
         return None
 
@@ -152,31 +191,46 @@ class Trainer:
             return
         cfg = self.cfg
         if self.resumed_from:
-            print(f"resumed from {self.resumed_from} at step {self.counters.step}"
-                  + (f" ({layout_note})" if layout_note else ""), flush=True)
-            if layout_note and self.loss_fn.needs_reference and not (cfg.model.hf_path
-                                                                     or cfg.model.load):
+            print(
+                f"resumed from {self.resumed_from} at step {self.counters.step}"
+                + (f" ({layout_note})" if layout_note else ""),
+                flush=True,
+            )
+            if (
+                layout_note
+                and self.loss_fn.needs_reference
+                and not (cfg.model.hf_path or cfg.model.load)
+            ):
                 # Random initial weights depend on the layout (each pipeline stage draws its
                 # own layers), so the reference rebuilt here is not the run's original one.
-                print("WARNING: this run started from random weights and resumes at another "
-                      "layout: its reference model is re-drawn at the new layout and differs "
-                      "from the original. Start runs that must reshard from model.hf_path or "
-                      "model.load.", flush=True)
+                print(
+                    "WARNING: this run started from random weights and resumes at another "
+                    "layout: its reference model is re-drawn at the new layout and differs "
+                    "from the original. Start runs that must reshard from model.hf_path or "
+                    "model.load.",
+                    flush=True,
+                )
         if self.sequence_parallel_note:
             print(self.sequence_parallel_note, flush=True)
         unit = "pairs" if self.loss_fn.item_kind == "pairs" else "examples"
         cp = cfg.parallel.context_parallel_size
-        print(f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
-              f"{cfg.parallel.pipeline_model_parallel_size} x "
-              + (f"CP {cp} x " if cp > 1 else "") +  # CP only when used
-              f"DP "
-              f"{parallel_state.get_data_parallel_world_size()} on {self.device} "
-              # The CPU's tensors are the C allocator's (parallel.host_malloc).
-              + (f"({host_malloc.describe(trimming=self.heap_trimmer is not None)}) "
-                 if self.device.type == "cpu" else "") + "| "
-              f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
-              f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
-              flush=True)
+        print(
+            f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
+            f"{cfg.parallel.pipeline_model_parallel_size} x "
+            + (f"CP {cp} x " if cp > 1 else "")  # CP only when used
+            + f"DP "
+            f"{parallel_state.get_data_parallel_world_size()} on {self.device} "
+            # The CPU's tensors are the C allocator's (parallel.host_malloc).
+            + (
+                f"({host_malloc.describe(trimming=self.heap_trimmer is not None)}) "
+                if self.device.type == "cpu"
+                else ""
+            )
+            + "| "
+            f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
+            f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
+            flush=True,
+        )
         if cfg.train.warmup_warning():
             print(cfg.train.warmup_warning(), flush=True)
         if self.loss_fn.unpaired and self.loss_fn.data_advice(self.data.train):
@@ -197,8 +251,9 @@ class Trainer:
             (the step's output, its batch).
         """
         batch = self.next_batch()
-        out = train_step(self.policy, self.reference, self.optimizer, self.scheduler, batch,
-                         self.loss_fn)
+        out = train_step(
+            self.policy, self.reference, self.optimizer, self.scheduler, batch, self.loss_fn
+        )
         self.counters.step += 1
         if out.update_successful:
             self.counters.consecutive_skipped = 0
@@ -225,17 +280,27 @@ class Trainer:
     def samples(self) -> list[dict]:
         """Greedy continuations of the first ``train.eval_num_samples`` eval prompts, decoded."""
         tokenizer = self.data.tokenizer
-        items = self.data.eval[:self.cfg.train.eval_num_samples]
+        items = self.data.eval[: self.cfg.train.eval_num_samples]
         chosen = [getattr(x, "chosen_ids", None) or x.completion_ids for x in items]
         prompts = [x.prompt_ids for x in items]
         stop = {i for i in (tokenizer.eos_token_id, self.data.pad_token_id) if i is not None}
-        outputs = greedy_generate(self.policy, prompts, self.cfg.train.eval_sample_max_new_tokens,
-                                  stop, self.data.pad_token_id, self.multiple,
-                                  vocab_size=len(tokenizer))
-        return [{"prompt": tokenizer.decode(list(p)),
-                 "sample": tokenizer.decode(o, skip_special_tokens=True),
-                 "chosen": tokenizer.decode(list(c), skip_special_tokens=True)}
-                for p, o, c in zip(prompts, outputs, chosen)]
+        outputs = greedy_generate(
+            self.policy,
+            prompts,
+            self.cfg.train.eval_sample_max_new_tokens,
+            stop,
+            self.data.pad_token_id,
+            self.multiple,
+            vocab_size=len(tokenizer),
+        )
+        return [
+            {
+                "prompt": tokenizer.decode(list(p)),
+                "sample": tokenizer.decode(o, skip_special_tokens=True),
+                "chosen": tokenizer.decode(list(c), skip_special_tokens=True),
+            }
+            for p, o, c in zip(prompts, outputs, chosen)
+        ]
 
     def train(self) -> dict[str, float]:
         """Run (or continue) the configured training; returns the last step's metrics.
@@ -247,8 +312,11 @@ class Trainer:
         cfg, last = self.cfg, self.cfg.train.train_iters
         if self.counters.step >= last:
             if is_logging_rank():
-                print(f"nothing to do: {self.resumed_from} is at step {self.counters.step} >= "
-                      f"train.train_iters={last}", flush=True)
+                print(
+                    f"nothing to do: {self.resumed_from} is at step {self.counters.step} >= "
+                    f"train.train_iters={last}",
+                    flush=True,
+                )
             self.close()
             return {}
         metrics: dict[str, float] = {}
@@ -263,51 +331,80 @@ class Trainer:
             tokens = _sum_over_data_parallel(batch.real_tokens)
             metrics = out.metrics
             if step % cfg.train.log_interval == 0 or step == last or not out.update_successful:
-                self.logger.log(step, "train", metrics, {
-                    "grad_norm": out.grad_norm, "lr": lr, "tokens_per_s": tokens / step_time,
-                    "step_time_s": step_time, "seq_length": batch.seq_length,
-                    "skipped_steps": self.counters.skipped_steps, **_memory_over_ranks(),
-                    **out.aux_metrics})  # MoE load balancing: beside, not inside, the loss
+                self.logger.log(
+                    step,
+                    "train",
+                    metrics,
+                    {
+                        "grad_norm": out.grad_norm,
+                        "lr": lr,
+                        "tokens_per_s": tokens / step_time,
+                        "step_time_s": step_time,
+                        "seq_length": batch.seq_length,
+                        "skipped_steps": self.counters.skipped_steps,
+                        **_memory_over_ranks(),
+                        **out.aux_metrics,
+                    },
+                )  # MoE load balancing: beside, not inside, the loss
             if self.counters.consecutive_skipped >= cfg.train.max_nonfinite_steps:
                 self.close()
                 raise NonFiniteLossError(
                     f"{self.counters.consecutive_skipped} steps in a row (up to step {step}) had "
                     f"a NaN/Inf loss or gradient (train.max_nonfinite_steps="
                     f"{cfg.train.max_nonfinite_steps}); stopping. Last checkpoint: "
-                    f"{self.checkpointer.latest()}")
+                    f"{self.checkpointer.latest()}"
+                )
             if self.evaluator.due(step, last):
                 self.evaluate(step)
-            interrupted = self.checkpointer.after_step(self.counters, last,
-                                                       out.update_successful)
+            interrupted = self.checkpointer.after_step(self.counters, last, out.update_successful)
             if interrupted is not None:  # SIGINT / SIGTERM: saved, all ranks stop here
                 self.close()
                 raise interrupted
         export = self.export_final()
         if is_logging_rank():
-            print(f"saved checkpoint {self.checkpointer.latest()}"
-                  + (f" ({self.counters.skipped_steps} non-finite steps skipped)"
-                     if self.counters.skipped_steps else ""), flush=True)
+            print(
+                f"saved checkpoint {self.checkpointer.latest()}"
+                + (
+                    f" ({self.counters.skipped_steps} non-finite steps skipped)"
+                    if self.counters.skipped_steps
+                    else ""
+                ),
+                flush=True,
+            )
             print(self.summary(metrics, first_step, time.time() - started, export), flush=True)
         self.close()
         return metrics
 
-    def summary(self, metrics: dict[str, float], first_step: int, seconds: float,
-                export: Optional[str]) -> str:
+    def summary(
+        self, metrics: dict[str, float], first_step: int, seconds: float, export: Optional[str]
+    ) -> str:
         """The end-of-run block (rank 0 prints it): what the run achieved (steps, the last
         step's loss and accuracy, the first and last evaluation) and where its files are."""
         cfg, step = self.cfg, self.counters.step
         done = step - first_step
-        lines = [f"run summary: {done} step(s) in {seconds:.0f}s"
-                 + (f" (steps {first_step + 1}-{step} of {cfg.train.train_iters}, resumed)"
-                    if first_step else "")
-                 + (f", {self.counters.skipped_steps} skipped (non-finite)"
-                    if self.counters.skipped_steps else "")
-                 + (f"; last step: {_brief(metrics)}" if metrics else "")]
+        lines = [
+            f"run summary: {done} step(s) in {seconds:.0f}s"
+            + (
+                f" (steps {first_step + 1}-{step} of {cfg.train.train_iters}, resumed)"
+                if first_step
+                else ""
+            )
+            + (
+                f", {self.counters.skipped_steps} skipped (non-finite)"
+                if self.counters.skipped_steps
+                else ""
+            )
+            + (f"; last step: {_brief(metrics)}" if metrics else "")
+        ]
         if self.evaluations:
             first, last = self.evaluations["first"], self.evaluations["last"]
-            lines.append("  eval: " + " -> ".join(
-                f"step {s} {_brief(m)} ({int(m.get('items', 0))} {'examples' if self.sft else 'pairs'})"
-                for s, m in ([first, last] if first[0] != last[0] else [last])))
+            lines.append(
+                "  eval: "
+                + " -> ".join(
+                    f"step {s} {_brief(m)} ({int(m.get('items', 0))} {'examples' if self.sft else 'pairs'})"
+                    for s, m in ([first, last] if first[0] != last[0] else [last])
+                )
+            )
         lines.append(f"  checkpoint: {self.checkpointer.latest()}")
         if export:
             lines.append(f"  export: {export}")
@@ -339,14 +436,21 @@ class Trainer:
         if mode == "adapter":
             folder = os.path.join(self.checkpointer.save_dir, "hf_adapter")
             export_peft_adapter(chunks, self.model_config, self.cfg.lora, folder, dtype)
-            what = (f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> "
-                    f"{folder}")
+            what = f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
         elif mode == "merged":
             folder = os.path.join(self.checkpointer.save_dir, "hf")
-            export_hf(chunks, self.model_config, folder, dtype=dtype,
-                      tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None)
-            what = ("Hugging Face model" + (" (LoRA adapters merged)" if self.cfg.lora.enabled
-                                            else "") + f" -> {folder}")
+            export_hf(
+                chunks,
+                self.model_config,
+                folder,
+                dtype=dtype,
+                tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None,
+            )
+            what = (
+                "Hugging Face model"
+                + (" (LoRA adapters merged)" if self.cfg.lora.enabled else "")
+                + f" -> {folder}"
+            )
         else:
             return None
         if is_logging_rank():
@@ -356,11 +460,18 @@ class Trainer:
 
 def _brief(metrics: dict[str, float]) -> str:
     """``loss 0.6512, acc 0.7500, margin 0.0500`` (SFT: the loss and ``nll_loss``)."""
-    keys = (("loss", "loss"), ("nll_loss", "nll"), ("rewards/accuracies", "acc"),
-            ("rewards/margins", "margin"))
-    return ", ".join(f"{label} {metrics[k]:.4f}" for k, label in keys
-                     if isinstance(metrics.get(k), (int, float)) and
-                     not (k == "nll_loss" and "rewards/accuracies" in metrics))
+    keys = (
+        ("loss", "loss"),
+        ("nll_loss", "nll"),
+        ("rewards/accuracies", "acc"),
+        ("rewards/margins", "margin"),
+    )
+    return ", ".join(
+        f"{label} {metrics[k]:.4f}"
+        for k, label in keys
+        if isinstance(metrics.get(k), (int, float))
+        and not (k == "nll_loss" and "rewards/accuracies" in metrics)
+    )
 
 
 def _memory_over_ranks() -> dict[str, float]:

@@ -78,9 +78,11 @@ def plant_in_dcp_item(folder: str, marker: str, byte_item: bool) -> str:
     meta_path = os.path.join(folder, ".metadata")
     with open(meta_path, "rb") as f:
         metadata = pickle.load(f)  # our own, unmodified file
-    index, info = next((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn],
-                                     BytesStorageMetadata) == byte_item)
+    index, info = next(
+        (i, s)
+        for i, s in metadata.storage_data.items()
+        if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata) == byte_item
+    )
     data = payload_bytes(marker)
     distcp = os.path.join(folder, info.relative_path)
     offset = os.path.getsize(distcp)

@@ -34,8 +34,9 @@ from tests.multirank import run_ranks
 
 
 def _one_step_checkpoint(run_dir):
-    trainer = tiny_trainer(random_pairs(4, 0, lambda i: (3, 2, 2)), run_dir=run_dir, steps=1,
-                           model={"num_layers": 2})
+    trainer = tiny_trainer(
+        random_pairs(4, 0, lambda i: (3, 2, 2)), run_dir=run_dir, steps=1, model={"num_layers": 2}
+    )
     trainer.train()
     return trainer.checkpointer.latest()
 
@@ -56,8 +57,14 @@ def ckpt(saved, tmp_path):
 def test_manifest_lists_every_file_with_size_and_digest(ckpt):
     manifest = json.loads(open(os.path.join(ckpt, MANIFEST_FILE)).read())
     files = manifest["files"]
-    assert {".metadata", "common.pt", "metadata.json", "model_config.json", "train_state.json",
-            "rng/rank_00000.pt"} <= set(files)
+    assert {
+        ".metadata",
+        "common.pt",
+        "metadata.json",
+        "model_config.json",
+        "train_state.json",
+        "rng/rank_00000.pt",
+    } <= set(files)
     assert any(name.endswith(".distcp") for name in files)
     for name, entry in files.items():
         assert (entry["size"], entry[HASH_NAME]) == file_digest(os.path.join(ckpt, name))

@@ -19,12 +19,16 @@ def _build(hf_dir, tp, pp, vpp=None):
     from dpo_megatron.models import ModelConfig, build_model_chunks, model_config_from_hf
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=vpp)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
     initialize_distributed(parallel)
     set_seed(99)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local"))
+    cfg = model_config_from_hf(
+        hf_dir, ModelConfig(params_dtype="float32", transformer_impl="local")
+    )
     return cfg, build_model_chunks(cfg, parallel)
 
 
@@ -74,8 +78,17 @@ def test_load_at_another_layout(interleaved_checkpoint, tp, pp):
     input_ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(input_ids).logits
-    got = _last_stage(run_ranks(_load_forward, world_size=tp * pp, hf_dir=hf_dir, ckpt=ckpt,
-                                tp=tp, pp=pp, input_ids=input_ids))
+    got = _last_stage(
+        run_ranks(
+            _load_forward,
+            world_size=tp * pp,
+            hf_dir=hf_dir,
+            ckpt=ckpt,
+            tp=tp,
+            pp=pp,
+            input_ids=input_ids,
+        )
+    )
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
 
@@ -115,18 +128,38 @@ def test_scripts_hf_to_megatron_to_hf_bit_exact(tmp_path):
         with open(os.path.join(hf_dir, name), "w") as f:
             f.write("{}")
     ckpt, out, out16 = (str(tmp_path / n) for n in ("ckpt", "out", "out16"))
-    run_ranks(_run_script, world_size=2, name="convert_hf_to_megatron",
-              argv=["--hf-path", hf_dir, "--save", ckpt, "--tensor-model-parallel-size", "2"])
-    run_ranks(_run_script, world_size=2, name="convert_megatron_to_hf",
-              argv=["--load", ckpt, "--save", out, "--dtype", "float32",
-                    "--pipeline-model-parallel-size", "2"])
+    run_ranks(
+        _run_script,
+        world_size=2,
+        name="convert_hf_to_megatron",
+        argv=["--hf-path", hf_dir, "--save", ckpt, "--tensor-model-parallel-size", "2"],
+    )
+    run_ranks(
+        _run_script,
+        world_size=2,
+        name="convert_megatron_to_hf",
+        argv=[
+            "--load",
+            ckpt,
+            "--save",
+            out,
+            "--dtype",
+            "float32",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+    )
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     exported = load_file(os.path.join(out, "model-00001-of-00001.safetensors"))
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
-    run_ranks(_run_script, world_size=1, name="convert_megatron_to_hf",
-              argv=["--load", ckpt, "--save", out16])
+    run_ranks(
+        _run_script,
+        world_size=1,
+        name="convert_megatron_to_hf",
+        argv=["--load", ckpt, "--save", out16],
+    )
     exported16 = load_file(os.path.join(out16, "model-00001-of-00001.safetensors"))
     assert all(exported16[k].dtype == torch.bfloat16 for k in exported16)
     assert all(torch.equal(exported16[k], original[k].to(torch.bfloat16)) for k in original)

@@ -7,23 +7,38 @@ import os
 import pytest
 import torch
 
-from dpo_megatron.checkpointing.reference_archive import (ArchiveError, archive_to_hf_folder,
-                                                          hf_folder_to_archive,
-                                                          load_policy_archive,
-                                                          save_policy_archive)
-from tests.models.conversion_helpers import (build_tiny_hf_model, hf_logps, pipeline_logits,
-                                             save_tiny_hf_folder, token_logps)
+from dpo_megatron.checkpointing.reference_archive import (
+    ArchiveError,
+    archive_to_hf_folder,
+    hf_folder_to_archive,
+    load_policy_archive,
+    save_policy_archive,
+)
+from tests.models.conversion_helpers import (
+    build_tiny_hf_model,
+    hf_logps,
+    pipeline_logits,
+    save_tiny_hf_folder,
+    token_logps,
+)
 from tests.multirank import run_ranks
 
 
 def _engine_logits(hf_dir, input_ids):
-    from dpo_megatron.models import ModelConfig, build_model_chunks, load_hf_weights, model_config_from_hf
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     parallel = ParallelConfig()
     initialize_distributed(parallel)
     set_seed(1234)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32", transformer_impl="local"))
+    cfg = model_config_from_hf(
+        hf_dir, ModelConfig(params_dtype="float32", transformer_impl="local")
+    )
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
     return pipeline_logits(chunks, input_ids)
@@ -37,8 +52,10 @@ def test_policy_pt_gives_the_hf_models_logps(tmp_path, arch):
     base = save_tiny_hf_folder(arch, str(tmp_path / "base"), seed=0)
     trained = build_tiny_hf_model(arch, seed=1)
     archive = str(tmp_path / "LATEST" / "policy.pt")
-    torch.save({"step_idx": 640, "state": trained.state_dict(), "metrics": {"loss": 1.5}},
-               str(tmp_path / "policy_plain.pt"))
+    torch.save(
+        {"step_idx": 640, "state": trained.state_dict(), "metrics": {"loss": 1.5}},
+        str(tmp_path / "policy_plain.pt"),
+    )
     save_policy_archive(archive, trained.state_dict(), step_idx=640, metrics={"loss": 1.5})
     state, info = load_policy_archive(str(tmp_path / "policy_plain.pt"))
     assert info == {"step_idx": 640, "metrics": {"loss": 1.5}}
@@ -49,7 +66,7 @@ def test_policy_pt_gives_the_hf_models_logps(tmp_path, arch):
     input_ids = torch.randint(1, trained.config.vocab_size, (2, 12), generator=g)
     expected = hf_logps(trained, input_ids, torch.ones_like(input_ids))
     logits = run_ranks(_engine_logits, world_size=1, hf_dir=folder, input_ids=input_ids)[0]
-    got = token_logps(logits[..., :trained.config.vocab_size], input_ids)
+    got = token_logps(logits[..., : trained.config.vocab_size], input_ids)
     rel = ((got - expected).abs() / expected.abs()).max().item()
     assert rel <= 1e-5, rel
     base_logps = hf_logps(build_tiny_hf_model(arch, seed=0), input_ids, torch.ones_like(input_ids))
@@ -78,8 +95,11 @@ def test_pickled_objects_are_refused_naming_the_file(tmp_path):
     marker = tmp_path / "ran"
     evil = tmp_path / "evil.pt"
     torch.save({"step_idx": 0, "state": sd, "metrics": {}, "x": _Payload(str(marker))}, str(evil))
-    with pytest.raises(ArchiveError, match=rf"model.archive={evil}: refused: the file holds a "
-                                           r"pickled object other than tensors"):
+    with pytest.raises(
+        ArchiveError,
+        match=rf"model.archive={evil}: refused: the file holds a "
+        r"pickled object other than tensors",
+    ):
         load_policy_archive(str(evil))
     assert not marker.exists()  # nothing in the file ran
 
@@ -108,8 +128,11 @@ def test_pickled_objects_are_refused_naming_the_file(tmp_path):
     torch.save({"step_idx": 0, "state": sd, "metrics": {}}, str(good))
     (tmp_path / "cut.pt").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     for name in ("garbage.pt", "cut.pt"):
-        with pytest.raises(ArchiveError, match=r"not a readable torch.save file \(corrupt, "
-                                               r"truncated or another format\)") as info:
+        with pytest.raises(
+            ArchiveError,
+            match=r"not a readable torch.save file \(corrupt, "
+            r"truncated or another format\)",
+        ) as info:
             load_policy_archive(str(tmp_path / name))
         assert "refused" not in str(info.value) and "weights_only" not in str(info.value)
 
@@ -118,6 +141,8 @@ def test_archive_of_another_model_is_refused(tmp_path):
     base = save_tiny_hf_folder("gpt2", str(tmp_path / "base"))
     other = build_tiny_hf_model("llama")
     save_policy_archive(str(tmp_path / "policy.pt"), other.state_dict(), 0)
-    with pytest.raises(ArchiveError, match=r"does not fit .*GPT2LMHeadModel.*missing \['transformer"):
+    with pytest.raises(
+        ArchiveError, match=r"does not fit .*GPT2LMHeadModel.*missing \['transformer"
+    ):
         archive_to_hf_folder(str(tmp_path / "policy.pt"), base, str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")

@@ -20,6 +20,7 @@ def _write(name: str, size: int):
     def fn(tmp):
         with open(os.path.join(tmp, name), "wb") as f:
             f.write(os.urandom(size))
+
     return fn
 
 
@@ -46,16 +47,24 @@ def test_a_save_reports_its_size_and_the_cost_of_its_checksums(tmp_path):
     ckpt = tmp_path / "iter_0000002"
     writer = _save(ckpt, _write("a.bin", 3_000_000), _write("b.bin", 10))
     assert writer.manifest["total_bytes"] == 3_000_010
-    match = re.fullmatch(rf"wrote checkpoint {ckpt} \(2 files, 3\.0 MB in ([0-9.]+) s; "
-                         rf"checksums ([0-9.]+) s\)", writer.report())
+    match = re.fullmatch(
+        rf"wrote checkpoint {ckpt} \(2 files, 3\.0 MB in ([0-9.]+) s; "
+        rf"checksums ([0-9.]+) s\)",
+        writer.report(),
+    )
     assert match, writer.report()
     total, hashing = map(float, match.groups())
     assert 0 <= hashing <= total and hashing == round(writer.hash_seconds, 2)
 
 
-@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "no space left on device"),
-                                         (errno.EROFS, "read-only file system"),
-                                         (errno.EACCES, "permission denied")])
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (errno.ENOSPC, "no space left on device"),
+        (errno.EROFS, "read-only file system"),
+        (errno.EACCES, "permission denied"),
+    ],
+)
 def test_an_os_error_during_a_save_is_named_and_cleaned_up(tmp_path, code, words):
     _save(tmp_path / "iter_0000001", _write("a.bin", 100))
     before = os.listdir(tmp_path / "iter_0000001")
@@ -74,8 +83,9 @@ def test_an_os_error_during_a_save_is_named_and_cleaned_up(tmp_path, code, words
     assert verify_checkpoint(str(tmp_path / "iter_0000001")).problems == []
 
 
-def test_torch_zip_writer_error_without_errno_is_diagnosed_from_the_file_system(tmp_path,
-                                                                              monkeypatch):
+def test_torch_zip_writer_error_without_errno_is_diagnosed_from_the_file_system(
+    tmp_path, monkeypatch
+):
     def fails(tmp):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
@@ -97,8 +107,11 @@ def test_not_enough_free_space_is_refused_before_writing(tmp_path, monkeypatch):
 def small_tmpfs(path, size: str):
     """A tmpfs of ``size`` mounted at ``path`` (skips the test where mounting is not allowed)."""
     os.makedirs(path, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:

@@ -72,7 +72,8 @@ def test_prune_keeps_the_newest(save_dir):
 def _run_checkpoint(folder, step: int, run_id):
     _fake_checkpoint(folder / checkpoint_name(step))
     (folder / checkpoint_name(step) / "train_state.json").write_text(
-        json.dumps({"step": step, "run_id": run_id}))
+        json.dumps({"step": step, "run_id": run_id})
+    )
 
 
 def test_prune_removes_only_checkpoints_of_the_current_run(tmp_path):
@@ -92,7 +93,9 @@ def test_resume_candidates_newest_first(save_dir):
     from dpo_megatron.checkpointing.training_checkpoint import resume_candidates
 
     assert resume_candidates("auto", str(save_dir)) == [
-        str(save_dir / checkpoint_name(s)) for s in (6, 4, 2)]
+        str(save_dir / checkpoint_name(s)) for s in (6, 4, 2)
+    ]
     assert resume_candidates("none", str(save_dir)) == []
     assert resume_candidates(str(save_dir / "iter_0000002"), "unused") == [
-        str(save_dir / "iter_0000002")]
+        str(save_dir / "iter_0000002")
+    ]

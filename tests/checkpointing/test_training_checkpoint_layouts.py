@@ -18,8 +18,12 @@ from tests.training.test_lifecycle import TINY_MODEL, read_metrics, tiny_config,
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.keep_last_n=0",
-          "train.use_distributed_optimizer=true"]
+COMMON = [
+    "train.train_iters=4",
+    "checkpoint.save_interval=2",
+    "checkpoint.keep_last_n=0",
+    "train.use_distributed_optimizer=true",
+]
 
 
 def _run_then_resume(root, prefix, data_file, tok_dir, layout):
@@ -47,8 +51,9 @@ def _save_initial(ckpt_dir):
 
     initialize_distributed(ParallelConfig())
     set_seed(5)
-    cfg = load_config(None, ["data.tokenizer=x", "data.path=unused.jsonl", "model.vocab_size=400",
-                             *TINY_MODEL])
+    cfg = load_config(
+        None, ["data.tokenizer=x", "data.path=unused.jsonl", "model.vocab_size=400", *TINY_MODEL]
+    )
     save_model_checkpoint(build_model_chunks(cfg.model, cfg.parallel), ckpt_dir, cfg.model)
 
 
@@ -59,9 +64,9 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
 
     from dpo_megatron.checkpointing import load_model_checkpoint
     from dpo_megatron.data import load_preference_pairs, load_tokenizer
+    from dpo_megatron.data.collate import PaddedPairs
     from dpo_megatron.losses import build_loss
     from dpo_megatron.models import build_model_chunks
-    from dpo_megatron.data.collate import PaddedPairs
     from dpo_megatron.training.step import dpo_forward_backward
 
     cfg = tiny_config("unused", data_file, tok_dir)
@@ -72,10 +77,14 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
     load_model_checkpoint(chunks, ckpt_dir)
     tokenizer = load_tokenizer(tok_dir)
     pairs = load_preference_pairs(cfg.data, tokenizer).train[:4]
-    batch = PaddedPairs(tokenizer.pad_token_id, 8 * parallel.tensor_model_parallel_size).build(
-        pairs, [[0, 1], [2, 3]]).to_device()
-    out = dpo_forward_backward(chunks, None, batch, build_loss({"name": "simpo"}),
-                               forward_only=True)
+    batch = (
+        PaddedPairs(tokenizer.pad_token_id, 8 * parallel.tensor_model_parallel_size)
+        .build(pairs, [[0, 1], [2, 3]])
+        .to_device()
+    )
+    out = dpo_forward_backward(
+        chunks, None, batch, build_loss({"name": "simpo"}), forward_only=True
+    )
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
         return None
     return {k: out.per_pair[k].tolist() for k in ("logps/chosen", "logps/rejected")}
@@ -83,8 +92,11 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
 
 def _tp2pp2_runs(root, data_file, tok_dir, init):
     """4 steps straight; the same run cut after step 2's checkpoint and resumed; log-probs."""
-    layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-              f"model.load={init}"]
+    layout = [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        f"model.load={init}",
+    ]
     full, resumed = _run_then_resume(root, "", data_file, tok_dir, layout)
     return _eval_logps(os.path.join(full, "checkpoints", "iter_0000004"), data_file, tok_dir)
 
@@ -97,11 +109,19 @@ def _tp1_runs(root, data_file, tok_dir, init):
 
     initialize_distributed(ParallelConfig())
     set_seed(1)
-    logps = _eval_logps(os.path.join(root, "full", "checkpoints", "iter_0000004"), data_file,
-                        tok_dir)
-    train(tiny_config(os.path.join(root, "tp1"), data_file, tok_dir, *COMMON,
-                      f"model.load={init}",
-                      f"checkpoint.resume={os.path.join(root, 'full', 'checkpoints', 'iter_0000002')}"))
+    logps = _eval_logps(
+        os.path.join(root, "full", "checkpoints", "iter_0000004"), data_file, tok_dir
+    )
+    train(
+        tiny_config(
+            os.path.join(root, "tp1"),
+            data_file,
+            tok_dir,
+            *COMMON,
+            f"model.load={init}",
+            f"checkpoint.resume={os.path.join(root, 'full', 'checkpoints', 'iter_0000002')}",
+        )
+    )
     return logps
 
 
@@ -112,8 +132,9 @@ def tp2pp2_runs(tmp_path_factory):
     data_file, tok_dir = write_fixture(root / "data")
     init = str(root / "init")
     run_ranks(_save_initial, world_size=1, ckpt_dir=init)
-    results = run_ranks(_tp2pp2_runs, world_size=4, root=str(root), data_file=data_file,
-                        tok_dir=tok_dir, init=init)
+    results = run_ranks(
+        _tp2pp2_runs, world_size=4, root=str(root), data_file=data_file, tok_dir=tok_dir, init=init
+    )
     logps = [r for r in results if r is not None]
     assert len(logps) == 1
     return root, data_file, tok_dir, init, logps[0]
@@ -132,8 +153,10 @@ def test_exact_resume_at_tp2_pp2_with_distributed_optimizer(tp2pp2_runs):
 
     from tests.training.test_lifecycle import assert_same_tensors, model_tensors
 
-    assert_same_tensors(model_tensors(root / "full" / "checkpoints" / "iter_0000004"),
-                        model_tensors(root / "resumed" / "checkpoints" / "iter_0000004"))
+    assert_same_tensors(
+        model_tensors(root / "full" / "checkpoints" / "iter_0000004"),
+        model_tensors(root / "resumed" / "checkpoints" / "iter_0000004"),
+    )
 
 
 def test_tp2_pp2_checkpoint_loads_at_tp1(tp2pp2_runs):
@@ -141,8 +164,9 @@ def test_tp2_pp2_checkpoint_loads_at_tp1(tp2pp2_runs):
     checkpoint (weights and distributed-optimizer state resharded) follows the TP 2 x PP 2 run
     to float32 round-off."""
     root, data_file, tok_dir, init, logps_tp2pp2 = tp2pp2_runs
-    logps_tp1 = run_ranks(_tp1_runs, world_size=1, root=str(root), data_file=data_file,
-                          tok_dir=tok_dir, init=init)[0]
+    logps_tp1 = run_ranks(
+        _tp1_runs, world_size=1, root=str(root), data_file=data_file, tok_dir=tok_dir, init=init
+    )[0]
     for key in ("logps/chosen", "logps/rejected"):
         assert len(logps_tp1[key]) == 4
         for a, b in zip(logps_tp1[key], logps_tp2pp2[key]):
@@ -151,8 +175,9 @@ def test_tp2_pp2_checkpoint_loads_at_tp1(tp2pp2_runs):
     assert sorted(tp1) == [3, 4]
     for step in (3, 4):
         assert abs(tp1[step]["loss"] - full[step]["loss"]) <= 1e-5, step
-    state = json.loads((root / "tp1" / "checkpoints" / "iter_0000004" /
-                        "train_state.json").read_text())
+    state = json.loads(
+        (root / "tp1" / "checkpoints" / "iter_0000004" / "train_state.json").read_text()
+    )
     assert state["layout"]["tensor_model_parallel_size"] == 1
 
 
@@ -166,22 +191,31 @@ def _dp2_runs(root, data_file, tok_dir, init):
 def _dp1_resume(root, data_file, tok_dir, init):
     from dpo_megatron.train import train
 
-    train(tiny_config(os.path.join(root, "dp1"), data_file, tok_dir, *COMMON, f"model.load={init}",
-                      "checkpoint.resume=" + os.path.join(root, "dp2_full", "checkpoints",
-                                                          "iter_0000002")))
+    train(
+        tiny_config(
+            os.path.join(root, "dp1"),
+            data_file,
+            tok_dir,
+            *COMMON,
+            f"model.load={init}",
+            "checkpoint.resume=" + os.path.join(root, "dp2_full", "checkpoints", "iter_0000002"),
+        )
+    )
 
 
 def test_exact_resume_with_optimizer_sharded_over_dp2_and_resume_at_dp1(tp2pp2_runs):
     root, data_file, tok_dir, init, _ = tp2pp2_runs
-    run_ranks(_dp2_runs, world_size=2, root=str(root), data_file=data_file, tok_dir=tok_dir,
-              init=init)
+    run_ranks(
+        _dp2_runs, world_size=2, root=str(root), data_file=data_file, tok_dir=tok_dir, init=init
+    )
     full, resumed = read_metrics(root / "dp2_full"), read_metrics(root / "dp2_resumed")
     for step in (3, 4):
         assert resumed[step]["loss"] == full[step]["loss"], step
         assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
     # Both shards of the DP 2 Adam state, gathered into one rank.
-    run_ranks(_dp1_resume, world_size=1, root=str(root), data_file=data_file, tok_dir=tok_dir,
-              init=init)
+    run_ranks(
+        _dp1_resume, world_size=1, root=str(root), data_file=data_file, tok_dir=tok_dir, init=init
+    )
     dp1 = read_metrics(root / "dp1")
     for step in (3, 4):
         assert abs(dp1[step]["loss"] - full[step]["loss"]) <= 1e-6, step

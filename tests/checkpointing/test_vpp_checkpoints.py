@@ -39,13 +39,27 @@ NO_DIST_OPT = ["train.use_distributed_optimizer=false"]
 
 def _args(data_file, tok_dir, hf_dir):
     """The overrides every run shares (4 steps at PP 2, a checkpoint after each)."""
-    return [f"data.path={data_file}", f"data.tokenizer={tok_dir}", "data.format=standard",
-            "data.max_length=32", "data.max_prompt_length=16", "data.cache_dir=none",
-            "data.verbose=false", f"model.hf_path={hf_dir}", "train.micro_batch_size=1",
-            "train.global_batch_size=4", "train.lr=1e-3", "train.lr_decay_style=cosine",
-            "train.lr_warmup_iters=1", "train.weight_decay=0.01", "train.train_iters=4",
-            "logging.tensorboard=false", "checkpoint.save_interval=1",
-            "checkpoint.keep_last_n=0", "parallel.pipeline_model_parallel_size=2"]
+    return [
+        f"data.path={data_file}",
+        f"data.tokenizer={tok_dir}",
+        "data.format=standard",
+        "data.max_length=32",
+        "data.max_prompt_length=16",
+        "data.cache_dir=none",
+        "data.verbose=false",
+        f"model.hf_path={hf_dir}",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+        "train.lr=1e-3",
+        "train.lr_decay_style=cosine",
+        "train.lr_warmup_iters=1",
+        "train.weight_decay=0.01",
+        "train.train_iters=4",
+        "logging.tensorboard=false",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last_n=0",
+        "parallel.pipeline_model_parallel_size=2",
+    ]
 
 
 def _ckpt(root, run, step):
@@ -78,8 +92,9 @@ def _resumes(root, config_file, args):
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed
     from dpo_megatron.train import train
 
-    initialize_distributed(ParallelConfig(pipeline_model_parallel_size=2,
-                                          virtual_pipeline_model_parallel_size=2))
+    initialize_distributed(
+        ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    )
 
     def run(name, *extra):
         train(load_config(config_file, [*args, f"run_dir={os.path.join(root, name)}", *extra]))
@@ -97,8 +112,7 @@ def _resumes(root, config_file, args):
     run("plain_pp", *NO_DIST_OPT, f"checkpoint.resume={_ckpt(root, 'plain_full', 2)}")
     switch_layout()
     run("dist_vpp_from_pp", *VPP, f"checkpoint.resume={_ckpt(root, 'dist_pp', 3)}")
-    run("plain_vpp_from_pp", *VPP, *NO_DIST_OPT,
-        f"checkpoint.resume={_ckpt(root, 'plain_pp', 3)}")
+    run("plain_vpp_from_pp", *VPP, *NO_DIST_OPT, f"checkpoint.resume={_ckpt(root, 'plain_pp', 3)}")
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +129,22 @@ def vpp_runs(tmp_path_factory):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
-    out = subprocess.run(["bash", "scripts/pretrain_dpo.sh", "--config", str(config_file), *args,
-                          *VPP, f"run_dir={root / 'dist_full'}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            "bash",
+            "scripts/pretrain_dpo.sh",
+            "--config",
+            str(config_file),
+            *args,
+            *VPP,
+            f"run_dir={root / 'dist_full'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     run_ranks(_resumes, world_size=2, root=str(root), config_file=str(config_file), args=args)
@@ -143,8 +170,10 @@ def test_vpp_run_saves_and_resumes_exactly(vpp_runs, optimizer):
     layout = _layout(vpp_runs, f"{optimizer}_full", 4)
     assert layout["virtual_pipeline_model_parallel_size"] == 2
     assert layout["use_distributed_optimizer"] == (optimizer == "dist")
-    assert_same_tensors(model_tensors(_ckpt(vpp_runs, f"{optimizer}_full", 4)),
-                        model_tensors(_ckpt(vpp_runs, f"{optimizer}_resumed", 4)))
+    assert_same_tensors(
+        model_tensors(_ckpt(vpp_runs, f"{optimizer}_full", 4)),
+        model_tensors(_ckpt(vpp_runs, f"{optimizer}_resumed", 4)),
+    )
 
 
 @pytest.mark.parametrize("optimizer", ["dist", "plain"])
@@ -162,5 +191,7 @@ def test_vpp_checkpoint_reshards_to_pp_and_back(vpp_runs, optimizer):
     assert abs(back[4]["loss"] - full[4]["loss"]) <= 1e-6
     assert abs(back[4]["grad_norm"] - full[4]["grad_norm"]) <= 1e-6
     assert _layout(vpp_runs, f"{optimizer}_pp", 4)["virtual_pipeline_model_parallel_size"] is None
-    assert _layout(vpp_runs, f"{optimizer}_vpp_from_pp", 4)[
-        "virtual_pipeline_model_parallel_size"] == 2
+    assert (
+        _layout(vpp_runs, f"{optimizer}_vpp_from_pp", 4)["virtual_pipeline_model_parallel_size"]
+        == 2
+    )

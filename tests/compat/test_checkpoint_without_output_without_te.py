@@ -8,8 +8,10 @@ import pytest
 
 from tests.compat import assert_name_error_then_patched
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
-                                reason="the fault only exists without transformer-engine")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="the fault only exists without transformer-engine",
+)
 
 SCRIPT = """
 import torch

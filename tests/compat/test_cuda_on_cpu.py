@@ -42,14 +42,18 @@ def test_tensor_type_names_match_megatron_checks():
 def test_model_parallel_rng_tracker_forks_on_cpu_generator():
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True
+    )
     tracker = tensor_parallel.get_cuda_rng_tracker()
     outside_before = torch.get_rng_state()
     with tracker.fork():
         a = torch.rand(4)
     # The fork restores the default generator: the outside stream is untouched.
     assert torch.equal(torch.get_rng_state(), outside_before)
-    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True
+    )
     with tensor_parallel.get_cuda_rng_tracker().fork():
         b = torch.rand(4)
     assert torch.equal(a, b)
@@ -71,8 +75,12 @@ def _tp_linear_backward():
     initialize_distributed(ParallelConfig())
     set_seed(0)
     layer = tensor_parallel.ColumnParallelLinear(
-        8, 4, config=ModelParallelConfig(use_cpu_initialization=True),
-        init_method=torch.nn.init.normal_, bias=False)
+        8,
+        4,
+        config=ModelParallelConfig(use_cpu_initialization=True),
+        init_method=torch.nn.init.normal_,
+        bias=False,
+    )
     x = torch.randn(3, 2, 8, requires_grad=True)
     out, _ = layer(x)
     out.sum().backward()
@@ -96,23 +104,37 @@ _FAKE_CUDA = (
 
 
 def test_nccl_on_a_cuda_machine_leaves_megatron_untouched():
-    assert _run(_FAKE_CUDA + (
-        "assert device.resolve_backend('auto') == 'nccl'\n"
-        "assert device.setup_device('nccl') == torch.device('cuda', 0)\n"
-        "assert device.backend() == 'nccl' and device.is_cuda()\n"
-        "assert not cuda_on_cpu.is_enabled()\n"
-        "assert torch.cuda.current_device is before\n"
-        "assert torch.zeros(1).type() == 'torch.FloatTensor'\n"
-        "print('ok')\n")) == "ok"
+    assert (
+        _run(
+            _FAKE_CUDA
+            + (
+                "assert device.resolve_backend('auto') == 'nccl'\n"
+                "assert device.setup_device('nccl') == torch.device('cuda', 0)\n"
+                "assert device.backend() == 'nccl' and device.is_cuda()\n"
+                "assert not cuda_on_cpu.is_enabled()\n"
+                "assert torch.cuda.current_device is before\n"
+                "assert torch.zeros(1).type() == 'torch.FloatTensor'\n"
+                "print('ok')\n"
+            )
+        )
+        == "ok"
+    )
 
 
 def test_gloo_forced_on_a_cuda_machine_runs_on_the_cpu():
-    assert _run(_FAKE_CUDA + (
-        "assert device.setup_device('gloo') == torch.device('cpu')\n"
-        "assert device.backend() == 'gloo' and not device.is_cuda()\n"
-        "assert cuda_on_cpu.is_enabled()\n"
-        "assert torch.empty(1, device='cuda').device.type == 'cpu'\n"
-        "print('ok')\n")) == "ok"
+    assert (
+        _run(
+            _FAKE_CUDA
+            + (
+                "assert device.setup_device('gloo') == torch.device('cpu')\n"
+                "assert device.backend() == 'gloo' and not device.is_cuda()\n"
+                "assert cuda_on_cpu.is_enabled()\n"
+                "assert torch.empty(1, device='cuda').device.type == 'cpu'\n"
+                "print('ok')\n"
+            )
+        )
+        == "ok"
+    )
 
 
 def test_the_patch_is_declared_for_the_versions_it_was_tested_on():
@@ -124,27 +146,31 @@ def test_the_patch_is_declared_for_the_versions_it_was_tested_on():
 def test_the_redirection_lands_on_the_gloo_device_a_test_chose():
     """``parallel.device.set_gloo_device`` (the seam of ``tests/strict_device.py``): the engine's
     device, megatron-core's CUDA requests and its weight initialisation follow it."""
-    assert _run(
-        "import torch\n"
-        "from dpo_megatron.models import ModelConfig\n"
-        "from dpo_megatron.models.transformer_config import build_transformer_config\n"
-        "from dpo_megatron.parallel import ParallelConfig, device\n"
-        "try:\n"
-        "    device.set_gloo_device('cuda:0')\n"
-        "except ValueError as e:\n"
-        "    assert 'parallel.backend=nccl' in str(e)\n"
-        "else:\n"
-        "    raise AssertionError('cuda accepted as a gloo device')\n"
-        "def on_host_init():\n"
-        "    config = build_transformer_config(ModelConfig(), ParallelConfig())\n"
-        "    return config.use_cpu_initialization\n"
-        "assert on_host_init()\n"
-        "device.set_gloo_device('meta')\n"
-        "assert device.setup_device('gloo') == torch.device('meta') == device.get_device()\n"
-        "assert not device.is_host() and not device.is_cuda()\n"
-        "assert torch.cuda.current_device() == 'meta'\n"
-        "assert torch.empty(2, device='cuda').device.type == 'meta'\n"
-        "assert torch.zeros(2).cuda().device.type == 'meta'\n"
-        "assert torch.zeros(2).to('cuda:1').device.type == 'meta'\n"
-        "assert not on_host_init()  # megatron-core's GPU branch: weights made on the device\n"
-        "print('ok')\n") == "ok"
+    assert (
+        _run(
+            "import torch\n"
+            "from dpo_megatron.models import ModelConfig\n"
+            "from dpo_megatron.models.transformer_config import build_transformer_config\n"
+            "from dpo_megatron.parallel import ParallelConfig, device\n"
+            "try:\n"
+            "    device.set_gloo_device('cuda:0')\n"
+            "except ValueError as e:\n"
+            "    assert 'parallel.backend=nccl' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('cuda accepted as a gloo device')\n"
+            "def on_host_init():\n"
+            "    config = build_transformer_config(ModelConfig(), ParallelConfig())\n"
+            "    return config.use_cpu_initialization\n"
+            "assert on_host_init()\n"
+            "device.set_gloo_device('meta')\n"
+            "assert device.setup_device('gloo') == torch.device('meta') == device.get_device()\n"
+            "assert not device.is_host() and not device.is_cuda()\n"
+            "assert torch.cuda.current_device() == 'meta'\n"
+            "assert torch.empty(2, device='cuda').device.type == 'meta'\n"
+            "assert torch.zeros(2).cuda().device.type == 'meta'\n"
+            "assert torch.zeros(2).to('cuda:1').device.type == 'meta'\n"
+            "assert not on_host_init()  # megatron-core's GPU branch: weights made on the device\n"
+            "print('ok')\n"
+        )
+        == "ok"
+    )

@@ -24,7 +24,8 @@ def test_the_patch_installs_a_plain_queue():
 @pytest.mark.slow
 def test_a_script_without_main_guard_saves(tmp_path):
     script = tmp_path / "no_guard.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         from dpo_megatron.checkpointing import save_model_checkpoint
         from dpo_megatron.models import ModelConfig, build_model_chunks
         from dpo_megatron.parallel import ParallelConfig, initialize_distributed
@@ -32,10 +33,17 @@ def test_a_script_without_main_guard_saves(tmp_path):
         save_model_checkpoint(build_model_chunks(ModelConfig(), ParallelConfig()),
                               {str(tmp_path / "ckpt")!r})
         print("saved")
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=180, env={**env, "PYTHONPATH": ROOT})
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**env, "PYTHONPATH": ROOT},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("saved")
     assert (tmp_path / "ckpt" / "metadata.json").is_file()

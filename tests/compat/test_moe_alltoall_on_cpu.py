@@ -46,11 +46,13 @@ def _uneven_collectives():
     except RuntimeError as exc:  # gloo: "invalid tensor size"
         unpatched = str(exc)
     moe_alltoall_on_cpu.enable()
-    gathered = mappings.gather_from_sequence_parallel_region(piece, group=group,
-                                                             output_split_sizes=splits)
+    gathered = mappings.gather_from_sequence_parallel_region(
+        piece, group=group, output_split_sizes=splits
+    )
     full = torch.arange(8.0).view(4, 2) * (rank + 1)
-    scattered = mappings.reduce_scatter_to_sequence_parallel_region(full, group=group,
-                                                                    input_split_sizes=splits)
+    scattered = mappings.reduce_scatter_to_sequence_parallel_region(
+        full, group=group, input_split_sizes=splits
+    )
     return unpatched, gathered, scattered
 
 

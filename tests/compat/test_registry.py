@@ -11,9 +11,17 @@ from dpo_megatron.compat.registry import Patch, check_installed
 
 def test_every_patch_is_declared_and_matches_this_environment():
     names = [p.name for p in patches()]
-    assert names == ["cuda_on_cpu", "dist_ckpt_queue", "eager_fusions", "expected_warnings",
-                     "moe_alltoall_on_cpu", "moe_router_without_te", "torch_adam_resume",
-                     "torchrun_failure_logs", "torchrun_repeated_signal"]
+    assert names == [
+        "cuda_on_cpu",
+        "dist_ckpt_queue",
+        "eager_fusions",
+        "expected_warnings",
+        "moe_alltoall_on_cpu",
+        "moe_router_without_te",
+        "torch_adam_resume",
+        "torchrun_failure_logs",
+        "torchrun_repeated_signal",
+    ]
     for patch in patches():
         assert patch.why and patch.switched_on and patch.versions
         assert patch.mismatches() == {}, patch.name
@@ -21,12 +29,19 @@ def test_every_patch_is_declared_and_matches_this_environment():
 
 
 def test_a_version_fix_stays_off_on_other_versions_with_one_warning():
-    fix = Patch(name="some_fix", why="a fault of 0.1", versions={"megatron-core": "==0.1.*"},
-                switched_on="never here")
+    fix = Patch(
+        name="some_fix",
+        why="a fault of 0.1",
+        versions={"megatron-core": "==0.1.*"},
+        switched_on="never here",
+    )
     assert set(fix.mismatches()) == {"megatron-core"}
     assert not fix.applies_to_installed()
-    with pytest.warns(RuntimeWarning, match=r"some_fix: megatron-core 0\.16\.\d+ \(written for "
-                                            r"==0\.1\.\*\); the patch stays off"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"some_fix: megatron-core 0\.16\.\d+ \(written for "
+        r"==0\.1\.\*\); the patch stays off",
+    ):
         check_installed(fix)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -34,14 +49,23 @@ def test_a_version_fix_stays_off_on_other_versions_with_one_warning():
 
 
 def test_an_indispensable_patch_stays_on_unverified():
-    needed = Patch(name="needed_one", why="x", versions={"torch": "<1"}, switched_on="always",
-                   off_on_other_versions=False)
+    needed = Patch(
+        name="needed_one",
+        why="x",
+        versions={"torch": "<1"},
+        switched_on="always",
+        off_on_other_versions=False,
+    )
     assert needed.applies_to_installed()
     with pytest.warns(RuntimeWarning, match="stays on, unverified on this version"):
         check_installed(needed)
 
 
 def test_a_missing_distribution_counts_as_a_mismatch():
-    patch = Patch(name="needs_te", why="x", versions={"transformer-engine-nonexistent": ">=1"},
-                  switched_on="x")
+    patch = Patch(
+        name="needs_te",
+        why="x",
+        versions={"transformer-engine-nonexistent": ">=1"},
+        switched_on="x",
+    )
     assert patch.mismatches() == {"transformer-engine-nonexistent": ("not installed", ">=1")}

@@ -24,15 +24,19 @@ def _save_then_resume(run_dir, patched):
     if not patched:
         torch_adam_resume.needed = lambda optimizer: False
     try:
-        second = tiny_trainer(_pairs(), run_dir=run_dir, steps=2, global_batch_size=4,
-                              resume="auto")
+        second = tiny_trainer(
+            _pairs(), run_dir=run_dir, steps=2, global_batch_size=4, resume="auto"
+        )
     except Exception:  # the canary's expected failure
         import traceback
 
         return {"error": traceback.format_exc()}
     steps = []
-    inner = second.optimizer.chained_optimizers[0].optimizer \
-        if hasattr(second.optimizer, "chained_optimizers") else second.optimizer.optimizer
+    inner = (
+        second.optimizer.chained_optimizers[0].optimizer
+        if hasattr(second.optimizer, "chained_optimizers")
+        else second.optimizer.optimizer
+    )
     for state in inner.state.values():
         steps.append((float(state["step"]), id(state["step"])))
     return {"steps": steps}

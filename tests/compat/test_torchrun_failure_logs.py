@@ -22,8 +22,13 @@ def _log_a_failure(logger):
     logging.getLogger(AGENT).warning("Received %s death signal, shutting down workers", 15)
     logger.warning("Sending process %s closing signal %s", 4242, "SIGTERM")
     logger.warning("something else torch elastic says")
-    logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 4241,
-                 "/usr/bin/python")
+    logger.error(
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+        2,
+        0,
+        4241,
+        "/usr/bin/python",
+    )
 
 
 def test_held_then_released_in_order_or_dropped():
@@ -46,11 +51,12 @@ def test_held_then_released_in_order_or_dropped():
         with HeldFailureLogs() as held:
             _log_a_failure(logger)
             assert lines.lines == ["something else torch elastic says"]
-        assert lines.lines == ["something else torch elastic says",
-                               "Received 15 death signal, shutting down workers",
-                               "Sending process 4242 closing signal SIGTERM",
-                               "failed (exitcode: 2) local_rank: 0 (pid: 4241) of binary: "
-                               "/usr/bin/python"]
+        assert lines.lines == [
+            "something else torch elastic says",
+            "Received 15 death signal, shutting down workers",
+            "Sending process 4242 closing signal SIGTERM",
+            "failed (exitcode: 2) local_rank: 0 (pid: 4241) of binary: /usr/bin/python",
+        ]
         lines.lines = []
         with HeldFailureLogs() as held:
             _log_a_failure(logger)

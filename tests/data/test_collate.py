@@ -38,7 +38,9 @@ def test_collate_pairs_layout_by_hand():
     assert batch.loss_mask.dtype == torch.float32
     assert batch.segment_ids is None and batch.reference_logps is None
     # Padded: the scored tokens sit at the same flat position in both layouts (row * 6 + t).
-    assert batch.output_index.tolist() == batch.score_index.tolist() == [1, 2, 6, 13, 14, 15, 18, 19]
+    assert (
+        batch.output_index.tolist() == batch.score_index.tolist() == [1, 2, 6, 13, 14, 15, 18, 19]
+    )
     assert batch.num_items == 2 and not batch.chosen_only
     # The masked labels are exactly each row's completion.
     for row, completion in enumerate([(7, 2), (12,), (8, 9, 2), (13, 2)]):
@@ -66,14 +68,24 @@ def test_collate_sft_and_padded_length():
 
 
 def test_precomputed_reference_logps_travel_with_the_pairs():
-    pairs = [PreferencePair((5, 6), (7, 2), (8, 9, 2), torch.tensor([-1.0, -2.0]),
-                            torch.tensor([-5.0, -6.0, -7.0])),
-             PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0, -4.0]), torch.tensor([-8.0]))]
+    pairs = [
+        PreferencePair(
+            (5, 6), (7, 2), (8, 9, 2), torch.tensor([-1.0, -2.0]), torch.tensor([-5.0, -6.0, -7.0])
+        ),
+        PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0, -4.0]), torch.tensor([-8.0])),
+    ]
     batch = collate_pairs(pairs, 0, 6)
     # loss_mask rows (completion label positions): [1, 2], [0, 1], [1, 2, 3], [0].
     assert batch.reference_logps.tolist() == [
-        [0, -1, -2, 0, 0, 0], [-3, -4, 0, 0, 0, 0], [0, -5, -6, -7, 0, 0], [-8, 0, 0, 0, 0, 0]]
-    stale = [pairs[0], PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0]), torch.tensor([-8.0]))]
+        [0, -1, -2, 0, 0, 0],
+        [-3, -4, 0, 0, 0, 0],
+        [0, -5, -6, -7, 0, 0],
+        [-8, 0, 0, 0, 0, 0],
+    ]
+    stale = [
+        pairs[0],
+        PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0]), torch.tensor([-8.0])),
+    ]
     with pytest.raises(ValueError, match="stale"):
         collate_pairs(stale, 0, 6)
     with pytest.raises(ValueError, match="mixes pairs with and without"):

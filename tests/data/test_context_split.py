@@ -38,7 +38,8 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
     scored = []
     for rank in range(cp):
         step = make_batch_builder(0, 2 * cp, packing, context_parallel=(rank, cp)).build(
-            _pairs(), [[0, 1, 2]])
+            _pairs(), [[0, 1, 2]]
+        )
         part = step.micro_batches[0]
         assert step.seq_length == length  # the schedule divides by CP itself
         assert part.tokens.shape == (rows, length // cp)
@@ -52,10 +53,14 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
         for k_local, slot in enumerate(part.score_index.tolist()):
             k = full.score_index.tolist().index(slot)
             assert part.target_ids[k_local] == full.target_ids[k]
-            assert (part.tokens.reshape(-1)[part.output_index[k_local]]
-                    == full.tokens.reshape(-1)[full.output_index[k]])
-            assert (part.position_ids.reshape(-1)[part.output_index[k_local]]
-                    == full.position_ids.reshape(-1)[full.output_index[k]])
+            assert (
+                part.tokens.reshape(-1)[part.output_index[k_local]]
+                == full.tokens.reshape(-1)[full.output_index[k]]
+            )
+            assert (
+                part.position_ids.reshape(-1)[part.output_index[k_local]]
+                == full.position_ids.reshape(-1)[full.output_index[k]]
+            )
             scored.append(slot)
         assert torch.equal(part.loss_mask, full.loss_mask)  # per-sequence layout kept whole
     assert bool((seen == 1).all())  # every position on exactly one rank
@@ -66,10 +71,15 @@ def test_padded_split_of_one_row_by_hand():
     from dpo_megatron.data.batch import MicroBatch
 
     tokens = torch.arange(8).view(1, 8)
-    batch = MicroBatch(tokens=tokens, labels=tokens + 100, position_ids=tokens.clone(),
-                       loss_mask=torch.ones(1, 8), output_index=torch.tensor([1, 2, 6]),
-                       score_index=torch.tensor([1, 2, 6]), target_ids=torch.tensor([101, 102,
-                                                                                      106]))
+    batch = MicroBatch(
+        tokens=tokens,
+        labels=tokens + 100,
+        position_ids=tokens.clone(),
+        loss_mask=torch.ones(1, 8),
+        output_index=torch.tensor([1, 2, 6]),
+        score_index=torch.tensor([1, 2, 6]),
+        target_ids=torch.tensor([101, 102, 106]),
+    )
     rank1 = split_micro_batch(batch, 1, 2)
     assert rank1.tokens.tolist() == [[2, 3, 4, 5]]
     assert rank1.position_ids.tolist() == [[2, 3, 4, 5]]  # RoPE angles follow the chunks
@@ -89,8 +99,9 @@ def test_units_are_padded_to_whole_chunks_after_their_last_position():
     assert unit.position_ids == [0, 1, 2, 3, 2, 3, 4, 5]  # the pad comes after position 4
     assert unit.branch_ids == [0, 0, 1, 1, 2, 2, 2, 0]
     assert unit.spans[-1].padding and unit.spans[-1].q_start == 7
-    step = make_batch_builder(0, 4, PackingConfig(enabled=True), context_parallel=(0, 2)
-                              ).inner.build(_pairs(), [[0, 1, 2]])
+    step = make_batch_builder(
+        0, 4, PackingConfig(enabled=True), context_parallel=(0, 2)
+    ).inner.build(_pairs(), [[0, 1, 2]])
     for row in step.micro_batches[0].packed.segment_ids:
         ids, counts = torch.unique_consecutive(row, return_counts=True)
         assert all(c % 4 == 0 for c in counts.tolist()), counts
@@ -100,23 +111,40 @@ BASE = ["data.tokenizer=t", "data.path=d.json"]
 
 
 def test_world_size_counts_context_parallel_ranks():
-    cfg = load_config(None, [*BASE, "parallel.context_parallel_size=2",
-                             "parallel.tensor_model_parallel_size=2",
-                             "parallel.data_parallel_size=2"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "parallel.context_parallel_size=2",
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.data_parallel_size=2",
+        ],
+    )
     assert world_size_for(cfg) == 8
     assert cfg.parallel.sequence_granule() == 4
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["packing.enabled=true", "packing.row_length=1002"],
-     r"packing.row_length=1002 .* multiple of 4 \(e.g. 1004\)"),
-    (["packing.enabled=true", "packing.row_length=1004", "parallel.sequence_parallel=true",
-      "parallel.tensor_model_parallel_size=2"],
-     r"tensor_model_parallel_size=2 \(sequence parallelism\) = 8 .* multiple of 8 \(e.g. 1008\)"),
-    (["model.local_attention=megatron"], "set model.local_attention=sdpa"),
-    (["train.sample_during_eval=true"], "set train.sample_during_eval=false"),
-    (["parallel.context_parallel_size=0"], r"context_parallel_size=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["packing.enabled=true", "packing.row_length=1002"],
+            r"packing.row_length=1002 .* multiple of 4 \(e.g. 1004\)",
+        ),
+        (
+            [
+                "packing.enabled=true",
+                "packing.row_length=1004",
+                "parallel.sequence_parallel=true",
+                "parallel.tensor_model_parallel_size=2",
+            ],
+            r"tensor_model_parallel_size=2 \(sequence parallelism\) = 8 .* multiple of 8 \(e.g. 1008\)",
+        ),
+        (["model.local_attention=megatron"], "set model.local_attention=sdpa"),
+        (["train.sample_during_eval=true"], "set train.sample_during_eval=false"),
+        (["parallel.context_parallel_size=0"], r"context_parallel_size=0 must be >= 1"),
+    ],
+)
 def test_context_parallel_config_errors_name_the_fix(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, [*BASE, "parallel.context_parallel_size=2", *overrides])
@@ -135,7 +163,15 @@ def test_mixture_of_experts_under_context_parallelism_is_refused_before_launch()
     from dpo_megatron.models import ModelConfig, build_transformer_config
     from dpo_megatron.parallel import ParallelConfig
 
-    model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                        num_query_groups=2, vocab_size=256, num_experts=4, moe_router_topk=2)
+    model = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=256,
+        num_experts=4,
+        moe_router_topk=2,
+    )
     with pytest.raises(ValueError, match="context_parallel_size=1"):
         build_transformer_config(model, ParallelConfig(context_parallel_size=2))

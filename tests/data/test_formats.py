@@ -29,11 +29,13 @@ S = lambda c: {"role": "system", "content": c}  # noqa: E731
 
 
 def test_standard_and_implicit():
-    assert convert_standard({"prompt": "Q", "chosen": " a", "rejected": " b"}, CFG) == [Example("Q", " a", " b")]
-    # the space at the split goes to the completions
-    assert convert_implicit({"chosen": "The sky is blue.", "rejected": "The sky is green."}, CFG) == [
-        Example("The sky is", " blue.", " green.")
+    assert convert_standard({"prompt": "Q", "chosen": " a", "rejected": " b"}, CFG) == [
+        Example("Q", " a", " b")
     ]
+    # the space at the split goes to the completions
+    assert convert_implicit(
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."}, CFG
+    ) == [Example("The sky is", " blue.", " green.")]
     with pytest.raises(Filtered, match="identical"):
         convert_implicit({"chosen": "same", "rejected": "same"}, CFG)
     assert common_text_prefix("ab", "ab") == "ab"
@@ -49,28 +51,62 @@ def test_conversational_and_implicit_variant():
     assert convert_conversational(row, CFG) == [Example([S("s"), U("q")], [A("a")], [A("b")])]
     implicit = {"chosen": [U("q"), A("a")], "rejected": [U("q"), A("b")]}
     assert convert_conversational_implicit(implicit, CFG) == [Example([U("q")], [A("a")], [A("b")])]
-    with pytest.raises(RowError, match=r"field 'prompt\[1\].role': expected system/user/assistant, got 'bot'"):
-        convert_conversational({"prompt": [U("q"), {"role": "bot", "content": "x"}], "chosen": [A("a")], "rejected": [A("b")]}, CFG)
+    with pytest.raises(
+        RowError, match=r"field 'prompt\[1\].role': expected system/user/assistant, got 'bot'"
+    ):
+        convert_conversational(
+            {
+                "prompt": [U("q"), {"role": "bot", "content": "x"}],
+                "chosen": [A("a")],
+                "rejected": [A("b")],
+            },
+            CFG,
+        )
     with pytest.raises(RowError, match="the prompt's last message must be from the user"):
-        convert_conversational({"prompt": [U("q"), A("x")], "chosen": [A("a")], "rejected": [A("b")]}, CFG)
-    with pytest.raises(RowError, match=r"field 'chosen\[0\].role': a completion message must be from the assistant"):
+        convert_conversational(
+            {"prompt": [U("q"), A("x")], "chosen": [A("a")], "rejected": [A("b")]}, CFG
+        )
+    with pytest.raises(
+        RowError, match=r"field 'chosen\[0\].role': a completion message must be from the assistant"
+    ):
         convert_conversational({"prompt": [U("q")], "chosen": [U("a")], "rejected": [A("b")]}, CFG)
 
 
 def test_sharegpt_with_system_turn_and_column():
     row = {
-        "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "q1"},
-                          {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"}],
+        "conversations": [
+            {"from": "system", "value": "sys"},
+            {"from": "human", "value": "q1"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "q2"},
+        ],
         "chosen": {"from": "gpt", "value": "good"},
         "rejected": {"from": "gpt", "value": "bad"},
     }
-    assert convert_sharegpt(row, CFG) == [Example([S("sys"), U("q1"), A("a1"), U("q2")], [A("good")], [A("bad")])]
-    row2 = {"conversations": [{"from": "human", "value": "q"}], "system": "be nice", "chosen": "y", "rejected": "n"}
+    assert convert_sharegpt(row, CFG) == [
+        Example([S("sys"), U("q1"), A("a1"), U("q2")], [A("good")], [A("bad")])
+    ]
+    row2 = {
+        "conversations": [{"from": "human", "value": "q"}],
+        "system": "be nice",
+        "chosen": "y",
+        "rejected": "n",
+    }
     assert convert_sharegpt(row2, CFG) == [Example([S("be nice"), U("q")], [A("y")], [A("n")])]
     with pytest.raises(RowError, match=r"field 'conversations\[0\].from': expected one of"):
-        convert_sharegpt({"conversations": [{"from": "robot", "value": "q"}], "chosen": "y", "rejected": "n"}, CFG)
+        convert_sharegpt(
+            {"conversations": [{"from": "robot", "value": "q"}], "chosen": "y", "rejected": "n"},
+            CFG,
+        )
     with pytest.raises(RowError, match="field 'chosen.value': expected a string, got NoneType"):
-        convert_sharegpt({"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt"}, "rejected": "n"}, CFG)
+        convert_sharegpt(
+            {
+                "conversations": [{"from": "human", "value": "q"}],
+                "chosen": {"from": "gpt"},
+                "rejected": "n",
+            },
+            CFG,
+        )
 
 
 def test_hh():
@@ -82,15 +118,26 @@ def test_hh():
         Example([U("Hi there"), A("Hello!"), U("Is the sky blue?")], [A("Yes, it is.")], [A("No.")])
     ]
     with pytest.raises(RowError, match="share no Assistant turn"):  # differ in the first turn
-        convert_hh({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: x\n\nAssistant: b"}, CFG)
+        convert_hh(
+            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: x\n\nAssistant: b"},
+            CFG,
+        )
 
 
 def test_shp_labels_and_score_ratio():
-    row = {"history": "Why?", "human_ref_A": "Because A.", "human_ref_B": "Because B.", "labels": 0,
-           "score_A": 3, "score_B": 12, "score_ratio": 4.0}
+    row = {
+        "history": "Why?",
+        "human_ref_A": "Because A.",
+        "human_ref_B": "Because B.",
+        "labels": 0,
+        "score_A": 3,
+        "score_B": 12,
+        "score_ratio": 4.0,
+    }
     # grouped by post (for data.shp_max_pairs_per_post): its post_id, else its history
-    assert convert_shp(row, CFG) == [Example([U("Why?")], [A("Because B.")], [A("Because A.")],
-                                             group="Why?")]
+    assert convert_shp(row, CFG) == [
+        Example([U("Why?")], [A("Because B.")], [A("Because A.")], group="Why?")
+    ]
     assert convert_shp(row | {"post_id": "qt3nxl"}, CFG)[0].group == "qt3nxl"
     assert convert_shp(row | {"labels": 1}, CFG)[0].chosen == [A("Because A.")]
     with pytest.raises(Filtered, match="score_ratio"):
@@ -113,12 +160,23 @@ def test_se_pairs_by_score_html_stripped():
     two = convert_se(row, DataConfig(se_max_pairs_per_question=2))
     assert [e.rejected for e in two] == [[A("ok")], [A("meh")]]
     with pytest.raises(Filtered, match="se_no_pair"):
-        convert_se({"question": "q", "answers": [{"text": "a", "pm_score": 2}, {"text": "b", "pm_score": 2}]}, CFG)
+        convert_se(
+            {
+                "question": "q",
+                "answers": [{"text": "a", "pm_score": 2}, {"text": "b", "pm_score": 2}],
+            },
+            CFG,
+        )
     assert strip_html("<p>a</p><p>b<br>c</p>") == "a\n\nb\nc"
 
 
 def test_ultrafeedback_and_alpaca():
-    row = {"prompt": "q", "chosen": [U("q"), A("good")], "rejected": [U("q"), A("bad")], "score_chosen": 8.0}
+    row = {
+        "prompt": "q",
+        "chosen": [U("q"), A("good")],
+        "rejected": [U("q"), A("bad")],
+        "score_chosen": 8.0,
+    }
     assert convert_ultrafeedback(row, CFG) == [Example([U("q")], [A("good")], [A("bad")])]
     with pytest.raises(RowError, match="differ before the last answer"):
         convert_ultrafeedback(row | {"rejected": [U("other"), A("bad")]}, CFG)
@@ -129,16 +187,34 @@ def test_ultrafeedback_and_alpaca():
 
 def test_detect_format():
     assert detect_format(["conversations", "chosen", "rejected"], None) == "sharegpt"
-    assert detect_format(["prompt", "chosen", "rejected"], {"chosen": "a", "prompt": "q"}) == "standard"
-    assert detect_format(["prompt", "chosen", "rejected"], {"chosen": [A("a")], "prompt": [U("q")]}) == "conversational"
-    assert detect_format(["prompt", "chosen", "rejected", "messages"], {"chosen": [U("q"), A("a")], "prompt": "q"}) == "ultrafeedback"
+    assert (
+        detect_format(["prompt", "chosen", "rejected"], {"chosen": "a", "prompt": "q"})
+        == "standard"
+    )
+    assert (
+        detect_format(["prompt", "chosen", "rejected"], {"chosen": [A("a")], "prompt": [U("q")]})
+        == "conversational"
+    )
+    assert (
+        detect_format(
+            ["prompt", "chosen", "rejected", "messages"],
+            {"chosen": [U("q"), A("a")], "prompt": "q"},
+        )
+        == "ultrafeedback"
+    )
     assert detect_format(["chosen", "rejected"], {"chosen": "\n\nHuman: q\n\nAssistant: a"}) == "hh"
     assert detect_format(["chosen", "rejected"], {"chosen": "x y"}) == "implicit"
     assert detect_format(["chosen", "rejected"], {"chosen": [U("q")]}) == "conversational_implicit"
-    assert detect_format(["history", "human_ref_A", "human_ref_B", "labels", "score_ratio"], None) == "shp"
+    assert (
+        detect_format(["history", "human_ref_A", "human_ref_B", "labels", "score_ratio"], None)
+        == "shp"
+    )
     assert detect_format(["qid", "question", "answers"], None) == "se"
     assert detect_format(["instruction", "input", "output"], None) == "alpaca"
-    with pytest.raises(ValueError, match=r"cannot tell the data format of the data from its columns \['text'\]: set data.format"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot tell the data format of the data from its columns \['text'\]: set data.format",
+    ):
         detect_format(["text"], {"text": "x"})
 
 
@@ -156,14 +232,18 @@ def test_hh_pair_diverging_before_the_last_turn_is_split_at_the_common_assistant
         "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Sky?\n\nAssistant: Blue.",
         "rejected": "\n\nHuman: Hi\n\nAssistant: Go away.\n\nHuman: Sky?\n\nAssistant: No.",
     }
-    assert convert_hh(row, CFG) == [Example(
-        [U("Hi")],
-        [A("Hello!"), U("Sky?"), A("Blue.")],
-        [A("Go away."), U("Sky?"), A("No.")],
-        notes=("diverged_early",),
-    )]
+    assert convert_hh(row, CFG) == [
+        Example(
+            [U("Hi")],
+            [A("Hello!"), U("Sky?"), A("Blue.")],
+            [A("Go away."), U("Sky?"), A("No.")],
+            notes=("diverged_early",),
+        )
+    ]
     # The common text runs into the second Assistant turn ("Hello" vs "Hello there"): the split
     # is still at the last marker wholly inside the common prefix.
-    row = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: x\n\nAssistant: y",
-           "rejected": "\n\nHuman: Hi\n\nAssistant: Hello there\n\nHuman: x\n\nAssistant: z"}
+    row = {
+        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: x\n\nAssistant: y",
+        "rejected": "\n\nHuman: Hi\n\nAssistant: Hello there\n\nHuman: x\n\nAssistant: z",
+    }
     assert convert_hh(row, CFG)[0].prompt == [U("Hi")]

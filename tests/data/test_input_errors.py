@@ -10,12 +10,14 @@ import pytest
 from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
 from dpo_megatron.data.pipeline import check_sources
 from dpo_megatron.data.summary import format_summary
-
-from .fixtures import tiny_hf_tokenizer, write_json, write_jsonl
+from tests.data.fixtures import tiny_hf_tokenizer, write_json, write_jsonl
 
 GOOD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
-SHAREGPT = {"conversations": [{"from": "human", "value": "Is the sky blue?"}],
-            "chosen": {"from": "gpt", "value": "It is blue."}, "rejected": {"from": "gpt", "value": "No."}}
+SHAREGPT = {
+    "conversations": [{"from": "human", "value": "Is the sky blue?"}],
+    "chosen": {"from": "gpt", "value": "It is blue."},
+    "rejected": {"from": "gpt", "value": "No."},
+}
 
 
 def _cfg(path, **kw):
@@ -26,8 +28,12 @@ def _cfg(path, **kw):
 
 def _bad_utf8_jsonl(tmp_path):
     path = tmp_path / "latin1.jsonl"
-    lines = [json.dumps(GOOD).encode(), json.dumps(GOOD | {"prompt": "caf\u00e9 is"}).encode("utf-8"),
-             json.dumps(GOOD | {"prompt": "XX"}).encode().replace(b"XX", b"caf\xe9"), json.dumps(GOOD).encode()]
+    lines = [
+        json.dumps(GOOD).encode(),
+        json.dumps(GOOD | {"prompt": "caf\u00e9 is"}).encode("utf-8"),
+        json.dumps(GOOD | {"prompt": "XX"}).encode().replace(b"XX", b"caf\xe9"),
+        json.dumps(GOOD).encode(),
+    ]
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
 
@@ -40,17 +46,26 @@ def test_non_utf8_byte_names_file_line_and_byte_and_skip_drops_the_row(tmp_path)
     line_start = path.read_bytes().rindex(b"\n", 0, offset) + 1
     with pytest.raises(DataError) as e:
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
-    assert f"latin1.jsonl: line 3, byte {offset - line_start + 1} (file offset {offset}): byte 0xe9 is not UTF-8" \
+    assert (
+        f"latin1.jsonl: line 3, byte {offset - line_start + 1} (file offset {offset}): byte 0xe9 is not UTF-8"
         in str(e.value)
+    )
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
-    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (4, 3, {"malformed": 1})
+    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (
+        4,
+        3,
+        {"malformed": 1},
+    )
 
 
 def test_non_utf8_byte_in_a_json_array(tmp_path):
     path = tmp_path / "rows.json"
     text = json.dumps([GOOD, GOOD | {"prompt": "XX"}, GOOD], indent=1).encode()
     path.write_bytes(text.replace(b"XX", b"\xff\xfe"))
-    with pytest.raises(DataError, match=r"rows.json: line \d+, byte \d+ \(file offset \d+\): byte 0xff is not UTF-8"):
+    with pytest.raises(
+        DataError,
+        match=r"rows.json: line \d+, byte \d+ \(file offset \d+\): byte 0xff is not UTF-8",
+    ):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
     assert (ds.summary["pairs_kept"], ds.summary["dropped"]) == (2, {"malformed": 1})
@@ -60,11 +75,15 @@ def test_jsonl_rows_that_are_arrays_are_named(tmp_path):
     """Old: the file started with "[" and was parsed as one JSON array: "Extra data"."""
     path = tmp_path / "arrays.jsonl"
     path.write_text('["The sky is", " blue.", " green."]\n["a", "b", "c"]\n')
-    with pytest.raises(DataError, match=r"arrays.jsonl: line 1: expected a JSON object per line, got a JSON list"):
+    with pytest.raises(
+        DataError, match=r"arrays.jsonl: line 1: expected a JSON object per line, got a JSON list"
+    ):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     path = tmp_path / "mixed.json"  # JSON Lines in a .json file
     path.write_text(json.dumps(GOOD) + "\n" + '["a"]\n')
-    with pytest.raises(DataError, match=r"mixed.json: line 2: expected a JSON object per line, got a JSON list"):
+    with pytest.raises(
+        DataError, match=r"mixed.json: line 2: expected a JSON object per line, got a JSON list"
+    ):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
 
 
@@ -81,7 +100,9 @@ def test_pinned_format_that_does_not_fit_says_what_the_file_looks_like(tmp_path)
     path = write_json(tmp_path / "sg.json", [SHAREGPT, SHAREGPT])
     for on_error in ("raise", "skip"):
         with pytest.raises(DataError) as e:
-            load_preference_pairs(_cfg(path, format="standard", on_error=on_error), tiny_hf_tokenizer())
+            load_preference_pairs(
+                _cfg(path, format="standard", on_error=on_error), tiny_hf_tokenizer()
+            )
         message = str(e.value)
         assert "no row fits data.format='standard'" in message
         assert "look like format 'sharegpt': set data.format=sharegpt" in message
@@ -97,7 +118,9 @@ def test_pre_check_finds_missing_files_and_bad_rows_without_a_tokenizer(tmp_path
     with pytest.raises(DataError, match=r"d.jsonl: line 2: field 'rejected': expected a string"):
         check_sources(_cfg(path))
     assert check_sources(_cfg(path, on_error="skip")) == [(str(path), "standard")]
-    assert check_sources(_cfg("org/some-hub-dataset")) == [("org/some-hub-dataset", "auto")]  # not read
+    assert check_sources(_cfg("org/some-hub-dataset")) == [
+        ("org/some-hub-dataset", "auto")
+    ]  # not read
 
 
 def test_duplicates_are_counted_reported_and_optionally_dropped(tmp_path):
@@ -144,7 +167,9 @@ def test_text_prompts_ending_in_a_space_warn_once_with_the_count(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="dpo_megatron.data.pipeline"):
         ds = load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     warnings = [r for r in caplog.records if "end with a space" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].getMessage().startswith("2 text prompt(s) end with a space")
+    assert len(warnings) == 1 and warnings[0].getMessage().startswith(
+        "2 text prompt(s) end with a space"
+    )
     assert ds.summary["notes"] == {"prompt_ends_with_space": 2}
     assert "prompt_ends_with_space: 2" in format_summary(ds.summary)
 
@@ -152,9 +177,14 @@ def test_text_prompts_ending_in_a_space_warn_once_with_the_count(tmp_path, caplo
 def test_hh_file_with_early_divergence_is_counted(tmp_path):
     """Old: the whole load failed on the row (RowError), or skip dropped it as malformed."""
     rows = [
-        {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hi\n\nAssistant: Go."},
-        {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Sky?\n\nAssistant: Blue.",
-         "rejected": "\n\nHuman: Hi\n\nAssistant: Go.\n\nHuman: Sky?\n\nAssistant: No."},
+        {
+            "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!",
+            "rejected": "\n\nHuman: Hi\n\nAssistant: Go.",
+        },
+        {
+            "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Sky?\n\nAssistant: Blue.",
+            "rejected": "\n\nHuman: Hi\n\nAssistant: Go.\n\nHuman: Sky?\n\nAssistant: No.",
+        },
     ]
     ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "hh.jsonl", rows)), tiny_hf_tokenizer())
     assert ds.summary["sources"][0]["format"] == "hh" and len(ds.train) == 2
@@ -162,4 +192,8 @@ def test_hh_file_with_early_divergence_is_counted(tmp_path):
     assert "diverged_early: 1" in format_summary(ds.summary)
     tok = tiny_hf_tokenizer()
     chosen_text = tok.decode(ds.train[1].chosen_ids)
-    assert chosen_text.startswith("Hello!<|im_end|>") and "Sky?" in chosen_text and "Blue." in chosen_text
+    assert (
+        chosen_text.startswith("Hello!<|im_end|>")
+        and "Sky?" in chosen_text
+        and "Blue." in chosen_text
+    )

@@ -6,8 +6,7 @@ import pytest
 
 from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
 from dpo_megatron.data.summary import format_summary, length_stats
-
-from .fixtures import tiny_hf_tokenizer, write_jsonl
+from tests.data.fixtures import tiny_hf_tokenizer, write_jsonl
 
 GOOD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
 
@@ -24,7 +23,11 @@ def test_drops_counted_by_reason(tmp_path, capsys):
         GOOD,
         {"prompt": "The sky is", "chosen": "   ", "rejected": " green."},  # empty completion
         {"prompt": "The sky is", "chosen": " blue.", "rejected": " blue."},  # chosen == rejected
-        {"prompt": "The sky is blue. " * 20, "chosen": " yes", "rejected": " no"},  # prompt > max_length
+        {
+            "prompt": "The sky is blue. " * 20,
+            "chosen": " yes",
+            "rejected": " no",
+        },  # prompt > max_length
         {"prompt": "Hello!", "chosen": " yes", "rejected": " no"},
     ]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -32,7 +35,10 @@ def test_drops_counted_by_reason(tmp_path, capsys):
     s = ds.summary
     assert (s["rows_read"], s["pairs_kept"], len(ds.train)) == (5, 2, 2)
     assert s["dropped"] == {"empty_completion": 1, "identical": 1, "prompt_too_long": 1}
-    assert [p.prompt_ids for p in ds.train] == [tuple(tok.encode("The sky is")), tuple(tok.encode("Hello!"))]
+    assert [p.prompt_ids for p in ds.train] == [
+        tuple(tok.encode("The sky is")),
+        tuple(tok.encode("Hello!")),
+    ]
     out = capsys.readouterr().out
     assert "data: 5 rows read, 2 pairs kept (2 train, 0 eval)" in out
     assert "dropped by reason: empty_completion 1, identical 1, prompt_too_long 1" in out
@@ -41,7 +47,8 @@ def test_drops_counted_by_reason(tmp_path, capsys):
         "WARNING: 3 of 5 pairs (60%) were dropped: empty_completion 1; identical 1; "
         "prompt_too_long 1 (the prompt leaves no room for a completion in data.max_length: "
         "raise data.max_length, or set data.max_prompt_length (> 0) to cut long prompts "
-        "instead of dropping their pairs)")
+        "instead of dropping their pairs)"
+    )
 
 
 def test_no_drop_warning_at_or_below_a_tenth(tmp_path, capsys):
@@ -51,24 +58,40 @@ def test_no_drop_warning_at_or_below_a_tenth(tmp_path, capsys):
     assert DROP_WARNING_SHARE == 0.10
     long = {"prompt": "The sky is blue. " * 20, "chosen": " yes", "rejected": " no"}
     for n_long, warned in ((1, False), (2, True)):
-        rows = [{"prompt": f"Hello {i}!", "chosen": " yes", "rejected": " no"}
-                for i in range(10 - n_long)] + [long] * n_long
+        rows = [
+            {"prompt": f"Hello {i}!", "chosen": " yes", "rejected": " no"}
+            for i in range(10 - n_long)
+        ] + [long] * n_long
         path = write_jsonl(tmp_path / f"d{n_long}.jsonl", rows)
-        load_preference_pairs(_cfg(path, max_length=16, max_prompt_length=0, verbose=True),
-                              tiny_hf_tokenizer())
+        load_preference_pairs(
+            _cfg(path, max_length=16, max_prompt_length=0, verbose=True), tiny_hf_tokenizer()
+        )
         out = capsys.readouterr().out
         assert ("WARNING:" in out) == warned, out
-        assert (f"WARNING: {n_long} of 10 pairs (20%) were dropped: prompt_too_long {n_long} "
-                in out) == warned
+        assert (
+            f"WARNING: {n_long} of 10 pairs (20%) were dropped: prompt_too_long {n_long} " in out
+        ) == warned
 
 
 def test_malformed_json_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n" + '{"prompt": "x", "chosen": \n' + json.dumps(GOOD) + "\n")
+    path.write_text(
+        json.dumps(GOOD)
+        + "\n"
+        + json.dumps(GOOD)
+        + "\n"
+        + '{"prompt": "x", "chosen": \n'
+        + json.dumps(GOOD)
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"bad.jsonl: line 3: malformed JSON"):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
-    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (4, 3, {"malformed": 1})
+    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (
+        4,
+        3,
+        {"malformed": 1},
+    )
 
 
 def test_malformed_json_array(tmp_path):
@@ -79,8 +102,13 @@ def test_malformed_json_array(tmp_path):
 
 
 def test_bad_field_names_file_row_and_field(tmp_path):
-    path = write_jsonl(tmp_path / "f.jsonl", [GOOD, GOOD | {"rejected": 7}, GOOD | {"chosen": None}])
-    with pytest.raises(DataError, match=r"f.jsonl: line 2: field 'rejected': expected a string, got int \(and 1 more"):
+    path = write_jsonl(
+        tmp_path / "f.jsonl", [GOOD, GOOD | {"rejected": 7}, GOOD | {"chosen": None}]
+    )
+    with pytest.raises(
+        DataError,
+        match=r"f.jsonl: line 2: field 'rejected': expected a string, got int \(and 1 more",
+    ):
         load_preference_pairs(_cfg(path, format="standard"), tiny_hf_tokenizer())
     ds = load_preference_pairs(_cfg(path, format="standard", on_error="skip"), tiny_hf_tokenizer())
     assert (ds.summary["pairs_kept"], ds.summary["dropped"]) == (1, {"malformed": 2})
@@ -88,17 +116,31 @@ def test_bad_field_names_file_row_and_field(tmp_path):
 
 def test_length_rules_by_hand(tmp_path):
     tok = tiny_hf_tokenizer()
-    prompt, chosen, rejected = "The sky is blue. The grass is green.", " It is blue, it is green.", " no"
-    path = write_jsonl(tmp_path / "l.jsonl", [{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
+    prompt, chosen, rejected = (
+        "The sky is blue. The grass is green.",
+        " It is blue, it is green.",
+        " no",
+    )
+    path = write_jsonl(
+        tmp_path / "l.jsonl", [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
+    )
     P, C, R = tok.encode(prompt), tok.encode(chosen) + [2], tok.encode(rejected) + [2]
     assert len(P) > 4 and len(C) > 4
     for mode, kept in (("keep_end", P[-4:]), ("keep_start", P[:4])):
-        pair = load_preference_pairs(_cfg(path, max_length=8, max_prompt_length=4, truncation_mode=mode), tok).train[0]
+        pair = load_preference_pairs(
+            _cfg(path, max_length=8, max_prompt_length=4, truncation_mode=mode), tok
+        ).train[0]
         assert list(pair.prompt_ids) == kept
         assert list(pair.chosen_ids) == C[:4]  # cut: no EOS at the end
         assert list(pair.rejected_ids) == R  # fits: keeps its EOS
     ds = load_preference_pairs(_cfg(path, max_length=8, max_prompt_length=4), tok)
-    assert ds.summary["truncated"] == {"prompt": 1, "prompt_turns_dropped": 0, "prompt_tokens_cut": 1, "chosen": 1, "rejected": 0}
+    assert ds.summary["truncated"] == {
+        "prompt": 1,
+        "prompt_turns_dropped": 0,
+        "prompt_tokens_cut": 1,
+        "chosen": 1,
+        "rejected": 0,
+    }
 
 
 def test_config_errors():
@@ -129,16 +171,28 @@ def test_eval_split_deterministic(tmp_path):
 
 def test_mixing_with_weights(tmp_path):
     tok = tiny_hf_tokenizer()
-    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"A{i}", "chosen": " yes", "rejected": " no"} for i in range(4)])
-    b = write_jsonl(tmp_path / "b.jsonl", [{"chosen": f"B{i} is blue.", "rejected": f"B{i} is green."} for i in range(2)])
+    a = write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"prompt": f"A{i}", "chosen": " yes", "rejected": " no"} for i in range(4)],
+    )
+    b = write_jsonl(
+        tmp_path / "b.jsonl",
+        [{"chosen": f"B{i} is blue.", "rejected": f"B{i} is green."} for i in range(2)],
+    )
     cfg = DataConfig(datasets=[str(a), str(b)], weights=[1.0, 1.0], cache_dir="none", verbose=False)
     ds = load_preference_pairs(cfg, tok)
     assert [s["format"] for s in ds.summary["sources"]] == ["standard", "implicit"]
     from_a = [p for p in ds.train if tok.decode(p.prompt_ids).startswith("A")]
     from_b = [p for p in ds.train if tok.decode(p.prompt_ids).startswith("B")]
-    assert (len(from_a), len(from_b), len(set(from_a))) == (3, 3, 3)  # 6 pairs, half each; B repeated
+    assert (len(from_a), len(from_b), len(set(from_a))) == (
+        3,
+        3,
+        3,
+    )  # 6 pairs, half each; B repeated
     assert set(from_b) == set(load_preference_pairs(_cfg(b), tok).train)
-    unweighted = load_preference_pairs(DataConfig(datasets=[str(a), str(b)], cache_dir="none", verbose=False), tok)
+    unweighted = load_preference_pairs(
+        DataConfig(datasets=[str(a), str(b)], cache_dir="none", verbose=False), tok
+    )
     assert len(unweighted.train) == 6 and len(set(unweighted.train)) == 6
 
 
@@ -155,18 +209,29 @@ def test_tokenization_cache_hit_and_invalidation(tmp_path, monkeypatch):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(pipeline, "_tokenize_batch", boom)
-    again = load_preference_pairs(_cfg(path, cache_dir=str(cache), eval_fraction=0.0, shuffle=False), tok)  # not in the key
+    again = load_preference_pairs(
+        _cfg(path, cache_dir=str(cache), eval_fraction=0.0, shuffle=False), tok
+    )  # not in the key
     assert again.train == first.train
     # The length limits are in the key: the encoder drops whole turns and bounds huge texts by them.
     with pytest.raises(AssertionError, match="tokenized again"):
-        load_preference_pairs(_cfg(path, cache_dir=str(cache), max_length=64, max_prompt_length=32), tok)
+        load_preference_pairs(
+            _cfg(path, cache_dir=str(cache), max_length=64, max_prompt_length=32), tok
+        )
     write_jsonl(path, [GOOD, GOOD | {"prompt": "Hello!"}])  # new data: new key
     with pytest.raises(AssertionError, match="tokenized again"):
         load_preference_pairs(_cfg(path, cache_dir=str(cache)), tok)
 
 
 def test_num_proc_matches_single_process(tmp_path):
-    rows = [{"prompt": f"Question {i}: is the sky blue?", "chosen": " It is blue.", "rejected": f" No {i}."} for i in range(130)]
+    rows = [
+        {
+            "prompt": f"Question {i}: is the sky blue?",
+            "chosen": " It is blue.",
+            "rejected": f" No {i}.",
+        }
+        for i in range(130)
+    ]
     path = write_jsonl(tmp_path / "n.jsonl", rows)
     tok = tiny_hf_tokenizer()
     one = load_preference_pairs(_cfg(path), tok)
@@ -178,11 +243,32 @@ def test_length_stats_and_format():
     assert length_stats([1, 2, 3, 4]) == {"p50": 2, "p90": 4, "p99": 4, "max": 4}
     assert length_stats([]) == {"p50": 0, "p90": 0, "p99": 0, "max": 0}
     summary = {
-        "unit": "pairs", "rows_read": 3, "pairs_kept": 2, "train": 2, "eval": 0, "max_length": 8,
-        "max_prompt_length": 4, "dropped": {"identical": 1},
-        "truncated": {"prompt": 0, "prompt_turns_dropped": 0, "prompt_tokens_cut": 0, "chosen": 0, "rejected": 0},
-        "lengths_before_cut": {"prompt": length_stats([3])}, "lengths": {"prompt": length_stats([3])},
-        "sources": [{"label": "f", "format": "standard", "rows_read": 3, "pairs_kept": 2, "dropped": {"identical": 1}}],
+        "unit": "pairs",
+        "rows_read": 3,
+        "pairs_kept": 2,
+        "train": 2,
+        "eval": 0,
+        "max_length": 8,
+        "max_prompt_length": 4,
+        "dropped": {"identical": 1},
+        "truncated": {
+            "prompt": 0,
+            "prompt_turns_dropped": 0,
+            "prompt_tokens_cut": 0,
+            "chosen": 0,
+            "rejected": 0,
+        },
+        "lengths_before_cut": {"prompt": length_stats([3])},
+        "lengths": {"prompt": length_stats([3])},
+        "sources": [
+            {
+                "label": "f",
+                "format": "standard",
+                "rows_read": 3,
+                "pairs_kept": 2,
+                "dropped": {"identical": 1},
+            }
+        ],
     }
     text = format_summary(summary)
     assert "f (standard): 3 rows, 2 kept, dropped: identical 1" in text
@@ -217,16 +303,25 @@ def test_config_from_omegaconf_and_dict(tmp_path):
     path = write_jsonl(tmp_path / "o.jsonl", [GOOD])
     tok = tiny_hf_tokenizer()
     expected = load_preference_pairs(_cfg(path), tok).train
-    structured = OmegaConf.merge(OmegaConf.structured(DataConfig), {"path": str(path), "cache_dir": "none", "verbose": False})
+    structured = OmegaConf.merge(
+        OmegaConf.structured(DataConfig), {"path": str(path), "cache_dir": "none", "verbose": False}
+    )
     assert load_preference_pairs(structured, tok).train == expected
-    assert load_preference_pairs({"path": str(path), "cache_dir": "none", "verbose": False}, tok).train == expected
+    assert (
+        load_preference_pairs({"path": str(path), "cache_dir": "none", "verbose": False}, tok).train
+        == expected
+    )
     with pytest.raises(ValueError, match=r"unknown data config key\(s\) \['max_lenght'\]"):
         load_preference_pairs({"path": str(path), "max_lenght": 3}, tok)
 
 
 def test_unknown_format_fails_before_reading():
-    with pytest.raises(ValueError, match="data.format='sharegtp'; known formats: auto, alpaca, conversational"):
-        load_preference_pairs(DataConfig(path="/nonexistent.jsonl", format="sharegtp"), tiny_hf_tokenizer())
+    with pytest.raises(
+        ValueError, match="data.format='sharegtp'; known formats: auto, alpaca, conversational"
+    ):
+        load_preference_pairs(
+            DataConfig(path="/nonexistent.jsonl", format="sharegtp"), tiny_hf_tokenizer()
+        )
 
 
 def test_eval_datasets_read_their_test_split(tmp_path, capsys):
@@ -236,27 +331,46 @@ def test_eval_datasets_read_their_test_split(tmp_path, capsys):
     tok = tiny_hf_tokenizer()
     folder = tmp_path / "hh"
     folder.mkdir()
-    write_jsonl(folder / "train.jsonl", [GOOD, GOOD | {"prompt": "Hello!"}, GOOD | {"prompt": "Yes"}])
-    write_jsonl(folder / "test.jsonl", [GOOD | {"chosen": " yes"}, GOOD | {"rejected": " blue."},
-                                        GOOD | {"prompt": "Hello!", "rejected": " no"}])
+    write_jsonl(
+        folder / "train.jsonl", [GOOD, GOOD | {"prompt": "Hello!"}, GOOD | {"prompt": "Yes"}]
+    )
+    write_jsonl(
+        folder / "test.jsonl",
+        [
+            GOOD | {"chosen": " yes"},
+            GOOD | {"rejected": " blue."},
+            GOOD | {"prompt": "Hello!", "rejected": " no"},
+        ],
+    )
     cache = tmp_path / "cache"
-    cfg = DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)], cache_dir=str(cache),
-                     verbose=True)
+    cfg = DataConfig(
+        datasets=[str(folder)], eval_datasets=[str(folder)], cache_dir=str(cache), verbose=True
+    )
     ds = load_preference_pairs(cfg, tok)
     assert len(list(cache.glob("tokenized-*"))) == 2  # the train and the test split, cached
     again = load_preference_pairs(cfg, tok)
     assert (again.train, again.eval) == (ds.train, ds.eval)
-    assert [p.prompt_ids for p in ds.train] == [tuple(tok.encode(t)) for t in ("The sky is", "Hello!", "Yes")]
+    assert [p.prompt_ids for p in ds.train] == [
+        tuple(tok.encode(t)) for t in ("The sky is", "Hello!", "Yes")
+    ]
     assert [(p.prompt_ids, p.chosen_ids[:-1], p.rejected_ids[:-1]) for p in ds.eval] == [
         (tuple(tok.encode("The sky is")), tuple(tok.encode(" yes")), tuple(tok.encode(" green."))),
-        (tuple(tok.encode("Hello!")), tuple(tok.encode(" blue.")), tuple(tok.encode(" no")))]
-    assert (ds.summary["train"], ds.summary["eval"], ds.summary["dropped"]) == (3, 2, {"identical": 1})
+        (tuple(tok.encode("Hello!")), tuple(tok.encode(" blue.")), tuple(tok.encode(" no"))),
+    ]
+    assert (ds.summary["train"], ds.summary["eval"], ds.summary["dropped"]) == (
+        3,
+        2,
+        {"identical": 1},
+    )
     out = capsys.readouterr().out
     assert f"{folder}[train] (standard): 3 rows, 3 kept" in out
     assert f"eval set {folder}[test] (standard): 3 rows, 2 kept, dropped: identical 1" in out
-    with pytest.raises(ValueError, match="data.eval_datasets and data.eval_fraction=0.1 are both set"):
-        load_preference_pairs(DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)],
-                                         eval_fraction=0.1), tok)
+    with pytest.raises(
+        ValueError, match="data.eval_datasets and data.eval_fraction=0.1 are both set"
+    ):
+        load_preference_pairs(
+            DataConfig(datasets=[str(folder)], eval_datasets=[str(folder)], eval_fraction=0.1), tok
+        )
 
 
 def test_eval_datasets_errors_name_file_line_and_field(tmp_path):
@@ -269,11 +383,18 @@ def test_eval_datasets_errors_name_file_line_and_field(tmp_path):
     write_jsonl(folder / "train.jsonl", [GOOD])
     write_jsonl(folder / "test.jsonl", [GOOD, GOOD | {"chosen": 3}])
     cfg = DataConfig(path=str(folder), eval_datasets=[str(folder)], on_error="raise")
-    with pytest.raises(DataError, match=r"d\[test\]: test.jsonl line 2: field 'chosen': expected a string"):
+    with pytest.raises(
+        DataError, match=r"d\[test\]: test.jsonl line 2: field 'chosen': expected a string"
+    ):
         check_sources(cfg)
     with pytest.raises(DataError, match=r"test.jsonl line 2: field 'chosen'"):
         load_preference_pairs(_cfg(folder, eval_datasets=[str(folder)]), tiny_hf_tokenizer())
-    assert check_sources(DataConfig(path=str(folder), eval_datasets=[str(folder / "train.jsonl")])) == [
-        (f"{folder}[train]", "standard"), (str(folder / "train.jsonl"), "standard")]
-    with pytest.raises(DataError, match=r"no split 'validation'; its files make the split\(s\) \['test', 'train'\]"):
-        check_sources(DataConfig(path=str(folder), eval_datasets=[str(folder)], eval_split="validation"))
+    assert check_sources(
+        DataConfig(path=str(folder), eval_datasets=[str(folder / "train.jsonl")])
+    ) == [(f"{folder}[train]", "standard"), (str(folder / "train.jsonl"), "standard")]
+    with pytest.raises(
+        DataError, match=r"no split 'validation'; its files make the split\(s\) \['test', 'train'\]"
+    ):
+        check_sources(
+            DataConfig(path=str(folder), eval_datasets=[str(folder)], eval_split="validation")
+        )

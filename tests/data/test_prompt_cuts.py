@@ -13,8 +13,7 @@ from dpo_megatron.data import DataConfig, load_preference_pairs
 from dpo_megatron.data.encode import EncodeSettings, exchanges, one_bos
 from dpo_megatron.data.lengths import cut_prompt
 from dpo_megatron.data.summary import format_summary
-
-from .fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer, write_jsonl
+from tests.data.fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer, write_jsonl
 
 U = lambda c: {"role": "user", "content": c}  # noqa: E731
 A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
@@ -49,10 +48,13 @@ def test_text_prompts_cut_with_a_bos_tokenizer_keep_it(tmp_path):
     """Mistral's SentencePiece model adds a BOS: every cut text prompt still starts with it."""
     tok = mistral_sp_tokenizer()
     long = "The sky is blue and the grass is green " * 8
-    path = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": long + "so the sky is", "chosen": " blue.", "rejected": " green."},
-        {"prompt": "Short one:", "chosen": " yes", "rejected": " no"},
-    ])
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": long + "so the sky is", "chosen": " blue.", "rejected": " green."},
+            {"prompt": "Short one:", "chosen": " yes", "rejected": " no"},
+        ],
+    )
     ds = load_preference_pairs(_cfg(path, max_length=32, max_prompt_length=12), tok)
     full = [BOS, *tok.encode(long + "so the sky is", add_special_tokens=False)]
     cut, short = ds.train
@@ -65,12 +67,16 @@ def test_template_bos_is_never_doubled(tmp_path):
     """A text prompt that holds its own <s>, or a template that prints two: one BOS stays.
     Old: [<s>, <s>, ...] (the encoder's BOS before the text's)."""
     tok = mistral_sp_tokenizer()
-    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "<s>Hello there,", "chosen": " friend.",
-                                                "rejected": " foe."}])
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [{"prompt": "<s>Hello there,", "chosen": " friend.", "rejected": " foe."}],
+    )
     text = load_preference_pairs(_cfg(path), tok).train[0].prompt_ids
     assert list(text) == [BOS, *tok.encode("Hello there,", add_special_tokens=False)]
-    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": [U("Hi")], "chosen": [A("Hello.")],
-                                                "rejected": [A("Go away.")]}])
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [{"prompt": [U("Hi")], "chosen": [A("Hello.")], "rejected": [A("Go away.")]}],
+    )
     twice = "{{ bos_token }}{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     chat = load_preference_pairs(_cfg(path, chat_template=str(_write(tmp_path, twice))), tok)
     assert list(chat.train[0].prompt_ids) == [BOS, *tok.encode("Hi", add_special_tokens=False)]
@@ -103,34 +109,60 @@ def test_conversation_drops_oldest_turns_first_keeping_the_system_message(tmp_pa
     kept = [S("Answer: yes or no."), U("Is the sky blue?")]
     budget = len(_chatml_ids(tok, kept)) + 2  # room for the last exchange only
     rows = [{"prompt": prompt, "chosen": [A("yes")], "rejected": [A("no")]}]
-    ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "c.jsonl", rows), max_length=budget + 8,
-                                    max_prompt_length=budget), tok)
+    ds = load_preference_pairs(
+        _cfg(
+            write_jsonl(tmp_path / "c.jsonl", rows), max_length=budget + 8, max_prompt_length=budget
+        ),
+        tok,
+    )
     assert list(ds.train[0].prompt_ids) == _chatml_ids(tok, kept)
-    assert ds.summary["truncated"] | {} == {"prompt": 1, "prompt_turns_dropped": 1,
-                                           "prompt_tokens_cut": 0, "chosen": 0, "rejected": 0}
+    assert ds.summary["truncated"] | {} == {
+        "prompt": 1,
+        "prompt_turns_dropped": 1,
+        "prompt_tokens_cut": 0,
+        "chosen": 0,
+        "rejected": 0,
+    }
     assert ds.summary["lengths_before_cut"]["prompt"]["max"] == len(_chatml_ids(tok, prompt))
     # One more exchange fits: it is kept (only whole turns go, the newest stay).
     two = [S("Answer: yes or no."), *old[-2:], U("Is the sky blue?")]
     wider = len(_chatml_ids(tok, two))
-    ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "d.jsonl", rows), max_length=wider + 8,
-                                    max_prompt_length=wider), tok)
+    ds = load_preference_pairs(
+        _cfg(
+            write_jsonl(tmp_path / "d.jsonl", rows), max_length=wider + 8, max_prompt_length=wider
+        ),
+        tok,
+    )
     assert list(ds.train[0].prompt_ids) == _chatml_ids(tok, two)
     assert "oldest turns dropped 1, tokens cut 0" in format_summary(ds.summary)
 
 
 def test_one_turn_too_long_is_cut_inside_it(tmp_path):
     tok = tiny_hf_tokenizer()
-    rows = [{"prompt": [U("old question"), A("old answer"), U("The sky is blue. " * 10)],
-             "chosen": [A("yes")], "rejected": [A("no")]}]
-    ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "c.jsonl", rows), max_length=24,
-                                    max_prompt_length=16), tok)
+    rows = [
+        {
+            "prompt": [U("old question"), A("old answer"), U("The sky is blue. " * 10)],
+            "chosen": [A("yes")],
+            "rejected": [A("no")],
+        }
+    ]
+    ds = load_preference_pairs(
+        _cfg(write_jsonl(tmp_path / "c.jsonl", rows), max_length=24, max_prompt_length=16), tok
+    )
     last_only = _chatml_ids(tok, rows[0]["prompt"][-1:])
     assert list(ds.train[0].prompt_ids) == last_only[-16:]  # no BOS with this tokenizer
     assert ds.summary["truncated"]["prompt_turns_dropped"] == 1
     assert ds.summary["truncated"]["prompt_tokens_cut"] == 1
     # keep_start never drops turns: it keeps the first tokens.
-    ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "d.jsonl", rows), max_length=24,
-                                    max_prompt_length=16, truncation_mode="keep_start"), tok)
+    ds = load_preference_pairs(
+        _cfg(
+            write_jsonl(tmp_path / "d.jsonl", rows),
+            max_length=24,
+            max_prompt_length=16,
+            truncation_mode="keep_start",
+        ),
+        tok,
+    )
     assert list(ds.train[0].prompt_ids) == _chatml_ids(tok, rows[0]["prompt"])[:16]
     assert ds.summary["truncated"]["prompt_turns_dropped"] == 0
 
@@ -138,10 +170,25 @@ def test_one_turn_too_long_is_cut_inside_it(tmp_path):
 @pytest.mark.parametrize("mode", ["keep_end", "keep_start"])
 def test_mistral_chat_cuts_keep_one_bos(tmp_path, mode):
     tok = mistral_sp_tokenizer()
-    rows = [{"conversations": [{"from": "system", "value": "Be brief."},
-                               {"from": "human", "value": "Tell me about the sky. " * 30}],
-             "chosen": {"from": "gpt", "value": "Blue."}, "rejected": {"from": "gpt", "value": "Green."}}]
-    ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "s.jsonl", rows), chat_template="mistral",
-                                    max_length=64, max_prompt_length=32, truncation_mode=mode), tok)
+    rows = [
+        {
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Tell me about the sky. " * 30},
+            ],
+            "chosen": {"from": "gpt", "value": "Blue."},
+            "rejected": {"from": "gpt", "value": "Green."},
+        }
+    ]
+    ds = load_preference_pairs(
+        _cfg(
+            write_jsonl(tmp_path / "s.jsonl", rows),
+            chat_template="mistral",
+            max_length=64,
+            max_prompt_length=32,
+            truncation_mode=mode,
+        ),
+        tok,
+    )
     prompt = ds.train[0].prompt_ids
     assert len(prompt) == 32 and prompt[0] == BOS and BOS not in prompt[1:]

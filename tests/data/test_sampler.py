@@ -11,7 +11,14 @@ def _steps(sampler, n):
 
 
 def test_global_batches_follow_seeded_permutation_by_hand():
-    s = PairSampler(10, global_batch_size=4, micro_batch_size=2, data_parallel_rank=0, data_parallel_size=1, seed=7)
+    s = PairSampler(
+        10,
+        global_batch_size=4,
+        micro_batch_size=2,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+        seed=7,
+    )
     order0 = np.random.default_rng(7).permutation(10).tolist()
     order1 = np.random.default_rng(8).permutation(10).tolist()
     assert s.steps_per_epoch == 2  # drop_last: 10 // 4
@@ -58,7 +65,9 @@ def test_no_shuffle_and_drop_last_false_wraps():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="not divisible by micro_batch_size=2 x data_parallel_size=3"):
+    with pytest.raises(
+        ValueError, match="not divisible by micro_batch_size=2 x data_parallel_size=3"
+    ):
         PairSampler(100, 8, 2, 0, 3, seed=0)
     short = PairSampler(3, 4, 1, 0, 1, seed=0)  # constructing is fine (e.g. a small eval split)
     assert short.steps_per_epoch == 0

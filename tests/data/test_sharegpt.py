@@ -3,8 +3,7 @@ SentencePiece (Mistral template); ids checked against the tokenizer applied by h
 
 from dpo_megatron.data import DataConfig, load_preference_pairs
 from dpo_megatron.data.tokenizer import BUILTIN_CHAT_TEMPLATES
-
-from .fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer, write_json
+from tests.data.fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer, write_json
 
 ROWS = [
     {
@@ -29,14 +28,21 @@ ROWS = [
 
 def _load(tmp_path, tok, **kw):
     path = write_json(tmp_path / "dpo.json", ROWS)
-    return load_preference_pairs(DataConfig(path=str(path), cache_dir="none", verbose=False, **kw), tok)
+    return load_preference_pairs(
+        DataConfig(path=str(path), cache_dir="none", verbose=False, **kw), tok
+    )
 
 
 def test_sharegpt_chatml_ids_by_hand(tmp_path):
     tok = tiny_hf_tokenizer()
     ds = _load(tmp_path, tok)
     assert ds.summary["sources"][0]["format"] == "sharegpt"  # auto-detected
-    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], len(ds.train), len(ds.eval)) == (2, 2, 2, 0)
+    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], len(ds.train), len(ds.eval)) == (
+        2,
+        2,
+        2,
+        0,
+    )
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     p0 = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
     assert ds.train[0].prompt_ids == tuple(enc(p0))
@@ -46,7 +52,9 @@ def test_sharegpt_chatml_ids_by_hand(tmp_path):
     # prompt + completion are exactly the joint tokenization of the rendered conversation
     head = enc("<|im_start|>system\nBe brief.")
     assert ds.train[0].prompt_ids[: len(head)] == tuple(head)
-    assert ds.train[0].prompt_ids + ds.train[0].chosen_ids == tuple(enc(p0 + "It is blue.<|im_end|>"))
+    assert ds.train[0].prompt_ids + ds.train[0].chosen_ids == tuple(
+        enc(p0 + "It is blue.<|im_end|>")
+    )
     p1 = (
         "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\nHello! How are you?<|im_end|>\n"
         "<|im_start|>user\nI am fine. Answer: yes or no?<|im_end|>\n<|im_start|>assistant\n"
@@ -64,7 +72,10 @@ def test_sharegpt_sentencepiece_mistral_template_by_hand(tmp_path):
     ds = _load(tmp_path, tok, chat_template="mistral")
     sp = tok._sp
     # "<s>[INST] Be brief.\n\nWhat colour is the sky? [/INST]" then " It is blue.</s>"
-    assert ds.train[0].prompt_ids == (1, *sp.encode("[INST] Be brief.\n\nWhat colour is the sky? [/INST]"))
+    assert ds.train[0].prompt_ids == (
+        1,
+        *sp.encode("[INST] Be brief.\n\nWhat colour is the sky? [/INST]"),
+    )
     assert ds.train[0].chosen_ids == (*sp.encode("It is blue."), 2)  # "▁It" with its space, no BOS
     assert sp.id_to_piece(ds.train[0].chosen_ids[0]) == "\u2581It"
     assert ds.train[0].rejected_ids == (*sp.encode("It is green."), 2)

@@ -14,17 +14,24 @@ from dpo_megatron.data.tokenizer import (
     resolve_chat_template,
     tokenizer_fingerprint,
 )
-
-from .fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer
+from tests.data.fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer
 
 
 def test_sentencepiece_wrapper_surface():
     tok = mistral_sp_tokenizer()
     sp = tok._sp
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.vocab_size) == (1, 2, 2, 32000)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.vocab_size) == (
+        1,
+        2,
+        2,
+        32000,
+    )
     assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
     assert tok.encode("The sky is blue.") == [1, *sp.encode("The sky is blue.")]
-    assert tok.convert_ids_to_tokens(tok.encode("The sky", add_special_tokens=False)) == ["\u2581The", "\u2581sky"]
+    assert tok.convert_ids_to_tokens(tok.encode("The sky", add_special_tokens=False)) == [
+        "\u2581The",
+        "\u2581sky",
+    ]
     # control symbols written as text become their ids; each text segment gets the dummy prefix
     assert tok.encode("<s>Hi</s>", add_special_tokens=False) == [1, *sp.encode("Hi"), 2]
     # a continuation has no dummy prefix: "blue" inside a word, " blue" as a new word
@@ -35,7 +42,9 @@ def test_sentencepiece_wrapper_surface():
     assert clone.encode("The sky is blue.") == tok.encode("The sky is blue.")
     with pytest.raises(ValueError, match="has no chat template; set data.chat_template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=resolve_chat_template("mistral"))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], chat_template=resolve_chat_template("mistral")
+    )
     assert text == "<s>[INST] Hi [/INST]"
 
 

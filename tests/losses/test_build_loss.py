@@ -46,8 +46,10 @@ def test_dpo_is_an_alias_of_sigmoid():
 def test_parameter_the_loss_does_not_take_lists_valid_keys():
     with pytest.raises(ValueError, match=r"takes no parameter\(s\) \['simpo_gamma'\]") as error:
         build_loss({"name": "sigmoid", "beta": 0.1, "simpo_gamma": 0.5})
-    assert "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', 'sft_weight', " \
-           "'use_weighting', 'weights']" in str(error.value)
+    assert (
+        "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', 'sft_weight', "
+        "'use_weighting', 'weights']" in str(error.value)
+    )
 
 
 def test_reference_free_is_not_a_key_of_reference_free_losses():
@@ -55,19 +57,22 @@ def test_reference_free_is_not_a_key_of_reference_free_losses():
         build_loss({"name": "simpo", "reference_free": True})
 
 
-@pytest.mark.parametrize("config,message", [
-    ({}, "loss.name is required"),
-    ({"name": []}, "lists no loss"),
-    ({"name": ["sigmoid", "sigmoid"]}, "twice"),
-    ({"name": "sigmoid", "beta": 0.0}, r"loss.beta=0.0 is out of range \(0.0, inf\]"),
-    ({"name": "sigmoid", "beta": "0.1"}, "must be a number"),
-    ({"name": "ipo", "average_logps": 1}, "must be true or false"),
-    ({"name": "robust", "label_smoothing": 0.5}, "out of range"),
-    ({"name": "exo_pair", "label_smoothing": 0.0}, "out of range"),
-    ({"name": "sigmoid", "ld_alpha": 1.5}, "out of range"),
-    ({"name": ["sigmoid", "sft"], "weights": [1.0]}, "1 entries for 2 losses"),
-    ({"name": ["sigmoid", "aot"], "use_weighting": True}, r"cannot be combined with \['aot'\]"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({}, "loss.name is required"),
+        ({"name": []}, "lists no loss"),
+        ({"name": ["sigmoid", "sigmoid"]}, "twice"),
+        ({"name": "sigmoid", "beta": 0.0}, r"loss.beta=0.0 is out of range \(0.0, inf\]"),
+        ({"name": "sigmoid", "beta": "0.1"}, "must be a number"),
+        ({"name": "ipo", "average_logps": 1}, "must be true or false"),
+        ({"name": "robust", "label_smoothing": 0.5}, "out of range"),
+        ({"name": "exo_pair", "label_smoothing": 0.0}, "out of range"),
+        ({"name": "sigmoid", "ld_alpha": 1.5}, "out of range"),
+        ({"name": ["sigmoid", "sft"], "weights": [1.0]}, "1 entries for 2 losses"),
+        ({"name": ["sigmoid", "aot"], "use_weighting": True}, r"cannot be combined with \['aot'\]"),
+    ],
+)
 def test_invalid_configs_fail_at_construction(config, message):
     with pytest.raises(ValueError, match=message):
         build_loss(config)
@@ -80,8 +85,13 @@ def test_none_values_count_as_unset():
 
 def test_needs_reference_flags():
     assert build_loss({"name": "sigmoid"}).needs_reference
-    for config in ({"name": "simpo"}, {"name": "cpo"}, {"name": "orpo"}, {"name": "sft"},
-                   {"name": "sigmoid", "reference_free": True}):
+    for config in (
+        {"name": "simpo"},
+        {"name": "cpo"},
+        {"name": "orpo"},
+        {"name": "sft"},
+        {"name": "sigmoid", "reference_free": True},
+    ):
         assert not build_loss(config).needs_reference, config
     assert build_loss({"name": ["simpo", "sigmoid"]}).needs_reference
     assert not build_loss({"name": "sigmoid"}).needs_token_log_sum_p2
@@ -91,15 +101,21 @@ def test_needs_reference_flags():
 def test_sigmoid_from_token_logps():
     losses, metrics = build_loss({"name": "sigmoid", "beta": 0.1})(POLICY, REFERENCE, MASK)
     # h_w = -6 + 7 = 1, h_l = -10 + 8 = -2 -> z = 0.3
-    torch.testing.assert_close(losses, torch.tensor([softplus(-0.3)], dtype=F64), rtol=0, atol=1e-12)
-    assert metrics["logps/chosen"].tolist() == [-6.0] and metrics["logps/rejected"].tolist() == [-10.0]
+    torch.testing.assert_close(
+        losses, torch.tensor([softplus(-0.3)], dtype=F64), rtol=0, atol=1e-12
+    )
+    assert metrics["logps/chosen"].tolist() == [-6.0] and metrics["logps/rejected"].tolist() == [
+        -10.0
+    ]
     assert metrics["rewards/margins"].item() == pytest.approx(0.3)
 
 
 def test_reference_free_uses_no_reference():
     loss_fn = build_loss({"name": "sigmoid", "reference_free": True})
     losses, metrics = loss_fn(POLICY, None, MASK)
-    torch.testing.assert_close(losses, torch.tensor([softplus(-0.4)], dtype=F64), rtol=0, atol=1e-12)  # 0.1*(-6+10)
+    torch.testing.assert_close(
+        losses, torch.tensor([softplus(-0.4)], dtype=F64), rtol=0, atol=1e-12
+    )  # 0.1*(-6+10)
     assert metrics["rewards/chosen"].item() == pytest.approx(-0.6)
     with pytest.raises(ValueError, match="uses no reference model"):
         loss_fn(POLICY, REFERENCE, MASK)
@@ -128,7 +144,9 @@ def test_sft_weight_adds_chosen_nll():
 
 
 def test_combined_losses_with_weights():
-    loss_fn = build_loss({"name": ["sigmoid", "bco_pair", "sft"], "weights": [0.8, 0.2, 1.0], "beta": 0.1})
+    loss_fn = build_loss(
+        {"name": ["sigmoid", "bco_pair", "sft"], "weights": [0.8, 0.2, 1.0], "beta": 0.1}
+    )
     losses, metrics = loss_fn(POLICY, REFERENCE, MASK)
     sigmoid, bco = softplus(-0.3), softplus(-0.1) + softplus(-0.2)  # BCO: -log s(0.1) - log s(0.2)
     assert losses.item() == pytest.approx(0.8 * sigmoid + 0.2 * bco + 2.0, abs=1e-12)
@@ -172,7 +190,8 @@ def test_wpo_weights_scale_the_pair_loss():
 
 def test_wpo_weight_is_capped_at_one():
     losses, metrics = build_loss({"name": "sigmoid", "use_weighting": True})(
-        POLICY, REFERENCE, MASK, torch.full_like(POLICY, -10.0))
+        POLICY, REFERENCE, MASK, torch.full_like(POLICY, -10.0)
+    )
     assert metrics["wpo/weights"].tolist() == [1.0]
 
 
@@ -207,7 +226,9 @@ def test_gradient_flows_to_policy_token_logps_only_through_the_mask():
     losses, _ = build_loss({"name": "sigmoid"})(policy, REFERENCE, MASK)
     losses.sum().backward()
     assert torch.all(policy.grad[MASK == 0] == 0)
-    d = 0.1 * torch.sigmoid(torch.tensor(-0.3, dtype=F64))  # d(-log s(z))/dz = -s(-z); dz/dlogp_w = beta
+    d = 0.1 * torch.sigmoid(
+        torch.tensor(-0.3, dtype=F64)
+    )  # d(-log s(z))/dz = -s(-z); dz/dlogp_w = beta
     torch.testing.assert_close(policy.grad[0, 1:4], -d.expand(3), rtol=0, atol=1e-12)
 
 
@@ -222,11 +243,14 @@ def test_batch_shapes_and_float32():
         build_loss({"name": "sigmoid"})(policy[:3], policy[:3], mask[:3])
 
 
-@pytest.mark.parametrize("config", [
-    {"name": "sigmoid", "ld_alpha": 0.3, "sft_weight": 0.2},
-    {"name": ["ipo", "simpo"], "weights": [0.5, 1.0], "reference_free": True},
-    {"name": "orpo"},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"name": "sigmoid", "ld_alpha": 0.3, "sft_weight": 0.2},
+        {"name": ["ipo", "simpo"], "weights": [0.5, 1.0], "reference_free": True},
+        {"name": "orpo"},
+    ],
+)
 def test_gradients_through_token_logps_match_finite_differences(config):
     loss_fn = build_loss(config)
     reference = REFERENCE if loss_fn.needs_reference else None
@@ -238,7 +262,9 @@ def test_gradients_through_token_logps_match_finite_differences(config):
 
 
 def test_reference_free_combination_passes_zero_reference_to_reference_based_losses():
-    losses, metrics = build_loss({"name": ["sigmoid", "cpo"], "reference_free": True})(POLICY, None, MASK)
+    losses, metrics = build_loss({"name": ["sigmoid", "cpo"], "reference_free": True})(
+        POLICY, None, MASK
+    )
     # Both see the policy margin -6 + 10 = 4 at beta 0.1; CPO adds its NLL 6 / 3.
     assert metrics["loss/sigmoid"].item() == pytest.approx(softplus(-0.4), abs=1e-12)
     assert losses.item() == pytest.approx(2 * softplus(-0.4) + 2.0, abs=1e-12)
@@ -247,8 +273,10 @@ def test_reference_free_combination_passes_zero_reference_to_reference_based_los
 def test_describe_is_one_readable_line_with_every_parameter():
     """The start-up line's loss: names, parameters with their defaults, weights when several,
     the modifiers that are on. Old: ``LossFunction(1*sigmoid(...), LossModifiers(...))``."""
-    assert build_loss({"name": "sigmoid"}).describe() == \
-        "loss sigmoid(beta=0.1, label_smoothing=0)"
-    assert build_loss({"name": ["sigmoid", "sft"], "weights": [1.0, 0.5], "beta": 0.2,
-                       "ld_alpha": 0.5}).describe() == \
-        "loss 1 x sigmoid(beta=0.2, label_smoothing=0) + 0.5 x sft() | LD-DPO (ld_alpha=0.5)"
+    assert build_loss({"name": "sigmoid"}).describe() == "loss sigmoid(beta=0.1, label_smoothing=0)"
+    assert (
+        build_loss(
+            {"name": ["sigmoid", "sft"], "weights": [1.0, 0.5], "beta": 0.2, "ld_alpha": 0.5}
+        ).describe()
+        == "loss 1 x sigmoid(beta=0.2, label_smoothing=0) + 0.5 x sft() | LD-DPO (ld_alpha=0.5)"
+    )

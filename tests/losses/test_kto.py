@@ -17,24 +17,52 @@ def sigmoid(x: float) -> float:
 
 def test_values_by_hand():
     # h = 2 (desirable) and -3 (undesirable), z_0 = 0.5, beta 0.1, lambda_D 1.5, lambda_U 0.75.
-    losses, metrics = call_loss("kto", [-10.0, -20.0], [-7.0, -9.0], [-12.0, -17.0], [-8.0, -8.0], [4, 5], [3, 3],
-                                desirable=torch.tensor([1.0, 0.0]), kl=0.5, desirable_weight=1.5,
-                                undesirable_weight=0.75)
-    assert losses.tolist() == pytest.approx([1.5 * (1 - sigmoid(0.1 * (2 - 0.5))),
-                                             0.75 * (1 - sigmoid(0.1 * (0.5 + 3)))], abs=1e-15)
+    losses, metrics = call_loss(
+        "kto",
+        [-10.0, -20.0],
+        [-7.0, -9.0],
+        [-12.0, -17.0],
+        [-8.0, -8.0],
+        [4, 5],
+        [3, 3],
+        desirable=torch.tensor([1.0, 0.0]),
+        kl=0.5,
+        desirable_weight=1.5,
+        undesirable_weight=0.75,
+    )
+    assert losses.tolist() == pytest.approx(
+        [1.5 * (1 - sigmoid(0.1 * (2 - 0.5))), 0.75 * (1 - sigmoid(0.1 * (0.5 + 3)))], abs=1e-15
+    )
     assert metrics["rewards/chosen_sum"].tolist() == pytest.approx([0.2, 0.0])
     assert metrics["rewards/rejected_sum"].tolist() == pytest.approx([0.0, -0.3])
     assert metrics["kl"].tolist() == [0.5, 0.5]
 
 
 def test_finish_metrics_takes_each_sides_mean_as_trl():
-    means = {"loss": 0.4, "rewards/chosen_sum": 0.6 / 4, "rewards/rejected_sum": -0.3 / 4,
-             "logps/chosen_sum": -30.0 / 4, "logps/rejected_sum": -10.0 / 4,
-             "count/chosen": 3 / 4, "count/rejected": 1 / 4, "kl": 0.2}
+    means = {
+        "loss": 0.4,
+        "rewards/chosen_sum": 0.6 / 4,
+        "rewards/rejected_sum": -0.3 / 4,
+        "logps/chosen_sum": -30.0 / 4,
+        "logps/rejected_sum": -10.0 / 4,
+        "count/chosen": 3 / 4,
+        "count/rejected": 1 / 4,
+        "kl": 0.2,
+    }
     out = finish_kto_metrics(means, 4)
-    assert out == pytest.approx({"loss": 0.4, "kl": 0.2, "count/chosen": 3.0, "count/rejected": 1.0,
-                                 "rewards/chosen": 0.2, "rewards/rejected": -0.3, "rewards/margins": 0.5,
-                                 "logps/chosen": -10.0, "logps/rejected": -10.0})
+    assert out == pytest.approx(
+        {
+            "loss": 0.4,
+            "kl": 0.2,
+            "count/chosen": 3.0,
+            "count/rejected": 1.0,
+            "rewards/chosen": 0.2,
+            "rewards/rejected": -0.3,
+            "rewards/margins": 0.5,
+            "logps/chosen": -10.0,
+            "logps/rejected": -10.0,
+        }
+    )
     only_desirable = finish_kto_metrics({**means, "count/chosen": 1.0, "count/rejected": 0.0}, 4)
     assert "rewards/rejected" not in only_desirable and "rewards/margins" not in only_desirable
 
@@ -47,12 +75,20 @@ def test_kl_reference_point_is_the_clamped_global_mean():
     sums = (token_logps * loss_mask).sum(-1)
     torch.testing.assert_close(values, 0.5 * sums[3:], rtol=0, atol=1e-12)  # the mismatched rows
     assert loss_fn.begin_step(values, torch.arange(3), True) == ({"kl": 0.0}, {})  # negative -> 0
-    scalars, _ = loss_fn.begin_step(torch.tensor([0.5, 1.0, -0.3], dtype=torch.float64), torch.arange(3), True)
+    scalars, _ = loss_fn.begin_step(
+        torch.tensor([0.5, 1.0, -0.3], dtype=torch.float64), torch.arange(3), True
+    )
     assert scalars["kl"] == pytest.approx(0.4)
-    assert loss_fn.state_dict() == {"kto": {"kl": pytest.approx(0.4)}}  # evaluation uses the last z_0
-    losses, metrics = loss_fn(token_logps, token_logps.clone(), loss_mask, desirable=torch.tensor([1.0, 0.0, 1.0]))
+    assert loss_fn.state_dict() == {
+        "kto": {"kl": pytest.approx(0.4)}
+    }  # evaluation uses the last z_0
+    losses, metrics = loss_fn(
+        token_logps, token_logps.clone(), loss_mask, desirable=torch.tensor([1.0, 0.0, 1.0])
+    )
     assert metrics["kl"].tolist() == pytest.approx([0.4] * 3)
-    assert losses.tolist() == pytest.approx([1 - sigmoid(-0.04), 1 - sigmoid(0.04), 1 - sigmoid(-0.04)])
+    assert losses.tolist() == pytest.approx(
+        [1 - sigmoid(-0.04), 1 - sigmoid(0.04), 1 - sigmoid(-0.04)]
+    )
 
 
 def test_weight_advice_follows_the_paper_range():
@@ -61,7 +97,12 @@ def test_weight_advice_follows_the_paper_range():
     assert "0.333" in advice and "[3, 4]" in advice and "[0.25, 0.333]" in advice
     assert weight_advice(10, 0, 1.0, 1.0) is None
     loss_fn = build_loss({"name": "kto", "desirable_weight": 3.0})
-    assert loss_fn.data_advice([type("Item", (), {"desirable": d})() for d in (True, False, False, False)]) is None
+    assert (
+        loss_fn.data_advice(
+            [type("Item", (), {"desirable": d})() for d in (True, False, False, False)]
+        )
+        is None
+    )
 
 
 def test_kto_cannot_be_combined_or_modified_and_needs_labels():
@@ -73,4 +114,7 @@ def test_kto_cannot_be_combined_or_modified_and_needs_labels():
     with pytest.raises(ValueError, match="desirable labels"):
         build_loss({"name": "kto"})(token_logps, token_logps.clone(), loss_mask)
     assert build_loss({"name": "kto"}).item_kind == "unpaired"
-    assert build_loss({"name": "sft"}).item_kind == "sft" and build_loss({"name": "ipo"}).item_kind == "pairs"
+    assert (
+        build_loss({"name": "sft"}).item_kind == "sft"
+        and build_loss({"name": "ipo"}).item_kind == "pairs"
+    )

@@ -23,7 +23,9 @@ def test_orpo_finite_near_zero(dtype, average, side):
         chosen = torch.tensor([-2.0, -1.5], dtype=dtype)
     chosen.requires_grad_()
     rejected.requires_grad_()
-    losses, metrics = LOSSES["orpo"].fn(chosen, rejected, None, None, chosen_tokens=tokens, rejected_tokens=tokens)
+    losses, metrics = LOSSES["orpo"].fn(
+        chosen, rejected, None, None, chosen_tokens=tokens, rejected_tokens=tokens
+    )
     assert losses.dtype == torch.float32
     assert torch.isfinite(losses).all(), losses
     assert all(torch.isfinite(value).all() for value in metrics.values())

@@ -26,7 +26,9 @@ def test_first_step_by_hand():
 
 
 def test_moving_averages_over_steps_and_checkpoint_state():
-    loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_momentum": 0.5, "beta_dpo_filter_ratio": 0.0})
+    loss_fn = build_loss(
+        {"name": "beta_dpo", "beta_dpo_momentum": 0.5, "beta_dpo_filter_ratio": 0.0}
+    )
     loss_fn.begin_step(MARGINS, torch.arange(5), training=True)
     scalars, per_pair = loss_fn.begin_step(MARGINS + 2.0, torch.arange(5), training=True)
     state = loss_fn.components[0].state
@@ -34,10 +36,15 @@ def test_moving_averages_over_steps_and_checkpoint_state():
     assert state.margin_std == pytest.approx(0.75 * math.sqrt(2.5))
     assert per_pair["pair_weights"].tolist() == [1.0] * 5  # rho = 0 keeps every pair
     assert scalars["batch_beta"] == pytest.approx(0.1 * (1 + 0.6 * (4.0 - 2.5)))
-    restored = build_loss({"name": "beta_dpo", "beta_dpo_momentum": 0.5, "beta_dpo_filter_ratio": 0.0})
+    restored = build_loss(
+        {"name": "beta_dpo", "beta_dpo_momentum": 0.5, "beta_dpo_filter_ratio": 0.0}
+    )
     restored.load_state_dict(loss_fn.state_dict())
-    assert restored.state_dict() == loss_fn.state_dict() == {
-        "beta_dpo": {"margin_mean": 2.5, "margin_std": state.margin_std, "steps": 2}}
+    assert (
+        restored.state_dict()
+        == loss_fn.state_dict()
+        == {"beta_dpo": {"margin_mean": 2.5, "margin_std": state.margin_std, "steps": 2}}
+    )
 
 
 def test_evaluation_leaves_the_state_alone_and_uses_beta_0():
@@ -53,17 +60,29 @@ def test_the_draw_depends_on_the_pairs_not_on_their_order():
     (layout) the global batch was gathered in."""
     keys = torch.tensor([11, 3, 7, 0, 5, 9, 2, 4])
     kept = []
-    for perm in (torch.arange(8), torch.tensor([7, 6, 5, 4, 3, 2, 1, 0]), torch.tensor([3, 0, 6, 1, 4, 7, 2, 5])):
+    for perm in (
+        torch.arange(8),
+        torch.tensor([7, 6, 5, 4, 3, 2, 1, 0]),
+        torch.tensor([3, 0, 6, 1, 4, 7, 2, 5]),
+    ):
         loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.5})
-        scalars, per_pair = loss_fn.begin_step(torch.zeros(8, dtype=torch.float64), keys[perm], training=True)
+        scalars, per_pair = loss_fn.begin_step(
+            torch.zeros(8, dtype=torch.float64), keys[perm], training=True
+        )
         assert scalars["batch_beta"] == 0.1  # every margin equals M_0 = 0
         kept.append(sorted(keys[perm][per_pair["pair_weights"] > 0].tolist()))
         assert per_pair["pair_weights"].sum().item() == 8.0  # N/K per kept pair: the mean over kept
     assert kept[0] == kept[1] == kept[2] and len(kept[0]) == 4
     # Successive steps draw afresh.
     loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.5})
-    draws = {tuple(loss_fn.begin_step(torch.zeros(8, dtype=torch.float64), keys, True)[1]["pair_weights"].tolist())
-             for _ in range(6)}
+    draws = {
+        tuple(
+            loss_fn.begin_step(torch.zeros(8, dtype=torch.float64), keys, True)[1][
+                "pair_weights"
+            ].tolist()
+        )
+        for _ in range(6)
+    }
     assert len(draws) > 1
 
 
@@ -73,11 +92,18 @@ def test_step_zero_mean_over_kept_pairs_is_ln2():
     values = loss_fn.pair_statistics(token_logps, token_logps.clone(), loss_mask)
     assert values.tolist() == [0.0, 0.0, 0.0]
     scalars, per_pair = loss_fn.begin_step(values, torch.arange(3), training=True)
-    losses, metrics = loss_fn(token_logps, token_logps.clone(), loss_mask, step_inputs={**scalars, **per_pair})
+    losses, metrics = loss_fn(
+        token_logps, token_logps.clone(), loss_mask, step_inputs={**scalars, **per_pair}
+    )
     # K = floor(3 * 0.8) = 2 kept pairs at weight 3/2 each: the mean over all 3 is ln 2.
-    assert sorted(losses.tolist()) == pytest.approx([0.0, 1.5 * math.log(2.0), 1.5 * math.log(2.0)], abs=1e-15)
+    assert sorted(losses.tolist()) == pytest.approx(
+        [0.0, 1.5 * math.log(2.0), 1.5 * math.log(2.0)], abs=1e-15
+    )
     assert losses.mean().item() == pytest.approx(math.log(2.0), abs=1e-15)
-    assert metrics["beta_dpo/kept"].sum().item() == 2.0 and metrics["beta_dpo/beta"].tolist() == [0.1] * 3
+    assert (
+        metrics["beta_dpo/kept"].sum().item() == 2.0
+        and metrics["beta_dpo/beta"].tolist() == [0.1] * 3
+    )
 
 
 def test_pair_statistics_are_the_log_ratio_margins():
@@ -90,8 +116,12 @@ def test_pair_statistics_are_the_log_ratio_margins():
 
 
 def test_state_parameters_are_config_keys_with_checked_ranges():
-    assert LOSSES["beta_dpo"].params == {"beta": 0.1, "beta_dpo_alpha": 0.6, "beta_dpo_filter_ratio": 0.2,
-                                         "beta_dpo_momentum": 0.9}
+    assert LOSSES["beta_dpo"].params == {
+        "beta": 0.1,
+        "beta_dpo_alpha": 0.6,
+        "beta_dpo_filter_ratio": 0.2,
+        "beta_dpo_momentum": 0.9,
+    }
     with pytest.raises(ValueError, match="beta_dpo_momentum"):
         build_loss({"name": "sigmoid", "beta_dpo_momentum": 0.5})
     with pytest.raises(ValueError, match="out of range"):

@@ -11,82 +11,204 @@ import torch
 # Tiny configs, one per architecture; 4 layers so that PP 2 gives 2 layers per stage and the
 # interleaved schedule (PP 2 x VPP 2) has one layer per chunk.
 TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                  max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 8192}),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=16384,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     # SmolLM2's head layout (9 query / 3 key-value heads): TP 2 needs zero-head padding.
-    "smollm2": dict(model_type="llama", hidden_size=72, intermediate_size=128,
-                    num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
-                    vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
-                    tie_word_embeddings=True,
-                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+    "smollm2": dict(
+        model_type="llama",
+        hidden_size=72,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
     # Llama-2 style linear RoPE scaling (position interpolation).
-    "llama2": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                   max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                   rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
-                                    "factor": 4.0}),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                    head_dim=16, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
-                    sliding_window=None, tie_word_embeddings=False),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=160,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=128,
-                 n_positions=64, tie_word_embeddings=True),
+    "llama2": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=160,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        vocab_size=128,
+        n_positions=64,
+        tie_word_embeddings=True,
+    ),
 }
 
 # The architectures of issue 10, kept apart so the per-architecture layout tests of the tables
 # above do not grow (each of these is tested at all layouts in one launch: test_new_architectures).
 NEW_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3: q/k RMSNorm, head_dim 32 != hidden / heads = 16, tied like the small Qwen3s.
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     # Qwen3-MoE: 4 experts of width 32, top-2 renormalised, untied.
-    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
-                      moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                      norm_topk_prob=True, router_aux_loss_coef=0.01, vocab_size=128,
-                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # Mixtral: 4 experts of width 48, top-2.
-    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48,
-                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                    num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-                    vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False),
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.02,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
     # Pythia: parallel residual, a quarter of each head rotated, LayerNorm + biases, exact GELU.
-    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256,
-                     num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
-                     max_position_embeddings=512, rotary_pct=0.25, rotary_emb_base=10000,
-                     use_parallel_residual=True, hidden_act="gelu", layer_norm_eps=1e-5,
-                     tie_word_embeddings=False),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rotary_pct=0.25,
+        rotary_emb_base=10000,
+        use_parallel_residual=True,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
     # Llama-3.2 (tied, llama3 RoPE scaling factor 32) and Qwen2.5 (q/k/v biases, tied): through
     # the existing Llama / Qwen2 tables.
-    "llama32": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                                     "factor": 32.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 8192}),
-    "qwen25": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
-                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   vocab_size=160, max_position_embeddings=512, rms_norm_eps=1e-6,
-                   tie_word_embeddings=True),
+    "llama32": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "qwen25": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=160,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 VARIANT_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.
     "qwen3_untied": {**NEW_TINY_CONFIGS["qwen3"], "tie_word_embeddings": False},
     # Llama-3.1 (untied, llama3 RoPE scaling factor 8): the Llama table.
-    "llama31": {**NEW_TINY_CONFIGS["llama32"], "tie_word_embeddings": False,
-                "rope_parameters": {**NEW_TINY_CONFIGS["llama32"]["rope_parameters"],
-                                    "factor": 8.0}},
+    "llama31": {
+        **NEW_TINY_CONFIGS["llama32"],
+        "tie_word_embeddings": False,
+        "rope_parameters": {**NEW_TINY_CONFIGS["llama32"]["rope_parameters"], "factor": 8.0},
+    },
 }
 """Variants of the architectures above, checked at one layout (TP 2 x PP 2)."""
 ALL_TINY_CONFIGS = {**TINY_CONFIGS, **NEW_TINY_CONFIGS, **VARIANT_TINY_CONFIGS}
@@ -111,8 +233,14 @@ def build_tiny_hf_model(arch: str, seed: int = 0, **overrides):
     return model.eval()
 
 
-def save_tiny_hf_folder(arch: str, out_dir: str, seed: int = 0, max_shard_size: str = "5GB",
-                        safe_serialization: bool = True, **overrides) -> str:
+def save_tiny_hf_folder(
+    arch: str,
+    out_dir: str,
+    seed: int = 0,
+    max_shard_size: str = "5GB",
+    safe_serialization: bool = True,
+    **overrides,
+) -> str:
     """Save :func:`build_tiny_hf_model` to ``out_dir`` and return it."""
     model = build_tiny_hf_model(arch, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size}
@@ -157,13 +285,17 @@ def imported_chunks(hf_dir: str, tp: int, pp: int, vpp=None, seed: int = 1234):
     from dpo_megatron.models.conversion import model_config_from_hf
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=vpp)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
     initialize_distributed(parallel)
     set_seed(seed)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local",
-                                                   pad_attention_heads=True))
+    cfg = model_config_from_hf(
+        hf_dir,
+        ModelConfig(params_dtype="float32", transformer_impl="local", pad_attention_heads=True),
+    )
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
     return chunks, cfg
@@ -188,9 +320,13 @@ def layout_of_segments(segment_ids: torch.Tensor):
     return PackedLayout.from_spans(segment_ids, None, spans)
 
 
-def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int = 1,
-                    position_ids: Optional[torch.Tensor] = None,
-                    segment_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def pipeline_logits(
+    chunks: list,
+    input_ids: torch.Tensor,
+    num_microbatches: int = 1,
+    position_ids: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
     """Forward ``input_ids`` [b, s] through megatron-core's pipeline schedule (forward only).
 
     The batch is split into ``num_microbatches`` equal micro-batches (the interleaved schedule
@@ -207,9 +343,16 @@ def pipeline_logits(chunks: list, input_ids: torch.Tensor, num_microbatches: int
     mbs = b // num_microbatches
     if position_ids is None:
         position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs],
-              None if segment_ids is None else layout_of_segments(segment_ids[i * mbs:(i + 1) * mbs]))
-             for i in range(num_microbatches)]
+    micro = [
+        (
+            input_ids[i * mbs : (i + 1) * mbs],
+            position_ids[i * mbs : (i + 1) * mbs],
+            None
+            if segment_ids is None
+            else layout_of_segments(segment_ids[i * mbs : (i + 1) * mbs]),
+        )
+        for i in range(num_microbatches)
+    ]
 
     def forward_step(data_iterator, model):
         tokens, positions, layout = next(data_iterator)

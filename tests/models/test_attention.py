@@ -13,30 +13,44 @@ import torch.nn.functional as F
 from dpo_megatron.data import PreferencePair
 from dpo_megatron.data.batch import AttentionSpan
 from dpo_megatron.data.packing import pack_pairs, pack_shared_prompt_pairs
+from dpo_megatron.models.attention import (
+    flex_attention_rows,
+    flex_block_mask,
+    gqa_by_expansion,
+    packed_attention,
+    packed_attention_route,
+    packed_seq_params,
+    resolve_local_attention,
+    shared_prompt_thd_inputs,
+    span_attention,
+    varlen_attention,
+    visible_keys,
+)
 from tests.engine import random_pairs, tiny_trainer
 from tests.multirank import run_ranks
-from dpo_megatron.models.attention import (flex_attention_rows, flex_block_mask,
-                                           gqa_by_expansion, packed_attention,
-                                           packed_attention_route, packed_seq_params,
-                                           resolve_local_attention, shared_prompt_thd_inputs,
-                                           span_attention, varlen_attention, visible_keys)
 
-PAIRS = [PreferencePair((5, 6, 7), (8, 9, 2), (10, 2)),
-         PreferencePair((11,), (12, 13, 14, 15, 2), (16, 17, 2)),
-         PreferencePair((18, 19, 20, 21), (22, 2), (23, 24, 25, 2))]
+PAIRS = [
+    PreferencePair((5, 6, 7), (8, 9, 2), (10, 2)),
+    PreferencePair((11,), (12, 13, 14, 15, 2), (16, 17, 2)),
+    PreferencePair((18, 19, 20, 21), (22, 2), (23, 24, 25, 2)),
+]
 HEADS, GROUPS, DIM = 4, 2, 8
 
 
 def _layouts():
-    return {"packed": pack_pairs(PAIRS, 0, row_length=40).packed,
-            "shared": pack_shared_prompt_pairs(PAIRS, 0, row_length=32).packed,
-            "shared_rows": pack_shared_prompt_pairs(PAIRS, 0, row_length=13).packed}
+    return {
+        "packed": pack_pairs(PAIRS, 0, row_length=40).packed,
+        "shared": pack_shared_prompt_pairs(PAIRS, 0, row_length=32).packed,
+        "shared_rows": pack_shared_prompt_pairs(PAIRS, 0, row_length=13).packed,
+    }
 
 
 def _qkv(positions, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(positions, n, DIM, generator=g, requires_grad=grad)
-            for n in (HEADS, GROUPS, GROUPS)]
+    return [
+        torch.randn(positions, n, DIM, generator=g, requires_grad=grad)
+        for n in (HEADS, GROUPS, GROUPS)
+    ]
 
 
 def _dense(q, k, v, layout):
@@ -52,7 +66,7 @@ def _real(layout):
     """[T] bool: positions outside a row's padding tail."""
     real = torch.zeros(layout.segment_ids.numel(), dtype=torch.bool)
     for s in layout.spans:
-        real[s.q_start:s.q_end] = not s.padding
+        real[s.q_start : s.q_end] = not s.padding
     return real
 
 
@@ -76,8 +90,9 @@ def test_span_attention_equals_dense_forward_and_backward(name):
     dense = _dense(q, k, v, layout)
     spans = span_attention(q, k, v, layout.spans, scale=None)
     torch.testing.assert_close(spans[real], dense[real], rtol=1e-6, atol=1e-6)
-    grads = [torch.autograd.grad((out[real] * weights[real]).sum(), (q, k, v))
-             for out in (dense, spans)]
+    grads = [
+        torch.autograd.grad((out[real] * weights[real]).sum(), (q, k, v)) for out in (dense, spans)
+    ]
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
@@ -98,8 +113,10 @@ def test_flex_block_mask_equals_dense_forward(name):
 
 def test_flex_refuses_to_train_on_cpu():
     layout = _layouts()["packed"]
-    q, k, v = (t.reshape(1, -1, *t.shape[1:]).transpose(1, 2)
-               for t in _qkv(layout.segment_ids.numel(), grad=True))
+    q, k, v = (
+        t.reshape(1, -1, *t.shape[1:]).transpose(1, 2)
+        for t in _qkv(layout.segment_ids.numel(), grad=True)
+    )
     with pytest.raises(RuntimeError, match="no CPU backward"):
         flex_attention_rows(q, k, v, flex_block_mask(layout.segment_ids), scale=None)
 
@@ -111,12 +128,28 @@ class SDPACalls:
         self.calls = []
         real = F.scaled_dot_product_attention
 
-        def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False):
-            self.calls.append(dict(mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa,
-                                   heads=q.shape[-3], groups=k.shape[-3]))
-            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+        def spy(
+            q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+        ):
+            self.calls.append(
+                dict(
+                    mask=attn_mask,
+                    is_causal=is_causal,
+                    enable_gqa=enable_gqa,
+                    heads=q.shape[-3],
+                    groups=k.shape[-3],
+                )
+            )
+            return real(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
 
         monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
 
@@ -146,19 +179,25 @@ def test_span_rows_cover_each_span_once():
     layout = _layouts()["shared"]
     rows = layout.rows
     spans = [s for s in layout.spans if not s.padding]
-    assert rows.query_index.shape == (len(spans), max(sum(e - b for b, e in s.keys)
-                                                      for s in spans))
+    assert rows.query_index.shape == (len(spans), max(sum(e - b for b, e in s.keys) for s in spans))
     flat = rows.query_index.reshape(-1)
     real = _real(layout)
     positions = torch.arange(layout.segment_ids.numel())
     assert torch.equal(flat[rows.output_index][real], positions[real])
 
 
-@pytest.mark.parametrize("device, dtype, head_dim, route", [
-    ("cuda", torch.bfloat16, 64, "varlen"), ("cuda", torch.float16, 128, "varlen"),
-    ("cuda", torch.float32, 64, "rows"), ("cuda", torch.bfloat16, 260, "rows"),
-    ("cuda", torch.bfloat16, 12, "rows"), ("cpu", torch.bfloat16, 64, "rows"),
-    ("cpu", torch.float32, 64, "rows")])
+@pytest.mark.parametrize(
+    "device, dtype, head_dim, route",
+    [
+        ("cuda", torch.bfloat16, 64, "varlen"),
+        ("cuda", torch.float16, 128, "varlen"),
+        ("cuda", torch.float32, 64, "rows"),
+        ("cuda", torch.bfloat16, 260, "rows"),
+        ("cuda", torch.bfloat16, 12, "rows"),
+        ("cpu", torch.bfloat16, 64, "rows"),
+        ("cpu", torch.float32, 64, "rows"),
+    ],
+)
 def test_packed_route_by_device_and_dtype(device, dtype, head_dim, route):
     assert packed_attention_route(torch.device(device), dtype, head_dim) == route
 
@@ -177,11 +216,16 @@ def test_no_varlen_route_on_a_torch_whose_varlen_call_lacks_grouped_keys(monkeyp
     assert packed_attention_route(cuda, torch.bfloat16, 64) == "rows"
 
 
-@pytest.mark.parametrize("device, dtype, masked, expand", [
-    ("cuda", torch.bfloat16, False, False),  # flash-attention takes enable_gqa
-    ("cuda", torch.bfloat16, True, True),    # a mask: memory-efficient attention, no GQA
-    ("cuda", torch.float32, False, True),    # fp32: memory-efficient attention, no GQA
-    ("cpu", torch.float32, True, False), ("cpu", torch.bfloat16, False, False)])
+@pytest.mark.parametrize(
+    "device, dtype, masked, expand",
+    [
+        ("cuda", torch.bfloat16, False, False),  # flash-attention takes enable_gqa
+        ("cuda", torch.bfloat16, True, True),  # a mask: memory-efficient attention, no GQA
+        ("cuda", torch.float32, False, True),  # fp32: memory-efficient attention, no GQA
+        ("cpu", torch.float32, True, False),
+        ("cpu", torch.bfloat16, False, False),
+    ],
+)
 def test_grouped_query_keys_expanded_only_where_cuda_needs_it(device, dtype, masked, expand):
     assert gqa_by_expansion(torch.device(device), dtype, masked) is expand
 
@@ -190,14 +234,14 @@ def _thd_reference(q, k, v, cu_q, cu_kv):
     """Varlen attention from cu_seqlens alone, bottom-right causal, softmax written out."""
     out = torch.zeros_like(q)
     for i in range(len(cu_q) - 1):
-        qs, ks = q[cu_q[i]:cu_q[i + 1]], k[cu_kv[i]:cu_kv[i + 1]]
-        vs = v[cu_kv[i]:cu_kv[i + 1]]
+        qs, ks = q[cu_q[i] : cu_q[i + 1]], k[cu_kv[i] : cu_kv[i + 1]]
+        vs = v[cu_kv[i] : cu_kv[i + 1]]
         n_q, n_k = qs.shape[0], ks.shape[0]
         ks, vs = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (ks, vs))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(DIM)
         allowed = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out[cu_q[i]:cu_q[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
+        out[cu_q[i] : cu_q[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
     return out
 
 
@@ -237,8 +281,7 @@ def test_varlen_call_computes_the_dense_rule(name, monkeypatch):
     q, k, v = _qkv(layout.segment_ids.numel())
     calls = []
 
-    def fake(query, key, value, cu_q, cu_kv, max_q, max_kv, *, scale=None, window_size,
-             enable_gqa):
+    def fake(query, key, value, cu_q, cu_kv, max_q, max_kv, *, scale=None, window_size, enable_gqa):
         calls.append((window_size, enable_gqa, max_q, max_kv))
         assert key.shape[0] == int(cu_kv[-1]) and query.shape[0] == int(cu_q[-1])
         assert max_q == max(torch.diff(cu_q).tolist()) and max_kv == max(torch.diff(cu_kv).tolist())
@@ -260,7 +303,9 @@ def test_thd_rope_applies_each_tokens_own_position():
     """megatron-core's THD RoPE (the TE path) with the per-token table rotates each token by its
     own position, as the row layout does: rejected tokens continue after their prompt."""
     from megatron.core.models.common.embeddings.rope_utils import (
-        _apply_rotary_pos_emb_bshd, apply_rotary_pos_emb)
+        _apply_rotary_pos_emb_bshd,
+        apply_rotary_pos_emb,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     class OneRank:  # a context-parallel group of one
@@ -271,15 +316,17 @@ def test_thd_rope_applies_each_tokens_own_position():
             return 0
 
     batch = pack_shared_prompt_pairs(PAIRS, 0, row_length=32)
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                               apply_rope_fusion=False)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS, apply_rope_fusion=False
+    )
     inv_freq = 1.0 / 10000 ** (torch.arange(0, DIM, 2).float() / DIM)
     angles = torch.arange(32).float()[:, None] * inv_freq  # megatron-core's RoPE table layout
     table = torch.cat([angles, angles], dim=-1)
     freqs = table[batch.position_ids].transpose(0, 1).unsqueeze(2)  # [T, 1, 1, dim]
     t = torch.randn(32, HEADS, DIM)
-    thd = apply_rotary_pos_emb(t, freqs, config, cu_seqlens=batch.packed.cu_seqlens_q,
-                               cp_group=OneRank())
+    thd = apply_rotary_pos_emb(
+        t, freqs, config, cu_seqlens=batch.packed.cu_seqlens_q, cp_group=OneRank()
+    )
     rows = _apply_rotary_pos_emb_bshd(t[:, None], freqs)[:, 0]
     torch.testing.assert_close(thd, rows, rtol=0, atol=0)
     # Each rejected span's first token sits at position len(prompt): right after its prompt.
@@ -307,20 +354,39 @@ def _kernel_logps(settings):
     pairs = random_pairs(4, 9, lambda i: (3 + 2 * i, 2 + (3 * i) % 5, 4 - i % 3))
     out = {}
     for kernel, form in settings:
-        trainer = tiny_trainer(pairs, model=dict(num_layers=2, local_attention=kernel), seed=3,
-                               micro_batch_size=2, global_batch_size=4, packing=form != "padded",
-                               share_prompt=form == "shared")
-        step = dpo_forward_backward(trainer.policy, trainer.reference, trainer.next_batch(),
-                                    trainer.loss_fn, forward_only=True)
-        out[(kernel, form)] = {k: step.per_pair[k].tolist()
-                               for k in ("logps/chosen", "logps/rejected")}
+        trainer = tiny_trainer(
+            pairs,
+            model=dict(num_layers=2, local_attention=kernel),
+            seed=3,
+            micro_batch_size=2,
+            global_batch_size=4,
+            packing=form != "padded",
+            share_prompt=form == "shared",
+        )
+        step = dpo_forward_backward(
+            trainer.policy,
+            trainer.reference,
+            trainer.next_batch(),
+            trainer.loss_fn,
+            forward_only=True,
+        )
+        out[(kernel, form)] = {
+            k: step.per_pair[k].tolist() for k in ("logps/chosen", "logps/rejected")
+        }
     return out
 
 
 def test_every_kernel_gives_the_sdpa_log_probs():
-    settings = [("sdpa", "padded"), ("sdpa", "packed"), ("sdpa", "shared"),
-                ("megatron", "padded"), ("megatron", "packed"), ("megatron", "shared"),
-                ("flex", "packed"), ("flex", "shared")]
+    settings = [
+        ("sdpa", "padded"),
+        ("sdpa", "packed"),
+        ("sdpa", "shared"),
+        ("megatron", "padded"),
+        ("megatron", "packed"),
+        ("megatron", "shared"),
+        ("flex", "packed"),
+        ("flex", "shared"),
+    ]
     out = run_ranks(_kernel_logps, world_size=1, settings=settings)[0]
     want = out[("sdpa", "padded")]
     for setting, got in out.items():
@@ -341,14 +407,21 @@ def _count_sdpa_calls(form):
         return real(q, k, v, attn_mask=attn_mask, **kwargs)
 
     pairs = random_pairs(4, 9, lambda i: (3 + 2 * i, 2 + (3 * i) % 5, 4 - i % 3))
-    trainer = tiny_trainer(pairs, model=dict(num_layers=2, local_attention="sdpa"), seed=3,
-                           micro_batch_size=2, global_batch_size=4, packing=True,
-                           share_prompt=form == "shared")
+    trainer = tiny_trainer(
+        pairs,
+        model=dict(num_layers=2, local_attention="sdpa"),
+        seed=3,
+        micro_batch_size=2,
+        global_batch_size=4,
+        packing=True,
+        share_prompt=form == "shared",
+    )
     batch = trainer.next_batch()
     F.scaled_dot_product_attention = spy
     try:
-        dpo_forward_backward(trainer.policy, trainer.reference, batch, trainer.loss_fn,
-                             forward_only=True)
+        dpo_forward_backward(
+            trainer.policy, trainer.reference, batch, trainer.loss_fn, forward_only=True
+        )
     finally:
         F.scaled_dot_product_attention = real
     return {"calls": calls, "spans": [len(mb.packed.spans) for mb in batch.micro_batches]}
@@ -367,8 +440,13 @@ def test_packed_model_makes_one_sdpa_call_per_layer_and_micro_batch():
 
 def _train_flex():
     pairs = random_pairs(2, 9, lambda i: (3, 2, 2))
-    trainer = tiny_trainer(pairs, model=dict(num_layers=1, local_attention="flex"),
-                           micro_batch_size=2, global_batch_size=2, packing=True)
+    trainer = tiny_trainer(
+        pairs,
+        model=dict(num_layers=1, local_attention="flex"),
+        micro_batch_size=2,
+        global_batch_size=2,
+        packing=True,
+    )
     try:
         trainer.train_step()
     except RuntimeError as e:
@@ -426,7 +504,8 @@ def test_span_attention_on_local_queries_and_gathered_keys(name):
         pieces = _cp_pieces(layout.spans, chunks)
         crossing += sum(len(p.keys) == 2 for p in pieces)
         out = span_attention(q[local], k, v, pieces, scale=None)
-        torch.testing.assert_close(out[real[local]], dense[local][real[local]], rtol=1e-6,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            out[real[local]], dense[local][real[local]], rtol=1e-6, atol=1e-6
+        )
     if name == "shared":
         assert crossing >= 1  # a rejected piece reads prompt keys held by another chunk

@@ -12,8 +12,10 @@ from dpo_megatron.models.context_attention import blockwise_attention, context_p
 def _inputs(rows, length, heads=4, groups=2, hn=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, heads, length, hn, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(rows, groups, length, hn, generator=g, dtype=torch.float64,
-                        requires_grad=True) for _ in range(2))
+    k, v = (
+        torch.randn(rows, groups, length, hn, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
     return q, k, v
 
 
@@ -49,13 +51,20 @@ def test_positions_not_row_order_decide_causality():
     positions = torch.arange(8)[None]
     q, k, v = _inputs(1, 8, seed=1)
     natural = blockwise_attention(q, k, v, context_parallel_coordinates(positions), 0.3, 3)
-    permuted = blockwise_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm],
-                                   context_parallel_coordinates(positions[:, perm]), 0.3, 3)
+    permuted = blockwise_attention(
+        q[:, :, perm],
+        k[:, :, perm],
+        v[:, :, perm],
+        context_parallel_coordinates(positions[:, perm]),
+        0.3,
+        3,
+    )
     assert torch.allclose(permuted, natural[:, :, perm], atol=1e-12)
     wrong = positions[:, perm].clone()
     wrong[0, 2] = 2  # token 6 claims position 2
-    broken = blockwise_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm],
-                                 context_parallel_coordinates(wrong), 0.3, 3)
+    broken = blockwise_attention(
+        q[:, :, perm], k[:, :, perm], v[:, :, perm], context_parallel_coordinates(wrong), 0.3, 3
+    )
     assert not torch.allclose(broken, natural[:, :, perm], atol=1e-6)
 
 

@@ -66,28 +66,53 @@ def test_gpt2_fields(tmp_path):
     cfg = model_config_from_hf(_tiny_config_folder(tmp_path, "gpt2"))
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 256)
     assert (cfg.position_embedding_type, cfg.normalization, cfg.activation) == (
-        "learned_absolute", "LayerNorm", "gelu")
+        "learned_absolute",
+        "LayerNorm",
+        "gelu",
+    )
     assert cfg.add_bias_linear and cfg.tie_word_embeddings and cfg.max_position_embeddings == 64
 
 
 def test_base_supplies_non_architecture_fields(tmp_path):
-    base = ModelConfig(params_dtype="bfloat16", transformer_impl="local", num_layers=99,
-                       recompute_granularity="full", pad_attention_heads=True,
-                       make_vocab_size_divisible_by=64)
+    base = ModelConfig(
+        params_dtype="bfloat16",
+        transformer_impl="local",
+        num_layers=99,
+        recompute_granularity="full",
+        pad_attention_heads=True,
+        make_vocab_size_divisible_by=64,
+    )
     cfg = model_config_from_hf(_tiny_config_folder(tmp_path, "llama"), base)
     assert cfg.num_layers == 4  # architecture: from config.json
     assert (cfg.params_dtype, cfg.transformer_impl, cfg.recompute_granularity) == (
-        "bfloat16", "local", "full")
+        "bfloat16",
+        "local",
+        "full",
+    )
     assert cfg.pad_attention_heads and cfg.make_vocab_size_divisible_by == 64
 
 
 def test_transformers4_style_rope_keys(tmp_path):
     folder = _write_config(
-        tmp_path, model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, vocab_size=128, rms_norm_eps=1e-5,
-        max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        tmp_path,
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     cfg = model_config_from_hf(folder)
     assert cfg.rotary_base == 500000.0 and cfg.rope_scaling_factor == 32.0
 
@@ -105,10 +130,22 @@ def test_missing_config_json(tmp_path):
 
 def test_unrepresentable_llama3_constants_rejected(tmp_path):
     folder = _write_config(
-        tmp_path, model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, vocab_size=128, max_position_embeddings=131072,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        tmp_path,
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 2.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     with pytest.raises(ValueError, match="low_freq_factor"):
         model_config_from_hf(folder)
 
@@ -127,6 +164,7 @@ def test_generated_config_derives_the_same_model(tmp_path, arch):
 # ---------------------------------------------------------------------------------------------
 # Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX (issue 10)
 # ---------------------------------------------------------------------------------------------
+
 
 def _new_config_folder(tmp_path, arch, **overrides):
     from transformers import AutoConfig
@@ -165,7 +203,9 @@ def test_mixtral_fields(tmp_path):
 def test_moe_aux_loss_coeff_set_by_the_user_wins_over_config_json(tmp_path):
     folder = _new_config_folder(tmp_path, "qwen3_moe")
     assert model_config_from_hf(folder, ModelConfig(moe_aux_loss_coeff=0.0)).moe_aux_loss_coeff == 0
-    assert model_config_from_hf(folder, ModelConfig(moe_aux_loss_coeff=0.3)).moe_aux_loss_coeff == 0.3
+    assert (
+        model_config_from_hf(folder, ModelConfig(moe_aux_loss_coeff=0.3)).moe_aux_loss_coeff == 0.3
+    )
 
 
 def test_gpt_neox_fields(tmp_path):
@@ -177,30 +217,51 @@ def test_gpt_neox_fields(tmp_path):
 
 
 PYTHIA_28B_CONFIG = {  # EleutherAI/pythia-2.8b config.json as on the hub (transformers 4 keys)
-    "architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0,
-    "hidden_act": "gelu", "hidden_size": 2560, "initializer_range": 0.02,
-    "intermediate_size": 10240, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
-    "model_type": "gpt_neox", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
-    "torch_dtype": "float16", "transformers_version": "4.24.0", "use_cache": True,
-    "use_parallel_residual": True, "vocab_size": 50304}
+    "architectures": ["GPTNeoXForCausalLM"],
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "hidden_act": "gelu",
+    "hidden_size": 2560,
+    "initializer_range": 0.02,
+    "intermediate_size": 10240,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 2048,
+    "model_type": "gpt_neox",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "rotary_emb_base": 10000,
+    "rotary_pct": 0.25,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.24.0",
+    "use_cache": True,
+    "use_parallel_residual": True,
+    "vocab_size": 50304,
+}
 
 
 def test_pythia_config_json_as_on_the_hub(tmp_path):
     cfg = model_config_from_hf(_write_config(tmp_path, **PYTHIA_28B_CONFIG))
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size) == (
-        32, 2560, 10240, 50304)
+        32,
+        2560,
+        10240,
+        50304,
+    )
     assert cfg.rotary_percent == 0.25 and cfg.rotary_base == 10000.0
     assert cfg.kv_channels == 80 and cfg.parallel_residual and cfg.activation == "gelu_exact"
 
 
-@pytest.mark.parametrize("arch, overrides, match", [
-    ("qwen3_moe", {"mlp_only_layers": [1]}, "every layer must be an MoE layer"),
-    ("qwen3_moe", {"decoder_sparse_step": 2}, "every layer must be an MoE layer"),
-    ("mixtral", {"router_jitter_noise": 0.1}, "deterministic routing"),
-    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
-    ("gpt_neox", {"attention_bias": False}, "attention_bias=false"),
-])
+@pytest.mark.parametrize(
+    "arch, overrides, match",
+    [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "every layer must be an MoE layer"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "every layer must be an MoE layer"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "deterministic routing"),
+        ("gpt_neox", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
+        ("gpt_neox", {"attention_bias": False}, "attention_bias=false"),
+    ],
+)
 def test_unrepresentable_new_architecture_settings_are_named(tmp_path, arch, overrides, match):
     with pytest.raises(ValueError, match=match):
         model_config_from_hf(_new_config_folder(tmp_path, arch, **overrides))

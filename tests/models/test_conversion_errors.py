@@ -51,8 +51,11 @@ def test_shape_mismatch_is_named(llama_dir):
         t["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
 
     _edit_weights(llama_dir, shrink)
-    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj.weight.*\[16, 64\].*"
-                                         r"\[32, 64\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.self_attn.k_proj.weight.*\[16, 64\].*"
+        r"\[32, 64\]",
+    ):
         _load(llama_dir)
 
 
@@ -90,8 +93,11 @@ def test_heads_not_divisible_by_tp_writes_nothing(tmp_path):
     folder = save_tiny_hf_folder("smollm2", str(tmp_path / "hf"))  # 9 heads, 3 KV heads
     save = str(tmp_path / "ckpt")
     with pytest.raises(RuntimeError, match="divisible by parallel.tensor_model_parallel_size=2"):
-        run_ranks(_convert, world_size=2, argv=["--hf-path", folder, "--save", save,
-                                                "--tensor-model-parallel-size", "2"])
+        run_ranks(
+            _convert,
+            world_size=2,
+            argv=["--hf-path", folder, "--save", save, "--tensor-model-parallel-size", "2"],
+        )
     _assert_nothing_written(save)
 
 
@@ -99,17 +105,20 @@ def test_heads_not_divisible_by_tp_writes_nothing(tmp_path):
 def test_layers_not_divisible_by_pp_writes_nothing(tmp_path):
     folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"), num_hidden_layers=3)
     save = str(tmp_path / "ckpt")
-    with pytest.raises(RuntimeError, match="3 layers, not divisible by "
-                                           "parallel.pipeline_model_parallel_size=2"):
-        run_ranks(_convert, world_size=2, argv=["--hf-path", folder, "--save", save,
-                                                "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(
+        RuntimeError, match="3 layers, not divisible by parallel.pipeline_model_parallel_size=2"
+    ):
+        run_ranks(
+            _convert,
+            world_size=2,
+            argv=["--hf-path", folder, "--save", save, "--pipeline-model-parallel-size", "2"],
+        )
     _assert_nothing_written(save)
 
 
 @pytest.mark.slow
 def test_shape_mismatch_in_script_writes_nothing(llama_dir, tmp_path):
-    _edit_weights(llama_dir, lambda t: t.update(
-        {"model.norm.weight": torch.zeros(65)}))
+    _edit_weights(llama_dir, lambda t: t.update({"model.norm.weight": torch.zeros(65)}))
     save = str(tmp_path / "ckpt")
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         run_ranks(_convert, world_size=1, argv=["--hf-path", llama_dir, "--save", save])
@@ -121,15 +130,15 @@ def _export_with_bad_config(hf_dir, out_dir):
     fails before writing; every rank must raise (no hang) and nothing may be left behind."""
     import dataclasses
 
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
-                                     load_hf_weights)
+    from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, load_hf_weights
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     initialize_distributed(parallel)
     set_seed(0)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local"))
+    cfg = model_config_from_hf(
+        hf_dir, ModelConfig(params_dtype="float32", transformer_impl="local")
+    )
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
     try:
@@ -142,8 +151,9 @@ def _export_with_bad_config(hf_dir, out_dir):
 @pytest.mark.slow
 def test_failed_export_raises_on_every_rank_and_writes_nothing(llama_dir, tmp_path):
     out = str(tmp_path / "exported")
-    errors = run_ranks(_export_with_bad_config, world_size=4, timeout=120, hf_dir=llama_dir,
-                       out_dir=out)
+    errors = run_ranks(
+        _export_with_bad_config, world_size=4, timeout=120, hf_dir=llama_dir, out_dir=out
+    )
     assert all(e is not None and "norm_epsilon" in e for e in errors), errors
     assert os.listdir(tmp_path) == ["hf"]
 
@@ -151,6 +161,7 @@ def test_failed_export_raises_on_every_rank_and_writes_nothing(llama_dir, tmp_pa
 # ---------------------------------------------------------------------------------------------
 # Mixture of experts and GPT-NeoX (issue 10): the same errors, per expert.
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def moe_dir(tmp_path):
@@ -173,31 +184,49 @@ def test_expert_shape_mismatch_is_named(moe_dir):
 
 
 def test_expert_beyond_num_experts_is_unmapped(moe_dir):
-    _edit_weights(moe_dir, lambda t: t.update(
-        {"model.layers.0.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64)}))
+    _edit_weights(
+        moe_dir,
+        lambda t: t.update({"model.layers.0.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64)}),
+    )
     with pytest.raises(ValueError, match=r"not mapped.*experts\.4\.gate_proj"):
         _load(moe_dir)
 
 
 def test_gpt_neox_missing_and_unmapped_tensors(tmp_path):
     folder = save_tiny_hf_folder("gpt_neox", str(tmp_path / "neox"))
-    _edit_weights(folder, lambda t: t.update({
-        "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.zeros(2),  # old buffer: fine
-        "gpt_neox.layers.1.attention.masked_bias": torch.zeros(())}))
+    _edit_weights(
+        folder,
+        lambda t: t.update(
+            {
+                "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.zeros(
+                    2
+                ),  # old buffer: fine
+                "gpt_neox.layers.1.attention.masked_bias": torch.zeros(()),
+            }
+        ),
+    )
     _load(folder)
     _edit_weights(folder, lambda t: t.pop("embed_out.weight"))
     with pytest.raises(KeyError, match="embed_out.weight"):
         _load(folder)
 
 
-@pytest.mark.parametrize("parallel, match", [
-    (dict(expert_model_parallel_size=3), "4 experts, not divisible by "
-                                         "parallel.expert_model_parallel_size=3"),
-    (dict(expert_tensor_parallel_size=3), r"expert width 32 .* not divisible by "
-                                          "parallel.expert_tensor_parallel_size=3"),
-    (dict(tensor_model_parallel_size=2), "needs parallel.sequence_parallel=true"),
-    (dict(tensor_model_parallel_size=3), "divisible by parallel.tensor_model_parallel_size=3"),
-])
+@pytest.mark.parametrize(
+    "parallel, match",
+    [
+        (
+            dict(expert_model_parallel_size=3),
+            "4 experts, not divisible by parallel.expert_model_parallel_size=3",
+        ),
+        (
+            dict(expert_tensor_parallel_size=3),
+            r"expert width 32 .* not divisible by "
+            "parallel.expert_tensor_parallel_size=3",
+        ),
+        (dict(tensor_model_parallel_size=2), "needs parallel.sequence_parallel=true"),
+        (dict(tensor_model_parallel_size=3), "divisible by parallel.tensor_model_parallel_size=3"),
+    ],
+)
 def test_moe_layout_errors_name_the_fields(moe_dir, parallel, match):
     from dpo_megatron.models import build_transformer_config
     from dpo_megatron.parallel import ParallelConfig
@@ -211,11 +240,16 @@ def test_expert_parallel_without_experts_and_world_size(llama_dir):
     from dpo_megatron.parallel import ParallelConfig
 
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        build_transformer_config(model_config_from_hf(llama_dir),
-                                 ParallelConfig(expert_model_parallel_size=2))
-    with pytest.raises(ValueError, match=r"world size 2 is not divisible by "
-                                         r"parallel.expert_tensor_parallel_size \(2\) x "
-                                         r"parallel.expert_model_parallel_size \(2\)"):
+        build_transformer_config(
+            model_config_from_hf(llama_dir), ParallelConfig(expert_model_parallel_size=2)
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"world size 2 is not divisible by "
+        r"parallel.expert_tensor_parallel_size \(2\) x "
+        r"parallel.expert_model_parallel_size \(2\)",
+    ):
         ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2).validate(2)
-    ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                   expert_tensor_parallel_size=1).validate(2)  # EP carved from the TP ranks
+    ParallelConfig(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    ).validate(2)  # EP carved from the TP ranks

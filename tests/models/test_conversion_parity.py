@@ -34,17 +34,26 @@ PAD_ID = 0
 
 
 def _import_forward_export(hf_dir, tp, pp, vpp, input_ids, out_dir, num_microbatches=1):
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
-                                     load_hf_weights, model_config_from_hf)
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        export_hf,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=vpp)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
     initialize_distributed(parallel)
     set_seed(1234)  # random init differs from the HF weights: loading must overwrite all
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local",
-                                                   pad_attention_heads=True))
+    cfg = model_config_from_hf(
+        hf_dir,
+        ModelConfig(params_dtype="float32", transformer_impl="local", pad_attention_heads=True),
+    )
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
     logits = pipeline_logits(chunks, input_ids, num_microbatches)
@@ -83,11 +92,26 @@ def _prepare_case(folder, arch, tp, pp, vpp=None, num_microbatches=1, **save_kwa
     with torch.no_grad():
         ref_logits = model(input_ids=input_ids, attention_mask=mask).logits
     out_dir = str(folder / "exported")
-    return {"world_size": tp * pp, "tp": tp, "vocab": model.config.vocab_size, "mask": mask,
-            "input_ids": input_ids, "ref_logits": ref_logits, "hf_dir": hf_dir,
-            "ref_logps": hf_logps(model, input_ids, mask), "out_dir": out_dir,
-            "run": dict(hf_dir=hf_dir, tp=tp, pp=pp, vpp=vpp, input_ids=input_ids,
-                        out_dir=out_dir, num_microbatches=num_microbatches)}
+    return {
+        "world_size": tp * pp,
+        "tp": tp,
+        "vocab": model.config.vocab_size,
+        "mask": mask,
+        "input_ids": input_ids,
+        "ref_logits": ref_logits,
+        "hf_dir": hf_dir,
+        "ref_logps": hf_logps(model, input_ids, mask),
+        "out_dir": out_dir,
+        "run": dict(
+            hf_dir=hf_dir,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            input_ids=input_ids,
+            out_dir=out_dir,
+            num_microbatches=num_microbatches,
+        ),
+    }
 
 
 def _verify_case(case: dict, results: list) -> None:
@@ -125,8 +149,16 @@ def run_parity_cases(cases: dict[str, dict]) -> dict[str, list]:
     world size in one set of ranks."""
     out = {}
     for world in sorted({c["world_size"] for c in cases.values()}):
-        out.update(run_cases(world, {name: (_import_forward_export, c["run"])
-                                     for name, c in cases.items() if c["world_size"] == world}))
+        out.update(
+            run_cases(
+                world,
+                {
+                    name: (_import_forward_export, c["run"])
+                    for name, c in cases.items()
+                    if c["world_size"] == world
+                },
+            )
+        )
     return out
 
 
@@ -144,8 +176,11 @@ def cases(tmp_path_factory):
     """``{name: (prepared case, results by rank)}`` of every architecture at every layout
     (``{arch}_tp{t}pp{p}``) and of SPECIAL."""
     root = tmp_path_factory.mktemp("parity")
-    prepared = {f"{arch}_tp{tp}pp{pp}": _prepare_case(root / f"{arch}_tp{tp}pp{pp}", arch, tp, pp)
-                for arch in sorted(TINY_CONFIGS) for tp, pp in LAYOUTS}
+    prepared = {
+        f"{arch}_tp{tp}pp{pp}": _prepare_case(root / f"{arch}_tp{tp}pp{pp}", arch, tp, pp)
+        for arch in sorted(TINY_CONFIGS)
+        for tp, pp in LAYOUTS
+    }
     for name, (arch, tp, pp, vpp, micro, save_kwargs) in SPECIAL.items():
         prepared[name] = _prepare_case(root / name, arch, tp, pp, vpp, micro, **save_kwargs)
     results = run_parity_cases(prepared)
@@ -196,8 +231,16 @@ def test_gpt2_original_file_layout(tmp_path):
     input_ids, _ = _batch(128)
     with torch.no_grad():
         ref = model(input_ids).logits
-    results = run_ranks(_import_forward_export, world_size=2, hf_dir=hf_dir, tp=2, pp=1,
-                        vpp=None, input_ids=input_ids, out_dir=str(tmp_path / "out"))
+    results = run_ranks(
+        _import_forward_export,
+        world_size=2,
+        hf_dir=hf_dir,
+        tp=2,
+        pp=1,
+        vpp=None,
+        input_ids=input_ids,
+        out_dir=str(tmp_path / "out"),
+    )
     got = results[0][..., :128]
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     exported = _load_all(str(tmp_path / "out"))
@@ -206,8 +249,12 @@ def test_gpt2_original_file_layout(tmp_path):
 
 def _count_read_elements(hf_dir, tp, pp):
     """Import at TP x PP, counting the tensor elements this rank reads from the files."""
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
-                                     model_config_from_hf)
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
@@ -223,8 +270,9 @@ def _count_read_elements(hf_dir, tp, pp):
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     initialize_distributed(parallel)
     set_seed(0)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local"))
+    cfg = model_config_from_hf(
+        hf_dir, ModelConfig(params_dtype="float32", transformer_impl="local")
+    )
     load_hf_weights(build_model_chunks(cfg, parallel), cfg, hf_dir)
     return counted[0]
 

@@ -15,12 +15,19 @@ from tests.models.conversion_helpers import pipeline_logits, token_logps
 from tests.multirank import run_ranks
 
 CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "The capital of France is Paris."}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "Give me two tips for writing clear documentation."},
-     {"role": "assistant", "content": "Start with what the reader wants to do, and show a "
-                                      "short example before explaining the details."}],
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+    ],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Give me two tips for writing clear documentation."},
+        {
+            "role": "assistant",
+            "content": "Start with what the reader wants to do, and show a "
+            "short example before explaining the details.",
+        },
+    ],
 ]
 
 
@@ -44,21 +51,27 @@ def _chat_batch(hf_dir):
 
 
 def _import_logps_export(hf_dir, input_ids, out_dir, dtype):
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
-                                     load_hf_weights, model_config_from_hf)
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        export_hf,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     initialize_distributed(parallel)
     set_seed(0)  # megatron-core's RNG tracker must exist for the attention's dropout fork
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local",
-                                                   pad_attention_heads=True))
+    cfg = model_config_from_hf(
+        hf_dir,
+        ModelConfig(params_dtype="float32", transformer_impl="local", pad_attention_heads=True),
+    )
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
     logits = pipeline_logits(chunks, input_ids)
     export_hf(chunks, cfg, out_dir, dtype=dtype)
-    return None if logits is None else token_logps(logits[..., :cfg.vocab_size], input_ids)
+    return None if logits is None else token_logps(logits[..., : cfg.vocab_size], input_ids)
 
 
 @pytest.mark.slow
@@ -69,8 +82,14 @@ def test_smollm2_tp2_pp2_matches_transformers_and_exports(smollm2_dir, tmp_path)
 
     input_ids, mask = _chat_batch(smollm2_dir)
     out_dir = str(tmp_path / "exported")
-    results = run_ranks(_import_logps_export, world_size=4, hf_dir=smollm2_dir,
-                        input_ids=input_ids, out_dir=out_dir, dtype="bfloat16")
+    results = run_ranks(
+        _import_logps_export,
+        world_size=4,
+        hf_dir=smollm2_dir,
+        input_ids=input_ids,
+        out_dir=out_dir,
+        dtype="bfloat16",
+    )
     got = [r for r in results if r is not None][0]
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -92,5 +111,5 @@ def test_smollm2_tp2_pp2_matches_transformers_and_exports(smollm2_dir, tmp_path)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = exported.float().generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text

@@ -44,8 +44,13 @@ def test_qkv_interleave_by_query_group_hand_checked():
     # 4 query heads, 2 groups, head dim 1, hidden 1: q heads 0..3, k 10/11, v 20/21.
     cfg = _cfg(hidden_size=4, num_attention_heads=4, num_query_groups=2, kv_channels=1)
     tmap = TensorMap("qkv", ("q", "k", "v"), QKV, (("q", "hidden"),) * 3)
-    reader = DictReader({"q": torch.tensor([[0.], [1.], [2.], [3.]]),
-                         "k": torch.tensor([[10.], [11.]]), "v": torch.tensor([[20.], [21.]])})
+    reader = DictReader(
+        {
+            "q": torch.tensor([[0.0], [1.0], [2.0], [3.0]]),
+            "k": torch.tensor([[10.0], [11.0]]),
+            "v": torch.tensor([[20.0], [21.0]]),
+        }
+    )
     full = read_tp_shard(tmap, ["q", "k", "v"], reader, cfg, 0, 1, (8, 1))
     assert full.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     rank1 = read_tp_shard(tmap, ["q", "k", "v"], reader, cfg, 1, 2, (4, 1))
@@ -57,22 +62,33 @@ def test_qkv_interleave_by_query_group_hand_checked():
 def test_gate_up_per_rank_hand_checked():
     cfg = _cfg(ffn_hidden_size=4)
     tmap = TensorMap("fc1", ("g", "u"), GATE_UP, (("ffn", "hidden"),) * 2)
-    reader = DictReader({"g": torch.arange(4.).view(4, 1), "u": torch.arange(10., 14.).view(4, 1)})
+    reader = DictReader(
+        {"g": torch.arange(4.0).view(4, 1), "u": torch.arange(10.0, 14.0).view(4, 1)}
+    )
     assert read_tp_shard(tmap, ["g", "u"], reader, cfg, 0, 2, (4, 1)).flatten().tolist() == [
-        0, 1, 10, 11]
+        0,
+        1,
+        10,
+        11,
+    ]
     assert read_tp_shard(tmap, ["g", "u"], reader, cfg, 1, 2, (4, 1)).flatten().tolist() == [
-        2, 3, 12, 13]
+        2,
+        3,
+        12,
+        13,
+    ]
 
 
 def test_gpt2_fused_transposed_qkv_hand_checked():
     # Conv1D stores [in, out]: out columns are q0 q1 | k0 k1 | v0 v1 (2 heads, head dim 1).
     cfg = _cfg(hidden_size=2, num_attention_heads=2, num_query_groups=2, kv_channels=1)
     tmap = TensorMap("qkv", ("c",), QKV, (("qkv", "hidden"),), transposed=True)
-    c_attn = torch.tensor([[0., 1., 10., 11., 20., 21.],
-                           [100., 101., 110., 111., 120., 121.]])  # [hidden=2, 6]
+    c_attn = torch.tensor(
+        [[0.0, 1.0, 10.0, 11.0, 20.0, 21.0], [100.0, 101.0, 110.0, 111.0, 120.0, 121.0]]
+    )  # [hidden=2, 6]
     reader = DictReader({"c": c_attn})
     rank0 = read_tp_shard(tmap, ["c"], reader, cfg, 0, 2, (3, 2))
-    assert rank0.tolist() == [[0., 100.], [10., 110.], [20., 120.]]  # head 0: q, k, v rows
+    assert rank0.tolist() == [[0.0, 100.0], [10.0, 110.0], [20.0, 120.0]]  # head 0: q, k, v rows
     rank1 = read_tp_shard(tmap, ["c"], reader, cfg, 1, 2, (3, 2))
     assert torch.equal(merge_tp_shards(tmap, [rank0, rank1], cfg)[0], c_attn)
 
@@ -80,23 +96,33 @@ def test_gpt2_fused_transposed_qkv_hand_checked():
 def test_vocab_padding_rows_are_zero_and_dropped_on_merge():
     cfg = _cfg(vocab_size=5, hidden_size=2)
     tmap = TensorMap("emb", ("e",), VOCAB, (("vocab", "hidden"),))
-    emb = torch.arange(10.).view(5, 2) + 1
+    emb = torch.arange(10.0).view(5, 2) + 1
     reader = DictReader({"e": emb})
     shards = [read_tp_shard(tmap, ["e"], reader, cfg, r, 2, (3, 2)) for r in range(2)]
-    assert shards[1][2].tolist() == [0., 0.]  # padded row 5 of 6
+    assert shards[1][2].tolist() == [0.0, 0.0]  # padded row 5 of 6
     assert torch.equal(merge_tp_shards(tmap, shards, cfg)[0], emb)
 
 
 def test_padded_attention_heads_zero_groups():
     # 3 groups of 3 query heads (SmolLM2's ratio) padded to 4 groups at TP 2; head dim 1.
-    cfg = _cfg(hidden_size=9, num_attention_heads=9, num_query_groups=3, kv_channels=1,
-               pad_attention_heads=True)
-    qkv = TensorMap("qkv", ("q", "k", "v"), QKV, (("q", "hidden"), ("kv", "hidden"),
-                                                  ("kv", "hidden")))
+    cfg = _cfg(
+        hidden_size=9,
+        num_attention_heads=9,
+        num_query_groups=3,
+        kv_channels=1,
+        pad_attention_heads=True,
+    )
+    qkv = TensorMap(
+        "qkv", ("q", "k", "v"), QKV, (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden"))
+    )
     proj = TensorMap("proj", ("o",), ROW, (("hidden", "q"),))
     g = torch.Generator().manual_seed(0)
-    t = {"q": torch.randn(9, 9, generator=g), "k": torch.randn(3, 9, generator=g),
-         "v": torch.randn(3, 9, generator=g), "o": torch.randn(9, 9, generator=g)}
+    t = {
+        "q": torch.randn(9, 9, generator=g),
+        "k": torch.randn(3, 9, generator=g),
+        "v": torch.randn(3, 9, generator=g),
+        "o": torch.randn(9, 9, generator=g),
+    }
     reader = DictReader(t)
     # per rank: 2 groups x (3 + 2) rows; rank 1 holds real group 2 and the zero group 3
     shards = [read_tp_shard(qkv, ["q", "k", "v"], reader, cfg, r, 2, (10, 9)) for r in range(2)]
@@ -118,16 +144,28 @@ def test_every_table_entry_round_trips_exactly(arch, tp):
     from dpo_megatron.models.conversion.load import expected_hf_shapes
 
     moe = arch in ("qwen3_moe", "mixtral")
-    cfg = _cfg(hidden_size=32, ffn_hidden_size=48, num_attention_heads=8, num_query_groups=4,
-               kv_channels=4, vocab_size=50, max_position_embeddings=16, num_layers=1,
-               tie_word_embeddings=False, add_qkv_bias=arch == "qwen2",
-               add_bias_linear=arch in ("gpt2", "gpt_neox"),
-               qk_layernorm=arch in ("qwen3", "qwen3_moe"),
-               num_experts=4 if moe else None, moe_ffn_hidden_size=16 if moe else None)
+    cfg = _cfg(
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=4,
+        vocab_size=50,
+        max_position_embeddings=16,
+        num_layers=1,
+        tie_word_embeddings=False,
+        add_qkv_bias=arch == "qwen2",
+        add_bias_linear=arch in ("gpt2", "gpt_neox"),
+        qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+        num_experts=4 if moe else None,
+        moe_ffn_hidden_size=16 if moe else None,
+    )
     table = ARCHITECTURES[arch].tensors(cfg)
     g = torch.Generator().manual_seed(1)
-    tensors = {n: torch.randn(s, generator=g)
-               for n, s in expected_hf_shapes(ARCHITECTURES[arch], cfg).items()}
+    tensors = {
+        n: torch.randn(s, generator=g)
+        for n, s in expected_hf_shapes(ARCHITECTURES[arch], cfg).items()
+    }
     reader = DictReader(tensors)
     for tmap in table:
         names = [n.replace("{i}", "0").replace("{e}", "3") for n in tmap.hf]
@@ -151,8 +189,7 @@ def _local_shape(tmap, cfg, tp, reader, names):
         return (-(-shape[0] // tp),) + shape[1:]
     if tmap.split == ROW:
         return (shape[0], shape[1] // tp)
-    rows = sum(reader.shape(n)[-1 if tmap.transposed and len(shape) == 2 else 0]
-               for n in names)
+    rows = sum(reader.shape(n)[-1 if tmap.transposed and len(shape) == 2 else 0] for n in names)
     return (rows // tp,) + shape[1:]
 
 
@@ -165,9 +202,11 @@ def test_transformer_engine_fused_norm_names_map_to_norm_entries():
     cfg = _cfg(add_bias_linear=True)
     table = {t.megatron: t for t in arch.tensors(cfg)}
     layer = "decoder.layers.{i}."
-    assert table_entry(table, layer + "self_attention.linear_qkv.layer_norm_weight", cfg,
-                       arch).hf == ("transformer.h.{i}.ln_1.weight",)
-    assert table_entry(table, layer + "mlp.linear_fc1.layer_norm_bias", cfg,
-                       arch).hf == ("transformer.h.{i}.ln_2.bias",)
+    assert table_entry(
+        table, layer + "self_attention.linear_qkv.layer_norm_weight", cfg, arch
+    ).hf == ("transformer.h.{i}.ln_1.weight",)
+    assert table_entry(table, layer + "mlp.linear_fc1.layer_norm_bias", cfg, arch).hf == (
+        "transformer.h.{i}.ln_2.bias",
+    )
     with pytest.raises(KeyError, match="decoder.layers.{i}.mlp.router.weight"):
         table_entry(table, layer + "mlp.router.weight", cfg, arch)

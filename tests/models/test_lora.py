@@ -28,13 +28,22 @@ LORA = dict(enabled=True, rank=4, alpha=8.0)
 # config
 
 
-def _validate(lora: LoraConfig, loss=None, mode="model", offload=False, export_hf="none",
-              transformer_impl="local"):
+def _validate(
+    lora: LoraConfig,
+    loss=None,
+    mode="model",
+    offload=False,
+    export_hf="none",
+    transformer_impl="local",
+):
     from dpo_megatron.models import ModelConfig
 
-    lora.validate(loss=loss or {"name": "sigmoid", "beta": 0.1},
-                  reference=ReferenceConfig(mode=mode, offload=offload),
-                  model=ModelConfig(transformer_impl=transformer_impl), export_hf=export_hf)
+    lora.validate(
+        loss=loss or {"name": "sigmoid", "beta": 0.1},
+        reference=ReferenceConfig(mode=mode, offload=offload),
+        model=ModelConfig(transformer_impl=transformer_impl),
+        export_hf=export_hf,
+    )
 
 
 def test_config_rejects_what_cannot_run():
@@ -61,23 +70,33 @@ def test_config_rejects_what_cannot_run():
 
 
 def test_export_hf_keeps_its_boolean_meaning():
-    assert [export_mode(v) for v in (False, "False", "none", "", True, "True", "merged",
-                                     "adapter")] == ["none"] * 4 + ["merged"] * 3 + ["adapter"]
+    assert [
+        export_mode(v) for v in (False, "False", "none", "", True, "True", "merged", "adapter")
+    ] == ["none"] * 4 + ["merged"] * 3 + ["adapter"]
     with pytest.raises(ValueError, match="valid: false/none, true/merged, adapter"):
         export_mode("peft")
 
 
 def test_lora_keys_load_from_the_command_line(tmp_path):
-    cfg = load_config(None, ["data.tokenizer=x", "data.path=x.json", "lora.enabled=true", "lora.rank=8",
-                             "lora.target_modules=[linear_qkv,linear_fc2]",
-                             "checkpoint.export_hf=true"])
-    assert cfg.lora == LoraConfig(enabled=True, rank=8, target_modules=["linear_qkv",
-                                                                         "linear_fc2"])
+    cfg = load_config(
+        None,
+        [
+            "data.tokenizer=x",
+            "data.path=x.json",
+            "lora.enabled=true",
+            "lora.rank=8",
+            "lora.target_modules=[linear_qkv,linear_fc2]",
+            "checkpoint.export_hf=true",
+        ],
+    )
+    assert cfg.lora == LoraConfig(enabled=True, rank=8, target_modules=["linear_qkv", "linear_fc2"])
     assert export_mode(cfg.checkpoint.export_hf) == "merged"
     with pytest.raises(ValueError, match="unknown config key 'lora.ranks'"):
         load_config(None, ["data.tokenizer=x", "data.path=x.json", "lora.ranks=8"])
     with pytest.raises(ValueError, match="lora.rank=-1"):
-        load_config(None, ["data.tokenizer=x", "data.path=x.json", "lora.enabled=true", "lora.rank=-1"])
+        load_config(
+            None, ["data.tokenizer=x", "data.path=x.json", "lora.enabled=true", "lora.rank=-1"]
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,17 +117,23 @@ def _shards(chunks) -> dict:
         if name.startswith("decoder.layers.0."):
             out[name.rsplit(".", 1)[-1]] = {
                 p: (list(t.shape), bool(getattr(t, "tensor_model_parallel", False)))
-                for p, t in (("a", adapter.lora_a), ("b", adapter.lora_b))}
-    out["trainable"] = sorted({n.rsplit(".", 1)[-1] for c in chunks
-                               for n, p in c.named_parameters() if p.requires_grad})
+                for p, t in (("a", adapter.lora_a), ("b", adapter.lora_b))
+            }
+    out["trainable"] = sorted(
+        {n.rsplit(".", 1)[-1] for c in chunks for n, p in c.named_parameters() if p.requires_grad}
+    )
     return out
 
 
 def _lora_vs_merged(hf_dir, tp, pp, vpp, input_ids):
     from megatron.core import parallel_state as ps
 
-    from dpo_megatron.models.lora import (adapters_disabled, attach_lora, merge_adapters,
-                                          reset_adapters)
+    from dpo_megatron.models.lora import (
+        adapters_disabled,
+        attach_lora,
+        merge_adapters,
+        reset_adapters,
+    )
 
     chunks, cfg = imported_chunks(hf_dir, tp, pp, vpp)
     base = pipeline_logits(chunks, input_ids, num_microbatches=2)
@@ -121,11 +146,18 @@ def _lora_vs_merged(hf_dir, tp, pp, vpp, input_ids):
     shards = _shards(chunks)
     merge_adapters(chunks)
     merged = pipeline_logits(chunks, input_ids, num_microbatches=2)
-    if not (ps.is_pipeline_last_stage(ignore_virtual=True)
-            and ps.get_tensor_model_parallel_rank() == 0):
+    if not (
+        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    ):
         return {"shards": shards}
-    return {"base": base, "at_zero": at_zero, "adapted": adapted, "bypassed": bypassed,
-            "merged": merged, "shards": shards}
+    return {
+        "base": base,
+        "at_zero": at_zero,
+        "adapted": adapted,
+        "bypassed": bypassed,
+        "merged": merged,
+        "shards": shards,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +170,9 @@ def single_rank(hf_dir):
     from transformers import AutoConfig
 
     ids = _batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
-    return ids, run_ranks(_lora_vs_merged, world_size=1, hf_dir=hf_dir, tp=1, pp=1, vpp=None,
-                          input_ids=ids)[0]
+    return ids, run_ranks(
+        _lora_vs_merged, world_size=1, hf_dir=hf_dir, tp=1, pp=1, vpp=None, input_ids=ids
+    )[0]
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -172,22 +205,36 @@ def slow_runs(hf_dir, single_rank, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("lora_adapters") / "adapters")
     by_world: dict[int, dict] = {2: {}, 4: {}}
     for tp, pp, vpp in LAYOUTS:
-        by_world[tp * pp][f"layout{(tp, pp, vpp)}"] = (_lora_vs_merged, dict(
-            hf_dir=hf_dir, tp=tp, pp=pp, vpp=vpp, input_ids=ids))
-    by_world[2]["save_tp2"] = (_save_adapters, dict(hf_dir=hf_dir, tp=2, ckpt_dir=ckpt,
-                                                    input_ids=adapter_ids))
+        by_world[tp * pp][f"layout{(tp, pp, vpp)}"] = (
+            _lora_vs_merged,
+            dict(hf_dir=hf_dir, tp=tp, pp=pp, vpp=vpp, input_ids=ids),
+        )
+    by_world[2]["save_tp2"] = (
+        _save_adapters,
+        dict(hf_dir=hf_dir, tp=2, ckpt_dir=ckpt, input_ids=adapter_ids),
+    )
     runs = {"ckpt": ckpt}
     for world, cases in by_world.items():
         runs.update(run_cases(world, cases))
-    runs.update(run_cases(1, {"load_tp1": (_load_adapters, dict(
-        hf_dir=hf_dir, tp=1, ckpt_dir=ckpt, input_ids=adapter_ids))}))
+    runs.update(
+        run_cases(
+            1,
+            {
+                "load_tp1": (
+                    _load_adapters,
+                    dict(hf_dir=hf_dir, tp=1, ckpt_dir=ckpt, input_ids=adapter_ids),
+                )
+            },
+        )
+    )
     return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, vpp", LAYOUTS)
-def test_adapted_forward_equals_merged_and_single_rank_at_every_layout(slow_runs, single_rank,
-                                                                       tp, pp, vpp):
+def test_adapted_forward_equals_merged_and_single_rank_at_every_layout(
+    slow_runs, single_rank, tp, pp, vpp
+):
     _, one = single_rank
     results = slow_runs[f"layout{(tp, pp, vpp)}"]
     assert len(results) == tp * pp
@@ -247,8 +294,15 @@ def test_adapter_checkpoint_holds_only_adapters_and_reshards_across_tp(slow_runs
     # megatron-core stacks a tensor of all layers under one key (layer = leading axis):
     # 4 targets x (A, B), and no base weight.
     assert sorted(k.split("decoder.layers.")[1] for k in keys) == sorted(
-        f"{m}_lora.lora_{p}" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
-                                       "mlp.linear_fc1", "mlp.linear_fc2") for p in "ab")
+        f"{m}_lora.lora_{p}"
+        for m in (
+            "self_attention.linear_qkv",
+            "self_attention.linear_proj",
+            "mlp.linear_fc1",
+            "mlp.linear_fc2",
+        )
+        for p in "ab"
+    )
     loaded = slow_runs["load_tp1"][0]
     # TP 2 -> TP 1: B of the gated fc1 ([gate_r; up_r] per rank) and the padded qkv groups
     # land where TP 1 expects them, so the model computes the same function.

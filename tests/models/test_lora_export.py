@@ -43,7 +43,9 @@ def _engine_export(hf_dir, tp, pp, input_ids, adapter_dir, merged_dir, targets):
     logits = pipeline_logits(chunks, input_ids)
     export_peft_adapter(chunks, cfg, lora, adapter_dir, dtype="float32")
     export_hf(chunks, cfg, merged_dir, dtype="float32")
-    last = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    last = (
+        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    )
     return logits if last else None
 
 
@@ -53,10 +55,16 @@ def _rel(a, b):
 
 CASES = [  # (arch, TP, PP, targets)
     ("llama", 1, 1, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
-    pytest.param("smollm2", 2, 2, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-                 marks=pytest.mark.slow),  # zero-padded heads at TP 2, tied embeddings
-    pytest.param("gpt2", 2, 1, ["linear_qkv", "linear_proj", "linear_fc2"],
-                 marks=pytest.mark.slow),  # fused c_attn, Conv1D (fan_in_fan_out), no fc1
+    pytest.param(
+        "smollm2",
+        2,
+        2,
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        marks=pytest.mark.slow,
+    ),  # zero-padded heads at TP 2, tied embeddings
+    pytest.param(
+        "gpt2", 2, 1, ["linear_qkv", "linear_proj", "linear_fc2"], marks=pytest.mark.slow
+    ),  # fused c_attn, Conv1D (fan_in_fan_out), no fc1
 ]
 
 
@@ -71,10 +79,18 @@ def test_peft_adapter_and_merged_export_reproduce_the_engine(tmp_path, arch, tp,
     g = torch.Generator().manual_seed(5)
     input_ids = torch.randint(1, base.config.vocab_size, (2, 12), generator=g)
     adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
-    results = run_ranks(_engine_export, world_size=tp * pp, hf_dir=hf_dir, tp=tp, pp=pp,
-                        input_ids=input_ids, adapter_dir=adapter_dir, merged_dir=merged_dir,
-                        targets=targets)
-    engine = next(r for r in results if r is not None)[..., :base.config.vocab_size]
+    results = run_ranks(
+        _engine_export,
+        world_size=tp * pp,
+        hf_dir=hf_dir,
+        tp=tp,
+        pp=pp,
+        input_ids=input_ids,
+        adapter_dir=adapter_dir,
+        merged_dir=merged_dir,
+        targets=targets,
+    )
+    engine = next(r for r in results if r is not None)[..., : base.config.vocab_size]
     engine_logps = token_logps(engine, input_ids)
 
     config = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))

@@ -45,8 +45,7 @@ from tests.multirank import run_cases, run_ranks
 A2A, GATHER = "alltoall", "allgather"
 DENSE_LAYOUTS = [(1, 1, 1, A2A), (2, 2, 1, A2A)]
 # (TP, PP, EP, MoE token dispatcher)
-MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (1, 1, 2, GATHER),
-                               (2, 1, 2, GATHER)]
+MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (1, 1, 2, GATHER), (2, 1, 2, GATHER)]
 MOE = {"qwen3_moe", "mixtral"}
 WORLD = 4
 
@@ -67,9 +66,9 @@ def _packed(vocab: int, seed: int = 11):
         segments[r] = -1 - r
         offset = 0
         for j, n in enumerate(lengths):
-            tokens[r, offset:offset + n] = torch.randint(1, vocab, (n,), generator=g)
-            positions[r, offset:offset + n] = torch.arange(n)
-            segments[r, offset:offset + n] = 10 * r + j
+            tokens[r, offset : offset + n] = torch.randint(1, vocab, (n,), generator=g)
+            positions[r, offset : offset + n] = torch.arange(n)
+            segments[r, offset : offset + n] = 10 * r + j
             spans.append((r, offset, n))
             offset += n
         positions[r, offset:] = torch.arange(PACKED_LENGTH - offset)
@@ -80,8 +79,13 @@ def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
     """Import, forward (padded and packed) and export at every layout, in these ranks."""
     from megatron.core import parallel_state as ps
 
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, export_hf,
-                                     load_hf_weights, model_config_from_hf)
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        export_hf,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
     tokens, positions, segments = packed
@@ -89,10 +93,14 @@ def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
     for tp, pp, ep, dispatcher in layouts:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep)
-        base = ModelConfig(params_dtype="float32", transformer_impl="local",
-                           moe_token_dispatcher=dispatcher)
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+        )
+        base = ModelConfig(
+            params_dtype="float32", transformer_impl="local", moe_token_dispatcher=dispatcher
+        )
         cfg = model_config_from_hf(hf_dir, base)
         # megatron-core's MoE layer runs TP only with sequence parallelism.
         parallel.sequence_parallel = bool(cfg.num_experts) and tp > 1
@@ -101,12 +109,17 @@ def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
         chunks = build_model_chunks(cfg, parallel)
         load_hf_weights(chunks, cfg, hf_dir)
         padded = pipeline_logits(chunks, input_ids)
-        packed_logits = pipeline_logits(chunks, tokens, position_ids=positions,
-                                        segment_ids=segments)
-        export_hf(chunks, cfg, os.path.join(out_root, _name(tp, pp, ep, dispatcher)),
-                  dtype="float32")
-        owner = padded is not None and ps.get_data_parallel_rank() == 0 and (
-            ps.get_tensor_model_parallel_rank() == 0)
+        packed_logits = pipeline_logits(
+            chunks, tokens, position_ids=positions, segment_ids=segments
+        )
+        export_hf(
+            chunks, cfg, os.path.join(out_root, _name(tp, pp, ep, dispatcher)), dtype="float32"
+        )
+        owner = (
+            padded is not None
+            and ps.get_data_parallel_rank() == 0
+            and (ps.get_tensor_model_parallel_rank() == 0)
+        )
         results.append((padded, packed_logits) if owner else None)
     return results
 
@@ -129,15 +142,29 @@ def _prepare_arch(folder, arch) -> dict:
     tokens, positions, segments, spans = _packed(vocab)
     with torch.no_grad():
         ref_logits = model(input_ids=input_ids, attention_mask=mask).logits
-        ref_packed = [model(input_ids=tokens[r, s:s + n][None]).logits[0]
-                      for r, s, n in spans]
+        ref_packed = [model(input_ids=tokens[r, s : s + n][None]).logits[0] for r, s, n in spans]
     layouts = MOE_LAYOUTS if arch in MOE else DENSE_LAYOUTS
-    return {"arch": arch, "hf_dir": hf_dir, "model_class": type(model).__name__, "vocab": vocab,
-            "input_ids": input_ids, "mask": mask, "tokens": tokens, "spans": spans,
-            "ref_logits": ref_logits, "ref_packed": ref_packed, "layouts": layouts,
-            "out_root": str(folder / "out"),
-            "run": dict(hf_dir=hf_dir, layouts=layouts, input_ids=input_ids,
-                        packed=(tokens, positions, segments), out_root=str(folder / "out"))}
+    return {
+        "arch": arch,
+        "hf_dir": hf_dir,
+        "model_class": type(model).__name__,
+        "vocab": vocab,
+        "input_ids": input_ids,
+        "mask": mask,
+        "tokens": tokens,
+        "spans": spans,
+        "ref_logits": ref_logits,
+        "ref_packed": ref_packed,
+        "layouts": layouts,
+        "out_root": str(folder / "out"),
+        "run": dict(
+            hf_dir=hf_dir,
+            layouts=layouts,
+            input_ids=input_ids,
+            packed=(tokens, positions, segments),
+            out_root=str(folder / "out"),
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +206,8 @@ def test_every_layout_matches_transformers_and_round_trips(runs, arch):
         logps = token_logps(padded, input_ids)
         assert ((logps - ref_logps).abs() / ref_logps.abs())[target].max() <= 1e-5, where
         for (r, s, n), ref in zip(spans, ref_packed):
-            got = packed[r, s:s + n, :vocab]
-            seq = tokens[r, s:s + n][None]
+            got = packed[r, s : s + n, :vocab]
+            seq = tokens[r, s : s + n][None]
             assert _rel(token_logps(got[None], seq), token_logps(ref[None], seq)) <= 1e-5, where
         exported = _load_all(os.path.join(out_root, _name(tp, pp, ep, dispatcher)))
         assert sorted(exported) == sorted(original), where
@@ -188,7 +215,8 @@ def test_every_layout_matches_transformers_and_round_trips(runs, arch):
             assert torch.equal(exported[name], tensor), (where, name)
     last = layouts[-1]
     reloaded, info = AutoModelForCausalLM.from_pretrained(
-        os.path.join(out_root, _name(*last)), output_loading_info=True)
+        os.path.join(out_root, _name(*last)), output_loading_info=True
+    )
     assert type(reloaded).__name__ == prepared["model_class"]
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
@@ -211,8 +239,12 @@ def test_untied_qwen3_and_llama31_at_tp2_pp2(runs, arch):
 
 def _names_read(hf_dir, ep):
     """Import at EP ``ep`` (DP = world size), recording the tensor names this rank reads."""
-    from dpo_megatron.models import (ModelConfig, build_model_chunks, load_hf_weights,
-                                     model_config_from_hf)
+    from dpo_megatron.models import (
+        ModelConfig,
+        build_model_chunks,
+        load_hf_weights,
+        model_config_from_hf,
+    )
     from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
 
@@ -227,8 +259,9 @@ def _names_read(hf_dir, ep):
     parallel = ParallelConfig(expert_model_parallel_size=ep)
     initialize_distributed(parallel)
     set_seed(0)
-    cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype="float32",
-                                                   transformer_impl="local"))
+    cfg = model_config_from_hf(
+        hf_dir, ModelConfig(params_dtype="float32", transformer_impl="local")
+    )
     load_hf_weights(build_model_chunks(cfg, parallel), cfg, hf_dir)
     return names
 
@@ -244,6 +277,8 @@ def test_each_expert_parallel_rank_reads_only_its_experts(tmp_path):
     assert experts[0] | experts[1] == {n for n in everything if ".experts." in n}
     assert not experts[0] & experts[1]
     for rank, names in enumerate(experts):
-        assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == {2 * rank,
-                                                                              2 * rank + 1}
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == {
+            2 * rank,
+            2 * rank + 1,
+        }
     assert dense[0] == dense[1] == {n for n in everything if ".experts." not in n}

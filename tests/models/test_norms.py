@@ -8,8 +8,9 @@ from dpo_megatron.models.norms import RMSNorm
 
 
 def _norm(dtype, hidden=16):
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
-                               params_dtype=dtype)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=1, params_dtype=dtype
+    )
     norm = RMSNorm(config, hidden, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, hidden))
@@ -36,8 +37,7 @@ def test_forward_is_llama_rmsnorm_bit_for_bit(dtype):
 
 def test_backward_matches_autograd_of_the_composite_ops():
     norm = _norm(torch.float32)
-    x = (torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1)) * 2
-         ).requires_grad_(True)
+    x = (torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_(True)
     grad = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(2))
     gx, gw = torch.autograd.grad(norm(x), (x, norm.weight), grad)
     w = norm.weight.detach().clone().requires_grad_(True)
@@ -50,20 +50,22 @@ def test_gradcheck_float64():
     norm = _norm(torch.float64, hidden=6)
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a: norm(a), (x,))
-    assert torch.autograd.gradcheck(lambda w: torch.nn.utils.stateless.functional_call(
-        norm, {"weight": w}, (x.detach(),)), (norm.weight.detach().clone().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda w: torch.nn.utils.stateless.functional_call(norm, {"weight": w}, (x.detach(),)),
+        (norm.weight.detach().clone().requires_grad_(),),
+    )
 
 
 def test_backward_keeps_only_the_input_and_the_per_token_rstd():
     """Autograd over the composite ops also keeps the normalised input ([..., h] again)."""
     norm = _norm(torch.float32)
     x = torch.randn(8, 2, 16, requires_grad=True)
-    for forward, expected in ((norm, [(8, 2, 16), (16,), (8, 2, 1)]),
-                              (lambda a: _composite(a, norm.weight),
-                               [(8, 2, 16), (8, 2, 16), (16,), (8, 2, 1)])):
+    for forward, expected in (
+        (norm, [(8, 2, 16), (16,), (8, 2, 1)]),
+        (lambda a: _composite(a, norm.weight), [(8, 2, 16), (8, 2, 16), (16,), (8, 2, 1)]),
+    ):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             forward(x)
         big = {t.untyped_storage().data_ptr(): tuple(t.shape) for t in saved}
         assert sorted(big.values()) == sorted(expected)

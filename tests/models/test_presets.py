@@ -6,8 +6,12 @@ import os
 import pytest
 
 from dpo_megatron.models.conversion import ARCHITECTURES, model_config_from_hf
-from dpo_megatron.models.presets import (MODEL_PRESETS, MODELS_DIR_ENV, model_preset_keys,
-                                         resolve_model_preset)
+from dpo_megatron.models.presets import (
+    MODEL_PRESETS,
+    MODELS_DIR_ENV,
+    model_preset_keys,
+    resolve_model_preset,
+)
 from tests.models.test_conversion_config import PYTHIA_28B_CONFIG
 
 
@@ -40,10 +44,19 @@ def test_a_local_copy_wins_and_must_be_that_model(tmp_path, monkeypatch):
     assert resolve_model_preset("pythia69") == "EleutherAI/pythia-6.9b"  # no local copy
     # The table's facts are those of the real config.json.
     preset, cfg = MODEL_PRESETS["pythia28"], model_config_from_hf(folder)
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size,
-            cfg.vocab_size) == (preset.num_layers, preset.hidden_size,
-                                preset.num_attention_heads, preset.ffn_hidden_size,
-                                preset.vocab_size)
+    assert (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.ffn_hidden_size,
+        cfg.vocab_size,
+    ) == (
+        preset.num_layers,
+        preset.hidden_size,
+        preset.num_attention_heads,
+        preset.ffn_hidden_size,
+        preset.vocab_size,
+    )
     _local_copy(tmp_path / "other", "pythia-2.8b", {**PYTHIA_28B_CONFIG, "hidden_size": 2048})
     with pytest.raises(ValueError, match="hidden_size=2048.*'pythia28'.*another model"):
         resolve_model_preset("pythia28", [str(tmp_path / "other")])

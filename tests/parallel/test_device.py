@@ -29,20 +29,28 @@ _SETUP_NCCL = (  # setup_device('nccl') on a machine that pretends to have CUDA
     "torch.cuda.set_device = lambda device: seen.append(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
     "from dpo_megatron.parallel import device\n"
     "device.setup_device('nccl')\n"
-    "print(seen)\n")
+    "print(seen)\n"
+)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pretends to have CUDA")
-@pytest.mark.parametrize("user, seen", [(None, "['expandable_segments:True']"),
-                                        ("expandable_segments:False",
-                                         "['expandable_segments:False']")])
+@pytest.mark.parametrize(
+    "user, seen",
+    [
+        (None, "['expandable_segments:True']"),
+        ("expandable_segments:False", "['expandable_segments:False']"),
+    ],
+)
 def test_nccl_sets_the_default_before_the_first_cuda_call(user, seen):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    }
     if user is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = user
-    out = subprocess.run([sys.executable, "-c", _SETUP_NCCL], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _SETUP_NCCL], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == seen
-

@@ -42,16 +42,19 @@ def _host_tensors(chunks) -> list[str]:
 
 
 def _wrong_dtypes(chunks, dtype: torch.dtype) -> list[str]:
-    return [f"{name}: {p.dtype}" for c in chunks for name, p in c.named_parameters()
-            if p.is_floating_point() and p.dtype != dtype]
+    return [
+        f"{name}: {p.dtype}"
+        for c in chunks
+        for name, p in c.named_parameters()
+        if p.is_floating_point() and p.dtype != dtype
+    ]
 
 
 def _gpu_shaped_builds(cases: list[tuple[str, str, str, bool]], place: bool = True) -> dict:
     """Build each (architecture, HF folder, params dtype, LoRA) case through the CUDA branch
     with CUDA allocations on ``meta``; returns {case: (host tensors, wrong dtypes)}."""
     from dpo_megatron.compat import cuda_on_cpu
-    from dpo_megatron.models import ModelConfig, build_model_chunks, model_config_from_hf
-    from dpo_megatron.models import gpt
+    from dpo_megatron.models import ModelConfig, build_model_chunks, gpt, model_config_from_hf
     from dpo_megatron.models.lora import attach_lora
     from dpo_megatron.models.lora_config import LoraConfig
     from dpo_megatron.parallel import ParallelConfig, device, initialize_distributed, set_seed
@@ -69,14 +72,14 @@ def _gpu_shaped_builds(cases: list[tuple[str, str, str, bool]], place: bool = Tr
     assert get_device().type == "cuda"
     out = {}
     for arch, hf_dir, dtype, lora in cases:
-        cfg = model_config_from_hf(hf_dir, ModelConfig(params_dtype=dtype,
-                                                       transformer_impl="local"))
+        cfg = model_config_from_hf(
+            hf_dir, ModelConfig(params_dtype=dtype, transformer_impl="local")
+        )
         chunks = build_model_chunks(cfg, parallel)
         if lora:
             attach_lora(chunks, LoraConfig(enabled=True, rank=4), cfg, seed=0)
         want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        out[f"{arch}/{dtype}/lora={lora}"] = (_host_tensors(chunks),
-                                              _wrong_dtypes(chunks, want))
+        out[f"{arch}/{dtype}/lora={lora}"] = (_host_tensors(chunks), _wrong_dtypes(chunks, want))
     return out
 
 
@@ -87,8 +90,11 @@ def hf_folders(tmp_path_factory):
 
 
 def test_every_architecture_is_built_on_the_device_in_its_dtype(hf_folders):
-    cases = [(arch, hf_folders[arch], dtype, False)
-             for arch in ARCHITECTURES for dtype in ("float32", "bfloat16")]
+    cases = [
+        (arch, hf_folders[arch], dtype, False)
+        for arch in ARCHITECTURES
+        for dtype in ("float32", "bfloat16")
+    ]
     cases += [(arch, hf_folders[arch], "bfloat16", True) for arch in ("llama", "qwen3_moe")]
     results = run_ranks(_gpu_shaped_builds, world_size=1, cases=cases)[0]
     assert len(results) == len(cases)

@@ -18,29 +18,37 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only
 def test_tunables_are_added_once_and_a_users_choice_is_kept():
     on = {"DPO_MEGATRON_HOST_MALLOC": "release"}
     env = host_malloc.malloc_env({"PATH": "/bin", **on})
-    assert env == {"PATH": "/bin", **on, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304:"
-                                                           "glibc.malloc.hugetlb=1"}
+    assert env == {
+        "PATH": "/bin",
+        **on,
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304:glibc.malloc.hugetlb=1",
+    }
     assert host_malloc.malloc_env(env) is None  # already restarted: no loop
     other = host_malloc.malloc_env({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F", **on})
-    assert other["GLIBC_TUNABLES"] == ("glibc.cpu.hwcaps=-AVX512F:" + ":".join(
-        host_malloc.TUNABLES))
+    assert other["GLIBC_TUNABLES"] == (
+        "glibc.cpu.hwcaps=-AVX512F:" + ":".join(host_malloc.TUNABLES)
+    )
     assert host_malloc.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", **on}) is None
     assert host_malloc.malloc_env({"PATH": "/bin"}) is None  # off by default
     assert host_malloc.malloc_env({"DPO_MEGATRON_HOST_MALLOC": "system"}) is None
     assert host_malloc.describe(env) == "host malloc: mmap_threshold=4194304, hugetlb=1"
     assert host_malloc.describe({}) == "host malloc: the C library's default"
     assert host_malloc.describe({}, trimming=True) == (
-        "host malloc: trim (free heap pages returned between layers; glibc's default malloc)")
-    assert host_malloc.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, trimming=True) \
+        "host malloc: trim (free heap pages returned between layers; glibc's default malloc)"
+    )
+    assert (
+        host_malloc.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, trimming=True)
         == "host malloc: trim (free heap pages returned between layers; arena_max=2)"
+    )
 
 
 def test_mode_is_trim_unless_set_and_a_typo_is_an_error():
     assert host_malloc.mode({}) == host_malloc.mode({"DPO_MEGATRON_HOST_MALLOC": ""}) == "trim"
     for value in ("trim", "release", "system"):
         assert host_malloc.mode({"DPO_MEGATRON_HOST_MALLOC": value}) == value
-    with pytest.raises(ValueError, match="DPO_MEGATRON_HOST_MALLOC='relase': expected one of "
-                                         "trim, release, system"):
+    with pytest.raises(
+        ValueError, match="DPO_MEGATRON_HOST_MALLOC='relase': expected one of trim, release, system"
+    ):
         host_malloc.malloc_env({"DPO_MEGATRON_HOST_MALLOC": "relase"})
 
 
@@ -77,8 +85,14 @@ def test_restart_maps_large_blocks_in_the_same_process(opt_out):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "."}
     if not opt_out:
         env["DPO_MEGATRON_HOST_MALLOC"] = "release"
-    out = subprocess.run([sys.executable, "-c", PROBE, "a", "b=1"], capture_output=True,
-                         text=True, env=env, timeout=120, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, "a", "b=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
     pids = [line for line in out if line.startswith("pid")]
     # the restart re-executes the same process: its first line twice, with the same PID
     assert len(pids) == (1 if opt_out else 2) and len(set(pids)) == 1, out
@@ -89,11 +103,13 @@ def test_restart_maps_large_blocks_in_the_same_process(opt_out):
 
 def test_a_typo_stops_the_entry_point_with_one_line():
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "DPO_MEGATRON_HOST_MALLOC": "on"}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 2 and out.stderr.strip() == (  # launch.USER_ERROR_EXIT
         "error: DPO_MEGATRON_HOST_MALLOC='on': expected one of trim, release, system "
-        "(unset means trim)"), out.stderr
+        "(unset means trim)"
+    ), out.stderr
 
 
 # 64 heap blocks of 1 MiB, written (resident), then every other one freed: 32 MiB of holes that
@@ -125,10 +141,19 @@ print((before - after) >> 20, kept)
 @glibc
 def test_release_free_heap_returns_the_pages_of_freed_blocks():
     # the heap, not mmap: glibc's threshold fixed above the blocks' size
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ".",
-           "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"}
-    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True,
-                         env=env, timeout=120, check=True).stdout.split()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": ".",
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", TRIM_PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     released_mib, kept = int(out[0]), out[1]
     assert 30 <= released_mib <= 34 and kept == "True", out
 
@@ -138,8 +163,9 @@ def test_the_trimmer_trims_when_the_resident_free_heap_passes_its_bound(monkeypa
     monkeypatch.setattr(host_malloc, "release_free_heap", lambda: trims.append(1))
     mib = 1 << 20
     state = {"rss": 1000 * mib, "used": 600 * mib}  # 400 MiB of code, libraries, interpreter
-    trimmer = host_malloc.HeapTrimmer(100 * mib, rss=lambda: state["rss"],
-                                      in_use=lambda: state["used"])
+    trimmer = host_malloc.HeapTrimmer(
+        100 * mib, rss=lambda: state["rss"], in_use=lambda: state["used"]
+    )
     trimmer()  # the first call trims and learns the non-heap rest
     assert (len(trims), trimmer.rest) == (1, 400 * mib)
     state.update(rss=1700 * mib, used=1250 * mib)  # 50 MiB of resident free heap: kept
@@ -170,13 +196,25 @@ def _count_trims(switch, device, slack, recompute):
         os.environ[host_malloc.SWITCH] = switch
     initialize_distributed(ParallelConfig())
     set_seed(0)
-    extra = dict(recompute_granularity="full", recompute_method="uniform",
-                 recompute_num_layers=1) if recompute else {}
-    chunks = build_model_chunks(ModelConfig(num_layers=3, hidden_size=32, ffn_hidden_size=64,
-                                            num_attention_heads=2, vocab_size=64, **extra),
-                                ParallelConfig())
-    trimmer = host_malloc.trim_after_each_layer(chunks, torch.device(device),
-                                                host_malloc.HeapTrimmer(slack))
+    extra = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if recompute
+        else {}
+    )
+    chunks = build_model_chunks(
+        ModelConfig(
+            num_layers=3,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=2,
+            vocab_size=64,
+            **extra,
+        ),
+        ParallelConfig(),
+    )
+    trimmer = host_malloc.trim_after_each_layer(
+        chunks, torch.device(device), host_malloc.HeapTrimmer(slack)
+    )
     tokens = torch.randint(0, 64, (2, 5))
     first = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
     chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None).sum().backward()
@@ -185,10 +223,18 @@ def _count_trims(switch, device, slack, recompute):
 
 
 @glibc
-@pytest.mark.parametrize("switch, device, slack, recompute, trims", [
-    ("", "cpu", -1, False, 9), ("trim", "cpu", -1, False, 9), ("", "cpu", -1, True, 12),
-    ("", "cpu", 1 << 40, False, 1), ("system", "cpu", -1, False, None),
-    ("release", "cpu", -1, False, None), ("", "cuda", -1, False, None)])
+@pytest.mark.parametrize(
+    "switch, device, slack, recompute, trims",
+    [
+        ("", "cpu", -1, False, 9),
+        ("trim", "cpu", -1, False, 9),
+        ("", "cpu", -1, True, 12),
+        ("", "cpu", 1 << 40, False, 1),
+        ("system", "cpu", -1, False, None),
+        ("release", "cpu", -1, False, None),
+        ("", "cuda", -1, False, None),
+    ],
+)
 def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, recompute, trims):
     import torch
 
@@ -197,9 +243,11 @@ def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, recompute, t
     # 3 forwards x 3 layers with no bound (and the 3 layers recomputed in the one backward with
     # full recompute); with a bound no tiny model passes, only the first call; no trimmer
     # outside trim mode on CPU
-    (result,) = run_ranks(_count_trims, world_size=1, switch=switch, device=device, slack=slack,
-                          recompute=recompute)
-    (untrimmed,) = run_ranks(_count_trims, world_size=1, switch="system", device="cpu",
-                             slack=slack, recompute=recompute)
+    (result,) = run_ranks(
+        _count_trims, world_size=1, switch=switch, device=device, slack=slack, recompute=recompute
+    )
+    (untrimmed,) = run_ranks(
+        _count_trims, world_size=1, switch="system", device="cpu", slack=slack, recompute=recompute
+    )
     assert result[0] == trims
     assert torch.equal(result[1], untrimmed[1])  # trimming moves no byte in use

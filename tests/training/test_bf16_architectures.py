@@ -40,8 +40,7 @@ BF16_RTOL = 2e-2
 
 
 def _pairs() -> list:
-    return random_pairs(8, seed=5, lengths=lambda i: (3 + i % 3, 2 + i % 4, 4 - i % 2),
-                        vocab=VOCAB)
+    return random_pairs(8, seed=5, lengths=lambda i: (3 + i % 3, 2 + i % 4, 4 - i % 2), vocab=VOCAB)
 
 
 def _runs(root: str, archs: list[str]) -> None:
@@ -52,17 +51,30 @@ def _runs(root: str, archs: list[str]) -> None:
         hf_dir = os.path.join(root, arch, "hf")
         layout = dict(tp=2, pp=2, ep=2, etp=1, sp=True) if arch in MOE else dict(tp=2, pp=2)
         for name, dtype, steps, resume in (
-                ("fp32", "float32", 1, "none"),
-                ("bf16", "bfloat16", 2, "none"),
-                ("bf16_resumed", "bfloat16", 2,
-                 os.path.join(root, arch, "bf16", "checkpoints", "iter_0000001"))):
+            ("fp32", "float32", 1, "none"),
+            ("bf16", "bfloat16", 2, "none"),
+            (
+                "bf16_resumed",
+                "bfloat16",
+                2,
+                os.path.join(root, arch, "bf16", "checkpoints", "iter_0000001"),
+            ),
+        ):
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            tiny_trainer(_pairs(), **layout, micro_batch_size=2, global_batch_size=8,
-                         steps=steps, lr=1e-3, seed=3, run_dir=os.path.join(root, arch, name),
-                         resume=resume, save_interval=0 if name == "fp32" else 1,
-                         model={"hf_path": hf_dir, "params_dtype": dtype,
-                                "transformer_impl": "local"}).train()
+            tiny_trainer(
+                _pairs(),
+                **layout,
+                micro_batch_size=2,
+                global_batch_size=8,
+                steps=steps,
+                lr=1e-3,
+                seed=3,
+                run_dir=os.path.join(root, arch, name),
+                resume=resume,
+                save_interval=0 if name == "fp32" else 1,
+                model={"hf_path": hf_dir, "params_dtype": dtype, "transformer_impl": "local"},
+            ).train()
 
 
 def _hf_logps(arch: str) -> tuple[float, float]:
@@ -77,7 +89,7 @@ def _hf_logps(arch: str) -> tuple[float, float]:
                 logps = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
                 targets = ids[0, 1:]
                 per_token = logps.gather(-1, targets[:, None])[:, 0]
-                sums[side].append(per_token[-len(completion):].sum().item())
+                sums[side].append(per_token[-len(completion) :].sum().item())
     return tuple(sum(v) / len(v) for v in (sums["chosen"], sums["rejected"]))
 
 
@@ -90,8 +102,9 @@ def test_every_architecture_trains_in_bf16_at_tp2_pp2_and_resumes_exactly(tmp_pa
         save_tiny_hf_folder(arch, str(tmp_path / arch / "hf"))
     run_ranks(_runs, world_size=4, timeout=1800, root=str(tmp_path), archs=ARCHITECTURES)
     for arch in ARCHITECTURES:
-        runs = {name: read_metrics(tmp_path / arch / name)
-                for name in ("fp32", "bf16", "bf16_resumed")}
+        runs = {
+            name: read_metrics(tmp_path / arch / name) for name in ("fp32", "bf16", "bf16_resumed")
+        }
         hf = dict(zip(("logps/chosen", "logps/rejected"), _hf_logps(arch)))
         fp32, bf16 = runs["fp32"][1], runs["bf16"][1]
         for key, want in hf.items():
@@ -104,4 +117,5 @@ def test_every_architecture_trains_in_bf16_at_tp2_pp2_and_resumes_exactly(tmp_pa
         assert sorted(runs["bf16_resumed"]) == [2], arch
         for key in ("loss", "grad_norm", "logps/chosen", "rewards/margins"):
             assert runs["bf16_resumed"][2][key] == pytest.approx(
-                runs["bf16"][2][key], rel=1e-6, abs=1e-9), (arch, "exact resume", key)
+                runs["bf16"][2][key], rel=1e-6, abs=1e-9
+            ), (arch, "exact resume", key)

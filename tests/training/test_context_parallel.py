@@ -37,19 +37,31 @@ def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
 
     check = HostTensorCheck() if host_check else contextlib.nullcontext()
     with check:
-        trainer = tiny_trainer(_pairs(), load=ckpt_dir, global_batch_size=GLOBAL_PAIRS,
-                               steps=steps, lr=1e-3, seed=11, **layout)
+        trainer = tiny_trainer(
+            _pairs(),
+            load=ckpt_dir,
+            global_batch_size=GLOBAL_PAIRS,
+            steps=steps,
+            lr=1e-3,
+            seed=11,
+            **layout,
+        )
         history = [step_record(*trainer.train_step()) for _ in range(steps)]
     trainer.close()
-    return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(),
-            "cp_rank": ps.get_context_parallel_rank(), "history": history,
-            "host_report": check.report() if host_check else ""}
+    return {
+        "dp_rank": ps.get_data_parallel_rank(),
+        "owner": owns_results(),
+        "cp_rank": ps.get_context_parallel_rank(),
+        "history": history,
+        "host_report": check.report() if host_check else "",
+    }
 
 
 def _per_pair(results, step, key):
     """Per-pair values of every DP rank (CP rank 0 of each), in global pair order."""
-    owners = sorted((r for r in results if r["owner"] and r["cp_rank"] == 0),
-                    key=lambda r: r["dp_rank"])
+    owners = sorted(
+        (r for r in results if r["owner"] and r["cp_rank"] == 0), key=lambda r: r["dp_rank"]
+    )
     return [v for r in owners for v in r["history"][step]["per_pair"][key]]
 
 
@@ -67,12 +79,12 @@ def _assert_matches(results, baseline):
             assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, (step, key)
         assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-5, step
         for key in ("logps/chosen", "logps/rejected", "loss"):
-            for a, b in zip(_per_pair(results, step, key), _per_pair(baseline, step, key),
-                            strict=True):
+            for a, b in zip(
+                _per_pair(results, step, key), _per_pair(baseline, step, key), strict=True
+            ):
                 assert _rel(a, b) < 1e-5, (step, key)
     # Every rank (each CP rank included) reports the same metrics.
-    assert all(r["history"][1]["metrics"] == results[0]["history"][1]["metrics"]
-               for r in results)
+    assert all(r["history"][1]["metrics"] == results[0]["history"][1]["metrics"] for r in results)
 
 
 LAYOUTS = {  # name: (world size, layout)
@@ -82,9 +94,17 @@ LAYOUTS = {  # name: (world size, layout)
     "cp2_pp2": (4, dict(cp=2, pp=2)),
     "cp2_pp2_vpp2": (4, dict(cp=2, pp=2, vpp=2, micro_batch_size=1)),
     "cp2_dp2": (4, dict(cp=2)),
-    "cp2_recompute": (2, dict(cp=2, model={"recompute_granularity": "full",
-                                           "recompute_method": "uniform",
-                                           "recompute_num_layers": 1})),
+    "cp2_recompute": (
+        2,
+        dict(
+            cp=2,
+            model={
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            },
+        ),
+    ),
 }
 
 PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut unit by unit
@@ -95,8 +115,10 @@ PACKED = {  # name: (world size, layout); each unit padded to 2 x CP and cut uni
     "shared_prompt_cp4": (4, dict(cp=4, packing=True, share_prompt=True)),
     "shared_prompt_cp2_pp2": (4, dict(cp=2, pp=2, packing=True, share_prompt=True)),
     # the reference pass run once before training, under CP, then freed
-    "precomputed_shared_prompt_cp2": (2, dict(cp=2, packing=True, share_prompt=True,
-                                              reference_mode="precomputed")),
+    "precomputed_shared_prompt_cp2": (
+        2,
+        dict(cp=2, packing=True, share_prompt=True, reference_mode="precomputed"),
+    ),
 }
 
 HOST_CHECK = dict(steps=1, host_check=True, cp=2, packing=True, share_prompt=True)
@@ -107,16 +129,29 @@ RESHARD = [(2, 1), (1, 2)]  # (CP of the save, CP of the resume)
 def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
     """From the shared initial weights: without ``resume``, step 1, a checkpoint, step 2; with
     it, resume the step-1 checkpoint at this CP size and take step 2."""
-    trainer = tiny_trainer(_pairs(), load=ckpt_dir, global_batch_size=GLOBAL_PAIRS,
-                           micro_batch_size=2, steps=2, lr=1e-3, seed=11, cp=cp,
-                           run_dir=run_dir, resume=resume, use_distributed_optimizer=True)
+    trainer = tiny_trainer(
+        _pairs(),
+        load=ckpt_dir,
+        global_batch_size=GLOBAL_PAIRS,
+        micro_batch_size=2,
+        steps=2,
+        lr=1e-3,
+        seed=11,
+        cp=cp,
+        run_dir=run_dir,
+        resume=resume,
+        use_distributed_optimizer=True,
+    )
     history = []
     if resume == "none":
         history.append(step_record(*trainer.train_step()))
         trainer.checkpointer.save(trainer.counters)
     history.append(step_record(*trainer.train_step()))
-    out = {"history": history, "saved": trainer.checkpointer.latest(),
-           "step": trainer.counters.step}
+    out = {
+        "history": history,
+        "saved": trainer.checkpointer.latest(),
+        "step": trainer.counters.step,
+    }
     trainer.close()
     return out
 
@@ -139,13 +174,23 @@ def runs(initial_checkpoint, tmp_path_factory):
         by_world[world][name] = (_run_layout, {**ckpt, "micro_batch_size": 2, **layout})
     by_world[2]["host_check"] = (_run_layout, {**ckpt, "micro_batch_size": 2, **HOST_CHECK})
     for save_cp, load_cp in RESHARD:
-        by_world[save_cp][f"save_cp{save_cp}_load_cp{load_cp}/first"] = (_checkpoint_run, dict(
-            **ckpt, run_dir=reshard_dir(save_cp, load_cp, "first"), cp=save_cp))
+        by_world[save_cp][f"save_cp{save_cp}_load_cp{load_cp}/first"] = (
+            _checkpoint_run,
+            dict(**ckpt, run_dir=reshard_dir(save_cp, load_cp, "first"), cp=save_cp),
+        )
     resumes = {}
     for save_cp, load_cp in RESHARD:
-        resumes[load_cp] = {f"save_cp{save_cp}_load_cp{load_cp}/resumed": (_checkpoint_run, dict(
-            **ckpt, run_dir=reshard_dir(save_cp, load_cp, "resumed"), cp=load_cp,
-            resume=reshard_dir(save_cp, load_cp, "first") + "/checkpoints/iter_0000001"))}
+        resumes[load_cp] = {
+            f"save_cp{save_cp}_load_cp{load_cp}/resumed": (
+                _checkpoint_run,
+                dict(
+                    **ckpt,
+                    run_dir=reshard_dir(save_cp, load_cp, "resumed"),
+                    cp=load_cp,
+                    resume=reshard_dir(save_cp, load_cp, "first") + "/checkpoints/iter_0000001",
+                ),
+            )
+        }
     by_world[2].update(resumes[2])  # its checkpoint is saved in world 1, which runs first
 
     out = {}
@@ -177,8 +222,9 @@ def test_checkpoints_reshard_across_context_parallel_sizes(runs, save_cp, load_c
     resumed = runs[f"save_cp{save_cp}_load_cp{load_cp}/resumed"]
     assert resumed[0]["step"] == 2
     # the checkpoint the resume was given
-    assert first[0]["saved"].endswith(f"save_cp{save_cp}_load_cp{load_cp}/first/checkpoints/"
-                                      "iter_0000001")
+    assert first[0]["saved"].endswith(
+        f"save_cp{save_cp}_load_cp{load_cp}/first/checkpoints/iter_0000001"
+    )
     want, got = first[0]["history"][1], resumed[0]["history"][0]
     for key in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
         assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, key

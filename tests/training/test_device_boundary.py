@@ -28,25 +28,49 @@ DEFECTS = {
     # no code moved a micro-batch to the device: the model read host token ids
     "batch not moved": ("dpo_megatron.data.batch", "to_device", lambda t: t, "megatron/core"),
     # train.py _load_data: the data-loading verdict broadcast from a host tensor
-    "data verdict on host": ("dpo_megatron.training.run_data", "get_device", _host,
-                             "training/run_data.py"),
+    "data verdict on host": (
+        "dpo_megatron.training.run_data",
+        "get_device",
+        _host,
+        "training/run_data.py",
+    ),
     # train.py _global_sum: the token count all-reduced from a host tensor
-    "token count on host": ("dpo_megatron.training.trainer", "get_device", _host,
-                            "training/trainer.py"),
+    "token count on host": (
+        "dpo_megatron.training.trainer",
+        "get_device",
+        _host,
+        "training/trainer.py",
+    ),
     # training/step.py: the step's results shared along the pipeline from a host tensor (the
     # pair count is 0-dim and the NaN flag is replaced by the buffers' device flag, so this
     # defect shows at PP 2 only: PIPELINE_DEFECTS)
-    "step reductions on host": ("dpo_megatron.training.step", "get_device", _host,
-                                "training/step.py"),
+    "step reductions on host": (
+        "dpo_megatron.training.step",
+        "get_device",
+        _host,
+        "training/step.py",
+    ),
     # training/evaluation.py: greedy generation fed host token ids and positions
-    "generation on host": ("dpo_megatron.training.evaluation", "to_device", lambda t: t,
-                           "megatron/core"),
+    "generation on host": (
+        "dpo_megatron.training.evaluation",
+        "to_device",
+        lambda t: t,
+        "megatron/core",
+    ),
     # the precomputed-reference cache verdict all-reduced from a host tensor
-    "cache verdict on host": ("dpo_megatron.training.reference", "get_device", _host,
-                              "training/reference.py"),
+    "cache verdict on host": (
+        "dpo_megatron.training.reference",
+        "get_device",
+        _host,
+        "training/reference.py",
+    ),
     # no model placed on the device (norms and the frozen reference stayed on the host)
-    "model not placed": ("dpo_megatron.models.gpt", "place_chunk", lambda chunk, dtype: None,
-                         "megatron/core"),
+    "model not placed": (
+        "dpo_megatron.models.gpt",
+        "place_chunk",
+        lambda chunk, dtype: None,
+        "megatron/core",
+    ),
 }
 
 
@@ -58,10 +82,18 @@ def _config(root: str, name: str, *overrides: str):
     from tests.training.test_lifecycle import tiny_config, write_fixture
 
     data_file, tok_dir = write_fixture(Path(root))
-    return tiny_config(f"{root}/{name}", data_file, tok_dir, "train.train_iters=2",
-                       "data.eval_fraction=0.2", "train.sample_during_eval=true",
-                       "train.eval_num_samples=2", "train.eval_sample_max_new_tokens=2",
-                       f"reference.cache_dir={root}/cache", *overrides)
+    return tiny_config(
+        f"{root}/{name}",
+        data_file,
+        tok_dir,
+        "train.train_iters=2",
+        "data.eval_fraction=0.2",
+        "train.sample_during_eval=true",
+        "train.eval_num_samples=2",
+        "train.eval_sample_max_new_tokens=2",
+        f"reference.cache_dir={root}/cache",
+        *overrides,
+    )
 
 
 def _clean_runs(root, tp, pp):
@@ -69,11 +101,15 @@ def _clean_runs(root, tp, pp):
     from tests.host_tensors import HostTensorCheck
 
     reports = {}
-    for name, overrides in {"padded": [], "packed": ["packing.enabled=true"],
-                            "precomputed": ["reference.mode=precomputed",
-                                            "packing.enabled=true"]}.items():
-        layout = [f"parallel.tensor_model_parallel_size={tp}",
-                  f"parallel.pipeline_model_parallel_size={pp}"]
+    for name, overrides in {
+        "padded": [],
+        "packed": ["packing.enabled=true"],
+        "precomputed": ["reference.mode=precomputed", "packing.enabled=true"],
+    }.items():
+        layout = [
+            f"parallel.tensor_model_parallel_size={tp}",
+            f"parallel.pipeline_model_parallel_size={pp}",
+        ]
         with HostTensorCheck() as check:
             Trainer(_config(root, name, *layout, *overrides)).train()
         reports[name] = check.report()
@@ -110,8 +146,11 @@ def _with_defect(root, defect):
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_each_old_defect_is_caught_when_put_back(tmp_path, defect):
     world = 2 if defect in PIPELINE_DEFECTS else 1
-    violations = [v for rank in run_ranks(_with_defect, world_size=world, root=str(tmp_path),
-                                          defect=defect) for v in rank]
+    violations = [
+        v
+        for rank in run_ranks(_with_defect, world_size=world, root=str(tmp_path), defect=defect)
+        for v in rank
+    ]
     assert violations, f"{defect}: the check saw nothing"
     where = DEFECTS[defect][3]
     assert any(where in place for _, place in violations), (defect, violations[:5])

@@ -32,15 +32,24 @@ def _pairs() -> list:
     return random_pairs(GLOBAL_PAIRS, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
 
 
-
-
 def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, vpp=None, steps=2, loss=None):
     """``steps`` optimizer steps of the real trainer over the same 8 pairs per step."""
     from megatron.core import parallel_state as ps
 
-    trainer = tiny_trainer(_pairs(), tp=tp, pp=pp, sp=sp, vpp=vpp, load=ckpt_dir,
-                           micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_PAIRS,
-                           steps=steps, lr=1e-3, loss=loss, seed=11)
+    trainer = tiny_trainer(
+        _pairs(),
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        vpp=vpp,
+        load=ckpt_dir,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=GLOBAL_PAIRS,
+        steps=steps,
+        lr=1e-3,
+        loss=loss,
+        seed=11,
+    )
     history = [step_record(*trainer.train_step()) for _ in range(steps)]
     return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(), "history": history}
 
@@ -51,12 +60,17 @@ def _per_pair(results, step, key):
     return [v for r in owners for v in r["history"][step]["per_pair"][key]]
 
 
-
-
 @pytest.fixture(scope="module")
 def baseline(initial_checkpoint):
-    return run_ranks(_run_layout, world_size=1, ckpt_dir=initial_checkpoint, tp=1, pp=1,
-                     sp=False, micro_batch_size=2)
+    return run_ranks(
+        _run_layout,
+        world_size=1,
+        ckpt_dir=initial_checkpoint,
+        tp=1,
+        pp=1,
+        sp=False,
+        micro_batch_size=2,
+    )
 
 
 def _rel(a, b):
@@ -65,8 +79,16 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("tp, pp, dp, sp, vpp", LAYOUTS)
 def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, dp, sp, vpp):
-    results = run_ranks(_run_layout, world_size=tp * pp * dp, ckpt_dir=initial_checkpoint,
-                        tp=tp, pp=pp, sp=sp, vpp=vpp, micro_batch_size=2)
+    results = run_ranks(
+        _run_layout,
+        world_size=tp * pp * dp,
+        ckpt_dir=initial_checkpoint,
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        vpp=vpp,
+        micro_batch_size=2,
+    )
     step0 = results[0]["history"][0]["metrics"]
     # Step 0, policy == reference: loss exactly ln 2, zero rewards, zero (strict) accuracy.
     assert abs(step0["loss"] - math.log(2)) < 1e-5
@@ -78,19 +100,27 @@ def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, dp, sp
             assert _rel(got["metrics"][key], want["metrics"][key]) < 1e-5, (step, key)
         assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-5
         for key in ("logps/chosen", "logps/rejected"):
-            for a, b in zip(_per_pair(results, step, key), _per_pair(baseline, step, key),
-                            strict=True):
+            for a, b in zip(
+                _per_pair(results, step, key), _per_pair(baseline, step, key), strict=True
+            ):
                 assert _rel(a, b) < 1e-5
     # Every rank reports the same metrics (shared from the last stage, reduced over DP).
-    assert all(r["history"][1]["metrics"] == results[0]["history"][1]["metrics"]
-               for r in results)
+    assert all(r["history"][1]["metrics"] == results[0]["history"][1]["metrics"] for r in results)
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 4, 8])
 def test_micro_batch_size_and_accumulation_do_not_change_loss_or_gradient(
-        initial_checkpoint, baseline, micro_batch_size):
-    results = run_ranks(_run_layout, world_size=1, ckpt_dir=initial_checkpoint, tp=1, pp=1,
-                        sp=False, micro_batch_size=micro_batch_size)
+    initial_checkpoint, baseline, micro_batch_size
+):
+    results = run_ranks(
+        _run_layout,
+        world_size=1,
+        ckpt_dir=initial_checkpoint,
+        tp=1,
+        pp=1,
+        sp=False,
+        micro_batch_size=micro_batch_size,
+    )
     for step in range(2):
         got, want = results[0]["history"][step], baseline[0]["history"][step]
         assert _rel(got["metrics"]["loss"], want["metrics"]["loss"]) < 1e-5
@@ -103,7 +133,9 @@ def test_loss_is_the_mean_over_global_pairs(baseline):
     per_pair = step1["per_pair"]["loss"]
     assert len(per_pair) == GLOBAL_PAIRS
     assert _rel(step1["metrics"]["loss"], sum(per_pair) / GLOBAL_PAIRS) < 1e-6
-    margins = [c - r for c, r in zip(step1["per_pair"]["rewards/chosen"],
-                                     step1["per_pair"]["rewards/rejected"])]
+    margins = [
+        c - r
+        for c, r in zip(step1["per_pair"]["rewards/chosen"], step1["per_pair"]["rewards/rejected"])
+    ]
     for m, loss in zip(margins, per_pair):  # sigmoid DPO: -log sigmoid(margin)
         assert abs(loss - math.log1p(math.exp(-m))) < 1e-5

@@ -68,8 +68,10 @@ def checkpoint_files(ckpt_dir) -> dict:
         out[name] = digest
     with open(os.path.join(ckpt_dir, ".metadata"), "rb") as f:
         metadata = pickle.load(f)  # written by the test's own runs
-    out[".metadata"] = (sorted(map(repr, metadata.state_dict_metadata.items())),
-                        sorted(map(repr, metadata.storage_data.items())))
+    out[".metadata"] = (
+        sorted(map(repr, metadata.state_dict_metadata.items())),
+        sorted(map(repr, metadata.storage_data.items())),
+    )
     state = json.loads(Path(ckpt_dir, "train_state.json").read_text())
     state.pop("run_id")
     out["train_state.json"] = state
@@ -116,27 +118,47 @@ def _train_filling_the_disk(run_dir, data_file, tok_dir, overrides, estimate):
 
 @pytest.mark.parametrize("estimate", [True, False], ids=["preflight", "mid_write"])
 def test_full_disk_is_named_removes_its_tmp_and_the_previous_checkpoint_loads(
-        tmp_path, fixture_files, estimate):
+    tmp_path, fixture_files, estimate
+):
     """2 ranks on a 16 MB tmpfs that is full but for half a checkpoint when step 2 saves."""
     data_file, tok_dir = fixture_files
-    common = ["train.train_iters=2", "checkpoint.save_interval=1", "checkpoint.keep_last_n=0",
-              "parallel.tensor_model_parallel_size=2"]
+    common = [
+        "train.train_iters=2",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last_n=0",
+        "parallel.tensor_model_parallel_size=2",
+    ]
     with small_tmpfs(tmp_path / "disk", "16m") as disk:
         run_dir = disk / "run"
-        error = _failure(_train_filling_the_disk, world_size=2, run_dir=str(run_dir),
-                         data_file=data_file, tok_dir=tok_dir, overrides=common,
-                         estimate=estimate)
+        error = _failure(
+            _train_filling_the_disk,
+            world_size=2,
+            run_dir=str(run_dir),
+            data_file=data_file,
+            tok_dir=tok_dir,
+            overrides=common,
+            estimate=estimate,
+        )
         ckpts = run_dir / "checkpoints"
         assert f"CheckpointSaveError: saving checkpoint {ckpts / 'iter_0000002'} failed" in error
         assert "no space left on device" in error
-        assert (("it needs about" in error) if estimate
-                else "no space left on device writing " in error), error[-2000:]
+        assert (
+            ("it needs about" in error) if estimate else "no space left on device writing " in error
+        ), error[-2000:]
         assert "Removed iter_0000002.tmp" in error
         assert sorted(os.listdir(ckpts)) == ["iter_0000001"]  # the .tmp is gone
         os.remove(disk / "filler")
         # The previous checkpoint verifies and loads (resume=auto, nothing left to train).
-        run_train(run_dir, data_file, tok_dir, "train.train_iters=1", "checkpoint.resume=auto",
-                  *common[1:], world_size=2, tp=2)
+        run_train(
+            run_dir,
+            data_file,
+            tok_dir,
+            "train.train_iters=1",
+            "checkpoint.resume=auto",
+            *common[1:],
+            world_size=2,
+            tp=2,
+        )
         log = (run_dir / "train.log").read_text()
         assert f"verified {ckpts / 'iter_0000001'}" in log and "nothing to do" in log
 
@@ -150,8 +172,9 @@ FOUR_STEPS = ["train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.k
 def _convert(load, save):
     import runpy
 
-    converter = runpy.run_path(str(ROOT / "scripts" / "convert_megatron_to_hf.py"),
-                               run_name="converter")
+    converter = runpy.run_path(
+        str(ROOT / "scripts" / "convert_megatron_to_hf.py"), run_name="converter"
+    )
     converter["main"](["--load", load, "--save", save])
 
 
@@ -163,10 +186,15 @@ def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fix
     # Each save reports its cost, checksums included (issue 15: the manifest's price).
     base_log = (base / "train.log").read_text()
     for step in (2, 4):
-        files = len(json.loads((base / "checkpoints" / f"iter_{step:07d}" / "manifest.json")
-                               .read_text())["files"])
-        assert f"wrote checkpoint {base / 'checkpoints' / f'iter_{step:07d}'} ({files} files, " \
+        files = len(
+            json.loads((base / "checkpoints" / f"iter_{step:07d}" / "manifest.json").read_text())[
+                "files"
+            ]
+        )
+        assert (
+            f"wrote checkpoint {base / 'checkpoints' / f'iter_{step:07d}'} ({files} files, "
             in base_log
+        )
     assert base_log.count("; checksums ") == 2
 
     # resume=auto: the newest checkpoint has 4 KiB flipped in a shard and metrics.jsonl a torn
@@ -181,8 +209,10 @@ def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fix
     log = (auto / "train.log").read_text()
     bad = auto / "checkpoints" / "iter_0000004"
     assert f"WARNING: skipped checkpoint {bad}: {shard}: xxh3_128 digest" in log
-    assert f"(moved to {bad}.corrupt)" in log and (auto / "checkpoints" / "iter_0000004.corrupt"
-                                                   ).is_dir()
+    assert (
+        f"(moved to {bad}.corrupt)" in log
+        and (auto / "checkpoints" / "iter_0000004.corrupt").is_dir()
+    )
     assert f"resumed from {auto / 'checkpoints' / 'iter_0000002'} at step 2" in log
     assert "dropped its torn last line" in log
     assert exact_metrics(auto) == exact_metrics(base)
@@ -194,11 +224,18 @@ def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fix
     shutil.copytree(base / "checkpoints" / "iter_0000004", corrupt)
     flip_bytes(str(corrupt / shard))
     expected = f"CheckpointIntegrityError: checkpoint {corrupt} failed verification: {shard}: "
-    for name, overrides in (("explicit", [f"checkpoint.resume={corrupt}"]),
-                            ("model_load", [f"model.load={corrupt}"])):
-        error = _failure(_train, world_size=1, run_dir=str(tmp_path / name),
-                         data_file=data_file, tok_dir=tok_dir,
-                         overrides=["train.train_iters=5", *overrides])
+    for name, overrides in (
+        ("explicit", [f"checkpoint.resume={corrupt}"]),
+        ("model_load", [f"model.load={corrupt}"]),
+    ):
+        error = _failure(
+            _train,
+            world_size=1,
+            run_dir=str(tmp_path / name),
+            data_file=data_file,
+            tok_dir=tok_dir,
+            overrides=["train.train_iters=5", *overrides],
+        )
         assert expected in error, (name, error[-1500:])
     error = _failure(_convert, world_size=1, load=str(corrupt), save=str(tmp_path / "hf"))
     assert expected in error and not (tmp_path / "hf").exists()
@@ -208,15 +245,21 @@ def test_a_payload_in_a_tensor_item_is_refused_at_load_naming_its_file(tmp_path,
     """The tensor items of a shard are read by torch DCP (weights_only=True): a payload there,
     with .metadata and the manifest rewritten to match, is refused and traced to its file."""
     data_file, tok_dir = fixture_files
-    run_train(tmp_path / "run", data_file, tok_dir, "train.train_iters=2",
-              "checkpoint.save_interval=2")
+    run_train(
+        tmp_path / "run", data_file, tok_dir, "train.train_iters=2", "checkpoint.save_interval=2"
+    )
     ckpt = tmp_path / "planted" / "iter_0000002"
     shutil.copytree(tmp_path / "run" / "checkpoints" / "iter_0000002", ckpt)
     marker = tmp_path / "PAYLOAD_RAN"
     shard = plant_in_dcp_item(str(ckpt), str(marker), byte_item=False)
-    error = _failure(_train, world_size=1, run_dir=str(tmp_path / "resumed"),
-                     data_file=data_file, tok_dir=tok_dir,
-                     overrides=["train.train_iters=3", f"checkpoint.resume={ckpt}"])
+    error = _failure(
+        _train,
+        world_size=1,
+        run_dir=str(tmp_path / "resumed"),
+        data_file=data_file,
+        tok_dir=tok_dir,
+        overrides=["train.train_iters=3", f"checkpoint.resume={ckpt}"],
+    )
     assert f"UnsafeCheckpointError: checkpoint {ckpt} failed verification: {shard}: item " in error
     assert "refused" in error and not marker.exists()
 
@@ -236,18 +279,29 @@ def test_one_run_per_run_dir_and_sigterm_saves(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
     run_dir = tmp_path / "run"
     ctx = process_context()
-    first = ctx.Process(target=_train, kwargs=dict(
-        run_dir=str(run_dir), data_file=data_file, tok_dir=tok_dir,
-        overrides=["train.train_iters=500", "checkpoint.save_interval=0"]))
+    first = ctx.Process(
+        target=_train,
+        kwargs=dict(
+            run_dir=str(run_dir),
+            data_file=data_file,
+            tok_dir=tok_dir,
+            overrides=["train.train_iters=500", "checkpoint.save_interval=0"],
+        ),
+    )
     first.start()
     metrics = run_dir / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "step 1")
 
     # A second run on the folder, continuing or fresh, is refused while the first holds it.
     for resume in ("auto", "none"):
-        error = _failure(_train, world_size=1, run_dir=str(run_dir), data_file=data_file,
-                         tok_dir=tok_dir, overrides=["train.train_iters=2",
-                                                     f"checkpoint.resume={resume}"])
+        error = _failure(
+            _train,
+            world_size=1,
+            run_dir=str(run_dir),
+            data_file=data_file,
+            tok_dir=tok_dir,
+            overrides=["train.train_iters=2", f"checkpoint.resume={resume}"],
+        )
         assert f"run_dir {run_dir} is in use by another run (pid {first.pid} on " in error
 
     # SIGTERM: the run saves the step it is in and exits with 128 + 15.
@@ -260,19 +314,28 @@ def test_one_run_per_run_dir_and_sigterm_saves(tmp_path, fixture_files):
     assert len(stopped) == 1 and "continue with checkpoint.resume=auto" in stopped[0]
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     ckpt = run_dir / "checkpoints" / f"iter_{step:07d}"
-    assert stopped[0] == (f"stopped by SIGTERM after step {step}: saved checkpoint {ckpt}; "
-                          f"continue with checkpoint.resume=auto")
+    assert stopped[0] == (
+        f"stopped by SIGTERM after step {step}: saved checkpoint {ckpt}; "
+        f"continue with checkpoint.resume=auto"
+    )
 
     # A fresh run over it is refused and changes nothing.
     before = tree_digest(str(run_dir))
-    error = _failure(_train, world_size=1, run_dir=str(run_dir), data_file=data_file,
-                     tok_dir=tok_dir, overrides=["train.train_iters=2"])
+    error = _failure(
+        _train,
+        world_size=1,
+        run_dir=str(run_dir),
+        data_file=data_file,
+        tok_dir=tok_dir,
+        overrides=["train.train_iters=2"],
+    )
     assert f"run_dir {run_dir} already holds a run (1 checkpoint folder(s)" in error
     assert tree_digest(str(run_dir)) == before
 
     # resume=auto continues it (the stale lock of the killed run is no obstacle).
-    run_train(run_dir, data_file, tok_dir, f"train.train_iters={step + 1}",
-              "checkpoint.resume=auto")
+    run_train(
+        run_dir, data_file, tok_dir, f"train.train_iters={step + 1}", "checkpoint.resume=auto"
+    )
     assert sorted(read_metrics(run_dir)) == list(range(1, step + 2))
 
     # overwrite=true moves the old run aside, byte for byte, and starts afresh.
@@ -310,22 +373,35 @@ def _train_signalled(run_dir, data_file, tok_dir, overrides, signal_rank, at_ste
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
-    common = ["train.train_iters=4", "checkpoint.save_interval=0", "checkpoint.keep_last_n=0",
-              "parallel.tensor_model_parallel_size=2"]
+    common = [
+        "train.train_iters=4",
+        "checkpoint.save_interval=0",
+        "checkpoint.keep_last_n=0",
+        "parallel.tensor_model_parallel_size=2",
+    ]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    run_train(straight, data_file, tok_dir, *common, "checkpoint.save_interval=2",
-              world_size=2, tp=2)
-    results = run_ranks(_train_signalled, world_size=2, run_dir=str(stopped),
-                        data_file=data_file, tok_dir=tok_dir, overrides=common, signal_rank=1,
-                        at_step=2)
+    run_train(
+        straight, data_file, tok_dir, *common, "checkpoint.save_interval=2", world_size=2, tp=2
+    )
+    results = run_ranks(
+        _train_signalled,
+        world_size=2,
+        run_dir=str(stopped),
+        data_file=data_file,
+        tok_dir=tok_dir,
+        overrides=common,
+        signal_rank=1,
+        at_step=2,
+    )
     ckpt = stopped / "checkpoints" / "iter_0000002"
     assert results == [{"code": 143, "step": 2, "checkpoint": str(ckpt), "saved": True}] * 2
     assert sorted(read_metrics(stopped)) == [1, 2]
     run_train(stopped, data_file, tok_dir, *common, "checkpoint.resume=auto", world_size=2, tp=2)
     assert exact_metrics(stopped) == exact_metrics(straight)
     for name in ("iter_0000002", "iter_0000004"):
-        assert checkpoint_files(stopped / "checkpoints" / name) == \
-            checkpoint_files(straight / "checkpoints" / name)
+        assert checkpoint_files(stopped / "checkpoints" / name) == checkpoint_files(
+            straight / "checkpoints" / name
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,8 +411,9 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, fixture
 def _save_before_any_update(run_dir):
     from tests.engine import random_pairs, tiny_trainer
 
-    trainer = tiny_trainer(random_pairs(4, 0, lambda i: (3, 2, 2)), run_dir=run_dir, steps=1,
-                           model={"num_layers": 2})
+    trainer = tiny_trainer(
+        random_pairs(4, 0, lambda i: (3, 2, 2)), run_dir=run_dir, steps=1, model={"num_layers": 2}
+    )
     path = trainer.checkpointer.save(trainer.counters)
     trainer.close()
     return path, sorted(os.listdir(run_dir))
@@ -346,29 +423,45 @@ def test_no_checkpoint_of_a_skipped_step_nor_before_the_first_update(tmp_path, f
     from tests.training.test_lifecycle import _nan_after
 
     data_file, tok_dir = fixture_files
-    message = run_ranks(_nan_after, world_size=1, step_from=1, run_dir=str(tmp_path / "nan"),
-                        data_file=data_file, tok_dir=tok_dir,
-                        overrides=["train.train_iters=4", "checkpoint.save_interval=1",
-                                   "train.max_nonfinite_steps=3"])[0]
+    message = run_ranks(
+        _nan_after,
+        world_size=1,
+        step_from=1,
+        run_dir=str(tmp_path / "nan"),
+        data_file=data_file,
+        tok_dir=tok_dir,
+        overrides=[
+            "train.train_iters=4",
+            "checkpoint.save_interval=1",
+            "train.max_nonfinite_steps=3",
+        ],
+    )[0]
     assert "3 steps in a row (up to step 3)" in message and "Last checkpoint: None" in message
     assert not (tmp_path / "nan" / "checkpoints").exists()  # nothing written, no .tmp
     log = (tmp_path / "nan" / "train.log").read_text()
     assert "step 1: its update was skipped (non-finite loss or gradient): no checkpoint" in log
 
-    path, listing = run_ranks(_save_before_any_update, world_size=1,
-                              run_dir=str(tmp_path / "fresh"))[0]
+    path, listing = run_ranks(
+        _save_before_any_update, world_size=1, run_dir=str(tmp_path / "fresh")
+    )[0]
     assert path is None and "checkpoints" not in listing
-    assert "step 0: no optimizer update applied yet" in (tmp_path / "fresh" / "train.log"
-                                                         ).read_text()
+    assert (
+        "step 0: no optimizer update applied yet" in (tmp_path / "fresh" / "train.log").read_text()
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # the launcher: kill -9 at random moments, Ctrl-C
 
 
-KILL_RUN = ["train.train_iters=8", "checkpoint.save_interval=2", "checkpoint.keep_last_n=0",
-            "data.eval_fraction=0.2", "train.eval_interval=3",
-            "parallel.tensor_model_parallel_size=2"]
+KILL_RUN = [
+    "train.train_iters=8",
+    "checkpoint.save_interval=2",
+    "checkpoint.keep_last_n=0",
+    "data.eval_fraction=0.2",
+    "train.eval_interval=3",
+    "parallel.tensor_model_parallel_size=2",
+]
 """2 ranks, 8 steps, a checkpoint every 2 and an evaluation every 3 steps: a random moment
 lands in start-up, a step, an evaluation or a save."""
 
@@ -376,13 +469,31 @@ lands in start-up, a step, an evaluation or a save."""
 def _launcher_args(run_dir, data_file, tok_dir, *overrides) -> list[str]:
     config = Path(run_dir).parent / "empty.yaml"
     config.write_text("{}\n")
-    return ["bash", str(ROOT / "scripts" / "pretrain_dpo.sh"), "--config", str(config),
-            f"run_dir={run_dir}", f"data.path={data_file}", f"data.tokenizer={tok_dir}",
-            "data.format=standard", "data.max_length=32", "data.max_prompt_length=16",
-            "data.cache_dir=none", "data.verbose=false", "model.vocab_size=400", *TINY_MODEL,
-            "train.micro_batch_size=1", "train.global_batch_size=4", "train.lr=1e-3",
-            "train.lr_decay_style=cosine", "train.lr_warmup_iters=1", "train.weight_decay=0.01",
-            "logging.tensorboard=false", *KILL_RUN, *overrides]
+    return [
+        "bash",
+        str(ROOT / "scripts" / "pretrain_dpo.sh"),
+        "--config",
+        str(config),
+        f"run_dir={run_dir}",
+        f"data.path={data_file}",
+        f"data.tokenizer={tok_dir}",
+        "data.format=standard",
+        "data.max_length=32",
+        "data.max_prompt_length=16",
+        "data.cache_dir=none",
+        "data.verbose=false",
+        "model.vocab_size=400",
+        *TINY_MODEL,
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+        "train.lr=1e-3",
+        "train.lr_decay_style=cosine",
+        "train.lr_warmup_iters=1",
+        "train.weight_decay=0.01",
+        "logging.tensorboard=false",
+        *KILL_RUN,
+        *overrides,
+    ]
 
 
 def _launch(run_dir, data_file, tok_dir, *overrides, env=None) -> tuple[subprocess.Popen, str]:
@@ -390,13 +501,21 @@ def _launch(run_dir, data_file, tok_dir, *overrides, env=None) -> tuple[subproce
     and the marker in its environment (to find its ranks)."""
     marker = uuid.uuid4().hex
     extra = env or {}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+    }
     env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", DPO_TEST_MARKER=marker, **extra)
     log = open(Path(run_dir).parent / f"{Path(run_dir).name}-{marker[:6]}.out", "w")
-    proc = subprocess.Popen(_launcher_args(run_dir, data_file, tok_dir, *overrides), cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _launcher_args(run_dir, data_file, tok_dir, *overrides),
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     proc.output_path = log.name
     return proc, marker
 
@@ -442,8 +561,9 @@ def _assert_same_run(run_dir, straight) -> None:
     # Every checkpoint of the reference, plus possibly the one a signal asked for.
     assert set(names) <= set(os.listdir(run_dir / "checkpoints"))
     for name in names:
-        assert checkpoint_files(run_dir / "checkpoints" / name) == \
-            checkpoint_files(straight / "checkpoints" / name), name
+        assert checkpoint_files(run_dir / "checkpoints" / name) == checkpoint_files(
+            straight / "checkpoints" / name
+        ), name
 
 
 def _train_records(run_dir) -> int:
@@ -452,7 +572,8 @@ def _train_records(run_dir) -> int:
 
 
 def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
-        tmp_path, fixture_files, straight_run):
+    tmp_path, fixture_files, straight_run
+):
     """Twice in one run: kill -9 the launcher's process group (bash, torchrun) at a random moment:
     after a random number of logged steps (first 0-3, 0: as soon as the run folder is open, i.e.
     during start-up; then, in the run resumed from that, 4-6) plus up to 1.5 s, so that it lands
@@ -476,18 +597,25 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
         proc, marker = _launch(run_dir, data_file, tok_dir, *resume)
         # The resumed run counts once it has logged a step of its own: by then it has dropped
         # the records past its checkpoint that the killed run left.
-        _wait_for(lambda: (run_dir / "train.log").exists()
-                  and (not trial or "[train] step " in Path(proc.output_path).read_text())
-                  and _train_records(run_dir) >= after_steps, f"{after_steps} steps")
+        _wait_for(
+            lambda: (
+                (run_dir / "train.log").exists()
+                and (not trial or "[train] step " in Path(proc.output_path).read_text())
+                and _train_records(run_dir) >= after_steps
+            ),
+            f"{after_steps} steps",
+        )
         time.sleep(extra)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.time() + 10
         while _processes_with(marker) and time.time() < deadline:
             time.sleep(0.1)
-        where = (f"seed {seed}, trial {trial}: killed {extra:.2f} s after {after_steps} steps; "
-                 f"{_train_records(run_dir)} step records, checkpoints "
-                 f"{sorted(os.listdir(run_dir / 'checkpoints')) if (run_dir / 'checkpoints').exists() else []}")
+        where = (
+            f"seed {seed}, trial {trial}: killed {extra:.2f} s after {after_steps} steps; "
+            f"{_train_records(run_dir)} step records, checkpoints "
+            f"{sorted(os.listdir(run_dir / 'checkpoints')) if (run_dir / 'checkpoints').exists() else []}"
+        )
         print(where)
         assert not _processes_with(marker), f"ranks outlived the launcher ({where})"
         assert not (run_dir / "checkpoints" / "iter_0000008").exists(), where
@@ -496,7 +624,8 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
 
 
 def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
-        tmp_path, fixture_files, straight_run):
+    tmp_path, fixture_files, straight_run
+):
     """SIGINT to torchrun (what Ctrl-C does: torch elastic forwards it to its ranks): every rank
     stops after the same step with a checkpoint of it; the run exits non-zero; resume=auto
     finishes exactly like the reference."""
@@ -524,8 +653,11 @@ def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
 
 def _messages(output: str) -> list[str]:
     """The output's lines but the per-step / per-evaluation log lines and blank lines."""
-    return [line for line in output.splitlines()
-            if line.strip() and not line.startswith(("[train]", "[eval]"))]
+    return [
+        line
+        for line in output.splitlines()
+        if line.strip() and not line.startswith(("[train]", "[eval]"))
+    ]
 
 
 def _tail_after(output: str, first: str) -> list[str]:
@@ -533,11 +665,12 @@ def _tail_after(output: str, first: str) -> list[str]:
     lines = _messages(output)
     starts = [i for i, line in enumerate(lines) if line.startswith(first)]
     assert starts, output[-3000:]
-    return lines[starts[0]:]
+    return lines[starts[0] :]
 
 
 def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
-        tmp_path, fixture_files, straight_run):
+    tmp_path, fixture_files, straight_run
+):
     """SIGTERM to the launcher (a scheduler's, ``kill``): the ranks save the step they are in,
     rank 0 says so, the launcher adds one line and exits with 143 (128 + 15); resume=auto then
     finishes exactly like the run never stopped. Old: after the correct save torchrun printed
@@ -559,21 +692,25 @@ def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
     ckpt = run_dir / "checkpoints" / f"iter_{step:07d}"
     tail = _tail_after(output, "received SIGTERM")
     assert len(tail) == 4, tail
-    assert tail[0] == ("received SIGTERM: saving a checkpoint at the end of this step, then "
-                       "stopping (Ctrl-C / SIGINT stops at once)")
+    assert tail[0] == (
+        "received SIGTERM: saving a checkpoint at the end of this step, then "
+        "stopping (Ctrl-C / SIGINT stops at once)"
+    )
     assert tail[1].startswith(f"wrote checkpoint {ckpt} ("), tail
     assert tail[2:] == [
         f"stopped by SIGTERM after step {step}: saved checkpoint {ckpt}; continue with "
         f"checkpoint.resume=auto",
         f"launcher: the job stopped on SIGTERM (forwarded to every rank; rank 0's line above "
-        f"says what was saved); rank 0's output is also in {run_dir / 'train.log'}"]
+        f"says what was saved); rank 0's output is also in {run_dir / 'train.log'}",
+    ]
     assert not _processes_with(marker)
     _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
     _assert_same_run(run_dir, straight_run)
 
 
 def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
-        tmp_path, fixture_files, straight_run):
+    tmp_path, fixture_files, straight_run
+):
     """Two faults met by the ranks, through the launcher: resuming a checkpoint with a changed
     shard, and ``train.max_nonfinite_steps`` NaN steps in a row. Each ends with the rank's
     ``error:`` line and the launcher's pointer, exit status 3 (``launch.FAULT_EXIT``), no
@@ -593,14 +730,24 @@ def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
     tail = _tail_after(output, "error:")
     assert len(tail) == 2, tail
     assert tail[0].startswith(f"error: checkpoint {ckpt} failed verification: {shard}: ")
-    assert tail[1] == (f"launcher: the job stopped at the line above (rank 0; the other 1 "
-                       f"rank(s) were stopped); rank 0's output is also in "
-                       f"{run_dir / 'train.log'}")
+    assert tail[1] == (
+        f"launcher: the job stopped at the line above (rank 0; the other 1 "
+        f"rank(s) were stopped); rank 0's output is also in "
+        f"{run_dir / 'train.log'}"
+    )
 
     run_dir = tmp_path / "nan"
-    proc, _ = _launch(run_dir, data_file, tok_dir, "train.max_nonfinite_steps=2",
-                      env={"DPO_MEGATRON_ENTRY": "tests.launcher_entry",
-                           "DPO_TEST_ENDING": "nan_from_step_3", "PYTHONPATH": str(ROOT)})
+    proc, _ = _launch(
+        run_dir,
+        data_file,
+        tok_dir,
+        "train.max_nonfinite_steps=2",
+        env={
+            "DPO_MEGATRON_ENTRY": "tests.launcher_entry",
+            "DPO_TEST_ENDING": "nan_from_step_3",
+            "PYTHONPATH": str(ROOT),
+        },
+    )
     assert proc.wait(timeout=300) == FAULT_EXIT
     output = Path(proc.output_path).read_text()
     assert "Traceback" not in output, output[-3000:]
@@ -609,4 +756,5 @@ def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
         f"(train.max_nonfinite_steps=2); stopping. Last checkpoint: "
         f"{run_dir / 'checkpoints' / 'iter_0000002'}",
         f"launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
-        f"stopped); rank 0's output is also in {run_dir / 'train.log'}"]
+        f"stopped); rank 0's output is also in {run_dir / 'train.log'}",
+    ]

@@ -17,21 +17,40 @@ EVAL_PAIRS = 10
 
 
 def test_micro_batch_indices_cover_every_item_once():
-    for num, gbs, mbs, dp in [(10, 4, 2, 1), (10, 4, 2, 2), (10, 4, 1, 2), (7, 4, 2, 2), (3, 8, 2, 2)]:
-        seen = [i for rank in range(dp)
-                for step in eval_micro_batch_indices(num, gbs, mbs, rank, dp)
-                for micro in step for i in micro]
+    for num, gbs, mbs, dp in [
+        (10, 4, 2, 1),
+        (10, 4, 2, 2),
+        (10, 4, 1, 2),
+        (7, 4, 2, 2),
+        (3, 8, 2, 2),
+    ]:
+        seen = [
+            i
+            for rank in range(dp)
+            for step in eval_micro_batch_indices(num, gbs, mbs, rank, dp)
+            for micro in step
+            for i in micro
+        ]
         assert sorted(seen) == list(range(num)), (num, gbs, mbs, dp)
 
 
 def _evaluate(global_batch_size, micro_batch_size, num_eval=EVAL_PAIRS):
     """Forward-only eval metrics of the untrained tiny model over the first ``num_eval`` of the
     10 eval pairs."""
-    pairs = random_pairs(EVAL_PAIRS + 4, seed=5, lengths=lambda i: (3 + i % 5, 2 + i % 4, 4 - i % 3))
-    trainer = tiny_trainer(pairs[:4], pairs[4:4 + num_eval], global_batch_size=global_batch_size,
-                           micro_batch_size=micro_batch_size, steps=1, seed=3)
-    return _close_after(trainer, trainer.evaluator.run(trainer.policy, trainer.reference,
-                                                       trainer.loss_fn))
+    pairs = random_pairs(
+        EVAL_PAIRS + 4, seed=5, lengths=lambda i: (3 + i % 5, 2 + i % 4, 4 - i % 3)
+    )
+    trainer = tiny_trainer(
+        pairs[:4],
+        pairs[4 : 4 + num_eval],
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        steps=1,
+        seed=3,
+    )
+    return _close_after(
+        trainer, trainer.evaluator.run(trainer.policy, trainer.reference, trainer.loss_fn)
+    )
 
 
 def _close_after(trainer, result):
@@ -44,9 +63,11 @@ def runs(initial_checkpoint):
     """Every case's per-rank eval metrics by name: ``batched{w}`` (global batch 4 on ``w``
     ranks), ``whole`` (one batch of 10), ``first8``, ``vpp_{mode}`` (PP 2 x VPP 2) and
     ``one_{mode}`` (one stage) for both reference modes."""
-    single = {"batched1": (_evaluate, dict(global_batch_size=4, micro_batch_size=2)),
-              "whole": (_evaluate, dict(global_batch_size=10, micro_batch_size=10)),
-              "first8": (_evaluate, dict(global_batch_size=8, micro_batch_size=8, num_eval=8))}
+    single = {
+        "batched1": (_evaluate, dict(global_batch_size=4, micro_batch_size=2)),
+        "whole": (_evaluate, dict(global_batch_size=10, micro_batch_size=10)),
+        "first8": (_evaluate, dict(global_batch_size=8, micro_batch_size=8, num_eval=8)),
+    }
     double = {"batched2": (_evaluate, dict(global_batch_size=4, micro_batch_size=1))}
     for mode in REFERENCE_MODES:
         layout = dict(ckpt_dir=initial_checkpoint, reference_mode=mode)
@@ -73,12 +94,24 @@ def test_ten_eval_pairs_with_global_batch_four_are_all_evaluated(runs, world_siz
 def _evaluate_layout(ckpt_dir, pp, vpp, reference_mode):
     """Eval metrics over 7 pairs with global batch 4, micro-batch 1: steps of 4 and 3 micro-
     batches (and one micro-batch per call in the precompute pass)."""
-    pairs = random_pairs(EVAL_PAIRS + 4, seed=5, lengths=lambda i: (3 + i % 5, 2 + i % 4, 4 - i % 3))
-    trainer = tiny_trainer(pairs[:4], pairs[4:11], global_batch_size=4,
-                           micro_batch_size=1, steps=1, seed=3, pp=pp, vpp=vpp, load=ckpt_dir,
-                           reference_mode=reference_mode)
-    return _close_after(trainer, trainer.evaluator.run(trainer.policy, trainer.reference,
-                                                       trainer.loss_fn))
+    pairs = random_pairs(
+        EVAL_PAIRS + 4, seed=5, lengths=lambda i: (3 + i % 5, 2 + i % 4, 4 - i % 3)
+    )
+    trainer = tiny_trainer(
+        pairs[:4],
+        pairs[4:11],
+        global_batch_size=4,
+        micro_batch_size=1,
+        steps=1,
+        seed=3,
+        pp=pp,
+        vpp=vpp,
+        load=ckpt_dir,
+        reference_mode=reference_mode,
+    )
+    return _close_after(
+        trainer, trainer.evaluator.run(trainer.policy, trainer.reference, trainer.loss_fn)
+    )
 
 
 REFERENCE_MODES = ["model", "precomputed"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import random
+import re
 import shutil
 import signal
 import time
@@ -26,9 +26,15 @@ from tests.multirank import process_context, run_ranks
 
 pytestmark = pytest.mark.slow
 
-TINY_MODEL = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
-              "model.num_attention_heads=4", "model.num_query_groups=2",
-              "model.max_position_embeddings=128", "model.tie_word_embeddings=false"]
+TINY_MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.max_position_embeddings=128",
+    "model.tie_word_embeddings=false",
+]
 
 
 def write_fixture(folder: Path, rows: int = 24, seed: int = 0) -> tuple[str, str]:
@@ -55,22 +61,47 @@ def tiny_config(run_dir, data_file: str, tok_dir: str, *overrides: str):
     """A DPOConfig for the tiny model on the fixture data (vocab 400), CPU, no data cache."""
     from dpo_megatron.config import load_config
 
-    return load_config(None, [
-        f"run_dir={run_dir}", f"data.path={data_file}", f"data.tokenizer={tok_dir}",
-        "data.format=standard", "data.max_length=32", "data.max_prompt_length=16",
-        "data.cache_dir=none", "data.verbose=false", "model.vocab_size=400", *TINY_MODEL,
-        "train.micro_batch_size=1", "train.global_batch_size=4", "train.lr=1e-3",
-        "train.lr_decay_style=cosine", "train.lr_warmup_iters=1", "train.weight_decay=0.01",
-        "logging.tensorboard=false", *overrides])
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"data.path={data_file}",
+            f"data.tokenizer={tok_dir}",
+            "data.format=standard",
+            "data.max_length=32",
+            "data.max_prompt_length=16",
+            "data.cache_dir=none",
+            "data.verbose=false",
+            "model.vocab_size=400",
+            *TINY_MODEL,
+            "train.micro_batch_size=1",
+            "train.global_batch_size=4",
+            "train.lr=1e-3",
+            "train.lr_decay_style=cosine",
+            "train.lr_warmup_iters=1",
+            "train.weight_decay=0.01",
+            "logging.tensorboard=false",
+            *overrides,
+        ],
+    )
 
 
-def run_train(run_dir, data_file, tok_dir, *overrides, world_size: int = 1, tp: int = 1,
-              pp: int = 1):
+def run_train(
+    run_dir, data_file, tok_dir, *overrides, world_size: int = 1, tp: int = 1, pp: int = 1
+):
     """``train(cfg)`` on ``world_size`` forked ranks; returns rank 0's last-step metrics."""
-    return run_ranks(_train, world_size=world_size, run_dir=str(run_dir), data_file=data_file,
-                     tok_dir=tok_dir, overrides=[
-                         f"parallel.tensor_model_parallel_size={tp}",
-                         f"parallel.pipeline_model_parallel_size={pp}", *overrides])[0]
+    return run_ranks(
+        _train,
+        world_size=world_size,
+        run_dir=str(run_dir),
+        data_file=data_file,
+        tok_dir=tok_dir,
+        overrides=[
+            f"parallel.tensor_model_parallel_size={tp}",
+            f"parallel.pipeline_model_parallel_size={pp}",
+            *overrides,
+        ],
+    )[0]
 
 
 def _train(run_dir, data_file, tok_dir, overrides):
@@ -106,8 +137,11 @@ def model_tensors(ckpt_dir) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(ckpt_dir), os.path.join(tmp, "state.pt"))
         state = torch.load(os.path.join(tmp, "state.pt"), weights_only=True)
-    return {k: v.numpy() for k, v in state.items()
-            if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
+    return {
+        k: v.numpy()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and not k.startswith("optimizer")
+    }
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:
@@ -140,8 +174,10 @@ def test_resume_is_exact_and_auto_picks_latest(tmp_path, fixture_files):
         assert b[step]["loss"] == a[step]["loss"], step
         assert b[step]["lr"] == a[step]["lr"]
         assert b[step]["grad_norm"] == a[step]["grad_norm"]
-    assert_same_tensors(model_tensors(full / "checkpoints" / "iter_0000004"),
-                        model_tensors(resumed / "checkpoints" / "iter_0000004"))
+    assert_same_tensors(
+        model_tensors(full / "checkpoints" / "iter_0000004"),
+        model_tensors(resumed / "checkpoints" / "iter_0000004"),
+    )
     state = json.loads((resumed / "checkpoints" / "iter_0000004" / "train_state.json").read_text())
     assert state["step"] == 4 and state["sampler"]["step_in_epoch"] == 4
 
@@ -179,10 +215,20 @@ def _nan_after(step_from: int, run_dir, data_file, tok_dir, overrides):
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
-    message = run_ranks(_nan_after, world_size=1, step_from=3, run_dir=str(tmp_path),
-                        data_file=data_file, tok_dir=tok_dir,
-                        overrides=["train.train_iters=6", "checkpoint.save_interval=1",
-                                   "train.max_nonfinite_steps=2", "checkpoint.keep_last_n=0"])[0]
+    message = run_ranks(
+        _nan_after,
+        world_size=1,
+        step_from=3,
+        run_dir=str(tmp_path),
+        data_file=data_file,
+        tok_dir=tok_dir,
+        overrides=[
+            "train.train_iters=6",
+            "checkpoint.save_interval=1",
+            "train.max_nonfinite_steps=2",
+            "checkpoint.keep_last_n=0",
+        ],
+    )[0]
     assert "2 steps in a row (up to step 4)" in message
     assert "iter_0000002" in message  # the last checkpoint, named in the error
     metrics = read_metrics(tmp_path)
@@ -214,15 +260,21 @@ def _train_and_hang_in_second_save(run_dir, data_file, tok_dir):
         return result
 
     dist_checkpointing.save = save
-    _train(run_dir, data_file, tok_dir, ["train.train_iters=4", "checkpoint.save_interval=1",
-                                         "checkpoint.keep_last_n=0"])
+    _train(
+        run_dir,
+        data_file,
+        tok_dir,
+        ["train.train_iters=4", "checkpoint.save_interval=1", "checkpoint.keep_last_n=0"],
+    )
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
     ctx = process_context()  # forkserver: forking the threaded pytest process can hang the child
-    proc = ctx.Process(target=_train_and_hang_in_second_save,
-                       kwargs=dict(run_dir=str(tmp_path), data_file=data_file, tok_dir=tok_dir))
+    proc = ctx.Process(
+        target=_train_and_hang_in_second_save,
+        kwargs=dict(run_dir=str(tmp_path), data_file=data_file, tok_dir=tok_dir),
+    )
     proc.start()
     marker = tmp_path / "checkpoints" / "iter_0000002.tmp" / "HANGING"
     deadline = time.time() + 120
@@ -238,17 +290,33 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path, fixture_
     assert (ckpts / "iter_0000002.tmp" / "metadata.json").exists()  # a full-looking partial
     assert find_latest_checkpoint(str(ckpts)) == str(ckpts / "iter_0000001")
     # resume=auto continues from step 1 and finishes the run.
-    run_train(tmp_path, data_file, tok_dir, "train.train_iters=3", "checkpoint.save_interval=1",
-              "checkpoint.keep_last_n=2", "checkpoint.resume=auto")
+    run_train(
+        tmp_path,
+        data_file,
+        tok_dir,
+        "train.train_iters=3",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last_n=2",
+        "checkpoint.resume=auto",
+    )
     assert sorted(os.listdir(ckpts)) == ["iter_0000002", "iter_0000003"]
     assert sorted(read_metrics(tmp_path)) == [1, 2, 3]
 
 
 def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
-    run_train(tmp_path, data_file, tok_dir, "train.train_iters=2", "data.eval_fraction=0.2",
-              "train.eval_interval=1", "train.sample_during_eval=true", "train.eval_num_samples=2",
-              "train.eval_sample_max_new_tokens=4", "logging.tensorboard=true")
+    run_train(
+        tmp_path,
+        data_file,
+        tok_dir,
+        "train.train_iters=2",
+        "data.eval_fraction=0.2",
+        "train.eval_interval=1",
+        "train.sample_during_eval=true",
+        "train.eval_num_samples=2",
+        "train.eval_sample_max_new_tokens=4",
+        "logging.tensorboard=true",
+    )
     evals = read_metrics(tmp_path, "eval")
     # step 0 (train.eval_at_start, on by default: the baseline, loss ln 2), every
     # eval_interval, the end not repeated
@@ -257,28 +325,34 @@ def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
     for record in evals.values():
         assert 0.0 <= record["rewards/accuracies"] <= 1.0
         assert {"loss", "rewards/margins", "logps/chosen", "logps/rejected"} <= set(record)
-    samples = [json.loads(line) for line in
-               (tmp_path / "samples" / "step_0000002.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line)
+        for line in (tmp_path / "samples" / "step_0000002.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 2 and all(set(s) == {"prompt", "sample", "chosen"} for s in samples)
     assert os.listdir(tmp_path / "tensorboard")
     # The end-of-run summary: steps, the last step's and the first and last evaluations'
     # values (as logged), where the checkpoint and the logs are.
     log = (tmp_path / "train.log").read_text()
-    summary = log[log.index("run summary: "):].splitlines()
+    summary = log[log.index("run summary: ") :].splitlines()
     last, e0, e2 = read_metrics(tmp_path)[2], evals[0], evals[2]
 
     def brief(m):
-        return (f"loss {m['loss']:.4f}, acc {m['rewards/accuracies']:.4f}, "
-                f"margin {m['rewards/margins']:.4f}")
+        return (
+            f"loss {m['loss']:.4f}, acc {m['rewards/accuracies']:.4f}, "
+            f"margin {m['rewards/margins']:.4f}"
+        )
 
-    assert re.fullmatch(rf"run summary: 2 step\(s\) in \d+s; last step: {brief(last)}",
-                        summary[0]), summary
+    assert re.fullmatch(
+        rf"run summary: 2 step\(s\) in \d+s; last step: {brief(last)}", summary[0]
+    ), summary
     assert summary[1:] == [
         f"  eval: step 0 {brief(e0)} ({int(e0['items'])} pairs) -> step 2 {brief(e2)} "
         f"({int(e2['items'])} pairs)",
         f"  checkpoint: {tmp_path / 'checkpoints' / 'iter_0000002'}",
         f"  logs: {tmp_path / 'train.log'}, {tmp_path / 'metrics.jsonl'}, "
-        f"{tmp_path / 'tensorboard'}"]
+        f"{tmp_path / 'tensorboard'}",
+    ]
 
 
 def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
@@ -286,30 +360,53 @@ def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
     policy and reference) starts at loss ln 2."""
     data_file, tok_dir = fixture_files
     sft_dir, dpo_dir = tmp_path / "sft", tmp_path / "dpo"
-    run_train(sft_dir, data_file, tok_dir, "loss.name=sft", "train.train_iters=6",
-              "data.eval_fraction=0.2", "train.eval_interval=1", "train.lr=3e-3")
+    run_train(
+        sft_dir,
+        data_file,
+        tok_dir,
+        "loss.name=sft",
+        "train.train_iters=6",
+        "data.eval_fraction=0.2",
+        "train.eval_interval=1",
+        "train.lr=3e-3",
+    )
     evals = read_metrics(sft_dir, "eval")
     assert evals[6]["nll_loss"] < evals[1]["nll_loss"] - 0.3
     assert "rewards/margins" not in evals[6]
-    dpo = run_train(dpo_dir, data_file, tok_dir, f"model.load={sft_dir}/checkpoints",
-                    "train.train_iters=1")
+    dpo = run_train(
+        dpo_dir, data_file, tok_dir, f"model.load={sft_dir}/checkpoints", "train.train_iters=1"
+    )
     assert abs(read_metrics(dpo_dir)[1]["loss"] - math.log(2)) < 1e-6
     assert dpo["rewards/margins"] == 0.0
 
 
 def test_resume_with_another_optimizer_format_or_lr_schedule(tmp_path, fixture_files):
     data_file, tok_dir = fixture_files
-    run_train(tmp_path, data_file, tok_dir, "train.train_iters=1",
-              "train.use_distributed_optimizer=false")
-    with pytest.raises(RuntimeError, match="saved with train.use_distributed_optimizer=False but "
-                                           "this run has True.*model.load="):
-        run_train(tmp_path / "again", data_file, tok_dir, "train.train_iters=2",
-                  f"checkpoint.resume={tmp_path / 'checkpoints'}")
+    run_train(
+        tmp_path, data_file, tok_dir, "train.train_iters=1", "train.use_distributed_optimizer=false"
+    )
+    with pytest.raises(
+        RuntimeError,
+        match="saved with train.use_distributed_optimizer=False but this run has True.*model.load=",
+    ):
+        run_train(
+            tmp_path / "again",
+            data_file,
+            tok_dir,
+            "train.train_iters=2",
+            f"checkpoint.resume={tmp_path / 'checkpoints'}",
+        )
     # Training longer: the checkpoint's LR schedule continues (megatron-core keeps it; the run
     # prints a note): its cosine decay ended at step 2, so step 3 runs at min_lr = 0, not the
     # 5e-4 a fresh 3-step schedule would give.
-    run_train(tmp_path / "longer", data_file, tok_dir, "train.use_distributed_optimizer=false",
-              "train.train_iters=3", f"checkpoint.resume={tmp_path / 'checkpoints'}")
+    run_train(
+        tmp_path / "longer",
+        data_file,
+        tok_dir,
+        "train.use_distributed_optimizer=false",
+        "train.train_iters=3",
+        f"checkpoint.resume={tmp_path / 'checkpoints'}",
+    )
     assert read_metrics(tmp_path / "longer")[3]["lr"] == 0.0
     assert sorted(read_metrics(tmp_path / "longer")) == [2, 3]
 
@@ -318,12 +415,24 @@ def _real_data_config(run_dir, data_file, data_format, *overrides):
     from dpo_megatron.assets import ensure_smollm2
     from dpo_megatron.config import load_config
 
-    return load_config(None, [
-        f"run_dir={run_dir}", f"data.path={data_file}", f"data.format={data_format}",
-        f"data.tokenizer={ensure_smollm2()}", "data.max_length=64", "data.max_prompt_length=32",
-        "data.verbose=false", "model.vocab_size=49152", *TINY_MODEL,
-        "train.micro_batch_size=2", "train.global_batch_size=4", "logging.tensorboard=false",
-        *overrides])
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"data.path={data_file}",
+            f"data.format={data_format}",
+            f"data.tokenizer={ensure_smollm2()}",
+            "data.max_length=64",
+            "data.max_prompt_length=32",
+            "data.verbose=false",
+            "model.vocab_size=49152",
+            *TINY_MODEL,
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "logging.tensorboard=false",
+            *overrides,
+        ],
+    )
 
 
 def _train_real(run_dir, data_file, data_format, overrides):
@@ -339,17 +448,32 @@ def test_sft_on_real_alpaca_then_dpo_on_real_pairs(tmp_path):
     from dpo_megatron.assets import ensure_alpaca_en_demo, ensure_dpo_en_demo
 
     sft_dir, dpo_dir = tmp_path / "sft", tmp_path / "dpo"
-    run_ranks(_train_real, world_size=1, run_dir=str(sft_dir),
-              data_file=str(ensure_alpaca_en_demo()), data_format="alpaca",
-              overrides=["loss.name=sft", "train.train_iters=8", "train.lr=3e-3",
-                         "data.eval_fraction=0.01", "train.eval_interval=1",
-                         "train.eval_iters=2"])
+    run_ranks(
+        _train_real,
+        world_size=1,
+        run_dir=str(sft_dir),
+        data_file=str(ensure_alpaca_en_demo()),
+        data_format="alpaca",
+        overrides=[
+            "loss.name=sft",
+            "train.train_iters=8",
+            "train.lr=3e-3",
+            "data.eval_fraction=0.01",
+            "train.eval_interval=1",
+            "train.eval_iters=2",
+        ],
+    )
     nll = {step: r["nll_loss"] for step, r in read_metrics(sft_dir, "eval").items()}
     assert sorted(nll) == list(range(0, 9))  # step 0: eval_at_start
     # Random init starts near ln 49152 = 10.8 nats/token; every step lowers the eval NLL.
     assert all(nll[s + 1] < nll[s] for s in range(1, 8)), nll
     assert nll[8] < nll[1] - 0.2, nll
-    run_ranks(_train_real, world_size=1, run_dir=str(dpo_dir),
-              data_file=str(ensure_dpo_en_demo()), data_format="sharegpt",
-              overrides=[f"model.load={sft_dir}/checkpoints", "train.train_iters=1"])
+    run_ranks(
+        _train_real,
+        world_size=1,
+        run_dir=str(dpo_dir),
+        data_file=str(ensure_dpo_en_demo()),
+        data_format="sharegpt",
+        overrides=[f"model.load={sft_dir}/checkpoints", "train.train_iters=1"],
+    )
     assert abs(read_metrics(dpo_dir)[1]["loss"] - math.log(2)) < 1e-6

@@ -16,31 +16,51 @@ from dpo_megatron.training.metrics_log import (
 
 
 def test_format_duration():
-    assert [format_duration(s) for s in (0, 59.4, 75, 3599, 3725)] == \
-        ["0s", "59s", "1m15s", "59m59s", "1h02m"]
+    assert [format_duration(s) for s in (0, 59.4, 75, 3599, 3725)] == [
+        "0s",
+        "59s",
+        "1m15s",
+        "59m59s",
+        "1h02m",
+    ]
 
 
 def test_progress_line(tmp_path, monkeypatch):
-    logger = MetricsLogger(str(tmp_path), total_steps=10, config=LoggingConfig(tensorboard=False),
-                           start_step=4)
+    logger = MetricsLogger(
+        str(tmp_path), total_steps=10, config=LoggingConfig(tensorboard=False), start_step=4
+    )
     monkeypatch.setattr("time.time", lambda: logger.start + 20.0)  # 2 steps done in 20 s
-    line = logger.line(6, "train", {
-        "loss": 0.6931471805599453, "rewards/accuracies": 0.75, "rewards/margins": 0.0123456,
-        "grad_norm": 1.23456, "lr": 1e-5, "tokens_per_s": 1234.4, "step_time_s": 10.0,
-        "skipped_steps": 1})
-    assert line == ("[train] step 6/10 | loss 0.6931 | acc 0.7500 | margin 0.0123 | "
-                    "grad_norm 1.235 | lr 1.00e-05 | tokens/s 1234 | step 10.00s | skipped 1 | "
-                    "elapsed 20s eta 40s")
+    line = logger.line(
+        6,
+        "train",
+        {
+            "loss": 0.6931471805599453,
+            "rewards/accuracies": 0.75,
+            "rewards/margins": 0.0123456,
+            "grad_norm": 1.23456,
+            "lr": 1e-5,
+            "tokens_per_s": 1234.4,
+            "step_time_s": 10.0,
+            "skipped_steps": 1,
+        },
+    )
+    assert line == (
+        "[train] step 6/10 | loss 0.6931 | acc 0.7500 | margin 0.0123 | "
+        "grad_norm 1.235 | lr 1.00e-05 | tokens/s 1234 | step 10.00s | skipped 1 | "
+        "elapsed 20s eta 40s"
+    )
     logger.close()
 
 
 def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "split": "train", "loss": s}) + "\n"
-                            for s in (1, 2, 3, 4)))
+    path.write_text(
+        "".join(json.dumps({"step": s, "split": "train", "loss": s}) + "\n" for s in (1, 2, 3, 4))
+    )
     assert truncate_metrics(str(path), 2) == 2
-    logger = MetricsLogger(str(tmp_path), total_steps=4, config=LoggingConfig(tensorboard=False),
-                           start_step=2)
+    logger = MetricsLogger(
+        str(tmp_path), total_steps=4, config=LoggingConfig(tensorboard=False), start_step=2
+    )
     logger.log(3, "train", {"loss": 30.0}, {"lr": 0.1})
     logger.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -51,8 +71,9 @@ def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_wandb_configured_but_missing_warns(tmp_path):
     with pytest.warns(UserWarning, match="wandb package is not installed"):
-        logger = MetricsLogger(str(tmp_path), 2, LoggingConfig(tensorboard=False,
-                                                               wandb_project="p"))
+        logger = MetricsLogger(
+            str(tmp_path), 2, LoggingConfig(tensorboard=False, wandb_project="p")
+        )
     assert logger.wandb is None
     logger.close()
 
@@ -60,6 +81,7 @@ def test_wandb_configured_but_missing_warns(tmp_path):
 def _strict(line: str) -> dict:
     def reject(token):
         raise ValueError(f"bare {token} is not JSON")
+
     return json.loads(line, parse_constant=reject)
 
 
@@ -67,12 +89,22 @@ def test_metrics_are_strict_json_with_named_non_finite_values(tmp_path):
     import math
 
     logger = MetricsLogger(str(tmp_path), total_steps=2, config=LoggingConfig(tensorboard=False))
-    logger.log(1, "train", {"loss": float("nan"), "rewards/margins": float("inf")},
-               {"grad_norm": float("-inf"), "lr": 0.5})
+    logger.log(
+        1,
+        "train",
+        {"loss": float("nan"), "rewards/margins": float("inf")},
+        {"grad_norm": float("-inf"), "lr": 0.5},
+    )
     logger.close()
     record = _strict((tmp_path / "metrics.jsonl").read_text())
-    assert record == {"step": 1, "split": "train", "loss": "NaN", "rewards/margins": "Infinity",
-                      "grad_norm": "-Infinity", "lr": 0.5}
+    assert record == {
+        "step": 1,
+        "split": "train",
+        "loss": "NaN",
+        "rewards/margins": "Infinity",
+        "grad_norm": "-Infinity",
+        "lr": 0.5,
+    }
     assert math.isnan(float(record["loss"])) and float(record["grad_norm"]) == -math.inf
 
 
@@ -86,8 +118,9 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_the_file_rewritten(tmp_p
     assert path.read_text() == good
     assert path.stat().st_ino != inode  # replaced by rename, not rewritten in place
     assert not (tmp_path / "metrics.jsonl.partial").exists()
-    logger = MetricsLogger(str(tmp_path), total_steps=3, config=LoggingConfig(tensorboard=False),
-                           start_step=2)
+    logger = MetricsLogger(
+        str(tmp_path), total_steps=3, config=LoggingConfig(tensorboard=False), start_step=2
+    )
     logger.log(3, "train", {"loss": 3.0})
     logger.close()
     assert [_strict(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]

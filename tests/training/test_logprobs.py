@@ -59,8 +59,12 @@ def test_bf16_logits_give_fp32_logps():
 def test_log_sum_p2_single_rank():
     logits, _ = _full_logits()
     p = torch.softmax(logits, -1)
-    torch.testing.assert_close(vocab_parallel_log_sum_p2(logits, chunk_tokens=4),
-                               (p ** 2).sum(-1).log(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        vocab_parallel_log_sum_p2(logits, chunk_tokens=4),
+        (p**2).sum(-1).log(),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def _tp_shard_logps(tp):
@@ -72,7 +76,7 @@ def _tp_shard_logps(tp):
     logits, labels = _full_logits()
     shard = logits.shape[-1] // tp
     rank = dist.get_rank()
-    x = logits[..., rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
+    x = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_(True)
     out = vocab_parallel_token_logps(x, labels, chunk_tokens=4)
     weights = torch.arange(1, labels.numel() + 1, dtype=out.dtype).view(labels.shape)
     (out * weights).sum().backward()
@@ -90,8 +94,9 @@ def test_tp2_and_tp3_equal_full_vocabulary():
         for rank, (out, grad, lsp2) in enumerate(results):
             torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(
-                grad, expected_grad[..., rank * shard:(rank + 1) * shard], rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(lsp2, (p ** 2).sum(-1).log(), rtol=1e-6, atol=1e-6)
+                grad, expected_grad[..., rank * shard : (rank + 1) * shard], rtol=1e-6, atol=1e-6
+            )
+            torch.testing.assert_close(lsp2, (p**2).sum(-1).log(), rtol=1e-6, atol=1e-6)
 
 
 def test_minus_inf_padding_columns_are_excluded_exactly():
@@ -115,7 +120,7 @@ def _tp2_with_padding():
     logits, labels = _full_logits()  # 12 real ids; padded to 16: rank 1 holds ids 8..11 + 4 pads
     padded = torch.cat([logits, torch.full((2, 5, 4), float("-inf"))], dim=-1)
     rank = dist.get_rank()
-    x = padded[..., rank * 8:(rank + 1) * 8].clone().requires_grad_(True)
+    x = padded[..., rank * 8 : (rank + 1) * 8].clone().requires_grad_(True)
     out = vocab_parallel_token_logps(x, labels)
     out.sum().backward()
     return out.detach(), x.grad
@@ -137,6 +142,7 @@ def test_tp2_padding_shard_matches_unpadded_vocabulary():
 
 # --- the chunked LM head: hidden states and the output weight in, log-probs out -------------
 
+
 def _head(dtype=torch.float32, n=11, h=6, vocab=12):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(n, h, generator=g, dtype=dtype)
@@ -152,32 +158,32 @@ def _head_reference(hidden, weight, labels, valid=None):
     logps = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
     p = torch.softmax(logits.detach(), -1)
     (logps * torch.arange(1.0, len(labels) + 1, dtype=logps.dtype)).sum().backward()
-    return logps.detach(), (p ** 2).sum(-1).log(), x.grad, w.grad
+    return logps.detach(), (p**2).sum(-1).log(), x.grad, w.grad
 
 
 def _head_run(hidden, weight, labels, **kwargs):
     x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     out = vocab_parallel_linear_logps(x, w, labels, **kwargs)
-    (out.token_logps * torch.arange(1.0, len(labels) + 1, dtype=out.token_logps.dtype)).sum(
-        ).backward()
+    (
+        out.token_logps * torch.arange(1.0, len(labels) + 1, dtype=out.token_logps.dtype)
+    ).sum().backward()
     return out, x.grad, w.grad
 
 
-@pytest.mark.parametrize("chunk_elements", [12, 5 * 12, 10 ** 6])  # 1 row, 5 rows, one chunk
+@pytest.mark.parametrize("chunk_elements", [12, 5 * 12, 10**6])  # 1 row, 5 rows, one chunk
 def test_linear_head_equals_full_logits_and_autograd(chunk_elements):
     hidden, weight, labels = _head()
     logps, lsp2, grad_x, grad_w = _head_reference(hidden, weight, labels)
-    out, gx, gw = _head_run(hidden, weight, labels, log_sum_p2=True,
-                            chunk_elements=chunk_elements)
+    out, gx, gw = _head_run(hidden, weight, labels, log_sum_p2=True, chunk_elements=chunk_elements)
     assert out.token_logps.dtype == torch.float32 and not out.log_sum_p2.requires_grad
     torch.testing.assert_close(out.token_logps, logps, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.log_sum_p2, lsp2, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gx, grad_x, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, grad_w, rtol=1e-5, atol=1e-6)
     # and the same as the logits-based path on the same logits
-    torch.testing.assert_close(out.token_logps,
-                               vocab_parallel_token_logps(hidden @ weight.T, labels),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out.token_logps, vocab_parallel_token_logps(hidden @ weight.T, labels), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_linear_head_gradcheck_float64():
@@ -185,8 +191,9 @@ def test_linear_head_gradcheck_float64():
     x, w = hidden.requires_grad_(True), weight.requires_grad_(True)
 
     def fn(a, b):
-        return vocab_parallel_linear_logps(a, b, labels, valid_columns=6,
-                                           chunk_elements=14).token_logps
+        return vocab_parallel_linear_logps(
+            a, b, labels, valid_columns=6, chunk_elements=14
+        ).token_logps
 
     assert torch.autograd.gradcheck(fn, (x, w))
 
@@ -195,8 +202,9 @@ def test_linear_head_padding_columns_get_probability_zero():
     hidden, weight, labels = _head()
     padded = torch.cat([weight, torch.zeros(4, weight.shape[1])])  # 4 padding ids, zero rows
     logps, lsp2, grad_x, grad_w = _head_reference(hidden, weight, labels)
-    out, gx, gw = _head_run(hidden, padded, labels, valid_columns=12, log_sum_p2=True,
-                            chunk_elements=32)
+    out, gx, gw = _head_run(
+        hidden, padded, labels, valid_columns=12, log_sum_p2=True, chunk_elements=32
+    )
     torch.testing.assert_close(out.token_logps, logps, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.log_sum_p2, lsp2, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gx, grad_x, rtol=1e-5, atol=1e-6)
@@ -234,7 +242,6 @@ def test_linear_head_rejects_mismatched_shapes():
 
 def _tp_linear_head(tp):
     import torch.distributed as dist
-
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed
@@ -244,9 +251,14 @@ def _tp_linear_head(tp):
     shard = weight.shape[0] // tp
     rank = dist.get_rank()
     x = hidden.clone().requires_grad_(True)
-    w = weight[rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
-    out = vocab_parallel_linear_logps(copy_to_tensor_model_parallel_region(x), w, labels,
-                                      log_sum_p2=True, chunk_elements=2 * shard)
+    w = weight[rank * shard : (rank + 1) * shard].clone().requires_grad_(True)
+    out = vocab_parallel_linear_logps(
+        copy_to_tensor_model_parallel_region(x),
+        w,
+        labels,
+        log_sum_p2=True,
+        chunk_elements=2 * shard,
+    )
     (out.token_logps * torch.arange(1.0, 12)).sum().backward()
     return out.token_logps.detach(), out.log_sum_p2, x.grad, w.grad
 
@@ -257,10 +269,10 @@ def test_linear_head_tp2_and_tp3_equal_full_vocabulary():
     logps, lsp2, grad_x, grad_w = _head_reference(hidden, weight, labels)
     for tp in (2, 3):
         shard = weight.shape[0] // tp
-        for rank, (out, p2, gx, gw) in enumerate(run_ranks(_tp_linear_head, world_size=tp,
-                                                           tp=tp)):
+        for rank, (out, p2, gx, gw) in enumerate(run_ranks(_tp_linear_head, world_size=tp, tp=tp)):
             torch.testing.assert_close(out, logps, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(p2, lsp2, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(gx, grad_x, rtol=1e-5, atol=1e-6)  # all-reduced over TP
-            torch.testing.assert_close(gw, grad_w[rank * shard:(rank + 1) * shard],
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                gw, grad_w[rank * shard : (rank + 1) * shard], rtol=1e-5, atol=1e-6
+            )

@@ -47,8 +47,13 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     built = []
     original = model_setup.build_model_chunks
     model_setup.build_model_chunks = lambda *a, **k: (built.append(1), original(*a, **k))[1]
-    config = {"micro_batch_size": 2, "global_batch_size": GLOBAL_PAIRS, "lr": 1e-2,
-              "seed": 11, **config}
+    config = {
+        "micro_batch_size": 2,
+        "global_batch_size": GLOBAL_PAIRS,
+        "lr": 1e-2,
+        "seed": 11,
+        **config,
+    }
     try:
         trainer = lora_trainer(_pairs(), lora=lora, load=ckpt_dir, steps=steps, **config)
     finally:  # the next case in these ranks counts its own builds
@@ -56,9 +61,13 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     history = []
     for _ in range(steps):
         out, _ = trainer.train_step()
-        history.append({k: out.metrics[k] for k in ("loss", "rewards/margins",
-                                                    "rewards/chosen", "logps/chosen")}
-                       | {"grad_norm": out.grad_norm})
+        history.append(
+            {
+                k: out.metrics[k]
+                for k in ("loss", "rewards/margins", "rewards/chosen", "logps/chosen")
+            }
+            | {"grad_norm": out.grad_norm}
+        )
     adapter_ids = set().union(*(adapter_parameter_ids(c) for c in trainer.policy))
     optimized = [p for g in trainer.optimizer.param_groups for p in g["params"]]
     trainer.close()
@@ -66,16 +75,19 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
         "history": history,
         "models_built": len(built),
         "reference": type(trainer.reference).__name__,
-        "reference_is_policy": trainer.reference is not None and all(
-            r is p.module for r, p in zip(trainer.reference.chunks, trainer.policy)),
+        "reference_is_policy": trainer.reference is not None
+        and all(r is p.module for r, p in zip(trainer.reference.chunks, trainer.policy)),
         # Only adapters train and sit in the (distributed) optimizer and the DDP grad buffers
         # (the distributed optimizer holds shard views: compare sizes, at DP 1 the whole).
         "optimized_numel": sum(p.numel() for p in optimized),
-        "trainable_are_adapters": {id(p) for c in trainer.policy for p in c.parameters()
-                                   if p.requires_grad} == adapter_ids,
+        "trainable_are_adapters": {
+            id(p) for c in trainer.policy for p in c.parameters() if p.requires_grad
+        }
+        == adapter_ids,
         "grad_buffer_numel": sum(b.grad_data.numel() for c in trainer.policy for b in c.buffers),
-        "adapter_numel": sum(p.numel() for c in trainer.policy for p in c.parameters()
-                             if id(p) in adapter_ids),
+        "adapter_numel": sum(
+            p.numel() for c in trainer.policy for p in c.parameters() if id(p) in adapter_ids
+        ),
     }
 
 
@@ -88,8 +100,14 @@ LAYOUTS = [  # (TP, PP, DP, sequence parallel, virtual stages)
 TP2PP2 = (2, 2, 1, False, None)
 
 SETTINGS = [
-    {"model": {**TINY, "recompute_granularity": "full", "recompute_method": "uniform",
-               "recompute_num_layers": 1}},
+    {
+        "model": {
+            **TINY,
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    },
     {"model": {**TINY, "recompute_granularity": "selective"}},
     {"packing": True},
 ]
@@ -112,15 +130,28 @@ def slow_runs(initial_checkpoint, tmp_path_factory):
     """The slow tests' cases: single-rank settings and the precomputed reference, then every
     layout (2 ranks, then 4)."""
     ckpt = {"ckpt_dir": initial_checkpoint}
-    runs = run_cases(1, {
-        **{f"setting{i}": (_run, {**ckpt, **setting}) for i, setting in enumerate(SETTINGS)},
-        "precomputed": (_precomputed_then_full,
-                        {**ckpt, "cache_dir": str(tmp_path_factory.mktemp("lora_cache"))})})
+    runs = run_cases(
+        1,
+        {
+            **{f"setting{i}": (_run, {**ckpt, **setting}) for i, setting in enumerate(SETTINGS)},
+            "precomputed": (
+                _precomputed_then_full,
+                {**ckpt, "cache_dir": str(tmp_path_factory.mktemp("lora_cache"))},
+            ),
+        },
+    )
     for world in (2, 4):
-        runs.update(run_cases(world, {
-            f"layout{layout}": (_run, dict(**ckpt, tp=tp, pp=pp, sp=sp, vpp=vpp))
-            for layout in LAYOUTS + [TP2PP2] for tp, pp, dp, sp, vpp in [layout]
-            if tp * pp * dp == world}))
+        runs.update(
+            run_cases(
+                world,
+                {
+                    f"layout{layout}": (_run, dict(**ckpt, tp=tp, pp=pp, sp=sp, vpp=vpp))
+                    for layout in LAYOUTS + [TP2PP2]
+                    for tp, pp, dp, sp, vpp in [layout]
+                    if tp * pp * dp == world
+                },
+            )
+        )
     return runs
 
 
@@ -147,7 +178,9 @@ def test_single_rank_lora_trains_only_adapters_against_the_base(baseline):
     assert baseline["trainable_are_adapters"]
     assert baseline["optimized_numel"] == baseline["adapter_numel"] == 13312  # 4 x 3328, by hand
     # Grad buffers hold the adapters (plus alignment padding), not the 4-layer base.
-    assert baseline["adapter_numel"] <= baseline["grad_buffer_numel"] < 2 * baseline["adapter_numel"]
+    assert (
+        baseline["adapter_numel"] <= baseline["grad_buffer_numel"] < 2 * baseline["adapter_numel"]
+    )
 
 
 @pytest.mark.slow
@@ -187,17 +220,27 @@ def _precomputed_then_full(ckpt_dir, cache_dir):
     calls = []
     original = step_module.attach_reference_logps
     step_module.attach_reference_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
-    common = dict(load=ckpt_dir, micro_batch_size=2, global_batch_size=GLOBAL_PAIRS, lr=1e-2,
-                  seed=11, steps=3, reference_mode="precomputed", cache_dir=cache_dir)
+    common = dict(
+        load=ckpt_dir,
+        micro_batch_size=2,
+        global_batch_size=GLOBAL_PAIRS,
+        lr=1e-2,
+        seed=11,
+        steps=3,
+        reference_mode="precomputed",
+        cache_dir=cache_dir,
+    )
     try:
         trainer = lora_trainer(_pairs(), **common)
         passes_before = len(calls)
         losses = [trainer.train_step()[0].metrics["loss"] for _ in range(3)]
-        out = {"losses": losses, "precompute_passes": passes_before,
-               "training_passes": len(calls) - passes_before,
-               "reference_held": trainer.reference is not None,
-               "policy_intact": all(p.numel() > 0 for c in trainer.policy
-                                    for p in c.parameters())}
+        out = {
+            "losses": losses,
+            "precompute_passes": passes_before,
+            "training_passes": len(calls) - passes_before,
+            "reference_held": trainer.reference is not None,
+            "policy_intact": all(p.numel() > 0 for c in trainer.policy for p in c.parameters()),
+        }
         trainer.close()
         calls.clear()
         full = tiny_trainer(_pairs(), **common)
@@ -221,9 +264,17 @@ def test_precomputed_reference_runs_the_base_once(slow_runs, baseline):
 
 
 def _dropout_run(ckpt_dir):
-    trainer = lora_trainer(_pairs(), eval_pairs=_pairs(4), load=ckpt_dir, micro_batch_size=2,
-                           global_batch_size=GLOBAL_PAIRS, lr=1e-2, seed=11, steps=2,
-                           lora={**LORA, "dropout": 0.5})
+    trainer = lora_trainer(
+        _pairs(),
+        eval_pairs=_pairs(4),
+        load=ckpt_dir,
+        micro_batch_size=2,
+        global_batch_size=GLOBAL_PAIRS,
+        lr=1e-2,
+        seed=11,
+        steps=2,
+        lora={**LORA, "dropout": 0.5},
+    )
     losses = [trainer.train_step()[0].metrics["loss"] for _ in range(2)]
     out = losses, trainer.evaluate(2)["loss"], trainer.evaluate(2)["loss"]
     trainer.close()
@@ -240,12 +291,22 @@ def test_adapter_dropout_trains_and_is_off_in_forward_only_passes(quick_runs, ba
 def test_bench_lora_settings_are_lora_dpo_rank_16_on_all_targets():
     from tests.test_bench import bench
 
-    spec = {"run": "lora", "model_path": "/nonexistent", "recompute": "", "beta": 0.1,
-            "lr": 1e-6, "steps": 2, "pairs_per_step": 4, "micro_batch_size": 4, "seed": 1}
+    spec = {
+        "run": "lora",
+        "model_path": "/nonexistent",
+        "recompute": "",
+        "beta": 0.1,
+        "lr": 1e-6,
+        "steps": 2,
+        "pairs_per_step": 4,
+        "micro_batch_size": 4,
+        "seed": 1,
+    }
     cfg = bench.engine_config(spec)
     assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.lora.alpha == 32
-    assert sorted(cfg.lora.target_modules) == sorted(["linear_qkv", "linear_proj", "linear_fc1",
-                                                      "linear_fc2"])
+    assert sorted(cfg.lora.target_modules) == sorted(
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
     assert cfg.reference.mode == "model" and not cfg.packing.enabled
     recompute = bench.engine_config({**spec, "run": "lora+recompute"})
     assert recompute.lora.enabled and recompute.model.recompute_granularity == "full"

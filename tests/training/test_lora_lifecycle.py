@@ -32,13 +32,15 @@ def straight_run(tmp_path_factory, fixture_files):
     """4 LoRA steps at TP 2 with the distributed optimizer, checkpoints at steps 2 and 4."""
     data_file, tok_dir = fixture_files
     run_dir = tmp_path_factory.mktemp("lora_runs") / "full"
-    run_train(run_dir, data_file, tok_dir, *COMMON, "checkpoint.export_hf=adapter",
-              world_size=2, tp=2)
+    run_train(
+        run_dir, data_file, tok_dir, *COMMON, "checkpoint.export_hf=adapter", world_size=2, tp=2
+    )
     return run_dir
 
 
-def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path, straight_run,
-                                                                 fixture_files):
+def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(
+    tmp_path, straight_run, fixture_files
+):
     data_file, tok_dir = fixture_files
     resumed = tmp_path / "resumed"
     shutil.copytree(straight_run, resumed)
@@ -93,14 +95,21 @@ def test_checkpoints_that_do_not_fit_are_refused(tmp_path, straight_run, fixture
     data_file, tok_dir = fixture_files
     ckpt = str(straight_run / "checkpoints" / "iter_0000002")
     with pytest.raises(RuntimeError, match="is a LoRA checkpoint: it holds adapters, not base"):
-        run_train(tmp_path / "a", data_file, tok_dir, f"model.load={ckpt}",
-                  "train.train_iters=1")
+        run_train(tmp_path / "a", data_file, tok_dir, f"model.load={ckpt}", "train.train_iters=1")
     with pytest.raises(RuntimeError, match="holds LoRA adapters .*lora.enabled=False"):
-        run_train(tmp_path / "b", data_file, tok_dir, f"checkpoint.resume={ckpt}",
-                  "train.train_iters=3")
+        run_train(
+            tmp_path / "b", data_file, tok_dir, f"checkpoint.resume={ckpt}", "train.train_iters=3"
+        )
     with pytest.raises(RuntimeError, match="holds other LoRA adapters: {'rank': \\(4, 8\\)}"):
-        run_train(tmp_path / "c", data_file, tok_dir, *LORA, "lora.rank=8",
-                  f"checkpoint.resume={ckpt}", "train.train_iters=3")
+        run_train(
+            tmp_path / "c",
+            data_file,
+            tok_dir,
+            *LORA,
+            "lora.rank=8",
+            f"checkpoint.resume={ckpt}",
+            "train.train_iters=3",
+        )
 
 
 def test_adapter_export_at_the_end(straight_run):
@@ -109,10 +118,17 @@ def test_adapter_export_at_the_end(straight_run):
     folder = straight_run / "checkpoints" / "hf_adapter"
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
-    assert config["target_modules"] == sorted(["self_attn.q_proj", "self_attn.k_proj",
-                                               "self_attn.v_proj", "self_attn.o_proj",
-                                               "mlp.gate_proj", "mlp.up_proj",
-                                               "mlp.down_proj"])
+    assert config["target_modules"] == sorted(
+        [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ]
+    )
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     assert len(tensors) == 4 * 7 * 2  # layers x HF modules x (A, B)
     a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
@@ -132,20 +148,43 @@ def test_merged_export_and_the_converter_agree_on_a_lora_checkpoint(tmp_path, fi
     from tests.multirank import run_ranks
 
     data_file, tok_dir = fixture_files
-    hf_dir = save_tiny_hf_folder("llama", str(tmp_path / "hf"), vocab_size=400,
-                                 max_position_embeddings=128)
+    hf_dir = save_tiny_hf_folder(
+        "llama", str(tmp_path / "hf"), vocab_size=400, max_position_embeddings=128
+    )
     run_dir = tmp_path / "run"
-    run_train(run_dir, data_file, tok_dir, *LORA, f"model.hf_path={hf_dir}",
-              "train.train_iters=2", "train.lr=1e-2", "checkpoint.export_hf=true",
-              "checkpoint.export_dtype=float32", world_size=2, tp=2)
+    run_train(
+        run_dir,
+        data_file,
+        tok_dir,
+        *LORA,
+        f"model.hf_path={hf_dir}",
+        "train.train_iters=2",
+        "train.lr=1e-2",
+        "checkpoint.export_hf=true",
+        "checkpoint.export_dtype=float32",
+        world_size=2,
+        tp=2,
+    )
     trained = load_file(str(run_dir / "checkpoints" / "hf" / "model-00001-of-00001.safetensors"))
     base = load_file(str(tmp_path / "hf" / "model.safetensors"))
     changed = [k for k in base if not torch_equal(base[k], trained[k])]
     assert changed and all(k.endswith("proj.weight") for k in changed)  # adapted layers only
     out = str(tmp_path / "converted")
-    run_ranks(_run_script, world_size=2, name="convert_megatron_to_hf",
-              argv=["--load", str(run_dir / "checkpoints"), "--save", out, "--dtype", "float32",
-                    "--pipeline-model-parallel-size", "2"])
+    run_ranks(
+        _run_script,
+        world_size=2,
+        name="convert_megatron_to_hf",
+        argv=[
+            "--load",
+            str(run_dir / "checkpoints"),
+            "--save",
+            out,
+            "--dtype",
+            "float32",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+    )
     converted = load_file(str(tmp_path / "converted" / "model-00001-of-00001.safetensors"))
     assert sorted(converted) == sorted(trained)
     for k in trained:  # merged at TP 2 in training, at PP 2 by the converter
@@ -166,9 +205,17 @@ def _lora_run_under_host_check(root):
     reports = {}
     for name, overrides in {"model": [], "precomputed": ["reference.mode=precomputed"]}.items():
         with HostTensorCheck() as check:
-            Trainer(_config(root, name, *LORA, "parallel.tensor_model_parallel_size=2",
-                            "parallel.pipeline_model_parallel_size=2",
-                            "checkpoint.export_hf=adapter", *overrides)).train()
+            Trainer(
+                _config(
+                    root,
+                    name,
+                    *LORA,
+                    "parallel.tensor_model_parallel_size=2",
+                    "parallel.pipeline_model_parallel_size=2",
+                    "checkpoint.export_hf=adapter",
+                    *overrides,
+                )
+            ).train()
         reports[name] = check.report()
     return reports
 
@@ -178,7 +225,8 @@ def test_a_lora_run_leaves_no_tensor_on_the_host(tmp_path):
     the adapter checkpoint and the PEFT export at TP 2 x PP 2: nothing made on the host."""
     from tests.multirank import run_ranks
 
-    for rank, reports in enumerate(run_ranks(_lora_run_under_host_check, world_size=4,
-                                             root=str(tmp_path))):
+    for rank, reports in enumerate(
+        run_ranks(_lora_run_under_host_check, world_size=4, root=str(tmp_path))
+    ):
         for name, report in reports.items():
             assert report == "", f"rank {rank}, {name} run:\n{report}"

@@ -11,9 +11,8 @@ import sys
 import pytest
 
 from dpo_megatron.losses import LOSSES
+from tests.engine import save_initial_checkpoint, tiny_trainer
 from tests.losses.test_gradients_and_step_zero import STEP_ZERO
-from tests.engine import tiny_trainer
-from tests.engine import save_initial_checkpoint
 from tests.multirank import run_ranks
 from tests.training import test_dpo_step as engine
 
@@ -41,16 +40,24 @@ def _evaluate_all(ckpt_dir, tp, pp):
     batch = PaddedPairs(0, 8 * tp).build(engine._pairs(), [[0, 1, 2, 3], [4, 5, 6, 7]])
     # Unpaired losses (kto): the same token ids as unpaired examples with alternating labels.
     unpaired = PaddedPairs(0, 8 * tp).build(
-        [UnpairedPair(p.prompt_ids, p.chosen_ids, p.rejected_ids, desirable=i % 2 == 0)
-         for i, p in enumerate(engine._pairs())], [[0, 1, 2, 3], [4, 5, 6, 7]])
+        [
+            UnpairedPair(p.prompt_ids, p.chosen_ids, p.rejected_ids, desirable=i % 2 == 0)
+            for i, p in enumerate(engine._pairs())
+        ],
+        [[0, 1, 2, 3], [4, 5, 6, 7]],
+    )
     out = {}
     for i, cfg in enumerate(CONFIGS):
         loss_fn = build_loss(cfg)
         if not loss_fn.needs_rejected:  # sft: chosen rows only
             continue
-        result = dpo_forward_backward(trainer.policy, trainer.reference,
-                                      (unpaired if loss_fn.unpaired else batch).to_device(),
-                                      loss_fn, forward_only=True)
+        result = dpo_forward_backward(
+            trainer.policy,
+            trainer.reference,
+            (unpaired if loss_fn.unpaired else batch).to_device(),
+            loss_fn,
+            forward_only=True,
+        )
         out[i] = result.metrics
     return out
 
@@ -91,9 +98,21 @@ def _launch(tmp_path, *overrides):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     return subprocess.run(
-        ["bash", "scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml",
-         f"run_dir={tmp_path}", "train.train_iters=1", *overrides],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            "bash",
+            "scripts/pretrain_dpo.sh",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"run_dir={tmp_path}",
+            "train.train_iters=1",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_unknown_loss_or_parameter_fails_at_start_up_with_the_valid_ones(tmp_path):

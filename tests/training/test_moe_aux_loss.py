@@ -39,9 +39,17 @@ def _router_gradients(hf_dir):
     pairs = random_pairs(PAIRS, seed=3, lengths=lambda i: (4 + i, 3 + i % 2, 6 - i), vocab=128)
     runs = []
     for coeff in (COEFF, 0.0):
-        trainer = tiny_trainer(pairs, micro_batch_size=MICRO_BATCH, global_batch_size=PAIRS,
-                               model={"hf_path": hf_dir, "params_dtype": "float32",
-                                      "transformer_impl": "local", "moe_aux_loss_coeff": coeff})
+        trainer = tiny_trainer(
+            pairs,
+            micro_batch_size=MICRO_BATCH,
+            global_batch_size=PAIRS,
+            model={
+                "hf_path": hf_dir,
+                "params_dtype": "float32",
+                "transformer_impl": "local",
+                "moe_aux_loss_coeff": coeff,
+            },
+        )
         batch = trainer.next_batch()
         for chunk in trainer.policy:
             chunk.zero_grad_buffer()
@@ -59,7 +67,8 @@ def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path):
 
     hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"), num_hidden_layers=1)
     rows, aux, aux_off, losses, router_grad = run_ranks(
-        _router_gradients, world_size=1, hf_dir=hf_dir)[0]
+        _router_gradients, world_size=1, hf_dir=hf_dir
+    )[0]
     assert len(rows) == PAIRS // MICRO_BATCH
     assert all(padding.any() for _, padding in rows)  # padded rows: the mask matters
     assert all(abs(loss - math.log(2)) < 1e-6 for loss in losses)
@@ -71,8 +80,11 @@ def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path):
     for tokens, padding in rows:
         mask = (~padding).long()
         out = model(input_ids=tokens, attention_mask=mask, output_router_logits=True)
-        per_micro_batch.append(load_balancing_loss_func(
-            out.router_logits, config.num_experts, config.num_experts_per_tok, mask))
+        per_micro_batch.append(
+            load_balancing_loss_func(
+                out.router_logits, config.num_experts, config.num_experts_per_tok, mask
+            )
+        )
     want = torch.stack(per_micro_batch).mean()
     assert abs(per_micro_batch[0].item() - per_micro_batch[1].item()) > 1e-3  # a real mean
     assert abs(aux["moe/load_balancing_loss"] - want.item()) <= 1e-6 * want.item()

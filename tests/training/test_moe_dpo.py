@@ -26,8 +26,7 @@ MOE_KEYS = ("moe/load_balancing_loss", "moe/aux_loss")
 
 
 def _pairs() -> list:
-    return random_pairs(8, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3),
-                        vocab=VOCAB)
+    return random_pairs(8, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3), vocab=VOCAB)
 
 
 def run_plans(root: str, plans: list[dict]) -> None:
@@ -49,10 +48,22 @@ def run_plans(root: str, plans: list[dict]) -> None:
             resume = os.path.join(root, resume, "checkpoints", "iter_0000002")
         tp = plan.get("tp", 1)
         trainer = tiny_trainer(
-            _pairs(), tp=tp, pp=plan.get("pp", 1), ep=plan.get("ep", 1), etp=plan.get("etp"),
-            sp=moe and tp > 1, micro_batch_size=2, global_batch_size=8, steps=STEPS, lr=1e-3,
-            seed=11, run_dir=os.path.join(root, plan["name"]), resume=resume, save_interval=2,
-            model={"hf_path": hf_dir, "params_dtype": "float32", "transformer_impl": "local"})
+            _pairs(),
+            tp=tp,
+            pp=plan.get("pp", 1),
+            ep=plan.get("ep", 1),
+            etp=plan.get("etp"),
+            sp=moe and tp > 1,
+            micro_batch_size=2,
+            global_batch_size=8,
+            steps=STEPS,
+            lr=1e-3,
+            seed=11,
+            run_dir=os.path.join(root, plan["name"]),
+            resume=resume,
+            save_interval=2,
+            model={"hf_path": hf_dir, "params_dtype": "float32", "transformer_impl": "local"},
+        )
         trainer.train()
 
 
@@ -63,7 +74,8 @@ def _rel(a: float, b: float) -> float:
 def _assert_same(got: dict, want: dict, steps, tol: float, what: str) -> None:
     for step in steps:
         for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen") + tuple(
-                k for k in MOE_KEYS if k in want[step]):
+            k for k in MOE_KEYS if k in want[step]
+        ):
             assert _rel(got[step][key], want[step][key]) <= tol, (what, step, key)
 
 
@@ -113,9 +125,13 @@ def runs(tmp_path_factory):
                 four[-1]["resume"] = f"{arch}/{plan['resume']}"
     run_ranks(run_plans, world_size=1, root=str(root), plans=single)
     run_ranks(run_plans, world_size=4, timeout=3600, root=str(root), plans=four)
-    return {arch: {name: read_metrics(root / arch / name)
-                   for name in ["single"] + [p["name"] for p in plans]}
-            for arch, plans in PLANS.items()}
+    return {
+        arch: {
+            name: read_metrics(root / arch / name)
+            for name in ["single"] + [p["name"] for p in plans]
+        }
+        for arch, plans in PLANS.items()
+    }
 
 
 @pytest.mark.slow
@@ -169,10 +185,23 @@ def _host_checked_runs(hf_dir, root):
             name = f"{dispatcher}_{'packed' if packing else 'padded'}"
             with HostTensorCheck() as check:
                 trainer = tiny_trainer(
-                    _pairs(), tp=2, sp=True, ep=2, etp=1, micro_batch_size=2,
-                    global_batch_size=8, steps=2, packing=packing, run_dir=f"{root}/{name}",
-                    model={"hf_path": hf_dir, "params_dtype": "float32",
-                           "transformer_impl": "local", "moe_token_dispatcher": dispatcher})
+                    _pairs(),
+                    tp=2,
+                    sp=True,
+                    ep=2,
+                    etp=1,
+                    micro_batch_size=2,
+                    global_batch_size=8,
+                    steps=2,
+                    packing=packing,
+                    run_dir=f"{root}/{name}",
+                    model={
+                        "hf_path": hf_dir,
+                        "params_dtype": "float32",
+                        "transformer_impl": "local",
+                        "moe_token_dispatcher": dispatcher,
+                    },
+                )
                 losses = [trainer.train_step()[0].metrics["loss"] for _ in range(2)]
             out[name] = (check.report(), losses)
     return out
@@ -183,8 +212,9 @@ def test_moe_steps_leave_no_tensor_on_the_host_with_either_dispatcher(tmp_path):
     """Routing, dispatch (all-to-all and all-gather), experts and the load-balancing read-out
     make their tensors on the device; packed rows give the padded rows' losses."""
     hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"))
-    for rank, runs in enumerate(run_ranks(_host_checked_runs, world_size=2, hf_dir=hf_dir,
-                                          root=str(tmp_path))):
+    for rank, runs in enumerate(
+        run_ranks(_host_checked_runs, world_size=2, hf_dir=hf_dir, root=str(tmp_path))
+    ):
         for name, (report, _) in runs.items():
             assert report == "", f"rank {rank}, {name}:\n{report}"
         reference = runs["alltoall_padded"][1]

@@ -8,8 +8,10 @@ from dpo_megatron.data.collate import collate_pairs
 from dpo_megatron.data.packing import pack_pairs
 from dpo_megatron.training.step import padding_mask
 
-PAIRS = [PreferencePair(prompt_ids=(5, 6, 7), chosen_ids=(8, 9), rejected_ids=(10, 11, 12, 2)),
-         PreferencePair(prompt_ids=(5,), chosen_ids=(8, 2), rejected_ids=(9,))]
+PAIRS = [
+    PreferencePair(prompt_ids=(5, 6, 7), chosen_ids=(8, 9), rejected_ids=(10, 11, 12, 2)),
+    PreferencePair(prompt_ids=(5,), chosen_ids=(8, 2), rejected_ids=(9,)),
+]
 
 
 def test_padded_rows_mask_exactly_the_padding():
@@ -27,4 +29,3 @@ def test_packed_rows_mask_only_the_row_tails():
     assert torch.equal(mask, batch.segment_ids < 0)
     assert int((~mask).sum()) == 5 + 3 + 7 + 2  # every token of every sequence, once
     assert mask.any()
-

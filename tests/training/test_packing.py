@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from dpo_megatron.data import PreferencePair, collate_pairs
-from dpo_megatron.data.packing import PackedPairs, PackingConfig, bucket_micro_batches, pack_pairs, plan_rows
+from dpo_megatron.data.packing import (
+    PackedPairs,
+    PackingConfig,
+    bucket_micro_batches,
+    pack_pairs,
+    plan_rows,
+)
 from dpo_megatron.models.attention import attention_mask_from_segments
 from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
 from tests.multirank import run_ranks
@@ -20,35 +26,41 @@ def test_plan_rows_first_fit_decreasing():
 def test_pack_pairs_layout_by_hand():
     # Pair A: prompt (10, 11), chosen (12, 2), rejected (13, 14, 2); pair B: prompt (20,),
     # chosen (21, 2), rejected (22, 2). Lengths: A+c 4, B+c 3, A+r 5, B+r 3; rows of 8.
-    pairs = [PreferencePair((10, 11), (12, 2), (13, 14, 2)), PreferencePair((20,), (21, 2), (22, 2))]
+    pairs = [
+        PreferencePair((10, 11), (12, 2), (13, 14, 2)),
+        PreferencePair((20,), (21, 2), (22, 2)),
+    ]
     out = pack_pairs(pairs, pad_token_id=0, row_length=8)
     # FFD, longest first: A+r (5) row 0; A+c (4) row 1; B+c (3) row 0; B+r (3) row 1.
-    assert out.tokens.tolist() == [[10, 11, 13, 14, 2, 20, 21, 2],
-                                      [10, 11, 12, 2, 20, 22, 2, 0]]
-    assert out.labels.tolist() == [[11, 13, 14, 2, 0, 21, 2, 0],
-                                      [11, 12, 2, 0, 22, 2, 0, 0]]
-    assert out.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2],
-                                            [0, 1, 2, 3, 0, 1, 2, 0]]
+    assert out.tokens.tolist() == [[10, 11, 13, 14, 2, 20, 21, 2], [10, 11, 12, 2, 20, 22, 2, 0]]
+    assert out.labels.tolist() == [[11, 13, 14, 2, 0, 21, 2, 0], [11, 12, 2, 0, 22, 2, 0, 0]]
+    assert out.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 0]]
     assert out.segment_ids.tolist() == [[2, 2, 2, 2, 2, 1, 1, 1], [0, 0, 0, 0, 3, 3, 3, -2]]
     assert out.packed.branch_ids is None  # no shared prompt: one branch
     # One span per sequence (flat positions r * 8 + t), the tail of row 1 its own span.
     assert [(s.q_start, s.q_end, s.keys, s.padding) for s in out.packed.spans] == [
-        (0, 5, ((0, 5),), False), (5, 8, ((5, 8),), False),
-        (8, 12, ((8, 12),), False), (12, 15, ((12, 15),), False), (15, 16, ((15, 16),), True)]
+        (0, 5, ((0, 5),), False),
+        (5, 8, ((5, 8),), False),
+        (8, 12, ((8, 12),), False),
+        (12, 15, ((12, 15),), False),
+        (15, 16, ((15, 16),), True),
+    ]
     assert out.packed.cu_seqlens_q.tolist() == [0, 5, 8, 12, 15, 16]
     assert torch.equal(out.packed.cu_seqlens_kv, out.packed.cu_seqlens_q)
     assert out.packed.kv_index is None and out.packed.max_seqlen_q == 5
     visible = ~attention_mask_from_segments(out.segment_ids)[:, 0]
-    assert visible[0, 6].tolist() == [False] * 5 + [True, True, False]   # B+c sees only itself
-    assert visible[1, 7].tolist() == [False] * 7 + [True]                # the tail: itself
+    assert visible[0, 6].tolist() == [False] * 5 + [True, True, False]  # B+c sees only itself
+    assert visible[1, 7].tolist() == [False] * 7 + [True]  # the tail: itself
     padded = collate_pairs(pairs, pad_token_id=0, seq_length=5)
     assert torch.equal(out.loss_mask, padded.loss_mask)
     # Scored tokens: A+c at row 1, B+c at row 0 (offset 5), A+r at row 0, B+r at row 1 (offset 4).
     assert out.output_index.tolist() == [9, 10, 5, 6, 1, 2, 3, 12, 13]
     assert torch.equal(out.score_index, padded.score_index)
     for key in ("tokens", "labels"):  # the same tokens, scored in the same order
-        assert torch.equal(getattr(out, key).reshape(-1)[out.output_index],
-                           getattr(padded, key).reshape(-1)[padded.score_index])
+        assert torch.equal(
+            getattr(out, key).reshape(-1)[out.output_index],
+            getattr(padded, key).reshape(-1)[padded.score_index],
+        )
     assert torch.equal(out.target_ids, padded.target_ids)
     assert padded.target_ids.tolist() == [12, 2, 21, 2, 13, 14, 2, 22, 2]
 
@@ -65,8 +77,10 @@ def test_a_long_tail_is_cut_into_short_padding_spans():
 
 
 def test_every_micro_batch_of_a_step_has_one_shape():
-    pairs = [PreferencePair((1,) * n, (2,) * m, (3,) * k) for n, m, k in
-             [(3, 2, 5), (1, 1, 1), (6, 1, 2), (2, 2, 2)]]
+    pairs = [
+        PreferencePair((1,) * n, (2,) * m, (3,) * k)
+        for n, m, k in [(3, 2, 5), (1, 1, 1), (6, 1, 2), (2, 2, 2)]
+    ]
     real = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
     # Default: one row per micro-batch holding all its sequences. Sequence lengths [5, 2, 8, 2]
     # (17 tokens) and [7, 4, 8, 4] (23): rows of 23 rounded up to 24, only 7 + 1 padding.
@@ -95,17 +109,33 @@ def _pairs(n=6, seed=5):  # lengths vary widely, as in real preference data
 
 def _compare(tp=1, pp=1, steps=3, micro_batch_size=3, learned=False, lr=1e-2, **config):
     """The real trainer with padded and with packed batches, from the same seed."""
-    model = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                 num_query_groups=2, tie_word_embeddings=True,
-                 position_embedding_type="learned_absolute" if learned else "rope",
-                 normalization="LayerNorm" if learned else "RMSNorm",
-                 activation="gelu" if learned else "swiglu")
+    model = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        tie_word_embeddings=True,
+        position_embedding_type="learned_absolute" if learned else "rope",
+        normalization="LayerNorm" if learned else "RMSNorm",
+        activation="gelu" if learned else "swiglu",
+    )
     history = {}
     for packed in (False, True):
-        trainer = tiny_trainer(_pairs(), tp=tp, pp=pp, model=model, packing=packed, seed=3,
-                               micro_batch_size=micro_batch_size, global_batch_size=6,
-                               steps=steps, lr=lr, loss={"name": "sigmoid", "beta": 0.5},
-                               **config)
+        trainer = tiny_trainer(
+            _pairs(),
+            tp=tp,
+            pp=pp,
+            model=model,
+            packing=packed,
+            seed=3,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=6,
+            steps=steps,
+            lr=lr,
+            loss={"name": "sigmoid", "beta": 0.5},
+            **config,
+        )
         history[packed] = [step_record(*trainer.train_step()) for _ in range(steps)]
         for k in history[packed]:
             k["loss"] = k["metrics"]["loss"]
@@ -150,13 +180,21 @@ def test_packed_equals_padded_tp2_pp2():
 
 def _step_zero_rewards(share_prompt):
     pairs = random_pairs(8, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
-    trainer = tiny_trainer(pairs, packing=True, share_prompt=share_prompt, micro_batch_size=4,
-                           global_batch_size=8, steps=1, seed=3)
+    trainer = tiny_trainer(
+        pairs,
+        packing=True,
+        share_prompt=share_prompt,
+        micro_batch_size=4,
+        global_batch_size=8,
+        steps=1,
+        seed=3,
+    )
     out, batch = trainer.train_step()
-    return {"rows": [mb.tokens.shape[0] for mb in batch.micro_batches],
-            "rewards": {k: out.per_pair[k].tolist() for k in ("rewards/chosen",
-                                                              "rewards/rejected")},
-            "loss": out.metrics["loss"]}
+    return {
+        "rows": [mb.tokens.shape[0] for mb in batch.micro_batches],
+        "rewards": {k: out.per_pair[k].tolist() for k in ("rewards/chosen", "rewards/rejected")},
+        "loss": out.metrics["loss"],
+    }
 
 
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["packed", "shared_prompt"])

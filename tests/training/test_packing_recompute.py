@@ -3,8 +3,8 @@ gradient norm as without recompute, on CPU."""
 
 import pytest
 
-from tests.multirank import run_ranks
 from tests.engine import tiny_trainer
+from tests.multirank import run_ranks
 from tests.training.test_packing import _pairs
 
 
@@ -12,14 +12,25 @@ def _run(granularity, modules=None):
     """Packed training steps of the real trainer without and with recompute."""
     out = {}
     for name in ("none", granularity):
-        model = dict(num_layers=2, tie_word_embeddings=True,
-                     recompute_granularity=None if name == "none" else name,
-                     recompute_method="uniform" if name == "full" else None,
-                     recompute_num_layers=1 if name == "full" else None,
-                     recompute_modules=modules if name == "selective" else None)
-        trainer = tiny_trainer(_pairs(), model=model, packing=True, seed=3, micro_batch_size=3,
-                               global_batch_size=6, steps=2, lr=1e-2,
-                               loss={"name": "sigmoid", "beta": 0.5})
+        model = dict(
+            num_layers=2,
+            tie_word_embeddings=True,
+            recompute_granularity=None if name == "none" else name,
+            recompute_method="uniform" if name == "full" else None,
+            recompute_num_layers=1 if name == "full" else None,
+            recompute_modules=modules if name == "selective" else None,
+        )
+        trainer = tiny_trainer(
+            _pairs(),
+            model=model,
+            packing=True,
+            seed=3,
+            micro_batch_size=3,
+            global_batch_size=6,
+            steps=2,
+            lr=1e-2,
+            loss={"name": "sigmoid", "beta": 0.5},
+        )
         history = []
         for _ in range(2):
             step, _ = trainer.train_step()
@@ -28,9 +39,11 @@ def _run(granularity, modules=None):
     return out
 
 
-@pytest.mark.parametrize("granularity, modules", [("selective", None), ("full", None),
-                                                   ("selective", ["layernorm", "mlp"])],
-                         ids=["selective", "full", "selective-layernorm-mlp"])
+@pytest.mark.parametrize(
+    "granularity, modules",
+    [("selective", None), ("full", None), ("selective", ["layernorm", "mlp"])],
+    ids=["selective", "full", "selective-layernorm-mlp"],
+)
 def test_recompute_keeps_loss_and_gradient(granularity, modules):
     out = run_ranks(_run, world_size=1, granularity=granularity, modules=modules)[0]
     for (loss, grad), (loss_r, grad_r) in zip(out["none"], out[granularity]):

@@ -18,25 +18,38 @@ def _real_pairs():
     from dpo_megatron.data import DataConfig, load_preference_pairs, load_tokenizer
 
     tokenizer = load_tokenizer(str(assets.ensure_smollm2()))
-    cfg = DataConfig(path=str(assets.ensure_dpo_en_demo()), format="sharegpt", max_length=128,
-                     max_prompt_length=64)
+    cfg = DataConfig(
+        path=str(assets.ensure_dpo_en_demo()),
+        format="sharegpt",
+        max_length=128,
+        max_prompt_length=64,
+    )
     return tokenizer, load_preference_pairs(cfg, tokenizer).train[:NUM_PAIRS]
 
 
 def _engine(hf_path, pairs, pad_id, steps, export_dir):
     from dpo_megatron.models.conversion import export_hf
-
     from tests.engine import step_record, tiny_trainer
 
     # The real trainer at TP 2 x PP 2 on the real weights; global batch = both pairs, so every
     # step sees the same batch (one pair per micro-batch) and its margin must grow.
-    trainer = tiny_trainer(pairs, pad_token_id=pad_id, tp=2, pp=2, seed=0, lr=1e-5,
-                           steps=steps, micro_batch_size=1, global_batch_size=len(pairs),
-                           model={"hf_path": hf_path, "pad_attention_heads": True})
+    trainer = tiny_trainer(
+        pairs,
+        pad_token_id=pad_id,
+        tp=2,
+        pp=2,
+        seed=0,
+        lr=1e-5,
+        steps=steps,
+        micro_batch_size=1,
+        global_batch_size=len(pairs),
+        model={"hf_path": hf_path, "pad_attention_heads": True},
+    )
     history = [step_record(*trainer.train_step()) for _ in range(steps)]
     policy, model_cfg = trainer.policy, trainer.model_config
-    export_hf([c.module for c in policy], model_cfg, export_dir, dtype="bfloat16",
-              tokenizer_dir=hf_path)
+    export_hf(
+        [c.module for c in policy], model_cfg, export_dir, dtype="bfloat16", tokenizer_dir=hf_path
+    )
     return history
 
 
@@ -50,8 +63,9 @@ def _hf_logps(hf_path, pairs, pad_id):
     batch = collate_pairs(pairs, pad_id, longest)
     with torch.no_grad():
         logits = model(batch.tokens).logits
-    token_logps = torch.log_softmax(logits.float(), -1).gather(
-        -1, batch.labels[..., None]).squeeze(-1)
+    token_logps = (
+        torch.log_softmax(logits.float(), -1).gather(-1, batch.labels[..., None]).squeeze(-1)
+    )
     return (token_logps * batch.loss_mask).sum(-1).double()
 
 
@@ -63,12 +77,20 @@ def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):
     assert len(pairs) == NUM_PAIRS
     pad_id = tokenizer.pad_token_id
     export_dir = str(tmp_path / "hf")
-    results = run_ranks(_engine, world_size=4, hf_path=hf_path, pairs=pairs, pad_id=pad_id,
-                        steps=3, export_dir=export_dir)
+    results = run_ranks(
+        _engine,
+        world_size=4,
+        hf_path=hf_path,
+        pairs=pairs,
+        pad_id=pad_id,
+        steps=3,
+        export_dir=export_dir,
+    )
     history = next(r for r in results if r[0]["per_pair"])
     step0 = history[0]
-    engine = torch.tensor(step0["per_pair"]["logps/chosen"] + step0["per_pair"]["logps/rejected"],
-                          dtype=torch.float64)
+    engine = torch.tensor(
+        step0["per_pair"]["logps/chosen"] + step0["per_pair"]["logps/rejected"], dtype=torch.float64
+    )
     expected = _hf_logps(hf_path, pairs, pad_id)
     # Sums of ~100 real completion tokens (nats): relative error < 1e-4.
     torch.testing.assert_close(engine, expected, rtol=1e-4, atol=0)
@@ -90,13 +112,16 @@ def _check_export_generates(export_dir, hf_path):
     assert model.config.num_key_value_heads == 3  # padding removed
     original = AutoModelForCausalLM.from_pretrained(hf_path)
     name = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(model.state_dict()[name].float(), original.state_dict()[name].bfloat16()
-                           .float())
+    assert not torch.equal(
+        model.state_dict()[name].float(), original.state_dict()[name].bfloat16().float()
+    )
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=10, do_sample=False)
-    text = tokenizer.decode(out[0, ids.shape[1]:])
+    text = tokenizer.decode(out[0, ids.shape[1] :])
     assert "Paris" in text, text

@@ -15,8 +15,10 @@ from tests.multirank import run_ranks
 
 
 def test_table_round_trip(tmp_path):
-    table = ReferenceTable([torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])],
-                           [torch.tensor([-3.0]), torch.tensor([-4.0, -5.0, -6.0])])
+    table = ReferenceTable(
+        [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])],
+        [torch.tensor([-3.0]), torch.tensor([-4.0, -5.0, -6.0])],
+    )
     table.save(tmp_path / "t.pt")
     back = ReferenceTable.load(tmp_path / "t.pt")
     assert [t.tolist() for t in back.chosen] == [[-1.0, -2.0], [-0.5]]
@@ -25,8 +27,10 @@ def test_table_round_trip(tmp_path):
 
 def test_table_attaches_to_its_pairs_and_refuses_stale_ones():
     pairs = [PreferencePair((5, 6), (7, 2), (8, 9, 2)), PreferencePair((5,), (7, 2), (2,))]
-    table = ReferenceTable([torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0])],
-                           [torch.tensor([-5.0, -6.0, -7.0]), torch.tensor([-8.0])])
+    table = ReferenceTable(
+        [torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0])],
+        [torch.tensor([-5.0, -6.0, -7.0]), torch.tensor([-8.0])],
+    )
     carried = table.attach(pairs)
     assert carried[1].reference_rejected_logps.tolist() == [-8.0]
     assert carried == pairs  # the values are not part of a pair's identity
@@ -43,12 +47,14 @@ def test_cache_key_follows_tokens_model_weights_and_layout():
     layout = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     key = reference_cache_key(pairs, ModelConfig(), "w1", layout)
     assert key == reference_cache_key(list(pairs), ModelConfig(), "w1", dict(layout))
-    assert key != reference_cache_key([PreferencePair((5, 6), (7, 2), (9, 2))], ModelConfig(),
-                                      "w1", layout)
+    assert key != reference_cache_key(
+        [PreferencePair((5, 6), (7, 2), (9, 2))], ModelConfig(), "w1", layout
+    )
     assert key != reference_cache_key(pairs, ModelConfig(num_layers=3), "w1", layout)
     assert key != reference_cache_key(pairs, ModelConfig(), "w2", layout)
-    assert key != reference_cache_key(pairs, ModelConfig(), "w1",
-                                      {**layout, "pipeline_model_parallel_size": 2})
+    assert key != reference_cache_key(
+        pairs, ModelConfig(), "w1", {**layout, "pipeline_model_parallel_size": 2}
+    )
 
 
 def test_unknown_mode_is_rejected():
@@ -68,22 +74,41 @@ def _trajectories(cache_dir, steps=3):
     calls = []
     original = step_module.attach_reference_logps
     step_module.attach_reference_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
-    runs = {"model": ("model", False, False), "precomputed": ("precomputed", False, False),
-            "precomputed_again": ("precomputed", False, False),
-            "precomputed_packed": ("precomputed", False, True), "offload": ("model", True, False)}
+    runs = {
+        "model": ("model", False, False),
+        "precomputed": ("precomputed", False, False),
+        "precomputed_again": ("precomputed", False, False),
+        "precomputed_packed": ("precomputed", False, True),
+        "offload": ("model", True, False),
+    }
     out = {}
     for name, (mode, offload, packed) in runs.items():
         calls.clear()
-        trainer = tiny_trainer(_pairs(), eval_pairs=_pairs(2, seed=1), model={"num_layers": 2},
-                               reference_mode=mode, offload=offload, cache_dir=cache_dir,
-                               packing=packed, seed=3, micro_batch_size=2, global_batch_size=6,
-                               steps=steps, lr=1e-2, loss={"name": "sigmoid", "beta": 0.5})
+        trainer = tiny_trainer(
+            _pairs(),
+            eval_pairs=_pairs(2, seed=1),
+            model={"num_layers": 2},
+            reference_mode=mode,
+            offload=offload,
+            cache_dir=cache_dir,
+            packing=packed,
+            seed=3,
+            micro_batch_size=2,
+            global_batch_size=6,
+            steps=steps,
+            lr=1e-2,
+            loss={"name": "sigmoid", "beta": 0.5},
+        )
         before_training = len(calls)
         losses = [trainer.train_step()[0].metrics["loss"] for _ in range(steps)]
         evaluation = trainer.evaluate(steps)["loss"]
-        out[name] = {"losses": losses, "eval": evaluation, "precompute_calls": before_training,
-                     "training_calls": len(calls) - before_training,
-                     "reference_held": trainer.reference is not None}
+        out[name] = {
+            "losses": losses,
+            "eval": evaluation,
+            "precompute_calls": before_training,
+            "training_calls": len(calls) - before_training,
+            "reference_held": trainer.reference is not None,
+        }
     return out
 
 
@@ -109,8 +134,16 @@ def test_precomputed_and_offload_give_the_model_mode_loss(tmp_path):
 
 
 def _step_one_loss(cache_dir, pp):
-    trainer = tiny_trainer(_pairs(8), pp=pp, reference_mode="precomputed", cache_dir=cache_dir,
-                           seed=5, micro_batch_size=2, global_batch_size=4, steps=1)
+    trainer = tiny_trainer(
+        _pairs(8),
+        pp=pp,
+        reference_mode="precomputed",
+        cache_dir=cache_dir,
+        seed=5,
+        micro_batch_size=2,
+        global_batch_size=4,
+        steps=1,
+    )
     return trainer.train_step()[0].metrics["loss"]
 
 
@@ -120,8 +153,9 @@ def test_random_init_runs_at_two_layouts_never_share_a_table(tmp_path):
     have different references; the cache once served the PP 1 table to the PP 2 run (step-1 loss
     0.696575 instead of ln 2)."""
     cache = str(tmp_path)
-    assert abs(run_ranks(_step_one_loss, world_size=1, cache_dir=cache, pp=1)[0]
-               - math.log(2)) < 1e-6
+    assert (
+        abs(run_ranks(_step_one_loss, world_size=1, cache_dir=cache, pp=1)[0] - math.log(2)) < 1e-6
+    )
     losses = run_ranks(_step_one_loss, world_size=2, cache_dir=cache, pp=2)
     assert all(abs(loss - math.log(2)) < 1e-6 for loss in losses)
     assert len(list(tmp_path.glob("reference-*.pt"))) == 2

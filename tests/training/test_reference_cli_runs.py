@@ -22,13 +22,17 @@ from tests.training.test_lifecycle import read_metrics
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SFT_LINE = ("python -u train.py model=pythia69 datasets=[hh] loss=sft "
-            "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 "
-            "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false")
-DPO_LINE = ("python -u train.py model=pythia69 datasets=[hh] loss=dpo loss.beta=0.1 "
-            "model.archive=/path/to/checkpoint/from/sft/step-XXXX/policy.pt "
-            "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=32 "
-            "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false")
+SFT_LINE = (
+    "python -u train.py model=pythia69 datasets=[hh] loss=sft "
+    "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 "
+    "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false"
+)
+DPO_LINE = (
+    "python -u train.py model=pythia69 datasets=[hh] loss=dpo loss.beta=0.1 "
+    "model.archive=/path/to/checkpoint/from/sft/step-XXXX/policy.pt "
+    "exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=32 "
+    "eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false"
+)
 # The repo's default lr (5e-7 with 150 warm-up steps) would leave a two-step run's weights where
 # they started; a larger constant lr makes the SFT weights and the DPO steps differ.
 MOVE = ["lr=1e-3", "warmup_steps=0"]
@@ -49,8 +53,12 @@ def _words(line, model_dir, data_file, run_dir, archive=None):
 
 
 def _env(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, DPO_MEGATRON_CACHE=str(tmp_path / "cache"),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        DPO_MEGATRON_CACHE=str(tmp_path / "cache"),
+        OMP_NUM_THREADS="1",
+    )
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
@@ -74,8 +82,14 @@ def _losses(run_dir):
 def tiny_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference_cli")
     tok = tiny_hf_tokenizer()
-    model_dir = save_tiny_hf_folder("gpt2", str(root / "tiny"), vocab_size=400, n_positions=512,
-                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model_dir = save_tiny_hf_folder(
+        "gpt2",
+        str(root / "tiny"),
+        vocab_size=400,
+        n_positions=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     tok.save_pretrained(model_dir)
     words = ["blue", "green", "sky", "grass", "fine", "yes", "no", "hello"]
     with open(root / "hh.jsonl", "w") as f:
@@ -83,8 +97,15 @@ def tiny_files(tmp_path_factory):
             prompt = f"\n\nHuman: What colour is the {words[i % 8]}?\n\nAssistant:"
             if i % 5 == 0:  # a multi-turn dialogue
                 prompt = f"\n\nHuman: Hello!\n\nAssistant: Hello, how are you?{prompt}"
-            f.write(json.dumps({"chosen": prompt + f" It is {words[(i + 1) % 8]}.",
-                                "rejected": prompt + f" {words[(i + 3) % 8]} no."}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "chosen": prompt + f" It is {words[(i + 1) % 8]}.",
+                        "rejected": prompt + f" {words[(i + 3) % 8]} no.",
+                    }
+                )
+                + "\n"
+            )
     return model_dir, str(root / "hh.jsonl")
 
 
@@ -97,8 +118,13 @@ def test_reference_readme_lines_sft_then_dpo(tmp_path, tiny_files):
     sft_out = _run(["bash", *script, *_words(SFT_LINE, model_dir, data_file, sft_dir)], env)
     sft_cmd = _printed_command(sft_out)
     assert sft_cmd.startswith("bash scripts/pretrain_sft.sh --config configs/reference_dpo.yaml")
-    for want in ("loss=sft", "train.global_batch_size=64", "train.micro_batch_size=32",
-                 "parallel.data_parallel_size=1", "train.train_iters=1"):
+    for want in (
+        "loss=sft",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=32",
+        "parallel.data_parallel_size=1",
+        "train.train_iters=1",
+    ):
         assert want in sft_cmd.split(), want
     assert "note: trainer=FSDPTrainer: 1 FSDP replica(s) -> data parallel 1" in sft_out
     archive = os.path.join(sft_dir, "LATEST", "policy.pt")
@@ -109,8 +135,9 @@ def test_reference_readme_lines_sft_then_dpo(tmp_path, tiny_files):
     base = load_file(os.path.join(model_dir, "model.safetensors"))
     assert any(not torch.equal(base[k], blob["state"][k]) for k in base)  # SFT moved the weights
 
-    dpo_out = _run(["bash", *script,
-                    *_words(DPO_LINE, model_dir, data_file, dpo_dir, archive=archive)], env)
+    dpo_out = _run(
+        ["bash", *script, *_words(DPO_LINE, model_dir, data_file, dpo_dir, archive=archive)], env
+    )
     dpo_cmd = _printed_command(dpo_out)
     assert dpo_cmd.startswith("bash scripts/pretrain_dpo.sh --config configs/reference_dpo.yaml")
     assert f"model.hf_path={dpo_dir}/archive_hf" in dpo_cmd.split()
@@ -153,20 +180,41 @@ def test_hh_folder_test_split_is_the_eval_set(tmp_path, tiny_files):
     def write(name, rows):
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    write("train.jsonl", [{"chosen": dialogue(i, "Yes."), "rejected": dialogue(i, "No.")}
-                          for i in range(8)])
-    write("test.jsonl", [{"chosen": dialogue(i, "Yes, it is."), "rejected": dialogue(i, "No.")}
-                         for i in range(4)] + [{"chosen": dialogue(9, "Yes."),
-                                                "rejected": dialogue(9, "Yes.")}])
-    argv = ["model=blank_model", f"model.name_or_path={model_dir}", f"datasets=[{folder}]",
-            "loss=dpo", "loss.beta=0.1", "exp_name=eval_split", "batch_size=4",
-            "gradient_accumulation_steps=2", "eval_batch_size=3", "eval_every=8",
-            "sample_during_eval=false", "wandb.enabled=false", f"local_run_dir={tmp_path / 'run'}",
-            f"engine.data.cache_dir={tmp_path / 'cache'}", *MOVE]
+    write(
+        "train.jsonl",
+        [{"chosen": dialogue(i, "Yes."), "rejected": dialogue(i, "No.")} for i in range(8)],
+    )
+    write(
+        "test.jsonl",
+        [{"chosen": dialogue(i, "Yes, it is."), "rejected": dialogue(i, "No.")} for i in range(4)]
+        + [{"chosen": dialogue(9, "Yes."), "rejected": dialogue(9, "Yes.")}],
+    )
+    argv = [
+        "model=blank_model",
+        f"model.name_or_path={model_dir}",
+        f"datasets=[{folder}]",
+        "loss=dpo",
+        "loss.beta=0.1",
+        "exp_name=eval_split",
+        "batch_size=4",
+        "gradient_accumulation_steps=2",
+        "eval_batch_size=3",
+        "eval_every=8",
+        "sample_during_eval=false",
+        "wandb.enabled=false",
+        f"local_run_dir={tmp_path / 'run'}",
+        f"engine.data.cache_dir={tmp_path / 'cache'}",
+        *MOVE,
+    ]
     t = prepare(argv, devices=1)
-    assert {f"data.eval_datasets=[{folder}]", "data.eval_split=test", "train.eval_interval=2",
-            "train.eval_global_batch_size=3", "train.eval_at_start=true",
-            "train.train_iters=2"} <= set(t.overrides)
+    assert {
+        f"data.eval_datasets=[{folder}]",
+        "data.eval_split=test",
+        "train.eval_interval=2",
+        "train.eval_global_batch_size=3",
+        "train.eval_at_start=true",
+        "train.train_iters=2",
+    } <= set(t.overrides)
     run_ranks(_train_translated, world_size=1, config=t.config, overrides=t.overrides)
     evals = read_metrics(tmp_path / "run", "eval")
     assert sorted(evals) == [0, 2] and sorted(read_metrics(tmp_path / "run")) == [1, 2]
@@ -174,8 +222,16 @@ def test_hh_folder_test_split_is_the_eval_set(tmp_path, tiny_files):
     assert abs(evals[0]["loss"] - math.log(2)) < 1e-6 and evals[0]["rewards/margins"] == 0.0
     assert abs(evals[2]["loss"] - math.log(2)) > 1e-4  # after two steps
 
-    t = prepare([*argv, "n_eval_examples=3", "do_first_eval=false", "n_examples=4",
-                 f"local_run_dir={tmp_path / 'run3'}"], devices=1)
+    t = prepare(
+        [
+            *argv,
+            "n_eval_examples=3",
+            "do_first_eval=false",
+            "n_examples=4",
+            f"local_run_dir={tmp_path / 'run3'}",
+        ],
+        devices=1,
+    )
     run_ranks(_train_translated, world_size=1, config=t.config, overrides=t.overrides)
     evals = read_metrics(tmp_path / "run3", "eval")
     assert sorted(evals) == [1] and evals[1]["items"] == 3  # the last step only, one batch of 3

@@ -29,8 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _config(run_dir, *overrides):
     from dpo_megatron.config import load_config
 
-    return load_config(None, [f"run_dir={run_dir}", "data.tokenizer=x",
-                              "data.path=unused.jsonl", *overrides])
+    return load_config(
+        None, [f"run_dir={run_dir}", "data.tokenizer=x", "data.path=unused.jsonl", *overrides]
+    )
 
 
 @pytest.fixture
@@ -55,8 +56,11 @@ def holder(tmp_path):
 
 def test_a_second_run_is_refused_naming_the_owner(holder):
     run_dir, proc = holder
-    with pytest.raises(RunDirError, match=rf"run_dir .*run is in use by another run \(pid "
-                                          rf"{proc.pid} on .*started .*one run per run_dir"):
+    with pytest.raises(
+        RunDirError,
+        match=rf"run_dir .*run is in use by another run \(pid "
+        rf"{proc.pid} on .*started .*one run per run_dir",
+    ):
         RunLock.acquire(str(run_dir))
 
 
@@ -144,8 +148,9 @@ def test_a_fresh_run_over_an_old_one_is_refused_and_nothing_changes(old_run):
 
 def test_overwrite_moves_the_old_run_aside_untouched(old_run):
     before = tree_digest(str(old_run))
-    moved = check_no_mixing(_config(old_run, "checkpoint.overwrite=true"), str(old_run),
-                            str(old_run / "checkpoints"))
+    moved = check_no_mixing(
+        _config(old_run, "checkpoint.overwrite=true"), str(old_run), str(old_run / "checkpoints")
+    )
     assert len(moved) == 1 and os.path.basename(moved[0]).startswith("run.replaced-")
     assert tree_digest(moved[0]) == before
     assert os.listdir(old_run) == []
@@ -157,11 +162,15 @@ def test_resume_decides_what_may_share_the_folder(old_run, tmp_path):
     own = f"checkpoint.resume={old_run}/checkpoints/iter_0000002"
     assert check_no_mixing(_config(old_run, own), str(old_run), save) == []
     with pytest.raises(RunDirError, match="resuming another run's checkpoint"):
-        check_no_mixing(_config(old_run, f"checkpoint.resume={tmp_path}/elsewhere"),
-                        str(old_run), save)
+        check_no_mixing(
+            _config(old_run, f"checkpoint.resume={tmp_path}/elsewhere"), str(old_run), save
+        )
     with pytest.raises(RunDirError, match="choose one"):
-        check_no_mixing(_config(old_run, "checkpoint.resume=auto", "checkpoint.overwrite=true"),
-                        str(old_run), save)
+        check_no_mixing(
+            _config(old_run, "checkpoint.resume=auto", "checkpoint.overwrite=true"),
+            str(old_run),
+            save,
+        )
     empty = tmp_path / "empty"
     assert check_no_mixing(_config(empty), str(empty), str(empty / "checkpoints")) == []
 

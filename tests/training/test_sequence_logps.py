@@ -9,26 +9,29 @@ import pytest
 import torch
 
 from dpo_megatron.data import PreferencePair
-from tests.engine import tiny_trainer
-from tests.engine import save_initial_checkpoint
+from tests.engine import save_initial_checkpoint, tiny_trainer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 EOS = 2
-PAIR = PreferencePair(prompt_ids=(11, 12, 13), chosen_ids=(21, 22, EOS),
-                      rejected_ids=(31, 32, 33, 34, EOS))
-LONG = PreferencePair(prompt_ids=tuple(range(40, 60)), chosen_ids=(5, 6, EOS),
-                      rejected_ids=tuple(range(70, 95)) + (EOS,))
+PAIR = PreferencePair(
+    prompt_ids=(11, 12, 13), chosen_ids=(21, 22, EOS), rejected_ids=(31, 32, 33, 34, EOS)
+)
+LONG = PreferencePair(
+    prompt_ids=tuple(range(40, 60)),
+    chosen_ids=(5, 6, EOS),
+    rejected_ids=tuple(range(70, 95)) + (EOS,),
+)
 
 
 def _run(ckpt_dir):
     from dpo_megatron.data.collate import PaddedPairs
-
     from dpo_megatron.training.step import dpo_forward_backward
 
     # simpo is reference-free: only the policy's log-probs, as the real trainer builds them.
-    trainer = tiny_trainer([PAIR], load=ckpt_dir, loss={"name": "simpo"}, seed=0,
-                           global_batch_size=1)
+    trainer = tiny_trainer(
+        [PAIR], load=ckpt_dir, loss={"name": "simpo"}, seed=0, global_batch_size=1
+    )
     model = trainer.policy
 
     def logps(pairs, indices, multiple):
@@ -45,8 +48,9 @@ def _run(ckpt_dir):
             logits = model[0](tokens, torch.arange(tokens.shape[1])[None], attention_mask=None)
             log_probs = torch.log_softmax(logits[0].double(), -1)
             p = len(PAIR.prompt_ids)
-            hand.append(sum(float(log_probs[p - 1 + i, token]) for i, token in
-                            enumerate(completion)))
+            hand.append(
+                sum(float(log_probs[p - 1 + i, token]) for i, token in enumerate(completion))
+            )
     return alone, batched, hand
 
 
@@ -55,8 +59,8 @@ def test_completion_tokens_only_by_hand_and_independent_of_batching(tmp_path):
     run_ranks(save_initial_checkpoint, world_size=1, ckpt_dir=ckpt)
     alone, batched, hand = run_ranks(_run, world_size=1, ckpt_dir=ckpt)[0]
     (chosen,), (rejected,) = alone
-    assert chosen == pytest.approx(hand[0], rel=1e-6)      # r1 + r2 + EOS, given the prompt
-    assert rejected == pytest.approx(hand[1], rel=1e-6)    # the same rule for rejected
+    assert chosen == pytest.approx(hand[0], rel=1e-6)  # r1 + r2 + EOS, given the prompt
+    assert rejected == pytest.approx(hand[1], rel=1e-6)  # the same rule for rejected
     # Pair 1 of the batched call is the same pair, padded to 64 beside long pairs.
     assert batched[0][1] == pytest.approx(chosen, rel=1e-6)
     assert batched[1][1] == pytest.approx(rejected, rel=1e-6)

@@ -5,8 +5,12 @@ import pytest
 import torch
 
 from dpo_megatron.data import PreferencePair, collate_pairs
-from dpo_megatron.data.packing import (PackingConfig, SharedPromptPairs, pack_shared_prompt_pairs,
-                                       shared_prompt_unit)
+from dpo_megatron.data.packing import (
+    PackingConfig,
+    SharedPromptPairs,
+    pack_shared_prompt_pairs,
+    shared_prompt_unit,
+)
 from dpo_megatron.models.attention import visible_keys
 from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
 from tests.multirank import run_ranks
@@ -42,7 +46,11 @@ def test_layout_by_hand():
     assert out.output_index.tolist() == [1, 2, 7, 8, 1, 4, 5, 7, 10]
     # Spans: [prompt | chosen] on itself; rejected on [prompt ; rejected].
     assert [(s.q_start, s.q_end, s.keys) for s in out.packed.spans] == [
-        (0, 4, ((0, 4),)), (4, 7, ((0, 2), (4, 7))), (7, 10, ((7, 10),)), (10, 12, ((7, 8), (10, 12)))]
+        (0, 4, ((0, 4),)),
+        (4, 7, ((0, 2), (4, 7))),
+        (7, 10, ((7, 10),)),
+        (10, 12, ((7, 8), (10, 12))),
+    ]
     assert out.packed.cu_seqlens_q.tolist() == [0, 4, 7, 10, 12]
     assert out.packed.cu_seqlens_kv.tolist() == [0, 4, 9, 12, 15]
     assert out.packed.kv_index.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 7, 10, 11]
@@ -50,22 +58,30 @@ def test_layout_by_hand():
     # The same spans as square causal rows of 5 slots (one SDPA call): each span's keys, its
     # queries in the last slots (before them the span's first query as filler), filler after.
     rows = out.packed.rows
-    assert rows.key_index.tolist() == [[0, 1, 2, 3, 0], [0, 1, 4, 5, 6], [7, 8, 9, 7, 7],
-                                       [7, 10, 11, 7, 7]]
-    assert rows.query_index.tolist() == [[0, 1, 2, 3, 0], [4, 4, 4, 5, 6], [7, 8, 9, 7, 7],
-                                         [10, 10, 11, 10, 10]]
+    assert rows.key_index.tolist() == [
+        [0, 1, 2, 3, 0],
+        [0, 1, 4, 5, 6],
+        [7, 8, 9, 7, 7],
+        [7, 10, 11, 7, 7],
+    ]
+    assert rows.query_index.tolist() == [
+        [0, 1, 2, 3, 0],
+        [4, 4, 4, 5, 6],
+        [7, 8, 9, 7, 7],
+        [10, 10, 11, 10, 10],
+    ]
     assert rows.output_index.tolist() == [0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 16, 17]
     visible = visible_keys(out.segment_ids, out.packed.branch_ids)[0, 0]
     assert visible[5].tolist() == [True, True, False, False, True, True] + [False] * 6  # A+r
-    assert visible[3].tolist() == [True] * 4 + [False] * 8                             # A+c
-    assert visible[11].tolist() == [False] * 7 + [True, False, False, True, True]       # B+r
+    assert visible[3].tolist() == [True] * 4 + [False] * 8  # A+c
+    assert visible[11].tolist() == [False] * 7 + [True, False, False, True, True]  # B+r
 
 
 def test_builder_counts_the_prompt_once():
     builder = SharedPromptPairs(0, 4, PackingConfig(enabled=True, share_prompt=True))
     step = builder.build(PAIRS, [[0, 1]])
     assert step.real_tokens == 4 + 5 + 2 * 3  # as TRL counts: the prompt in both sequences
-    assert step.model_tokens == 7 + 5         # computed: each prompt once
+    assert step.model_tokens == 7 + 5  # computed: each prompt once
     assert step.seq_length == 12 and tuple(step.micro_batches[0].tokens.shape) == (1, 12)
 
 
@@ -82,14 +98,27 @@ def _pairs(n=6, seed=5):  # prompts, chosen and rejected of widely varying lengt
     return random_pairs(n, seed, lambda i: (2 + (7 * i) % 11, 1 + (5 * i) % 9, 3 + (3 * i) % 13))
 
 
-MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-             num_query_groups=2, tie_word_embeddings=True)
+MODEL = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    tie_word_embeddings=True,
+)
 
 
 def _history(steps, **config):
-    trainer = tiny_trainer(_pairs(), model={**MODEL, **config.pop("model", {})}, seed=3,
-                           global_batch_size=6, steps=steps, lr=1e-2,
-                           loss={"name": "sigmoid", "beta": 0.5}, **config)
+    trainer = tiny_trainer(
+        _pairs(),
+        model={**MODEL, **config.pop("model", {})},
+        seed=3,
+        global_batch_size=6,
+        steps=steps,
+        lr=1e-2,
+        loss={"name": "sigmoid", "beta": 0.5},
+        **config,
+    )
     history = [step_record(*trainer.train_step()) for _ in range(steps)]
     for record in history:
         record["loss"] = record["metrics"]["loss"]
@@ -98,9 +127,17 @@ def _history(steps, **config):
 
 def _compare(steps=3, micro_batch_size=3, model=None, **config):
     """Packed without and with a shared prompt, from the same seed, same layout."""
-    history = {share: _history(steps, micro_batch_size=micro_batch_size, packing=True,
-                               share_prompt=share, model=model or {}, **config)
-               for share in (False, True)}
+    history = {
+        share: _history(
+            steps,
+            micro_batch_size=micro_batch_size,
+            packing=True,
+            share_prompt=share,
+            model=model or {},
+            **config,
+        )
+        for share in (False, True)
+    }
     return {"last": owns_results(), "history": history}
 
 
@@ -124,15 +161,18 @@ def _corrupt(batch, how):
 
     layout = batch.packed
     if how == "mask":
-        spans = [AttentionSpan(s.q_start, s.q_end, ((s.keys[0][0], s.q_end),))
-                 if len(s.keys) == 2 else s for s in layout.spans]
+        spans = [
+            AttentionSpan(s.q_start, s.q_end, ((s.keys[0][0], s.q_end),)) if len(s.keys) == 2 else s
+            for s in layout.spans
+        ]
         layout = PackedLayout.from_spans(layout.segment_ids, None, spans)
         return dataclasses.replace(batch, packed=layout)
     positions = batch.position_ids.clone().reshape(-1)
     for s in layout.spans:
         if len(s.keys) == 2:  # rejected: prompt + chosen lengths = start - unit start
-            positions[s.q_start:s.q_end] = torch.arange(s.q_end - s.q_start) + (
-                s.q_start - s.keys[0][0])
+            positions[s.q_start : s.q_end] = torch.arange(s.q_end - s.q_start) + (
+                s.q_start - s.keys[0][0]
+            )
     return dataclasses.replace(batch, position_ids=positions.view_as(batch.position_ids))
 
 
@@ -142,15 +182,25 @@ def _logps_with(kernel, broken):
 
     out = {}
     for share, how in [(False, None), (True, None)] + [(True, b) for b in broken]:
-        trainer = tiny_trainer(_pairs(4), model={**MODEL, "local_attention": kernel}, seed=3,
-                               micro_batch_size=2, global_batch_size=4, packing=True,
-                               share_prompt=share)
+        trainer = tiny_trainer(
+            _pairs(4),
+            model={**MODEL, "local_attention": kernel},
+            seed=3,
+            micro_batch_size=2,
+            global_batch_size=4,
+            packing=True,
+            share_prompt=share,
+        )
         batch = trainer.next_batch()
         if how:
-            batch = StepBatch([_corrupt(mb, how) for mb in batch.micro_batches],
-                              batch.seq_length, batch.real_tokens)
-        step = dpo_forward_backward(trainer.policy, trainer.reference, batch, trainer.loss_fn,
-                                    forward_only=True)
+            batch = StepBatch(
+                [_corrupt(mb, how) for mb in batch.micro_batches],
+                batch.seq_length,
+                batch.real_tokens,
+            )
+        step = dpo_forward_backward(
+            trainer.policy, trainer.reference, batch, trainer.loss_fn, forward_only=True
+        )
         out[how or ("shared" if share else "unshared")] = step.per_pair["logps/rejected"].tolist()
     return out
 
@@ -168,26 +218,46 @@ def test_rejected_seeing_chosen_or_a_wrong_position_breaks_equality(kernel):
 # every layout, with and without recompute; the precompute pass and evaluation
 
 
-RECOMPUTE = {None: {}, "selective": dict(recompute_granularity="selective"),
-             "full": dict(recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=1)}
+RECOMPUTE = {
+    None: {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 def _layout_histories(tp, pp, vpp, sp, steps=2):
     """Unshared packing, then shared prompts without / with selective / with full recompute."""
     model = {**MODEL, "num_layers": 4}
     runs = [(False, None), (True, None), (True, "selective"), (True, "full")]
-    history = {f"{'shared' if share else 'unshared'}/{rc}": _history(
-        steps, tp=tp, pp=pp, vpp=vpp, sp=sp, micro_batch_size=1, packing=True,
-        share_prompt=share, model={**model, **RECOMPUTE[rc]}) for share, rc in runs}
+    history = {
+        f"{'shared' if share else 'unshared'}/{rc}": _history(
+            steps,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            sp=sp,
+            micro_batch_size=1,
+            packing=True,
+            share_prompt=share,
+            model={**model, **RECOMPUTE[rc]},
+        )
+        for share, rc in runs
+    }
     return {"last": owns_results(), "history": history}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp, vpp, sp", [(1, 1, None, False), (2, 1, None, True),
-                                             (1, 2, None, False), (2, 2, None, False),
-                                             (1, 2, 2, False)],
-                         ids=["tp1", "tp2-sp", "pp2", "tp2-pp2", "pp2-vpp2"])
+@pytest.mark.parametrize(
+    "tp, pp, vpp, sp",
+    [
+        (1, 1, None, False),
+        (2, 1, None, True),
+        (1, 2, None, False),
+        (2, 2, None, False),
+        (1, 2, 2, False),
+    ],
+    ids=["tp1", "tp2-sp", "pp2", "tp2-pp2", "pp2-vpp2"],
+)
 def test_shared_prompt_at_every_layout_with_recompute(tp, pp, vpp, sp):
     results = run_ranks(_layout_histories, world_size=tp * pp, tp=tp, pp=pp, vpp=vpp, sp=sp)
     history = next(r for r in results if r["last"])["history"]
@@ -200,15 +270,28 @@ def test_shared_prompt_at_every_layout_with_recompute(tp, pp, vpp, sp):
 def _precomputed_and_eval(root):
     out = {}
     for share in (False, True):
-        trainer = tiny_trainer(_pairs(6), eval_pairs=_pairs(4, seed=8), model=MODEL, seed=3,
-                               micro_batch_size=2, global_batch_size=4, steps=2, lr=1e-2,
-                               packing=True, share_prompt=share, reference_mode="precomputed",
-                               cache_dir=f"{root}/{share}", loss={"name": "sigmoid", "beta": 0.5})
+        trainer = tiny_trainer(
+            _pairs(6),
+            eval_pairs=_pairs(4, seed=8),
+            model=MODEL,
+            seed=3,
+            micro_batch_size=2,
+            global_batch_size=4,
+            steps=2,
+            lr=1e-2,
+            packing=True,
+            share_prompt=share,
+            reference_mode="precomputed",
+            cache_dir=f"{root}/{share}",
+            loss={"name": "sigmoid", "beta": 0.5},
+        )
         assert trainer.reference is None  # freed after the precompute pass
         losses = [trainer.train_step()[0].metrics["loss"] for _ in range(2)]
-        out[share] = {"losses": losses, "eval": trainer.evaluator.run(
-            trainer.policy, trainer.reference, trainer.loss_fn),
-            "table": [p.reference_rejected_logps.tolist() for p in trainer.data.train]}
+        out[share] = {
+            "losses": losses,
+            "eval": trainer.evaluator.run(trainer.policy, trainer.reference, trainer.loss_fn),
+            "table": [p.reference_rejected_logps.tolist() for p in trainer.data.train],
+        }
     return out
 
 
@@ -230,8 +313,12 @@ def _host_tensor_report(root):
 
     reports = {}
     for name, extra in {"model": [], "precomputed": ["reference.mode=precomputed"]}.items():
-        overrides = ["packing.enabled=true", "packing.share_prompt=true",
-                     "parallel.tensor_model_parallel_size=2", *extra]
+        overrides = [
+            "packing.enabled=true",
+            "packing.share_prompt=true",
+            "parallel.tensor_model_parallel_size=2",
+            *extra,
+        ]
         with HostTensorCheck() as check:
             Trainer(_config(root, f"shared_{name}", *overrides)).train()
         reports[name] = check.report()
@@ -243,7 +330,8 @@ def test_shared_prompt_run_leaves_no_tensor_on_the_host(tmp_path):
     """A whole shared-prompt run (reference model or precompute pass, evaluation, samples,
     checkpoint) at TP 2 makes every tensor on the device and moves every batch through the
     boundary (``tests/host_tensors.py``)."""
-    for rank, reports in enumerate(run_ranks(_host_tensor_report, world_size=2,
-                                             root=str(tmp_path))):
+    for rank, reports in enumerate(
+        run_ranks(_host_tensor_report, world_size=2, root=str(tmp_path))
+    ):
         for name, report in reports.items():
             assert report == "", f"rank {rank}, {name}:\n{report}"

@@ -40,13 +40,16 @@ def test_the_first_signal_sets_the_flag_a_second_sigint_is_the_default(capsys):
 def test_run_interrupted_exits_with_128_plus_the_signal():
     saved = RunInterrupted(signal.SIGTERM, 4, "/r/checkpoints/iter_0000004", saved=True)
     assert saved.code == 143 and isinstance(saved, SystemExit)
-    assert str(saved) == ("stopped by SIGTERM after step 4: saved checkpoint "
-                          "/r/checkpoints/iter_0000004; continue with checkpoint.resume=auto")
+    assert str(saved) == (
+        "stopped by SIGTERM after step 4: saved checkpoint "
+        "/r/checkpoints/iter_0000004; continue with checkpoint.resume=auto"
+    )
     skipped = RunInterrupted(signal.SIGINT, 5, "/r/checkpoints/iter_0000004", saved=False)
     assert skipped.code == 130
     assert "step 5 not saved; last checkpoint /r/checkpoints/iter_0000004" in str(skipped)
     assert str(RunInterrupted(signal.SIGINT, 1, None, saved=False)).endswith(
-        "step 1 not saved; no checkpoint")
+        "step 1 not saved; no checkpoint"
+    )
 
 
 def _launcher(env_marker: bool) -> subprocess.Popen:
@@ -69,8 +72,9 @@ def _launcher(env_marker: bool) -> subprocess.Popen:
         print(p.pid, p.stdout.readline().strip(), flush=True)
         time.sleep(600)
     """)
-    return subprocess.Popen([sys.executable, "-c", launcher], env=env, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", launcher], env=env, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _alive(pid: int) -> bool:

@@ -27,8 +27,10 @@ def _items():
     from dpo_megatron.data.pairs import UnpairedExample
     from dpo_megatron.data.unpaired import with_kl_completions
 
-    return with_kl_completions([UnpairedExample(p.prompt_ids, p.chosen_ids, i % 4 != 0)
-                                for i, p in enumerate(_pairs())], max_length=0)
+    return with_kl_completions(
+        [UnpairedExample(p.prompt_ids, p.chosen_ids, i % 4 != 0) for i, p in enumerate(_pairs())],
+        max_length=0,
+    )
 
 
 def _run(ckpt_dir, tp, pp, micro_batch_size, **config):
@@ -36,22 +38,38 @@ def _run(ckpt_dir, tp, pp, micro_batch_size, **config):
 
     from dpo_megatron.losses import build_loss
 
-    trainer = tiny_trainer(_items(), tp=tp, pp=pp, load=ckpt_dir, micro_batch_size=micro_batch_size,
-                           global_batch_size=GLOBAL_PAIRS, steps=5, lr=5e-3, seed=11,
-                           loss={"name": "kto", "beta": 0.5, "undesirable_weight": 1.5}, **config)
+    trainer = tiny_trainer(
+        _items(),
+        tp=tp,
+        pp=pp,
+        load=ckpt_dir,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=GLOBAL_PAIRS,
+        steps=5,
+        lr=5e-3,
+        seed=11,
+        loss={"name": "kto", "beta": 0.5, "undesirable_weight": 1.5},
+        **config,
+    )
     history = [step_record(*trainer.train_step()) for _ in range(2)]
     trainer.loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.25})
     history += [step_record(*trainer.train_step()) for _ in range(2)]
     state = trainer.loss_fn.state_dict()
     trainer.loss_fn = build_loss({"name": "cal_dpo", "beta": 0.1})
     history.append(step_record(*trainer.train_step()))
-    return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(), "history": history,
-            "state": state}
+    return {
+        "dp_rank": ps.get_data_parallel_rank(),
+        "owner": owns_results(),
+        "history": history,
+        "state": state,
+    }
 
 
 @pytest.fixture(scope="module")
 def baseline(initial_checkpoint):
-    return run_ranks(_run, world_size=1, ckpt_dir=initial_checkpoint, tp=1, pp=1, micro_batch_size=2)
+    return run_ranks(
+        _run, world_size=1, ckpt_dir=initial_checkpoint, tp=1, pp=1, micro_batch_size=2
+    )
 
 
 def test_single_rank_known_values_and_live_statistics(baseline):
@@ -70,8 +88,14 @@ def test_single_rank_known_values_and_live_statistics(baseline):
 
 @pytest.mark.parametrize("tp, pp, micro_batch_size, world", LAYOUTS)
 def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, micro_batch_size, world):
-    results = run_ranks(_run, world_size=world, ckpt_dir=initial_checkpoint, tp=tp, pp=pp,
-                        micro_batch_size=micro_batch_size)
+    results = run_ranks(
+        _run,
+        world_size=world,
+        ckpt_dir=initial_checkpoint,
+        tp=tp,
+        pp=pp,
+        micro_batch_size=micro_batch_size,
+    )
     for step in range(5):
         got, want = results[0]["history"][step], baseline[0]["history"][step]
         assert set(got["metrics"]) == set(want["metrics"])
@@ -79,16 +103,29 @@ def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, micro_
             assert abs(got["metrics"][key] - value) <= 1e-5 * max(abs(value), 1.0), (step, key)
         assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-5, step
     for step in (2, 3):
-        assert _per_pair(results, step, "beta_dpo/kept") == _per_pair(baseline, step, "beta_dpo/kept")
+        assert _per_pair(results, step, "beta_dpo/kept") == _per_pair(
+            baseline, step, "beta_dpo/kept"
+        )
     assert all(r["state"] == results[0]["state"] for r in results)  # every rank's state alike
     state, want = results[0]["state"]["beta_dpo"], baseline[0]["state"]["beta_dpo"]
     assert abs(state["margin_mean"] - want["margin_mean"]) < 1e-5
 
 
-def test_packed_rows_and_precomputed_reference_carry_unpaired_examples(initial_checkpoint, baseline, tmp_path):
+def test_packed_rows_and_precomputed_reference_carry_unpaired_examples(
+    initial_checkpoint, baseline, tmp_path
+):
     """The same five steps with packed rows and reference log-probs computed before training."""
-    results = run_ranks(_run, world_size=1, ckpt_dir=initial_checkpoint, tp=1, pp=1, micro_batch_size=2,
-                        packing=True, reference_mode="precomputed", cache_dir=str(tmp_path))
+    results = run_ranks(
+        _run,
+        world_size=1,
+        ckpt_dir=initial_checkpoint,
+        tp=1,
+        pp=1,
+        micro_batch_size=2,
+        packing=True,
+        reference_mode="precomputed",
+        cache_dir=str(tmp_path),
+    )
     for step in range(5):
         got, want = results[0]["history"][step], baseline[0]["history"][step]
         for key, value in want["metrics"].items():

@@ -29,10 +29,19 @@ from tests.training.test_lifecycle import model_tensors, read_metrics
 
 pytestmark = pytest.mark.slow
 
-LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-               "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
-EVAL = ["data.eval_fraction=0.2", "train.sample_during_eval=true", "train.eval_num_samples=1",
-        "train.eval_sample_max_new_tokens=2", "train.eval_iters=1"]
+LAYOUT_KEYS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+}
+EVAL = [
+    "data.eval_fraction=0.2",
+    "train.sample_during_eval=true",
+    "train.eval_num_samples=1",
+    "train.eval_sample_max_new_tokens=2",
+    "train.eval_iters=1",
+]
 PACKED = ["packing.enabled=true"]
 # Each plan: one step of the real trainer on the fixture data (tokenizer, reader, collate),
 # policy + reference (a frozen model, the LoRA base or the precomputed table), the end-of-run
@@ -42,14 +51,21 @@ PLANS = {
     "packed, TP 2": ({"tp": 2}, PACKED),
     "shared prompt, TP 2": ({"tp": 2}, [*PACKED, "packing.share_prompt=true"]),
     "LoRA, PP 2": ({"pp": 2}, ["lora.enabled=true", "lora.rank=4", "lora.alpha=8"]),
-    "MoE with QK norms, EP 2": ({"ep": 2}, ["model.num_experts=4", "model.moe_router_topk=2",
-                                            "model.qk_layernorm=true"]),
+    "MoE with QK norms, EP 2": (
+        {"ep": 2},
+        ["model.num_experts=4", "model.moe_router_topk=2", "model.qk_layernorm=true"],
+    ),
     "context parallel, CP 2": ({"cp": 2}, []),
     "precomputed reference, packed, TP 2": ({"tp": 2}, [*PACKED, "reference.mode=precomputed"]),
     "GPT-2 shape (learned positions, LayerNorm), PP 2": (
-        {"pp": 2}, ["model.position_embedding_type=learned_absolute",
-                    "model.normalization=LayerNorm", "model.activation=gelu",
-                    "model.add_bias_linear=true"]),
+        {"pp": 2},
+        [
+            "model.position_embedding_type=learned_absolute",
+            "model.normalization=LayerNorm",
+            "model.activation=gelu",
+            "model.add_bias_linear=true",
+        ],
+    ),
 }
 
 
@@ -73,16 +89,25 @@ def _config(root: str, name: str, layout: dict, *overrides: str):
 
     data_file, tok_dir = write_fixture(Path(root))
     return tiny_config(
-        f"{root}/{_run_name(name)}", data_file, tok_dir, "train.train_iters=1",
-        "train.global_batch_size=2", f"reference.cache_dir={root}/cache",
-        *(f"parallel.{LAYOUT_KEYS[k]}={v}" for k, v in layout.items()), *overrides)
+        f"{root}/{_run_name(name)}",
+        data_file,
+        tok_dir,
+        "train.train_iters=1",
+        "train.global_batch_size=2",
+        f"reference.cache_dir={root}/cache",
+        *(f"parallel.{LAYOUT_KEYS[k]}={v}" for k, v in layout.items()),
+        *overrides,
+    )
 
 
 def _innermost(error: BaseException) -> str:
     """The innermost engine or megatron-core frame of ``error``'s traceback, ``path:line``."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if ("dpo_megatron" in f.filename or "megatron/core" in f.filename)
-              and "compat/cuda_on_cpu.py" not in f.filename]  # its mode only passes calls on
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if ("dpo_megatron" in f.filename or "megatron/core" in f.filename)
+        and "compat/cuda_on_cpu.py" not in f.filename
+    ]  # its mode only passes calls on
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
@@ -91,9 +116,12 @@ def _off_device(trainer) -> list[str]:
     from tests.strict_device import is_strict
 
     chunks = list(trainer.policy) + list(getattr(trainer.reference, "chunks", None) or [])
-    return [f"chunk {i}: {name} on {t.device}" for i, chunk in enumerate(chunks)
-            for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers())
-            if not is_strict(t)]
+    return [
+        f"chunk {i}: {name} on {t.device}"
+        for i, chunk in enumerate(chunks)
+        for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers())
+        if not is_strict(t)
+    ]
 
 
 def _run_plans(root: str, names: list[str]) -> dict[str, dict]:
@@ -118,10 +146,17 @@ def _run_plans(root: str, names: list[str]) -> dict[str, dict]:
             except Exception as e:
                 raise RuntimeError(f"{name}: {type(e).__name__} at {_innermost(e)}: {e}") from e
             with torch.no_grad():
-                policy_abs_sum = sum(float(p.double().abs().sum().cpu())
-                                     for chunk in trainer.policy for p in chunk.parameters())
-            out[name] = {"seconds": time.perf_counter() - start, "device": str(trainer.device),
-                         "off_device": _off_device(trainer), "policy_abs_sum": policy_abs_sum}
+                policy_abs_sum = sum(
+                    float(p.double().abs().sum().cpu())
+                    for chunk in trainer.policy
+                    for p in chunk.parameters()
+                )
+            out[name] = {
+                "seconds": time.perf_counter() - start,
+                "device": str(trainer.device),
+                "off_device": _off_device(trainer),
+                "policy_abs_sum": policy_abs_sum,
+            }
     return out
 
 
@@ -184,9 +219,13 @@ def defect_results(tmp_path_factory):
     single = [n for n in STRICT_DEFECTS if n not in PIPELINE_DEFECTS]
     results = run_ranks(_defect_runs, world_size=1, root=str(root), names=single)[0]
     # A defect met only between pipeline stages: 2 ranks at PP 2; the error of either rank.
-    piped = run_ranks(_defect_runs, world_size=2, root=str(root),
-                      names=sorted(PIPELINE_DEFECTS), overrides=["parallel."
-                                                                 "pipeline_model_parallel_size=2"])
+    piped = run_ranks(
+        _defect_runs,
+        world_size=2,
+        root=str(root),
+        names=sorted(PIPELINE_DEFECTS),
+        overrides=["parallel.pipeline_model_parallel_size=2"],
+    )
     for name in PIPELINE_DEFECTS:
         results[name] = next((r[name] for r in piped if r[name] is not None), None)
     return results

@@ -13,5 +13,10 @@ from dpo_megatron.models.conversion.export import export_hf, export_peft_adapter
 from dpo_megatron.models.conversion.hf_config import model_config_from_hf
 from dpo_megatron.models.conversion.load import load_hf_weights
 
-__all__ = ["ARCHITECTURES", "export_hf", "export_peft_adapter", "model_config_from_hf",
-           "load_hf_weights"]
+__all__ = [
+    "ARCHITECTURES",
+    "export_hf",
+    "export_peft_adapter",
+    "model_config_from_hf",
+    "load_hf_weights",
+]

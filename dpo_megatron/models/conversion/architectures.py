@@ -127,6 +127,7 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
 # norms), and the MoE members Qwen3-MoE and Mixtral (same attention, routed experts).
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class MoENames:
     """HF names of one MoE layer's router and expert MLPs (``{i}`` layer, ``{e}`` expert)."""
@@ -137,69 +138,123 @@ class MoENames:
     down: str
 
 
-QWEN3_MOE_NAMES = MoENames(router="model.layers.{i}.mlp.gate.weight",
-                           gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                           up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-                           down="model.layers.{i}.mlp.experts.{e}.down_proj.weight")
-MIXTRAL_NAMES = MoENames(router="model.layers.{i}.block_sparse_moe.gate.weight",
-                         gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
-                         up="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
-                         down="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight")
+QWEN3_MOE_NAMES = MoENames(
+    router="model.layers.{i}.mlp.gate.weight",
+    gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+)
+MIXTRAL_NAMES = MoENames(
+    router="model.layers.{i}.block_sparse_moe.gate.weight",
+    gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    up="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    down="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+)
 
 
 def _llama_tensors(cfg: ModelConfig, moe: "MoENames | None" = None) -> list[TensorMap]:
     p = "model.layers.{i}."
     d = "decoder.layers.{i}."
     table = [
-        TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB,
-                  (("vocab", "hidden"),)),
-        TensorMap(d + "input_layernorm.weight", (p + "input_layernorm.weight",), REPLICATED,
-                  (("hidden",),)),
-        TensorMap(d + "self_attention.linear_qkv.weight",
-                  (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                   p + "self_attn.v_proj.weight"), QKV,
-                  (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden"))),
-        TensorMap(d + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), ROW,
-                  (("hidden", "q"),)),
-        TensorMap(d + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",),
-                  REPLICATED, (("hidden",),)),
-        TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED,
-                  (("hidden",),)),
+        TensorMap(
+            "embedding.word_embeddings.weight",
+            ("model.embed_tokens.weight",),
+            VOCAB,
+            (("vocab", "hidden"),),
+        ),
+        TensorMap(
+            d + "input_layernorm.weight",
+            (p + "input_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "self_attention.linear_qkv.weight",
+            (
+                p + "self_attn.q_proj.weight",
+                p + "self_attn.k_proj.weight",
+                p + "self_attn.v_proj.weight",
+            ),
+            QKV,
+            (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
+        ),
+        TensorMap(
+            d + "self_attention.linear_proj.weight",
+            (p + "self_attn.o_proj.weight",),
+            ROW,
+            (("hidden", "q"),),
+        ),
+        TensorMap(
+            d + "pre_mlp_layernorm.weight",
+            (p + "post_attention_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            "decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED, (("hidden",),)
+        ),
     ]
     if moe is None:
         table += [
-            TensorMap(d + "mlp.linear_fc1.weight",
-                      (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), GATE_UP,
-                      (("ffn", "hidden"), ("ffn", "hidden"))),
-            TensorMap(d + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), ROW,
-                      (("hidden", "ffn"),)),
+            TensorMap(
+                d + "mlp.linear_fc1.weight",
+                (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                GATE_UP,
+                (("ffn", "hidden"), ("ffn", "hidden")),
+            ),
+            TensorMap(
+                d + "mlp.linear_fc2.weight",
+                (p + "mlp.down_proj.weight",),
+                ROW,
+                (("hidden", "ffn"),),
+            ),
         ]
     else:
         e = d + "mlp.experts.local_experts.{e}."
         table += [
             # The router is replicated on every rank (TP and EP alike), in the model dtype
             # (megatron-core's TopKRouter computes its logits in fp32: moe_router_dtype).
-            TensorMap(d + "mlp.router.weight", (moe.router,), REPLICATED,
-                      (("experts", "hidden"),)),
-            TensorMap(e + "linear_fc1.weight", (moe.gate, moe.up), GATE_UP,
-                      (("expert_ffn", "hidden"), ("expert_ffn", "hidden"))),
+            TensorMap(d + "mlp.router.weight", (moe.router,), REPLICATED, (("experts", "hidden"),)),
+            TensorMap(
+                e + "linear_fc1.weight",
+                (moe.gate, moe.up),
+                GATE_UP,
+                (("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
+            ),
             TensorMap(e + "linear_fc2.weight", (moe.down,), ROW, (("hidden", "expert_ffn"),)),
         ]
     if cfg.qk_layernorm:  # Qwen3: one RMSNorm weight over head_dim, shared by all heads
         table += [
-            TensorMap(d + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",),
-                      REPLICATED, (("head_dim",),)),
-            TensorMap(d + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",),
-                      REPLICATED, (("head_dim",),)),
+            TensorMap(
+                d + "self_attention.q_layernorm.weight",
+                (p + "self_attn.q_norm.weight",),
+                REPLICATED,
+                (("head_dim",),),
+            ),
+            TensorMap(
+                d + "self_attention.k_layernorm.weight",
+                (p + "self_attn.k_norm.weight",),
+                REPLICATED,
+                (("head_dim",),),
+            ),
         ]
     if cfg.add_qkv_bias:
-        table.append(TensorMap(
-            d + "self_attention.linear_qkv.bias",
-            (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"),
-            QKV, (("q",), ("kv",), ("kv",))))
+        table.append(
+            TensorMap(
+                d + "self_attention.linear_qkv.bias",
+                (
+                    p + "self_attn.q_proj.bias",
+                    p + "self_attn.k_proj.bias",
+                    p + "self_attn.v_proj.bias",
+                ),
+                QKV,
+                (("q",), ("kv",), ("kv",)),
+            )
+        )
     if not cfg.tie_word_embeddings:
-        table.append(TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB,
-                               (("vocab", "hidden"),)))
+        table.append(
+            TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB, (("vocab", "hidden"),))
+        )
     return table
 
 
@@ -224,8 +279,11 @@ def _rope_parameters(hf) -> dict:
 
 # megatron-core's Llama-3 frequency scaling has these constants built in
 # (RotaryEmbedding._apply_scaling); other values cannot be represented.
-_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
+_LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _llama_rope(hf, name: str) -> tuple[float, Optional[float], Optional[float]]:
@@ -238,13 +296,15 @@ def _llama_rope(hf, name: str) -> tuple[float, Optional[float], Optional[float]]
             if float(rope.get(key, value)) != value:
                 raise ValueError(
                     f"{name}: rope scaling {key}={rope[key]} is not supported; megatron-core's "
-                    f"Llama-3 RoPE scaling fixes it to {value}")
+                    f"Llama-3 RoPE scaling fixes it to {value}"
+                )
         scaling_factor = float(rope["factor"])
     elif rope_type == "linear":  # Llama-2 style position interpolation
         linear_factor = float(rope["factor"])
     elif rope_type != "default":
-        raise ValueError(f"{name}: rope_type={rope_type!r} is not supported "
-                         "(supported: default, linear, llama3)")
+        raise ValueError(
+            f"{name}: rope_type={rope_type!r} is not supported (supported: default, linear, llama3)"
+        )
     return float(rope["rope_theta"]), scaling_factor, linear_factor
 
 
@@ -258,23 +318,34 @@ def _moe_config_from_hf(hf, name: str) -> dict:
     """
     if name == "qwen3_moe":
         if getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", None):
-            raise ValueError(f"{name}: decoder_sparse_step={hf.decoder_sparse_step} / "
-                             f"mlp_only_layers={hf.mlp_only_layers} (dense layers between MoE "
-                             "layers) is not supported: every layer must be an MoE layer")
+            raise ValueError(
+                f"{name}: decoder_sparse_step={hf.decoder_sparse_step} / "
+                f"mlp_only_layers={hf.mlp_only_layers} (dense layers between MoE "
+                "layers) is not supported: every layer must be an MoE layer"
+            )
         if getattr(hf, "shared_expert_intermediate_size", 0):
             raise ValueError(f"{name}: shared experts are not supported")
-        return dict(num_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
-                    moe_ffn_hidden_size=hf.moe_intermediate_size,
-                    moe_norm_topk_prob=bool(hf.norm_topk_prob),
-                    moe_aux_loss_coeff=float(hf.router_aux_loss_coef))
+        return dict(
+            num_experts=hf.num_experts,
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_norm_topk_prob=bool(hf.norm_topk_prob),
+            moe_aux_loss_coeff=float(hf.router_aux_loss_coef),
+        )
     if name == "mixtral":
         if getattr(hf, "router_jitter_noise", 0.0):
-            raise ValueError(f"{name}: router_jitter_noise={hf.router_jitter_noise} is not "
-                             "supported: DPO needs deterministic routing (the reference and the "
-                             "policy must route alike); set it to 0")
-        return dict(num_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok,
-                    moe_ffn_hidden_size=hf.intermediate_size, moe_norm_topk_prob=True,
-                    moe_aux_loss_coeff=float(hf.router_aux_loss_coef))
+            raise ValueError(
+                f"{name}: router_jitter_noise={hf.router_jitter_noise} is not "
+                "supported: DPO needs deterministic routing (the reference and the "
+                "policy must route alike); set it to 0"
+            )
+        return dict(
+            num_experts=hf.num_local_experts,
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_ffn_hidden_size=hf.intermediate_size,
+            moe_norm_topk_prob=True,
+            moe_aux_loss_coeff=float(hf.router_aux_loss_coef),
+        )
     return dict(num_experts=None, moe_ffn_hidden_size=None)
 
 
@@ -287,11 +358,18 @@ def _llama_config_from_hf(hf) -> dict:
     theta, scaling_factor, linear_factor = _llama_rope(hf, name)
     window = getattr(hf, "sliding_window", None)
     # Qwen2/3 configs carry a window that is off unless use_sliding_window is set.
-    windowed = (getattr(hf, "use_sliding_window", False) if hasattr(hf, "use_sliding_window")
-                else window is not None)
+    windowed = (
+        getattr(hf, "use_sliding_window", False)
+        if hasattr(hf, "use_sliding_window")
+        else window is not None
+    )
     if window is not None and windowed:
-        logger.warning("%s: sliding_window=%s is ignored (full causal attention); outputs differ "
-                       "from transformers only for sequences longer than the window", name, window)
+        logger.warning(
+            "%s: sliding_window=%s is ignored (full causal attention); outputs differ "
+            "from transformers only for sequences longer than the window",
+            name,
+            window,
+        )
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return dict(
@@ -323,11 +401,18 @@ def _llama_config_from_hf(hf) -> dict:
 def _llama_config_to_hf(cfg: ModelConfig) -> dict:
     rope: dict = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling_factor is not None:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rotary_base,
-                "factor": cfg.rope_scaling_factor, **_LLAMA3_FIXED}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rotary_base,
+            "factor": cfg.rope_scaling_factor,
+            **_LLAMA3_FIXED,
+        }
     elif cfg.rope_linear_scaling_factor is not None:
-        rope = {"rope_type": "linear", "rope_theta": cfg.rotary_base,
-                "factor": cfg.rope_linear_scaling_factor}
+        rope = {
+            "rope_type": "linear",
+            "rope_theta": cfg.rotary_base,
+            "factor": cfg.rope_linear_scaling_factor,
+        }
     out = dict(
         num_hidden_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -343,14 +428,18 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
     if cfg.num_experts:
-        out.update(num_experts_per_tok=cfg.moe_router_topk,
-                   router_aux_loss_coef=cfg.moe_aux_loss_coeff or 0.0)
+        out.update(
+            num_experts_per_tok=cfg.moe_router_topk,
+            router_aux_loss_coef=cfg.moe_aux_loss_coeff or 0.0,
+        )
         if cfg.qk_layernorm:  # Qwen3-MoE
-            out.update(num_experts=cfg.num_experts, norm_topk_prob=cfg.moe_norm_topk_prob,
-                       moe_intermediate_size=dims(cfg)["expert_ffn"])
+            out.update(
+                num_experts=cfg.num_experts,
+                norm_topk_prob=cfg.moe_norm_topk_prob,
+                moe_intermediate_size=dims(cfg)["expert_ffn"],
+            )
         else:  # Mixtral: experts are intermediate_size wide
-            out.update(num_local_experts=cfg.num_experts,
-                       intermediate_size=dims(cfg)["expert_ffn"])
+            out.update(num_local_experts=cfg.num_experts, intermediate_size=dims(cfg)["expert_ffn"])
     return out
 
 
@@ -358,58 +447,106 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
 # GPT-2: learned positions, LayerNorm, GELU (tanh), biases everywhere, tied, Conv1D weights.
 # ---------------------------------------------------------------------------------------------
 
+
 def _gpt2_tensors(cfg: ModelConfig) -> list[TensorMap]:
     p = "transformer.h.{i}."
     d = "decoder.layers.{i}."
     table = [
-        TensorMap("embedding.word_embeddings.weight", ("transformer.wte.weight",), VOCAB,
-                  (("vocab", "hidden"),)),
-        TensorMap("embedding.position_embeddings.weight", ("transformer.wpe.weight",),
-                  REPLICATED, (("positions", "hidden"),)),
+        TensorMap(
+            "embedding.word_embeddings.weight",
+            ("transformer.wte.weight",),
+            VOCAB,
+            (("vocab", "hidden"),),
+        ),
+        TensorMap(
+            "embedding.position_embeddings.weight",
+            ("transformer.wpe.weight",),
+            REPLICATED,
+            (("positions", "hidden"),),
+        ),
         TensorMap(d + "input_layernorm.weight", (p + "ln_1.weight",), REPLICATED, (("hidden",),)),
         TensorMap(d + "input_layernorm.bias", (p + "ln_1.bias",), REPLICATED, (("hidden",),)),
-        TensorMap(d + "self_attention.linear_qkv.weight", (p + "attn.c_attn.weight",), QKV,
-                  (("qkv", "hidden"),), transposed=True),
-        TensorMap(d + "self_attention.linear_qkv.bias", (p + "attn.c_attn.bias",), QKV,
-                  (("qkv",),)),
-        TensorMap(d + "self_attention.linear_proj.weight", (p + "attn.c_proj.weight",), ROW,
-                  (("hidden", "q"),), transposed=True),
-        TensorMap(d + "self_attention.linear_proj.bias", (p + "attn.c_proj.bias",), REPLICATED,
-                  (("hidden",),)),
-        TensorMap(d + "pre_mlp_layernorm.weight", (p + "ln_2.weight",), REPLICATED,
-                  (("hidden",),)),
+        TensorMap(
+            d + "self_attention.linear_qkv.weight",
+            (p + "attn.c_attn.weight",),
+            QKV,
+            (("qkv", "hidden"),),
+            transposed=True,
+        ),
+        TensorMap(
+            d + "self_attention.linear_qkv.bias", (p + "attn.c_attn.bias",), QKV, (("qkv",),)
+        ),
+        TensorMap(
+            d + "self_attention.linear_proj.weight",
+            (p + "attn.c_proj.weight",),
+            ROW,
+            (("hidden", "q"),),
+            transposed=True,
+        ),
+        TensorMap(
+            d + "self_attention.linear_proj.bias",
+            (p + "attn.c_proj.bias",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(d + "pre_mlp_layernorm.weight", (p + "ln_2.weight",), REPLICATED, (("hidden",),)),
         TensorMap(d + "pre_mlp_layernorm.bias", (p + "ln_2.bias",), REPLICATED, (("hidden",),)),
-        TensorMap(d + "mlp.linear_fc1.weight", (p + "mlp.c_fc.weight",), COLUMN,
-                  (("ffn", "hidden"),), transposed=True),
+        TensorMap(
+            d + "mlp.linear_fc1.weight",
+            (p + "mlp.c_fc.weight",),
+            COLUMN,
+            (("ffn", "hidden"),),
+            transposed=True,
+        ),
         TensorMap(d + "mlp.linear_fc1.bias", (p + "mlp.c_fc.bias",), COLUMN, (("ffn",),)),
-        TensorMap(d + "mlp.linear_fc2.weight", (p + "mlp.c_proj.weight",), ROW,
-                  (("hidden", "ffn"),), transposed=True),
-        TensorMap(d + "mlp.linear_fc2.bias", (p + "mlp.c_proj.bias",), REPLICATED,
-                  (("hidden",),)),
-        TensorMap("decoder.final_layernorm.weight", ("transformer.ln_f.weight",), REPLICATED,
-                  (("hidden",),)),
-        TensorMap("decoder.final_layernorm.bias", ("transformer.ln_f.bias",), REPLICATED,
-                  (("hidden",),)),
+        TensorMap(
+            d + "mlp.linear_fc2.weight",
+            (p + "mlp.c_proj.weight",),
+            ROW,
+            (("hidden", "ffn"),),
+            transposed=True,
+        ),
+        TensorMap(d + "mlp.linear_fc2.bias", (p + "mlp.c_proj.bias",), REPLICATED, (("hidden",),)),
+        TensorMap(
+            "decoder.final_layernorm.weight",
+            ("transformer.ln_f.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            "decoder.final_layernorm.bias", ("transformer.ln_f.bias",), REPLICATED, (("hidden",),)
+        ),
     ]
     if not cfg.tie_word_embeddings:
-        table.append(TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB,
-                               (("vocab", "hidden"),)))
+        table.append(
+            TensorMap("output_layer.weight", ("lm_head.weight",), VOCAB, (("vocab", "hidden"),))
+        )
     return table
 
 
-_PLAIN_LAYER = dict(rotary_percent=1.0, qk_layernorm=False, parallel_residual=False,
-                    num_experts=None, moe_ffn_hidden_size=None)
+_PLAIN_LAYER = dict(
+    rotary_percent=1.0,
+    qk_layernorm=False,
+    parallel_residual=False,
+    num_experts=None,
+    moe_ffn_hidden_size=None,
+)
 """Architecture fields of a dense, sequential layer without query/key norms (GPT-2)."""
 
 
 def _gpt2_config_from_hf(hf) -> dict:
     if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"gpt2: activation_function={hf.activation_function!r} is not supported"
-                         " (gelu_new / gelu_pytorch_tanh)")
+        raise ValueError(
+            f"gpt2: activation_function={hf.activation_function!r} is not supported"
+            " (gelu_new / gelu_pytorch_tanh)"
+        )
     if getattr(hf, "scale_attn_by_inverse_layer_idx", False) or not getattr(
-            hf, "scale_attn_weights", True):
-        raise ValueError("gpt2: scale_attn_by_inverse_layer_idx=true or scale_attn_weights=false"
-                         " is not supported")
+        hf, "scale_attn_weights", True
+    ):
+        raise ValueError(
+            "gpt2: scale_attn_by_inverse_layer_idx=true or scale_attn_weights=false"
+            " is not supported"
+        )
     return dict(
         num_layers=hf.n_layer,
         hidden_size=hf.n_embd,
@@ -434,10 +571,15 @@ def _gpt2_config_from_hf(hf) -> dict:
 
 def _gpt2_config_to_hf(cfg: ModelConfig) -> dict:
     return dict(
-        n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_inner=cfg.ffn_hidden_size,
-        n_head=cfg.num_attention_heads, vocab_size=cfg.vocab_size,
-        n_positions=cfg.max_position_embeddings, layer_norm_epsilon=cfg.norm_epsilon,
-        activation_function="gelu_new", tie_word_embeddings=cfg.tie_word_embeddings,
+        n_layer=cfg.num_layers,
+        n_embd=cfg.hidden_size,
+        n_inner=cfg.ffn_hidden_size,
+        n_head=cfg.num_attention_heads,
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_position_embeddings,
+        layer_norm_epsilon=cfg.norm_epsilon,
+        activation_function="gelu_new",
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
 
 
@@ -445,47 +587,98 @@ def _gpt2_config_to_hf(cfg: ModelConfig) -> dict:
 # GPT-NeoX (Pythia): parallel residual, partial rotary, LayerNorm and linear biases, untied.
 # ---------------------------------------------------------------------------------------------
 
+
 def _gpt_neox_tensors(cfg: ModelConfig) -> list[TensorMap]:
     p = "gpt_neox.layers.{i}."
     d = "decoder.layers.{i}."
     table = [
-        TensorMap("embedding.word_embeddings.weight", ("gpt_neox.embed_in.weight",), VOCAB,
-                  (("vocab", "hidden"),)),
-        TensorMap(d + "input_layernorm.weight", (p + "input_layernorm.weight",), REPLICATED,
-                  (("hidden",),)),
-        TensorMap(d + "input_layernorm.bias", (p + "input_layernorm.bias",), REPLICATED,
-                  (("hidden",),)),
+        TensorMap(
+            "embedding.word_embeddings.weight",
+            ("gpt_neox.embed_in.weight",),
+            VOCAB,
+            (("vocab", "hidden"),),
+        ),
+        TensorMap(
+            d + "input_layernorm.weight",
+            (p + "input_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "input_layernorm.bias", (p + "input_layernorm.bias",), REPLICATED, (("hidden",),)
+        ),
         # GPT-NeoX fuses q, k, v per head ([heads, 3 * head_dim] rows: q_h, k_h, v_h), which is
         # megatron-core's per-group layout with one query head per group: TP rank r's rows are
         # a contiguous block of heads, i.e. a plain column split.
-        TensorMap(d + "self_attention.linear_qkv.weight", (p + "attention.query_key_value.weight",),
-                  COLUMN, (("qkv", "hidden"),)),
-        TensorMap(d + "self_attention.linear_qkv.bias", (p + "attention.query_key_value.bias",),
-                  COLUMN, (("qkv",),)),
-        TensorMap(d + "self_attention.linear_proj.weight", (p + "attention.dense.weight",), ROW,
-                  (("hidden", "q"),)),
-        TensorMap(d + "self_attention.linear_proj.bias", (p + "attention.dense.bias",),
-                  REPLICATED, (("hidden",),)),
-        TensorMap(d + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",),
-                  REPLICATED, (("hidden",),)),
-        TensorMap(d + "pre_mlp_layernorm.bias", (p + "post_attention_layernorm.bias",),
-                  REPLICATED, (("hidden",),)),
-        TensorMap(d + "mlp.linear_fc1.weight", (p + "mlp.dense_h_to_4h.weight",), COLUMN,
-                  (("ffn", "hidden"),)),
-        TensorMap(d + "mlp.linear_fc1.bias", (p + "mlp.dense_h_to_4h.bias",), COLUMN,
-                  (("ffn",),)),
-        TensorMap(d + "mlp.linear_fc2.weight", (p + "mlp.dense_4h_to_h.weight",), ROW,
-                  (("hidden", "ffn"),)),
-        TensorMap(d + "mlp.linear_fc2.bias", (p + "mlp.dense_4h_to_h.bias",), REPLICATED,
-                  (("hidden",),)),
-        TensorMap("decoder.final_layernorm.weight", ("gpt_neox.final_layer_norm.weight",),
-                  REPLICATED, (("hidden",),)),
-        TensorMap("decoder.final_layernorm.bias", ("gpt_neox.final_layer_norm.bias",),
-                  REPLICATED, (("hidden",),)),
+        TensorMap(
+            d + "self_attention.linear_qkv.weight",
+            (p + "attention.query_key_value.weight",),
+            COLUMN,
+            (("qkv", "hidden"),),
+        ),
+        TensorMap(
+            d + "self_attention.linear_qkv.bias",
+            (p + "attention.query_key_value.bias",),
+            COLUMN,
+            (("qkv",),),
+        ),
+        TensorMap(
+            d + "self_attention.linear_proj.weight",
+            (p + "attention.dense.weight",),
+            ROW,
+            (("hidden", "q"),),
+        ),
+        TensorMap(
+            d + "self_attention.linear_proj.bias",
+            (p + "attention.dense.bias",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "pre_mlp_layernorm.weight",
+            (p + "post_attention_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "pre_mlp_layernorm.bias",
+            (p + "post_attention_layernorm.bias",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "mlp.linear_fc1.weight",
+            (p + "mlp.dense_h_to_4h.weight",),
+            COLUMN,
+            (("ffn", "hidden"),),
+        ),
+        TensorMap(d + "mlp.linear_fc1.bias", (p + "mlp.dense_h_to_4h.bias",), COLUMN, (("ffn",),)),
+        TensorMap(
+            d + "mlp.linear_fc2.weight",
+            (p + "mlp.dense_4h_to_h.weight",),
+            ROW,
+            (("hidden", "ffn"),),
+        ),
+        TensorMap(
+            d + "mlp.linear_fc2.bias", (p + "mlp.dense_4h_to_h.bias",), REPLICATED, (("hidden",),)
+        ),
+        TensorMap(
+            "decoder.final_layernorm.weight",
+            ("gpt_neox.final_layer_norm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            "decoder.final_layernorm.bias",
+            ("gpt_neox.final_layer_norm.bias",),
+            REPLICATED,
+            (("hidden",),),
+        ),
     ]
     if not cfg.tie_word_embeddings:
-        table.append(TensorMap("output_layer.weight", ("embed_out.weight",), VOCAB,
-                               (("vocab", "hidden"),)))
+        table.append(
+            TensorMap("output_layer.weight", ("embed_out.weight",), VOCAB, (("vocab", "hidden"),))
+        )
     return table
 
 
@@ -494,15 +687,20 @@ _NEOX_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tan
 
 def _gpt_neox_config_from_hf(hf) -> dict:
     if hf.hidden_act not in _NEOX_ACTIVATIONS:
-        raise ValueError(f"gpt_neox: hidden_act={hf.hidden_act!r} is not supported "
-                         f"(supported: {sorted(_NEOX_ACTIVATIONS)})")
+        raise ValueError(
+            f"gpt_neox: hidden_act={hf.hidden_act!r} is not supported "
+            f"(supported: {sorted(_NEOX_ACTIVATIONS)})"
+        )
     if not getattr(hf, "attention_bias", True):
-        raise ValueError("gpt_neox: attention_bias=false is not supported (megatron-core puts "
-                         "biases on all linear layers or none; the MLP has them)")
+        raise ValueError(
+            "gpt_neox: attention_bias=false is not supported (megatron-core puts "
+            "biases on all linear layers or none; the MLP has them)"
+        )
     rope = _rope_parameters(hf)
     if rope["rope_type"] != "default":
-        raise ValueError(f"gpt_neox: rope_type={rope['rope_type']!r} is not supported "
-                         "(supported: default)")
+        raise ValueError(
+            f"gpt_neox: rope_type={rope['rope_type']!r} is not supported (supported: default)"
+        )
     partial = rope.get("partial_rotary_factor", getattr(hf, "rotary_pct", 1.0))
     heads = hf.num_attention_heads
     return dict(
@@ -535,41 +733,104 @@ def _gpt_neox_config_from_hf(hf) -> dict:
 def _gpt_neox_config_to_hf(cfg: ModelConfig) -> dict:
     activation = {"gelu_exact": "gelu", "gelu": "gelu_new"}[cfg.activation]
     return dict(
-        num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
-        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base,
-                         "partial_rotary_factor": cfg.rotary_percent},
-        layer_norm_eps=cfg.norm_epsilon, hidden_act=activation, attention_bias=True,
-        use_parallel_residual=cfg.parallel_residual, tie_word_embeddings=cfg.tie_word_embeddings,
+        num_hidden_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": cfg.rotary_base,
+            "partial_rotary_factor": cfg.rotary_percent,
+        },
+        layer_norm_eps=cfg.norm_epsilon,
+        hidden_act=activation,
+        attention_bias=True,
+        use_parallel_residual=cfg.parallel_residual,
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
 
 
 _LLAMA_IGNORED = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("llama", "LlamaForCausalLM", _llama_config_from_hf,
-                          _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
-    "mistral": Architecture("mistral", "MistralForCausalLM", _llama_config_from_hf,
-                            _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
-    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", _llama_config_from_hf,
-                          _llama_config_to_hf, _llama_tensors, "model.", _LLAMA_IGNORED),
-    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", _llama_config_from_hf,
-                          _llama_config_to_hf, _llama_tensors, "model."),
-    "qwen3_moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", _llama_config_from_hf,
-                              _llama_config_to_hf, _qwen3_moe_tensors, "model."),
-    "mixtral": Architecture("mixtral", "MixtralForCausalLM", _llama_config_from_hf,
-                            _llama_config_to_hf, _mixtral_tensors, "model.", _LLAMA_IGNORED),
-    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", _gpt2_config_from_hf, _gpt2_config_to_hf,
-                         _gpt2_tensors, "transformer.",
-                         ("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias")),
+    "llama": Architecture(
+        "llama",
+        "LlamaForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _llama_tensors,
+        "model.",
+        _LLAMA_IGNORED,
+    ),
+    "mistral": Architecture(
+        "mistral",
+        "MistralForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _llama_tensors,
+        "model.",
+        _LLAMA_IGNORED,
+    ),
+    "qwen2": Architecture(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _llama_tensors,
+        "model.",
+        _LLAMA_IGNORED,
+    ),
+    "qwen3": Architecture(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _llama_tensors,
+        "model.",
+    ),
+    "qwen3_moe": Architecture(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _qwen3_moe_tensors,
+        "model.",
+    ),
+    "mixtral": Architecture(
+        "mixtral",
+        "MixtralForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _mixtral_tensors,
+        "model.",
+        _LLAMA_IGNORED,
+    ),
+    "gpt2": Architecture(
+        "gpt2",
+        "GPT2LMHeadModel",
+        _gpt2_config_from_hf,
+        _gpt2_config_to_hf,
+        _gpt2_tensors,
+        "transformer.",
+        ("transformer.h.{i}.attn.bias", "transformer.h.{i}.attn.masked_bias"),
+    ),
     # Checkpoints written by older transformers (the Pythia files on the hub) also hold the
     # causal-mask and rotary buffers.
-    "gpt_neox": Architecture("gpt_neox", "GPTNeoXForCausalLM", _gpt_neox_config_from_hf,
-                             _gpt_neox_config_to_hf, _gpt_neox_tensors, "gpt_neox.",
-                             ("gpt_neox.layers.{i}.attention.bias",
-                              "gpt_neox.layers.{i}.attention.masked_bias",
-                              "gpt_neox.layers.{i}.attention.rotary_emb.inv_freq")),
+    "gpt_neox": Architecture(
+        "gpt_neox",
+        "GPTNeoXForCausalLM",
+        _gpt_neox_config_from_hf,
+        _gpt_neox_config_to_hf,
+        _gpt_neox_tensors,
+        "gpt_neox.",
+        (
+            "gpt_neox.layers.{i}.attention.bias",
+            "gpt_neox.layers.{i}.attention.masked_bias",
+            "gpt_neox.layers.{i}.attention.rotary_emb.inv_freq",
+        ),
+    ),
 }
 
 
@@ -580,8 +841,10 @@ def get_architecture(model_type: str, source: str = "config.json") -> Architectu
         ValueError: naming the unknown type, where it came from, and the supported ones.
     """
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"{source}: unknown architecture model_type={model_type!r}; supported: "
-                         f"{sorted(ARCHITECTURES)}")
+        raise ValueError(
+            f"{source}: unknown architecture model_type={model_type!r}; supported: "
+            f"{sorted(ARCHITECTURES)}"
+        )
     return ARCHITECTURES[model_type]
 
 

@@ -33,9 +33,17 @@ from dpo_megatron.models.conversion.load import OUTPUT, iter_global_params, tabl
 from dpo_megatron.models.conversion.tp_split import merge_tp_shards
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 """Files copied from the tokenizer folder when present."""
 
 
@@ -59,13 +67,21 @@ def _tp_shards(local: torch.Tensor, split: bool) -> list[torch.Tensor]:
     """Every TP rank's slice of a split tensor (collective over the TP group), on the CPU; a
     replicated tensor as the one slice."""
     local = local.detach()
-    shards = _gather(local, parallel_state.get_tensor_model_parallel_group(),
-                     parallel_state.get_tensor_model_parallel_world_size()) if split else [local]
+    shards = (
+        _gather(
+            local,
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
+        if split
+        else [local]
+    )
     return [s.cpu() for s in shards]
 
 
-def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype,
-                     keep: bool = True) -> list[tuple[str, torch.Tensor]]:
+def stage_hf_tensors(
+    chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype, keep: bool = True
+) -> list[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as (HF name, full tensor) pairs in ``dtype``, on the CPU.
 
     LoRA adapters, when attached, are merged: each adapted weight is exported as
@@ -80,10 +96,14 @@ def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: tor
     """
     arch = infer_architecture(cfg)
     table = {t.megatron: t for t in arch.tensors(cfg)}
-    tp = (parallel_state.get_tensor_model_parallel_group(),
-          parallel_state.get_tensor_model_parallel_world_size())
-    expert_tp = (parallel_state.get_expert_tensor_parallel_group(),
-                 parallel_state.get_expert_tensor_parallel_world_size())
+    tp = (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    expert_tp = (
+        parallel_state.get_expert_tensor_parallel_group(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
@@ -101,8 +121,11 @@ def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: tor
             shards = [local] if tmap.split == REPLICATED else _gather(local, group, size)
             tensors = merge_tp_shards(tmap, [s.cpu() for s in shards], cfg)
             # HF order: embeddings, layers by global index, then final norm and output layer.
-            position = -1 if pattern.startswith("embedding") else (
-                layer if layer is not None else cfg.num_layers)
+            position = (
+                -1
+                if pattern.startswith("embedding")
+                else (layer if layer is not None else cfg.num_layers)
+            )
             for name, tensor in zip(tmap.hf, tensors):
                 tensor = tensor.to(dtype).contiguous()
                 if not tmap.expert:
@@ -110,11 +133,15 @@ def stage_hf_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: tor
                 else:  # the same local expert of every EP rank: global experts k * E/EP + j
                     local_experts = len(chunk.decoder.layers[0].mlp.local_expert_indices)
                     j = expert % local_experts
-                    named = [(expand(name, layer, k * local_experts + j), t)
-                             for k, t in enumerate(_gather(tensor, ep_group, ep_size))]
+                    named = [
+                        (expand(name, layer, k * local_experts + j), t)
+                        for k, t in enumerate(_gather(tensor, ep_group, ep_size))
+                    ]
                 if keep:
-                    out += [((position, len(out) + n), hf_name, t)
-                            for n, (hf_name, t) in enumerate(named)]
+                    out += [
+                        ((position, len(out) + n), hf_name, t)
+                        for n, (hf_name, t) in enumerate(named)
+                    ]
     out.sort(key=lambda item: item[0])
     return [(name, tensor) for _, name, tensor in out]
 
@@ -126,11 +153,11 @@ class _StageReceiver:
 
     def __init__(self):
         self.pending = dist.get_process_group_ranks(
-            parallel_state.get_pipeline_model_parallel_group())[1:]
+            parallel_state.get_pipeline_model_parallel_group()
+        )[1:]
         self.own: list[tuple[str, torch.Tensor]] = []
 
-    def collect_own(self, stage_fn: Callable, chunks, cfg: ModelConfig,
-                    dtype: torch.dtype) -> None:
+    def collect_own(self, stage_fn: Callable, chunks, cfg: ModelConfig, dtype: torch.dtype) -> None:
         """Stage 0's tensors, gathered before writing starts: its TP all-gathers must complete
         even if writing then fails."""
         self.own = stage_fn(chunks, cfg, dtype)
@@ -155,8 +182,9 @@ class _StageReceiver:
             self._receive(self.pending.pop(0))
 
 
-def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype,
-                          keep: bool = True) -> list[tuple[str, torch.Tensor]]:
+def stage_adapter_tensors(
+    chunks: list[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype, keep: bool = True
+) -> list[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage's LoRA adapters as PEFT tensors (name, full tensor), in
     ``dtype`` on the CPU, ordered by global layer.
 
@@ -190,8 +218,13 @@ def stage_adapter_tensors(chunks: list[torch.nn.Module], cfg: ModelConfig, dtype
                 for suffix, tensor in (("lora_A", a), ("lora_B", b)):
                     # A copy each: the q/k/v (gate/up) modules share A, safetensors refuses
                     # tensors that share memory.
-                    out.append(((layer, len(out)), f"{module}.{suffix}.weight",
-                                tensor.to(dtype, copy=True).contiguous()))
+                    out.append(
+                        (
+                            (layer, len(out)),
+                            f"{module}.{suffix}.weight",
+                            tensor.to(dtype, copy=True).contiguous(),
+                        )
+                    )
     out.sort(key=lambda item: item[0])
     return [(name, tensor) for _, name, tensor in out] if keep else []
 
@@ -208,17 +241,29 @@ def peft_adapter_config(model_cfg: ModelConfig, lora_cfg) -> dict:
             targets += [n.split("{i}.", 1)[1].removesuffix(".weight") for n in tmap.hf]
             fan_in_fan_out |= tmap.transposed  # GPT-2's Conv1D stores weights [in, out]
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
         "base_model_name_or_path": model_cfg.hf_path or None,
-        "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
-        "target_modules": sorted(targets), "fan_in_fan_out": fan_in_fan_out, "bias": "none",
-        "use_rslora": False, "modules_to_save": None, "init_lora_weights": True,
+        "r": lora_cfg.rank,
+        "lora_alpha": lora_cfg.alpha,
+        "lora_dropout": lora_cfg.dropout,
+        "target_modules": sorted(targets),
+        "fan_in_fan_out": fan_in_fan_out,
+        "bias": "none",
+        "use_rslora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
         "inference_mode": True,
     }
 
 
-def export_peft_adapter(chunks: list[torch.nn.Module], model_cfg: ModelConfig, lora_cfg,
-                        out_dir: str, dtype: str = "float32") -> None:
+def export_peft_adapter(
+    chunks: list[torch.nn.Module],
+    model_cfg: ModelConfig,
+    lora_cfg,
+    out_dir: str,
+    dtype: str = "float32",
+) -> None:
     """Write a LoRA policy's adapters as a PEFT folder: ``adapter_config.json`` +
     ``adapter_model.safetensors``, loadable with ``peft.PeftModel.from_pretrained(hf_base,
     out_dir)`` onto the HF model of ``model_cfg.hf_path``. Collective (every rank, its chunks).
@@ -228,14 +273,17 @@ def export_peft_adapter(chunks: list[torch.nn.Module], model_cfg: ModelConfig, l
         RuntimeError: whatever a rank hit while gathering or writing (on every rank).
     """
     if not lora.has_adapters([unwrap(c) for c in chunks]):
-        raise ValueError("export_peft_adapter: the model has no LoRA adapters "
-                         "(checkpoint.export_hf=adapter needs lora.enabled=true)")
+        raise ValueError(
+            "export_peft_adapter: the model has no LoRA adapters "
+            "(checkpoint.export_hf=adapter needs lora.enabled=true)"
+        )
 
     def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
         from safetensors.torch import save_file
 
-        save_file(dict(tensors), os.path.join(tmp, "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            dict(tensors), os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"}
+        )
         os.chmod(os.path.join(tmp, "adapter_model.safetensors"), 0o644)
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump(peft_adapter_config(model_cfg, lora_cfg), f, indent=2, sort_keys=True)
@@ -243,9 +291,14 @@ def export_peft_adapter(chunks: list[torch.nn.Module], model_cfg: ModelConfig, l
     _export(chunks, stage_adapter_tensors, write, model_cfg, out_dir, dtype)
 
 
-def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: str,
-              dtype: str = "bfloat16", tokenizer_dir: str | None = None,
-              max_shard_bytes: int = 5 * 1024**3) -> None:
+def export_hf(
+    chunks: list[torch.nn.Module],
+    model_cfg: ModelConfig,
+    out_dir: str,
+    dtype: str = "bfloat16",
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
     """Write the model as an HF folder at ``out_dir``: config.json (the source folder's, with
     ``dtype``), ``model-0000x-of-0000y.safetensors`` + index (vocab padding removed; LoRA
     adapters merged into their weights), the source generation_config.json and the tokenizer
@@ -258,23 +311,33 @@ def export_hf(chunks: list[torch.nn.Module], model_cfg: ModelConfig, out_dir: st
         ValueError: unknown dtype (before any communication), or whatever rank 0 hit while
             writing (re-raised on every rank as RuntimeError).
     """
+
     def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
-        _write_folder(tensors, model_cfg, tmp, dtype, tokenizer_dir or model_cfg.hf_path,
-                      max_shard_bytes)
+        _write_folder(
+            tensors, model_cfg, tmp, dtype, tokenizer_dir or model_cfg.hf_path, max_shard_bytes
+        )
 
     _export(chunks, stage_hf_tensors, write, model_cfg, out_dir, dtype)
 
 
-def _export(chunks: list, stage_fn: Callable, write_fn: Callable, model_cfg: ModelConfig,
-            out_dir: str, dtype: str) -> None:
+def _export(
+    chunks: list,
+    stage_fn: Callable,
+    write_fn: Callable,
+    model_cfg: ModelConfig,
+    out_dir: str,
+    dtype: str,
+) -> None:
     """Gather every stage's ``stage_fn`` tensors on rank 0, where ``write_fn(tensors, tmp)``
     fills a temporary folder that then replaces ``out_dir``; errors reach every rank."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
     is_rank0 = dist.get_rank() == 0
-    sender = (parallel_state.get_tensor_model_parallel_rank() == 0
-              and parallel_state.get_data_parallel_rank() == 0)
+    sender = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
     error = None
     if is_rank0:
         receiver = _StageReceiver()
@@ -302,8 +365,14 @@ def _export(chunks: list, stage_fn: Callable, write_fn: Callable, model_cfg: Mod
         raise RuntimeError(f"export to {out_dir} failed on rank {dist.get_rank()}: {error}")
 
 
-def _write_folder(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig, tmp: str,
-                  dtype: str, tokenizer_dir: str, max_shard_bytes: int) -> None:
+def _write_folder(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    cfg: ModelConfig,
+    tmp: str,
+    dtype: str,
+    tokenizer_dir: str,
+    max_shard_bytes: int,
+) -> None:
     """Rank 0's part of :func:`export_hf`: the HF folder's files into ``tmp``."""
     config = hf_config_dict(cfg, dtype)
     write_safetensors_shards(tensors, tmp, max_shard_bytes)

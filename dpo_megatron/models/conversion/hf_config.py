@@ -14,7 +14,6 @@ from dpo_megatron.models.conversion.architectures import (
     get_architecture,
 )
 
-
 HF_DEFAULTED_FIELDS = ("moe_aux_loss_coeff",)
 """ModelConfig fields whose None means "the HF config's value" (``router_aux_loss_coef``)."""
 
@@ -31,11 +30,14 @@ def read_hf_config_json(hf_path: str) -> dict:
         if not os.path.isdir(hf_path) and "/" in hf_path.strip("/"):
             # A hub name (what a preset resolves to without a local copy): the engine reads
             # local folders only.
-            hint = (f"; {hf_path!r} looks like a hub name: download it (huggingface-cli download "
-                    f"{hf_path} --local-dir DIR/{hf_path}) and set DPO_MEGATRON_MODELS=DIR or "
-                    f"model.hf_path=DIR/{hf_path}")
-        raise FileNotFoundError(f"{path}: no config.json (model.hf_path must be a Hugging Face "
-                                f"model folder){hint}")
+            hint = (
+                f"; {hf_path!r} looks like a hub name: download it (huggingface-cli download "
+                f"{hf_path} --local-dir DIR/{hf_path}) and set DPO_MEGATRON_MODELS=DIR or "
+                f"model.hf_path=DIR/{hf_path}"
+            )
+        raise FileNotFoundError(
+            f"{path}: no config.json (model.hf_path must be a Hugging Face model folder){hint}"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -47,8 +49,9 @@ def architecture_of(hf_path: str) -> Architecture:
         ValueError: unknown architecture (names it and the supported ones).
     """
     raw = read_hf_config_json(hf_path)
-    return get_architecture(raw.get("model_type", "<missing>"),
-                            os.path.join(hf_path, "config.json"))
+    return get_architecture(
+        raw.get("model_type", "<missing>"), os.path.join(hf_path, "config.json")
+    )
 
 
 def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
@@ -106,11 +109,15 @@ def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict:
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         raw = read_hf_config_json(cfg.hf_path)
         derived = model_config_from_hf(cfg.hf_path, cfg)
-        diff = [f.name for f in dataclasses.fields(ModelConfig)
-                if getattr(derived, f.name) != getattr(cfg, f.name)]
+        diff = [
+            f.name
+            for f in dataclasses.fields(ModelConfig)
+            if getattr(derived, f.name) != getattr(cfg, f.name)
+        ]
         if diff:
-            raise ValueError(f"{cfg.hf_path}/config.json differs from the model being exported "
-                             f"in {diff}")
+            raise ValueError(
+                f"{cfg.hf_path}/config.json differs from the model being exported in {diff}"
+            )
     else:
         from transformers import AutoConfig
 

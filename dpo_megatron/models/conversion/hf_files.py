@@ -38,8 +38,9 @@ class HFCheckpointReader:
         for name in files:
             path = os.path.join(hf_path, name)
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{hf_path}: weight shard {name} listed in the index is "
-                                        "missing")
+                raise FileNotFoundError(
+                    f"{hf_path}: weight shard {name} listed in the index is missing"
+                )
         self._shapes: dict[str, tuple[int, ...]] = {}
         for name in sorted(set(files)):
             for tensor, shape in self._header(name).items():
@@ -48,8 +49,10 @@ class HFCheckpointReader:
         if self._index_map is not None:
             for tensor, name in self._index_map.items():
                 if tensor not in self._shapes:
-                    raise KeyError(f"{os.path.join(hf_path, name)}: tensor {tensor!r} listed in "
-                                   "the index is not in the shard")
+                    raise KeyError(
+                        f"{os.path.join(hf_path, name)}: tensor {tensor!r} listed in "
+                        "the index is not in the shard"
+                    )
                 self._file_of[tensor] = name
 
     def _weight_files(self) -> list[str]:
@@ -63,8 +66,10 @@ class HFCheckpointReader:
         for single in ("model.safetensors", "pytorch_model.bin"):
             if os.path.isfile(os.path.join(self.hf_path, single)):
                 return [single]
-        raise FileNotFoundError(f"{self.hf_path}: no model.safetensors, pytorch_model.bin or "
-                                "sharded index in this folder")
+        raise FileNotFoundError(
+            f"{self.hf_path}: no model.safetensors, pytorch_model.bin or "
+            "sharded index in this folder"
+        )
 
     def _handle(self, name: str):
         if name not in self._open:
@@ -74,8 +79,9 @@ class HFCheckpointReader:
 
                 self._open[name] = safe_open(path, framework="pt", device="cpu")
             else:
-                self._open[name] = torch.load(path, map_location="cpu", mmap=True,
-                                              weights_only=True)
+                self._open[name] = torch.load(
+                    path, map_location="cpu", mmap=True, weights_only=True
+                )
         return self._open[name]
 
     def _header(self, name: str) -> dict[str, tuple[int, ...]]:
@@ -101,8 +107,9 @@ class HFCheckpointReader:
         """Stored shape of one tensor (no data read)."""
         return self._shapes[name]
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None
-             ) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None
+    ) -> torch.Tensor:
         """Rows ``[start, stop)`` of the stored tensor along ``dim`` (0 or 1); only those bytes
         are read (safetensors) or paged in (mmap'd .bin). Returns a contiguous CPU tensor."""
         file = self._file_of[name]
@@ -124,8 +131,9 @@ class HFCheckpointReader:
         self._open.clear()
 
 
-def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str,
-                             max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+def write_safetensors_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str, max_shard_bytes: int = 5 * 1024**3
+) -> list[str]:
     """Write (name, tensor) pairs, in order, to ``model-0000x-of-0000y.safetensors`` files of at
     most ``max_shard_bytes`` each (one tensor larger than that gets a shard of its own) plus
     ``model.safetensors.index.json``. Tensors are consumed one at a time; a shard is held in
@@ -170,6 +178,10 @@ def write_safetensors_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_di
         final.append(shard)
         weight_map.update({name: shard for name in names})
     with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
-                  sort_keys=True)
+        json.dump(
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+            f,
+            indent=2,
+            sort_keys=True,
+        )
     return final

@@ -33,14 +33,10 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 TE_FUSED_NORMS = {
-    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight":
-        "decoder.layers.{i}.input_layernorm.weight",
-    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_bias":
-        "decoder.layers.{i}.input_layernorm.bias",
-    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight":
-        "decoder.layers.{i}.pre_mlp_layernorm.weight",
-    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_bias":
-        "decoder.layers.{i}.pre_mlp_layernorm.bias",
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.{i}.input_layernorm.weight",
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_bias": "decoder.layers.{i}.input_layernorm.bias",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "decoder.layers.{i}.pre_mlp_layernorm.weight",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_bias": "decoder.layers.{i}.pre_mlp_layernorm.bias",
 }
 """The transformer-engine layer spec fuses each pre-norm into the following linear layer
 (``TELayerNormColumnParallelLinear``); its norm parameters map like the local spec's norm
@@ -76,22 +72,29 @@ def check_hf_folder(reader: HFCheckpointReader, arch: Architecture, cfg: ModelCo
     present = set(reader.names())
     for name, shape in expected.items():
         if name not in present:
-            raise KeyError(f"{reader.hf_path}: tensor {name!r} is missing ({arch.name} expects "
-                           f"it for this config.json)")
+            raise KeyError(
+                f"{reader.hf_path}: tensor {name!r} is missing ({arch.name} expects "
+                f"it for this config.json)"
+            )
         if reader.shape(name) != shape:
-            raise ValueError(f"{reader.hf_path}: tensor {name!r} has shape "
-                             f"{list(reader.shape(name))}, config.json implies {list(shape)}")
+            raise ValueError(
+                f"{reader.hf_path}: tensor {name!r} has shape "
+                f"{list(reader.shape(name))}, config.json implies {list(shape)}"
+            )
     allowed = {expand(p, i) for p in arch.ignored for i in range(cfg.num_layers)}
     if cfg.tie_word_embeddings:
         allowed.add("lm_head.weight")  # some tied checkpoints store the duplicate
     leftover = sorted(present - set(expected) - allowed)
     if leftover:
-        raise ValueError(f"{reader.hf_path}: tensors not mapped by the {arch.name} table: "
-                         f"{leftover[:10]}{' ...' if len(leftover) > 10 else ''}")
+        raise ValueError(
+            f"{reader.hf_path}: tensors not mapped by the {arch.name} table: "
+            f"{leftover[:10]}{' ...' if len(leftover) > 10 else ''}"
+        )
 
 
-def iter_global_params(chunk: torch.nn.Module) -> Iterator[
-        tuple[str, Optional[int], Optional[int], torch.nn.Parameter]]:
+def iter_global_params(
+    chunk: torch.nn.Module,
+) -> Iterator[tuple[str, Optional[int], Optional[int], torch.nn.Parameter]]:
     """(table pattern, global layer index or None, global expert index or None, parameter) for
     every parameter of a chunk.
 
@@ -118,14 +121,19 @@ def tp_layout(tmap: TensorMap) -> tuple[int, int]:
     """(rank, size) of the group that splits ``tmap``'s tensor: the expert tensor-parallel group
     for experts' tensors, the tensor-parallel group otherwise."""
     if tmap.expert:
-        return (parallel_state.get_expert_tensor_parallel_rank(),
-                parallel_state.get_expert_tensor_parallel_world_size())
-    return (parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size())
+        return (
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
 
 
-def table_entry(table: dict[str, TensorMap], pattern: str, cfg: ModelConfig, arch: Architecture
-                ) -> TensorMap:
+def table_entry(
+    table: dict[str, TensorMap], pattern: str, cfg: ModelConfig, arch: Architecture
+) -> TensorMap:
     """The table entry for a megatron parameter pattern; the last stage's copy of a tied output
     layer maps to the embedding, transformer-engine fused norms to the norm entries.
 
@@ -171,12 +179,15 @@ def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_pa
                 tmap = table_entry(table, pattern, model_cfg, arch)
                 tp_rank, tp_size = tp_layout(tmap)
                 names = [expand(n, layer, expert) for n in tmap.hf]
-                shard = read_tp_shard(tmap, names, reader, model_cfg, tp_rank, tp_size,
-                                      tuple(param.shape))
+                shard = read_tp_shard(
+                    tmap, names, reader, model_cfg, tp_rank, tp_size, tuple(param.shape)
+                )
                 if tuple(shard.shape) != tuple(param.shape):
-                    raise ValueError(f"{hf_path}: {names} give {list(shard.shape)} for megatron "
-                                     f"parameter {expand(pattern, layer, expert)} of shape "
-                                     f"{list(param.shape)} (TP rank {tp_rank}/{tp_size})")
+                    raise ValueError(
+                        f"{hf_path}: {names} give {list(shard.shape)} for megatron "
+                        f"parameter {expand(pattern, layer, expert)} of shape "
+                        f"{list(param.shape)} (TP rank {tp_rank}/{tp_size})"
+                    )
                 param.copy_(shard)
     finally:
         reader.close()
