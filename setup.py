@@ -25,8 +25,16 @@ setup(
     extras_require={
         # peft: the LoRA export test loads the adapters with peft.PeftModel.from_pretrained;
         # beautifulsoup4: the StackExchange preprocessing tests (the "reference" extra);
-        # pytest-xdist: the suite runs on two workers (README's test command).
-        "test": ["pytest", "pytest-xdist", "peft", "beautifulsoup4"],
+        # pytest-xdist: the suite runs on two workers (README's test command);
+        # ruff and import-linter: the style and layering checks (tests/test_style.py).
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "peft",
+            "beautifulsoup4",
+            "ruff>=0.17,<0.18",
+            "import-linter>=2",
+        ],
         # NVIDIA apex is optional and detected at run time; the PyPI package named `apex` is an
         # unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],
