@@ -2,7 +2,8 @@
 
 megatron-core 0.16 assumes a GPU in a handful of places (``shared/MEGATRON_CPU_NOTES.md``):
 
-* buffers are allocated with ``device=torch.cuda.current_device()`` or the literal ``device='cuda'``;
+* buffers are allocated with ``device=torch.cuda.current_device()`` or the literal
+  ``device='cuda'``;
 * ``Tensor.cuda()`` / ``Tensor.to('cuda')`` move tensors;
 * the distributed optimizer and grad clipping accept only ``torch.cuda.*Tensor`` type strings;
 * the model-parallel RNG tracker saves and restores the CUDA generator state;

@@ -2,7 +2,8 @@
 
 megatron-core 0.16 warns on import about each optional GPU extra it cannot find, recommends a CUDA
 environment variable even on CPU, and calls torch.distributed functions (and, loading a
-checkpoint, torch DCP's ``load_state_dict`` and ShardedTensor) that torch 2.13 marks deprecated. None of these is actionable for a user; everything else still prints.
+checkpoint, torch DCP's ``load_state_dict`` and ShardedTensor) that torch 2.13 marks deprecated.
+None of these is actionable for a user; everything else still prints.
 
 Switched on by the entry points (trainer, launcher's config check, converters) before
 megatron-core is imported. Imports nothing heavy: the config check must stay fast.

@@ -9,8 +9,8 @@ repeat its exit status around that line; for a crash they belong in front of tor
 block. The first line is also logged when torchrun forwards a SIGINT / SIGTERM it received to
 its workers, which then save and end with their own line. :class:`HeldFailureLogs` is a
 ``logging.Filter`` on that logger which keeps exactly these
-two records aside; the launcher then drops them (a reported stop, a forwarded signal) or releases them,
-in order (a crash, anything else). Every other record of the logger passes at once.
+two records aside; the launcher then drops them (a reported stop, a forwarded signal) or releases
+them, in order (a crash, anything else). Every other record of the logger passes at once.
 
 Switched on by :mod:`dpo_megatron.launch` only, around its call of torchrun's ``main``. If torch
 renames the logger or rewords the messages, nothing is held and the lines simply print.

@@ -1,7 +1,8 @@
 """Reference-based preference losses (DPO and its variants), as pure functions of per-sequence log-probs.
 
 Every function takes
-    policy_chosen_logps, policy_rejected_logps: [B] summed policy log-probs of the completions (nats)
+    policy_chosen_logps, policy_rejected_logps: [B] summed policy log-probs of the completions
+    (nats)
     reference_chosen_logps, reference_rejected_logps: [B] the same under the reference model
     chosen_tokens, rejected_tokens: [B] completion token counts (used by length-averaged losses)
 and returns (losses [B], metrics dict of [B] tensors). Notation: the log-ratios are

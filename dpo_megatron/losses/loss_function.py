@@ -44,7 +44,8 @@ class LossModifiers:
     shared length, in policy and reference log-probs alike (as TRL 1.x); None = off, 1 = plain sums."""
 
 
-# Modifier key -> value type checked by `_coerce` (field annotations are strings under `annotations`).
+# Modifier key -> value type checked by `_coerce` (field annotations are strings under
+# `annotations`).
 _MODIFIER_KINDS: dict[str, type] = {
     field.name: bool if field.type == "bool" else float
     for field in dataclasses.fields(LossModifiers)
@@ -213,8 +214,9 @@ class LossFunction:
         """Per-pair losses and metrics of one micro-batch.
 
         Args:
-            policy_token_logps: [2B, S] log p(label_t | tokens <= t) under the policy; rows 0..B-1 chosen,
-                B..2B-1 the rejected completions of the same pairs. With chosen_only: [B, S] chosen rows.
+            policy_token_logps: [2B, S] log p(label_t | tokens <= t) under the policy; rows 0..B-1
+                chosen, B..2B-1 the rejected completions of the same pairs. With chosen_only: [B, S]
+            chosen rows.
             reference_token_logps: [2B, S] the same under the reference model (no grad), or None when
                 not `needs_reference`.
             loss_mask: [2B, S] 1 on completion-token label positions, else 0.

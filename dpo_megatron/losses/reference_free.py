@@ -73,9 +73,9 @@ def cpo_loss(
     cpo_alpha: float = 1.0,
 ) -> LossOutput:
     """CPO: -log sigma(beta log pi(y_w|x) - beta log pi(y_l|x)) + cpo_alpha * NLL(y_w)
-    (Xu et al. 2024, "Contrastive Preference Optimization", arXiv:2401.08417, L_CPO = L_prefer + L_NLL,
-    Sec. 3; summed log-probs in L_prefer, per-token NLL, beta 0.1 and alpha 1 as in the paper).
-    For CPO-SimPO use `simpo` with cpo_alpha > 0.
+    (Xu et al. 2024, "Contrastive Preference Optimization", arXiv:2401.08417, L_CPO = L_prefer +
+    L_NLL, Sec. 3; summed log-probs in L_prefer, per-token NLL, beta 0.1 and alpha 1 as in the
+    paper). For CPO-SimPO use `simpo` with cpo_alpha > 0.
     """
     losses = bradley_terry_loss(
         beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing
@@ -102,8 +102,9 @@ def orpo_loss(
     average_logps: bool = True,
 ) -> LossOutput:
     """ORPO: NLL(y_w) - lambda * log sigma(log odds(y_w) - log odds(y_l)), odds(y) = p / (1 - p),
-    p = exp(mean per-token log pi(y|x))  (Hong et al. 2024, "ORPO: Monolithic Preference Optimization
-    without Reference Model", arXiv:2403.07691, Eq. 6 (L_ORPO = L_SFT + lambda L_OR) and Eq. 7 (L_OR)).
+    p = exp(mean per-token log pi(y|x))  (Hong et al. 2024, "ORPO: Monolithic Preference
+    Optimization without Reference Model", arXiv:2403.07691, Eq. 6 (L_ORPO = L_SFT + lambda L_OR)
+    and Eq. 7 (L_OR)).
 
     lambda is `beta` (default 0.1, as in the paper). log(1 - p) = log1mexp(log p) is computed in at
     least float32 with the stable two-branch form, so bf16 inputs and average log-probs at 0 or -1e-8

@@ -12,10 +12,10 @@ truth for valid keys and defaults. A loss state's own keyword-only constructor p
 beta-DPO's momentum) are config keys of the loss too, read the same way.
 
 Step statistics: a loss whose formula uses a statistic of the whole optimizer step's batch (all
-micro-batches, all data-parallel ranks), e.g. beta-DPO's batch-level beta, has a state that is also a
-:class:`StepStatistic`. The engine then runs a forward-only policy pass before the step's
-forward-backward, gathers the per-pair values the state asks for over the global batch, and hands the
-state's answer (scalars and per-pair values) to every micro-batch's loss call (`training.step`).
+micro-batches, all data-parallel ranks), e.g. beta-DPO's batch-level beta, has a state that is also
+a :class:`StepStatistic`. The engine then runs a forward-only policy pass before the step's
+forward-backward, gathers the per-pair values the state asks for over the global batch, and hands
+the state's answer (scalars and per-pair values) to every micro-batch's loss call (`training.step`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ class LossState(Protocol):
 class StepStatistic(Protocol):
     """A loss state whose loss needs a statistic of the whole step's batch before any gradient.
 
-    The engine calls, per training step: `pair_values` on every micro-batch of a forward-only policy pass
-    (after the reference pass); then `begin_step` once on every rank with the values of all pairs of
-    the global batch; then the loss function of each micro-batch with the per-pair slice of what
-    `begin_step` returned. The statistic thus never depends on micro-batch size, data-parallel size
-    or pipeline layout. Evaluation steps call the loss with the state's `loss_kwargs()` only.
+    The engine calls, per training step: `pair_values` on every micro-batch of a forward-only policy
+    pass (after the reference pass); then `begin_step` once on every rank with the values of all
+    pairs of the global batch; then the loss function of each micro-batch with the per-pair slice of
+    what `begin_step` returned. The statistic thus never depends on micro-batch size, data-parallel
+    size or pipeline layout. Evaluation steps call the loss with the state's `loss_kwargs()` only.
     """
 
     def pair_values(

@@ -8,9 +8,10 @@ from typing import Any
 class RunningRewardMean:
     """Cumulative mean of the per-step global reward mean, one entry per optimizer step.
 
-    Every step averages the same number of pairs (the global batch), so the mean of step means is the
-    mean over all rewards seen, as TRL's `RunningMoments` computes it. Updated only through
-    `update`, i.e. after the optimizer step, so all micro-batches and ranks of a step see the same delta.
+    Every step averages the same number of pairs (the global batch), so the mean of step means is
+    the mean over all rewards seen, as TRL's `RunningMoments` computes it. Updated only through
+    `update`, i.e. after the optimizer step, so all micro-batches and ranks of a step see the same
+    delta.
     """
 
     metric = "bco/reward_mean"

@@ -39,9 +39,9 @@ def length_desensitized_logps(token_logps: Tensor, loss_mask: Tensor, ld_alpha: 
     Optimization", arXiv:2409.06411, Sec. 4): within each pair, the first l_p = min(|y_w|, |y_l|)
     completion tokens count with weight 1 and the rest with weight ld_alpha:
         log pi_hat(y|x) = sum_{t <= l_p} log p_t + ld_alpha * sum_{t > l_p} log p_t.
-    Completion tokens are counted in mask order, so a prompt or padding before them does not shift l_p.
-    Applied to policy and reference log-probs alike (TRL 1.x), so policy == reference still gives
-    zero log-ratios.
+    Completion tokens are counted in mask order, so a prompt or padding before them does not shift
+    l_p. Applied to policy and reference log-probs alike (TRL 1.x), so policy == reference still
+    gives zero log-ratios.
 
     Args:
         token_logps: [2B, S] per-token log-probs.
@@ -68,7 +68,8 @@ def wpo_weights(
     Sec. 3 as implemented in TRL): per sequence
         w(y) = exp( mean_t [log p(y_t) - log sum_v p_v^2] ),
     pair weight min(1, w(y_w) * w(y_l)), detached (a weight, not a gradient path). The cap at 1 is
-    that of the WPO authors' TRL implementation (TRL 0.x); TRL 1.x multiplies by the uncapped product.
+    that of the WPO authors' TRL implementation (TRL 0.x); TRL 1.x multiplies by the uncapped
+    product.
 
     Args:
         policy_token_logps: [2B, S] policy log-probs of the labels.

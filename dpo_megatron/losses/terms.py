@@ -45,7 +45,8 @@ def chosen_nll(policy_chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -
     """Per-token negative log-likelihood of the chosen completion, -log pi(y_w|x) / |y_w|.
 
     This is the SFT / NLL term of RPO (Pang et al. 2024, Sec. 2), CPO (Xu et al. 2024, Eq. 4) and
-    ORPO (Hong et al. 2024, L_SFT in Eq. 6). Averaged per pair, not over the pooled tokens of a batch.
+    ORPO (Hong et al. 2024, L_SFT in Eq. 6). Averaged per pair, not over the pooled tokens of a
+    batch.
 
     Returns:
         [B] nats per token.
