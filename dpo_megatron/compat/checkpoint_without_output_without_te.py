@@ -20,7 +20,8 @@ from dpo_megatron.compat.registry import Patch, register
 PATCH = register(
     Patch(
         name="checkpoint_without_output_without_te",
-        why="megatron-core 0.16's CheckpointWithoutOutput takes fp8=False for FP8 (fp8 is not None) "
+        why="megatron-core 0.16's CheckpointWithoutOutput takes fp8=False for FP8 (fp8 is not "
+        "None) "
         "and reads transformer-engine's FP8GlobalStateManager: NameError on selective recompute "
         "of 'layernorm' without transformer-engine",
         versions={"megatron-core": "==0.16.*"},

@@ -59,7 +59,8 @@ _CUDA_TYPE_NAMES = {
 
 
 def is_cuda_device(device: Any) -> bool:
-    """True for every spelling of a CUDA device: 'cuda', 'cuda:1', torch.device('cuda'), or an int."""
+    """True for every spelling of a CUDA device: 'cuda', 'cuda:1', torch.device('cuda'), or an
+    int."""
     if isinstance(device, bool):
         return False
     if isinstance(device, int):  # torch's convention: a bare int names a CUDA device

@@ -24,7 +24,8 @@ from dpo_megatron.compat.registry import Patch, register
 PATCH = register(
     Patch(
         name="torchrun_repeated_signal",
-        why="torch elastic's agent aborts its wait for the workers at a second SIGTERM (SLURM sends "
+        why="torch elastic's agent aborts its wait for the workers at a second SIGTERM (SLURM "
+        "sends "
         "more than one), so the workers die in the checkpoint of a preempted job",
         versions={"torch": ">=2.13,<2.14"},
         switched_on="by dpo_megatron.launch (scripts/slurm/launch_node.sh) around torchrun's main",

@@ -1,4 +1,5 @@
-"""Reference-based preference losses (DPO and its variants), as pure functions of per-sequence log-probs.
+"""Reference-based preference losses (DPO and its variants), as pure functions of per-sequence
+log-probs.
 
 Every function takes
     policy_chosen_logps, policy_rejected_logps: [B] summed policy log-probs of the completions
@@ -209,10 +210,10 @@ def hinge_loss(
     rejected_tokens: Tensor,
     beta: float = 0.1,
 ) -> LossOutput:
-    """SLiC hinge on the reference-normalised likelihood: max(0, 1 - beta h), i.e. margin delta = 1/beta
-    (Zhao et al. 2023, "SLiC-HF", arXiv:2305.10425, Eq. 1 calibration loss; reference-normalised form
-    "hinge-norm" of Liu et al. 2023, "Statistical Rejection Sampling", arXiv:2309.06657, Sec. 3).
-    Step-0 value: 1.
+    """SLiC hinge on the reference-normalised likelihood: max(0, 1 - beta h), i.e. margin delta =
+    1/beta (Zhao et al. 2023, "SLiC-HF", arXiv:2305.10425, Eq. 1 calibration loss;
+    reference-normalised form "hinge-norm" of Liu et al. 2023, "Statistical Rejection Sampling",
+    arXiv:2309.06657, Sec. 3). Step-0 value: 1.
     """
     ratios = LogRatios.of(
         policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
@@ -233,8 +234,8 @@ def ipo_loss(
     beta: float = 0.1,
     average_logps: bool = True,
 ) -> LossOutput:
-    """IPO: (h - 1 / (2 tau))^2 with tau = beta (Azar et al. 2023, "A General Theoretical Paradigm to
-    Understand Learning from Human Preferences", arXiv:2310.12036, Eq. 17).
+    """IPO: (h - 1 / (2 tau))^2 with tau = beta (Azar et al. 2023, "A General Theoretical Paradigm
+    to Understand Learning from Human Preferences", arXiv:2310.12036, Eq. 17).
 
     With average_logps (default, as TRL) every log-prob is first divided by its completion's token
     count; rewards/* then are beta times the per-token log-ratios. Step-0 value: 1 / (4 beta^2).
@@ -301,8 +302,9 @@ def bco_pair_loss(
     delta = reward_mean is the running mean of the rewards beta*h over all chosen and rejected
     completions of past optimizer steps (kept by `RunningRewardMean`, 0 before the first step);
     TRL 0.x instead folds in the current batch before using it (so its step-0 delta is that batch's
-    mean; with policy == reference both are 0); TRL 1.x dropped the shift (delta = 0 always). Metrics add `bco/reward_mean` (per pair (beta h_w + beta h_l) / 2, whose global
-    mean updates delta) and `bco/delta`. Step-0 value with delta = 0: 2 ln 2.
+    mean; with policy == reference both are 0); TRL 1.x dropped the shift (delta = 0 always).
+    Metrics add `bco/reward_mean` (per pair (beta h_w + beta h_l) / 2, whose global mean updates
+    delta) and `bco/delta`. Step-0 value with delta = 0: 2 ln 2.
     """
     ratios = LogRatios.of(
         policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
@@ -380,9 +382,9 @@ def aot_unpaired_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
 ) -> LossOutput:
-    """AOT (unpaired; TRL's `aot_pair`): the chosen log-ratio distribution should dominate the rejected
-    one, BT(beta * (sort(h_w) - sort(h_l))) (Melnyk et al. 2024, arXiv:2406.05882, AOT unpaired
-    objective). Sorting is over the B pairs of the call, as for `aot`. Step-0 value: ln 2.
+    """AOT (unpaired; TRL's `aot_pair`): the chosen log-ratio distribution should dominate the
+    rejected one, BT(beta * (sort(h_w) - sort(h_l))) (Melnyk et al. 2024, arXiv:2406.05882, AOT
+    unpaired objective). Sorting is over the B pairs of the call, as for `aot`. Step-0 value: ln 2.
     """
     ratios = LogRatios.of(
         policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
@@ -425,8 +427,8 @@ def apo_down_loss(
     rejected_tokens: Tensor,
     beta: float = 0.1,
 ) -> LossOutput:
-    """APO-down: sigma(beta h_w) + (1 - sigma(beta (h_w - h_l))): lower both likelihoods, the rejected
-    more (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8). Step-0 value: 1.
+    """APO-down: sigma(beta h_w) + (1 - sigma(beta (h_w - h_l))): lower both likelihoods, the
+    rejected more (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8). Step-0 value: 1.
     """
     ratios = LogRatios.of(
         policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
@@ -449,8 +451,9 @@ def discopop_loss(
 ) -> LossOutput:
     """DiscoPOP (log-ratio modulated loss): with z = beta h and m = sigma(z / tau),
     (1 - m) * (-log sigma(z)) + m * exp(-z)
-    (Chris Lu et al. 2024, "Discovering Preference Optimization Algorithms with and for Large Language
-    Models", arXiv:2406.08414, Eq. 5; tau = 0.05 in the paper). Step-0 value: (ln 2 + 1) / 2.
+    (Chris Lu et al. 2024, "Discovering Preference Optimization Algorithms with and for Large
+    Language Models", arXiv:2406.08414, Eq. 5; tau = 0.05 in the paper). Step-0 value: (ln 2 + 1) /
+    2.
     """
     ratios = LogRatios.of(
         policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
@@ -480,7 +483,8 @@ def beta_dpo_loss(
     pair_weights: Optional[Tensor] = None,
 ) -> LossOutput:
     """beta-DPO: w_i * -log sigma(beta_batch h_i) (Wu et al. 2024, "beta-DPO: Direct Preference
-    Optimization with Dynamic beta", arXiv:2407.08639, Eq. 8 with the beta-guided filter of Sec. 4.2).
+    Optimization with Dynamic beta", arXiv:2407.08639, Eq. 8 with the beta-guided filter of Sec.
+    4.2).
 
     beta_batch = beta_0 [1 + alpha (mean_{kept} M_i - M_0)] and the weights w_i (N/K for the K kept
     pairs of the global batch, 0 for the filtered ones) come from the step statistic

@@ -153,6 +153,7 @@ def weight_advice(
     return (
         f"KTO: loss.desirable_weight * {n_desirable} desirable / (loss.undesirable_weight * "
         f"{n_undesirable} undesirable) = {ratio:.3g} is outside the paper's [1, 4/3]; set EITHER "
-        f"loss.desirable_weight in [{d_low:.3g}, {4 / 3 * d_low:.3g}] OR loss.undesirable_weight in "
+        f"loss.desirable_weight in [{d_low:.3g}, {4 / 3 * d_low:.3g}] OR loss.undesirable_weight "
+        "in "
         f"[{0.75 * u_high:.3g}, {u_high:.3g}] (not both)"
     )

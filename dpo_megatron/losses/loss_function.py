@@ -32,8 +32,9 @@ class LossModifiers:
     """Config keys under `loss.` that apply to any selected loss."""
 
     reference_free: bool = False
-    """Replace the reference log-probs by 0 in reference-based losses (an implicit uniform reference);
-    no reference model is then built or run. Valid only when a selected loss uses a reference."""
+    """Replace the reference log-probs by 0 in reference-based losses (an implicit uniform
+    reference); no reference model is then built or run. Valid only when a selected loss uses a
+    reference."""
     sft_weight: float = 0.0
     """Weight of an added per-token NLL of the chosen completion (reported as `nll_loss`)."""
     use_weighting: bool = False
@@ -41,7 +42,8 @@ class LossModifiers:
     the engine must then pass `policy_token_log_sum_p2`."""
     ld_alpha: Optional[float] = None
     """LD-DPO (Liu et al. 2024, arXiv:2409.06411): weight in [0, 1] of the tokens past the pair's
-    shared length, in policy and reference log-probs alike (as TRL 1.x); None = off, 1 = plain sums."""
+    shared length, in policy and reference log-probs alike (as TRL 1.x); None = off, 1 = plain
+    sums."""
 
 
 # Modifier key -> value type checked by `_coerce` (field annotations are strings under
@@ -69,7 +71,8 @@ def _in_range(
 _SORTING_LOSSES = {"aot", "aot_unpaired"}
 
 _INF = float("inf")
-# key -> range check (its docstring is the interval); (loss name, key) entries override the key's rule.
+# key -> range check (its docstring is the interval); (loss name, key) entries override the key's
+# rule.
 _VALUE_RULES: dict[Any, Callable[[float], bool]] = {
     "beta": _in_range(0.0, _INF, low_open=True),
     "label_smoothing": _in_range(0.0, 0.5, high_open=True),
@@ -217,17 +220,19 @@ class LossFunction:
             policy_token_logps: [2B, S] log p(label_t | tokens <= t) under the policy; rows 0..B-1
                 chosen, B..2B-1 the rejected completions of the same pairs. With chosen_only: [B, S]
             chosen rows.
-            reference_token_logps: [2B, S] the same under the reference model (no grad), or None when
-                not `needs_reference`.
+            reference_token_logps: [2B, S] the same under the reference model (no grad), or None
+                when not `needs_reference`.
             loss_mask: [2B, S] 1 on completion-token label positions, else 0.
-            policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with WPO.
+            policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with
+            WPO.
             chosen_only: rows are chosen completions only (allowed when not `needs_rejected`).
             step_inputs: this micro-batch's share of `begin_step`'s answer (scalars, and [B]
                 per-pair values), passed to the loss with the step statistic; None when unset.
             desirable: [B] 1.0 / 0.0 labels of unpaired examples (required when `unpaired`).
         Returns:
             losses: [B] per-pair loss (nats for the likelihood-based losses; squared or unitless
-                log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums over pairs and divides by the global pair count.
+                log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums over pairs and
+                divides by the global pair count.
             metrics: name -> [B] detached per-pair values (the engine averages them over all pairs).
         Raises:
             ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs
@@ -338,7 +343,8 @@ class LossFunction:
     def begin_step(
         self, values: Tensor, keys: Tensor, training: bool
     ) -> tuple[dict[str, float], dict[str, Tensor]]:
-        """The step statistic of the global batch: `StepStatistic.begin_step` of the loss that has one.
+        """The step statistic of the global batch: `StepStatistic.begin_step` of the loss that has
+        one.
         Call it on every rank with the same values, so that every rank's state stays the same."""
         return self._statistic_component.state.begin_step(values, keys, training)
 
@@ -372,7 +378,8 @@ class LossFunction:
         if self.unpaired and (desirable is None or desirable.shape != (policy.shape[0] // 2,)):
             raise ValueError(
                 f"{self!r} trains on unpaired examples: pass desirable labels [B] for the "
-                f"{policy.shape[0]} rows, got {None if desirable is None else tuple(desirable.shape)}"
+                f"{policy.shape[0]} rows, got "
+                f"{None if desirable is None else tuple(desirable.shape)}"
             )
         if chosen_only and self.needs_rejected:
             raise ValueError(f"chosen_only=True, but {self!r} reads the rejected completions")
@@ -392,7 +399,8 @@ class LossFunction:
         if self.needs_token_log_sum_p2 and (log_sum_p2 is None or log_sum_p2.shape != policy.shape):
             raise ValueError(
                 "loss.use_weighting (WPO) needs policy_token_log_sum_p2 of shape "
-                f"{tuple(policy.shape)}, got {None if log_sum_p2 is None else tuple(log_sum_p2.shape)}"
+                f"{tuple(policy.shape)}, got "
+                f"{None if log_sum_p2 is None else tuple(log_sum_p2.shape)}"
             )
 
     def data_advice(self, train_items: Sequence) -> Optional[str]:
@@ -416,7 +424,8 @@ class LossFunction:
         return finish_kto_metrics(means, count) if self.unpaired else dict(means)
 
     def on_step_end(self, global_metrics: Mapping[str, float]) -> None:
-        """After each optimizer step: fold the step's globally averaged metrics into loss states (BCO)."""
+        """After each optimizer step: fold the step's globally averaged metrics into loss states
+        (BCO)."""
         for component in self.components:
             if component.state is not None:
                 component.state.update(dict(global_metrics))
@@ -434,7 +443,8 @@ class LossFunction:
         expected = sorted(self.state_dict())
         if sorted(state) != expected:
             raise ValueError(
-                f"loss state in checkpoint has {sorted(state)}, the configured loss expects {expected}"
+                f"loss state in checkpoint has {sorted(state)}, the configured loss expects "
+                f"{expected}"
             )
         for component in self.components:
             if component.state is not None:
@@ -451,11 +461,11 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     """Build the loss selected by the `loss:` config section.
 
     Args:
-        config: plain mapping (e.g. `OmegaConf.to_container(cfg.loss)`): `name` (a registered name or
-            a list of names), optional `weights` (one per name, default 1.0 each), and the parameters
-            of the selected losses and of `LossModifiers`. Keys whose value is None count as unset.
-            A parameter shared by several listed losses (e.g. beta) is passed to each that takes it;
-            a loss whose parameter is not set uses its own paper default.
+        config: plain mapping (e.g. `OmegaConf.to_container(cfg.loss)`): `name` (a registered name
+            or a list of names), optional `weights` (one per name, default 1.0 each), and the
+            parameters of the selected losses and of `LossModifiers`. Keys whose value is None count
+            as unset. A parameter shared by several listed losses (e.g. beta) is passed to each that
+            takes it; a loss whose parameter is not set uses its own paper default.
     Returns:
         The `LossFunction`.
     Raises:
@@ -513,7 +523,8 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     ]
     if len(with_statistic) > 1:
         raise ValueError(
-            f"loss.name lists {with_statistic}: at most one loss with a step statistic can be combined"
+            f"loss.name lists {with_statistic}: at most one loss with a step statistic can be "
+            "combined"
         )
     unpaired = [spec.name for spec in specs if spec.unpaired]
     if unpaired and len(specs) > 1:
@@ -526,13 +537,15 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     )
     if unpaired and misfits:
         raise ValueError(
-            f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are a "
+            f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are "
+            "a "
             "completion and a mismatched completion, not a chosen and a rejected answer"
         )
     sorting = sorted(set(names) & _SORTING_LOSSES)
     if modifier_values.get("use_weighting") and sorting:
         raise ValueError(
-            f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within the "
+            f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within "
+            "the "
             "micro-batch, so per-pair weights would not line up with the losses"
         )
     return LossFunction(components, LossModifiers(**modifier_values))

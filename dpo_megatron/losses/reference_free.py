@@ -107,9 +107,9 @@ def orpo_loss(
     and Eq. 7 (L_OR)).
 
     lambda is `beta` (default 0.1, as in the paper). log(1 - p) = log1mexp(log p) is computed in at
-    least float32 with the stable two-branch form, so bf16 inputs and average log-probs at 0 or -1e-8
-    stay finite. Metrics add nll_loss, log_odds_ratio (log sigma of the log-odds difference, TRL's
-    name) and log_odds_chosen (the log-odds difference).
+    least float32 with the stable two-branch form, so bf16 inputs and average log-probs at 0 or
+    -1e-8 stay finite. Metrics add nll_loss, log_odds_ratio (log sigma of the log-odds difference,
+    TRL's name) and log_odds_chosen (the log-odds difference).
     """
     compute_dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
     chosen_sum = policy_chosen_logps.to(compute_dtype)

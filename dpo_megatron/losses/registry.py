@@ -36,7 +36,8 @@ LABEL_ARG = "desirable"
 
 
 class LossState(Protocol):
-    """Cross-step state of a loss (e.g. BCO's running reward mean), kept outside the pure function."""
+    """Cross-step state of a loss (e.g. BCO's running reward mean), kept outside the pure
+    function."""
 
     def loss_kwargs(self) -> dict[str, Any]:
         """Runtime keyword arguments to pass to the loss function this step."""
@@ -90,7 +91,8 @@ class LossSpec:
     fn: LossFn
     """Pure per-sequence function (see module docstring)."""
     needs_reference: bool
-    """True when the formula uses reference-model log-probs (can be switched off by `reference_free`)."""
+    """True when the formula uses reference-model log-probs (can be switched off by
+    `reference_free`)."""
     state_factory: Optional[Callable[[], LossState]] = None
     """Builds the loss's cross-step state; None for stateless losses."""
     runtime_params: tuple[str, ...] = ()
@@ -98,10 +100,12 @@ class LossSpec:
     uses_rejected: bool = True
     """False when the loss reads only the chosen completions (`sft`)."""
     unpaired: bool = False
-    """True for losses of unpaired examples (KTO): the "chosen" sequence is the example's completion,
-    the "rejected" one the mismatched completion of the KL estimate, and `fn` takes `desirable`."""
+    """True for losses of unpaired examples (KTO): the "chosen" sequence is the example's
+    completion, the "rejected" one the mismatched completion of the KL estimate, and `fn` takes
+    `desirable`."""
     params: dict[str, Any] = field(init=False)
-    """Config keys this loss accepts -> paper defaults (read from `fn`'s and the state's signatures)."""
+    """Config keys this loss accepts -> paper defaults (read from `fn`'s and the state's
+    signatures)."""
     fn_params: tuple[str, ...] = field(init=False)
     """The keys of `params` that `fn` takes."""
     state_params: tuple[str, ...] = field(init=False)
@@ -172,7 +176,8 @@ def register_loss(
     def decorate(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(
-                f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, {fn.__qualname__})"
+                f"loss {name!r} is registered twice ({LOSSES[name].fn.__qualname__}, "
+                f"{fn.__qualname__})"
             )
         LOSSES[name] = LossSpec(
             name, fn, needs_reference, state_factory, runtime_params, uses_rejected, unpaired

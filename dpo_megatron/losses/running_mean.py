@@ -33,7 +33,8 @@ class RunningRewardMean:
         """
         if self.metric not in global_metrics:
             raise KeyError(
-                f"bco_pair needs the step's global {self.metric!r} metric; got {sorted(global_metrics)}"
+                f"bco_pair needs the step's global {self.metric!r} metric; got "
+                f"{sorted(global_metrics)}"
             )
         self.count += 1
         self.mean += (float(global_metrics[self.metric]) - self.mean) / self.count

@@ -80,7 +80,8 @@ def preference_metrics(
 
     Args:
         chosen_rewards, rejected_rewards: [B] the beta-scaled implicit rewards the loss compares
-            (beta * log-ratio to the reference, or beta * policy log-prob for reference-free losses).
+            (beta * log-ratio to the reference, or beta * policy log-prob for reference-free
+            losses).
         policy_chosen_logps, policy_rejected_logps: [B] summed policy log-probs (nats).
     Returns:
         rewards/chosen, rewards/rejected, rewards/accuracies (1.0 where chosen > rejected strictly),
