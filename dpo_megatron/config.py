@@ -600,13 +600,14 @@ def check_model_layout(cfg: DPOConfig) -> None:
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
 
-def _item_kind(cfg: DPOConfig) -> str:
-    """What the loss trains on (``LossFunction.item_kind``): a loss that reads no rejected
-    completion (sft) trains on SFT examples and may read SFT-only formats (alpaca); an unpaired
-    loss (kto) reads unpaired formats only."""
+def _item_kind(cfg: DPOConfig):
+    """What the loss trains on (``LossFunction.item_kind``, as a ``data.kinds.ItemKind``): a loss
+    that reads no rejected completion (sft) trains on SFT examples and may read SFT-only formats
+    (alpaca); an unpaired loss (kto) reads unpaired formats only."""
+    from dpo_megatron.data.kinds import item_kind
     from dpo_megatron.losses import build_loss
 
-    return build_loss(cfg.loss).item_kind
+    return item_kind(build_loss(cfg.loss).item_kind)
 
 
 def check_data(cfg: DPOConfig) -> None:
@@ -620,8 +621,7 @@ def check_data(cfg: DPOConfig) -> None:
     """
     from dpo_megatron.data.pipeline import check_sources
 
-    kind = _item_kind(cfg)
-    check_sources(cfg.data, sft=kind == "sft", unpaired=kind == "unpaired")
+    check_sources(cfg.data, _item_kind(cfg))
 
 
 def prepare_data(cfg: DPOConfig) -> bool:

@@ -689,17 +689,17 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
 # steps, archive, run
 
 
-def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) -> int:
-    """Training items (pairs, or SFT examples) the engine makes of the data with these
-    overrides on ``config``: the engine's own pipeline, so the count is the run's (its cache is
-    then warm).
+def count_items(overrides: Sequence[str], kind: str = "pairs", config: str = BASE_CONFIG) -> int:
+    """Training items of ``kind`` (``data.kinds``: ``pairs``, or ``sft`` examples) the engine
+    makes of the data with these overrides on ``config``: the engine's own pipeline, so the
+    count is the run's (its cache is then warm).
 
     Raises:
         ReferenceCLIError: the tokenizer or the data cannot be read (e.g. a hub model or
             dataset on an offline machine), with what to give instead.
     """
     from dpo_megatron.config import load_config
-    from dpo_megatron.data import load_preference_pairs, load_sft_examples, load_tokenizer
+    from dpo_megatron.data import load_items, load_tokenizer
     from dpo_megatron.data.reader import is_local_source
 
     cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
@@ -715,7 +715,7 @@ def count_items(overrides: Sequence[str], sft: bool, config: str = BASE_CONFIG) 
                 f"the Hugging Face hub is not reachable from here (offline) for {', '.join(remote)}"
             )
         tokenizer = load_tokenizer(tokenizer_source)
-        dataset = (load_sft_examples if sft else load_preference_pairs)(cfg.data, tokenizer)
+        dataset = load_items(cfg.data, tokenizer, kind)
     except OSError as e:  # also the hub clients' ConnectionError / OfflineModeIsEnabled
         # n_epochs -> steps needs the pairs counted, so this is where a hub name meets a
         # machine without the hub: one line that says what to give instead, no traceback.
@@ -845,7 +845,7 @@ def prepare(
             f"model.archive={t.archive}: weights over {base}'s config.json, written "
             f"to {t.archive_dir} (model.hf_path), policy and reference"
         )
-    items = count_items(t.overrides, t.sft) if t.epochs is not None else None
+    items = count_items(t.overrides, "sft" if t.sft else "pairs") if t.epochs is not None else None
     t.overrides.append(f"train.train_iters={steps_for(t, items)}")
     return t
 

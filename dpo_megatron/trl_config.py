@@ -340,17 +340,9 @@ def prepare_trl(path: str, extra: Sequence[str], devices: int) -> tuple[list[str
 
     overrides, notes, facts = translate_trl(read_trl_yaml(path), path, devices)
     overrides += list(extra)
-    items = (
-        count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
-        if facts["max_steps"] <= 0
-        else None
-    )
+    items = count_items(overrides, config=TRL_BASE_CONFIG) if facts["max_steps"] <= 0 else None
     steps, warmup = trl_steps(facts, items)
     if facts["eval_each_epoch"]:  # transformers: after each epoch's last step
-        items = (
-            items
-            if items is not None
-            else count_items(overrides, sft=False, config=TRL_BASE_CONFIG)
-        )
+        items = items if items is not None else count_items(overrides, config=TRL_BASE_CONFIG)
         overrides.append(f"train.eval_interval={math.ceil(items / facts['global_batch'])}")
     return [*overrides, f"train.lr_warmup_iters={warmup}", f"train.train_iters={steps}"], notes

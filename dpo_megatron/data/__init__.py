@@ -1,9 +1,12 @@
-"""Preference data: raw rows -> ``PreferencePair`` -> padded micro-batches, and who reads which pairs.
+"""The data path: raw rows -> typed items of the loss's kind -> micro-batches, and who reads which.
 
-Read in this order: ``config`` (DataConfig), ``reader`` (rows from files / hub), ``formats``
-(rows -> Example), ``tokenizer`` (HF or SentencePiece, chat templates), ``encode`` (Example ->
-token ids), ``lengths`` (max_length rules), ``pipeline`` (all of it, cached, with the summary),
-``collate`` (pairs -> tensors), ``sampler`` (pairs per rank and step).
+Read in this order: ``config`` (DataConfig), ``kinds`` (the item kind a loss trains on: pairs,
+SFT examples, unpaired examples), then the stages ``pipeline`` runs per source: ``read`` (rows
+from files / hub via ``reader``, the format from the registry of ``format_registry`` /
+``formats``), ``tokenization`` (Example -> token ids via ``tokenizer`` and ``encode``, cached by
+``cache``), ``selection`` (caps, duplicates, ``lengths``, eval split, mix: the typed items of
+``pairs``), ``summary``; then the batches: ``batch`` (the contract), ``builders`` (the run's
+builder: ``collate``, ``packing``, ``context_split``) and ``sampler`` (items per rank and step).
 
 The names below are imported on first use: the launcher's config check imports
 ``data.config`` and must not pay for torch, numpy or ``datasets``.
@@ -14,6 +17,7 @@ from importlib import import_module
 _EXPORTS = {
     "DataConfig": "config",
     "DataError": "reader",
+    "ItemKind": "kinds",
     "PairSampler": "sampler",
     "PreferenceDataset": "pairs",
     "PreferencePair": "pairs",
@@ -23,13 +27,17 @@ _EXPORTS = {
     "UnpairedDataset": "pairs",
     "UnpairedExample": "pairs",
     "UnpairedPair": "pairs",
+    "check_sources": "pipeline",
     "collate_pairs": "collate",
     "collate_rows": "collate",
     "collate_sft": "collate",
+    "item_kind": "kinds",
+    "load_items": "pipeline",
     "load_preference_pairs": "pipeline",
     "load_sft_examples": "pipeline",
     "load_unpaired_examples": "pipeline",
     "load_tokenizer": "tokenizer",
+    "make_batch_builder": "builders",
     "padded_length": "collate",
 }
 

@@ -329,7 +329,7 @@ def round_up(length: int, multiple: int) -> int:
 class BatchBuilder:
     """Items of one step -> a :class:`StepBatch` (host tensors). Implementations:
     ``data.collate.PaddedPairs``, ``data.collate.SFTExamples``, ``data.packing.PackedPairs`` and
-    ``data.packing.SharedPromptPairs``.
+    ``data.packing.SharedPromptPairs`` (a run's: ``data.builders.make_batch_builder``).
 
     Args:
         pad_token_id: fills padding positions (never scored).
@@ -358,48 +358,3 @@ class BatchBuilder:
     ) -> list[list[int]]:
         """The grouping the builder actually uses (bucketing may regroup)."""
         return micro_batch_indices
-
-
-def make_batch_builder(
-    pad_token_id: int,
-    multiple: int,
-    packing=None,
-    sft: bool = False,
-    context_parallel: tuple[int, int] = (0, 1),
-) -> BatchBuilder:
-    """The builder for a run: SFT examples (padded, chosen only), shared-prompt pairs
-    (``packing.share_prompt``), packed pairs (``packing.enabled``) or padded pairs. With
-    ``context_parallel`` = (CP rank, CP size), size > 1: packed units are padded to a multiple of
-    2 x CP and every micro-batch is cut for that rank (``data.context_split``); ``multiple`` must
-    then be a multiple of 2 x CP.
-
-    Raises:
-        ValueError: packing asked for SFT examples (packing packs preference pairs), or
-            ``packing.share_prompt`` without ``packing.enabled``.
-    """
-    from dpo_megatron.data.collate import PaddedPairs, SFTExamples
-    from dpo_megatron.data.context_split import ContextParallelSplit
-    from dpo_megatron.data.packing import PackedPairs, SharedPromptPairs
-
-    packed = packing is not None and packing.enabled
-    if packing is not None:
-        packing.validate()
-    if sft:
-        if packed:
-            raise ValueError(
-                "packing.enabled=true packs preference pairs; an SFT loss trains "
-                "on single completions: set packing.enabled=false"
-            )
-        builder = SFTExamples(pad_token_id, multiple)
-    elif packed:
-        kind = SharedPromptPairs if packing.share_prompt else PackedPairs
-        builder = kind(
-            pad_token_id,
-            multiple,
-            packing,
-            unit_multiple=2 * context_parallel[1] if context_parallel[1] > 1 else 1,
-        )
-    else:
-        builder = PaddedPairs(pad_token_id, multiple)
-    rank, size = context_parallel
-    return ContextParallelSplit(builder, rank, size) if size > 1 else builder

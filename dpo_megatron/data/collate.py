@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from dpo_megatron.data.batch import BatchBuilder, MicroBatch, StepBatch, round_up
-from dpo_megatron.data.pairs import PreferencePair, SFTExample
+from dpo_megatron.data.pairs import PreferencePair, SFTExample, UnpairedPair
 
 Row = tuple[Sequence[int], Sequence[int]]
 """(prompt_ids, completion_ids) of one sequence."""
@@ -70,7 +70,7 @@ def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
     Raises:
         ValueError: a micro-batch mixes unpaired examples and pairs.
     """
-    labels = [getattr(p, "desirable", None) for p in pairs]
+    labels = [p.desirable if isinstance(p, UnpairedPair) else None for p in pairs]
     if all(label is None for label in labels):
         return None
     if any(label is None for label in labels):

@@ -6,58 +6,48 @@ format's own rule leaves out (SHP score ratio, a question without two differentl
 raises ``Filtered`` with the reason. Conversational examples hold lists of
 ``{"role": "system"|"user"|"assistant", "content": str}`` messages; the chosen/rejected lists hold
 the assistant turn(s) that follow the prompt.
+
+The formats are registered in the table at the end of this module (``format_registry``): adding a
+format is its converter and one :class:`RowFormat` entry there (the columns that identify it,
+what its rows hold, and a first-row test where formats share columns).
 """
 
 from __future__ import annotations
 
 import html
 import re
-from dataclasses import dataclass
 from html.parser import HTMLParser
-from typing import Any, Callable, Union
+from typing import Any
 
-from dpo_megatron.data.config import DataConfig
+from dpo_megatron.data.format_registry import (
+    COMPLETIONS,
+    FORMATS,
+    UNPAIRED,
+    ConvertOptions,
+    Example,
+    Filtered,
+    Messages,
+    RowError,
+    RowFormat,
+    Text,
+    detect_format,
+    get_format,
+    register_format,
+)
 
-Messages = list[dict]
-Text = Union[str, Messages]
-
-
-class RowError(ValueError):
-    """A malformed row: ``field`` is the offending column (dotted for nested fields)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"field {field!r}: {message}")
-        self.field = field
-
-
-class Filtered(Exception):
-    """A well-formed row that a rule leaves out; ``reason`` is the count's name in the summary."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Example:
-    """One preference example before tokenization; ``rejected`` is None for SFT-only rows.
-
-    ``notes`` name what a converter did that the summary counts without dropping the row
-    (``diverged_early``: an HH pair split before its last turn). ``group`` names the post an
-    SHP pair comes from, for ``data.shp_max_pairs_per_post`` (empty: no group)."""
-
-    prompt: Text
-    chosen: Text
-    rejected: Text | None
-    notes: tuple[str, ...] = ()
-    group: str = ""
-    label: bool | None = None
-    """Unpaired rows (KTO): True for a desirable completion, False for an undesirable one; the
-    completion is then ``chosen`` and ``rejected`` is None. None for pairs."""
-
-    @property
-    def conversational(self) -> bool:
-        return isinstance(self.prompt, list)
+__all__ = [
+    "FORMATS",
+    "ConvertOptions",
+    "Example",
+    "Filtered",
+    "Messages",
+    "RowError",
+    "RowFormat",
+    "Text",
+    "detect_format",
+    "get_format",
+    "register_format",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,12 +145,12 @@ def _common_message_prefix(a: Messages, b: Messages) -> int:
 # converters
 
 
-def convert_standard(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_standard(row: dict, cfg: ConvertOptions) -> list[Example]:
     """TRL standard: ``{"prompt": str, "chosen": str, "rejected": str}``."""
     return [Example(_text(row, "prompt"), _text(row, "chosen"), _text(row, "rejected"))]
 
 
-def convert_implicit(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_implicit(row: dict, cfg: ConvertOptions) -> list[Example]:
     """TRL implicit prompt: ``{"chosen": str, "rejected": str}``; prompt = common prefix."""
     chosen, rejected = _text(row, "chosen"), _text(row, "rejected")
     if chosen == rejected:
@@ -169,7 +159,7 @@ def convert_implicit(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(prompt, chosen[len(prompt) :], rejected[len(prompt) :])]
 
 
-def convert_conversational(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_conversational(row: dict, cfg: ConvertOptions) -> list[Example]:
     """TRL conversational: prompt/chosen/rejected are message lists."""
     prompt = _messages(_get(row, "prompt"), "prompt")
     chosen = _messages(_get(row, "chosen"), "chosen")
@@ -180,7 +170,7 @@ def convert_conversational(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(prompt, chosen, rejected)]
 
 
-def convert_conversational_implicit(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_conversational_implicit(row: dict, cfg: ConvertOptions) -> list[Example]:
     """TRL conversational, implicit prompt: chosen/rejected are whole conversations."""
     chosen = _messages(_get(row, "chosen"), "chosen")
     rejected = _messages(_get(row, "rejected"), "rejected")
@@ -220,7 +210,7 @@ def _sharegpt_turn(value: Any, field: str) -> dict:
     return {"role": role, "content": value["value"]}
 
 
-def convert_sharegpt(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_sharegpt(row: dict, cfg: ConvertOptions) -> list[Example]:
     """ShareGPT / LLaMA-Factory: ``{"conversations": [{"from", "value"}], "chosen": {...},
     "rejected": {...}}``, optional ``"system"`` column; the system turn is kept."""
     turns = _get(row, "conversations")
@@ -300,7 +290,7 @@ def _hh_reference_text(chosen_text: str, rejected_text: str) -> list[Example]:
     return [Example(chosen_text[:end], chosen_text[end:], rejected_text[end:], notes=notes)]
 
 
-def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_hh(row: dict, cfg: ConvertOptions) -> list[Example]:
     """Anthropic HH-RLHF raw: chosen/rejected are whole dialogues, usually differing only in
     their last Assistant turn (prompt = the turns before it).
 
@@ -337,7 +327,7 @@ def convert_hh(row: dict, cfg: DataConfig) -> list[Example]:
 
 
 def _single_turn(
-    question: str, chosen: str, rejected: str, cfg: DataConfig, group: str = ""
+    question: str, chosen: str, rejected: str, cfg: ConvertOptions, group: str = ""
 ) -> Example:
     """One question and two answers: the reference repo's text form, or a user/assistant turn."""
     if cfg.reference_preprocessing:
@@ -352,7 +342,7 @@ def _single_turn(
     )
 
 
-def convert_shp(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_shp(row: dict, cfg: ConvertOptions) -> list[Example]:
     """Stanford SHP: ``history`` (the post), ``human_ref_A``/``human_ref_B`` comments, ``labels``
     (1: A preferred), scores; pairs under ``data.shp_min_score_ratio`` are filtered (the reference
     DPO repo's filter: ratio of the higher to the lower score >= 2). The example's ``group`` is
@@ -463,7 +453,7 @@ def _se_answers(row: dict, strip) -> tuple[str, list[tuple[float, str]]]:
     return question, scored
 
 
-def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_se(row: dict, cfg: ConvertOptions) -> list[Example]:
     """StackExchange preferences: ``question`` and ``answers`` [{text, pm_score}]; the best-scored
     answer is chosen against up to ``data.se_max_pairs_per_question`` lower-scored ones (highest
     first); HTML stripped.
@@ -492,7 +482,7 @@ def convert_se(row: dict, cfg: DataConfig) -> list[Example]:
     return [_single_turn(question, best[2], other[2], cfg) for other in lower]
 
 
-def convert_ultrafeedback(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_ultrafeedback(row: dict, cfg: ConvertOptions) -> list[Example]:
     """UltraFeedback binarized: chosen/rejected are [user, assistant] conversations (+ ``prompt``)."""
     chosen = _messages(_get(row, "chosen"), "chosen")
     rejected = _messages(_get(row, "rejected"), "rejected")
@@ -511,7 +501,7 @@ def convert_ultrafeedback(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(prompt, chosen[-1:], rejected[-1:])]
 
 
-def convert_alpaca(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_alpaca(row: dict, cfg: ConvertOptions) -> list[Example]:
     """Alpaca / LLaMA-Factory SFT: ``instruction``, optional ``input``, ``output``, ``system``."""
     instruction = _text(row, "instruction")
     extra = row.get("input") or ""
@@ -530,7 +520,7 @@ def _label(row: dict) -> bool:
     return value
 
 
-def convert_kto_messages(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_kto_messages(row: dict, cfg: ConvertOptions) -> list[Example]:
     """LLaMA-Factory's KTO rows (``kto_en_demo``): ``{"messages": [{"role", "content"}, ...],
     "label": bool}``; the completion is the last (assistant) message, the prompt the ones before
     it (ending with a user message)."""
@@ -541,12 +531,12 @@ def convert_kto_messages(row: dict, cfg: DataConfig) -> list[Example]:
     return [Example(messages[:-1], messages[-1:], None, label=_label(row))]
 
 
-def convert_unpaired(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_unpaired(row: dict, cfg: ConvertOptions) -> list[Example]:
     """TRL unpaired standard: ``{"prompt": str, "completion": str, "label": bool}``."""
     return [Example(_text(row, "prompt"), _text(row, "completion"), None, label=_label(row))]
 
 
-def convert_unpaired_conversational(row: dict, cfg: DataConfig) -> list[Example]:
+def convert_unpaired_conversational(row: dict, cfg: ConvertOptions) -> list[Example]:
     """TRL unpaired conversational: ``prompt`` and ``completion`` are message lists, ``label`` bool."""
     prompt = _messages(_get(row, "prompt"), "prompt")
     completion = _messages(_get(row, "completion"), "completion")
@@ -555,64 +545,78 @@ def convert_unpaired_conversational(row: dict, cfg: DataConfig) -> list[Example]
     return [Example(prompt, completion, None, label=_label(row))]
 
 
-CONVERTERS: dict[str, Callable[[dict, DataConfig], list[Example]]] = {
-    "standard": convert_standard,
-    "implicit": convert_implicit,
-    "conversational": convert_conversational,
-    "conversational_implicit": convert_conversational_implicit,
-    "sharegpt": convert_sharegpt,
-    "hh": convert_hh,
-    "shp": convert_shp,
-    "se": convert_se,
-    "ultrafeedback": convert_ultrafeedback,
-    "alpaca": convert_alpaca,
-    "kto_messages": convert_kto_messages,
-    "unpaired": convert_unpaired,
-    "unpaired_conversational": convert_unpaired_conversational,
-}
-SFT_ONLY_FORMATS = frozenset({"alpaca"})
-UNPAIRED_FORMATS = frozenset({"kto_messages", "unpaired", "unpaired_conversational"})
-"""Formats of unpaired rows (a completion and a desirable / undesirable label): KTO's data."""
+def _is_list(field: str):
+    """First-row test: ``field`` holds a list (of messages)."""
+    return lambda row, cols: isinstance(row.get(field), list)
 
 
-def detect_format(columns: list[str], first_row: dict | None, label: str = "the data") -> str:
-    """The format a dataset's columns (and first row's value types) imply; ``label`` names the
-    dataset in the error.
+def _is_text(field: str):
+    """First-row test: ``field`` holds a string."""
+    return lambda row, cols: isinstance(row.get(field), str)
 
-    Raises ValueError naming the dataset and its columns when no format or more than one fits.
-    """
-    cols = set(columns)
-    candidates: list[str] = []
-    if {"conversations", "chosen", "rejected"} <= cols:
-        candidates.append("sharegpt")
-    elif {"history", "human_ref_A", "human_ref_B", "labels"} <= cols:
-        candidates.append("shp")
-    elif {"question", "answers"} <= cols:
-        candidates.append("se")
-    elif {"instruction", "output"} <= cols:
-        candidates.append("alpaca")
-    elif {"messages", "label"} <= cols:
-        candidates.append("kto_messages")
-    elif {"prompt", "completion", "label"} <= cols:
-        completion = (first_row or {}).get("completion")
-        candidates.append("unpaired_conversational" if isinstance(completion, list) else "unpaired")
-    elif {"chosen", "rejected"} <= cols:
-        chosen = (first_row or {}).get("chosen")
-        if "prompt" in cols:
-            prompt = (first_row or {}).get("prompt")
-            if isinstance(chosen, str):
-                candidates.append("standard")
-            elif isinstance(chosen, list) and isinstance(prompt, str):
-                candidates.append("ultrafeedback")  # prompt string + whole conversations
-            elif isinstance(chosen, list):
-                candidates.append("conversational")
-        elif isinstance(chosen, str):
-            candidates.append("hh" if chosen.startswith("\n\nHuman:") else "implicit")
-        elif isinstance(chosen, list):
-            candidates.append("conversational_implicit")
-    if len(candidates) != 1:
-        raise ValueError(
-            f"cannot tell the data format of {label} from its columns {sorted(cols)}: set "
-            f"data.format to one of {sorted(CONVERTERS)}"
-        )
-    return candidates[0]
+
+# The built-in formats, in the order detection tries their column sets (a set that includes
+# another's comes first: prompt/chosen/rejected before chosen/rejected).
+for _format in (
+    RowFormat("sharegpt", convert_sharegpt, {"conversations", "chosen", "rejected"}),
+    RowFormat("shp", convert_shp, {"history", "human_ref_A", "human_ref_B", "labels"}),
+    RowFormat("se", convert_se, {"question", "answers"}),
+    RowFormat("alpaca", convert_alpaca, {"instruction", "output"}, COMPLETIONS),
+    RowFormat("kto_messages", convert_kto_messages, {"messages", "label"}, UNPAIRED),
+    RowFormat(
+        "unpaired_conversational",
+        convert_unpaired_conversational,
+        {"prompt", "completion", "label"},
+        UNPAIRED,
+        _is_list("completion"),
+    ),
+    RowFormat(
+        "unpaired",
+        convert_unpaired,
+        {"prompt", "completion", "label"},
+        UNPAIRED,
+        lambda row, cols: not isinstance(row.get("completion"), list),
+    ),
+    RowFormat(
+        "standard", convert_standard, {"prompt", "chosen", "rejected"}, matches=_is_text("chosen")
+    ),
+    RowFormat(  # a prompt string and whole conversations
+        "ultrafeedback",
+        convert_ultrafeedback,
+        {"prompt", "chosen", "rejected"},
+        matches=lambda row, cols: (
+            isinstance(row.get("chosen"), list) and isinstance(row.get("prompt"), str)
+        ),
+    ),
+    RowFormat(
+        "conversational",
+        convert_conversational,
+        {"prompt", "chosen", "rejected"},
+        matches=lambda row, cols: (
+            isinstance(row.get("chosen"), list) and not isinstance(row.get("prompt"), str)
+        ),
+    ),
+    RowFormat(
+        "hh",
+        convert_hh,
+        {"chosen", "rejected"},
+        matches=lambda row, cols: (
+            isinstance(row.get("chosen"), str) and row["chosen"].startswith("\n\nHuman:")
+        ),
+    ),
+    RowFormat(
+        "implicit",
+        convert_implicit,
+        {"chosen", "rejected"},
+        matches=lambda row, cols: (
+            isinstance(row.get("chosen"), str) and not row["chosen"].startswith("\n\nHuman:")
+        ),
+    ),
+    RowFormat(
+        "conversational_implicit",
+        convert_conversational_implicit,
+        {"chosen", "rejected"},
+        matches=_is_list("chosen"),
+    ),
+):
+    register_format(_format)

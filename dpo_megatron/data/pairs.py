@@ -34,6 +34,11 @@ class PreferencePair:
         default=None, compare=False, repr=False
     )
 
+    @property
+    def target_ids(self) -> tuple[int, ...]:
+        """The completion a sample of this prompt is shown against: the chosen one."""
+        return self.chosen_ids
+
 
 @dataclass(frozen=True)
 class UnpairedPair(PreferencePair):
@@ -54,6 +59,11 @@ class UnpairedExample:
     completion_ids: tuple[int, ...]
     desirable: bool
 
+    @property
+    def target_ids(self) -> tuple[int, ...]:
+        """The completion a sample of this prompt is shown against: its own."""
+        return self.completion_ids
+
 
 @dataclass(frozen=True)
 class SFTExample:
@@ -61,6 +71,11 @@ class SFTExample:
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
+
+    @property
+    def target_ids(self) -> tuple[int, ...]:
+        """The completion a sample of this prompt is shown against: the target."""
+        return self.completion_ids
 
 
 @dataclass

@@ -1,10 +1,16 @@
-"""The start-up summary of a data load: counts, drops by reason, token-length percentiles."""
+"""Summarise stage: the start-up summary of a data load (counts, drops by reason, token-length
+percentiles) from the selected sources (:func:`summarize`), its text and its drop warning."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
+
+from dpo_megatron.data.config import DataConfig
+from dpo_megatron.data.kinds import ItemKind
+from dpo_megatron.data.selection import TRUNCATION_KINDS, SelectedSource
 
 PERCENTILES = (50, 90, 99)
 
@@ -45,6 +51,68 @@ def length_stats(lengths: Sequence[int]) -> dict[str, int]:
     out = {f"p{q}": int(np.percentile(values, q, method="inverted_cdf")) for q in PERCENTILES}
     out["max"] = int(values.max())
     return out
+
+
+def summarize(
+    selected: Sequence[SelectedSource], train: list, eval_: list, cfg: DataConfig, kind: ItemKind
+) -> dict:
+    """The summary of a load (the report printed at start-up and kept with the data): rows read,
+    items kept (``pairs_kept``, counted in ``unit``), the train / eval sizes, drops by reason,
+    cuts by kind, notes, duplicates, length percentiles before and after the cuts (``rejected``
+    only for a kind that reads it) and per source its counts.
+
+    Args:
+        selected: every source (training then eval) after selection.
+        train, eval_: the mixed training items and the eval items.
+    """
+    dropped: Counter = Counter()
+    truncated: Counter = Counter()
+    notes: Counter = Counter()
+    names = ("prompt", "chosen", "rejected") if kind.reads_rejected else ("prompt", "chosen")
+    before: dict[str, list[int]] = {k: [] for k in names}
+    after: dict[str, list[int]] = {k: [] for k in (*names, "pair")}
+    for s in selected:
+        dropped.update(s.dropped)
+        truncated.update(s.truncated)
+        notes.update(s.notes)
+        for k in names:
+            before[k].extend(getattr(s.lengths_before, k))
+            after[k].extend(getattr(s.lengths, k))
+        after["pair"].extend(s.pair_lengths)
+    return {
+        "unit": kind.unit,
+        "rows_read": sum(s.rows_read for s in selected),
+        "pairs_kept": sum(len(s.kept) for s in selected),
+        "train": len(train),
+        "eval": len(eval_),
+        "max_length": cfg.max_length,
+        "max_prompt_length": cfg.max_prompt_length,
+        "dropped": dict(dropped),
+        "truncated": {k: truncated[k] for k in TRUNCATION_KINDS},
+        "notes": dict(notes),
+        "duplicates": {
+            "count": sum(len(s.duplicates) for s in selected),
+            "dropped": cfg.drop_duplicates,
+            "examples": [
+                f"{s.label}: {where} repeats {first}"
+                for s in selected
+                for where, first in s.duplicates[:3]
+            ],
+        },
+        "lengths_before_cut": {k: length_stats(v) for k, v in before.items()},
+        "lengths": {k: length_stats(v) for k, v in after.items()},
+        "sources": [
+            {
+                "label": s.label,
+                "format": s.format,
+                "rows_read": s.rows_read,
+                "dropped": dict(s.dropped),
+                "pairs_kept": len(s.kept),
+                "role": s.role,
+            }
+            for s in selected
+        ],
+    }
 
 
 def format_summary(summary: dict) -> str:

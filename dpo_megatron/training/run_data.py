@@ -31,11 +31,12 @@ class RunData:
     summary: dict = field(default_factory=dict)
 
 
-def load_run_data(cfg, model_cfg, kind: str) -> RunData:
+def load_run_data(cfg, model_cfg, kind) -> RunData:
     """Load tokenizer and tokenized items (collective): rank 0 first, so the others hit its
     cache; its failure reaches every rank, or they would wait in a collective until the timeout.
 
-    ``kind``: what the loss trains on (``LossFunction.item_kind``: pairs, sft or unpaired).
+    ``kind``: what the loss trains on (a ``data.kinds.ItemKind``, or its name: the loss's
+    ``item_kind``).
 
     Raises:
         DataError: no training items left after filtering, or bad input (the pipeline's error

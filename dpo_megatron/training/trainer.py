@@ -22,7 +22,9 @@ from megatron.core import parallel_state
 
 from dpo_megatron.config import resolved_config
 from dpo_megatron.data import PairSampler
-from dpo_megatron.data.batch import StepBatch, make_batch_builder
+from dpo_megatron.data.batch import StepBatch
+from dpo_megatron.data.builders import make_batch_builder
+from dpo_megatron.data.kinds import item_kind
 from dpo_megatron.losses import build_loss
 from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
@@ -68,15 +70,12 @@ class Trainer:
         set_seed(cfg.train.seed)
         self.device = get_device()
         self.loss_fn = build_loss(cfg.loss)
-        # A loss that reads no rejected completion (sft) trains on prompt + chosen rows only.
-        self.sft = not self.loss_fn.needs_rejected
+        # What the loss trains on (pairs, SFT examples or unpaired examples), chosen once: the
+        # data path, the batch builder and the reports ask this kind.
+        self.kind = item_kind(self.loss_fn.item_kind)
         self.model_config = model_setup.resolve_model_config(cfg)
         self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg, self.model_config)
-        self.data = (
-            data
-            if data is not None
-            else load_run_data(cfg, self.model_config, self.loss_fn.item_kind)
-        )
+        self.data = data if data is not None else load_run_data(cfg, self.model_config, self.kind)
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
         multiple = math.lcm(
             cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
@@ -87,7 +86,7 @@ class Trainer:
             self.data.pad_token_id,
             multiple,
             cfg.packing,
-            self.sft,
+            self.kind,
             context_parallel_rank_and_size(),
         )
         policy = model_setup.build_policy(cfg, self.model_config)
@@ -212,7 +211,6 @@ class Trainer:
                 )
         if self.sequence_parallel_note:
             print(self.sequence_parallel_note, flush=True)
-        unit = "pairs" if self.loss_fn.item_kind == "pairs" else "examples"
         cp = cfg.parallel.context_parallel_size
         print(
             f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
@@ -228,7 +226,7 @@ class Trainer:
             )
             + "| "
             f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
-            f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
+            f"{self.kind.unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
             flush=True,
         )
         if cfg.train.warmup_warning():
@@ -281,7 +279,7 @@ class Trainer:
         """Greedy continuations of the first ``train.eval_num_samples`` eval prompts, decoded."""
         tokenizer = self.data.tokenizer
         items = self.data.eval[: self.cfg.train.eval_num_samples]
-        chosen = [getattr(x, "chosen_ids", None) or x.completion_ids for x in items]
+        chosen = [x.target_ids for x in items]
         prompts = [x.prompt_ids for x in items]
         stop = {i for i in (tokenizer.eos_token_id, self.data.pad_token_id) if i is not None}
         outputs = greedy_generate(
@@ -401,7 +399,7 @@ class Trainer:
             lines.append(
                 "  eval: "
                 + " -> ".join(
-                    f"step {s} {_brief(m)} ({int(m.get('items', 0))} {'examples' if self.sft else 'pairs'})"
+                    f"step {s} {_brief(m)} ({int(m.get('items', 0))} {self.kind.unit})"
                     for s, m in ([first, last] if first[0] != last[0] else [last])
                 )
             )

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dpo_megatron.config import load_config, world_size_for
-from dpo_megatron.data.batch import make_batch_builder
+from dpo_megatron.data.builders import make_batch_builder
 from dpo_megatron.data.context_split import local_positions, split_micro_batch
 from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.parallel.context import chunk_positions

@@ -197,7 +197,7 @@ def test_mixing_with_weights(tmp_path):
 
 
 def test_tokenization_cache_hit_and_invalidation(tmp_path, monkeypatch):
-    from dpo_megatron.data import pipeline
+    from dpo_megatron.data import tokenization
 
     tok = tiny_hf_tokenizer()
     path = write_jsonl(tmp_path / "c.jsonl", [GOOD])
@@ -208,7 +208,7 @@ def test_tokenization_cache_hit_and_invalidation(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(pipeline, "_tokenize_batch", boom)
+    monkeypatch.setattr(tokenization, "_tokenize_batch", boom)
     again = load_preference_pairs(
         _cfg(path, cache_dir=str(cache), eval_fraction=0.0, shuffle=False), tok
     )  # not in the key

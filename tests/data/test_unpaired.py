@@ -3,7 +3,8 @@
 import pytest
 
 from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
-from dpo_megatron.data.formats import CONVERTERS, RowError, detect_format
+from dpo_megatron.data.formats import FORMATS, RowError, detect_format
+from dpo_megatron.data.kinds import UNPAIRED_KIND
 from dpo_megatron.data.pairs import UnpairedExample, UnpairedPair
 from dpo_megatron.data.pipeline import check_sources, load_unpaired_examples
 from dpo_megatron.data.unpaired import label_counts, with_kl_completions
@@ -22,13 +23,13 @@ KTO_ROW = {
 
 
 def test_kto_messages_rows_split_at_the_last_assistant_message():
-    (example,) = CONVERTERS["kto_messages"](KTO_ROW, CFG)
+    (example,) = FORMATS["kto_messages"].convert(KTO_ROW, CFG)
     assert example.prompt == KTO_ROW["messages"][:3] and example.chosen == KTO_ROW["messages"][3:]
     assert example.rejected is None and example.label is True
 
 
 def test_trl_unpaired_rows_standard_and_conversational():
-    (text,) = CONVERTERS["unpaired"](
+    (text,) = FORMATS["unpaired"].convert(
         {"prompt": "The sky is", "completion": " blue.", "label": False}, CFG
     )
     assert (text.prompt, text.chosen, text.rejected, text.label) == (
@@ -42,7 +43,7 @@ def test_trl_unpaired_rows_standard_and_conversational():
         "completion": [{"role": "assistant", "content": "Blue"}],
         "label": True,
     }
-    (chat,) = CONVERTERS["unpaired_conversational"](row, CFG)
+    (chat,) = FORMATS["unpaired_conversational"].convert(row, CFG)
     assert chat.conversational and chat.label is True
 
 
@@ -67,7 +68,7 @@ def test_trl_unpaired_rows_standard_and_conversational():
 )
 def test_malformed_unpaired_rows_name_the_field(fmt, row, field):
     with pytest.raises(RowError) as err:
-        CONVERTERS[fmt](row, CFG)
+        FORMATS[fmt].convert(row, CFG)
     assert err.value.field == field
 
 
@@ -126,4 +127,4 @@ def test_paired_and_unpaired_data_meet_the_wrong_loss_with_one_line(tmp_path):
     paired = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
     with pytest.raises(DataError, match="holds pairs; an unpaired loss"):
         load_unpaired_examples(DataConfig(path=str(paired), cache_dir="none", verbose=False), tok)
-    assert check_sources(DataConfig(path=str(unpaired)), unpaired=True)[0][1] == "kto_messages"
+    assert check_sources(DataConfig(path=str(unpaired)), UNPAIRED_KIND)[0][1] == "kto_messages"

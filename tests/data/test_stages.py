@@ -1,0 +1,169 @@
+"""The data path by stage: the format registry (a format is one entry), the item kind chosen once
+(its formats, its items, its builder, its unit), the typed stage results, and no import circle
+inside ``dpo_megatron.data``."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dpo_megatron.data import DataConfig, DataError, load_preference_pairs, load_sft_examples
+from dpo_megatron.data.builders import make_batch_builder
+from dpo_megatron.data.collate import PaddedPairs, SFTExamples
+from dpo_megatron.data.config import PackingConfig
+from dpo_megatron.data.encode import encode_settings
+from dpo_megatron.data.formats import (
+    FORMATS,
+    Example,
+    RowError,
+    RowFormat,
+    detect_format,
+    register_format,
+)
+from dpo_megatron.data.kinds import PAIRS_KIND, SFT_KIND, UNPAIRED_KIND, item_kind
+from dpo_megatron.data.pairs import PreferencePair, SFTExample, UnpairedExample, UnpairedPair
+from dpo_megatron.data.pipeline import check_sources
+from dpo_megatron.data.read import read
+from dpo_megatron.data.selection import SelectedSource, select_source
+from dpo_megatron.data.tokenization import TokenizedRow, tokenize_source
+from tests.data.fixtures import tiny_hf_tokenizer, write_jsonl
+
+ROWS = [
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    {"prompt": "Hello!", "chosen": " yes", "rejected": " no"},
+]
+
+
+def _cfg(path, **kw):
+    kw.setdefault("cache_dir", "none")
+    kw.setdefault("verbose", False)
+    return DataConfig(path=str(path), **kw)
+
+
+def _convert_qa(row, cfg):
+    if not isinstance(row.get("q"), str):
+        raise RowError("q", "expected a string")
+    return [Example(row["q"], row["good"], row["bad"])]
+
+
+def test_a_new_format_is_one_registry_entry(tmp_path):
+    """A format registered once is detected from its columns, accepted by the config check and
+    the pre-check, and loads the pairs the equivalent standard rows load."""
+    tok = tiny_hf_tokenizer()
+    register_format(RowFormat("qa_test", _convert_qa, {"q", "good", "bad"}))
+    try:
+        qa = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in ROWS]
+        qa_path = write_jsonl(tmp_path / "qa.jsonl", qa)
+        std_path = write_jsonl(tmp_path / "std.jsonl", ROWS)
+        assert detect_format(["q", "good", "bad", "id"], qa[0]) == "qa_test"
+        DataConfig(path=str(qa_path), format="qa_test").validate()
+        assert check_sources(_cfg(qa_path)) == [(str(qa_path), "qa_test")]
+        loaded = load_preference_pairs(_cfg(qa_path), tok)
+        assert loaded.train == load_preference_pairs(_cfg(std_path), tok).train
+        assert len(loaded.train) == 2 and loaded.summary["sources"][0]["format"] == "qa_test"
+        with pytest.raises(ValueError, match="registered twice"):
+            register_format(RowFormat("qa_test", _convert_qa, {"q"}))
+    finally:
+        del FORMATS["qa_test"]
+    with pytest.raises(ValueError, match="known formats: auto, alpaca"):
+        DataConfig(path=str(qa_path), format="qa_test").validate()
+
+
+def test_registry_holds_what_each_format_reads():
+    assert [f.name for f in FORMATS.values() if not f.has_rejected] == [
+        "alpaca",
+        "kto_messages",
+        "unpaired_conversational",
+        "unpaired",
+    ]
+    # formats sharing columns are told apart by their first row
+    assert detect_format(["prompt", "chosen", "rejected"], {"chosen": "a"}) == "standard"
+    assert detect_format(["chosen", "rejected"], {"chosen": "\n\nHuman: hi"}) == "hh"
+    assert detect_format(["chosen", "rejected"], {"chosen": [{}]}) == "conversational_implicit"
+    with pytest.raises(ValueError, match="cannot tell the data format"):
+        detect_format(["prompt", "chosen", "rejected"], {"chosen": 3})
+
+
+def test_item_kind_is_chosen_once_and_carries_its_parts():
+    assert item_kind("pairs") is PAIRS_KIND and item_kind(SFT_KIND) is SFT_KIND
+    with pytest.raises(ValueError, match="unknown item kind"):
+        item_kind("triples")
+    assert (PAIRS_KIND.item_class, SFT_KIND.item_class, UNPAIRED_KIND.item_class) == (
+        PreferencePair,
+        SFTExample,
+        UnpairedPair,
+    )
+    assert (PAIRS_KIND.unit, SFT_KIND.unit, UNPAIRED_KIND.unit) == ("pairs", "examples", "examples")
+    SFT_KIND.check_format(FORMATS["alpaca"], "a.json")
+    with pytest.raises(DataError, match=r"a.json: format 'alpaca' has no rejected answers"):
+        PAIRS_KIND.check_format(FORMATS["alpaca"], "a.json")
+    with pytest.raises(DataError, match="holds pairs; an unpaired loss"):
+        UNPAIRED_KIND.check_format(FORMATS["standard"], "s.json")
+    with pytest.raises(DataError, match="holds unpaired rows"):
+        SFT_KIND.check_format(FORMATS["unpaired"], "u.json")
+    # the builder of its micro-batches
+    assert type(make_batch_builder(0, 8, None, SFT_KIND)) is SFTExamples
+    assert type(make_batch_builder(0, 8, None, UNPAIRED_KIND)) is PaddedPairs
+    with pytest.raises(ValueError, match="packs preference pairs"):
+        make_batch_builder(0, 8, PackingConfig(enabled=True), SFT_KIND)
+    # its items: the completion a sample is shown against, one name for every kind
+    pair = PAIRS_KIND.make_item((1,), (2,), (3,), None)
+    example = SFT_KIND.make_item((1,), (2,), None, None)
+    unpaired = UNPAIRED_KIND.make_item((1,), (2,), None, False)
+    assert (pair, example, unpaired) == (
+        PreferencePair((1,), (2,), (3,)),
+        SFTExample((1,), (2,)),
+        UnpairedExample((1,), (2,), False),
+    )
+    assert [x.target_ids for x in (pair, example, unpaired)] == [(2,), (2,), (2,)]
+    (finished,) = UNPAIRED_KIND.finish([unpaired], 0)
+    assert finished.target_ids == (2,) and finished.desirable is False
+
+
+def test_stages_return_typed_results(tmp_path):
+    """read -> tokenize -> select by hand gives the items the load gives, typed at each stage."""
+    tok = tiny_hf_tokenizer()
+    path = write_jsonl(tmp_path / "d.jsonl", [*ROWS, {"prompt": "x", "chosen": 3}])
+    cfg = _cfg(path, on_error="skip")
+    source = read(0, str(path), "auto", "train", cfg, SFT_KIND, "train")
+    assert source.format.name == "standard" and source.label == str(path)
+    tokenized = tokenize_source(source, tok, encode_settings(tok, None), cfg, SFT_KIND)
+    assert all(isinstance(row, TokenizedRow) for row in tokenized.rows)
+    assert [row.drop for row in tokenized.rows] == ["", "", "malformed"]
+    assert tokenized.rows[0].rejected_ids == []  # SFT reads no rejected side
+    assert tokenized.rows[0].prompt_ids == tok.encode("The sky is")
+    selected = select_source(tokenized, cfg, SFT_KIND, None)
+    assert isinstance(selected, SelectedSource)
+    assert (selected.rows_read, dict(selected.dropped)) == (3, {"malformed": 1})
+    assert selected.kept == load_sft_examples(cfg, tok).train
+    assert all(type(x) is SFTExample for x in selected.kept)
+
+
+def test_no_import_circle_inside_the_data_package():
+    """Every import inside ``dpo_megatron.data`` (module level or in a function) points one way."""
+    root = Path(__file__).resolve().parents[2] / "dpo_megatron" / "data"
+    names = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    edges = {}
+    for name in names:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith("dpo_megatron.data."):
+                    targets.add(node.module.split(".")[2])
+                elif node.module == "dpo_megatron.data":
+                    targets |= {a.name for a in node.names if a.name in names}
+        edges[name] = targets & names - {name}
+    state: dict[str, int] = {}
+
+    def visit(name, path):
+        state[name] = 1
+        for target in edges[name]:
+            assert state.get(target) != 1, f"import circle: {' -> '.join([*path, target])}"
+            if target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(names):
+        if name not in state:
+            visit(name, [name])
