@@ -132,7 +132,8 @@ class DataConfig:
     cap (the reference DPO repo's ``get_shp`` keeps every pair)."""
 
     se_max_pairs_per_question: int = 1
-    """StackExchange: pairs made per question, best-scored answer vs the next lower scores (>= 1)."""
+    """StackExchange: pairs made per question, best-scored answer vs the next lower scores (>=
+    1)."""
 
     reference_preprocessing: bool = False
     """``hh`` / ``shp`` / ``se`` rows as the reference DPO repo (Rafailov et al. 2023,
@@ -182,7 +183,8 @@ class DataConfig:
         return list(zip(self.eval_datasets, formats))
 
     def validate(self) -> None:
-        """Raise ValueError naming the field for any invalid setting (the ranges in the field docs)."""
+        """Raise ValueError naming the field for any invalid setting (the ranges in the field
+        docs)."""
         check_choice("data", self, "truncation_mode", TRUNCATION_MODES)
         check_choice("data", self, "on_error", ON_ERROR_MODES)
         check_range("data", self, "max_length", 2)
@@ -203,13 +205,16 @@ class DataConfig:
             and self.max_prompt_length + self.min_completion_tokens > self.max_length
         ):
             raise ValueError(
-                f"data.max_prompt_length={self.max_prompt_length} leaves fewer than data.min_completion_tokens="
-                f"{self.min_completion_tokens} of data.max_length={self.max_length}: lower max_prompt_length "
+                f"data.max_prompt_length={self.max_prompt_length} leaves fewer than "
+                "data.min_completion_tokens="
+                f"{self.min_completion_tokens} of data.max_length={self.max_length}: lower "
+                "max_prompt_length "
                 "(or set it to 0 to drop over-long prompts instead of cutting them)"
             )
         if self.min_completion_tokens < 1:
             raise ValueError(
-                "data.min_completion_tokens must be >= 1: a pair needs completion tokens on both sides"
+                "data.min_completion_tokens must be >= 1: a pair needs completion tokens on both "
+                "sides"
             )
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")

@@ -271,7 +271,8 @@ def _encode_chat(example: Example, tokenizer, settings: EncodeSettings, budget: 
         if not full.startswith(prompt_text):
             raise RowError(
                 field,
-                "the chat template renders the prompt differently inside the full conversation, so the "
+                "the chat template renders the prompt differently inside the full conversation, so "
+                "the "
                 "completion cannot be cut off after the prompt",
             )
         completions.append(

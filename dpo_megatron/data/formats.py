@@ -483,7 +483,8 @@ def convert_se(row: dict, cfg: ConvertOptions) -> list[Example]:
 
 
 def convert_ultrafeedback(row: dict, cfg: ConvertOptions) -> list[Example]:
-    """UltraFeedback binarized: chosen/rejected are [user, assistant] conversations (+ ``prompt``)."""
+    """UltraFeedback binarized: chosen/rejected are [user, assistant] conversations (+
+    ``prompt``)."""
     chosen = _messages(_get(row, "chosen"), "chosen")
     rejected = _messages(_get(row, "rejected"), "rejected")
     if len(chosen) < 2 or len(rejected) < 2:
@@ -537,7 +538,8 @@ def convert_unpaired(row: dict, cfg: ConvertOptions) -> list[Example]:
 
 
 def convert_unpaired_conversational(row: dict, cfg: ConvertOptions) -> list[Example]:
-    """TRL unpaired conversational: ``prompt`` and ``completion`` are message lists, ``label`` bool."""
+    """TRL unpaired conversational: ``prompt`` and ``completion`` are message lists, ``label``
+    bool."""
     prompt = _messages(_get(row, "prompt"), "prompt")
     completion = _messages(_get(row, "completion"), "completion")
     _check_prompt_messages(prompt, "prompt")

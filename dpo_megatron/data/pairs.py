@@ -1,4 +1,5 @@
-"""The tokenized units the engine consumes: preference pairs (DPO) and prompt/answer examples (SFT)."""
+"""The tokenized units the engine consumes: preference pairs (DPO) and prompt/answer examples
+(SFT)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class UnpairedExample:
 
 @dataclass(frozen=True)
 class SFTExample:
-    """One prompt with its target completion (the SFT view of a preference pair: the chosen side)."""
+    """One prompt with its target completion (the SFT view of a preference pair: the chosen
+    side)."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]

@@ -66,7 +66,8 @@ def read_source(name: str, split: str = "train", on_error: str = "raise") -> Sou
             ds = datasets.load_dataset(_LOADERS[suffix], data_files=str(path), split="train")
             return Source(str(path), ds, files=(str(path),))
         raise DataError(
-            f"{path}: unknown data file type {suffix!r}; expected .json, .jsonl, .parquet, .arrow or .csv"
+            f"{path}: unknown data file type {suffix!r}; expected .json, .jsonl, .parquet, .arrow "
+            "or .csv"
         )
     if path.is_dir():
         import datasets

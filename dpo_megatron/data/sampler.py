@@ -37,8 +37,10 @@ class PairSampler:
             )
         if global_batch_size % (micro_batch_size * data_parallel_size):
             raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={micro_batch_size} x "
-                f"data_parallel_size={data_parallel_size}: each rank must get a whole number of micro-batches"
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"micro_batch_size={micro_batch_size} x "
+                f"data_parallel_size={data_parallel_size}: each rank must get a whole number of "
+                "micro-batches"
             )
         if not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(
@@ -83,7 +85,8 @@ class PairSampler:
         """
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"{self.num_pairs} pairs cannot fill one global batch of {self.global_batch_size} pairs "
+                f"{self.num_pairs} pairs cannot fill one global batch of {self.global_batch_size} "
+                "pairs "
                 "(lower global_batch_size or add data)"
             )
         order = self.epoch_order(self.epoch)
@@ -121,7 +124,8 @@ class PairSampler:
         for key in ("seed", "num_pairs", "global_batch_size", "shuffle", "drop_last"):
             if state[key] != getattr(self, key):
                 raise ValueError(
-                    f"sampler state has {key}={state[key]} but this run has {key}={getattr(self, key)}: "
+                    f"sampler state has {key}={state[key]} but this run has "
+                    f"{key}={getattr(self, key)}: "
                     "the resumed run would not see the pairs it had not seen"
                 )
         self.epoch = int(state["epoch"])

@@ -133,7 +133,8 @@ def format_summary(summary: dict) -> str:
     lines.append(f"  dropped by reason: {dropped}")
     cut = summary["truncated"]
     lines.append(
-        f"  cut to fit: prompt {cut['prompt']} (oldest turns dropped {cut['prompt_turns_dropped']}, "
+        f"  cut to fit: prompt {cut['prompt']} (oldest turns dropped "
+        f"{cut['prompt_turns_dropped']}, "
         f"tokens cut {cut['prompt_tokens_cut']}), chosen {cut['chosen']}, "
         f"rejected {cut['rejected']}"
     )

@@ -37,7 +37,8 @@ BUILTIN_CHAT_TEMPLATES = {
         "{%- elif message['role'] == 'user' -%}"
         "{{- '[INST] ' + ns.system + message['content'] + ' [/INST]' -}}{%- set ns.system = '' -%}"
         "{%- elif message['role'] == 'assistant' -%}{{- ' ' + message['content'] + eos_token -}}"
-        "{%- else -%}{{- raise_exception('mistral chat template: unknown role ' + message['role']) -}}"
+        "{%- else -%}{{- raise_exception('mistral chat template: unknown role ' + message['role']) "
+        "-}}"
         "{%- endif -%}"
         "{%- endfor -%}"
     ),
@@ -167,7 +168,8 @@ class SentencePieceTokenizer:
         template = chat_template or self.chat_template
         if not template:
             raise ValueError(
-                f"SentencePiece model {self.model_file} has no chat template; set data.chat_template"
+                f"SentencePiece model {self.model_file} has no chat template; set "
+                "data.chat_template"
             )
         text = _jinja_template(template).render(
             messages=conversation,
@@ -238,7 +240,8 @@ def load_tokenizer(path: str):
 
 
 def resolve_chat_template(spec: str) -> str | None:
-    """The template text for a ``data.chat_template`` value (empty -> None = the tokenizer's own)."""
+    """The template text for a ``data.chat_template`` value (empty -> None = the tokenizer's
+    own)."""
     if not spec:
         return None
     if spec in BUILTIN_CHAT_TEMPLATES:
@@ -246,7 +249,8 @@ def resolve_chat_template(spec: str) -> str | None:
     path = Path(spec).expanduser()
     if not path.is_file():
         raise ValueError(
-            f"data.chat_template={spec!r} is neither a built-in template {sorted(BUILTIN_CHAT_TEMPLATES)} nor a file"
+            f"data.chat_template={spec!r} is neither a built-in template "
+            f"{sorted(BUILTIN_CHAT_TEMPLATES)} nor a file"
         )
     return path.read_text()
 

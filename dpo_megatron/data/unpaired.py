@@ -1,4 +1,5 @@
-"""Unpaired examples (KTO) -> the pair layout the engine trains on, with KTO's mismatched completions.
+"""Unpaired examples (KTO) -> the pair layout the engine trains on, with KTO's mismatched
+completions.
 
 KTO estimates its reference point KL(pi || pi_ref) from completions that do not belong to their
 prompt (Ethayarajh et al. 2024, Sec. 4.1). TRL builds them by shifting the completions of a batch
