@@ -75,6 +75,18 @@ class ModelConfig:
     rope_linear_scaling_factor: Optional[float] = None
     """Llama-2 style linear RoPE scaling (position interpolation, Chen et al. 2023): positions
     are divided by this factor (> 0; HF ``rope_type: linear``). None: no interpolation."""
+    no_rope_layers: Optional[list[int]] = None
+    """0-based indices of the layers whose attention applies no RoPE ("NoPE" layers: SmolLM3
+    leaves every fourth layer unrotated, HF ``no_rope_layers`` holding 0 there); megatron-core's
+    ``no_rope_freq``. None or empty: RoPE in every layer."""
+    sliding_window: Optional[int] = None
+    """Sliding-window attention: a query sees itself and the ``sliding_window - 1`` keys before
+    it (HF's ``sliding_window``; >= 1). None: full causal attention. Served by the local ``sdpa``
+    kernel only (padded and packed rows, shared prompts); the other kernels, transformer-engine
+    and context parallelism refuse it at config time."""
+    sliding_window_layers: Optional[list[int]] = None
+    """With ``sliding_window``: 0-based indices of the windowed layers (OLMo 3: three of every
+    four, HF ``layer_types``); the others attend to the whole sequence. None: every layer."""
     normalization: str = "RMSNorm"
     """'RMSNorm' (Llama) or 'LayerNorm' (GPT-2)."""
     norm_epsilon: float = 1e-5
@@ -195,6 +207,19 @@ class ModelConfig:
             optional=True,
             why="weight of the routers' load-balancing loss (null: the HF config's)",
         )
+        check_range("model", self, "sliding_window", 1, optional=True)
+        for name in ("no_rope_layers", "sliding_window_layers"):
+            for index in getattr(self, name) or ():
+                if not (isinstance(index, int) and 0 <= index < self.num_layers):
+                    raise ValueError(
+                        f"model.{name}: {index!r} is not a layer index in "
+                        f"[0, {self.num_layers}) (model.num_layers={self.num_layers})"
+                    )
+        if self.sliding_window_layers is not None and self.sliding_window is None:
+            raise ValueError(
+                "model.sliding_window_layers is set but model.sliding_window is null: set the "
+                "window size or drop the layer list"
+            )
         check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)

@@ -46,6 +46,7 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
         for name, on in (
             ("model.num_experts", model.num_experts),
             ("model.parallel_residual", model.parallel_residual),
+            ("model.sliding_window", model.sliding_window is not None),
         )
         if on
     ]

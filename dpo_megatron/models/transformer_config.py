@@ -4,6 +4,7 @@ rules it implies (heads / TP, layers / PP, vocabulary padding, dtype, layer impl
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,60 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
     return heads, groups, head_dim
 
 
+def no_rope_pattern(model: ModelConfig) -> Optional[list[int]]:
+    """megatron-core's ``no_rope_freq`` list for ``model.no_rope_layers``: one entry per layer, 1
+    where the layer applies no RoPE (e.g. layers [3] of 4 -> [0, 0, 0, 1]); None without NoPE
+    layers."""
+    if not model.no_rope_layers:
+        return None
+    skipped = set(model.no_rope_layers)
+    return [int(i in skipped) for i in range(model.num_layers)]
+
+
+def window_pattern(model: ModelConfig) -> Optional[list[int]]:
+    """megatron-core's ``window_attn_skip_freq`` list for ``model.sliding_window_layers``: one
+    entry per layer, 1 where the layer is windowed (e.g. layers [0, 1, 2] of 4 -> [1, 1, 1, 0]);
+    None when every layer is (or no layer has a window)."""
+    if model.sliding_window is None or model.sliding_window_layers is None:
+        return None
+    windowed = set(model.sliding_window_layers)
+    return [int(i in windowed) for i in range(model.num_layers)]
+
+
+def check_sliding_window(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse, at config time, an attention path that cannot serve ``model.sliding_window``.
+
+    The local ``sdpa`` kernel serves it (padded rows, packed rows and shared prompts; the CUDA
+    varlen route too). Refused: the ``flex`` and ``megatron`` kernels (their masks have no
+    window), transformer-engine (its window with shared-prompt THD rows is untested here) and
+    context parallelism (the blockwise CP kernel has no window).
+
+    Raises:
+        ValueError: naming the field to change.
+    """
+    if model.sliding_window is None:
+        return
+    from dpo_megatron.models.attention import resolve_local_attention
+
+    where = f"model.sliding_window={model.sliding_window}"
+    if parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"{where}: the context-parallel attention kernel has no sliding window; set "
+            f"parallel.context_parallel_size=1"
+        )
+    if model.transformer_impl == "transformer_engine":
+        raise ValueError(
+            f"{where}: sliding windows run on the local layer spec only; set "
+            f"model.transformer_impl=local (or auto)"
+        )
+    kernel = resolve_local_attention(model.local_attention)
+    if kernel != "sdpa":
+        raise ValueError(
+            f"{where}: model.local_attention={model.local_attention} ({kernel}) has no "
+            f"sliding window; set model.local_attention=sdpa"
+        )
+
+
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig for this architecture and layout.
 
@@ -144,6 +199,12 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             f"experts models do not run under context parallelism yet; set "
             f"parallel.context_parallel_size=1 (expert parallelism still applies)"
         )
+    if model.no_rope_layers and model.position_embedding_type != "rope":
+        raise ValueError(
+            f"model.no_rope_layers={list(model.no_rope_layers)} needs "
+            f"model.position_embedding_type=rope, got {model.position_embedding_type!r}"
+        )
+    check_sliding_window(model, parallel)
     etp = parallel.expert_tensor_parallel()
     expert_width = check_moe(
         model, parallel.expert_model_parallel_size, etp, tp, parallel.sequence_parallel
@@ -183,6 +244,13 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
         qk_layernorm=model.qk_layernorm,
+        # megatron-core's Attention drops the rotary table in these layers (1 = no RoPE), before
+        # any core attention runs, so every attention path serves NoPE layers alike.
+        no_rope_freq=no_rope_pattern(model),
+        # HF's window W (the query and W - 1 earlier keys) is megatron-core's (W - 1, 0); the
+        # core attention reads it per layer (``is_layer_window_attention``).
+        window_size=None if model.sliding_window is None else (model.sliding_window - 1, 0),
+        window_attn_skip_freq=window_pattern(model),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,

@@ -199,6 +199,28 @@ NEW_TINY_CONFIGS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    # SmolLM3: the Llama layer with NoPE layers (no_rope_layer_interval 2: layers 1 and 3, one on
+    # each pipeline stage at PP 2), tied; HF windows the NoPE layers with use_sliding_window: a
+    # window of 4, shorter than the test sequences (up to 10 tokens).
+    "smollm3": dict(
+        model_type="smollm3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        no_rope_layer_interval=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
+    ),
 }
 VARIANT_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.

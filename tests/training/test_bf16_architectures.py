@@ -1,5 +1,6 @@
 """bf16 as a GPU runs it, for every architecture: tiny random transformers models of Llama,
-Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX and GPT-2, imported at TP 2 x PP 2 (EP 2 for
+Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2 and SmolLM3 (NoPE and sliding-window
+layers), imported at TP 2 x PP 2 (EP 2 for
 the mixture-of-experts models) with ``model.params_dtype=bfloat16``, through the real ``Trainer``.
 
 For each architecture, in one 4-rank launch:
@@ -31,7 +32,17 @@ from tests.training.test_lifecycle import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_neox", "gpt2"]
+ARCHITECTURES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_neox",
+    "gpt2",
+    "smollm3",
+]
 MOE = {"qwen3_moe", "mixtral"}
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture
 BF16_RTOL = 2e-2

@@ -26,6 +26,9 @@ Supported (``model_type``: classes, what differs):
 * ``qwen3_moe`` (``Qwen3MoeForCausalLM``) and ``mixtral`` (``MixtralForCausalLM``): the Llama
   attention with an MoE layer (router ``gate`` + per-expert SwiGLU MLPs, the per-expert file
   layout transformers writes and the hub holds).
+* ``smollm3`` (``SmolLM3ForCausalLM``): the Llama table; the layers HF's ``no_rope_layers``
+  marks 0 apply no RoPE (``model.no_rope_layers``); with ``use_sliding_window`` the
+  ``sliding_attention`` layers of ``layer_types`` are windowed (``model.sliding_window``).
 * ``gpt2``: learned positions, Conv1D weights.
 * ``gpt_neox`` (``GPTNeoXForCausalLM``, Pythia): parallel residual, partial rotary, LayerNorm
   with biases, fused per-head QKV.
@@ -349,6 +352,47 @@ def _moe_config_from_hf(hf, name: str) -> dict:
     return dict(num_experts=None, moe_ffn_hidden_size=None)
 
 
+def _no_rope_layers(hf) -> Optional[list[int]]:
+    """SmolLM3's NoPE layers: the indices where HF's ``no_rope_layers`` holds 0 (HF: 1 = the
+    layer applies RoPE; the config fills it from ``no_rope_layer_interval``, every 4th layer
+    unrotated)."""
+    flags = list(hf.no_rope_layers)
+    if len(flags) != hf.num_hidden_layers:
+        raise ValueError(
+            f"smollm3: no_rope_layers has {len(flags)} entries for "
+            f"num_hidden_layers={hf.num_hidden_layers}"
+        )
+    return [i for i, rotated in enumerate(flags) if not rotated] or None
+
+
+def _sliding_window_fields(hf) -> dict:
+    """``sliding_window`` / ``sliding_window_layers`` of a config whose ``layer_types`` marks the
+    windowed layers ``sliding_attention`` (the others ``full_attention``); empty without any."""
+    types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{hf.model_type}: layer_types {unknown} are not supported")
+    windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not windowed or not getattr(hf, "sliding_window", None):
+        return {}
+    every = len(windowed) == hf.num_hidden_layers
+    return dict(
+        sliding_window=int(hf.sliding_window), sliding_window_layers=None if every else windowed
+    )
+
+
+def _layer_types(cfg: ModelConfig) -> Optional[list[str]]:
+    """HF ``layer_types`` of a ModelConfig with a sliding window (None without one)."""
+    if cfg.sliding_window is None:
+        return None
+    windowed = set(
+        range(cfg.num_layers) if cfg.sliding_window_layers is None else cfg.sliding_window_layers
+    )
+    return [
+        "sliding_attention" if i in windowed else "full_attention" for i in range(cfg.num_layers)
+    ]
+
+
 def _llama_config_from_hf(hf) -> dict:
     name = hf.model_type
     if getattr(hf, "hidden_act", "silu") != "silu":
@@ -363,7 +407,10 @@ def _llama_config_from_hf(hf) -> dict:
         if hasattr(hf, "use_sliding_window")
         else window is not None
     )
-    if window is not None and windowed:
+    sliding = {}
+    if name == "smollm3":  # exact: the windowed layers of HF's layer_types
+        sliding = _sliding_window_fields(hf) if windowed else {}
+    elif window is not None and windowed:
         logger.warning(
             "%s: sliding_window=%s is ignored (full causal attention); outputs differ "
             "from transformers only for sequences longer than the window",
@@ -373,6 +420,9 @@ def _llama_config_from_hf(hf) -> dict:
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return dict(
+        no_rope_layers=_no_rope_layers(hf) if name == "smollm3" else None,
+        sliding_window=sliding.get("sliding_window"),
+        sliding_window_layers=sliding.get("sliding_window_layers"),
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         ffn_hidden_size=hf.intermediate_size,
@@ -427,6 +477,15 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
         hidden_act="silu",
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
+    if cfg.no_rope_layers:  # SmolLM3 (HF: 1 = RoPE applied)
+        skipped = set(cfg.no_rope_layers)
+        out["no_rope_layers"] = [int(i not in skipped) for i in range(cfg.num_layers)]
+    if cfg.sliding_window is not None:  # SmolLM3
+        out.update(
+            use_sliding_window=True,
+            sliding_window=cfg.sliding_window,
+            layer_types=_layer_types(cfg),
+        )
     if cfg.num_experts:
         out.update(
             num_experts_per_tok=cfg.moe_router_topk,
@@ -525,6 +584,9 @@ def _gpt2_tensors(cfg: ModelConfig) -> list[TensorMap]:
 
 
 _PLAIN_LAYER = dict(
+    no_rope_layers=None,
+    sliding_window=None,
+    sliding_window_layers=None,
     rotary_percent=1.0,
     qk_layernorm=False,
     parallel_residual=False,
@@ -724,6 +786,9 @@ def _gpt_neox_config_from_hf(hf) -> dict:
         add_qkv_bias=True,
         qk_layernorm=False,
         parallel_residual=bool(getattr(hf, "use_parallel_residual", True)),
+        no_rope_layers=None,
+        sliding_window=None,
+        sliding_window_layers=None,
         num_experts=None,
         moe_ffn_hidden_size=None,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -785,6 +850,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(
         "qwen3",
         "Qwen3ForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _llama_tensors,
+        "model.",
+    ),
+    # SmolLM3: the Llama table; every no_rope_layer_interval-th layer applies no RoPE.
+    "smollm3": Architecture(
+        "smollm3",
+        "SmolLM3ForCausalLM",
         _llama_config_from_hf,
         _llama_config_to_hf,
         _llama_tensors,
