@@ -13,6 +13,8 @@ from dpo_megatron.config_checks import check_choice, check_range
 from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset_name  # noqa: F401
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
+QK_NORM_SCOPES = ("head", "projection")
+NORM_PLACEMENTS = ("pre", "post")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTIONS = ("auto", "sdpa", "flex", "megatron")  # models.attention: the kernels
@@ -101,6 +103,13 @@ class ModelConfig:
     qk_layernorm: bool = False
     """RMSNorm over each head's query and key vectors before RoPE (Qwen3; weights of size
     ``kv_channels`` shared by all heads)."""
+    qk_norm_scope: str = "head"
+    """With ``qk_layernorm``: 'head' (Qwen3: one RMSNorm over head_dim, shared by the heads) or
+    'projection' (OLMo 2 / 3: one RMSNorm over all heads' queries, and one over the keys, weights
+    of size heads x head_dim; ``models.norms.ProjectionRMSNorm``)."""
+    norm_placement: str = "pre"
+    """Where the layer norms sit: 'pre' (Llama: ``h = x + attn(norm(x))``) or 'post' (OLMo 2 /
+    3: ``h = x + norm(attn(x))``, likewise the MLP; ``models.layers.PostNormTransformerLayer``)."""
     parallel_residual: bool = False
     """GPT-NeoX's parallel residual: attention and MLP both read the layer input,
     ``x + attn(ln1(x)) + mlp(ln2(x))`` (``dpo_megatron.models.layers``). False: the sequential
@@ -223,6 +232,8 @@ class ModelConfig:
         check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)
+        check_choice("model", self, "qk_norm_scope", QK_NORM_SCOPES)
+        check_choice("model", self, "norm_placement", NORM_PLACEMENTS)
         check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)
         check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
         check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES, optional=True)

@@ -1,4 +1,5 @@
-"""Transformer layers megatron-core does not ship: GPT-NeoX's parallel residual.
+"""Transformer layers megatron-core does not ship: GPT-NeoX's parallel residual and OLMo's
+post-norm layer (:class:`PostNormTransformerLayer`).
 
 megatron-core's ``TransformerLayer`` is sequential (``h = x + attn(ln1(x)); h + mlp(ln2(h))``).
 GPT-NeoX (Black et al. 2022, sec. 2.1; Pythia) feeds the layer input to both branches::
@@ -74,6 +75,76 @@ class ParallelResidualTransformerLayer(TransformerLayer):
                 attention, hidden_states, self.hidden_dropout
             )
             output = self.mlp_bda(self.training, fused)(mlp, output, self.hidden_dropout)
+        output = make_viewless_tensor(
+            inp=output, requires_grad=output.requires_grad, keep_graph=True
+        )
+        return output, context
+
+
+class PostNormTransformerLayer(TransformerLayer):
+    """OLMo 2 / 3's layer: the norms sit on the branch outputs, none on the inputs::
+
+        h = x + norm_attn(attn(x));  y = h + norm_mlp(mlp(h))
+
+    (Groeneveld et al. 2025, OLMo 2, sec. 3.2: "reordered norm"). Built from the sequential layer
+    spec with identity pre-norms; the two post-norms are this module's
+    ``post_attention_layernorm`` and ``post_mlp_layernorm`` (class ``norm``, the model's
+    normalisation, SP-aware). Dense MLPs only; full recompute works, selective 'layernorm' /
+    'mlp' are refused as for :class:`ParallelResidualTransformerLayer`.
+
+    Shapes: as the parent.
+
+    Raises:
+        ValueError: at construction, with ``model.recompute_modules`` 'layernorm' or 'mlp'.
+    """
+
+    def __init__(self, config, submodules, *args, norm=None, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        if self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm or self.recompute_mlp:
+            raise ValueError(
+                "model.recompute_modules: 'layernorm' and 'mlp' are not wired for post-norm "
+                "layers (model.norm_placement=post); use model.recompute_granularity=full"
+            )
+        eps = config.layernorm_epsilon
+        self.post_attention_layernorm = norm(config, config.hidden_size, eps=eps)
+        self.post_mlp_layernorm = norm(config, config.hidden_size, eps=eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context=None,
+        context_mask=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        padding_mask=None,
+        **unused,
+    ):
+        attention, bias = self.self_attention(
+            hidden_states,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        if bias is not None:
+            attention = attention + bias
+        hidden = hidden_states + self.post_attention_layernorm(attention)
+        mlp, bias = self.mlp(hidden, padding_mask=padding_mask)
+        if bias is not None:
+            mlp = mlp + bias
+        output = hidden + self.post_mlp_layernorm(mlp)
         output = make_viewless_tensor(
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )

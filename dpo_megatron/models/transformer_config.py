@@ -205,6 +205,18 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             f"model.position_embedding_type=rope, got {model.position_embedding_type!r}"
         )
     check_sliding_window(model, parallel)
+    projection_norm = model.qk_layernorm and model.qk_norm_scope == "projection"
+    if projection_norm and heads != model.num_attention_heads:
+        raise ValueError(
+            f"model.qk_norm_scope=projection normalises over all heads: the zero heads that "
+            f"model.pad_attention_heads adds at TP {tp} ({model.num_attention_heads} -> "
+            f"{heads}) would change its mean; use a TP size that divides the key/value heads"
+        )
+    if model.norm_placement == "post" and (model.num_experts or model.parallel_residual):
+        raise ValueError(
+            "model.norm_placement=post is wired for dense sequential layers only (not with "
+            "model.num_experts or model.parallel_residual)"
+        )
     etp = parallel.expert_tensor_parallel()
     expert_width = check_moe(
         model, parallel.expert_model_parallel_size, etp, tp, parallel.sequence_parallel
@@ -243,7 +255,9 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         activation_func=ACTIVATIONS[model.activation],
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
-        qk_layernorm=model.qk_layernorm,
+        # megatron-core all-reduces the q/k norms' gradients over TP when this is set (their
+        # weights are replicated per head); a projection norm's weight is a TP shard instead.
+        qk_layernorm=model.qk_layernorm and model.qk_norm_scope == "head",
         # megatron-core's Attention drops the rotary table in these layers (1 = no RoPE), before
         # any core attention runs, so every attention path serves NoPE layers alike.
         no_rope_freq=no_rope_pattern(model),

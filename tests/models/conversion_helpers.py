@@ -221,6 +221,25 @@ NEW_TINY_CONFIGS: dict[str, dict] = {
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
     ),
+    # OLMo 3: post-norms, q/k norms over the whole projection, sliding window 4 in layers 0-2
+    # (layer 3 full: HF's default pattern), untied.
+    "olmo3": dict(
+        model_type="olmo3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
 }
 VARIANT_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.

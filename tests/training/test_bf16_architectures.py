@@ -1,7 +1,8 @@
 """bf16 as a GPU runs it, for every architecture: tiny random transformers models of Llama,
-Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2 and SmolLM3 (NoPE and sliding-window
-layers), imported at TP 2 x PP 2 (EP 2 for
-the mixture-of-experts models) with ``model.params_dtype=bfloat16``, through the real ``Trainer``.
+Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2, SmolLM3 (NoPE and sliding-window
+layers) and OLMo 3 (post-norms, projection-wide q/k norms, sliding windows), imported at
+TP 2 x PP 2 (EP 2 for the mixture-of-experts models) with ``model.params_dtype=bfloat16``,
+through the real ``Trainer``.
 
 For each architecture, in one 4-rank launch:
 
@@ -42,6 +43,7 @@ ARCHITECTURES = [
     "gpt_neox",
     "gpt2",
     "smollm3",
+    "olmo3",
 ]
 MOE = {"qwen3_moe", "mixtral"}
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture

@@ -29,6 +29,10 @@ Supported (``model_type``: classes, what differs):
 * ``smollm3`` (``SmolLM3ForCausalLM``): the Llama table; the layers HF's ``no_rope_layers``
   marks 0 apply no RoPE (``model.no_rope_layers``); with ``use_sliding_window`` the
   ``sliding_attention`` layers of ``layer_types`` are windowed (``model.sliding_window``).
+* ``olmo3`` (``Olmo3ForCausalLM``): the Llama projections; RMSNorms after attention and MLP
+  instead of before (``model.norm_placement=post``); query / key RMSNorm over the whole
+  projection (``model.qk_norm_scope=projection``, weights split with the heads); sliding windows
+  in the ``sliding_attention`` layers of ``layer_types``; one RoPE for both layer types.
 * ``gpt2``: learned positions, Conv1D weights.
 * ``gpt_neox`` (``GPTNeoXForCausalLM``, Pythia): parallel residual, partial rotary, LayerNorm
   with biases, fused per-head QKV.
@@ -421,6 +425,8 @@ def _llama_config_from_hf(hf) -> dict:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return dict(
         no_rope_layers=_no_rope_layers(hf) if name == "smollm3" else None,
+        qk_norm_scope="head",
+        norm_placement="pre",
         sliding_window=sliding.get("sliding_window"),
         sliding_window_layers=sliding.get("sliding_window_layers"),
         num_layers=hf.num_hidden_layers,
@@ -499,6 +505,113 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
             )
         else:  # Mixtral: experts are intermediate_size wide
             out.update(num_local_experts=cfg.num_experts, intermediate_size=dims(cfg)["expert_ffn"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# OLMo 3: the Llama projections, norms after attention and MLP (none before), query / key
+# RMSNorm over the whole projection, sliding windows in three of every four layers.
+# ---------------------------------------------------------------------------------------------
+
+
+def _olmo3_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    p = "model.layers.{i}."
+    d = "decoder.layers.{i}."
+    pre_norms = (d + "input_layernorm.weight", d + "pre_mlp_layernorm.weight")
+    qk_norms = (d + "self_attention.q_layernorm.weight", d + "self_attention.k_layernorm.weight")
+    table = [t for t in _llama_tensors(cfg) if t.megatron not in pre_norms + qk_norms]
+    return table + [
+        TensorMap(
+            d + "post_attention_layernorm.weight",
+            (p + "post_attention_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "post_mlp_layernorm.weight",
+            (p + "post_feedforward_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        # One weight over all heads, split with the heads (models.norms.ProjectionRMSNorm).
+        TensorMap(qk_norms[0], (p + "self_attn.q_norm.weight",), COLUMN, (("q",),)),
+        TensorMap(qk_norms[1], (p + "self_attn.k_norm.weight",), COLUMN, (("kv",),)),
+    ]
+
+
+def _per_layer_type_rope(hf, name: str) -> dict:
+    """A config whose ``rope_parameters`` may be keyed by layer type (OLMo 3, Gemma 3) reduced
+    to one RoPE for every layer.
+
+    Raises:
+        ValueError: the layer types' RoPE settings differ (megatron-core builds one rotary table
+            per model).
+    """
+    params = getattr(hf, "rope_parameters", None) or {}
+    by_type = {k: v for k, v in params.items() if k in ("full_attention", "sliding_attention")}
+    if not by_type:
+        return params
+    distinct = {tuple(sorted(v.items())) for v in by_type.values()}
+    if len(distinct) > 1:
+        raise ValueError(
+            f"{name}: rope_parameters differ between layer types ({by_type}); one RoPE for "
+            "every layer is supported"
+        )
+    return next(iter(by_type.values()))
+
+
+def _olmo3_config_from_hf(hf) -> dict:
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"olmo3: hidden_act={hf.hidden_act!r} is not supported (only silu)")
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("olmo3: attention_bias=true is not supported")
+
+    class _Flat:  # the one RoPE, read by the Llama-family RoPE rules
+        rope_parameters = _per_layer_type_rope(hf, "olmo3")
+
+    theta, scaling_factor, linear_factor = _llama_rope(_Flat, "olmo3")
+    heads = hf.num_attention_heads
+    sliding = _sliding_window_fields(hf)
+    return dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rope_scaling_factor=scaling_factor,
+        rope_linear_scaling_factor=linear_factor,
+        no_rope_layers=None,
+        sliding_window=sliding.get("sliding_window"),
+        sliding_window_layers=sliding.get("sliding_window_layers"),
+        normalization="RMSNorm",
+        norm_epsilon=hf.rms_norm_eps,
+        activation="swiglu",
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        qk_norm_scope="projection",
+        norm_placement="post",
+        parallel_residual=False,
+        num_experts=None,
+        moe_ffn_hidden_size=None,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
+
+
+def _olmo3_config_to_hf(cfg: ModelConfig) -> dict:
+    out = _llama_config_to_hf(cfg)
+    rope = out.pop("rope_parameters")
+    out.pop("head_dim")
+    out["rope_parameters"] = {"full_attention": rope, "sliding_attention": dict(rope)}
+    out["sliding_window"] = cfg.sliding_window
+    out["layer_types"] = _layer_types(cfg) or ["full_attention"] * cfg.num_layers
+    out.pop("use_sliding_window", None)
     return out
 
 
@@ -584,6 +697,8 @@ def _gpt2_tensors(cfg: ModelConfig) -> list[TensorMap]:
 
 
 _PLAIN_LAYER = dict(
+    qk_norm_scope="head",
+    norm_placement="pre",
     no_rope_layers=None,
     sliding_window=None,
     sliding_window_layers=None,
@@ -789,6 +904,8 @@ def _gpt_neox_config_from_hf(hf) -> dict:
         no_rope_layers=None,
         sliding_window=None,
         sliding_window_layers=None,
+        qk_norm_scope="head",
+        norm_placement="pre",
         num_experts=None,
         moe_ffn_hidden_size=None,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -880,6 +997,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         _mixtral_tensors,
         "model.",
         _LLAMA_IGNORED,
+    ),
+    "olmo3": Architecture(
+        "olmo3",
+        "Olmo3ForCausalLM",
+        _olmo3_config_from_hf,
+        _olmo3_config_to_hf,
+        _olmo3_tensors,
+        "model.",
     ),
     "gpt2": Architecture(
         "gpt2",
