@@ -14,7 +14,7 @@ from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 QK_NORM_SCOPES = ("head", "projection")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTIONS = ("auto", "sdpa", "flex", "megatron")  # models.attention: the kernels
@@ -94,7 +94,7 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     """Epsilon inside the norm's square root (> 0)."""
     activation: str = "swiglu"
-    """'swiglu' (gated SiLU, Llama), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
+    """'swiglu' (gated SiLU, Llama), 'geglu' (gated tanh GELU, Gemma), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
     'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2)."""
@@ -108,8 +108,22 @@ class ModelConfig:
     'projection' (OLMo 2 / 3: one RMSNorm over all heads' queries, and one over the keys, weights
     of size heads x head_dim; ``models.norms.ProjectionRMSNorm``)."""
     norm_placement: str = "pre"
-    """Where the layer norms sit: 'pre' (Llama: ``h = x + attn(norm(x))``) or 'post' (OLMo 2 /
-    3: ``h = x + norm(attn(x))``, likewise the MLP; ``models.layers.PostNormTransformerLayer``)."""
+    """Where the layer norms sit: 'pre' (Llama: ``h = x + attn(norm(x))``), 'post' (OLMo 2 /
+    3: ``h = x + norm(attn(x))``, likewise the MLP) or 'sandwich' (Gemma 2 / 3: both,
+    ``h = x + norm2(attn(norm1(x)))``; ``models.layers.PostNormTransformerLayer``)."""
+    norm_weight_offset: bool = False
+    """Gemma's RMSNorm: the weight w is stored as an offset and the norm scales by ``1 + w``
+    (computed in fp32), in every norm including the query/key norms. False: by w."""
+    embedding_scale: Optional[float] = None
+    """Multiply the word embeddings by this (Gemma: sqrt(hidden_size), rounded to the model dtype
+    first, as transformers does). None: no scaling."""
+    softmax_scale: Optional[float] = None
+    """Attention softmax scale (> 0; Gemma 3: ``query_pre_attn_scalar ** -0.5``). None:
+    1 / sqrt(head_dim)."""
+    local_rotary_base: Optional[float] = None
+    """RoPE theta of the sliding-window layers when it differs from ``rotary_base`` (Gemma 3's
+    local layers: 10,000, unscaled, against 1,000,000 with linear scaling in its global layers).
+    None: every layer uses ``rotary_base`` and its scaling."""
     parallel_residual: bool = False
     """GPT-NeoX's parallel residual: attention and MLP both read the layer input,
     ``x + attn(ln1(x)) + mlp(ln2(x))`` (``dpo_megatron.models.layers``). False: the sequential
@@ -234,6 +248,13 @@ class ModelConfig:
         check_choice("model", self, "normalization", NORMALIZATIONS)
         check_choice("model", self, "qk_norm_scope", QK_NORM_SCOPES)
         check_choice("model", self, "norm_placement", NORM_PLACEMENTS)
+        for name in ("embedding_scale", "softmax_scale", "local_rotary_base"):
+            check_range("model", self, name, 0, low_open=True, optional=True)
+        if self.local_rotary_base is not None and self.sliding_window is None:
+            raise ValueError(
+                "model.local_rotary_base applies to sliding-window layers: set "
+                "model.sliding_window too, or drop it"
+            )
         check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)
         check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
         check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES, optional=True)

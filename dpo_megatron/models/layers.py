@@ -12,8 +12,12 @@ layer spec, so weights, TP sharding and checkpoints are megatron-core's), anothe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -86,6 +90,10 @@ class PostNormTransformerLayer(TransformerLayer):
 
         h = x + norm_attn(attn(x));  y = h + norm_mlp(mlp(h))
 
+    With the pre-norms kept (Gemma 2 / 3's "sandwich") it is
+    ``h = x + norm_attn(attn(ln1(x))); y = h + norm_mlp(mlp(ln2(h)))``; OLMo's pre-norms are
+    identities in the spec.
+
     (Groeneveld et al. 2025, OLMo 2, sec. 3.2: "reordered norm"). Built from the sequential layer
     spec with identity pre-norms; the two post-norms are this module's
     ``post_attention_layernorm`` and ``post_mlp_layernorm`` (class ``norm``, the model's
@@ -127,7 +135,7 @@ class PostNormTransformerLayer(TransformerLayer):
         **unused,
     ):
         attention, bias = self.self_attention(
-            hidden_states,
+            self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             inference_context=inference_context,
             rotary_pos_emb=rotary_pos_emb,
@@ -141,7 +149,7 @@ class PostNormTransformerLayer(TransformerLayer):
         if bias is not None:
             attention = attention + bias
         hidden = hidden_states + self.post_attention_layernorm(attention)
-        mlp, bias = self.mlp(hidden, padding_mask=padding_mask)
+        mlp, bias = self.mlp(self.pre_mlp_layernorm(hidden), padding_mask=padding_mask)
         if bias is not None:
             mlp = mlp + bias
         output = hidden + self.post_mlp_layernorm(mlp)
@@ -149,3 +157,27 @@ class PostNormTransformerLayer(TransformerLayer):
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
         return output, context
+
+
+@dataclass
+class LayerTypeRope:
+    """Two RoPE tables for one forward: ``full`` for full-attention layers, ``local`` for the
+    sliding-window layers (Gemma 3 rotates them with another theta and no scaling). Each is
+    megatron-core's [L, R, 1, dim] table (``models.gpt.DPOGPTModel``)."""
+
+    full: torch.Tensor
+    local: torch.Tensor
+
+
+class LayerTypeRopeSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` that, given a :class:`LayerTypeRope`, rotates with the
+    table of its own layer type (windowed or not, megatron-core's ``is_layer_window_attention``);
+    anything else passes through unchanged."""
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if isinstance(rotary_pos_emb, LayerTypeRope):
+            windowed = is_layer_window_attention(
+                self.config.window_size, self.config.window_attn_skip_freq, self.layer_number
+            )
+            rotary_pos_emb = rotary_pos_emb.local if windowed else rotary_pos_emb.full
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)

@@ -171,8 +171,27 @@ class KeyProjectionRMSNorm(ProjectionRMSNorm):
     heads_field = "num_query_groups"
 
 
-def norm_class(normalization: str) -> type[torch.nn.Module]:
-    """The module for ``'RMSNorm'`` or ``'LayerNorm'``.
+class OffsetRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm: ``(x / sqrt(mean(x^2) + eps)) * (1 + w)``, all in fp32, cast back at the
+    end (``Gemma3RMSNorm``, op for op). The weight starts at 0 (the identity).
+
+    Shapes: x [..., hidden_size] -> [..., hidden_size].
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(_fp32_or_wider(x))
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(x32.dtype))).to(x.dtype)
+
+
+def norm_class(normalization: str, offset: bool = False) -> type[torch.nn.Module]:
+    """The module for ``'RMSNorm'`` (:class:`OffsetRMSNorm` with ``offset``) or ``'LayerNorm'``.
 
     Raises:
         ValueError: for any other name.
@@ -182,4 +201,8 @@ def norm_class(normalization: str) -> type[torch.nn.Module]:
         raise ValueError(
             f"model.normalization must be one of {sorted(classes)}, got {normalization!r}"
         )
+    if offset:
+        if normalization != "RMSNorm":
+            raise ValueError("model.norm_weight_offset=true needs model.normalization=RMSNorm")
+        return OffsetRMSNorm
     return classes[normalization]

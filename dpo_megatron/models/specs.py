@@ -27,12 +27,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from dpo_megatron.models.attention import core_attention_spec
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.context_attention import ContextParallelAttention
-from dpo_megatron.models.layers import ParallelResidualTransformerLayer, PostNormTransformerLayer
+from dpo_megatron.models.layers import (
+    LayerTypeRopeSelfAttention,
+    ParallelResidualTransformerLayer,
+    PostNormTransformerLayer,
+)
 from dpo_megatron.models.moe import DPOTopKRouter
 from dpo_megatron.models.norms import (
     KeyProjectionRMSNorm,
     ProjectionRMSNorm,
-    RMSNorm,
     norm_class,
 )
 from dpo_megatron.models.transformer_config import use_transformer_engine
@@ -54,7 +57,9 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
             ("model.num_experts", model.num_experts),
             ("model.parallel_residual", model.parallel_residual),
             ("model.sliding_window", model.sliding_window is not None),
-            ("model.norm_placement=post", model.norm_placement == "post"),
+            ("model.norm_placement", model.norm_placement != "pre"),
+            ("model.norm_weight_offset", model.norm_weight_offset),
+            ("model.local_rotary_base", model.local_rotary_base is not None),
             ("model.qk_norm_scope=projection", model.qk_norm_scope == "projection"),
         )
         if on
@@ -92,15 +97,18 @@ def layer_spec(
         if config.context_parallel_size > 1  # gathers keys/values
         else core_attention_spec(model.local_attention, transformer_engine=False)
     )
-    norm = norm_class(model.normalization)
+    norm = norm_class(model.normalization, model.norm_weight_offset)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     if model.qk_layernorm and model.qk_norm_scope == "projection":  # OLMo 2 / 3
         attention.q_layernorm = ProjectionRMSNorm
         attention.k_layernorm = KeyProjectionRMSNorm
-    elif model.qk_layernorm:  # Qwen3: RMSNorm over head_dim, whatever the layer norm is
-        attention.q_layernorm = RMSNorm
-        attention.k_layernorm = RMSNorm
+    elif model.qk_layernorm:  # Qwen3 / Gemma 3: RMSNorm over head_dim, whatever the layer norm
+        head_norm = norm_class("RMSNorm", model.norm_weight_offset)
+        attention.q_layernorm = head_norm
+        attention.k_layernorm = head_norm
+    if model.local_rotary_base is not None:  # Gemma 3: the windowed layers' own RoPE
+        layer.submodules.self_attention.module = LayerTypeRopeSelfAttention
     if model.num_experts:
         layer.submodules.mlp.submodules.router = DPOTopKRouter
     if model.parallel_residual:
@@ -108,6 +116,7 @@ def layer_spec(
     if model.norm_placement == "post":  # OLMo 2 / 3: norms on the branch outputs only
         layer.submodules.input_layernorm = IdentityOp
         layer.submodules.pre_mlp_layernorm = IdentityOp
+    if model.norm_placement in ("post", "sandwich"):  # Gemma 2 / 3: before and after
         layer.module = PostNormTransformerLayer
         layer.params = {**(layer.params or {}), "norm": norm}
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)

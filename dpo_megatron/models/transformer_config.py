@@ -20,8 +20,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"swiglu": F.silu, "gelu": gelu_tanh, "gelu_exact": F.gelu}
-"""``model.activation`` -> the elementwise function (SwiGLU gates it: ``gated_linear_unit``)."""
+ACTIVATIONS = {"swiglu": F.silu, "geglu": gelu_tanh, "gelu": gelu_tanh, "gelu_exact": F.gelu}
+"""``model.activation`` -> the elementwise function (SwiGLU and GeGLU gate it:
+``gated_linear_unit``)."""
+GATED = ("swiglu", "geglu")
 
 
 def resolve_params_dtype(name: str) -> torch.dtype:
@@ -212,9 +214,9 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             f"model.pad_attention_heads adds at TP {tp} ({model.num_attention_heads} -> "
             f"{heads}) would change its mean; use a TP size that divides the key/value heads"
         )
-    if model.norm_placement == "post" and (model.num_experts or model.parallel_residual):
+    if model.norm_placement != "pre" and (model.num_experts or model.parallel_residual):
         raise ValueError(
-            "model.norm_placement=post is wired for dense sequential layers only (not with "
+            f"model.norm_placement={model.norm_placement} is wired for dense sequential layers only (not with "
             "model.num_experts or model.parallel_residual)"
         )
     etp = parallel.expert_tensor_parallel()
@@ -251,7 +253,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         kv_channels=head_dim,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=swiglu,
+        gated_linear_unit=model.activation in GATED,
         activation_func=ACTIVATIONS[model.activation],
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
@@ -296,6 +298,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         batch_p2p_comm=backend() == "nccl",
         # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
         calculate_per_token_loss=True,
+        softmax_scale=model.softmax_scale,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,

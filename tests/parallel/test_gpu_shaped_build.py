@@ -35,6 +35,7 @@ ARCHITECTURES = [
     "gpt2",
     "smollm3",
     "olmo3",
+    "gemma3",
 ]
 
 

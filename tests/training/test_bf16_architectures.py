@@ -1,6 +1,7 @@
 """bf16 as a GPU runs it, for every architecture: tiny random transformers models of Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2, SmolLM3 (NoPE and sliding-window
-layers) and OLMo 3 (post-norms, projection-wide q/k norms, sliding windows), imported at
+layers), OLMo 3 (post-norms, projection-wide q/k norms, sliding windows) and Gemma 3 (sandwich
+(1 + w) norms, GeGLU, scaled embeddings, windows with their own RoPE), imported at
 TP 2 x PP 2 (EP 2 for the mixture-of-experts models) with ``model.params_dtype=bfloat16``,
 through the real ``Trainer``.
 
@@ -44,6 +45,7 @@ ARCHITECTURES = [
     "gpt2",
     "smollm3",
     "olmo3",
+    "gemma3",
 ]
 MOE = {"qwen3_moe", "mixtral"}
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture

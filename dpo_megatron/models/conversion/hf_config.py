@@ -92,6 +92,8 @@ def infer_architecture(cfg: ModelConfig) -> Architecture:
         return ARCHITECTURES["gpt2"]
     if cfg.normalization == "LayerNorm":
         return ARCHITECTURES["gpt_neox"]
+    if cfg.norm_placement == "sandwich":
+        return ARCHITECTURES["gemma3_text"]
     if cfg.norm_placement == "post":
         return ARCHITECTURES["olmo3"]
     if cfg.num_experts:
