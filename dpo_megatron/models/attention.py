@@ -211,6 +211,24 @@ def sdpa(
     )
 
 
+def causal_window_mask(
+    n_q: int, n_k: int, window: Optional[int], device: torch.device
+) -> Optional[torch.Tensor]:
+    """Bottom-right causal sliding-window visibility: [n_q, n_k] bool, True where query i (at
+    key slot ``n_k - n_q + i``) may see key j: ``0 <= slot(i) - j <= window``. None without a
+    window (``window`` None: plain causal attention, which ``is_causal`` serves).
+
+    ``window`` is the number of earlier keys a query sees besides itself (megatron-core's
+    ``window_size[0]``; HF's ``sliding_window`` minus 1). Example: n_q = n_k = 4, window 1:
+    rows [1,0,0,0], [1,1,0,0], [0,1,1,0], [0,0,1,1].
+    """
+    if window is None:
+        return None
+    slot = torch.arange(n_k - n_q, n_k, device=device)[:, None]
+    distance = slot - torch.arange(n_k, device=device)[None, :]
+    return (distance >= 0) & (distance <= window)
+
+
 def span_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -218,6 +236,7 @@ def span_attention(
     spans,
     scale: Optional[float],
     rows: Optional[SpanRows] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of packed spans in one ``scaled_dot_product_attention`` call, with no mask.
 
@@ -237,6 +256,10 @@ def span_attention(
         scale: softmax scale (None: 1 / sqrt(hn)).
         rows: the spans' :class:`SpanRows` on the query's device (``PackedLayout.rows``); None:
             built here from ``spans``.
+        window: sliding window (earlier keys a query sees besides itself, as
+            :func:`causal_window_mask`), or None. A row's key slots are consecutive positions of
+            its unit (a rejected span's prompt then its own tokens), so the window is a band of
+            slots: one [W, W] mask shared by every row instead of ``is_causal``.
 
     Returns:
         [Tq, heads, hn] attention output (softmax(q k^T * scale) v per span; Vaswani et al.
@@ -255,7 +278,8 @@ def span_attention(
     k, v = (
         t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2) for t in (key, value)
     )
-    out = sdpa(q, k, v, scale, is_causal=width > 1)
+    band = causal_window_mask(width, width, window, query.device)
+    out = sdpa(q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band)
     return (
         out.transpose(1, 2).reshape(n * width, *query.shape[1:]).index_select(0, rows.output_index)
     )
@@ -298,7 +322,12 @@ def packed_attention_route(device: torch.device, dtype: torch.dtype, head_dim: i
 
 
 def varlen_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout, scale: Optional[float]
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout,
+    scale: Optional[float],
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of packed spans in one call of torch's varlen flash-attention
     (``torch.nn.attention.varlen.varlen_attn``): every span at its own length, bottom-right
@@ -312,6 +341,8 @@ def varlen_attention(
             ``cu_seqlens_kv`` / ``max_seqlen_*``, and ``kv_index`` (shared prompts: each span's
             keys gathered span after span, a rejected span's prompt then its own).
         scale: softmax scale (None: 1 / sqrt(hn)).
+        window: sliding window (earlier keys a query sees besides itself), or None: flash-
+            attention's ``window_size=(window, 0)``, bottom-right aligned like the causal rule.
 
     Returns:
         [T, heads, hn].
@@ -329,20 +360,25 @@ def varlen_attention(
         layout.max_seqlen_q,
         layout.max_seqlen_kv,
         scale=scale,
-        window_size=(-1, 0),
+        window_size=(-1 if window is None else window, 0),
         enable_gqa=key.shape[1] != query.shape[1],
     )
 
 
 def packed_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout, scale: Optional[float]
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout,
+    scale: Optional[float],
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
-    :func:`packed_attention_route`. Shapes as :func:`span_attention`; ``layout`` the
-    micro-batch's ``PackedLayout`` on the device."""
+    :func:`packed_attention_route`. Shapes and ``window`` as :func:`span_attention`; ``layout``
+    the micro-batch's ``PackedLayout`` on the device."""
     if packed_attention_route(query.device, query.dtype, query.shape[-1]) == "varlen":
-        return varlen_attention(query, key, value, layout, scale)
-    return span_attention(query, key, value, layout.spans, scale, layout.rows)
+        return varlen_attention(query, key, value, layout, scale, window)
+    return span_attention(query, key, value, layout.spans, scale, layout.rows, window)
 
 
 _FLEX: dict[str, Callable] = {}
@@ -416,9 +452,13 @@ class LocalAttention(DotProductAttention):
     [sk, b, ng, hn] -> context [sq, b, np * hn]), same math (softmax(q k^T * scale) v), but the
     [b, np, sq, sk] scores and probabilities are neither materialised nor kept for backward
     (except with ``kernel="megatron"``): on SmolLM2-135M at 8 x 512 tokens that is 150 MB per
-    layer. Packed rows come as ``packed_seq_params`` (:class:`PackedSequenceParams`). Features
-    the kernels do not cover (sliding windows, softmax offsets, query-key layer scaling,
-    attention dropout, attention bias) fall back to the parent with the dense mask.
+    layer. Packed rows come as ``packed_seq_params`` (:class:`PackedSequenceParams`). A sliding
+    window of this layer (megatron-core's ``window_size`` / ``window_attn_skip_freq``, read per
+    layer by the parent) is served by the ``sdpa`` kernel on padded and packed rows (a band mask,
+    :func:`causal_window_mask`; varlen's ``window_size``); ``flex`` and ``megatron`` refuse it
+    (at config time: ``models.transformer_config.check_sliding_window``; here again). Features
+    the kernels do not cover (softmax offsets, query-key layer scaling, attention dropout,
+    attention bias) fall back to the parent with the dense mask.
 
     Args:
         kernel: ``sdpa``, ``flex`` or ``megatron`` (:func:`resolve_local_attention`).
@@ -432,11 +472,22 @@ class LocalAttention(DotProductAttention):
         if kernel not in ("sdpa", "flex", "megatron"):
             raise ValueError(f"unknown local attention kernel {kernel!r}")
         self.kernel = kernel
+        window_size = self.scale_mask_softmax.window_size
+        self.window: Optional[int] = None
+        """Earlier keys a query sees besides itself in this layer's sliding window; None: full
+        causal attention (megatron-core's ``window_size[0]`` where this layer is windowed)."""
+        if window_size is not None:
+            if kernel != "sdpa" or tuple(window_size)[1] != 0:
+                raise ValueError(
+                    f"sliding-window attention (window_size={tuple(window_size)}) is served by "
+                    f"the local sdpa kernel with a causal window (right extent 0) only, not by "
+                    f"{kernel!r}: set model.local_attention=sdpa"
+                )
+            self.window = int(window_size[0])
 
     def _parent_handles(self, attention_bias) -> bool:
         return (
             self.kernel == "megatron"
-            or self.scale_mask_softmax.window_size is not None
             or self.softmax_offset is not None
             or self.config.apply_query_key_layer_scaling
             or (self.training and self.attention_dropout.p > 0)
@@ -471,7 +522,7 @@ class LocalAttention(DotProductAttention):
         sq, b = query.shape[0], query.shape[1]
         if layout is not None and self.kernel == "sdpa":
             flat = [t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in (query, key, value)]
-            out = packed_attention(*flat, layout, self.softmax_scale)
+            out = packed_attention(*flat, layout, self.softmax_scale, self.window)
             # [sq, b, h] with row-major strides, also for one row (b = 1), where transpose +
             # contiguous() would keep strides (h, sq * h, 1): torch.matmul folds [s, b, h] @ W^T
             # into one mm when W requires grad (the policy) but, for a frozen W (the reference),
@@ -487,8 +538,16 @@ class LocalAttention(DotProductAttention):
                 "block_mask", lambda: flex_block_mask(layout.segment_ids, layout.branch_ids)
             )
             out = flex_attention_rows(q, k, v, block_mask, self.softmax_scale)
+        elif attention_mask is None and self.window is not None:
+            band = causal_window_mask(q.shape[2], k.shape[2], self.window, q.device)
+            out = sdpa(q, k, v, self.softmax_scale, attn_mask=band)
         elif attention_mask is None:
             out = sdpa(q, k, v, self.softmax_scale, is_causal=q.shape[2] > 1)
+        elif self.window is not None:  # the band is on row indices, a dense mask on units
+            raise ValueError(
+                "sliding-window attention takes no dense attention_mask: pass packed rows as "
+                "packed_seq_params (models.attention.packed_seq_params)"
+            )
         else:
             out = sdpa(q, k, v, self.softmax_scale, attn_mask=~attention_mask)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

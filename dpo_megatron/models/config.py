@@ -13,6 +13,8 @@ from dpo_megatron.config_checks import check_choice, check_range
 from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset_name  # noqa: F401
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
+QK_NORM_SCOPES = ("head", "projection")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTIONS = ("auto", "sdpa", "flex", "megatron")  # models.attention: the kernels
@@ -75,12 +77,24 @@ class ModelConfig:
     rope_linear_scaling_factor: Optional[float] = None
     """Llama-2 style linear RoPE scaling (position interpolation, Chen et al. 2023): positions
     are divided by this factor (> 0; HF ``rope_type: linear``). None: no interpolation."""
+    no_rope_layers: Optional[list[int]] = None
+    """0-based indices of the layers whose attention applies no RoPE ("NoPE" layers: SmolLM3
+    leaves every fourth layer unrotated, HF ``no_rope_layers`` holding 0 there); megatron-core's
+    ``no_rope_freq``. None or empty: RoPE in every layer."""
+    sliding_window: Optional[int] = None
+    """Sliding-window attention: a query sees itself and the ``sliding_window - 1`` keys before
+    it (HF's ``sliding_window``; >= 1). None: full causal attention. Served by the local ``sdpa``
+    kernel only (padded and packed rows, shared prompts); the other kernels, transformer-engine
+    and context parallelism refuse it at config time."""
+    sliding_window_layers: Optional[list[int]] = None
+    """With ``sliding_window``: 0-based indices of the windowed layers (OLMo 3: three of every
+    four, HF ``layer_types``); the others attend to the whole sequence. None: every layer."""
     normalization: str = "RMSNorm"
     """'RMSNorm' (Llama) or 'LayerNorm' (GPT-2)."""
     norm_epsilon: float = 1e-5
     """Epsilon inside the norm's square root (> 0)."""
     activation: str = "swiglu"
-    """'swiglu' (gated SiLU, Llama), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
+    """'swiglu' (gated SiLU, Llama), 'geglu' (gated tanh GELU, Gemma), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
     'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2)."""
@@ -89,6 +103,27 @@ class ModelConfig:
     qk_layernorm: bool = False
     """RMSNorm over each head's query and key vectors before RoPE (Qwen3; weights of size
     ``kv_channels`` shared by all heads)."""
+    qk_norm_scope: str = "head"
+    """With ``qk_layernorm``: 'head' (Qwen3: one RMSNorm over head_dim, shared by the heads) or
+    'projection' (OLMo 2 / 3: one RMSNorm over all heads' queries, and one over the keys, weights
+    of size heads x head_dim; ``models.norms.ProjectionRMSNorm``)."""
+    norm_placement: str = "pre"
+    """Where the layer norms sit: 'pre' (Llama: ``h = x + attn(norm(x))``), 'post' (OLMo 2 /
+    3: ``h = x + norm(attn(x))``, likewise the MLP) or 'sandwich' (Gemma 2 / 3: both,
+    ``h = x + norm2(attn(norm1(x)))``; ``models.layers.PostNormTransformerLayer``)."""
+    norm_weight_offset: bool = False
+    """Gemma's RMSNorm: the weight w is stored as an offset and the norm scales by ``1 + w``
+    (computed in fp32), in every norm including the query/key norms. False: by w."""
+    embedding_scale: Optional[float] = None
+    """Multiply the word embeddings by this (Gemma: sqrt(hidden_size), rounded to the model dtype
+    first, as transformers does). None: no scaling."""
+    softmax_scale: Optional[float] = None
+    """Attention softmax scale (> 0; Gemma 3: ``query_pre_attn_scalar ** -0.5``). None:
+    1 / sqrt(head_dim)."""
+    local_rotary_base: Optional[float] = None
+    """RoPE theta of the sliding-window layers when it differs from ``rotary_base`` (Gemma 3's
+    local layers: 10,000, unscaled, against 1,000,000 with linear scaling in its global layers).
+    None: every layer uses ``rotary_base`` and its scaling."""
     parallel_residual: bool = False
     """GPT-NeoX's parallel residual: attention and MLP both read the layer input,
     ``x + attn(ln1(x)) + mlp(ln2(x))`` (``dpo_megatron.models.layers``). False: the sequential
@@ -195,9 +230,31 @@ class ModelConfig:
             optional=True,
             why="weight of the routers' load-balancing loss (null: the HF config's)",
         )
+        check_range("model", self, "sliding_window", 1, optional=True)
+        for name in ("no_rope_layers", "sliding_window_layers"):
+            for index in getattr(self, name) or ():
+                if not (isinstance(index, int) and 0 <= index < self.num_layers):
+                    raise ValueError(
+                        f"model.{name}: {index!r} is not a layer index in "
+                        f"[0, {self.num_layers}) (model.num_layers={self.num_layers})"
+                    )
+        if self.sliding_window_layers is not None and self.sliding_window is None:
+            raise ValueError(
+                "model.sliding_window_layers is set but model.sliding_window is null: set the "
+                "window size or drop the layer list"
+            )
         check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)
+        check_choice("model", self, "qk_norm_scope", QK_NORM_SCOPES)
+        check_choice("model", self, "norm_placement", NORM_PLACEMENTS)
+        for name in ("embedding_scale", "softmax_scale", "local_rotary_base"):
+            check_range("model", self, name, 0, low_open=True, optional=True)
+        if self.local_rotary_base is not None and self.sliding_window is None:
+            raise ValueError(
+                "model.local_rotary_base applies to sliding-window layers: set "
+                "model.sliding_window too, or drop it"
+            )
         check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)
         check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
         check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES, optional=True)

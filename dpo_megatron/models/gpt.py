@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -23,6 +24,7 @@ from dpo_megatron.models.context_attention import (
     context_parallel_coordinates,
     uses_context_parallel_attention,
 )
+from dpo_megatron.models.layers import LayerTypeRope
 from dpo_megatron.models.moe import set_aux_loss_weight
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
@@ -86,6 +88,9 @@ class DPOGPTModel(GPTModel):
     """``model.fused_lm_head``: with ``target_ids``, the chunked log-prob head, else the output
     layer's logits reduced to log-probs (``build_model_chunks``)."""
 
+    embedding_scale: Optional[float] = None
+    """``model.embedding_scale``: the word embeddings are multiplied by it (Gemma)."""
+
     vocab_valid_columns: Optional[int] = None
     """Columns of this TP rank's vocabulary shard that hold real tokens (None: all); the rest
     is padding (``build_model_chunks``)."""
@@ -118,6 +123,11 @@ class DPOGPTModel(GPTModel):
             if self.pre_process
             else None
         )  # later stages: set_input_tensor
+        if decoder_input is not None and self.embedding_scale is not None:
+            # Gemma: the scale rounded to the model dtype first, as transformers does.
+            decoder_input = decoder_input * torch.tensor(
+                self.embedding_scale, dtype=decoder_input.dtype, device=decoder_input.device
+            )
         if self.config.num_moe_experts:
             set_aux_loss_weight(self, moe_aux_loss_weight)
             padding_mask = self._local_padding_mask(padding_mask)
@@ -182,8 +192,17 @@ class DPOGPTModel(GPTModel):
             return None
         # Under CP a row holds L / CP of the L positions (data.context_split).
         length = position_ids.shape[-1] * self.config.context_parallel_size
-        table = self.rotary_pos_emb.get_emb(length)[:, 0, 0, :]  # [L, dim]
-        return table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2)
+        tables = []
+        # With model.local_rotary_base the sliding-window layers have their own RoPE, the
+        # submodule local_rotary_pos_emb (build_model_chunks), and every layer gets both
+        # tables (models.layers.LayerTypeRope). Not a class attribute: it would shadow the
+        # registered submodule.
+        local = getattr(self, "local_rotary_pos_emb", None)
+        for rope in (self.rotary_pos_emb, local):
+            if rope is not None:
+                table = rope.get_emb(length)[:, 0, 0, :]  # [L, dim]
+                tables.append(table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2))
+        return tables[0] if len(tables) == 1 else LayerTypeRope(*tables)
 
     def _output_weight(self) -> Optional[torch.Tensor]:
         """The LM head's weight when tied to the word embeddings, else None (the output layer's
@@ -254,6 +273,14 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             seq_len_interpolation_factor=model.rope_linear_scaling_factor,
             vp_stage=stage,
         )
+        chunk.embedding_scale = model.embedding_scale
+        if model.local_rotary_base is not None:
+            chunk.local_rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=model.rotary_percent,
+                rotary_base=model.local_rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
         place_chunk(chunk, config.params_dtype)
         chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
         chunk.fused_lm_head = model.fused_lm_head

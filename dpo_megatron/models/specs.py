@@ -2,8 +2,9 @@
 
 One local spec covers them all, switched by the ModelConfig: RMSNorm or LayerNorm (SP-aware,
 ``models.norms``), fused SDPA core attention (``models.attention``), Qwen3's query/key RMSNorm
-(``qk_layernorm``), megatron-core's MoE layer with this engine's router (``models.moe``) and
-GPT-NeoX's parallel-residual layer (``models.layers``).
+(``qk_layernorm``) or OLMo's over the whole projection, megatron-core's MoE layer with this
+engine's router (``models.moe``), GPT-NeoX's parallel-residual layer and OLMo's post-norm layer
+(``models.layers``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -25,9 +27,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from dpo_megatron.models.attention import core_attention_spec
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.context_attention import ContextParallelAttention
-from dpo_megatron.models.layers import ParallelResidualTransformerLayer
+from dpo_megatron.models.layers import (
+    LayerTypeRopeSelfAttention,
+    ParallelResidualTransformerLayer,
+    PostNormTransformerLayer,
+)
 from dpo_megatron.models.moe import DPOTopKRouter
-from dpo_megatron.models.norms import RMSNorm, norm_class
+from dpo_megatron.models.norms import (
+    KeyProjectionRMSNorm,
+    ProjectionRMSNorm,
+    norm_class,
+)
 from dpo_megatron.models.transformer_config import use_transformer_engine
 
 
@@ -46,6 +56,11 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
         for name, on in (
             ("model.num_experts", model.num_experts),
             ("model.parallel_residual", model.parallel_residual),
+            ("model.sliding_window", model.sliding_window is not None),
+            ("model.norm_placement", model.norm_placement != "pre"),
+            ("model.norm_weight_offset", model.norm_weight_offset),
+            ("model.local_rotary_base", model.local_rotary_base is not None),
+            ("model.qk_norm_scope=projection", model.qk_norm_scope == "projection"),
         )
         if on
     ]
@@ -82,16 +97,28 @@ def layer_spec(
         if config.context_parallel_size > 1  # gathers keys/values
         else core_attention_spec(model.local_attention, transformer_engine=False)
     )
-    norm = norm_class(model.normalization)
+    norm = norm_class(model.normalization, model.norm_weight_offset)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
-    if model.qk_layernorm:  # Qwen3: RMSNorm over head_dim, whatever the layer norm is
-        attention.q_layernorm = RMSNorm
-        attention.k_layernorm = RMSNorm
+    if model.qk_layernorm and model.qk_norm_scope == "projection":  # OLMo 2 / 3
+        attention.q_layernorm = ProjectionRMSNorm
+        attention.k_layernorm = KeyProjectionRMSNorm
+    elif model.qk_layernorm:  # Qwen3 / Gemma 3: RMSNorm over head_dim, whatever the layer norm
+        head_norm = norm_class("RMSNorm", model.norm_weight_offset)
+        attention.q_layernorm = head_norm
+        attention.k_layernorm = head_norm
+    if model.local_rotary_base is not None:  # Gemma 3: the windowed layers' own RoPE
+        layer.submodules.self_attention.module = LayerTypeRopeSelfAttention
     if model.num_experts:
         layer.submodules.mlp.submodules.router = DPOTopKRouter
     if model.parallel_residual:
         layer.module = ParallelResidualTransformerLayer
+    if model.norm_placement == "post":  # OLMo 2 / 3: norms on the branch outputs only
+        layer.submodules.input_layernorm = IdentityOp
+        layer.submodules.pre_mlp_layernorm = IdentityOp
+    if model.norm_placement in ("post", "sandwich"):  # Gemma 2 / 3: before and after
+        layer.module = PostNormTransformerLayer
+        layer.params = {**(layer.params or {}), "norm": norm}
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,

@@ -4,6 +4,7 @@ rules it implies (heads / TP, layers / PP, vocabulary padding, dtype, layer impl
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"swiglu": F.silu, "gelu": gelu_tanh, "gelu_exact": F.gelu}
-"""``model.activation`` -> the elementwise function (SwiGLU gates it: ``gated_linear_unit``)."""
+ACTIVATIONS = {"swiglu": F.silu, "geglu": gelu_tanh, "gelu": gelu_tanh, "gelu_exact": F.gelu}
+"""``model.activation`` -> the elementwise function (SwiGLU and GeGLU gate it:
+``gated_linear_unit``)."""
+GATED = ("swiglu", "geglu")
 
 
 def resolve_params_dtype(name: str) -> torch.dtype:
@@ -106,6 +109,60 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
     return heads, groups, head_dim
 
 
+def no_rope_pattern(model: ModelConfig) -> Optional[list[int]]:
+    """megatron-core's ``no_rope_freq`` list for ``model.no_rope_layers``: one entry per layer, 1
+    where the layer applies no RoPE (e.g. layers [3] of 4 -> [0, 0, 0, 1]); None without NoPE
+    layers."""
+    if not model.no_rope_layers:
+        return None
+    skipped = set(model.no_rope_layers)
+    return [int(i in skipped) for i in range(model.num_layers)]
+
+
+def window_pattern(model: ModelConfig) -> Optional[list[int]]:
+    """megatron-core's ``window_attn_skip_freq`` list for ``model.sliding_window_layers``: one
+    entry per layer, 1 where the layer is windowed (e.g. layers [0, 1, 2] of 4 -> [1, 1, 1, 0]);
+    None when every layer is (or no layer has a window)."""
+    if model.sliding_window is None or model.sliding_window_layers is None:
+        return None
+    windowed = set(model.sliding_window_layers)
+    return [int(i in windowed) for i in range(model.num_layers)]
+
+
+def check_sliding_window(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse, at config time, an attention path that cannot serve ``model.sliding_window``.
+
+    The local ``sdpa`` kernel serves it (padded rows, packed rows and shared prompts; the CUDA
+    varlen route too). Refused: the ``flex`` and ``megatron`` kernels (their masks have no
+    window), transformer-engine (its window with shared-prompt THD rows is untested here) and
+    context parallelism (the blockwise CP kernel has no window).
+
+    Raises:
+        ValueError: naming the field to change.
+    """
+    if model.sliding_window is None:
+        return
+    from dpo_megatron.models.attention import resolve_local_attention
+
+    where = f"model.sliding_window={model.sliding_window}"
+    if parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"{where}: the context-parallel attention kernel has no sliding window; set "
+            f"parallel.context_parallel_size=1"
+        )
+    if model.transformer_impl == "transformer_engine":
+        raise ValueError(
+            f"{where}: sliding windows run on the local layer spec only; set "
+            f"model.transformer_impl=local (or auto)"
+        )
+    kernel = resolve_local_attention(model.local_attention)
+    if kernel != "sdpa":
+        raise ValueError(
+            f"{where}: model.local_attention={model.local_attention} ({kernel}) has no "
+            f"sliding window; set model.local_attention=sdpa"
+        )
+
+
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig for this architecture and layout.
 
@@ -144,6 +201,24 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             f"experts models do not run under context parallelism yet; set "
             f"parallel.context_parallel_size=1 (expert parallelism still applies)"
         )
+    if model.no_rope_layers and model.position_embedding_type != "rope":
+        raise ValueError(
+            f"model.no_rope_layers={list(model.no_rope_layers)} needs "
+            f"model.position_embedding_type=rope, got {model.position_embedding_type!r}"
+        )
+    check_sliding_window(model, parallel)
+    projection_norm = model.qk_layernorm and model.qk_norm_scope == "projection"
+    if projection_norm and heads != model.num_attention_heads:
+        raise ValueError(
+            f"model.qk_norm_scope=projection normalises over all heads: the zero heads that "
+            f"model.pad_attention_heads adds at TP {tp} ({model.num_attention_heads} -> "
+            f"{heads}) would change its mean; use a TP size that divides the key/value heads"
+        )
+    if model.norm_placement != "pre" and (model.num_experts or model.parallel_residual):
+        raise ValueError(
+            f"model.norm_placement={model.norm_placement} is wired for dense sequential layers only (not with "
+            "model.num_experts or model.parallel_residual)"
+        )
     etp = parallel.expert_tensor_parallel()
     expert_width = check_moe(
         model, parallel.expert_model_parallel_size, etp, tp, parallel.sequence_parallel
@@ -178,11 +253,20 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         kv_channels=head_dim,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=swiglu,
+        gated_linear_unit=model.activation in GATED,
         activation_func=ACTIVATIONS[model.activation],
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
-        qk_layernorm=model.qk_layernorm,
+        # megatron-core all-reduces the q/k norms' gradients over TP when this is set (their
+        # weights are replicated per head); a projection norm's weight is a TP shard instead.
+        qk_layernorm=model.qk_layernorm and model.qk_norm_scope == "head",
+        # megatron-core's Attention drops the rotary table in these layers (1 = no RoPE), before
+        # any core attention runs, so every attention path serves NoPE layers alike.
+        no_rope_freq=no_rope_pattern(model),
+        # HF's window W (the query and W - 1 earlier keys) is megatron-core's (W - 1, 0); the
+        # core attention reads it per layer (``is_layer_window_attention``).
+        window_size=None if model.sliding_window is None else (model.sliding_window - 1, 0),
+        window_attn_skip_freq=window_pattern(model),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -214,6 +298,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         batch_p2p_comm=backend() == "nccl",
         # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
         calculate_per_token_loss=True,
+        softmax_scale=model.softmax_scale,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,

@@ -199,6 +199,73 @@ NEW_TINY_CONFIGS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    # SmolLM3: the Llama layer with NoPE layers (no_rope_layer_interval 2: layers 1 and 3, one on
+    # each pipeline stage at PP 2), tied; HF windows the NoPE layers with use_sliding_window: a
+    # window of 4, shorter than the test sequences (up to 10 tokens).
+    "smollm3": dict(
+        model_type="smollm3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        no_rope_layer_interval=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
+    ),
+    # OLMo 3: post-norms, q/k norms over the whole projection, sliding window 4 in layers 0-2
+    # (layer 3 full: HF's default pattern), untied.
+    "olmo3": dict(
+        model_type="olmo3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    # Gemma 3 (text): windows of 4 in layers 0-2 with their own RoPE theta, layer 3 global with
+    # linear scaling 8 (the 4B+ Gemma 3s), head_dim 32 != hidden / heads, softmax scale from
+    # query_pre_attn_scalar 24, tied.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        query_pre_attn_scalar=24,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 VARIANT_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.

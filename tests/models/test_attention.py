@@ -230,8 +230,9 @@ def test_grouped_query_keys_expanded_only_where_cuda_needs_it(device, dtype, mas
     assert gqa_by_expansion(torch.device(device), dtype, masked) is expand
 
 
-def _thd_reference(q, k, v, cu_q, cu_kv):
-    """Varlen attention from cu_seqlens alone, bottom-right causal, softmax written out."""
+def _thd_reference(q, k, v, cu_q, cu_kv, window=None):
+    """Varlen attention from cu_seqlens alone, bottom-right causal (and within ``window`` earlier
+    keys, flash-attention's ``window_size=(window, 0)``), softmax written out."""
     out = torch.zeros_like(q)
     for i in range(len(cu_q) - 1):
         qs, ks = q[cu_q[i] : cu_q[i + 1]], k[cu_kv[i] : cu_kv[i + 1]]
@@ -239,7 +240,8 @@ def _thd_reference(q, k, v, cu_q, cu_kv):
         n_q, n_k = qs.shape[0], ks.shape[0]
         ks, vs = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (ks, vs))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(DIM)
-        allowed = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        distance = torch.arange(n_q)[:, None] + (n_k - n_q) - torch.arange(n_k)[None, :]
+        allowed = (distance >= 0) & (distance <= (n_k if window is None else window))
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[cu_q[i] : cu_q[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
     return out
@@ -509,3 +511,85 @@ def test_span_attention_on_local_queries_and_gathered_keys(name):
         )
     if name == "shared":
         assert crossing >= 1  # a rejected piece reads prompt keys held by another chunk
+
+
+WINDOW = 2  # a query sees itself and 2 earlier keys: shorter than every sequence of PAIRS
+
+
+def _dense_window(q, k, v, layout, window):
+    """Reference of sliding-window attention on packed rows: the dense visibility rule and
+    ``position(t) - position(s) <= window``, positions counted inside each unit along the
+    query's branch (a rejected token's position continues after the prompt: HF's positions)."""
+    rows, length = layout.segment_ids.shape
+    visible = visible_keys(layout.segment_ids, layout.branch_ids)  # [R, 1, L, L]
+    position = visible.sum(-1, keepdim=True) - 1  # [R, 1, L, 1]: keys a query sees, minus 1
+    distance = position - position.transpose(-1, -2)
+    mask = visible & (distance <= window)
+    q, k, v = (t.reshape(rows, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(rows * length, HEADS, DIM)
+
+
+@pytest.mark.parametrize("name", ["packed", "shared", "shared_rows"])
+def test_sliding_window_span_rows_equal_the_dense_rule_forward_and_backward(name):
+    """The CPU route of a windowed layer (span rows with a band mask) against the dense rule by
+    positions, on packed and shared-prompt rows; the window changes the result here."""
+    layout = _layouts()[name]
+    real = _real(layout)
+    q, k, v = _qkv(layout.segment_ids.numel(), grad=True)
+    weights = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    dense = _dense_window(q, k, v, layout, WINDOW)
+    spans = packed_attention(q, k, v, layout, None, window=WINDOW)
+    torch.testing.assert_close(spans[real], dense[real], rtol=1e-6, atol=1e-6)
+    assert (spans[real] - _dense(q, k, v, layout)[real]).abs().max() > 1e-2
+    grads = [
+        torch.autograd.grad((out[real] * weights[real]).sum(), (q, k, v)) for out in (dense, spans)
+    ]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["packed", "shared"])
+def test_sliding_window_varlen_call(name, monkeypatch):
+    """The CUDA fp16 / bf16 route passes the window as flash-attention's ``window_size``; the
+    varlen rule with that window equals the dense rule by positions."""
+    import torch.nn.attention.varlen as varlen
+
+    layout = _layouts()[name]
+    q, k, v = _qkv(layout.segment_ids.numel())
+    calls = []
+
+    def fake(query, key, value, cu_q, cu_kv, max_q, max_kv, *, scale=None, window_size, enable_gqa):
+        calls.append(window_size)
+        return _thd_reference(query, key, value, cu_q.tolist(), cu_kv.tolist(), window_size[0])
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    out = varlen_attention(q, k, v, layout, scale=None, window=WINDOW)
+    assert calls == [(WINDOW, 0)]
+    real = _real(layout)
+    torch.testing.assert_close(
+        out[real], _dense_window(q, k, v, layout, WINDOW)[real], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_sliding_window_refused_by_name_where_no_kernel_serves_it():
+    """flex, megatron, transformer-engine and context parallelism refuse a windowed model at
+    config time, naming the field to change; sdpa builds it."""
+    from dpo_megatron.models import ModelConfig
+    from dpo_megatron.models.transformer_config import build_transformer_config
+    from dpo_megatron.parallel import ParallelConfig
+
+    windowed = dict(sliding_window=4, sliding_window_layers=[0])
+    config = build_transformer_config(ModelConfig(**windowed), ParallelConfig())
+    assert config.window_size == (3, 0) and config.window_attn_skip_freq == [1, 0]
+    for kernel in ("flex", "megatron"):
+        with pytest.raises(ValueError, match="set model.local_attention=sdpa"):
+            build_transformer_config(
+                ModelConfig(local_attention=kernel, **windowed), ParallelConfig()
+            )
+    with pytest.raises(ValueError, match="model.transformer_impl=local"):
+        build_transformer_config(
+            ModelConfig(transformer_impl="transformer_engine", **windowed), ParallelConfig()
+        )
+    with pytest.raises(ValueError, match="parallel.context_parallel_size=1"):
+        build_transformer_config(ModelConfig(**windowed), ParallelConfig(context_parallel_size=2))

@@ -7,8 +7,11 @@ layout in turn (megatron-core's parallel state is rebuilt between layouts; the m
 (every tensor split and the layer split at once: a slice mapped to the wrong rank or stage
 fails there as it would at TP 2 or PP 2 alone) and, for the mixture-of-experts models,
 expert parallel 2 with data parallel 4 (expert data parallel 2) and TP 2 x EP 2 (expert TP 2),
-with the all-to-all token dispatcher (the default) and again with the all-gather one. At each
-layout:
+with the all-to-all token dispatcher (the default) and again with the all-gather one; the
+architectures of issue 25 (SmolLM3: NoPE and sliding-window layers; OLMo 3: post-norms, q/k norms
+over the whole projection, sliding windows; Gemma 3: sandwich (1 + w) norms, GeGLU, scaled
+embeddings, windowed layers with their own RoPE theta; windows shorter than the
+sequences) at every TP x PP in {1, 2}^2. At each layout:
 
 - a right-padded batch: logits (gathered over TP) and per-token log-probs equal transformers'
   within 1e-5 relative (fp32) at every non-padding position;
@@ -47,6 +50,10 @@ DENSE_LAYOUTS = [(1, 1, 1, A2A), (2, 2, 1, A2A)]
 # (TP, PP, EP, MoE token dispatcher)
 MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (1, 1, 2, GATHER), (2, 1, 2, GATHER)]
 MOE = {"qwen3_moe", "mixtral"}
+# The architectures of issue 25 are checked at every TP x PP in {1, 2}^2 (their per-layer
+# patterns, NoPE and sliding windows, must follow the layers onto their pipeline stage).
+ALL_TP_PP = {"smollm3", "olmo3", "gemma3"}
+TP_PP_LAYOUTS = [(1, 1, 1, A2A), (1, 2, 1, A2A), (2, 1, 1, A2A), (2, 2, 1, A2A)]
 WORLD = 4
 
 # Packed rows: (sequence lengths) per row, the rest of the row is a tail of its own.
@@ -143,7 +150,7 @@ def _prepare_arch(folder, arch) -> dict:
     with torch.no_grad():
         ref_logits = model(input_ids=input_ids, attention_mask=mask).logits
         ref_packed = [model(input_ids=tokens[r, s : s + n][None]).logits[0] for r, s, n in spans]
-    layouts = MOE_LAYOUTS if arch in MOE else DENSE_LAYOUTS
+    layouts = MOE_LAYOUTS if arch in MOE else TP_PP_LAYOUTS if arch in ALL_TP_PP else DENSE_LAYOUTS
     return {
         "arch": arch,
         "hf_dir": hf_dir,

@@ -69,3 +69,62 @@ def test_backward_keeps_only_the_input_and_the_per_token_rstd():
             forward(x)
         big = {t.untyped_storage().data_ptr(): tuple(t.shape) for t in saved}
         assert sorted(big.values()) == sorted(expected)
+
+
+HEADS, HEAD_DIM = 4, 3
+
+
+def _projection_case():
+    """Queries [s=5, b=2, heads, head_dim], a weight over the whole projection, output weights."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
+    weight = 1 + 0.1 * torch.randn(HEADS * HEAD_DIM, generator=g, dtype=torch.float64)
+    out_grad = torch.randn(5, 2, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
+    return x, weight, out_grad
+
+
+def _projection_norm_on_ranks():
+    """This TP rank's output, input gradient and weight gradient of ProjectionRMSNorm (TP 2)."""
+    from dpo_megatron.models.norms import ProjectionRMSNorm
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed
+
+    initialize_distributed(ParallelConfig(tensor_model_parallel_size=2))
+    rank = torch.distributed.get_rank()
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        tensor_model_parallel_size=2,
+        params_dtype=torch.float64,
+    )
+    norm = ProjectionRMSNorm(config, HEAD_DIM, eps=1e-6)
+    x, weight, out_grad = _projection_case()
+    half = slice(rank * HEADS // 2, (rank + 1) * HEADS // 2)
+    with torch.no_grad():
+        norm.weight.copy_(weight.view(HEADS, HEAD_DIM)[half].reshape(-1))
+    local = x[:, :, half].clone().requires_grad_(True)
+    out = norm(local)
+    (out * out_grad[:, :, half]).sum().backward()
+    return out.detach(), local.grad, norm.weight.grad
+
+
+@pytest.mark.slow
+def test_projection_norm_at_tp2_equals_olmo_norm_over_all_heads_forward_and_backward():
+    """OLMo's q/k norm (one RMSNorm over every head) split over 2 TP ranks: each rank's output
+    and both gradients equal the single-process norm's slices (fp64). Without the backward
+    all-reduce the input gradients would miss the other rank's share."""
+    from tests.multirank import run_ranks
+
+    x, weight, out_grad = _projection_case()
+    x = x.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    flat = x.reshape(5, 2, -1)
+    want = (w * (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6))).view(x.shape)
+    (want * out_grad).sum().backward()
+    for rank, (out, x_grad, w_grad) in enumerate(run_ranks(_projection_norm_on_ranks, 2)):
+        half = slice(rank * HEADS // 2, (rank + 1) * HEADS // 2)
+        torch.testing.assert_close(out, want.detach()[:, :, half], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x_grad, x.grad[:, :, half], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            w_grad, w.grad.view(HEADS, HEAD_DIM)[half].reshape(-1), rtol=1e-10, atol=1e-12
+        )

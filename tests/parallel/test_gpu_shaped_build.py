@@ -24,7 +24,19 @@ import torch
 from tests.models.conversion_helpers import save_tiny_hf_folder
 from tests.multirank import run_ranks
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_neox", "gpt2"]
+ARCHITECTURES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_neox",
+    "gpt2",
+    "smollm3",
+    "olmo3",
+    "gemma3",
+]
 
 
 def _host_tensors(chunks) -> list[str]:

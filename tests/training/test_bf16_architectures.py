@@ -1,6 +1,9 @@
 """bf16 as a GPU runs it, for every architecture: tiny random transformers models of Llama,
-Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX and GPT-2, imported at TP 2 x PP 2 (EP 2 for
-the mixture-of-experts models) with ``model.params_dtype=bfloat16``, through the real ``Trainer``.
+Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2, SmolLM3 (NoPE and sliding-window
+layers), OLMo 3 (post-norms, projection-wide q/k norms, sliding windows) and Gemma 3 (sandwich
+(1 + w) norms, GeGLU, scaled embeddings, windows with their own RoPE), imported at
+TP 2 x PP 2 (EP 2 for the mixture-of-experts models) with ``model.params_dtype=bfloat16``,
+through the real ``Trainer``.
 
 For each architecture, in one 4-rank launch:
 
@@ -10,7 +13,9 @@ For each architecture, in one 4-rank launch:
   exactly ln 2 (the rewards cancel bit for bit) and the margins are 0; its log-probs are within
   :data:`BF16_RTOL` of the fp32 step's and of transformers'; step 2 comes after one optimizer step
   (its loss is no longer ln 2);
-- a bf16 resume from the step-1 checkpoint: step 2 equals the uninterrupted run's exactly.
+- a bf16 resume from the step-1 checkpoint: step 2 equals the uninterrupted run's exactly;
+- for the architectures of issue 25 also an fp32 step on packed shared-prompt rows: log-probs
+  equal transformers' within 1e-5 and the loss is ln 2.
 
 Before the model dtype had one owner (``models.gpt.place_chunk``), GPT-2 failed here at its first
 LayerNorm: megatron-core's learned position embedding stayed fp32 beside bf16 weights.
@@ -31,8 +36,23 @@ from tests.training.test_lifecycle import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_neox", "gpt2"]
+ARCHITECTURES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_neox",
+    "gpt2",
+    "smollm3",
+    "olmo3",
+    "gemma3",
+]
 MOE = {"qwen3_moe", "mixtral"}
+SHARED_PROMPT = {"smollm3", "olmo3", "gemma3"}
+"""Also run an fp32 step with packed shared-prompt rows (issue 25: per-layer windows and RoPE on
+the rejected branch, whose positions continue after the prompt)."""
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture
 BF16_RTOL = 2e-2
 """bf16 log-probs against fp32, relative, per summed sequence log-prob (a bf16 mantissa has
@@ -50,7 +70,8 @@ def _runs(root: str, archs: list[str]) -> None:
     for arch in archs:
         hf_dir = os.path.join(root, arch, "hf")
         layout = dict(tp=2, pp=2, ep=2, etp=1, sp=True) if arch in MOE else dict(tp=2, pp=2)
-        for name, dtype, steps, resume in (
+        shared = [("fp32_shared", "float32", 1, "none")] if arch in SHARED_PROMPT else []
+        for name, dtype, steps, resume in shared + [
             ("fp32", "float32", 1, "none"),
             ("bf16", "bfloat16", 2, "none"),
             (
@@ -59,7 +80,7 @@ def _runs(root: str, archs: list[str]) -> None:
                 2,
                 os.path.join(root, arch, "bf16", "checkpoints", "iter_0000001"),
             ),
-        ):
+        ]:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             tiny_trainer(
@@ -72,7 +93,8 @@ def _runs(root: str, archs: list[str]) -> None:
                 seed=3,
                 run_dir=os.path.join(root, arch, name),
                 resume=resume,
-                save_interval=0 if name == "fp32" else 1,
+                save_interval=0 if name.startswith("fp32") else 1,
+                **(dict(packing=True, share_prompt=True) if name == "fp32_shared" else {}),
                 model={"hf_path": hf_dir, "params_dtype": dtype, "transformer_impl": "local"},
             ).train()
 
@@ -111,6 +133,11 @@ def test_every_architecture_trains_in_bf16_at_tp2_pp2_and_resumes_exactly(tmp_pa
             assert _rel(fp32[key], want) <= 1e-5, (arch, "fp32 vs transformers", key)
             assert _rel(bf16[key], fp32[key]) <= BF16_RTOL, (arch, "bf16 vs fp32", key)
             assert _rel(bf16[key], want) <= BF16_RTOL, (arch, "bf16 vs transformers", key)
+        if arch in SHARED_PROMPT:
+            shared = read_metrics(tmp_path / arch / "fp32_shared")[1]
+            for key, want in hf.items():
+                assert _rel(shared[key], want) <= 1e-5, (arch, "shared prompt vs transformers", key)
+            assert shared["loss"] == pytest.approx(math.log(2), abs=1e-7), arch
         assert bf16["loss"] == pytest.approx(math.log(2), abs=1e-7), arch
         assert bf16["rewards/margins"] == 0, arch
         assert runs["bf16"][2]["loss"] != bf16["loss"], arch  # one optimizer step was taken

@@ -26,6 +26,18 @@ Supported (``model_type``: classes, what differs):
 * ``qwen3_moe`` (``Qwen3MoeForCausalLM``) and ``mixtral`` (``MixtralForCausalLM``): the Llama
   attention with an MoE layer (router ``gate`` + per-expert SwiGLU MLPs, the per-expert file
   layout transformers writes and the hub holds).
+* ``smollm3`` (``SmolLM3ForCausalLM``): the Llama table; the layers HF's ``no_rope_layers``
+  marks 0 apply no RoPE (``model.no_rope_layers``); with ``use_sliding_window`` the
+  ``sliding_attention`` layers of ``layer_types`` are windowed (``model.sliding_window``).
+* ``olmo3`` (``Olmo3ForCausalLM``): the Llama projections; RMSNorms after attention and MLP
+  instead of before (``model.norm_placement=post``); query / key RMSNorm over the whole
+  projection (``model.qk_norm_scope=projection``, weights split with the heads); sliding windows
+  in the ``sliding_attention`` layers of ``layer_types``; one RoPE for both layer types.
+* ``gemma3_text`` (``Gemma3ForCausalLM``): the Llama projections with per-head q/k norms; norms
+  before and after attention and MLP (``model.norm_placement=sandwich``), all ``(1 + w)``
+  RMSNorms (``model.norm_weight_offset``); GeGLU; embeddings scaled by sqrt(hidden); softmax
+  scale ``query_pre_attn_scalar ** -0.5``; sliding windows per ``layer_types`` with their own
+  RoPE theta (``model.local_rotary_base``).
 * ``gpt2``: learned positions, Conv1D weights.
 * ``gpt_neox`` (``GPTNeoXForCausalLM``, Pythia): parallel residual, partial rotary, LayerNorm
   with biases, fused per-head QKV.
@@ -349,6 +361,47 @@ def _moe_config_from_hf(hf, name: str) -> dict:
     return dict(num_experts=None, moe_ffn_hidden_size=None)
 
 
+def _no_rope_layers(hf) -> Optional[list[int]]:
+    """SmolLM3's NoPE layers: the indices where HF's ``no_rope_layers`` holds 0 (HF: 1 = the
+    layer applies RoPE; the config fills it from ``no_rope_layer_interval``, every 4th layer
+    unrotated)."""
+    flags = list(hf.no_rope_layers)
+    if len(flags) != hf.num_hidden_layers:
+        raise ValueError(
+            f"smollm3: no_rope_layers has {len(flags)} entries for "
+            f"num_hidden_layers={hf.num_hidden_layers}"
+        )
+    return [i for i, rotated in enumerate(flags) if not rotated] or None
+
+
+def _sliding_window_fields(hf) -> dict:
+    """``sliding_window`` / ``sliding_window_layers`` of a config whose ``layer_types`` marks the
+    windowed layers ``sliding_attention`` (the others ``full_attention``); empty without any."""
+    types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{hf.model_type}: layer_types {unknown} are not supported")
+    windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not windowed or not getattr(hf, "sliding_window", None):
+        return {}
+    every = len(windowed) == hf.num_hidden_layers
+    return dict(
+        sliding_window=int(hf.sliding_window), sliding_window_layers=None if every else windowed
+    )
+
+
+def _layer_types(cfg: ModelConfig) -> Optional[list[str]]:
+    """HF ``layer_types`` of a ModelConfig with a sliding window (None without one)."""
+    if cfg.sliding_window is None:
+        return None
+    windowed = set(
+        range(cfg.num_layers) if cfg.sliding_window_layers is None else cfg.sliding_window_layers
+    )
+    return [
+        "sliding_attention" if i in windowed else "full_attention" for i in range(cfg.num_layers)
+    ]
+
+
 def _llama_config_from_hf(hf) -> dict:
     name = hf.model_type
     if getattr(hf, "hidden_act", "silu") != "silu":
@@ -363,7 +416,10 @@ def _llama_config_from_hf(hf) -> dict:
         if hasattr(hf, "use_sliding_window")
         else window is not None
     )
-    if window is not None and windowed:
+    sliding = {}
+    if name == "smollm3":  # exact: the windowed layers of HF's layer_types
+        sliding = _sliding_window_fields(hf) if windowed else {}
+    elif window is not None and windowed:
         logger.warning(
             "%s: sliding_window=%s is ignored (full causal attention); outputs differ "
             "from transformers only for sequences longer than the window",
@@ -373,6 +429,15 @@ def _llama_config_from_hf(hf) -> dict:
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return dict(
+        no_rope_layers=_no_rope_layers(hf) if name == "smollm3" else None,
+        qk_norm_scope="head",
+        norm_placement="pre",
+        norm_weight_offset=False,
+        embedding_scale=None,
+        softmax_scale=None,
+        local_rotary_base=None,
+        sliding_window=sliding.get("sliding_window"),
+        sliding_window_layers=sliding.get("sliding_window_layers"),
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         ffn_hidden_size=hf.intermediate_size,
@@ -427,6 +492,15 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
         hidden_act="silu",
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
+    if cfg.no_rope_layers:  # SmolLM3 (HF: 1 = RoPE applied)
+        skipped = set(cfg.no_rope_layers)
+        out["no_rope_layers"] = [int(i not in skipped) for i in range(cfg.num_layers)]
+    if cfg.sliding_window is not None:  # SmolLM3
+        out.update(
+            use_sliding_window=True,
+            sliding_window=cfg.sliding_window,
+            layer_types=_layer_types(cfg),
+        )
     if cfg.num_experts:
         out.update(
             num_experts_per_tok=cfg.moe_router_topk,
@@ -440,6 +514,231 @@ def _llama_config_to_hf(cfg: ModelConfig) -> dict:
             )
         else:  # Mixtral: experts are intermediate_size wide
             out.update(num_local_experts=cfg.num_experts, intermediate_size=dims(cfg)["expert_ffn"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# OLMo 3: the Llama projections, norms after attention and MLP (none before), query / key
+# RMSNorm over the whole projection, sliding windows in three of every four layers.
+# ---------------------------------------------------------------------------------------------
+
+
+def _olmo3_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    p = "model.layers.{i}."
+    d = "decoder.layers.{i}."
+    pre_norms = (d + "input_layernorm.weight", d + "pre_mlp_layernorm.weight")
+    qk_norms = (d + "self_attention.q_layernorm.weight", d + "self_attention.k_layernorm.weight")
+    table = [t for t in _llama_tensors(cfg) if t.megatron not in pre_norms + qk_norms]
+    return table + [
+        TensorMap(
+            d + "post_attention_layernorm.weight",
+            (p + "post_attention_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "post_mlp_layernorm.weight",
+            (p + "post_feedforward_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        # One weight over all heads, split with the heads (models.norms.ProjectionRMSNorm).
+        TensorMap(qk_norms[0], (p + "self_attn.q_norm.weight",), COLUMN, (("q",),)),
+        TensorMap(qk_norms[1], (p + "self_attn.k_norm.weight",), COLUMN, (("kv",),)),
+    ]
+
+
+def _per_layer_type_rope(hf, name: str) -> dict:
+    """A config whose ``rope_parameters`` may be keyed by layer type (OLMo 3, Gemma 3) reduced
+    to one RoPE for every layer.
+
+    Raises:
+        ValueError: the layer types' RoPE settings differ (megatron-core builds one rotary table
+            per model).
+    """
+    params = getattr(hf, "rope_parameters", None) or {}
+    by_type = {k: v for k, v in params.items() if k in ("full_attention", "sliding_attention")}
+    if not by_type:
+        return params
+    distinct = {tuple(sorted(v.items())) for v in by_type.values()}
+    if len(distinct) > 1:
+        raise ValueError(
+            f"{name}: rope_parameters differ between layer types ({by_type}); one RoPE for "
+            "every layer is supported"
+        )
+    return next(iter(by_type.values()))
+
+
+def _olmo3_config_from_hf(hf) -> dict:
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"olmo3: hidden_act={hf.hidden_act!r} is not supported (only silu)")
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("olmo3: attention_bias=true is not supported")
+
+    class _Flat:  # the one RoPE, read by the Llama-family RoPE rules
+        rope_parameters = _per_layer_type_rope(hf, "olmo3")
+
+    theta, scaling_factor, linear_factor = _llama_rope(_Flat, "olmo3")
+    heads = hf.num_attention_heads
+    sliding = _sliding_window_fields(hf)
+    return dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rope_scaling_factor=scaling_factor,
+        rope_linear_scaling_factor=linear_factor,
+        no_rope_layers=None,
+        sliding_window=sliding.get("sliding_window"),
+        sliding_window_layers=sliding.get("sliding_window_layers"),
+        normalization="RMSNorm",
+        norm_epsilon=hf.rms_norm_eps,
+        activation="swiglu",
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        qk_norm_scope="projection",
+        norm_placement="post",
+        norm_weight_offset=False,
+        embedding_scale=None,
+        softmax_scale=None,
+        local_rotary_base=None,
+        parallel_residual=False,
+        num_experts=None,
+        moe_ffn_hidden_size=None,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
+
+
+def _olmo3_config_to_hf(cfg: ModelConfig) -> dict:
+    out = _llama_config_to_hf(cfg)
+    rope = out.pop("rope_parameters")
+    out.pop("head_dim")
+    out["rope_parameters"] = {"full_attention": rope, "sliding_attention": dict(rope)}
+    out["sliding_window"] = cfg.sliding_window
+    out["layer_types"] = _layer_types(cfg) or ["full_attention"] * cfg.num_layers
+    out.pop("use_sliding_window", None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3 (text): sandwich norms with (1 + w) RMSNorm, per-head q/k norms, GeGLU, scaled
+# embeddings, sliding windows in five of every six layers with their own RoPE theta.
+# ---------------------------------------------------------------------------------------------
+
+
+def _gemma3_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    p = "model.layers.{i}."
+    d = "decoder.layers.{i}."
+    renamed = {
+        d + "pre_mlp_layernorm.weight": p + "pre_feedforward_layernorm.weight",
+    }
+    table = [
+        TensorMap(t.megatron, (renamed[t.megatron],), t.split, t.shapes)
+        if t.megatron in renamed
+        else t
+        for t in _llama_tensors(cfg)
+    ]
+    return table + [
+        TensorMap(
+            d + "post_attention_layernorm.weight",
+            (p + "post_attention_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+        TensorMap(
+            d + "post_mlp_layernorm.weight",
+            (p + "post_feedforward_layernorm.weight",),
+            REPLICATED,
+            (("hidden",),),
+        ),
+    ]
+
+
+def _gemma3_config_from_hf(hf) -> dict:
+    name = hf.model_type
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+        raise ValueError(f"{name}: hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
+    for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(hf, field_name, None):
+            raise ValueError(f"{name}: {field_name}={getattr(hf, field_name)} is not supported")
+    if getattr(hf, "use_bidirectional_attention", False) or getattr(hf, "attention_bias", False):
+        raise ValueError(
+            f"{name}: use_bidirectional_attention / attention_bias = true is not supported"
+        )
+    params = getattr(hf, "rope_parameters", None) or {}
+
+    class _Full:  # the full-attention layers' RoPE, read by the Llama-family RoPE rules
+        rope_parameters = params.get("full_attention", params)
+
+    theta, scaling_factor, linear_factor = _llama_rope(_Full, name)
+    local = params.get("sliding_attention") or {}
+    if local and local.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"{name}: rope_parameters.sliding_attention.rope_type="
+            f"{local['rope_type']!r} is not supported (default)"
+        )
+    sliding = _sliding_window_fields(hf)
+    local_theta = float(local.get("rope_theta", theta))
+    differs = local_theta != theta or scaling_factor or linear_factor
+    heads = hf.num_attention_heads
+    return dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rope_scaling_factor=scaling_factor,
+        rope_linear_scaling_factor=linear_factor,
+        local_rotary_base=local_theta if sliding and differs else None,
+        no_rope_layers=None,
+        sliding_window=sliding.get("sliding_window"),
+        sliding_window_layers=sliding.get("sliding_window_layers"),
+        normalization="RMSNorm",
+        norm_epsilon=hf.rms_norm_eps,
+        norm_weight_offset=True,
+        embedding_scale=float(hf.hidden_size) ** 0.5,
+        softmax_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        activation="geglu",
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        qk_norm_scope="head",
+        norm_placement="sandwich",
+        parallel_residual=False,
+        num_experts=None,
+        moe_ffn_hidden_size=None,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+    )
+
+
+def _gemma3_config_to_hf(cfg: ModelConfig) -> dict:
+    out = _llama_config_to_hf(cfg)
+    full = out.pop("rope_parameters")
+    local = {"rope_type": "default", "rope_theta": cfg.local_rotary_base or cfg.rotary_base}
+    out.pop("hidden_act")
+    out.update(
+        rope_parameters={"full_attention": full, "sliding_attention": local},
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=round((cfg.softmax_scale or dims(cfg)["head_dim"] ** -0.5) ** -2),
+        sliding_window=cfg.sliding_window,
+        layer_types=_layer_types(cfg) or ["full_attention"] * cfg.num_layers,
+    )
+    out.pop("use_sliding_window", None)
     return out
 
 
@@ -525,6 +824,15 @@ def _gpt2_tensors(cfg: ModelConfig) -> list[TensorMap]:
 
 
 _PLAIN_LAYER = dict(
+    norm_weight_offset=False,
+    embedding_scale=None,
+    softmax_scale=None,
+    local_rotary_base=None,
+    qk_norm_scope="head",
+    norm_placement="pre",
+    no_rope_layers=None,
+    sliding_window=None,
+    sliding_window_layers=None,
     rotary_percent=1.0,
     qk_layernorm=False,
     parallel_residual=False,
@@ -724,6 +1032,15 @@ def _gpt_neox_config_from_hf(hf) -> dict:
         add_qkv_bias=True,
         qk_layernorm=False,
         parallel_residual=bool(getattr(hf, "use_parallel_residual", True)),
+        no_rope_layers=None,
+        sliding_window=None,
+        sliding_window_layers=None,
+        qk_norm_scope="head",
+        norm_placement="pre",
+        norm_weight_offset=False,
+        embedding_scale=None,
+        softmax_scale=None,
+        local_rotary_base=None,
         num_experts=None,
         moe_ffn_hidden_size=None,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -790,6 +1107,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         _llama_tensors,
         "model.",
     ),
+    # SmolLM3: the Llama table; every no_rope_layer_interval-th layer applies no RoPE.
+    "smollm3": Architecture(
+        "smollm3",
+        "SmolLM3ForCausalLM",
+        _llama_config_from_hf,
+        _llama_config_to_hf,
+        _llama_tensors,
+        "model.",
+    ),
     "qwen3_moe": Architecture(
         "qwen3_moe",
         "Qwen3MoeForCausalLM",
@@ -806,6 +1132,22 @@ ARCHITECTURES: dict[str, Architecture] = {
         _mixtral_tensors,
         "model.",
         _LLAMA_IGNORED,
+    ),
+    "olmo3": Architecture(
+        "olmo3",
+        "Olmo3ForCausalLM",
+        _olmo3_config_from_hf,
+        _olmo3_config_to_hf,
+        _olmo3_tensors,
+        "model.",
+    ),
+    "gemma3_text": Architecture(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        _gemma3_config_from_hf,
+        _gemma3_config_to_hf,
+        _gemma3_tensors,
+        "model.",
     ),
     "gpt2": Architecture(
         "gpt2",

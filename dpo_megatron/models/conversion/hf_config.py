@@ -83,18 +83,25 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
 
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
-    positions, GPT-NeoX for LayerNorm with RoPE, Qwen3-MoE / Mixtral for experts with / without
-    query-key norms, Qwen3 for query-key norms, Qwen2 for q/k/v-only biases, else Llama."""
+    positions, GPT-NeoX for LayerNorm with RoPE, OLMo 3 for post-norms, Qwen3-MoE / Mixtral for experts with / without
+    query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers, Qwen2 for q/k/v-only
+    biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)
     if cfg.position_embedding_type == "learned_absolute":
         return ARCHITECTURES["gpt2"]
     if cfg.normalization == "LayerNorm":
         return ARCHITECTURES["gpt_neox"]
+    if cfg.norm_placement == "sandwich":
+        return ARCHITECTURES["gemma3_text"]
+    if cfg.norm_placement == "post":
+        return ARCHITECTURES["olmo3"]
     if cfg.num_experts:
         return ARCHITECTURES["qwen3_moe" if cfg.qk_layernorm else "mixtral"]
     if cfg.qk_layernorm:
         return ARCHITECTURES["qwen3"]
+    if cfg.no_rope_layers:
+        return ARCHITECTURES["smollm3"]
     return ARCHITECTURES["qwen2" if cfg.add_qkv_bias else "llama"]
 
 
