@@ -24,13 +24,11 @@ Users who are online can point the same loaders at hub names or their own folder
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import importlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,9 +36,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-CACHE_ENV = "DPO_MEGATRON_CACHE"
+from dpo_megatron.utils.cache import cache_root
+from dpo_megatron.utils.files import atomic_dir, publish_permissions
+
 MANIFEST = "dpo_megatron_asset.json"
 
 
@@ -114,12 +113,6 @@ MISTRAL_SP_MODEL = FileCheck(
 )
 
 
-def cache_root() -> Path:
-    """``$DPO_MEGATRON_CACHE`` if set, else ``~/.cache/dpo_megatron`` (not created here)."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dpo_megatron"
-
-
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
@@ -139,43 +132,6 @@ def verify_file(path: Path, check: FileCheck) -> None:
     digest = sha256_file(path)
     if digest != check.sha256:
         raise AssetError(f"{check.name}: {path} has sha256 {digest}, expected {check.sha256}")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _publish_permissions(path: Path) -> None:
-    """Give ``path`` (and a folder's files) ordinary permissions: mkdtemp/mkstemp make them private."""
-    mask = _umask()
-    if path.is_dir():
-        path.chmod(0o777 & ~mask)
-        for child in path.iterdir():
-            child.chmod(0o666 & ~mask)
-    else:
-        path.chmod(0o666 & ~mask)
-
-
-@contextlib.contextmanager
-def _atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a fresh temporary folder next to ``final``; rename it to ``final`` on success.
-
-    On error the temporary folder is removed and ``final`` is left as it was. A stale ``final``
-    (one that failed validation) is replaced.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        _publish_permissions(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _run_pip(args: list[str], what: str) -> None:
@@ -361,7 +317,8 @@ def ensure_smollm2(verify: bool = False) -> Path:
         return final
     gguf_folder = package_dir(SMOLLM2_MODULE, SMOLLM2_PACKAGE)
     verify_file(gguf_folder / SMOLLM2_GGUF.name, SMOLLM2_GGUF)
-    with _atomic_dir(final) as tmp:
+    with atomic_dir(final) as tmp_name:
+        tmp = Path(tmp_name)
         _export_smollm2(gguf_folder, tmp)
         _check_smollm2_folder(tmp)
         _write_manifest(
@@ -419,7 +376,7 @@ def _ensure_llamafactory_file(check: FileCheck) -> Path:
                 staged = tmp_path / c.name
                 staged.write_bytes(src.read())
                 verify_file(staged, c)
-                _publish_permissions(staged)
+                publish_permissions(staged)
                 os.replace(staged, final_dir / c.name)
     return final
 
@@ -505,7 +462,7 @@ def ensure_sentencepiece_model() -> Path:
         staged = tmp_path / "tokenizer.model"
         staged.write_bytes(data)
         verify_file(staged, MISTRAL_SP_MODEL)
-        _publish_permissions(staged)
+        publish_permissions(staged)
         os.replace(staged, final)
     return final
 

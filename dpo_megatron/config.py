@@ -42,12 +42,12 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 
 filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
 
-from dpo_megatron.config_checks import check_choice, check_range  # noqa: E402
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
 from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name  # noqa: E402
 from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
+from dpo_megatron.utils.config_checks import check_choice, check_range  # noqa: E402
 
 EXPORT_DTYPES = ("bfloat16", "float32")
 

@@ -9,18 +9,20 @@ import pytest
 
 from dpo_megatron import assets
 from dpo_megatron.assets import AssetError, FileCheck
+from dpo_megatron.utils.cache import CACHE_ENV, cache_root
+from dpo_megatron.utils.files import _umask, atomic_dir
 
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
 def test_cache_root_from_env(tmp_cache, monkeypatch):
-    assert assets.cache_root() == tmp_cache
-    monkeypatch.delenv(assets.CACHE_ENV)
-    assert assets.cache_root() == Path.home() / ".cache" / "dpo_megatron"
+    assert cache_root() == tmp_cache
+    monkeypatch.delenv(CACHE_ENV)
+    assert cache_root() == Path.home() / ".cache" / "dpo_megatron"
 
 
 def test_verify_file(tmp_path):
@@ -42,14 +44,14 @@ def test_verify_file(tmp_path):
 
 def test_atomic_dir_renames_on_success_and_cleans_on_error(tmp_path):
     final = tmp_path / "out"
-    with assets._atomic_dir(final) as tmp:
-        (tmp / "a.txt").write_text("1")
+    with atomic_dir(final) as tmp:
+        (Path(tmp) / "a.txt").write_text("1")
         assert not final.exists()
     assert (final / "a.txt").read_text() == "1"
-    assert final.stat().st_mode & 0o777 == 0o777 & ~assets._umask()  # not mkdtemp's private 0o700
+    assert final.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's private 0o700
     with pytest.raises(RuntimeError, match="boom"):
-        with assets._atomic_dir(final) as tmp:
-            (tmp / "a.txt").write_text("2")
+        with atomic_dir(final) as tmp:
+            (Path(tmp) / "a.txt").write_text("2")
             raise RuntimeError("boom")
     assert (final / "a.txt").read_text() == "1"  # untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder left behind

@@ -24,12 +24,8 @@ its format is reported before any rank starts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -65,12 +61,13 @@ from dpo_megatron.data.reader import (
 )
 from dpo_megatron.data.summary import drop_warning, format_summary, length_stats
 from dpo_megatron.data.tokenizer import resolve_chat_template, tokenizer_fingerprint
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.cache import cache_root, content_key
+from dpo_megatron.utils.files import atomic_dir
 
 logger = logging.getLogger(__name__)
 
-# Bump when tokenization or conversion changes what a cached entry would contain.
-CACHE_VERSION = 4
-# Settings that change the tokenized rows. The length limits do since the encoder drops whole
+# Bump when tokenization or conversion changes what a cached entry would contain.# Settings that change the tokenized rows. The length limits do since the encoder drops whole
 # turns and bounds huge texts before tokenizing; their token cuts still apply after the cache.
 _TOKENIZE_FIELDS = (
     "on_error",
@@ -293,9 +290,7 @@ def _raise_row_errors(
 
 def _is_rank_zero() -> bool:
     """True unless torch.distributed is initialized and this is not global rank 0."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return ranks.is_rank0()
 
 
 def _columns(source: Source) -> list[str]:
@@ -383,7 +378,6 @@ def tokenization_cache_key(
 ) -> str:
     """sha256 over the data's identity, the tokenizer, the chat template and the token-affecting settings."""
     key = {
-        "version": CACHE_VERSION,
         "source": _source_identity(source),
         "malformed": source.malformed,
         "format": fmt,
@@ -394,7 +388,7 @@ def tokenization_cache_key(
         },
         "config": {k: getattr(cfg, k) for k in _TOKENIZE_FIELDS},
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return content_key(key)
 
 
 def _cache_root(cfg: DataConfig) -> Path | None:
@@ -402,8 +396,6 @@ def _cache_root(cfg: DataConfig) -> Path | None:
         return None
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    from dpo_megatron.assets import cache_root
-
     return cache_root() / "data"
 
 
@@ -468,18 +460,9 @@ def tokenize_source(
 def _save_atomically(tokenized, cached: Path) -> None:
     """save_to_disk into a temporary folder renamed into place (readers never see half a cache)."""
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.tmp-", dir=cached.parent))
-    except OSError:
-        logger.warning("could not write the tokenization cache %s", cached)
-        return
-    try:
-        tokenized.save_to_disk(str(tmp))
-        if cached.exists():
-            shutil.rmtree(cached)
-        os.replace(tmp, cached)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # an unwritable cache only costs speed
+        with atomic_dir(cached) as tmp:
+            tokenized.save_to_disk(tmp)
+    except OSError:  # an unwritable cache only costs speed
         logger.warning("could not write the tokenization cache %s", cached)
 
 

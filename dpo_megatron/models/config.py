@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dpo_megatron.config_checks import check_choice, check_range
-
 # The one preset table lives in ``models/presets.py`` (reference-repo names such as pythia28 and
 # pythia69, the small Pythias, smollm2); re-exported here, where ``model=NAME`` looks it up.
 from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset_name  # noqa: F401
+from dpo_megatron.utils.config_checks import check_choice, check_range
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")

@@ -21,9 +21,9 @@ import time
 import warnings
 from typing import Optional
 
-import torch.distributed as dist
-
 from dpo_megatron.training.config import LoggingConfig  # noqa: F401  (the section's home)
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 """One JSON record per logged step and split, in the run directory."""
@@ -42,7 +42,7 @@ _CONSOLE_KEYS = (
 
 def is_logging_rank() -> bool:
     """Global rank 0 writes logs (every rank holds the same reduced metrics)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return ranks.is_rank0()
 
 
 def strict_json_value(value):
@@ -92,12 +92,7 @@ def truncate_metrics(path: str, last_step: int) -> int:
         else:
             dropped += 1
     if dropped or torn or (lines and not lines[-1].endswith("\n")):
-        tmp = f"{path}.partial"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(kept))
     return dropped
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dpo_megatron.parallel.device import get_device
+from dpo_megatron.utils import ranks
 
 
 @dataclass
@@ -52,7 +53,7 @@ def load_run_data(cfg, model_cfg, kind: str) -> RunData:
         return load_items(data_cfg, tokenizer, kind)
 
     failure, dataset = None, None
-    if dist.get_rank() == 0:
+    if ranks.is_rank0():
         try:
             dataset = load(cfg.data, tokenizer)
         except Exception as e:  # re-raised below, after telling the other ranks

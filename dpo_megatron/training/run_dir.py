@@ -31,6 +31,9 @@ import sys
 import time
 from typing import Optional
 
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import write_text_atomic
+
 LOCK_FILE = "run.lock"
 """Exclusive lock of the run that owns the folder (empty when no run holds it)."""
 CONFIG_FILE = "config.yaml"
@@ -46,25 +49,15 @@ def save_dir_of(cfg, run_dir: str) -> str:
     return cfg.save or os.path.join(run_dir, "checkpoints")
 
 
-def _global_rank() -> int:
-    """The process's global rank: torch.distributed's once it is started, else the launcher's
-    ``RANK`` (0 without one). Read without importing torch: :func:`check_run_dir` runs before
-    the heavy imports."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 class RunDirError(SystemExit):
     """The run folder cannot be used (held by another run, or holding a run this one would mix
     with). A ``SystemExit``: uncaught, rank 0 prints ``error: <message>`` and every rank exits
     with status 1, without a traceback per rank; ``dpo_megatron.train`` ends the ranks with
-    ``dpo_megatron.launch.fail`` instead (the launcher's one-line ending). ``str()`` is the
+    ``dpo_megatron.utils.exits.fail`` instead (the launcher's one-line ending). ``str()`` is the
     message."""
 
     def __init__(self, message: str):
-        super().__init__(f"error: {message}" if _global_rank() == 0 else 1)
+        super().__init__(f"error: {message}" if ranks.is_rank0() else 1)
         self.message = message
 
     def __str__(self) -> str:
@@ -394,10 +387,7 @@ def write_config(cfg, run_dir: str) -> str:
     from omegaconf import OmegaConf
 
     path = os.path.join(run_dir, CONFIG_FILE)
-    tmp = f"{path}.partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    os.replace(tmp, path)
+    write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)), fsync=False)
     return path
 
 
@@ -420,10 +410,9 @@ class RunFolder:
         """
         run_dir = cfg.run_dir
         save_dir = save_dir_of(cfg.checkpoint, run_dir)
-        from dpo_megatron.checkpointing import ranks
 
         folder, error = cls(run_dir, save_dir), None
-        if ranks.rank() == 0:
+        if ranks.is_rank0():
             try:
                 folder._open_rank0(cfg)
             except RunDirError as e:

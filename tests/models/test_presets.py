@@ -102,9 +102,9 @@ def test_a_hub_name_without_a_local_copy_says_how_to_get_it():
 
 
 def test_smollm2_preset_facts_are_those_of_the_cached_folder():
-    from dpo_megatron import assets
+    from dpo_megatron.utils.cache import cache_root
 
-    folder = assets.cache_root() / "smollm2-135m-instruct"
+    folder = cache_root() / "smollm2-135m-instruct"
     if not (folder / "config.json").is_file():
         pytest.skip("SmolLM2 asset not cached")
     from dpo_megatron.models.presets import _check_folder
