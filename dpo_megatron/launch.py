@@ -48,9 +48,9 @@ def _train_log(training_args: Sequence[str]) -> Optional[str]:
         cfg = load_config(*parse_args(list(training_args)))
     except (ValueError, SystemExit, OSError):
         return None
-    from dpo_megatron.training.run_dir import LOG_FILE
+    from dpo_megatron.utils.run_layout import RunLayout
 
-    path = os.path.join(cfg.run_dir, LOG_FILE)
+    path = RunLayout(cfg.run_dir).log
     return path if os.path.isfile(path) else None
 
 

@@ -38,9 +38,9 @@ from dpo_megatron.checkpointing.training_checkpoint import (
     resume_candidates,
     save_training_checkpoint,
 )
-from dpo_megatron.training.run_dir import save_dir_of
 from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
 from dpo_megatron.utils import ranks
+from dpo_megatron.utils.run_layout import RunLayout
 
 
 @dataclass
@@ -218,7 +218,7 @@ class Checkpointer:
 
     Args:
         cfg: the ``checkpoint`` config section.
-        run_dir: the run's folder.
+        layout: the run folder's layout (the checkpoint folder is its ``checkpoints``).
         policy, optimizer, scheduler, sampler, loss_fn: the objects a checkpoint saves and a
             resume restores.
         model_config: stored as ``model_config.json`` beside the tensors.
@@ -229,7 +229,7 @@ class Checkpointer:
     def __init__(
         self,
         cfg,
-        run_dir: str,
+        layout: RunLayout,
         policy: list,
         optimizer,
         scheduler,
@@ -240,7 +240,7 @@ class Checkpointer:
         lora: Optional[dict] = None,
     ):
         self.cfg = cfg
-        self.save_dir = save_dir_of(cfg, run_dir)
+        self.save_dir = layout.checkpoints
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.sampler, self.loss_fn = sampler, loss_fn
         self.model_config = model_config

@@ -65,6 +65,7 @@ class Trainer:
         initialize_distributed(cfg.parallel)
         # First: a folder in use or holding another run is refused before anything is built.
         self.run_folder = RunFolder.open(cfg)
+        self.layout = self.run_folder.layout
         set_seed(cfg.train.seed)
         self.device = get_device()
         self.loss_fn = build_loss(cfg.loss)
@@ -121,7 +122,7 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
-            cfg.run_dir,
+            self.layout,
             saved_policy,
             self.optimizer,
             self.scheduler,
@@ -136,7 +137,7 @@ class Trainer:
         self.evaluations: dict[str, tuple[int, dict[str, float]]] = {}
         """The first and the last evaluation of this process: (step, metrics)."""
         self.logger = MetricsLogger(
-            cfg.run_dir,
+            self.layout,
             cfg.train.train_iters,
             cfg.logging,
             start_step=self.counters.step,
@@ -273,7 +274,7 @@ class Trainer:
         if self.cfg.train.sample_during_eval and self.cfg.train.eval_num_samples > 0:
             records = self.samples()
             if is_logging_rank():
-                path = write_samples(self.cfg.run_dir, step, records)
+                path = write_samples(self.layout, step, records)
                 print(f"[eval] step {step}: {len(records)} greedy samples -> {path}", flush=True)
         return metrics
 
@@ -408,11 +409,10 @@ class Trainer:
         lines.append(f"  checkpoint: {self.checkpointer.latest()}")
         if export:
             lines.append(f"  export: {export}")
-        import os
 
-        logs = [os.path.join(cfg.run_dir, "train.log"), os.path.join(cfg.run_dir, "metrics.jsonl")]
+        logs = [self.layout.log, self.layout.metrics]
         if cfg.logging.tensorboard:
-            logs.append(os.path.join(cfg.run_dir, "tensorboard"))
+            logs.append(self.layout.tensorboard)
         lines.append(f"  logs: {', '.join(logs)}")
         return "\n".join(lines)
 
@@ -426,7 +426,6 @@ class Trainer:
         """Per ``checkpoint.export_hf``: the final policy as a Hugging Face folder ``<save>/hf``
         (LoRA adapters merged), or the LoRA adapters in PEFT's layout ``<save>/hf_adapter``;
         says so on rank 0. Returns what was written (a description with its folder), or None."""
-        import os
 
         from dpo_megatron.models.conversion import export_hf, export_peft_adapter
         from dpo_megatron.models.lora_config import export_mode
@@ -434,11 +433,11 @@ class Trainer:
         mode = export_mode(self.cfg.checkpoint.export_hf)
         chunks, dtype = [c.module for c in self.policy], self.cfg.checkpoint.export_dtype
         if mode == "adapter":
-            folder = os.path.join(self.checkpointer.save_dir, "hf_adapter")
+            folder = self.layout.hf_adapter
             export_peft_adapter(chunks, self.model_config, self.cfg.lora, folder, dtype)
             what = f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
         elif mode == "merged":
-            folder = os.path.join(self.checkpointer.save_dir, "hf")
+            folder = self.layout.hf_export
             export_hf(
                 chunks,
                 self.model_config,
