@@ -534,7 +534,7 @@ def _validate_loss(cfg: DPOConfig) -> None:
 def resolved_config(cfg: DPOConfig, model_config=None, loss_fn=None) -> dict:
     """The tree as the run uses it (``--print-config``, and the config the Trainer gives to
     W&B): ``model`` is the architecture the run builds (``model.hf_path``'s config.json, or the
-    one stored with the ``model.load`` checkpoint; ``training.model_setup.
+    one stored with the ``model.load`` checkpoint; ``training.run_models.
     resolve_model_config``), ``loss`` every parameter of the chosen loss(es) and the modifiers
     with their defaults (``LossFunction.config_section``). ``model_config`` / ``loss_fn``: the
     run's own, when it has built them.
@@ -543,7 +543,7 @@ def resolved_config(cfg: DPOConfig, model_config=None, loss_fn=None) -> dict:
         OSError / ValueError: the model folder or checkpoint cannot be read.
     """
     if model_config is None:
-        from dpo_megatron.training.model_setup import resolve_model_config
+        from dpo_megatron.training.run_models import resolve_model_config
 
         model_config = resolve_model_config(cfg)
     if loss_fn is None:
@@ -595,7 +595,7 @@ def check_model_layout(cfg: DPOConfig) -> None:
         ValueError: naming the model and parallel fields that conflict.
     """
     from dpo_megatron.models import build_transformer_config
-    from dpo_megatron.training.model_setup import resolve_model_config
+    from dpo_megatron.training.run_models import resolve_model_config
 
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
@@ -639,7 +639,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
     from dpo_megatron.data.pipeline import load_items
     from dpo_megatron.data.reader import DataError, is_local_source
     from dpo_megatron.data.tokenizer import load_tokenizer
-    from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
+    from dpo_megatron.training.run_models import check_vocab_fits, resolve_model_config
 
     if cfg.data.cache_dir.lower() == "none" or not all(
         is_local_source(name) for name, _ in cfg.data.sources() + cfg.data.eval_sources()
@@ -710,7 +710,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
-        from dpo_megatron.training.model_setup import (
+        from dpo_megatron.training.run_models import (
             require_sequence_parallel,
             resolve_model_config,
         )

@@ -377,7 +377,7 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
 
     from dpo_megatron.config import main
     from dpo_megatron.losses import build_loss
-    from dpo_megatron.training.model_setup import resolve_model_config
+    from dpo_megatron.training.run_models import resolve_model_config
     from tests.models.conversion_helpers import save_tiny_hf_folder
 
     folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"))

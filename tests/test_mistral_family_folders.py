@@ -48,7 +48,7 @@ def test_sequence_parallel_is_required_only_for_moe_at_tp_above_1():
 
     from dpo_megatron.models import ModelConfig
     from dpo_megatron.parallel import ParallelConfig
-    from dpo_megatron.training.model_setup import require_sequence_parallel
+    from dpo_megatron.training.run_models import require_sequence_parallel
 
     def resolved(tp, experts, sp=False):
         cfg = SimpleNamespace(

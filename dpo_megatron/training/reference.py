@@ -188,6 +188,20 @@ def cache_path(cfg: ReferenceConfig, key: str) -> Path:
 # the frozen model
 
 
+def release_chunks(chunks: Optional[list]) -> None:
+    """Drop a model's parameters and buffers now (the caller drops its own references), and
+    hand cached accelerator memory back."""
+    import gc
+
+    from dpo_megatron.parallel.device import empty_cache
+
+    for chunk in chunks or []:
+        for p in list(chunk.parameters()) + list(chunk.buffers()):
+            p.data = p.data.new_empty(0)
+    gc.collect()
+    empty_cache()
+
+
 def move_chunks(chunks: list, device: torch.device) -> None:
     """Move parameters and buffers of model chunks to ``device`` in place (pinned host memory
     when moving to the host of a CUDA device, so the next copy back is asynchronous)."""
@@ -227,9 +241,7 @@ class ReferenceModel:
 
     def release(self) -> None:
         """Free the reference weights (``reference.mode=precomputed``, after its pass)."""
-        from dpo_megatron.training.model_setup import release
-
-        release(self.chunks)
+        release_chunks(self.chunks)
 
 
 class BaseModelReference:

@@ -223,7 +223,7 @@ class Checkpointer:
             resume restores.
         model_config: stored as ``model_config.json`` beside the tensors.
         use_distributed_optimizer: ``train.use_distributed_optimizer``.
-        lora: the run's LoRA record (``model_setup.checkpointed_policy``), None for a full run.
+        lora: the run's LoRA record (``run_models.checkpointed_policy``), None for a full run.
     """
 
     def __init__(

@@ -44,7 +44,7 @@ def load_run_data(cfg, model_cfg, kind: str) -> RunData:
     """
     from dpo_megatron.data import DataError, load_tokenizer
     from dpo_megatron.data.pipeline import load_items
-    from dpo_megatron.training.model_setup import check_vocab_fits
+    from dpo_megatron.training.run_models import check_vocab_fits
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     check_vocab_fits(tokenizer, model_cfg)

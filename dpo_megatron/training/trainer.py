@@ -27,7 +27,7 @@ from dpo_megatron.losses import build_loss
 from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
 from dpo_megatron.parallel.device import get_device
-from dpo_megatron.training import model_setup
+from dpo_megatron.training import run_models
 from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
@@ -71,8 +71,8 @@ class Trainer:
         self.loss_fn = build_loss(cfg.loss)
         # A loss that reads no rejected completion (sft) trains on prompt + chosen rows only.
         self.sft = not self.loss_fn.needs_rejected
-        self.model_config = model_setup.resolve_model_config(cfg)
-        self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg, self.model_config)
+        self.model_config = run_models.resolve_model_config(cfg)
+        self.sequence_parallel_note = run_models.require_sequence_parallel(cfg, self.model_config)
         self.data = (
             data
             if data is not None
@@ -91,9 +91,9 @@ class Trainer:
             self.sft,
             context_parallel_rank_and_size(),
         )
-        policy = model_setup.build_policy(cfg, self.model_config)
+        policy = run_models.build_policy(cfg, self.model_config)
         reference = (
-            model_setup.build_reference(cfg, self.model_config, policy)
+            run_models.build_reference(cfg, self.model_config, policy)
             if self.loss_fn.needs_reference
             else None
         )
@@ -107,7 +107,7 @@ class Trainer:
         self.heap_trimmer = host_malloc.trim_after_each_layer(policy, self.device)
         self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
-        saved_policy, lora_record = model_setup.checkpointed_policy(
+        saved_policy, lora_record = run_models.checkpointed_policy(
             cfg, self.model_config, self.policy
         )
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
@@ -229,7 +229,7 @@ class Trainer:
             )
             + "| "
             f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
-            f"{unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
+            f"{unit} | weights: {run_models.weights_source(cfg, self.model_config)}",
             flush=True,
         )
         if cfg.train.warmup_warning():
