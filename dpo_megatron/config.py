@@ -464,8 +464,19 @@ def validate(cfg: DPOConfig) -> None:
     _validate_context_parallel(cfg)
     _validate_loss(cfg)
     cfg.lora.validate(
-        loss=cfg.loss, reference=cfg.reference, model=cfg.model, export_hf=cfg.checkpoint.export_hf
+        loss=cfg.loss,
+        loss_reads_reference=_loss_reads_reference(cfg) if cfg.lora.enabled else True,
+        reference=cfg.reference,
+        model=cfg.model,
+        export_hf=cfg.checkpoint.export_hf,
     )
+
+
+def _loss_reads_reference(cfg: DPOConfig) -> bool:
+    """Whether the configured loss reads the reference log-probs (``needs_reference``)."""
+    from dpo_megatron.losses import build_loss
+
+    return build_loss(cfg.loss).needs_reference
 
 
 def _validate_context_parallel(cfg: DPOConfig) -> None:
@@ -529,31 +540,6 @@ def _validate_loss(cfg: DPOConfig) -> None:
             f"train.micro_batch_size >= 2 (its value depends on that size)"
         )
     build_loss(cfg.loss)
-
-
-def resolved_config(cfg: DPOConfig, model_config=None, loss_fn=None) -> dict:
-    """The tree as the run uses it (``--print-config``, and the config the Trainer gives to
-    W&B): ``model`` is the architecture the run builds (``model.hf_path``'s config.json, or the
-    one stored with the ``model.load`` checkpoint; ``training.run_models.
-    resolve_model_config``), ``loss`` every parameter of the chosen loss(es) and the modifiers
-    with their defaults (``LossFunction.config_section``). ``model_config`` / ``loss_fn``: the
-    run's own, when it has built them.
-
-    Raises:
-        OSError / ValueError: the model folder or checkpoint cannot be read.
-    """
-    if model_config is None:
-        from dpo_megatron.training.run_models import resolve_model_config
-
-        model_config = resolve_model_config(cfg)
-    if loss_fn is None:
-        from dpo_megatron.losses import build_loss
-
-        loss_fn = build_loss(cfg.loss)
-    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
-    tree["model"] = OmegaConf.to_container(OmegaConf.structured(model_config))
-    tree["loss"] = loss_fn.config_section()
-    return tree
 
 
 def world_size_for(cfg: DPOConfig) -> int:
@@ -697,6 +683,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"config error: {e}") from None
     if args.print_config:
         try:
+            from dpo_megatron.training.resolved_config import resolved_config
+
             print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
         except (OSError, ValueError) as e:  # the model folder or checkpoint
             raise SystemExit(f"config error: {e}") from None

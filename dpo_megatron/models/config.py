@@ -138,7 +138,7 @@ class ModelConfig:
     """With 'full': layers per recompute group (>= 1)."""
     fused_lm_head: bool = True
     """Log-probs straight from the hidden states, the LM head a chunk of positions at a time
-    (``training.logprobs.vocab_parallel_linear_logps``): no [tokens, V/TP] logits are kept for
+    (``models.logprobs.vocab_parallel_linear_logps``): no [tokens, V/TP] logits are kept for
     backward, which projects each chunk again (one more LM-head matmul: about 7% of a SmolLM2
     step on CPU). false: the output layer's logits, kept for backward (faster, ~1 GiB more at
     SmolLM2's 49k vocabulary and 2k scored tokens). The log-probs agree to fp32 rounding."""

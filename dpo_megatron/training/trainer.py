@@ -20,7 +20,6 @@ from typing import Optional
 
 from megatron.core import parallel_state
 
-from dpo_megatron.config import resolved_config
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch, make_batch_builder
 from dpo_megatron.losses import build_loss
@@ -32,6 +31,7 @@ from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_s
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
 from dpo_megatron.training.reference import precomputed_pairs
+from dpo_megatron.training.resolved_config import resolved_config
 from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.training.run_data import RunData, load_run_data
 from dpo_megatron.training.run_dir import RunFolder
