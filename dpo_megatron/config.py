@@ -10,7 +10,7 @@ Each section is a dataclass owned by the package that uses it (``ParallelConfig`
 fields in its ``validate()``; :func:`validate` runs them and then the rules that span sections.
 ``loss`` is a free mapping validated by ``dpo_megatron.losses.build_loss`` against the chosen
 loss's own parameters. ``${asset:NAME}`` in a YAML value resolves to a cached offline asset
-(``dpo_megatron.assets``).
+(``dpo_megatron.utils.cache.asset_path``; ``scripts/assets.py`` builds them).
 
 Shorthands: ``loss=ipo`` is ``loss.name=ipo`` (a fresh loss section, as ``loss.name`` always
 is); ``model=NAME`` expands a preset of ``models.presets.MODEL_PRESETS``; ``key=`` clears a string
@@ -117,11 +117,10 @@ class DPOConfig:
 
 
 def _resolve_asset(name: str) -> str:
-    from dpo_megatron import assets
+    """``${asset:NAME}``: the cached offline asset (built by ``scripts/assets.py``)."""
+    from dpo_megatron.utils import cache
 
-    if name not in assets.ASSETS:
-        raise ValueError(f"unknown asset {name!r}; known: {sorted(assets.ASSETS)}")
-    return str(assets.ASSETS[name]())
+    return str(cache.asset_path(name))
 
 
 if not OmegaConf.has_resolver("asset"):
@@ -650,7 +649,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
 
-    Resolves the config (fetching its assets once, in this single process), checks the data
+    Resolves the config (its assets from the cache), checks the data
     sources (:func:`check_data`), the model against the layout, then tokenizes the data into
     the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every mistake ends the
     process with one ``config error: ...`` or ``error: ...`` line on stderr and exit status 1.

@@ -244,9 +244,9 @@ def test_loss_shorthand_trains_that_loss():
 def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
     """``loss: ipo`` / ``model: smollm2`` in YAML and ``model=NAME`` on the command line. Old:
     ``model=pythia69`` gave "invalid value for config key None ...: None"."""
-    from dpo_megatron import assets
+    from dpo_megatron.utils import cache
 
-    monkeypatch.setitem(assets.ASSETS, "smollm2", lambda: "/assets/smollm2")  # no asset built here
+    monkeypatch.setattr(cache, "asset_path", lambda name: f"/assets/{name}")  # no asset built here
     f = tmp_path / "c.yaml"
     f.write_text("loss: ipo\nmodel: smollm2\ndata:\n  path: d.json\n")
     cfg = load_config(str(f), ["loss.beta=0.3"])

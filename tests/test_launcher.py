@@ -143,7 +143,9 @@ def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
     """A chat-template mistake shows only when the data is tokenized: the pre-check tokenizes
     (into the cache the ranks read), so it too ends in one line before any rank starts. Old: a
     traceback from every rank plus torchrun's failure block."""
-    from dpo_megatron.assets import ensure_sentencepiece_model
+    from tests.scripts import load_script
+
+    ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
 
     out = _script(
         "scripts/pretrain_dpo.sh",
@@ -166,7 +168,9 @@ def test_rank_side_data_error_is_one_line(tmp_path):
     """Under another launcher (here one process, no pre-check) a data error is printed once,
     plainly, with the exit status of a reported mistake (dpo_megatron.utils.exits.USER_ERROR_EXIT,
     which scripts/pretrain_dpo.sh turns into 1). Old: a traceback ending in the message."""
-    from dpo_megatron.assets import ensure_sentencepiece_model
+    from tests.scripts import load_script
+
+    ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
     from dpo_megatron.utils.exits import USER_ERROR_EXIT
 
     env = dict(

@@ -28,6 +28,36 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dpo_megatron"
 
 
+ASSET_PATHS = {
+    "smollm2": "smollm2-135m-instruct",
+    "dpo_en_demo": "llamafactory-0.9.5/dpo_en_demo.json",
+    "dpo_zh_demo": "llamafactory-0.9.5/dpo_zh_demo.json",
+    "alpaca_en_demo": "llamafactory-0.9.5/alpaca_en_demo.json",
+    "kto_en_demo": "llamafactory-0.9.5/kto_en_demo.json",
+    "sentencepiece": "mistral-sentencepiece/tokenizer.model",
+}
+"""The offline assets (``${asset:NAME}`` in a config): name -> path under :func:`cache_root`.
+``scripts/assets.py`` builds them there (``scripts/setup.sh`` runs it); a run only looks."""
+
+
+def asset_path(name: str) -> Path:
+    """The cached offline asset ``name`` (a key of :data:`ASSET_PATHS`).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+        FileNotFoundError: the asset is not built yet (the message says how to build it).
+    """
+    if name not in ASSET_PATHS:
+        raise ValueError(f"unknown asset {name!r}; known: {sorted(ASSET_PATHS)}")
+    path = cache_root() / ASSET_PATHS[name]
+    if not path.exists():
+        raise FileNotFoundError(
+            f"asset {name!r} is not in the cache ({path}): build it with "
+            f"`python scripts/assets.py {name}` (scripts/setup.sh builds them all)"
+        )
+    return path
+
+
 def content_key(fields: dict[str, Any]) -> str:
     """Hex sha256 of ``fields`` plus :data:`CACHE_VERSION`, as canonical JSON (sorted keys;
     values JSON cannot hold are written with ``str``): equal inputs give equal keys on every

