@@ -67,7 +67,7 @@ from dpo_megatron.utils.files import atomic_dir
 
 logger = logging.getLogger(__name__)
 
-# Bump when tokenization or conversion changes what a cached entry would contain.# Settings that change the tokenized rows. The length limits do since the encoder drops whole
+# Settings that change the tokenized rows. The length limits do since the encoder drops whole
 # turns and bounds huge texts before tokenizing; their token cuts still apply after the cache.
 _TOKENIZE_FIELDS = (
     "on_error",

@@ -51,8 +51,8 @@ class ModelPreset:
     parameters: str
     """Approximate size, as the model's name states it."""
     asset: str = ""
-    """Offline asset holding the model (a key of ``dpo_megatron.utils.cache.ASSET_PATHS``); ``model=NAME``
-    then sets ``model.hf_path=${asset:<asset>}``, resolved when the config is."""
+    """Offline asset holding the model (a key of ``dpo_megatron.utils.cache.ASSET_PATHS``);
+    ``model=NAME`` then sets ``model.hf_path=${asset:<asset>}``, resolved when the config is."""
     model_keys: dict[str, Any] = field(default_factory=dict, hash=False)
     """Further ``model.*`` keys the preset sets (SmolLM2: ``pad_attention_heads``)."""
 
