@@ -3,14 +3,14 @@ nor torchrun's.
 
 Two halves, one contract (the exit statuses below):
 
-* in the ranks, :func:`dpo_megatron.utils.exits.fail` ends a process at a stop whose message
-  is the whole story: a config, data or run-folder mistake (:data:`USER_ERROR_EXIT`), or a
-  fault of the run it found and reported (:data:`FAULT_EXIT`: a checkpoint failing its
-  checksums, a full disk, too many NaN steps). Rank 0 prints the message as one line on
-  stderr, every rank exits with the status. Under torch elastic the other ranks first wait for rank 0 to exit (torchrun then stops them):
-  torch elastic terminates every worker as soon as one exits, so a rank that left first could
-  otherwise cut rank 0 off before it printed the line. A rank stopped by SIGINT / SIGTERM exits
-  with 128 + the signal's number after rank 0 printed what was saved
+* in the ranks, :func:`dpo_megatron.utils.exits.fail` ends a process at a stop whose message is
+  the whole story: a config, data or run-folder mistake (:data:`USER_ERROR_EXIT`), or a fault of
+  the run it found and reported (:data:`FAULT_EXIT`: a checkpoint failing its checksums, a full
+  disk, too many NaN steps). Rank 0 prints the message as one line on stderr, every rank exits
+  with the status. Under torch elastic the other ranks first wait for rank 0 to exit (torchrun
+  then stops them): torch elastic terminates every worker as soon as one exits, so a rank that
+  left first could otherwise cut rank 0 off before it printed the line. A rank stopped by SIGINT /
+  SIGTERM exits with 128 + the signal's number after rank 0 printed what was saved
   (:mod:`dpo_megatron.training.shutdown`).
 * the launcher, ``python -m dpo_megatron.launch [torchrun options] -m ENTRY [args]`` (what
   ``scripts/pretrain_dpo.sh`` runs instead of ``torchrun``), is torchrun's own ``main`` in this
