@@ -30,7 +30,6 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpo_megatron.utils.cache import ASSET_PATHS, cache_root
-from dpo_megatron.utils.files import atomic_dir, publish_permissions
+from dpo_megatron.utils.files import atomic_dir, atomic_file
 from dpo_megatron.utils.mistral_common import MISTRAL_COMMON_MODULE, mistral_common_unusable
 
 MANIFEST = "dpo_megatron_asset.json"
@@ -375,11 +374,9 @@ def _ensure_llamafactory_file(check: FileCheck) -> Path:
                     src = None
                 if src is None:
                     raise AssetError(f"{LLAMAFACTORY_SDIST.name} has no member {member}")
-                staged = tmp_path / c.name
-                staged.write_bytes(src.read())
-                verify_file(staged, c)
-                publish_permissions(staged)
-                os.replace(staged, final_dir / c.name)
+                with atomic_file(final_dir / c.name, fsync=False) as staged:
+                    Path(staged).write_bytes(src.read())
+                    verify_file(Path(staged), c)
     return final
 
 
@@ -461,11 +458,9 @@ def ensure_sentencepiece_model() -> Path:
                 data = zf.read(member)
             except KeyError:
                 raise AssetError(f"{wheel.name} has no member {member}") from None
-        staged = tmp_path / "tokenizer.model"
-        staged.write_bytes(data)
-        verify_file(staged, MISTRAL_SP_MODEL)
-        publish_permissions(staged)
-        os.replace(staged, final)
+        with atomic_file(final, fsync=False) as staged:
+            Path(staged).write_bytes(data)
+            verify_file(Path(staged), MISTRAL_SP_MODEL)
     return final
 
 
