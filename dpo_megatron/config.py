@@ -10,7 +10,7 @@ Each section is a dataclass owned by the package that uses it (``ParallelConfig`
 fields in its ``validate()``; :func:`validate` runs them and then the rules that span sections.
 ``loss`` is a free mapping validated by ``dpo_megatron.losses.build_loss`` against the chosen
 loss's own parameters. ``${asset:NAME}`` in a YAML value resolves to a cached offline asset
-(``dpo_megatron.assets``).
+(``dpo_megatron.utils.cache.asset_path``; ``scripts/assets.py`` builds them).
 
 Shorthands: ``loss=ipo`` is ``loss.name=ipo`` (a fresh loss section, as ``loss.name`` always
 is); ``model=NAME`` expands a preset of ``models.presets.MODEL_PRESETS``; ``key=`` clears a string
@@ -42,12 +42,12 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 
 filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
 
-from dpo_megatron.config_checks import check_choice, check_range  # noqa: E402
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
 from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name  # noqa: E402
 from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
+from dpo_megatron.utils.config_checks import check_choice, check_range  # noqa: E402
 
 EXPORT_DTYPES = ("bfloat16", "float32")
 
@@ -117,11 +117,10 @@ class DPOConfig:
 
 
 def _resolve_asset(name: str) -> str:
-    from dpo_megatron import assets
+    """``${asset:NAME}``: the cached offline asset (built by ``scripts/assets.py``)."""
+    from dpo_megatron.utils import cache
 
-    if name not in assets.ASSETS:
-        raise ValueError(f"unknown asset {name!r}; known: {sorted(assets.ASSETS)}")
-    return str(assets.ASSETS[name]())
+    return str(cache.asset_path(name))
 
 
 if not OmegaConf.has_resolver("asset"):
@@ -464,8 +463,19 @@ def validate(cfg: DPOConfig) -> None:
     _validate_context_parallel(cfg)
     _validate_loss(cfg)
     cfg.lora.validate(
-        loss=cfg.loss, reference=cfg.reference, model=cfg.model, export_hf=cfg.checkpoint.export_hf
+        loss=cfg.loss,
+        loss_reads_reference=_loss_reads_reference(cfg) if cfg.lora.enabled else True,
+        reference=cfg.reference,
+        model=cfg.model,
+        export_hf=cfg.checkpoint.export_hf,
     )
+
+
+def _loss_reads_reference(cfg: DPOConfig) -> bool:
+    """Whether the configured loss reads the reference log-probs (``needs_reference``)."""
+    from dpo_megatron.losses import build_loss
+
+    return build_loss(cfg.loss).needs_reference
 
 
 def _validate_context_parallel(cfg: DPOConfig) -> None:
@@ -531,31 +541,6 @@ def _validate_loss(cfg: DPOConfig) -> None:
     build_loss(cfg.loss)
 
 
-def resolved_config(cfg: DPOConfig, model_config=None, loss_fn=None) -> dict:
-    """The tree as the run uses it (``--print-config``, and the config the Trainer gives to
-    W&B): ``model`` is the architecture the run builds (``model.hf_path``'s config.json, or the
-    one stored with the ``model.load`` checkpoint; ``training.model_setup.
-    resolve_model_config``), ``loss`` every parameter of the chosen loss(es) and the modifiers
-    with their defaults (``LossFunction.config_section``). ``model_config`` / ``loss_fn``: the
-    run's own, when it has built them.
-
-    Raises:
-        OSError / ValueError: the model folder or checkpoint cannot be read.
-    """
-    if model_config is None:
-        from dpo_megatron.training.model_setup import resolve_model_config
-
-        model_config = resolve_model_config(cfg)
-    if loss_fn is None:
-        from dpo_megatron.losses import build_loss
-
-        loss_fn = build_loss(cfg.loss)
-    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
-    tree["model"] = OmegaConf.to_container(OmegaConf.structured(model_config))
-    tree["loss"] = loss_fn.config_section()
-    return tree
-
-
 def world_size_for(cfg: DPOConfig) -> int:
     """Ranks the launcher should start: TP x PP x DP (DP defaults to 1, or to what the expert
     layout needs: ``ParallelConfig.launch_world_size``)."""
@@ -595,7 +580,7 @@ def check_model_layout(cfg: DPOConfig) -> None:
         ValueError: naming the model and parallel fields that conflict.
     """
     from dpo_megatron.models import build_transformer_config
-    from dpo_megatron.training.model_setup import resolve_model_config
+    from dpo_megatron.training.run_models import resolve_model_config
 
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
@@ -639,7 +624,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
     from dpo_megatron.data.pipeline import load_items
     from dpo_megatron.data.reader import DataError, is_local_source
     from dpo_megatron.data.tokenizer import load_tokenizer
-    from dpo_megatron.training.model_setup import check_vocab_fits, resolve_model_config
+    from dpo_megatron.training.run_models import check_vocab_fits, resolve_model_config
 
     if cfg.data.cache_dir.lower() == "none" or not all(
         is_local_source(name) for name, _ in cfg.data.sources() + cfg.data.eval_sources()
@@ -664,7 +649,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
 
-    Resolves the config (fetching its assets once, in this single process), checks the data
+    Resolves the config (its assets from the cache), checks the data
     sources (:func:`check_data`), the model against the layout, then tokenizes the data into
     the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every mistake ends the
     process with one ``config error: ...`` or ``error: ...`` line on stderr and exit status 1.
@@ -697,6 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"config error: {e}") from None
     if args.print_config:
         try:
+            from dpo_megatron.training.resolved_config import resolved_config
+
             print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
         except (OSError, ValueError) as e:  # the model folder or checkpoint
             raise SystemExit(f"config error: {e}") from None
@@ -710,7 +697,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
-        from dpo_megatron.training.model_setup import (
+        from dpo_megatron.training.run_models import (
             require_sequence_parallel,
             resolve_model_config,
         )

@@ -3,14 +3,14 @@ nor torchrun's.
 
 Two halves, one contract (the exit statuses below):
 
-* in the ranks, :func:`fail` ends a process at a stop whose message is the whole story: a config,
-  data or run-folder mistake (:data:`USER_ERROR_EXIT`), or a fault of the run it found and
-  reported (:data:`FAULT_EXIT`: a checkpoint failing its checksums, a full disk, too many NaN
-  steps). Rank 0 prints the message as one line on stderr, every rank exits with the status.
-  Under torch elastic the other ranks first wait for rank 0 to exit (torchrun then stops them):
-  torch elastic terminates every worker as soon as one exits, so a rank that left first could
-  otherwise cut rank 0 off before it printed the line. A rank stopped by SIGINT / SIGTERM exits
-  with 128 + the signal's number after rank 0 printed what was saved
+* in the ranks, :func:`dpo_megatron.utils.exits.fail` ends a process at a stop whose message is
+  the whole story: a config, data or run-folder mistake (:data:`USER_ERROR_EXIT`), or a fault of
+  the run it found and reported (:data:`FAULT_EXIT`: a checkpoint failing its checksums, a full
+  disk, too many NaN steps). Rank 0 prints the message as one line on stderr, every rank exits
+  with the status. Under torch elastic the other ranks first wait for rank 0 to exit (torchrun
+  then stops them): torch elastic terminates every worker as soon as one exits, so a rank that
+  left first could otherwise cut rank 0 off before it printed the line. A rank stopped by SIGINT /
+  SIGTERM exits with 128 + the signal's number after rank 0 printed what was saved
   (:mod:`dpo_megatron.training.shutdown`).
 * the launcher, ``python -m dpo_megatron.launch [torchrun options] -m ENTRY [args]`` (what
   ``scripts/pretrain_dpo.sh`` runs instead of ``torchrun``), is torchrun's own ``main`` in this
@@ -34,65 +34,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
-USER_ERROR_EXIT = 2
-"""Exit status of a rank stopped by a user's mistake it has reported (as for a command-line
-usage error; Python's uncaught exceptions exit with 1, signals with 128 + N)."""
-FAULT_EXIT = 3
-"""Exit status of a rank stopped at a fault of the run it has reported: a checkpoint that
-fails verification, a save that meets a full or read-only disk, ``train.max_nonfinite_steps``
-NaN/Inf steps in a row. Distinct from a mistake's status, so that a script can tell "fix the
-command" from "look at the run"."""
-LAUNCHER_EXIT = 1
-"""Exit status of the launcher for a user's mistake (the pre-check's status for the same
-mistakes)."""
-LAUNCHER_EXITS = {USER_ERROR_EXIT: LAUNCHER_EXIT, FAULT_EXIT: FAULT_EXIT}
-"""A rank's reported stop -> the launcher's exit status."""
-RANK0_GRACE_S = 20.0
-"""How long the other ranks wait for rank 0 to print and exit before exiting anyway."""
-
-
-def fail(message: str, status: int = USER_ERROR_EXIT) -> NoReturn:
-    """End this rank at a user's mistake (or, with ``status=FAULT_EXIT``, a fault of the run):
-    ``message`` on stderr from global rank 0 (every rank meets the same stop), exit status
-    ``status``, no traceback. Under torch elastic another rank waits for rank 0 first, and
-    prints the message itself if rank 0 is still running after :data:`RANK0_GRACE_S` (the stop
-    was that rank's alone).
-
-    Raises:
-        SystemExit: always, with code ``status``.
-    """
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    elastic = (
-        bool(os.environ.get("TORCHELASTIC_RUN_ID")) and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    )
-    waits = not rank0 and elastic
-    if waits:
-        _wait_for_rank0()  # returns only while rank 0 runs on
-    if rank0 or waits:
-        print(message, file=sys.stderr, flush=True)
-    if rank0 and elastic:
-        # Exit now, not after the process-group teardown and the interpreter's: the others
-        # wait for this exit, and one that took longer than their grace (a busy machine)
-        # would have them print the line again. Everything the run wrote is on disk already
-        # (line-buffered log, complete checkpoints); the kernel releases the run's lock.
-        sys.stdout.flush()
-        os._exit(status)
-    raise SystemExit(status)
-
-
-def _wait_for_rank0() -> None:
-    """Sleep until torch elastic terminates this rank (it does when rank 0 exits), at most
-    :data:`RANK0_GRACE_S` (then the caller prints the message itself: the mistake was this
-    rank's alone). The run's own SIGTERM handler (a checkpoint at the next step) is put back to
-    the default first, so the termination is immediate."""
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    except ValueError:  # not the main thread: the handler stays, the wait still ends
-        pass
-    time.sleep(RANK0_GRACE_S)
+from dpo_megatron.utils.exits import LAUNCHER_EXITS
 
 
 def _train_log(training_args: Sequence[str]) -> Optional[str]:
@@ -104,9 +48,9 @@ def _train_log(training_args: Sequence[str]) -> Optional[str]:
         cfg = load_config(*parse_args(list(training_args)))
     except (ValueError, SystemExit, OSError):
         return None
-    from dpo_megatron.training.run_dir import LOG_FILE
+    from dpo_megatron.utils.run_layout import RunLayout
 
-    path = os.path.join(cfg.run_dir, LOG_FILE)
+    path = RunLayout(cfg.run_dir).log
     return path if os.path.isfile(path) else None
 
 

@@ -22,9 +22,10 @@ filter_expected_warnings()  # before megatron-core's import-time warnings
 import os  # noqa: E402
 
 from dpo_megatron.config import DPOConfig, load_config, parse_args, validate  # noqa: E402
-from dpo_megatron.launch import FAULT_EXIT, fail  # noqa: E402
 from dpo_megatron.training.run_dir import RunDirError, check_run_dir  # noqa: E402
 from dpo_megatron.training.shutdown import NonFiniteLossError  # noqa: E402
+from dpo_megatron.utils import ranks  # noqa: E402
+from dpo_megatron.utils.exits import FAULT_EXIT, fail  # noqa: E402
 
 
 def train(cfg: DPOConfig) -> dict[str, float]:
@@ -53,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # layout against the ranks launched (torchrun's WORLD_SIZE; 1 alone: an external
         # torchrun with the wrong --nproc-per-node), then the run folder's refusals (rank 0).
         cfg.parallel.validate(int(os.environ.get("WORLD_SIZE", "1")))
-        if int(os.environ.get("RANK", "0")) == 0:
+        if ranks.is_rank0():
             try:
                 check_run_dir(cfg)
             except RunDirError as e:

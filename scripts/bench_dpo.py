@@ -135,7 +135,7 @@ def moe_folder(num_experts: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from dpo_megatron import assets
+    from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
     out = assets.cache_root() / "bench" / f"qwen3moe-e{num_experts}"
     if (out / "model.safetensors").is_file():
@@ -158,7 +158,7 @@ def moe_folder(num_experts: int) -> str:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    for f in assets.ensure_smollm2().iterdir():
+    for f in assets.asset_path("smollm2").iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             (out / f.name).write_bytes(f.read_bytes())
     return str(out)
@@ -167,11 +167,11 @@ def moe_folder(num_experts: int) -> str:
 def model_folder(name: str) -> str:
     """HF folder of the benchmarked model: 'smollm2' (30 layers), 'smollm2-4l' (its first 4
     layers, written once to the cache) or ``qwen3moe-e<E>`` (:data:`MOE_PREFIX`)."""
-    from dpo_megatron import assets
+    from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
     if name.startswith(MOE_PREFIX) and name[len(MOE_PREFIX) :].isdigit():
         return moe_folder(int(name[len(MOE_PREFIX) :]))
-    full = assets.ensure_smollm2()
+    full = assets.asset_path("smollm2")
     if name == "smollm2":
         return str(full)
     if name != "smollm2-4l":
@@ -208,12 +208,12 @@ def model_folder(name: str) -> str:
 def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
     """The first ``num_pairs`` kept pairs of dpo_en_demo (file order), tokenized with SmolLM2's
     chat template by this engine's pipeline, and the pad id."""
-    from dpo_megatron import assets
     from dpo_megatron.data import DataConfig, load_preference_pairs, load_tokenizer
+    from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
-    tokenizer = load_tokenizer(str(assets.ensure_smollm2()))
+    tokenizer = load_tokenizer(str(assets.asset_path("smollm2")))
     cfg = DataConfig(
-        path=str(assets.ensure_dpo_en_demo()),
+        path=str(assets.asset_path("dpo_en_demo")),
         format="sharegpt",
         max_length=max_length,
         max_prompt_length=max_prompt_length,
@@ -300,15 +300,15 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 def engine_config(spec: dict):
     """The engine's config for one benchmark run: world size 1, fp32, local spec, sigmoid DPO,
     constant LR, no checkpoints, the data in file order (as TRL's sequential sampler)."""
-    from dpo_megatron import assets
     from dpo_megatron.config import load_config
+    from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
     run_dir = tempfile.mkdtemp(prefix="bench_engine_")
     return load_config(
         None,
         [  # data.path names the pairs' source; they come in as token ids
             f"run_dir={run_dir}",
-            f"data.path={assets.ensure_dpo_en_demo()}",
+            f"data.path={assets.asset_path('dpo_en_demo')}",
             f"model.hf_path={spec['model_path']}",
             "model.params_dtype=float32",
             "model.transformer_impl=local",

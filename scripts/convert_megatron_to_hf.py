@@ -121,7 +121,7 @@ def load_weights(chunks: list, model_cfg, ckpt_dir: str) -> None:
     from dpo_megatron.models.lora_config import LoraConfig
 
     if model_cfg.load:
-        from dpo_megatron.training.model_setup import resolve_model_load
+        from dpo_megatron.training.run_models import resolve_model_load
 
         load_model_checkpoint(chunks, resolve_model_load(model_cfg.load))
     elif model_cfg.hf_path:

@@ -567,9 +567,9 @@ def plan(names: Optional[list[str]], injections: list[str], inject_cap: float) -
 
 def _write_json(path: Path, data: Any) -> None:
     """Write ``data`` so that a reader (or a kill) never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    from dpo_megatron.utils.files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(data, indent=1), fsync=False)
 
 
 def serve(role: str, settings: dict) -> int:

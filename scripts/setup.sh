@@ -27,9 +27,9 @@ VPY="$ROOT/.venv/bin/python"
 # transformers.AutoTokenizer then takes its Mistral-format branch for every mistral / mixtral
 # folder and dies on the missing tiktoken. The assets step now reads the file from the downloaded
 # wheel; this removes such a partial install (a working one is left alone).
-"$VPY" -m dpo_megatron.assets --remove-partial-mistral-common
+"$VPY" scripts/assets.py --remove-partial-mistral-common
 if [[ "${SKIP_ASSETS:-0}" != 1 ]]; then
-  "$VPY" -m dpo_megatron.assets
+  "$VPY" scripts/assets.py
 fi
 echo
 echo "Set up. Run the tools from .venv (.venv/bin/python, .venv/bin/torchrun), or activate it first:"

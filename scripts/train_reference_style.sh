@@ -15,4 +15,4 @@ elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
 else PYTHON=python3; fi
 export PYTHON
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m dpo_megatron.reference_cli "$@"
+exec "$PYTHON" -m dpo_megatron.frontends.dpo_repo "$@"

@@ -1,7 +1,7 @@
 """A stand-in for ``dpo_megatron.train`` that the launcher tests start through
 ``scripts/pretrain_dpo.sh`` (``DPO_MEGATRON_ENTRY=tests.launcher_entry``), to end a job quickly
 the way a real run ends: ``DPO_TEST_ENDING=mistake`` reports a user's mistake with
-:func:`dpo_megatron.launch.fail` (rank 0 a second after the others, the order in which torch
+:func:`dpo_megatron.utils.exits.fail` (rank 0 a second after the others, the order in which torch
 elastic would otherwise stop rank 0 before it printed), ``mistake_on_rank1`` on rank 1 alone
 (rank 0 runs on), ``crash`` raises an exception on every rank, ``nan_from_step_N`` runs the
 real ``dpo_megatron.train`` (its own stops and messages) with a loss that is NaN from optimizer
@@ -10,7 +10,7 @@ step N on."""
 import os
 import time
 
-from dpo_megatron.launch import fail
+from dpo_megatron.utils.exits import fail
 
 MISTAKE = "error: data file pairs.jsonl, row 3: field 'chosen' is missing"
 

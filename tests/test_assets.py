@@ -1,4 +1,4 @@
-"""Tests for dpo_megatron.assets: checksums, atomic writes, caching, and (slow) the real assets."""
+"""Tests for scripts/assets.py: checksums, atomic writes, caching, and (slow) the real assets."""
 
 import hashlib
 import json
@@ -7,20 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from dpo_megatron import assets
-from dpo_megatron.assets import AssetError, FileCheck
+from dpo_megatron.utils.cache import CACHE_ENV, cache_root
+from dpo_megatron.utils.files import _umask, atomic_dir
+from tests.scripts import load_script
+
+assets = load_script("assets")
+AssetError, FileCheck = assets.AssetError, assets.FileCheck
 
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
 def test_cache_root_from_env(tmp_cache, monkeypatch):
-    assert assets.cache_root() == tmp_cache
-    monkeypatch.delenv(assets.CACHE_ENV)
-    assert assets.cache_root() == Path.home() / ".cache" / "dpo_megatron"
+    assert cache_root() == tmp_cache
+    monkeypatch.delenv(CACHE_ENV)
+    assert cache_root() == Path.home() / ".cache" / "dpo_megatron"
 
 
 def test_verify_file(tmp_path):
@@ -42,14 +46,14 @@ def test_verify_file(tmp_path):
 
 def test_atomic_dir_renames_on_success_and_cleans_on_error(tmp_path):
     final = tmp_path / "out"
-    with assets._atomic_dir(final) as tmp:
-        (tmp / "a.txt").write_text("1")
+    with atomic_dir(final) as tmp:
+        (Path(tmp) / "a.txt").write_text("1")
         assert not final.exists()
     assert (final / "a.txt").read_text() == "1"
-    assert final.stat().st_mode & 0o777 == 0o777 & ~assets._umask()  # not mkdtemp's private 0o700
+    assert final.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's private 0o700
     with pytest.raises(RuntimeError, match="boom"):
-        with assets._atomic_dir(final) as tmp:
-            (tmp / "a.txt").write_text("2")
+        with atomic_dir(final) as tmp:
+            (Path(tmp) / "a.txt").write_text("2")
             raise RuntimeError("boom")
     assert (final / "a.txt").read_text() == "1"  # untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder left behind
@@ -182,7 +186,7 @@ def test_setup_removes_a_partial_mistral_common(tmp_path):
         return subprocess.run([python, *args], env=env, capture_output=True, text=True)
 
     assert run("-c", probe).stdout == "True\n"
-    first = run("-m", "dpo_megatron.assets", "--remove-partial-mistral-common")
+    first = run(str(root / "scripts" / "assets.py"), "--remove-partial-mistral-common")
     assert first.returncode == 0, first.stderr
     assert re.fullmatch(
         rf"removed mistral-common from {re.escape(str(venv))}: installed without "
@@ -191,5 +195,28 @@ def test_setup_removes_a_partial_mistral_common(tmp_path):
         first.stdout,
     ), first.stdout
     assert run("-c", probe).stdout == "False\n"
-    second = run("-m", "dpo_megatron.assets", "--remove-partial-mistral-common")
+    second = run(str(root / "scripts" / "assets.py"), "--remove-partial-mistral-common")
     assert (second.returncode, second.stdout) == (0, "")
+
+
+def test_the_runtime_looks_up_where_the_builders_write(tmp_cache):
+    from dpo_megatron.utils.cache import ASSET_PATHS, asset_path
+
+    assert sorted(ASSET_PATHS) == sorted(assets.ASSETS)
+    built = {
+        "smollm2": assets.smollm2_dir(),
+        "dpo_en_demo": assets.llamafactory_dir() / assets.DPO_EN_DEMO.name,
+        "dpo_zh_demo": assets.llamafactory_dir() / assets.DPO_ZH_DEMO.name,
+        "alpaca_en_demo": assets.llamafactory_dir() / assets.ALPACA_EN_DEMO.name,
+        "kto_en_demo": assets.llamafactory_dir() / assets.KTO_EN_DEMO.name,
+        "sentencepiece": tmp_cache / "mistral-sentencepiece" / "tokenizer.model",
+    }
+    assert {name: tmp_cache / rel for name, rel in ASSET_PATHS.items()} == built
+    with pytest.raises(
+        FileNotFoundError, match=r"build it with `python scripts/assets.py smollm2`"
+    ):
+        asset_path("smollm2")
+    built["smollm2"].mkdir(parents=True)
+    assert asset_path("smollm2") == built["smollm2"]
+    with pytest.raises(ValueError, match="unknown asset 'nope'; known: "):
+        asset_path("nope")

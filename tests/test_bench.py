@@ -120,7 +120,9 @@ def _tiny_hf_model(folder: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dpo_megatron import assets
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -224,7 +226,9 @@ def test_bench_engines_are_valid_configs():
 
 
 def _assets_smollm2():
-    from dpo_megatron import assets
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
 
     return assets.ensure_smollm2()
 

@@ -244,9 +244,9 @@ def test_loss_shorthand_trains_that_loss():
 def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
     """``loss: ipo`` / ``model: smollm2`` in YAML and ``model=NAME`` on the command line. Old:
     ``model=pythia69`` gave "invalid value for config key None ...: None"."""
-    from dpo_megatron import assets
+    from dpo_megatron.utils import cache
 
-    monkeypatch.setitem(assets.ASSETS, "smollm2", lambda: "/assets/smollm2")  # no asset built here
+    monkeypatch.setattr(cache, "asset_path", lambda name: f"/assets/{name}")  # no asset built here
     f = tmp_path / "c.yaml"
     f.write_text("loss: ipo\nmodel: smollm2\ndata:\n  path: d.json\n")
     cfg = load_config(str(f), ["loss.beta=0.3"])
@@ -377,7 +377,7 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
 
     from dpo_megatron.config import main
     from dpo_megatron.losses import build_loss
-    from dpo_megatron.training.model_setup import resolve_model_config
+    from dpo_megatron.training.run_models import resolve_model_config
     from tests.models.conversion_helpers import save_tiny_hf_folder
 
     folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"))

@@ -143,7 +143,9 @@ def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
     """A chat-template mistake shows only when the data is tokenized: the pre-check tokenizes
     (into the cache the ranks read), so it too ends in one line before any rank starts. Old: a
     traceback from every rank plus torchrun's failure block."""
-    from dpo_megatron.assets import ensure_sentencepiece_model
+    from tests.scripts import load_script
+
+    ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
 
     out = _script(
         "scripts/pretrain_dpo.sh",
@@ -164,10 +166,12 @@ def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
 @pytest.mark.slow
 def test_rank_side_data_error_is_one_line(tmp_path):
     """Under another launcher (here one process, no pre-check) a data error is printed once,
-    plainly, with the exit status of a reported mistake (dpo_megatron.launch.USER_ERROR_EXIT,
+    plainly, with the exit status of a reported mistake (dpo_megatron.utils.exits.USER_ERROR_EXIT,
     which scripts/pretrain_dpo.sh turns into 1). Old: a traceback ending in the message."""
-    from dpo_megatron.assets import ensure_sentencepiece_model
-    from dpo_megatron.launch import USER_ERROR_EXIT
+    from tests.scripts import load_script
+
+    ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
+    from dpo_megatron.utils.exits import USER_ERROR_EXIT
 
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1"
@@ -306,7 +310,7 @@ def test_a_mistake_met_on_the_ranks_ends_with_its_line_and_a_pointer(tmp_path):
 def test_a_mistake_met_by_one_rank_alone_is_printed_by_that_rank(tmp_path):
     """Rank 0 runs on (here: sleeps 300 s): rank 1 waits RANK0_GRACE_S for it, then prints the
     line itself and exits; torchrun stops rank 0."""
-    from dpo_megatron.launch import RANK0_GRACE_S
+    from dpo_megatron.utils.exits import RANK0_GRACE_S
     from tests.launcher_entry import MISTAKE
 
     started = time.monotonic()
@@ -336,7 +340,7 @@ def test_a_run_dir_refusal_comes_in_seconds_before_any_heavy_import(tmp_path):
     launcher's pre-check, and by rank 0 of ``dpo_megatron.train`` under another launcher, before
     torch / megatron-core / the data are loaded: one line, nothing changed. Old: refused only
     once the ranks had started (about 50 s on the SmolLM2 job)."""
-    from dpo_megatron.launch import USER_ERROR_EXIT
+    from dpo_megatron.utils.exits import USER_ERROR_EXIT
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -438,8 +442,8 @@ def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatc
     import dpo_megatron.train as train_module
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.storage import CheckpointSaveError
-    from dpo_megatron.launch import FAULT_EXIT, LAUNCHER_EXITS
     from dpo_megatron.training.shutdown import NonFiniteLossError
+    from dpo_megatron.utils.exits import FAULT_EXIT, LAUNCHER_EXITS
 
     error = {
         "checksum": CheckpointIntegrityError("/r/iter_0000002", ["a.distcp: changed"]),

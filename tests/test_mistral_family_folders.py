@@ -48,7 +48,7 @@ def test_sequence_parallel_is_required_only_for_moe_at_tp_above_1():
 
     from dpo_megatron.models import ModelConfig
     from dpo_megatron.parallel import ParallelConfig
-    from dpo_megatron.training.model_setup import require_sequence_parallel
+    from dpo_megatron.training.run_models import require_sequence_parallel
 
     def resolved(tp, experts, sp=False):
         cfg = SimpleNamespace(
@@ -66,7 +66,9 @@ def test_sequence_parallel_is_required_only_for_moe_at_tp_above_1():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """{"mistral": folder, "mixtral": folder, "data": preference file, "config": YAML}."""
-    from dpo_megatron.assets import ensure_sentencepiece_model
+    from tests.scripts import load_script
+
+    ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
     from tests.models.conversion_helpers import save_tiny_hf_folder
     from tests.training.test_lifecycle import write_fixture
 
@@ -128,7 +130,9 @@ def without_mistral_common(tmp_path_factory):
 def partial_mistral_common(tmp_path_factory):
     """A PYTHONPATH folder holding mistral-common installed ``--no-deps``, as set-ups before
     issue 29 left it in the venv."""
-    from dpo_megatron.assets import MISTRAL_COMMON_PACKAGE
+    from tests.scripts import load_script
+
+    MISTRAL_COMMON_PACKAGE = load_script("assets").MISTRAL_COMMON_PACKAGE
 
     folder = tmp_path_factory.mktemp("partial_mistral_common")
     subprocess.run(

@@ -43,7 +43,9 @@ from typing import Any, Optional
 
 import torch
 
-from dpo_megatron.checkpointing import ranks
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.exceptions import exceptions_in
+from dpo_megatron.utils.files import write_json_atomic
 
 MANIFEST_FILE = "manifest.json"
 """Sizes and digests of every other file of a checkpoint (written last)."""
@@ -106,7 +108,7 @@ def _share(names: list[str]) -> list[str]:
 def write_manifest(folder: str) -> dict:
     """Hash every file of ``folder`` (ranks split the files) and write ``manifest.json`` there,
     atomically, on rank 0 (collective). Returns the manifest."""
-    names = ranks.broadcast_from_rank0(checkpoint_files(folder) if ranks.rank() == 0 else None)
+    names = ranks.broadcast_from_rank0(checkpoint_files(folder) if ranks.is_rank0() else None)
     local = {}
     for name in _share(names):
         size, digest = file_digest(os.path.join(folder, name))
@@ -120,19 +122,9 @@ def write_manifest(folder: str) -> dict:
         "total_bytes": sum(e["size"] for e in files.values()),
         "files": dict(sorted(files.items())),
     }
-    if ranks.rank() == 0:
+    if ranks.is_rank0():
         write_json_atomic(os.path.join(folder, MANIFEST_FILE), manifest)
     return manifest
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write JSON to ``path`` via a temporary file, fsync and rename (never a half file)."""
-    tmp = f"{path}.partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_manifest(folder: str) -> Optional[dict]:
@@ -202,7 +194,7 @@ def verify_checkpoint(folder: str) -> Verification:
     a file that failed its checksum is corrupt, and reported as such only).
     """
     start = time.perf_counter()
-    head = _manifest_and_listing(folder) if ranks.rank() == 0 else None
+    head = _manifest_and_listing(folder) if ranks.is_rank0() else None
     entries, problems = ranks.broadcast_from_rank0(head)
     local = []
     for name in _share(sorted(entries or {})):
@@ -210,7 +202,7 @@ def verify_checkpoint(folder: str) -> Verification:
     for part in ranks.gather_to_all(local):
         problems.extend(part)
     scan = None
-    if ranks.rank() == 0:
+    if ranks.is_rank0():
         failed = {p.split(": ", 1)[0] for p in problems}
         scan = unsafe_pickles(folder, skip=failed)
     unsafe = ranks.broadcast_from_rank0(scan)
@@ -412,8 +404,6 @@ def unsafe_tensor_items(folder: str) -> list[str]:
 def is_weights_only_refusal(exc: BaseException) -> bool:
     """True when ``exc`` (or what it wraps: its cause / context chain, torch DCP's per-rank
     failures) is torch's weights-only unpickling refusal."""
-    from dpo_megatron.checkpointing.storage import exceptions_in
-
     return any(
         isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e)
         for e in exceptions_in(exc)
@@ -429,7 +419,7 @@ def verify_or_raise(folder: str) -> Verification:
     """
     verification = verify_checkpoint(folder)
     verification.raise_if_failed(folder)
-    if ranks.rank() == 0:
+    if ranks.is_rank0():
         print(verification.report(folder), flush=True)
     return verification
 

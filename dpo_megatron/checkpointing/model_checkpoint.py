@@ -22,29 +22,34 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from dpo_megatron.checkpointing.integrity import load_sharded, verify_or_raise
 from dpo_megatron.checkpointing.storage import CheckpointWriter
 from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.modules import unwrap
 
 MODEL_CONFIG_FILE = "model_config.json"
 """ModelConfig of the saved model (written when given), so converters can rebuild it."""
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):  # DDP / Float16Module wrappers
-        module = module.module
-    return module
-
-
 def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     """``{"model": ...}`` for one chunk, ``{"model0": ..., "model1": ...}`` for virtual pipeline
     chunks (Megatron-LM's convention); the tensors' keys inside are global either way."""
-    models = [_unwrap(c) for c in chunks]
+    models = [unwrap(c) for c in chunks]
     if len(models) == 1:
         return {"model": models[0].sharded_state_dict()}
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def load_chunks(chunks: list[torch.nn.Module], loaded: dict) -> None:
+    """Load the model state of a checkpoint read with :func:`_sharded_state_dict`'s keys
+    (``model``, or ``model0``, ``model1``, ... for virtual pipeline chunks) into the chunks,
+    strictly (every parameter present, no extra key)."""
+    models = [unwrap(c) for c in chunks]
+    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for model, key in zip(models, keys):
+        model.load_state_dict(loaded[key], strict=True)
 
 
 def sharded_bytes(sharded_state_dict: dict) -> int:
@@ -66,7 +71,7 @@ def sharded_bytes(sharded_state_dict: dict) -> int:
 
 def write_model_config(folder: str, model_cfg: ModelConfig) -> None:
     """``model_config.json`` into a checkpoint folder (rank 0 only; other ranks do nothing)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not ranks.is_rank0():
         return
     with open(os.path.join(folder, MODEL_CONFIG_FILE), "w") as f:
         json.dump(dataclasses.asdict(model_cfg), f, indent=2)
@@ -114,11 +119,7 @@ def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
         )
     verify_or_raise(ckpt_dir)
     sharded = _sharded_state_dict(chunks)
-    loaded = load_sharded(sharded, ckpt_dir)
-    models = [_unwrap(c) for c in chunks]
-    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
-    for model, key in zip(models, keys):
-        model.load_state_dict(loaded[key], strict=True)
+    load_chunks(chunks, load_sharded(sharded, ckpt_dir))
 
 
 def load_model_config(ckpt_dir: str) -> Optional[ModelConfig]:

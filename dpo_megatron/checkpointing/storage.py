@@ -29,7 +29,9 @@ import shutil
 import time
 from typing import Callable, Optional
 
-from dpo_megatron.checkpointing import ranks
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.exceptions import exceptions_in
+from dpo_megatron.utils.files import replace_dir
 
 _RESERVE_BYTES = 1 << 20
 """Free space kept beyond the estimate (plus 5% of it): file-system blocks, the small files
@@ -39,32 +41,6 @@ _RESERVE_BYTES = 1 << 20
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the message names the path and the cause. The
     ``.tmp`` folder is removed and earlier checkpoints are intact."""
-
-
-def replace_dir(tmp: str, final: str) -> None:
-    """Rename the complete folder ``tmp`` to ``final``; an existing ``final`` is moved aside
-    first and deleted only after the rename (one process, e.g. rank 0, calls this)."""
-    old = f"{final}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(os.path.dirname(final))
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def free_bytes(path: str) -> int:
@@ -80,22 +56,6 @@ def _read_only(path: str) -> bool:
     while not os.path.exists(path):
         path = os.path.dirname(path) or "."
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-
-
-def exceptions_in(exc: BaseException):
-    """``exc`` and every exception it wraps: its cause / context chain and torch DCP's per-rank
-    failures (``CheckpointException.failures``), each once."""
-    seen, stack = set(), [exc]
-    while stack:
-        e = stack.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        stack += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
 def _find_oserror(exc: BaseException) -> Optional[OSError]:
@@ -147,7 +107,7 @@ class CheckpointWriter:
         """Wall time of the manifest phase (every rank hashing its share, then the gather)."""
         total = sum(ranks.gather_to_all(int(local_bytes)))
         error = None
-        if ranks.rank() == 0:
+        if ranks.is_rank0():
             error = self._prepare(total)
         self._agree(error)
 
@@ -193,7 +153,7 @@ class CheckpointWriter:
 
         self.phase(manifest)
         self.hash_seconds = time.perf_counter() - hashing
-        self.phase(lambda tmp: replace_dir(tmp, self.ckpt_dir) if ranks.rank() == 0 else None)
+        self.phase(lambda tmp: replace_dir(tmp, self.ckpt_dir) if ranks.is_rank0() else None)
 
     def report(self) -> str:
         """After :meth:`commit`: ``wrote <folder> (N files, SIZE in S s; checksums H s)``, the
@@ -214,7 +174,7 @@ class CheckpointWriter:
         if error:  # the failing rank removes the folder itself too: others may be gone
             shutil.rmtree(self.tmp, ignore_errors=True)
         ranks.barrier()
-        if ranks.rank() == 0:
+        if ranks.is_rank0():
             shutil.rmtree(self.tmp, ignore_errors=True)
         raise CheckpointSaveError(
             f"saving checkpoint {self.ckpt_dir} failed: {'; '.join(errors)}. Removed "

@@ -41,22 +41,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dpo_megatron.checkpointing import ranks
 from dpo_megatron.checkpointing.integrity import (
     CheckpointIntegrityError,
     load_sharded,
     load_weights_only,
     verify_or_raise,
-    write_json_atomic,
 )
 from dpo_megatron.checkpointing.model_checkpoint import (
     _sharded_state_dict,
-    _unwrap,
+    load_chunks,
     sharded_bytes,
     write_model_config,
 )
 from dpo_megatron.checkpointing.storage import CheckpointWriter
 from dpo_megatron.compat import dist_ckpt_queue, torch_adam_resume
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import write_json_atomic
 
 TRAIN_STATE_FILE = "train_state.json"
 """Non-tensor state of the run (rank 0)."""
@@ -320,7 +320,7 @@ def save_training_checkpoint(
     def write_json(tmp: str) -> None:
         if model_cfg is not None:
             write_model_config(tmp, model_cfg)
-        if ranks.rank() == 0:
+        if ranks.is_rank0():
             write_json_atomic(os.path.join(tmp, TRAIN_STATE_FILE), train_state)
 
     writer.phase(write_json)
@@ -451,10 +451,7 @@ def load_training_checkpoint(
         {k: v for k, v in _optimizer_common(state.get("optimizer")).items()}
     )
     loaded = load_sharded(state, ckpt_dir)
-    models = [_unwrap(c) for c in chunks]
-    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
-    for model, key in zip(models, keys):
-        model.load_state_dict(loaded[key], strict=True)
+    load_chunks(chunks, loaded)
     if optimizer is not None:
         optimizer_state = _match_optimizer_structure(requested_optimizer, loaded["optimizer"])
         with torch_adam_resume.keep_torch_adam_step(optimizer):
@@ -463,6 +460,6 @@ def load_training_checkpoint(
         rng_file = _rng_file(ckpt_dir, ranks.rank())
         if os.path.isfile(rng_file):
             set_rng_state(load_weights_only(rng_file, f"{RNG_DIR}/{os.path.basename(rng_file)}"))
-        elif ranks.rank() == 0:
+        elif ranks.is_rank0():
             print(f"note: {ckpt_dir} has no {RNG_DIR}/ states: RNG states start fresh", flush=True)
     return train_state

@@ -9,12 +9,7 @@ place, so readers never see half of one; an unwritable cache only costs speed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,12 +19,10 @@ from dpo_megatron.data.kinds import ItemKind
 from dpo_megatron.data.read import ReadSource
 from dpo_megatron.data.reader import Source
 from dpo_megatron.data.tokenizer import tokenizer_fingerprint
+from dpo_megatron.utils.cache import cache_root, content_key
+from dpo_megatron.utils.files import atomic_dir
 
 logger = logging.getLogger(__name__)
-
-CACHE_VERSION = 5
-"""Bump when tokenization or conversion changes what a cached entry would contain, or the key's
-form changes (5: the item kind's ``reads_rejected`` replaced the ``sft`` flag)."""
 
 TOKENIZE_FIELDS = (
     "on_error",
@@ -56,10 +49,10 @@ def source_identity(source: Source) -> dict | list:
 def tokenization_cache_key(
     read: ReadSource, tokenizer, settings: EncodeSettings, cfg: DataConfig, kind: ItemKind
 ) -> str:
-    """sha256 (hex) over the data's identity, the format, the kind, the tokenizer, the chat
-    template and the token-affecting settings."""
+    """:func:`~dpo_megatron.utils.cache.content_key` (sha256 hex, with the cache version) of the
+    data's identity, the format, the kind, the tokenizer, the chat template and the
+    token-affecting settings."""
     key = {
-        "version": CACHE_VERSION,
         "source": source_identity(read.source),
         "malformed": read.source.malformed,
         "format": read.format.name,
@@ -70,7 +63,7 @@ def tokenization_cache_key(
         },
         "config": {k: getattr(cfg, k) for k in TOKENIZE_FIELDS},
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return content_key(key)
 
 
 def cache_folder(cfg: DataConfig, key: str) -> Path | None:
@@ -81,8 +74,6 @@ def cache_folder(cfg: DataConfig, key: str) -> Path | None:
     if cfg.cache_dir:
         root = Path(cfg.cache_dir).expanduser()
     else:
-        from dpo_megatron.assets import cache_root
-
         root = cache_root() / "data"
     return root / f"tokenized-{key[:32]}"
 
@@ -100,16 +91,7 @@ def save_atomically(tokenized, folder: Path) -> None:
     """save_to_disk into a temporary folder renamed into place (readers never see half a cache);
     a failure only logs a warning."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    except OSError:
-        logger.warning("could not write the tokenization cache %s", folder)
-        return
-    try:
-        tokenized.save_to_disk(str(tmp))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # an unwritable cache only costs speed
+        with atomic_dir(folder) as tmp:
+            tokenized.save_to_disk(tmp)
+    except OSError:  # an unwritable cache only costs speed
         logger.warning("could not write the tokenization cache %s", folder)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dpo_megatron.config_checks import check_choice, check_range
+from dpo_megatron.utils.config_checks import check_choice, check_range
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 ON_ERROR_MODES = ("raise", "skip")

@@ -33,6 +33,7 @@ from dpo_megatron.data.selection import mix, select_source
 from dpo_megatron.data.summary import drop_warning, format_summary, summarize
 from dpo_megatron.data.tokenization import tokenize_source
 from dpo_megatron.data.tokenizer import resolve_chat_template
+from dpo_megatron.utils.ranks import is_rank0
 
 __all__ = [
     "check_sources",
@@ -102,20 +103,20 @@ def load_items(cfg: DataConfig, tokenizer, kind: ItemKind | str):
     summary = summarize(per_source + eval_sources, train, eval_, cfg, kind)
     _report(summary, cfg)
     train, eval_ = (kind.finish(x, cfg.max_length) for x in (train, eval_))
-    return kind.dataset(train, eval_, summary, verbose=cfg.verbose and _is_rank_zero())
+    return kind.dataset(train, eval_, summary, verbose=cfg.verbose and is_rank0())
 
 
 def _report(summary: dict, cfg: DataConfig) -> None:
     """Print the summary (and its drop warning) on rank 0, log it, and warn once about text
     prompts that end with a space."""
     warning = drop_warning(summary)
-    if cfg.verbose and _is_rank_zero():
+    if cfg.verbose and is_rank0():
         print(format_summary(summary), flush=True)
         if warning:
             print(warning, flush=True)
     logger.info("%s", format_summary(summary))
     spaced = summary["notes"].get("prompt_ends_with_space", 0)
-    if spaced and _is_rank_zero():  # once per load, with the count (TRL warns per row)
+    if spaced and is_rank0():  # once per load, with the count (TRL warns per row)
         logger.warning(
             "%d text prompt(s) end with a space: the space becomes a token of its own at the end "
             "of the prompt, a boundary the model rarely sees before an answer (completions then "
@@ -123,10 +124,3 @@ def _report(summary: dict, cfg: DataConfig) -> None:
             "strip it.",
             spaced,
         )
-
-
-def _is_rank_zero() -> bool:
-    """True unless torch.distributed is initialized and this is not global rank 0."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

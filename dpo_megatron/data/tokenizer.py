@@ -223,7 +223,7 @@ def load_tokenizer(path: str):
     except ImportError:
         # transformers routes mistral / mixtral folders through mistral_common whenever it is
         # importable; one installed without its dependencies (earlier set-ups did) fails there.
-        from dpo_megatron.assets import mistral_common_unusable
+        from dpo_megatron.utils.mistral_common import mistral_common_unusable
 
         missing = mistral_common_unusable()
         if missing is None:

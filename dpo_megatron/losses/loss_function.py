@@ -14,14 +14,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from dpo_megatron.losses.kto import finish_kto_metrics, weight_advice
-from dpo_megatron.losses.registry import LABEL_ARG, LossSpec, LossState, get_loss_spec
-from dpo_megatron.losses.sequence import (
+from dpo_megatron.losses.reductions import (
     length_desensitized_logps,
     sequence_logps,
     sequence_token_counts,
     split_pairs,
     wpo_weights,
 )
+from dpo_megatron.losses.registry import LABEL_ARG, LossSpec, LossState, get_loss_spec
 from dpo_megatron.losses.terms import add_nll_term
 
 Tensor = torch.Tensor

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dpo_megatron.config_checks import check_choice, check_range
-
 # The one preset table lives in ``models/presets.py`` (reference-repo names such as pythia28 and
 # pythia69, the small Pythias, smollm2); re-exported here, where ``model=NAME`` looks it up.
 from dpo_megatron.models.presets import MODEL_PRESETS, model_preset_keys, preset_name  # noqa: F401
+from dpo_megatron.utils.config_checks import check_choice, check_range
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 QK_NORM_SCOPES = ("head", "projection")
@@ -174,7 +173,7 @@ class ModelConfig:
     """With 'full': layers per recompute group (>= 1)."""
     fused_lm_head: bool = True
     """Log-probs straight from the hidden states, the LM head a chunk of positions at a time
-    (``training.logprobs.vocab_parallel_linear_logps``): no [tokens, V/TP] logits are kept for
+    (``models.logprobs.vocab_parallel_linear_logps``): no [tokens, V/TP] logits are kept for
     backward, which projects each chunk again (one more LM-head matmul: about 7% of a SmolLM2
     step on CPU). false: the output layer's logits, kept for backward (faster, ~1 GiB more at
     SmolLM2's 49k vocabulary and 2k scored tokens). The log-probs agree to fp32 rounding."""

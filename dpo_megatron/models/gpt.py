@@ -25,17 +25,17 @@ from dpo_megatron.models.context_attention import (
     uses_context_parallel_attention,
 )
 from dpo_megatron.models.layers import LayerTypeRope
-from dpo_megatron.models.moe import set_aux_loss_weight
-from dpo_megatron.models.specs import layer_spec
-from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
-from dpo_megatron.parallel.config import ParallelConfig
-from dpo_megatron.parallel.device import get_device, is_cuda
-from dpo_megatron.training.logprobs import (
+from dpo_megatron.models.logprobs import (
     HeadLogps,
     vocab_parallel_linear_logps,
     vocab_parallel_log_sum_p2,
     vocab_parallel_token_logps,
 )
+from dpo_megatron.models.moe import set_aux_loss_weight
+from dpo_megatron.models.specs import layer_spec
+from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
+from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.parallel.device import get_device, is_cuda
 
 
 class DPOGPTModel(GPTModel):
@@ -73,7 +73,7 @@ class DPOGPTModel(GPTModel):
       logits).
 
     * ``target_ids`` [n] (with ``output_index``): the last stage returns the log-probs of these
-      targets instead of logits, through ``training.logprobs.vocab_parallel_linear_logps``,
+      targets instead of logits, through ``models.logprobs.vocab_parallel_linear_logps``,
       which never holds the [n, V/TP] logits (``log_sum_p2=True`` adds the WPO normaliser).
 
     Outputs: hidden states [L(/TP), R, h] off the last stage; on it, with ``target_ids`` a

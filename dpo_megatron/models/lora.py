@@ -68,6 +68,7 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from dpo_megatron.models.lora_config import LORA_TARGETS, LoraConfig
+from dpo_megatron.utils.modules import unwrap
 
 ADAPTER_SUFFIX = "_lora"
 """An adapter of ``<parent>.linear_qkv`` is the module ``<parent>.linear_qkv_lora``."""
@@ -78,12 +79,6 @@ _PARALLEL_MODE = {
     "linear_fc2": "row",
 }
 _LAYER_CLASS = {"column": ColumnParallelLinear, "row": RowParallelLinear}
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):  # DDP / Float16Module wrappers
-        module = module.module
-    return module
 
 
 class LoRAAdapter(torch.nn.Module):
@@ -313,7 +308,7 @@ def attach_lora(chunks: list, lora: LoraConfig, model_cfg, seed: int) -> list[Lo
     """
     adapters = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         if any(isinstance(m, LoRAAdapter) for m in model.modules()):
             raise ValueError("LoRA adapters are already attached to this model")
         for p in model.parameters():
@@ -382,7 +377,7 @@ def reset_adapters(chunks: list, seed: int, b_std: float = 0.0) -> None:
 
 def adapters(chunk: torch.nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
     """(local module name, adapter) of one chunk (DDP-wrapped or not), in module order."""
-    for name, module in _unwrap(chunk).named_modules():
+    for name, module in unwrap(chunk).named_modules():
         if isinstance(module, LoRAAdapter):
             yield name, module
 
@@ -410,7 +405,7 @@ def merge_adapters(chunks: list) -> None:
     """Fold every adapter into its base weight (W <- W + (alpha / r) B A) and remove it: the
     chunks become a plain dense model computing what the adapted one computed."""
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         for name, adapter in list(adapters(model)):
             adapter.base.weight.copy_(adapter.merged_weight())
             adapter.hook.remove()
@@ -449,7 +444,7 @@ class AdapterCheckpoint:
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
     ) -> dict:
-        full = _unwrap(self._chunk).sharded_state_dict(prefix, sharded_offsets, metadata)
+        full = unwrap(self._chunk).sharded_state_dict(prefix, sharded_offsets, metadata)
         return {k: v for k, v in full.items() if is_adapter_key(k)}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
@@ -458,7 +453,7 @@ class AdapterCheckpoint:
         Raises:
             KeyError: missing or unexpected adapter keys (e.g. other target modules or rank).
         """
-        model = _unwrap(self._chunk)
+        model = unwrap(self._chunk)
         wanted = {k for k in model.state_dict() if is_adapter_key(k)}
         missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
         if strict and (missing or unexpected):

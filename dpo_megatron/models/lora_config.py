@@ -59,11 +59,16 @@ class LoraConfig:
     """Layers that get adapters, by megatron-core name: any of linear_qkv, linear_proj,
     linear_fc1, linear_fc2 (every transformer layer's)."""
 
-    def validate(self, *, loss: dict, reference, model, export_hf) -> None:
+    def validate(
+        self, *, loss: dict, loss_reads_reference: bool, reference, model, export_hf
+    ) -> None:
         """Reject LoRA settings that cannot run, before any rank starts.
 
         Args:
-            loss: the ``loss`` section (its losses say whether a reference is read).
+            loss: the ``loss`` section (named in the messages).
+            loss_reads_reference: whether the run's loss reads the reference (the loss
+                object's ``needs_reference``; the config passes it, the models floor builds
+                no loss).
             reference: the ``reference`` section.
             model: the ``model`` section (the layer implementation).
             export_hf: ``checkpoint.export_hf``.
@@ -103,10 +108,7 @@ class LoraConfig:
                 "the policy's own frozen base weights, there is no reference copy "
                 "to offload; drop reference.offload"
             )
-        from dpo_megatron.losses import build_loss
-
-        loss_fn = build_loss(loss)
-        if not loss_fn.needs_reference and reference.mode == "precomputed":
+        if not loss_reads_reference and reference.mode == "precomputed":
             raise ValueError(
                 f"reference.mode=precomputed with lora.enabled=true and loss "
                 f"{loss.get('name')!r}, which reads no reference: there is nothing "

@@ -51,8 +51,8 @@ class ModelPreset:
     parameters: str
     """Approximate size, as the model's name states it."""
     asset: str = ""
-    """Offline asset holding the model (a key of ``dpo_megatron.assets.ASSETS``); ``model=NAME``
-    then sets ``model.hf_path=${asset:<asset>}``, resolved when the config is."""
+    """Offline asset holding the model (a key of ``dpo_megatron.utils.cache.ASSET_PATHS``);
+    ``model=NAME`` then sets ``model.hf_path=${asset:<asset>}``, resolved when the config is."""
     model_keys: dict[str, Any] = field(default_factory=dict, hash=False)
     """Further ``model.*`` keys the preset sets (SmolLM2: ``pad_attention_heads``)."""
 
@@ -154,8 +154,8 @@ def resolve_model_preset(name: str, search_dirs: Optional[Sequence[str]] = None)
             name>`` with a config.json (default: ``$DPO_MEGATRON_MODELS``; ``[]``: none).
 
     Returns:
-        The local folder, else the preset's offline asset (built if not cached), else the hub
-        name (``EleutherAI/pythia-2.8b``).
+        The local folder, else the preset's offline asset (in the cache: ``scripts/assets.py``
+        builds it), else the hub name (``EleutherAI/pythia-2.8b``).
 
     Raises:
         ValueError: an unknown preset (lists them), or a local folder whose config.json describes
@@ -166,9 +166,9 @@ def resolve_model_preset(name: str, search_dirs: Optional[Sequence[str]] = None)
     if folder:
         return folder
     if preset.asset:
-        from dpo_megatron import assets  # builds the asset on first use; imports no torch
+        from dpo_megatron.utils import cache
 
-        return str(assets.ASSETS[preset.asset]())
+        return str(cache.asset_path(preset.asset))
     return preset.hub_name
 
 

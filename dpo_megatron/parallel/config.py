@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dpo_megatron.config_checks import check_choice, check_range
+from dpo_megatron.utils.config_checks import check_choice, check_range
 
 BACKENDS = ("auto", "nccl", "gloo")
 

@@ -105,7 +105,7 @@ def restart_with_malloc_tunables() -> None:
     try:
         env = malloc_env(os.environ)
     except ValueError as exc:  # before torch: one line from rank 0, not a traceback per rank
-        from dpo_megatron.launch import fail
+        from dpo_megatron.utils.exits import fail
 
         fail(f"error: {exc}")
     if env is None:

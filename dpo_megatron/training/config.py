@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dpo_megatron.config_checks import check_choice, check_range
+from dpo_megatron.utils.config_checks import check_choice, check_range
 
 REFERENCE_MODES = ("model", "precomputed")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")

@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from dpo_megatron.data.batch import BatchBuilder
 from dpo_megatron.parallel.device import get_device, to_device
 from dpo_megatron.training.step import _share_from_last_stage, run_policy, run_schedule
+from dpo_megatron.utils.run_layout import RunLayout
 
 
 def eval_micro_batch_indices(
@@ -241,12 +242,11 @@ def greedy_generate(
     return generated
 
 
-def write_samples(run_dir: str, step: int, records: list[dict]) -> str:
+def write_samples(layout: RunLayout, step: int, records: list[dict]) -> str:
     """Write decoded samples to ``<run_dir>/samples/step_<step>.jsonl`` (call on one rank);
     returns the path."""
-    folder = os.path.join(run_dir, "samples")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"step_{step:07d}.jsonl")
+    os.makedirs(layout.samples, exist_ok=True)
+    path = layout.samples_file(step)
     with open(path, "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -21,11 +21,11 @@ import time
 import warnings
 from typing import Optional
 
-import torch.distributed as dist
-
 from dpo_megatron.training.config import LoggingConfig  # noqa: F401  (the section's home)
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import write_text_atomic
+from dpo_megatron.utils.run_layout import RunLayout
 
-METRICS_FILE = "metrics.jsonl"
 """One JSON record per logged step and split, in the run directory."""
 _CONSOLE_KEYS = (
     ("loss", "loss"),
@@ -42,7 +42,7 @@ _CONSOLE_KEYS = (
 
 def is_logging_rank() -> bool:
     """Global rank 0 writes logs (every rank holds the same reduced metrics)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return ranks.is_rank0()
 
 
 def strict_json_value(value):
@@ -92,12 +92,7 @@ def truncate_metrics(path: str, last_step: int) -> int:
         else:
             dropped += 1
     if dropped or torn or (lines and not lines[-1].endswith("\n")):
-        tmp = f"{path}.partial"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(kept))
     return dropped
 
 
@@ -115,7 +110,7 @@ class MetricsLogger:
     """Writes one record per step to console, TensorBoard, W&B and ``<run_dir>/metrics.jsonl``.
 
     Args:
-        run_dir: run directory.
+        run: the run folder (its RunLayout, or the folder path).
         total_steps: the run's ``train_iters`` (for ``step/total`` and the ETA).
         config: LoggingConfig (None: TensorBoard only).
         start_step: the step a resumed run starts after; the ETA uses the steps of this process
@@ -125,7 +120,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        run_dir: str,
+        run: RunLayout | str,
         total_steps: int,
         config: Optional[LoggingConfig] = None,
         start_step: int = 0,
@@ -141,19 +136,20 @@ class MetricsLogger:
         self.wandb = None
         if not self.enabled:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(run_dir, METRICS_FILE)
+        layout = run if isinstance(run, RunLayout) else RunLayout(run)
+        os.makedirs(layout.run_dir, exist_ok=True)
+        path = layout.metrics
         truncate_metrics(path, start_step)
         self.jsonl = open(path, "a", encoding="utf-8")
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(
-                os.path.join(run_dir, "tensorboard"),
+                layout.tensorboard,
                 purge_step=start_step + 1 if start_step else None,
             )
         if config.wandb_project:
-            self.wandb = _start_wandb(config, run_dir, run_config)
+            self.wandb = _start_wandb(config, layout.run_dir, run_config)
 
     def log(
         self,

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -39,8 +36,10 @@ from dpo_megatron.data.batch import BatchBuilder
 from dpo_megatron.data.pairs import PreferencePair
 from dpo_megatron.parallel.device import get_device, is_cuda
 from dpo_megatron.training.config import ReferenceConfig
-
-CACHE_VERSION = 2
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.cache import CACHE_VERSION, cache_root, content_key
+from dpo_megatron.utils.files import atomic_file
+from dpo_megatron.utils.modules import unwrap
 
 
 @dataclass
@@ -56,13 +55,10 @@ class ReferenceTable:
 
     def save(self, path: Path) -> None:
         """Atomic write (temp file + rename): concurrent readers see all or nothing."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
         lengths = torch.tensor([[len(c), len(r)] for c, r in zip(self.chosen, self.rejected)])
         flat = torch.cat([t for pair in zip(self.chosen, self.rejected) for t in pair])
-        torch.save({"version": CACHE_VERSION, "lengths": lengths, "values": flat}, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            torch.save({"version": CACHE_VERSION, "lengths": lengths, "values": flat}, tmp)
 
     @classmethod
     def load(cls, path: Path) -> "ReferenceTable":
@@ -144,7 +140,7 @@ def weights_fingerprint(chunks: list) -> str:
     stats = [
         _tensor_stats(p.detach().reshape(-1))
         for chunk in chunks
-        for _, p in sorted(getattr(chunk, "module", chunk).named_parameters())
+        for _, p in sorted(unwrap(chunk).named_parameters())
         if not p.requires_grad
     ]
     local = torch.cat(stats).cpu().numpy().tobytes() if stats else b""
@@ -169,14 +165,13 @@ def reference_cache_key(
     """
     model = asdict(model_config) if is_dataclass(model_config) else dict(model_config)
     key = {
-        "version": CACHE_VERSION,
         "model": model,
         "weights": weights,
         "layout": layout,
         "pairs": pairs_fingerprint(pairs),
         "dtype": str(torch.get_default_dtype()),
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return content_key(key)
 
 
 def cache_path(cfg: ReferenceConfig, key: str) -> Path:
@@ -185,14 +180,26 @@ def cache_path(cfg: ReferenceConfig, key: str) -> Path:
     if cfg.cache_dir:
         root = Path(cfg.cache_dir).expanduser()
     else:
-        from dpo_megatron.assets import cache_root
-
         root = cache_root() / "reference_logps"
     return root / f"reference-{key[:32]}.pt"
 
 
 # ----------------------------------------------------------------------------------------------
 # the frozen model
+
+
+def release_chunks(chunks: Optional[list]) -> None:
+    """Drop a model's parameters and buffers now (the caller drops its own references), and
+    hand cached accelerator memory back."""
+    import gc
+
+    from dpo_megatron.parallel.device import empty_cache
+
+    for chunk in chunks or []:
+        for p in list(chunk.parameters()) + list(chunk.buffers()):
+            p.data = p.data.new_empty(0)
+    gc.collect()
+    empty_cache()
 
 
 def move_chunks(chunks: list, device: torch.device) -> None:
@@ -234,9 +241,7 @@ class ReferenceModel:
 
     def release(self) -> None:
         """Free the reference weights (``reference.mode=precomputed``, after its pass)."""
-        from dpo_megatron.training.model_setup import release
-
-        release(self.chunks)
+        release_chunks(self.chunks)
 
 
 class BaseModelReference:
@@ -358,7 +363,7 @@ def precomputed_pairs(
         if writer:
             table.save(path)
         dist.barrier()
-    if dist.get_rank() == 0:
+    if ranks.is_rank0():
         how = "cache hit" if hit else "computed in one forward-only pass"
         print(f"reference log-probs of {len(pairs)} {split} pairs: {how} ({path})", flush=True)
     return ReferenceTable.load(path).attach(pairs)

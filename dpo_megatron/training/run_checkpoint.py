@@ -26,7 +26,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from dpo_megatron.checkpointing import ranks
 from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError, verify_checkpoint
 from dpo_megatron.checkpointing.training_checkpoint import (
     checkpoint_name,
@@ -39,8 +38,9 @@ from dpo_megatron.checkpointing.training_checkpoint import (
     resume_candidates,
     save_training_checkpoint,
 )
-from dpo_megatron.training.run_dir import save_dir_of
 from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.run_layout import RunLayout
 
 
 @dataclass
@@ -100,7 +100,7 @@ def save_run(
     if lora is not None:
         train_state["lora"] = lora
     report = save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
-    if ranks.rank() == 0:
+    if ranks.is_rank0():
         print(report, flush=True)
         prune_checkpoints(save_dir, keep_last_n, run_id)
     ranks.barrier()
@@ -134,7 +134,7 @@ def resume_run(
         ckpt_dir, chunks, optimizer, use_distributed_optimizer, verified=verified
     )
     changed = schedule_changes(scheduler.state_dict(), state["scheduler"])
-    if changed and ranks.rank() == 0:
+    if changed and ranks.is_rank0():
         # megatron-core's scheduler keeps the checkpoint's schedule (use_checkpoint_opt_param_
         # scheduler): say so, rather than let a longer train_iters silently keep the old decay.
         print(
@@ -204,7 +204,7 @@ def check_lora_record(ckpt_dir: str, lora: Optional[dict]) -> Optional[str]:
 
 
 def _say(message: str) -> None:
-    if ranks.rank() == 0:
+    if ranks.is_rank0():
         print(message, flush=True)
 
 
@@ -218,18 +218,18 @@ class Checkpointer:
 
     Args:
         cfg: the ``checkpoint`` config section.
-        run_dir: the run's folder.
+        layout: the run folder's layout (the checkpoint folder is its ``checkpoints``).
         policy, optimizer, scheduler, sampler, loss_fn: the objects a checkpoint saves and a
             resume restores.
         model_config: stored as ``model_config.json`` beside the tensors.
         use_distributed_optimizer: ``train.use_distributed_optimizer``.
-        lora: the run's LoRA record (``model_setup.checkpointed_policy``), None for a full run.
+        lora: the run's LoRA record (``run_models.checkpointed_policy``), None for a full run.
     """
 
     def __init__(
         self,
         cfg,
-        run_dir: str,
+        layout: RunLayout,
         policy: list,
         optimizer,
         scheduler,
@@ -240,7 +240,7 @@ class Checkpointer:
         lora: Optional[dict] = None,
     ):
         self.cfg = cfg
-        self.save_dir = save_dir_of(cfg, run_dir)
+        self.save_dir = layout.checkpoints
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.sampler, self.loss_fn = sampler, loss_fn
         self.model_config = model_config
@@ -266,7 +266,7 @@ class Checkpointer:
             CheckpointIntegrityError: an explicit checkpoint fails verification, or with
                 ``auto`` none of the run's checkpoints does.
         """
-        if ranks.rank() == 0:
+        if ranks.is_rank0():
             for path in remove_stale_tmp(self.save_dir):
                 print(f"note: removed {path}, left by a save that did not finish", flush=True)
         candidates = resume_candidates(self.cfg.resume, self.save_dir)
@@ -318,7 +318,7 @@ class Checkpointer:
         """Warn about the checkpoints ``auto`` passed over and rename them ``iter_N.corrupt``,
         so that they neither count as the latest nor get pruned in place of good ones."""
         for path, problems in skipped:
-            if ranks.rank() == 0:
+            if ranks.is_rank0():
                 moved = f"{path}.corrupt"
                 try:
                     os.rename(path, moved)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dpo_megatron.parallel.device import get_device
+from dpo_megatron.utils import ranks
 
 
 @dataclass
@@ -44,7 +45,7 @@ def load_run_data(cfg, model_cfg, kind) -> RunData:
     """
     from dpo_megatron.data import DataError, load_tokenizer
     from dpo_megatron.data.pipeline import load_items
-    from dpo_megatron.training.model_setup import check_vocab_fits
+    from dpo_megatron.training.run_models import check_vocab_fits
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     check_vocab_fits(tokenizer, model_cfg)
@@ -53,7 +54,7 @@ def load_run_data(cfg, model_cfg, kind) -> RunData:
         return load_items(data_cfg, tokenizer, kind)
 
     failure, dataset = None, None
-    if dist.get_rank() == 0:
+    if ranks.is_rank0():
         try:
             dataset = load(cfg.data, tokenizer)
         except Exception as e:  # re-raised below, after telling the other ranks

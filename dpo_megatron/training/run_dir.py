@@ -31,40 +31,22 @@ import sys
 import time
 from typing import Optional
 
-LOCK_FILE = "run.lock"
-"""Exclusive lock of the run that owns the folder (empty when no run holds it)."""
-CONFIG_FILE = "config.yaml"
-"""The resolved configuration of the latest start."""
-LOG_FILE = "train.log"
-"""What rank 0 printed, every start appended."""
-METRICS_FILE = "metrics.jsonl"
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import write_text_atomic
+from dpo_megatron.utils.run_layout import RunLayout
+
 _CHECKPOINT_RE = re.compile(r"^iter_\d{7}")
-
-
-def save_dir_of(cfg, run_dir: str) -> str:
-    """The checkpoint folder of a run: ``checkpoint.save`` or ``<run_dir>/checkpoints``."""
-    return cfg.save or os.path.join(run_dir, "checkpoints")
-
-
-def _global_rank() -> int:
-    """The process's global rank: torch.distributed's once it is started, else the launcher's
-    ``RANK`` (0 without one). Read without importing torch: :func:`check_run_dir` runs before
-    the heavy imports."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 class RunDirError(SystemExit):
     """The run folder cannot be used (held by another run, or holding a run this one would mix
     with). A ``SystemExit``: uncaught, rank 0 prints ``error: <message>`` and every rank exits
     with status 1, without a traceback per rank; ``dpo_megatron.train`` ends the ranks with
-    ``dpo_megatron.launch.fail`` instead (the launcher's one-line ending). ``str()`` is the
+    ``dpo_megatron.utils.exits.fail`` instead (the launcher's one-line ending). ``str()`` is the
     message."""
 
     def __init__(self, message: str):
-        super().__init__(f"error: {message}" if _global_rank() == 0 else 1)
+        super().__init__(f"error: {message}" if ranks.is_rank0() else 1)
         self.message = message
 
     def __str__(self) -> str:
@@ -120,7 +102,7 @@ class RunLock:
             RunDirError: another live run holds it (naming its owner).
         """
         os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(os.path.realpath(run_dir), LOCK_FILE)
+        path = RunLayout(run_dir).lock
         held = cls._held.get(path)
         if held is not None:
             held.count += 1
@@ -194,7 +176,7 @@ def _probe_lock(run_dir: str) -> None:
     Raises:
         RunDirError: another live run holds the lock (naming its owner).
     """
-    path = os.path.join(os.path.realpath(run_dir), LOCK_FILE)
+    path = RunLayout(run_dir).lock
     if path in RunLock._held or not os.path.isfile(path):
         return
     try:
@@ -222,7 +204,7 @@ def _fd_path(fd: int) -> str:
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
-        return LOCK_FILE
+        return RunLayout.LOCK
 
 
 def _in_use_message(run_dir: str, owner: dict) -> str:
@@ -257,11 +239,11 @@ def previous_run(run_dir: str, save_dir: str) -> list[str]:
         names = sorted(n for n in os.listdir(save_dir) if _CHECKPOINT_RE.match(n))
         if names:
             found.append(f"{len(names)} checkpoint folder(s) in {save_dir} (newest {names[-1]})")
-    metrics = os.path.join(run_dir, METRICS_FILE)
+    metrics = RunLayout(run_dir).metrics
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
         with open(metrics, "rb") as f:
             records = sum(1 for line in f if line.strip())
-        found.append(f"{METRICS_FILE} with {records} record(s)")
+        found.append(f"{RunLayout.METRICS} with {records} record(s)")
     return found
 
 
@@ -283,7 +265,7 @@ def move_aside(run_dir: str, save_dir: str) -> list[str]:
             name, n = f"{base}.replaced-{stamp}-{n}", n + 1
         return name
 
-    entries = [n for n in os.listdir(run_dir) if n != LOCK_FILE]
+    entries = [n for n in os.listdir(run_dir) if n != RunLayout.LOCK]
     if entries:
         dest = free_name(os.path.normpath(run_dir))
         os.makedirs(dest)
@@ -344,9 +326,9 @@ def check_run_dir(cfg) -> None:
     Raises:
         RunDirError: with the message :meth:`RunFolder.open` would give.
     """
-    run_dir = cfg.run_dir
-    _probe_lock(run_dir)
-    check_no_mixing(cfg, run_dir, save_dir_of(cfg.checkpoint, run_dir), move=False)
+    layout = RunLayout.of(cfg)
+    _probe_lock(layout.run_dir)
+    check_no_mixing(cfg, layout.run_dir, layout.checkpoints, move=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,11 +375,8 @@ def write_config(cfg, run_dir: str) -> str:
     """The resolved config as YAML at ``<run_dir>/config.yaml`` (atomically); returns the path."""
     from omegaconf import OmegaConf
 
-    path = os.path.join(run_dir, CONFIG_FILE)
-    tmp = f"{path}.partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    os.replace(tmp, path)
+    path = RunLayout(run_dir).config
+    write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)), fsync=False)
     return path
 
 
@@ -405,8 +384,9 @@ class RunFolder:
     """The run folder of a running run: its lock, config.yaml and train.log (rank 0 holds them;
     other ranks hold nothing). Build it with :meth:`open`; :meth:`close` at the end."""
 
-    def __init__(self, run_dir: str, save_dir: str, lock: Optional[RunLock] = None, log=None):
-        self.run_dir, self.save_dir = run_dir, save_dir
+    def __init__(self, layout: RunLayout, lock: Optional[RunLock] = None, log=None):
+        self.layout = layout
+        self.run_dir, self.save_dir = layout.run_dir, layout.checkpoints
         self.lock, self.log = lock, log
         self._streams = None
 
@@ -418,12 +398,10 @@ class RunFolder:
         Raises:
             RunDirError: the folder is in use or holds another run (see the module docstring).
         """
-        run_dir = cfg.run_dir
-        save_dir = save_dir_of(cfg.checkpoint, run_dir)
-        from dpo_megatron.checkpointing import ranks
-
-        folder, error = cls(run_dir, save_dir), None
-        if ranks.rank() == 0:
+        layout = RunLayout.of(cfg)
+        run_dir = layout.run_dir
+        folder, error = cls(layout), None
+        if ranks.is_rank0():
             try:
                 folder._open_rank0(cfg)
             except RunDirError as e:
@@ -452,12 +430,12 @@ class RunFolder:
             print(f"moved the previous run to {path} (checkpoint.overwrite=true)", flush=True)
         print(
             f"run_dir {self.run_dir} | checkpoints -> {self.save_dir} | config {config_path} "
-            f"| log {os.path.join(self.run_dir, LOG_FILE)}",
+            f"| log {self.layout.log}",
             flush=True,
         )
 
     def _start_log(self) -> None:
-        self.log = open(os.path.join(self.run_dir, LOG_FILE), "a", buffering=1, encoding="utf-8")
+        self.log = open(self.layout.log, "a", buffering=1, encoding="utf-8")
         self.log.write(
             f"==== {time.strftime('%Y-%m-%d %H:%M:%S %z')} pid {os.getpid()} on "
             f"{socket.gethostname()}: {' '.join(sys.argv)}\n"

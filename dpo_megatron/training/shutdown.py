@@ -25,6 +25,8 @@ import sys
 import threading
 from typing import Optional
 
+from dpo_megatron.utils import ranks
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -94,7 +96,7 @@ class StopRequest:
         # module docstring), ignored.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if int(os.environ.get("RANK", "0")) != 0:  # torchrun signals every rank: say it once
+        if not ranks.is_rank0():  # torchrun signals every rank: say it once
             return
         print(
             f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this "

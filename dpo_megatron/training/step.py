@@ -42,13 +42,13 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
+from dpo_megatron.models.logprobs import HeadLogps
 from dpo_megatron.models.moe import load_balancing_metrics
 from dpo_megatron.parallel.context import (
     is_first_context_parallel_rank,
     sum_over_context_parallel,
 )
 from dpo_megatron.parallel.device import get_device
-from dpo_megatron.training.logprobs import HeadLogps
 
 
 @dataclass

@@ -20,7 +20,6 @@ from typing import Optional
 
 from megatron.core import parallel_state
 
-from dpo_megatron.config import resolved_config
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch
 from dpo_megatron.data.builders import make_batch_builder
@@ -29,11 +28,12 @@ from dpo_megatron.losses import build_loss
 from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
 from dpo_megatron.parallel.device import get_device
-from dpo_megatron.training import model_setup
+from dpo_megatron.training import run_models
 from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
 from dpo_megatron.training.reference import precomputed_pairs
+from dpo_megatron.training.resolved_config import resolved_config
 from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.training.run_data import RunData, load_run_data
 from dpo_megatron.training.run_dir import RunFolder
@@ -67,14 +67,15 @@ class Trainer:
         initialize_distributed(cfg.parallel)
         # First: a folder in use or holding another run is refused before anything is built.
         self.run_folder = RunFolder.open(cfg)
+        self.layout = self.run_folder.layout
         set_seed(cfg.train.seed)
         self.device = get_device()
         self.loss_fn = build_loss(cfg.loss)
         # What the loss trains on (pairs, SFT examples or unpaired examples), chosen once: the
         # data path, the batch builder and the reports ask this kind.
         self.kind = item_kind(self.loss_fn.item_kind)
-        self.model_config = model_setup.resolve_model_config(cfg)
-        self.sequence_parallel_note = model_setup.require_sequence_parallel(cfg, self.model_config)
+        self.model_config = run_models.resolve_model_config(cfg)
+        self.sequence_parallel_note = run_models.require_sequence_parallel(cfg, self.model_config)
         self.data = data if data is not None else load_run_data(cfg, self.model_config, self.kind)
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
         multiple = math.lcm(
@@ -89,9 +90,9 @@ class Trainer:
             self.kind,
             context_parallel_rank_and_size(),
         )
-        policy = model_setup.build_policy(cfg, self.model_config)
+        policy = run_models.build_policy(cfg, self.model_config)
         reference = (
-            model_setup.build_reference(cfg, self.model_config, policy)
+            run_models.build_reference(cfg, self.model_config, policy)
             if self.loss_fn.needs_reference
             else None
         )
@@ -105,7 +106,7 @@ class Trainer:
         self.heap_trimmer = host_malloc.trim_after_each_layer(policy, self.device)
         self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
-        saved_policy, lora_record = model_setup.checkpointed_policy(
+        saved_policy, lora_record = run_models.checkpointed_policy(
             cfg, self.model_config, self.policy
         )
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
@@ -120,7 +121,7 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
-            cfg.run_dir,
+            self.layout,
             saved_policy,
             self.optimizer,
             self.scheduler,
@@ -135,7 +136,7 @@ class Trainer:
         self.evaluations: dict[str, tuple[int, dict[str, float]]] = {}
         """The first and the last evaluation of this process: (step, metrics)."""
         self.logger = MetricsLogger(
-            cfg.run_dir,
+            self.layout,
             cfg.train.train_iters,
             cfg.logging,
             start_step=self.counters.step,
@@ -226,7 +227,7 @@ class Trainer:
             )
             + "| "
             f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
-            f"{self.kind.unit} | weights: {model_setup.weights_source(cfg, self.model_config)}",
+            f"{self.kind.unit} | weights: {run_models.weights_source(cfg, self.model_config)}",
             flush=True,
         )
         if cfg.train.warmup_warning():
@@ -271,7 +272,7 @@ class Trainer:
         if self.cfg.train.sample_during_eval and self.cfg.train.eval_num_samples > 0:
             records = self.samples()
             if is_logging_rank():
-                path = write_samples(self.cfg.run_dir, step, records)
+                path = write_samples(self.layout, step, records)
                 print(f"[eval] step {step}: {len(records)} greedy samples -> {path}", flush=True)
         return metrics
 
@@ -406,11 +407,10 @@ class Trainer:
         lines.append(f"  checkpoint: {self.checkpointer.latest()}")
         if export:
             lines.append(f"  export: {export}")
-        import os
 
-        logs = [os.path.join(cfg.run_dir, "train.log"), os.path.join(cfg.run_dir, "metrics.jsonl")]
+        logs = [self.layout.log, self.layout.metrics]
         if cfg.logging.tensorboard:
-            logs.append(os.path.join(cfg.run_dir, "tensorboard"))
+            logs.append(self.layout.tensorboard)
         lines.append(f"  logs: {', '.join(logs)}")
         return "\n".join(lines)
 
@@ -424,7 +424,6 @@ class Trainer:
         """Per ``checkpoint.export_hf``: the final policy as a Hugging Face folder ``<save>/hf``
         (LoRA adapters merged), or the LoRA adapters in PEFT's layout ``<save>/hf_adapter``;
         says so on rank 0. Returns what was written (a description with its folder), or None."""
-        import os
 
         from dpo_megatron.models.conversion import export_hf, export_peft_adapter
         from dpo_megatron.models.lora_config import export_mode
@@ -432,11 +431,11 @@ class Trainer:
         mode = export_mode(self.cfg.checkpoint.export_hf)
         chunks, dtype = [c.module for c in self.policy], self.cfg.checkpoint.export_dtype
         if mode == "adapter":
-            folder = os.path.join(self.checkpointer.save_dir, "hf_adapter")
+            folder = self.layout.hf_adapter
             export_peft_adapter(chunks, self.model_config, self.cfg.lora, folder, dtype)
             what = f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
         elif mode == "merged":
-            folder = os.path.join(self.checkpointer.save_dir, "hf")
+            folder = self.layout.hf_export
             export_hf(
                 chunks,
                 self.model_config,

@@ -46,7 +46,9 @@ def tiny_hf_tokenizer():
 
 def mistral_sp_tokenizer():
     """Mistral-7B v0.1's SentencePiece model (vocab 32000, <unk>=0, <s>=1, </s>=2) via our wrapper."""
-    from dpo_megatron.assets import ensure_sentencepiece_model
+    from tests.scripts import load_script
+
+    ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
     from dpo_megatron.data.tokenizer import SentencePieceTokenizer
 
     return SentencePieceTokenizer(ensure_sentencepiece_model())

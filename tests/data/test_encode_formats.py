@@ -25,7 +25,9 @@ class ByHand:
         elif kind == "sp":
             self.tok = mistral_sp_tokenizer()
         else:
-            from dpo_megatron.assets import ensure_smollm2
+            from tests.scripts import load_script
+
+            ensure_smollm2 = load_script("assets").ensure_smollm2
             from dpo_megatron.data import load_tokenizer
 
             self.tok = load_tokenizer(str(ensure_smollm2()))

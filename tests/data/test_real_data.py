@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from dpo_megatron import assets
 from dpo_megatron.data import DataConfig, load_preference_pairs, load_sft_examples, load_tokenizer
+from tests.scripts import load_script
+
+assets = load_script("assets")  # builds a missing asset
 
 pytestmark = pytest.mark.slow
 

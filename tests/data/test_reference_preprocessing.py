@@ -184,7 +184,7 @@ def test_without_the_flag_hh_stays_conversational(tmp_path):
 
 @pytest.mark.parametrize("name", ["hh", "shp", "se"])
 def test_reference_dataset_names_are_the_hub_ones(name):
-    from dpo_megatron.reference_cli import REFERENCE_DATASETS
+    from dpo_megatron.frontends.dpo_repo import REFERENCE_DATASETS
 
     assert (
         REFERENCE_DATASETS[name]

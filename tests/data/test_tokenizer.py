@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 
-from dpo_megatron.assets import ensure_sentencepiece_model
 from dpo_megatron.data.tokenizer import (
     SentencePieceTokenizer,
     encode_continuation,
@@ -15,6 +14,9 @@ from dpo_megatron.data.tokenizer import (
     tokenizer_fingerprint,
 )
 from tests.data.fixtures import mistral_sp_tokenizer, tiny_hf_tokenizer
+from tests.scripts import load_script
+
+ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
 
 
 def test_sentencepiece_wrapper_surface():

@@ -2,7 +2,7 @@
 TP 2 x PP 2 (zero-head padding to 4 groups), compared with transformers on real chat text, then
 exported and reloaded by transformers.
 
-The HF folder comes from ``dpo_megatron.assets.ensure_smollm2`` (built from a pip package; the
+The HF folder comes from ``scripts/assets.py::ensure_smollm2`` (built from a pip package; the
 test is skipped where that is impossible).
 """
 
@@ -33,7 +33,9 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from dpo_megatron import assets
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
 
     try:
         return str(assets.ensure_smollm2())

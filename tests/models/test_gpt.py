@@ -108,8 +108,8 @@ def _head_against_logits(tp, tie):
     import torch
 
     from dpo_megatron.models import build_model_chunks
+    from dpo_megatron.models.logprobs import vocab_parallel_token_logps
     from dpo_megatron.parallel import initialize_distributed, set_seed
-    from dpo_megatron.training.logprobs import vocab_parallel_token_logps
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp)
     initialize_distributed(parallel)

@@ -36,10 +36,13 @@ def _validate(
     export_hf="none",
     transformer_impl="local",
 ):
+    from dpo_megatron.losses import build_loss
     from dpo_megatron.models import ModelConfig
 
+    loss = loss or {"name": "sigmoid", "beta": 0.1}
     lora.validate(
-        loss=loss or {"name": "sigmoid", "beta": 0.1},
+        loss=loss,
+        loss_reads_reference=build_loss(loss).needs_reference,
         reference=ReferenceConfig(mode=mode, offload=offload),
         model=ModelConfig(transformer_impl=transformer_impl),
         export_hf=export_hf,

@@ -71,13 +71,14 @@ def test_model_equals_preset_expands_the_one_table(tmp_path, monkeypatch):
     """``model=pythia28`` / ``model: pythia-70m`` go through the same table as
     ``resolve_model_preset``; later ``model.*`` keys apply on top; smollm2 keeps its offline
     asset and padded heads."""
-    from dpo_megatron import assets
     from dpo_megatron.config import load_config
     from dpo_megatron.models import config as model_config
 
     assert model_config.MODEL_PRESETS is MODEL_PRESETS  # one table, not two
     monkeypatch.delenv(MODELS_DIR_ENV, raising=False)
-    monkeypatch.setitem(assets.ASSETS, "smollm2", lambda: "/assets/smollm2")
+    from dpo_megatron.utils import cache
+
+    monkeypatch.setattr(cache, "asset_path", lambda name: f"/assets/{name}")
     base = ["data.path=d.json"]
     cfg = load_config(None, base + ["model=pythia28", "model.params_dtype=float32"])
     assert (cfg.model.hf_path, cfg.model.params_dtype) == ("EleutherAI/pythia-2.8b", "float32")
@@ -102,9 +103,9 @@ def test_a_hub_name_without_a_local_copy_says_how_to_get_it():
 
 
 def test_smollm2_preset_facts_are_those_of_the_cached_folder():
-    from dpo_megatron import assets
+    from dpo_megatron.utils.cache import cache_root
 
-    folder = assets.cache_root() / "smollm2-135m-instruct"
+    folder = cache_root() / "smollm2-135m-instruct"
     if not (folder / "config.json").is_file():
         pytest.skip("SmolLM2 asset not cached")
     from dpo_megatron.models.presets import _check_folder

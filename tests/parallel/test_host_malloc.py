@@ -106,7 +106,7 @@ def test_a_typo_stops_the_entry_point_with_one_line():
     out = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
     )
-    assert out.returncode == 2 and out.stderr.strip() == (  # launch.USER_ERROR_EXIT
+    assert out.returncode == 2 and out.stderr.strip() == (  # utils.exits.USER_ERROR_EXIT
         "error: DPO_MEGATRON_HOST_MALLOC='on': expected one of trim, release, system "
         "(unset means trim)"
     ), out.stderr

@@ -713,9 +713,9 @@ def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
 ):
     """Two faults met by the ranks, through the launcher: resuming a checkpoint with a changed
     shard, and ``train.max_nonfinite_steps`` NaN steps in a row. Each ends with the rank's
-    ``error:`` line and the launcher's pointer, exit status 3 (``launch.FAULT_EXIT``), no
+    ``error:`` line and the launcher's pointer, exit status 3 (``utils.exits.FAULT_EXIT``), no
     traceback. Old: a traceback from every rank, torchrun's failure block, exit status 1."""
-    from dpo_megatron.launch import FAULT_EXIT
+    from dpo_megatron.utils.exits import FAULT_EXIT
 
     data_file, tok_dir = fixture_files
     ckpt = tmp_path / "copied" / "iter_0000002"

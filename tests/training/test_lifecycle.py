@@ -412,7 +412,10 @@ def test_resume_with_another_optimizer_format_or_lr_schedule(tmp_path, fixture_f
 
 
 def _real_data_config(run_dir, data_file, data_format, *overrides):
-    from dpo_megatron.assets import ensure_smollm2
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
+    ensure_smollm2 = assets.ensure_smollm2
     from dpo_megatron.config import load_config
 
     return load_config(
@@ -445,7 +448,11 @@ def test_sft_on_real_alpaca_then_dpo_on_real_pairs(tmp_path):
     """The acceptance path on the real LLaMA-Factory data (tiny random model, SmolLM2 tokenizer):
     SFT on alpaca_en_demo lowers the eval NLL; DPO on dpo_en_demo from its checkpoint starts at
     loss ln 2."""
-    from dpo_megatron.assets import ensure_alpaca_en_demo, ensure_dpo_en_demo
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
+    ensure_alpaca_en_demo = assets.ensure_alpaca_en_demo
+    ensure_dpo_en_demo = assets.ensure_dpo_en_demo
 
     sft_dir, dpo_dir = tmp_path / "sft", tmp_path / "dpo"
     run_ranks(

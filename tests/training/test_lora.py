@@ -41,12 +41,12 @@ def lora_trainer(pairs, eval_pairs=(), lora=None, **config):
 
 def _run(ckpt_dir, steps=3, lora=None, **config):
     """``steps`` LoRA steps; per step the loss, margins and grad norm, plus what was built."""
-    import dpo_megatron.training.model_setup as model_setup
+    import dpo_megatron.training.run_models as run_models
     from dpo_megatron.models.lora import adapter_parameter_ids
 
     built = []
-    original = model_setup.build_model_chunks
-    model_setup.build_model_chunks = lambda *a, **k: (built.append(1), original(*a, **k))[1]
+    original = run_models.build_model_chunks
+    run_models.build_model_chunks = lambda *a, **k: (built.append(1), original(*a, **k))[1]
     config = {
         "micro_batch_size": 2,
         "global_batch_size": GLOBAL_PAIRS,
@@ -57,7 +57,7 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     try:
         trainer = lora_trainer(_pairs(), lora=lora, load=ckpt_dir, steps=steps, **config)
     finally:  # the next case in these ranks counts its own builds
-        model_setup.build_model_chunks = original
+        run_models.build_model_chunks = original
     history = []
     for _ in range(steps):
         out, _ = trainer.train_step()

@@ -14,7 +14,9 @@ NUM_PAIRS = 2
 
 
 def _real_pairs():
-    from dpo_megatron import assets
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
     from dpo_megatron.data import DataConfig, load_preference_pairs, load_tokenizer
 
     tokenizer = load_tokenizer(str(assets.ensure_smollm2()))
@@ -70,7 +72,9 @@ def _hf_logps(hf_path, pairs, pad_id):
 
 
 def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):
-    from dpo_megatron import assets
+    from tests.scripts import load_script
+
+    assets = load_script("assets")  # builds a missing asset
 
     hf_path = str(assets.ensure_smollm2())
     tokenizer, pairs = _real_pairs()

@@ -14,14 +14,16 @@ import pytest
 
 from dpo_megatron.training import run_dir as run_dir_module
 from dpo_megatron.training.run_dir import (
-    LOCK_FILE,
     RunDirError,
     RunFolder,
     RunLock,
     check_no_mixing,
     check_run_dir,
 )
+from dpo_megatron.utils.run_layout import RunLayout
 from tests.checkpointing.faults import tree_digest
+
+LOCK_FILE = RunLayout.LOCK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -31,6 +31,9 @@ from dpo_megatron.models.conversion.hf_config import hf_config_dict, infer_archi
 from dpo_megatron.models.conversion.hf_files import write_safetensors_shards
 from dpo_megatron.models.conversion.load import OUTPUT, iter_global_params, table_entry
 from dpo_megatron.models.conversion.tp_split import merge_tp_shards
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import atomic_dir
+from dpo_megatron.utils.modules import unwrap
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = (
@@ -45,13 +48,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 """Files copied from the tokenizer folder when present."""
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside DDP / Float16Module wrappers (their ``.module``)."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -333,7 +329,7 @@ def _export(
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
-    is_rank0 = dist.get_rank() == 0
+    is_rank0 = ranks.is_rank0()
     sender = (
         parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
@@ -343,7 +339,8 @@ def _export(
         receiver = _StageReceiver()
         try:
             receiver.collect_own(stage_fn, chunks, model_cfg, torch_dtype)
-            _into_place(lambda tmp: write_fn(receiver.tensors(), tmp), out_dir)
+            with atomic_dir(out_dir) as tmp:
+                write_fn(receiver.tensors(), tmp)
         except Exception as exc:  # reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -384,22 +381,3 @@ def _write_folder(
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(tokenizer_dir, name)):
                 shutil.copy2(os.path.join(tokenizer_dir, name), tmp)
-
-
-def _into_place(fill: Callable[[str], None], out_dir: str) -> None:
-    """``fill(tmp)`` writes a folder's files into ``<out_dir>.tmp-<pid>``, which then replaces
-    ``out_dir`` (an existing one is removed only after the rename)."""
-    out_dir = os.path.abspath(out_dir)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        fill(tmp)
-        old = f"{out_dir}.old-{os.getpid()}"
-        if os.path.exists(out_dir):
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

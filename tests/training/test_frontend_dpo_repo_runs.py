@@ -167,7 +167,7 @@ def test_hh_folder_test_split_is_the_eval_set(tmp_path, tiny_files):
     evaluates, before the first step (do_first_eval) and after step 2 (eval_every=8 examples),
     on the 4 kept test pairs in batches of eval_batch_size=3 (3 + 1); at step 0 the policy is the
     reference, so the eval loss is ln 2 exactly. With n_eval_examples=3 one batch of 3 is read."""
-    from dpo_megatron.reference_cli import prepare
+    from dpo_megatron.frontends.dpo_repo import prepare
     from tests.multirank import run_ranks
 
     model_dir, _ = tiny_files

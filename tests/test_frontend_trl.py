@@ -1,12 +1,12 @@
 """A TRL DPOConfig YAML through the same translation layer: field by field, TRL's step count,
-and its errors (tests/test_reference_cli.py covers the reference repo's dialect)."""
+and its errors (tests/test_frontend_dpo_repo.py covers the reference repo's dialect)."""
 
 import json
 
 import pytest
 
-from dpo_megatron.reference_cli import main, prepare_trl_command
-from dpo_megatron.trl_config import translate_trl, trl_steps
+from dpo_megatron.frontends.dpo_repo import main, prepare_trl_command
+from dpo_megatron.frontends.trl import translate_trl, trl_steps
 from tests.data.fixtures import tiny_hf_tokenizer
 
 
@@ -216,8 +216,8 @@ def test_max_length_truncates_as_trl_does():
     from dpo_megatron.config import load_config
     from dpo_megatron.data.formats import Filtered
     from dpo_megatron.data.lengths import fit_lengths
-    from dpo_megatron.reference_cli import ROOT
-    from dpo_megatron.trl_config import TRL_BASE_CONFIG
+    from dpo_megatron.frontends.common import ROOT
+    from dpo_megatron.frontends.trl import TRL_BASE_CONFIG
 
     assert 'len(example["prompt_ids"]) < args.max_length' in inspect.getsource(DPOTrainer)
     overrides, notes, _ = translate_trl({"max_length": 8}, "cfg.yaml", 1)

@@ -161,17 +161,3 @@ def check_vocab_fits(tokenizer, model_cfg: ModelConfig) -> None:
             f"the tokenizer has {size} ids but model.vocab_size is "
             f"{model_cfg.vocab_size}: set model.vocab_size >= {size}"
         )
-
-
-def release(chunks: Optional[list]) -> None:
-    """Drop a model's parameters and buffers now (the caller drops its own references), and
-    hand cached accelerator memory back."""
-    import gc
-
-    from dpo_megatron.parallel.device import empty_cache
-
-    for chunk in chunks or []:
-        for p in list(chunk.parameters()) + list(chunk.buffers()):
-            p.data = p.data.new_empty(0)
-    gc.collect()
-    empty_cache()

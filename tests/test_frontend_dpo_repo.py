@@ -1,13 +1,14 @@
 """The reference DPO repo's command line: parsing, the key-by-key translation, the layouts of its
-trainers, and its errors (no training here; tests/training/test_reference_cli_runs.py runs it)."""
+trainers, and its errors (no training here; tests/training/test_frontend_dpo_repo_runs.py runs
+it)."""
 
 import json
 
 import pytest
 
-from dpo_megatron.reference_cli import (
+from dpo_megatron.frontends.dpo_repo import (
     REFERENCE_DEFAULTS,
-    ReferenceCLIError,
+    FrontendError,
     Translation,
     layout_for,
     parse_args,
@@ -52,13 +53,13 @@ def test_values_parse_as_hydra_does():
 
 def test_unknown_key_names_the_known_ones():
     with pytest.raises(
-        ReferenceCLIError,
+        FrontendError,
         match=r"unknown key 'batchsize'.*Did you mean "
         r"batch_size, eval_batch_size\?.*Known keys: seed, exp_name, "
         r"batch_size",
     ):
         parse_args(["batchsize=4"])
-    with pytest.raises(ReferenceCLIError, match="expected key=value"):
+    with pytest.raises(FrontendError, match="expected key=value"):
         parse_args(["hh"])
 
 
@@ -116,9 +117,9 @@ def test_dpo_ipo_and_conservative_losses():
     assert {"loss=ipo", "loss.beta=0.1", "loss.average_logps=false"} <= set(
         _translate(ipo).overrides
     )
-    with pytest.raises(ReferenceCLIError, match="loss=dpo needs loss.beta"):
+    with pytest.raises(FrontendError, match="loss=dpo needs loss.beta"):
         _translate([w for w in DPO_LINE if not w.startswith("loss.beta")])
-    with pytest.raises(ReferenceCLIError, match="the reference repo's losses are sft, dpo, ipo"):
+    with pytest.raises(FrontendError, match="the reference repo's losses are sft, dpo, ipo"):
         _translate([*DPO_LINE, "loss=kto"])
 
 
@@ -136,24 +137,22 @@ def test_trainers_as_layouts(trainer, tp, pp, dp):
     t = _translate([*SFT_LINE, f"trainer={trainer}"], devices=2)
     assert f"parallel.pipeline_model_parallel_size={pp}" in t.overrides
     assert any(n.startswith(f"trainer={trainer}: ") for n in t.notes)  # printed
-    with pytest.raises(
-        ReferenceCLIError, match="has BasicTrainer, FSDPTrainer, TensorParallelTrainer"
-    ):
+    with pytest.raises(FrontendError, match="has BasicTrainer, FSDPTrainer, TensorParallelTrainer"):
         layout_for("DeepSpeedTrainer", 2)
 
 
 def test_batch_errors_and_steps():
     with pytest.raises(
-        ReferenceCLIError,
+        FrontendError,
         match=r"batch_size=64 must be divisible by "
         r"gradient_accumulation_steps=2 x 3",
     ):
         _translate(SFT_LINE, devices=3)
-    with pytest.raises(ReferenceCLIError, match="exp_name is required"):
+    with pytest.raises(FrontendError, match="exp_name is required"):
         _translate([w for w in SFT_LINE if not w.startswith("exp_name")])
-    with pytest.raises(ReferenceCLIError, match="model=blank_model needs model.name_or_path"):
+    with pytest.raises(FrontendError, match="model=blank_model needs model.name_or_path"):
         _translate([w for w in SFT_LINE if not w.startswith("model.name_or_path")])
-    with pytest.raises(ReferenceCLIError, match="model=pythia6900: no such preset.*MODEL_PRESETS"):
+    with pytest.raises(FrontendError, match="model=pythia6900: no such preset.*MODEL_PRESETS"):
         _translate([*SFT_LINE, "model=pythia6900"])
     # a reference name: the preset when MODEL_PRESETS has it, else its hub name
     from dpo_megatron.models.config import MODEL_PRESETS
@@ -165,7 +164,7 @@ def test_batch_errors_and_steps():
         if "pythia69" in MODEL_PRESETS
         else "model.hf_path=EleutherAI/pythia-6.9b" in o
     )
-    with pytest.raises(ReferenceCLIError, match="policy_dtype=float16.*use bfloat16"):
+    with pytest.raises(FrontendError, match="policy_dtype=float16.*use bfloat16"):
         _translate([*SFT_LINE, "model.policy_dtype=float16"])
     # full batches only: 10 items, batch 4 -> 2 per epoch; n_examples rounds up to whole batches
     t = Translation("s", [], "r", layout_for("BasicTrainer", 1), batch_size=4, epochs=3)
@@ -173,7 +172,7 @@ def test_batch_errors_and_steps():
     t.examples = 10
     assert steps_for(t, 10) == 3
     t.examples, t.epochs = None, 1
-    with pytest.raises(ReferenceCLIError, match="3 training item"):
+    with pytest.raises(FrontendError, match="3 training item"):
         steps_for(t, 3)
 
 
@@ -323,7 +322,7 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
     import sys
     import time
 
-    from dpo_megatron.reference_cli import ROOT
+    from dpo_megatron.frontends.common import ROOT
 
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         lines = [
@@ -343,7 +342,7 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
     def run(*words):
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "dpo_megatron.reference_cli", *words],
+            [sys.executable, "-m", "dpo_megatron.frontends.dpo_repo", *words],
             env=env,
             cwd=tmp_path,
             capture_output=True,
@@ -377,8 +376,8 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
 def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, capsys):
     """The engine's own messages name its keys (``data.on_error=skip``); the reference command
     line takes them as ``engine.data.on_error=skip``, and says so after a failed run."""
-    from dpo_megatron import reference_cli
-    from dpo_megatron.reference_cli import Layout
+    from dpo_megatron.frontends import dpo_repo as reference_cli
+    from dpo_megatron.frontends.dpo_repo import Layout
 
     t = Translation(
         script="scripts/pretrain_dpo.sh",

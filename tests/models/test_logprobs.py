@@ -4,7 +4,7 @@ and from the hidden states through the chunked LM head (``vocab_parallel_linear_
 import pytest
 import torch
 
-from dpo_megatron.training.logprobs import (
+from dpo_megatron.models.logprobs import (
     vocab_parallel_linear_logps,
     vocab_parallel_log_sum_p2,
     vocab_parallel_token_logps,

@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from dpo_megatron.utils.files import atomic_file
+
 ARCHIVE_NAME = "policy.pt"
 
 # Buffers older transformers versions kept in a state_dict (GPT-2 / GPT-NeoX causal masks, rotary
@@ -143,17 +145,15 @@ def save_policy_archive(
     path: str, state: dict[str, torch.Tensor], step_idx: int, metrics: Optional[dict] = None
 ) -> str:
     """Write ``state`` (HF names -> tensors) as the reference repo does; returns ``path``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(
-        {
-            "step_idx": int(step_idx),
-            "state": {k: v.detach().cpu().contiguous() for k, v in state.items()},
-            "metrics": dict(metrics or {}),
-        },
-        tmp,
-    )
-    os.replace(tmp, path)  # a reader never sees half a file
+    with atomic_file(path) as tmp:  # a reader never sees half a file
+        torch.save(
+            {
+                "step_idx": int(step_idx),
+                "state": {k: v.detach().cpu().contiguous() for k, v in state.items()},
+                "metrics": dict(metrics or {}),
+            },
+            tmp,
+        )
     return path
 
 

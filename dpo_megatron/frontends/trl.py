@@ -1,10 +1,11 @@
 """A TRL ``DPOConfig`` YAML (trl 1.16 field names, as ``trl dpo --config FILE`` reads it) as our
-overrides: ``python -m dpo_megatron.reference_cli --trl FILE.yaml [our key=value ...]`` prints the
-equivalent ``scripts/pretrain_dpo.sh`` command and runs it (README, "Coming from TRL").
+overrides: ``python -m dpo_megatron.frontends.dpo_repo --trl FILE.yaml [our key=value ...]``
+prints the equivalent ``scripts/pretrain_dpo.sh`` command and runs it (README, "Coming from TRL").
 
-Field names and defaults: ``trl.trainer.dpo_config.DPOConfig`` and ``transformers.TrainingArguments``
-(trl 1.16.0). A field that is not in :data:`RENAMES` / :data:`SPECIAL` / :data:`UNSUPPORTED` is an
-error listing the known ones; an unsupported one is accepted only at its TRL default.
+Field names and defaults: ``trl.trainer.dpo_config.DPOConfig`` and
+``transformers.TrainingArguments`` (trl 1.16.0). A field that is not in :data:`RENAMES` /
+:data:`SPECIAL` / :data:`UNSUPPORTED` is an error listing the known ones; an unsupported one is
+accepted only at its TRL default.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from dpo_megatron.frontends.common import count_items
 from dpo_megatron.models.lora_config import LORA_TARGETS
 
 TRL_BASE_CONFIG = os.path.join("configs", "from_trl_base.yaml")
@@ -336,8 +338,6 @@ def _dotlist(value: Any) -> str:
 def prepare_trl(path: str, extra: Sequence[str], devices: int) -> tuple[list[str], list[str]]:
     """The overrides (with ``train.train_iters`` and ``train.lr_warmup_iters``) for the TRL YAML
     at ``path`` plus our own ``extra`` overrides, and the notes."""
-    from dpo_megatron.reference_cli import count_items
-
     overrides, notes, facts = translate_trl(read_trl_yaml(path), path, devices)
     overrides += list(extra)
     items = count_items(overrides, config=TRL_BASE_CONFIG) if facts["max_steps"] <= 0 else None

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dpo_megatron.checkpointing.reference_archive import (
+from dpo_megatron.checkpointing.dpo_repo_archive import (
     ArchiveError,
     archive_to_hf_folder,
     hf_folder_to_archive,

@@ -178,7 +178,7 @@ def vocab_parallel_log_sum_p2(
     logits: torch.Tensor, group=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> torch.Tensor:
     """log sum_v p_v^2 per position, the normaliser of the WPO weights (Zhou et al.
-    2024, arXiv:2406.11827, Sec. 3; used by ``dpo_megatron.losses.sequence.wpo_weights``).
+    2024, arXiv:2406.11827, Sec. 3; used by ``dpo_megatron.losses.reductions.wpo_weights``).
 
     log sum_v p_v^2 = logsumexp_v(2 z_v) - 2 logsumexp_v(z_v), both sums all-reduced over TP.
     Shapes: logits [..., V/TP] -> [...] fp32. No gradient (WPO weights are constants).

@@ -17,20 +17,19 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
 
 Every input is checked against the size and sha256 recorded below, every output is written to a
 temporary folder and renamed into place (a crash never leaves a half-written cache entry), and a
-valid cache entry is reused without work. Run ``python -m dpo_megatron.assets`` to build them all.
-Users who are online can point the same loaders at hub names or their own folders instead.
+valid cache entry is reused without work. Run ``python scripts/assets.py`` (``scripts/setup.sh``
+does) to build them all; a run only looks them up (``${asset:NAME}``,
+:func:`dpo_megatron.utils.cache.asset_path`). Users who are online can point the same loaders at
+hub names or their own folders instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import importlib
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,9 +37,11 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-CACHE_ENV = "DPO_MEGATRON_CACHE"
+from dpo_megatron.utils.cache import ASSET_PATHS, cache_root
+from dpo_megatron.utils.files import atomic_dir, atomic_file
+from dpo_megatron.utils.mistral_common import MISTRAL_COMMON_MODULE, mistral_common_unusable
+
 MANIFEST = "dpo_megatron_asset.json"
 
 
@@ -101,7 +102,6 @@ KTO_EN_DEMO = FileCheck(
 LLAMAFACTORY_FILES = (DPO_EN_DEMO, DPO_ZH_DEMO, ALPACA_EN_DEMO, KTO_EN_DEMO)
 
 MISTRAL_COMMON_PACKAGE = "mistral-common==1.13.1"
-MISTRAL_COMMON_MODULE = "mistral_common"
 MISTRAL_COMMON_WHEEL = FileCheck(
     "mistral_common-1.13.1-py3-none-any.whl",
     6_589_302,
@@ -112,12 +112,6 @@ MISTRAL_SP_MODEL = FileCheck(
     493_443,
     "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055",
 )
-
-
-def cache_root() -> Path:
-    """``$DPO_MEGATRON_CACHE`` if set, else ``~/.cache/dpo_megatron`` (not created here)."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dpo_megatron"
 
 
 def sha256_file(path: Path) -> str:
@@ -139,43 +133,6 @@ def verify_file(path: Path, check: FileCheck) -> None:
     digest = sha256_file(path)
     if digest != check.sha256:
         raise AssetError(f"{check.name}: {path} has sha256 {digest}, expected {check.sha256}")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _publish_permissions(path: Path) -> None:
-    """Give ``path`` (and a folder's files) ordinary permissions: mkdtemp/mkstemp make them private."""
-    mask = _umask()
-    if path.is_dir():
-        path.chmod(0o777 & ~mask)
-        for child in path.iterdir():
-            child.chmod(0o666 & ~mask)
-    else:
-        path.chmod(0o666 & ~mask)
-
-
-@contextlib.contextmanager
-def _atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a fresh temporary folder next to ``final``; rename it to ``final`` on success.
-
-    On error the temporary folder is removed and ``final`` is left as it was. A stale ``final``
-    (one that failed validation) is replaced.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        _publish_permissions(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _run_pip(args: list[str], what: str) -> None:
@@ -245,7 +202,7 @@ def _write_manifest(folder: Path, source: str, extra: dict | None = None) -> Non
 
 def smollm2_dir() -> Path:
     """Where the exported SmolLM2 folder lives (it may not exist yet)."""
-    return cache_root() / "smollm2-135m-instruct"
+    return cache_root() / ASSET_PATHS["smollm2"]
 
 
 def tensors_sha256(safetensors_path: Path) -> tuple[str, int]:
@@ -361,7 +318,8 @@ def ensure_smollm2(verify: bool = False) -> Path:
         return final
     gguf_folder = package_dir(SMOLLM2_MODULE, SMOLLM2_PACKAGE)
     verify_file(gguf_folder / SMOLLM2_GGUF.name, SMOLLM2_GGUF)
-    with _atomic_dir(final) as tmp:
+    with atomic_dir(final) as tmp_name:
+        tmp = Path(tmp_name)
         _export_smollm2(gguf_folder, tmp)
         _check_smollm2_folder(tmp)
         _write_manifest(
@@ -416,11 +374,9 @@ def _ensure_llamafactory_file(check: FileCheck) -> Path:
                     src = None
                 if src is None:
                     raise AssetError(f"{LLAMAFACTORY_SDIST.name} has no member {member}")
-                staged = tmp_path / c.name
-                staged.write_bytes(src.read())
-                verify_file(staged, c)
-                _publish_permissions(staged)
-                os.replace(staged, final_dir / c.name)
+                with atomic_file(final_dir / c.name, fsync=False) as staged:
+                    Path(staged).write_bytes(src.read())
+                    verify_file(Path(staged), c)
     return final
 
 
@@ -502,25 +458,10 @@ def ensure_sentencepiece_model() -> Path:
                 data = zf.read(member)
             except KeyError:
                 raise AssetError(f"{wheel.name} has no member {member}") from None
-        staged = tmp_path / "tokenizer.model"
-        staged.write_bytes(data)
-        verify_file(staged, MISTRAL_SP_MODEL)
-        _publish_permissions(staged)
-        os.replace(staged, final)
+        with atomic_file(final, fsync=False) as staged:
+            Path(staged).write_bytes(data)
+            verify_file(Path(staged), MISTRAL_SP_MODEL)
     return final
-
-
-def mistral_common_unusable() -> str | None:
-    """Why this interpreter's ``mistral_common`` cannot serve transformers: the module its
-    tokenizers fail to import (``tiktoken`` for the ``--no-deps`` install earlier set-ups made),
-    or None when it is not installed or imports."""
-    if importlib.util.find_spec(MISTRAL_COMMON_MODULE) is None:
-        return None
-    try:
-        importlib.import_module(f"{MISTRAL_COMMON_MODULE}.tokens.tokenizers.tekken")
-    except ImportError as e:
-        return e.name or str(e)
-    return None
 
 
 def remove_partial_mistral_common() -> str | None:

@@ -2,12 +2,12 @@
 on this engine: translate, print the equivalent ``scripts/pretrain_dpo.sh`` /
 ``scripts/pretrain_sft.sh`` command, run it.
 
-    python -m dpo_megatron.reference_cli model=pythia69 datasets=[hh] loss=sft \\
+    python -m dpo_megatron.frontends.dpo_repo model=pythia69 datasets=[hh] loss=sft \\
         exp_name=anthropic_dpo_pythia69 gradient_accumulation_steps=2 batch_size=64 \\
         eval_batch_size=32 trainer=FSDPTrainer sample_during_eval=false
     bash scripts/train_reference_style.sh ...        # the same
-    python -m dpo_megatron.reference_cli --dry-run ...   # print the translation only
-    python -m dpo_megatron.reference_cli --trl dpo_config.yaml [our key=value ...]  # TRL fields
+    python -m dpo_megatron.frontends.dpo_repo --dry-run ...   # print the translation only
+    python -m dpo_megatron.frontends.dpo_repo --trl dpo_config.yaml [our k=v ...]  # TRL fields
 
 Every key of the reference repo's ``config.yaml`` / ``loss`` / ``model`` groups is accepted
 (:data:`REFERENCE_DEFAULTS`); an unknown key is an error listing them. Keys without an
@@ -24,7 +24,7 @@ over the pairs left after preprocessing (counted here, with the engine's own dat
 their test split (``data.eval_datasets``, ``data.eval_split=test``; a local folder's test files)
 is the eval set that ``eval_every``, ``eval_batch_size``, ``n_eval_examples`` and
 ``do_first_eval`` act on, as there (:func:`eval_overrides`), and ``model.archive``
-(a reference-repo ``policy.pt``) becomes an HF folder (``checkpointing.reference_archive``) that
+(a reference-repo ``policy.pt``) becomes an HF folder (``checkpointing.dpo_repo_archive``) that
 is loaded as the policy and the reference. After a run, its final policy is written as
 ``<run dir>/LATEST/policy.pt``, as the reference trainer does, so the README's SFT line feeds its
 DPO line.
@@ -45,7 +45,9 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dpo_megatron.frontends.common import ROOT, FrontendError, count_items
+from dpo_megatron.utils.run_layout import RunLayout
+
 BASE_CONFIG = os.path.join("configs", "reference_dpo.yaml")
 
 REFERENCE_DEFAULTS: dict[str, Any] = {
@@ -129,10 +131,6 @@ OPTIMIZERS = ("RMSprop", "Adam", "AdamW", "SGD")
 POLICY_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
-class ReferenceCLIError(ValueError):
-    """A reference-dialect command that cannot be translated (the message says why)."""
-
-
 # ----------------------------------------------------------------------------------------------
 # parsing
 
@@ -157,7 +155,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """``key=value`` words -> (the reference config with them applied, our passthrough keys).
 
     Raises:
-        ReferenceCLIError: a word without ``=``, or a key the reference repo does not have
+        FrontendError: a word without ``=``, or a key the reference repo does not have
             (the message lists the keys it has).
     """
     args = dict(REFERENCE_DEFAULTS)
@@ -166,7 +164,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         key, sep, text = word.partition("=")
         key = key.lstrip("+")  # Hydra's +key= / ++key= add or force a key: the same here
         if not sep:
-            raise ReferenceCLIError(f"expected key=value, got {word!r}")
+            raise FrontendError(f"expected key=value, got {word!r}")
         if key.startswith("engine."):
             engine.append(f"{key[len('engine.') :]}={text}")
             continue
@@ -175,7 +173,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 
             close = difflib.get_close_matches(key, REFERENCE_DEFAULTS, n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise ReferenceCLIError(
+            raise FrontendError(
                 f"unknown key {key!r} of the reference DPO repo's command line.{hint} Known keys: "
                 f"{', '.join(REFERENCE_DEFAULTS)} (and engine.<key of ours>=value)"
             )
@@ -221,7 +219,7 @@ def layout_for(trainer: str, devices: int) -> Layout:
       tensor parallel.
 
     Raises:
-        ReferenceCLIError: an unknown trainer (lists the three).
+        FrontendError: an unknown trainer (lists the three).
     """
     if trainer == "BasicTrainer":
         return Layout(
@@ -240,7 +238,7 @@ def layout_for(trainer: str, devices: int) -> Layout:
             tensor_model_parallel_size=devices,
             description=f"layers split over {devices} device(s) -> tensor parallel {devices}",
         )
-    raise ReferenceCLIError(
+    raise FrontendError(
         f"trainer={trainer}: unknown trainer; the reference repo has {', '.join(TRAINERS)}"
     )
 
@@ -310,7 +308,7 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
         )
     elif name != "blank_model":
         if name not in MODEL_PRESETS:
-            raise ReferenceCLIError(
+            raise FrontendError(
                 f"model={name}: no such preset here (models.presets.MODEL_PRESETS has "
                 f"{', '.join(sorted(MODEL_PRESETS)) or 'none'}); or give the model itself: "
                 f"model=blank_model model.name_or_path=<HF folder or hub name>"
@@ -320,7 +318,7 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
     if path:
         out.append(f"model.hf_path={path}")
     elif name == "blank_model":
-        raise ReferenceCLIError(
+        raise FrontendError(
             "model=blank_model needs model.name_or_path=<HF folder or hub "
             "name> (the reference repo's '???')"
         )
@@ -328,7 +326,7 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
         out.append(f"data.tokenizer={args['model.tokenizer_name_or_path']}")
     dtype = str(args["model.policy_dtype"])
     if dtype not in POLICY_DTYPES:
-        raise ReferenceCLIError(
+        raise FrontendError(
             f"model.policy_dtype={dtype}: this engine trains in "
             f"{' or '.join(POLICY_DTYPES)} (float16 training needs loss "
             f"scaling, which is not wired); use bfloat16"
@@ -371,7 +369,7 @@ def _data_overrides(args: dict, t: Translation) -> list[str]:
     and evaluates on its test split when it has one; a local file only trains.
 
     Raises:
-        ReferenceCLIError: a name that is neither a reference dataset nor a local path.
+        FrontendError: a name that is neither a reference dataset nor a local path.
     """
     from dpo_megatron.data.reader import local_split_names
 
@@ -379,7 +377,7 @@ def _data_overrides(args: dict, t: Translation) -> list[str]:
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, list) or not names:
-        raise ReferenceCLIError(f"datasets={names}: expected a list such as datasets=[hh,shp]")
+        raise FrontendError(f"datasets={names}: expected a list such as datasets=[hh,shp]")
     paths, formats, kinds, evals, eval_formats, no_eval = [], [], [], [], [], []
     for name in names:
         name = str(name)
@@ -390,7 +388,7 @@ def _data_overrides(args: dict, t: Translation) -> list[str]:
             path, fmt = os.path.abspath(name), "auto"
             kind, has_test = _local_format(name), EVAL_SPLIT in local_split_names(name)
         else:
-            raise ReferenceCLIError(
+            raise FrontendError(
                 f"datasets: {name!r} is neither a dataset of the reference "
                 f"repo ({', '.join(REFERENCE_DATASETS)}) nor a local file "
                 f"or folder"
@@ -504,11 +502,11 @@ def _local_format(path: str) -> str:
 def _loss_overrides(args: dict) -> list[str]:
     name = args["loss"]
     if name not in LOSSES:
-        raise ReferenceCLIError(f"loss={name}: the reference repo's losses are {', '.join(LOSSES)}")
+        raise FrontendError(f"loss={name}: the reference repo's losses are {', '.join(LOSSES)}")
     if name == "sft":
         return ["loss=sft"]
     if args["loss.beta"] is None:
-        raise ReferenceCLIError(
+        raise FrontendError(
             f"loss={name} needs loss.beta (the reference repo's '???'), e.g. loss.beta=0.1"
         )
     if name == "ipo":  # its IPO is on summed log-probs (trainers.preference_loss)
@@ -526,7 +524,7 @@ def _loss_overrides(args: dict) -> list[str]:
 def _optimizer_overrides(args: dict, t: Translation) -> list[str]:
     name = args["optimizer"]
     if name not in OPTIMIZERS:
-        raise ReferenceCLIError(
+        raise FrontendError(
             f"optimizer={name}: the reference repo takes a torch.optim "
             f"class; translated here: {', '.join(OPTIMIZERS)}"
         )
@@ -570,11 +568,11 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
         devices: accelerators to lay ``trainer`` over (default :func:`visible_devices`).
 
     Raises:
-        ReferenceCLIError: a value the reference repo would reject too (missing ``exp_name``,
+        FrontendError: a value the reference repo would reject too (missing ``exp_name``,
             ``loss.beta``, a batch that does not divide) or one with no translation.
     """
     if not args["exp_name"]:
-        raise ReferenceCLIError(
+        raise FrontendError(
             "exp_name is required (the reference repo's '???'), e.g. "
             "exp_name=anthropic_dpo_pythia69"
         )
@@ -592,7 +590,7 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
     batch, accum = int(args["batch_size"]), int(args["gradient_accumulation_steps"])
     dp = layout.data_parallel_size
     if batch % (accum * dp):
-        raise ReferenceCLIError(
+        raise FrontendError(
             f"batch_size={batch} must be divisible by "
             f"gradient_accumulation_steps={accum} x {dp} data-parallel "
             f"replica(s) (trainer={args['trainer']})"
@@ -647,7 +645,7 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
     if args["n_epochs"] is not None:
         t.epochs = int(args["n_epochs"])
     if t.examples is None and t.epochs is None:
-        raise ReferenceCLIError("set n_epochs or n_examples (the reference repo needs one)")
+        raise FrontendError("set n_epochs or n_examples (the reference repo needs one)")
     t.notes += [
         f"run_dir {run_dir}"
         + (
@@ -689,69 +687,6 @@ def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = N
 # steps, archive, run
 
 
-def count_items(overrides: Sequence[str], kind: str = "pairs", config: str = BASE_CONFIG) -> int:
-    """Training items of ``kind`` (``data.kinds``: ``pairs``, or ``sft`` examples) the engine
-    makes of the data with these overrides on ``config``: the engine's own pipeline, so the
-    count is the run's (its cache is then warm).
-
-    Raises:
-        ReferenceCLIError: the tokenizer or the data cannot be read (e.g. a hub model or
-            dataset on an offline machine), with what to give instead.
-    """
-    from dpo_megatron.config import load_config
-    from dpo_megatron.data import load_items, load_tokenizer
-    from dpo_megatron.data.reader import is_local_source
-
-    cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
-    tokenizer_source = cfg.data.tokenizer or cfg.model.hf_path
-    verbose = cfg.data.verbose
-    cfg.data.verbose = False
-    remote = [name for name in (tokenizer_source,) if not os.path.isdir(name)] + [
-        name for name, _ in cfg.data.sources() if not is_local_source(name)
-    ]
-    try:
-        if remote and hub_offline():  # say so now, not after the hub clients' retries
-            raise OSError(
-                f"the Hugging Face hub is not reachable from here (offline) for {', '.join(remote)}"
-            )
-        tokenizer = load_tokenizer(tokenizer_source)
-        dataset = load_items(cfg.data, tokenizer, kind)
-    except OSError as e:  # also the hub clients' ConnectionError / OfflineModeIsEnabled
-        # n_epochs -> steps needs the pairs counted, so this is where a hub name meets a
-        # machine without the hub: one line that says what to give instead, no traceback.
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
-        data = ", ".join(source for source, _ in cfg.data.sources())
-        raise ReferenceCLIError(
-            f"cannot read the tokenizer {tokenizer_source!r} or the data {data} to count the "
-            f"training pairs (n_epochs -> steps): {reason}. Without the Hugging Face hub, give "
-            f"local copies: model=blank_model model.name_or_path=<HF folder> (or download the "
-            f"preset's model and set DPO_MEGATRON_MODELS) and datasets=[<local file or "
-            f"folder>]"
-        ) from e
-    finally:
-        cfg.data.verbose = verbose
-    return len(dataset.train)
-
-
-def hub_offline(timeout_s: float = 3.0) -> bool:
-    """Whether the Hugging Face hub is out of reach: ``HF_HUB_OFFLINE`` (or
-    ``TRANSFORMERS_OFFLINE`` / ``HF_DATASETS_OFFLINE``) is set, or no TCP connection to the hub
-    (``HF_ENDPOINT``, default huggingface.co, port 443) opens within ``timeout_s``. One try:
-    the hub clients would otherwise spend about a minute on retries before failing."""
-    import socket
-    from urllib.parse import urlparse
-
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            return True
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
-    except OSError:
-        return True
-    return False
-
-
 DRY_RUN_STEPS = "N"
 """``train.train_iters`` of a dry run whose step count needs the pairs counted (not done)."""
 
@@ -762,7 +697,7 @@ def steps_for(t: Translation, items: Optional[int]) -> int:
     ``n_epochs``, whichever comes first.
 
     Raises:
-        ReferenceCLIError: fewer items than one batch."""
+        FrontendError: fewer items than one batch."""
     limits = []
     if t.examples is not None:
         limits.append(math.ceil(t.examples / t.batch_size))
@@ -771,7 +706,7 @@ def steps_for(t: Translation, items: Optional[int]) -> int:
         limits.append(t.epochs * (items // t.batch_size))
     steps = min(limits)
     if steps < 1:
-        raise ReferenceCLIError(
+        raise FrontendError(
             f"{items} training item(s) do not fill one batch_size="
             f"{t.batch_size} batch: nothing to train"
         )
@@ -799,10 +734,10 @@ def base_model_of(overrides: Sequence[str]) -> str:
 def write_latest_archive(run_dir: str, steps: int, batch_size: int) -> str:
     """``<run_dir>/LATEST/policy.pt`` from the run's HF export, as the reference trainer saves
     it (``step_idx`` counts examples)."""
-    from dpo_megatron.checkpointing.reference_archive import ARCHIVE_NAME, hf_folder_to_archive
+    from dpo_megatron.checkpointing.dpo_repo_archive import ARCHIVE_NAME, hf_folder_to_archive
 
     return hf_folder_to_archive(
-        os.path.join(run_dir, "checkpoints", "hf"),
+        RunLayout(run_dir).hf_export,
         os.path.join(run_dir, "LATEST", ARCHIVE_NAME),
         step_idx=steps * batch_size,
     )
@@ -835,7 +770,7 @@ def prepare(
             t.overrides.append(f"train.train_iters={steps_for(t, None)}")
         return t
     if t.archive:
-        from dpo_megatron.checkpointing.reference_archive import archive_to_hf_folder
+        from dpo_megatron.checkpointing.dpo_repo_archive import archive_to_hf_folder
 
         before = [o for o in t.overrides if o != f"model.hf_path={t.archive_dir}"]
         base = t.base_model or base_model_of(before)
@@ -845,7 +780,11 @@ def prepare(
             f"model.archive={t.archive}: weights over {base}'s config.json, written "
             f"to {t.archive_dir} (model.hf_path), policy and reference"
         )
-    items = count_items(t.overrides, "sft" if t.sft else "pairs") if t.epochs is not None else None
+    items = (
+        count_items(t.overrides, BASE_CONFIG, "sft" if t.sft else "pairs")
+        if t.epochs is not None
+        else None
+    )
     t.overrides.append(f"train.train_iters={steps_for(t, items)}")
     return t
 
@@ -853,9 +792,9 @@ def prepare(
 def prepare_trl_command(
     path: str, extra: Sequence[str], devices: Optional[int] = None
 ) -> Translation:
-    """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML (``trl_config``) as a
-    Translation on ``configs/from_trl_base.yaml``."""
-    from dpo_megatron.trl_config import TRL_BASE_CONFIG, prepare_trl
+    """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML
+    (:mod:`~dpo_megatron.frontends.trl`) as a Translation on ``configs/from_trl_base.yaml``."""
+    from dpo_megatron.frontends.trl import TRL_BASE_CONFIG, prepare_trl
 
     overrides, notes = prepare_trl(path, extra, devices or visible_devices())
     run_dir = next(
@@ -881,11 +820,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if argv and argv[0] == "--trl":
             if len(argv) < 2:
-                raise ReferenceCLIError("--trl needs the path of a TRL DPOConfig YAML")
+                raise FrontendError("--trl needs the path of a TRL DPOConfig YAML")
             t = prepare_trl_command(argv[1], argv[2:])
         else:
             t = prepare(argv, dry_run=dry)
-    except ValueError as e:  # ReferenceCLIError, ArchiveError, our config's errors
+    except ValueError as e:  # FrontendError, ArchiveError, our config's errors
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in t.notes:

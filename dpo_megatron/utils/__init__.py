@@ -1,0 +1,15 @@
+"""House utilities: the bottom floor of the package.
+
+Every layer may import these modules; they import nothing else from ``dpo_megatron`` (checked by
+the import contract in ``.importlinter``). Each concern lives here once:
+
+* :mod:`~dpo_megatron.utils.files`: atomic file and folder writes.
+* :mod:`~dpo_megatron.utils.cache`: the cache root, content keys and the one cache version.
+* :mod:`~dpo_megatron.utils.ranks`: "is rank 0" and the few collectives checkpoint code needs.
+* :mod:`~dpo_megatron.utils.modules`: ``unwrap`` (DDP / Float16Module wrappers).
+* :mod:`~dpo_megatron.utils.exits`: how a rank ends at a reported stop (the launchers' exits).
+* :mod:`~dpo_megatron.utils.exceptions`: the exceptions a failure wraps (cause chains, DCP's).
+* :mod:`~dpo_megatron.utils.config_checks`: the config sections' range and choice checks.
+
+Nothing is imported here, so importing one helper does not pull in torch.
+"""

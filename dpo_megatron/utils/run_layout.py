@@ -1,0 +1,97 @@
+"""Every file and folder of a run folder, named in one place.
+
+A run folder (``run_dir``) holds::
+
+    run.lock          the lock of the run that owns the folder
+    config.yaml       the resolved config of the latest start
+    train.log         what rank 0 printed, every start appended
+    metrics.jsonl     one JSON record per logged step / evaluation
+    tensorboard/      TensorBoard events (logging.tensorboard)
+    samples/          decoded evaluation samples, step_<step>.jsonl
+    checkpoints/      iter_<step>/ checkpoints (or checkpoint.save), and the HF exports
+                      checkpoints/hf (merged) and checkpoints/hf_adapter (PEFT adapter)
+
+The code that writes or reads one of these asks a :class:`RunLayout` for its path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths of one run folder.
+
+    Args:
+        run_dir: the run folder (``run_dir``).
+        save: ``checkpoint.save`` (the checkpoint folder when set; ``<run_dir>/checkpoints``
+            when empty).
+    """
+
+    run_dir: str
+    save: str = ""
+
+    LOCK: ClassVar[str] = "run.lock"
+    CONFIG: ClassVar[str] = "config.yaml"
+    LOG: ClassVar[str] = "train.log"
+    METRICS: ClassVar[str] = "metrics.jsonl"
+    TENSORBOARD: ClassVar[str] = "tensorboard"
+    SAMPLES: ClassVar[str] = "samples"
+    CHECKPOINTS: ClassVar[str] = "checkpoints"
+    HF_EXPORT: ClassVar[str] = "hf"
+    HF_ADAPTER: ClassVar[str] = "hf_adapter"
+
+    @classmethod
+    def of(cls, cfg) -> "RunLayout":
+        """The layout of a run config (``cfg.run_dir``, ``cfg.checkpoint.save``)."""
+        return cls(cfg.run_dir, cfg.checkpoint.save)
+
+    def _in_run(self, name: str) -> str:
+        return os.path.join(self.run_dir, name)
+
+    @property
+    def lock(self) -> str:
+        """``run.lock`` (in the real path of the folder: one lock however it is reached)."""
+        return os.path.join(os.path.realpath(self.run_dir), self.LOCK)
+
+    @property
+    def config(self) -> str:
+        return self._in_run(self.CONFIG)
+
+    @property
+    def log(self) -> str:
+        return self._in_run(self.LOG)
+
+    @property
+    def metrics(self) -> str:
+        return self._in_run(self.METRICS)
+
+    @property
+    def tensorboard(self) -> str:
+        return self._in_run(self.TENSORBOARD)
+
+    @property
+    def samples(self) -> str:
+        return self._in_run(self.SAMPLES)
+
+    def samples_file(self, step: int) -> str:
+        """``samples/step_<step, 7 digits>.jsonl``."""
+        return os.path.join(self.samples, f"step_{step:07d}.jsonl")
+
+    @property
+    def checkpoints(self) -> str:
+        """``checkpoint.save`` or ``<run_dir>/checkpoints``."""
+        return self.save or self._in_run(self.CHECKPOINTS)
+
+    @property
+    def hf_export(self) -> str:
+        """The merged Hugging Face export, ``<checkpoints>/hf``."""
+        return os.path.join(self.checkpoints, self.HF_EXPORT)
+
+    @property
+    def hf_adapter(self) -> str:
+        """The PEFT adapter export, ``<checkpoints>/hf_adapter``."""
+        return os.path.join(self.checkpoints, self.HF_ADAPTER)
