@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from tests.engine import random_pairs, tiny_trainer
+from tests.engine import tiny_pairs, tiny_trainer
 from tests.models.conversion_helpers import build_tiny_hf_model, save_tiny_hf_folder
 from tests.multirank import run_ranks
 from tests.training.test_lifecycle import read_metrics
@@ -37,10 +37,6 @@ VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every archite
 BF16_RTOL = 2e-2
 """bf16 log-probs against fp32, relative, per summed sequence log-prob (a bf16 mantissa has
 8 bits: 4e-3 per rounding; four layers of rounded activations stay within 2e-2 here)."""
-
-
-def _pairs() -> list:
-    return random_pairs(8, seed=5, lengths=lambda i: (3 + i % 3, 2 + i % 4, 4 - i % 2), vocab=VOCAB)
 
 
 def _runs(root: str, archs: list[str]) -> None:
@@ -63,7 +59,7 @@ def _runs(root: str, archs: list[str]) -> None:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             tiny_trainer(
-                _pairs(),
+                tiny_pairs(8, seed=5, vocab=VOCAB),
                 **layout,
                 micro_batch_size=2,
                 global_batch_size=8,
@@ -82,7 +78,7 @@ def _hf_logps(arch: str) -> tuple[float, float]:
     model = build_tiny_hf_model(arch)
     sums = {"chosen": [], "rejected": []}
     with torch.no_grad():
-        for pair in _pairs():
+        for pair in tiny_pairs(8, seed=5, vocab=VOCAB):
             for side in sums:
                 completion = getattr(pair, f"{side}_ids")
                 ids = torch.tensor([pair.prompt_ids + completion])
