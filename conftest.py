@@ -1,10 +1,48 @@
-"""pytest set-up shared by all tests: one thread per process (2-core machines run N ranks)."""
+"""pytest set-up shared by all tests: one thread per process (2-core machines run N ranks), and
+the order in which ``pytest -n 2 --dist loadfile`` hands files to its workers."""
 
+import gc
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+LONGEST_FILES = {
+    "tests/training/test_bf16_architectures.py": 396,
+    "tests/test_slurm_cluster.py": 390,
+    "tests/training/test_durability.py": 380,
+    "tests/training/test_moe_dpo.py": 200,
+    "tests/test_launcher.py": 180,
+    "tests/test_bench.py": 130,
+    "tests/training/test_reference_cli_runs.py": 130,
+    "tests/test_gpu_check.py": 110,
+}
+"""Seconds each file took in CI (the longest tests of the last runs, rounded up with their
+file's other tests): these files go to the workers first, longest first, so that the last
+files handed out are short and both workers finish together. A file missing here only starts
+later (after these, slow-marked files before the others)."""
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-rank or real-weights test (CI runs all)")
+    # xdist's default sorts files by their number of tests, which hands the longest files (one
+    # test of minutes each) out last, so one worker ends minutes after the other: keep ours.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def weight(item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FILES.get(path, 0), int(path in slow_files)
+
+    slow_files = {i.nodeid.split("::", 1)[0] for i in items if i.get_closest_marker("slow")}
+    items.sort(key=weight, reverse=True)  # stable: a file's tests keep their order
+
+
+def pytest_collection_finish(session):
+    # Every test module (torch, megatron-core, transformers) is imported by now: their objects
+    # leave the collector's view, so the full collections megatron-core runs at each checkpoint
+    # save or load in this process walk only what the tests made (tests/multirank.py does the
+    # same in each rank).
+    gc.freeze()

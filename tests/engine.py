@@ -26,6 +26,16 @@ TINY = dict(
     vocab_size=VOCAB,
     tie_word_embeddings=False,
 )
+"""The tiny model of the engine tests (4 layers: PP 2 gives 2 layers per stage)."""
+
+SHALLOW = dict(num_layers=2, tie_word_embeddings=True)
+"""Changes to :data:`TINY` for the batch-form tests (packing, shared prompt): 2 tied layers."""
+
+
+def model_overrides(model: dict) -> list[str]:
+    """``model`` (a dict of ``model.*`` fields) as command-line overrides ``model.key=value``,
+    booleans spelled as YAML reads them (``true`` / ``false``)."""
+    return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in model.items()]
 
 
 def engine_config(
@@ -140,6 +150,28 @@ def random_pairs(n: int, seed: int, lengths, vocab: int = VOCAB, eos: int = 2):
         p, c, r = (tuple(torch.randint(3, vocab, (k,), generator=g).tolist()) for k in lengths(i))
         out.append(PreferencePair(prompt_ids=p, chosen_ids=c + (eos,), rejected_ids=r + (eos,)))
     return out
+
+
+def short_lengths(i: int) -> tuple[int, int, int]:
+    """(prompt, chosen, rejected) lengths of pair ``i``: 3-6, 2-4, 3-5 tokens."""
+    return 3 + i % 4, 2 + i % 3, 5 - i % 3
+
+
+def varied_lengths(i: int) -> tuple[int, int, int]:
+    """Lengths that vary widely, as in real preference data (packing, shared prompts)."""
+    return 2 + (7 * i) % 11, 1 + (5 * i) % 9, 3 + (3 * i) % 13
+
+
+def long_lengths(i: int) -> tuple[int, int, int]:
+    """Lengths that grow with ``i`` (5, 8, 11, ... prompt tokens): long enough for every
+    context-parallel split of a few pairs."""
+    return 5 + 3 * i, 4 + i, 7 - i
+
+
+def tiny_pairs(n: int = 8, seed: int = 7, lengths=short_lengths, vocab: int = VOCAB):
+    """The engine tests' pairs: ``n`` random pairs (:func:`random_pairs`) of ``lengths``
+    (default :func:`short_lengths`); ids below ``vocab``."""
+    return random_pairs(n, seed, lengths, vocab=vocab)
 
 
 def step_record(out, batch) -> dict:

@@ -5,27 +5,23 @@ parameter."""
 
 import pytest
 
-from tests.engine import random_pairs, tiny_trainer
+from tests.engine import tiny_pairs, tiny_trainer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 
 
-def _pairs():
-    return random_pairs(4, 2, lambda i: (3, 2 + i % 2, 3))
-
-
 def _save_then_resume(run_dir, patched):
     from dpo_megatron.compat import torch_adam_resume
 
-    first = tiny_trainer(_pairs(), run_dir=run_dir, steps=2, global_batch_size=4)
+    first = tiny_trainer(tiny_pairs(4, seed=2), run_dir=run_dir, steps=2, global_batch_size=4)
     first.train_step()
     first.checkpointer.save(first.counters)
     if not patched:
         torch_adam_resume.needed = lambda optimizer: False
     try:
         second = tiny_trainer(
-            _pairs(), run_dir=run_dir, steps=2, global_batch_size=4, resume="auto"
+            tiny_pairs(4, seed=2), run_dir=run_dir, steps=2, global_batch_size=4, resume="auto"
         )
     except Exception:  # the canary's expected failure
         import traceback

@@ -9,7 +9,7 @@ from dpo_megatron.data.builders import make_batch_builder
 from dpo_megatron.data.context_split import local_positions, split_micro_batch
 from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.parallel.context import chunk_positions
-from tests.engine import random_pairs
+from tests.engine import random_pairs, tiny_pairs
 
 
 def test_chunk_positions_are_megatron_cores_load_balanced_layout():
@@ -21,10 +21,6 @@ def test_chunk_positions_are_megatron_cores_load_balanced_layout():
         chunk_positions(6, 0, 2)
 
 
-def _pairs():
-    return random_pairs(3, seed=1, lengths=lambda i: (3 + i, 2 + 2 * i, 5 - i))
-
-
 @pytest.mark.parametrize("kind", ["padded", "packed", "shared_prompt"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
@@ -32,13 +28,13 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
     full_builder = make_batch_builder(0, 2 * cp, packing)
     if kind != "padded":  # the CP builder pads each packed unit to 2 x CP; so does this one
         full_builder.unit_multiple = 2 * cp
-    full = full_builder.build(_pairs(), [[0, 1, 2]]).micro_batches[0]
+    full = full_builder.build(tiny_pairs(3, seed=1), [[0, 1, 2]]).micro_batches[0]
     rows, length = full.tokens.shape
     seen = torch.zeros(rows, length, dtype=torch.int64)
     scored = []
     for rank in range(cp):
         step = make_batch_builder(0, 2 * cp, packing, context_parallel=(rank, cp)).build(
-            _pairs(), [[0, 1, 2]]
+            tiny_pairs(3, seed=1), [[0, 1, 2]]
         )
         part = step.micro_batches[0]
         assert step.seq_length == length  # the schedule divides by CP itself
@@ -101,7 +97,7 @@ def test_units_are_padded_to_whole_chunks_after_their_last_position():
     assert unit.spans[-1].padding and unit.spans[-1].q_start == 7
     step = make_batch_builder(
         0, 4, PackingConfig(enabled=True), context_parallel=(0, 2)
-    ).inner.build(_pairs(), [[0, 1, 2]])
+    ).inner.build(tiny_pairs(3, seed=1), [[0, 1, 2]])
     for row in step.micro_batches[0].packed.segment_ids:
         ids, counts = torch.unique_consecutive(row, return_counts=True)
         assert all(c % 4 == 0 for c in counts.tolist()), counts

@@ -11,7 +11,7 @@ from tests.data.fixtures import tiny_hf_tokenizer, write_jsonl
 EOS = "<|im_end|>"
 
 
-def _pairs(path, **kwargs):
+def _load(path, **kwargs):
     tok = tiny_hf_tokenizer()
     cfg = DataConfig(
         path=str(path),
@@ -46,7 +46,7 @@ HH_ROWS = [
 
 
 def test_hh_text_prompts_and_early_divergence(tmp_path):
-    got, summary = _pairs(write_jsonl(tmp_path / "hh.jsonl", HH_ROWS))
+    got, summary = _load(write_jsonl(tmp_path / "hh.jsonl", HH_ROWS))
     assert got == [
         # the last '\n\nAssistant:' ends the prompt; the completion keeps its leading space
         (
@@ -105,7 +105,7 @@ def test_shp_ratio_filter_and_label_direction(tmp_path):
         _shp_row("dark", "It is night.", "Space.", 4, 12, 0),
         _shp_row("grey", "Clouds.", "Smoke.", 5, 3, 1),
     ]  # ratio 1.67 < 2: dropped
-    got, _ = _pairs(write_jsonl(tmp_path / "shp.jsonl", rows))
+    got, _ = _load(write_jsonl(tmp_path / "shp.jsonl", rows))
     assert got == [
         (
             "\n\nHuman: Why is the sky blue?\n\nAssistant:",
@@ -153,7 +153,7 @@ def test_se_html_rule_and_every_pair(tmp_path):
             ],
         )
     ]
-    got, _ = _pairs(write_jsonl(tmp_path / "se.jsonl", rows))
+    got, _ = _load(write_jsonl(tmp_path / "se.jsonl", rows))
     # <p> keeps its direct text only (the <em> word goes), <pre> gives <code>...</code>, other
     # top-level tags are dropped; parts joined by blank lines (strip_html_tags of the repo)
     prompt = "\n\nHuman: How do I  in Python?\n\n<code>print(x)\n</code>\n\nAssistant:"
@@ -204,7 +204,7 @@ def test_shp_at_most_five_pairs_per_post(tmp_path):
     ]
     rows.insert(2, _shp_row("dark", "Space.", "It is night.", 12, 4, 1))
     path = write_jsonl(tmp_path / "shp.jsonl", rows)
-    got, summary = _pairs(path)
+    got, summary = _load(path)
     blue = "\n\nHuman: Why is the sky blue?\n\nAssistant:"
     assert [(p, c) for p, c, _ in got] == [
         (blue, " Answer 0." + EOS),
@@ -215,7 +215,7 @@ def test_shp_at_most_five_pairs_per_post(tmp_path):
         (blue, " Answer 5." + EOS),
     ]
     assert summary["dropped"] == {"score_ratio": 1, "shp_pairs_per_post": 1}  # Answer 2, 6
-    got, summary = _pairs(path, shp_max_pairs_per_post=0)  # no cap: the reference repo's set
+    got, summary = _load(path, shp_max_pairs_per_post=0)  # no cap: the reference repo's set
     assert len(got) == 7 and summary["dropped"] == {"score_ratio": 1}
-    got, _ = _pairs(path, shp_max_pairs_per_post=1)
+    got, _ = _load(path, shp_max_pairs_per_post=1)
     assert [c for _, c, _ in got] == [" Answer 0." + EOS, " Space." + EOS]

@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 
-from tests.engine import random_pairs, tiny_trainer
+from tests.engine import tiny_pairs, tiny_trainer
 from tests.models.conversion_helpers import build_tiny_hf_model, save_tiny_hf_folder
 from tests.multirank import run_ranks
 from tests.training.test_lifecycle import read_metrics
@@ -59,10 +59,6 @@ BF16_RTOL = 2e-2
 8 bits: 4e-3 per rounding; four layers of rounded activations stay within 2e-2 here)."""
 
 
-def _pairs() -> list:
-    return random_pairs(8, seed=5, lengths=lambda i: (3 + i % 3, 2 + i % 4, 4 - i % 2), vocab=VOCAB)
-
-
 def _runs(root: str, archs: list[str]) -> None:
     """For each architecture: fp32 (1 step), bf16 (2 steps, saving step 1), bf16 resumed."""
     from megatron.core import parallel_state as ps
@@ -84,7 +80,7 @@ def _runs(root: str, archs: list[str]) -> None:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             tiny_trainer(
-                _pairs(),
+                tiny_pairs(8, seed=5, vocab=VOCAB),
                 **layout,
                 micro_batch_size=2,
                 global_batch_size=8,
@@ -104,7 +100,7 @@ def _hf_logps(arch: str) -> tuple[float, float]:
     model = build_tiny_hf_model(arch)
     sums = {"chosen": [], "rejected": []}
     with torch.no_grad():
-        for pair in _pairs():
+        for pair in tiny_pairs(8, seed=5, vocab=VOCAB):
             for side in sums:
                 completion = getattr(pair, f"{side}_ids")
                 ids = torch.tensor([pair.prompt_ids + completion])

@@ -14,16 +14,12 @@ import math
 
 import pytest
 
-from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
+from tests.engine import long_lengths, owns_results, step_record, tiny_pairs, tiny_trainer
 from tests.multirank import run_cases
 
 pytestmark = pytest.mark.slow
 
 GLOBAL_PAIRS = 4
-
-
-def _pairs() -> list:
-    return random_pairs(GLOBAL_PAIRS, seed=5, lengths=lambda i: (5 + 3 * i, 4 + i, 7 - i))
 
 
 def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
@@ -38,7 +34,7 @@ def _run_layout(ckpt_dir, steps=2, host_check=False, **layout):
     check = HostTensorCheck() if host_check else contextlib.nullcontext()
     with check:
         trainer = tiny_trainer(
-            _pairs(),
+            tiny_pairs(GLOBAL_PAIRS, seed=5, lengths=long_lengths),
             load=ckpt_dir,
             global_batch_size=GLOBAL_PAIRS,
             steps=steps,
@@ -130,7 +126,7 @@ def _checkpoint_run(ckpt_dir, run_dir, cp, resume="none"):
     """From the shared initial weights: without ``resume``, step 1, a checkpoint, step 2; with
     it, resume the step-1 checkpoint at this CP size and take step 2."""
     trainer = tiny_trainer(
-        _pairs(),
+        tiny_pairs(GLOBAL_PAIRS, seed=5, lengths=long_lengths),
         load=ckpt_dir,
         global_batch_size=GLOBAL_PAIRS,
         micro_batch_size=2,

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
+from tests.engine import owns_results, step_record, tiny_pairs, tiny_trainer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -28,16 +28,12 @@ LAYOUTS = [  # (TP, PP, DP, sequence_parallel, virtual pipeline stages)
 GLOBAL_PAIRS = 8
 
 
-def _pairs() -> list:
-    return random_pairs(GLOBAL_PAIRS, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
-
-
 def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, vpp=None, steps=2, loss=None):
     """``steps`` optimizer steps of the real trainer over the same 8 pairs per step."""
     from megatron.core import parallel_state as ps
 
     trainer = tiny_trainer(
-        _pairs(),
+        tiny_pairs(GLOBAL_PAIRS),
         tp=tp,
         pp=pp,
         sp=sp,

@@ -22,19 +22,16 @@ import numpy as np
 import pytest
 
 from tests.data.fixtures import CORPUS, tiny_hf_tokenizer
+from tests.engine import TINY, model_overrides
 from tests.multirank import process_context, run_ranks
 
 pytestmark = pytest.mark.slow
 
-TINY_MODEL = [
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.ffn_hidden_size=128",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.max_position_embeddings=128",
-    "model.tie_word_embeddings=false",
-]
+TINY_MODEL = model_overrides(
+    {**{k: v for k, v in TINY.items() if k != "vocab_size"}, "max_position_embeddings": 128}
+)
+"""The engine tests' tiny model as command-line overrides; the vocabulary is the tokenizer's
+(each launch sets ``model.vocab_size``)."""
 
 
 def write_fixture(folder: Path, rows: int = 24, seed: int = 0) -> tuple[str, str]:

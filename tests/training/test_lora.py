@@ -17,15 +17,11 @@ import math
 
 import pytest
 
-from tests.engine import TINY, engine_config, random_pairs
+from tests.engine import TINY, engine_config, tiny_pairs
 from tests.multirank import run_cases
 
 GLOBAL_PAIRS = 8
 LORA = dict(enabled=True, rank=4, alpha=8.0)
-
-
-def _pairs(n: int = GLOBAL_PAIRS) -> list:
-    return random_pairs(n, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
 
 
 def lora_trainer(pairs, eval_pairs=(), lora=None, **config):
@@ -55,7 +51,9 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
         **config,
     }
     try:
-        trainer = lora_trainer(_pairs(), lora=lora, load=ckpt_dir, steps=steps, **config)
+        trainer = lora_trainer(
+            tiny_pairs(GLOBAL_PAIRS), lora=lora, load=ckpt_dir, steps=steps, **config
+        )
     finally:  # the next case in these ranks counts its own builds
         run_models.build_model_chunks = original
     history = []
@@ -231,7 +229,7 @@ def _precomputed_then_full(ckpt_dir, cache_dir):
         cache_dir=cache_dir,
     )
     try:
-        trainer = lora_trainer(_pairs(), **common)
+        trainer = lora_trainer(tiny_pairs(GLOBAL_PAIRS), **common)
         passes_before = len(calls)
         losses = [trainer.train_step()[0].metrics["loss"] for _ in range(3)]
         out = {
@@ -243,7 +241,7 @@ def _precomputed_then_full(ckpt_dir, cache_dir):
         }
         trainer.close()
         calls.clear()
-        full = tiny_trainer(_pairs(), **common)
+        full = tiny_trainer(tiny_pairs(GLOBAL_PAIRS), **common)
         out["full_run_passes"] = len(calls)
         out["full_step0"] = full.train_step()[0].metrics["loss"]
         full.close()
@@ -265,8 +263,8 @@ def test_precomputed_reference_runs_the_base_once(slow_runs, baseline):
 
 def _dropout_run(ckpt_dir):
     trainer = lora_trainer(
-        _pairs(),
-        eval_pairs=_pairs(4),
+        tiny_pairs(GLOBAL_PAIRS),
+        eval_pairs=tiny_pairs(4),
         load=ckpt_dir,
         micro_batch_size=2,
         global_batch_size=GLOBAL_PAIRS,

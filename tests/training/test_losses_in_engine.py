@@ -11,10 +11,9 @@ import sys
 import pytest
 
 from dpo_megatron.losses import LOSSES
-from tests.engine import save_initial_checkpoint, tiny_trainer
+from tests.engine import save_initial_checkpoint, tiny_pairs, tiny_trainer
 from tests.losses.test_gradients_and_step_zero import STEP_ZERO
 from tests.multirank import run_ranks
-from tests.training import test_dpo_step as engine
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +35,13 @@ def _evaluate_all(ckpt_dir, tp, pp):
 
     # The real trainer's policy and reference (loaded, resharded, DDP-wrapped); every loss then
     # evaluates the same device batch through the engine's step.
-    trainer = tiny_trainer(engine._pairs(), tp=tp, pp=pp, load=ckpt_dir, seed=0)
-    batch = PaddedPairs(0, 8 * tp).build(engine._pairs(), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    trainer = tiny_trainer(tiny_pairs(8), tp=tp, pp=pp, load=ckpt_dir, seed=0)
+    batch = PaddedPairs(0, 8 * tp).build(tiny_pairs(8), [[0, 1, 2, 3], [4, 5, 6, 7]])
     # Unpaired losses (kto): the same token ids as unpaired examples with alternating labels.
     unpaired = PaddedPairs(0, 8 * tp).build(
         [
             UnpairedPair(p.prompt_ids, p.chosen_ids, p.rejected_ids, desirable=i % 2 == 0)
-            for i, p in enumerate(engine._pairs())
+            for i, p in enumerate(tiny_pairs(8))
         ],
         [[0, 1, 2, 3], [4, 5, 6, 7]],
     )

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.engine import random_pairs, tiny_trainer
+from tests.engine import tiny_pairs, tiny_trainer
 from tests.models.conversion_helpers import save_tiny_hf_folder
 from tests.multirank import run_ranks
 from tests.training.test_lifecycle import read_metrics
@@ -23,10 +23,6 @@ from tests.training.test_lifecycle import read_metrics
 VOCAB = 128  # the tiny HF configs' vocabulary
 STEPS = 4
 MOE_KEYS = ("moe/load_balancing_loss", "moe/aux_loss")
-
-
-def _pairs() -> list:
-    return random_pairs(8, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3), vocab=VOCAB)
 
 
 def run_plans(root: str, plans: list[dict]) -> None:
@@ -48,7 +44,7 @@ def run_plans(root: str, plans: list[dict]) -> None:
             resume = os.path.join(root, resume, "checkpoints", "iter_0000002")
         tp = plan.get("tp", 1)
         trainer = tiny_trainer(
-            _pairs(),
+            tiny_pairs(8, vocab=VOCAB),
             tp=tp,
             pp=plan.get("pp", 1),
             ep=plan.get("ep", 1),
@@ -185,7 +181,7 @@ def _host_checked_runs(hf_dir, root):
             name = f"{dispatcher}_{'packed' if packing else 'padded'}"
             with HostTensorCheck() as check:
                 trainer = tiny_trainer(
-                    _pairs(),
+                    tiny_pairs(8, vocab=VOCAB),
                     tp=2,
                     sp=True,
                     ep=2,

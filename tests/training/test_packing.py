@@ -12,7 +12,14 @@ from dpo_megatron.data.packing import (
     plan_rows,
 )
 from dpo_megatron.models.attention import attention_mask_from_segments
-from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
+from tests.engine import (
+    SHALLOW,
+    owns_results,
+    step_record,
+    tiny_pairs,
+    tiny_trainer,
+    varied_lengths,
+)
 from tests.multirank import run_ranks
 
 
@@ -103,19 +110,10 @@ def test_bucket_by_length_keeps_the_pair_set():
     assert bucket_micro_batches(pairs, [[0, 1], [2, 3]]) == [[1, 3], [2, 0]]
 
 
-def _pairs(n=6, seed=5):  # lengths vary widely, as in real preference data
-    return random_pairs(n, seed, lambda i: (2 + (7 * i) % 11, 1 + (5 * i) % 9, 3 + (3 * i) % 13))
-
-
 def _compare(tp=1, pp=1, steps=3, micro_batch_size=3, learned=False, lr=1e-2, **config):
     """The real trainer with padded and with packed batches, from the same seed."""
     model = dict(
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        tie_word_embeddings=True,
+        **SHALLOW,
         position_embedding_type="learned_absolute" if learned else "rope",
         normalization="LayerNorm" if learned else "RMSNorm",
         activation="gelu" if learned else "swiglu",
@@ -123,7 +121,7 @@ def _compare(tp=1, pp=1, steps=3, micro_batch_size=3, learned=False, lr=1e-2, **
     history = {}
     for packed in (False, True):
         trainer = tiny_trainer(
-            _pairs(),
+            tiny_pairs(6, seed=5, lengths=varied_lengths),
             tp=tp,
             pp=pp,
             model=model,
@@ -179,7 +177,7 @@ def test_packed_equals_padded_tp2_pp2():
 
 
 def _step_zero_rewards(share_prompt):
-    pairs = random_pairs(8, seed=7, lengths=lambda i: (3 + i % 4, 2 + i % 3, 5 - i % 3))
+    pairs = tiny_pairs(8)
     trainer = tiny_trainer(
         pairs,
         packing=True,

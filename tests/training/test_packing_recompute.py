@@ -3,9 +3,8 @@ gradient norm as without recompute, on CPU."""
 
 import pytest
 
-from tests.engine import tiny_trainer
+from tests.engine import tiny_pairs, tiny_trainer, varied_lengths
 from tests.multirank import run_ranks
-from tests.training.test_packing import _pairs
 
 
 def _run(granularity, modules=None):
@@ -21,7 +20,7 @@ def _run(granularity, modules=None):
             recompute_modules=modules if name == "selective" else None,
         )
         trainer = tiny_trainer(
-            _pairs(),
+            tiny_pairs(6, seed=5, lengths=varied_lengths),
             model=model,
             packing=True,
             seed=3,

@@ -10,7 +10,7 @@ import torch
 from dpo_megatron.data import PreferencePair
 from dpo_megatron.training.config import ReferenceConfig
 from dpo_megatron.training.reference import ReferenceTable, reference_cache_key
-from tests.engine import random_pairs, tiny_trainer
+from tests.engine import tiny_pairs, tiny_trainer, varied_lengths
 from tests.multirank import run_ranks
 
 
@@ -62,10 +62,6 @@ def test_unknown_mode_is_rejected():
         ReferenceConfig(mode="cached").validate()
 
 
-def _pairs(n=6, seed=9):
-    return random_pairs(n, seed, lambda i: (2 + (5 * i) % 7, 1 + (3 * i) % 8, 2 + (7 * i) % 9))
-
-
 def _trajectories(cache_dir, steps=3):
     """Loss trajectories of the real trainer in every reference mode, and how many reference
     passes (schedule calls) each ran during set-up and during training."""
@@ -85,8 +81,8 @@ def _trajectories(cache_dir, steps=3):
     for name, (mode, offload, packed) in runs.items():
         calls.clear()
         trainer = tiny_trainer(
-            _pairs(),
-            eval_pairs=_pairs(2, seed=1),
+            tiny_pairs(6, seed=9, lengths=varied_lengths),
+            eval_pairs=tiny_pairs(2, seed=1, lengths=varied_lengths),
             model={"num_layers": 2},
             reference_mode=mode,
             offload=offload,
@@ -135,7 +131,7 @@ def test_precomputed_and_offload_give_the_model_mode_loss(tmp_path):
 
 def _step_one_loss(cache_dir, pp):
     trainer = tiny_trainer(
-        _pairs(8),
+        tiny_pairs(8, seed=9, lengths=varied_lengths),
         pp=pp,
         reference_mode="precomputed",
         cache_dir=cache_dir,

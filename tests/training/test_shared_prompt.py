@@ -12,7 +12,14 @@ from dpo_megatron.data.packing import (
     shared_prompt_unit,
 )
 from dpo_megatron.models.attention import visible_keys
-from tests.engine import owns_results, random_pairs, step_record, tiny_trainer
+from tests.engine import (
+    SHALLOW,
+    owns_results,
+    step_record,
+    tiny_pairs,
+    tiny_trainer,
+    varied_lengths,
+)
 from tests.multirank import run_ranks
 from tests.training.test_packing import assert_same_trajectory
 
@@ -94,23 +101,12 @@ def test_share_prompt_needs_packing():
 # the real trainer
 
 
-def _pairs(n=6, seed=5):  # prompts, chosen and rejected of widely varying length
-    return random_pairs(n, seed, lambda i: (2 + (7 * i) % 11, 1 + (5 * i) % 9, 3 + (3 * i) % 13))
-
-
-MODEL = dict(
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    tie_word_embeddings=True,
-)
+MODEL = SHALLOW
 
 
 def _history(steps, **config):
     trainer = tiny_trainer(
-        _pairs(),
+        tiny_pairs(6, seed=5, lengths=varied_lengths),
         model={**MODEL, **config.pop("model", {})},
         seed=3,
         global_batch_size=6,
@@ -183,7 +179,7 @@ def _logps_with(kernel, broken):
     out = {}
     for share, how in [(False, None), (True, None)] + [(True, b) for b in broken]:
         trainer = tiny_trainer(
-            _pairs(4),
+            tiny_pairs(4, seed=5, lengths=varied_lengths),
             model={**MODEL, "local_attention": kernel},
             seed=3,
             micro_batch_size=2,
@@ -271,8 +267,8 @@ def _precomputed_and_eval(root):
     out = {}
     for share in (False, True):
         trainer = tiny_trainer(
-            _pairs(6),
-            eval_pairs=_pairs(4, seed=8),
+            tiny_pairs(6, seed=5, lengths=varied_lengths),
+            eval_pairs=tiny_pairs(4, seed=8, lengths=varied_lengths),
             model=MODEL,
             seed=3,
             micro_batch_size=2,

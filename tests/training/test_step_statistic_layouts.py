@@ -11,9 +11,9 @@ single-rank run with micro-batches of 2, at other micro-batch sizes, TP, PP and 
 
 import pytest
 
-from tests.engine import owns_results, step_record, tiny_trainer
+from tests.engine import owns_results, step_record, tiny_pairs, tiny_trainer
 from tests.multirank import run_ranks
-from tests.training.test_dpo_step import GLOBAL_PAIRS, _pairs, _per_pair, _rel
+from tests.training.test_dpo_step import GLOBAL_PAIRS, _per_pair, _rel
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,10 @@ def _items():
     from dpo_megatron.data.unpaired import with_kl_completions
 
     return with_kl_completions(
-        [UnpairedExample(p.prompt_ids, p.chosen_ids, i % 4 != 0) for i, p in enumerate(_pairs())],
+        [
+            UnpairedExample(p.prompt_ids, p.chosen_ids, i % 4 != 0)
+            for i, p in enumerate(tiny_pairs(GLOBAL_PAIRS))
+        ],
         max_length=0,
     )
 
