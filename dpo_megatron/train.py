@@ -19,6 +19,7 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # no
 
 filter_expected_warnings()  # before megatron-core's import-time warnings
 
+import gc  # noqa: E402
 import os  # noqa: E402
 
 from dpo_megatron.config import DPOConfig, load_config, parse_args, validate  # noqa: E402
@@ -38,7 +39,13 @@ def train(cfg: DPOConfig) -> dict[str, float]:
     """
     from dpo_megatron.training.trainer import Trainer
 
-    return Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    # What is built by now (modules, models, the tokenized data) lives for the whole run: freeze
+    # it out of the collector's reach, so that the full collections megatron-core forces at every
+    # checkpoint save and load (``gc.collect()`` in the distributed optimizer's
+    # ``sharded_state_dict``) walk only what the steps made (~0.7 s each on a CPU rank before).
+    gc.freeze()
+    return trainer.train()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

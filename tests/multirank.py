@@ -171,8 +171,23 @@ def run_in_turn(each: Callable[..., Any], cases: dict[str, dict]) -> dict[str, A
     for name, kwargs in cases.items():
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        _destroy_subgroups()
         out[name] = each(**kwargs)
     return out
+
+
+def _destroy_subgroups() -> None:
+    """Shut down every process group but the default one. megatron-core's
+    ``destroy_model_parallel`` only drops its references: each gloo group keeps its threads
+    (two per peer), and a world that runs many layouts in turn grew past 1500 threads a rank."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    if not dist.is_initialized():
+        return
+    for group in list(_world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def _call(fn: Callable[..., Any], **kwargs) -> Any:
