@@ -651,9 +651,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     Resolves the config (its assets from the cache), checks the data
     sources (:func:`check_data`), the model against the layout, then tokenizes the data into
-    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every mistake ends the
-    process with one ``config error: ...`` or ``error: ...`` line on stderr and exit status 1.
-    ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
+    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every
+    mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr and
+    exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
     """
     parser = _parser(main.__doc__.splitlines()[0])
     parser.add_argument(

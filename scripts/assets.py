@@ -136,7 +136,8 @@ def verify_file(path: Path, check: FileCheck) -> None:
 
 
 def _run_pip(args: list[str], what: str) -> None:
-    """Run ``python -m pip ARGS`` in the current interpreter; AssetError with pip's output on failure."""
+    """Run ``python -m pip ARGS`` in the current interpreter; AssetError with pip's output on
+    failure."""
     cmd = [sys.executable, "-m", "pip", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -172,7 +173,8 @@ def _read_manifest(folder: Path) -> dict | None:
 
 
 def _manifest_valid(folder: Path, full: bool = False) -> bool:
-    """True if ``folder`` holds every file its manifest lists with the recorded size (and sha256 if ``full``)."""
+    """True if ``folder`` holds every file its manifest lists with the recorded size (and sha256 if
+    ``full``)."""
     manifest = _read_manifest(folder)
     if not manifest or "files" not in manifest:
         return False
@@ -222,7 +224,8 @@ def tensors_sha256(safetensors_path: Path) -> tuple[str, int]:
 
 
 def _export_smollm2(gguf_folder: Path, out: Path) -> None:
-    """Dequantize the GGUF into a fresh ``LlamaForCausalLM`` and save it with its tokenizer in ``out``."""
+    """Dequantize the GGUF into a fresh ``LlamaForCausalLM`` and save it with its tokenizer in
+    ``out``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -298,7 +301,8 @@ def _check_smollm2_folder(folder: Path) -> None:
         )
     if SMOLLM2_TENSORS_SHA256 and digest != SMOLLM2_TENSORS_SHA256:
         raise AssetError(
-            f"SmolLM2 export {folder}/model.safetensors: tensor sha256 {digest}, expected {SMOLLM2_TENSORS_SHA256}"
+            f"SmolLM2 export {folder}/model.safetensors: tensor sha256 {digest}, expected "
+            f"{SMOLLM2_TENSORS_SHA256}"
         )
 
 
@@ -398,7 +402,8 @@ def ensure_dpo_zh_demo() -> Path:
 
 
 def ensure_alpaca_en_demo() -> Path:
-    """Path of ``alpaca_en_demo.json`` (999 instruction/input/output SFT rows), fetched if not cached."""
+    """Path of ``alpaca_en_demo.json`` (999 instruction/input/output SFT rows), fetched if not
+    cached."""
     return _ensure_llamafactory_file(ALPACA_EN_DEMO)
 
 

@@ -7,12 +7,13 @@
 
 The architecture is CKPT_DIR/model_config.json (written by convert_hf_to_megatron.py and by
 training) or, with --hf-path, the source HF folder's config.json; a LoRA training checkpoint
-(adapters only) is merged into the base it was trained on (its hf_path or load); config.json, generation config
-and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir overrides). The output
-is written to a temporary folder and renamed into place when complete. The checkpoint it loads
-(path, training step, run folder) is printed first: a run's ``checkpoints`` folder means its latest
-complete checkpoint, so the line says which one that was. Every file of CKPT_DIR is then checked
-against its manifest of checksums (and for pickled code) before any tensor is loaded.
+(adapters only) is merged into the base it was trained on (its hf_path or load); config.json,
+generation config and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir
+overrides). The output is written to a temporary folder and renamed into place when complete. The
+checkpoint it loads (path, training step, run folder) is printed first: a run's ``checkpoints``
+folder means its latest complete checkpoint, so the line says which one that was. Every file of
+CKPT_DIR is then checked against its manifest of checksums (and for pickled code) before any tensor
+is loaded.
 """
 
 from __future__ import annotations

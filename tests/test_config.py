@@ -286,7 +286,8 @@ def test_interleaved_pipeline_micro_batches_must_be_a_multiple_of_pp():
     ]
     with pytest.raises(
         ValueError,
-        match=r"micro-batches per step.*= 3, to be a multiple of parallel.pipeline_model_parallel_size=2",
+        match=r"micro-batches per step.*= 3, to be a multiple of "
+        r"parallel.pipeline_model_parallel_size=2",
     ):
         load_config(None, BASE + layout + ["train.global_batch_size=3"])
     load_config(None, BASE + layout + ["train.global_batch_size=4"])
@@ -296,8 +297,8 @@ def test_list_keys_and_print_config(capsys, tmp_path):
     """Old: ``--help`` pointed to a key list that did not exist."""
     text = list_keys()
     assert (
-        "train.log_interval (int, default 1)\n    Steps between log lines / TensorBoard points (>= 1)."
-        in text
+        "train.log_interval (int, default 1)\n    Steps between log lines / TensorBoard points (>= "
+        "1)." in text
     )
     assert "parallel.data_parallel_size (Optional[int], default None)" in text
     main(["--list-keys"])
@@ -318,7 +319,8 @@ def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_pat
         "    main(['data.path=d.json', 'data.tokenizer=t', 'train.log_interval=0'])\n"
         "except SystemExit as e:\n"
         "    print(e)\n"
-        "print(sorted(m for m in ('torch', 'megatron', 'datasets', 'transformers') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'megatron', 'datasets', 'transformers') if m in "
+        "sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

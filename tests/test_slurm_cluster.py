@@ -144,7 +144,8 @@ class Cluster:
 
     def release(self, job_id: str) -> None:
         """Start a requeued (pending) job now, once its last processes are gone and no node is
-        down or completing: a node still completing the job's previous run (a node back from the dead is,
+        down or completing: a node still completing the job's previous run (a node back from the
+        dead is,
         for a moment) leaves the new run's srun waiting for a step that never starts."""
         self.wait_gone(job_id)
         deadline = time.monotonic() + 120
@@ -438,7 +439,6 @@ def test_a_lost_node_ends_the_job_and_the_requeued_job_resumes(cluster, work, un
         # no rank may be left hanging in a collective on n1
         assert time.monotonic() < deadline, (_job_processes(job_id), out.read_text()[-4000:])
         time.sleep(0.5)
-    ended = time.monotonic() - lost
     log = out.read_text()
     assert "srun: error: Node failure on n2" in log, log[-4000:]
 

@@ -56,7 +56,8 @@ class ModelConfig:
     gradient; conversion drops them on export. False: such a layout is an error."""
     pad_attention_heads_multiple: int = 2
     """With pad_attention_heads: round the key/value groups up to a multiple of this (>= 1),
-    whatever the TP size, so checkpoint shapes do not depend on the layout they were saved at (SmolLM2:
+    whatever the TP size, so checkpoint shapes do not depend on the layout they were saved at
+    (SmolLM2:
     3 -> 4 groups, usable at TP 1, 2 and 4). TP must divide the padded count."""
     vocab_size: int = 256
     """Tokenizer vocabulary (>= 1); padded up to a multiple of make_vocab_size_divisible_by x TP."""
@@ -93,7 +94,8 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     """Epsilon inside the norm's square root (> 0)."""
     activation: str = "swiglu"
-    """'swiglu' (gated SiLU, Llama), 'geglu' (gated tanh GELU, Gemma), 'gelu' (GPT-2: the tanh approximation, HF ``gelu_new``) or
+    """'swiglu' (gated SiLU, Llama), 'geglu' (gated tanh GELU, Gemma), 'gelu' (GPT-2: the tanh
+    approximation, HF ``gelu_new``) or
     'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2)."""
@@ -187,8 +189,8 @@ class ModelConfig:
         """Ranges of every field: sizes and counts >= 1 (``num_query_groups``, ``kv_channels``,
         ``recompute_num_layers``, ``num_experts``, ``moe_ffn_hidden_size``: >= 1 or null);
         ``rotary_base``, ``norm_epsilon``, ``init_method_std`` and the RoPE scaling factors > 0;
-        ``rotary_percent`` in (0, 1]; ``moe_aux_loss_coeff`` >= 0 or null; the names one of the module's
-        tuples above. The architecture against the layout (heads / TP, layers / PP), the
+        ``rotary_percent`` in (0, 1]; ``moe_aux_loss_coeff`` >= 0 or null; the names one of the
+        module's tuples above. The architecture against the layout (heads / TP, layers / PP), the
         activation and the dtype name are checked with the layout, before launch, by
         ``models.transformer_config.build_transformer_config``.
 

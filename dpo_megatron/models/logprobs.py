@@ -8,7 +8,8 @@ sum) give exact log-probs without ever gathering the vocabulary:
     log p(y_t) = z_t[y_t] - (m_t + log sum_v exp(z_t[v] - m_t)),   m_t = max_v z_t[v]
 
 (the standard log-sum-exp identity; the same decomposition as megatron-core's
-``vocab_parallel_cross_entropy``). Everything is computed in fp32 for bf16/fp16/fp32 logits (fp64 stays fp64).
+``vocab_parallel_cross_entropy``). Everything is computed in fp32 for bf16/fp16/fp32 logits (fp64
+stays fp64).
 
 Two entry points:
 

@@ -149,7 +149,8 @@ def resolve_model_preset(name: str, search_dirs: Optional[Sequence[str]] = None)
     else its hub name.
 
     Args:
-        name: a key of :data:`MODEL_PRESETS` (or a hub name, see :func:`preset_name`) (``pythia28``).
+        name: a key of :data:`MODEL_PRESETS` (or a hub name, see :func:`preset_name`)
+        (``pythia28``).
         search_dirs: folders to look in for ``<dir>/<hub name>`` or ``<dir>/<last part of the hub
             name>`` with a config.json (default: ``$DPO_MEGATRON_MODELS``; ``[]``: none).
 

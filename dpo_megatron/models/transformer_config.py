@@ -216,7 +216,8 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         )
     if model.norm_placement != "pre" and (model.num_experts or model.parallel_residual):
         raise ValueError(
-            f"model.norm_placement={model.norm_placement} is wired for dense sequential layers only (not with "
+            f"model.norm_placement={model.norm_placement} is wired for dense sequential layers "
+            "only (not with "
             "model.num_experts or model.parallel_residual)"
         )
     etp = parallel.expert_tensor_parallel()

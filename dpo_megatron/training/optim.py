@@ -30,7 +30,8 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list[DistributedD
                 config=chunk.config,
                 ddp_config=ddp_config,
                 module=chunk,
-                # Bucketing only matters for overlap; later chunks keep it off like megatron's train.
+                # Bucketing only matters for overlap; later chunks keep it off like megatron's
+                # train.
                 disable_bucketing=i > 0,
             )
         )

@@ -226,7 +226,8 @@ class Trainer:
                 else ""
             )
             + "| "
-            f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} eval "
+            f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} "
+            "eval "
             f"{self.kind.unit} | weights: {run_models.weights_source(cfg, self.model_config)}",
             flush=True,
         )

@@ -7,7 +7,8 @@ from functools import lru_cache
 from pathlib import Path
 
 CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 CORPUS = [
@@ -19,7 +20,8 @@ CORPUS = [
 @lru_cache(maxsize=1)
 def tiny_hf_tokenizer():
     """A byte-level BPE (GPT-2 / SmolLM2 style: no BOS added) trained in-process on a few
-    sentences, with ChatML special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2 (EOS, pad)."""
+    sentences, with ChatML special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2 (EOS,
+    pad)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +47,8 @@ def tiny_hf_tokenizer():
 
 
 def mistral_sp_tokenizer():
-    """Mistral-7B v0.1's SentencePiece model (vocab 32000, <unk>=0, <s>=1, </s>=2) via our wrapper."""
+    """Mistral-7B v0.1's SentencePiece model (vocab 32000, <unk>=0, <s>=1, </s>=2) via our
+    wrapper."""
     from tests.scripts import load_script
 
     ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model

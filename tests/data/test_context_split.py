@@ -134,7 +134,8 @@ def test_world_size_counts_context_parallel_ranks():
                 "parallel.sequence_parallel=true",
                 "parallel.tensor_model_parallel_size=2",
             ],
-            r"tensor_model_parallel_size=2 \(sequence parallelism\) = 8 .* multiple of 8 \(e.g. 1008\)",
+            r"tensor_model_parallel_size=2 \(sequence parallelism\) = 8 .* multiple of 8 \(e.g. "
+            r"1008\)",
         ),
         (["model.local_attention=megatron"], "set model.local_attention=sdpa"),
         (["train.sample_during_eval=true"], "set train.sample_during_eval=false"),

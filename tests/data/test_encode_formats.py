@@ -16,7 +16,8 @@ SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging F
 
 
 class ByHand:
-    """Expected ids for one tokenizer, computed with the tokenizer's own encode on hand-built text."""
+    """Expected ids for one tokenizer, computed with the tokenizer's own encode on hand-built
+    text."""
 
     def __init__(self, kind):
         self.kind = kind
@@ -192,7 +193,8 @@ def test_format_ids_by_hand(tmp_path, kind, name):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_text_split_equals_joint_tokenization(tmp_path, kind):
-    """No boundary artefact: prompt + completion (minus EOS) is the tokenization of the whole text."""
+    """No boundary artefact: prompt + completion (minus EOS) is the tokenization of the whole
+    text."""
     h = hand(kind)
     path = write_jsonl(
         tmp_path / "d.jsonl", [{"prompt": "Answer: yes or", "chosen": " no", "rejected": " yes"}]

@@ -1,4 +1,5 @@
-"""Row converters: each format's rule, detection, and the errors/filters they raise (no tokenizer)."""
+"""Row converters: each format's rule, detection, and the errors/filters they raise (no
+tokenizer)."""
 
 import pytest
 
@@ -111,8 +112,10 @@ def test_sharegpt_with_system_turn_and_column():
 
 def test_hh():
     row = {
-        "chosen": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Is the sky blue?\n\nAssistant: Yes, it is.",
-        "rejected": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Is the sky blue?\n\nAssistant: No.",
+        "chosen": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Is the sky blue?"
+        "\n\nAssistant: Yes, it is.",
+        "rejected": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Is the sky blue?"
+        "\n\nAssistant: No.",
     }
     assert convert_hh(row, CFG) == [
         Example([U("Hi there"), A("Hello!"), U("Is the sky blue?")], [A("Yes, it is.")], [A("No.")])
@@ -213,7 +216,8 @@ def test_detect_format():
     assert detect_format(["instruction", "input", "output"], None) == "alpaca"
     with pytest.raises(
         ValueError,
-        match=r"cannot tell the data format of the data from its columns \['text'\]: set data.format",
+        match=r"cannot tell the data format of the data from its columns \['text'\]: set "
+        r"data.format",
     ):
         detect_format(["text"], {"text": "x"})
 

@@ -47,8 +47,8 @@ def test_non_utf8_byte_names_file_line_and_byte_and_skip_drops_the_row(tmp_path)
     with pytest.raises(DataError) as e:
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     assert (
-        f"latin1.jsonl: line 3, byte {offset - line_start + 1} (file offset {offset}): byte 0xe9 is not UTF-8"
-        in str(e.value)
+        f"latin1.jsonl: line 3, byte {offset - line_start + 1} (file offset {offset}): byte 0xe9 "
+        "is not UTF-8" in str(e.value)
     )
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
     assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (

@@ -44,7 +44,10 @@ def test_sharegpt_chatml_ids_by_hand(tmp_path):
         0,
     )
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    p0 = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
+    p0 = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ds.train[0].prompt_ids == tuple(enc(p0))
     assert ds.train[0].chosen_ids == tuple(enc("It is blue.") + [2])
     assert ds.train[0].rejected_ids == tuple(enc("It is green.") + [2])

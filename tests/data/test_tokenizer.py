@@ -69,7 +69,8 @@ def test_hf_sentencepiece_tokenizer_continuation_matches_wrapper(tmp_path):
     folder.mkdir()
     shutil.copy(ensure_sentencepiece_model(), folder / "tokenizer.model")
     (folder / "tokenizer_config.json").write_text(
-        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}'
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", '
+        '"unk_token": "<unk>"}'
     )
     hf = load_tokenizer(str(folder))
     sp = mistral_sp_tokenizer()

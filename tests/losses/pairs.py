@@ -35,6 +35,7 @@ def call_loss(
     dtype: torch.dtype = torch.float64,
     **params,
 ):
-    """LOSSES[name].fn on [B] tensors of `dtype` built from the given numbers; returns (losses, metrics)."""
+    """LOSSES[name].fn on [B] tensors of `dtype` built from the given numbers; returns (losses,
+    metrics)."""
     pc, pr, rc, rr, ct, rt = (as_tensor(v, dtype) for v in (pc, pr, rc, rr, ct, rt))
     return LOSSES[name].fn(pc, pr, rc, rr, chosen_tokens=ct, rejected_tokens=rt, **params)

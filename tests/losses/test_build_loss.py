@@ -11,7 +11,8 @@ F64 = torch.float64
 
 
 def one_pair(chosen, rejected, prompt=1):
-    """[2, S] token log-probs and mask of one pair: `prompt` masked positions, then the completion."""
+    """[2, S] token log-probs and mask of one pair: `prompt` masked positions, then the
+    completion."""
     seq = prompt + max(len(chosen), len(rejected)) + 1
     token_logps = torch.zeros(2, seq, dtype=F64)
     loss_mask = torch.zeros(2, seq, dtype=F64)
@@ -47,7 +48,8 @@ def test_parameter_the_loss_does_not_take_lists_valid_keys():
     with pytest.raises(ValueError, match=r"takes no parameter\(s\) \['simpo_gamma'\]") as error:
         build_loss({"name": "sigmoid", "beta": 0.1, "simpo_gamma": 0.5})
     assert (
-        "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', 'sft_weight', "
+        "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', "
+        "'sft_weight', "
         "'use_weighting', 'weights']" in str(error.value)
     )
 

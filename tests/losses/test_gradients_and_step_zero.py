@@ -78,7 +78,8 @@ STEP_ZERO = {
 
 
 def token_batch(pairs=3, seq=7, seed=0):
-    """[2B, S] token log-probs and a mask with a 2-token prompt and completions of different lengths."""
+    """[2B, S] token log-probs and a mask with a 2-token prompt and completions of different
+    lengths."""
     generator = torch.Generator().manual_seed(seed)
     token_logps = -torch.rand(2 * pairs, seq, generator=generator, dtype=torch.float64) * 3
     loss_mask = torch.zeros(2 * pairs, seq, dtype=torch.float64)

@@ -1,4 +1,5 @@
-"""Loss values: the shared float64 cases file, and hand-derived cases for losses it does not cover."""
+"""Loss values: the shared float64 cases file, and hand-derived cases for losses it does not
+cover."""
 
 import json
 import math
@@ -71,7 +72,8 @@ HAND_CASES = [
         sigmoid(0.6) * (-softplus(-0.6) - math.log(0.999))
         + sigmoid(-0.6) * (-softplus(0.6) - math.log(1e-3)),
     ),
-    # BCO, delta = 0.2: -log sigma(0.1 - 0.2) - log sigma(-(-0.5 - 0.2)) = softplus(0.1) + softplus(-0.7)
+    # BCO, delta = 0.2: -log sigma(0.1 - 0.2) - log sigma(-(-0.5 - 0.2)) = softplus(0.1) +
+    # softplus(-0.7)
     ("bco_pair", dict(beta=0.1, reward_mean=0.2), softplus(0.1) + softplus(-0.7)),
     # SPPO-hard: (h_w - 5)^2 + (h_l + 5)^2 = 16 + 0
     ("sppo_hard", dict(beta=0.1), 16.0),
@@ -95,7 +97,8 @@ HAND_CASES = [
     ),
     # APO-zero with beta 0.2: 1 - sigma(0.2) + sigma(-1)
     ("apo_zero", dict(beta=0.2), 1.0 - sigmoid(0.2) + sigmoid(-1.0)),
-    # Cal-DPO, beta 0.1 (targets +-5): softplus(-h) + 1/2 [(h_w - 5)^2 + (h_l + 5)^2] = softplus(-6) + 8
+    # Cal-DPO, beta 0.1 (targets +-5): softplus(-h) + 1/2 [(h_w - 5)^2 + (h_l + 5)^2] = softplus(-6)
+    # + 8
     ("cal_dpo", dict(beta=0.1), softplus(-6.0) + 8.0),
     # beta-DPO with the step's beta 0.2 and a kept pair's weight N/K = 1.25: 1.25 softplus(-0.2 * 6)
     (

@@ -1,4 +1,5 @@
-"""beta-DPO's step statistic (batch beta, moving averages, margin filter) by hand, and its wiring."""
+"""beta-DPO's step statistic (batch beta, moving averages, margin filter) by hand, and its
+wiring."""
 
 import math
 
@@ -19,7 +20,8 @@ def test_first_step_by_hand():
     assert state.margin_mean == pytest.approx(0.2, abs=1e-15)
     assert state.margin_std == pytest.approx(0.1 * math.sqrt(2.5), abs=1e-15)
     # K = floor(5 * 0.8) = 4. The weights exp(-(M - 0.2)^2 / (2 sigma^2)) are e^-6.4, e^-12.8, ...
-    # for M = 0, 1, ...: the margin 4 has log-weight -289 against -64 or more: it is the one left out.
+    # for M = 0, 1, ...: the margin 4 has log-weight -289 against -64 or more: it is the one left
+    # out.
     assert per_pair["pair_weights"].tolist() == [1.25, 1.25, 1.25, 1.25, 0.0]
     # beta = 0.1 (1 + 0.6 (mean(0, 1, 2, 3) - 0.2)) = 0.178
     assert scalars["batch_beta"] == pytest.approx(0.178, abs=1e-15)

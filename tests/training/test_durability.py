@@ -614,7 +614,7 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
         where = (
             f"seed {seed}, trial {trial}: killed {extra:.2f} s after {after_steps} steps; "
             f"{_train_records(run_dir)} step records, checkpoints "
-            f"{sorted(os.listdir(run_dir / 'checkpoints')) if (run_dir / 'checkpoints').exists() else []}"
+            f"{sorted(p.name for p in (run_dir / 'checkpoints').glob('*'))}"
         )
         print(where)
         assert not _processes_with(marker), f"ranks outlived the launcher ({where})"

@@ -5,8 +5,8 @@ Each layout runs the real trainer from one checkpoint over the same 8 items per 
 examples, 6 desirable, with the previous item's completion as the mismatched one, as the data path
 makes them; the pair losses read them as pairs): two KTO steps (step 0: policy == reference, KL 0;
 step 1: a positive KL reference point), two beta-DPO steps (real margins, moving averages, a
-filtered draw) and one Cal-DPO step. Loss, metrics, grad norm and the set of kept pairs must match the
-single-rank run with micro-batches of 2, at other micro-batch sizes, TP, PP and DP.
+filtered draw) and one Cal-DPO step. Loss, metrics, grad norm and the set of kept pairs must match
+the single-rank run with micro-batches of 2, at other micro-batch sizes, TP, PP and DP.
 """
 
 import pytest

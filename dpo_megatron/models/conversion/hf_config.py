@@ -83,8 +83,9 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
 
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
-    positions, GPT-NeoX for LayerNorm with RoPE, OLMo 3 for post-norms, Qwen3-MoE / Mixtral for experts with / without
-    query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers, Qwen2 for q/k/v-only
+    positions, GPT-NeoX for LayerNorm with RoPE, OLMo 3 for post-norms, Qwen3-MoE / Mixtral for
+    experts with / without query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers,
+    Qwen2 for q/k/v-only
     biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)

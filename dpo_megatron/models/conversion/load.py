@@ -32,11 +32,12 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
+_AT = "decoder.layers.{i}."
 TE_FUSED_NORMS = {
-    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.{i}.input_layernorm.weight",
-    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_bias": "decoder.layers.{i}.input_layernorm.bias",
-    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "decoder.layers.{i}.pre_mlp_layernorm.weight",
-    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_bias": "decoder.layers.{i}.pre_mlp_layernorm.bias",
+    _AT + "self_attention.linear_qkv.layer_norm_weight": _AT + "input_layernorm.weight",
+    _AT + "self_attention.linear_qkv.layer_norm_bias": _AT + "input_layernorm.bias",
+    _AT + "mlp.linear_fc1.layer_norm_weight": _AT + "pre_mlp_layernorm.weight",
+    _AT + "mlp.linear_fc1.layer_norm_bias": _AT + "pre_mlp_layernorm.bias",
 }
 """The transformer-engine layer spec fuses each pre-norm into the following linear layer
 (``TELayerNormColumnParallelLinear``); its norm parameters map like the local spec's norm

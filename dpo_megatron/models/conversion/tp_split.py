@@ -91,7 +91,8 @@ def read_tp_shard(
         read from ``hf_names``.
 
         Shapes (megatron orientation, per rank): COLUMN / VOCAB [out/tp, ...]; ROW [out, in/tp];
-        QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden] (``tp`` is the expert TP
+        QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden] (``tp`` is the expert
+        TP
     size and ``ffn`` the expert width for experts' tensors); REPLICATED unchanged.
         Where the megatron tensor is larger than HF's (vocabulary padded to a multiple of TP; zero
         key/value groups added by ``ModelConfig.pad_attention_heads``) the extra rows, columns or
