@@ -149,7 +149,11 @@ def main(argv=None) -> int:
         "points": [],
     }
     started = time.time()
+    done: dict[tuple[int, int], dict] = {}  # a point on both axes is measured once
     for axis, max_length, pairs_per_step in points(args):
+        if (max_length, pairs_per_step) in done:
+            report["points"].append({**done[(max_length, pairs_per_step)], "axis": axis})
+            continue
         point = {
             "axis": axis,
             "max_length": max_length,
@@ -157,6 +161,7 @@ def main(argv=None) -> int:
             "results": {},
         }
         report["points"].append(point)
+        done[(max_length, pairs_per_step)] = point
         for run in RUNS:
             t0 = time.time()
             try:
@@ -184,7 +189,8 @@ def main(argv=None) -> int:
 def _write(report: dict, args) -> None:
     Path(args.markdown).write_text(table(report))
     for axis in ("max_length", "pairs_per_step"):
-        plot(report, axis, f"{args.plots}_{axis}.png")
+        if sum(p["axis"] == axis and bool(p["results"]) for p in report["points"]) > 1:
+            plot(report, axis, f"{args.plots}_{axis}.png")  # a curve needs two points
     print(table(report))
 
 
