@@ -40,7 +40,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "convert": ["gguf", "accelerate", "peft"],
         # scripts/bench_dpo.py: TRL's DPOTrainer side by side (tested with trl 1.16.0).
-        "bench": ["trl>=1.16"],
+        "bench": ["trl>=1.16", "matplotlib>=3.8"],  # matplotlib: scripts/bench_curve.py
         # data.reference_preprocessing on StackExchange rows: the reference DPO repo strips their
         # HTML with BeautifulSoup's html.parser; the same parser gives the same text.
         "reference": ["beautifulsoup4"],

@@ -46,9 +46,19 @@ if str(REPO) not in sys.path:
 # standard library only: safe before the worker imports torch
 from dpo_megatron.parallel.host_malloc import SWITCH, describe, malloc_env, malloc_in_use  # noqa: E402
 
+# The defaults before issue 31 (padded rows, the reference model every step, the fused LM head):
+# every named setting below starts from them, so each name keeps its meaning; "engine" alone is
+# today's default (the speed settings left to auto: ``training.auto_settings``).
+OLD_DEFAULT = (
+    "packing.enabled=false",
+    "packing.share_prompt=false",
+    "reference.mode=model",
+    "model.fused_lm_head=true",
+)
 PACKED = ("packing.enabled=true",)
 SHARED = ("packing.enabled=true", "packing.share_prompt=true")
 PRECOMPUTED = ("reference.mode=precomputed",)
+BF16 = ("model.params_dtype=bfloat16",)
 RECOMPUTE = (
     "model.recompute_granularity=full",
     "model.recompute_method=uniform",  # a layer each
@@ -57,7 +67,9 @@ RECOMPUTE = (
 LORA = ("lora.enabled=true", "lora.rank=16", "lora.alpha=32")
 ENGINES = {
     # name: the engine's config overrides on top of engine_config()'s
-    "engine": (),
+    "engine": (),  # the default: what a user gets without setting anything
+    "engine+bf16": BF16,  # the default in bf16 (mixed precision: fp32 main weights in Adam)
+    "engine+old-default": (),  # the default before issue 31 (OLD_DEFAULT)
     "engine+packing": PACKED,
     "engine+shared": SHARED,
     "engine+precomputed": PRECOMPUTED,
@@ -86,11 +98,14 @@ ENGINES = {
     "lora": LORA,
     "lora+recompute": LORA + RECOMPUTE,
 }
+AUTO = ("engine", "engine+bf16")
+"""Settings that run the engine's defaults; every other one starts from :data:`OLD_DEFAULT`."""
 MALLOC = "+malloc"  # suffix: the same run with the engine's opt-in glibc malloc tunables
 SYSTEM_MALLOC = "+system-malloc"  # suffix: the engine without its default heap trimming
 HOST_MALLOC_SUFFIXES = {MALLOC: "release", SYSTEM_MALLOC: "system"}
 """Run-name suffix -> the ``DPO_MEGATRON_HOST_MALLOC`` value the run is started with."""
-TRL_RUNS = ("trl", "trl" + MALLOC)
+TRL_RUNS = ("trl", "trl" + MALLOC, "trl+bf16")
+"""``trl+bf16``: TRL's ``bf16=True`` (autocast to bf16 around fp32 weights, as a user runs it)."""
 ALL_RUNS = [*TRL_RUNS, *ENGINES, "engine" + MALLOC, "engine" + SYSTEM_MALLOC]
 
 
@@ -107,15 +122,7 @@ def setting(run: str) -> str:
 # alone (the prefix-sharing gain over packing), and the best settings; on the 4-layer cut, the
 # plain and the best ones.
 DEFAULT_RUNS = {
-    "smollm2": [
-        "trl",
-        "engine",
-        "engine+packing",
-        "engine+shared",
-        "engine+packing+precomputed",
-        "engine+shared+precomputed",
-        "engine+shared+precomputed+recompute",
-    ],
+    "smollm2": ["trl", "engine", "engine+old-default", "trl+bf16", "engine+bf16"],
     "smollm2-4l": ["trl", "engine", "engine+packing", "engine+shared", "engine+shared+precomputed"],
 }
 
@@ -310,7 +317,8 @@ def engine_config(spec: dict):
             f"run_dir={run_dir}",
             f"data.path={assets.asset_path('dpo_en_demo')}",
             f"model.hf_path={spec['model_path']}",
-            "model.params_dtype=float32",
+            # the default runs keep the engine's own choice (fp32 on the CPU) and say so
+            f"model.params_dtype={'auto' if setting(spec['run']) in AUTO else 'float32'}",
             "model.transformer_impl=local",
             f"model.recompute_granularity={spec['recompute'] or 'null'}",
             "loss.name=sigmoid",
@@ -331,6 +339,7 @@ def engine_config(spec: dict):
             "checkpoint.save_interval=0",
             "logging.tensorboard=false",
             f"model.local_attention={spec.get('local_attention') or 'sdpa'}",
+            *(() if setting(spec["run"]) in AUTO else OLD_DEFAULT),
             *ENGINES[setting(spec["run"])],
         ],
     )
@@ -385,6 +394,7 @@ def run_engine(spec: dict) -> dict:
         "steps": steps,
         "reference_model_held": trainer.reference is not None,
         "heap_trims": trainer.heap_trimmer.trims if trainer.heap_trimmer else None,
+        "speed_line": trainer.auto_settings.line,
     }
 
 
@@ -463,7 +473,7 @@ def run_trl(spec: dict) -> dict:
         save_strategy="no",
         report_to=[],
         use_cpu=True,
-        bf16=False,
+        bf16=spec["run"] == "trl+bf16",
         fp16=False,
         dataloader_num_workers=0,
         seed=spec["seed"],
@@ -601,16 +611,18 @@ def markdown(report: dict) -> str:
         if "trl" in runs:
             lines += [
                 "",
-                "| run / TRL | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
+                "| run / TRL | against | tok/s (wall) | tok/s (CPU) | step time | peak RSS | "
                 "step-0 loss diff |",
-                "|---|---|---|---|---|---|",
+                "|---|---|---|---|---|---|---|",
             ]
             for name, r in runs.items():
-                if name == "trl":
+                if name in TRL_RUNS:
                     continue
-                q = ratios(r, runs["trl"])
+                # bf16 runs against TRL in bf16 when it ran, everything else against fp32 TRL
+                against = "trl+bf16" if "bf16" in name and "trl+bf16" in runs else "trl"
+                q = ratios(r, runs[against])
                 lines.append(
-                    f"| {name} | {q['real_tokens_per_s']:.2f}x | "
+                    f"| {name} | {against} | {q['real_tokens_per_s']:.2f}x | "
                     f"{q['real_tokens_per_cpu_s']:.2f}x | {q['step_time_median']:.2f}x | "
                     f"{q['peak_rss']:.2f}x | {q['step0_loss_abs_diff']:.1e} |"
                 )

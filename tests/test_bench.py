@@ -61,7 +61,7 @@ def test_ratios_and_markdown():
     assert q["step_time_median"] == 0.5 and q["peak_rss"] == 0.5
     assert abs(q["step0_loss_abs_diff"] - 1e-4) < 1e-12
     text = bench.markdown({"results": {"m": {"trl": trl, "engine": row}}})
-    assert "| engine | 1.50x | 4.00x | 0.50x | 0.50x | 1.0e-04 |" in text
+    assert "| engine | trl | 1.50x | 4.00x | 0.50x | 0.50x | 1.0e-04 |" in text
 
 
 def test_shared_prompt_figures_by_hand():
@@ -220,9 +220,14 @@ def test_bench_engines_are_valid_configs():
     }
     for name in bench.ENGINES:
         cfg = bench.engine_config({**spec, "run": name, "model_path": str(_assets_smollm2())})
+        if name in bench.AUTO:  # the engine's defaults: decided at start-up (auto_settings)
+            assert cfg.packing.enabled is None and cfg.packing.share_prompt is None
+            assert cfg.reference.mode == "auto" and cfg.model.fused_lm_head is None
+            continue
         assert cfg.packing.share_prompt == ("shared" in name)
         assert cfg.packing.enabled == ("shared" in name or "packing" in name)
         assert (cfg.reference.mode == "precomputed") == ("precomputed" in name)
+        assert cfg.model.fused_lm_head == ("unfused" not in name)
 
 
 def _assets_smollm2():

@@ -173,6 +173,8 @@ def test_every_field_is_range_checked_before_launch(override, message):
     ZeroDivisionError, max_nonfinite_steps=0 stopped a healthy run, a negative lr failed only
     after the model was built, the others ran."""
     extra = ["data.eval_fraction=0.1"] if override.startswith("data.eval_datasets") else []
+    # share_prompt alone now turns packing on with it (auto): refused only with packing off
+    extra += ["packing.enabled=false"] if override.startswith("packing.share_prompt") else []
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(None, BASE + extra + [override])
 

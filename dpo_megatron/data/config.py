@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
@@ -238,9 +238,10 @@ class PackingConfig:
     """Padding-free packing of each micro-batch's sequences (``packing.*``; used by
     ``data.packing``, defined here so that the config tree imports no torch)."""
 
-    enabled: bool = False
+    enabled: Optional[bool] = None
     """Pack the 2B sequences of each micro-batch into rows, each sequence attending only to
-    itself. Log-probs equal the padded path's (fp32, 1e-6 relative)."""
+    itself. Log-probs equal the padded path's (fp32, 1e-6 relative). null (auto): on, except for
+    SFT losses and MoE models (``training.auto_settings``)."""
     row_length: int = 0
     """Tokens per packed row (>= 0). 0: one row per micro-batch holding all its units (the
     step's longest micro-batch, rounded up to the padding granule): nothing is padding but the
@@ -251,8 +252,9 @@ class PackingConfig:
     """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
     similar length (longest first). The step's pair set, hence its loss and gradient, is
     unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
-    share_prompt: bool = False
-    """With ``enabled``: each pair is one unit ``[prompt | chosen | rejected]``: the prompt runs
+    share_prompt: Optional[bool] = None
+    """null (auto): on for paired losses wherever packing is on (``training.auto_settings``).
+    With ``enabled``: each pair is one unit ``[prompt | chosen | rejected]``: the prompt runs
     once through the model (policy and reference), each completion attends to the prompt and to
     itself only, rejected positions continue from the end of the prompt. Log-probs equal the
     unshared path's (fp32). Needs a kernel that takes two branches per unit: every local
@@ -272,7 +274,7 @@ class PackingConfig:
             0,
             why="0: one row per micro-batch, or the tokens per packed row",
         )
-        if self.share_prompt and not self.enabled:
+        if self.share_prompt and self.enabled is False:
             raise ValueError(
                 "packing.share_prompt=true lays pairs out in packed rows: set "
                 "packing.enabled=true too"

@@ -173,8 +173,10 @@ class ModelConfig:
     """With 'full': 'uniform' or 'block'."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per recompute group (>= 1)."""
-    fused_lm_head: bool = True
-    """Log-probs straight from the hidden states, the LM head a chunk of positions at a time
+    fused_lm_head: Optional[bool] = None
+    """null (auto): fused on an accelerator, unfused on the host CPU, where keeping the logits
+    was measured faster (``models.gpt.lm_head_is_fused``). true: log-probs straight from the
+    hidden states, the LM head a chunk of positions at a time
     (``models.logprobs.vocab_parallel_linear_logps``): no [tokens, V/TP] logits are kept for
     backward, which projects each chunk again (one more LM-head matmul: about 7% of a SmolLM2
     step on CPU). false: the output layer's logits, kept for backward (faster, ~1 GiB more at

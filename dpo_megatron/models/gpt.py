@@ -35,7 +35,7 @@ from dpo_megatron.models.moe import set_aux_loss_weight
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
-from dpo_megatron.parallel.device import get_device, is_cuda
+from dpo_megatron.parallel.device import get_device, is_cuda, is_host
 
 
 class DPOGPTModel(GPTModel):
@@ -229,6 +229,16 @@ class DPOGPTModel(GPTModel):
         return picked.index_select(0, output_index)
 
 
+def lm_head_is_fused(setting: Optional[bool]) -> bool:
+    """``model.fused_lm_head`` resolved: an explicit true/false is kept; null (auto) is fused on
+    an accelerator and unfused on the host CPU. On the CPU the second LM-head matmul that the
+    fused head runs in backward cost about 7% of a SmolLM2 step, more than keeping the [n, V]
+    logits saves (docs/BENCHMARKS.md); on a GPU the memory of the logits is the scarcer."""
+    if setting is not None:
+        return bool(setting)
+    return not is_host()
+
+
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPOGPTModel]:
     """This rank's model chunks (one, or one per virtual pipeline stage), randomly initialised,
     every parameter and buffer on the engine's device (``dpo_megatron.parallel.device``) in the
@@ -283,7 +293,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             )
         place_chunk(chunk, config.params_dtype)
         chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
-        chunk.fused_lm_head = model.fused_lm_head
+        chunk.fused_lm_head = lm_head_is_fused(model.fused_lm_head)
         if chunk.post_process and vocab > model.vocab_size:
             _mask_vocab_padding(chunk, model.vocab_size, vocab)
         chunks.append(chunk)

@@ -8,7 +8,7 @@ from typing import Optional
 
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
-REFERENCE_MODES = ("model", "precomputed")
+REFERENCE_MODES = ("auto", "model", "precomputed")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "sgd")
 
@@ -150,10 +150,12 @@ class TrainConfig:
 class ReferenceConfig:
     """How the reference log-probs are obtained (``reference.*``)."""
 
-    mode: str = "model"
-    """'model': the frozen reference runs forward every step. 'precomputed': one forward-only pass
-    over the training pairs before training, cached on disk; no reference forward while
-    training (same loss as 'model', fp32 1e-5)."""
+    mode: str = "auto"
+    """'auto': 'precomputed' when the loss reads a reference and train_iters x global_batch_size
+    covers every train pair, else 'model' (``training.auto_settings``). 'model': the frozen
+    reference runs forward every step. 'precomputed': one forward-only pass over the training
+    pairs before training, cached on disk; no reference forward while training (same loss as
+    'model', fp32 1e-5)."""
     offload: bool = False
     """Keep the reference weights in host memory and copy them to the accelerator only for the
     reference pass (mode 'model'; also used for the precompute pass)."""

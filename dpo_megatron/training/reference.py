@@ -4,7 +4,7 @@ DPO's loss needs log pi_ref(y|x) for chosen and rejected (Rafailov et al. 2023, 
 reference never changes, so running it every step costs one forward per pair per epoch that can
 be paid once:
 
-* ``reference.mode=model`` (default): the frozen :class:`ReferenceModel` runs forward-only
+* ``reference.mode=model``: the frozen :class:`ReferenceModel` runs forward-only
   through the pipeline schedule each step (``training.step.attach_reference_logps``);
   ``reference.offload=true`` keeps its weights in host memory between passes (pinned on CUDA;
   a no-op on the CPU, where host and device are the same). With LoRA (``lora.enabled``) the

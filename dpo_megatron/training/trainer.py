@@ -29,6 +29,7 @@ from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training import run_models
+from dpo_megatron.training.auto_settings import resolve_auto_settings
 from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
@@ -77,6 +78,11 @@ class Trainer:
         self.model_config = run_models.resolve_model_config(cfg)
         self.sequence_parallel_note = run_models.require_sequence_parallel(cfg, self.model_config)
         self.data = data if data is not None else load_run_data(cfg, self.model_config, self.kind)
+        # The speed settings left at auto (packing, LM head, reference mode), before anything
+        # that reads them is built.
+        self.auto_settings = resolve_auto_settings(
+            cfg, self.loss_fn, self.model_config, len(self.data.train)
+        )
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
         multiple = math.lcm(
             cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
@@ -231,6 +237,7 @@ class Trainer:
             f"{self.kind.unit} | weights: {run_models.weights_source(cfg, self.model_config)}",
             flush=True,
         )
+        print(self.auto_settings.line, flush=True)
         if cfg.train.warmup_warning():
             print(cfg.train.warmup_warning(), flush=True)
         if self.loss_fn.unpaired and self.loss_fn.data_advice(self.data.train):

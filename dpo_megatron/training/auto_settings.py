@@ -1,0 +1,191 @@
+"""The speed settings left to the engine (``null`` / ``auto`` in the config), decided once per run.
+
+A newcomer should get the fastest *exact* setting without reading about it. Four settings are
+chosen here, each by a rule stated in the README ("Fast by default") and reported on the
+start-up line with its reason (``Trainer`` prints :attr:`AutoSettings.line`):
+
+* **packing** (``packing.enabled`` / ``packing.share_prompt`` = null): shared-prompt pairs
+  (each pair one ``[prompt | chosen | rejected]`` unit, the prompt computed once) for paired
+  losses; plain packing for unpaired losses (KTO rows have no pair to share a prompt in); off
+  for SFT losses (packing packs preference pairs) and for mixture-of-experts models (the
+  router's load-balancing loss counts the tokens it routes, padding and repeated prompts
+  included, so any other layout changes the loss). Log-probs equal the padded path's (fp32,
+  1e-6 relative; ``tests/training/test_shared_prompt.py`` at every layout).
+* **LM head** (``model.fused_lm_head`` = null): the rule is
+  :func:`dpo_megatron.models.gpt.lm_head_is_fused` (unfused on the host CPU, fused on an
+  accelerator).
+* **reference** (``reference.mode=auto``): ``precomputed`` when the loss reads a reference and
+  the run's steps cover every train pair at least once (``train_iters x global_batch_size >=``
+  train pairs): the precompute pass then costs no more reference forwards than running the
+  reference every step, saves them from the second epoch (or a cached rerun) on, and frees the
+  reference weights before the optimizer state exists (a lower peak). Otherwise ``model``: a
+  run that sees only part of its data would pay a pass over pairs it never trains on.
+* **precision** (``model.params_dtype=auto``, decided in ``models.transformer_config``): bf16
+  on CUDA, fp32 on the CPU; reported here with whether the CPU has native bf16 (AVX512-BF16 /
+  AMX), where ``model.params_dtype=bfloat16`` is about twice as fast (log-probs ~1e-3 apart).
+
+Nothing else is decided here; an explicit value in the config is always kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dpo_megatron.models.config import ModelConfig
+
+
+@dataclass
+class AutoSettings:
+    """What :func:`resolve_auto_settings` chose, and why (for the start-up line)."""
+
+    reasons: list[str] = field(default_factory=list)
+    """One ``what (why)`` phrase per setting, in start-up line order."""
+
+    @property
+    def line(self) -> str:
+        """The start-up line: ``speed: <setting> (<why>) | ...``."""
+        return "speed: " + " | ".join(self.reasons)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises bf16 arithmetic (``avx512_bf16`` or ``amx_bf16`` flags in
+    ``cpuinfo``); False when it does not or the file cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    words = set(flags.split())
+    return bool(words & {"avx512_bf16", "amx_bf16"})
+
+
+def _packing(cfg, loss_fn, model_cfg: ModelConfig) -> str:
+    """Resolve ``packing.enabled`` / ``packing.share_prompt`` left at null; the reason."""
+    p = cfg.packing
+    explicit = p.enabled is not None and p.share_prompt is not None
+    if loss_fn.item_kind == "sft":
+        why = "off: an SFT loss trains on single completions"
+        enable, share = False, False
+    elif model_cfg.num_experts:
+        why = (
+            "off: MoE model (its load-balancing loss counts routed tokens, a shared prompt "
+            "once; packed MoE is not checked equal to padded)"
+        )
+        enable, share = False, False
+    elif loss_fn.unpaired:
+        why = "packed, prompt not shared: unpaired (KTO) rows have no pair"
+        enable, share = True, False
+    else:
+        why = "shared-prompt pairs: exact, the prompt computed once"
+        enable, share = True, True
+    if p.enabled is None:
+        p.enabled = enable if p.share_prompt is not True else True
+    if p.share_prompt is None:
+        p.share_prompt = share and p.enabled
+    if explicit:
+        return f"packing {_packing_name(p)} (set in the config)"
+    return f"packing {_packing_name(p)} (auto: {why})"
+
+
+def _packing_name(p) -> str:
+    if p.share_prompt:
+        return "shared-prompt"
+    return "on" if p.enabled else "off"
+
+
+def _lm_head(model_cfg: ModelConfig) -> str:
+    """Resolve ``model.fused_lm_head`` left at null on ``model_cfg``; the reason."""
+    from dpo_megatron.models.gpt import lm_head_is_fused
+    from dpo_megatron.parallel.device import get_device
+
+    chosen = lm_head_is_fused(model_cfg.fused_lm_head)
+    name = "fused" if chosen else "unfused"
+    if model_cfg.fused_lm_head is not None:
+        return f"LM head {name} (set in the config)"
+    model_cfg.fused_lm_head = chosen
+    where = get_device().type
+    why = (
+        "the second LM-head matmul in backward costs less than keeping the logits"
+        if chosen
+        else "keeping the logits for backward is faster than a second LM-head matmul"
+    )
+    return f"LM head {name} (auto on {where}: {why})"
+
+
+def _reference(cfg, loss_fn, num_train: int) -> str:
+    """Resolve ``reference.mode=auto``; the reason."""
+    ref = cfg.reference
+    if not loss_fn.needs_reference:
+        if ref.mode == "auto":
+            ref.mode = "model"  # never built: the loss reads no reference
+        return "reference none (the loss reads none)"
+    offload = " + offload" if ref.offload else ""
+    if ref.mode != "auto":
+        return f"reference {ref.mode}{offload} (set in the config)"
+    seen = cfg.train.train_iters * cfg.train.global_batch_size
+    if seen >= num_train:
+        ref.mode = "precomputed"
+        why = (
+            f"{cfg.train.train_iters} steps x {cfg.train.global_batch_size} pairs cover the "
+            f"{num_train} train pairs: one pass costs no more, then none"
+        )
+    else:
+        ref.mode = "model"
+        why = (
+            f"{cfg.train.train_iters} steps x {cfg.train.global_batch_size} pairs = {seen} < "
+            f"{num_train} train pairs: a pass over all would cost more"
+        )
+    return f"reference {ref.mode}{offload} (auto: {why})"
+
+
+def _precision(cfg, model_cfg: ModelConfig) -> str:
+    """The precision that runs and why (nothing is changed: ``model.params_dtype`` is resolved
+    by ``models.transformer_config.resolve_params_dtype``)."""
+    from dpo_megatron.models.transformer_config import resolve_params_dtype
+    from dpo_megatron.parallel.device import is_host
+
+    dtype = resolve_params_dtype(model_cfg.params_dtype)
+    name = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(dtype), str(dtype))
+    if model_cfg.params_dtype != "auto":
+        why = "set in the config"
+    elif not is_host():
+        why = "auto: bf16 on an accelerator"
+    elif cpu_has_native_bf16():
+        why = (
+            "auto: fp32 on the CPU; this CPU has native bf16 (AVX512-BF16): "
+            "model.params_dtype=bfloat16 runs about 2x faster, log-probs ~1e-3 apart"
+        )
+    else:
+        why = "auto: fp32 on the CPU; this CPU has no native bf16"
+    return f"precision {name} ({why})"
+
+
+def resolve_auto_settings(
+    cfg, loss_fn, model_cfg: ModelConfig, num_train: Optional[int] = None
+) -> AutoSettings:
+    """Decide every speed setting left to the engine, in place on ``cfg`` and ``model_cfg``.
+
+    Call it after the loss, the architecture and the data are known and before the batch
+    builder, the models or the reference source are built (``Trainer.__init__``). Idempotent:
+    a second call keeps the first call's choices (they are explicit values by then).
+
+    Args:
+        cfg: the run's ``DPOConfig`` (``packing``, ``reference``, ``train`` read and set).
+        loss_fn: the built loss (``item_kind``, ``unpaired``, ``needs_reference``).
+        model_cfg: the resolved architecture (``num_experts``, ``fused_lm_head`` set,
+            ``params_dtype``).
+        num_train: train pairs (or examples) of the run; None resolves the reference as if
+            the steps covered them (the reference rule needs the count).
+
+    Returns:
+        The choices and their reasons (:attr:`AutoSettings.line` is the start-up line).
+    """
+    settings = AutoSettings()
+    settings.reasons.append(_packing(cfg, loss_fn, model_cfg))
+    settings.reasons.append(_lm_head(model_cfg))
+    settings.reasons.append(_reference(cfg, loss_fn, 0 if num_train is None else num_train))
+    settings.reasons.append(_precision(cfg, model_cfg))
+    if cfg.model.fused_lm_head is None:
+        cfg.model.fused_lm_head = model_cfg.fused_lm_head
+    return settings

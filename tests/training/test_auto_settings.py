@@ -1,0 +1,117 @@
+"""The speed settings left to the engine (issue 31): what auto chooses and why, and that the new
+default gives the old default's losses (1e-5 per step) on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.engine import engine_config, random_pairs, tiny_trainer
+from tests.multirank import run_cases
+
+OLD_DEFAULT = dict(packing=False, share_prompt=False, reference_mode="model")
+NEW_DEFAULT = dict(packing=None, share_prompt=None, reference_mode="auto")
+
+
+def _resolve(loss=None, model=None, steps=2, num_train=8, **config):
+    from dpo_megatron.losses import build_loss
+    from dpo_megatron.training.auto_settings import resolve_auto_settings
+
+    cfg = engine_config(loss=loss, model=model, steps=steps, **{**NEW_DEFAULT, **config})
+    settings = resolve_auto_settings(cfg, build_loss(cfg.loss), cfg.model, num_train)
+    return cfg, settings.line
+
+
+def test_auto_on_the_cpu_for_a_paired_loss():
+    cfg, line = _resolve(steps=2, num_train=8)  # 2 steps x 4 pairs cover the 8 pairs
+    assert cfg.packing.enabled is True and cfg.packing.share_prompt is True
+    assert cfg.model.fused_lm_head is False  # the host CPU: unfused
+    assert cfg.reference.mode == "precomputed"
+    assert line.startswith("speed: packing shared-prompt (auto: ")
+    assert "LM head unfused (auto on cpu: " in line
+    assert "reference precomputed (auto: 2 steps x 4 pairs cover the 8 train pairs" in line
+    assert "precision fp32 (auto: fp32 on the CPU" in line
+
+
+def test_auto_reference_is_the_model_when_the_run_sees_part_of_its_pairs():
+    cfg, line = _resolve(steps=2, num_train=9)
+    assert cfg.reference.mode == "model"
+    assert "reference model (auto: 2 steps x 4 pairs = 8 < 9 train pairs" in line
+
+
+def test_auto_keeps_explicit_values_and_refuses_by_name():
+    cfg, line = _resolve(packing=False, share_prompt=False, reference_mode="model")
+    assert not cfg.packing.enabled and not cfg.packing.share_prompt
+    assert "packing off (set in the config)" in line and "reference model (set in the" in line
+    cfg, _ = _resolve(model={"fused_lm_head": True})
+    assert cfg.model.fused_lm_head is True
+    # SFT trains on single completions: no packing; KTO rows have no pair to share a prompt in
+    cfg, line = _resolve(loss={"name": "sft"})
+    assert cfg.packing.enabled is False and cfg.packing.share_prompt is False
+    assert "packing off (auto: off: an SFT loss" in line
+    assert "reference none (the loss reads none)" in line
+    cfg, line = _resolve(loss={"name": "kto", "beta": 0.1})
+    assert cfg.packing.enabled is True and cfg.packing.share_prompt is False
+    # a mixture of experts: the router's balancing loss counts tokens, so packing stays off
+    cfg, line = _resolve(model={"num_experts": 4, "moe_ffn_hidden_size": 32})
+    assert cfg.packing.enabled is False and "MoE model" in line
+    # share_prompt=true alone turns packing on with it
+    cfg, _ = _resolve(share_prompt=True)
+    assert cfg.packing.enabled is True
+
+
+def test_cpu_bf16_flag_is_read_from_cpuinfo(tmp_path):
+    from dpo_megatron.training.auto_settings import cpu_has_native_bf16
+
+    (tmp_path / "yes").write_text("processor: 0\nflags\t: fpu sse avx512f avx512_bf16 avx2\n")
+    (tmp_path / "no").write_text("processor: 0\nflags\t: fpu sse avx512f avx2\n")
+    assert cpu_has_native_bf16(str(tmp_path / "yes"))
+    assert not cpu_has_native_bf16(str(tmp_path / "no"))
+    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
+
+
+def _losses(num_pairs: int, steps: int, settings: dict) -> dict:
+    # prompts of 3-9 tokens, completions of 2-7: shared prompts and padding both matter
+    pairs = random_pairs(num_pairs, seed=5, lengths=lambda i: (3 + i % 7, 2 + i % 5, 7 - i % 6))
+    trainer = tiny_trainer(pairs, steps=steps, micro_batch_size=2, global_batch_size=4, **settings)
+    chosen = (
+        trainer.cfg.packing.share_prompt,
+        trainer.cfg.reference.mode,
+        trainer.policy[0].module.fused_lm_head,
+    )
+    return {
+        "losses": [trainer.train_step()[0].metrics["loss"] for _ in range(2)],
+        "chosen": chosen,
+        "line": trainer.auto_settings.line,
+    }
+
+
+def test_new_default_gives_the_old_default_losses():
+    """12 pairs, 2 steps (the run sees 8: reference model) and 3 steps (it sees all 12:
+    precomputed); both with shared prompts and the unfused head, against the old explicit
+    settings (padded, reference model every step, fused head): losses within 1e-5."""
+    runs = run_cases(
+        1,
+        {
+            "old": (
+                _losses,
+                dict(
+                    num_pairs=12,
+                    steps=2,
+                    settings={**OLD_DEFAULT, "model": {"fused_lm_head": True}},
+                ),
+            ),
+            "new_model": (_losses, dict(num_pairs=12, steps=2, settings=NEW_DEFAULT)),
+            "new_precomputed": (_losses, dict(num_pairs=12, steps=3, settings=NEW_DEFAULT)),
+        },
+    )
+    old, model, precomputed = (runs[k][0] for k in ("old", "new_model", "new_precomputed"))
+    assert old["chosen"] == (False, "model", True)
+    assert model["chosen"] == (True, "model", False)
+    assert precomputed["chosen"] == (True, "precomputed", False)
+    assert old["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    for new in (model, precomputed):
+        for a, b in zip(new["losses"], old["losses"], strict=True):
+            assert abs(a - b) < 1e-5, (new["losses"], old["losses"])
+    assert old["losses"][1] != pytest.approx(old["losses"][0], abs=1e-4)  # the step moved it
