@@ -130,12 +130,4 @@ def test_the_circle_check_finds_a_circle():
 
 
 def test_no_import_circles_in_the_package():
-    # dpo_megatron.data is being split by stage (issue 30 item 2); its internal circles go with
-    # that work, so they are left out here until it lands. Circles through data and any other
-    # package still count.
-    circles = [
-        c
-        for c in _circles(_import_graph())
-        if not all(m.startswith("dpo_megatron.data.") for m in c)
-    ]
-    assert circles == []
+    assert _circles(_import_graph()) == []

@@ -1,9 +1,6 @@
 """The data path by stage: the format registry (a format is one entry), the item kind chosen once
-(its formats, its items, its builder, its unit), the typed stage results, and no import circle
-inside ``dpo_megatron.data``."""
-
-import ast
-from pathlib import Path
+(its formats, its items, its builder, its unit), the typed stage results. (No import circle in
+``dpo_megatron.data``: tests/test_layering.py checks the whole package.)"""
 
 import pytest
 
@@ -137,33 +134,3 @@ def test_stages_return_typed_results(tmp_path):
     assert (selected.rows_read, dict(selected.dropped)) == (3, {"malformed": 1})
     assert selected.kept == load_sft_examples(cfg, tok).train
     assert all(type(x) is SFTExample for x in selected.kept)
-
-
-def test_no_import_circle_inside_the_data_package():
-    """Every import inside ``dpo_megatron.data`` (module level or in a function) points one way."""
-    root = Path(__file__).resolve().parents[2] / "dpo_megatron" / "data"
-    names = {p.stem for p in root.glob("*.py")} - {"__init__"}
-    edges = {}
-    for name in names:
-        tree = ast.parse((root / f"{name}.py").read_text())
-        targets = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith("dpo_megatron.data."):
-                    targets.add(node.module.split(".")[2])
-                elif node.module == "dpo_megatron.data":
-                    targets |= {a.name for a in node.names if a.name in names}
-        edges[name] = targets & names - {name}
-    state: dict[str, int] = {}
-
-    def visit(name, path):
-        state[name] = 1
-        for target in edges[name]:
-            assert state.get(target) != 1, f"import circle: {' -> '.join([*path, target])}"
-            if target not in state:
-                visit(target, [*path, target])
-        state[name] = 2
-
-    for name in sorted(names):
-        if name not in state:
-            visit(name, [name])
