@@ -58,7 +58,7 @@ def test_cache_key_follows_tokens_model_weights_and_layout():
 
 
 def test_unknown_mode_is_rejected():
-    with pytest.raises(ValueError, match="reference.mode='cached'; known: model, precomputed"):
+    with pytest.raises(ValueError, match="reference.mode='cached'; known: auto, model, precomputed"):
         ReferenceConfig(mode="cached").validate()
 
 

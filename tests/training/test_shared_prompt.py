@@ -93,8 +93,9 @@ def test_builder_counts_the_prompt_once():
 
 
 def test_share_prompt_needs_packing():
+    # share_prompt alone turns packing on (auto); packing switched off by name is refused
     with pytest.raises(ValueError, match="packing.enabled=true"):
-        PackingConfig(share_prompt=True).validate()
+        PackingConfig(enabled=False, share_prompt=True).validate()
 
 
 # ----------------------------------------------------------------------------------------------
