@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:
 
 # standard library only: safe before the worker imports torch
 from dpo_megatron.parallel.host_malloc import SWITCH, describe, malloc_env, malloc_in_use  # noqa: E402
+from dpo_megatron.utils.files import atomic_file  # noqa: E402
 
 # The defaults before issue 31 (padded rows, the reference model every step, the fused LM head):
 # every named setting below starts from them, so each name keeps its meaning; "engine" alone is
@@ -206,9 +207,8 @@ def model_folder(name: str) -> str:
         ):
             (out / f.name).write_bytes(f.read_bytes())
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tmp = out / ".model.safetensors.tmp"
-    save_file(keep, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    with atomic_file(out / "model.safetensors") as tmp:
+        save_file(keep, tmp, metadata={"format": "pt"})
     return str(out)
 
 

@@ -117,7 +117,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_the_file_rewritten(tmp_p
         assert truncate_metrics(str(path), 2) == 0
     assert path.read_text() == good
     assert path.stat().st_ino != inode  # replaced by rename, not rewritten in place
-    assert not (tmp_path / "metrics.jsonl.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary left
     logger = MetricsLogger(
         str(tmp_path), total_steps=3, config=LoggingConfig(tensorboard=False), start_step=2
     )

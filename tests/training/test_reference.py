@@ -58,7 +58,8 @@ def test_cache_key_follows_tokens_model_weights_and_layout():
 
 
 def test_unknown_mode_is_rejected():
-    with pytest.raises(ValueError, match="reference.mode='cached'; known: auto, model, precomputed"):
+    known = "known: auto, model, precomputed"
+    with pytest.raises(ValueError, match=f"reference.mode='cached'; {known}"):
         ReferenceConfig(mode="cached").validate()
 
 
