@@ -14,7 +14,7 @@ LONGEST_FILES = {
     "tests/training/test_moe_dpo.py": 200,
     "tests/test_launcher.py": 180,
     "tests/test_bench.py": 130,
-    "tests/training/test_reference_cli_runs.py": 130,
+    "tests/training/test_frontend_dpo_repo_runs.py": 130,
     "tests/test_gpu_check.py": 110,
 }
 """Seconds each file took in CI (the longest tests of the last runs, rounded up with their

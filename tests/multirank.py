@@ -67,6 +67,7 @@ def _child(fn, rank, world_size, port, kwargs, conn):
     import torch
 
     torch.set_num_threads(1)
+    _shut_groups_on_destroy()
     # The preloaded modules' objects (a few hundred thousand) leave the collector's view: a full
     # collection walks every tracked object, and megatron-core runs one per optimizer
     # sharded_state_dict (each checkpoint save and load), 0.7 s of a rank's CPU each here.
@@ -174,6 +175,21 @@ def run_in_turn(each: Callable[..., Any], cases: dict[str, dict]) -> dict[str, A
         _destroy_subgroups()
         out[name] = each(**kwargs)
     return out
+
+
+def _shut_groups_on_destroy() -> None:
+    """Make megatron-core's ``destroy_model_parallel`` also shut its groups down in this rank
+    (:func:`_destroy_subgroups`): tests that run several layouts in one world call it between
+    layouts, and the engine never initializes twice in a process."""
+    from megatron.core import parallel_state as ps
+
+    original = ps.destroy_model_parallel
+
+    def destroy_model_parallel(*args, **kwargs):
+        original(*args, **kwargs)
+        _destroy_subgroups()
+
+    ps.destroy_model_parallel = destroy_model_parallel
 
 
 def _destroy_subgroups() -> None:

@@ -39,8 +39,11 @@ def _threads_after_a_layout(tensor_model_parallel_size: int) -> int:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
-    dist.all_reduce(torch.ones(1), group=ps.get_tensor_model_parallel_group())
+    for _ in range(3):  # as a case that tries several layouts itself
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+        dist.all_reduce(torch.ones(1), group=ps.get_tensor_model_parallel_group())
     return len(os.listdir("/proc/self/task"))
 
 
