@@ -163,24 +163,16 @@ def check_sliding_window(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
-def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
-    """megatron-core's TransformerConfig for this architecture and layout.
-
-    Dropout is always 0: DPO's log-ratios must be computed by the same deterministic function for
-    policy and reference (and the pipeline compares chosen with rejected).
-
-    Mixture-of-experts models get megatron-core's MoE fields (dropless top-k routing, this
-    engine's load-balancing weighting: ``dpo_megatron.models.moe``) and the expert layout.
+def check_model_layout(model: ModelConfig, parallel: ParallelConfig, heads: int) -> None:
+    """The model's own fields and their fit with the layout (beyond heads / TP and MoE).
 
     Raises:
-        ValueError: heads or query groups not divisible by TP, layers not divisible by PP, an
-            unknown activation, MoE fields that do not fit the layout (``models.moe``), or MoE
-            under context parallelism.
+        ValueError: layers not divisible by PP x virtual stages, an unknown activation, a rotary
+            percent outside (0, 1], MoE under context parallelism, NoPE layers without RoPE, a
+            sliding window the layout cannot run, a projection q/k norm over padded heads, or
+            post / sandwich norms with MoE or a parallel residual.
     """
-    from dpo_megatron.models.moe import check_moe, megatron_aux_loss_coeff
-
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    heads, groups, head_dim = attention_heads(model, tp)
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
     if model.num_layers % (pp * vpp):
         raise ValueError(
@@ -220,47 +212,63 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             "only (not with "
             "model.num_experts or model.parallel_residual)"
         )
+
+
+def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """megatron-core's MoE fields (dropless top-k routing, this engine's load-balancing
+    weighting) and the expert layout; empty for a dense model.
+
+    Raises:
+        ValueError: MoE fields that do not fit the layout (``models.moe.check_moe``).
+    """
+    from dpo_megatron.models.moe import check_moe, megatron_aux_loss_coeff
+
     etp = parallel.expert_tensor_parallel()
     expert_width = check_moe(
-        model, parallel.expert_model_parallel_size, etp, tp, parallel.sequence_parallel
+        model,
+        parallel.expert_model_parallel_size,
+        etp,
+        parallel.tensor_model_parallel_size,
+        parallel.sequence_parallel,
     )
-    dtype = resolve_params_dtype(model.params_dtype)
-    swiglu = model.activation == "swiglu"
-    moe = {}
-    if expert_width is not None:
-        aux = megatron_aux_loss_coeff(model)
-        moe = dict(
-            num_moe_experts=model.num_experts,
-            moe_ffn_hidden_size=expert_width,
-            moe_router_topk=model.moe_router_topk,
-            # Renormalised top-k = softmax over the k selected logits (no pre-softmax); the
-            # top-k of the softmax over all experts otherwise.
-            moe_router_pre_softmax=not model.moe_norm_topk_prob,
-            moe_router_score_function="softmax",
-            moe_router_dtype="fp32",
-            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
-            moe_aux_loss_coeff=aux,
-            moe_token_dispatcher_type=model.moe_token_dispatcher,
-            moe_grouped_gemm=False,
-            expert_model_parallel_size=parallel.expert_model_parallel_size,
-            expert_tensor_parallel_size=etp,
-        )
-    return TransformerConfig(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
+    if expert_width is None:
+        return {}
+    aux = megatron_aux_loss_coeff(model)
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=expert_width,
+        moe_router_topk=model.moe_router_topk,
+        # Renormalised top-k = softmax over the k selected logits (no pre-softmax); the
+        # top-k of the softmax over all experts otherwise.
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_token_dispatcher_type=model.moe_token_dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+def attention_fields(model: ModelConfig, heads: int, groups: int, head_dim: int) -> dict:
+    """Heads (padded for TP), biases, q/k norms and softmax scale of the attention."""
+    return dict(
         num_attention_heads=heads,
         num_query_groups=groups,
         kv_channels=head_dim,
-        normalization=model.normalization,
-        layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.activation in GATED,
-        activation_func=ACTIVATIONS[model.activation],
-        add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
         # megatron-core all-reduces the q/k norms' gradients over TP when this is set (their
         # weights are replicated per head); a projection norm's weight is a TP shard instead.
         qk_layernorm=model.qk_layernorm and model.qk_norm_scope == "head",
+        softmax_scale=model.softmax_scale,
+    )
+
+
+def position_fields(model: ModelConfig) -> dict:
+    """Which layers apply no RoPE and which attend through a sliding window."""
+    return dict(
         # megatron-core's Attention drops the rotary table in these layers (1 = no RoPE), before
         # any core attention runs, so every attention path serves NoPE layers alike.
         no_rope_freq=no_rope_pattern(model),
@@ -268,22 +276,34 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         # core attention reads it per layer (``is_layer_window_attention``).
         window_size=None if model.sliding_window is None else (model.sliding_window - 1, 0),
         window_attn_skip_freq=window_pattern(model),
+    )
+
+
+def kernel_fields(model: ModelConfig) -> dict:
+    """Dropout (always 0) and the fused kernels: only megatron-core's SwiGLU fusion."""
+    return dict(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
         # megatron-core's SwiGLU autograd function keeps only its input for backward (the
         # unfused GLU also keeps the SiLU output, a copy of the linear half and the product);
         # same forward values. Eager on the CPU: dpo_megatron.compat.eager_fusions.
-        bias_activation_fusion=swiglu,
+        bias_activation_fusion=model.activation == "swiglu",
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        init_method_std=model.init_method_std,
+    )
+
+
+def layout_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Dtypes, the parallel layout, where weights are initialised and how p2p is posted."""
+    dtype = resolve_params_dtype(model.params_dtype)
+    return dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         context_parallel_size=parallel.context_parallel_size,
@@ -297,9 +317,12 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         # unbatched path orders sends and receives by rank parity, which pairs them correctly.
         # The condition is the backend, not the device: NCCL batches, gloo does not.
         batch_p2p_comm=backend() == "nccl",
-        # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
-        calculate_per_token_loss=True,
-        softmax_scale=model.softmax_scale,
+    )
+
+
+def recompute_fields(model: ModelConfig) -> dict:
+    """Activation recomputation (megatron-core's own defaults where a field is unset)."""
+    return dict(
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
@@ -308,5 +331,42 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
             if model.recompute_modules is None
             else {"recompute_modules": list(model.recompute_modules)}
         ),
+    )
+
+
+def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for this architecture and layout.
+
+    Dropout is always 0: DPO's log-ratios must be computed by the same deterministic function for
+    policy and reference (and the pipeline compares chosen with rejected).
+
+    Mixture-of-experts models get megatron-core's MoE fields (dropless top-k routing, this
+    engine's load-balancing weighting: ``dpo_megatron.models.moe``) and the expert layout.
+
+    Raises:
+        ValueError: heads or query groups not divisible by TP, layers not divisible by PP, an
+            unknown activation, MoE fields that do not fit the layout (``models.moe``), or MoE
+            under context parallelism.
+    """
+    heads, groups, head_dim = attention_heads(model, parallel.tensor_model_parallel_size)
+    check_model_layout(model, parallel, heads)
+    moe = moe_fields(model, parallel)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.activation in GATED,
+        activation_func=ACTIVATIONS[model.activation],
+        add_bias_linear=model.add_bias_linear,
+        init_method_std=model.init_method_std,
+        # Loss is normalised by the global number of pairs: see dpo_megatron.training.step.
+        calculate_per_token_loss=True,
+        **attention_fields(model, heads, groups, head_dim),
+        **position_fields(model),
+        **kernel_fields(model),
+        **layout_fields(model, parallel),
+        **recompute_fields(model),
         **moe,
     )

@@ -1,0 +1,220 @@
+"""What every architecture table is made of: the tensor-parallel split kinds, :class:`TensorMap`,
+:class:`Architecture`, the shape symbols (:func:`dims`), the ``{i}`` / ``{e}`` name patterns, and
+the HF config readers more than one family shares (RoPE, sliding windows).
+
+Names use ``{i}`` for the global 0-based layer index and ``{e}`` for the global 0-based expert
+index of a mixture-of-experts layer. megatron-core names are those of a ``GPTModel`` built with
+the local layer spec of :mod:`dpo_megatron.models.gpt` (norms are their own modules:
+``input_layernorm``, ``pre_mlp_layernorm``, ``final_layernorm``; an MoE layer's experts are
+``mlp.experts.local_experts.<local index>``, mapped to ``{e}`` by the loader).
+
+Logical shapes are written in megatron's orientation ``[out, in]`` with symbols resolved by
+:func:`dims`: ``hidden``, ``ffn``, ``vocab`` (unpadded), ``positions``, ``q`` (heads x head_dim),
+``kv`` (key/value heads x head_dim), ``qkv`` (q + 2 kv), ``head_dim``, ``experts``,
+``expert_ffn`` (one expert's intermediate width). ``transposed`` tensors are stored by HF as
+``[in, out]`` (GPT-2's ``Conv1D``). Tensors of an expert (``{e}`` in the name) are split over the
+expert tensor-parallel group instead of the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from dpo_megatron.models.config import ModelConfig
+
+# How a tensor is split over the tensor-parallel group (megatron-core's layer types).
+REPLICATED = "replicated"
+"""Every TP rank holds the whole tensor (norms, row-parallel biases, position embeddings)."""
+COLUMN = "column"
+"""Split along dim 0, the output features (ColumnParallelLinear weight and bias)."""
+ROW = "row"
+"""Split along dim 1, the input features (RowParallelLinear weight)."""
+VOCAB = "vocab"
+"""Split along dim 0 over the vocabulary padded to a multiple of TP (padding rows are zero)."""
+QKV = "qkv"
+"""Fused query/key/value, per query group ``[q heads of the group..., k, v]``; TP rank r holds
+groups ``[r*ng/tp, (r+1)*ng/tp)``. HF side: three tensors q, k, v, or one tensor [q; k; v]."""
+GATE_UP = "gate_up"
+"""Fused SwiGLU fc1: TP rank r holds ``[gate_r; up_r]`` (its slice of each). HF: gate, up."""
+SPLITS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One megatron-core parameter and the HF tensor(s) it is made of."""
+
+    megatron: str
+    """Parameter name in a ``GPTModel`` (``{i}``: global 0-based layer index, ``{e}``: global
+    0-based expert index)."""
+    hf: tuple[str, ...]
+    """HF tensor names, in the order the split expects (QKV: q, k, v or one fused; GATE_UP:
+    gate, up)."""
+    split: str
+    """One of :data:`SPLITS`."""
+    shapes: tuple[tuple[str, ...], ...]
+    """Logical shape of each HF tensor in megatron orientation, as symbols (see module doc)."""
+    transposed: bool = False
+    """HF stores the 2-D tensors as ``[in, out]`` (GPT-2 ``Conv1D``)."""
+
+    @property
+    def expert(self) -> bool:
+        """A tensor of one expert: split over the expert tensor-parallel group."""
+        return is_expert_pattern(self.megatron)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A Hugging Face architecture the converter knows."""
+
+    name: str
+    """Key in :data:`ARCHITECTURES`; equals HF's ``model_type``."""
+    hf_class: str
+    """The ``architectures`` entry written to an exported config.json."""
+    config_from_hf: Callable[[Any], dict]
+    """HF ``PretrainedConfig`` -> ModelConfig fields (architecture fields only)."""
+    config_to_hf: Callable[[ModelConfig], dict]
+    """ModelConfig -> HF config.json fields (used when exporting a model without a source
+    config.json)."""
+    tensors: Callable[[ModelConfig], list[TensorMap]]
+    """The mapping table for a model of this config (entries depend on biases / tying)."""
+    base_prefix: str = ""
+    """Prefix of the base-model tensors in a ``*ForCausalLM`` checkpoint (HF's
+    ``base_model_prefix`` + '.'); folders saved from the bare base model lack it."""
+    ignored: tuple[str, ...] = field(default=())
+    """HF tensor names (``{i}`` patterns) that may appear in a checkpoint and carry no weights
+    (non-persistent buffers saved by old versions, e.g. rotary ``inv_freq``)."""
+
+
+def dims(cfg: ModelConfig) -> dict[str, int]:
+    """Values of the shape symbols used in tables, for this config."""
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    return {
+        "hidden": cfg.hidden_size,
+        "ffn": cfg.ffn_hidden_size,
+        "expert_ffn": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        "experts": cfg.num_experts or 0,
+        "head_dim": head_dim,
+        "vocab": cfg.vocab_size,
+        "positions": cfg.max_position_embeddings,
+        "q": cfg.num_attention_heads * head_dim,
+        "kv": groups * head_dim,
+        "qkv": (cfg.num_attention_heads + 2 * groups) * head_dim,
+    }
+
+
+def expand(pattern: str, layer: int | None, expert: int | None = None) -> str:
+    """A table name with ``{i}`` replaced by the layer index and ``{e}`` by the expert index
+    (names without them unchanged)."""
+    if layer is not None:
+        pattern = pattern.replace("{i}", str(layer))
+    if expert is not None:
+        pattern = pattern.replace("{e}", str(expert))
+    return pattern
+
+
+def is_layer_pattern(pattern: str) -> bool:
+    """Whether a table name is per-layer (contains ``{i}``)."""
+    return "{i}" in pattern
+
+
+def is_expert_pattern(pattern: str) -> bool:
+    """Whether a table name is per-expert (contains ``{e}``)."""
+    return "{e}" in pattern
+
+
+# ---------------------------------------------------------------------------------------------
+# HF config readers shared by several families: RoPE settings, per-layer-type RoPE, windows.
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_parameters(hf) -> dict:
+    """RoPE settings from a transformers 5 (``rope_parameters``) or 4 (``rope_theta`` +
+    ``rope_scaling``) config, as one dict with ``rope_theta`` and ``rope_type``."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+# megatron-core's Llama-3 frequency scaling has these constants built in
+# (RotaryEmbedding._apply_scaling); other values cannot be represented.
+LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama_rope(hf, name: str) -> tuple[float, Optional[float], Optional[float]]:
+    """(theta, Llama-3 scaling factor, linear scaling factor) of a Llama-family config."""
+    rope = rope_parameters(hf)
+    rope_type = rope["rope_type"]
+    scaling_factor = linear_factor = None
+    if rope_type == "llama3":
+        for key, value in LLAMA3_FIXED.items():
+            if float(rope.get(key, value)) != value:
+                raise ValueError(
+                    f"{name}: rope scaling {key}={rope[key]} is not supported; megatron-core's "
+                    f"Llama-3 RoPE scaling fixes it to {value}"
+                )
+        scaling_factor = float(rope["factor"])
+    elif rope_type == "linear":  # Llama-2 style position interpolation
+        linear_factor = float(rope["factor"])
+    elif rope_type != "default":
+        raise ValueError(
+            f"{name}: rope_type={rope_type!r} is not supported (supported: default, linear, llama3)"
+        )
+    return float(rope["rope_theta"]), scaling_factor, linear_factor
+
+
+def per_layer_type_rope(hf, name: str) -> dict:
+    """A config whose ``rope_parameters`` may be keyed by layer type (OLMo 3, Gemma 3) reduced
+    to one RoPE for every layer.
+
+    Raises:
+        ValueError: the layer types' RoPE settings differ (megatron-core builds one rotary table
+            per model).
+    """
+    params = getattr(hf, "rope_parameters", None) or {}
+    by_type = {k: v for k, v in params.items() if k in ("full_attention", "sliding_attention")}
+    if not by_type:
+        return params
+    distinct = {tuple(sorted(v.items())) for v in by_type.values()}
+    if len(distinct) > 1:
+        raise ValueError(
+            f"{name}: rope_parameters differ between layer types ({by_type}); one RoPE for "
+            "every layer is supported"
+        )
+    return next(iter(by_type.values()))
+
+
+def sliding_window_fields(hf) -> dict:
+    """``sliding_window`` / ``sliding_window_layers`` of a config whose ``layer_types`` marks the
+    windowed layers ``sliding_attention`` (the others ``full_attention``); empty without any."""
+    types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{hf.model_type}: layer_types {unknown} are not supported")
+    windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not windowed or not getattr(hf, "sliding_window", None):
+        return {}
+    every = len(windowed) == hf.num_hidden_layers
+    return dict(
+        sliding_window=int(hf.sliding_window), sliding_window_layers=None if every else windowed
+    )
+
+
+def hf_layer_types(cfg: ModelConfig) -> Optional[list[str]]:
+    """HF ``layer_types`` of a ModelConfig with a sliding window (None without one)."""
+    if cfg.sliding_window is None:
+        return None
+    windowed = set(
+        range(cfg.num_layers) if cfg.sliding_window_layers is None else cfg.sliding_window_layers
+    )
+    return [
+        "sliding_attention" if i in windowed else "full_attention" for i in range(cfg.num_layers)
+    ]
