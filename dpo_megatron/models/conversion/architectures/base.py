@@ -218,3 +218,20 @@ def hf_layer_types(cfg: ModelConfig) -> Optional[list[str]]:
     return [
         "sliding_attention" if i in windowed else "full_attention" for i in range(cfg.num_layers)
     ]
+
+
+def decoder_dims(hf) -> dict:
+    """The sizes a Llama-style decoder's Hugging Face config states under the same names: layers,
+    widths, heads (grouped query heads: ``num_key_value_heads``, default all), head size
+    (``head_dim``, default hidden / heads), vocabulary and positions, as ``ModelConfig`` fields."""
+    heads = hf.num_attention_heads
+    return dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+    )

@@ -7,6 +7,7 @@ from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
     REPLICATED,
     TensorMap,
+    decoder_dims,
     dims,
     hf_layer_types,
     llama_rope,
@@ -70,16 +71,8 @@ def gemma3_config_from_hf(hf) -> dict:
     sliding = sliding_window_fields(hf)
     local_theta = float(local.get("rope_theta", theta))
     differs = local_theta != theta or scaling_factor or linear_factor
-    heads = hf.num_attention_heads
     return dict(
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        vocab_size=hf.vocab_size,
-        max_position_embeddings=hf.max_position_embeddings,
+        **decoder_dims(hf),
         position_embedding_type="rope",
         rotary_base=theta,
         rotary_percent=1.0,

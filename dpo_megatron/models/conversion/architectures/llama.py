@@ -17,6 +17,7 @@ from dpo_megatron.models.conversion.architectures.base import (
     ROW,
     VOCAB,
     TensorMap,
+    decoder_dims,
     dims,
     hf_layer_types,
     llama_rope,
@@ -245,8 +246,6 @@ def llama_config_from_hf(hf) -> dict:
             name,
             window,
         )
-    heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return dict(
         no_rope_layers=_no_rope_layers(hf) if name == "smollm3" else None,
         qk_norm_scope="head",
@@ -257,14 +256,7 @@ def llama_config_from_hf(hf) -> dict:
         local_rotary_base=None,
         sliding_window=sliding.get("sliding_window"),
         sliding_window_layers=sliding.get("sliding_window_layers"),
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
-        kv_channels=head_dim,
-        vocab_size=hf.vocab_size,
-        max_position_embeddings=hf.max_position_embeddings,
+        **decoder_dims(hf),
         position_embedding_type="rope",
         rotary_base=theta,
         rotary_percent=1.0,

@@ -8,6 +8,7 @@ from dpo_megatron.models.conversion.architectures.base import (
     COLUMN,
     REPLICATED,
     TensorMap,
+    decoder_dims,
     hf_layer_types,
     llama_rope,
     per_layer_type_rope,
@@ -51,17 +52,9 @@ def olmo3_config_from_hf(hf) -> dict:
         rope_parameters = per_layer_type_rope(hf, "olmo3")
 
     theta, scaling_factor, linear_factor = llama_rope(_Flat, "olmo3")
-    heads = hf.num_attention_heads
     sliding = sliding_window_fields(hf)
     return dict(
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        vocab_size=hf.vocab_size,
-        max_position_embeddings=hf.max_position_embeddings,
+        **decoder_dims(hf),
         position_embedding_type="rope",
         rotary_base=theta,
         rotary_percent=1.0,
