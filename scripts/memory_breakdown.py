@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Where the peak resident memory of one DPO step goes (CPU, fp32, world size 1).
 
-    .venv/bin/python scripts/memory_breakdown.py --engine engine            # padded, reference
-    model .venv/bin/python scripts/memory_breakdown.py --engine engine+shared+precomputed --model
-    smollm2
+    .venv/bin/python scripts/memory_breakdown.py --engine engine     # padded, reference model
+    .venv/bin/python scripts/memory_breakdown.py --engine engine+shared+precomputed \
+        --model smollm2
 
 Runs the engine of ``scripts/bench_dpo.py`` (same model, pairs, settings and ``ENGINES`` table)
 for a few steps in this process and reports, in GiB:

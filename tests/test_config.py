@@ -299,8 +299,8 @@ def test_list_keys_and_print_config(capsys, tmp_path):
     """Old: ``--help`` pointed to a key list that did not exist."""
     text = list_keys()
     assert (
-        "train.log_interval (int, default 1)\n    Steps between log lines / TensorBoard points (>= "
-        "1)." in text
+        "train.log_interval (int, default 1)\n"
+        "    Steps between log lines / TensorBoard points (>= 1)." in text
     )
     assert "parallel.data_parallel_size (Optional[int], default None)" in text
     main(["--list-keys"])

@@ -137,16 +137,19 @@ class Cluster:
     def requeue(self, job_id: str) -> None:
         """``scontrol requeue``, then start it at once (Slurm holds a requeued job ~2 minutes).
         First wait for the job's last processes: a slurmd still ending its step refuses to start
-        the requeued job ("Job credential revoked") and the job fails."""
+        the requeued job ("Job credential revoked") and the job fails. Then wait for the next
+        second: slurmd revokes the old run's credential at a whole second and refuses any
+        credential created at or before it, so a requeue within that second fails the same way
+        (seen in CI: requeued and refused 0.2 s after the job ended)."""
         self.wait_gone(job_id)
+        time.sleep(1.05 - time.time() % 1.0)
         self.run("scontrol", "requeue", job_id)
         self.release(job_id)
 
     def release(self, job_id: str) -> None:
         """Start a requeued (pending) job now, once its last processes are gone and no node is
         down or completing: a node still completing the job's previous run (a node back from the
-        dead is,
-        for a moment) leaves the new run's srun waiting for a step that never starts."""
+        dead is, for a moment) leaves the new run's srun waiting for a step that never starts."""
         self.wait_gone(job_id)
         deadline = time.monotonic() + 120
         while not set(self.run("sinfo", "-h", "-N", "-o", "%T").split()) <= {"idle", "mixed"}:

@@ -57,8 +57,7 @@ class ModelConfig:
     pad_attention_heads_multiple: int = 2
     """With pad_attention_heads: round the key/value groups up to a multiple of this (>= 1),
     whatever the TP size, so checkpoint shapes do not depend on the layout they were saved at
-    (SmolLM2:
-    3 -> 4 groups, usable at TP 1, 2 and 4). TP must divide the padded count."""
+    (SmolLM2: 3 -> 4 groups, usable at TP 1, 2 and 4). TP must divide the padded count."""
     vocab_size: int = 256
     """Tokenizer vocabulary (>= 1); padded up to a multiple of make_vocab_size_divisible_by x TP."""
     make_vocab_size_divisible_by: int = 1

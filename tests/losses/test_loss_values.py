@@ -97,8 +97,8 @@ HAND_CASES = [
     ),
     # APO-zero with beta 0.2: 1 - sigma(0.2) + sigma(-1)
     ("apo_zero", dict(beta=0.2), 1.0 - sigmoid(0.2) + sigmoid(-1.0)),
-    # Cal-DPO, beta 0.1 (targets +-5): softplus(-h) + 1/2 [(h_w - 5)^2 + (h_l + 5)^2] = softplus(-6)
-    # + 8
+    # Cal-DPO, beta 0.1 (targets +-5):
+    # softplus(-h) + 1/2 [(h_w - 5)^2 + (h_l + 5)^2] = softplus(-6) + 8
     ("cal_dpo", dict(beta=0.1), softplus(-6.0) + 8.0),
     # beta-DPO with the step's beta 0.2 and a kept pair's weight N/K = 1.25: 1.25 softplus(-0.2 * 6)
     (

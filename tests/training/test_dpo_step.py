@@ -3,9 +3,8 @@
 Every layout runs the real ``Trainer`` (batch builder, device crossing, reference model,
 distributed optimizer). Weights come from one distributed checkpoint written at TP 1 x PP 1 and
 loaded at each layout (megatron-core reshards), so every layout starts from the same model. The
-interleaved (virtual)
-pipeline at PP 2 is included: it is where gloo's in-order p2p matching once silently swapped
-activations and gradients.
+interleaved (virtual) pipeline at PP 2 is included: it is where gloo's in-order p2p matching once
+silently swapped activations and gradients.
 """
 
 import math

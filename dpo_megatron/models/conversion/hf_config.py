@@ -85,8 +85,7 @@ def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
     positions, GPT-NeoX for LayerNorm with RoPE, OLMo 3 for post-norms, Qwen3-MoE / Mixtral for
     experts with / without query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers,
-    Qwen2 for q/k/v-only
-    biases, else Llama."""
+    Qwen2 for q/k/v-only biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)
     if cfg.position_embedding_type == "learned_absolute":

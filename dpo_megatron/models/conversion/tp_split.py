@@ -88,15 +88,14 @@ def read_tp_shard(
     local_shape: tuple[int, ...],
 ) -> torch.Tensor:
     """This TP rank's slice of the megatron tensor ``tmap.megatron``, of shape ``local_shape``,
-        read from ``hf_names``.
+    read from ``hf_names``.
 
-        Shapes (megatron orientation, per rank): COLUMN / VOCAB [out/tp, ...]; ROW [out, in/tp];
-        QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden] (``tp`` is the expert
-        TP
-    size and ``ffn`` the expert width for experts' tensors); REPLICATED unchanged.
-        Where the megatron tensor is larger than HF's (vocabulary padded to a multiple of TP; zero
-        key/value groups added by ``ModelConfig.pad_attention_heads``) the extra rows, columns or
-        groups are zero.
+    Shapes (megatron orientation, per rank): COLUMN / VOCAB [out/tp, ...]; ROW [out, in/tp];
+    QKV [groups/tp * (np/ng + 2) * hn, ...]; GATE_UP [2 * ffn/tp, hidden] (``tp`` is the
+    expert TP size and ``ffn`` the expert width for experts' tensors); REPLICATED unchanged.
+    Where the megatron tensor is larger than HF's (vocabulary padded to a multiple of TP; zero
+    key/value groups added by ``ModelConfig.pad_attention_heads``) the extra rows, columns or
+    groups are zero.
     """
     t = tmap.transposed
     if tmap.split == REPLICATED:
