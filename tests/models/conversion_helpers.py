@@ -8,6 +8,22 @@ from typing import Optional
 
 import torch
 
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_neox",
+    "gpt2",
+    "smollm3",
+    "olmo3",
+    "gemma3",
+]
+"""Every architecture family the engine maps, by the name :func:`save_tiny_hf_folder` and
+:func:`build_tiny_hf_model` take: the families the bf16 and GPU-shaped build tests cover."""
+
 # Tiny configs, one per architecture; 4 layers so that PP 2 gives 2 layers per stage and the
 # interleaved schedule (PP 2 x VPP 2) has one layer per chunk.
 TINY_CONFIGS: dict[str, dict] = {

@@ -21,22 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.conversion_helpers import save_tiny_hf_folder
+from tests.models.conversion_helpers import FAMILIES, save_tiny_hf_folder
 from tests.multirank import run_ranks
 
-ARCHITECTURES = [
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gpt_neox",
-    "gpt2",
-    "smollm3",
-    "olmo3",
-    "gemma3",
-]
+ARCHITECTURES = FAMILIES
 
 
 def _host_tensors(chunks) -> list[str]:

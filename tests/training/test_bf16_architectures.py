@@ -30,25 +30,13 @@ import pytest
 import torch
 
 from tests.engine import tiny_pairs, tiny_trainer
-from tests.models.conversion_helpers import build_tiny_hf_model, save_tiny_hf_folder
+from tests.models.conversion_helpers import FAMILIES, build_tiny_hf_model, save_tiny_hf_folder
 from tests.multirank import run_ranks
 from tests.training.test_lifecycle import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ARCHITECTURES = [
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gpt_neox",
-    "gpt2",
-    "smollm3",
-    "olmo3",
-    "gemma3",
-]
+ARCHITECTURES = FAMILIES
 MOE = {"qwen3_moe", "mixtral"}
 SHARED_PROMPT = {"smollm3", "olmo3", "gemma3"}
 """Also run an fp32 step with packed shared-prompt rows (issue 25: per-layer windows and RoPE on

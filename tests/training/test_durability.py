@@ -27,10 +27,10 @@ from tests.checkpointing.faults import flip_bytes, plant_in_dcp_item, tree_diges
 from tests.checkpointing.test_storage import small_tmpfs
 from tests.multirank import process_context, run_ranks
 from tests.training.test_lifecycle import (
-    TINY_MODEL,
     _train,
     read_metrics,
     run_train,
+    tiny_overrides,
     write_fixture,
 )
 
@@ -474,23 +474,7 @@ def _launcher_args(run_dir, data_file, tok_dir, *overrides) -> list[str]:
         str(ROOT / "scripts" / "pretrain_dpo.sh"),
         "--config",
         str(config),
-        f"run_dir={run_dir}",
-        f"data.path={data_file}",
-        f"data.tokenizer={tok_dir}",
-        "data.format=standard",
-        "data.max_length=32",
-        "data.max_prompt_length=16",
-        "data.cache_dir=none",
-        "data.verbose=false",
-        "model.vocab_size=400",
-        *TINY_MODEL,
-        "train.micro_batch_size=1",
-        "train.global_batch_size=4",
-        "train.lr=1e-3",
-        "train.lr_decay_style=cosine",
-        "train.lr_warmup_iters=1",
-        "train.weight_decay=0.01",
-        "logging.tensorboard=false",
+        *tiny_overrides(run_dir, data_file, tok_dir),
         *KILL_RUN,
         *overrides,
     ]

@@ -54,33 +54,35 @@ def write_fixture(folder: Path, rows: int = 24, seed: int = 0) -> tuple[str, str
     return str(data_file), str(tok_dir)
 
 
+def tiny_overrides(run_dir, data_file: str, tok_dir: str) -> list[str]:
+    """The overrides of a run of the tiny model on the fixture data (vocab 400), CPU, no data
+    cache: for :func:`tiny_config` and for command lines through the launcher."""
+    return [
+        f"run_dir={run_dir}",
+        f"data.path={data_file}",
+        f"data.tokenizer={tok_dir}",
+        "data.format=standard",
+        "data.max_length=32",
+        "data.max_prompt_length=16",
+        "data.cache_dir=none",
+        "data.verbose=false",
+        "model.vocab_size=400",
+        *TINY_MODEL,
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+        "train.lr=1e-3",
+        "train.lr_decay_style=cosine",
+        "train.lr_warmup_iters=1",
+        "train.weight_decay=0.01",
+        "logging.tensorboard=false",
+    ]
+
+
 def tiny_config(run_dir, data_file: str, tok_dir: str, *overrides: str):
     """A DPOConfig for the tiny model on the fixture data (vocab 400), CPU, no data cache."""
     from dpo_megatron.config import load_config
 
-    return load_config(
-        None,
-        [
-            f"run_dir={run_dir}",
-            f"data.path={data_file}",
-            f"data.tokenizer={tok_dir}",
-            "data.format=standard",
-            "data.max_length=32",
-            "data.max_prompt_length=16",
-            "data.cache_dir=none",
-            "data.verbose=false",
-            "model.vocab_size=400",
-            *TINY_MODEL,
-            "train.micro_batch_size=1",
-            "train.global_batch_size=4",
-            "train.lr=1e-3",
-            "train.lr_decay_style=cosine",
-            "train.lr_warmup_iters=1",
-            "train.weight_decay=0.01",
-            "logging.tensorboard=false",
-            *overrides,
-        ],
-    )
+    return load_config(None, [*tiny_overrides(run_dir, data_file, tok_dir), *overrides])
 
 
 def run_train(
