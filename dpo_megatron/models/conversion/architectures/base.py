@@ -235,3 +235,17 @@ def decoder_dims(hf) -> dict:
         vocab_size=hf.vocab_size,
         max_position_embeddings=hf.max_position_embeddings,
     )
+
+
+def post_norm_tensors() -> list[TensorMap]:
+    """The norms after attention and after the MLP (OLMo 3's post-norms, Gemma 3's sandwich
+    norms' second halves): one replicated [hidden] weight each per layer, HF
+    ``post_attention_layernorm`` / ``post_feedforward_layernorm``."""
+    d, p = "decoder.layers.{i}.", "model.layers.{i}."
+    return [
+        TensorMap(d + name, (p + hf_name,), REPLICATED, (("hidden",),))
+        for name, hf_name in (
+            ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+            ("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"),
+        )
+    ]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
-    REPLICATED,
     TensorMap,
     decoder_dims,
     dims,
     hf_layer_types,
     llama_rope,
+    post_norm_tensors,
     sliding_window_fields,
 )
 from dpo_megatron.models.conversion.architectures.llama import llama_config_to_hf, llama_tensors
@@ -28,20 +28,7 @@ def gemma3_tensors(cfg: ModelConfig) -> list[TensorMap]:
         else t
         for t in llama_tensors(cfg)
     ]
-    return table + [
-        TensorMap(
-            d + "post_attention_layernorm.weight",
-            (p + "post_attention_layernorm.weight",),
-            REPLICATED,
-            (("hidden",),),
-        ),
-        TensorMap(
-            d + "post_mlp_layernorm.weight",
-            (p + "post_feedforward_layernorm.weight",),
-            REPLICATED,
-            (("hidden",),),
-        ),
-    ]
+    return table + post_norm_tensors()
 
 
 def gemma3_config_from_hf(hf) -> dict:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
     COLUMN,
-    REPLICATED,
     TensorMap,
     decoder_dims,
     hf_layer_types,
     llama_rope,
     per_layer_type_rope,
+    post_norm_tensors,
     sliding_window_fields,
 )
 from dpo_megatron.models.conversion.architectures.llama import llama_config_to_hf, llama_tensors
@@ -23,23 +23,15 @@ def olmo3_tensors(cfg: ModelConfig) -> list[TensorMap]:
     pre_norms = (d + "input_layernorm.weight", d + "pre_mlp_layernorm.weight")
     qk_norms = (d + "self_attention.q_layernorm.weight", d + "self_attention.k_layernorm.weight")
     table = [t for t in llama_tensors(cfg) if t.megatron not in pre_norms + qk_norms]
-    return table + [
-        TensorMap(
-            d + "post_attention_layernorm.weight",
-            (p + "post_attention_layernorm.weight",),
-            REPLICATED,
-            (("hidden",),),
-        ),
-        TensorMap(
-            d + "post_mlp_layernorm.weight",
-            (p + "post_feedforward_layernorm.weight",),
-            REPLICATED,
-            (("hidden",),),
-        ),
-        # One weight over all heads, split with the heads (models.norms.ProjectionRMSNorm).
-        TensorMap(qk_norms[0], (p + "self_attn.q_norm.weight",), COLUMN, (("q",),)),
-        TensorMap(qk_norms[1], (p + "self_attn.k_norm.weight",), COLUMN, (("kv",),)),
-    ]
+    return (
+        table
+        + post_norm_tensors()
+        + [
+            # One weight over all heads, split with the heads (models.norms.ProjectionRMSNorm).
+            TensorMap(qk_norms[0], (p + "self_attn.q_norm.weight",), COLUMN, (("q",),)),
+            TensorMap(qk_norms[1], (p + "self_attn.k_norm.weight",), COLUMN, (("kv",),)),
+        ]
+    )
 
 
 def olmo3_config_from_hf(hf) -> dict:
