@@ -102,7 +102,7 @@ def test_sampling_params_out_of_range_are_refused_by_name(kwargs, field):
 # the engine on ranks
 
 
-def _chunks(hf_dir, tp=1, pp=1, ep=1):
+def _chunks(hf_dir, tp=1, pp=1, ep=1, vpp=None):
     from dpo_megatron.models import ModelConfig, build_model_chunks, load_hf_weights
     from dpo_megatron.models.conversion import model_config_from_hf
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
@@ -110,6 +110,7 @@ def _chunks(hf_dir, tp=1, pp=1, ep=1):
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1 if ep > 1 else None,
         sequence_parallel=ep > 1 and tp > 1,
@@ -125,12 +126,12 @@ def _chunks(hf_dir, tp=1, pp=1, ep=1):
     return chunks, cfg
 
 
-def _generate(hf_dir, runs, tp=1, pp=1, ep=1):
+def _generate(hf_dir, runs, tp=1, pp=1, ep=1, vpp=None):
     """``{name: completions}`` for each ``name: (SamplingParams kwargs, num_samples,
     micro_batch_size)`` of ``runs``, on one model built at the layout."""
     from dpo_megatron.generation import SamplingParams, generate
 
-    chunks, cfg = _chunks(hf_dir, tp, pp, ep)
+    chunks, cfg = _chunks(hf_dir, tp, pp, ep, vpp)
     prompts = _prompts(cfg.vocab_size)
     return {
         name: generate(
@@ -227,6 +228,8 @@ def runs(folders):
             ),
         ),
         "dp4": (_generate, dict(hf_dir=llama, runs={"seed0_mbs1": (SAMPLED, 2, 1)})),
+        # one micro-batch per rank: the interleaved schedule runs it twice (a padding copy)
+        "vpp": (_generate, dict(hf_dir=llama, pp=2, vpp=2, runs={"seed0_mbs4": (SAMPLED, 2, 4)})),
         "moe": (
             _generate,
             dict(hf_dir=folders[MOE], tp=2, pp=2, ep=2, runs={"greedy": (GREEDY, 1, 2)}),
@@ -273,6 +276,7 @@ def test_sampled_completions_depend_on_the_seed_only(runs):
     assert runs["one"]["seed0_mbs4"] == reference  # micro-batch size
     assert runs["tp2pp2"]["seed0_mbs2"] == reference  # TP 2 x PP 2
     assert runs["dp4"]["seed0_mbs1"] == reference  # DP 4
+    assert runs["vpp"]["seed0_mbs4"] == reference  # PP 2 x VPP 2 x DP 2
     assert runs["one"]["seed1"] != reference  # another seed
     assert reference[0][0] != reference[0][1]  # two samples of one prompt differ
 
