@@ -2,14 +2,15 @@
 KV cache.
 
 :func:`generate` is collective over the world. The completions (prompt i, sample j) are dealt to
-the data-parallel ranks in contiguous equal shares, each share cut into micro-batches of
-``micro_batch_size`` rows (filled up with idle rows, so every rank runs the same calls: expert
-parallelism exchanges tokens across data-parallel ranks). Each micro-batch has its own
-:class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core attention:
+the data-parallel ranks longest prompt first, in contiguous equal shares, each share cut into
+micro-batches of ``micro_batch_size`` rows (filled up with idle rows, so every rank runs the same
+calls: expert parallelism exchanges tokens across data-parallel ranks). Each micro-batch has its
+own :class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core attention:
 
-1. prefill: the prompts, left-padded to the longest prompt of the call (every row then appends
-   at the same cache slots), positions counted from 0 at each row's first token, padding slots
-   never a key, go through megatron-core's forward-only pipeline schedule once;
+1. prefill: each micro-batch's prompts, left-padded to its longest (every row then appends at
+   the same cache slots), positions counted from 0 at each row's first token, padding slots
+   never a key, go through megatron-core's forward-only pipeline schedule once (one call per
+   micro-batch, each at its own length);
 2. decode: one slot per row (x TP under sequence parallelism, the extra slots idle) per step,
    through the same schedule, until every completion of the world has stopped.
 
@@ -36,13 +37,17 @@ from dpo_megatron.parallel.schedule import run_schedule, share_from_last_stage
 
 
 class _MicroBatch:
-    """One micro-batch of completions: its rows' (prompt, sample) keys (None: an idle row),
-    their cache, and what has been generated."""
+    """One micro-batch of completions: its rows' (prompt, sample) keys (None: an idle row), its
+    prefill length (its longest prompt, rounded up to ``slots``), its cache (room for the
+    prefill and ``max_new_tokens - 1`` decode steps of ``slots`` slots), what has been
+    generated, and on the last stage each row's random stream."""
 
-    def __init__(self, keys: list, prompts: Sequence[Sequence[int]], capacity: int, params):
+    def __init__(self, keys: list, prompts: Sequence[Sequence[int]], slots: int, params):
         self.keys = keys
-        self.cache = KVCache.create(len(keys), capacity, get_device())
         self.prompt_lengths = [len(prompts[k[0]]) if k else 0 for k in keys]
+        self.length = -(-max(max(self.prompt_lengths), 1) // slots) * slots
+        capacity = self.length + (params.max_new_tokens - 1) * slots
+        self.cache = KVCache.create(len(keys), capacity, get_device())
         self.generated: list[list[int]] = [[] for _ in keys]
         self.done = [k is None for k in keys]
         self.generators = (
@@ -199,16 +204,20 @@ def generate(
     _check_chunks()
     config = chunks[0].config
     slots = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    longest = max(len(p) for p in prompts)
-    length = -(-longest // slots) * slots
-    capacity = length + (params.max_new_tokens - 1) * slots
-    keys = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
+    # Longest prompts first: a micro-batch holds prompts of similar lengths, so little padding.
+    keys = sorted(
+        ((i, j) for i in range(len(prompts)) for j in range(num_samples)),
+        key=lambda key: -len(prompts[key[0]]),
+    )
     batches = [
-        _MicroBatch([None if k is None else keys[k] for k in indices], prompts, capacity, params)
+        _MicroBatch([None if k is None else keys[k] for k in indices], prompts, slots, params)
         for indices in _deal(len(keys), micro_batch_size)
     ]
-    inputs = [_prefill_inputs(mb, prompts, length, pad_id) for mb in batches]
-    _run(chunks, batches, inputs, length - 1, params, vocab_size)
+    # Prefill one micro-batch per schedule call, each at its own length (every data-parallel
+    # rank makes as many calls, in the same order: expert parallelism pairs their forwards).
+    for mb in batches:
+        inputs = [_prefill_inputs(mb, prompts, mb.length, pad_id)]
+        _run(chunks, [mb], inputs, mb.length - 1, params, vocab_size)
     while _any_live(batches):
         inputs = [_decode_inputs(mb, slots, pad_id) for mb in batches]
         _run(chunks, batches, inputs, 0, params, vocab_size)
