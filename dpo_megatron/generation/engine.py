@@ -60,7 +60,7 @@ class _MicroBatch:
         return not all(self.done)
 
 
-def _check_chunks() -> None:
+def _check_layout() -> None:
     """Refuse a layout the cache cannot serve (one line naming the setting)."""
     if parallel_state.get_context_parallel_world_size() > 1:
         raise ValueError(
@@ -111,8 +111,10 @@ def _run(chunks, batches: list[_MicroBatch], inputs: list, column: int, params, 
         chosen = []
         for mb, out in zip(batches, store):
             live = [r for r, done in enumerate(mb.done) if not done]
-            picked = choose_tokens(
-                out["logits"][live, :vocab], params, [mb.generators[r] for r in live]
+            picked = (
+                choose_tokens(out["logits"][live, :vocab], params, [mb.generators[r] for r in live])
+                if live
+                else []
             )
             chosen.append(dict(zip(live, picked)))
     chosen = share_from_last_stage(chosen)
@@ -201,7 +203,7 @@ def generate(
             raise ValueError(f"prompt {i} is empty: generation needs at least one token")
     if not prompts:
         return []
-    _check_chunks()
+    _check_layout()
     config = chunks[0].config
     slots = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     # Longest prompts first: a micro-batch holds prompts of similar lengths, so little padding.

@@ -103,6 +103,8 @@ def choose_tokens(
     Returns:
         R token ids.
     """
+    if logits.shape[0] == 0:
+        return []
     if params.greedy:
         return logits.float().argmax(dim=-1).tolist()
     probs = nucleus_probs(logits, params.temperature, params.top_p)

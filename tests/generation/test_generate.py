@@ -4,9 +4,10 @@ Greedy completions equal ``transformers``' ``generate(do_sample=False)`` on the 
 one rank and at TP 2 x PP 2 (prompts of different lengths batched together, left-padded), and
 for a mixture of experts at TP 2 x PP 2 x EP 2 (sequence parallelism: decode steps of TP slots).
 Sampled completions are the same for a seed at every layout and micro-batch size, and differ
-for another seed. A decode step through the cache gives the logits of a full forward without it
-(Llama; Gemma 3's sliding windows with their own RoPE; SmolLM3's NoPE layers). Top-p and the
-inverse-transform draw are checked by hand on a small distribution.
+for another seed. A completion ends at its first stop id (kept). A decode step through the
+cache gives the logits of a full forward without it (Llama; Gemma 3's sliding windows with their
+own RoPE; SmolLM3's NoPE layers). Top-p and the inverse-transform draw are checked by hand on a
+small distribution.
 
 The multi-rank cases share two worlds (1 rank and 4 ranks: the module fixture ``runs``).
 """
@@ -147,6 +148,31 @@ def _generate(hf_dir, runs, tp=1, pp=1, ep=1, vpp=None):
     }
 
 
+def _stops(hf_dir):
+    """(completions without stop ids, the stop id, completions with it): the stop id is the
+    third token of the first completion."""
+    from dpo_megatron.generation import SamplingParams, generate
+
+    chunks, cfg = _chunks(hf_dir)
+    prompts = _prompts(cfg.vocab_size)
+
+    def run(**extra):
+        params = SamplingParams(**SAMPLED, **extra)
+        return generate(
+            chunks,
+            prompts,
+            params,
+            num_samples=2,
+            micro_batch_size=3,
+            pad_id=PAD_ID,
+            vocab_size=cfg.vocab_size,
+        )
+
+    full = run()
+    stop = full[0][0][2]
+    return full, stop, run(stop_ids=(stop,))
+
+
 def _cache_vs_recompute(hf_dir):
     """Max |logit difference| between decode steps through the cache and full forwards without
     it, over rows of different lengths (left-padded prefill of their first 3..6 tokens, then one
@@ -212,6 +238,7 @@ def runs(folders):
     }
     one = {
         "one": (_generate, dict(hf_dir=llama, runs=sampled)),
+        "stops": (_stops, dict(hf_dir=llama)),
         **{
             f"cache_{arch}": (_cache_vs_recompute, dict(hf_dir=folders[arch]))
             for arch in CACHE_ARCHS
@@ -279,6 +306,23 @@ def test_sampled_completions_depend_on_the_seed_only(runs):
     assert runs["vpp"]["seed0_mbs4"] == reference  # PP 2 x VPP 2 x DP 2
     assert runs["one"]["seed1"] != reference  # another seed
     assert reference[0][0] != reference[0][1]  # two samples of one prompt differ
+
+
+@pytest.mark.slow
+def test_a_completion_ends_at_its_first_stop_id_which_it_keeps(runs):
+    full, stop, cut = runs["stops"]
+    stopped = 0
+    for prompt_full, prompt_cut in zip(full, cut):
+        for a, b in zip(prompt_full, prompt_cut):
+            end = a.index(stop) + 1 if stop in a else len(a)
+            assert b == a[:end]
+            stopped += end < len(a)
+    assert stopped >= 1 and cut[0][0] == full[0][0][:3]
+
+
+def test_an_empty_batch_of_rows_chooses_nothing():
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=1)
+    assert choose_tokens(torch.zeros(0, 8), params, []) == []
 
 
 @pytest.mark.slow
