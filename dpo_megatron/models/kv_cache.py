@@ -38,10 +38,11 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
-@dataclass
+@dataclass(eq=False)
 class KVCache(PackedSeqParams):
     """Keys and values of one micro-batch of R rows, ``capacity`` slots each (see the module
-    docstring). Build with :meth:`create`; call :meth:`append` before each forward."""
+    docstring). Build with :meth:`create`; call :meth:`append` before each forward. Compared
+    and hashed by identity (its fields are tensors)."""
 
     rows: int = 0
     capacity: int = 0
@@ -55,6 +56,10 @@ class KVCache(PackedSeqParams):
     """Slots filled, the forward in progress included."""
     entries: dict = field(default_factory=dict, repr=False)
     masks: dict = field(default_factory=dict, repr=False)
+
+    # PackedSeqParams compares field by field (tensors here): one cache is one object.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     @classmethod
     def create(cls, rows: int, capacity: int, device: torch.device) -> "KVCache":
