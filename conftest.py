@@ -8,19 +8,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LONGEST_FILES = {
-    "tests/training/test_bf16_architectures.py": 396,
-    "tests/test_slurm_cluster.py": 390,
-    "tests/training/test_durability.py": 380,
-    "tests/training/test_moe_dpo.py": 200,
-    "tests/test_launcher.py": 180,
-    "tests/test_bench.py": 130,
-    "tests/training/test_frontend_dpo_repo_runs.py": 130,
-    "tests/test_gpu_check.py": 110,
+    "tests/test_slurm_cluster.py": 440,
+    "tests/training/test_durability.py": 280,
+    "tests/test_launcher.py": 270,
+    "tests/training/test_bf16_architectures.py": 190,
+    "tests/training/test_moe_dpo.py": 170,
+    "tests/test_bench.py": 125,
+    "tests/training/test_frontend_dpo_repo_runs.py": 105,
+    "tests/test_mistral_family_folders.py": 95,
+    "tests/test_gpu_check.py": 65,
+    "tests/training/test_real_smollm2.py": 65,
 }
-"""Seconds each file took in CI (the longest tests of the last runs, rounded up with their
-file's other tests): these files go to the workers first, longest first, so that the last
-files handed out are short and both workers finish together. A file missing here only starts
-later (after these, slow-marked files before the others)."""
+"""Seconds each file took in CI (the longest tests of the last two fresh-clone runs, rounded up
+with their file's other tests, less what later commits cut): these files go to the workers first,
+longest first, so that the last files handed out are short and both workers finish together. A
+file missing here only starts later (after these, slow-marked files before the others)."""
 
 
 def pytest_configure(config):

@@ -135,7 +135,8 @@ class Cluster:
         raise AssertionError(f"job {job_id} still {job['JobState']} after {timeout} s")
 
     def requeue(self, job_id: str) -> None:
-        """``scontrol requeue``, then start it at once (Slurm holds a requeued job ~2 minutes).
+        """``scontrol requeue``, then start it at once (Slurm holds a requeued job for
+        ``cred_expire``: 90 s on the test cluster, 120 s by default).
         First wait for the job's last processes: a slurmd still ending its step refuses to start
         the requeued job ("Job credential revoked") and the job fails. Then wait for the next
         second: slurmd revokes the old run's credential at a whole second and refuses any
@@ -448,8 +449,9 @@ def test_a_lost_node_ends_the_job_and_the_requeued_job_resumes(cluster, work, un
     last = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iter_*"))
     started = cluster.cluster("start")  # the node comes back (ReturnToService=2)
     assert started.returncode == 0, started.stderr
-    # Slurm's own hold of a requeued job (~2 minutes) stays: started at once, the new run was
-    # seen killed after its last step, by the late clean-up of the run lost with n2
+    # Slurm's own hold of a requeued job (cred_expire, 90 s on the test cluster) stays: started
+    # sooner (at once, or after 30 s), the new run was seen killed by the late clean-up of the
+    # run lost with n2, which comes about 60 s after the node was declared down
     job = cluster.wait_done(job_id)
     log = out.read_text()
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]

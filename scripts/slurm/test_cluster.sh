@@ -20,7 +20,12 @@
 # Timing settings are short so that tests see a lost node, a time limit or a requeue quickly:
 # SlurmdTimeout=10 (a node whose slurmd stops answering is DOWN after ~10-20 s), KillWait=30 (a
 # job past its time limit, or cancelled, gets SIGTERM and 30 s before SIGKILL), ReturnToService=2
-# (a node that was DOWN is back as soon as its slurmd registers again).
+# (a node that was DOWN is back as soon as its slurmd registers again), cred_expire=90 (job
+# credentials live 90 s, and Slurm holds a requeued job that long before it may start again:
+# 120 s by default; a job requeued after a lost node must not start before the late clean-up of
+# its lost run, seen about 60 s after the node was declared down, or that clean-up kills the
+# new run), sched_interval=5 (a job whose hold ends starts within 5 s, not at the next
+# once-a-minute scheduling pass).
 set -euo pipefail
 DIR="${DPO_MEGATRON_SLURM_DIR:-/tmp/dpo_megatron_slurm}"
 NODES="${DPO_MEGATRON_SLURM_NODES:-2}"
@@ -52,7 +57,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$SOCKET
+AuthInfo=socket=$SOCKET,cred_expire=90
 StateSaveLocation=$DIR/ctld
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
@@ -64,6 +69,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=5
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none

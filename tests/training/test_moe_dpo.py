@@ -29,11 +29,13 @@ def run_plans(root: str, plans: list[dict]) -> None:
     """Train each plan in turn on these ranks: ``name`` (run folder under ``root``), ``hf_dir``
     (the tiny transformers folder to start from), ``tp``, ``pp``, ``ep``, ``etp``, ``resume``
     ('none' or a plan name whose step-2 checkpoint to resume). 8 pairs per step in micro-batches
-    of 2, a checkpoint every 2 steps, metrics in ``<root>/<name>/metrics.jsonl``."""
+    of 2, a checkpoint at step 2 of the plans that another resumes (no other save), metrics in
+    ``<root>/<name>/metrics.jsonl``."""
     from megatron.core import parallel_state as ps
 
     from dpo_megatron.models.conversion import model_config_from_hf
 
+    sources = {plan["resume"] for plan in plans if plan.get("resume", "none") != "none"}
     for plan in plans:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()  # the next plan may use another layout
@@ -57,8 +59,12 @@ def run_plans(root: str, plans: list[dict]) -> None:
             seed=11,
             run_dir=os.path.join(root, plan["name"]),
             resume=resume,
-            save_interval=2,
             model={"hf_path": hf_dir, "params_dtype": "float32", "transformer_impl": "local"},
+        )
+        # Only the step-2 checkpoints that a later plan resumes are read: the others (every
+        # plan's last step, always saved) would cost a collective save each for nothing.
+        trainer.checkpointer.due = lambda step, last_step, keep=plan["name"] in sources: (
+            keep and step == 2
         )
         trainer.train()
 
