@@ -251,6 +251,10 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
     config = build_transformer_config(model, parallel)
     if model.num_experts:
         _enable_moe_patches(model)
+    if model.kv_lora_rank is not None:
+        from dpo_megatron.compat import mla_without_te
+
+        mla_without_te.enable()
     if model.recompute_granularity == "selective" and not _have_transformer_engine():
         from dpo_megatron.compat import checkpoint_without_output_without_te
 
@@ -284,6 +288,16 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             vp_stage=stage,
         )
         chunk.embedding_scale = model.embedding_scale
+        if config.multi_latent_attention:
+            # megatron-core's GPTModel builds no RoPE for MLA (each layer would make positions
+            # 0..L-1 itself); the per-row table of its rotated dimensions comes from here
+            # (models.mla).
+            chunk.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=model.qk_rope_head_dim,
+                rotary_percent=1.0,
+                rotary_base=model.rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
         if model.local_rotary_base is not None:
             chunk.local_rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -335,6 +349,10 @@ def _enable_moe_patches(model: ModelConfig) -> None:
         moe_router_without_te.enable()
     if model.moe_token_dispatcher == "alltoall" and not is_cuda():
         moe_alltoall_on_cpu.enable()
+    if model.moe_router_expert_bias:
+        from dpo_megatron.compat import moe_expert_bias_padding_mask
+
+        moe_expert_bias_padding_mask.enable()
 
 
 def _mask_vocab_padding(chunk: DPOGPTModel, vocab_size: int, padded: int) -> None:

@@ -83,15 +83,17 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
 
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
-    positions, GPT-NeoX for LayerNorm with RoPE, OLMo 3 for post-norms, Qwen3-MoE / Mixtral for
-    experts with / without query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers,
-    Qwen2 for q/k/v-only biases, else Llama."""
+    positions, GPT-NeoX for LayerNorm with RoPE, DeepSeek-V3 for multi-latent attention, OLMo 3
+    for post-norms, Qwen3-MoE / Mixtral for experts with / without query-key norms, Qwen3 for
+    query-key norms, SmolLM3 for NoPE layers, Qwen2 for q/k/v-only biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)
     if cfg.position_embedding_type == "learned_absolute":
         return ARCHITECTURES["gpt2"]
     if cfg.normalization == "LayerNorm":
         return ARCHITECTURES["gpt_neox"]
+    if cfg.kv_lora_rank is not None:
+        return ARCHITECTURES["deepseek_v3"]
     if cfg.norm_placement == "sandwich":
         return ARCHITECTURES["gemma3_text"]
     if cfg.norm_placement == "post":

@@ -7,8 +7,8 @@ config translator and a tensor table); the loader and exporter have no per-archi
 One module per concern, in this package: ``base`` (split kinds, :class:`TensorMap`,
 :class:`Architecture`, :func:`dims`, the name patterns, config readers the families share), one
 module per family (``llama``: also Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, SmolLM3;
-``olmo3``; ``gemma3``; ``gpt2``; ``gpt_neox``), and here the table of all of them. Names and
-shape symbols: :mod:`dpo_megatron.models.conversion.architectures.base`.
+``olmo3``; ``gemma3``; ``deepseek_v3``; ``gpt2``; ``gpt_neox``), and here the table of all of
+them. Names and shape symbols: :mod:`dpo_megatron.models.conversion.architectures.base`.
 
 Supported (``model_type``: classes, what differs):
 
@@ -31,6 +31,9 @@ Supported (``model_type``: classes, what differs):
   RMSNorms (``model.norm_weight_offset``); GeGLU; embeddings scaled by sqrt(hidden); softmax
   scale ``query_pre_attn_scalar ** -0.5``; sliding windows per ``layer_types`` with their own
   RoPE theta (``model.local_rotary_base``).
+* ``deepseek_v3`` (``DeepseekV3ForCausalLM``): multi-latent attention (``model.kv_lora_rank``
+  and the MLA head sizes), an MoE with dense first layers, a shared expert, sigmoid scores with
+  a fixed expert score bias, group-limited top-k and a routed scaling factor.
 * ``gpt2``: learned positions, Conv1D weights.
 * ``gpt_neox`` (``GPTNeoXForCausalLM``, Pythia): parallel residual, partial rotary, LayerNorm
   with biases, fused per-head QKV.
@@ -52,6 +55,11 @@ from dpo_megatron.models.conversion.architectures.base import (
     expand,
     is_expert_pattern,
     is_layer_pattern,
+)
+from dpo_megatron.models.conversion.architectures.deepseek_v3 import (
+    deepseek_v3_config_from_hf,
+    deepseek_v3_config_to_hf,
+    deepseek_v3_tensors,
 )
 from dpo_megatron.models.conversion.architectures.gemma3 import (
     gemma3_config_from_hf,
@@ -176,6 +184,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         gemma3_config_from_hf,
         gemma3_config_to_hf,
         gemma3_tensors,
+        "model.",
+    ),
+    "deepseek_v3": Architecture(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        deepseek_v3_config_from_hf,
+        deepseek_v3_config_to_hf,
+        deepseek_v3_tensors,
         "model.",
     ),
     "gpt2": Architecture(
