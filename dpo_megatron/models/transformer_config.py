@@ -373,7 +373,8 @@ def check_mla(model: ModelConfig, parallel: ParallelConfig, heads: int) -> None:
         ValueError: zero heads added by ``model.pad_attention_heads`` (MLA has no key/value
             groups to pad), latent widths the TP size does not divide (megatron-core splits the
             down projections' outputs over TP), transformer-engine, context parallelism, a
-            sliding window, NoPE layers, query/key norms or RoPE scaling (naming the field).
+            sliding window, NoPE layers, query/key norms, RoPE scaling or the ``megatron`` core
+            attention kernel (naming the field).
     """
     if model.kv_lora_rank is None:
         return
@@ -395,7 +396,12 @@ def check_mla(model: ModelConfig, parallel: ParallelConfig, heads: int) -> None:
                 f"parallel.tensor_model_parallel_size={tp} (megatron-core splits the latent "
                 "down-projection over TP)"
             )
+    from dpo_megatron.models.attention import resolve_local_attention
+
     refused = {
+        "model.local_attention=megatron (its unfused kernel has one head size)": (
+            resolve_local_attention(model.local_attention) == "megatron"
+        ),
         "parallel.context_parallel_size>1": parallel.context_parallel_size > 1,
         "model.transformer_impl=transformer_engine": model.transformer_impl == "transformer_engine",
         "model.sliding_window": model.sliding_window is not None,
