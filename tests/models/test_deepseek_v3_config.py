@@ -116,3 +116,9 @@ def test_generated_config_derives_the_same_model(tmp_path, cfg):
     assert infer_architecture(standalone).name == "deepseek_v3"
     again = model_config_from_hf(_write_config(tmp_path / "out", **written))
     assert {**again.__dict__, "hf_path": ""} == standalone.__dict__
+
+
+def test_gpt_oss_is_refused_by_name_with_the_reason(tmp_path):
+    folder = _write_config(tmp_path, model_type="gpt_oss", hidden_size=64)
+    with pytest.raises(ValueError, match="model_type='gpt_oss' is not supported: its attention"):
+        model_config_from_hf(folder)
