@@ -2,9 +2,10 @@
 
 One local spec covers them all, switched by the ModelConfig: RMSNorm or LayerNorm (SP-aware,
 ``models.norms``), fused SDPA core attention (``models.attention``), Qwen3's query/key RMSNorm
-(``qk_layernorm``) or OLMo's over the whole projection, megatron-core's MoE layer with this
-engine's router (``models.moe``), GPT-NeoX's parallel-residual layer and OLMo's post-norm layer
-(``models.layers``).
+(``qk_layernorm``) or OLMo's over the whole projection, DeepSeek-V3's multi-latent attention
+(``models.mla``), megatron-core's MoE layer with this engine's router (``models.moe``; dense
+layers first where ``model.moe_first_dense_layers`` says so), GPT-NeoX's parallel-residual layer
+and OLMo's post-norm layer (``models.layers``).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ from dpo_megatron.models.conversion.architectures.base import (
 
 
 def deepseek_v3_tensors(cfg: ModelConfig) -> list[TensorMap]:
+    """The DeepSeek-V3 table for ``cfg``: embeddings, MLA projections and norms (the query
+    latent's only with ``q_lora_rank``), the dense MLP of the first ``moe_first_dense_layers``
+    layers, router / score bias / routed and shared experts of the others, final norm, and the
+    output layer when untied."""
     p, d = "model.layers.{i}.", "decoder.layers.{i}."
     a, m = p + "self_attn.", d + "self_attention."
     dense = tuple(range(cfg.moe_first_dense_layers)) if cfg.num_experts else None
@@ -249,6 +253,11 @@ def deepseek_v3_config_from_hf(hf) -> dict:
 
 
 def deepseek_v3_config_to_hf(cfg: ModelConfig) -> dict:
+    """DeepSeek-V3 config.json fields of ``cfg`` (an export without a source folder).
+
+    Raises:
+        ValueError: a shared-expert width that is not a whole number of experts.
+    """
     expert_ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
     shared = cfg.moe_shared_expert_ffn_hidden_size or 0
     if shared % expert_ffn:
