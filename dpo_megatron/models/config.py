@@ -187,6 +187,23 @@ class ModelConfig:
     by all heads). megatron-core rotates them in DeepSeek's interleaved pair order."""
     v_head_dim: Optional[int] = None
     """MLA: per-head value dimensions (>= 1)."""
+    rope_yarn_factor: Optional[float] = None
+    """YaRN RoPE (Peng et al. 2023) of multi-latent attention (DeepSeek-V3 ``rope_type: yarn``):
+    the context extension factor (> 0); None: plain RoPE. The ``rope_yarn_*`` fields below are
+    HF's ``rope_parameters`` of the same names; served with ``kv_lora_rank`` only."""
+    rope_yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the pre-training context length (>= 1)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations per context where the frequency ramp starts (> 0)."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations per context where the frequency ramp ends (> 0)."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: cos / sin are scaled by ``m(factor, mscale) / m(factor, mscale_all_dim)`` with
+    ``m(s, k) = 0.1 k ln s + 1`` (>= 0)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: also the softmax scale is multiplied by ``m(factor, mscale_all_dim) ** 2`` (>= 0)."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the frequency ramp's bounds to whole dimensions (HF ``truncate``)."""
     tie_word_embeddings: bool = True
     """Share the input embedding and the output layer's weight."""
     init_method_std: float = 0.02
@@ -282,6 +299,17 @@ class ModelConfig:
         ):
             check_range("model", self, name, 1, optional=True)
         check_range("model", self, "moe_first_dense_layers", 0)
+        check_range("model", self, "rope_yarn_factor", 0, low_open=True, optional=True)
+        check_range("model", self, "rope_yarn_original_max_position_embeddings", 1)
+        for name in ("rope_yarn_beta_fast", "rope_yarn_beta_slow"):
+            check_range("model", self, name, 0, low_open=True)
+        for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+            check_range("model", self, name, 0)
+        if self.rope_yarn_factor is not None and self.kv_lora_rank is None:
+            raise ValueError(
+                f"model.rope_yarn_factor={self.rope_yarn_factor}: YaRN is served with "
+                "multi-latent attention (model.kv_lora_rank) only; drop it"
+            )
         check_range("model", self, "moe_routed_scaling_factor", 0, low_open=True, optional=True)
         check_choice("model", self, "moe_router_score_function", MOE_SCORE_FUNCTIONS)
         if self.kv_lora_rank is not None:

@@ -25,17 +25,20 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 class GivenRotary(torch.nn.Module):
     """Stands in for MLA's rotary module: answers with the table the layer was given for this
-    forward (``table``: [L, R, 1, dim]) instead of computing positions 0..L-1."""
+    forward (``table``: [L, R, 1, dim]) instead of computing positions 0..L-1; with YaRN as
+    megatron-core's ``YarnRotaryEmbedding`` does, together with its cos / sin scale
+    (``mscale``)."""
 
-    def __init__(self):
+    def __init__(self, mscale: Optional[float] = None):
         super().__init__()
         self.table: Optional[torch.Tensor] = None
+        self.mscale = mscale
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.table.shape[0]
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False):
-        return self.table
+        return self.table if self.mscale is None else (self.table, self.mscale)
 
 
 class DPOMLASelfAttention(MLASelfAttention):
@@ -43,19 +46,19 @@ class DPOMLASelfAttention(MLASelfAttention):
     (module docstring). Shapes as the parent: hidden_states [s(/TP), b, h] -> ([s(/TP), b, h],
     bias).
 
+    With YaRN (``rope_type='yarn'``) the table is the model's YaRN table and the cos / sin scale
+    is that of megatron-core's own YaRN module of this layer (same config).
+
     Raises:
-        ValueError: at construction, for YaRN RoPE (``rope_type='yarn'``: not wired here), and
-            in forward without a RoPE table, or with transformer-engine's THD rows.
+        ValueError: in forward without a RoPE table, or with transformer-engine's THD rows.
     """
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        if config.rope_type != "rope":
-            raise ValueError(
-                f"multi-latent attention with rope_type={config.rope_type!r} is not wired: "
-                "plain RoPE only"
-            )
-        self.rotary_pos_emb = GivenRotary()
+        mscale = None
+        if config.rope_type == "yarn":
+            _, mscale = self.rotary_pos_emb.get_emb(1)
+        self.rotary_pos_emb = GivenRotary(mscale)
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if not isinstance(rotary_pos_emb, torch.Tensor):

@@ -345,8 +345,9 @@ def recompute_fields(model: ModelConfig) -> dict:
 
 def mla_fields(model: ModelConfig) -> dict:
     """megatron-core's multi-latent attention fields (``MLATransformerConfig``); empty without
-    MLA. Plain RoPE over the ``qk_rope_head_dim`` dimensions (megatron-core de-interleaves them
-    as DeepSeek's ``rope_interleave`` does); the softmax scale is 1 / sqrt(nope + rope dims)."""
+    MLA. Plain or YaRN RoPE over the ``qk_rope_head_dim`` dimensions (megatron-core
+    de-interleaves them as DeepSeek's ``rope_interleave`` does); the softmax scale is
+    ``m ** 2 / sqrt(nope + rope dims)``, m YaRN's ``mscale_all_dim`` factor (1 without YaRN)."""
     if model.kv_lora_rank is None:
         return {}
     return dict(
@@ -356,13 +357,16 @@ def mla_fields(model: ModelConfig) -> dict:
         qk_head_dim=model.qk_nope_head_dim,
         qk_pos_emb_head_dim=model.qk_rope_head_dim,
         v_head_dim=model.v_head_dim,
-        rope_type="rope",
+        rope_type="rope" if model.rope_yarn_factor is None else "yarn",
         rotary_base=model.rotary_base,
         rotary_percent=1.0,
-        # YaRN's attention scale is 1 without scaling (megatron-core's _yarn_get_mscale).
-        rotary_scaling_factor=1.0,
-        mscale=1.0,
-        mscale_all_dim=0.0,
+        # Without YaRN the attention scale is 1 (megatron-core's _yarn_get_mscale of factor 1).
+        rotary_scaling_factor=model.rope_yarn_factor or 1.0,
+        original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
+        beta_fast=model.rope_yarn_beta_fast,
+        beta_slow=model.rope_yarn_beta_slow,
+        mscale=model.rope_yarn_mscale,
+        mscale_all_dim=model.rope_yarn_mscale_all_dim,
     )
 
 

@@ -325,6 +325,21 @@ VARIANT_TINY_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "rope_parameters": {**NEW_TINY_CONFIGS["llama32"]["rope_parameters"], "factor": 8.0},
     },
+    # DeepSeek-V3 with YaRN RoPE as DeepSeek-V3 configs state it (factor 32 = 512 / 16, mscale and
+    # mscale_all_dim 1: the cos / sin scale is 1, the softmax scale m(32, 1) ** 2).
+    "deepseek_v3_yarn": {
+        **NEW_TINY_CONFIGS["deepseek_v3"],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
 }
 """Variants of the architectures above, checked at one layout (TP 2 x PP 2)."""
 ALL_TINY_CONFIGS = {**TINY_CONFIGS, **NEW_TINY_CONFIGS, **VARIANT_TINY_CONFIGS}

@@ -14,6 +14,18 @@ from dpo_megatron.models.transformer_config import build_transformer_config
 from dpo_megatron.parallel import ParallelConfig
 from tests.models.test_conversion_config import _new_config_folder, _write_config
 
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+"""DeepSeek-V3's own RoPE settings (its config.json)."""
+
 
 @pytest.fixture
 def cfg(tmp_path):
@@ -45,22 +57,41 @@ def test_megatron_config_is_mla_with_deepseek_routing(cfg):
     assert config.moe_shared_expert_intermediate_size == 32
 
 
+def test_yarn_as_deepseek_v3_states_it(tmp_path):
+    """DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1) reaches megatron-core's MLA
+    config (its softmax scale is then m(40, 1) ** 2 / sqrt(24); the numbers are checked against
+    transformers by the deepseek_v3_yarn parity case of test_new_architectures)."""
+    cfg = model_config_from_hf(
+        _new_config_folder(
+            tmp_path, "deepseek_v3", rope_parameters=YARN, max_position_embeddings=163840
+        )
+    )
+    assert cfg.rope_yarn_factor == 40.0 and cfg.rope_yarn_original_max_position_embeddings == 4096
+    assert (cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim) == (1.0, 1.0)
+    config = build_transformer_config(
+        dataclasses.replace(cfg, params_dtype="float32"), ParallelConfig()
+    )
+    assert config.rope_type == "yarn" and config.rotary_scaling_factor == 40.0
+    assert (config.mscale, config.mscale_all_dim) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="multi-latent attention"):
+        dataclasses.replace(cfg, kv_lora_rank=None).validate()
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
         ({"rope_interleave": False}, "rope_interleave=false is not supported"),
         (
-            {
-                "rope_parameters": {
-                    "rope_type": "yarn",
-                    "rope_theta": 10000.0,
-                    "factor": 40.0,
-                    "original_max_position_embeddings": 4096,
-                    "mscale": 1.0,
-                    "mscale_all_dim": 1.0,
-                }
-            },
-            "rope_type='yarn' is not supported",
+            {"rope_parameters": {**YARN, "attention_factor": 1.2}},
+            "attention_factor=1.2 is not supported with YaRN",
+        ),
+        (
+            {"rope_parameters": {**YARN, "mscale": 0.7, "mscale_all_dim": 0.0}},
+            "mscale=0.7 without mscale_all_dim",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type='dynamic' is not supported",
         ),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),

@@ -245,8 +245,9 @@ def test_every_layout_matches_transformers_and_round_trips(runs, arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(VARIANT_TINY_CONFIGS))
 def test_untied_qwen3_and_llama31_at_tp2_pp2(runs, arch):
-    """Qwen3 with its own output layer and Llama-3.1's RoPE scaling (factor 8): logits and
-    log-probs equal transformers' within 1e-5 at TP 2 x PP 2, export bit-exact and loadable."""
+    """Qwen3 with its own output layer, Llama-3.1's RoPE scaling (factor 8) and DeepSeek-V3 with
+    YaRN (factor 32, mscale_all_dim 1): logits and log-probs equal transformers' within 1e-5 at
+    TP 2 x PP 2, export bit-exact and loadable."""
     from dpo_megatron.models import model_config_from_hf
 
     case, results = runs[f"variant_{arch}"]
@@ -255,6 +256,8 @@ def test_untied_qwen3_and_llama31_at_tp2_pp2(runs, arch):
     assert cfg.tie_word_embeddings is False
     if arch == "llama31":
         assert cfg.rope_scaling_factor == 8.0
+    if arch == "deepseek_v3_yarn":  # YaRN of multi-latent attention
+        assert cfg.rope_yarn_factor == 32.0 and cfg.rope_yarn_mscale_all_dim == 1.0
 
 
 def _names_read(hf_dir, ep):
