@@ -153,3 +153,9 @@ def test_gpt_oss_is_refused_by_name_with_the_reason(tmp_path):
     folder = _write_config(tmp_path, model_type="gpt_oss", hidden_size=64)
     with pytest.raises(ValueError, match="model_type='gpt_oss' is not supported: its attention"):
         model_config_from_hf(folder)
+
+
+def test_a_base_configs_deepseek_fields_do_not_reach_another_architecture(tmp_path, cfg):
+    other = model_config_from_hf(_new_config_folder(tmp_path / "qwen3", "qwen3"), cfg)
+    assert other.kv_lora_rank is None and other.moe_first_dense_layers == 0
+    assert other.moe_router_score_function == "softmax" and not other.moe_router_expert_bias
