@@ -19,6 +19,10 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.checkpoint_without_output_without_te`: megatron-core 0.16's
   output-discarding checkpoint (selective recompute of the norms) without transformer-engine
   (an undefined name).
+* :mod:`~dpo_megatron.compat.mla_without_te`: megatron-core 0.16's multi-latent attention
+  without transformer-engine (an isinstance() check against a mock class).
+* :mod:`~dpo_megatron.compat.moe_expert_bias_padding_mask`: megatron-core 0.16's expert-bias
+  token count with a padding mask (a broadcast error).
 * :mod:`~dpo_megatron.compat.moe_alltoall_on_cpu`: the all-to-all MoE token dispatcher on the CPU
   (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
 * :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a

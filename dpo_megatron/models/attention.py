@@ -281,8 +281,11 @@ def span_attention(
     )
     band = causal_window_mask(width, width, window, query.device)
     out = sdpa(q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band)
+    # [N, heads, W, hv]: values may be narrower than queries (multi-latent attention).
     return (
-        out.transpose(1, 2).reshape(n * width, *query.shape[1:]).index_select(0, rows.output_index)
+        out.transpose(1, 2)
+        .reshape(n * width, query.shape[1], value.shape[-1])
+        .index_select(0, rows.output_index)
     )
 
 
@@ -376,8 +379,10 @@ def packed_attention(
 ) -> torch.Tensor:
     """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
     :func:`packed_attention_route`. Shapes and ``window`` as :func:`span_attention`; ``layout``
-    the micro-batch's ``PackedLayout`` on the device."""
-    if packed_attention_route(query.device, query.dtype, query.shape[-1]) == "varlen":
+    the micro-batch's ``PackedLayout`` on the device. Values narrower than the queries
+    (multi-latent attention) take the rows route: varlen flash-attention wants one head size."""
+    route = packed_attention_route(query.device, query.dtype, query.shape[-1])
+    if route == "varlen" and value.shape[-1] == query.shape[-1]:
         return varlen_attention(query, key, value, layout, scale, window)
     return span_attention(query, key, value, layout.spans, scale, layout.rows, window)
 
@@ -497,11 +502,27 @@ class LocalAttention(DotProductAttention):
     packed_format = "sbhd"
     """How this core attention takes packed rows (:func:`packed_format`)."""
 
-    def __init__(self, *args, kernel: str = "sdpa", **kwargs):
+    def __init__(
+        self,
+        *args,
+        kernel: str = "sdpa",
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         if kernel not in ("sdpa", "flex", "megatron"):
             raise ValueError(f"unknown local attention kernel {kernel!r}")
         self.kernel = kernel
+        if v_channels is not None:
+            # Multi-latent attention (megatron-core's MLA passes its head sizes): queries and
+            # keys of k_channels, values and the output of v_channels per head.
+            if kernel == "megatron":
+                raise ValueError(
+                    "multi-latent attention runs on the local sdpa or flex kernel: set "
+                    "model.local_attention=sdpa"
+                )
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
         window_size = self.scale_mask_softmax.window_size
         self.window: Optional[int] = None
         """Earlier keys a query sees besides itself in this layer's sliding window; None: full

@@ -21,6 +21,7 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")  # megatron-core's, for these layers
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -150,6 +151,59 @@ class ModelConfig:
     """How tokens reach experts on other expert-parallel ranks: 'alltoall' (all-to-all of the
     routed tokens only) or 'allgather' (every rank gathers every token). Both run on gloo and
     NCCL."""
+    moe_first_dense_layers: int = 0
+    """The first N layers have a dense MLP of ``ffn_hidden_size`` instead of experts (DeepSeek-V3
+    ``first_k_dense_replace``; megatron-core's ``moe_layer_freq``). 0: every layer is MoE."""
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    """Width of the shared expert every token passes through beside its routed experts
+    (DeepSeek-V3: ``n_shared_experts * moe_intermediate_size``; >= 1). None: no shared expert."""
+    moe_router_score_function: str = "softmax"
+    """'softmax' (Mixtral, Qwen3-MoE) or 'sigmoid' (DeepSeek-V3: per-expert sigmoid scores, the
+    top-k of them renormalised to sum to 1)."""
+    moe_router_expert_bias: bool = False
+    """With 'sigmoid' scores: a per-expert bias added to the scores for the choice of experts
+    only (DeepSeek-V3 ``e_score_correction_bias``). It is loaded with the weights and kept fixed
+    (DPO must route the policy as the reference; megatron-core's bias update rate is 0)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V3 ``n_group``): the experts split into this many equal
+    groups, a token chooses among the ``moe_router_group_topk`` groups whose two best scores
+    sum highest (>= 1; None: no groups)."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups a token may choose experts from (DeepSeek-V3 ``topk_group``; >= 1)."""
+    moe_routed_scaling_factor: Optional[float] = None
+    """The routed experts' weights are multiplied by this (DeepSeek-V3 ``routed_scaling_factor``;
+    > 0; None: 1)."""
+    kv_lora_rank: Optional[int] = None
+    """Multi-latent attention (DeepSeek-V2 / V3, megatron-core's ``MLASelfAttention``): width of
+    the compressed key/value latent (>= 1). None: standard multi-head attention. With it the
+    head sizes are ``qk_nope_head_dim`` + ``qk_rope_head_dim`` (queries, keys) and
+    ``v_head_dim`` (values); ``kv_channels`` and ``num_query_groups`` are unused."""
+    q_lora_rank: Optional[int] = None
+    """MLA: width of the compressed query latent (>= 1); None: one full-rank query projection."""
+    qk_nope_head_dim: Optional[int] = None
+    """MLA: per-head query/key dimensions without RoPE (>= 1)."""
+    qk_rope_head_dim: Optional[int] = None
+    """MLA: per-head query/key dimensions that RoPE rotates (>= 1; the rotated key part is shared
+    by all heads). megatron-core rotates them in DeepSeek's interleaved pair order."""
+    v_head_dim: Optional[int] = None
+    """MLA: per-head value dimensions (>= 1)."""
+    rope_yarn_factor: Optional[float] = None
+    """YaRN RoPE (Peng et al. 2023) of multi-latent attention (DeepSeek-V3 ``rope_type: yarn``):
+    the context extension factor (> 0); None: plain RoPE. The ``rope_yarn_*`` fields below are
+    HF's ``rope_parameters`` of the same names; served with ``kv_lora_rank`` only."""
+    rope_yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the pre-training context length (>= 1)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations per context where the frequency ramp starts (> 0)."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations per context where the frequency ramp ends (> 0)."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: cos / sin are scaled by ``m(factor, mscale) / m(factor, mscale_all_dim)`` with
+    ``m(s, k) = 0.1 k ln s + 1`` (>= 0)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: also the softmax scale is multiplied by ``m(factor, mscale_all_dim) ** 2`` (>= 0)."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the frequency ramp's bounds to whole dimensions (HF ``truncate``)."""
     tie_word_embeddings: bool = True
     """Share the input embedding and the output layer's weight."""
     init_method_std: float = 0.02
@@ -233,6 +287,42 @@ class ModelConfig:
             why="weight of the routers' load-balancing loss (null: the HF config's)",
         )
         check_range("model", self, "sliding_window", 1, optional=True)
+        for name in (
+            "moe_shared_expert_ffn_hidden_size",
+            "moe_router_num_groups",
+            "moe_router_group_topk",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
+            check_range("model", self, name, 1, optional=True)
+        check_range("model", self, "moe_first_dense_layers", 0)
+        check_range("model", self, "rope_yarn_factor", 0, low_open=True, optional=True)
+        check_range("model", self, "rope_yarn_original_max_position_embeddings", 1)
+        for name in ("rope_yarn_beta_fast", "rope_yarn_beta_slow"):
+            check_range("model", self, name, 0, low_open=True)
+        for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+            check_range("model", self, name, 0)
+        if self.rope_yarn_factor is not None and self.kv_lora_rank is None:
+            raise ValueError(
+                f"model.rope_yarn_factor={self.rope_yarn_factor}: YaRN is served with "
+                "multi-latent attention (model.kv_lora_rank) only; drop it"
+            )
+        check_range("model", self, "moe_routed_scaling_factor", 0, low_open=True, optional=True)
+        check_choice("model", self, "moe_router_score_function", MOE_SCORE_FUNCTIONS)
+        if self.kv_lora_rank is not None:
+            missing = [
+                name
+                for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"model.kv_lora_rank={self.kv_lora_rank} (multi-latent attention) needs "
+                    f"{', '.join('model.' + m for m in missing)}"
+                )
         for name in ("no_rope_layers", "sliding_window_layers"):
             for index in getattr(self, name) or ():
                 if not (isinstance(index, int) and 0 <= index < self.num_layers):

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -214,7 +215,10 @@ class DPOGPTModel(GPTModel):
         local = getattr(self, "local_rotary_pos_emb", None)
         for rope in (self.rotary_pos_emb, local):
             if rope is not None:
-                table = rope.get_emb(length)[:, 0, 0, :]  # [L, dim]
+                table = rope.get_emb(length)
+                if isinstance(table, tuple):  # YaRN: (table, cos / sin scale), scale in the layers
+                    table = table[0]
+                table = table[:, 0, 0, :]  # [L, dim]
                 tables.append(table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2))
         return tables[0] if len(tables) == 1 else LayerTypeRope(*tables)
 
@@ -265,6 +269,10 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
     config = build_transformer_config(model, parallel)
     if model.num_experts:
         _enable_moe_patches(model)
+    if model.kv_lora_rank is not None:
+        from dpo_megatron.compat import mla_without_te
+
+        mla_without_te.enable()
     if model.recompute_granularity == "selective" and not _have_transformer_engine():
         from dpo_megatron.compat import checkpoint_without_output_without_te
 
@@ -298,6 +306,31 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             vp_stage=stage,
         )
         chunk.embedding_scale = model.embedding_scale
+        if config.multi_latent_attention:
+            # megatron-core's GPTModel builds no RoPE for MLA (each layer would make positions
+            # 0..L-1 itself); the per-row table of its rotated dimensions comes from here
+            # (models.mla).
+            chunk.rotary_pos_emb = (
+                RotaryEmbedding(
+                    kv_channels=model.qk_rope_head_dim,
+                    rotary_percent=1.0,
+                    rotary_base=model.rotary_base,
+                    use_cpu_initialization=config.use_cpu_initialization,
+                )
+                if model.rope_yarn_factor is None
+                else YarnRotaryEmbedding(
+                    kv_channels=model.qk_rope_head_dim,
+                    rotary_base=model.rotary_base,
+                    use_cpu_initialization=config.use_cpu_initialization,
+                    scaling_factor=model.rope_yarn_factor,
+                    original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
+                    beta_fast=model.rope_yarn_beta_fast,
+                    beta_slow=model.rope_yarn_beta_slow,
+                    mscale=model.rope_yarn_mscale,
+                    mscale_all_dim=model.rope_yarn_mscale_all_dim,
+                    correction_range_round_to_int=model.rope_yarn_truncate,
+                )
+            )
         if model.local_rotary_base is not None:
             chunk.local_rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -349,6 +382,10 @@ def _enable_moe_patches(model: ModelConfig) -> None:
         moe_router_without_te.enable()
     if model.moe_token_dispatcher == "alltoall" and not is_cuda():
         moe_alltoall_on_cpu.enable()
+    if model.moe_router_expert_bias:
+        from dpo_megatron.compat import moe_expert_bias_padding_mask
+
+        moe_expert_bias_padding_mask.enable()
 
 
 def _mask_vocab_padding(chunk: DPOGPTModel, vocab_size: int, padded: int) -> None:

@@ -209,4 +209,59 @@ def check_moe(
         )
     if (model.moe_aux_loss_coeff or 0.0) < 0:
         raise ValueError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} must be >= 0")
+    check_deepseek_routing(model)
     return width
+
+
+def check_deepseek_routing(model: ModelConfig) -> None:
+    """DeepSeek-V3's routing options against what megatron-core's router computes.
+
+    Raises:
+        ValueError: sigmoid scores without renormalised top-k (megatron-core always renormalises
+            them), an expert bias with softmax scores, expert groups that do not divide the
+            experts or whose per-group ranking is not DeepSeek's top-2 sum (megatron-core ranks
+            a group by its top ``topk / group_topk`` scores), dense first layers covering every
+            layer, or a load-balancing loss with dense layers (its layer average counts MoE
+            layers only in transformers' terms, not wired here).
+    """
+    experts, topk = model.num_experts, model.moe_router_topk
+    if model.moe_router_score_function == "sigmoid" and topk > 1 and not model.moe_norm_topk_prob:
+        raise ValueError(
+            "model.moe_router_score_function=sigmoid with model.moe_norm_topk_prob=false: "
+            "megatron-core renormalises the top-k sigmoid scores (DeepSeek-V3 norm_topk_prob="
+            "true); set model.moe_norm_topk_prob=true"
+        )
+    if model.moe_router_expert_bias and model.moe_router_score_function != "sigmoid":
+        raise ValueError(
+            "model.moe_router_expert_bias=true needs model.moe_router_score_function=sigmoid"
+        )
+    groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ValueError(
+            "model.moe_router_num_groups and model.moe_router_group_topk are set together"
+        )
+    if groups is not None:
+        if experts % groups or not 1 <= group_topk <= groups:
+            raise ValueError(
+                f"model.moe_router_num_groups={groups} must divide model.num_experts={experts} "
+                f"and model.moe_router_group_topk={group_topk} be in [1, {groups}]"
+            )
+        if topk // group_topk != 2 or experts // groups < 2:
+            raise ValueError(
+                f"model.moe_router_topk={topk} / model.moe_router_group_topk={group_topk}: "
+                "megatron-core ranks each expert group by the sum of its top "
+                f"{topk // group_topk} scores, DeepSeek-V3 by its top 2; only topk // "
+                "group_topk == 2 (with at least 2 experts a group) computes the same routing"
+            )
+    dense = model.moe_first_dense_layers
+    if dense >= model.num_layers:
+        raise ValueError(
+            f"model.moe_first_dense_layers={dense} must be below model.num_layers="
+            f"{model.num_layers} (a model without MoE layers has model.num_experts=null)"
+        )
+    if dense and (model.moe_aux_loss_coeff or 0.0) > 0:
+        raise ValueError(
+            f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} with "
+            f"model.moe_first_dense_layers={dense}: the load-balancing loss is averaged over "
+            "every layer here, not over the MoE layers; set model.moe_aux_loss_coeff=0"
+        )

@@ -2,9 +2,10 @@
 
 One local spec covers them all, switched by the ModelConfig: RMSNorm or LayerNorm (SP-aware,
 ``models.norms``), fused SDPA core attention (``models.attention``), Qwen3's query/key RMSNorm
-(``qk_layernorm``) or OLMo's over the whole projection, megatron-core's MoE layer with this
-engine's router (``models.moe``), GPT-NeoX's parallel-residual layer and OLMo's post-norm layer
-(``models.layers``).
+(``qk_layernorm``) or OLMo's over the whole projection, DeepSeek-V3's multi-latent attention
+(``models.mla``), megatron-core's MoE layer with this engine's router (``models.moe``; dense
+layers first where ``model.moe_first_dense_layers`` says so), GPT-NeoX's parallel-residual layer
+and OLMo's post-norm layer (``models.layers``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from dpo_megatron.models.attention import core_attention_spec
 from dpo_megatron.models.config import ModelConfig
@@ -32,6 +34,7 @@ from dpo_megatron.models.layers import (
     ParallelResidualTransformerLayer,
     PostNormTransformerLayer,
 )
+from dpo_megatron.models.mla import DPOMLASelfAttention
 from dpo_megatron.models.moe import DPOTopKRouter
 from dpo_megatron.models.norms import (
     KeyProjectionRMSNorm,
@@ -55,6 +58,7 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
         name
         for name, on in (
             ("model.num_experts", model.num_experts),
+            ("model.kv_lora_rank", model.kv_lora_rank is not None),
             ("model.parallel_residual", model.parallel_residual),
             ("model.sliding_window", model.sliding_window is not None),
             ("model.norm_placement", model.norm_placement != "pre"),
@@ -86,10 +90,30 @@ def layer_spec(
             model.local_attention, transformer_engine=True
         )
         return layer
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    # Experts of each layer this stage builds (global index offset + i); DeepSeek-V3's first
+    # model.moe_first_dense_layers layers have a dense MLP.
+    experts = [
+        model.num_experts if offset + i >= model.moe_first_dense_layers else None
+        for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))
+    ]
+    specs = {n: _local_layer(model, config, n) for n in set(experts)}
+    layers = [specs[n] for n in experts]
+    norm = norm_class(model.normalization, model.norm_weight_offset)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm),
+    )
+
+
+def _local_layer(model: ModelConfig, config: TransformerConfig, num_experts: Optional[int]):
+    """One local-spec layer: with ``num_experts`` an MoE layer, else a dense MLP."""
+    mla = model.kv_lora_rank is not None
     layer = get_gpt_layer_local_spec(
-        num_experts=model.num_experts,
-        qk_layernorm=model.qk_layernorm,
+        num_experts=num_experts,
+        qk_layernorm=model.qk_layernorm or mla,  # MLA: its latent norms sit in these slots
         normalization=model.normalization,
+        multi_latent_attention=mla,
     )
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = (
@@ -100,7 +124,11 @@ def layer_spec(
     norm = norm_class(model.normalization, model.norm_weight_offset)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
-    if model.qk_layernorm and model.qk_norm_scope == "projection":  # OLMo 2 / 3
+    if mla:  # DeepSeek-V3: RMSNorms over the query and key/value latents, SP-aware
+        layer.submodules.self_attention.module = DPOMLASelfAttention
+        attention.q_layernorm = norm if model.q_lora_rank is not None else IdentityOp
+        attention.kv_layernorm = norm
+    elif model.qk_layernorm and model.qk_norm_scope == "projection":  # OLMo 2 / 3
         attention.q_layernorm = ProjectionRMSNorm
         attention.k_layernorm = KeyProjectionRMSNorm
     elif model.qk_layernorm:  # Qwen3 / Gemma 3: RMSNorm over head_dim, whatever the layer norm
@@ -109,7 +137,7 @@ def layer_spec(
         attention.k_layernorm = head_norm
     if model.local_rotary_base is not None:  # Gemma 3: the windowed layers' own RoPE
         layer.submodules.self_attention.module = LayerTypeRopeSelfAttention
-    if model.num_experts:
+    if num_experts:
         layer.submodules.mlp.submodules.router = DPOTopKRouter
     if model.parallel_residual:
         layer.module = ParallelResidualTransformerLayer
@@ -119,8 +147,4 @@ def layer_spec(
     if model.norm_placement in ("post", "sandwich"):  # Gemma 2 / 3: before and after
         layer.module = PostNormTransformerLayer
         layer.params = {**(layer.params or {}), "norm": norm}
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm),
-    )
+    return layer

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
@@ -234,14 +234,23 @@ def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
     if expert_width is None:
         return {}
     aux = megatron_aux_loss_coeff(model)
+    dense = model.moe_first_dense_layers
     return dict(
         num_moe_experts=model.num_experts,
         moe_ffn_hidden_size=expert_width,
         moe_router_topk=model.moe_router_topk,
         # Renormalised top-k = softmax over the k selected logits (no pre-softmax); the
-        # top-k of the softmax over all experts otherwise.
+        # top-k of the softmax over all experts otherwise. (Sigmoid scores ignore it.)
         moe_router_pre_softmax=not model.moe_norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_enable_expert_bias=model.moe_router_expert_bias,
+        # The bias is a loaded weight, never updated: the policy must route as the reference.
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=model.moe_router_num_groups,
+        moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_topk_scaling_factor=model.moe_routed_scaling_factor,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn_hidden_size,
+        moe_layer_freq=[0] * dense + [1] * (model.num_layers - dense) if dense else 1,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
@@ -334,6 +343,88 @@ def recompute_fields(model: ModelConfig) -> dict:
     )
 
 
+def mla_fields(model: ModelConfig) -> dict:
+    """megatron-core's multi-latent attention fields (``MLATransformerConfig``); empty without
+    MLA. Plain or YaRN RoPE over the ``qk_rope_head_dim`` dimensions (megatron-core
+    de-interleaves them as DeepSeek's ``rope_interleave`` does); the softmax scale is
+    ``m ** 2 / sqrt(nope + rope dims)``, m YaRN's ``mscale_all_dim`` factor (1 without YaRN)."""
+    if model.kv_lora_rank is None:
+        return {}
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        rope_type="rope" if model.rope_yarn_factor is None else "yarn",
+        rotary_base=model.rotary_base,
+        rotary_percent=1.0,
+        # Without YaRN the attention scale is 1 (megatron-core's _yarn_get_mscale of factor 1).
+        rotary_scaling_factor=model.rope_yarn_factor or 1.0,
+        original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
+        beta_fast=model.rope_yarn_beta_fast,
+        beta_slow=model.rope_yarn_beta_slow,
+        mscale=model.rope_yarn_mscale,
+        mscale_all_dim=model.rope_yarn_mscale_all_dim,
+    )
+
+
+def check_mla(model: ModelConfig, parallel: ParallelConfig, heads: int) -> None:
+    """Refuse, at config time, what multi-latent attention does not serve here.
+
+    Raises:
+        ValueError: zero heads added by ``model.pad_attention_heads`` (MLA has no key/value
+            groups to pad), latent widths the TP size does not divide (megatron-core splits the
+            down projections' outputs over TP), transformer-engine, context parallelism, a
+            sliding window, NoPE layers, query/key norms, RoPE scaling or the ``megatron`` core
+            attention kernel (naming the field).
+    """
+    if model.kv_lora_rank is None:
+        return
+    tp = parallel.tensor_model_parallel_size
+    where = f"model.kv_lora_rank={model.kv_lora_rank} (multi-latent attention)"
+    if heads != model.num_attention_heads or model.num_attention_heads % tp:
+        raise ValueError(
+            f"{where}: {model.num_attention_heads} attention heads must be divisible by "
+            f"parallel.tensor_model_parallel_size={tp} (MLA heads are not padded)"
+        )
+    widths = {
+        "model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim,
+        "model.q_lora_rank": model.q_lora_rank or 0,
+    }
+    for name, width in widths.items():
+        if width % tp:
+            raise ValueError(
+                f"{where}: {name}={width} is not divisible by "
+                f"parallel.tensor_model_parallel_size={tp} (megatron-core splits the latent "
+                "down-projection over TP)"
+            )
+    from dpo_megatron.models.attention import resolve_local_attention
+
+    refused = {
+        "model.local_attention=megatron (its unfused kernel has one head size)": (
+            resolve_local_attention(model.local_attention) == "megatron"
+        ),
+        "parallel.context_parallel_size>1": parallel.context_parallel_size > 1,
+        "model.transformer_impl=transformer_engine": model.transformer_impl == "transformer_engine",
+        "model.sliding_window": model.sliding_window is not None,
+        "model.no_rope_layers": bool(model.no_rope_layers),
+        "model.qk_layernorm": model.qk_layernorm,
+        "model.rope_scaling_factor / model.rope_linear_scaling_factor": (
+            model.rope_scaling_factor is not None or model.rope_linear_scaling_factor is not None
+        ),
+        "model.local_rotary_base": model.local_rotary_base is not None,
+        "model.position_embedding_type!=rope": model.position_embedding_type != "rope",
+    }
+    for name, on in refused.items():
+        if on:
+            raise ValueError(
+                f"{where} is not wired with {name} (MLA runs on the local spec with plain RoPE "
+                "and the local core attention); drop it"
+            )
+
+
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig for this architecture and layout.
 
@@ -350,8 +441,11 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
     """
     heads, groups, head_dim = attention_heads(model, parallel.tensor_model_parallel_size)
     check_model_layout(model, parallel, heads)
+    check_mla(model, parallel, heads)
     moe = moe_fields(model, parallel)
-    return TransformerConfig(
+    mla = mla_fields(model)
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -369,4 +463,5 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Tr
         **layout_fields(model, parallel),
         **recompute_fields(model),
         **moe,
+        **mla,
     )

@@ -20,6 +20,7 @@ FAMILIES = [
     "smollm3",
     "olmo3",
     "gemma3",
+    "deepseek_v3",
 ]
 """Every architecture family the engine maps, by the name :func:`save_tiny_hf_folder` and
 :func:`build_tiny_hf_model` take: the families the bf16 and GPU-shaped build tests cover."""
@@ -282,6 +283,38 @@ NEW_TINY_CONFIGS: dict[str, dict] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    # DeepSeek-V3: multi-latent attention (query latent 48, key/value latent 32, heads of 16
+    # nope + 8 rope query/key and 16 value dimensions), layer 0 dense (one on each side of the
+    # PP 2 stage boundary: layer 1 is MoE), 8 routed experts of width 32 in 4 groups (top-2
+    # groups, top-4 experts), one shared expert, sigmoid scores with a (perturbed) score bias,
+    # routed scaling 2.5, untied.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        vocab_size=128,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
 VARIANT_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3 untied (the 4B and larger Qwen3s): the same table, a separate output layer.
@@ -291,6 +324,21 @@ VARIANT_TINY_CONFIGS: dict[str, dict] = {
         **NEW_TINY_CONFIGS["llama32"],
         "tie_word_embeddings": False,
         "rope_parameters": {**NEW_TINY_CONFIGS["llama32"]["rope_parameters"], "factor": 8.0},
+    },
+    # DeepSeek-V3 with YaRN RoPE as DeepSeek-V3 configs state it (factor 32 = 512 / 16, mscale and
+    # mscale_all_dim 1: the cos / sin scale is 1, the softmax scale m(32, 1) ** 2).
+    "deepseek_v3_yarn": {
+        **NEW_TINY_CONFIGS["deepseek_v3"],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     },
 }
 """Variants of the architectures above, checked at one layout (TP 2 x PP 2)."""
@@ -313,6 +361,9 @@ def build_tiny_hf_model(arch: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if p.dim() == 1:  # norms are 1 / biases 0 at init: perturb so they are tested
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a weight kept as buffer
+                b.add_(0.1 * torch.randn_like(b))
     return model.eval()
 
 

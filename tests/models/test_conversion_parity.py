@@ -48,12 +48,14 @@ def _import_forward_export(hf_dir, tp, pp, vpp, input_ids, out_dir, num_microbat
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
     )
-    initialize_distributed(parallel)
-    set_seed(1234)  # random init differs from the HF weights: loading must overwrite all
     cfg = model_config_from_hf(
         hf_dir,
         ModelConfig(params_dtype="float32", transformer_impl="local", pad_attention_heads=True),
     )
+    # megatron-core's MoE layer runs TP only with sequence parallelism (DeepSeek-V3 variant).
+    parallel.sequence_parallel = bool(cfg.num_experts) and tp > 1
+    initialize_distributed(parallel)
+    set_seed(1234)  # random init differs from the HF weights: loading must overwrite all
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
     logits = pipeline_logits(chunks, input_ids, num_microbatches)

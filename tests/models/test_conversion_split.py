@@ -143,8 +143,21 @@ def test_every_table_entry_round_trips_exactly(arch, tp):
     tensors are split over the expert-TP ranks, here of the same size)."""
     from dpo_megatron.models.conversion.load import expected_hf_shapes
 
-    moe = arch in ("qwen3_moe", "mixtral")
+    moe = arch in ("qwen3_moe", "mixtral", "deepseek_v3")
+    mla = {}
+    if arch == "deepseek_v3":  # multi-latent attention, a shared expert, the expert score bias
+        mla = dict(
+            q_lora_rank=12,
+            kv_lora_rank=8,
+            qk_nope_head_dim=4,
+            qk_rope_head_dim=4,
+            v_head_dim=4,
+            moe_shared_expert_ffn_hidden_size=16,
+            moe_router_score_function="sigmoid",
+            moe_router_expert_bias=True,
+        )
     cfg = _cfg(
+        **mla,
         hidden_size=32,
         ffn_hidden_size=48,
         num_attention_heads=8,

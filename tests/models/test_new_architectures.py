@@ -11,7 +11,9 @@ with the all-to-all token dispatcher (the default) and again with the all-gather
 architectures of issue 25 (SmolLM3: NoPE and sliding-window layers; OLMo 3: post-norms, q/k norms
 over the whole projection, sliding windows; Gemma 3: sandwich (1 + w) norms, GeGLU, scaled
 embeddings, windowed layers with their own RoPE theta; windows shorter than the
-sequences) at every TP x PP in {1, 2}^2. At each layout:
+sequences) at every TP x PP in {1, 2}^2, and DeepSeek-V3 (multi-latent attention, a dense first
+layer, a shared expert, sigmoid routing with a score bias and expert groups, routed scaling) at
+every TP x PP, EP 2 and TP 2 x EP 2. At each layout:
 
 - a right-padded batch: logits (gathered over TP) and per-token log-probs equal transformers'
   within 1e-5 relative (fp32) at every non-padding position;
@@ -54,6 +56,9 @@ MOE = {"qwen3_moe", "mixtral"}
 # patterns, NoPE and sliding windows, must follow the layers onto their pipeline stage).
 ALL_TP_PP = {"smollm3", "olmo3", "gemma3"}
 TP_PP_LAYOUTS = [(1, 1, 1, A2A), (1, 2, 1, A2A), (2, 1, 1, A2A), (2, 2, 1, A2A)]
+# DeepSeek-V3 (multi-latent attention, dense first layer, shared expert, sigmoid routing with a
+# score bias and expert groups): every TP x PP, EP 2 x DP 4 and TP 2 x EP 2, both dispatchers.
+MLA_LAYOUTS = TP_PP_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (2, 1, 2, GATHER)]
 WORLD = 4
 
 # Packed rows: (sequence lengths) per row, the rest of the row is a tail of its own.
@@ -150,7 +155,15 @@ def _prepare_arch(folder, arch) -> dict:
     with torch.no_grad():
         ref_logits = model(input_ids=input_ids, attention_mask=mask).logits
         ref_packed = [model(input_ids=tokens[r, s : s + n][None]).logits[0] for r, s, n in spans]
-    layouts = MOE_LAYOUTS if arch in MOE else TP_PP_LAYOUTS if arch in ALL_TP_PP else DENSE_LAYOUTS
+    layouts = (
+        MOE_LAYOUTS
+        if arch in MOE
+        else MLA_LAYOUTS
+        if arch == "deepseek_v3"
+        else TP_PP_LAYOUTS
+        if arch in ALL_TP_PP
+        else DENSE_LAYOUTS
+    )
     return {
         "arch": arch,
         "hf_dir": hf_dir,
@@ -232,8 +245,9 @@ def test_every_layout_matches_transformers_and_round_trips(runs, arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(VARIANT_TINY_CONFIGS))
 def test_untied_qwen3_and_llama31_at_tp2_pp2(runs, arch):
-    """Qwen3 with its own output layer and Llama-3.1's RoPE scaling (factor 8): logits and
-    log-probs equal transformers' within 1e-5 at TP 2 x PP 2, export bit-exact and loadable."""
+    """Qwen3 with its own output layer, Llama-3.1's RoPE scaling (factor 8) and DeepSeek-V3 with
+    YaRN (factor 32, mscale_all_dim 1): logits and log-probs equal transformers' within 1e-5 at
+    TP 2 x PP 2, export bit-exact and loadable."""
     from dpo_megatron.models import model_config_from_hf
 
     case, results = runs[f"variant_{arch}"]
@@ -242,6 +256,8 @@ def test_untied_qwen3_and_llama31_at_tp2_pp2(runs, arch):
     assert cfg.tie_word_embeddings is False
     if arch == "llama31":
         assert cfg.rope_scaling_factor == 8.0
+    if arch == "deepseek_v3_yarn":  # YaRN of multi-latent attention
+        assert cfg.rope_yarn_factor == 32.0 and cfg.rope_yarn_mscale_all_dim == 1.0
 
 
 def _names_read(hf_dir, ep):

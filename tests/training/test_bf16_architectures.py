@@ -1,7 +1,8 @@
 """bf16 as a GPU runs it, for every architecture: tiny random transformers models of Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2, SmolLM3 (NoPE and sliding-window
-layers), OLMo 3 (post-norms, projection-wide q/k norms, sliding windows) and Gemma 3 (sandwich
-(1 + w) norms, GeGLU, scaled embeddings, windows with their own RoPE), imported at
+layers), OLMo 3 (post-norms, projection-wide q/k norms, sliding windows), Gemma 3 (sandwich
+(1 + w) norms, GeGLU, scaled embeddings, windows with their own RoPE) and DeepSeek-V3
+(multi-latent attention, dense first layer, shared expert, sigmoid routing), imported at
 TP 2 x PP 2 (EP 2 for the mixture-of-experts models) with ``model.params_dtype=bfloat16``,
 through the real ``Trainer``.
 
@@ -37,8 +38,8 @@ from tests.training.test_lifecycle import read_metrics
 pytestmark = pytest.mark.slow
 
 ARCHITECTURES = FAMILIES
-MOE = {"qwen3_moe", "mixtral"}
-SHARED_PROMPT = {"smollm3", "olmo3", "gemma3"}
+MOE = {"qwen3_moe", "mixtral", "deepseek_v3"}
+SHARED_PROMPT = {"smollm3", "olmo3", "gemma3", "deepseek_v3"}
 """Also run an fp32 step with packed shared-prompt rows (issue 25: per-layer windows and RoPE on
 the rejected branch, whose positions continue after the prompt)."""
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture

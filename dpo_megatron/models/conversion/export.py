@@ -127,7 +127,8 @@ def stage_hf_tensors(
                 if not tmap.expert:
                     named = [(expand(name, layer), tensor)]
                 else:  # the same local expert of every EP rank: global experts k * E/EP + j
-                    local_experts = len(chunk.decoder.layers[0].mlp.local_expert_indices)
+                    # (E / EP; not read off layer 0, which may be dense: DeepSeek-V3)
+                    local_experts = (cfg.num_experts or 0) // ep_size
                     j = expert % local_experts
                     named = [
                         (expand(name, layer, k * local_experts + j), t)

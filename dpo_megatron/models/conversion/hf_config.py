@@ -17,6 +17,30 @@ from dpo_megatron.models.conversion.architectures import (
 HF_DEFAULTED_FIELDS = ("moe_aux_loss_coeff",)
 """ModelConfig fields whose None means "the HF config's value" (``router_aux_loss_coef``)."""
 
+DEEPSEEK_FIELDS = (
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_yarn_factor",
+    "rope_yarn_original_max_position_embeddings",
+    "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow",
+    "rope_yarn_mscale",
+    "rope_yarn_mscale_all_dim",
+    "rope_yarn_truncate",
+    "moe_first_dense_layers",
+    "moe_shared_expert_ffn_hidden_size",
+    "moe_router_score_function",
+    "moe_router_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_routed_scaling_factor",
+)
+"""Architecture fields only DeepSeek-V3's translation states: the other families' folders get
+their defaults (a base config's values never leak into another architecture)."""
+
 
 def read_hf_config_json(hf_path: str) -> dict:
     """The raw ``config.json`` of an HF folder.
@@ -73,7 +97,8 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     # transformers resolves class defaults and old/new spellings (rope_theta/rope_scaling vs
     # rope_parameters); the file is local, nothing is downloaded.
     hf = AutoConfig.from_pretrained(hf_path)
-    fields = arch.config_from_hf(hf)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    fields = {**{name: defaults[name] for name in DEEPSEEK_FIELDS}, **arch.config_from_hf(hf)}
     base = base or ModelConfig()
     for name in HF_DEFAULTED_FIELDS:
         if getattr(base, name) is not None:
@@ -83,15 +108,17 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
 
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
-    positions, GPT-NeoX for LayerNorm with RoPE, OLMo 3 for post-norms, Qwen3-MoE / Mixtral for
-    experts with / without query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers,
-    Qwen2 for q/k/v-only biases, else Llama."""
+    positions, GPT-NeoX for LayerNorm with RoPE, DeepSeek-V3 for multi-latent attention, OLMo 3
+    for post-norms, Qwen3-MoE / Mixtral for experts with / without query-key norms, Qwen3 for
+    query-key norms, SmolLM3 for NoPE layers, Qwen2 for q/k/v-only biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)
     if cfg.position_embedding_type == "learned_absolute":
         return ARCHITECTURES["gpt2"]
     if cfg.normalization == "LayerNorm":
         return ARCHITECTURES["gpt_neox"]
+    if cfg.kv_lora_rank is not None:
+        return ARCHITECTURES["deepseek_v3"]
     if cfg.norm_placement == "sandwich":
         return ARCHITECTURES["gemma3_text"]
     if cfg.norm_placement == "post":

@@ -42,6 +42,10 @@ TE_FUSED_NORMS = {
 """The transformer-engine layer spec fuses each pre-norm into the following linear layer
 (``TELayerNormColumnParallelLinear``); its norm parameters map like the local spec's norm
 modules."""
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+"""Buffers (name suffixes) that hold weights of the HF model and are loaded and exported like
+parameters: DeepSeek-V3's expert score bias (``e_score_correction_bias``), a buffer in both
+libraries (fixed in training: megatron-core's update rate is 0 here)."""
 
 
 def expected_hf_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -49,7 +53,9 @@ def expected_hf_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[
     sizes = dims(cfg)
     out: dict[str, tuple[int, ...]] = {}
     for tmap in arch.tensors(cfg):
-        layers = range(cfg.num_layers) if is_layer_pattern(tmap.megatron) else [None]
+        layers = [None]
+        if is_layer_pattern(tmap.megatron):
+            layers = range(cfg.num_layers) if tmap.layers is None else tmap.layers
         experts = range(cfg.num_experts or 0) if is_expert_pattern(tmap.megatron) else [None]
         for layer in layers:
             for expert in experts:
@@ -95,16 +101,17 @@ def check_hf_folder(reader: HFCheckpointReader, arch: Architecture, cfg: ModelCo
 
 def iter_global_params(
     chunk: torch.nn.Module,
-) -> Iterator[tuple[str, Optional[int], Optional[int], torch.nn.Parameter]]:
+) -> Iterator[tuple[str, Optional[int], Optional[int], torch.Tensor]]:
     """(table pattern, global layer index or None, global expert index or None, parameter) for
-    every parameter of a chunk.
+    every parameter of a chunk, and every buffer of :data:`WEIGHT_BUFFERS`.
 
     Layer indices inside a chunk are local; the global index is ``layer.layer_number - 1``
     (megatron-core's 1-based global numbering, which accounts for pipeline and virtual stages).
     Expert indices are local to the expert-parallel rank; the global one is the MoE layer's
     ``local_expert_indices[local]``.
     """
-    for name, param in chunk.named_parameters():
+    buffers = [(n, b) for n, b in chunk.named_buffers() if n.endswith(WEIGHT_BUFFERS)]
+    for name, param in [*chunk.named_parameters(), *buffers]:
         m = _LAYER.match(name)
         if m is None:
             yield name, None, None, param

@@ -56,6 +56,9 @@ class TensorMap:
     """Logical shape of each HF tensor in megatron orientation, as symbols (see module doc)."""
     transposed: bool = False
     """HF stores the 2-D tensors as ``[in, out]`` (GPT-2 ``Conv1D``)."""
+    layers: Optional[tuple[int, ...]] = None
+    """The global layers that hold this tensor (DeepSeek-V3: the dense MLP of its first layers,
+    the experts of the others); None: every layer."""
 
     @property
     def expert(self) -> bool:
@@ -90,7 +93,21 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
     """Values of the shape symbols used in tables, for this config."""
     head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     groups = cfg.num_query_groups or cfg.num_attention_heads
+    heads = cfg.num_attention_heads
+    mla = {}
+    if cfg.kv_lora_rank is not None:  # multi-latent attention (DeepSeek-V3)
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        mla = {
+            "q_lora": cfg.q_lora_rank or 0,
+            "kv_lora": cfg.kv_lora_rank,
+            "mla_q": heads * qk,  # per head [nope; rope]
+            "mla_kv_a": cfg.kv_lora_rank + cfg.qk_rope_head_dim,  # [latent; shared rope key]
+            "mla_kv_b": heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),  # per head [k; v]
+            "mla_o": heads * cfg.v_head_dim,
+        }
     return {
+        **mla,
+        "shared_ffn": cfg.moe_shared_expert_ffn_hidden_size or 0,
         "hidden": cfg.hidden_size,
         "ffn": cfg.ffn_hidden_size,
         "expert_ffn": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,

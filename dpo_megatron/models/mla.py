@@ -1,0 +1,84 @@
+"""Multi-latent attention (DeepSeek-V2 / V3) on this engine's rows: megatron-core's
+``MLASelfAttention`` rotating with the model's per-row RoPE table, and packed rows handed to the
+local core attention only.
+
+megatron-core's MLA builds its own RoPE table for positions 0..L-1 of every row and refuses a
+``rotary_pos_emb`` argument. This engine's rows restart positions at every packed sequence, so
+the model (``models.gpt.DPOGPTModel``) passes the table of each row's positions, [L, R, 1, rope
+dims], as for every other architecture; :class:`DPOMLASelfAttention` gives it to megatron-core's
+query/key computation in place of its own table (:class:`GivenRotary`). megatron-core applies it
+with its MLA rule: the rotated dimensions are de-interleaved first (``x[0::2]`` then
+``x[1::2]``), exactly HF DeepSeek-V3's ``rope_interleave=True``.
+
+Packed rows reach the core attention as ``packed_seq_params`` (``models.attention``); the
+query/key/value computation does not need them (megatron-core only reads THD boundaries there,
+and would squeeze a one-row batch), so it gets None.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+
+class GivenRotary(torch.nn.Module):
+    """Stands in for MLA's rotary module: answers with the table the layer was given for this
+    forward (``table``: [L, R, 1, dim]) instead of computing positions 0..L-1; with YaRN as
+    megatron-core's ``YarnRotaryEmbedding`` does, together with its cos / sin scale
+    (``mscale``)."""
+
+    def __init__(self, mscale: Optional[float] = None):
+        super().__init__()
+        self.table: Optional[torch.Tensor] = None
+        self.mscale = mscale
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.table.shape[0]
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False):
+        return self.table if self.mscale is None else (self.table, self.mscale)
+
+
+class DPOMLASelfAttention(MLASelfAttention):
+    """megatron-core's ``MLASelfAttention`` taking the per-row RoPE table as ``rotary_pos_emb``
+    (module docstring). Shapes as the parent: hidden_states [s(/TP), b, h] -> ([s(/TP), b, h],
+    bias).
+
+    With YaRN (``rope_type='yarn'``) the table is the model's YaRN table and the cos / sin scale
+    is that of megatron-core's own YaRN module of this layer (same config).
+
+    Raises:
+        ValueError: in forward without a RoPE table, or with transformer-engine's THD rows.
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        mscale = None
+        if config.rope_type == "yarn":
+            _, mscale = self.rotary_pos_emb.get_emb(1)
+        self.rotary_pos_emb = GivenRotary(mscale)
+
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        if not isinstance(rotary_pos_emb, torch.Tensor):
+            raise ValueError(
+                "DPOMLASelfAttention needs the per-row RoPE table as rotary_pos_emb "
+                "(models.gpt.DPOGPTModel builds it)"
+            )
+        self.rotary_pos_emb.table = rotary_pos_emb
+        try:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        finally:
+            self.rotary_pos_emb.table = None
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, position_ids=None, packed_seq_params=None, **kw
+    ):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            raise ValueError(
+                "multi-latent attention takes packed rows on the local spec only (not THD)"
+            )
+        return super().get_query_key_value_tensors(
+            hidden_states, key_value_states, position_ids, None, **kw
+        )
