@@ -1,0 +1,40 @@
+"""Stand-ins for the online tests: a judge callable (``online.judge=tests.online.standins:
+char_judge``) and a generator with the signature of ``dpo_megatron.generation.generate`` that
+samples from the real policy chunks (a seeded random first token, then greedy), so every
+layout's policy is built, loaded and run by the sample phase."""
+
+from __future__ import annotations
+
+CALLS = {"generate": 0, "judge": 0}
+"""Calls in this process (a resumed run must not sample a round again)."""
+
+
+def char_judge(prompts: list[str], completions: list[str]) -> list[float]:
+    """Score = sum of the completion's character codes mod 13: varied, with some ties."""
+    CALLS["judge"] += 1
+    assert len(prompts) == len(completions)
+    return [float(sum(map(ord, c)) % 13) for c in completions]
+
+
+def seeded_greedy_generate(
+    chunks, prompts, params, *, num_samples, micro_batch_size, pad_id, vocab_size
+):
+    """Per prompt, ``num_samples`` completions: token 1 drawn from ``params.seed`` (ids 3 ..
+    vocab_size - 1), the rest greedy from the policy (collective, identical on every rank)."""
+    import torch
+
+    from dpo_megatron.training.evaluation import greedy_generate
+
+    CALLS["generate"] += 1
+    g = torch.Generator().manual_seed(params.seed)
+    rows, firsts = [], []
+    for p in prompts:
+        for _ in range(num_samples):
+            first = int(torch.randint(3, vocab_size, (1,), generator=g))
+            rows.append(list(p) + [first])
+            firsts.append(first)
+    rest = greedy_generate(
+        chunks, rows, params.max_new_tokens - 1, params.stop_ids, pad_id, 1, vocab_size=vocab_size
+    )
+    outs = [[f, *r] for f, r in zip(firsts, rest)]
+    return [outs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
