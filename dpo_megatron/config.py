@@ -645,7 +645,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
     if not dataset.train:
         raise DataError(
             f"no training pairs left in {cfg.data.path or cfg.data.datasets} after "
-            f"filtering: {dataset.summary['dropped']}"
+            f"filtering: {dataset.summary.dropped}"
         )
     return True
 

@@ -11,7 +11,7 @@ Two halves, one contract (the exit statuses below):
   then stops them): torch elastic terminates every worker as soon as one exits, so a rank that
   left first could otherwise cut rank 0 off before it printed the line. A rank stopped by SIGINT /
   SIGTERM exits with 128 + the signal's number after rank 0 printed what was saved
-  (:mod:`dpo_megatron.training.shutdown`).
+  (:mod:`dpo_megatron.parallel.shutdown`).
 * the launcher, ``python -m dpo_megatron.launch [torchrun options] -m ENTRY [args]`` (what
   ``scripts/pretrain_dpo.sh`` runs instead of ``torchrun``), is torchrun's own ``main`` in this
   process (same options, signals and process tree), except for its ending: when the first rank

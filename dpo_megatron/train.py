@@ -23,8 +23,8 @@ import gc  # noqa: E402
 import os  # noqa: E402
 
 from dpo_megatron.config import DPOConfig, load_config, parse_args, validate  # noqa: E402
+from dpo_megatron.parallel.shutdown import NonFiniteLossError  # noqa: E402
 from dpo_megatron.training.run_dir import RunDirError, check_run_dir  # noqa: E402
-from dpo_megatron.training.shutdown import NonFiniteLossError  # noqa: E402
 from dpo_megatron.utils import ranks  # noqa: E402
 from dpo_megatron.utils.exits import FAULT_EXIT, fail  # noqa: E402
 

@@ -442,7 +442,7 @@ def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatc
     import dpo_megatron.train as train_module
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.storage import CheckpointSaveError
-    from dpo_megatron.training.shutdown import NonFiniteLossError
+    from dpo_megatron.parallel.shutdown import NonFiniteLossError
     from dpo_megatron.utils.exits import FAULT_EXIT, LAUNCHER_EXITS
 
     error = {

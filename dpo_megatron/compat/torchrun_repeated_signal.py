@@ -6,7 +6,7 @@ workers and waits for them up to its shutdown timeout before SIGKILL. Under SLUR
 SIGTERM more than once (slurmstepd signals every process of the step, srun's
 ``--kill-on-bad-exit`` / step termination repeats it): the second one raises again inside that
 wait, the agent exits with a traceback, and its workers, which die with it
-(:func:`dpo_megatron.training.shutdown.die_with_launcher`), are killed in the middle of the
+(:func:`dpo_megatron.parallel.shutdown.die_with_launcher`), are killed in the middle of the
 checkpoint they were asked to write. :class:`RepeatedSigtermIgnored` swaps the module's handler
 for one that raises on the first signal only and ignores a SIGTERM after it; a SIGINT after it
 (a second Ctrl-C) still raises, so the agent stops at once as before.

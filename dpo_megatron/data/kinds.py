@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from dpo_megatron.data.format_registry import COMPLETIONS, FORMATS, PAIRS, UNPAIRED, RowFormat
 from dpo_megatron.data.pairs import (
+    DataSummary,
     PreferenceDataset,
     PreferencePair,
     SFTDataset,
@@ -94,7 +95,7 @@ class ItemKind:
         """The items of one split (train or eval) as the engine trains on them."""
         return list(items)
 
-    def dataset(self, train: list, eval_: list, summary: dict, verbose: bool = False):
+    def dataset(self, train: list, eval_: list, summary: DataSummary, verbose: bool = False):
         """The load's result (``dataset_class``); ``verbose``: print what the kind adds to the
         summary."""
         return self.dataset_class(train, eval_, summary)
@@ -114,13 +115,13 @@ class UnpairedKind(ItemKind):
         """Each example as an :class:`UnpairedPair` with its mismatched completion."""
         return with_kl_completions(items, max_length)
 
-    def dataset(self, train: list, eval_: list, summary: dict, verbose: bool = False):
+    def dataset(self, train: list, eval_: list, summary: DataSummary, verbose: bool = False):
         """The :class:`UnpairedDataset`, its summary with ``labels``."""
-        summary["labels"] = label_counts(train)
+        summary.labels = label_counts(train)
         if verbose:
             print(
-                f"labels (train): {summary['labels']['desirable']} desirable, "
-                f"{summary['labels']['undesirable']} undesirable",
+                f"labels (train): {summary.labels['desirable']} desirable, "
+                f"{summary.labels['undesirable']} undesirable",
                 flush=True,
             )
         return UnpairedDataset(train, eval_, summary)

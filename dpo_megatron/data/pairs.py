@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +80,84 @@ class SFTExample:
         return self.completion_ids
 
 
+@dataclass(frozen=True)
+class LengthStats:
+    """Percentiles and maximum of token lengths (nearest-rank, so every value is a real
+    length; tokens)."""
+
+    p50: int = 0
+    p90: int = 0
+    p99: int = 0
+    max: int = 0
+
+
+@dataclass(frozen=True)
+class SourceSummary:
+    """One source's line of the summary: its label and format, rows read, items kept and the
+    drops by reason; ``role`` is ``train`` or ``eval`` (a separate eval set)."""
+
+    label: str
+    format: str
+    rows_read: int
+    kept: int
+    dropped: dict[str, int]
+    role: str
+
+
+@dataclass(frozen=True)
+class DuplicateReport:
+    """Items that repeat an earlier item's tokens: how many, whether they were dropped
+    (``data.drop_duplicates``) and up to three examples per source ("label: row N repeats
+    row M")."""
+
+    count: int = 0
+    dropped: bool = True
+    examples: tuple[str, ...] = ()
+
+
+@dataclass
+class DataSummary:
+    """The summarise stage's result: what a load read, kept and dropped, printed at start-up
+    (``data.summary.format_summary``) and kept with the dataset (``.summary``).
+
+    Attributes:
+        unit: what ``kept``, ``train`` and ``eval`` count (``pairs`` or ``examples``).
+        rows_read: rows read over every source.
+        kept: items kept over every source (train and eval).
+        train, eval: items in the mixed training split and in the eval split.
+        max_length, max_prompt_length: the limits the items were cut to (tokens).
+        dropped: items dropped, by reason (``format_registry.Skip`` reasons and selection's).
+        truncated: items cut to fit, by ``selection.TRUNCATION_KINDS`` (every kind present).
+        notes: what conversion and encoding did, counted (``data.summary.NOTES``).
+        duplicates: the repeated items.
+        lengths_before_cut, lengths: token-length statistics per part (``prompt``, ``chosen``,
+            ``rejected`` for a kind that reads it; after the cut also ``pair``: a pair's
+            model-row tokens).
+        sources: one line per source, training sources first.
+        labels: unpaired examples only: desirable / undesirable counts of the training split.
+    """
+
+    unit: str
+    rows_read: int
+    kept: int
+    train: int
+    eval: int
+    max_length: int
+    max_prompt_length: int
+    dropped: dict[str, int] = field(default_factory=dict)
+    truncated: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, int] = field(default_factory=dict)
+    duplicates: DuplicateReport = field(default_factory=DuplicateReport)
+    lengths_before_cut: dict[str, LengthStats] = field(default_factory=dict)
+    lengths: dict[str, LengthStats] = field(default_factory=dict)
+    sources: list[SourceSummary] = field(default_factory=list)
+    labels: Optional[dict[str, int]] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain JSON-ready values (for logs and files)."""
+        return asdict(self)
+
+
 @dataclass
 class PreferenceDataset:
     """Pairs ready for batching: ``train`` and ``eval`` lists and the start-up ``summary`` (rows
@@ -87,7 +165,7 @@ class PreferenceDataset:
 
     train: list[PreferencePair]
     eval: list[PreferencePair]
-    summary: dict = field(default_factory=dict)
+    summary: Optional[DataSummary] = None
 
 
 @dataclass
@@ -97,7 +175,7 @@ class UnpairedDataset:
 
     train: list[UnpairedPair]
     eval: list[UnpairedPair]
-    summary: dict = field(default_factory=dict)
+    summary: Optional[DataSummary] = None
 
 
 @dataclass
@@ -106,4 +184,4 @@ class SFTDataset:
 
     train: list[SFTExample]
     eval: list[SFTExample]
-    summary: dict = field(default_factory=dict)
+    summary: Optional[DataSummary] = None

@@ -27,7 +27,7 @@ import logging
 from dpo_megatron.data.config import DataConfig, as_data_config
 from dpo_megatron.data.encode import encode_settings
 from dpo_megatron.data.kinds import PAIRS_KIND, SFT_KIND, UNPAIRED_KIND, ItemKind, item_kind
-from dpo_megatron.data.pairs import PreferenceDataset, SFTDataset, UnpairedDataset
+from dpo_megatron.data.pairs import DataSummary, PreferenceDataset, SFTDataset, UnpairedDataset
 from dpo_megatron.data.read import check_sources, read
 from dpo_megatron.data.selection import mix, select_source
 from dpo_megatron.data.summary import drop_warning, format_summary, summarize
@@ -106,7 +106,7 @@ def load_items(cfg: DataConfig, tokenizer, kind: ItemKind | str):
     return kind.dataset(train, eval_, summary, verbose=cfg.verbose and is_rank0())
 
 
-def _report(summary: dict, cfg: DataConfig) -> None:
+def _report(summary: DataSummary, cfg: DataConfig) -> None:
     """Print the summary (and its drop warning) on rank 0, log it, and warn once about text
     prompts that end with a space."""
     warning = drop_warning(summary)
@@ -115,7 +115,7 @@ def _report(summary: dict, cfg: DataConfig) -> None:
         if warning:
             print(warning, flush=True)
     logger.info("%s", format_summary(summary))
-    spaced = summary["notes"].get("prompt_ends_with_space", 0)
+    spaced = summary.notes.get("prompt_ends_with_space", 0)
     if spaced and is_rank0():  # once per load, with the count (TRL warns per row)
         logger.warning(
             "%d text prompt(s) end with a space: the space becomes a token of its own at the end "

@@ -4,12 +4,14 @@ percentiles) from the selected sources (:func:`summarize`), its text and its dro
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 from typing import Sequence
 
 import numpy as np
 
 from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.kinds import ItemKind
+from dpo_megatron.data.pairs import DataSummary, DuplicateReport, LengthStats, SourceSummary
 from dpo_megatron.data.selection import TRUNCATION_KINDS, SelectedSource
 
 PERCENTILES = (50, 90, 99)
@@ -43,23 +45,22 @@ DROP_REMEDIES = {
 as ``identical``, are facts of the rows: no key keeps them)."""
 
 
-def length_stats(lengths: Sequence[int]) -> dict[str, int]:
-    """{"p50", "p90", "p99", "max"} of token lengths (nearest-rank, so values are real lengths)."""
+def length_stats(lengths: Sequence[int]) -> LengthStats:
+    """:class:`LengthStats` of token lengths (all 0 for none)."""
     if len(lengths) == 0:
-        return {f"p{q}": 0 for q in PERCENTILES} | {"max": 0}
+        return LengthStats()
     values = np.asarray(lengths)
-    out = {f"p{q}": int(np.percentile(values, q, method="inverted_cdf")) for q in PERCENTILES}
-    out["max"] = int(values.max())
-    return out
+    p50, p90, p99 = (int(np.percentile(values, q, method="inverted_cdf")) for q in PERCENTILES)
+    return LengthStats(p50, p90, p99, int(values.max()))
 
 
 def summarize(
     selected: Sequence[SelectedSource], train: list, eval_: list, cfg: DataConfig, kind: ItemKind
-) -> dict:
-    """The summary of a load (the report printed at start-up and kept with the data): rows read,
-    items kept (``pairs_kept``, counted in ``unit``), the train / eval sizes, drops by reason,
-    cuts by kind, notes, duplicates, length percentiles before and after the cuts (``rejected``
-    only for a kind that reads it) and per source its counts.
+) -> DataSummary:
+    """The :class:`DataSummary` of a load: rows read, items kept (counted in the kind's
+    ``unit``), the train / eval sizes, drops by reason, cuts by kind, notes, duplicates, length
+    percentiles before and after the cuts (``rejected`` only for a kind that reads it) and per
+    source its counts.
 
     Args:
         selected: every source (training then eval) after selection.
@@ -79,93 +80,89 @@ def summarize(
             before[k].extend(getattr(s.lengths_before, k))
             after[k].extend(getattr(s.lengths, k))
         after["pair"].extend(s.pair_lengths)
-    return {
-        "unit": kind.unit,
-        "rows_read": sum(s.rows_read for s in selected),
-        "pairs_kept": sum(len(s.kept) for s in selected),
-        "train": len(train),
-        "eval": len(eval_),
-        "max_length": cfg.max_length,
-        "max_prompt_length": cfg.max_prompt_length,
-        "dropped": dict(dropped),
-        "truncated": {k: truncated[k] for k in TRUNCATION_KINDS},
-        "notes": dict(notes),
-        "duplicates": {
-            "count": sum(len(s.duplicates) for s in selected),
-            "dropped": cfg.drop_duplicates,
-            "examples": [
+    return DataSummary(
+        unit=kind.unit,
+        rows_read=sum(s.rows_read for s in selected),
+        kept=sum(len(s.kept) for s in selected),
+        train=len(train),
+        eval=len(eval_),
+        max_length=cfg.max_length,
+        max_prompt_length=cfg.max_prompt_length,
+        dropped=dict(dropped),
+        truncated={k: truncated[k] for k in TRUNCATION_KINDS},
+        notes=dict(notes),
+        duplicates=DuplicateReport(
+            count=sum(len(s.duplicates) for s in selected),
+            dropped=cfg.drop_duplicates,
+            examples=tuple(
                 f"{s.label}: {where} repeats {first}"
                 for s in selected
                 for where, first in s.duplicates[:3]
-            ],
-        },
-        "lengths_before_cut": {k: length_stats(v) for k, v in before.items()},
-        "lengths": {k: length_stats(v) for k, v in after.items()},
-        "sources": [
-            {
-                "label": s.label,
-                "format": s.format,
-                "rows_read": s.rows_read,
-                "dropped": dict(s.dropped),
-                "pairs_kept": len(s.kept),
-                "role": s.role,
-            }
+            ),
+        ),
+        lengths_before_cut={k: length_stats(v) for k, v in before.items()},
+        lengths={k: length_stats(v) for k, v in after.items()},
+        sources=[
+            SourceSummary(s.label, s.format, s.rows_read, len(s.kept), dict(s.dropped), s.role)
             for s in selected
         ],
-    }
+    )
 
 
-def format_summary(summary: dict) -> str:
-    """Human-readable multi-line text of a summary dict built by the pipeline."""
+def format_summary(summary: DataSummary) -> str:
+    """Human-readable multi-line text of a :class:`DataSummary`."""
     lines = [
-        f"data: {summary['rows_read']} rows read, {summary['pairs_kept']} {summary['unit']} kept "
-        f"({summary['train']} train, {summary['eval']} eval), max_length {summary['max_length']}, "
-        f"max_prompt_length {summary['max_prompt_length']}"
+        f"data: {summary.rows_read} rows read, {summary.kept} {summary.unit} kept "
+        f"({summary.train} train, {summary.eval} eval), max_length {summary.max_length}, "
+        f"max_prompt_length {summary.max_prompt_length}"
     ]
-    for source in summary["sources"]:
-        dropped = ", ".join(f"{k} {v}" for k, v in sorted(source["dropped"].items())) or "none"
-        role = "eval set " if source.get("role") == "eval" else ""
+    for source in summary.sources:
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(source.dropped.items())) or "none"
+        role = "eval set " if source.role == "eval" else ""
         lines.append(
-            f"  {role}{source['label']} ({source['format']}): {source['rows_read']} rows, "
-            f"{source['pairs_kept']} kept, dropped: {dropped}"
+            f"  {role}{source.label} ({source.format}): {source.rows_read} rows, "
+            f"{source.kept} kept, dropped: {dropped}"
         )
-    dropped = ", ".join(f"{k} {v}" for k, v in sorted(summary["dropped"].items())) or "none"
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(summary.dropped.items())) or "none"
     lines.append(f"  dropped by reason: {dropped}")
-    cut = summary["truncated"]
+    cut = summary.truncated
     lines.append(
         f"  cut to fit: prompt {cut['prompt']} (oldest turns dropped "
         f"{cut['prompt_turns_dropped']}, "
         f"tokens cut {cut['prompt_tokens_cut']}), chosen {cut['chosen']}, "
         f"rejected {cut['rejected']}"
     )
-    for name, count in sorted(summary.get("notes", {}).items()):
+    for name, count in sorted(summary.notes.items()):
         if name != "turns_dropped":  # counted with the cuts above
             lines.append(f"  {name}: {count} ({NOTES.get(name, 'see dpo_megatron.data')})")
-    duplicates = summary.get("duplicates", {})
-    if duplicates.get("count"):
+    duplicates = summary.duplicates
+    if duplicates.count:
         what = (
             "dropped (data.drop_duplicates=true)"
-            if duplicates["dropped"]
+            if duplicates.dropped
             else "kept (data.drop_duplicates=true drops them)"
         )
         lines.append(
-            f"  duplicates: {duplicates['count']} pairs repeat an earlier pair's tokens, {what}; "
-            f"e.g. {'; '.join(duplicates['examples'])}"
+            f"  duplicates: {duplicates.count} pairs repeat an earlier pair's tokens, {what}; "
+            f"e.g. {'; '.join(duplicates.examples)}"
         )
-    for stage in ("lengths_before_cut", "lengths"):
-        for name, stats in summary[stage].items():
-            text = " ".join(f"{k} {v}" for k, v in stats.items())
+    for stage, table in (
+        ("lengths_before_cut", summary.lengths_before_cut),
+        ("lengths", summary.lengths),
+    ):
+        for name, stats in table.items():
+            text = " ".join(f"{k} {v}" for k, v in asdict(stats).items())
             lines.append(f"  {stage} {name} tokens: {text}")
     return "\n".join(lines)
 
 
-def drop_warning(summary: dict) -> str | None:
+def drop_warning(summary: DataSummary) -> str | None:
     """One ``WARNING:`` line when more than :data:`DROP_WARNING_SHARE` of the items a load met
     were dropped (a summary from the pipeline), naming the counts, each reason and the key that
     changes it; None otherwise."""
-    dropped = summary["dropped"]
+    dropped = summary.dropped
     lost = sum(dropped.values())
-    total = lost + summary["pairs_kept"]
+    total = lost + summary.kept
     if not total or lost / total <= DROP_WARNING_SHARE:
         return None
     reasons = "; ".join(
@@ -173,6 +170,6 @@ def drop_warning(summary: dict) -> str | None:
         for reason, count in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
     )
     return (
-        f"WARNING: {lost} of {total} {summary['unit']} ({100 * lost / total:.0f}%) were "
+        f"WARNING: {lost} of {total} {summary.unit} ({100 * lost / total:.0f}%) were "
         f"dropped: {reasons}"
     )

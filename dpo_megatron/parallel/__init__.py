@@ -1,7 +1,8 @@
 """Process groups, the device, communication. Knows nothing about DPO.
 
 ``config`` (ParallelConfig, no heavy imports), ``device`` (the engine's device and the host ->
-device boundary), ``layout`` (process groups and seeding).
+device boundary), ``layout`` (process groups and seeding), ``shutdown`` (how a rank stops: signals
+agreed over the ranks, the launcher's death), ``host_malloc`` (the host allocator's tunables).
 """
 
 from dpo_megatron.parallel.config import ParallelConfig

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from dpo_megatron.data.pairs import DataSummary
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.utils import ranks
 
@@ -22,14 +23,15 @@ class RunData:
         pad_token_id: fills padding positions (never scored).
         tokenizer: the tokenizer (None when the caller brings its own token ids, e.g. tests and
             benchmarks).
-        summary: the data pipeline's start-up summary.
+        summary: the data pipeline's start-up summary (None when the caller brings its own
+            items).
     """
 
     train: list
     eval: list
     pad_token_id: int
     tokenizer: Any = None
-    summary: dict = field(default_factory=dict)
+    summary: Optional[DataSummary] = None
 
 
 def load_run_data(cfg, model_cfg, kind) -> RunData:
@@ -70,7 +72,7 @@ def load_run_data(cfg, model_cfg, kind) -> RunData:
     if not dataset.train:
         raise DataError(
             f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
-            f"after filtering: {dataset.summary}"
+            f"after filtering: {dataset.summary.dropped}"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return RunData(dataset.train, dataset.eval, pad, tokenizer, dataset.summary)

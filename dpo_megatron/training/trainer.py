@@ -20,6 +20,7 @@ from typing import Optional
 
 from megatron.core import parallel_state
 
+from dpo_megatron.checkpointing.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch
 from dpo_megatron.data.builders import make_batch_builder
@@ -28,6 +29,7 @@ from dpo_megatron.losses import build_loss
 from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
 from dpo_megatron.parallel.device import get_device
+from dpo_megatron.parallel.shutdown import NonFiniteLossError, die_with_launcher
 from dpo_megatron.training import run_models
 from dpo_megatron.training.auto_settings import resolve_auto_settings
 from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
@@ -35,10 +37,8 @@ from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
 from dpo_megatron.training.reference import precomputed_pairs
 from dpo_megatron.training.resolved_config import resolved_config
-from dpo_megatron.training.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.training.run_data import RunData, load_run_data
 from dpo_megatron.training.run_dir import RunFolder
-from dpo_megatron.training.shutdown import NonFiniteLossError, die_with_launcher
 from dpo_megatron.training.step import StepOutput, train_step
 
 

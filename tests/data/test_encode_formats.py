@@ -181,7 +181,7 @@ def test_format_ids_by_hand(tmp_path, kind, name):
     path = _write(tmp_path, name, rows)
     cfg = DataConfig(path=str(path), chat_template=h.chat_template, cache_dir="none", verbose=False)
     ds = load_preference_pairs(cfg, h.tok)
-    assert ds.summary["sources"][0]["format"] == name  # auto-detected
+    assert ds.summary.sources[0].format == name  # auto-detected
     assert len(ds.train) == 1, ds.summary
     expected = h.text(*TEXT) if shape == "text" else h.chat(*CHAT)
     pair = ds.train[0]

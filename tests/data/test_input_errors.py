@@ -51,7 +51,7 @@ def test_non_utf8_byte_names_file_line_and_byte_and_skip_drops_the_row(tmp_path)
         "is not UTF-8" in str(e.value)
     )
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
-    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (
+    assert (ds.summary.rows_read, ds.summary.kept, ds.summary.dropped) == (
         4,
         3,
         {"malformed": 1},
@@ -68,7 +68,7 @@ def test_non_utf8_byte_in_a_json_array(tmp_path):
     ):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
-    assert (ds.summary["pairs_kept"], ds.summary["dropped"]) == (2, {"malformed": 1})
+    assert (ds.summary.kept, ds.summary.dropped) == (2, {"malformed": 1})
 
 
 def test_jsonl_rows_that_are_arrays_are_named(tmp_path):
@@ -129,12 +129,12 @@ def test_duplicates_are_counted_reported_and_optionally_dropped(tmp_path):
     path = write_jsonl(tmp_path / "dup.jsonl", [GOOD, other, GOOD, GOOD])
     ds = load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     assert len(ds.train) == 4
-    assert ds.summary["duplicates"]["count"] == 2
+    assert ds.summary.duplicates.count == 2
     text = format_summary(ds.summary)
     assert "duplicates: 2 pairs repeat an earlier pair's tokens, kept" in text
     assert "line 3 repeats line 1" in text
     ds = load_preference_pairs(_cfg(path, drop_duplicates=True), tiny_hf_tokenizer())
-    assert len(ds.train) == 2 and ds.summary["dropped"] == {"duplicate": 2}
+    assert len(ds.train) == 2 and ds.summary.dropped == {"duplicate": 2}
 
 
 def test_huge_row_is_cut_before_tokenizing(tmp_path, monkeypatch):
@@ -157,7 +157,7 @@ def test_huge_row_is_cut_before_tokenizing(tmp_path, monkeypatch):
     pair = ds.train[0]
     assert list(pair.chosen_ids) == whole[: 64 - len(pair.prompt_ids)]
     assert max(seen) < 100_000  # 2 x (64 + 64) x the longest token (13 characters) = 3328 here
-    assert ds.summary["notes"] == {"text_bounded": 1}
+    assert ds.summary.notes == {"text_bounded": 1}
 
 
 def test_text_prompts_ending_in_a_space_warn_once_with_the_count(tmp_path, caplog):
@@ -170,7 +170,7 @@ def test_text_prompts_ending_in_a_space_warn_once_with_the_count(tmp_path, caplo
     assert len(warnings) == 1 and warnings[0].getMessage().startswith(
         "2 text prompt(s) end with a space"
     )
-    assert ds.summary["notes"] == {"prompt_ends_with_space": 2}
+    assert ds.summary.notes == {"prompt_ends_with_space": 2}
     assert "prompt_ends_with_space: 2" in format_summary(ds.summary)
 
 
@@ -187,8 +187,8 @@ def test_hh_file_with_early_divergence_is_counted(tmp_path):
         },
     ]
     ds = load_preference_pairs(_cfg(write_jsonl(tmp_path / "hh.jsonl", rows)), tiny_hf_tokenizer())
-    assert ds.summary["sources"][0]["format"] == "hh" and len(ds.train) == 2
-    assert ds.summary["notes"] == {"diverged_early": 1}
+    assert ds.summary.sources[0].format == "hh" and len(ds.train) == 2
+    assert ds.summary.notes == {"diverged_early": 1}
     assert "diverged_early: 1" in format_summary(ds.summary)
     tok = tiny_hf_tokenizer()
     chosen_text = tok.decode(ds.train[1].chosen_ids)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
+from dpo_megatron.data.pairs import DataSummary, LengthStats, SourceSummary
 from dpo_megatron.data.summary import format_summary, length_stats
 from tests.data.fixtures import tiny_hf_tokenizer, write_jsonl
 
@@ -33,8 +34,8 @@ def test_drops_counted_by_reason(tmp_path, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     ds = load_preference_pairs(_cfg(path, max_length=16, max_prompt_length=0, verbose=True), tok)
     s = ds.summary
-    assert (s["rows_read"], s["pairs_kept"], len(ds.train)) == (5, 2, 2)
-    assert s["dropped"] == {"empty_completion": 1, "identical": 1, "prompt_too_long": 1}
+    assert (s.rows_read, s.kept, len(ds.train)) == (5, 2, 2)
+    assert s.dropped == {"empty_completion": 1, "identical": 1, "prompt_too_long": 1}
     assert [p.prompt_ids for p in ds.train] == [
         tuple(tok.encode("The sky is")),
         tuple(tok.encode("Hello!")),
@@ -87,7 +88,7 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl: line 3: malformed JSON"):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
-    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], ds.summary["dropped"]) == (
+    assert (ds.summary.rows_read, ds.summary.kept, ds.summary.dropped) == (
         4,
         3,
         {"malformed": 1},
@@ -111,7 +112,7 @@ def test_bad_field_names_file_row_and_field(tmp_path):
     ):
         load_preference_pairs(_cfg(path, format="standard"), tiny_hf_tokenizer())
     ds = load_preference_pairs(_cfg(path, format="standard", on_error="skip"), tiny_hf_tokenizer())
-    assert (ds.summary["pairs_kept"], ds.summary["dropped"]) == (1, {"malformed": 2})
+    assert (ds.summary.kept, ds.summary.dropped) == (1, {"malformed": 2})
 
 
 def test_length_rules_by_hand(tmp_path):
@@ -134,7 +135,7 @@ def test_length_rules_by_hand(tmp_path):
         assert list(pair.chosen_ids) == C[:4]  # cut: no EOS at the end
         assert list(pair.rejected_ids) == R  # fits: keeps its EOS
     ds = load_preference_pairs(_cfg(path, max_length=8, max_prompt_length=4), tok)
-    assert ds.summary["truncated"] == {
+    assert ds.summary.truncated == {
         "prompt": 1,
         "prompt_turns_dropped": 0,
         "prompt_tokens_cut": 1,
@@ -181,7 +182,7 @@ def test_mixing_with_weights(tmp_path):
     )
     cfg = DataConfig(datasets=[str(a), str(b)], weights=[1.0, 1.0], cache_dir="none", verbose=False)
     ds = load_preference_pairs(cfg, tok)
-    assert [s["format"] for s in ds.summary["sources"]] == ["standard", "implicit"]
+    assert [s.format for s in ds.summary.sources] == ["standard", "implicit"]
     from_a = [p for p in ds.train if tok.decode(p.prompt_ids).startswith("A")]
     from_b = [p for p in ds.train if tok.decode(p.prompt_ids).startswith("B")]
     assert (len(from_a), len(from_b), len(set(from_a))) == (
@@ -240,39 +241,33 @@ def test_num_proc_matches_single_process(tmp_path):
 
 
 def test_length_stats_and_format():
-    assert length_stats([1, 2, 3, 4]) == {"p50": 2, "p90": 4, "p99": 4, "max": 4}
-    assert length_stats([]) == {"p50": 0, "p90": 0, "p99": 0, "max": 0}
-    summary = {
-        "unit": "pairs",
-        "rows_read": 3,
-        "pairs_kept": 2,
-        "train": 2,
-        "eval": 0,
-        "max_length": 8,
-        "max_prompt_length": 4,
-        "dropped": {"identical": 1},
-        "truncated": {
+    assert length_stats([1, 2, 3, 4]) == LengthStats(p50=2, p90=4, p99=4, max=4)
+    assert length_stats([]) == LengthStats(0, 0, 0, 0)
+    summary = DataSummary(
+        unit="pairs",
+        rows_read=3,
+        kept=2,
+        train=2,
+        eval=0,
+        max_length=8,
+        max_prompt_length=4,
+        dropped={"identical": 1},
+        truncated={
             "prompt": 0,
             "prompt_turns_dropped": 0,
             "prompt_tokens_cut": 0,
             "chosen": 0,
             "rejected": 0,
         },
-        "lengths_before_cut": {"prompt": length_stats([3])},
-        "lengths": {"prompt": length_stats([3])},
-        "sources": [
-            {
-                "label": "f",
-                "format": "standard",
-                "rows_read": 3,
-                "pairs_kept": 2,
-                "dropped": {"identical": 1},
-            }
-        ],
-    }
+        lengths_before_cut={"prompt": length_stats([3])},
+        lengths={"prompt": length_stats([3])},
+        sources=[SourceSummary("f", "standard", 3, 2, {"identical": 1}, "train")],
+    )
     text = format_summary(summary)
     assert "f (standard): 3 rows, 2 kept, dropped: identical 1" in text
     assert "lengths prompt tokens: p50 3 p90 3 p99 3 max 3" in text
+    # Plain JSON-ready values for logs and files.
+    assert summary.to_dict()["lengths"] == {"prompt": {"p50": 3, "p90": 3, "p99": 3, "max": 3}}
 
 
 def test_arrow_parquet_saved_folder_and_hub_passthrough(tmp_path, monkeypatch):
@@ -357,7 +352,7 @@ def test_eval_datasets_read_their_test_split(tmp_path, capsys):
         (tuple(tok.encode("The sky is")), tuple(tok.encode(" yes")), tuple(tok.encode(" green."))),
         (tuple(tok.encode("Hello!")), tuple(tok.encode(" blue.")), tuple(tok.encode(" no"))),
     ]
-    assert (ds.summary["train"], ds.summary["eval"], ds.summary["dropped"]) == (
+    assert (ds.summary.train, ds.summary.eval, ds.summary.dropped) == (
         3,
         2,
         {"identical": 1},

@@ -60,7 +60,7 @@ def test_text_prompts_cut_with_a_bos_tokenizer_keep_it(tmp_path):
     cut, short = ds.train
     assert list(cut.prompt_ids) == [BOS, *full[-11:]]
     assert short.prompt_ids[0] == BOS and short.prompt_ids[1] != BOS
-    assert ds.summary["truncated"]["prompt_tokens_cut"] == 1
+    assert ds.summary.truncated["prompt_tokens_cut"] == 1
 
 
 def test_template_bos_is_never_doubled(tmp_path):
@@ -116,14 +116,14 @@ def test_conversation_drops_oldest_turns_first_keeping_the_system_message(tmp_pa
         tok,
     )
     assert list(ds.train[0].prompt_ids) == _chatml_ids(tok, kept)
-    assert ds.summary["truncated"] | {} == {
+    assert ds.summary.truncated | {} == {
         "prompt": 1,
         "prompt_turns_dropped": 1,
         "prompt_tokens_cut": 0,
         "chosen": 0,
         "rejected": 0,
     }
-    assert ds.summary["lengths_before_cut"]["prompt"]["max"] == len(_chatml_ids(tok, prompt))
+    assert ds.summary.lengths_before_cut["prompt"].max == len(_chatml_ids(tok, prompt))
     # One more exchange fits: it is kept (only whole turns go, the newest stay).
     two = [S("Answer: yes or no."), *old[-2:], U("Is the sky blue?")]
     wider = len(_chatml_ids(tok, two))
@@ -151,8 +151,8 @@ def test_one_turn_too_long_is_cut_inside_it(tmp_path):
     )
     last_only = _chatml_ids(tok, rows[0]["prompt"][-1:])
     assert list(ds.train[0].prompt_ids) == last_only[-16:]  # no BOS with this tokenizer
-    assert ds.summary["truncated"]["prompt_turns_dropped"] == 1
-    assert ds.summary["truncated"]["prompt_tokens_cut"] == 1
+    assert ds.summary.truncated["prompt_turns_dropped"] == 1
+    assert ds.summary.truncated["prompt_tokens_cut"] == 1
     # keep_start never drops turns: it keeps the first tokens.
     ds = load_preference_pairs(
         _cfg(
@@ -164,7 +164,7 @@ def test_one_turn_too_long_is_cut_inside_it(tmp_path):
         tok,
     )
     assert list(ds.train[0].prompt_ids) == _chatml_ids(tok, rows[0]["prompt"])[:16]
-    assert ds.summary["truncated"]["prompt_turns_dropped"] == 0
+    assert ds.summary.truncated["prompt_turns_dropped"] == 0
 
 
 @pytest.mark.parametrize("mode", ["keep_end", "keep_start"])

@@ -34,7 +34,7 @@ def test_dpo_en_demo_loads_with_summary(smollm2_tokenizer, max_length, capsys, t
         f"data: 300 rows read, 300 pairs kept (300 train, 0 eval), max_length {max_length}" in out
     )
     assert "dropped by reason: none" in out
-    assert ds.summary["sources"][0]["format"] == "sharegpt"
+    assert ds.summary.sources[0].format == "sharegpt"
     for pair in ds.train:
         assert len(pair.prompt_ids) <= max_length // 2
         assert (
@@ -64,8 +64,8 @@ def test_dpo_en_demo_without_prompt_cut_drops_long_prompts(smollm2_tokenizer, tm
     )
     ds = load_preference_pairs(cfg, smollm2_tokenizer)
     # measured: 102 of the 300 prompts leave no room in 512 tokens (ASSETS.md: 98 pairs fit whole)
-    assert ds.summary["dropped"] == {"prompt_too_long": 102}
-    assert ds.summary["pairs_kept"] == 198
+    assert ds.summary.dropped == {"prompt_too_long": 102}
+    assert ds.summary.kept == 198
 
 
 def test_alpaca_en_demo_sft_view(smollm2_tokenizer, tmp_path):
@@ -76,8 +76,8 @@ def test_alpaca_en_demo_sft_view(smollm2_tokenizer, tmp_path):
         eval_fraction=0.1,
     )
     sft = load_sft_examples(cfg, smollm2_tokenizer)
-    assert sft.summary["rows_read"] == 999
-    assert len(sft.train) + len(sft.eval) == sft.summary["pairs_kept"] > 990
+    assert sft.summary.rows_read == 999
+    assert len(sft.train) + len(sft.eval) == sft.summary.kept > 990
     assert all(e.completion_ids for e in sft.train)
 
 
@@ -98,7 +98,7 @@ def test_every_sequence_starts_with_one_bos_with_the_mistral_tokenizer(name, tmp
     for pair in ds.train:
         for sequence in (pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + pair.rejected_ids):
             assert sequence[0] == tok.bos_token_id and sequence[1] != tok.bos_token_id
-    cut = ds.summary["truncated"]
+    cut = ds.summary.truncated
     # measured: en 136 prompts over 256 tokens (103 fit after dropping whole oldest turns), zh 70
     assert (cut["prompt"], cut["prompt_turns_dropped"], cut["prompt_tokens_cut"]) == (
         (136, 103, 33) if name == "dpo_en_demo" else (70, 0, 70)

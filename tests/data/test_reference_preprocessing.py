@@ -214,8 +214,8 @@ def test_shp_at_most_five_pairs_per_post(tmp_path):
         (blue, " Answer 4." + EOS),
         (blue, " Answer 5." + EOS),
     ]
-    assert summary["dropped"] == {"score_ratio": 1, "shp_pairs_per_post": 1}  # Answer 2, 6
+    assert summary.dropped == {"score_ratio": 1, "shp_pairs_per_post": 1}  # Answer 2, 6
     got, summary = _load(path, shp_max_pairs_per_post=0)  # no cap: the reference repo's set
-    assert len(got) == 7 and summary["dropped"] == {"score_ratio": 1}
+    assert len(got) == 7 and summary.dropped == {"score_ratio": 1}
     got, _ = _load(path, shp_max_pairs_per_post=1)
     assert [c for _, c, _ in got] == [" Answer 0." + EOS, " Space." + EOS]

@@ -36,8 +36,8 @@ def _load(tmp_path, tok, **kw):
 def test_sharegpt_chatml_ids_by_hand(tmp_path):
     tok = tiny_hf_tokenizer()
     ds = _load(tmp_path, tok)
-    assert ds.summary["sources"][0]["format"] == "sharegpt"  # auto-detected
-    assert (ds.summary["rows_read"], ds.summary["pairs_kept"], len(ds.train), len(ds.eval)) == (
+    assert ds.summary.sources[0].format == "sharegpt"  # auto-detected
+    assert (ds.summary.rows_read, ds.summary.kept, len(ds.train), len(ds.eval)) == (
         2,
         2,
         2,

@@ -57,7 +57,7 @@ def test_a_new_format_is_one_registry_entry(tmp_path):
         assert check_sources(_cfg(qa_path)) == [(str(qa_path), "qa_test")]
         loaded = load_preference_pairs(_cfg(qa_path), tok)
         assert loaded.train == load_preference_pairs(_cfg(std_path), tok).train
-        assert len(loaded.train) == 2 and loaded.summary["sources"][0]["format"] == "qa_test"
+        assert len(loaded.train) == 2 and loaded.summary.sources[0].format == "qa_test"
         with pytest.raises(ValueError, match="registered twice"):
             register_format(RowFormat("qa_test", _convert_qa, {"q"}))
     finally:

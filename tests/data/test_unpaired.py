@@ -109,8 +109,8 @@ def test_load_counts_labels_and_drops_like_pairs(tmp_path):
     ]
     path = write_jsonl(tmp_path / "u.jsonl", rows)
     ds = load_unpaired_examples(DataConfig(path=str(path), cache_dir="none", verbose=False), tok)
-    assert ds.summary["dropped"] == {"empty_completion": 1} and ds.summary["unit"] == "examples"
-    assert ds.summary["labels"] == {"desirable": 2, "undesirable": 1}
+    assert ds.summary.dropped == {"empty_completion": 1} and ds.summary.unit == "examples"
+    assert ds.summary.labels == {"desirable": 2, "undesirable": 1}
     assert [p.desirable for p in ds.train] == [True, False, True]
     completions = [p.chosen_ids for p in ds.train]
     assert [p.rejected_ids for p in ds.train] == completions[-1:] + completions[:-1]

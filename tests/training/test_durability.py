@@ -96,7 +96,7 @@ def _train_filling_the_disk(run_dir, data_file, tok_dir, overrides, estimate):
     import torch.distributed as dist
 
     from dpo_megatron.checkpointing import storage, training_checkpoint
-    from dpo_megatron.training.run_checkpoint import Checkpointer
+    from dpo_megatron.checkpointing.run_checkpoint import Checkpointer
 
     if not estimate:
         training_checkpoint.sharded_bytes = lambda state: 0
@@ -352,7 +352,7 @@ def _train_signalled(run_dir, data_file, tok_dir, overrides, signal_rank, at_ste
     """train() where global rank ``signal_rank`` alone gets SIGTERM during step ``at_step``."""
     import torch.distributed as dist
 
-    from dpo_megatron.training.shutdown import RunInterrupted
+    from dpo_megatron.parallel.shutdown import RunInterrupted
     from dpo_megatron.training.trainer import Trainer
 
     real_step = Trainer.train_step

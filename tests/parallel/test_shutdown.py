@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
+from dpo_megatron.parallel.shutdown import RunInterrupted, StopRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,7 +58,7 @@ def _launcher(env_marker: bool) -> subprocess.Popen:
     rank = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        from dpo_megatron.training.shutdown import die_with_launcher
+        from dpo_megatron.parallel.shutdown import die_with_launcher
         print(die_with_launcher(), flush=True)
         time.sleep(600)
     """)

@@ -7,7 +7,7 @@ objects, so a run of 2N steps and a run of N steps resumed for N more take the s
 the same numbers. :class:`Checkpointer` owns the cadence:
 
 * **when**: every ``checkpoint.save_interval`` steps, at the end, and when a SIGINT / SIGTERM
-  reached any rank (:mod:`~dpo_megatron.training.shutdown`; all ranks stop at the same step);
+  reached any rank (:mod:`~dpo_megatron.parallel.shutdown`; all ranks stop at the same step);
   never after a step whose update was skipped (NaN/Inf: its weights are the previous step's,
   and a checkpoint there would let a resume skip the evidence), and never before the first
   applied update (megatron-core cannot save an optimizer that has no state yet);
@@ -38,7 +38,7 @@ from dpo_megatron.checkpointing.training_checkpoint import (
     resume_candidates,
     save_training_checkpoint,
 )
-from dpo_megatron.training.shutdown import RunInterrupted, StopRequest
+from dpo_megatron.parallel.shutdown import RunInterrupted, StopRequest
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.run_layout import RunLayout
 
@@ -213,7 +213,7 @@ class Checkpointer:
     (every ``checkpoint.save_interval`` steps, at the end, on SIGINT / SIGTERM), how many
     (``keep_last_n`` of this run's) and of what (the stateful objects given here, once).
 
-    Building it installs the SIGINT / SIGTERM handlers (:class:`~dpo_megatron.training.shutdown.
+    Building it installs the SIGINT / SIGTERM handlers (:class:`~dpo_megatron.parallel.shutdown.
     StopRequest`); :meth:`close` removes them.
 
     Args:
