@@ -56,7 +56,9 @@ fi
 # Pre-check, once, in this process: the config (ranges, keys, loss; fetches and caches its assets),
 # the data files (exist, rows fit their format) and the model against the layout; then the world
 # size. A mistake prints one line on stderr and stops here (set -e), before any rank starts.
-NPROC="$("$PYTHON" -m dpo_megatron.config "${args[@]}" | tail -n 1)"
+# (DPO_MEGATRON_PRECHECK: another entry's pre-check, e.g. scripts/iterative_dpo.sh's.)
+read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.config}"
+NPROC="$("$PYTHON" "${PRECHECK[@]}" "${args[@]}" | tail -n 1)"
 # torchrun, run by dpo_megatron/launch.py: a mistake only the ranks meet (a run_dir in use, data
 # that changed) ends with the ranks' one error line and one pointer line, not torchrun's failure
 # block; a crash keeps its traceback and torchrun's block.

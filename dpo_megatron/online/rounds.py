@@ -313,7 +313,7 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
         RunDirError: the run folder is in use or holds another run.
     """
     from dpo_megatron.data import load_tokenizer
-    from dpo_megatron.training.shutdown import die_with_launcher
+    from dpo_megatron.parallel.shutdown import die_with_launcher
 
     die_with_launcher()
     use_layout(cfg.parallel)  # starts the world the first time

@@ -86,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from dpo_megatron.online.adapters import JudgeError
     from dpo_megatron.online.rounds import run_online
     from dpo_megatron.parallel import destroy_distributed
-    from dpo_megatron.training.shutdown import NonFiniteLossError
+    from dpo_megatron.parallel.shutdown import NonFiniteLossError
 
     try:
         run_online(cfg)
