@@ -5,7 +5,8 @@ process (world size 1). The rounds are :func:`dpo_megatron.online.rounds.run_onl
 stops end as :mod:`dpo_megatron.train`'s do (one line, the launcher's exit statuses).
 
 ``--check``: the launcher's pre-check in one process (the config, the run folder, the prompts
-file, both models against their layouts); prints the world size the run needs.
+file, the policy against its layout, the reward model's folder); prints the world size the run
+needs. ``--check --print-config`` prints the resolved config, ``--check --list-keys`` every key.
 """
 
 from __future__ import annotations
@@ -33,10 +34,25 @@ from dpo_megatron.utils.exits import FAULT_EXIT, fail  # noqa: E402
 
 def check(argv: Sequence[str]) -> None:
     """The pre-check (one process, no rank started): exits with one ``config error:`` /
-    ``error:`` line and status 1 on a mistake, else prints the world size."""
-    config_file, overrides = parse_args(argv)
+    ``error:`` line and status 1 on a mistake, else prints the world size (or the resolved
+    config with ``--print-config``, every key with ``--list-keys``)."""
+    if "--list-keys" in argv:
+        from dpo_megatron.config import list_keys
+
+        print(list_keys())
+        return
+    printing = "--print-config" in argv
+    config_file, overrides = parse_args([a for a in argv if a != "--print-config"])
     try:
         cfg = load_config(config_file, overrides, check=False)
+        if printing:
+            validate_online_config(cfg)
+            from omegaconf import OmegaConf
+
+            from dpo_megatron.training.resolved_config import resolved_config
+
+            print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
+            return
         try:
             check_run_dir(cfg)
         except RunDirError as e:
@@ -50,8 +66,13 @@ def check(argv: Sequence[str]) -> None:
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.online.prompts import read_prompts
 
+    o = cfg.online
+    if o.reward_model.path and not os.path.exists(o.reward_model.path):
+        raise SystemExit(
+            f"config error: online.reward_model.path={o.reward_model.path} does not exist: "
+            "train a reward model first (loss=bradley_terry) or score with online.judge"
+        )
     try:
-        o = cfg.online
         read_prompts(o.prompts, o.prompts_offset, o.prompts_limit, cfg.data)
         check_model_layout(cfg)
     except DataError as e:
