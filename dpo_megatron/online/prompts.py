@@ -126,6 +126,25 @@ def encode_prompts(
     return kept, too_long
 
 
+def split_prompts(items: list, held_out: int, shuffle: bool, seed: int) -> tuple[list, list]:
+    """(the pool the rounds draw from, the ``held_out`` evaluation prompts): the prompt order
+    (file order, or shuffled once with ``seed``), its first ``held_out`` prompts held out.
+
+    Raises:
+        DataError: ``held_out`` leaves no prompt for the rounds.
+    """
+    if held_out >= len(items):
+        raise DataError(
+            f"online.eval_prompts={held_out} holds out every one of the {len(items)} prompts: "
+            "lower it or give more prompts"
+        )
+    order = list(range(len(items)))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    ordered = [items[i] for i in order]
+    return ordered[held_out:], ordered[:held_out]
+
+
 def round_prompts(items: list, round_index: int, per_round: int, shuffle: bool, seed: int) -> list:
     """The prompts of round ``round_index``: the next ``per_round`` of the prompt order (file
     order, or shuffled once with ``seed``), wrapping around at its end; the same on every rank

@@ -14,6 +14,9 @@ Each round ``r`` (folder ``<run_dir>/online/round_<r>``):
    (``model.load``), the reference per ``online.reference``, the run's ``loss.*``, ``train.*``,
    ``parallel.*``; its checkpoints in ``round_<r>/checkpoints``. ``summary.json`` gets the last
    training metrics and the phases' wall times.
+5. **eval** (``online.eval_prompts`` > 0): the policy samples the held-out prompts (also once
+   before round 0: ``online/eval_start.jsonl``) with a fixed seed, the scorer scores them;
+   ``eval.jsonl`` and ``eval_mean_score`` (with the score before the round) in ``summary.json``.
 
 Between phases megatron-core's model-parallel groups are torn down and built for the next
 phase's layout (``layouts.use_layout``: the default process group stays), and the phase's models
@@ -37,7 +40,13 @@ from dpo_megatron.online import adapters
 from dpo_megatron.online.checks import validate_online
 from dpo_megatron.online.layouts import free_models, use_layout
 from dpo_megatron.online.pairs import Sample, build_pairs
-from dpo_megatron.online.prompts import PromptItem, encode_prompts, read_prompts, round_prompts
+from dpo_megatron.online.prompts import (
+    PromptItem,
+    encode_prompts,
+    read_prompts,
+    round_prompts,
+    split_prompts,
+)
 from dpo_megatron.training import run_models
 from dpo_megatron.training.run_data import RunData
 from dpo_megatron.training.run_dir import RunFolder
@@ -45,8 +54,9 @@ from dpo_megatron.utils import ranks
 from dpo_megatron.utils.files import atomic_file, write_json_atomic
 from dpo_megatron.utils.run_layout import RunLayout
 
-PHASES = ("sample", "score", "pairs", "train")
+PHASES = ("sample", "score", "pairs", "train", "eval")
 SAMPLES, SCORES, PAIRS, SUMMARY = "samples.jsonl", "scores.jsonl", "pairs.jsonl", "summary.json"
+EVAL = "eval.jsonl"
 
 
 class StopAfter(Exception):
@@ -134,7 +144,12 @@ def _policy_chunks(cfg, model_cfg, policy: str) -> list:
     return chunks
 
 
-def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: str, r: int):
+EVAL_SEED_OFFSET = 1_000_003
+"""The held-out evaluation samples with ``online.sampling.seed + EVAL_SEED_OFFSET`` every time:
+its scores then differ between evaluations by the policy alone."""
+
+
+def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: str, r, seed: int):
     use_layout(cfg.parallel)
     chunks = _policy_chunks(cfg, model_cfg, policy)
     stop = sorted({i for i in (tokenizer.eos_token_id, pad_id) if i is not None})
@@ -142,7 +157,7 @@ def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: 
         chunks,
         [it.prompt_ids for it in items],
         cfg.online.sampling,
-        seed=cfg.online.sampling.seed + r,
+        seed=seed,
         num_samples=cfg.online.samples_per_prompt,
         stop_ids=stop,
         pad_id=pad_id,
@@ -237,6 +252,17 @@ def _pairs(cfg, samples: list[dict], scores: list[float], r: int, seed: int, ite
         "prompt_rows": [it.row for it in items],
     }
     return records, summary
+
+
+def _evaluate(cfg, model_cfg, tokenizer, pad_id, held: list, policy: str, path: str) -> float:
+    """Sample the held-out prompts from ``policy``, score them, write ``path`` (samples with
+    their scores); returns the mean score (collective)."""
+    seed = cfg.online.sampling.seed + EVAL_SEED_OFFSET
+    samples = _sample(cfg, model_cfg, tokenizer, pad_id, held, policy, "eval", seed)
+    scores = _score(cfg, model_cfg, samples, pad_id)
+    if ranks.is_rank0():
+        write_jsonl(path, [{**s, "score": v} for s, v in zip(samples, scores)])
+    return sum(scores) / len(scores)
 
 
 def _last_train_metrics(layout: RunLayout) -> dict:
@@ -339,7 +365,13 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
                 + f" | scorer: {o.judge or o.reward_model.path} | reference: {o.reference}",
                 flush=True,
             )
+        pool, held = split_prompts(all_prompts, o.eval_prompts, o.shuffle_prompts, o.seed)
         summaries = []
+        if held and not state.done(-1, "eval"):  # the starting policy, before round 0
+            mean = _evaluate(
+                cfg, model_cfg, tokenizer, pad_id, held, policy, layout.online_eval_start
+            )
+            state.mark(-1, "eval", eval_mean_score=mean)
 
         def finished(r: int, phase: str, **values) -> None:
             state.mark(r, phase, **values)
@@ -350,11 +382,11 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
             round_dir = layout.online_round(r)
             files = {name: os.path.join(round_dir, name) for name in (SAMPLES, SCORES, PAIRS)}
             summary_path = os.path.join(round_dir, SUMMARY)
-            items = round_prompts(all_prompts, r, o.prompts_per_round, o.shuffle_prompts, o.seed)
+            items = round_prompts(pool, r, o.prompts_per_round, False, o.seed)
             seed = o.sampling.seed + r
             if not state.done(r, "sample"):
                 t0 = time.time()
-                records = _sample(cfg, model_cfg, tokenizer, pad_id, items, policy, r)
+                records = _sample(cfg, model_cfg, tokenizer, pad_id, items, policy, r, seed)
                 if ranks.is_rank0():
                     write_jsonl(files[SAMPLES], records)
                 finished(r, "sample", sample_s=time.time() - t0)
@@ -410,6 +442,24 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
                     )
                 finished(r, "train", policy=end or policy)
             policy = state.policy_after(r) or policy
+            if held and not state.done(r, "eval"):
+                eval_path = os.path.join(round_dir, EVAL)
+                mean = _evaluate(cfg, model_cfg, tokenizer, pad_id, held, policy, eval_path)
+                if ranks.is_rank0():
+                    summary = _read_json(summary_path)
+                    # round -1: the evaluation before round 0
+                    before = state.data["rounds"][str(r - 1)]["eval_mean_score"]
+                    summary.update(
+                        eval_prompts=len(held), eval_mean_score_before=before, eval_mean_score=mean
+                    )
+                    write_json_atomic(summary_path, summary)
+                    print(
+                        f"online: round {r}: mean score of the policy's samples on "
+                        f"{len(held)} held-out prompts {summary['eval_mean_score_before']:.4f}"
+                        f" -> {mean:.4f}",
+                        flush=True,
+                    )
+                finished(r, "eval", eval_mean_score=mean)
             summaries.append(ranks.broadcast_from_rank0(_read_json(summary_path)))
         return summaries
     finally:

@@ -70,6 +70,11 @@ class OnlineConfig:
     """Shuffle the prompt order once with ``online.seed`` (false: file order)."""
     seed: int = 1234
     """Seed of the prompt order (>= 0)."""
+    eval_prompts: int = 0
+    """Prompts held out of every round (>= 0; the first ones of the prompt order): before round
+    0 and after each round the policy samples ``samples_per_prompt`` completions of each, the
+    scorer scores them, and their mean score is the round's ``eval_mean_score`` (0: no
+    evaluation)."""
     samples_per_prompt: int = 4
     """Completions sampled per prompt, K (>= 2: a pair needs a best and a worst)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -105,6 +110,7 @@ class OnlineConfig:
         check_range("online", self, "prompts_offset", 0)
         check_range("online", self, "prompts_limit", 0, why="0: all rows after the offset")
         check_range("online", self, "prompts_per_round", 1)
+        check_range("online", self, "eval_prompts", 0, why="0: no evaluation")
         check_range("online", self, "seed", 0)
         check_range(
             "online",

@@ -10,9 +10,9 @@ A run folder (``run_dir``) holds::
     samples/          decoded evaluation samples, step_<step>.jsonl
     checkpoints/      iter_<step>/ checkpoints (or checkpoint.save), and the HF exports
                       checkpoints/hf (merged) and checkpoints/hf_adapter (PEFT adapter)
-    online/           an online (iterative DPO) run: state.json and round_<r>/, each round a
-                      run folder of its own training plus samples.jsonl, scores.jsonl,
-                      pairs.jsonl and summary.json
+    online/           an online (iterative DPO) run: state.json, eval_start.jsonl and
+                      round_<r>/, each round a run folder of its own training plus
+                      samples.jsonl, scores.jsonl, pairs.jsonl, eval.jsonl and summary.json
 
 The code that writes or reads one of these asks a :class:`RunLayout` for its path.
 """
@@ -109,6 +109,11 @@ class RunLayout:
     def online_state(self) -> str:
         """``online/state.json``: the finished phases of each round."""
         return os.path.join(self.online, "state.json")
+
+    @property
+    def online_eval_start(self) -> str:
+        """``online/eval_start.jsonl``: the starting policy's scored held-out samples."""
+        return os.path.join(self.online, "eval_start.jsonl")
 
     def online_round(self, index: int) -> str:
         """``online/round_<index>``: a round's files and the run folder of its training."""

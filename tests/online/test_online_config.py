@@ -8,7 +8,7 @@ import pytest
 
 from dpo_megatron.config import load_config
 from dpo_megatron.online.checks import validate_online_config
-from dpo_megatron.online.prompts import encode_prompts, read_prompts, round_prompts
+from dpo_megatron.online.prompts import encode_prompts, read_prompts, round_prompts, split_prompts
 from tests.data.fixtures import tiny_hf_tokenizer
 
 
@@ -111,6 +111,12 @@ def test_prompts_from_every_row_form_and_rounds_wrap(tmp_path, prompts_file):
     assert [it.row for it in round_prompts(items, 1, 2, False, 0)] == [2, 0]
     shuffled = [it.row for r in range(3) for it in round_prompts(items, r, 1, True, 5)]
     assert sorted(shuffled) == [0, 1, 2]  # one pass over a seeded permutation
+    pool, held = split_prompts(items, 1, True, 5)
+    assert [it.row for it in held + pool] == shuffled  # the first of the same order held out
+    from dpo_megatron.data.reader import DataError
+
+    with pytest.raises(DataError, match="online.eval_prompts=3 holds out every one of the 3"):
+        split_prompts(items, 3, True, 5)
 
 
 def test_prompts_of_a_preference_format_and_errors(tmp_path):

@@ -53,6 +53,7 @@ def _config(folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_
         "sampling": {"max_new_tokens": 4, "seed": 11},
         "min_margin": 1.0,
         "reference": reference,
+        "eval_prompts": 1,
     }
     if rm_pp:
         online["reward_model"] = {
@@ -205,25 +206,40 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
         assert summary["train"]["step"] == 2 and summary["policy_end"].endswith(
             f"round_{r}/checkpoints"
         )
-    assert out["straight"][0]["calls"] == {"generate": 2, "judge": 2}
+    # 2 rounds + 3 evaluations of the held-out prompt (before round 0, after each round)
+    assert out["straight"][0]["calls"] == {"generate": 5, "judge": 5}
+    evals = [_read(f"{straight}/online/eval_start.jsonl")] + [
+        _read(f"{straight}/online/round_{r}/eval.jsonl") for r in range(2)
+    ]
+    held_row = evals[0][0]["row"]
+    assert all(len(e) == 3 and {x["row"] for x in e} == {held_row} for e in evals)
+    for r in range(2):  # never a round's prompt
+        assert held_row not in {
+            s["row"] for s in _read(f"{straight}/online/round_{r}/samples.jsonl")
+        }
+    means = [sum(x["score"] for x in e) / 3 for e in evals]
+    summaries = out["straight"][0]["summaries"]
+    assert [s["eval_mean_score_before"] for s in summaries] == pytest.approx(means[:2])
+    assert [s["eval_mean_score"] for s in summaries] == pytest.approx(means[1:])
     # reference = the initial weights: round 1 starts from a policy that moved in round 0
     initial_r1 = _train_records(f"{folder}/initref", 1)
     assert abs(initial_r1[0]["loss"] - math.log(2)) > 1e-4
     assert _train_records(f"{folder}/initref", 0) == _train_records(straight, 0)
 
     # resumed: no round sampled twice, the same pairs, metrics and weights as straight
-    assert out["part1"][0]["calls"] == {"generate": 1, "judge": 1}
-    assert out["part2"][0]["calls"] == {"generate": 1, "judge": 1}  # round 1 only
-    assert out["part3"][0]["calls"] == {"generate": 0, "judge": 0}
+    assert out["part1"][0]["calls"] == {"generate": 2, "judge": 2}  # start eval + round 0
+    # round 0's train and eval, round 1's samples: nothing of round 0 sampled again
+    assert out["part2"][0]["calls"] == {"generate": 2, "judge": 2}
+    assert out["part3"][0]["calls"] == {"generate": 1, "judge": 1}  # round 1's eval
     resumed = f"{folder}/resumed"
     for r in range(2):
-        for name in ("samples", "scores", "pairs"):
+        for name in ("samples", "scores", "pairs", "eval"):
             a = open(f"{straight}/online/round_{r}/{name}.jsonl").read()
             assert a == open(f"{resumed}/online/round_{r}/{name}.jsonl").read(), (r, name)
         assert _train_records(resumed, r) == _train_records(straight, r)
     assert out["same_weights"] == [True]
     state = json.load(open(f"{resumed}/online/state.json"))
-    assert state["rounds"]["1"]["done"] == ["sample", "score", "pairs", "train"]
+    assert state["rounds"]["1"]["done"] == ["sample", "score", "pairs", "train", "eval"]
 
 
 def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path):
@@ -232,7 +248,7 @@ def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path)
     out = run_ranks(_online, world_size=4, folder=folder, run="tp2pp2", tp=2, pp=2, rm_pp=4)
     # the scorer ran at TP 1 x PP 4 x DP 1 while the policy trains at TP 2 x PP 2
     assert [o["layout"] for o in out] == [(1, 4, 1)] * 4
-    assert out[0]["calls"] == {"generate": 2, "judge": 0, "score": 2}
+    assert out[0]["calls"] == {"generate": 5, "judge": 0, "score": 5}
     summaries = out[0]["summaries"]
     assert [s["round"] for s in summaries] == [0, 1] and all(
         o["summaries"] == summaries for o in out
