@@ -141,6 +141,8 @@ def _policy_chunks(cfg, model_cfg, policy: str) -> list:
 
     chunks = build_model_chunks(model_cfg, cfg.parallel)
     run_models.load_weights(chunks, model_cfg, policy)
+    for chunk in chunks:
+        chunk.eval()  # sampling: no dropout
     return chunks
 
 
@@ -443,6 +445,7 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
                 finished(r, "train", policy=end or policy)
             policy = state.policy_after(r) or policy
             if held and not state.done(r, "eval"):
+                t0 = time.time()
                 eval_path = os.path.join(round_dir, EVAL)
                 mean = _evaluate(cfg, model_cfg, tokenizer, pad_id, held, policy, eval_path)
                 if ranks.is_rank0():
@@ -452,6 +455,7 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
                     summary.update(
                         eval_prompts=len(held), eval_mean_score_before=before, eval_mean_score=mean
                     )
+                    summary.setdefault("wall_s", {})["eval"] = time.time() - t0
                     write_json_atomic(summary_path, summary)
                     print(
                         f"online: round {r}: mean score of the policy's samples on "

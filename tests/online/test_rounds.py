@@ -86,9 +86,29 @@ def _config(folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_
     )
 
 
-def _online(folder, run, stop_after=None, **config):
+def _sigterm_after(round_index: int, step: int):
+    """Patch the Trainer so that rank 0 gets SIGTERM after ``step`` of round ``round_index``'s
+    training (as from a scheduler: the ranks save and stop at that step). Returns the undo."""
+    import signal
+
+    from dpo_megatron.training.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self):
+        out = original(self)
+        here = self.cfg.run_dir.endswith(f"round_{round_index}")
+        if here and self.counters.step == step and int(os.environ["RANK"]) == 0:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    Trainer.train_step = train_step
+    return lambda: setattr(Trainer, "train_step", original)
+
+
+def _online(folder, run, stop_after=None, sigterm_at=None, **config):
     """One online run (or part of one); returns the summaries (None when stopped) and the
-    stand-ins' call counts of this run."""
+    stand-ins' call counts of this run. ``sigterm_at``: (round, step) of a SIGTERM."""
     from dpo_megatron.online.adapters import use_generator, use_reward_model
     from dpo_megatron.online.checks import validate_online_config
     from dpo_megatron.online.rounds import StopAfter, run_online
@@ -97,6 +117,7 @@ def _online(folder, run, stop_after=None, **config):
     cfg = _config(folder, run, **config)
     validate_online_config(cfg, int(os.environ["WORLD_SIZE"]))
     before = dict(standins.CALLS)
+    undo = _sigterm_after(*sigterm_at) if sigterm_at else (lambda: None)
     with (
         use_generator(standins.seeded_greedy_generate),
         use_reward_model(standins.build_tiny_reward_model, standins.layout_checking_scorer),
@@ -105,6 +126,11 @@ def _online(folder, run, stop_after=None, **config):
             summaries = run_online(cfg, stop_after=stop_after)
         except StopAfter:
             summaries = None
+        except SystemExit as e:  # RunInterrupted: saved at the signalled step
+            assert sigterm_at and e.code == 143, e
+            summaries = None
+        finally:
+            undo()
     calls = {k: v - before.get(k, 0) for k, v in standins.CALLS.items() if k != "score_layout"}
     return {"summaries": summaries, "calls": calls, "layout": standins.CALLS.get("score_layout")}
 
@@ -193,6 +219,13 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
                 _final_weights_equal,
                 {"folder": folder, "run_a": "straight", "run_b": "resumed"},
             ),
+            # SIGTERM after step 1 of round 1's training: saved there, resumed from it
+            "killed": (_online, {"folder": folder, "run": "killed", "sigterm_at": (1, 1)}),
+            "continued": (_online, {"folder": folder, "run": "killed", "resume": "auto"}),
+            "same_weights_killed": (
+                _final_weights_equal,
+                {"folder": folder, "run_a": "straight", "run_b": "killed"},
+            ),
         },
     )
     straight = f"{folder}/straight"
@@ -238,6 +271,15 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
             assert a == open(f"{resumed}/online/round_{r}/{name}.jsonl").read(), (r, name)
         assert _train_records(resumed, r) == _train_records(straight, r)
     assert out["same_weights"] == [True]
+    killed = f"{folder}/killed"
+    assert out["killed"][0]["summaries"] is None
+    assert out["continued"][0]["calls"] == {"generate": 1, "judge": 1}  # round 1's eval only
+    assert os.path.isdir(f"{killed}/online/round_1/checkpoints/iter_0000001")
+    for r in range(2):
+        assert _train_records(killed, r) == _train_records(straight, r)
+        pairs = open(f"{killed}/online/round_{r}/pairs.jsonl").read()
+        assert pairs == open(f"{straight}/online/round_{r}/pairs.jsonl").read()
+    assert out["same_weights_killed"] == [True]
     state = json.load(open(f"{resumed}/online/state.json"))
     assert state["rounds"]["1"]["done"] == ["sample", "score", "pairs", "train", "eval"]
 
