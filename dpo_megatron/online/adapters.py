@@ -111,23 +111,19 @@ def sample_completions(
 
 def build_reward_model(cfg, path: str) -> list:
     """This rank's reward-model chunks at the current layout (``online.reward_model.parallel``,
-    set up by the caller), weights from ``path``: a checkpoint folder (or a run's checkpoints
-    folder) or a Hugging Face ``*ForSequenceClassification`` folder. The engine builds a reward
-    model for the ``bradley_terry`` loss (``dpo_megatron.reward``)."""
+    set up by the caller), in eval mode, weights from ``path``: a reward model's checkpoint
+    (``loss.name=bradley_terry``; a run's checkpoints folder: its latest) or a Hugging Face
+    ``*ForSequenceClassification`` folder (``dpo_megatron.reward.scoring.build_reward_chunks``;
+    the policy's ``model.*`` settings that are not architecture, e.g. dtype, carry over)."""
     if _STAND_INS["build_rm"] is not None:
         return _STAND_INS["build_rm"](cfg, path)
-    import copy
-    import os
+    import dataclasses
 
-    from dpo_megatron.training import run_models
+    from dpo_megatron.reward.scoring import build_reward_chunks
 
-    rm = copy.deepcopy(cfg)
-    rm.parallel = copy.deepcopy(cfg.online.reward_model.parallel)
-    rm.loss = {"name": "bradley_terry"}
-    rm.lora.enabled = False
-    hf = os.path.isfile(os.path.join(path, "config.json"))
-    rm.model.hf_path, rm.model.load = (path, "") if hf else ("", path)
-    return run_models.build_policy(rm, run_models.resolve_model_config(rm))
+    base = dataclasses.replace(cfg.model, hf_path="", load="")
+    chunks, _ = build_reward_chunks(path, cfg.online.reward_model.parallel, base)
+    return chunks
 
 
 def score_with_reward_model(
