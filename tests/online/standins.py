@@ -1,6 +1,8 @@
 """Stand-ins for the online tests: a judge callable (``online.judge=tests.online.standins:
-char_judge``) and a generator with the signature of ``dpo_megatron.generation.generate`` that
-samples from the real policy chunks (a seeded random first token, then greedy), so every
+char_judge``), a reward model (the tiny policy model at the reward model's layout, with a scorer
+that records the layout it ran at), and the generation: the real
+``dpo_megatron.generation.generate`` once it exists, until then a stand-in with its signature
+that samples from the real policy chunks (a seeded random first token, then greedy), so every
 layout's policy is built, loaded and run by the sample phase."""
 
 from __future__ import annotations
@@ -16,6 +18,19 @@ def char_judge(prompts: list[str], completions: list[str]) -> list[float]:
     return [float(sum(map(ord, c)) % 13) for c in completions]
 
 
+def counting_generate(chunks, prompts, params, **kwargs):
+    """``dpo_megatron.generation.generate`` where the package exists (issue 26 item 2), else
+    :func:`seeded_greedy_generate`; counts the calls."""
+    CALLS["generate"] += 1
+    try:
+        from dpo_megatron.generation import SamplingParams, generate
+    except ImportError:
+        return seeded_greedy_generate(chunks, prompts, params, **kwargs)
+    import dataclasses
+
+    return generate(chunks, prompts, SamplingParams(**dataclasses.asdict(params)), **kwargs)
+
+
 def seeded_greedy_generate(
     chunks, prompts, params, *, num_samples, micro_batch_size, pad_id, vocab_size
 ):
@@ -25,7 +40,6 @@ def seeded_greedy_generate(
 
     from dpo_megatron.training.evaluation import greedy_generate
 
-    CALLS["generate"] += 1
     g = torch.Generator().manual_seed(params.seed)
     rows, firsts = [], []
     for p in prompts:

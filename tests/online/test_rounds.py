@@ -119,7 +119,7 @@ def _online(folder, run, stop_after=None, sigterm_at=None, **config):
     before = dict(standins.CALLS)
     undo = _sigterm_after(*sigterm_at) if sigterm_at else (lambda: None)
     with (
-        use_generator(standins.seeded_greedy_generate),
+        use_generator(standins.counting_generate),
         use_reward_model(standins.build_tiny_reward_model, standins.layout_checking_scorer),
     ):
         try:
