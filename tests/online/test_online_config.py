@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -137,3 +138,19 @@ def test_prompts_of_a_preference_format_and_errors(tmp_path):
     bad.write_text(json.dumps({"text": "x"}) + "\n")
     with pytest.raises(DataError, match="rows need a 'prompt' or 'messages' field"):
         read_prompts(str(bad))
+
+
+def test_a_fresh_run_over_an_online_run_is_refused(tmp_path, prompts_file):
+    from dpo_megatron.training.run_dir import RunDirError, check_run_dir
+    from dpo_megatron.utils.run_layout import RunLayout
+
+    cfg = _cfg(tmp_path, prompts_file)
+    check_run_dir(cfg)  # an empty folder: fine
+    state = RunLayout(cfg.run_dir).online_state
+    os.makedirs(os.path.dirname(state))
+    with open(state, "w") as f:
+        f.write('{"rounds": {}}')
+    with pytest.raises(RunDirError, match=r"already holds a run \(an online run \(.*state\.json"):
+        check_run_dir(cfg)
+    cfg.checkpoint.resume = "auto"
+    check_run_dir(cfg)  # continuing it is fine
