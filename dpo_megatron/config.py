@@ -43,6 +43,7 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
 
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
+from dpo_megatron.generation.config import GenerationConfig  # noqa: E402
 from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name  # noqa: E402
 from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
@@ -117,6 +118,8 @@ class DPOConfig:
     """LoRA adapters instead of full training; the frozen base is then the reference."""
     online: OnlineConfig = field(default_factory=OnlineConfig)
     """Iterative (online) DPO rounds (``scripts/iterative_dpo.sh``); unused with rounds 0."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling from the policy (``python -m dpo_megatron.generate``)."""
 
 
 def _resolve_asset(name: str) -> str:
@@ -429,6 +432,7 @@ def validate(cfg: DPOConfig) -> None:
     cfg.reference.validate()
     cfg.packing.validate()
     cfg.online.validate()
+    cfg.generation.validate()
 
     t, p = cfg.train, cfg.parallel
     dp = data_parallel_size(cfg)

@@ -235,19 +235,43 @@ def exchanges(messages: Messages) -> tuple[Messages, list[Messages]]:
     return system, units
 
 
-def _encode_chat(example: Example, tokenizer, settings: EncodeSettings, budget: TokenBudget):
-    """(prompt ids, completion ids per side, prompt length before dropping turns, whether turns
-    were dropped)."""
-    template = settings.chat_template
-    if not (template or getattr(tokenizer, "chat_template", None)):
+def encode_prompt(prompt: str | Messages, tokenizer, settings: EncodeSettings) -> list[int]:
+    """Token ids of a prompt to complete, encoded as :func:`encode_example` encodes an example's
+    prompt (no length cut): a text as it is, a message list rendered by the chat template with
+    the generation prompt; one BOS first when the tokenizer adds one.
+
+    Raises:
+        DataError: a message list and no chat template.
+    """
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return one_bos(ids, settings) if ids or settings.add_bos else ids
+    _require_chat_template(tokenizer, settings)
+    return _chat_prompt(prompt, tokenizer, settings)[1]
+
+
+def _require_chat_template(tokenizer, settings: EncodeSettings) -> None:
+    if not (settings.chat_template or getattr(tokenizer, "chat_template", None)):
         raise DataError(
             "conversational data needs a chat template: the tokenizer has none; set "
             "data.chat_template (chatml, mistral or a Jinja file)"
         )
 
+
+def _chat_prompt(messages: Messages, tokenizer, settings: EncodeSettings) -> tuple[str, list[int]]:
+    """(rendered text, token ids) of a conversation's prompt, generation prompt included."""
+    text = render_chat(tokenizer, messages, True, settings.chat_template)
+    return text, one_bos(tokenizer.encode(text, add_special_tokens=False), settings)
+
+
+def _encode_chat(example: Example, tokenizer, settings: EncodeSettings, budget: TokenBudget):
+    """(prompt ids, completion ids per side, prompt length before dropping turns, whether turns
+    were dropped)."""
+    template = settings.chat_template
+    _require_chat_template(tokenizer, settings)
+
     def prompt_tokens(messages):
-        text = render_chat(tokenizer, messages, True, template)
-        return text, one_bos(tokenizer.encode(text, add_special_tokens=False), settings)
+        return _chat_prompt(messages, tokenizer, settings)
 
     prompt = example.prompt
     prompt_text, prompt_ids = prompt_tokens(prompt)

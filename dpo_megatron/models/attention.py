@@ -54,6 +54,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dpo_megatron.data.batch import SpanRows, span_rows
 from dpo_megatron.models.config import LOCAL_ATTENTIONS as LOCAL_ATTENTION
+from dpo_megatron.models.kv_cache import KVCache
 from dpo_megatron.parallel.device import is_cuda
 
 
@@ -445,6 +446,35 @@ def flex_attention_rows(
     )
 
 
+def cached_attention(
+    owner: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KVCache,
+    scale: Optional[float],
+    window: Optional[int],
+) -> torch.Tensor:
+    """A generation forward of one layer: the new slots' keys and values join ``cache``
+    under ``owner`` and the new queries attend to the slots they may see
+    (:meth:`KVCache.visible`), with :func:`sdpa` and a bool mask.
+
+    Args:
+        query: [n, R, heads, hn]; key / value: [n, R, groups, hn] of the new slots (RoPE
+            applied).
+        scale: softmax scale (None: 1 / sqrt(hn)).
+        window: the layer's sliding window (earlier keys a query sees besides itself) or None.
+
+    Returns:
+        [n, R, heads * hn].
+    """
+    sq, b = query.shape[0], query.shape[1]
+    key, value = cache.update(owner, key, value)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+    out = sdpa(q, k, v, scale, attn_mask=cache.visible(window))
+    return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
 class LocalAttention(DotProductAttention):
     """megatron-core's local core attention with the kernels of this module (see its docstring).
 
@@ -504,6 +534,8 @@ class LocalAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        if isinstance(packed_seq_params, KVCache):
+            return self._cached_forward(query, key, value, attn_mask_type, packed_seq_params)
         layout = getattr(packed_seq_params, "layout", None)
         if packed_seq_params is not None and layout is None:
             raise ValueError(
@@ -551,6 +583,28 @@ class LocalAttention(DotProductAttention):
         else:
             out = sdpa(q, k, v, self.softmax_scale, attn_mask=~attention_mask)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _cached_forward(self, query, key, value, attn_mask_type, cache: KVCache):
+        """Generation: the new slots' keys and values join ``cache``
+        (``models.kv_cache``), and the new queries attend to every slot they may see
+        (:meth:`KVCache.visible`, this layer's window included) with the ``sdpa`` kernel
+        whatever ``kernel`` is (the mask is small: [R, 1, n, slots]); softmax offsets and
+        query-key layer scaling, which only the parent computes, take the parent with the same
+        mask. Generation runs in eval mode (no attention dropout).
+
+        Raises:
+            ValueError: a sliding window in a layer the parent must compute.
+        """
+        if self.softmax_offset is not None or self.config.apply_query_key_layer_scaling:
+            if self.window is not None:
+                raise ValueError(
+                    "cached generation of a sliding-window layer with softmax offsets "
+                    "(attention sinks) or query-key layer scaling is not supported"
+                )
+            key, value = cache.update(self, key, value)
+            visible = cache.visible(self.window)
+            return super().forward(query, key, value, ~visible, attn_mask_type, None, None)
+        return cached_attention(self, query, key, value, cache, self.softmax_scale, self.window)
 
 
 SDPAttention = LocalAttention
@@ -612,6 +666,11 @@ def te_core_attention() -> type:
             packed_seq_params=None,
             num_splits=None,
         ):
+            if isinstance(packed_seq_params, KVCache):  # generation (not run on this stack)
+                size = getattr(self, "window_size", None)
+                window = None if size is None or size[0] < 0 else int(size[0])
+                scale = getattr(self, "softmax_scale", None)
+                return cached_attention(self, query, key, value, packed_seq_params, scale, window)
             layout = getattr(packed_seq_params, "layout", None)
             if layout is None or layout.kv_index is None:
                 return super().forward(

@@ -24,6 +24,7 @@ from dpo_megatron.models.context_attention import (
     context_parallel_coordinates,
     uses_context_parallel_attention,
 )
+from dpo_megatron.models.kv_cache import KVCache
 from dpo_megatron.models.layers import LayerTypeRope
 from dpo_megatron.models.logprobs import (
     HeadLogps,
@@ -72,6 +73,10 @@ class DPOGPTModel(GPTModel):
       its own gather (as megatron-core's GPTModel does when it keeps only the last token's
       logits).
 
+    * ``kv_cache`` (generation, ``models.kv_cache.KVCache``): the tokens are the next slots of
+      the cache's rows, which every layer's core attention extends and attends to; positions
+      may then exceed the row length (RoPE reads a table of ``kv_cache.capacity`` positions).
+
     * ``target_ids`` [n] (with ``output_index``): the last stage returns the log-probs of these
       targets instead of logits, through ``models.logprobs.vocab_parallel_linear_logps``,
       which never holds the [n, V/TP] logits (``log_sum_p2=True`` adds the WPO normaliser).
@@ -107,8 +112,12 @@ class DPOGPTModel(GPTModel):
         log_sum_p2: bool = False,
         padding_mask: Optional[torch.Tensor] = None,
         moe_aux_loss_weight: float = 1.0,
+        kv_cache: Optional[KVCache] = None,
     ):
-        if self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
+        if kv_cache is not None:
+            # Generation: the layers' core attention keeps and reads the keys (models.kv_cache).
+            params = kv_cache
+        elif self.config.context_parallel_size > 1 and uses_context_parallel_attention(self):
             # This CP rank's tokens (data.context_split): query and gathered key coordinates.
             params = None
             attention_mask = context_parallel_coordinates(
@@ -136,7 +145,9 @@ class DPOGPTModel(GPTModel):
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
-            rotary_pos_emb=self._rotary_per_row(position_ids),
+            rotary_pos_emb=self._rotary_per_row(
+                position_ids, None if kv_cache is None else kv_cache.capacity
+            ),
             padding_mask=padding_mask,
             packed_seq_params=params,
         )
@@ -181,17 +192,20 @@ class DPOGPTModel(GPTModel):
         rank = parallel_state.get_tensor_model_parallel_rank()
         return padding_mask.chunk(tp, dim=1)[rank].contiguous()
 
-    def _rotary_per_row(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    def _rotary_per_row(
+        self, position_ids: torch.Tensor, bound: Optional[int] = None
+    ) -> Optional[torch.Tensor]:
         """[L, R, 1, dim] RoPE table of each row's positions, or None without RoPE.
 
         Every position of a row is below its length L (padded, packed and shared-prompt rows
-        alike), so the table of L positions is read without looking at device values. In THD
+        alike), so the table of L positions is read without looking at device values; a
+        generation forward gives the bound itself (``bound``: the cache's slots). In THD
         form (R = 1) it is megatron-core's per-token table ([T, 1, 1, dim] with T the packed
         tokens), which its THD RoPE applies token by token."""
         if self.position_embedding_type != "rope":
             return None
         # Under CP a row holds L / CP of the L positions (data.context_split).
-        length = position_ids.shape[-1] * self.config.context_parallel_size
+        length = bound or position_ids.shape[-1] * self.config.context_parallel_size
         tables = []
         # With model.local_rotary_base the sliding-window layers have their own RoPE, the
         # submodule local_rotary_pos_emb (build_model_chunks), and every layer gets both

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 from dpo_megatron.utils import ranks
@@ -53,18 +52,6 @@ def use_reward_model(build: Callable, score: Callable) -> Iterator[None]:
         _STAND_INS.update(previous)
 
 
-@dataclass(frozen=True)
-class SamplingStandIn:
-    """The sampling settings handed to a generator stand-in (the fields of
-    ``dpo_megatron.generation.SamplingParams``)."""
-
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    seed: int
-    stop_ids: tuple[int, ...]
-
-
 def sample_completions(
     chunks: list,
     prompts: Sequence[Sequence[int]],
@@ -86,11 +73,9 @@ def sample_completions(
     Returns:
         per prompt, ``num_samples`` lists of generated ids (prompt excluded).
     """
-    stand_in = _STAND_INS["generate"]
-    if stand_in is None:
-        from dpo_megatron.generation import SamplingParams, generate
-    else:
-        SamplingParams, generate = SamplingStandIn, stand_in
+    from dpo_megatron.generation import SamplingParams, generate
+
+    generate = _STAND_INS["generate"] or generate
     params = SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,

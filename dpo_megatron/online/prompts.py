@@ -14,12 +14,12 @@ import random
 from dataclasses import dataclass
 from typing import Union
 
-from dpo_megatron.data.encode import encode_settings, one_bos
+from dpo_megatron.data.encode import encode_prompt, encode_settings
 from dpo_megatron.data.format_registry import detect_format
 from dpo_megatron.data.formats import get_format
 from dpo_megatron.data.read import columns, first_row, rows
 from dpo_megatron.data.reader import DataError, read_source
-from dpo_megatron.data.tokenizer import has_chat_template, render_chat, resolve_chat_template
+from dpo_megatron.data.tokenizer import resolve_chat_template
 
 Prompt = Union[str, list]
 
@@ -106,18 +106,9 @@ def encode_prompts(
     settings = encode_settings(tokenizer, template)
     kept, too_long = [], 0
     for row, prompt in prompts:
-        if isinstance(prompt, list):
-            if not has_chat_template(tokenizer, template):
-                raise DataError(
-                    "chat prompts need a chat template: the tokenizer has none; set "
-                    "data.chat_template (chatml, mistral or a Jinja file)"
-                )
-            text = render_chat(tokenizer, prompt, True, template)
-        else:
-            text = str(prompt)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if ids or settings.add_bos:
-            ids = one_bos(ids, settings)
+        ids = encode_prompt(
+            prompt if isinstance(prompt, list) else str(prompt), tokenizer, settings
+        )
         if max_prompt_length and len(ids) > max_prompt_length:
             too_long += 1
             continue

@@ -8,25 +8,22 @@ pair-weighted means of the loss's metrics (``loss``, ``rewards/accuracies``, ``r
 ``logps/chosen`` ...; for ``sft``: ``nll_loss``, ``logps/chosen``) and ``items``, the number of
 pairs (or examples) they are the means of.
 
-``greedy_generate`` decodes a few prompts token by token through the pipeline schedule (one
-forward-only pass per new token, no KV cache: meant for a handful of short samples in the
-log, not for serving). The next token is the argmax over the vocab-parallel logits, reduced over
-the tensor-parallel group without gathering the vocabulary.
+Greedy samples of a few eval prompts come from ``dpo_megatron.generation.generate`` (the trainer
+calls it; ``write_samples`` writes them).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dpo_megatron.data.batch import BatchBuilder
-from dpo_megatron.parallel.device import get_device, to_device
-from dpo_megatron.training.step import _share_from_last_stage, run_policy, run_schedule
+from dpo_megatron.parallel.schedule import share_from_last_stage
+from dpo_megatron.training.step import run_policy
 from dpo_megatron.utils.run_layout import RunLayout
 
 
@@ -145,101 +142,7 @@ class Evaluator:
                 if total
                 else {}
             )
-        return _share_from_last_stage(metrics)
-
-
-def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Greedy token ids from vocab-parallel logits.
-
-    Args:
-        logits: [N, V/TP] this TP rank's vocabulary slice (rank r holds ids r*V/TP ...).
-        vocab_size: real vocabulary size; padded ids at or above it are never chosen.
-
-    Returns:
-        [N] int64 global token ids, identical on every TP rank; ties go to the lowest id.
-    """
-    shard = logits.shape[-1]
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    logits = logits.float()
-    if vocab_size is not None:
-        ids = torch.arange(rank * shard, (rank + 1) * shard, device=logits.device)
-        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
-    values, index = logits.max(dim=-1)
-    index = index + rank * shard
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return index
-    group = parallel_state.get_tensor_model_parallel_group()
-    all_values = [torch.empty_like(values) for _ in range(tp)]
-    all_index = [torch.empty_like(index) for _ in range(tp)]
-    dist.all_gather(all_values, values, group=group)
-    dist.all_gather(all_index, index, group=group)
-    best = torch.stack(all_values).argmax(dim=0)  # first maximum: the lowest rank, lowest id
-    return torch.stack(all_index).gather(0, best.unsqueeze(0)).squeeze(0)
-
-
-@torch.no_grad()
-def greedy_generate(
-    chunks: list,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    pad_id: int,
-    multiple: int,
-    vocab_size: Optional[int] = None,
-) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` (collective over the whole model-parallel group).
-
-    Args:
-        chunks: this rank's policy chunks.
-        prompts: token ids per prompt (the same on every rank).
-        max_new_tokens: most tokens generated per prompt.
-        stop_ids: a generated id in this set ends its row (kept in the output).
-        multiple: the padded sequence length is a multiple of this (x TP under SP).
-
-    Returns:
-        generated ids per prompt (prompt excluded), identical on every rank.
-    """
-    rows = [list(p) for p in prompts]
-    generated: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(rows)
-    for _ in range(max_new_tokens):
-        if all(done):
-            break
-        lengths = [len(r) for r in rows]
-        seq_length = -(-max(lengths) // multiple) * multiple
-        tokens = torch.full((len(rows), seq_length), pad_id, dtype=torch.int64)
-        for i, row in enumerate(rows):
-            tokens[i, : len(row)] = torch.tensor(row)
-        positions = torch.arange(seq_length).expand(len(rows), -1).contiguous()
-        # The last real position of each row, flat in [rows * seq_length]: the only logits read.
-        last = torch.tensor([i * seq_length + n - 1 for i, n in enumerate(lengths)])
-        batch = [(to_device(tokens), to_device(positions), to_device(last))]
-        picked: list[torch.Tensor] = []
-
-        def forward_step(data_iterator, model):
-            tokens_, positions_, last_ = next(data_iterator)
-
-            def pick(logits):  # [1, rows, V/TP] on the last stage
-                picked.append(vocab_parallel_argmax(logits[0], vocab_size))
-                return (
-                    logits.new_zeros(()),
-                    torch.tensor(0, dtype=torch.int, device=get_device()),
-                    {},
-                )
-
-            # Plain causal forward: right padding does not reach the positions read here.
-            return model(tokens_, positions_, output_index=last_), pick
-
-        run_schedule(forward_step, chunks, batch, len(rows), seq_length, True)
-        next_ids = _share_from_last_stage(picked[0].tolist() if picked else None)
-        for i, token in enumerate(next_ids):
-            if done[i]:
-                continue
-            rows[i].append(token)
-            generated[i].append(token)
-            done[i] = token in stop_ids
-    return generated
+        return share_from_last_stage(metrics)
 
 
 def write_samples(layout: RunLayout, step: int, records: list[dict]) -> str:

@@ -34,12 +34,11 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
 from dpo_megatron.models.logprobs import HeadLogps
@@ -49,6 +48,7 @@ from dpo_megatron.parallel.context import (
     sum_over_context_parallel,
 )
 from dpo_megatron.parallel.device import get_device
+from dpo_megatron.parallel.schedule import run_schedule, share_from_last_stage
 
 
 @dataclass
@@ -223,7 +223,7 @@ def step_statistic_inputs(
         )
         gathered = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
-    gathered = _share_from_last_stage(gathered)
+    gathered = share_from_last_stage(gathered)
     values = torch.tensor(
         [v for rank_values, _ in gathered for v in rank_values], dtype=torch.float64
     )
@@ -242,68 +242,6 @@ def step_statistic_inputs(
         inputs.append({**scalars, **sliced})
         offset += mb.num_items
     return inputs
-
-
-def _iterators(micro_batches: list, num_chunks: int):
-    """One iterator per model chunk (the interleaved schedule pulls from each separately)."""
-    its = [iter(micro_batches) for _ in range(num_chunks)]
-    return its if num_chunks > 1 else its[0]
-
-
-def run_schedule(
-    forward_step_func, chunks, micro_batches: list, rows: int, seq_length: int, forward_only: bool
-):
-    """megatron-core's forward-backward function over ``micro_batches`` (one per chunk stream).
-
-    Under the interleaved (virtual) pipeline megatron-core needs the micro-batch count to be a
-    multiple of the pipeline size. A training step's count is checked by the config; a forward-
-    only call (evaluation's smaller last step, the reference precompute pass, a greedy decode
-    step) is padded with copies of its last micro-batch, whose outputs are dropped.
-
-    Args:
-        rows: model rows per micro-batch (R: 2B sequences when padded). The schedule sizes its
-            p2p buffers from it, so it is rows, not pairs.
-        seq_length: L, tokens per row.
-        forward_only: no backward; the chunks run in eval mode (no dropout: reference passes,
-            evaluation and sampling compute the deterministic model, as Megatron-LM's evaluate).
-
-    Returns:
-        The schedule's forward data store, one entry per given micro-batch (last stage only).
-    """
-    count = len(micro_batches)
-    padding = _interleaved_padding(count, len(chunks)) if forward_only else 0
-    padded = list(micro_batches) + [micro_batches[-1]] * padding
-    with _eval_mode(chunks) if forward_only else contextlib.nullcontext():
-        store = get_forward_backward_func()(
-            forward_step_func=forward_step_func,
-            data_iterator=_iterators(padded, len(chunks)),
-            model=chunks,
-            num_microbatches=len(padded),
-            seq_length=seq_length,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
-    return store[:count]
-
-
-def _interleaved_padding(count: int, num_chunks: int) -> int:
-    """Micro-batches to add so that ``count`` suits the interleaved schedule (0 without it)."""
-    if num_chunks == 1:
-        return 0
-    return -count % parallel_state.get_pipeline_model_parallel_world_size()
-
-
-@contextlib.contextmanager
-def _eval_mode(chunks: list):
-    """The chunks in eval mode within the block, their previous mode restored after."""
-    previous = [chunk.training for chunk in chunks]
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        yield
-    finally:
-        for chunk, training in zip(chunks, previous):
-            chunk.train(training)
 
 
 def _rows(batch: StepBatch) -> int:
@@ -339,20 +277,6 @@ def _reduce_per_pair(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, 
         {k: sums[i] / total for i, k in enumerate(keys)},
         total,
     )
-
-
-def _share_from_last_stage(payload: Any) -> Any:
-    """Broadcast a Python object from the last pipeline stage to the whole pipeline group."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return payload
-    box = [payload]
-    dist.broadcast_object_list(
-        box,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-        device=get_device(),
-    )
-    return box[0]
 
 
 def run_policy(
@@ -419,7 +343,7 @@ def dpo_forward_backward(
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         per_pair, metrics, count = _reduce_per_pair(store)
         metrics = loss_fn.finish_metrics(metrics, count)
-    metrics, count = _share_from_last_stage((metrics, count))
+    metrics, count = share_from_last_stage((metrics, count))
     aux = (
         {}
         if forward_only

@@ -25,6 +25,7 @@ from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch
 from dpo_megatron.data.builders import make_batch_builder
 from dpo_megatron.data.kinds import item_kind
+from dpo_megatron.generation import SamplingParams, generate
 from dpo_megatron.losses import build_loss
 from dpo_megatron.parallel import host_malloc, initialize_distributed, set_seed
 from dpo_megatron.parallel.context import context_parallel_rank_and_size
@@ -32,7 +33,7 @@ from dpo_megatron.parallel.device import get_device
 from dpo_megatron.parallel.shutdown import NonFiniteLossError, die_with_launcher
 from dpo_megatron.training import run_models
 from dpo_megatron.training.auto_settings import resolve_auto_settings
-from dpo_megatron.training.evaluation import Evaluator, greedy_generate, write_samples
+from dpo_megatron.training.evaluation import Evaluator, write_samples
 from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
 from dpo_megatron.training.reference import precomputed_pairs
@@ -90,7 +91,6 @@ class Trainer:
             cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,
             cfg.parallel.sequence_granule(),
         )
-        self.multiple = multiple
         self.builder = make_batch_builder(
             self.data.pad_token_id,
             multiple,
@@ -293,15 +293,22 @@ class Trainer:
         chosen = [x.target_ids for x in items]
         prompts = [x.prompt_ids for x in items]
         stop = {i for i in (tokenizer.eos_token_id, self.data.pad_token_id) if i is not None}
-        outputs = greedy_generate(
-            self.policy,
-            prompts,
-            self.cfg.train.eval_sample_max_new_tokens,
-            stop,
-            self.data.pad_token_id,
-            self.multiple,
-            vocab_size=len(tokenizer),
+        params = SamplingParams(
+            temperature=0,
+            max_new_tokens=self.cfg.train.eval_sample_max_new_tokens,
+            stop_ids=tuple(sorted(stop)),
         )
+        outputs = [
+            samples[0]
+            for samples in generate(
+                self.policy,
+                prompts,
+                params,
+                micro_batch_size=self.cfg.train.micro_batch_size,
+                pad_id=self.data.pad_token_id,
+                vocab_size=len(tokenizer),
+            )
+        ]
         return [
             {
                 "prompt": tokenizer.decode(list(p)),

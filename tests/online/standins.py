@@ -1,9 +1,6 @@
 """Stand-ins for the online tests: a judge callable (``online.judge=tests.online.standins:
 char_judge``), a reward model (the tiny policy model at the reward model's layout, with a scorer
-that records the layout it ran at), and the generation: the real
-``dpo_megatron.generation.generate`` once it exists, until then a stand-in with its signature
-that samples from the real policy chunks (a seeded random first token, then greedy), so every
-layout's policy is built, loaded and run by the sample phase."""
+that records the layout it ran at), and the real generation with its calls counted."""
 
 from __future__ import annotations
 
@@ -19,39 +16,11 @@ def char_judge(prompts: list[str], completions: list[str]) -> list[float]:
 
 
 def counting_generate(chunks, prompts, params, **kwargs):
-    """``dpo_megatron.generation.generate`` where the package exists (issue 26 item 2), else
-    :func:`seeded_greedy_generate`; counts the calls."""
+    """``dpo_megatron.generation.generate``, counted."""
+    from dpo_megatron.generation import generate
+
     CALLS["generate"] += 1
-    try:
-        from dpo_megatron.generation import SamplingParams, generate
-    except ImportError:
-        return seeded_greedy_generate(chunks, prompts, params, **kwargs)
-    import dataclasses
-
-    return generate(chunks, prompts, SamplingParams(**dataclasses.asdict(params)), **kwargs)
-
-
-def seeded_greedy_generate(
-    chunks, prompts, params, *, num_samples, micro_batch_size, pad_id, vocab_size
-):
-    """Per prompt, ``num_samples`` completions: token 1 drawn from ``params.seed`` (ids 3 ..
-    vocab_size - 1), the rest greedy from the policy (collective, identical on every rank)."""
-    import torch
-
-    from dpo_megatron.training.evaluation import greedy_generate
-
-    g = torch.Generator().manual_seed(params.seed)
-    rows, firsts = [], []
-    for p in prompts:
-        for _ in range(num_samples):
-            first = int(torch.randint(3, vocab_size, (1,), generator=g))
-            rows.append(list(p) + [first])
-            firsts.append(first)
-    rest = greedy_generate(
-        chunks, rows, params.max_new_tokens - 1, params.stop_ids, pad_id, 1, vocab_size=vocab_size
-    )
-    outs = [[f, *r] for f, r in zip(firsts, rest)]
-    return [outs[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+    return generate(chunks, prompts, params, **kwargs)
 
 
 def build_tiny_reward_model(cfg, path):

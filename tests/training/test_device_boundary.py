@@ -41,18 +41,19 @@ DEFECTS = {
         _host,
         "training/trainer.py",
     ),
-    # training/step.py: the step's results shared along the pipeline from a host tensor (the
-    # pair count is 0-dim and the NaN flag is replaced by the buffers' device flag, so this
-    # defect shows at PP 2 only: PIPELINE_DEFECTS)
+    # parallel/schedule.py (training/step.py before): the step's results shared along the
+    # pipeline from a host tensor (the pair count is 0-dim and the NaN flag is replaced by the
+    # buffers' device flag, so this defect shows at PP 2 only: PIPELINE_DEFECTS)
     "step reductions on host": (
-        "dpo_megatron.training.step",
+        "dpo_megatron.parallel.schedule",
         "get_device",
         _host,
-        "training/step.py",
+        "parallel/schedule.py",
     ),
-    # training/evaluation.py: greedy generation fed host token ids and positions
+    # generation/engine.py (training/evaluation.py before): greedy samples fed host token ids
+    # and positions
     "generation on host": (
-        "dpo_megatron.training.evaluation",
+        "dpo_megatron.generation.engine",
         "to_device",
         lambda t: t,
         "megatron/core",

@@ -1,0 +1,235 @@
+"""Batched generation from the policy chunks at any TP x PP (x VPP) x DP (x EP) layout, with a
+KV cache.
+
+:func:`generate` is collective over the world. The completions (prompt i, sample j) are dealt to
+the data-parallel ranks longest prompt first, in contiguous equal shares, each share cut into
+micro-batches of ``micro_batch_size`` rows (filled up with idle rows, so every rank runs the same
+calls: expert parallelism exchanges tokens across data-parallel ranks). Each micro-batch has its
+own :class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core attention:
+
+1. prefill: each micro-batch's prompts, left-padded to its longest (every row then appends at
+   the same cache slots), positions counted from 0 at each row's first token, padding slots
+   never a key, go through megatron-core's forward-only pipeline schedule once (one call per
+   micro-batch, each at its own length);
+2. decode: one slot per row (x TP under sequence parallelism, the extra slots idle) per step,
+   through the same schedule, until every completion of the world has stopped.
+
+On the last stage only the last position of each row meets the LM head (``output_index``); its
+[rows, V/TP] logits are gathered over the tensor-parallel group and the next tokens chosen on
+the host (:mod:`dpo_megatron.generation.sampling`: each completion's own random stream), then
+shared with the other pipeline stages, which feed them to the first stage's next step. The
+results of the data-parallel ranks are gathered at the end: every rank returns every completion.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+from dpo_megatron.generation.sampling import SamplingParams, choose_tokens, completion_generator
+from dpo_megatron.models.kv_cache import KVCache
+from dpo_megatron.parallel.device import get_device, to_device
+from dpo_megatron.parallel.schedule import run_schedule, share_from_last_stage
+
+
+class _MicroBatch:
+    """One micro-batch of completions: its rows' (prompt, sample) keys (None: an idle row), its
+    prefill length (its longest prompt, rounded up to ``slots``), its cache (room for the
+    prefill and ``max_new_tokens - 1`` decode steps of ``slots`` slots), what has been
+    generated, and on the last stage each row's random stream."""
+
+    def __init__(self, keys: list, prompts: Sequence[Sequence[int]], slots: int, params):
+        self.keys = keys
+        self.prompt_lengths = [len(prompts[k[0]]) if k else 0 for k in keys]
+        self.length = -(-max(max(self.prompt_lengths), 1) // slots) * slots
+        capacity = self.length + (params.max_new_tokens - 1) * slots
+        self.cache = KVCache.create(len(keys), capacity, get_device())
+        self.generated: list[list[int]] = [[] for _ in keys]
+        self.done = [k is None for k in keys]
+        self.generators = (
+            [completion_generator(params.seed, *k) if k else None for k in keys]
+            if parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            else []
+        )
+
+    def live(self) -> bool:
+        return not all(self.done)
+
+
+def _check_layout() -> None:
+    """Refuse a layout the cache cannot serve (one line naming the setting)."""
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError(
+            "generation does not run under context parallelism: set "
+            "parallel.context_parallel_size=1"
+        )
+
+
+def _deal(num_items: int, micro_batch_size: int) -> list[list[Optional[int]]]:
+    """This data-parallel rank's micro-batches of item indices (None: idle row): a contiguous
+    share of ``ceil(num_items / DP)`` items, in micro-batches of ``min(micro_batch_size,
+    share)`` rows; every rank gets the same number of micro-batches and rows."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    share = -(-num_items // dp)
+    rows = min(micro_batch_size, share)
+    count = -(-share // rows)
+    mine: list[Optional[int]] = list(range(rank * share, min((rank + 1) * share, num_items)))
+    mine += [None] * (count * rows - len(mine))
+    return [mine[i * rows : (i + 1) * rows] for i in range(count)]
+
+
+def _forward_step(data_iterator, model):
+    tokens, positions, output_index, cache = next(data_iterator)
+
+    def last_logits(logits):  # [1, R, V/TP] on the last stage
+        full = gather_from_tensor_model_parallel_region(logits)[0]
+        zero = torch.tensor(0, dtype=torch.int, device=get_device())
+        return logits.new_zeros(()), zero, {"logits": full.float().cpu()}
+
+    return model(tokens, positions, output_index=output_index, kv_cache=cache), last_logits
+
+
+def _run(chunks, batches: list[_MicroBatch], inputs: list, column: int, params, vocab: int):
+    """One forward of every micro-batch (``inputs``: host [R, n] tokens, positions and real
+    flags each; ``column``: the slot whose logits choose each row's next token), then the next
+    token of every live row, shared along the pipeline."""
+    feed = []
+    for mb, (tokens, positions, real) in zip(batches, inputs):
+        rows, n = tokens.shape
+        mb.cache.append(to_device(positions), to_device(real))
+        output_index = torch.arange(rows) * n + column  # flat r * n + column
+        feed.append((to_device(tokens), to_device(positions), to_device(output_index), mb.cache))
+    rows, n = inputs[0][0].shape
+    store = run_schedule(_forward_step, chunks, feed, rows, n, True)
+    chosen = None
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        chosen = []
+        for mb, out in zip(batches, store):
+            live = [r for r, done in enumerate(mb.done) if not done]
+            picked = (
+                choose_tokens(out["logits"][live, :vocab], params, [mb.generators[r] for r in live])
+                if live
+                else []
+            )
+            chosen.append(dict(zip(live, picked)))
+    chosen = share_from_last_stage(chosen)
+    for mb, picked in zip(batches, chosen):
+        for r, token in picked.items():
+            mb.generated[r].append(token)
+            mb.done[r] = token in params.stop_ids or len(mb.generated[r]) >= params.max_new_tokens
+
+
+def _prefill_inputs(mb: _MicroBatch, prompts, length: int, pad_id: int):
+    """Host [R, length] tokens, positions and real flags of the prompts, left-padded."""
+    tokens = torch.full((len(mb.keys), length), pad_id, dtype=torch.int64)
+    positions = torch.zeros_like(tokens)
+    real = torch.zeros(tokens.shape, dtype=torch.bool)
+    for r, key in enumerate(mb.keys):
+        if key is None:
+            continue
+        n = mb.prompt_lengths[r]
+        tokens[r, length - n :] = torch.tensor(list(prompts[key[0]]), dtype=torch.int64)
+        positions[r, length - n :] = torch.arange(n)
+        real[r, length - n :] = True
+    return tokens, positions, real
+
+
+def _decode_inputs(mb: _MicroBatch, slots: int, pad_id: int):
+    """Host [R, slots] tokens, positions and real flags of one decode step: each live row's
+    last token in slot 0 at its position, the other slots idle (sequence parallelism)."""
+    tokens = torch.full((len(mb.keys), slots), pad_id, dtype=torch.int64)
+    positions = torch.zeros_like(tokens)
+    real = torch.zeros(tokens.shape, dtype=torch.bool)
+    for r, out in enumerate(mb.generated):
+        if not mb.done[r]:
+            tokens[r, 0] = out[-1]
+            positions[r, 0] = mb.prompt_lengths[r] + len(out) - 1
+            real[r, 0] = True
+    return tokens, positions, real
+
+
+def _any_live(batches: list[_MicroBatch]) -> bool:
+    """Whether a completion anywhere in the world is still generating (collective): every rank
+    then takes the same number of steps."""
+    flag = torch.tensor([float(any(mb.live() for mb in batches))], device=get_device())
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+@torch.no_grad()
+def generate(
+    chunks: list,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    num_samples: int = 1,
+    micro_batch_size: int,
+    pad_id: int,
+    vocab_size: int,
+) -> list[list[list[int]]]:
+    """Sample ``num_samples`` completions of every prompt (collective over the world).
+
+    Args:
+        chunks: this rank's policy chunks (``build_model_chunks``; DDP-wrapped ones too).
+        prompts: token ids of each prompt, the same full list on every rank (none empty).
+        params: temperature, top-p, ``max_new_tokens``, seed, stop ids.
+        num_samples: completions per prompt.
+        micro_batch_size: completions per micro-batch (rows of one pipeline pass).
+        pad_id: token id written into padding slots (never attended to).
+        vocab_size: the tokenizer's vocabulary; ids at or above it (the model's padding
+            columns) are never chosen.
+
+    Returns:
+        For each prompt in input order, its ``num_samples`` completions: generated token ids,
+        prompt excluded, the stop token kept; identical on every rank. Completion (i, j) depends
+        on ``params.seed``, i and j only, whatever the layout or batching (up to fp32 rounding
+        of the logits).
+
+    Raises:
+        ValueError: an empty prompt, a count below 1, or context parallelism.
+    """
+    if num_samples < 1 or micro_batch_size < 1:
+        raise ValueError(
+            f"num_samples and micro_batch_size must be >= 1, got {num_samples}, {micro_batch_size}"
+        )
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: generation needs at least one token")
+    if not prompts:
+        return []
+    _check_layout()
+    config = chunks[0].config
+    slots = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    # Longest prompts first: a micro-batch holds prompts of similar lengths, so little padding.
+    keys = sorted(
+        ((i, j) for i in range(len(prompts)) for j in range(num_samples)),
+        key=lambda key: -len(prompts[key[0]]),
+    )
+    batches = [
+        _MicroBatch([None if k is None else keys[k] for k in indices], prompts, slots, params)
+        for indices in _deal(len(keys), micro_batch_size)
+    ]
+    # Prefill one micro-batch per schedule call, each at its own length (every data-parallel
+    # rank makes as many calls, in the same order: expert parallelism pairs their forwards).
+    for mb in batches:
+        inputs = [_prefill_inputs(mb, prompts, mb.length, pad_id)]
+        _run(chunks, [mb], inputs, mb.length - 1, params, vocab_size)
+    while _any_live(batches):
+        inputs = [_decode_inputs(mb, slots, pad_id) for mb in batches]
+        _run(chunks, batches, inputs, 0, params, vocab_size)
+    mine = [(k, out) for mb in batches for k, out in zip(mb.keys, mb.generated) if k is not None]
+    parts = [mine]
+    if parallel_state.get_data_parallel_world_size() > 1:
+        parts = [None] * parallel_state.get_data_parallel_world_size()
+        dist.all_gather_object(parts, mine, group=parallel_state.get_data_parallel_group())
+    results: list[list[list[int]]] = [[[] for _ in range(num_samples)] for _ in prompts]
+    for part in parts:
+        for (i, j), out in part:
+            results[i][j] = out
+    return results

@@ -1,0 +1,135 @@
+"""The keys and values of a generation call, kept by the core attention between forwards.
+
+One :class:`KVCache` serves one micro-batch of R rows for the duration of one generation call
+(``dpo_megatron.generation``): the prompts are run once (prefill), then one token per row at a
+time (decode), and every layer's core attention appends the keys and values of the new slots
+and attends to all slots so far. Keys are stored as the core attention receives them, RoPE
+already applied at each token's own position (NoPE layers: not rotated), so a decode step never
+rotates the cache again.
+
+It reaches the core attention through megatron-core's seam for per-micro-batch attention
+inputs, ``packed_seq_params`` (a ``PackedSeqParams`` with ``qkv_format='sbhd'``, which
+megatron-core's attention passes through untouched), like packed rows do
+(``models.attention.PackedSequenceParams``). Each core attention module owns one entry
+(:meth:`KVCache.update`); with pipeline parallelism each rank holds the entries of its own
+layers.
+
+Slots: the cache has ``capacity`` slots per row. A forward of n new tokens per row first calls
+:meth:`KVCache.append` with their positions and whether each slot holds a real token; rows of
+different lengths are left-padded, so every row appends at the same slots, and a padding slot is
+never a key of a real query. Query slot i of row r sees key slot j iff j <= i, slot j is real,
+its position is at most i's, and (sliding window w) i's position minus j's is at most w; every
+slot also sees itself, so a padding query has a key and its output stays finite (nothing reads
+it).
+
+megatron-core's own inference context (``megatron.core.inference.contexts.StaticInferenceContext``)
+was tried on this stack first: it runs on the CPU for rows of one length, but it stores keys
+unrotated and rotates the whole cache with one position table per slot at every decode step, and
+masks no padding key (left-padded rows need a dense mask, which the sliding-window kernel does
+not take), so the engine keeps its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass(eq=False)
+class KVCache(PackedSeqParams):
+    """Keys and values of one micro-batch of R rows, ``capacity`` slots each (see the module
+    docstring). Build with :meth:`create`; call :meth:`append` before each forward. Compared
+    and hashed by identity (its fields are tensors)."""
+
+    rows: int = 0
+    capacity: int = 0
+    positions: Optional[torch.Tensor] = None
+    """[R, capacity] int64: each filled slot's position in its row (padding slots: 0)."""
+    real: Optional[torch.Tensor] = None
+    """[R, capacity] bool: True where a slot holds a token of the row (not padding)."""
+    start: int = 0
+    """First slot of the forward in progress."""
+    length: int = 0
+    """Slots filled, the forward in progress included."""
+    entries: dict = field(default_factory=dict, repr=False)
+    masks: dict = field(default_factory=dict, repr=False)
+
+    # PackedSeqParams compares field by field (tensors here): one cache is one object.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @classmethod
+    def create(cls, rows: int, capacity: int, device: torch.device) -> "KVCache":
+        """An empty cache of ``rows`` rows and ``capacity`` slots on ``device``."""
+        return cls(
+            qkv_format="sbhd",
+            rows=rows,
+            capacity=capacity,
+            positions=torch.zeros(rows, capacity, dtype=torch.int64, device=device),
+            real=torch.zeros(rows, capacity, dtype=torch.bool, device=device),
+        )
+
+    def append(self, positions: torch.Tensor, real: torch.Tensor) -> None:
+        """Take the next n slots for a forward of n tokens per row.
+
+        Args:
+            positions: [R, n] int, each new token's position in its row.
+            real: [R, n] bool, False for padding slots.
+
+        Raises:
+            ValueError: more slots than ``capacity``, or a shape that is not [R, n].
+        """
+        if positions.shape != real.shape or positions.shape[0] != self.rows:
+            raise ValueError(
+                f"KVCache.append takes [rows={self.rows}, n] positions and flags, "
+                f"got {tuple(positions.shape)} and {tuple(real.shape)}"
+            )
+        end = self.length + positions.shape[1]
+        if end > self.capacity:
+            raise ValueError(f"KVCache holds {self.capacity} slots per row, {end} asked")
+        self.positions[:, self.length : end] = positions
+        self.real[:, self.length : end] = real
+        self.start, self.length = self.length, end
+        self.masks = {}
+
+    def update(
+        self, owner: torch.nn.Module, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``owner``'s keys and values of the new slots; return all its slots so far.
+
+        Args:
+            owner: the core attention module (one entry per module).
+            key, value: [n, R, groups, hn] of the new slots (megatron-core's layout).
+
+        Returns:
+            (keys, values) [length, R, groups, hn], views of the cache.
+        """
+        if owner not in self.entries:
+            shape = (self.capacity, *key.shape[1:])
+            self.entries[owner] = (key.new_zeros(shape), value.new_zeros(shape))
+        keys, values = self.entries[owner]
+        keys[self.start : self.length] = key
+        values[self.start : self.length] = value
+        return keys[: self.length], values[: self.length]
+
+    def visible(self, window: Optional[int] = None) -> torch.Tensor:
+        """[R, 1, n, length] bool, True where a new query slot may attend to a key slot (the
+        rule of the module docstring); built once per forward and window."""
+        if window not in self.masks:
+            slots = torch.arange(self.length, device=self.real.device)
+            query_slots = slots[self.start :]
+            key_pos = self.positions[:, None, : self.length]  # [R, 1, S]
+            query_pos = self.positions[:, self.start : self.length, None]  # [R, n, 1]
+            seen = (
+                self.real[:, None, : self.length]
+                & (key_pos <= query_pos)
+                & (slots[None, None, :] <= query_slots[None, :, None])
+            )
+            if window is not None:
+                seen &= query_pos - key_pos <= window
+            seen |= slots[None, None, :] == query_slots[None, :, None]
+            self.masks[window] = seen.unsqueeze(1)
+        return self.masks[window]

@@ -1,0 +1,331 @@
+"""Generation at any layout with a KV cache (issue 26, item 2).
+
+Greedy completions equal ``transformers``' ``generate(do_sample=False)`` on the same weights, at
+one rank and at TP 2 x PP 2 (prompts of different lengths batched together, left-padded), and
+for a mixture of experts at TP 2 x PP 2 x EP 2 (sequence parallelism: decode steps of TP slots).
+Sampled completions are the same for a seed at every layout and micro-batch size, and differ
+for another seed. A completion ends at its first stop id (kept). A decode step through the
+cache gives the logits of a full forward without it (Llama; Gemma 3's sliding windows with their
+own RoPE; SmolLM3's NoPE layers). Top-p and the inverse-transform draw are checked by hand on a
+small distribution.
+
+The multi-rank cases share two worlds (1 rank and 4 ranks: the module fixture ``runs``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dpo_megatron.generation.sampling import (
+    SamplingParams,
+    choose_tokens,
+    completion_generator,
+    nucleus_probs,
+)
+from tests.models.conversion_helpers import (
+    ALL_TINY_CONFIGS,
+    build_tiny_hf_model,
+    save_tiny_hf_folder,
+)
+from tests.multirank import run_cases
+
+PROMPT_LENGTHS = [5, 9, 3, 7]
+MAX_NEW = 10
+PAD_ID = 0
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling by hand
+
+
+def test_top_p_keeps_the_tokens_whose_preceding_mass_is_below_p():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]], dtype=torch.float64).log()
+    # decreasing order 0.5 (before 0), 0.3 (before 0.5), 0.15 (before 0.8), 0.05 (before 0.95)
+    kept = nucleus_probs(logits, 1.0, 0.7)
+    assert kept[0].tolist() == pytest.approx([0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8], abs=1e-12)
+    only_top = nucleus_probs(logits, 1.0, 0.5)  # 0.3's preceding mass is 0.5, not below 0.5
+    assert only_top[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    hot = nucleus_probs(logits, 2.0, 1.0)  # softmax(log p / 2) = sqrt(p) / sum sqrt(p)
+    root = [math.sqrt(p) for p in (0.15, 0.5, 0.05, 0.3)]
+    assert hot[0].tolist() == pytest.approx([r / sum(root) for r in root], abs=1e-12)
+
+
+def test_a_draw_is_the_inverse_transform_of_the_completion_stream():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3]]).log()
+    params = SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=1, seed=7)
+    picked = []
+    for _ in range(20):  # 20 draws of each stream, from two rows at once
+        picked.append(
+            choose_tokens(logits, params, [completion_generator(7, 0, s) for s in (0, 1)])
+        )
+    expected = []
+    for s in (0, 1):
+        u = torch.rand(1, generator=completion_generator(7, 0, s), dtype=torch.float64).item()
+        expected.append(1 if u < 0.625 else 3)  # cumulative kept mass: id 1 0.625, id 3 1.0
+    assert picked[0] == expected
+    assert (
+        completion_generator(7, 0, 0).initial_seed() != completion_generator(7, 0, 1).initial_seed()
+    )
+    assert (
+        completion_generator(7, 0, 1).initial_seed() != completion_generator(7, 1, 0).initial_seed()
+    )
+
+
+def test_greedy_takes_the_argmax_and_the_lowest_id_of_a_tie():
+    logits = torch.tensor([[0.0, 2.0, 2.0, -1.0], [5.0, 1.0, 4.0, 5.0]])
+    params = SamplingParams(temperature=0, max_new_tokens=1)
+    assert choose_tokens(logits, params, []) == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-0.1, max_new_tokens=1), "temperature"),
+        (dict(top_p=0.0, max_new_tokens=1), "top_p"),
+        (dict(top_p=1.5, max_new_tokens=1), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+    ],
+)
+def test_sampling_params_out_of_range_are_refused_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine on ranks
+
+
+def _chunks(hf_dir, tp=1, pp=1, ep=1, vpp=None):
+    from dpo_megatron.models import ModelConfig, build_model_chunks, load_hf_weights
+    from dpo_megatron.models.conversion import model_config_from_hf
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1 if ep > 1 else None,
+        sequence_parallel=ep > 1 and tp > 1,
+    )
+    initialize_distributed(parallel)
+    set_seed(1234)
+    cfg = model_config_from_hf(
+        hf_dir,
+        ModelConfig(params_dtype="float32", transformer_impl="local", pad_attention_heads=True),
+    )
+    chunks = build_model_chunks(cfg, parallel)
+    load_hf_weights(chunks, cfg, hf_dir)
+    return chunks, cfg
+
+
+def _generate(hf_dir, runs, tp=1, pp=1, ep=1, vpp=None):
+    """``{name: completions}`` for each ``name: (SamplingParams kwargs, num_samples,
+    micro_batch_size)`` of ``runs``, on one model built at the layout."""
+    from dpo_megatron.generation import SamplingParams, generate
+
+    chunks, cfg = _chunks(hf_dir, tp, pp, ep, vpp)
+    prompts = _prompts(cfg.vocab_size)
+    return {
+        name: generate(
+            chunks,
+            prompts,
+            SamplingParams(**params),
+            num_samples=samples,
+            micro_batch_size=mbs,
+            pad_id=PAD_ID,
+            vocab_size=cfg.vocab_size,
+        )
+        for name, (params, samples, mbs) in runs.items()
+    }
+
+
+def _stops(hf_dir):
+    """(completions without stop ids, the stop id, completions with it): the stop id is the
+    third token of the first completion."""
+    from dpo_megatron.generation import SamplingParams, generate
+
+    chunks, cfg = _chunks(hf_dir)
+    prompts = _prompts(cfg.vocab_size)
+
+    def run(**extra):
+        params = SamplingParams(**SAMPLED, **extra)
+        return generate(
+            chunks,
+            prompts,
+            params,
+            num_samples=2,
+            micro_batch_size=3,
+            pad_id=PAD_ID,
+            vocab_size=cfg.vocab_size,
+        )
+
+    full = run()
+    stop = full[0][0][2]
+    return full, stop, run(stop_ids=(stop,))
+
+
+def _cache_vs_recompute(hf_dir):
+    """Max |logit difference| between decode steps through the cache and full forwards without
+    it, over rows of different lengths (left-padded prefill of their first 3..6 tokens, then one
+    token per step)."""
+    from dpo_megatron.models.kv_cache import KVCache
+
+    chunks, cfg = _chunks(hf_dir)
+    model = chunks[0].eval()
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in (9, 11, 8)]
+    prefill = [3, 6, 4]
+    width = max(prefill)
+    steps = min(len(r) - p for r, p in zip(rows, prefill))
+    cache = KVCache.create(len(rows), width + steps, torch.device("cpu"))
+    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+    positions = torch.zeros_like(tokens)
+    real = torch.zeros(tokens.shape, dtype=torch.bool)
+    for r, (row, p) in enumerate(zip(rows, prefill)):
+        tokens[r, width - p :], positions[r, width - p :] = row[:p], torch.arange(p)
+        real[r, width - p :] = True
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(steps + 1):
+            if step:
+                tokens = torch.stack([row[p + step - 1] for row, p in zip(rows, prefill)])[:, None]
+                positions = torch.tensor([[p + step - 1] for p in prefill])
+                real = torch.ones_like(tokens, dtype=torch.bool)
+            cache.append(positions, real)
+            n = tokens.shape[1]
+            index = torch.arange(len(rows)) * n + n - 1
+            cached = model(tokens, positions, output_index=index, kv_cache=cache)[0]
+            for r, (row, p) in enumerate(zip(rows, prefill)):
+                seen = row[: p + step][None]
+                full = model(seen, torch.arange(seen.shape[1])[None])[0, -1]
+                worst = max(worst, (cached[r] - full).abs().max().item())
+    return worst
+
+
+MOE = "qwen3_moe"
+CACHE_ARCHS = ["llama", "gemma3", "smollm3"]
+GREEDY = dict(temperature=0, max_new_tokens=MAX_NEW)
+SAMPLED = dict(temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW, seed=0)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    return {
+        arch: save_tiny_hf_folder(arch, str(root / arch))
+        for arch in ["llama", MOE, *CACHE_ARCHS[1:]]
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(folders):
+    """Per case, rank 0's result (every rank returns the same completions: checked)."""
+    llama = folders["llama"]
+    sampled = {
+        "greedy": (GREEDY, 1, 3),
+        "seed0_mbs1": (SAMPLED, 2, 1),
+        "seed0_mbs4": (SAMPLED, 2, 4),
+        "seed1": ({**SAMPLED, "seed": 1}, 2, 4),
+    }
+    one = {
+        "one": (_generate, dict(hf_dir=llama, runs=sampled)),
+        "stops": (_stops, dict(hf_dir=llama)),
+        **{
+            f"cache_{arch}": (_cache_vs_recompute, dict(hf_dir=folders[arch]))
+            for arch in CACHE_ARCHS
+        },
+    }
+    four = {
+        "tp2pp2": (
+            _generate,
+            dict(
+                hf_dir=llama,
+                tp=2,
+                pp=2,
+                runs={"greedy": (GREEDY, 1, 2), "seed0_mbs2": (SAMPLED, 2, 2)},
+            ),
+        ),
+        "dp4": (_generate, dict(hf_dir=llama, runs={"seed0_mbs1": (SAMPLED, 2, 1)})),
+        # one micro-batch per rank: the interleaved schedule runs it twice (a padding copy)
+        "vpp": (_generate, dict(hf_dir=llama, pp=2, vpp=2, runs={"seed0_mbs4": (SAMPLED, 2, 4)})),
+        "moe": (
+            _generate,
+            dict(hf_dir=folders[MOE], tp=2, pp=2, ep=2, runs={"greedy": (GREEDY, 1, 2)}),
+        ),
+    }
+    results = {**run_cases(1, one), **run_cases(4, four)}
+    for name, per_rank in results.items():
+        assert all(r == per_rank[0] for r in per_rank), name
+    return {name: per_rank[0] for name, per_rank in results.items()}
+
+
+def _hf_greedy(arch: str) -> list[list[int]]:
+    model = build_tiny_hf_model(arch)
+    out = []
+    for prompt in _prompts(ALL_TINY_CONFIGS[arch]["vocab_size"]):
+        ids = torch.tensor([prompt])
+        full = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            pad_token_id=PAD_ID,
+            eos_token_id=None,
+        )
+        out.append(full[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["one", "tp2pp2", "moe"])
+def test_greedy_equals_transformers_generate(runs, case):
+    arch = MOE if case == "moe" else "llama"
+    expected = _hf_greedy(arch)
+    got = runs[case]["greedy"]
+    assert [samples[0] for samples in got] == expected
+    assert all(len(s) == 1 for s in got)
+
+
+@pytest.mark.slow
+def test_sampled_completions_depend_on_the_seed_only(runs):
+    reference = runs["one"]["seed0_mbs1"]
+    assert len(reference) == len(PROMPT_LENGTHS) and all(len(s) == 2 for s in reference)
+    assert all(len(c) == MAX_NEW for s in reference for c in s)
+    assert runs["one"]["seed0_mbs4"] == reference  # micro-batch size
+    assert runs["tp2pp2"]["seed0_mbs2"] == reference  # TP 2 x PP 2
+    assert runs["dp4"]["seed0_mbs1"] == reference  # DP 4
+    assert runs["vpp"]["seed0_mbs4"] == reference  # PP 2 x VPP 2 x DP 2
+    assert runs["one"]["seed1"] != reference  # another seed
+    assert reference[0][0] != reference[0][1]  # two samples of one prompt differ
+
+
+@pytest.mark.slow
+def test_a_completion_ends_at_its_first_stop_id_which_it_keeps(runs):
+    full, stop, cut = runs["stops"]
+    stopped = 0
+    for prompt_full, prompt_cut in zip(full, cut):
+        for a, b in zip(prompt_full, prompt_cut):
+            end = a.index(stop) + 1 if stop in a else len(a)
+            assert b == a[:end]
+            stopped += end < len(a)
+    assert stopped >= 1 and cut[0][0] == full[0][0][:3]
+
+
+def test_an_empty_batch_of_rows_chooses_nothing():
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=1)
+    assert choose_tokens(torch.zeros(0, 8), params, []) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", CACHE_ARCHS)
+def test_cached_decode_equals_recomputation(runs, arch):
+    assert runs[f"cache_{arch}"] < 1e-5
