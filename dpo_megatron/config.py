@@ -48,6 +48,7 @@ from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_
 from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
 from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
+from dpo_megatron.training.online_config import OnlineConfig  # noqa: E402
 from dpo_megatron.utils.config_checks import check_choice, check_range  # noqa: E402
 
 EXPORT_DTYPES = ("bfloat16", "float32")
@@ -115,6 +116,8 @@ class DPOConfig:
     """Padding-free packing of each micro-batch's sequences."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full training; the frozen base is then the reference."""
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    """Iterative (online) DPO rounds (``scripts/iterative_dpo.sh``); unused with rounds 0."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Sampling from the policy (``python -m dpo_megatron.generate``)."""
 
@@ -428,6 +431,7 @@ def validate(cfg: DPOConfig) -> None:
     cfg.checkpoint.validate()
     cfg.reference.validate()
     cfg.packing.validate()
+    cfg.online.validate()
     cfg.generation.validate()
 
     t, p = cfg.train, cfg.parallel

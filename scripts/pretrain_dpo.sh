@@ -40,10 +40,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Killing this script with SIGKILL takes the ranks with it (parent-death signal in each rank).
 export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 
-# --list-keys / --print-config: answered by the config module, nothing is launched.
+# The pre-check: the config module's, or another entry's (DPO_MEGATRON_PRECHECK, e.g.
+# scripts/iterative_dpo.sh's).
+read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.config}"
+# --list-keys / --print-config: answered by the pre-check's module, nothing is launched.
 for a in "${args[@]}"; do
   if [[ "$a" == "--list-keys" || "$a" == "--print-config" ]]; then
-    exec "$PYTHON" -m dpo_megatron.config "${args[@]}"
+    exec "$PYTHON" "${PRECHECK[@]}" "${args[@]}"
   fi
 done
 
@@ -56,7 +59,7 @@ fi
 # Pre-check, once, in this process: the config (ranges, keys, loss; fetches and caches its assets),
 # the data files (exist, rows fit their format) and the model against the layout; then the world
 # size. A mistake prints one line on stderr and stops here (set -e), before any rank starts.
-NPROC="$("$PYTHON" -m dpo_megatron.config "${args[@]}" | tail -n 1)"
+NPROC="$("$PYTHON" "${PRECHECK[@]}" "${args[@]}" | tail -n 1)"
 # torchrun, run by dpo_megatron/launch.py: a mistake only the ranks meet (a run_dir in use, data
 # that changed) ends with the ranks' one error line and one pointer line, not torchrun's failure
 # block; a crash keeps its traceback and torchrun's block.

@@ -69,6 +69,7 @@ PATCH_MODULES = (
     "dist_ckpt_queue",
     "eager_fusions",
     "expected_warnings",
+    "model_parallel_teardown",
     "moe_alltoall_on_cpu",
     "moe_router_without_te",
     "torch_adam_resume",

@@ -244,6 +244,8 @@ def previous_run(run_dir: str, save_dir: str) -> list[str]:
         with open(metrics, "rb") as f:
             records = sum(1 for line in f if line.strip())
         found.append(f"{RunLayout.METRICS} with {records} record(s)")
+    if os.path.isfile(RunLayout(run_dir).online_state):
+        found.append(f"an online run ({RunLayout(run_dir).online_state})")
     return found
 
 

@@ -96,6 +96,19 @@ def build_policy(cfg, model_cfg: ModelConfig) -> list:
     return policy
 
 
+def load_weights(chunks: list, model_cfg: ModelConfig, path: str) -> None:
+    """Load ``path`` into this rank's ``chunks`` (collective): a Hugging Face folder (it has a
+    ``config.json``) or a checkpoint folder (or a run's ``checkpoints`` folder: its latest)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from dpo_megatron.models.conversion import load_hf_weights
+
+        load_hf_weights(chunks, model_cfg, path)
+    else:
+        from dpo_megatron.checkpointing import load_model_checkpoint
+
+        load_model_checkpoint(chunks, resolve_model_load(path))
+
+
 def _refuse_adapter_checkpoint(path: str) -> None:
     from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE
 
@@ -113,17 +126,22 @@ def _refuse_adapter_checkpoint(path: str) -> None:
             )
 
 
-def build_reference(cfg, model_cfg: ModelConfig, policy: list):
+def build_reference(cfg, model_cfg: ModelConfig, policy: list, weights: str = ""):
     """The run's reference object (``training.reference``): with LoRA the policy itself with
     its adapters bypassed (:class:`BaseModelReference`, no second model); else a frozen copy
     built with the same function and layout as the policy and copied from it, so each pipeline
-    stage holds its layers of both and step 0 has policy == reference."""
+    stage holds its layers of both and step 0 has policy == reference. ``weights`` (a
+    checkpoint or Hugging Face folder; not with LoRA) loads other weights into the copy instead:
+    online DPO's ``online.reference=initial``."""
     from dpo_megatron.training.reference import BaseModelReference, ReferenceModel
 
     if cfg.lora.enabled:
         return BaseModelReference(policy)
     reference = freeze(build_model_chunks(model_cfg, cfg.parallel))
-    copy_weights(policy, reference)
+    if weights:
+        load_weights(reference, model_cfg, weights)
+    else:
+        copy_weights(policy, reference)
     return ReferenceModel(reference, offload=cfg.reference.offload)
 
 

@@ -50,6 +50,8 @@ class Trainer:
         cfg: the resolved ``DPOConfig``.
         data: tokenized items to train on instead of ``cfg.data`` (tests, benchmarks); None
             loads them from the config.
+        reference_weights: a checkpoint or HF folder the reference loads instead of starting
+            equal to the policy (online DPO's ``online.reference=initial``); empty: the policy.
 
     Attributes:
         policy: this rank's DDP-wrapped policy chunks.
@@ -63,7 +65,7 @@ class Trainer:
             cache read of ``reference.mode=precomputed``).
     """
 
-    def __init__(self, cfg, data: Optional[RunData] = None):
+    def __init__(self, cfg, data: Optional[RunData] = None, reference_weights: str = ""):
         self.cfg = cfg
         die_with_launcher()
         initialize_distributed(cfg.parallel)
@@ -98,7 +100,7 @@ class Trainer:
         )
         policy = run_models.build_policy(cfg, self.model_config)
         reference = (
-            run_models.build_reference(cfg, self.model_config, policy)
+            run_models.build_reference(cfg, self.model_config, policy, reference_weights)
             if self.loss_fn.needs_reference
             else None
         )

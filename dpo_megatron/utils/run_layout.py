@@ -10,6 +10,9 @@ A run folder (``run_dir``) holds::
     samples/          decoded evaluation samples, step_<step>.jsonl
     checkpoints/      iter_<step>/ checkpoints (or checkpoint.save), and the HF exports
                       checkpoints/hf (merged) and checkpoints/hf_adapter (PEFT adapter)
+    online/           an online (iterative DPO) run: state.json, eval_start.jsonl and
+                      round_<r>/, each round a run folder of its own training plus
+                      samples.jsonl, scores.jsonl, pairs.jsonl, eval.jsonl and summary.json
 
 The code that writes or reads one of these asks a :class:`RunLayout` for its path.
 """
@@ -43,6 +46,7 @@ class RunLayout:
     CHECKPOINTS: ClassVar[str] = "checkpoints"
     HF_EXPORT: ClassVar[str] = "hf"
     HF_ADAPTER: ClassVar[str] = "hf_adapter"
+    ONLINE: ClassVar[str] = "online"
 
     @classmethod
     def of(cls, cfg) -> "RunLayout":
@@ -95,3 +99,22 @@ class RunLayout:
     def hf_adapter(self) -> str:
         """The PEFT adapter export, ``<checkpoints>/hf_adapter``."""
         return os.path.join(self.checkpoints, self.HF_ADAPTER)
+
+    @property
+    def online(self) -> str:
+        """``online/``: the rounds of an online (iterative DPO) run."""
+        return self._in_run(self.ONLINE)
+
+    @property
+    def online_state(self) -> str:
+        """``online/state.json``: the finished phases of each round."""
+        return os.path.join(self.online, "state.json")
+
+    @property
+    def online_eval_start(self) -> str:
+        """``online/eval_start.jsonl``: the starting policy's scored held-out samples."""
+        return os.path.join(self.online, "eval_start.jsonl")
+
+    def online_round(self, index: int) -> str:
+        """``online/round_<index>``: a round's files and the run folder of its training."""
+        return os.path.join(self.online, f"round_{index}")

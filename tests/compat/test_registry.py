@@ -16,6 +16,7 @@ def test_every_patch_is_declared_and_matches_this_environment():
         "dist_ckpt_queue",
         "eager_fusions",
         "expected_warnings",
+        "model_parallel_teardown",
         "moe_alltoall_on_cpu",
         "moe_router_without_te",
         "torch_adam_resume",

@@ -1,0 +1,186 @@
+"""Every call the online loop makes into generation, reward-model scoring and a judge, in one
+module: the names of ``dpo_megatron.generation`` and ``dpo_megatron.reward`` are used here only.
+
+Tests (and programs) may put stand-ins in their place for one block::
+
+    with use_generator(my_generate), use_reward_model(my_build, my_score):
+        run_online(cfg)
+
+``my_generate(chunks, prompts, params, *, num_samples, micro_batch_size, pad_id, vocab_size)``
+takes the arguments of ``dpo_megatron.generation.generate``; a scorer stand-in those of
+``dpo_megatron.reward.scoring.score_sequences``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+from typing import Callable, Iterator, Optional, Sequence
+
+from dpo_megatron.utils import ranks
+
+
+class JudgeError(ValueError):
+    """The judge callable could not be loaded, failed, or returned bad scores (its message is
+    the one line a user sees)."""
+
+
+_STAND_INS: dict[str, Optional[Callable]] = {"generate": None, "score": None, "build_rm": None}
+
+
+@contextlib.contextmanager
+def use_generator(fn: Callable) -> Iterator[None]:
+    """Sample with ``fn`` (the signature of ``dpo_megatron.generation.generate``) in the block."""
+    previous, _STAND_INS["generate"] = _STAND_INS["generate"], fn
+    try:
+        yield
+    finally:
+        _STAND_INS["generate"] = previous
+
+
+@contextlib.contextmanager
+def use_reward_model(build: Callable, score: Callable) -> Iterator[None]:
+    """In the block, build the reward model with ``build(cfg, path)`` (the signature of
+    :func:`build_reward_model`) and score with ``score`` (the signature of
+    ``dpo_megatron.reward.scoring.score_sequences``)."""
+    previous = dict(_STAND_INS)
+    _STAND_INS.update(build_rm=build, score=score)
+    try:
+        yield
+    finally:
+        _STAND_INS.update(previous)
+
+
+def sample_completions(
+    chunks: list,
+    prompts: Sequence[Sequence[int]],
+    sampling,
+    *,
+    seed: int,
+    num_samples: int,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    vocab_size: int,
+) -> list[list[list[int]]]:
+    """``num_samples`` completions per prompt from the policy ``chunks`` (collective over the
+    world: every rank passes the same prompts and gets every completion).
+
+    Args:
+        sampling: ``online.sampling`` (temperature, top_p, max_new_tokens, micro_batch_size).
+        seed: the round's seed.
+
+    Returns:
+        per prompt, ``num_samples`` lists of generated ids (prompt excluded).
+    """
+    from dpo_megatron.generation import SamplingParams, generate
+
+    generate = _STAND_INS["generate"] or generate
+    params = SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_new_tokens=sampling.max_new_tokens,
+        seed=seed,
+        stop_ids=tuple(stop_ids),
+    )
+    return generate(
+        chunks,
+        [list(p) for p in prompts],
+        params,
+        num_samples=num_samples,
+        micro_batch_size=sampling.micro_batch_size,
+        pad_id=pad_id,
+        vocab_size=vocab_size,
+    )
+
+
+def build_reward_model(cfg, path: str) -> list:
+    """This rank's reward-model chunks at the current layout (``online.reward_model.parallel``,
+    set up by the caller), in eval mode, weights from ``path``: a reward model's checkpoint
+    (``loss.name=bradley_terry``; a run's checkpoints folder: its latest) or a Hugging Face
+    ``*ForSequenceClassification`` folder (``dpo_megatron.reward.scoring.build_reward_chunks``;
+    the policy's ``model.*`` settings that are not architecture, e.g. dtype, carry over)."""
+    if _STAND_INS["build_rm"] is not None:
+        return _STAND_INS["build_rm"](cfg, path)
+    import dataclasses
+
+    from dpo_megatron.reward.scoring import build_reward_chunks
+
+    base = dataclasses.replace(cfg.model, hf_path="", load="")
+    chunks, _ = build_reward_chunks(path, cfg.online.reward_model.parallel, base)
+    return chunks
+
+
+def score_with_reward_model(
+    chunks: list,
+    sequences: Sequence[Sequence[int]],
+    completion_starts: Sequence[int],
+    *,
+    micro_batch_size: int,
+    pad_id: int,
+) -> list[float]:
+    """The reward model's score of each sequence (prompt + completion ids; the completion starts
+    at ``completion_starts[i]``), collective: every rank gets every score."""
+    stand_in = _STAND_INS["score"]
+    if stand_in is None:
+        from dpo_megatron.reward.scoring import score_sequences
+    else:
+        score_sequences = stand_in
+    return list(
+        score_sequences(
+            chunks,
+            [list(s) for s in sequences],
+            list(completion_starts),
+            micro_batch_size=micro_batch_size,
+            pad_id=pad_id,
+        )
+    )
+
+
+def load_judge(spec: str) -> Callable:
+    """The callable ``package.module:function`` of ``online.judge``.
+
+    Raises:
+        ValueError: the module cannot be imported or has no such callable.
+    """
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"online.judge={spec}: cannot import {module_name} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"online.judge={spec}: {module_name} has no callable {name!r}")
+    return fn
+
+
+def judge_scores(spec: str, prompts: list[str], completions: list[str]) -> list[float]:
+    """Scores of the judge ``spec`` (``package.module:function``), called once on rank 0 with
+    the two lists and shared with every rank (collective).
+
+    Raises:
+        JudgeError: on every rank, when the judge cannot be loaded, fails, or returns anything
+            but one finite number per completion (rank 0's message).
+    """
+    scores, error = None, None
+    if ranks.is_rank0():
+        try:
+            judge = load_judge(spec)
+        except ValueError as e:
+            judge, error = None, str(e)
+        try:
+            out = judge(list(prompts), list(completions)) if judge else []
+            scores = [float(x) for x in out]
+            if len(scores) != len(completions):
+                raise ValueError(
+                    f"returned {len(scores)} scores for {len(completions)} completions"
+                )
+            bad = [i for i, x in enumerate(scores) if not math.isfinite(x)]
+            if bad:
+                raise ValueError(f"score {scores[bad[0]]} of completion {bad[0]} is not finite")
+        except Exception as e:  # the user's code: any failure becomes one line
+            error = error or f"online.judge={spec}: {type(e).__name__}: {e}"
+    scores, error = ranks.broadcast_from_rank0((scores, error))
+    if error:
+        raise JudgeError(error)
+    return scores

@@ -1,0 +1,73 @@
+"""What an online run needs of the other sections, checked before any rank builds a model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+
+def validate_online(cfg, world_size: Optional[int] = None) -> None:
+    """The rules that span ``online.*`` and the rest of the config (``config.validate`` has
+    checked each section's ranges); with ``world_size``, both layouts against it.
+
+    Raises:
+        ValueError: naming the fields and what to do.
+    """
+    o = cfg.online
+    if o.rounds < 1:
+        raise ValueError("online.rounds=0: an online run needs online.rounds >= 1")
+    if not (cfg.model.hf_path or cfg.model.load):
+        raise ValueError(
+            "an online run samples from its policy: start it from pretrained weights "
+            "(model.hf_path or model.load), not a random initialisation"
+        )
+    if cfg.lora.enabled:
+        raise ValueError(
+            "lora.enabled=true is not supported by online runs (each round starts from the "
+            "previous round's full checkpoint): set lora.enabled=false"
+        )
+    if cfg.checkpoint.resume not in ("none", "auto"):
+        raise ValueError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r}: an online run resumes with "
+            "checkpoint.resume=auto (each round from its own checkpoints) or starts with none"
+        )
+    if cfg.checkpoint.save:
+        raise ValueError(
+            "checkpoint.save is set: an online run keeps each round's checkpoints in "
+            "<run_dir>/online/round_<r>/checkpoints; leave checkpoint.save empty"
+        )
+    if cfg.parallel.context_parallel_size > 1 or (
+        o.reward_model.path and o.reward_model.parallel.context_parallel_size > 1
+    ):
+        raise ValueError(
+            "context parallelism does not sample: set parallel.context_parallel_size=1 and "
+            "online.reward_model.parallel.context_parallel_size=1"
+        )
+    if world_size is not None:
+        cfg.parallel.validate(world_size)
+        if o.reward_model.path:
+            try:
+                o.reward_model.parallel.validate(world_size)
+            except ValueError as e:
+                raise ValueError(
+                    str(e).replace("parallel.", "online.reward_model.parallel.")
+                ) from None
+
+
+def validate_online_config(cfg, world_size: Optional[int] = None) -> None:
+    """Everything ``config.validate`` checks of a training run, then :func:`validate_online`.
+    An online run trains on its own pairs: ``data.*`` gives the tokenizer, the chat template
+    and the prompt length, and needs no ``data.path`` (the prompts file stands in for it in
+    the data checks).
+
+    Raises:
+        ValueError: naming the fields and what to do.
+    """
+    from dpo_megatron.config import validate
+
+    checked = copy.deepcopy(cfg)
+    if not (checked.data.path or checked.data.datasets):
+        checked.data.path = cfg.online.prompts or "online.prompts"
+    validate(checked)
+    cfg.loss = checked.loss  # aliases resolved (loss.name=dpo -> sigmoid)
+    validate_online(cfg, world_size)

@@ -1,0 +1,470 @@
+"""Iterative (online) DPO: rounds of sample -> score -> pair -> train, in one world.
+
+Each round ``r`` (folder ``<run_dir>/online/round_<r>``):
+
+1. **sample**: the round's prompts (``prompts.round_prompts``), K completions each from the
+   policy the round starts from, at the policy's layout (``parallel.*``), seed
+   ``online.sampling.seed + r``; ``samples.jsonl``.
+2. **score**: the judge callable on rank 0, or the reward model at its own layout
+   (``online.reward_model.parallel.*``); ``scores.jsonl``.
+3. **pairs**: best vs worst per prompt, ties and near-ties dropped and counted
+   (``pairs.build_pairs``); ``pairs.jsonl`` and ``summary.json``.
+4. **train**: the engine's :class:`~dpo_megatron.training.trainer.Trainer` on those pairs, with
+   the round folder as its run folder: the policy from the previous round's checkpoint
+   (``model.load``), the reference per ``online.reference``, the run's ``loss.*``, ``train.*``,
+   ``parallel.*``; its checkpoints in ``round_<r>/checkpoints``. ``summary.json`` gets the last
+   training metrics and the phases' wall times.
+5. **eval** (``online.eval_prompts`` > 0): the policy samples the held-out prompts (also once
+   before round 0: ``online/eval_start.jsonl``) with a fixed seed, the scorer scores them;
+   ``eval.jsonl`` and ``eval_mean_score`` (with the score before the round) in ``summary.json``.
+
+Between phases megatron-core's model-parallel groups are torn down and built for the next
+phase's layout (``layouts.use_layout``: the default process group stays), and the phase's models
+are freed first. Rank 0 writes every file atomically; ``online/state.json`` lists the finished
+phases of each round, written after the phase's files. A resumed run (``checkpoint.resume=auto``)
+skips finished phases (samples present: no regeneration) and its unfinished training resumes
+from the round's last checkpoint through the Trainer's own resume, so it ends with the same
+pairs and weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Optional
+
+from dpo_megatron.data import PreferencePair
+from dpo_megatron.online import adapters
+from dpo_megatron.online.checks import validate_online
+from dpo_megatron.online.layouts import free_models, use_layout
+from dpo_megatron.online.pairs import Sample, build_pairs
+from dpo_megatron.online.prompts import (
+    PromptItem,
+    encode_prompts,
+    read_prompts,
+    round_prompts,
+    split_prompts,
+)
+from dpo_megatron.training import run_models
+from dpo_megatron.training.run_data import RunData
+from dpo_megatron.training.run_dir import RunFolder
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.files import atomic_file, write_json_atomic
+from dpo_megatron.utils.run_layout import RunLayout
+
+PHASES = ("sample", "score", "pairs", "train", "eval")
+SAMPLES, SCORES, PAIRS, SUMMARY = "samples.jsonl", "scores.jsonl", "pairs.jsonl", "summary.json"
+EVAL = "eval.jsonl"
+
+
+class StopAfter(Exception):
+    """Raised by :func:`run_online` after the phase named in ``stop_after`` (tests: a run
+    killed between phases)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# files
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    """``records`` as JSON lines at ``path``, atomically (rank 0 calls it)."""
+    with atomic_file(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_json(path: str) -> Optional[dict]:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class OnlineState:
+    """``online/state.json``: ``{"rounds": {"<r>": {"done": [phases], "policy": path}}}``, the
+    phases each round finished and, after training, the checkpoint folder its policy ended in.
+    Rank 0 reads and writes it; every rank asks it the same questions."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.data = ranks.broadcast_from_rank0(
+            (_read_json(path) or {"rounds": {}}) if ranks.is_rank0() else None
+        )
+
+    def done(self, r: int, phase: str) -> bool:
+        return phase in self.data["rounds"].get(str(r), {}).get("done", [])
+
+    def mark(self, r: int, phase: str, **values) -> None:
+        entry = self.data["rounds"].setdefault(str(r), {"done": []})
+        if phase not in entry["done"]:
+            entry["done"].append(phase)
+        entry.update(values)
+        if ranks.is_rank0():
+            write_json_atomic(self.path, self.data)
+        ranks.barrier()
+
+    def policy_after(self, r: int) -> Optional[str]:
+        """The checkpoint folder the policy of round ``r`` ended in (None: the round trained on
+        no pair, or did not train yet)."""
+        return self.data["rounds"].get(str(r), {}).get("policy")
+
+
+# ----------------------------------------------------------------------------------------------
+# phases
+
+
+def _round_config(cfg, round_dir: str, policy: str):
+    """The round's training config: the run's own sections, the round folder as run folder,
+    ``model.load`` the policy the round starts from, resume from the round's checkpoints."""
+    rc = copy.deepcopy(cfg)
+    rc.run_dir = round_dir
+    starts_from_hf = policy == cfg.model.hf_path and not cfg.model.load
+    rc.model.load = "" if starts_from_hf else policy
+    rc.checkpoint.resume = "auto"
+    rc.checkpoint.overwrite = False
+    rc.checkpoint.save = ""
+    rc.online.rounds = 0
+    return rc
+
+
+def _policy_chunks(cfg, model_cfg, policy: str) -> list:
+    """The policy of a round at the current layout, weights from ``policy`` (collective)."""
+    from dpo_megatron.models import build_model_chunks
+
+    chunks = build_model_chunks(model_cfg, cfg.parallel)
+    run_models.load_weights(chunks, model_cfg, policy)
+    for chunk in chunks:
+        chunk.eval()  # sampling: no dropout
+    return chunks
+
+
+EVAL_SEED_OFFSET = 1_000_003
+"""The held-out evaluation samples with ``online.sampling.seed + EVAL_SEED_OFFSET`` every time:
+its scores then differ between evaluations by the policy alone."""
+
+
+def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: str, r, seed: int):
+    use_layout(cfg.parallel)
+    chunks = _policy_chunks(cfg, model_cfg, policy)
+    stop = sorted({i for i in (tokenizer.eos_token_id, pad_id) if i is not None})
+    completions = adapters.sample_completions(
+        chunks,
+        [it.prompt_ids for it in items],
+        cfg.online.sampling,
+        seed=seed,
+        num_samples=cfg.online.samples_per_prompt,
+        stop_ids=stop,
+        pad_id=pad_id,
+        vocab_size=len(tokenizer),
+    )
+    del chunks
+    free_models()
+    records = []
+    for i, (item, outs) in enumerate(zip(items, completions)):
+        prompt_text = tokenizer.decode(list(item.prompt_ids))
+        for k, ids in enumerate(outs):
+            records.append(
+                {
+                    "round": r,
+                    "prompt": i,
+                    "sample": k,
+                    "row": item.row,
+                    "prompt_text": prompt_text,
+                    "completion_text": tokenizer.decode(list(ids), skip_special_tokens=True),
+                    "prompt_ids": list(item.prompt_ids),
+                    "completion_ids": [int(t) for t in ids],
+                }
+            )
+    return records
+
+
+def _score(cfg, model_cfg, samples: list[dict], pad_id: int) -> list[float]:
+    o = cfg.online
+    if o.judge:
+        return adapters.judge_scores(
+            o.judge, [s["prompt_text"] for s in samples], [s["completion_text"] for s in samples]
+        )
+    use_layout(o.reward_model.parallel)
+    chunks = adapters.build_reward_model(cfg, o.reward_model.path)
+    scores = adapters.score_with_reward_model(
+        chunks,
+        [s["prompt_ids"] + s["completion_ids"] for s in samples],
+        [len(s["prompt_ids"]) for s in samples],
+        micro_batch_size=o.reward_model.micro_batch_size,
+        pad_id=pad_id,
+    )
+    del chunks
+    free_models()
+    return [float(x) for x in scores]
+
+
+def _pairs(cfg, samples: list[dict], scores: list[float], r: int, seed: int, items: list):
+    pairs, counts = build_pairs(
+        [Sample(s["prompt"], s["sample"], tuple(s["completion_ids"])) for s in samples],
+        scores,
+        cfg.online.min_margin,
+    )
+    by_key = {(s["prompt"], s["sample"]): s for s in samples}
+    records = []
+    for p in pairs:
+        chosen, rejected = (
+            by_key[(p.prompt, p.chosen_sample)],
+            by_key[(p.prompt, p.rejected_sample)],
+        )
+        records.append(
+            {
+                "round": r,
+                "prompt": p.prompt,
+                "row": chosen["row"],
+                "chosen_sample": p.chosen_sample,
+                "rejected_sample": p.rejected_sample,
+                "chosen_score": p.chosen_score,
+                "rejected_score": p.rejected_score,
+                "prompt_text": chosen["prompt_text"],
+                "chosen_text": chosen["completion_text"],
+                "rejected_text": rejected["completion_text"],
+                "prompt_ids": chosen["prompt_ids"],
+                "chosen_ids": chosen["completion_ids"],
+                "rejected_ids": rejected["completion_ids"],
+            }
+        )
+    summary = {
+        "round": r,
+        "prompts": counts.prompts,
+        "samples": counts.samples,
+        "pairs_kept": counts.pairs,
+        "ties_dropped": counts.ties,
+        "near_ties_dropped": counts.near_ties,
+        "empty_samples": counts.empty,
+        "prompts_with_too_few_samples": counts.too_few,
+        "mean_score": sum(scores) / len(scores) if scores else None,
+        "mean_chosen_score": (sum(p.chosen_score for p in pairs) / len(pairs) if pairs else None),
+        "mean_rejected_score": (
+            sum(p.rejected_score for p in pairs) / len(pairs) if pairs else None
+        ),
+        "sampling_seed": seed,
+        "prompt_rows": [it.row for it in items],
+    }
+    return records, summary
+
+
+def _evaluate(cfg, model_cfg, tokenizer, pad_id, held: list, policy: str, path: str) -> float:
+    """Sample the held-out prompts from ``policy``, score them, write ``path`` (samples with
+    their scores); returns the mean score (collective)."""
+    seed = cfg.online.sampling.seed + EVAL_SEED_OFFSET
+    samples = _sample(cfg, model_cfg, tokenizer, pad_id, held, policy, "eval", seed)
+    scores = _score(cfg, model_cfg, samples, pad_id)
+    if ranks.is_rank0():
+        write_jsonl(path, [{**s, "score": v} for s, v in zip(samples, scores)])
+    return sum(scores) / len(scores)
+
+
+def _last_train_metrics(layout: RunLayout) -> dict:
+    """The last ``train`` record of a round's ``metrics.jsonl`` ({} when none)."""
+    if not os.path.isfile(layout.metrics):
+        return {}
+    last = {}
+    for record in read_jsonl(layout.metrics):
+        if record.get("split") == "train":
+            last = record
+    return last
+
+
+def _train(cfg, round_dir: str, policy: str, reference: str, tokenizer, pad_id, records):
+    from dpo_megatron.training.trainer import Trainer
+
+    use_layout(cfg.parallel)
+    pairs = [
+        PreferencePair(tuple(p["prompt_ids"]), tuple(p["chosen_ids"]), tuple(p["rejected_ids"]))
+        for p in records
+    ]
+    trainer = Trainer(
+        _round_config(cfg, round_dir, policy),
+        data=RunData(pairs, [], pad_id, tokenizer),
+        reference_weights=reference,
+    )
+    trainer.train()
+    del trainer
+    free_models()
+    return RunLayout(round_dir).checkpoints
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+def _prompts(cfg, tokenizer) -> tuple[list[PromptItem], int]:
+    """Every rank's prompt list (rank 0 reads and tokenizes; a failure reaches every rank)."""
+    out, error = None, None
+    if ranks.is_rank0():
+        try:
+            o = cfg.online
+            rows = read_prompts(o.prompts, o.prompts_offset, o.prompts_limit, cfg.data)
+            out = encode_prompts(
+                rows, tokenizer, cfg.data.chat_template, cfg.data.max_prompt_length
+            )
+            if not out[0]:
+                raise ValueError(
+                    f"online.prompts={o.prompts}: no prompt of {len(rows)} fits "
+                    f"data.max_prompt_length={cfg.data.max_prompt_length}"
+                )
+        except ValueError as e:  # DataError is a ValueError
+            error = str(e)
+    out, error = ranks.broadcast_from_rank0((out, error))
+    if error:
+        from dpo_megatron.data.reader import DataError
+
+        raise DataError(error)
+    return out
+
+
+def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dict]:
+    """Run (or continue, ``checkpoint.resume=auto``) the configured online rounds
+    (collective: every rank calls it). Returns each round's summary.
+
+    Args:
+        stop_after: (round, phase): raise :class:`StopAfter` once that phase is finished and
+            recorded, as a run killed there would stop (tests).
+
+    Raises:
+        ValueError: the config does not fit an online run (``checks.validate_online``), a judge
+            fails.
+        DataError: the prompts cannot be read.
+        RunDirError: the run folder is in use or holds another run.
+    """
+    from dpo_megatron.data import load_tokenizer
+    from dpo_megatron.parallel.shutdown import die_with_launcher
+
+    die_with_launcher()
+    use_layout(cfg.parallel)  # starts the world the first time
+    validate_online(cfg, ranks.world_size())
+    folder = RunFolder.open(cfg)
+    layout = folder.layout
+    try:
+        model_cfg = run_models.resolve_model_config(cfg)
+        tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
+        run_models.check_vocab_fits(tokenizer, model_cfg)
+        pad_id = tokenizer.pad_token_id
+        pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
+        all_prompts, too_long = _prompts(cfg, tokenizer)
+        state = OnlineState(layout.online_state)
+        initial = cfg.model.load or model_cfg.hf_path
+        policy = initial
+        o = cfg.online
+        if ranks.is_rank0():
+            print(
+                f"online: {o.rounds} round(s) x {o.prompts_per_round} prompts x "
+                f"{o.samples_per_prompt} samples from {len(all_prompts)} prompts"
+                + (f" ({too_long} longer than data.max_prompt_length left out)" if too_long else "")
+                + f" | scorer: {o.judge or o.reward_model.path} | reference: {o.reference}",
+                flush=True,
+            )
+        pool, held = split_prompts(all_prompts, o.eval_prompts, o.shuffle_prompts, o.seed)
+        summaries = []
+        if held and not state.done(-1, "eval"):  # the starting policy, before round 0
+            mean = _evaluate(
+                cfg, model_cfg, tokenizer, pad_id, held, policy, layout.online_eval_start
+            )
+            state.mark(-1, "eval", eval_mean_score=mean)
+
+        def finished(r: int, phase: str, **values) -> None:
+            state.mark(r, phase, **values)
+            if stop_after == (r, phase):
+                raise StopAfter(f"stopped after round {r} phase {phase}")
+
+        for r in range(o.rounds):
+            round_dir = layout.online_round(r)
+            files = {name: os.path.join(round_dir, name) for name in (SAMPLES, SCORES, PAIRS)}
+            summary_path = os.path.join(round_dir, SUMMARY)
+            items = round_prompts(pool, r, o.prompts_per_round, False, o.seed)
+            seed = o.sampling.seed + r
+            if not state.done(r, "sample"):
+                t0 = time.time()
+                records = _sample(cfg, model_cfg, tokenizer, pad_id, items, policy, r, seed)
+                if ranks.is_rank0():
+                    write_jsonl(files[SAMPLES], records)
+                finished(r, "sample", sample_s=time.time() - t0)
+            samples = read_jsonl(files[SAMPLES])
+            if not state.done(r, "score"):
+                t0 = time.time()
+                scores = _score(cfg, model_cfg, samples, pad_id)
+                if ranks.is_rank0():
+                    write_jsonl(
+                        files[SCORES],
+                        [
+                            {"prompt": s["prompt"], "sample": s["sample"], "score": v}
+                            for s, v in zip(samples, scores)
+                        ],
+                    )
+                finished(r, "score", score_s=time.time() - t0)
+            scores = [float(x["score"]) for x in read_jsonl(files[SCORES])]
+            if not state.done(r, "pairs"):
+                records, summary = _pairs(cfg, samples, scores, r, seed, items)
+                summary.update(policy_start=policy, reference=o.reference)
+                if ranks.is_rank0():
+                    write_jsonl(files[PAIRS], records)
+                    write_json_atomic(summary_path, summary)
+                finished(r, "pairs")
+            pairs = read_jsonl(files[PAIRS])
+            if not state.done(r, "train"):
+                t0 = time.time()
+                reference = initial if o.reference == "initial" and policy != initial else ""
+                end = (
+                    _train(cfg, round_dir, policy, reference, tokenizer, pad_id, pairs)
+                    if pairs
+                    else None
+                )
+                if ranks.is_rank0():
+                    summary = _read_json(summary_path)
+                    entry = state.data["rounds"].get(str(r), {})
+                    summary.update(
+                        train=_last_train_metrics(RunLayout(round_dir)) if end else {},
+                        policy_end=end or policy,
+                        wall_s={
+                            "sample": entry.get("sample_s"),
+                            "score": entry.get("score_s"),
+                            "train": time.time() - t0,
+                        },
+                    )
+                    write_json_atomic(summary_path, summary)
+                    print(
+                        f"online: round {r}: {summary['pairs_kept']} pairs of "
+                        f"{summary['prompts']} prompts ({summary['ties_dropped']} ties, "
+                        f"{summary['near_ties_dropped']} near-ties dropped), mean score "
+                        f"{summary['mean_score']:.4f} -> {round_dir}",
+                        flush=True,
+                    )
+                finished(r, "train", policy=end or policy)
+            policy = state.policy_after(r) or policy
+            if held and not state.done(r, "eval"):
+                t0 = time.time()
+                eval_path = os.path.join(round_dir, EVAL)
+                mean = _evaluate(cfg, model_cfg, tokenizer, pad_id, held, policy, eval_path)
+                if ranks.is_rank0():
+                    summary = _read_json(summary_path)
+                    # round -1: the evaluation before round 0
+                    before = state.data["rounds"][str(r - 1)]["eval_mean_score"]
+                    summary.update(
+                        eval_prompts=len(held), eval_mean_score_before=before, eval_mean_score=mean
+                    )
+                    summary.setdefault("wall_s", {})["eval"] = time.time() - t0
+                    write_json_atomic(summary_path, summary)
+                    print(
+                        f"online: round {r}: mean score of the policy's samples on "
+                        f"{len(held)} held-out prompts {summary['eval_mean_score_before']:.4f}"
+                        f" -> {mean:.4f}",
+                        flush=True,
+                    )
+                finished(r, "eval", eval_mean_score=mean)
+            summaries.append(ranks.broadcast_from_rank0(_read_json(summary_path)))
+        return summaries
+    finally:
+        folder.close()

@@ -1,0 +1,156 @@
+"""The online section's errors, and the prompts file read as the rounds read it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dpo_megatron.config import load_config
+from dpo_megatron.online.checks import validate_online_config
+from dpo_megatron.online.prompts import encode_prompts, read_prompts, round_prompts, split_prompts
+from tests.data.fixtures import tiny_hf_tokenizer
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": "The sky is blue."},
+        {
+            "messages": [
+                {"role": "user", "content": "Hello!"},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        {"prompt": [{"role": "user", "content": "What colour is the sky?"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tmp_path, prompts_file, *overrides):
+    base = [
+        f"run_dir={tmp_path / 'run'}",
+        "model.load=/some/checkpoint",
+        "data.tokenizer=/some/tokenizer",
+        "online.rounds=2",
+        f"online.prompts={prompts_file}",
+        "online.judge=tests.online.standins:char_judge",
+    ]
+    return load_config(None, [*base, *overrides], check=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["online.samples_per_prompt=1"], "online.samples_per_prompt=1 must be >= 2"),
+        (["online.prompts="], "online.prompts is empty"),
+        (["online.judge="], "set exactly one scorer: online.judge"),
+        (["online.reward_model.path=/rm"], "set exactly one scorer"),
+        (["online.judge=not a callable"], "must name a callable as package.module:function"),
+        (["online.reference=final"], "online.reference='final'; expected one of"),
+        (["online.sampling.temperature=0"], "online.sampling.temperature=0.0 must be > 0"),
+        (["online.sampling.top_p=1.5"], "online.sampling.top_p=1.5 must be"),
+        (["online.min_margin=-1"], "online.min_margin=-1.0 must be >= 0"),
+        (["online.rounds=0"], "online.rounds=0: an online run needs online.rounds >= 1"),
+        (["model.load="], "start it from pretrained weights"),
+        (["lora.enabled=true"], "lora.enabled=true is not supported by online runs"),
+        (["checkpoint.resume=/x"], "an online run resumes with checkpoint.resume=auto"),
+        (["checkpoint.save=/x"], "leave checkpoint.save empty"),
+        (
+            [
+                "online.judge=",
+                "online.reward_model.path=/rm",
+                "online.reward_model.parallel.tensor_model_parallel_size=0",
+            ],
+            "online.reward_model.parallel.tensor_model_parallel_size=0 must be >= 1",
+        ),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, prompts_file, overrides, message):
+    cfg = _cfg(tmp_path, prompts_file, *overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        validate_online_config(cfg)
+
+
+def test_reward_model_layout_must_fit_the_world(tmp_path, prompts_file):
+    cfg = _cfg(
+        tmp_path,
+        prompts_file,
+        "online.judge=",
+        "online.reward_model.path=/rm",
+        "online.reward_model.parallel.tensor_model_parallel_size=4",
+    )
+    validate_online_config(cfg)  # no world size yet
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by online\.reward_model"):
+        validate_online_config(cfg, world_size=2)
+
+
+def test_a_valid_section_passes_and_resolves_the_loss_alias(tmp_path, prompts_file):
+    cfg = _cfg(tmp_path, prompts_file, "loss=dpo")
+    validate_online_config(cfg)
+    assert cfg.loss["name"] == "sigmoid" and not cfg.data.path
+
+
+def test_prompts_from_every_row_form_and_rounds_wrap(tmp_path, prompts_file):
+    rows = read_prompts(str(prompts_file), offset=1)
+    assert [r for r, _ in rows] == [1, 2]
+    assert rows[0][1] == [{"role": "user", "content": "Hello!"}]  # the assistant turn dropped
+    tok = tiny_hf_tokenizer()
+    items, too_long = encode_prompts(read_prompts(str(prompts_file)), tok)
+    assert too_long == 0 and [it.row for it in items] == [0, 1, 2]
+    assert items[0].prompt_ids == tuple(tok.encode("The sky is blue.", add_special_tokens=False))
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello!"}], tokenize=False, add_generation_prompt=True
+    )
+    assert items[1].prompt_ids == tuple(tok.encode(chat, add_special_tokens=False))
+    short, dropped = encode_prompts(read_prompts(str(prompts_file)), tok, max_prompt_length=6)
+    assert dropped == 3 - len(short) and dropped >= 1
+    # file order, 2 per round over 3 prompts: round 1 wraps around
+    assert [it.row for it in round_prompts(items, 1, 2, False, 0)] == [2, 0]
+    shuffled = [it.row for r in range(3) for it in round_prompts(items, r, 1, True, 5)]
+    assert sorted(shuffled) == [0, 1, 2]  # one pass over a seeded permutation
+    pool, held = split_prompts(items, 1, True, 5)
+    assert [it.row for it in held + pool] == shuffled  # the first of the same order held out
+    from dpo_megatron.data.reader import DataError
+
+    with pytest.raises(DataError, match="online.eval_prompts=3 holds out every one of the 3"):
+        split_prompts(items, 3, True, 5)
+
+
+def test_prompts_of_a_preference_format_and_errors(tmp_path):
+    path = tmp_path / "pairs.json"
+    row = {
+        "conversations": [{"from": "human", "value": "Name a colour."}],
+        "chosen": {"from": "gpt", "value": "Blue."},
+        "rejected": {"from": "gpt", "value": "No."},
+    }
+    path.write_text(json.dumps([row, row]))
+    rows = read_prompts(str(path), limit=1)
+    assert rows == [(0, [{"role": "user", "content": "Name a colour."}])]
+    from dpo_megatron.data.reader import DataError
+
+    with pytest.raises(DataError, match="no rows left after online.prompts_offset=5"):
+        read_prompts(str(path), offset=5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DataError, match="rows need a 'prompt' or 'messages' field"):
+        read_prompts(str(bad))
+
+
+def test_a_fresh_run_over_an_online_run_is_refused(tmp_path, prompts_file):
+    from dpo_megatron.training.run_dir import RunDirError, check_run_dir
+    from dpo_megatron.utils.run_layout import RunLayout
+
+    cfg = _cfg(tmp_path, prompts_file)
+    check_run_dir(cfg)  # an empty folder: fine
+    state = RunLayout(cfg.run_dir).online_state
+    os.makedirs(os.path.dirname(state))
+    with open(state, "w") as f:
+        f.write('{"rounds": {}}')
+    with pytest.raises(RunDirError, match=r"already holds a run \(an online run \(.*state\.json"):
+        check_run_dir(cfg)
+    cfg.checkpoint.resume = "auto"
+    check_run_dir(cfg)  # continuing it is fine

@@ -1,0 +1,303 @@
+"""Online rounds on the real engine (tiny model, gloo): files and counts of two rounds at one
+rank and at TP 2 x PP 2 (the reward model on its own layout), the policy moving, and a run
+stopped between phases and resumed ending as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from tests.engine import TINY
+from tests.multirank import run_cases, run_ranks
+
+pytestmark = pytest.mark.slow
+
+MODEL = {**TINY, "vocab_size": 512}  # the tiny tokenizer has 400 ids
+PROMPTS = [
+    {"prompt": "The sky is blue."},
+    {"messages": [{"role": "user", "content": "What colour is the sky?"}]},
+    {"prompt": "Hello! How are you?"},
+    {"messages": [{"role": "user", "content": "Answer: yes or no."}]},
+    {"prompt": "The grass is green."},
+]
+
+
+def _prepare(folder: str) -> None:
+    """Prompts, the tiny tokenizer and the initial checkpoint (one rank)."""
+    from dpo_megatron.checkpointing import save_model_checkpoint
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
+    from tests.data.fixtures import tiny_hf_tokenizer
+
+    with open(os.path.join(folder, "prompts.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in PROMPTS)
+    tiny_hf_tokenizer().save_pretrained(os.path.join(folder, "tokenizer"))
+    initialize_distributed(ParallelConfig())
+    set_seed(3)
+    model_cfg = ModelConfig(**MODEL)
+    chunks = build_model_chunks(model_cfg, ParallelConfig())
+    save_model_checkpoint(chunks, os.path.join(folder, "initial"), model_cfg)
+
+
+def _config(folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_pp=0):
+    from dpo_megatron.config import config_from_mapping
+
+    online = {
+        "rounds": 2,
+        "prompts": os.path.join(folder, "prompts.jsonl"),
+        "prompts_per_round": 3,
+        "samples_per_prompt": 3,
+        "sampling": {"max_new_tokens": 4, "seed": 11},
+        "min_margin": 1.0,
+        "reference": reference,
+        "eval_prompts": 1,
+    }
+    if rm_pp:
+        online["reward_model"] = {
+            "path": os.path.join(folder, "initial"),
+            "parallel": {"pipeline_model_parallel_size": rm_pp},
+        }
+    else:
+        online["judge"] = "tests.online.standins:char_judge"
+    return config_from_mapping(
+        {
+            "run_dir": os.path.join(folder, run),
+            "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+            "model": {**MODEL, "load": os.path.join(folder, "initial")},
+            "data": {"tokenizer": os.path.join(folder, "tokenizer"), "max_prompt_length": 64},
+            "loss": {"name": "sigmoid", "beta": 0.1},
+            "train": {
+                "micro_batch_size": 1,
+                "global_batch_size": 2,
+                "train_iters": 2,
+                "lr": 1e-2,
+                "lr_decay_style": "constant",
+                "eval_at_start": False,
+            },
+            "reference": {"mode": "model"},
+            "checkpoint": {"resume": resume},
+            "logging": {"tensorboard": False},
+            "online": online,
+        },
+        check=False,
+    )
+
+
+def _sigterm_after(round_index: int, step: int):
+    """Patch the Trainer so that rank 0 gets SIGTERM after ``step`` of round ``round_index``'s
+    training (as from a scheduler: the ranks save and stop at that step). Returns the undo."""
+    import signal
+
+    from dpo_megatron.training.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self):
+        out = original(self)
+        here = self.cfg.run_dir.endswith(f"round_{round_index}")
+        if here and self.counters.step == step and int(os.environ["RANK"]) == 0:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    Trainer.train_step = train_step
+    return lambda: setattr(Trainer, "train_step", original)
+
+
+def _online(folder, run, stop_after=None, sigterm_at=None, **config):
+    """One online run (or part of one); returns the summaries (None when stopped) and the
+    stand-ins' call counts of this run. ``sigterm_at``: (round, step) of a SIGTERM."""
+    from dpo_megatron.online.adapters import use_generator, use_reward_model
+    from dpo_megatron.online.checks import validate_online_config
+    from dpo_megatron.online.rounds import StopAfter, run_online
+    from tests.online import standins
+
+    cfg = _config(folder, run, **config)
+    validate_online_config(cfg, int(os.environ["WORLD_SIZE"]))
+    before = dict(standins.CALLS)
+    undo = _sigterm_after(*sigterm_at) if sigterm_at else (lambda: None)
+    with (
+        use_generator(standins.counting_generate),
+        use_reward_model(standins.build_tiny_reward_model, standins.layout_checking_scorer),
+    ):
+        try:
+            summaries = run_online(cfg, stop_after=stop_after)
+        except StopAfter:
+            summaries = None
+        except SystemExit as e:  # RunInterrupted: saved at the signalled step
+            assert sigterm_at and e.code == 143, e
+            summaries = None
+        finally:
+            undo()
+    calls = {k: v - before.get(k, 0) for k, v in standins.CALLS.items() if k != "score_layout"}
+    return {"summaries": summaries, "calls": calls, "layout": standins.CALLS.get("score_layout")}
+
+
+def _final_weights_equal(folder, run_a, run_b):
+    """Whether the last round's final checkpoints of two runs hold the same weights."""
+    import torch
+
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.online.layouts import use_layout
+    from dpo_megatron.parallel import ParallelConfig
+    from dpo_megatron.training.run_models import load_weights
+
+    use_layout(ParallelConfig())
+    states = []
+    for run in (run_a, run_b):
+        chunks = build_model_chunks(ModelConfig(**MODEL), ParallelConfig())
+        load_weights(chunks, ModelConfig(**MODEL), f"{folder}/{run}/online/round_1/checkpoints")
+        states.append(chunks[0].state_dict())
+    return all(
+        torch.equal(states[0][k], states[1][k])
+        for k in states[0]
+        if isinstance(states[0][k], torch.Tensor)
+    )
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _train_records(run_dir, r):
+    keep = ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "logps/chosen")
+    return [
+        {k: rec[k] for k in keep}
+        for rec in _read(f"{run_dir}/online/round_{r}/metrics.jsonl")
+        if rec["split"] == "train"
+    ]
+
+
+def _check_round_files(run_dir, r, k=3, n=3, min_margin=1.0):
+    """Files and counts of round ``r`` against a recomputation by hand from its files."""
+    base = f"{run_dir}/online/round_{r}"
+    samples, scores, pairs = (_read(f"{base}/{n_}.jsonl") for n_ in ("samples", "scores", "pairs"))
+    summary = json.load(open(f"{base}/summary.json"))
+    assert len(samples) == len(scores) == n * k
+    assert [(s["prompt"], s["sample"]) for s in samples] == [
+        (p, j) for p in range(n) for j in range(k)
+    ]
+    expected, ties, near = [], 0, 0
+    for p in range(n):
+        rows = [(s, sc["score"]) for s, sc in zip(samples, scores) if s["prompt"] == p]
+        best = max(rows, key=lambda x: x[1])  # first of equal
+        worst = min(reversed(rows), key=lambda x: x[1])  # last of equal
+        margin = best[1] - worst[1]
+        if margin <= 0 or best[0]["completion_ids"] == worst[0]["completion_ids"]:
+            ties += 1
+        elif margin < min_margin:
+            near += 1
+        else:
+            expected.append((p, best[0]["sample"], worst[0]["sample"]))
+    assert [(q["prompt"], q["chosen_sample"], q["rejected_sample"]) for q in pairs] == expected
+    assert summary["prompts"] == n and summary["samples"] == n * k
+    assert summary["pairs_kept"] == len(pairs)
+    assert (summary["ties_dropped"], summary["near_ties_dropped"]) == (ties, near)
+    assert summary["mean_score"] == pytest.approx(sum(x["score"] for x in scores) / len(scores))
+    return summary, pairs
+
+
+def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
+    folder = str(tmp_path)
+    run_ranks(_prepare, world_size=1, folder=folder)
+    out = run_cases(
+        1,
+        {
+            "straight": (_online, {"folder": folder, "run": "straight"}),
+            "initial_ref": (_online, {"folder": folder, "run": "initref", "reference": "initial"}),
+            # killed after round 0's scores and after round 1's pairs; resumed each time
+            "part1": (_online, {"folder": folder, "run": "resumed", "stop_after": (0, "score")}),
+            "part2": (
+                _online,
+                {"folder": folder, "run": "resumed", "resume": "auto", "stop_after": (1, "pairs")},
+            ),
+            "part3": (_online, {"folder": folder, "run": "resumed", "resume": "auto"}),
+            "same_weights": (
+                _final_weights_equal,
+                {"folder": folder, "run_a": "straight", "run_b": "resumed"},
+            ),
+            # SIGTERM after step 1 of round 1's training: saved there, resumed from it
+            "killed": (_online, {"folder": folder, "run": "killed", "sigterm_at": (1, 1)}),
+            "continued": (_online, {"folder": folder, "run": "killed", "resume": "auto"}),
+            "same_weights_killed": (
+                _final_weights_equal,
+                {"folder": folder, "run_a": "straight", "run_b": "killed"},
+            ),
+        },
+    )
+    straight = f"{folder}/straight"
+    for r in range(2):
+        summary, pairs = _check_round_files(straight, r)
+        assert pairs, f"round {r} kept no pair: the test needs some"
+        records = _train_records(straight, r)
+        assert len(records) == 2
+        # reference = the round's starting policy: step 1 of every round is at ln 2
+        assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert summary["train"]["step"] == 2 and summary["policy_end"].endswith(
+            f"round_{r}/checkpoints"
+        )
+    # 2 rounds + 3 evaluations of the held-out prompt (before round 0, after each round)
+    assert out["straight"][0]["calls"] == {"generate": 5, "judge": 5}
+    evals = [_read(f"{straight}/online/eval_start.jsonl")] + [
+        _read(f"{straight}/online/round_{r}/eval.jsonl") for r in range(2)
+    ]
+    held_row = evals[0][0]["row"]
+    assert all(len(e) == 3 and {x["row"] for x in e} == {held_row} for e in evals)
+    for r in range(2):  # never a round's prompt
+        assert held_row not in {
+            s["row"] for s in _read(f"{straight}/online/round_{r}/samples.jsonl")
+        }
+    means = [sum(x["score"] for x in e) / 3 for e in evals]
+    summaries = out["straight"][0]["summaries"]
+    assert [s["eval_mean_score_before"] for s in summaries] == pytest.approx(means[:2])
+    assert [s["eval_mean_score"] for s in summaries] == pytest.approx(means[1:])
+    # reference = the initial weights: round 1 starts from a policy that moved in round 0
+    initial_r1 = _train_records(f"{folder}/initref", 1)
+    assert abs(initial_r1[0]["loss"] - math.log(2)) > 1e-4
+    assert _train_records(f"{folder}/initref", 0) == _train_records(straight, 0)
+
+    # resumed: no round sampled twice, the same pairs, metrics and weights as straight
+    assert out["part1"][0]["calls"] == {"generate": 2, "judge": 2}  # start eval + round 0
+    # round 0's train and eval, round 1's samples: nothing of round 0 sampled again
+    assert out["part2"][0]["calls"] == {"generate": 2, "judge": 2}
+    assert out["part3"][0]["calls"] == {"generate": 1, "judge": 1}  # round 1's eval
+    resumed = f"{folder}/resumed"
+    for r in range(2):
+        for name in ("samples", "scores", "pairs", "eval"):
+            a = open(f"{straight}/online/round_{r}/{name}.jsonl").read()
+            assert a == open(f"{resumed}/online/round_{r}/{name}.jsonl").read(), (r, name)
+        assert _train_records(resumed, r) == _train_records(straight, r)
+    assert out["same_weights"] == [True]
+    killed = f"{folder}/killed"
+    assert out["killed"][0]["summaries"] is None
+    assert out["continued"][0]["calls"] == {"generate": 1, "judge": 1}  # round 1's eval only
+    assert os.path.isdir(f"{killed}/online/round_1/checkpoints/iter_0000001")
+    for r in range(2):
+        assert _train_records(killed, r) == _train_records(straight, r)
+        pairs = open(f"{killed}/online/round_{r}/pairs.jsonl").read()
+        assert pairs == open(f"{straight}/online/round_{r}/pairs.jsonl").read()
+    assert out["same_weights_killed"] == [True]
+    state = json.load(open(f"{resumed}/online/state.json"))
+    assert state["rounds"]["1"]["done"] == ["sample", "score", "pairs", "train", "eval"]
+
+
+def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path):
+    folder = str(tmp_path)
+    run_ranks(_prepare, world_size=1, folder=folder)
+    out = run_ranks(_online, world_size=4, folder=folder, run="tp2pp2", tp=2, pp=2, rm_pp=4)
+    # the scorer ran at TP 1 x PP 4 x DP 1 while the policy trains at TP 2 x PP 2
+    assert [o["layout"] for o in out] == [(1, 4, 1)] * 4
+    assert out[0]["calls"] == {"generate": 5, "judge": 0, "score": 5}
+    summaries = out[0]["summaries"]
+    assert [s["round"] for s in summaries] == [0, 1] and all(
+        o["summaries"] == summaries for o in out
+    )
+    for r in range(2):
+        summary, pairs = _check_round_files(f"{folder}/tp2pp2", r)
+        assert pairs
+        records = _train_records(f"{folder}/tp2pp2", r)
+        assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert os.path.isdir(f"{folder}/tp2pp2/online/round_{r}/checkpoints")
