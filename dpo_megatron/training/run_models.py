@@ -4,6 +4,7 @@ what a training checkpoint stores of the policy."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -36,6 +37,26 @@ def resolve_model_config(cfg) -> ModelConfig:
             stored.load = cfg.model.load
             return stored
     return cfg.model
+
+
+def with_loss_head(model_cfg: ModelConfig, loss_fn) -> ModelConfig:
+    """The architecture with the head the loss reads (``LossSpec.model_head``): a reward model's
+    (``bradley_terry``) or the LM head. A causal LM's folder or checkpoint starts a reward model
+    (``models.conversion.load_hf_weights``: its LM head is dropped).
+
+    Raises:
+        ValueError: a reward model (an HF ``*ForSequenceClassification`` folder, a reward
+            model's checkpoint) given to a loss of log-probs.
+    """
+    if model_cfg.head == loss_fn.model_head:
+        return model_cfg
+    if model_cfg.head == "reward":
+        source = model_cfg.hf_path or model_cfg.load
+        raise ValueError(
+            f"{source} is a reward model (no LM head): {loss_fn.describe()} needs a causal LM; "
+            "start from a *ForCausalLM folder or an SFT / DPO checkpoint"
+        )
+    return dataclasses.replace(model_cfg, head=loss_fn.model_head)
 
 
 def require_sequence_parallel(cfg, model_cfg: ModelConfig) -> Optional[str]:
