@@ -87,7 +87,6 @@ class DPOGPTModel(GPTModel):
     else [R, L, V/TP].
     """
 
-
     thd = False
     """True when the layers are transformer-engine's: packed rows then go in THD form."""
 
