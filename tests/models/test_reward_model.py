@@ -2,7 +2,8 @@
 TP 2 x PP 2 and at one rank (TP 1 x PP 1, data parallel 4), in one world of 4 gloo ranks:
 
 * an HF reward model imported at each layout scores padded, packed and shared-prompt rows as
-  transformers does (1e-5 relative, fp32), sequence parallelism included;
+  transformers does (1e-5 relative, fp32), sequence parallelism included (Llama, Qwen2, the
+  SmolLM2 layout); every other family imports, scores and exports at one rank;
 * a reward model trained two steps (Bradley-Terry loss) from an HF reward model gives the same
   losses, metrics and gradient norms at TP 2 x PP 2 as at one rank; exported, transformers
   loads it and scores as the engine does;
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 PAD = 0  # never drawn by tiny_pairs (ids 3..vocab-1, EOS 2)
 FAMILIES = ("llama", "qwen2", "smollm2")  # untied; q/k/v biases; tied with padded KV heads
+OTHER_FAMILIES = ("mistral", "qwen3", "mixtral", "gpt2", "gpt_neox", "olmo3", "gemma3", "smollm3")
+"""Checked at one layout: import, scores and export -> transformers."""
 REL = 1e-5
 
 
@@ -34,9 +37,9 @@ def _reward_folder(family: str, out_dir: str, seed: int = 0) -> str:
     config, norms and score perturbed so that every tensor matters."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    kwargs = dict(ALL_TINY_CONFIGS[family])
+    kwargs = {**ALL_TINY_CONFIGS[family], "pad_token_id": PAD}
     model_type = kwargs.pop("model_type")
-    config = AutoConfig.for_model(model_type, num_labels=1, pad_token_id=PAD, **kwargs)
+    config = AutoConfig.for_model(model_type, num_labels=1, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -117,6 +120,24 @@ def _import_and_score(folders: dict, tp: int, pp: int, sp: bool = False) -> dict
     return out
 
 
+def _round_trip(folders: dict, export_root: str) -> dict:
+    """At one rank's layout (TP 1 x PP 1): each family's reward model imported, scored and
+    exported to ``export_root/<family>``."""
+    from dpo_megatron.models import ModelConfig
+    from dpo_megatron.models.conversion import export_hf
+    from dpo_megatron.reward.scoring import build_reward_chunks, score_sequences
+
+    parallel = _parallel(1, 1)
+    sequences, starts = _sequences(_pairs())
+    base = ModelConfig(params_dtype="float32", transformer_impl="local")
+    out = {}
+    for family, folder in folders.items():
+        chunks, cfg = build_reward_chunks(folder, parallel, base)
+        out[family] = score_sequences(chunks, sequences, starts, micro_batch_size=4, pad_id=PAD)
+        export_hf(chunks, cfg, os.path.join(export_root, family), dtype="float32")
+    return out
+
+
 def _train(folder: str, tp: int, pp: int, export_dir: str = "", steps: int = 2) -> dict:
     """``steps`` Bradley-Terry steps from ``folder``, an evaluation, and with ``export_dir`` the
     model exported as an HF folder plus its own scores of the pairs' sequences."""
@@ -163,18 +184,27 @@ def _train(folder: str, tp: int, pp: int, export_dir: str = "", steps: int = 2) 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rm")
-    folders = {f: _reward_folder(f, str(tmp / f"{f}_rm")) for f in FAMILIES}
+    folders = {f: _reward_folder(f, str(tmp / f"{f}_rm")) for f in FAMILIES + OTHER_FAMILIES}
+    main = {f: folders[f] for f in FAMILIES}
+    others = {f: folders[f] for f in OTHER_FAMILIES}
     causal = save_tiny_hf_folder("llama", str(tmp / "llama_lm"))
     export = str(tmp / "exported")
     cases = {
-        "score_tp2pp2": (_import_and_score, dict(folders=folders, tp=2, pp=2)),
-        "score_tp2pp2_sp": (_import_and_score, dict(folders=folders, tp=2, pp=2, sp=True)),
-        "score_1rank": (_import_and_score, dict(folders=folders, tp=1, pp=1)),
+        "score_tp2pp2": (_import_and_score, dict(folders=main, tp=2, pp=2)),
+        "score_tp2pp2_sp": (_import_and_score, dict(folders=main, tp=2, pp=2, sp=True)),
+        "score_1rank": (_import_and_score, dict(folders=main, tp=1, pp=1)),
+        "round_trip": (_round_trip, dict(folders=others, export_root=str(tmp / "round_trip"))),
         "train_tp2pp2": (_train, dict(folder=folders["qwen2"], tp=2, pp=2, export_dir=export)),
         "train_1rank": (_train, dict(folder=folders["qwen2"], tp=1, pp=1)),
         "from_causal_lm": (_train, dict(folder=causal, tp=2, pp=2, steps=1)),
     }
-    return {"folders": folders, "export": export, "runs": run_cases(4, cases)}
+    runs = run_cases(4, cases)
+    return {
+        "folders": folders,
+        "export": export,
+        "round_trip": str(tmp / "round_trip"),
+        "runs": runs,
+    }
 
 
 def _reporting(results: list) -> dict:
@@ -186,14 +216,24 @@ def _reporting(results: list) -> dict:
 def test_hf_reward_models_score_as_transformers(world, case):
     sequences, _ = _sequences(_pairs())
     results = world["runs"][case]
-    for family, folder in world["folders"].items():
-        expected = _hf_scores(folder, sequences)
+    for family in FAMILIES:
+        expected = _hf_scores(world["folders"][family], sequences)
         assert all(r[family]["head"] == "reward" for r in results)
         # every rank returns the full list, in input order
         assert all(r[family]["padded"] == results[0][family]["padded"] for r in results)
         got = _reporting(results)[family]
         for form in ("padded", "packed", "shared"):
             assert got[form] == pytest.approx(expected, rel=REL, abs=1e-6), (family, form)
+
+
+def test_every_family_imports_and_exports_for_transformers(world):
+    sequences, _ = _sequences(_pairs())
+    scores = world["runs"]["round_trip"][0]
+    for family in OTHER_FAMILIES:
+        expected = _hf_scores(world["folders"][family], sequences)
+        assert scores[family] == pytest.approx(expected, rel=REL, abs=1e-6), family
+        exported = os.path.join(world["round_trip"], family)
+        assert _hf_scores(exported, sequences) == pytest.approx(expected, rel=REL, abs=1e-6)
 
 
 def test_training_step_equals_one_rank_and_exports_for_transformers(world):

@@ -101,15 +101,22 @@ class Architecture:
 
     def hf_class_for(self, head: str) -> str:
         """The ``architectures`` entry of an exported folder: :attr:`hf_class` for a causal LM,
-        its ``*ForSequenceClassification`` sibling for a reward model (``GPT2LMHeadModel`` ->
-        ``GPT2ForSequenceClassification``, ``LlamaForCausalLM`` ->
-        ``LlamaForSequenceClassification``)."""
+        for a reward model the class transformers' ``AutoModelForSequenceClassification`` builds
+        for this ``model_type`` (``LlamaForSequenceClassification``,
+        ``Gemma3TextForSequenceClassification``, ...).
+
+        Raises:
+            ValueError: transformers has no sequence-classification class for it.
+        """
         if head != "reward":
             return self.hf_class
-        for suffix in ("ForCausalLM", "LMHeadModel"):
-            if self.hf_class.endswith(suffix):
-                return self.hf_class.removesuffix(suffix) + "ForSequenceClassification"
-        raise ValueError(f"{self.name}: no sequence-classification class for {self.hf_class}")
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES,
+        )
+
+        if self.name not in CLASSES:
+            raise ValueError(f"transformers has no sequence-classification class for {self.name}")
+        return CLASSES[self.name]
 
 
 def dims(cfg: ModelConfig) -> dict[str, int]:
