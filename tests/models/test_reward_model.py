@@ -138,13 +138,25 @@ def _round_trip(folders: dict, export_root: str) -> dict:
     return out
 
 
-def _train(folder: str, tp: int, pp: int, export_dir: str = "", steps: int = 2) -> dict:
+def _train(
+    folder: str,
+    tp: int,
+    pp: int,
+    export_dir: str = "",
+    steps: int = 2,
+    run_dir: str = "",
+    resume: str = "none",
+) -> dict:
     """``steps`` Bradley-Terry steps from ``folder``, an evaluation, and with ``export_dir`` the
-    model exported as an HF folder plus its own scores of the pairs' sequences."""
+    model exported as an HF folder plus its own scores of the pairs' sequences. With
+    ``run_dir`` (and no resume) a checkpoint is saved after the first step and the scores of
+    its weights kept; ``resume="auto"`` continues that checkpoint, and its weights are also read
+    back through ``build_reward_chunks`` and scored."""
     from dpo_megatron.models.conversion import export_hf
-    from dpo_megatron.reward.scoring import score_sequences
+    from dpo_megatron.reward.scoring import build_reward_chunks, score_sequences
 
     pairs = _pairs()
+    sequences, starts = _sequences(pairs)
     trainer = tiny_trainer(
         pairs,
         pairs,
@@ -154,12 +166,27 @@ def _train(folder: str, tp: int, pp: int, export_dir: str = "", steps: int = 2) 
         micro_batch_size=1,
         global_batch_size=4,
         steps=steps,
-        lr=1e-2,
+        lr=1e-3,
         loss={"name": "bradley_terry", "center_rewards_coefficient": 0.01},
         model={"hf_path": folder, "pad_attention_heads": True},
+        run_dir=run_dir or None,
+        resume=resume,
     )
-    steps_out = [step_record(*trainer.train_step()) for _ in range(steps)]
-    result = {
+    result = {}
+    if resume == "auto":
+        chunks, _ = build_reward_chunks(os.path.join(run_dir, "checkpoints"), trainer.cfg.parallel)
+        result["loaded_scores"] = score_sequences(
+            chunks, sequences, starts, micro_batch_size=2, pad_id=PAD
+        )
+    steps_out = []
+    for step in range(trainer.counters.step, steps):
+        steps_out.append(step_record(*trainer.train_step()))
+        if run_dir and resume != "auto" and step == 0:
+            trainer.checkpointer.save(trainer.counters)
+            result["saved_scores"] = score_sequences(
+                trainer.policy, sequences, starts, micro_batch_size=2, pad_id=PAD
+            )
+    result |= {
         "head": trainer.model_config.head,
         "reference": trainer.reference is None,
         "steps": [{k: s[k] for k in ("metrics", "grad_norm")} for s in steps_out],
@@ -173,7 +200,6 @@ def _train(folder: str, tp: int, pp: int, export_dir: str = "", steps: int = 2) 
             dtype="float32",
             pad_token_id=PAD,
         )
-        sequences, starts = _sequences(pairs)
         result["scores"] = score_sequences(
             trainer.policy, sequences, starts, micro_batch_size=2, pad_id=PAD
         )
@@ -188,14 +214,21 @@ def world(tmp_path_factory):
     main = {f: folders[f] for f in FAMILIES}
     others = {f: folders[f] for f in OTHER_FAMILIES}
     causal = save_tiny_hf_folder("llama", str(tmp / "llama_lm"))
-    export = str(tmp / "exported")
+    export, run = str(tmp / "exported"), str(tmp / "run")
     cases = {
         "score_tp2pp2": (_import_and_score, dict(folders=main, tp=2, pp=2)),
         "score_tp2pp2_sp": (_import_and_score, dict(folders=main, tp=2, pp=2, sp=True)),
         "score_1rank": (_import_and_score, dict(folders=main, tp=1, pp=1)),
         "round_trip": (_round_trip, dict(folders=others, export_root=str(tmp / "round_trip"))),
-        "train_tp2pp2": (_train, dict(folder=folders["qwen2"], tp=2, pp=2, export_dir=export)),
-        "train_1rank": (_train, dict(folder=folders["qwen2"], tp=1, pp=1)),
+        "train_tp2pp2": (
+            _train,
+            dict(folder=folders["qwen2"], tp=2, pp=2, export_dir=export, steps=3, run_dir=run),
+        ),
+        "train_1rank": (_train, dict(folder=folders["qwen2"], tp=1, pp=1, steps=3)),
+        "resume_1rank": (
+            _train,
+            dict(folder=folders["qwen2"], tp=1, pp=1, steps=3, run_dir=run, resume="auto"),
+        ),
         "from_causal_lm": (_train, dict(folder=causal, tp=2, pp=2, steps=1)),
     }
     runs = run_cases(4, cases)
@@ -249,7 +282,7 @@ def test_training_step_equals_one_rank_and_exports_for_transformers(world):
         "rewards/chosen",
         "rewards/rejected",
     }
-    # After two Adam updates at lr 1e-2 the layouts' fp32 rounding has grown a little.
+    # After three Adam updates the layouts' fp32 rounding differences have grown a little.
     assert tp2pp2["eval"] == pytest.approx(one["eval"], rel=1e-4, abs=1e-6)
     assert tp2pp2["steps"][1]["metrics"]["loss"] != tp2pp2["steps"][0]["metrics"]["loss"]
     # exported: transformers loads a Qwen2ForSequenceClassification and scores as we do
@@ -263,6 +296,17 @@ def test_training_step_equals_one_rank_and_exports_for_transformers(world):
     assert _hf_scores(world["export"], sequences) == pytest.approx(
         tp2pp2["scores"], rel=REL, abs=1e-6
     )
+
+
+def test_a_checkpoint_resumes_at_another_layout_and_scores(world):
+    """Saved after step 1 at TP 2 x PP 2, resumed at one rank: steps 2 and 3 as the
+    uninterrupted run's; the checkpoint read by ``build_reward_chunks`` scores as the saving
+    model did."""
+    whole, resumed = world["runs"]["train_tp2pp2"][0], world["runs"]["resume_1rank"][0]
+    assert resumed["loaded_scores"] == pytest.approx(whole["saved_scores"], rel=REL, abs=1e-6)
+    assert len(resumed["steps"]) == 2
+    for a, b in zip(whole["steps"][1:], resumed["steps"]):
+        assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-4, abs=1e-6)
 
 
 def test_a_causal_lm_starts_a_reward_model_at_ln2(world):
