@@ -240,8 +240,9 @@ class DPOGPTModel(GPTModel):
         """[L(/TP), R, h] final hidden states -> [n, h] at the flat positions ``output_index``
         (``r * L + t``), all-gathered along the sequence first under sequence parallelism."""
         if self.config.sequence_parallel:
-            # The LM head's input copy all-reduces the input gradient over TP, so the gather's
-            # backward only splits (tensor_parallel_output_grad=False).
+            # The LM head's input copy all-reduces the input gradient over TP, and the reward
+            # head's is whole on every TP rank already, so the gather's backward only splits
+            # (tensor_parallel_output_grad=False).
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False
             )

@@ -200,11 +200,70 @@ def _train(
             dtype="float32",
             pad_token_id=PAD,
         )
+        # What export sends to rank 0 owns its storage (replicated tensors were views of the
+        # distributed optimizer's whole parameter buffer: 16 GB on rank 0 for SmolLM2 in fp32).
+        from dpo_megatron.models.conversion.export import stage_hf_tensors
+
+        tensors = stage_hf_tensors(
+            [c.module for c in trainer.policy], trainer.model_config, torch.float32
+        )
+        result["storage_ratio"] = max(
+            t.untyped_storage().nbytes() / (t.numel() * t.element_size()) for _, t in tensors
+        )
         result["scores"] = score_sequences(
             trainer.policy, sequences, starts, micro_batch_size=2, pad_id=PAD
         )
     trainer.close()
     return result
+
+
+def _save_causal_checkpoint(ckpt_dir: str) -> None:
+    """A random causal LM's checkpoint (the engine tests' tiny model) with its model config, as
+    an SFT run leaves one."""
+    from dpo_megatron.checkpointing import save_model_checkpoint
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from tests.engine import TINY
+
+    parallel = _parallel(1, 1)
+    cfg = ModelConfig(**{**TINY, "vocab_size": 128})
+    save_model_checkpoint(build_model_chunks(cfg, parallel), ckpt_dir, cfg)
+
+
+def _from_causal_checkpoint(ckpt_dir: str) -> dict:
+    """One reward-model step at TP 2 x PP 2 from a causal LM's checkpoint (``model.load``)."""
+    trainer = tiny_trainer(
+        _pairs(),
+        pad_token_id=PAD,
+        tp=2,
+        pp=2,
+        global_batch_size=4,
+        steps=1,
+        loss={"name": "bradley_terry"},
+        load=ckpt_dir,
+    )
+    import dataclasses
+
+    from dpo_megatron.checkpointing import load_model_checkpoint
+    from dpo_megatron.models import build_model_chunks
+
+    causal_cfg = dataclasses.replace(trainer.model_config, head="lm")
+    causal = build_model_chunks(causal_cfg, trainer.cfg.parallel)
+    load_model_checkpoint(causal, ckpt_dir)
+    expected = causal[0].state_dict()
+    got = trainer.policy[0].module.state_dict()
+    trunk = [
+        k
+        for k, v in expected.items()
+        if isinstance(v, torch.Tensor) and not k.startswith("output_layer")
+    ]
+    out = {
+        "same_trunk": bool(trunk) and all(torch.equal(expected[k], got[k]) for k in trunk),
+        "keys": sorted(got),
+        "metrics": trainer.train_step()[0].metrics,
+        "head": trainer.model_config.head,
+    }
+    trainer.close()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +289,8 @@ def world(tmp_path_factory):
             dict(folder=folders["qwen2"], tp=1, pp=1, steps=3, run_dir=run, resume="auto"),
         ),
         "from_causal_lm": (_train, dict(folder=causal, tp=2, pp=2, steps=1)),
+        "causal_checkpoint": (_save_causal_checkpoint, dict(ckpt_dir=str(tmp / "lm_ckpt"))),
+        "from_causal_checkpoint": (_from_causal_checkpoint, dict(ckpt_dir=str(tmp / "lm_ckpt"))),
     }
     runs = run_cases(4, cases)
     return {
@@ -285,6 +346,7 @@ def test_training_step_equals_one_rank_and_exports_for_transformers(world):
     # After three Adam updates the layouts' fp32 rounding differences have grown a little.
     assert tp2pp2["eval"] == pytest.approx(one["eval"], rel=1e-4, abs=1e-6)
     assert tp2pp2["steps"][1]["metrics"]["loss"] != tp2pp2["steps"][0]["metrics"]["loss"]
+    assert all(r["storage_ratio"] == 1.0 for r in world["runs"]["train_tp2pp2"])
     # exported: transformers loads a Qwen2ForSequenceClassification and scores as we do
     import json
 
@@ -315,3 +377,12 @@ def test_a_causal_lm_starts_a_reward_model_at_ln2(world):
     metrics = run["steps"][0]["metrics"]
     assert metrics["loss"] == pytest.approx(math.log(2.0), abs=1e-7)
     assert metrics["rewards/accuracies"] == 0.0 and metrics["rewards/margins"] == 0.0
+
+
+def test_a_causal_lm_checkpoint_starts_a_reward_model_at_ln2(world):
+    for run in world["runs"]["from_causal_checkpoint"]:
+        assert run["same_trunk"]  # every weight but the LM head, which it has not
+        assert not any(k.startswith("output_layer") for k in run["keys"])
+    run = world["runs"]["from_causal_checkpoint"][0]
+    assert run["head"] == "reward"
+    assert run["metrics"]["loss"] == pytest.approx(math.log(2.0), abs=1e-7)
