@@ -135,8 +135,9 @@ def build_reward_chunks(
             model's checkpoint (a run's ``checkpoints`` folder or one ``iter_*`` folder of a
             ``loss.name=bradley_terry`` run).
         parallel: the layout the chunks are built for.
-        base: the non-architecture settings (dtype, attention kernel, ``pad_attention_heads``);
-            default ``ModelConfig()``.
+        base: for an HF folder, the non-architecture settings (dtype, attention kernel,
+            ``pad_attention_heads``); default ``ModelConfig()``. A checkpoint brings its own
+            (its ``model_config.json``).
     Returns:
         (the chunks in eval mode, their ``ModelConfig``).
     Raises:
