@@ -179,6 +179,8 @@ class LossFunction:
         modifiers = dataclasses.asdict(self.modifiers)
         if not any(c.spec.needs_reference for c in self.components):
             modifiers.pop("reference_free")
+        if self.model_head == "reward":  # no log-probs to modify (build_loss refuses them)
+            modifiers = {}
         return {**section, **modifiers}
 
     def describe(self) -> str:
