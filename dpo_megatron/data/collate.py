@@ -76,6 +76,15 @@ def reward_position(prompt: Sequence[int], completion: Sequence[int], pad_token_
     return len(ids) - 1
 
 
+def pair_margins(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
+    """[B] fp32 margins of the pairs (``PreferencePair.margin``; 0 for a pair without one), or
+    None when none has one."""
+    margins = [getattr(p, "margin", None) for p in pairs]
+    if all(m is None for m in margins):
+        return None
+    return torch.tensor([0.0 if m is None else m for m in margins], dtype=torch.float32)
+
+
 def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
     """[B] fp32 labels of unpaired examples (``UnpairedPair.desirable``: 1.0 / 0.0), or None for
     preference pairs.
@@ -176,6 +185,7 @@ def collate_pairs(
     batch = collate_rows(pair_rows(pairs), pad_token_id, seq_length)
     batch.reference_logps = reference_logps(pairs, batch.loss_mask)
     batch.desirable = desirable_labels(pairs)
+    batch.margin = pair_margins(pairs)
     return batch
 
 

@@ -48,6 +48,7 @@ from dpo_megatron.data.batch import (
 from dpo_megatron.data.collate import (
     check_rows,
     desirable_labels,
+    pair_margins,
     pair_rows,
     reference_logps,
     reward_position,
@@ -281,6 +282,7 @@ def pack_units(
         reference_logps=reference_logps(pairs, loss_mask),
         desirable=desirable_labels(pairs),
         last_index=last_index,
+        margin=pair_margins(pairs),
     )
 
 

@@ -206,7 +206,7 @@ def reward_scores(chunks: list, batch: StepBatch) -> list[torch.Tensor]:
 def _reward_loss(loss_fn, batch: MicroBatch, rewards: torch.Tensor):
     """Last-stage loss of one reward-model micro-batch: as :func:`_policy_loss`, from the [2B]
     rewards."""
-    losses, metrics = loss_fn.reward_loss(rewards)
+    losses, metrics = loss_fn.reward_loss(rewards, margin=batch.margin)
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), _count(losses.shape[0]), reported
 

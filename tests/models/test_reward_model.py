@@ -229,10 +229,16 @@ def _save_causal_checkpoint(ckpt_dir: str) -> None:
     save_model_checkpoint(build_model_chunks(cfg, parallel), ckpt_dir, cfg)
 
 
+MARGINS = (0.0, 1.0, 2.0, 0.5)
+
+
 def _from_causal_checkpoint(ckpt_dir: str) -> dict:
-    """One reward-model step at TP 2 x PP 2 from a causal LM's checkpoint (``model.load``)."""
+    """One reward-model step at TP 2 x PP 2 from a causal LM's checkpoint (``model.load``), on
+    pairs that carry margins (:data:`MARGINS`)."""
+    from dataclasses import replace
+
     trainer = tiny_trainer(
-        _pairs(),
+        [replace(p, margin=m) for p, m in zip(_pairs(), MARGINS)],
         pad_token_id=PAD,
         tp=2,
         pp=2,
@@ -379,10 +385,12 @@ def test_a_causal_lm_starts_a_reward_model_at_ln2(world):
     assert metrics["rewards/accuracies"] == 0.0 and metrics["rewards/margins"] == 0.0
 
 
-def test_a_causal_lm_checkpoint_starts_a_reward_model_at_ln2(world):
+def test_a_causal_lm_checkpoint_starts_a_reward_model_with_the_data_margins(world):
     for run in world["runs"]["from_causal_checkpoint"]:
         assert run["same_trunk"]  # every weight but the LM head, which it has not
         assert not any(k.startswith("output_layer") for k in run["keys"])
     run = world["runs"]["from_causal_checkpoint"][0]
     assert run["head"] == "reward"
-    assert run["metrics"]["loss"] == pytest.approx(math.log(2.0), abs=1e-7)
+    # zero rewards: each pair's loss is -log sigmoid(0 - 0 - m) = log(1 + e^m)
+    expected = sum(math.log1p(math.exp(m)) for m in MARGINS) / len(MARGINS)
+    assert run["metrics"]["loss"] == pytest.approx(expected, abs=1e-6)
