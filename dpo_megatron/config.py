@@ -546,7 +546,24 @@ def _validate_loss(cfg: DPOConfig) -> None:
             f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
             f"train.micro_batch_size >= 2 (its value depends on that size)"
         )
-    build_loss(cfg.loss)
+    if build_loss(cfg.loss).model_head == "reward":
+        _validate_reward_model(cfg)
+
+
+def _validate_reward_model(cfg: DPOConfig) -> None:
+    """What a reward model's loss (``bradley_terry``) rules out: it has no LM head to sample
+    from, no context-parallel form (its rows' last tokens are not split across ranks) and no
+    adapters (the whole model and its new head train)."""
+    for bad, fix in (
+        (cfg.train.sample_during_eval, "train.sample_during_eval=false"),
+        (cfg.parallel.context_parallel_size > 1, "parallel.context_parallel_size=1"),
+        (cfg.lora.enabled, "lora.enabled=false"),
+    ):
+        if bad:
+            raise ValueError(
+                f"loss.name={cfg.loss['name']} trains a reward model, which does not support "
+                f"this setting: set {fix}"
+            )
 
 
 def world_size_for(cfg: DPOConfig) -> int:

@@ -81,6 +81,8 @@ def main(argv=None) -> None:
     )  # keeps e.g. pad_attention_heads
     if args.hf_path:
         model_cfg = model_config_from_hf(args.hf_path, base)
+        if stored is not None:  # the checkpoint's head (a reward model's), whatever the folder's
+            model_cfg = dataclasses.replace(model_cfg, head=stored.head)
     elif stored is not None:
         model_cfg = dataclasses.replace(stored, params_dtype="float32", transformer_impl="local")
     else:

@@ -245,6 +245,11 @@ class MicroBatch:
         desirable: [B] fp32 labels of unpaired examples (1.0 desirable, 0.0 undesirable; rows
             are then completions and mismatched completions, ``data.pairs.UnpairedPair``); None
             for pairs.
+        last_index: [N] int64 flat model position (``r * L + t``) of the token a reward model
+            reads for each sequence, in per-sequence order (``data.collate.reward_position``:
+            its last token that is not padding); None where the builder made none.
+        margin: [B] fp32 per-pair margins from the data (``PreferencePair.margin``, 0 where a
+            pair has none), read by a reward model's loss; None when no pair has one.
     """
 
     tokens: torch.Tensor
@@ -259,6 +264,8 @@ class MicroBatch:
     item_indices: tuple[int, ...] = ()
     sequences_per_item: int = 2
     desirable: Optional[torch.Tensor] = None
+    last_index: Optional[torch.Tensor] = None
+    margin: Optional[torch.Tensor] = None
 
     @property
     def segment_ids(self) -> Optional[torch.Tensor]:

@@ -63,6 +63,28 @@ def score_targets(
     return score_index, ids[:, 1:].reshape(-1)[score_index]
 
 
+def reward_position(prompt: Sequence[int], completion: Sequence[int], pad_token_id: int) -> int:
+    """Index in ``prompt + completion`` of the token whose final hidden state a reward model
+    scores: the last token that is not ``pad_token_id`` (Hugging Face's
+    ``*ForSequenceClassification`` rule, so an exported reward model scores the same sequence
+    the same way; with SmolLM2, whose pad is its end-of-turn token, that is the token before a
+    closing ``<|im_end|>``), or the last token when every token is ``pad_token_id``."""
+    ids = [*prompt, *completion]
+    for t in range(len(ids) - 1, -1, -1):
+        if ids[t] != pad_token_id:
+            return t
+    return len(ids) - 1
+
+
+def pair_margins(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
+    """[B] fp32 margins of the pairs (``PreferencePair.margin``; 0 for a pair without one), or
+    None when none has one."""
+    margins = [getattr(p, "margin", None) for p in pairs]
+    if all(m is None for m in margins):
+        return None
+    return torch.tensor([0.0 if m is None else m for m in margins], dtype=torch.float32)
+
+
 def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
     """[B] fp32 labels of unpaired examples (``UnpairedPair.desirable``: 1.0 / 0.0), or None for
     preference pairs.
@@ -134,6 +156,10 @@ def collate_rows(
     loss_mask = score_mask(rows, seq_length)
     scored = torch.nonzero(loss_mask.reshape(-1)).squeeze(1)
     position_ids = torch.arange(seq_length, dtype=torch.int64).expand(n, -1).contiguous()
+    last_index = torch.tensor(
+        [i * seq_length + reward_position(p, c, pad_token_id) for i, (p, c) in enumerate(rows)],
+        dtype=torch.int64,
+    )
     return MicroBatch(
         tokens=tokens,
         labels=labels,
@@ -143,6 +169,7 @@ def collate_rows(
         score_index=scored,
         target_ids=labels.reshape(-1)[scored],
         sequences_per_item=sequences_per_item,
+        last_index=last_index,
     )
 
 
@@ -158,6 +185,7 @@ def collate_pairs(
     batch = collate_rows(pair_rows(pairs), pad_token_id, seq_length)
     batch.reference_logps = reference_logps(pairs, batch.loss_mask)
     batch.desirable = desirable_labels(pairs)
+    batch.margin = pair_margins(pairs)
     return batch
 
 

@@ -84,11 +84,13 @@ class ItemKind:
         chosen_ids: tuple[int, ...],
         rejected_ids: tuple[int, ...] | None,
         label: bool | None,
+        margin: float | None = None,
     ):
         """One kept item of this kind from its (cut) token ids; ``chosen_ids`` is the target
-        completion of SFT and unpaired rows, ``label`` their desirability (unpaired only)."""
+        completion of SFT and unpaired rows, ``label`` their desirability (unpaired only),
+        ``margin`` a pair's row's margin (``data.tokenization.MARGIN_COLUMN``; pairs only)."""
         if self.reads_rejected:
-            return PreferencePair(prompt_ids, chosen_ids, rejected_ids)
+            return PreferencePair(prompt_ids, chosen_ids, rejected_ids, margin=margin)
         return SFTExample(prompt_ids, chosen_ids)
 
     def finish(self, items: Sequence, max_length: int) -> list:
@@ -107,7 +109,9 @@ class UnpairedKind(ItemKind):
     estimate (``data.unpaired.with_kl_completions``, within its split), and the summary adds
     ``labels`` (desirable / undesirable counts of the training split)."""
 
-    def make_item(self, prompt_ids, chosen_ids, rejected_ids, label) -> UnpairedExample:
+    def make_item(
+        self, prompt_ids, chosen_ids, rejected_ids, label, margin=None
+    ) -> UnpairedExample:
         """An :class:`UnpairedExample` (``chosen_ids`` is its completion)."""
         return UnpairedExample(prompt_ids, chosen_ids, bool(label))
 

@@ -48,8 +48,10 @@ from dpo_megatron.data.batch import (
 from dpo_megatron.data.collate import (
     check_rows,
     desirable_labels,
+    pair_margins,
     pair_rows,
     reference_logps,
+    reward_position,
     score_mask,
     score_targets,
 )
@@ -263,6 +265,9 @@ def pack_units(
         for i, local in unit.sequences:
             where[i, : len(local)] = starts[j] + torch.tensor(local)
     output_index = where.reshape(-1)[score_index]
+    last_index = torch.stack(
+        [where[i, reward_position(p, c, pad_token_id)] for i, (p, c) in enumerate(rows)]
+    )
     shared = any(b != 0 for u in units for b in u.branch_ids)
     layout = PackedLayout.from_spans(segment_ids, branch_ids if shared else None, spans)
     return MicroBatch(
@@ -276,6 +281,8 @@ def pack_units(
         packed=layout,
         reference_logps=reference_logps(pairs, loss_mask),
         desirable=desirable_labels(pairs),
+        last_index=last_index,
+        margin=pair_margins(pairs),
     )
 
 

@@ -23,6 +23,9 @@ class PreferencePair:
     [len(rejected_ids)] fp32, nats) are the reference model's per-token log-probs of the
     completions when they were computed before training (``reference.mode=precomputed``): they
     travel with the pair into its micro-batch. Not part of equality.
+
+    ``margin`` is the row's margin (its ``margin`` column), which a reward model's Bradley-Terry
+    loss subtracts from the reward difference; None when the row has none.
     """
 
     prompt_ids: tuple[int, ...]
@@ -34,6 +37,7 @@ class PreferencePair:
     reference_rejected_logps: Optional["torch.Tensor"] = field(
         default=None, compare=False, repr=False
     )
+    margin: Optional[float] = None
 
     @property
     def target_ids(self) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ training sources by ``data.weights``.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -137,7 +138,8 @@ def select_source(
         after.rejected.append(len(fr))
         pair_lengths.append(len(fp) + max(len(fc), len(fr)))
         label = None if row.label == NO_LABEL else bool(row.label)
-        kept.append(kind.make_item(tuple(fp), tuple(fc), fr if rejected else None, label))
+        margin = None if math.isnan(row.margin) else row.margin
+        kept.append(kind.make_item(tuple(fp), tuple(fc), fr if rejected else None, label, margin))
 
     n_eval = int(round(cfg.eval_fraction * len(kept)))
     if cfg.eval_fraction > 0 and len(kept) >= 2:

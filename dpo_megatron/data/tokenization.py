@@ -10,6 +10,7 @@ then stop the load or are counted (``read.check_row_errors``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -26,8 +27,13 @@ from dpo_megatron.data.kinds import ItemKind
 from dpo_megatron.data.read import ReadSource, check_row_errors
 from dpo_megatron.data.reader import JSON_COLUMN, WHERE_COLUMN
 
+NAN = float("nan")
 NO_LABEL = -1
 """``TokenizedRow.label`` of a row without one (a pair)."""
+MARGIN_COLUMN = "margin"
+"""An optional per-row number: the margin a reward model's Bradley-Terry loss subtracts from the
+pair's reward difference (``losses.reward``; TRL's ``margin`` column), for every pair the row
+makes."""
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class TokenizedRow:
         notes: what conversion and encoding did (``turns_dropped``, ``diverged_early`` ...).
         group: the post an SHP pair comes from (empty: none).
         label: 1 desirable, 0 undesirable (unpaired rows), :data:`NO_LABEL` for a pair.
+        margin: the row's :data:`MARGIN_COLUMN` value, NaN when it has none.
     """
 
     where: str
@@ -57,6 +64,7 @@ class TokenizedRow:
     notes: list[str]
     group: str
     label: int
+    margin: float
 
 
 @dataclass
@@ -82,6 +90,7 @@ def _features():
             "notes": datasets.Sequence(datasets.Value("string")),
             "group": datasets.Value("string"),
             "label": datasets.Value("int8"),
+            "margin": datasets.Value("float64"),
         }
     )
 
@@ -100,7 +109,7 @@ def _tokenize_batch(
     budget = TokenBudget(cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode)
     out: dict[str, list] = {name: [] for name in FIELDS}
 
-    def emit(where, encoded=None, drop="", error="", group="", row_label=None):
+    def emit(where, encoded=None, drop="", error="", group="", row_label=None, margin=NAN):
         row = TokenizedRow(
             where,
             list(encoded.prompt_ids) if encoded else [],
@@ -112,6 +121,7 @@ def _tokenize_batch(
             list(encoded.notes) if encoded else [],
             group,
             NO_LABEL if row_label is None else int(row_label),
+            margin,
         )
         for name in FIELDS:
             out[name].append(getattr(row, name))
@@ -123,6 +133,7 @@ def _tokenize_batch(
         else:
             row, where = {c: batch[c][k] for c in columns}, f"row {index}"
         try:
+            margin = row_margin(row)
             for example in convert(row, cfg):
                 if not reads_rejected:
                     example = replace(example, rejected=None)
@@ -132,6 +143,7 @@ def _tokenize_batch(
                         encode_example(example, tokenizer, settings, budget),
                         group=example.group,
                         row_label=example.label,
+                        margin=margin,
                     )
                 except Filtered as f:
                     emit(where, drop=f.reason)
@@ -140,6 +152,20 @@ def _tokenize_batch(
         except RowError as e:
             emit(where, drop="malformed", error=f"{label}: {where}: {e}")
     return out
+
+
+def row_margin(row: dict) -> float:
+    """The row's :data:`MARGIN_COLUMN` as a float, NaN when absent or null.
+
+    Raises:
+        RowError: a margin that is not a finite number.
+    """
+    value = row.get(MARGIN_COLUMN) if isinstance(row, dict) else None
+    if value is None:
+        return NAN
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RowError(MARGIN_COLUMN, f"expected a finite number, got {value!r}")
+    return float(value)
 
 
 def _decode(tokenized) -> list[TokenizedRow]:

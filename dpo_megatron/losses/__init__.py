@@ -7,11 +7,12 @@
 Modules: `registry` (name -> spec), `terms` (shared formula pieces), `dpo_family` (reference-based
 losses), `reference_free` (SimPO, CPO, ORPO, SFT), `sequence` (per-token -> per-sequence
 reductions, LD-DPO, WPO weights), `running_mean` (BCO's reward shift), `step_statistics` (beta-DPO's
-statistic of the whole step's batch), `kto` (KTO, unpaired examples), `loss_function` (build_loss).
+statistic of the whole step's batch), `kto` (KTO, unpaired examples), `reward` (Bradley-Terry
+reward models), `loss_function` (build_loss).
 """
 
 # Importing the formula modules registers their losses in LOSSES.
-from dpo_megatron.losses import dpo_family, kto, reference_free  # noqa: F401
+from dpo_megatron.losses import dpo_family, kto, reference_free, reward  # noqa: F401
 from dpo_megatron.losses.loss_function import LossFunction, LossModifiers, build_loss
 from dpo_megatron.losses.registry import LOSSES, LossSpec, register_loss
 

@@ -87,6 +87,7 @@ _VALUE_RULES: dict[Any, Callable[[float], bool]] = {
     "beta_dpo_momentum": _in_range(0.0, 1.0, high_open=True),
     "desirable_weight": _in_range(0.0, _INF, low_open=True),
     "undesirable_weight": _in_range(0.0, _INF, low_open=True),
+    "center_rewards_coefficient": _in_range(0.0, _INF),
 }
 
 
@@ -138,6 +139,9 @@ class LossFunction:
             then pass chosen rows only with `chosen_only=True`.
         unpaired: the loss trains on unpaired examples (KTO): the engine passes `desirable` labels,
             and rows are completions then mismatched completions (`data.unpaired`).
+        model_head: what the model computes for the loss (`LossSpec.model_head`): "lm"
+            (per-token log-probs: call the function) or "reward" (one scalar per sequence: call
+            :meth:`reward_loss`).
     """
 
     def __init__(self, components: Sequence[LossComponent], modifiers: LossModifiers) -> None:
@@ -152,6 +156,7 @@ class LossFunction:
             or modifiers.ld_alpha is not None
         )
         self.unpaired = any(c.spec.unpaired for c in self.components)
+        self.model_head = self.components[0].spec.model_head
 
     def __repr__(self) -> str:
         parts = [
@@ -174,6 +179,8 @@ class LossFunction:
         modifiers = dataclasses.asdict(self.modifiers)
         if not any(c.spec.needs_reference for c in self.components):
             modifiers.pop("reference_free")
+        if self.model_head == "reward":  # no log-probs to modify (build_loss refuses them)
+            modifiers = {}
         return {**section, **modifiers}
 
     def describe(self) -> str:
@@ -236,8 +243,11 @@ class LossFunction:
             metrics: name -> [B] detached per-pair values (the engine averages them over all pairs).
         Raises:
             ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs
-                missing, or chosen_only for a loss that reads rejected completions.
+                missing, chosen_only for a loss that reads rejected completions, or a loss of
+                rewards (:meth:`reward_loss`).
         """
+        if self.model_head != "lm":
+            raise ValueError(f"{self!r} takes a reward model's scores: call reward_loss")
         self._check_inputs(
             policy_token_logps,
             reference_token_logps,
@@ -305,6 +315,38 @@ class LossFunction:
             total = total * weights
             metrics["wpo/weights"] = weights
         return total, metrics
+
+    def reward_loss(
+        self, rewards: Tensor, margin: Optional[Tensor] = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-pair losses and metrics of one micro-batch of a reward model
+        (``model_head == "reward"``).
+
+        Args:
+            rewards: [2B] fp32 one reward per sequence: 0..B-1 chosen, B..2B-1 the rejected
+                sequences of the same pairs.
+            margin: [B] per-pair margins, or None.
+        Returns:
+            As :meth:`__call__`: losses [B] (nats) and metrics name -> [B] detached.
+        Raises:
+            ValueError: a loss of log-probs, or rewards that are not [2B].
+        """
+        if self.model_head != "reward":
+            raise ValueError(f"{self!r} takes per-token log-probs, not rewards")
+        if rewards.dim() != 1 or rewards.shape[0] % 2:
+            raise ValueError(f"rewards must be [2B] (chosen, then rejected), got {rewards.shape}")
+        chosen, rejected = split_pairs(rewards)
+        component = self.components[0]
+        return component.spec.fn(
+            chosen,
+            rejected,
+            None,
+            None,
+            chosen_tokens=None,
+            rejected_tokens=None,
+            margin=margin,
+            **component.fn_params,
+        )
 
     @property
     def item_kind(self) -> str:
@@ -535,6 +577,13 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     misfits = sorted(
         k for k in ("sft_weight", "use_weighting", "ld_alpha") if modifier_values.get(k)
     )
+    reward = [spec.name for spec in specs if spec.model_head == "reward"]
+    if reward and (len(specs) > 1 or misfits):
+        raise ValueError(
+            f"loss.name={names}: {reward[0]} trains a reward model (one score per sequence, no "
+            "log-probs) and cannot be combined with other losses or with "
+            f"{misfits or 'loss modifiers'}"
+        )
     if unpaired and misfits:
         raise ValueError(
             f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are "

@@ -11,6 +11,12 @@ loss state supplies, e.g. BCO's running reward mean) are the config keys the los
 truth for valid keys and defaults. A loss state's own keyword-only constructor parameters (e.g.
 beta-DPO's momentum) are config keys of the loss too, read the same way.
 
+Model heads: a loss states what the model computes for it (`LossSpec.model_head`): "lm", per-token
+log-probs of the completions through the LM head (every loss above), or "reward", one scalar per
+sequence from a reward head (`bradley_terry`, `losses.reward`), whose function takes the chosen
+and rejected rewards in place of the policy log-probs. The run builds the model and runs the step
+for what the loss declares; nothing else says whether a model is a reward model.
+
 Step statistics: a loss whose formula uses a statistic of the whole optimizer step's batch (all
 micro-batches, all data-parallel ranks), e.g. beta-DPO's batch-level beta, has a state that is also
 a :class:`StepStatistic`. The engine then runs a forward-only policy pass before the step's
@@ -103,6 +109,10 @@ class LossSpec:
     """True for losses of unpaired examples (KTO): the "chosen" sequence is the example's
     completion, the "rejected" one the mismatched completion of the KL estimate, and `fn` takes
     `desirable`."""
+    model_head: str = "lm"
+    """What the model computes for this loss (module docstring): "lm" (per-token log-probs)
+    or "reward" (one scalar per sequence; `fn` takes the chosen and rejected rewards [B] as
+    its first two arguments, None for the reference and token counts)."""
     params: dict[str, Any] = field(init=False)
     """Config keys this loss accepts -> paper defaults (read from `fn`'s and the state's
     signatures)."""
@@ -166,6 +176,7 @@ def register_loss(
     runtime_params: tuple[str, ...] = (),
     uses_rejected: bool = True,
     unpaired: bool = False,
+    model_head: str = "lm",
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering `fn` under `name` in `LOSSES`.
 
@@ -180,7 +191,14 @@ def register_loss(
                 f"{fn.__qualname__})"
             )
         LOSSES[name] = LossSpec(
-            name, fn, needs_reference, state_factory, runtime_params, uses_rejected, unpaired
+            name,
+            fn,
+            needs_reference,
+            state_factory,
+            runtime_params,
+            uses_rejected,
+            unpaired,
+            model_head,
         )
         return fn
 

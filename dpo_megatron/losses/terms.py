@@ -87,6 +87,22 @@ def preference_metrics(
         rewards/chosen, rewards/rejected, rewards/accuracies (1.0 where chosen > rejected strictly),
         rewards/margins, logps/chosen, logps/rejected; each [B].
     """
+    return {
+        **reward_metrics(chosen_rewards, rejected_rewards),
+        "logps/chosen": policy_chosen_logps.detach(),
+        "logps/rejected": policy_rejected_logps.detach(),
+    }
+
+
+def reward_metrics(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """rewards/chosen, rewards/rejected, rewards/accuracies (1.0 where chosen > rejected
+    strictly: a tie counts as wrong) and rewards/margins (chosen - rejected), per pair, detached.
+
+    Args:
+        chosen_rewards, rejected_rewards: [B] the rewards compared (implicit or a reward model's).
+    """
     chosen_rewards = chosen_rewards.detach()
     rejected_rewards = rejected_rewards.detach()
     return {
@@ -94,8 +110,6 @@ def preference_metrics(
         "rewards/rejected": rejected_rewards,
         "rewards/accuracies": (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype),
         "rewards/margins": chosen_rewards - rejected_rewards,
-        "logps/chosen": policy_chosen_logps.detach(),
-        "logps/rejected": policy_rejected_logps.detach(),
     }
 
 

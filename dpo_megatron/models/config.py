@@ -22,6 +22,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")  # megatron-core's, for these layers
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+HEADS = ("lm", "reward")  # models.gpt: the LM head, or models.reward_head
 
 
 @dataclass
@@ -226,6 +227,11 @@ class ModelConfig:
     """With 'full': 'uniform' or 'block'."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per recompute group (>= 1)."""
+    head: str = "lm"
+    """What the last stage computes: 'lm' (the LM head: per-token log-probs) or 'reward' (a
+    [hidden -> 1] scalar head on each sequence's last token, ``models.reward_head``; no LM
+    head is built). A training run sets it from its loss (``LossSpec.model_head``); an HF
+    ``*ForSequenceClassification`` folder or a reward model's checkpoint states it."""
     fused_lm_head: Optional[bool] = None
     """null (auto): fused on an accelerator, unfused on the host CPU, where keeping the logits
     was measured faster (``models.gpt.lm_head_is_fused``). true: log-probs straight from the
@@ -348,6 +354,7 @@ class ModelConfig:
                 "model.sliding_window too, or drop it"
             )
         check_choice("model", self, "transformer_impl", TRANSFORMER_IMPLS)
+        check_choice("model", self, "head", HEADS)
         check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
         check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES, optional=True)
         check_choice("model", self, "recompute_method", RECOMPUTE_METHODS, optional=True)

@@ -34,6 +34,7 @@ from dpo_megatron.models.logprobs import (
     vocab_parallel_token_logps,
 )
 from dpo_megatron.models.moe import set_aux_loss_weight
+from dpo_megatron.models.reward_head import attach_reward_head, reward_head
 from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
@@ -82,9 +83,14 @@ class DPOGPTModel(GPTModel):
       targets instead of logits, through ``models.logprobs.vocab_parallel_linear_logps``,
       which never holds the [n, V/TP] logits (``log_sum_p2=True`` adds the WPO normaliser).
 
-    Outputs: hidden states [L(/TP), R, h] off the last stage; on it, with ``target_ids`` a
-    ``HeadLogps`` of [n] fp32 tensors, else vocab-parallel logits [1, n, V/TP] with
-    ``output_index`` (in that order), else [R, L, V/TP].
+    * A reward model (``model.head=reward``) has no LM head: its ``reward_head``
+      (``models.reward_head``) maps the final hidden state at each ``output_index`` position
+      (one per sequence, its last token) to a scalar.
+
+    Outputs: hidden states [L(/TP), R, h] off the last stage; on it, for a reward model the [n]
+    fp32 rewards at ``output_index``; else with ``target_ids`` a ``HeadLogps`` of [n] fp32
+    tensors, else vocab-parallel logits [1, n, V/TP] with ``output_index`` (in that order),
+    else [R, L, V/TP].
     """
 
     thd = False
@@ -154,6 +160,9 @@ class DPOGPTModel(GPTModel):
         )
         if not self.post_process:
             return hidden_states
+        head = reward_head(self)
+        if head is not None:
+            return head(self._scored_hidden(hidden_states, output_index))
         if output_index is None:
             logits, _ = self.output_layer(hidden_states, weight=self._output_weight())
             return logits.transpose(0, 1).contiguous()  # [L, R, V/TP] -> [R, L, V/TP]
@@ -183,6 +192,18 @@ class DPOGPTModel(GPTModel):
                 vocab_parallel_log_sum_p2(logits[0]) if log_sum_p2 else None,
             )
         return logits  # [1, n, V/TP]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron-core's, for a reward model without the LM head its language-model layer
+        expects (``LanguageModule.sharded_state_dict`` marks ``output_layer.weight``): the
+        modules' own sharded tensors, the reward head replicated."""
+        if reward_head(self) is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        from megatron.core.transformer.module import MegatronModule
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[R, L] -> this TP rank's [R, L/TP] slice under sequence parallelism (the routers see
@@ -236,9 +257,10 @@ class DPOGPTModel(GPTModel):
     ) -> torch.Tensor:
         """[L(/TP), R, h] final hidden states -> [n, h] at the flat positions ``output_index``
         (``r * L + t``), all-gathered along the sequence first under sequence parallelism."""
-        if self.output_layer.sequence_parallel:
-            # The LM head's input copy all-reduces the input gradient over TP, so the gather's
-            # backward only splits (tensor_parallel_output_grad=False).
+        if self.config.sequence_parallel:
+            # The LM head's input copy all-reduces the input gradient over TP, and the reward
+            # head's is whole on every TP rank already, so the gather's backward only splits
+            # (tensor_parallel_output_grad=False).
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False
             )
@@ -264,8 +286,10 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
 
     Requires megatron-core's parallel state (``dpo_megatron.parallel.initialize_distributed``).
     Outputs of each chunk's forward on the last stage are vocab-parallel logits
-    (``DPOGPTModel``; fp32 on CPU, the model dtype on GPU).
+    (``DPOGPTModel``; fp32 on CPU, the model dtype on GPU), or with ``model.head=reward``
+    rewards (the LM head replaced by ``models.reward_head``; embeddings never tied to it).
     """
+    reward = model.head == "reward"
     config = build_transformer_config(model, parallel)
     if model.num_experts:
         _enable_moe_patches(model)
@@ -296,7 +320,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
                 ignore_virtual=False, vp_stage=stage
             ),
             parallel_output=True,
-            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            share_embeddings_and_output_weights=model.tie_word_embeddings and not reward,
             position_embedding_type=model.position_embedding_type,
             rotary_percent=model.rotary_percent,
             rotary_base=model.rotary_base,  # typed int upstream; RoPE accepts any float theta
@@ -338,10 +362,12 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
                 rotary_base=model.local_rotary_base,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
+        if reward:
+            attach_reward_head(chunk)
         place_chunk(chunk, config.params_dtype)
         chunk.thd = packed_format(chunk) == "thd"  # as its layers' core attention takes them
         chunk.fused_lm_head = lm_head_is_fused(model.fused_lm_head)
-        if chunk.post_process and vocab > model.vocab_size:
+        if chunk.post_process and vocab > model.vocab_size and not reward:
             _mask_vocab_padding(chunk, model.vocab_size, vocab)
         chunks.append(chunk)
     return chunks

@@ -99,6 +99,8 @@ def _lm_head(model_cfg: ModelConfig) -> str:
     from dpo_megatron.models.gpt import lm_head_is_fused
     from dpo_megatron.parallel.device import get_device
 
+    if model_cfg.head == "reward":
+        return "LM head none (a reward model: models.reward_head)"
     chosen = lm_head_is_fused(model_cfg.fused_lm_head)
     name = "fused" if chosen else "unfused"
     if model_cfg.fused_lm_head is not None:

@@ -4,6 +4,7 @@ what a training checkpoint stores of the policy."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -36,6 +37,26 @@ def resolve_model_config(cfg) -> ModelConfig:
             stored.load = cfg.model.load
             return stored
     return cfg.model
+
+
+def with_loss_head(model_cfg: ModelConfig, loss_fn) -> ModelConfig:
+    """The architecture with the head the loss reads (``LossSpec.model_head``): a reward model's
+    (``bradley_terry``) or the LM head. A causal LM's folder or checkpoint starts a reward model
+    (``models.conversion.load_hf_weights``: its LM head is dropped).
+
+    Raises:
+        ValueError: a reward model (an HF ``*ForSequenceClassification`` folder, a reward
+            model's checkpoint) given to a loss of log-probs.
+    """
+    if model_cfg.head == loss_fn.model_head:
+        return model_cfg
+    if model_cfg.head == "reward":
+        source = model_cfg.hf_path or model_cfg.load
+        raise ValueError(
+            f"{source} is a reward model (no LM head): {loss_fn.describe()} needs a causal LM; "
+            "start from a *ForCausalLM folder or an SFT / DPO checkpoint"
+        )
+    return dataclasses.replace(model_cfg, head=loss_fn.model_head)
 
 
 def require_sequence_parallel(cfg, model_cfg: ModelConfig) -> Optional[str]:
@@ -72,7 +93,8 @@ def weights_source(cfg, model_cfg: ModelConfig) -> str:
 
 def build_policy(cfg, model_cfg: ModelConfig) -> list:
     """Policy chunks with their starting weights: ``model.load``, else ``model.hf_path``, else
-    random (collective). With ``lora.enabled`` the weights are then frozen and adapters attached
+    random (collective). A reward model (``model_cfg.head``) takes a causal LM's weights but its
+    LM head. With ``lora.enabled`` the weights are then frozen and adapters attached
     (``dpo_megatron.models.lora``): only the adapters train.
 
     Raises:
@@ -80,11 +102,9 @@ def build_policy(cfg, model_cfg: ModelConfig) -> list:
     """
     policy = build_model_chunks(model_cfg, cfg.parallel)
     if cfg.model.load:
-        from dpo_megatron.checkpointing import load_model_checkpoint
-
         path = resolve_model_load(cfg.model.load)
         _refuse_adapter_checkpoint(path)
-        load_model_checkpoint(policy, path)
+        _load_checkpoint(policy, model_cfg, cfg.parallel, path)
     elif model_cfg.hf_path:
         from dpo_megatron.models.conversion import load_hf_weights
 
@@ -107,6 +127,32 @@ def load_weights(chunks: list, model_cfg: ModelConfig, path: str) -> None:
         from dpo_megatron.checkpointing import load_model_checkpoint
 
         load_model_checkpoint(chunks, resolve_model_load(path))
+
+
+def _load_checkpoint(policy: list, model_cfg: ModelConfig, parallel, path: str) -> None:
+    """The checkpoint's weights into the policy. A reward model started from a causal LM's
+    checkpoint (an SFT or DPO run's) takes every weight but the LM head: the checkpoint is read
+    into the causal LM it holds, at this layout, and copied over; the reward head keeps its
+    zero initialisation (``models.reward_head``)."""
+    import torch
+
+    from dpo_megatron.checkpointing import load_model_checkpoint, load_model_config
+
+    stored = load_model_config(path)
+    if model_cfg.head != "reward" or stored is None or stored.head == "reward":
+        load_model_checkpoint(policy, path)
+        return
+    causal = build_model_chunks(dataclasses.replace(model_cfg, head="lm"), parallel)
+    load_model_checkpoint(causal, path)
+    with torch.no_grad():
+        for src, dst in zip(causal, policy):
+            state = {k: v for k, v in src.state_dict().items() if not k.startswith("output_layer.")}
+            missing, unexpected = dst.load_state_dict(state, strict=False)
+            if unexpected or any(not k.startswith("reward_head.") for k in missing):
+                raise ValueError(
+                    f"{path}: its causal LM does not fit the reward model (missing {missing}, "
+                    f"unexpected {unexpected})"
+                )
 
 
 def _refuse_adapter_checkpoint(path: str) -> None:

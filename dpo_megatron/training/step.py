@@ -20,6 +20,10 @@ step is:
    micro_batch_size, gradient accumulation, data-parallel or context-parallel size:
    sum_i loss_i / N_pairs.
 
+A reward model (the loss's ``model_head`` is "reward": ``bradley_terry``) computes one score per
+sequence instead of log-probs (:func:`model_forward` with ``rewards=True``: the reward head at
+each sequence's ``MicroBatch.last_index``); its loss takes the [2B] scores. It has no reference.
+
 Mixture-of-experts models add the routers' load-balancing loss to the gradient on every stage
 (``dpo_megatron.models.moe``: weighted so that it is the same term on every layout). It is not
 part of the preference loss or its metrics: :class:`StepOutput` reports it apart
@@ -77,21 +81,22 @@ class StepOutput:
     aux_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False):
+def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False, rewards: bool = False):
     """Output of one chunk: hidden states to send on, or on the last stage the log-probs of the
     micro-batch's n scored targets (``DPOGPTModel`` with ``target_ids``: a ``HeadLogps`` of [n]
     fp32 tensors, the WPO normaliser too with ``log_sum_p2``). Prompt and padding positions are
     never projected onto the vocabulary, and the scored ones one chunk at a time. Packed rows
     bring their layout (``MicroBatch.packed``); MoE routers get the padding mask and the
-    micro-batch's pairs (their load-balancing weight)."""
+    micro-batch's pairs (their load-balancing weight). ``rewards``: a reward model's chunk, whose
+    last stage returns the [N] fp32 rewards at each sequence's ``last_index``."""
     # Only routers read the mask: dense models skip building it on every micro-batch.
     mask = padding_mask(batch) if model.config.num_moe_experts else None
     return model(
         batch.tokens,
         batch.position_ids,
         packed=batch.packed,
-        output_index=batch.output_index,
-        target_ids=batch.target_ids,
+        output_index=batch.last_index if rewards else batch.output_index,
+        target_ids=None if rewards else batch.target_ids,
         log_sum_p2=log_sum_p2,
         padding_mask=mask,
         moe_aux_loss_weight=float(batch.num_items),
@@ -171,8 +176,45 @@ def _policy_loss(loss_fn, batch: MicroBatch, step_inputs: dict, head: HeadLogps)
     return losses.sum(), _count(losses.shape[0]), reported
 
 
+def _score_forward_step(data_iterator, model):
+    batch = next(data_iterator)
+
+    def keep(rewards):
+        return rewards.new_zeros(()), _count(0), {"rewards": rewards.detach()}
+
+    return model_forward(model, batch, rewards=True), keep
+
+
+@torch.no_grad()
+def reward_scores(chunks: list, batch: StepBatch) -> list[torch.Tensor]:
+    """A reward model's scores of a batch, forward-only through the pipeline schedule.
+
+    Args:
+        chunks: this rank's chunks of a reward model (``model.head=reward``).
+        batch: this data-parallel rank's micro-batches (on the device), every sequence's
+            ``last_index`` set.
+    Returns:
+        On the last pipeline stage one [N] fp32 tensor per micro-batch (the reward of each
+        sequence, per-sequence order); an empty list elsewhere.
+    """
+    store = run_schedule(
+        _score_forward_step, chunks, batch.micro_batches, _rows(batch), batch.seq_length, True
+    )
+    return [entry["rewards"] for entry in store]
+
+
+def _reward_loss(loss_fn, batch: MicroBatch, rewards: torch.Tensor):
+    """Last-stage loss of one reward-model micro-batch: as :func:`_policy_loss`, from the [2B]
+    rewards."""
+    losses, metrics = loss_fn.reward_loss(rewards, margin=batch.margin)
+    reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
+    return losses.sum(), _count(losses.shape[0]), reported
+
+
 def _policy_forward_step(loss_fn, data_iterator, model):
     batch, step_inputs = next(data_iterator)
+    if loss_fn.model_head == "reward":
+        return model_forward(model, batch, rewards=True), partial(_reward_loss, loss_fn, batch)
     return (
         model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
         partial(_policy_loss, loss_fn, batch, step_inputs),

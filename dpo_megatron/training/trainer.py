@@ -78,7 +78,10 @@ class Trainer:
         # What the loss trains on (pairs, SFT examples or unpaired examples), chosen once: the
         # data path, the batch builder and the reports ask this kind.
         self.kind = item_kind(self.loss_fn.item_kind)
-        self.model_config = run_models.resolve_model_config(cfg)
+        # The loss says what the model computes (log-probs or a reward model's scores).
+        self.model_config = run_models.with_loss_head(
+            run_models.resolve_model_config(cfg), self.loss_fn
+        )
         self.sequence_parallel_note = run_models.require_sequence_parallel(cfg, self.model_config)
         self.data = data if data is not None else load_run_data(cfg, self.model_config, self.kind)
         # The speed settings left at auto (packing, LM head, reference mode), before anything
@@ -459,9 +462,14 @@ class Trainer:
                 folder,
                 dtype=dtype,
                 tokenizer_dir=(self.cfg.data.tokenizer or self.model_config.hf_path) or None,
+                pad_token_id=self.data.pad_token_id,
             )
             what = (
-                "Hugging Face model"
+                (
+                    "Hugging Face reward model"
+                    if self.model_config.head == "reward"
+                    else "Hugging Face model"
+                )
                 + (" (LoRA adapters merged)" if self.cfg.lora.enabled else "")
                 + f" -> {folder}"
             )

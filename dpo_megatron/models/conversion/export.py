@@ -91,7 +91,7 @@ def stage_hf_tensors(
     do not send).
     """
     arch = infer_architecture(cfg)
-    table = {t.megatron: t for t in arch.tensors(cfg)}
+    table = {t.megatron: t for t in arch.table(cfg)}
     tp = (
         parallel_state.get_tensor_model_parallel_group(),
         parallel_state.get_tensor_model_parallel_world_size(),
@@ -123,7 +123,11 @@ def stage_hf_tensors(
                 else (layer if layer is not None else cfg.num_layers)
             )
             for name, tensor in zip(tmap.hf, tensors):
-                tensor = tensor.to(dtype).contiguous()
+                # A copy: a replicated tensor is the parameter itself, under DDP a view of the
+                # whole contiguous parameter buffer, and pickling it to rank 0 (or writing it)
+                # would carry that whole buffer for every such tensor (an fp32 export of
+                # SmolLM2 at TP 2 x PP 2 from a run: 16 GB on rank 0).
+                tensor = tensor.to(dtype, copy=True).contiguous()
                 if not tmap.expert:
                     named = [(expand(name, layer), tensor)]
                 else:  # the same local expert of every EP rank: global experts k * E/EP + j
@@ -196,7 +200,7 @@ def stage_adapter_tensors(
     :func:`stage_hf_tensors`).
     """
     arch = infer_architecture(cfg)
-    table = {t.megatron: t for t in arch.tensors(cfg)}
+    table = {t.megatron: t for t in arch.table(cfg)}
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
     for chunk in map(unwrap, chunks):
         where = {id(p): (pattern, layer) for pattern, layer, _, p in iter_global_params(chunk)}
@@ -232,7 +236,7 @@ def peft_adapter_config(model_cfg: ModelConfig, lora_cfg) -> dict:
     names, so GPT-2's ``attn.c_proj`` is not confused with ``mlp.c_proj``)."""
     arch = infer_architecture(model_cfg)
     targets, fan_in_fan_out = [], False
-    for tmap in arch.tensors(model_cfg):
+    for tmap in arch.table(model_cfg):
         leaf = tmap.megatron.removesuffix(".weight").rsplit(".", 1)[-1]
         if tmap.megatron.endswith(".weight") and leaf in lora_cfg.target_modules:
             targets += [n.split("{i}.", 1)[1].removesuffix(".weight") for n in tmap.hf]
@@ -295,6 +299,7 @@ def export_hf(
     dtype: str = "bfloat16",
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    pad_token_id: int | None = None,
 ) -> None:
     """Write the model as an HF folder at ``out_dir``: config.json (the source folder's, with
     ``dtype``), ``model-0000x-of-0000y.safetensors`` + index (vocab padding removed; LoRA
@@ -302,16 +307,30 @@ def export_hf(
     files of ``tokenizer_dir`` (default: the model's ``hf_path``). Replaces an existing
     ``out_dir`` only once the new folder is complete.
 
+    A reward model (``model_cfg.head == "reward"``) is written as the family's
+    ``*ForSequenceClassification`` with ``num_labels=1`` and its ``score.weight``, no LM head;
+    its config.json gets ``pad_token_id`` (transformers scores the last token that is not the
+    pad, as ``data.collate.reward_position`` does): ``pad_token_id`` when given (the run's
+    data pad), else the source config.json's, else the tokenizer's pad (its EOS when it has
+    none, as the data path pads).
+
     Collective: every rank of the job calls it with its chunks (DDP-wrapped or not).
 
     Raises:
         ValueError: unknown dtype (before any communication), or whatever rank 0 hit while
-            writing (re-raised on every rank as RuntimeError).
+            writing (re-raised on every rank as RuntimeError), e.g. a reward model whose pad
+            token no source names.
     """
 
     def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
         _write_folder(
-            tensors, model_cfg, tmp, dtype, tokenizer_dir or model_cfg.hf_path, max_shard_bytes
+            tensors,
+            model_cfg,
+            tmp,
+            dtype,
+            tokenizer_dir or model_cfg.hf_path,
+            max_shard_bytes,
+            pad_token_id,
         )
 
     _export(chunks, stage_hf_tensors, write, model_cfg, out_dir, dtype)
@@ -370,9 +389,12 @@ def _write_folder(
     dtype: str,
     tokenizer_dir: str,
     max_shard_bytes: int,
+    pad_token_id: int | None = None,
 ) -> None:
     """Rank 0's part of :func:`export_hf`: the HF folder's files into ``tmp``."""
     config = hf_config_dict(cfg, dtype)
+    if cfg.head == "reward":
+        config["pad_token_id"] = _reward_pad_token_id(config, pad_token_id, tokenizer_dir)
     write_safetensors_shards(tensors, tmp, max_shard_bytes)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -382,3 +404,27 @@ def _write_folder(
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(tokenizer_dir, name)):
                 shutil.copy2(os.path.join(tokenizer_dir, name), tmp)
+
+
+def _reward_pad_token_id(config: dict, pad_token_id: int | None, tokenizer_dir: str | None) -> int:
+    """The pad id a reward model's config.json states (:func:`export_hf`).
+
+    Raises:
+        ValueError: none given, none in the config and no tokenizer to ask.
+    """
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    if config.get("pad_token_id") is not None:
+        return int(config["pad_token_id"])
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        found = tokenizer.pad_token_id
+        found = tokenizer.eos_token_id if found is None else found
+        if found is not None:
+            return int(found)
+    raise ValueError(
+        "a reward model's config.json needs pad_token_id (transformers scores the last "
+        "non-pad token): pass pad_token_id, or a tokenizer folder that has a pad or EOS token"
+    )

@@ -78,6 +78,26 @@ def architecture_of(hf_path: str) -> Architecture:
     )
 
 
+def head_of(hf_path: str) -> str:
+    """``ModelConfig.head`` of an HF folder: "reward" for a ``*ForSequenceClassification``
+    (``architectures`` in config.json) with one label, "lm" otherwise.
+
+    Raises:
+        ValueError: a sequence classifier with more than one label (not a reward model).
+    """
+    raw = read_hf_config_json(hf_path)
+    classes = raw.get("architectures") or []
+    if not any(str(c).endswith("ForSequenceClassification") for c in classes):
+        return "lm"
+    labels = raw.get("num_labels", len(raw.get("id2label") or {0: None}))
+    if labels != 1:
+        raise ValueError(
+            f"{os.path.join(hf_path, 'config.json')}: {classes[0]} with num_labels={labels}; "
+            "a reward model has num_labels=1"
+        )
+    return "reward"
+
+
 def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
     """A ModelConfig whose architecture fields come from ``hf_path/config.json``.
 
@@ -85,7 +105,8 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     make_vocab_size_divisible_by, init_method_std, load, moe_token_dispatcher); its architecture
     fields are replaced. Fields the HF config only gives a default for
     (:data:`HF_DEFAULTED_FIELDS`: the MoE load-balancing coefficient) keep the base's value
-    when it is set. ``hf_path`` is kept in the result.
+    when it is set. ``hf_path`` is kept in the result; ``head`` is the folder's
+    (:func:`head_of`).
 
     Raises:
         FileNotFoundError: no config.json.
@@ -103,7 +124,7 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     for name in HF_DEFAULTED_FIELDS:
         if getattr(base, name) is not None:
             fields.pop(name, None)
-    return dataclasses.replace(base, hf_path=hf_path, **fields)
+    return dataclasses.replace(base, hf_path=hf_path, head=head_of(hf_path), **fields)
 
 
 def infer_architecture(cfg: ModelConfig) -> Architecture:
@@ -146,7 +167,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict:
         diff = [
             f.name
             for f in dataclasses.fields(ModelConfig)
-            if getattr(derived, f.name) != getattr(cfg, f.name)
+            if getattr(derived, f.name) != getattr(cfg, f.name) and f.name != "head"
         ]
         if diff:
             raise ValueError(
@@ -156,8 +177,12 @@ def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict:
         from transformers import AutoConfig
 
         raw = AutoConfig.for_model(arch.name, **arch.config_to_hf(cfg)).to_dict()
-    raw["architectures"] = [arch.hf_class]
+    raw["architectures"] = [arch.hf_class_for(cfg.head)]
     raw["model_type"] = arch.name
+    if cfg.head == "reward":  # *ForSequenceClassification reads its label count from these
+        raw["num_labels"] = 1
+        raw["id2label"], raw["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+        raw.pop("problem_type", None)
     raw.pop("torch_dtype", None)
     raw["dtype"] = dtype
     return raw

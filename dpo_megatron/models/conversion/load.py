@@ -9,6 +9,7 @@ expert-TP slices.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Iterator, Optional
 
@@ -24,9 +25,10 @@ from dpo_megatron.models.conversion.architectures import (
     is_expert_pattern,
     is_layer_pattern,
 )
-from dpo_megatron.models.conversion.hf_config import architecture_of
+from dpo_megatron.models.conversion.hf_config import architecture_of, head_of
 from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
 from dpo_megatron.models.conversion.tp_split import read_tp_shard
+from dpo_megatron.models.reward_head import HEAD_PARAMETER
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -52,7 +54,7 @@ def expected_hf_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[
     """Every HF tensor name the table expects for ``cfg``, with its stored shape."""
     sizes = dims(cfg)
     out: dict[str, tuple[int, ...]] = {}
-    for tmap in arch.tensors(cfg):
+    for tmap in arch.table(cfg):
         layers = [None]
         if is_layer_pattern(tmap.megatron):
             layers = range(cfg.num_layers) if tmap.layers is None else tmap.layers
@@ -173,17 +175,26 @@ def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_pa
     Works on DDP-unwrapped ``GPTModel`` chunks (copies into existing parameters; their dtype is
     kept). Call before wrapping in DDP.
 
+    A reward model (``model_cfg.head == "reward"``) takes an HF ``*ForSequenceClassification``
+    folder whole (its ``score.weight`` into the reward head), or starts from a causal LM's
+    folder: every weight but the LM head, which is dropped; the reward head keeps its zero
+    initialisation (``models.reward_head``).
+
     Raises:
         FileNotFoundError / KeyError: missing config.json, shard or tensor (named).
-        ValueError: unknown architecture, shape mismatch, unmapped HF tensors (named).
+        ValueError: unknown architecture, shape mismatch, unmapped HF tensors (named), or a
+            reward model's folder loaded into a causal LM.
     """
     arch = architecture_of(hf_path)
     reader = open_hf_folder(hf_path, arch)
+    folder_cfg = _folder_model(hf_path, model_cfg)
     try:
-        check_hf_folder(reader, arch, model_cfg)
-        table = {t.megatron: t for t in arch.tensors(model_cfg)}
+        check_hf_folder(reader, arch, folder_cfg)
+        table = {t.megatron: t for t in arch.table(folder_cfg)}
         for chunk in chunks:
             for pattern, layer, expert, param in iter_global_params(chunk):
+                if pattern == HEAD_PARAMETER and folder_cfg.head != "reward":
+                    continue  # a reward model started from a causal LM: the head keeps its init
                 tmap = table_entry(table, pattern, model_cfg, arch)
                 tp_rank, tp_size = tp_layout(tmap)
                 names = [expand(n, layer, expert) for n in tmap.hf]
@@ -199,3 +210,22 @@ def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_pa
                 param.copy_(shard)
     finally:
         reader.close()
+
+
+def _folder_model(hf_path: str, model_cfg: ModelConfig) -> ModelConfig:
+    """``model_cfg`` with the head the folder holds, the one it is checked and read against: a
+    causal LM's folder for a reward model is read as a causal LM (its LM head then dropped).
+
+    Raises:
+        ValueError: a reward model's folder (``*ForSequenceClassification``) for a causal LM.
+    """
+    head = head_of(hf_path)
+    if head == model_cfg.head:
+        return model_cfg
+    if head == "reward":
+        raise ValueError(
+            f"{hf_path} is a reward model (*ForSequenceClassification, no LM head): a causal "
+            "LM cannot load it; train it with loss.name=bradley_terry or score with it "
+            "(python -m dpo_megatron.score)"
+        )
+    return dataclasses.replace(model_cfg, head=head)

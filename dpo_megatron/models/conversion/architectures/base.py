@@ -11,9 +11,10 @@ the local layer spec of :mod:`dpo_megatron.models.gpt` (norms are their own modu
 Logical shapes are written in megatron's orientation ``[out, in]`` with symbols resolved by
 :func:`dims`: ``hidden``, ``ffn``, ``vocab`` (unpadded), ``positions``, ``q`` (heads x head_dim),
 ``kv`` (key/value heads x head_dim), ``qkv`` (q + 2 kv), ``head_dim``, ``experts``,
-``expert_ffn`` (one expert's intermediate width). ``transposed`` tensors are stored by HF as
-``[in, out]`` (GPT-2's ``Conv1D``). Tensors of an expert (``{e}`` in the name) are split over the
-expert tensor-parallel group instead of the tensor-parallel group.
+``expert_ffn`` (one expert's intermediate width), ``labels`` (1: a reward head's outputs).
+``transposed`` tensors are stored by HF as ``[in, out]`` (GPT-2's ``Conv1D``). Tensors of an
+expert (``{e}`` in the name) are split over the expert tensor-parallel group instead of the
+tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -88,6 +89,38 @@ class Architecture:
     """HF tensor names (``{i}`` patterns) that may appear in a checkpoint and carry no weights
     (non-persistent buffers saved by old versions, e.g. rotary ``inv_freq``)."""
 
+    def table(self, cfg: ModelConfig) -> list[TensorMap]:
+        """The tensor table of a model of ``cfg`` with its head: :attr:`tensors` for a causal
+        LM; for a reward model (``cfg.head == "reward"``) the same without the LM head, plus
+        the reward head ``reward_head.weight`` <-> HF's ``score.weight`` [1, hidden],
+        replicated over TP (``*ForSequenceClassification`` with ``num_labels=1``: every family
+        names it ``score``, beside the base model)."""
+        tensors = self.tensors(cfg)
+        if cfg.head != "reward":
+            return tensors
+        return [t for t in tensors if t.megatron != "output_layer.weight"] + [
+            TensorMap("reward_head.weight", ("score.weight",), REPLICATED, (("labels", "hidden"),))
+        ]
+
+    def hf_class_for(self, head: str) -> str:
+        """The ``architectures`` entry of an exported folder: :attr:`hf_class` for a causal LM,
+        for a reward model the class transformers' ``AutoModelForSequenceClassification`` builds
+        for this ``model_type`` (``LlamaForSequenceClassification``,
+        ``Gemma3TextForSequenceClassification``, ...).
+
+        Raises:
+            ValueError: transformers has no sequence-classification class for it.
+        """
+        if head != "reward":
+            return self.hf_class
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES,
+        )
+
+        if self.name not in CLASSES:
+            raise ValueError(f"transformers has no sequence-classification class for {self.name}")
+        return CLASSES[self.name]
+
 
 def dims(cfg: ModelConfig) -> dict[str, int]:
     """Values of the shape symbols used in tables, for this config."""
@@ -118,6 +151,7 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
         "q": cfg.num_attention_heads * head_dim,
         "kv": groups * head_dim,
         "qkv": (cfg.num_attention_heads + 2 * groups) * head_dim,
+        "labels": 1,
     }
 
 

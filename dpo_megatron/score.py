@@ -1,0 +1,176 @@
+"""Score a JSONL of (prompt, completion) rows with a reward model:
+``python -m dpo_megatron.score [--config FILE] --input IN.jsonl --output OUT.jsonl [k=v ...]``.
+
+The reward model is ``model.hf_path`` (an HF ``*ForSequenceClassification`` folder, e.g. a
+reward run's export) or ``model.load`` (a ``loss.name=bradley_terry`` run's checkpoint); the
+layout is ``parallel.*`` (a single process, or one process per rank under torchrun), the rows per
+forward ``train.micro_batch_size``. Each input line is a JSON object with ``prompt`` and
+``completion``: both strings (tokenized as the data path tokenizes them: the completion as a
+continuation ending with one EOS), or both message lists (rendered with the tokenizer's chat
+template, or ``data.chat_template``, as the data path renders conversations). The output holds
+every input row with a ``score`` field (fp32 reward, a float), in input order, written atomically
+by rank 0. A bad row stops it with one line naming the file, the line and the field.
+
+The work is :func:`dpo_megatron.reward.scoring.score_sequences`, which other packages call
+in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Optional, Sequence
+
+from dpo_megatron.utils import ranks
+from dpo_megatron.utils.exits import fail
+
+
+def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m dpo_megatron.score",
+        description="Score (prompt, completion) rows of a JSONL file with a reward model.",
+    )
+    parser.add_argument("--config", help="YAML config (parallel.*, model.*, data.*)")
+    parser.add_argument("--input", required=True, help="JSONL of {prompt, completion} rows")
+    parser.add_argument("--output", required=True, help="JSONL to write: the rows plus score")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    return args, list(args.overrides)
+
+
+def read_rows(path: str) -> list[tuple[int, dict]]:
+    """(line number, JSON object) of each row of a JSONL file (blank lines skipped).
+
+    Raises:
+        ValueError: ``<path>: line N: ...`` for a line that is not a JSON object with
+            ``prompt`` and ``completion``.
+    """
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {number}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {number}: expected a JSON object")
+            for field in ("prompt", "completion"):
+                if field not in row:
+                    raise ValueError(f"{path}: line {number}: field {field!r} is missing")
+            rows.append((number, row))
+    return rows
+
+
+def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
+    """(token ids of prompt + completion, completion start) per row, tokenized as the data path
+    tokenizes a pair's prompt and chosen completion (``data.encode.encode_example``).
+
+    Raises:
+        ValueError: ``<path>: line N: field '...': ...`` for a malformed or empty field.
+    """
+    from dpo_megatron.data.encode import encode_example, encode_settings
+    from dpo_megatron.data.format_registry import Filtered, RowError
+    from dpo_megatron.data.formats import convert_unpaired, convert_unpaired_conversational
+    from dpo_megatron.data.tokenizer import resolve_chat_template
+
+    settings = encode_settings(tokenizer, resolve_chat_template(chat_template))
+    sequences, starts = [], []
+    for number, row in rows:
+        # The unpaired formats' converters check a prompt and one completion (text, or messages);
+        # the label they also read plays no part here.
+        convert = (
+            convert_unpaired_conversational
+            if isinstance(row["completion"], list)
+            else convert_unpaired
+        )
+        try:
+            (example,) = convert({**row, "label": True}, None)
+            encoded = encode_example(example, tokenizer, settings)
+        except RowError as e:
+            raise ValueError(f"{path}: line {number}: {e}") from None
+        except Filtered as e:
+            raise ValueError(f"{path}: line {number}: nothing to score ({e.reason})") from None
+        sequences.append([*encoded.prompt_ids, *encoded.chosen_ids])
+        starts.append(len(encoded.prompt_ids))
+    return sequences, starts
+
+
+def write_rows(path: str, rows: list, scores: list[float]) -> None:
+    """The rows with their ``score``, one JSON object a line, written atomically."""
+    from dpo_megatron.utils.files import write_text_atomic
+
+    lines = [
+        json.dumps({**row, "score": score}, ensure_ascii=False)
+        for (_, row), score in zip(rows, scores)
+    ]
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
+
+
+def score_file(cfg, input_path: str, output_path: str) -> list[float]:
+    """Score ``input_path`` into ``output_path`` with the reward model of ``cfg.model``
+    (collective: every rank calls it). Returns the scores in row order.
+
+    Raises:
+        ValueError: a bad row or config (named), or a model that is not a reward model.
+    """
+    from dpo_megatron.data.tokenizer import load_tokenizer
+    from dpo_megatron.parallel import initialize_distributed
+    from dpo_megatron.reward.scoring import build_reward_chunks, score_sequences
+
+    source = cfg.model.hf_path or cfg.model.load
+    if not source:
+        raise ValueError("set model.hf_path (an HF reward model) or model.load (a checkpoint)")
+    rows = read_rows(input_path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.hf_path)
+    sequences, starts = encode_rows(rows, input_path, tokenizer, cfg.data.chat_template)
+    initialize_distributed(cfg.parallel)
+    chunks, model_cfg = build_reward_chunks(source, cfg.parallel, cfg.model)
+    longest = max((len(s) for s in sequences), default=0)
+    if longest > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"{input_path}: a row has {longest} tokens, more than the model's "
+            f"{model_cfg.max_position_embeddings} positions"
+        )
+    scores = score_sequences(
+        chunks,
+        sequences,
+        starts,
+        micro_batch_size=cfg.train.micro_batch_size,
+        pad_id=tokenizer.pad_token_id,
+    )
+    if ranks.is_rank0():
+        write_rows(output_path, rows, scores)
+    return scores
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """One rank of the scoring command; a mistake ends it with one line and status 1."""
+    from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+
+    filter_expected_warnings()
+    args, overrides = _parse(argv)
+    from dpo_megatron.config import load_config
+
+    try:
+        cfg = load_config(args.config, overrides, check=False)
+        cfg.parallel.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        cfg.model.validate()
+    except ValueError as e:
+        fail(f"config error: {e}")
+    from dpo_megatron.parallel import destroy_distributed
+
+    try:
+        scores = score_file(cfg, args.input, args.output)
+    except (ValueError, FileNotFoundError) as e:
+        fail(f"error: {e}")
+    finally:
+        destroy_distributed()
+    if ranks.is_rank0():
+        print(f"scored {len(scores)} rows -> {args.output}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Train a Bradley-Terry reward model (loss.name=bradley_terry: -log sigmoid(r_chosen -
+# r_rejected), a scalar head on each sequence's last token instead of the LM head) on preference
+# pairs, through the same engine and launcher as DPO.
+#
+#   scripts/train_reward_model.sh [--config FILE] [key=value ...]
+#
+# With no --config: configs/rm_smollm2_cpu.yaml (SmolLM2-135M-Instruct on the real dpo_en_demo
+# pairs, TP 2 x PP 2 on CPU/gloo, held-out accuracy reported, exported as an HF
+# *ForSequenceClassification folder). Then score a JSONL of (prompt, completion) rows with it:
+#   .venv/bin/python -m dpo_megatron.score --input rows.jsonl --output scored.jsonl \
+#       model.hf_path=runs/rm_smollm2_cpu/checkpoints/hf
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+for a in "$@"; do
+  if [[ "$a" == "-h" || "$a" == "--help" ]]; then
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+    echo
+    echo "Options as for scripts/pretrain_dpo.sh (--config anywhere, key=value overrides,"
+    echo "--list-keys, --print-config); loss parameter: loss.center_rewards_coefficient (0)."
+    exit 0
+  fi
+done
+export DPO_MEGATRON_DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/rm_smollm2_cpu.yaml}"
+exec bash "$ROOT/scripts/pretrain_dpo.sh" "$@"

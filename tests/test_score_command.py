@@ -1,0 +1,111 @@
+"""``python -m dpo_megatron.score``: a JSONL of text and chat rows scored with a tiny HF reward
+model (one gloo rank) equals transformers' scores of the same conversations; bad rows are named
+by file, line and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.data.fixtures import tiny_hf_tokenizer, write_jsonl
+from tests.multirank import run_ranks
+
+ROWS = [
+    {"id": "a", "prompt": "What colour is the sky?", "completion": " It is blue."},
+    {
+        "id": "b",
+        "prompt": [{"role": "user", "content": "Hello! How are you?"}],
+        "completion": [{"role": "assistant", "content": "I am fine, thank you."}],
+    },
+    {"id": "c", "prompt": "Answer: yes or no.", "completion": " yes"},
+]
+
+
+def _reward_folder(out_dir: str) -> str:
+    """A tiny random LlamaForSequenceClassification over the fixture tokenizer (pad = EOS)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    tokenizer = tiny_hf_tokenizer()
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _expected(folder: str) -> list[float]:
+    """transformers' scores of the rows as whole texts: a chat row rendered by the template
+    (without the newline it prints after the closing <|im_end|>), a text row as prompt +
+    completion + EOS."""
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = tiny_hf_tokenizer()
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    out = []
+    for row in ROWS:
+        if isinstance(row["prompt"], list):
+            text = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+            ids = tokenizer(text.rstrip("\n"), add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(row["prompt"] + row["completion"]).input_ids
+            ids += [tokenizer.eos_token_id]
+        with torch.no_grad():
+            out.append(model.eval()(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    return out
+
+
+def _run(argv):
+    from dpo_megatron.score import main
+
+    main(argv)
+
+
+@pytest.mark.slow
+def test_score_command_writes_transformers_scores(tmp_path):
+    folder = _reward_folder(str(tmp_path / "rm"))
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    out = tmp_path / "scored.jsonl"
+    argv = [
+        "--input",
+        str(rows),
+        "--output",
+        str(out),
+        f"model.hf_path={folder}",
+        "model.params_dtype=float32",
+        "train.micro_batch_size=2",
+    ]
+    run_ranks(_run, world_size=1, argv=argv)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k != "score"} for r in written] == ROWS
+    assert [r["score"] for r in written] == pytest.approx(_expected(folder), rel=1e-5)
+
+
+def test_bad_rows_are_named_by_file_line_and_field(tmp_path):
+    from dpo_megatron.score import encode_rows, read_rows
+
+    path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "x"}])
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2: field 'completion' is missing"):
+        read_rows(str(path))
+    path = write_jsonl(tmp_path / "blank.jsonl", [ROWS[0], {"prompt": "x", "completion": " "}])
+    with pytest.raises(ValueError, match=r"blank.jsonl: line 2: nothing to score"):
+        encode_rows(read_rows(str(path)), str(path), tiny_hf_tokenizer(), "")
+    path = write_jsonl(tmp_path / "type.jsonl", [{"prompt": 3, "completion": "y"}])
+    with pytest.raises(ValueError, match=r"type.jsonl: line 1: field 'prompt'"):
+        encode_rows(read_rows(str(path)), str(path), tiny_hf_tokenizer(), "")
