@@ -39,10 +39,11 @@ the cache (``selection``)."""
 
 def source_identity(source: Source) -> dict | list:
     """What identifies a source's data: its files' paths, sizes and times, else its name and
-    the dataset's fingerprint."""
+    the dataset's fingerprint; with the rows kept of a sliced split."""
     if source.files:
         stats = [(str(Path(f).resolve()), Path(f).stat()) for f in source.files]
-        return [{"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns} for p, st in stats]
+        files = [{"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns} for p, st in stats]
+        return files if source.rows is None else {"files": files, "rows": list(source.rows)}
     return {"name": source.label, "fingerprint": getattr(source.dataset, "_fingerprint", None)}
 
 

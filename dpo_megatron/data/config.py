@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from dpo_megatron.data.reader import parse_split
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -50,7 +51,10 @@ class DataConfig:
     """Per-dataset formats for ``datasets`` (same length); empty: ``format`` for all."""
 
     split: str = "train"
-    """Split to read from a hub dataset or a folder with several splits."""
+    """Split to read from a hub dataset or a folder with several splits (a file is its
+    ``train`` split). A row range in ``datasets``' notation keeps those rows only, of any
+    source: ``train[:200]``, ``train[200:300]`` (e.g. a reward model on rows a later online
+    run's prompts never come from)."""
 
     eval_datasets: list[str] = field(default_factory=list)
     """Datasets whose pairs are the evaluation set (same forms as ``path``; a hub name or a
@@ -65,7 +69,8 @@ class DataConfig:
     """Per-dataset formats for ``eval_datasets`` (same length); empty: ``format``."""
 
     eval_split: str = "test"
-    """Split of ``eval_datasets`` read from a hub dataset or a folder with several splits."""
+    """Split of ``eval_datasets`` read from a hub dataset or a folder with several splits (a
+    row range as for ``split``)."""
 
     tokenizer: str = ""
     """HF tokenizer folder / hub name, or a SentencePiece ``.model`` file. Empty: the engine
@@ -187,6 +192,11 @@ class DataConfig:
         docs)."""
         check_choice("data", self, "truncation_mode", TRUNCATION_MODES)
         check_choice("data", self, "on_error", ON_ERROR_MODES)
+        for key in ("split", "eval_split"):
+            try:
+                parse_split(getattr(self, key))
+            except ValueError as e:
+                raise ValueError(f"data.{key}: {e}") from None
         check_range("data", self, "max_length", 2)
         if self.max_prompt_length != 0:
             check_range(

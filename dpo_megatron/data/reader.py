@@ -13,8 +13,10 @@ through ``datasets`` as they are.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 JSON_COLUMN = "_json"
 WHERE_COLUMN = "_where"
@@ -39,6 +41,32 @@ class Source:
     dataset: object  # datasets.Dataset
     malformed: int = 0
     files: tuple[str, ...] = ()
+    rows: Optional[tuple[int, int]] = None
+    """The rows kept of what was read, [start, stop) (a sliced split, :func:`parse_split`); None:
+    all. Part of the data's identity in the tokenization cache."""
+
+
+_SLICED_SPLIT = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+
+def parse_split(split: str) -> tuple[str, Optional[slice]]:
+    """A split name, optionally with a row range in ``datasets``' slicing notation:
+    ``train[:200]`` -> ("train", slice(None, 200)), ``train[200:]``, ``test[10:20]``; a plain
+    name -> (name, None). Rows are counted as read (a skipped malformed line is not a row).
+
+    Raises:
+        DataError: brackets that are not ``[start:stop]`` with integers (e.g. ``train[:10%]``).
+    """
+    if "[" not in split:
+        return split, None
+    match = _SLICED_SPLIT.match(split)
+    if match is None:
+        raise DataError(
+            f"split {split!r}: expected a name or a row range such as 'train[:200]' or "
+            "'train[200:300]' (integer rows)"
+        )
+    start, stop = (int(v) if v else None for v in match.group("start", "stop"))
+    return match.group("name"), slice(start, stop)
 
 
 def is_local_source(name: str) -> bool:
@@ -52,9 +80,24 @@ def is_local_source(name: str) -> bool:
 
 
 def read_source(name: str, split: str = "train", on_error: str = "raise") -> Source:
-    """Read one dataset (file, folder or hub name). Raises DataError for a malformed JSON line
-    (unless ``on_error == "skip"``: then it is skipped and counted), MissingDataError (a
-    DataError and a FileNotFoundError) for a local-looking path that does not exist."""
+    """Read one dataset (file, folder or hub name) at ``split``, which may keep a row range
+    (:func:`parse_split`: ``train[:200]``; a single file is its ``train`` split). Raises
+    DataError for a malformed JSON line (unless ``on_error == "skip"``: then it is skipped and
+    counted) or split, MissingDataError (a DataError and a FileNotFoundError) for a
+    local-looking path that does not exist."""
+    split, rows = parse_split(split)
+    source = _read_whole(name, split, on_error)
+    if rows is None:
+        return source
+    start, stop, _ = rows.indices(len(source.dataset))
+    source.dataset = source.dataset.select(range(start, max(start, stop)))
+    source.rows = (start, max(start, stop))
+    source.label = f"{source.label}[{start}:{max(start, stop)}]"
+    return source
+
+
+def _read_whole(name: str, split: str, on_error: str) -> Source:
+    """Every row of ``name`` at ``split`` (see :func:`read_source`)."""
     path = Path(name).expanduser()
     if path.is_file():
         suffix = path.suffix.lower()

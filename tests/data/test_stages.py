@@ -134,3 +134,27 @@ def test_stages_return_typed_results(tmp_path):
     assert (selected.rows_read, dict(selected.dropped)) == (3, {"malformed": 1})
     assert selected.kept == load_sft_examples(cfg, tok).train
     assert all(type(x) is SFTExample for x in selected.kept)
+
+
+def test_a_sliced_split_keeps_its_rows_and_its_own_cache(tmp_path):
+    """``data.split=train[1:3]`` keeps rows 1 and 2 of a file (datasets' notation), under its
+    own cache entry (a cached full read is not reused), with the original line numbers in
+    messages; a malformed range is refused at config time naming the key."""
+    rows = [
+        {"prompt": f"Question {i}?", "chosen": f" yes {i}", "rejected": " no"} for i in range(5)
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    tok = tiny_hf_tokenizer()
+    cache = str(tmp_path / "cache")
+    whole = load_preference_pairs(_cfg(path, cache_dir=cache), tok)
+    sliced = load_preference_pairs(_cfg(path, cache_dir=cache, split="train[1:3]"), tok)
+    tail = load_preference_pairs(_cfg(path, cache_dir=cache, split="train[3:]"), tok)
+    assert len(whole.train) == 5
+    assert [p.chosen_ids for p in sliced.train] == [p.chosen_ids for p in whole.train[1:3]]
+    assert [p.chosen_ids for p in tail.train] == [p.chosen_ids for p in whole.train[3:]]
+    assert sliced.summary.rows_read == 2 and sliced.summary.sources[0].label.endswith("[1:3]")
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows[:2] + [{"prompt": "p", "chosen": " a"}])
+    with pytest.raises(DataError, match="line 3"):  # the file's line, not the slice's row 0
+        load_preference_pairs(_cfg(bad, split="train[2:]", format="standard"), tok)
+    with pytest.raises(ValueError, match=r"data.split: split 'train\[:10%\]'"):
+        _cfg(path, split="train[:10%]").validate()
