@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 from dpo_megatron.compat.expected_warnings import filter_expected_warnings
@@ -22,7 +23,7 @@ from dpo_megatron.compat.expected_warnings import filter_expected_warnings
 filter_expected_warnings()  # before megatron-core's import-time warnings
 
 from dpo_megatron.config import DPOConfig, load_config, parse_args  # noqa: E402
-from dpo_megatron.data.reader import DataError  # noqa: E402
+from dpo_megatron.data.reader import DataError, read_json_rows  # noqa: E402
 from dpo_megatron.utils import ranks  # noqa: E402
 from dpo_megatron.utils.exits import fail  # noqa: E402
 
@@ -37,29 +38,21 @@ def read_prompts(path: str) -> list:
     """
     if not os.path.isfile(path):
         raise DataError(f"generation.prompts={path}: no such file")
+    texts, where, _ = read_json_rows(Path(path))
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object with 'prompt' or 'messages'")
-            if isinstance(row.get("prompt"), str) and row["prompt"]:
-                prompts.append(row["prompt"])
-            elif isinstance(row.get("messages"), list) and all(
-                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in row["messages"]
-            ):
-                prompts.append(row["messages"])
-            else:
-                raise DataError(
-                    f"{where}: field 'prompt' (a non-empty string) or 'messages' (a list of "
-                    f"{{'role', 'content'}} objects) is missing or malformed"
-                )
+    for text, location in zip(texts, where):
+        row = json.loads(text)
+        if isinstance(row.get("prompt"), str) and row["prompt"]:
+            prompts.append(row["prompt"])
+        elif isinstance(row.get("messages"), list) and all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in row["messages"]
+        ):
+            prompts.append(row["messages"])
+        else:
+            raise DataError(
+                f"{path}, {location}: field 'prompt' (a non-empty string) or 'messages' (a list "
+                f"of {{'role', 'content'}} objects) is missing or malformed"
+            )
     if not prompts:
         raise DataError(f"{path}: no prompt in the file")
     return prompts

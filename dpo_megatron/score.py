@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Optional, Sequence
 
+from dpo_megatron.data.reader import DataError, read_json_rows
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.exits import fail
 
@@ -39,28 +41,24 @@ def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[str]
     return args, list(args.overrides)
 
 
-def read_rows(path: str) -> list[tuple[int, dict]]:
-    """(line number, JSON object) of each row of a JSONL file (blank lines skipped).
+def read_rows(path: str) -> list[tuple[str, dict]]:
+    """(location, JSON object) of each row of a JSON Lines file (or a JSON array), read by the
+    data path's reader (``data.reader.read_json_rows``: blank lines skipped, a line that is not
+    a UTF-8 JSON object named by its number); the location is ``line N`` (``row N`` in an
+    array).
 
     Raises:
-        ValueError: ``<path>: line N: ...`` for a line that is not a JSON object with
+        DataError (a ValueError): ``<path>: line N: ...`` for a malformed line or a row without
             ``prompt`` and ``completion``.
     """
+    texts, where, _ = read_json_rows(Path(path))
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {number}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {number}: expected a JSON object")
-            for field in ("prompt", "completion"):
-                if field not in row:
-                    raise ValueError(f"{path}: line {number}: field {field!r} is missing")
-            rows.append((number, row))
+    for text, location in zip(texts, where):
+        row = json.loads(text)
+        for field in ("prompt", "completion"):
+            if field not in row:
+                raise DataError(f"{path}: {location}: field {field!r} is missing")
+        rows.append((location, row))
     return rows
 
 
@@ -78,7 +76,7 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[l
 
     settings = encode_settings(tokenizer, resolve_chat_template(chat_template))
     sequences, starts = [], []
-    for number, row in rows:
+    for location, row in rows:
         # The unpaired formats' converters check a prompt and one completion (text, or messages);
         # the label they also read plays no part here.
         convert = (
@@ -90,9 +88,9 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[l
             (example,) = convert({**row, "label": True}, None)
             encoded = encode_example(example, tokenizer, settings)
         except RowError as e:
-            raise ValueError(f"{path}: line {number}: {e}") from None
+            raise ValueError(f"{path}: {location}: {e}") from None
         except Filtered as e:
-            raise ValueError(f"{path}: line {number}: nothing to score ({e.reason})") from None
+            raise ValueError(f"{path}: {location}: nothing to score ({e.reason})") from None
         sequences.append([*encoded.prompt_ids, *encoded.chosen_ids])
         starts.append(len(encoded.prompt_ids))
     return sequences, starts

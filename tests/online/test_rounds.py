@@ -285,9 +285,21 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
 
 
 def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path):
+    """Two rounds with the policy at TP 2 x PP 2 and the scorer at PP 4 of the same 4 ranks; a
+    run stopped by SIGTERM inside round 1's training (all ranks save at that step) and resumed
+    ends with the uninterrupted run's pairs and training steps, without sampling round 1 again."""
     folder = str(tmp_path)
     run_ranks(_prepare, world_size=1, folder=folder)
-    out = run_ranks(_online, world_size=4, folder=folder, run="tp2pp2", tp=2, pp=2, rm_pp=4)
+    layout = {"folder": folder, "tp": 2, "pp": 2, "rm_pp": 4}
+    cases = run_cases(
+        4,
+        {
+            "straight": (_online, {**layout, "run": "tp2pp2"}),
+            "killed": (_online, {**layout, "run": "killed", "sigterm_at": (1, 1)}),
+            "continued": (_online, {**layout, "run": "killed", "resume": "auto"}),
+        },
+    )
+    out = cases["straight"]
     # the scorer ran at TP 1 x PP 4 x DP 1 while the policy trains at TP 2 x PP 2
     assert [o["layout"] for o in out] == [(1, 4, 1)] * 4
     assert out[0]["calls"] == {"generate": 5, "judge": 0, "score": 5}
@@ -301,3 +313,12 @@ def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path)
         records = _train_records(f"{folder}/tp2pp2", r)
         assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
         assert os.path.isdir(f"{folder}/tp2pp2/online/round_{r}/checkpoints")
+    # resumed inside round 1's training: only round 1's evaluation is sampled and scored again
+    assert all(o["summaries"] is None for o in cases["killed"])
+    assert cases["continued"][0]["calls"] == {"generate": 1, "judge": 0, "score": 1}
+    assert os.path.isdir(f"{folder}/killed/online/round_1/checkpoints/iter_0000001")
+    for r in range(2):
+        assert _train_records(f"{folder}/killed", r) == _train_records(f"{folder}/tp2pp2", r)
+        for name in ("samples", "scores", "pairs", "eval"):
+            a = open(f"{folder}/tp2pp2/online/round_{r}/{name}.jsonl").read()
+            assert a == open(f"{folder}/killed/online/round_{r}/{name}.jsonl").read(), (r, name)
