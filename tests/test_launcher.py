@@ -264,6 +264,7 @@ def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
             "scripts/pretrain_dpo.sh",
             "scripts/pretrain_sft.sh",
             "scripts/iterative_dpo.sh",
+            "scripts/train_reward_model.sh",
             "sbatch",
         ) or first.startswith(".venv/bin/"), command
     from_sft = [c for c in commands if c.startswith("scripts/pretrain_dpo.sh model.load=runs/sft")]
