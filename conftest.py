@@ -15,7 +15,11 @@ LONGEST_FILES = {
     "tests/training/test_moe_dpo.py": 170,
     "tests/test_bench.py": 125,
     "tests/training/test_frontend_dpo_repo_runs.py": 105,
+    "tests/models/test_new_architectures.py": 110,
+    "tests/online/test_rounds.py": 110,
+    "tests/models/test_reward_model.py": 100,
     "tests/test_mistral_family_folders.py": 95,
+    "tests/generation/test_generate.py": 80,
     "tests/test_gpu_check.py": 65,
     "tests/training/test_real_smollm2.py": 65,
 }
