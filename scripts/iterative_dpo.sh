@@ -9,15 +9,9 @@
 # are skipped, an unfinished round's training resumes from its last checkpoint.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-for a in "$@"; do
-  if [[ "$a" == "-h" || "$a" == "--help" ]]; then
-    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
-    echo
-    echo "Options as for scripts/pretrain_dpo.sh (--config anywhere, key=value overrides,"
-    echo "--list-keys, --print-config); the online.* keys set the rounds (README, Iterative DPO)."
-    exit 0
-  fi
-done
+# shellcheck source=stage_help.sh
+source "$ROOT/scripts/stage_help.sh"
+stage_help "${BASH_SOURCE[0]}" "the online.* keys set the rounds (README, Iterative DPO)." "$@"
 export DPO_MEGATRON_DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/online_smollm2_cpu.yaml}"
 export DPO_MEGATRON_ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.online.run}"
 export DPO_MEGATRON_PRECHECK="${DPO_MEGATRON_PRECHECK:--m dpo_megatron.online.run --check}"

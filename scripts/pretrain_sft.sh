@@ -9,14 +9,8 @@
 #   scripts/pretrain_dpo.sh model.load=runs/sft_smollm2_cpu/checkpoints run_dir=runs/dpo_from_sft
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-for a in "$@"; do
-  if [[ "$a" == "-h" || "$a" == "--help" ]]; then
-    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
-    echo
-    echo "Options as for scripts/pretrain_dpo.sh (--config anywhere, key=value overrides,"
-    echo "--list-keys, --print-config); the SFT loss has no parameters besides loss.name=sft."
-    exit 0
-  fi
-done
+# shellcheck source=stage_help.sh
+source "$ROOT/scripts/stage_help.sh"
+stage_help "${BASH_SOURCE[0]}" "the SFT loss has no parameters besides loss.name=sft." "$@"
 export DPO_MEGATRON_DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/sft_smollm2_cpu.yaml}"
 exec bash "$ROOT/scripts/pretrain_dpo.sh" "$@"

@@ -12,14 +12,8 @@
 #       model.hf_path=runs/rm_smollm2_cpu/checkpoints/hf
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-for a in "$@"; do
-  if [[ "$a" == "-h" || "$a" == "--help" ]]; then
-    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
-    echo
-    echo "Options as for scripts/pretrain_dpo.sh (--config anywhere, key=value overrides,"
-    echo "--list-keys, --print-config); loss parameter: loss.center_rewards_coefficient (0)."
-    exit 0
-  fi
-done
+# shellcheck source=stage_help.sh
+source "$ROOT/scripts/stage_help.sh"
+stage_help "${BASH_SOURCE[0]}" "loss parameter: loss.center_rewards_coefficient (0)." "$@"
 export DPO_MEGATRON_DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/rm_smollm2_cpu.yaml}"
 exec bash "$ROOT/scripts/pretrain_dpo.sh" "$@"

@@ -212,6 +212,12 @@ def test_help_texts_and_key_listing(tmp_path):
     assert setup.returncode == 0 and setup.stdout.startswith("Set up a fresh machine")
     sft = _script("scripts/pretrain_sft.sh", "--help")
     assert sft.returncode == 0 and sft.stdout.startswith("Launch the SFT stage")
+    assert "the SFT loss has no parameters" in sft.stdout
+    rm = _script("scripts/train_reward_model.sh", "--help")
+    assert rm.returncode == 0 and rm.stdout.startswith("Train a Bradley-Terry reward model")
+    assert "loss.center_rewards_coefficient (0)" in rm.stdout
+    online = _script("scripts/iterative_dpo.sh", "--help")
+    assert online.returncode == 0 and online.stdout.startswith("Launch iterative (online) DPO")
     dpo = _script("scripts/pretrain_dpo.sh", "--help")
     assert (
         dpo.returncode == 0
