@@ -11,7 +11,8 @@ intact; loading verifies every file (:mod:`~dpo_megatron.checkpointing.integrity
 
 Saves are synchronous and use an in-process results queue (``dpo_megatron.compat.dist_ckpt_queue``:
 megatron-core 0.16 would otherwise spawn a ``multiprocessing`` Manager that re-imports the entry
-module).
+module), and the writer processes it forks die with their rank
+(``dpo_megatron.compat.dist_ckpt_writer_orphans``): :func:`save_sharded`.
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ def write_model_config(folder: str, model_cfg: ModelConfig) -> None:
         json.dump(dataclasses.asdict(model_cfg), f, indent=2)
 
 
+def save_sharded(state: dict, folder: str) -> None:
+    """``dist_checkpointing.save`` of a sharded state dict into ``folder``, synchronously, with
+    the two megatron-core 0.16 workarounds every save of this engine needs: an in-process
+    results queue (:mod:`~dpo_megatron.compat.dist_ckpt_queue`) and writer processes that die
+    with their rank (:mod:`~dpo_megatron.compat.dist_ckpt_writer_orphans`)."""
+    from megatron.core import dist_checkpointing
+
+    from dpo_megatron.compat import dist_ckpt_queue, dist_ckpt_writer_orphans
+
+    dist_ckpt_queue.use_in_process_results_queue()
+    dist_ckpt_writer_orphans.writers_die_with_their_rank()
+    dist_checkpointing.save(state, folder)
+
+
 def save_model_checkpoint(
     chunks: list[torch.nn.Module], ckpt_dir: str, model_cfg: Optional[ModelConfig] = None
 ) -> None:
@@ -90,14 +105,9 @@ def save_model_checkpoint(
         CheckpointSaveError: the disk is full or read-only, or a write failed (the message
             names the path; nothing is left behind).
     """
-    from megatron.core import dist_checkpointing
-
-    from dpo_megatron.compat import dist_ckpt_queue
-
     state = _sharded_state_dict(chunks)
     writer = CheckpointWriter(ckpt_dir, sharded_bytes(state))
-    dist_ckpt_queue.use_in_process_results_queue()
-    writer.phase(lambda tmp: dist_checkpointing.save(state, tmp))
+    writer.phase(lambda tmp: save_sharded(state, tmp))
     if model_cfg is not None:
         writer.phase(lambda tmp: write_model_config(tmp, model_cfg))
     writer.commit()

@@ -50,11 +50,12 @@ from dpo_megatron.checkpointing.integrity import (
 from dpo_megatron.checkpointing.model_checkpoint import (
     _sharded_state_dict,
     load_chunks,
+    save_sharded,
     sharded_bytes,
     write_model_config,
 )
 from dpo_megatron.checkpointing.storage import CheckpointWriter
-from dpo_megatron.compat import dist_ckpt_queue, torch_adam_resume
+from dpo_megatron.compat import torch_adam_resume
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.files import write_json_atomic
 
@@ -309,12 +310,9 @@ def save_training_checkpoint(
         CheckpointSaveError: on every rank, naming the path and the cause (no space left,
             read-only file system, ...); the ``.tmp`` folder is removed.
     """
-    from megatron.core import dist_checkpointing
-
     state = _full_state_dict(chunks, optimizer, is_loading=False)
     writer = CheckpointWriter(ckpt_dir, sharded_bytes(state))
-    dist_ckpt_queue.use_in_process_results_queue()
-    writer.phase(lambda tmp: dist_checkpointing.save(state, tmp))
+    writer.phase(lambda tmp: save_sharded(state, tmp))
     writer.phase(_save_rng)
 
     def write_json(tmp: str) -> None:

@@ -11,6 +11,8 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   torch's Adam (megatron-core 0.16 without apex / transformer-engine).
 * :mod:`~dpo_megatron.compat.dist_ckpt_queue`: synchronous ``torch_dist`` saves without a
   spawned ``multiprocessing`` Manager (megatron-core 0.16).
+* :mod:`~dpo_megatron.compat.dist_ckpt_writer_orphans`: the writer processes a ``torch_dist``
+  save forks die with their rank (megatron-core 0.16).
 * :mod:`~dpo_megatron.compat.eager_fusions`: megatron-core's fused SwiGLU runs eagerly on the
   CPU (its ``torch.compile`` takes minutes per shape there).
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.

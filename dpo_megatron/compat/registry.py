@@ -67,6 +67,7 @@ def register(patch: Patch) -> Patch:
 PATCH_MODULES = (
     "cuda_on_cpu",
     "dist_ckpt_queue",
+    "dist_ckpt_writer_orphans",
     "eager_fusions",
     "expected_warnings",
     "model_parallel_teardown",

@@ -26,25 +26,16 @@ import threading
 from typing import Optional
 
 from dpo_megatron.utils import ranks
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from dpo_megatron.utils.processes import die_with_parent
 
 
 def die_with_launcher() -> bool:
     """Under torch elastic on Linux: have the kernel SIGKILL this process when its parent (the
     torchrun agent) dies. Returns True when set. Outside torchrun nothing is set (a single
     process started from a shell must not die with that shell's exit)."""
-    if not sys.platform.startswith("linux") or not os.environ.get("TORCHELASTIC_RUN_ID"):
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
         return False
-    import ctypes
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return False
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+    return die_with_parent(signal.SIGKILL)
 
 
 class NonFiniteLossError(RuntimeError):

@@ -14,6 +14,7 @@ def test_every_patch_is_declared_and_matches_this_environment():
     assert names == [
         "cuda_on_cpu",
         "dist_ckpt_queue",
+        "dist_ckpt_writer_orphans",
         "eager_fusions",
         "expected_warnings",
         "model_parallel_teardown",

@@ -560,9 +560,10 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
 ):
     """Twice in one run: kill -9 the launcher's process group (bash, torchrun) at a random moment:
     after a random number of logged steps (first 0-3, 0: as soon as the run folder is open, i.e.
-    during start-up; then, in the run resumed from that, 4-6) plus up to 1.5 s, so that it lands
-    in start-up, a step, an evaluation or a save. Its ranks, in sessions of their own, must be
-    gone within 10 s (parent-death signal). The second kill hits a resumed run, so the resume
+    during start-up; then, in the run resumed from that, 4-6) plus up to 1.5 s (or 1.5 steps
+    where a step is shorter), so that it lands in start-up, a step, an evaluation or a save. Its
+    ranks, in sessions of their own, and the checkpoint writers they fork must be gone within
+    10 s (parent-death signal). The second kill hits a resumed run, so the resume
     after the first kill continues into it: resume=auto after the second must finish with the
     reference's metrics and checkpoint files, bit for bit (a resume that drifted before the
     second kill leaves its steps' records or checkpoints behind, which then differ). Every run
@@ -572,11 +573,16 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
     seed = int(os.environ.get("DPO_KILL_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
+    # The moment after the awaited step: up to 1.5 s, or 1.5 steps where steps are faster (a
+    # quiet machine runs this model's step in a fraction of a second: 1.5 s after step 6 the
+    # run had ended, and the kill tested nothing).
+    steps = read_metrics(straight, "train").values()
+    window = min(1.5, 1.5 * sum(r["step_time_s"] for r in steps) / len(steps))
     for trial in range(2):
         # One draw in each half of the run: start-up or steps 1-3, then steps 4-6 (of the run
         # resumed from the first kill's checkpoint: it keeps the records up to it).
         after_steps = rng.randint(*((0, 3), (4, 6))[trial])
-        extra = rng.uniform(0.0, 1.5)
+        extra = rng.uniform(0.0, 1.0) * window
         resume = ["checkpoint.resume=auto"] if trial else []
         proc, marker = _launch(run_dir, data_file, tok_dir, *resume)
         # The resumed run counts once it has logged a step of its own: by then it has dropped
