@@ -548,6 +548,12 @@ def _validate_loss(cfg: DPOConfig) -> None:
         )
     if build_loss(cfg.loss).model_head == "reward":
         _validate_reward_model(cfg)
+    elif cfg.train.reward_head_lr is not None:
+        raise ValueError(
+            f"train.reward_head_lr={cfg.train.reward_head_lr:g} is the learning rate of a "
+            f"reward model's head, but loss.name={cfg.loss['name']} trains a language model: "
+            f"drop it (or train a reward model: loss.name=bradley_terry)"
+        )
 
 
 def _validate_reward_model(cfg: DPOConfig) -> None:

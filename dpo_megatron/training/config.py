@@ -29,6 +29,11 @@ class TrainConfig:
     """Peak learning rate (>= 0; DPO papers use 5e-7 to 1e-6 for 7B models)."""
     min_lr: float = 0.0
     """Floor of the decay (0 <= min_lr <= lr)."""
+    reward_head_lr: Optional[float] = None
+    """Peak learning rate of a reward model's scalar head (``loss.name=bradley_terry``; > 0;
+    None: ``lr``), on the same schedule (megatron-core's per-group ``max_lr``). The head starts
+    at zero and Adam moves each weight by about the learning rate per step, so at a body's
+    fine-tuning rate (1e-5) a short run ends with rewards near 0 whatever the body learned."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps from 0 to lr (>= 0)."""
     lr_decay_style: str = "cosine"
@@ -126,6 +131,8 @@ class TrainConfig:
             check_range("train", self, name, 0)
         check_range("train", self, "clip_grad", 0, why="0 turns clipping off")
         check_range("train", self, "min_lr", 0, self.lr, why="a floor below train.lr")
+        if self.reward_head_lr is not None:
+            check_range("train", self, "reward_head_lr", self.min_lr, why="at least train.min_lr")
         check_range("train", self, "adam_beta1", 0, 1, high_open=True)
         check_range("train", self, "adam_beta2", 0, 1, high_open=True)
         check_range("train", self, "adam_eps", 0, low_open=True)

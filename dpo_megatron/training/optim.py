@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    ParamGroupOverride,
+    ParamKey,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from dpo_megatron.models.reward_head import HEAD_PARAMETER
 from dpo_megatron.training.config import TrainConfig
 
 
@@ -60,7 +67,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
         params_dtype=model_config.params_dtype,
         use_distributed_optimizer=train.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(config, chunks)
+    optimizer = get_megatron_optimizer(config, chunks, param_group_overrides(config, train))
     if model_config.bf16 or model_config.fp16:
         model_config.grad_scale_func = optimizer.scale_loss
     decay_iters = train.lr_decay_iters or train.train_iters
@@ -80,8 +87,20 @@ def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
     return optimizer, scheduler
 
 
+def param_group_overrides(config: OptimizerConfig, train: TrainConfig) -> dict:
+    """megatron-core's standard parameter groups (no weight decay on biases and norms), plus
+    ``train.reward_head_lr`` as the peak learning rate of a reward model's head (a parameter
+    named ``*reward_head.weight``; its group follows the same schedule to its own peak)."""
+    overrides = get_standard_config_overrides(config)
+    if train.reward_head_lr is not None:
+        head = ParamKey(name=f"*{HEAD_PARAMETER}")
+        overrides[head] = ParamGroupOverride(max_lr=train.reward_head_lr)
+    return overrides
+
+
 def current_lr(optimizer) -> float:
-    """Learning rate of the first parameter group (all groups share it here)."""
+    """Learning rate of the first parameter group (the body's: a reward head with its own
+    ``train.reward_head_lr`` is in a later group)."""
     return float(optimizer.param_groups[0]["lr"])
 
 

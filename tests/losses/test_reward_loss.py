@@ -62,3 +62,22 @@ def test_refusals():
         build_loss({"name": "bradley_terry"})(torch.zeros(2, 3), None, torch.ones(2, 3))
     with pytest.raises(ValueError, match="not rewards"):
         build_loss({"name": "sigmoid"}).reward_loss(torch.zeros(2))
+
+
+def test_a_reward_head_learning_rate_needs_a_reward_model():
+    from dpo_megatron.config import config_from_mapping
+
+    def config(loss: str, **train):
+        return config_from_mapping(
+            {
+                "data": {"path": "pairs.jsonl", "tokenizer": "tok"},
+                "loss": {"name": loss},
+                "train": train,
+            }
+        )
+
+    assert config("bradley_terry", reward_head_lr=1e-3).train.reward_head_lr == 1e-3
+    with pytest.raises(ValueError, match=r"train.reward_head_lr=0.001 .* loss.name=sigmoid trains"):
+        config("sigmoid", reward_head_lr=1e-3)
+    with pytest.raises(ValueError, match="train.reward_head_lr"):
+        config("bradley_terry", reward_head_lr=1e-6, min_lr=1e-5, lr=1e-3)

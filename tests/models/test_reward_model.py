@@ -217,6 +217,51 @@ def _train(
     return result
 
 
+def _head_lr_steps(folder: str, tp: int, pp: int) -> dict:
+    """Two steps at ``train.lr=1e-5`` with ``train.reward_head_lr=1e-3``: how far the head and
+    the body moved at each (largest change of one weight on this rank)."""
+    from dpo_megatron.models.reward_head import reward_head
+    from dpo_megatron.training.optim import current_lr
+
+    trainer = tiny_trainer(
+        _pairs(),
+        pad_token_id=PAD,
+        tp=tp,
+        pp=pp,
+        micro_batch_size=1,
+        global_batch_size=4,
+        steps=2,
+        lr=1e-5,
+        lr_decay_style="constant",
+        reward_head_lr=1e-3,
+        loss={"name": "bradley_terry"},
+        model={"hf_path": folder, "pad_attention_heads": True},
+    )
+    chunk = trainer.policy[-1].module
+    head = reward_head(chunk)
+    body = [p for n, p in chunk.named_parameters() if "reward_head" not in n]
+
+    def weights():
+        return (head.weight.detach().clone() if head is not None else None), [
+            p.detach().clone() for p in body
+        ]
+
+    moves = []
+    for _ in range(2):
+        head_before, body_before = weights()
+        trainer.train_step()
+        head_after, body_after = weights()
+        moves.append(
+            {
+                "head": None if head is None else (head_after - head_before).abs().max().item(),
+                "body": max((a - b).abs().max().item() for a, b in zip(body_after, body_before)),
+            }
+        )
+    lr = current_lr(trainer.optimizer)
+    trainer.close()
+    return {"moves": moves, "lr": lr}
+
+
 def _save_causal_checkpoint(ckpt_dir: str) -> None:
     """A random causal LM's checkpoint (the engine tests' tiny model) with its model config, as
     an SFT run leaves one."""
@@ -295,6 +340,7 @@ def world(tmp_path_factory):
             dict(folder=folders["qwen2"], tp=1, pp=1, steps=3, run_dir=run, resume="auto"),
         ),
         "from_causal_lm": (_train, dict(folder=causal, tp=2, pp=2, steps=1)),
+        "head_lr": (_head_lr_steps, dict(folder=causal, tp=2, pp=2)),
         "causal_checkpoint": (_save_causal_checkpoint, dict(ckpt_dir=str(tmp / "lm_ckpt"))),
         "from_causal_checkpoint": (_from_causal_checkpoint, dict(ckpt_dir=str(tmp / "lm_ckpt"))),
     }
@@ -394,3 +440,24 @@ def test_a_causal_lm_checkpoint_starts_a_reward_model_with_the_data_margins(worl
     # zero rewards: each pair's loss is -log sigmoid(0 - 0 - m) = log(1 + e^m)
     expected = sum(math.log1p(math.exp(m)) for m in MARGINS) / len(MARGINS)
     assert run["metrics"]["loss"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_reward_head_has_its_own_learning_rate(world):
+    """``train.reward_head_lr=1e-3`` beside ``train.lr=1e-5`` (TP 2 x PP 2). Step 1: Adam's
+    first update moves every weight with a gradient by exactly its learning rate (m/sqrt(v) =
+    sign(g) after bias correction), so the zero head moves by 1e-3, and the body not at all (a
+    zero head passes no gradient back). Step 2: the body moves at its own rate, below 1e-5
+    (m/sqrt(v) = 0.1 / sqrt(0.001) x sqrt(1 - 0.999^2) / (1 - 0.9^2) = 0.744 after a zero
+    first gradient), the head again by about 1e-3."""
+    results = world["runs"]["head_lr"]
+    last = [r for r in results if r["moves"][0]["head"] is not None]
+    assert len(last) == 2  # the last stage's two TP ranks hold the (replicated) head
+    for r in last:
+        first, second = r["moves"]
+        assert first["head"] == pytest.approx(1e-3, rel=1e-4)
+        assert 1e-4 < second["head"] < 2e-3  # Adam's later steps: about lr, not exactly
+    for r in results:
+        assert r["lr"] == pytest.approx(1e-5)  # the body's rate, as logged
+        first, second = r["moves"]
+        assert first["body"] == 0.0
+        assert second["body"] == pytest.approx(1e-5 * 0.744, rel=1e-2)
