@@ -30,6 +30,9 @@ file missing here only starts later (after these, slow-marked files before the o
 
 
 def pytest_configure(config):
+    # Collection imports torch, megatron-core and transformers: no cyclic collection meanwhile
+    # (dpo_megatron.utils.collector; resumed in pytest_collection_finish).
+    gc.disable()
     config.addinivalue_line("markers", "slow: multi-rank or real-weights test (CI runs all)")
     # xdist's default sorts files by their number of tests, which hands the longest files (one
     # test of minutes each) out last, so one worker ends minutes after the other: keep ours.
@@ -51,4 +54,6 @@ def pytest_collection_finish(session):
     # leave the collector's view, so the full collections megatron-core runs at each checkpoint
     # save or load in this process walk only what the tests made (tests/multirank.py does the
     # same in each rank).
+    gc.collect()
     gc.freeze()
+    gc.enable()

@@ -686,6 +686,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr and
     exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
     """
+    from dpo_megatron.utils import collector
+
+    collector.pause()  # a short process: its imports are most of its time
     parser = _parser(main.__doc__.splitlines()[0])
     parser.add_argument(
         "--list-keys",

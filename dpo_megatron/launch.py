@@ -74,6 +74,9 @@ def signal_line(signum: int, training_args: Sequence[str]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """torchrun with the ending described in the module docstring."""
+    from dpo_megatron.utils import collector
+
+    collector.pause()  # for torch's imports; the agent then runs as long as the job
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
@@ -82,6 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from dpo_megatron.compat.torchrun_failure_logs import HeldFailureLogs
     from dpo_megatron.compat.torchrun_repeated_signal import RepeatedSigtermIgnored
 
+    collector.resume_after_setup()
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def training_args() -> list[str]:
