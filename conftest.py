@@ -1,5 +1,5 @@
 """pytest set-up shared by all tests: one thread per process (2-core machines run N ranks), and
-the order in which ``pytest -n 3 --dist loadfile`` hands files to its workers."""
+the order in which ``pytest -n 2 --dist loadfile`` hands files to its workers."""
 
 import gc
 import os
@@ -25,7 +25,7 @@ LONGEST_FILES = {
 }
 """Seconds each file took in CI (the longest tests of the last two fresh-clone runs, rounded up
 with their file's other tests, less what later commits cut): these files go to the workers first,
-longest first, so that the last files handed out are short and the workers finish together. A
+longest first, so that the last files handed out are short and both workers finish together. A
 file missing here only starts later (after these, slow-marked files before the others)."""
 
 
