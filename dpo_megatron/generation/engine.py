@@ -34,6 +34,7 @@ from dpo_megatron.generation.sampling import SamplingParams, choose_tokens, comp
 from dpo_megatron.models.kv_cache import KVCache
 from dpo_megatron.parallel.device import get_device, to_device
 from dpo_megatron.parallel.schedule import run_schedule, share_from_last_stage
+from dpo_megatron.utils.modules import unwrap
 
 
 class _MicroBatch:
@@ -192,15 +193,26 @@ def generate(
         of the logits).
 
     Raises:
-        ValueError: an empty prompt, a count below 1, or context parallelism.
+        ValueError: an empty prompt, a prompt that with ``max_new_tokens`` needs more positions
+            than the model has (its ``max_position_embeddings``), a count below 1, or context
+            parallelism.
     """
     if num_samples < 1 or micro_batch_size < 1:
         raise ValueError(
             f"num_samples and micro_batch_size must be >= 1, got {num_samples}, {micro_batch_size}"
         )
+    # The last token generated is never fed back: a completion uses len(prompt) +
+    # max_new_tokens - 1 positions.
+    positions = getattr(unwrap(chunks[0]), "max_sequence_length", None) if chunks else None
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty: generation needs at least one token")
+        if positions is not None and len(prompt) + params.max_new_tokens - 1 > positions:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens: with max_new_tokens="
+                f"{params.max_new_tokens} it needs {len(prompt) + params.max_new_tokens - 1} "
+                f"positions, more than the model's {positions} (max_position_embeddings)"
+            )
     if not prompts:
         return []
     _check_layout()

@@ -75,6 +75,10 @@ def check(argv: Sequence[str]) -> None:
     try:
         read_prompts(o.prompts, o.prompts_offset, o.prompts_limit, cfg.data)
         check_model_layout(cfg)
+        if o.reward_model.path:
+            from dpo_megatron.reward.scoring import reward_model_config
+
+            reward_model_config(o.reward_model.path)  # a reward model, not a causal LM
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     except (OSError, ValueError) as e:

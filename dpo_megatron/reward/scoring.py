@@ -124,6 +124,35 @@ def _row_multiple(chunks) -> int:
     return math.lcm(8, config.tensor_model_parallel_size if config.sequence_parallel else 1)
 
 
+def reward_model_config(source: str, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """The architecture of the reward model in ``source`` (an HF folder's ``config.json`` or a
+    checkpoint's ``model_config.json``), read without building it: what
+    :func:`build_reward_chunks` builds, and what a launcher's pre-check checks before any rank
+    starts.
+
+    Raises:
+        ValueError: ``source`` holds a causal LM, not a reward model.
+        FileNotFoundError: no config.json and no checkpoint there.
+    """
+    base = base or ModelConfig()
+    if _is_hf_folder(source):
+        from dpo_megatron.models.conversion import model_config_from_hf
+
+        model_cfg = model_config_from_hf(source, base)
+    else:
+        from dpo_megatron.checkpointing import load_model_config
+        from dpo_megatron.training.run_models import resolve_model_load
+
+        model_cfg = load_model_config(resolve_model_load(source))
+        if model_cfg is None:
+            raise FileNotFoundError(
+                f"{source}: neither an HF folder (config.json) nor a checkpoint with its "
+                "model_config.json"
+            )
+    _require_reward(model_cfg, source)
+    return model_cfg
+
+
 def build_reward_chunks(
     source: str, parallel: ParallelConfig, base: Optional[ModelConfig] = None
 ) -> tuple[list, ModelConfig]:
@@ -144,31 +173,24 @@ def build_reward_chunks(
         ValueError: ``source`` holds a causal LM, not a reward model.
         FileNotFoundError: no config.json and no checkpoint there.
     """
-    base = base or ModelConfig()
-    if os.path.isfile(os.path.join(source, "config.json")):
-        from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
+    model_cfg = reward_model_config(source, base)
+    chunks = build_model_chunks(model_cfg, parallel)
+    if _is_hf_folder(source):
+        from dpo_megatron.models.conversion import load_hf_weights
 
-        model_cfg = model_config_from_hf(source, base)
-        _require_reward(model_cfg, source)
-        chunks = build_model_chunks(model_cfg, parallel)
         load_hf_weights(chunks, model_cfg, source)
     else:
-        from dpo_megatron.checkpointing import load_model_checkpoint, load_model_config
+        from dpo_megatron.checkpointing import load_model_checkpoint
         from dpo_megatron.training.run_models import resolve_model_load
 
-        path = resolve_model_load(source)
-        model_cfg = load_model_config(path)
-        if model_cfg is None:
-            raise FileNotFoundError(
-                f"{source}: neither an HF folder (config.json) nor a checkpoint with its "
-                "model_config.json"
-            )
-        _require_reward(model_cfg, source)
-        chunks = build_model_chunks(model_cfg, parallel)
-        load_model_checkpoint(chunks, path)
+        load_model_checkpoint(chunks, resolve_model_load(source))
     for chunk in chunks:
         chunk.eval()
     return chunks, model_cfg
+
+
+def _is_hf_folder(source: str) -> bool:
+    return os.path.isfile(os.path.join(source, "config.json"))
 
 
 def _require_reward(model_cfg: ModelConfig, source: str) -> None:

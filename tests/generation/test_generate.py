@@ -329,3 +329,16 @@ def test_an_empty_batch_of_rows_chooses_nothing():
 @pytest.mark.parametrize("arch", CACHE_ARCHS)
 def test_cached_decode_equals_recomputation(runs, arch):
     assert runs[f"cache_{arch}"] < 1e-5
+
+
+def test_a_prompt_that_does_not_fit_the_positions_is_refused_by_index():
+    """6 prompt tokens and 4 new ones take 6 + 4 - 1 = 9 positions (the last token generated is
+    never fed back): one more than a model of 8 positions has, refused before any forward."""
+    from types import SimpleNamespace
+
+    from dpo_megatron.generation.engine import generate
+
+    model = SimpleNamespace(max_sequence_length=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1 has 6 tokens: .* needs 9 positions, .* 8 "):
+        generate([model], [[5], [5] * 6], params, micro_batch_size=1, pad_id=0, vocab_size=16)

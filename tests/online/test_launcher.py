@@ -68,3 +68,18 @@ def test_print_config_shows_the_online_section(tmp_path):
     out = _launch(tmp_path, *JUDGE, "online.rounds=3", "--print-config")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "online:\n  rounds: 3\n" in out.stdout
+
+
+def test_a_causal_lm_as_the_reward_model_is_one_line_before_any_rank(tmp_path):
+    """Old: the path passed the pre-check, and every rank stopped with a ValueError traceback
+    when it built the reward model."""
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+
+    causal = save_tiny_hf_folder("llama", str(tmp_path / "causal_lm"))
+    out = _launch(tmp_path, f"online.reward_model.path={causal}")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"config error: {causal} holds a causal LM, not a reward model: train one with "
+        "loss.name=bradley_terry, or give an HF *ForSequenceClassification folder"
+    )
+    assert not os.path.exists(tmp_path / "run" / "online")
