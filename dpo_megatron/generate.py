@@ -68,7 +68,7 @@ def run(cfg: DPOConfig, prompts: list) -> str:
     returns the output path (collective)."""
     from dpo_megatron.data.encode import encode_prompt, encode_settings
     from dpo_megatron.data.tokenizer import load_tokenizer, resolve_chat_template
-    from dpo_megatron.generation import SamplingParams, generate
+    from dpo_megatron.generation import generate
     from dpo_megatron.parallel import initialize_distributed, set_seed
     from dpo_megatron.training import run_models
     from dpo_megatron.utils.files import write_text_atomic
@@ -85,13 +85,7 @@ def run(cfg: DPOConfig, prompts: list) -> str:
     prompt_ids = [encode_prompt(p, tokenizer, settings) for p in prompts]
     policy = run_models.build_policy(cfg, model_cfg)
     g = cfg.generation
-    params = SamplingParams(
-        temperature=g.temperature,
-        top_p=g.top_p,
-        max_new_tokens=g.max_new_tokens,
-        seed=g.seed,
-        stop_ids=tuple(sorted({settings.eos_token_id, *g.stop_ids})),
-    )
+    params = g.params(g.seed, [settings.eos_token_id, *g.stop_ids])
     started = time.time()
     completions = generate(
         policy,

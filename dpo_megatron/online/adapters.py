@@ -67,22 +67,16 @@ def sample_completions(
     world: every rank passes the same prompts and gets every completion).
 
     Args:
-        sampling: ``online.sampling`` (temperature, top_p, max_new_tokens, micro_batch_size).
+        sampling: ``online.sampling`` (a ``generation.config.SamplingConfig``).
         seed: the round's seed.
 
     Returns:
         per prompt, ``num_samples`` lists of generated ids (prompt excluded).
     """
-    from dpo_megatron.generation import SamplingParams, generate
+    from dpo_megatron.generation import generate
 
     generate = _STAND_INS["generate"] or generate
-    params = SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        max_new_tokens=sampling.max_new_tokens,
-        seed=seed,
-        stop_ids=tuple(stop_ids),
-    )
+    params = sampling.params(seed, stop_ids)
     return generate(
         chunks,
         [list(p) for p in prompts],

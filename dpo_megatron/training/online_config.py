@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dpo_megatron.generation.config import SamplingConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
@@ -17,21 +18,13 @@ REFERENCES = ("round_start", "initial")
 
 
 @dataclass
-class SamplingConfig:
-    """How each round samples completions from the policy."""
+class OnlineSamplingConfig(SamplingConfig):
+    """How each round samples completions from the policy (the fields of ``generation.*``,
+    with smaller defaults; temperature must be > 0). Round r samples with seed ``seed + r``, so
+    a resumed round draws the same completions."""
 
-    temperature: float = 1.0
-    """Softmax temperature (> 0; 1: the model's distribution)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
-    (0 < top_p <= 1; 1: no cut)."""
     max_new_tokens: int = 128
-    """Most tokens generated per completion (>= 1); a completion also ends at EOS."""
-    seed: int = 0
-    """Base seed (>= 0): round r samples with seed ``seed + r``, so a resumed round draws the
-    same completions."""
     micro_batch_size: int = 4
-    """Sequences per generation forward (>= 1)."""
 
 
 @dataclass
@@ -77,7 +70,7 @@ class OnlineConfig:
     evaluation)."""
     samples_per_prompt: int = 4
     """Completions sampled per prompt, K (>= 2: a pair needs a best and a worst)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: OnlineSamplingConfig = field(default_factory=OnlineSamplingConfig)
     """Temperature, top-p, length and seed of the round's sampling."""
     judge: str = ""
     """A Python callable ``package.module:function`` taking (prompt texts, completion texts),
@@ -119,12 +112,7 @@ class OnlineConfig:
             2,
             why="a pair needs a best and a worst completion",
         )
-        s = self.sampling
-        check_range("online.sampling", s, "temperature", 0, low_open=True)
-        check_range("online.sampling", s, "top_p", 0, 1, low_open=True)
-        check_range("online.sampling", s, "max_new_tokens", 1)
-        check_range("online.sampling", s, "seed", 0)
-        check_range("online.sampling", s, "micro_batch_size", 1)
+        self.sampling.validate_sampling("online.sampling", greedy=False)
         check_range("online", self, "min_margin", 0)
         check_choice("online", self, "reference", REFERENCES)
         rm = self.reward_model

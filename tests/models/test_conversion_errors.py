@@ -74,6 +74,26 @@ def test_unknown_architecture(llama_dir):
         _load(llama_dir)
 
 
+@pytest.mark.parametrize(
+    "config_class", ["Qwen3NextConfig", "Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"]
+)
+def test_gated_deltanet_families_are_refused_with_the_reason(tmp_path, config_class):
+    """Qwen3-Next / Qwen3.5 folders as transformers writes them: refused by name before any
+    weight is read, with the reason (megatron-core's GatedDeltaNet runs only on Triton)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
+    config.save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf"model_type='{config.model_type}' is not supported: "
+        r"its gated DeltaNet layers .*Triton has no CPU driver",
+    ):
+        model_config_from_hf(str(tmp_path))
+
+
 def _script(name):
     from tests.scripts import load_script
 

@@ -225,6 +225,12 @@ NOT_MAPPED: dict[str, str] = {
     "gpt_oss": "its attention sinks, alternating sliding windows, YaRN RoPE and clamped SwiGLU "
     "experts with biases (stored fused and interleaved) are not mapped to megatron-core yet "
     "(issue 25)",
+    **dict.fromkeys(
+        ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+        "its gated DeltaNet layers cannot run here: megatron-core 0.16.1's GatedDeltaNet needs "
+        "flash-linear-attention's Triton kernel (chunk_gated_delta_rule), Triton has no CPU "
+        "driver, and the layer serves neither packed sequences nor generation",
+    ),
 }
 """Architectures asked for that are known not to be served, with the reason (refused by name
 rather than as an unknown type)."""
