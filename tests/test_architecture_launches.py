@@ -39,11 +39,15 @@ VOCAB = 400  # the tiny tokenizer's
 def fixture(tmp_path_factory):
     root = tmp_path_factory.mktemp("architecture_launches")
     data_file, tok_dir = write_fixture(root / "data", rows=PAIRS, seed=1)
-    return root, data_file, tok_dir
+    config = root / "run.yaml"  # the package defaults (one rank, no eval split) and DPO
+    config.write_text("loss:\n  name: sigmoid\n  beta: 0.1\n")
+    return str(config), data_file, tok_dir
 
 
-def _overrides(run_dir, data_file, tok_dir, hf_dir):
+def _overrides(config, run_dir, data_file, tok_dir, hf_dir):
     return [
+        "--config",
+        config,
         f"run_dir={run_dir}",
         f"model.hf_path={hf_dir}",
         f"data.path={data_file}",
@@ -62,7 +66,7 @@ def _overrides(run_dir, data_file, tok_dir, hf_dir):
     ]
 
 
-def _hf_means(hf_dir, data_file, tok_dir):
+def _hf_means(config, hf_dir, data_file, tok_dir):
     """transformers' mean summed completion log-probs (chosen, rejected) over the pairs the
     engine's data pipeline builds from the file."""
     from transformers import AutoModelForCausalLM
@@ -71,7 +75,8 @@ def _hf_means(hf_dir, data_file, tok_dir):
     from dpo_megatron.data import load_tokenizer
     from dpo_megatron.data.pipeline import load_items
 
-    cfg = load_config(None, _overrides("unused", data_file, tok_dir, hf_dir))
+    args = _overrides(config, "unused", data_file, tok_dir, hf_dir)
+    cfg = load_config(args[1], args[2:])
     pairs = load_items(cfg.data, load_tokenizer(tok_dir), "pairs").train
     assert len(pairs) == PAIRS
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -89,14 +94,18 @@ def _hf_means(hf_dir, data_file, tok_dir):
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_new_architecture_trains_through_the_launcher_at_vpp(fixture, arch, tmp_path):
-    root, data_file, tok_dir = fixture
+    config, data_file, tok_dir = fixture
     hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"), vocab_size=VOCAB)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     out = subprocess.run(
-        ["bash", "scripts/pretrain_dpo.sh", *_overrides(run_dir, data_file, tok_dir, hf_dir)],
+        [
+            "bash",
+            "scripts/pretrain_dpo.sh",
+            *_overrides(config, run_dir, data_file, tok_dir, hf_dir),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -107,7 +116,7 @@ def test_new_architecture_trains_through_the_launcher_at_vpp(fixture, arch, tmp_
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     step = read_metrics(run_dir)[1]
     assert step["loss"] == pytest.approx(math.log(2), abs=1e-7)
-    for key, want in _hf_means(hf_dir, data_file, tok_dir).items():
+    for key, want in _hf_means(config, hf_dir, data_file, tok_dir).items():
         assert abs(step[key] - want) <= 1e-5 * abs(want), (arch, key, step[key], want)
     with open(run_dir / "checkpoints" / "iter_0000001" / "train_state.json") as f:
         layout = json.load(f)["layout"]

@@ -151,6 +151,10 @@ def _precision(cfg, model_cfg: ModelConfig) -> str:
     name = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(dtype), str(dtype))
     if model_cfg.params_dtype != "auto":
         why = "set in the config"
+        if name == "bf16" and is_host() and not cpu_has_native_bf16():
+            # torch emulates bf16 products there: 8-60x slower than fp32 (docs/BENCHMARKS.md)
+            why += "; this CPU has no native bf16: its bf16 matmuls are emulated, many times "
+            why += "slower than fp32 (model.params_dtype=auto keeps fp32 here)"
     elif not is_host():
         why = "auto: bf16 on an accelerator"
     elif cpu_has_native_bf16():
@@ -159,7 +163,7 @@ def _precision(cfg, model_cfg: ModelConfig) -> str:
             "model.params_dtype=bfloat16 runs about 2x faster, log-probs ~1e-3 apart"
         )
     else:
-        why = "auto: fp32 on the CPU; this CPU has no native bf16"
+        why = "auto: fp32 on the CPU; this CPU has no native bf16 (bf16 would be many times slower)"
     return f"precision {name} ({why})"
 
 

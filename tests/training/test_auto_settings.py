@@ -71,6 +71,22 @@ def test_cpu_bf16_flag_is_read_from_cpuinfo(tmp_path):
     assert not cpu_has_native_bf16(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_precision_line_says_what_bf16_costs_on_this_cpu(monkeypatch, native):
+    """bf16 set by hand on a CPU without native bf16 is named as many times slower (torch
+    emulates its products there: 8-60x per matmul measured, docs/BENCHMARKS.md); auto keeps
+    fp32 on the CPU either way."""
+    from dpo_megatron.training import auto_settings
+
+    monkeypatch.setattr(auto_settings, "cpu_has_native_bf16", lambda: native)
+    _, line = _resolve(model={"params_dtype": "bfloat16"})
+    assert "precision bf16 (set in the config" in line
+    assert ("its bf16 matmuls are emulated" in line) is (not native)
+    _, line = _resolve()
+    assert "precision fp32 (auto: fp32 on the CPU; this CPU has " in line
+    assert ("(bf16 would be many times slower)" in line) is (not native)
+
+
 def _losses(num_pairs: int, steps: int, settings: dict) -> dict:
     # prompts of 3-9 tokens, completions of 2-7: shared prompts and padding both matter
     pairs = random_pairs(num_pairs, seed=5, lengths=lambda i: (3 + i % 7, 2 + i % 5, 7 - i % 6))
