@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.models.conversion_helpers import save_tiny_hf_folder
+from tests.scripts import run_script
 from tests.training.test_lifecycle import read_metrics, write_fixture
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW_FAMILIES = ["smollm3", "olmo3", "gemma3", "deepseek_v3"]
 PAIRS = 4  # one step of every pair: the logged means do not depend on the order
 VOCAB = 400  # the tiny tokenizer's
@@ -97,20 +94,8 @@ def test_new_architecture_trains_through_the_launcher_at_vpp(fixture, arch, tmp_
     config, data_file, tok_dir = fixture
     hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"), vocab_size=VOCAB)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    out = subprocess.run(
-        [
-            "bash",
-            "scripts/pretrain_dpo.sh",
-            *_overrides(config, run_dir, data_file, tok_dir, hf_dir),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_script(
+        "scripts/pretrain_dpo.sh", *_overrides(config, run_dir, data_file, tok_dir, hf_dir)
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -13,15 +13,19 @@ import time
 
 import pytest
 
+from tests.scripts import LAUNCH_VARIABLES, launcher_env, run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(cmd, run_dir, env=None):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env or {}))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
     out = subprocess.run(
-        cmd + [f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        cmd + [f"run_dir={run_dir}"],
+        cwd=ROOT,
+        env=launcher_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"\[train\] step \d+/2 \| loss ([0-9.]+)", out.stdout)]
@@ -61,13 +65,7 @@ def test_under_torchrun_no_python_pp2(tmp_path):
 # Issue 16
 
 
-def _script(*args, env=None, timeout=600):
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return subprocess.run(
-        ["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+_script = run_script
 
 
 def _error_lines(stderr):
@@ -173,11 +171,7 @@ def test_rank_side_data_error_is_one_line(tmp_path):
     ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
     from dpo_megatron.utils.exits import USER_ERROR_EXIT
 
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1"
-    )
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
+    env = launcher_env(PYTHONPATH=ROOT, HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     out = subprocess.run(
         [
             sys.executable,
@@ -407,9 +401,7 @@ def test_a_world_size_that_does_not_fit_the_layout_is_one_line(tmp_path):
         "parallel.tensor_model_parallel_size=2",
         f"run_dir={tmp_path / 'run'}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
+    env = launcher_env(PYTHONPATH=ROOT)
     line = (
         "config error: world size 3 is not divisible by parallel.tensor_model_parallel_size "
         "(2) x parallel.pipeline_model_parallel_size (1) x parallel.context_parallel_size (1)"
@@ -466,7 +458,7 @@ def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatc
         raise error
 
     monkeypatch.setattr(train_module, "train", train)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+    for k in LAUNCH_VARIABLES:
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(SystemExit) as stopped:
         train_module.main(["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path}"])

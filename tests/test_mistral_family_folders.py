@@ -88,16 +88,9 @@ def folders(tmp_path_factory):
 
 
 def _env(extra_path):
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{ROOT}:{extra_path}",
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-    }
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return env
+    from tests.scripts import launcher_env
+
+    return launcher_env(PYTHONPATH=f"{ROOT}:{extra_path}", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
 
 
 def _args(folders, arch, *extra):

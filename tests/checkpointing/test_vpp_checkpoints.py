@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from tests.multirank import run_ranks
+from tests.scripts import run_script
 from tests.training.test_lifecycle import (
     assert_same_tensors,
     model_tensors,
@@ -126,24 +125,13 @@ def vpp_runs(tmp_path_factory):
     config_file = root / "tiny.yaml"
     config_file.write_text("loss:\n  name: sigmoid\n  beta: 0.1\n")
     args = _args(data_file, tok_dir, hf_dir)
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    out = subprocess.run(
-        [
-            "bash",
-            "scripts/pretrain_dpo.sh",
-            "--config",
-            str(config_file),
-            *args,
-            *VPP,
-            f"run_dir={root / 'dist_full'}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        str(config_file),
+        *args,
+        *VPP,
+        f"run_dir={root / 'dist_full'}",
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
