@@ -33,7 +33,8 @@ import copy
 import json
 import os
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from dpo_megatron.data import PreferencePair
 from dpo_megatron.online import adapters
@@ -326,6 +327,150 @@ def _prompts(cfg, tokenizer) -> tuple[list[PromptItem], int]:
     return out
 
 
+@dataclass
+class _OnlineRun:
+    """What every phase of one online run reads, built once by :func:`run_online`; one method per
+    phase, each skipping a phase ``state`` records as finished and returning its result."""
+
+    cfg: Any
+    model_cfg: Any
+    tokenizer: Any
+    pad_id: int
+    state: OnlineState
+    layout: RunLayout
+    initial: str
+    """The starting policy (``model.load`` or ``model.hf_path``)."""
+    held: list
+    """The held-out prompts (``online.eval_prompts``)."""
+    stop_after: Optional[tuple[int, str]] = None
+
+    def finished(self, r: int, phase: str, **values) -> None:
+        """Record the phase (after its files); raise :class:`StopAfter` where a test stops."""
+        self.state.mark(r, phase, **values)
+        if self.stop_after == (r, phase):
+            raise StopAfter(f"stopped after round {r} phase {phase}")
+
+    def evaluate_start(self, policy: str) -> None:
+        """The starting policy's held-out mean score, once (round -1)."""
+        if self.held and not self.state.done(-1, "eval"):
+            path = self.layout.online_eval_start
+            mean = _evaluate(
+                self.cfg, self.model_cfg, self.tokenizer, self.pad_id, self.held, policy, path
+            )
+            self.state.mark(-1, "eval", eval_mean_score=mean)
+
+    def round(self, r: int, items: list[PromptItem], policy: str) -> tuple[str, dict]:
+        """Round ``r``'s unfinished phases on ``items`` from ``policy``; returns the policy after
+        the round and its summary (every rank)."""
+        folder = self.layout.online_round(r)
+        files = {name: os.path.join(folder, name) for name in (SAMPLES, SCORES, PAIRS, SUMMARY)}
+        seed = self.cfg.online.sampling.seed + r
+        samples = self.sample(r, files, items, policy, seed)
+        scores = self.score(r, files, samples)
+        pairs = self.pair(r, files, samples, scores, items, seed, policy)
+        self.train(r, folder, files, policy, pairs)
+        policy = self.state.policy_after(r) or policy
+        self.evaluate(r, folder, files, policy)
+        return policy, ranks.broadcast_from_rank0(_read_json(files[SUMMARY]))
+
+    def sample(self, r, files, items, policy, seed) -> list[dict]:
+        if not self.state.done(r, "sample"):
+            t0 = time.time()
+            records = _sample(
+                self.cfg, self.model_cfg, self.tokenizer, self.pad_id, items, policy, r, seed
+            )
+            if ranks.is_rank0():
+                write_jsonl(files[SAMPLES], records)
+            self.finished(r, "sample", sample_s=time.time() - t0)
+        return read_jsonl(files[SAMPLES])
+
+    def score(self, r, files, samples: list[dict]) -> list[float]:
+        if not self.state.done(r, "score"):
+            t0 = time.time()
+            scores = _score(self.cfg, self.model_cfg, samples, self.pad_id)
+            if ranks.is_rank0():
+                rows = [
+                    {"prompt": s["prompt"], "sample": s["sample"], "score": v}
+                    for s, v in zip(samples, scores)
+                ]
+                write_jsonl(files[SCORES], rows)
+            self.finished(r, "score", score_s=time.time() - t0)
+        return [float(x["score"]) for x in read_jsonl(files[SCORES])]
+
+    def pair(self, r, files, samples, scores, items, seed, policy) -> list[dict]:
+        if not self.state.done(r, "pairs"):
+            records, summary = _pairs(self.cfg, samples, scores, r, seed, items)
+            summary.update(policy_start=policy, reference=self.cfg.online.reference)
+            if ranks.is_rank0():
+                write_jsonl(files[PAIRS], records)
+                write_json_atomic(files[SUMMARY], summary)
+            self.finished(r, "pairs")
+        return read_jsonl(files[PAIRS])
+
+    def train(self, r, folder, files, policy: str, pairs: list[dict]) -> None:
+        """DPO on the round's pairs (none: the policy stays); the summary gets the last training
+        metrics, the policy after the round and the phases' wall times."""
+        if self.state.done(r, "train"):
+            return
+        t0 = time.time()
+        initial = self.initial
+        reference = initial if self.cfg.online.reference == "initial" and policy != initial else ""
+        end = None
+        if pairs:
+            end = _train(self.cfg, folder, policy, reference, self.tokenizer, self.pad_id, pairs)
+        if ranks.is_rank0():
+            summary = _read_json(files[SUMMARY])
+            entry = self.state.data["rounds"].get(str(r), {})
+            summary.update(
+                train=_last_train_metrics(RunLayout(folder)) if end else {},
+                policy_end=end or policy,
+                wall_s={
+                    "sample": entry.get("sample_s"),
+                    "score": entry.get("score_s"),
+                    "train": time.time() - t0,
+                },
+            )
+            write_json_atomic(files[SUMMARY], summary)
+            print(
+                f"online: round {r}: {summary['pairs_kept']} pairs of "
+                f"{summary['prompts']} prompts ({summary['ties_dropped']} ties, "
+                f"{summary['near_ties_dropped']} near-ties dropped), mean score "
+                f"{summary['mean_score']:.4f} -> {folder}",
+                flush=True,
+            )
+        self.finished(r, "train", policy=end or policy)
+
+    def evaluate(self, r, folder, files, policy: str) -> None:
+        """The held-out mean score after round ``r``, beside the one before it."""
+        if not self.held or self.state.done(r, "eval"):
+            return
+        t0 = time.time()
+        mean = _evaluate(
+            self.cfg,
+            self.model_cfg,
+            self.tokenizer,
+            self.pad_id,
+            self.held,
+            policy,
+            os.path.join(folder, EVAL),
+        )
+        if ranks.is_rank0():
+            summary = _read_json(files[SUMMARY])
+            # round -1: the evaluation before round 0
+            before = self.state.data["rounds"][str(r - 1)]["eval_mean_score"]
+            summary.update(
+                eval_prompts=len(self.held), eval_mean_score_before=before, eval_mean_score=mean
+            )
+            summary.setdefault("wall_s", {})["eval"] = time.time() - t0
+            write_json_atomic(files[SUMMARY], summary)
+            print(
+                f"online: round {r}: mean score of the policy's samples on {len(self.held)} "
+                f"held-out prompts {before:.4f} -> {mean:.4f}",
+                flush=True,
+            )
+        self.finished(r, "eval", eval_mean_score=mean)
+
+
 def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dict]:
     """Run (or continue, ``checkpoint.resume=auto``) the configured online rounds
     (collective: every rank calls it). Returns each round's summary.
@@ -347,7 +492,6 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
     use_layout(cfg.parallel)  # starts the world the first time
     validate_online(cfg, ranks.world_size())
     folder = RunFolder.open(cfg)
-    layout = folder.layout
     try:
         model_cfg = run_models.resolve_model_config(cfg)
         tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
@@ -355,9 +499,6 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
         pad_id = tokenizer.pad_token_id
         pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
         all_prompts, too_long = _prompts(cfg, tokenizer)
-        state = OnlineState(layout.online_state)
-        initial = cfg.model.load or model_cfg.hf_path
-        policy = initial
         o = cfg.online
         if ranks.is_rank0():
             print(
@@ -368,103 +509,24 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
                 flush=True,
             )
         pool, held = split_prompts(all_prompts, o.eval_prompts, o.shuffle_prompts, o.seed)
+        run = _OnlineRun(
+            cfg,
+            model_cfg,
+            tokenizer,
+            pad_id,
+            OnlineState(folder.layout.online_state),
+            folder.layout,
+            initial=cfg.model.load or model_cfg.hf_path,
+            held=held,
+            stop_after=stop_after,
+        )
+        policy = run.initial
+        run.evaluate_start(policy)
         summaries = []
-        if held and not state.done(-1, "eval"):  # the starting policy, before round 0
-            mean = _evaluate(
-                cfg, model_cfg, tokenizer, pad_id, held, policy, layout.online_eval_start
-            )
-            state.mark(-1, "eval", eval_mean_score=mean)
-
-        def finished(r: int, phase: str, **values) -> None:
-            state.mark(r, phase, **values)
-            if stop_after == (r, phase):
-                raise StopAfter(f"stopped after round {r} phase {phase}")
-
         for r in range(o.rounds):
-            round_dir = layout.online_round(r)
-            files = {name: os.path.join(round_dir, name) for name in (SAMPLES, SCORES, PAIRS)}
-            summary_path = os.path.join(round_dir, SUMMARY)
             items = round_prompts(pool, r, o.prompts_per_round, False, o.seed)
-            seed = o.sampling.seed + r
-            if not state.done(r, "sample"):
-                t0 = time.time()
-                records = _sample(cfg, model_cfg, tokenizer, pad_id, items, policy, r, seed)
-                if ranks.is_rank0():
-                    write_jsonl(files[SAMPLES], records)
-                finished(r, "sample", sample_s=time.time() - t0)
-            samples = read_jsonl(files[SAMPLES])
-            if not state.done(r, "score"):
-                t0 = time.time()
-                scores = _score(cfg, model_cfg, samples, pad_id)
-                if ranks.is_rank0():
-                    write_jsonl(
-                        files[SCORES],
-                        [
-                            {"prompt": s["prompt"], "sample": s["sample"], "score": v}
-                            for s, v in zip(samples, scores)
-                        ],
-                    )
-                finished(r, "score", score_s=time.time() - t0)
-            scores = [float(x["score"]) for x in read_jsonl(files[SCORES])]
-            if not state.done(r, "pairs"):
-                records, summary = _pairs(cfg, samples, scores, r, seed, items)
-                summary.update(policy_start=policy, reference=o.reference)
-                if ranks.is_rank0():
-                    write_jsonl(files[PAIRS], records)
-                    write_json_atomic(summary_path, summary)
-                finished(r, "pairs")
-            pairs = read_jsonl(files[PAIRS])
-            if not state.done(r, "train"):
-                t0 = time.time()
-                reference = initial if o.reference == "initial" and policy != initial else ""
-                end = (
-                    _train(cfg, round_dir, policy, reference, tokenizer, pad_id, pairs)
-                    if pairs
-                    else None
-                )
-                if ranks.is_rank0():
-                    summary = _read_json(summary_path)
-                    entry = state.data["rounds"].get(str(r), {})
-                    summary.update(
-                        train=_last_train_metrics(RunLayout(round_dir)) if end else {},
-                        policy_end=end or policy,
-                        wall_s={
-                            "sample": entry.get("sample_s"),
-                            "score": entry.get("score_s"),
-                            "train": time.time() - t0,
-                        },
-                    )
-                    write_json_atomic(summary_path, summary)
-                    print(
-                        f"online: round {r}: {summary['pairs_kept']} pairs of "
-                        f"{summary['prompts']} prompts ({summary['ties_dropped']} ties, "
-                        f"{summary['near_ties_dropped']} near-ties dropped), mean score "
-                        f"{summary['mean_score']:.4f} -> {round_dir}",
-                        flush=True,
-                    )
-                finished(r, "train", policy=end or policy)
-            policy = state.policy_after(r) or policy
-            if held and not state.done(r, "eval"):
-                t0 = time.time()
-                eval_path = os.path.join(round_dir, EVAL)
-                mean = _evaluate(cfg, model_cfg, tokenizer, pad_id, held, policy, eval_path)
-                if ranks.is_rank0():
-                    summary = _read_json(summary_path)
-                    # round -1: the evaluation before round 0
-                    before = state.data["rounds"][str(r - 1)]["eval_mean_score"]
-                    summary.update(
-                        eval_prompts=len(held), eval_mean_score_before=before, eval_mean_score=mean
-                    )
-                    summary.setdefault("wall_s", {})["eval"] = time.time() - t0
-                    write_json_atomic(summary_path, summary)
-                    print(
-                        f"online: round {r}: mean score of the policy's samples on "
-                        f"{len(held)} held-out prompts {summary['eval_mean_score_before']:.4f}"
-                        f" -> {mean:.4f}",
-                        flush=True,
-                    )
-                finished(r, "eval", eval_mean_score=mean)
-            summaries.append(ranks.broadcast_from_rank0(_read_json(summary_path)))
+            policy, summary = run.round(r, items, policy)
+            summaries.append(summary)
         return summaries
     finally:
         folder.close()
