@@ -182,6 +182,7 @@ def sdpa(
     scale: Optional[float],
     is_causal: bool = False,
     attn_mask: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` with grouped-query keys the way a fused kernel takes
     them (:func:`gqa_by_expansion`).
@@ -192,10 +193,13 @@ def sdpa(
         scale: softmax scale (None: 1 / sqrt(hn)).
         is_causal: top-left causal (query i sees keys 0..i).
         attn_mask: bool, True = visible (broadcast to [b, heads, s_q, s_k]), or None.
+        sinks: [heads] attention-sink logits (gpt-oss), or None: :func:`sink_attention`.
 
     Returns:
         [b, heads, s_q, hn]: softmax(q k^T * scale) v (Vaswani et al. 2017, eq. 1).
     """
+    if sinks is not None:
+        return sink_attention(query, key, value, scale, sinks, is_causal, attn_mask)
     groups = key.shape[1]
     if groups != query.shape[1] and gqa_by_expansion(
         query.device, query.dtype, attn_mask is not None
@@ -210,6 +214,61 @@ def sdpa(
         scale=scale,
         enable_gqa=key.shape[1] != query.shape[1],
     )
+
+
+def sink_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: Optional[float],
+    sinks: torch.Tensor,
+    is_causal: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention with one sink logit per head in every query's softmax denominator (gpt-oss;
+    transformers' ``eager_attention_forward`` of ``GptOssAttention``, megatron-core's
+    ``softmax_type='learnable'``): ``out_i = sum_j exp(a_ij) v_j / (exp(sink) + sum_j
+    exp(a_ij))`` with ``a_ij = q_i k_j * scale``.
+
+    One fused ``scaled_dot_product_attention`` call: the sink is one more key that every query
+    sees, with a zero value, whose score is exactly the sink. Each head gets a further
+    dimension: 1 in every query, 0 in every real key (their scores are unchanged) and
+    ``sink / scale`` in the sink key (whose other dimensions are 0), so the sink's gradient
+    flows through that key. Grouped-query keys are expanded to the heads (each head has its
+    own sink).
+
+    Args:
+        query: [b, heads, s_q, hn]; key / value: [b, groups, s_k, hn] / [..., hv].
+        scale: softmax scale (None: 1 / sqrt(hn)).
+        sinks: [heads] logits (any float dtype; cast to the query's).
+        is_causal: top-left causal (query i sees keys 0..i); attn_mask: bool, True = visible,
+            broadcast to [b, heads, s_q, s_k], or None (every key visible).
+
+    Returns:
+        [b, heads, s_q, hv].
+    """
+    b, heads, s_q, hn = query.shape
+    s_k = key.shape[2]
+    scale = hn**-0.5 if scale is None else scale
+    if key.shape[1] != heads:
+        key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
+    if is_causal:
+        attn_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is None:
+        attn_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device)
+    attn_mask = attn_mask.expand(*attn_mask.shape[:-2], s_q, s_k)
+    attn_mask = torch.cat([attn_mask, attn_mask.new_ones(*attn_mask.shape[:-1], 1)], dim=-1)
+    sink_logit = (sinks.to(query.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1)
+    q = torch.cat([query, query.new_ones(b, heads, s_q, 1)], dim=-1)
+    k = torch.cat(
+        [
+            torch.cat([key, key.new_zeros(b, heads, s_k, 1)], dim=-1),
+            torch.cat([key.new_zeros(b, heads, 1, hn), sink_logit], dim=-1),
+        ],
+        dim=2,
+    )
+    v = torch.cat([value, value.new_zeros(b, heads, 1, value.shape[-1])], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
 def causal_window_mask(
@@ -238,6 +297,7 @@ def span_attention(
     scale: Optional[float],
     rows: Optional[SpanRows] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of packed spans in one ``scaled_dot_product_attention`` call, with no mask.
 
@@ -261,6 +321,7 @@ def span_attention(
             :func:`causal_window_mask`), or None. A row's key slots are consecutive positions of
             its unit (a rejected span's prompt then its own tokens), so the window is a band of
             slots: one [W, W] mask shared by every row instead of ``is_causal``.
+        sinks: [heads] attention-sink logits or None (:func:`sdpa`).
 
     Returns:
         [Tq, heads, hn] attention output (softmax(q k^T * scale) v per span; Vaswani et al.
@@ -280,7 +341,7 @@ def span_attention(
         t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2) for t in (key, value)
     )
     band = causal_window_mask(width, width, window, query.device)
-    out = sdpa(q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band)
+    out = sdpa(q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band, sinks=sinks)
     # [N, heads, W, hv]: values may be narrower than queries (multi-latent attention).
     return (
         out.transpose(1, 2)
@@ -376,15 +437,17 @@ def packed_attention(
     layout,
     scale: Optional[float],
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
-    :func:`packed_attention_route`. Shapes and ``window`` as :func:`span_attention`; ``layout``
-    the micro-batch's ``PackedLayout`` on the device. Values narrower than the queries
-    (multi-latent attention) take the rows route: varlen flash-attention wants one head size."""
+    :func:`packed_attention_route`. Shapes, ``window`` and ``sinks`` as :func:`span_attention`;
+    ``layout`` the micro-batch's ``PackedLayout`` on the device. Values narrower than the
+    queries (multi-latent attention) and attention sinks take the rows route: varlen
+    flash-attention wants one head size and has no sink."""
     route = packed_attention_route(query.device, query.dtype, query.shape[-1])
-    if route == "varlen" and value.shape[-1] == query.shape[-1]:
+    if route == "varlen" and value.shape[-1] == query.shape[-1] and sinks is None:
         return varlen_attention(query, key, value, layout, scale, window)
-    return span_attention(query, key, value, layout.spans, scale, layout.rows, window)
+    return span_attention(query, key, value, layout.spans, scale, layout.rows, window, sinks)
 
 
 _FLEX: dict[str, Callable] = {}
@@ -459,6 +522,7 @@ def cached_attention(
     cache: KVCache,
     scale: Optional[float],
     window: Optional[int],
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A generation forward of one layer: the new slots' keys and values join ``cache``
     under ``owner`` and the new queries attend to the slots they may see
@@ -469,6 +533,7 @@ def cached_attention(
             applied).
         scale: softmax scale (None: 1 / sqrt(hn)).
         window: the layer's sliding window (earlier keys a query sees besides itself) or None.
+        sinks: [heads] attention-sink logits or None (:func:`sdpa`).
 
     Returns:
         [n, R, heads * hn].
@@ -476,7 +541,7 @@ def cached_attention(
     sq, b = query.shape[0], query.shape[1]
     key, value = cache.update(owner, key, value)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-    out = sdpa(q, k, v, scale, attn_mask=cache.visible(window))
+    out = sdpa(q, k, v, scale, attn_mask=cache.visible(window), sinks=sinks)
     return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
@@ -491,9 +556,11 @@ class LocalAttention(DotProductAttention):
     window of this layer (megatron-core's ``window_size`` / ``window_attn_skip_freq``, read per
     layer by the parent) is served by the ``sdpa`` kernel on padded and packed rows (a band mask,
     :func:`causal_window_mask`; varlen's ``window_size``); ``flex`` and ``megatron`` refuse it
-    (at config time: ``models.transformer_config.check_sliding_window``; here again). Features
-    the kernels do not cover (softmax offsets, query-key layer scaling, attention dropout,
-    attention bias) fall back to the parent with the dense mask.
+    (at config time: ``models.transformer_config.check_sliding_window``; here again). Attention
+    sinks (megatron-core's learnable softmax offset, gpt-oss) are served by the ``sdpa`` kernel
+    on every route (:func:`sink_attention`) and by ``megatron``; ``flex`` refuses them. Features
+    the kernels do not cover (a fixed off-by-one offset, query-key layer scaling, attention
+    dropout, attention bias) fall back to the parent with the dense mask.
 
     Args:
         kernel: ``sdpa``, ``flex`` or ``megatron`` (:func:`resolve_local_attention`).
@@ -535,11 +602,23 @@ class LocalAttention(DotProductAttention):
                     f"{kernel!r}: set model.local_attention=sdpa"
                 )
             self.window = int(window_size[0])
+        if kernel == "flex" and self.config.softmax_type == "learnable":
+            raise ValueError(
+                "attention sinks (softmax_type='learnable') are not served by the flex kernel: "
+                "set model.local_attention=sdpa"
+            )
+
+    def sinks(self) -> Optional[torch.Tensor]:
+        """[heads/TP] attention-sink logits the ``sdpa`` kernel applies (megatron-core's
+        learnable ``softmax_offset``); None without sinks or with the ``megatron`` kernel."""
+        if self.kernel == "sdpa" and self.config.softmax_type == "learnable":
+            return self.softmax_offset
+        return None
 
     def _parent_handles(self, attention_bias) -> bool:
         return (
             self.kernel == "megatron"
-            or self.softmax_offset is not None
+            or (self.softmax_offset is not None and self.sinks() is None)
             or self.config.apply_query_key_layer_scaling
             or (self.training and self.attention_dropout.p > 0)
             or attention_bias is not None
@@ -575,7 +654,7 @@ class LocalAttention(DotProductAttention):
         sq, b = query.shape[0], query.shape[1]
         if layout is not None and self.kernel == "sdpa":
             flat = [t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in (query, key, value)]
-            out = packed_attention(*flat, layout, self.softmax_scale, self.window)
+            out = packed_attention(*flat, layout, self.softmax_scale, self.window, self.sinks())
             # [sq, b, h] with row-major strides, also for one row (b = 1), where transpose +
             # contiguous() would keep strides (h, sq * h, 1): torch.matmul folds [s, b, h] @ W^T
             # into one mm when W requires grad (the policy) but, for a frozen W (the reference),
@@ -593,39 +672,45 @@ class LocalAttention(DotProductAttention):
             out = flex_attention_rows(q, k, v, block_mask, self.softmax_scale)
         elif attention_mask is None and self.window is not None:
             band = causal_window_mask(q.shape[2], k.shape[2], self.window, q.device)
-            out = sdpa(q, k, v, self.softmax_scale, attn_mask=band)
+            out = sdpa(q, k, v, self.softmax_scale, attn_mask=band, sinks=self.sinks())
         elif attention_mask is None:
-            out = sdpa(q, k, v, self.softmax_scale, is_causal=q.shape[2] > 1)
+            out = sdpa(q, k, v, self.softmax_scale, is_causal=q.shape[2] > 1, sinks=self.sinks())
         elif self.window is not None:  # the band is on row indices, a dense mask on units
             raise ValueError(
                 "sliding-window attention takes no dense attention_mask: pass packed rows as "
                 "packed_seq_params (models.attention.packed_seq_params)"
             )
         else:
-            out = sdpa(q, k, v, self.softmax_scale, attn_mask=~attention_mask)
+            out = sdpa(q, k, v, self.softmax_scale, attn_mask=~attention_mask, sinks=self.sinks())
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _cached_forward(self, query, key, value, attn_mask_type, cache: KVCache):
         """Generation: the new slots' keys and values join ``cache``
         (``models.kv_cache``), and the new queries attend to every slot they may see
         (:meth:`KVCache.visible`, this layer's window included) with the ``sdpa`` kernel
-        whatever ``kernel`` is (the mask is small: [R, 1, n, slots]); softmax offsets and
-        query-key layer scaling, which only the parent computes, take the parent with the same
-        mask. Generation runs in eval mode (no attention dropout).
+        whatever ``kernel`` is (the mask is small: [R, 1, n, slots]), attention sinks included;
+        a fixed softmax offset and query-key layer scaling, which only the parent computes, take
+        the parent with the same mask. Generation runs in eval mode (no attention dropout).
 
         Raises:
             ValueError: a sliding window in a layer the parent must compute.
         """
-        if self.softmax_offset is not None or self.config.apply_query_key_layer_scaling:
+        learnable = self.config.softmax_type == "learnable"
+        sinks = self.softmax_offset if learnable else None
+        if (self.softmax_offset is not None and not learnable) or (
+            self.config.apply_query_key_layer_scaling
+        ):
             if self.window is not None:
                 raise ValueError(
-                    "cached generation of a sliding-window layer with softmax offsets "
-                    "(attention sinks) or query-key layer scaling is not supported"
+                    "cached generation of a sliding-window layer with a fixed softmax "
+                    "offset or query-key layer scaling is not supported"
                 )
             key, value = cache.update(self, key, value)
             visible = cache.visible(self.window)
             return super().forward(query, key, value, ~visible, attn_mask_type, None, None)
-        return cached_attention(self, query, key, value, cache, self.softmax_scale, self.window)
+        return cached_attention(
+            self, query, key, value, cache, self.softmax_scale, self.window, sinks
+        )
 
 
 SDPAttention = LocalAttention

@@ -96,8 +96,13 @@ class ModelConfig:
     """Epsilon inside the norm's square root (> 0)."""
     activation: str = "swiglu"
     """'swiglu' (gated SiLU, Llama), 'geglu' (gated tanh GELU, Gemma), 'gelu' (GPT-2: the tanh
-    approximation, HF ``gelu_new``) or
-    'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia)."""
+    approximation, HF ``gelu_new``),
+    'gelu_exact' (the erf form, HF ``gelu``: GPT-NeoX / Pythia) or 'clamped_swiglu' (gpt-oss's
+    experts: ``(clamp(up, -l, l) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, l)``, l =
+    ``swiglu_limit``; megatron-core's quick-GELU GLU with ``glu_linear_offset=1`` and
+    ``activation_func_clamp_value=l``)."""
+    swiglu_limit: float = 7.0
+    """With ``activation='clamped_swiglu'``: the clamp l (HF gpt-oss ``swiglu_limit``; > 0)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2)."""
     add_qkv_bias: bool = False
@@ -119,6 +124,12 @@ class ModelConfig:
     embedding_scale: Optional[float] = None
     """Multiply the word embeddings by this (Gemma: sqrt(hidden_size), rounded to the model dtype
     first, as transformers does). None: no scaling."""
+    attention_sinks: bool = False
+    """gpt-oss's attention sinks: one learnable logit per query head joins each query's softmax
+    denominator (no value: ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``; HF ``sinks``,
+    megatron-core's ``softmax_type='learnable'``). Served by the local ``sdpa`` kernel (padded,
+    packed and shared-prompt rows, generation) and the ``megatron`` kernel; ``flex``,
+    transformer-engine and context parallelism refuse it at config time."""
     softmax_scale: Optional[float] = None
     """Attention softmax scale (> 0; Gemma 3: ``query_pre_attn_scalar ** -0.5``). None:
     1 / sqrt(head_dim)."""
@@ -189,9 +200,12 @@ class ModelConfig:
     v_head_dim: Optional[int] = None
     """MLA: per-head value dimensions (>= 1)."""
     rope_yarn_factor: Optional[float] = None
-    """YaRN RoPE (Peng et al. 2023) of multi-latent attention (DeepSeek-V3 ``rope_type: yarn``):
-    the context extension factor (> 0); None: plain RoPE. The ``rope_yarn_*`` fields below are
-    HF's ``rope_parameters`` of the same names; served with ``kv_lora_rank`` only."""
+    """YaRN RoPE (Peng et al. 2023; DeepSeek-V3 and gpt-oss ``rope_type: yarn``): the context
+    extension factor (> 0); None: plain RoPE. The ``rope_yarn_*`` fields below are HF's
+    ``rope_parameters`` of the same names. With multi-latent attention megatron-core's MLA
+    applies it; with standard attention (gpt-oss) the layers rotate by megatron-core's YaRN
+    table and the cos / sin scale m is folded into the softmax scale (times m ** 2:
+    ``models.transformer_config.yarn_attention_factor``)."""
     rope_yarn_original_max_position_embeddings: int = 4096
     """YaRN: the pre-training context length (>= 1)."""
     rope_yarn_beta_fast: float = 32.0
@@ -311,11 +325,23 @@ class ModelConfig:
             check_range("model", self, name, 0, low_open=True)
         for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
             check_range("model", self, name, 0)
-        if self.rope_yarn_factor is not None and self.kv_lora_rank is None:
-            raise ValueError(
-                f"model.rope_yarn_factor={self.rope_yarn_factor}: YaRN is served with "
-                "multi-latent attention (model.kv_lora_rank) only; drop it"
-            )
+        check_range("model", self, "swiglu_limit", 0, low_open=True)
+        if self.rope_yarn_factor is not None:
+            other = [
+                name
+                for name in (
+                    "rope_scaling_factor",
+                    "rope_linear_scaling_factor",
+                    "local_rotary_base",
+                )
+                if getattr(self, name) is not None
+            ] + (["rotary_percent"] if self.rotary_percent != 1.0 else [])
+            if other or self.position_embedding_type != "rope":
+                raise ValueError(
+                    f"model.rope_yarn_factor={self.rope_yarn_factor} (YaRN) rotates every head "
+                    f"dimension with one table: drop "
+                    f"{', '.join('model.' + o for o in other) or 'model.position_embedding_type'}"
+                )
         check_range("model", self, "moe_routed_scaling_factor", 0, low_open=True, optional=True)
         check_choice("model", self, "moe_router_score_function", MOE_SCORE_FUNCTIONS)
         if self.kv_lora_rank is not None:

@@ -244,6 +244,11 @@ class ContextParallelAttention(DotProductAttention):
     def __init__(self, config, *args, **kwargs):
         # megatron-core's local attention refuses CP (its own CP is transformer-engine's); this
         # class does the CP part, so the parent is built for the per-rank computation.
+        if config.softmax_type != "vanilla":  # refused at config time too (attention sinks)
+            raise ValueError(
+                f"context-parallel attention has no softmax offset (softmax_type="
+                f"{config.softmax_type!r}): set parallel.context_parallel_size=1"
+            )
         super().__init__(replace(config, context_parallel_size=1), *args, **kwargs)
         self.config = config
 

@@ -237,7 +237,8 @@ class DPOGPTModel(GPTModel):
         for rope in (self.rotary_pos_emb, local):
             if rope is not None:
                 table = rope.get_emb(length)
-                if isinstance(table, tuple):  # YaRN: (table, cos / sin scale), scale in the layers
+                if isinstance(table, tuple):  # YaRN: (table, cos / sin scale); the scale is
+                    # MLA's (models.mla) or in the softmax scale (transformer_config)
                     table = table[0]
                 table = table[:, 0, 0, :]  # [L, dim]
                 tables.append(table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2))
@@ -342,18 +343,13 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
                     use_cpu_initialization=config.use_cpu_initialization,
                 )
                 if model.rope_yarn_factor is None
-                else YarnRotaryEmbedding(
-                    kv_channels=model.qk_rope_head_dim,
-                    rotary_base=model.rotary_base,
-                    use_cpu_initialization=config.use_cpu_initialization,
-                    scaling_factor=model.rope_yarn_factor,
-                    original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
-                    beta_fast=model.rope_yarn_beta_fast,
-                    beta_slow=model.rope_yarn_beta_slow,
-                    mscale=model.rope_yarn_mscale,
-                    mscale_all_dim=model.rope_yarn_mscale_all_dim,
-                    correction_range_round_to_int=model.rope_yarn_truncate,
-                )
+                else yarn_rotary(model, model.qk_rope_head_dim, config.use_cpu_initialization)
+            )
+        elif model.rope_yarn_factor is not None:
+            # gpt-oss: the layers rotate by the YaRN table (DPOGPTModel._rotary_per_row); its
+            # cos / sin scale is in the softmax scale (transformer_config.attention_fields).
+            chunk.rotary_pos_emb = yarn_rotary(
+                model, config.kv_channels, config.use_cpu_initialization
             )
         if model.local_rotary_base is not None:
             chunk.local_rotary_pos_emb = RotaryEmbedding(
@@ -371,6 +367,25 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
             _mask_vocab_padding(chunk, model.vocab_size, vocab)
         chunks.append(chunk)
     return chunks
+
+
+def yarn_rotary(model: ModelConfig, dim: int, cpu_init: bool) -> YarnRotaryEmbedding:
+    """megatron-core's YaRN table over ``dim`` rotated dimensions per head for the model's
+    ``rope_yarn_*`` fields (Peng et al. 2023; the frequencies of transformers'
+    ``_compute_yarn_parameters``, ``truncate`` as ``correction_range_round_to_int``). Its
+    ``get_emb`` returns (angles [L, 1, 1, dim], cos / sin scale)."""
+    return YarnRotaryEmbedding(
+        kv_channels=dim,
+        rotary_base=model.rotary_base,
+        use_cpu_initialization=cpu_init,
+        scaling_factor=model.rope_yarn_factor,
+        original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
+        beta_fast=model.rope_yarn_beta_fast,
+        beta_slow=model.rope_yarn_beta_slow,
+        mscale=model.rope_yarn_mscale,
+        mscale_all_dim=model.rope_yarn_mscale_all_dim,
+        correction_range_round_to_int=model.rope_yarn_truncate,
+    )
 
 
 def place_chunk(chunk: torch.nn.Module, dtype: torch.dtype) -> None:

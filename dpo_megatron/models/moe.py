@@ -163,7 +163,8 @@ def check_moe(
 
     Raises:
         ValueError: expert parallelism without experts, experts not divisible by EP, expert
-            width not divisible by expert TP, top-k out of range, an unknown dispatcher, or
+            width not divisible by expert TP, expert biases split over expert TP, top-k out of
+            range, an unknown dispatcher, or
             TP > 1 without sequence parallelism (megatron-core's MoE layer refuses to train so).
     """
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
@@ -195,6 +196,15 @@ def check_moe(
         raise ValueError(
             f"expert width {width} (model.moe_ffn_hidden_size) is not divisible by "
             f"parallel.expert_tensor_parallel_size={etp}"
+        )
+    if model.add_bias_linear and etp > 1:
+        # megatron-core 0.16's expert fc2 (RowParallelLinear, explicit expert communication)
+        # hands its bias to the MLP, which adds it on every expert-TP rank before the
+        # dispatcher sums their partial outputs: the bias would count etp times.
+        raise ValueError(
+            f"model.add_bias_linear=true (experts with biases, gpt-oss) with parallel."
+            f"expert_tensor_parallel_size={etp}: megatron-core adds an expert's output bias on "
+            "every expert-TP rank; set parallel.expert_tensor_parallel_size=1"
         )
     if model.moe_token_dispatcher not in ("alltoall", "allgather"):
         raise ValueError(

@@ -65,6 +65,8 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
             ("model.norm_weight_offset", model.norm_weight_offset),
             ("model.local_rotary_base", model.local_rotary_base is not None),
             ("model.qk_norm_scope=projection", model.qk_norm_scope == "projection"),
+            ("model.attention_sinks", model.attention_sinks),
+            ("model.rope_yarn_factor", model.rope_yarn_factor is not None),
         )
         if on
     ]

@@ -4,10 +4,12 @@ rules it implies (heads / TP, layers / PP, vocabulary padding, dtype, layer impl
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from dpo_megatron.models.config import ModelConfig
@@ -20,10 +22,17 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"swiglu": F.silu, "geglu": gelu_tanh, "gelu": gelu_tanh, "gelu_exact": F.gelu}
-"""``model.activation`` -> the elementwise function (SwiGLU and GeGLU gate it:
-``gated_linear_unit``)."""
-GATED = ("swiglu", "geglu")
+ACTIVATIONS = {
+    "swiglu": F.silu,
+    "geglu": gelu_tanh,
+    "gelu": gelu_tanh,
+    "gelu_exact": F.gelu,
+    # gpt-oss: x * sigmoid(1.702 x) on the clamped gate, times (clamped up + 1) (glu_fields).
+    "clamped_swiglu": quick_gelu,
+}
+"""``model.activation`` -> the elementwise function (SwiGLU, GeGLU and the clamped SwiGLU gate
+it: ``gated_linear_unit``)."""
+GATED = ("swiglu", "geglu", "clamped_swiglu")
 
 
 def resolve_params_dtype(name: str) -> torch.dtype:
@@ -129,6 +138,54 @@ def window_pattern(model: ModelConfig) -> Optional[list[int]]:
     return [int(i in windowed) for i in range(model.num_layers)]
 
 
+def yarn_attention_factor(model: ModelConfig) -> float:
+    """YaRN's cos / sin scale m (Peng et al. 2023, eq. 21; transformers' ``yarn_get_mscale``
+    ratio, megatron-core's concentration factor): ``g(mscale) / g(mscale_all_dim)`` with
+    ``g(k) = 0.1 k ln(factor) + 1`` (1 for factor <= 1); 1 without YaRN. gpt-oss (factor 32, no
+    mscale keys): 0.1 ln 32 + 1 = 1.3466."""
+    factor = model.rope_yarn_factor
+    if factor is None or factor <= 1:
+        return 1.0
+
+    def g(k: float) -> float:
+        return 0.1 * k * math.log(factor) + 1.0
+
+    return g(model.rope_yarn_mscale) / g(model.rope_yarn_mscale_all_dim)
+
+
+def check_attention_sinks(model: ModelConfig, parallel: ParallelConfig, heads: int) -> None:
+    """Refuse, at config time, an attention path that cannot serve ``model.attention_sinks``.
+
+    Served: the local ``sdpa`` kernel (``models.attention.sdpa``: the sink as one more key) and
+    the ``megatron`` kernel (megatron-core's learnable softmax offset). Refused: ``flex`` (its
+    block mask has no sink column), transformer-engine, context parallelism (the local CP
+    kernel merges per-block softmaxes without one), multi-latent attention and the zero heads of
+    ``model.pad_attention_heads`` (their sinks would have no HF counterpart).
+
+    Raises:
+        ValueError: naming the field to change.
+    """
+    if not model.attention_sinks:
+        return
+    from dpo_megatron.models.attention import resolve_local_attention
+
+    where = "model.attention_sinks=true"
+    kernel = resolve_local_attention(model.local_attention)
+    refused = {
+        f"model.local_attention={model.local_attention} ({kernel}): set it to sdpa": kernel
+        == "flex",
+        "parallel.context_parallel_size>1: set it to 1": parallel.context_parallel_size > 1,
+        "model.transformer_impl=transformer_engine: set it to local": model.transformer_impl
+        == "transformer_engine",
+        "model.kv_lora_rank (multi-latent attention): drop it": model.kv_lora_rank is not None,
+        f"model.pad_attention_heads ({model.num_attention_heads} -> {heads} heads): use a TP "
+        "size that divides the key/value heads": heads != model.num_attention_heads,
+    }
+    for name, on in refused.items():
+        if on:
+            raise ValueError(f"{where} is not served with {name}")
+
+
 def check_sliding_window(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Refuse, at config time, an attention path that cannot serve ``model.sliding_window``.
 
@@ -199,6 +256,7 @@ def check_model_layout(model: ModelConfig, parallel: ParallelConfig, heads: int)
             f"model.position_embedding_type=rope, got {model.position_embedding_type!r}"
         )
     check_sliding_window(model, parallel)
+    check_attention_sinks(model, parallel, heads)
     projection_norm = model.qk_layernorm and model.qk_norm_scope == "projection"
     if projection_norm and heads != model.num_attention_heads:
         raise ValueError(
@@ -262,7 +320,15 @@ def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
 
 
 def attention_fields(model: ModelConfig, heads: int, groups: int, head_dim: int) -> dict:
-    """Heads (padded for TP), biases, q/k norms and softmax scale of the attention."""
+    """Heads (padded for TP), biases, q/k norms, softmax scale and sinks of the attention.
+
+    With YaRN on standard attention (gpt-oss) transformers scales RoPE's cos and sin by m
+    (:func:`yarn_attention_factor`), which scales every query and key by m: here the scores are
+    scaled by m ** 2 instead (the layers rotate by the unscaled YaRN table,
+    ``models.gpt.DPOGPTModel``). Multi-latent attention scales itself (:func:`mla_fields`)."""
+    scale = model.softmax_scale
+    if model.rope_yarn_factor is not None and model.kv_lora_rank is None:
+        scale = (scale or head_dim**-0.5) * yarn_attention_factor(model) ** 2
     return dict(
         num_attention_heads=heads,
         num_query_groups=groups,
@@ -271,7 +337,8 @@ def attention_fields(model: ModelConfig, heads: int, groups: int, head_dim: int)
         # megatron-core all-reduces the q/k norms' gradients over TP when this is set (their
         # weights are replicated per head); a projection norm's weight is a TP shard instead.
         qk_layernorm=model.qk_layernorm and model.qk_norm_scope == "head",
-        softmax_scale=model.softmax_scale,
+        softmax_scale=scale,
+        softmax_type="learnable" if model.attention_sinks else "vanilla",
     )
 
 
@@ -289,8 +356,13 @@ def position_fields(model: ModelConfig) -> dict:
 
 
 def kernel_fields(model: ModelConfig) -> dict:
-    """Dropout (always 0) and the fused kernels: only megatron-core's SwiGLU fusion."""
+    """Dropout (always 0), the fused kernels (only megatron-core's SwiGLU fusion) and the clamped
+    SwiGLU's offset and clamp (megatron-core's unfused GLU: ``act(min(gate, l)) *
+    (clamp(up, -l, l) + 1)``)."""
+    clamped = model.activation == "clamped_swiglu"
     return dict(
+        glu_linear_offset=1.0 if clamped else 0.0,
+        activation_func_clamp_value=model.swiglu_limit if clamped else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,

@@ -21,6 +21,7 @@ FAMILIES = [
     "olmo3",
     "gemma3",
     "deepseek_v3",
+    "gpt_oss",
 ]
 """Every architecture family the engine maps, by the name :func:`save_tiny_hf_folder` and
 :func:`build_tiny_hf_model` take: the families the bf16 and GPU-shaped build tests cover."""
@@ -314,6 +315,41 @@ NEW_TINY_CONFIGS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # gpt-oss: attention sinks, q/k/v/o biases, windows of 4 in layers 0 and 2 (HF's alternating
+    # default), YaRN as gpt-oss states it (truncate false; factor 8 over 16 original positions,
+    # so the ramp bends the 16 head dimensions' frequencies), 4 experts of width 32 with
+    # biases, top-2 of a biased router, the clamped SwiGLU with a limit (0.15) the tiny
+    # activations reach, untied.
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=128,  # factor 8 x the original 16
+        rms_norm_eps=1e-5,
+        sliding_window=4,
+        swiglu_limit=0.15,
+        router_aux_loss_coef=0.01,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
     ),
 }
 VARIANT_TINY_CONFIGS: dict[str, dict] = {

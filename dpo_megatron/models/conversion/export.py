@@ -278,6 +278,13 @@ def export_peft_adapter(
             "export_peft_adapter: the model has no LoRA adapters "
             "(checkpoint.export_hf=adapter needs lora.enabled=true)"
         )
+    stacked = {"linear_fc1", "linear_fc2"} & set(lora_cfg.target_modules)
+    if infer_architecture(model_cfg).file_layout is not None and stacked:
+        raise ValueError(
+            f"lora.target_modules {sorted(stacked)}: {infer_architecture(model_cfg).name} "
+            "stores its experts stacked in one parameter, which PEFT's LoRA does not adapt; "
+            "export with checkpoint.export_hf=merged"
+        )
 
     def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
         from safetensors.torch import save_file
@@ -395,6 +402,9 @@ def _write_folder(
     config = hf_config_dict(cfg, dtype)
     if cfg.head == "reward":
         config["pad_token_id"] = _reward_pad_token_id(config, pad_token_id, tokenizer_dir)
+    layout = infer_architecture(cfg).file_layout
+    if layout is not None:  # the table's tensors as the architecture stores them (gpt-oss)
+        tensors = layout.pack(tensors, cfg)
     write_safetensors_shards(tensors, tmp, max_shard_bytes)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

@@ -17,7 +17,9 @@ from dpo_megatron.models.conversion.architectures import (
 HF_DEFAULTED_FIELDS = ("moe_aux_loss_coeff",)
 """ModelConfig fields whose None means "the HF config's value" (``router_aux_loss_coef``)."""
 
-DEEPSEEK_FIELDS = (
+FAMILY_FIELDS = (
+    "attention_sinks",
+    "swiglu_limit",
     "kv_lora_rank",
     "q_lora_rank",
     "qk_nope_head_dim",
@@ -38,8 +40,9 @@ DEEPSEEK_FIELDS = (
     "moe_router_group_topk",
     "moe_routed_scaling_factor",
 )
-"""Architecture fields only DeepSeek-V3's translation states: the other families' folders get
-their defaults (a base config's values never leak into another architecture)."""
+"""Architecture fields only some translations state (DeepSeek-V3's MLA and routing, gpt-oss's
+sinks and clamped SwiGLU, YaRN): the other families' folders get their defaults (a base
+config's values never leak into another architecture)."""
 
 
 def read_hf_config_json(hf_path: str) -> dict:
@@ -119,7 +122,7 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     # rope_parameters); the file is local, nothing is downloaded.
     hf = AutoConfig.from_pretrained(hf_path)
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    fields = {**{name: defaults[name] for name in DEEPSEEK_FIELDS}, **arch.config_from_hf(hf)}
+    fields = {**{name: defaults[name] for name in FAMILY_FIELDS}, **arch.config_from_hf(hf)}
     base = base or ModelConfig()
     for name in HF_DEFAULTED_FIELDS:
         if getattr(base, name) is not None:
@@ -130,8 +133,9 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
     positions, GPT-NeoX for LayerNorm with RoPE, DeepSeek-V3 for multi-latent attention, OLMo 3
-    for post-norms, Qwen3-MoE / Mixtral for experts with / without query-key norms, Qwen3 for
-    query-key norms, SmolLM3 for NoPE layers, Qwen2 for q/k/v-only biases, else Llama."""
+    for post-norms, gpt-oss for attention sinks, Qwen3-MoE / Mixtral for experts with / without
+    query-key norms, Qwen3 for query-key norms, SmolLM3 for NoPE layers, Qwen2 for q/k/v-only
+    biases, else Llama."""
     if cfg.hf_path and os.path.isfile(os.path.join(cfg.hf_path, "config.json")):
         return architecture_of(cfg.hf_path)
     if cfg.position_embedding_type == "learned_absolute":
@@ -144,6 +148,8 @@ def infer_architecture(cfg: ModelConfig) -> Architecture:
         return ARCHITECTURES["gemma3_text"]
     if cfg.norm_placement == "post":
         return ARCHITECTURES["olmo3"]
+    if cfg.attention_sinks:
+        return ARCHITECTURES["gpt_oss"]
     if cfg.num_experts:
         return ARCHITECTURES["qwen3_moe" if cfg.qk_layernorm else "mixtral"]
     if cfg.qk_layernorm:

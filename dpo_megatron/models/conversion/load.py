@@ -160,11 +160,13 @@ def table_entry(
 
 def open_hf_folder(hf_path: str, arch: Architecture) -> HFCheckpointReader:
     """A lazy reader of the folder's tensors, with HF's base-model prefix added when the folder
-    was saved from the bare base model (no name carries the prefix)."""
+    was saved from the bare base model (no name carries the prefix), seen through the
+    architecture's ``file_layout`` when it stores tensors otherwise than its table names them
+    (gpt-oss's stacked experts)."""
     reader = HFCheckpointReader(hf_path)
     if arch.base_prefix and not any(n.startswith(arch.base_prefix) for n in reader.names()):
         reader.add_prefix(arch.base_prefix)
-    return reader
+    return reader if arch.file_layout is None else arch.file_layout.view(reader)
 
 
 @torch.no_grad()

@@ -7,8 +7,8 @@ config translator and a tensor table); the loader and exporter have no per-archi
 One module per concern, in this package: ``base`` (split kinds, :class:`TensorMap`,
 :class:`Architecture`, :func:`dims`, the name patterns, config readers the families share), one
 module per family (``llama``: also Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, SmolLM3;
-``olmo3``; ``gemma3``; ``deepseek_v3``; ``gpt2``; ``gpt_neox``), and here the table of all of
-them. Names and shape symbols: :mod:`dpo_megatron.models.conversion.architectures.base`.
+``olmo3``; ``gemma3``; ``deepseek_v3``; ``gpt_oss``; ``gpt2``; ``gpt_neox``), and here the table
+of all of them. Names and shape symbols: :mod:`dpo_megatron.models.conversion.architectures.base`.
 
 Supported (``model_type``: classes, what differs):
 
@@ -34,6 +34,11 @@ Supported (``model_type``: classes, what differs):
 * ``deepseek_v3`` (``DeepseekV3ForCausalLM``): multi-latent attention (``model.kv_lora_rank``
   and the MLA head sizes), an MoE with dense first layers, a shared expert, sigmoid scores with
   a fixed expert score bias, group-limited top-k and a routed scaling factor.
+* ``gpt_oss`` (``GptOssForCausalLM``): the Llama projections with q/k/v/o biases and a
+  learnable attention sink per head (``model.attention_sinks``), sliding windows in the
+  ``sliding_attention`` layers of ``layer_types``, YaRN RoPE, an MoE in every layer with a
+  biased router and biased experts whose clamped SwiGLU is ``model.activation=clamped_swiglu``;
+  the experts are stored stacked and interleaved (``gpt_oss.STACKED_EXPERTS``).
 * ``gpt2``: learned positions, Conv1D weights.
 * ``gpt_neox`` (``GPTNeoXForCausalLM``, Pythia): parallel residual, partial rotary, LayerNorm
   with biases, fused per-head QKV.
@@ -75,6 +80,12 @@ from dpo_megatron.models.conversion.architectures.gpt_neox import (
     gpt_neox_config_from_hf,
     gpt_neox_config_to_hf,
     gpt_neox_tensors,
+)
+from dpo_megatron.models.conversion.architectures.gpt_oss import (
+    STACKED_EXPERTS,
+    gpt_oss_config_from_hf,
+    gpt_oss_config_to_hf,
+    gpt_oss_tensors,
 )
 from dpo_megatron.models.conversion.architectures.llama import (
     LLAMA_IGNORED,
@@ -194,6 +205,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         deepseek_v3_tensors,
         "model.",
     ),
+    "gpt_oss": Architecture(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        gpt_oss_config_from_hf,
+        gpt_oss_config_to_hf,
+        gpt_oss_tensors,
+        "model.",
+        file_layout=STACKED_EXPERTS,
+    ),
     "gpt2": Architecture(
         "gpt2",
         "GPT2LMHeadModel",
@@ -222,9 +242,6 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 NOT_MAPPED: dict[str, str] = {
-    "gpt_oss": "its attention sinks, alternating sliding windows, YaRN RoPE and clamped SwiGLU "
-    "experts with biases (stored fused and interleaved) are not mapped to megatron-core yet "
-    "(issue 25)",
     **dict.fromkeys(
         ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
         "its gated DeltaNet layers cannot run here: megatron-core 0.16.1's GatedDeltaNet needs "

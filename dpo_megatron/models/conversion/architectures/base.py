@@ -11,7 +11,8 @@ the local layer spec of :mod:`dpo_megatron.models.gpt` (norms are their own modu
 Logical shapes are written in megatron's orientation ``[out, in]`` with symbols resolved by
 :func:`dims`: ``hidden``, ``ffn``, ``vocab`` (unpadded), ``positions``, ``q`` (heads x head_dim),
 ``kv`` (key/value heads x head_dim), ``qkv`` (q + 2 kv), ``head_dim``, ``experts``,
-``expert_ffn`` (one expert's intermediate width), ``labels`` (1: a reward head's outputs).
+``expert_ffn`` (one expert's intermediate width), ``heads`` (query heads: gpt-oss's attention
+sinks), ``labels`` (1: a reward head's outputs).
 ``transposed`` tensors are stored by HF as ``[in, out]`` (GPT-2's ``Conv1D``). Tensors of an
 expert (``{e}`` in the name) are split over the expert tensor-parallel group instead of the
 tensor-parallel group.
@@ -88,6 +89,12 @@ class Architecture:
     ignored: tuple[str, ...] = field(default=())
     """HF tensor names (``{i}`` patterns) that may appear in a checkpoint and carry no weights
     (non-persistent buffers saved by old versions, e.g. rotary ``inv_freq``)."""
+    file_layout: Optional[Any] = None
+    """How the checkpoint stores tensors the table names one by one, when it does otherwise
+    (gpt-oss: every expert of a layer in one stacked tensor, gate and up interleaved): an
+    object with ``view(reader) -> reader`` (load: the stored tensors presented under the
+    table's names) and ``pack(tensors, cfg) -> tensors`` (export: the table's tensors written
+    as stored). None: the files hold the table's names."""
 
     def table(self, cfg: ModelConfig) -> list[TensorMap]:
         """The tensor table of a model of ``cfg`` with its head: :attr:`tensors` for a causal
@@ -146,6 +153,7 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
         "expert_ffn": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
         "experts": cfg.num_experts or 0,
         "head_dim": head_dim,
+        "heads": heads,
         "vocab": cfg.vocab_size,
         "positions": cfg.max_position_embeddings,
         "q": cfg.num_attention_heads * head_dim,
@@ -241,6 +249,64 @@ def per_layer_type_rope(hf, name: str) -> dict:
             "every layer is supported"
         )
     return next(iter(by_type.values()))
+
+
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
+"""HF's YaRN defaults where a config omits the key."""
+
+
+def yarn_fields(rope: dict, name: str) -> dict:
+    """``rope_yarn_*`` fields of a ``rope_type: yarn`` config (DeepSeek-V3, gpt-oss), from
+    :func:`rope_parameters`; ``truncate`` defaults to true as in transformers.
+
+    Raises:
+        ValueError: what megatron-core's YaRN computes differently: an explicit
+            ``attention_factor``, no ``factor``, a partial rotary factor, or ``mscale`` other than
+            1 without ``mscale_all_dim`` (transformers then ignores ``mscale``).
+    """
+    for key, allowed in (("attention_factor", (None,)), ("partial_rotary_factor", (None, 1.0))):
+        if rope.get(key) not in allowed:
+            raise ValueError(
+                f"{name}: rope_parameters.{key}={rope[key]} is not supported with YaRN "
+                "(megatron-core derives the attention factor from factor / mscale / "
+                "mscale_all_dim and rotates every rope dimension)"
+            )
+    if rope.get("factor") is None:
+        raise ValueError(f"{name}: rope_parameters.factor is required with rope_type=yarn")
+    mscale = float(rope.get("mscale") or 1.0)
+    mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
+    if mscale != 1.0 and not mscale_all_dim:
+        raise ValueError(
+            f"{name}: rope_parameters.mscale={mscale} without mscale_all_dim is not supported "
+            "(transformers ignores it there, megatron-core applies it)"
+        )
+    return dict(
+        rope_yarn_factor=float(rope["factor"]),
+        rope_yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        rope_yarn_beta_fast=float(rope.get("beta_fast") or YARN_DEFAULTS["beta_fast"]),
+        rope_yarn_beta_slow=float(rope.get("beta_slow") or YARN_DEFAULTS["beta_slow"]),
+        rope_yarn_mscale=mscale,
+        rope_yarn_mscale_all_dim=mscale_all_dim,
+        rope_yarn_truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def yarn_rope_to_hf(cfg: ModelConfig) -> dict:
+    """HF ``rope_parameters`` of a model with plain or YaRN RoPE (the inverse of
+    :func:`yarn_fields`)."""
+    if cfg.rope_yarn_factor is None:
+        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rotary_base,
+        "factor": cfg.rope_yarn_factor,
+        "original_max_position_embeddings": cfg.rope_yarn_original_max_position_embeddings,
+        "beta_fast": cfg.rope_yarn_beta_fast,
+        "beta_slow": cfg.rope_yarn_beta_slow,
+        "mscale": cfg.rope_yarn_mscale,
+        "mscale_all_dim": cfg.rope_yarn_mscale_all_dim,
+        "truncate": cfg.rope_yarn_truncate,
+    }
 
 
 def sliding_window_fields(hf) -> dict:

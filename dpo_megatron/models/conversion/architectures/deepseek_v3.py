@@ -25,6 +25,8 @@ from dpo_megatron.models.conversion.architectures.base import (
     decoder_dims,
     llama_rope,
     rope_parameters,
+    yarn_fields,
+    yarn_rope_to_hf,
 )
 
 
@@ -175,7 +177,7 @@ def deepseek_v3_config_from_hf(hf) -> dict:
     Raises:
         ValueError: naming what is not served: an activation other than SiLU, attention
             biases, ``rope_interleave=false``, a RoPE other than plain or YaRN (and YaRN
-            settings megatron-core computes differently: :func:`_yarn_fields`), or no routed
+            settings megatron-core computes differently: ``base.yarn_fields``), or no routed
             experts. (Multi-token-prediction layers in a checkpoint are named as unmapped
             tensors by the loader.)
     """
@@ -191,7 +193,7 @@ def deepseek_v3_config_from_hf(hf) -> dict:
         )
     rope = rope_parameters(hf)
     theta = float(rope["rope_theta"])
-    yarn = _yarn_fields(rope, name) if rope["rope_type"] == "yarn" else {}
+    yarn = yarn_fields(rope, name) if rope["rope_type"] == "yarn" else {}
     if not yarn:
         theta, _, _ = llama_rope(hf, name)  # default; other types refused by name there
     n_experts = getattr(hf, "n_routed_experts", None)
@@ -251,45 +253,6 @@ def deepseek_v3_config_from_hf(hf) -> dict:
     )
 
 
-YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
-"""HF's YaRN defaults where a config omits the key."""
-
-
-def _yarn_fields(rope: dict, name: str) -> dict:
-    """``rope_yarn_*`` fields of a DeepSeek ``rope_type: yarn`` config.
-
-    Raises:
-        ValueError: what megatron-core's YaRN computes differently: an explicit
-            ``attention_factor``, no ``factor``, a partial rotary factor, or ``mscale`` other than
-            1 without ``mscale_all_dim`` (transformers then ignores ``mscale``).
-    """
-    for key, allowed in (("attention_factor", (None,)), ("partial_rotary_factor", (None, 1.0))):
-        if rope.get(key) not in allowed:
-            raise ValueError(
-                f"{name}: rope_parameters.{key}={rope[key]} is not supported with YaRN "
-                "(megatron-core derives the attention factor from factor / mscale / "
-                "mscale_all_dim and rotates every rope dimension)"
-            )
-    if rope.get("factor") is None:
-        raise ValueError(f"{name}: rope_parameters.factor is required with rope_type=yarn")
-    mscale = float(rope.get("mscale") or 1.0)
-    mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
-    if mscale != 1.0 and not mscale_all_dim:
-        raise ValueError(
-            f"{name}: rope_parameters.mscale={mscale} without mscale_all_dim is not supported "
-            "(transformers ignores it there, megatron-core applies it)"
-        )
-    return dict(
-        rope_yarn_factor=float(rope["factor"]),
-        rope_yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        rope_yarn_beta_fast=float(rope.get("beta_fast") or YARN_DEFAULTS["beta_fast"]),
-        rope_yarn_beta_slow=float(rope.get("beta_slow") or YARN_DEFAULTS["beta_slow"]),
-        rope_yarn_mscale=mscale,
-        rope_yarn_mscale_all_dim=mscale_all_dim,
-        rope_yarn_truncate=bool(rope.get("truncate", True)),
-    )
-
-
 def deepseek_v3_config_to_hf(cfg: ModelConfig) -> dict:
     """DeepSeek-V3 config.json fields of ``cfg`` (an export without a source folder).
 
@@ -312,7 +275,7 @@ def deepseek_v3_config_to_hf(cfg: ModelConfig) -> dict:
         num_key_value_heads=cfg.num_attention_heads,
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=_rope_to_hf(cfg),
+        rope_parameters=yarn_rope_to_hf(cfg),
         rope_interleave=True,
         rms_norm_eps=cfg.norm_epsilon,
         hidden_act="silu",
@@ -331,19 +294,3 @@ def deepseek_v3_config_to_hf(cfg: ModelConfig) -> dict:
         topk_group=cfg.moe_router_group_topk or 1,
         routed_scaling_factor=cfg.moe_routed_scaling_factor or 1.0,
     )
-
-
-def _rope_to_hf(cfg: ModelConfig) -> dict:
-    if cfg.rope_yarn_factor is None:
-        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
-    return {
-        "rope_type": "yarn",
-        "rope_theta": cfg.rotary_base,
-        "factor": cfg.rope_yarn_factor,
-        "original_max_position_embeddings": cfg.rope_yarn_original_max_position_embeddings,
-        "beta_fast": cfg.rope_yarn_beta_fast,
-        "beta_slow": cfg.rope_yarn_beta_slow,
-        "mscale": cfg.rope_yarn_mscale,
-        "mscale_all_dim": cfg.rope_yarn_mscale_all_dim,
-        "truncate": cfg.rope_yarn_truncate,
-    }
