@@ -25,6 +25,9 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   without transformer-engine (an isinstance() check against a mock class).
 * :mod:`~dpo_megatron.compat.moe_expert_bias_padding_mask`: megatron-core 0.16's expert-bias
   token count with a padding mask (a broadcast error).
+* :mod:`~dpo_megatron.compat.moe_expert_fc2_bias`: megatron-core 0.16's expert fc2 bias
+  (gpt-oss): added in place at expert parallel 1 (an autograd error while training) and marked
+  sequence-parallel (its gradient summed over TP ranks holding other experts).
 * :mod:`~dpo_megatron.compat.moe_alltoall_on_cpu`: the all-to-all MoE token dispatcher on the CPU
   (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
 * :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a

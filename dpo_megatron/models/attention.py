@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -602,6 +603,10 @@ class LocalAttention(DotProductAttention):
                     f"{kernel!r}: set model.local_attention=sdpa"
                 )
             self.window = int(window_size[0])
+        if self.config.softmax_type == "learnable":
+            # Each TP rank holds its heads' sinks; megatron-core 0.16 leaves the parameter
+            # unmarked, and its gradient norm would count only TP rank 0's (a duplicate).
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         if kernel == "flex" and self.config.softmax_type == "learnable":
             raise ValueError(
                 "attention sinks (softmax_type='learnable') are not served by the flex kernel: "

@@ -427,6 +427,10 @@ def _enable_moe_patches(model: ModelConfig) -> None:
         from dpo_megatron.compat import moe_expert_bias_padding_mask
 
         moe_expert_bias_padding_mask.enable()
+    if model.add_bias_linear:  # gpt-oss's experts
+        from dpo_megatron.compat import moe_expert_fc2_bias
+
+        moe_expert_fc2_bias.enable()
 
 
 def _mask_vocab_padding(chunk: DPOGPTModel, vocab_size: int, padded: int) -> None:

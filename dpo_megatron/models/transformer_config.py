@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.activations import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from dpo_megatron.models.config import ModelConfig
@@ -20,6 +19,15 @@ from dpo_megatron.parallel.device import backend, is_cuda, is_host
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, sec. 2); HF's ``gelu_new``."""
     return F.gelu(x, approximate="tanh")
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)``: the gate activation of gpt-oss's clamped SwiGLU (transformers'
+    ``GptOssExperts._apply_gate``, alpha 1.702). megatron-core's ``activations.quick_gelu`` is
+    the same expression under ``torch.compile``, which on the CPU recompiles per token count
+    (and in bf16 rounds differently with and without autograd, so a step-0 policy would not
+    equal its reference bit for bit); this one runs eagerly."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 ACTIVATIONS = {
