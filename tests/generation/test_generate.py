@@ -212,7 +212,7 @@ def _cache_vs_recompute(hf_dir):
 
 
 MOE = "qwen3_moe"
-CACHE_ARCHS = ["llama", "gemma3", "smollm3"]
+CACHE_ARCHS = ["llama", "gemma3", "smollm3", "gpt_oss"]  # gpt-oss: sinks in the cache path
 GREEDY = dict(temperature=0, max_new_tokens=MAX_NEW)
 SAMPLED = dict(temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW, seed=0)
 

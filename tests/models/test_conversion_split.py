@@ -143,7 +143,7 @@ def test_every_table_entry_round_trips_exactly(arch, tp):
     tensors are split over the expert-TP ranks, here of the same size)."""
     from dpo_megatron.models.conversion.load import expected_hf_shapes
 
-    moe = arch in ("qwen3_moe", "mixtral", "deepseek_v3")
+    moe = arch in ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
     mla = {}
     if arch == "deepseek_v3":  # multi-latent attention, a shared expert, the expert score bias
         mla = dict(
@@ -168,7 +168,7 @@ def test_every_table_entry_round_trips_exactly(arch, tp):
         num_layers=1,
         tie_word_embeddings=False,
         add_qkv_bias=arch == "qwen2",
-        add_bias_linear=arch in ("gpt2", "gpt_neox"),
+        add_bias_linear=arch in ("gpt2", "gpt_neox", "gpt_oss"),
         qk_layernorm=arch in ("qwen3", "qwen3_moe"),
         num_experts=4 if moe else None,
         moe_ffn_hidden_size=16 if moe else None,

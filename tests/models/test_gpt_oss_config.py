@@ -60,9 +60,11 @@ def test_megatron_config_has_sinks_clamped_swiglu_and_the_yarn_scale(cfg):
     assert config.window_size == (3, 0) and config.window_attn_skip_freq == [1, 0, 1, 0]
 
 
-def test_yarn_table_equals_transformers(cfg):
+def test_yarn_table_equals_transformers(cfg, monkeypatch):
     """megatron-core's YaRN table (truncate false: unrounded ramp bounds) has transformers'
     frequencies."""
+    # get_emb moves its frequencies to torch.cuda.current_device(): the CPU here.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -205,3 +207,29 @@ def test_sdpa_sinks_equal_transformers_eager_attention():
         grads = [torch.autograd.grad(t.square().sum(), (q, sinks)) for t in (got, want)]
         for g_got, g_want in zip(*grads):
             assert torch.allclose(g_got, g_want, rtol=0, atol=1e-5), window
+
+
+def test_sinks_on_packed_and_shared_prompt_spans_equal_megatrons_learnable_softmax():
+    """The ``sdpa`` kernel's packed route with sinks (spans as square rows, one call) against
+    megatron-core's ``SoftmaxOne`` (the ``megatron`` kernel's learnable offset) over the dense
+    visibility of the same packed and shared-prompt rows, forward and backward."""
+    from megatron.core.fusions.fused_softmax import SoftmaxOne
+
+    from dpo_megatron.models.attention import span_attention, visible_keys
+    from tests.models.test_attention import DIM, GROUPS, HEADS, _layouts, _qkv, _real
+
+    for name, layout in _layouts().items():
+        rows, length = layout.segment_ids.shape
+        q, k, v = _qkv(rows * length, grad=True)
+        sinks = (0.5 * torch.randn(HEADS)).requires_grad_()
+        got = span_attention(q, k, v, layout.spans, None, sinks=sinks)
+        mask = visible_keys(layout.segment_ids, layout.branch_ids)  # [R, 1, L, L]
+        qr, kr, vr = (t.reshape(rows, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        kr, vr = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (kr, vr))
+        scores = (qr @ kr.transpose(-1, -2) * DIM**-0.5).masked_fill(~mask, float("-inf"))
+        want = (SoftmaxOne(-1, sinks)(scores) @ vr).transpose(1, 2).reshape(-1, HEADS, DIM)
+        real = _real(layout)
+        assert torch.allclose(got[real], want[real], rtol=0, atol=1e-6), name
+        grads = [torch.autograd.grad(t[real].square().sum(), (q, sinks)) for t in (got, want)]
+        for g_got, g_want in zip(*grads):
+            assert torch.allclose(g_got, g_want, rtol=0, atol=1e-5), name

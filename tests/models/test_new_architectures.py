@@ -13,7 +13,9 @@ over the whole projection, sliding windows; Gemma 3: sandwich (1 + w) norms, GeG
 embeddings, windowed layers with their own RoPE theta; windows shorter than the
 sequences) at every TP x PP in {1, 2}^2, and DeepSeek-V3 (multi-latent attention, a dense first
 layer, a shared expert, sigmoid routing with a score bias and expert groups, routed scaling) at
-every TP x PP, EP 2 and TP 2 x EP 2. At each layout:
+every TP x PP, EP 2 and TP 2 x EP 2, and gpt-oss (attention sinks, biases everywhere, windows
+in alternate layers, YaRN, a biased router, clamped SwiGLU experts stored stacked) at every
+TP x PP, EP 2 and TP 2 x EP 2 (expert TP 1: biased experts). At each layout:
 
 - a right-padded batch: logits (gathered over TP) and per-token log-probs equal transformers'
   within 1e-5 relative (fp32) at every non-padding position;
@@ -59,6 +61,9 @@ TP_PP_LAYOUTS = [(1, 1, 1, A2A), (1, 2, 1, A2A), (2, 1, 1, A2A), (2, 2, 1, A2A)]
 # DeepSeek-V3 (multi-latent attention, dense first layer, shared expert, sigmoid routing with a
 # score bias and expert groups): every TP x PP, EP 2 x DP 4 and TP 2 x EP 2, both dispatchers.
 MLA_LAYOUTS = TP_PP_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (2, 1, 2, GATHER)]
+# gpt-oss: every TP x PP, EP 2 x DP 4 and TP 2 x EP 2 (the dispatchers are the MoE layer's,
+# checked above).
+OSS_LAYOUTS = TP_PP_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A)]
 WORLD = 4
 
 # Packed rows: (sequence lengths) per row, the rest of the row is a tail of its own.
@@ -114,8 +119,11 @@ def _each_layout(hf_dir, layouts, input_ids, packed, out_root):
             params_dtype="float32", transformer_impl="local", moe_token_dispatcher=dispatcher
         )
         cfg = model_config_from_hf(hf_dir, base)
-        # megatron-core's MoE layer runs TP only with sequence parallelism.
+        # megatron-core's MoE layer runs TP only with sequence parallelism; biased experts
+        # (gpt-oss) only at expert TP 1 (models.moe.check_moe).
         parallel.sequence_parallel = bool(cfg.num_experts) and tp > 1
+        if cfg.num_experts and cfg.add_bias_linear:
+            parallel.expert_tensor_parallel_size = 1
         initialize_distributed(parallel)
         set_seed(1234)  # random init differs from the HF weights: loading must overwrite all
         chunks = build_model_chunks(cfg, parallel)
@@ -160,6 +168,8 @@ def _prepare_arch(folder, arch) -> dict:
         if arch in MOE
         else MLA_LAYOUTS
         if arch == "deepseek_v3"
+        else OSS_LAYOUTS
+        if arch == "gpt_oss"
         else TP_PP_LAYOUTS
         if arch in ALL_TP_PP
         else DENSE_LAYOUTS

@@ -95,7 +95,9 @@ def test_every_architecture_is_built_on_the_device_in_its_dtype(hf_folders):
         for arch in ARCHITECTURES
         for dtype in ("float32", "bfloat16")
     ]
-    cases += [(arch, hf_folders[arch], "bfloat16", True) for arch in ("llama", "qwen3_moe")]
+    cases += [
+        (arch, hf_folders[arch], "bfloat16", True) for arch in ("llama", "qwen3_moe", "gpt_oss")
+    ]
     results = run_ranks(_gpu_shaped_builds, world_size=1, cases=cases)[0]
     assert len(results) == len(cases)
     for case, (host, dtypes) in results.items():

@@ -1,8 +1,9 @@
 """bf16 as a GPU runs it, for every architecture: tiny random transformers models of Llama,
 Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX, GPT-2, SmolLM3 (NoPE and sliding-window
 layers), OLMo 3 (post-norms, projection-wide q/k norms, sliding windows), Gemma 3 (sandwich
-(1 + w) norms, GeGLU, scaled embeddings, windows with their own RoPE) and DeepSeek-V3
-(multi-latent attention, dense first layer, shared expert, sigmoid routing), imported at
+(1 + w) norms, GeGLU, scaled embeddings, windows with their own RoPE), DeepSeek-V3
+(multi-latent attention, dense first layer, shared expert, sigmoid routing) and gpt-oss
+(attention sinks, biases, alternating windows, YaRN, clamped SwiGLU experts), imported at
 TP 2 x PP 2 (EP 2 for the mixture-of-experts models) with ``model.params_dtype=bfloat16``,
 through the real ``Trainer``.
 
@@ -38,8 +39,8 @@ from tests.training.test_lifecycle import read_metrics
 pytestmark = pytest.mark.slow
 
 ARCHITECTURES = FAMILIES
-MOE = {"qwen3_moe", "mixtral", "deepseek_v3"}
-SHARED_PROMPT = {"smollm3", "olmo3", "gemma3", "deepseek_v3"}
+MOE = {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"}
+SHARED_PROMPT = {"smollm3", "olmo3", "gemma3", "deepseek_v3", "gpt_oss"}
 """Also run an fp32 step with packed shared-prompt rows (issue 25: per-layer windows and RoPE on
 the rejected branch, whose positions continue after the prompt)."""
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture

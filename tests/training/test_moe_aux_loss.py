@@ -1,8 +1,9 @@
 """The routers' load-balancing loss against transformers, and its gradient on the router.
 
-A one-layer Qwen3-MoE (transformers' ``load_balancing_loss_func`` concatenates the layers before
-averaging; for one layer it is the per-layer loss this engine averages) and a step of 4 pairs in
-two micro-batches, through the real Trainer's policy and reference:
+A one-layer Qwen3-MoE and a one-layer gpt-oss (biased router logits; transformers'
+``load_balancing_loss_func`` concatenates the layers before averaging; for one layer it is the
+per-layer loss this engine averages) and a step of 4 pairs in two micro-batches, through the
+real Trainer's policy and reference:
 
 - the reported ``moe/load_balancing_loss`` is the mean over the micro-batches of transformers'
   loss on each micro-batch's padded rows (padding excluded by the attention mask), and
@@ -61,11 +62,20 @@ def _router_gradients(hf_dir):
     return rows, aux_c, aux_0, (loss_c, loss_0), grad_c - grad_0
 
 
-@pytest.mark.slow
-def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path):
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+ROUTERS = {"qwen3_moe": "gate", "gpt_oss": "router"}
+"""Each architecture's HF router module (gpt-oss's has a bias: its logits, and so the loss,
+include it)."""
 
-    hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"), num_hidden_layers=1)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ROUTERS))
+def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path, arch):
+    import importlib
+
+    load_balancing_loss_func = importlib.import_module(
+        f"transformers.models.{arch}.modeling_{arch}"
+    ).load_balancing_loss_func
+    hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"), num_hidden_layers=1)
     rows, aux, aux_off, losses, router_grad = run_ranks(
         _router_gradients, world_size=1, hf_dir=hf_dir
     )[0]
@@ -74,7 +84,7 @@ def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path):
     assert all(abs(loss - math.log(2)) < 1e-6 for loss in losses)
     assert aux_off == {}  # coefficient 0: no term, nothing reported
 
-    model = build_tiny_hf_model("qwen3_moe", num_hidden_layers=1)
+    model = build_tiny_hf_model(arch, num_hidden_layers=1)
     config = model.config
     per_micro_batch = []
     for tokens, padding in rows:
@@ -90,6 +100,6 @@ def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path):
     assert abs(aux["moe/load_balancing_loss"] - want.item()) <= 1e-6 * want.item()
     assert abs(aux["moe/aux_loss"] - COEFF * aux["moe/load_balancing_loss"]) <= 1e-12
     want.backward()
-    expected = COEFF * model.model.layers[0].mlp.gate.weight.grad
+    expected = COEFF * getattr(model.model.layers[0].mlp, ROUTERS[arch]).weight.grad
     assert expected.abs().max() > 0
     assert ((router_grad - expected).abs().max() / expected.abs().max()).item() <= 1e-5

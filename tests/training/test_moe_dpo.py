@@ -109,6 +109,7 @@ PLANS = {  # architecture: its 4-rank plans (each also runs on one rank as "sing
         {"name": "etp2", "tp": 2, "ep": 2, "etp": 2},
     ],
     "mixtral": [{"name": "ep2", **EP2}],
+    "gpt_oss": [{"name": "ep2", **EP2}],
 }
 
 
@@ -166,11 +167,14 @@ def test_moe_dpo_at_tp2_pp2_ep2_matches_one_rank_resumes_and_reshards(runs):
 
 
 @pytest.mark.slow
-def test_mixtral_dpo_at_tp2_pp2_ep2_matches_one_rank(runs):
-    """Mixtral (no QK norm, its own router and expert naming) through the same MoE layers: at
-    TP 2 x PP 2 x EP 2 it equals the single-rank run at every step. Resume and resharding are the
-    layers' and the checkpoint's, not the architecture's: the Qwen3-MoE test above covers them."""
-    runs = runs["mixtral"]
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_mixtral_and_gpt_oss_dpo_at_tp2_pp2_ep2_match_one_rank(runs, arch):
+    """Mixtral (no QK norm, its own router and expert naming) and gpt-oss (attention sinks,
+    biases, windows, YaRN, clamped SwiGLU experts: their gradients split over TP, PP and EP)
+    through the same MoE layers: at TP 2 x PP 2 x EP 2 each equals the single-rank run at every
+    step. Resume and resharding are the layers' and the checkpoint's, not the architecture's:
+    the Qwen3-MoE test above covers them."""
+    runs = runs[arch]
     for name in ("single", "ep2"):
         _starts_at_ln2(runs[name], moe=True)
     _assert_same(runs["ep2"], runs["single"], range(1, STEPS + 1), 1e-5, "TP 2 x PP 2 x EP 2")
