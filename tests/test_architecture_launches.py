@@ -27,7 +27,7 @@ from tests.training.test_lifecycle import read_metrics, write_fixture
 
 pytestmark = pytest.mark.slow
 
-NEW_FAMILIES = ["smollm3", "olmo3", "gemma3", "deepseek_v3"]
+NEW_FAMILIES = ["smollm3", "olmo3", "gemma3", "deepseek_v3", "gpt_oss"]
 PAIRS = 4  # one step of every pair: the logged means do not depend on the order
 VOCAB = 400  # the tiny tokenizer's
 

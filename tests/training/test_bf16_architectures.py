@@ -90,14 +90,12 @@ def _runs(root: str, archs: list[str]) -> None:
             trainer.train()
 
 
-def _hf_logps(arch: str, pairs=None, **overrides) -> tuple[float, float]:
-    """transformers' (fp32) mean summed completion log-probs of the chosen and rejected sides of
-    ``pairs`` (default: the runs' 8 tiny pairs) under the tiny ``arch`` model (``overrides``:
-    its config's)."""
-    model = build_tiny_hf_model(arch, **overrides)
+def _hf_logps(arch: str) -> tuple[float, float]:
+    """transformers' (fp32) mean summed completion log-probs of the chosen and rejected sides."""
+    model = build_tiny_hf_model(arch)
     sums = {"chosen": [], "rejected": []}
     with torch.no_grad():
-        for pair in pairs or tiny_pairs(8, seed=5, vocab=VOCAB):
+        for pair in tiny_pairs(8, seed=5, vocab=VOCAB):
             for side in sums:
                 completion = getattr(pair, f"{side}_ids")
                 ids = torch.tensor([pair.prompt_ids + completion])
