@@ -163,8 +163,9 @@ def check_moe(
 
     Raises:
         ValueError: expert parallelism without experts, experts not divisible by EP, expert
-            width not divisible by expert TP, expert biases split over expert TP, top-k out of
-            range, an unknown dispatcher, or
+            width not divisible by expert TP, experts copied over TP ranks (EP x expert TP not
+            a multiple of TP), expert biases split over expert TP, top-k out of range, an
+            unknown dispatcher, or
             TP > 1 without sequence parallelism (megatron-core's MoE layer refuses to train so).
     """
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
@@ -197,6 +198,18 @@ def check_moe(
             f"expert width {width} (model.moe_ffn_hidden_size) is not divisible by "
             f"parallel.expert_tensor_parallel_size={etp}"
         )
+    tp = tensor_model_parallel_size
+    if tp > 1 and (ep * etp) % tp:
+        # Each expert then has copies on several TP ranks of a stage (its expert data-parallel
+        # peers): measured, Qwen3-MoE and gpt-oss at TP 2 x PP 2 with EP 1 and expert TP 1
+        # match one rank at step 1 and drift from it from step 2 on (1e-3 in the loss), while
+        # EP 2 or expert TP 2 match to 1e-7.
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} x parallel.expert_tensor_parallel_size="
+            f"{etp} is not a multiple of parallel.tensor_model_parallel_size={tp}: experts "
+            "copied over TP ranks train differently from one rank here; raise the expert "
+            "parallel size (or the expert TP size) to a multiple of the TP size"
+        )
     if model.add_bias_linear and etp > 1:
         # megatron-core 0.16's expert fc2 (RowParallelLinear, explicit expert communication)
         # hands its bias to the MLP, which adds it on every expert-TP rank before the
@@ -204,7 +217,8 @@ def check_moe(
         raise ValueError(
             f"model.add_bias_linear=true (experts with biases, gpt-oss) with parallel."
             f"expert_tensor_parallel_size={etp}: megatron-core adds an expert's output bias on "
-            "every expert-TP rank; set parallel.expert_tensor_parallel_size=1"
+            "every expert-TP rank; set parallel.expert_tensor_parallel_size=1 (and "
+            "parallel.expert_model_parallel_size to a multiple of the TP size)"
         )
     if model.moe_token_dispatcher not in ("alltoall", "allgather"):
         raise ValueError(

@@ -112,6 +112,16 @@ def test_unserved_settings_are_refused_by_name(tmp_path, field, value, message):
             "set parallel.expert_tensor_parallel_size=1",
         ),
         (
+            {},
+            dict(
+                tensor_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+                sequence_parallel=True,
+            ),
+            "expert_model_parallel_size=1 x parallel.expert_tensor_parallel_size=1 is not a "
+            "multiple of parallel.tensor_model_parallel_size=2",
+        ),
+        (
             dict(pad_attention_heads=True, pad_attention_heads_multiple=4),
             dict(tensor_model_parallel_size=4),
             "model.attention_sinks=true is not served with model.pad_attention_heads",

@@ -15,7 +15,7 @@ sequences) at every TP x PP in {1, 2}^2, and DeepSeek-V3 (multi-latent attention
 layer, a shared expert, sigmoid routing with a score bias and expert groups, routed scaling) at
 every TP x PP, EP 2 and TP 2 x EP 2, and gpt-oss (attention sinks, biases everywhere, windows
 in alternate layers, YaRN, a biased router, clamped SwiGLU experts stored stacked) at every
-TP x PP, EP 2 and TP 2 x EP 2 (expert TP 1: biased experts). At each layout:
+TP x PP, EP 2 and TP 2 x EP 2 (expert TP 1: biased experts; TP 2 always with EP 2). At each layout:
 
 - a right-padded batch: logits (gathered over TP) and per-token log-probs equal transformers'
   within 1e-5 relative (fp32) at every non-padding position;
@@ -61,9 +61,10 @@ TP_PP_LAYOUTS = [(1, 1, 1, A2A), (1, 2, 1, A2A), (2, 1, 1, A2A), (2, 2, 1, A2A)]
 # DeepSeek-V3 (multi-latent attention, dense first layer, shared expert, sigmoid routing with a
 # score bias and expert groups): every TP x PP, EP 2 x DP 4 and TP 2 x EP 2, both dispatchers.
 MLA_LAYOUTS = TP_PP_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (2, 1, 2, GATHER)]
-# gpt-oss: every TP x PP, EP 2 x DP 4 and TP 2 x EP 2 (the dispatchers are the MoE layer's,
-# checked above).
-OSS_LAYOUTS = TP_PP_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A)]
+# gpt-oss: every TP x PP and EP 2 x DP 4 (the dispatchers are the MoE layer's, checked above).
+# Its biased experts run at expert TP 1, so at TP 2 with EP 2 (models.moe.check_moe: EP x expert
+# TP a multiple of TP).
+OSS_LAYOUTS = [(1, 1, 1, A2A), (1, 2, 1, A2A), (2, 1, 2, A2A), (2, 2, 2, A2A), (1, 1, 2, A2A)]
 WORLD = 4
 
 # Packed rows: (sequence lengths) per row, the rest of the row is a tail of its own.
