@@ -350,15 +350,16 @@ def test_auto_resolves_by_device():
 
 
 def _kernel_logps(settings):
-    """Forward-only per-pair log-probs of the same model and pairs for each (kernel, batch form)."""
+    """Forward-only per-pair log-probs of the same model and pairs for each (kernel, batch form)
+    or (kernel, batch form, "sinks"): the model with attention sinks (gpt-oss's)."""
     from dpo_megatron.training.step import dpo_forward_backward
 
     pairs = random_pairs(4, 9, lambda i: (3 + 2 * i, 2 + (3 * i) % 5, 4 - i % 3))
     out = {}
-    for kernel, form in settings:
+    for kernel, form, *sinks in settings:
         trainer = tiny_trainer(
             pairs,
-            model=dict(num_layers=2, local_attention=kernel),
+            model=dict(num_layers=2, local_attention=kernel, attention_sinks=bool(sinks)),
             seed=3,
             micro_batch_size=2,
             global_batch_size=4,
@@ -372,13 +373,14 @@ def _kernel_logps(settings):
             trainer.loss_fn,
             forward_only=True,
         )
-        out[(kernel, form)] = {
+        out[(kernel, form, *sinks)] = {
             k: step.per_pair[k].tolist() for k in ("logps/chosen", "logps/rejected")
         }
     return out
 
 
 def test_every_kernel_gives_the_sdpa_log_probs():
+    """Also with attention sinks, where the megatron kernel serves them (no flex)."""
     settings = [
         ("sdpa", "padded"),
         ("sdpa", "packed"),
@@ -389,9 +391,13 @@ def test_every_kernel_gives_the_sdpa_log_probs():
         ("flex", "packed"),
         ("flex", "shared"),
     ]
-    out = run_ranks(_kernel_logps, world_size=1, settings=settings)[0]
-    want = out[("sdpa", "padded")]
+    # Attention sinks: the sdpa kernel's extra key against megatron-core's learnable offset.
+    sinks = [("sdpa", "padded", "sinks"), ("megatron", "padded", "sinks")]
+    sinks += [("megatron", "shared", "sinks"), ("sdpa", "shared", "sinks")]
+    out = run_ranks(_kernel_logps, world_size=1, settings=settings + sinks)[0]
+    assert out[("sdpa", "padded", "sinks")] != out[("sdpa", "padded")]  # the sinks count
     for setting, got in out.items():
+        want = out[("sdpa", "padded", *setting[2:])]
         for key in want:
             a, b = torch.tensor(want[key]), torch.tensor(got[key])
             assert ((a - b).abs() <= 1e-5 * a.abs()).all(), (setting, key, a, b)
