@@ -24,7 +24,7 @@ import torch
 
 from tests.engine import random_pairs, tiny_trainer
 from tests.models.conversion_helpers import build_tiny_hf_model, save_tiny_hf_folder
-from tests.multirank import run_ranks
+from tests.multirank import run_cases
 
 COEFF = 0.25
 PAIRS = 4
@@ -67,18 +67,30 @@ ROUTERS = {"qwen3_moe": "gate", "gpt_oss": "router"}
 include it)."""
 
 
+@pytest.fixture(scope="module")
+def router_runs(tmp_path_factory):
+    """``{arch: _router_gradients(...)}`` for every architecture of ROUTERS, one-layer folders,
+    in one world of one rank."""
+    root = tmp_path_factory.mktemp("moe_aux_loss")
+    cases = {
+        arch: (
+            _router_gradients,
+            dict(hf_dir=save_tiny_hf_folder(arch, str(root / arch), num_hidden_layers=1)),
+        )
+        for arch in sorted(ROUTERS)
+    }
+    return {name: per_rank[0] for name, per_rank in run_cases(1, cases).items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ROUTERS))
-def test_load_balancing_loss_and_router_gradient_match_transformers(tmp_path, arch):
+def test_load_balancing_loss_and_router_gradient_match_transformers(router_runs, arch):
     import importlib
 
     load_balancing_loss_func = importlib.import_module(
         f"transformers.models.{arch}.modeling_{arch}"
     ).load_balancing_loss_func
-    hf_dir = save_tiny_hf_folder(arch, str(tmp_path / "hf"), num_hidden_layers=1)
-    rows, aux, aux_off, losses, router_grad = run_ranks(
-        _router_gradients, world_size=1, hf_dir=hf_dir
-    )[0]
+    rows, aux, aux_off, losses, router_grad = router_runs[arch]
     assert len(rows) == PAIRS // MICRO_BATCH
     assert all(padding.any() for _, padding in rows)  # padded rows: the mask matters
     assert all(abs(loss - math.log(2)) < 1e-6 for loss in losses)
