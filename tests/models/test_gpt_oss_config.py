@@ -243,3 +243,16 @@ def test_sinks_on_packed_and_shared_prompt_spans_equal_megatrons_learnable_softm
         grads = [torch.autograd.grad(t[real].square().sum(), (q, sinks)) for t in (got, want)]
         for g_got, g_want in zip(*grads):
             assert torch.allclose(g_got, g_want, rtol=0, atol=1e-5), name
+
+
+def test_peft_export_of_expert_adapters_is_refused_by_name(cfg, monkeypatch, tmp_path):
+    """transformers' gpt-oss holds each layer's experts in one stacked parameter, which PEFT's
+    LoRA does not adapt: an adapter export with expert targets stops before any communication."""
+    from dpo_megatron.models import lora
+    from dpo_megatron.models.conversion.export import export_peft_adapter
+    from dpo_megatron.models.lora_config import LoraConfig
+
+    monkeypatch.setattr(lora, "has_adapters", lambda chunks: True)
+    targets = LoraConfig(enabled=True, target_modules=["linear_qkv", "linear_fc2"])
+    with pytest.raises(ValueError, match=r"lora.target_modules \['linear_fc2'\]: gpt_oss stores"):
+        export_peft_adapter([], cfg, targets, str(tmp_path / "adapter"))
