@@ -64,27 +64,21 @@ def register(patch: Patch) -> Patch:
     return patch
 
 
-PATCH_MODULES = (
-    "cuda_on_cpu",
-    "dist_ckpt_queue",
-    "dist_ckpt_writer_orphans",
-    "eager_fusions",
-    "expected_warnings",
-    "model_parallel_teardown",
-    "moe_alltoall_on_cpu",
-    "moe_router_without_te",
-    "torch_adam_resume",
-    "torchrun_failure_logs",
-    "torchrun_repeated_signal",
-)
-"""Every patch module of the package (imported by :func:`patches`)."""
+def patch_modules() -> list[str]:
+    """Every patch module of the package, by name: each module of ``dpo_megatron.compat`` but
+    this one (read from the package folder, so a new patch cannot be left out of the list)."""
+    import pkgutil
+    from pathlib import Path
+
+    folder = str(Path(__file__).parent)
+    return sorted(m.name for m in pkgutil.iter_modules([folder]) if m.name != "registry")
 
 
 def patches() -> list[Patch]:
     """Every patch of the package, by name (imports all patch modules)."""
     import importlib
 
-    for name in PATCH_MODULES:
+    for name in patch_modules():
         importlib.import_module(f"dpo_megatron.compat.{name}")
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
