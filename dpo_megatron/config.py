@@ -476,6 +476,7 @@ def validate(cfg: DPOConfig) -> None:
         reference=cfg.reference,
         model=cfg.model,
         export_hf=cfg.checkpoint.export_hf,
+        parallel=cfg.parallel,
     )
 
 

@@ -28,12 +28,24 @@ SwiGLU factory, like the weight, so [gate_r; up_r] shards reshard across TP).
 
 Adapters are found by module name (``lora.target_modules``) in every chunk after it is built,
 so pipeline / virtual pipeline chunks, activation recompute and any layer that uses these
-megatron-core classes under these names (MoE experts with expert-TP 1, shared experts) get them
-without a special case.
+megatron-core classes under these names (the routed experts of megatron-core's
+``SequentialMLP``, shared experts, dense MLPs) get them without a special case.
+
+MoE experts (``is_expert``): megatron-core's token dispatcher does an expert layer's TP
+communication (``explicit_expert_comm``): under expert tensor parallelism (ETP) the input of
+``linear_fc1`` is the same on the ETP ranks, the input gradient and the output of
+``linear_fc2`` are partial sums that the dispatcher reduces. The adapter follows: no
+communication of activations; its replicated matrix (A of fc1, B of fc2) gets a gradient that is
+a partial sum over the ETP ranks, all-reduced over them in backward
+(``copy_to_tensor_model_parallel_region`` on the parameter). Expert adapters reduce over the
+expert data-parallel group like the expert weights, and are saved under their global expert
+index (megatron-core's ``SequentialMLP.sharded_state_dict``), so checkpoints reshard across EP.
 
 Initialisation is layout-independent: A (Kaiming-uniform with a = sqrt(5), PEFT's default) is
-drawn in full from a generator seeded by ``train.seed`` and the layer's global name, and each TP
-rank keeps its slice; so every layout trains the same adapters. With zero-padded attention heads
+drawn in full from a generator seeded by ``train.seed`` and the layer's global name (global
+layer index and, in an MoE layer, global expert index: never the rank's local index or RNG
+state), and each TP rank keeps its slice; so every layout (TP, PP, EP, expert TP) trains the
+same adapters. With zero-padded attention heads
 (``model.pad_attention_heads``) the columns of ``linear_proj``'s A that read padded heads are
 zero: padded heads then stay exactly zero through training and drop out on export.
 """
@@ -67,7 +79,11 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from dpo_megatron.models.lora_config import LORA_TARGETS, LoraConfig
+from dpo_megatron.models.lora_config import (
+    LORA_TARGETS,
+    LoraConfig,
+    check_expert_tensor_parallel,
+)
 from dpo_megatron.utils.modules import unwrap
 
 ADAPTER_SUFFIX = "_lora"
@@ -123,14 +139,12 @@ class LoRAAdapter(torch.nn.Module):
         self.parallel_mode = parallel_mode
         self.rank, self.scaling, self.dropout, self.gated = rank, alpha / rank, dropout, gated
         self.global_name, self.zero_input_from = name, zero_input_from
-        self.tp_group = base.tp_group
+        self.tp_group = base.tp_group  # an expert's: the expert tensor-parallel group
         self.tp_size, self.tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         # Expert layers leave TP communication to the token dispatcher (explicit_expert_comm).
-        self.sequence_parallel = (
-            base.sequence_parallel
-            and self.tp_size > 1
-            and not getattr(base, "explicit_expert_comm", False)
-        )
+        self.expert = bool(getattr(base, "is_expert", False))
+        self.explicit_comm = bool(getattr(base, "explicit_expert_comm", False))
+        self.sequence_parallel = base.sequence_parallel and self.tp_size > 1 and not self.expert
         self._base = weakref.ref(base)  # not a submodule: its weights keep their names
         self.enabled = True
         out_local, in_local = base.weight.shape
@@ -142,6 +156,11 @@ class LoRAAdapter(torch.nn.Module):
         self.lora_b = torch.nn.Parameter(torch.zeros(out_local, rank, **like))
         split, replicated = (self.lora_b, self.lora_a) if column else (self.lora_a, self.lora_b)
         set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
+        if self.expert:
+            # megatron-core's gradient norm counts an unmarked parameter on dense TP rank 0 only;
+            # an expert's replicated matrix belongs to this EP rank's experts, so it is counted on
+            # expert-TP rank 0 (with expert TP dividing TP, the other ETP ranks are not TP rank 0).
+            set_tensor_model_parallel_attributes(replicated, self.tp_rank == 0, 0, 1)
         # Partial over the sequence slices under sequence parallelism: finalize_model_grads
         # all-reduces parameters marked so over TP.
         setattr(replicated, "sequence_parallel", self.sequence_parallel)
@@ -196,6 +215,8 @@ class LoRAAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._dropout(x)
+        if self.explicit_comm:
+            return self._expert_update(x)
         h = F.linear(x, self.lora_a)
         if self.parallel_mode == "column":
             if self.sequence_parallel:
@@ -209,6 +230,22 @@ class LoRAAdapter(torch.nn.Module):
         elif self.tp_size > 1:
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         return F.linear(h, self.lora_b) * self.scaling
+
+    def _expert_update(self, x: torch.Tensor) -> torch.Tensor:
+        """An expert layer's update, communicating as the expert layer does (not at all: the
+        token dispatcher gathers the ETP ranks' tokens before fc1 and reduces fc2's partial
+        outputs after it). Column: ``B_r (A x)`` with x the same on every ETP rank; row:
+        ``B (A_r x_r)``, a partial sum like the base output. The replicated matrix's gradient
+        (``dY_r B_r``-weighted for A, ``A_r x_r``-weighted for B) is partial on each ETP rank:
+        all-reduced over the ETP group in backward, the input's is left partial for the
+        dispatcher to sum, as the base layer's is."""
+        a, b = self.lora_a, self.lora_b
+        if self.tp_size > 1:
+            if self.parallel_mode == "column":
+                a = copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            else:
+                b = copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+        return F.linear(F.linear(x, a), b) * self.scaling
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """PEFT's ``lora_dropout`` on the adapter input. An input that is the same on every TP
@@ -274,10 +311,16 @@ class LoRAAdapter(torch.nn.Module):
 
 def global_module_name(model: torch.nn.Module, name: str) -> str:
     """``decoder.layers.<local i>.rest`` -> ``decoder.layers.<global i>.rest`` (megatron-core's
-    1-based ``layer_number`` counts pipeline and virtual stages)."""
+    1-based ``layer_number`` counts pipeline and virtual stages), and in an MoE layer
+    ``mlp.experts.local_experts.<local j>`` -> ``...local_experts.<global e>`` (the MoE layer's
+    ``local_expert_indices``: EP rank k holds experts ``k * E/EP + j``): the same name for the
+    same layer at every TP x PP x EP layout."""
     parts = name.split(".")
     if len(parts) > 2 and parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if len(parts) > 6 and parts[3:6] == ["mlp", "experts", "local_experts"]:
+            parts[6] = str(layer.mlp.local_expert_indices[int(parts[6])])
     return ".".join(parts)
 
 
@@ -303,8 +346,9 @@ def attach_lora(chunks: list, lora: LoraConfig, model_cfg, seed: int) -> list[Lo
 
     Raises:
         ValueError: a targeted name is not a megatron-core Column/RowParallelLinear (e.g. a
-            transformer-engine layer), or a chunk with transformer layers got no adapter.
-        NotImplementedError: an MoE expert layer with expert tensor parallelism > 1.
+            transformer-engine layer), a chunk with transformer layers got no adapter, or an
+            MoE expert layer whose expert tensor parallelism does not divide TP
+            (:func:`~dpo_megatron.models.lora_config.check_expert_tensor_parallel`).
     """
     adapters = []
     for chunk in chunks:
@@ -325,10 +369,9 @@ def attach_lora(chunks: list, lora: LoraConfig, model_cfg, seed: int) -> list[Lo
                     f"to megatron-core's {_LAYER_CLASS[mode].__name__} (set "
                     "model.transformer_impl=local)"
                 )
-            if getattr(layer, "is_expert", False) and get_pg_size(layer.tp_group) > 1:
-                raise NotImplementedError(
-                    f"LoRA on {name}: MoE experts with expert tensor "
-                    "parallelism > 1 are not supported"
+            if getattr(layer, "is_expert", False):
+                check_expert_tensor_parallel(
+                    model.config.tensor_model_parallel_size, get_pg_size(layer.tp_group)
                 )
             gated = leaf == "linear_fc1" and layer.config.gated_linear_unit
             zero_from = (

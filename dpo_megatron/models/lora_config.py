@@ -12,6 +12,9 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 first MLP projection (column-parallel), the attention output and the second MLP projection
 (row-parallel)."""
 
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+"""Targets that also adapt every routed expert of an MoE layer (and a shared expert)."""
+
 EXPORT_MODES = ("none", "merged", "adapter")
 """``checkpoint.export_hf`` values (booleans keep their old meaning: true = merged)."""
 
@@ -40,6 +43,29 @@ def export_mode(value) -> str:
     return aliases[text]
 
 
+def check_expert_tensor_parallel(tp: int, etp: int) -> None:
+    """Whether adapters on MoE experts can run with expert tensor parallelism ``etp`` beside
+    tensor parallelism ``tp``: expert TP 1, or one that divides TP.
+
+    An expert adapter's replicated matrix (A of ``linear_fc1``, B of ``linear_fc2``) is held by
+    every rank of the expert-TP group; megatron-core's gradient norm counts such a parameter on
+    dense TP rank 0 only (``param_is_not_tensor_parallel_duplicate``). The adapter marks it
+    counted on expert-TP rank 0 (:class:`dpo_megatron.models.lora.LoRAAdapter`); the other
+    expert-TP ranks are then never dense TP rank 0 only when expert TP divides TP (both groups
+    are runs of consecutive ranks).
+
+    Raises:
+        ValueError: expert TP > 1 that does not divide TP (naming both fields).
+    """
+    if etp > 1 and tp % etp:
+        raise ValueError(
+            f"LoRA on MoE experts with parallel.expert_tensor_parallel_size={etp} and "
+            f"parallel.tensor_model_parallel_size={tp}: expert TP must be 1 or divide TP "
+            "(megatron-core counts a parameter replicated over an expert's TP ranks in the "
+            "gradient norm by the dense TP rank); set expert_tensor_parallel_size=1"
+        )
+
+
 @dataclass
 class LoraConfig:
     """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
@@ -57,10 +83,11 @@ class LoraConfig:
     """Dropout on the adapter's input (training passes only; PEFT's ``lora_dropout``)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Layers that get adapters, by megatron-core name: any of linear_qkv, linear_proj,
-    linear_fc1, linear_fc2 (every transformer layer's)."""
+    linear_fc1, linear_fc2 (every transformer layer's; in an MoE layer linear_fc1 / linear_fc2
+    adapt every routed expert and the shared expert, each expert its own A and B)."""
 
     def validate(
-        self, *, loss: dict, loss_reads_reference: bool, reference, model, export_hf
+        self, *, loss: dict, loss_reads_reference: bool, reference, model, export_hf, parallel=None
     ) -> None:
         """Reject LoRA settings that cannot run, before any rank starts.
 
@@ -72,14 +99,17 @@ class LoraConfig:
             reference: the ``reference`` section.
             model: the ``model`` section (the layer implementation).
             export_hf: ``checkpoint.export_hf``.
+            parallel: the ``parallel`` section (expert TP against TP), or None (not checked).
 
         Raises:
             ValueError: an unknown target module, rank <= 0, alpha <= 0, dropout outside [0, 1),
                 ``export_hf=adapter`` without LoRA, ``reference.offload`` with LoRA (the
                 reference is the policy's own base weights: there is no copy to offload), a
                 loss that reads no reference with ``reference.mode=precomputed`` (with LoRA the
-                base is the reference only for losses that read one; nothing to precompute), or
-                transformer-engine layers (adapters attach to megatron-core's local layers).
+                base is the reference only for losses that read one; nothing to precompute),
+                transformer-engine layers (adapters attach to megatron-core's local layers), or
+                MoE experts targeted with an expert TP that does not divide TP
+                (:func:`check_expert_tensor_parallel`).
         """
         mode = export_mode(export_hf)
         if not self.enabled:
@@ -124,4 +154,9 @@ class LoraConfig:
                 "engine fuses the norm into linear_qkv / linear_fc1, so the "
                 "adapter would see the un-normalised input): set "
                 "model.transformer_impl=local"
+            )
+        experts = model.num_experts and set(self.target_modules) & set(EXPERT_TARGETS)
+        if experts and parallel is not None:
+            check_expert_tensor_parallel(
+                parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel()
             )
