@@ -163,6 +163,12 @@ class ModelConfig:
     """How tokens reach experts on other expert-parallel ranks: 'alltoall' (all-to-all of the
     routed tokens only) or 'allgather' (every rank gathers every token). Both run on gloo and
     NCCL."""
+    moe_grouped_gemm: bool = False
+    """Megatron-LM's ``--moe-grouped-gemm``; only false: the experts run as megatron-core's
+    ``SequentialMLP`` (one expert after another). Its grouped-GEMM experts need the
+    ``grouped_gemm`` package's CUDA kernels (``GroupedMLP``) or transformer-engine
+    (``TEGroupedMLP``), and keep all experts in two fused weights, beside which no per-expert LoRA
+    adapter can sit."""
     moe_first_dense_layers: int = 0
     """The first N layers have a dense MLP of ``ffn_hidden_size`` instead of experts (DeepSeek-V3
     ``first_k_dense_replace``; megatron-core's ``moe_layer_freq``). 0: every layer is MoE."""
@@ -368,6 +374,16 @@ class ModelConfig:
                 "window size or drop the layer list"
             )
         check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
+        if self.moe_grouped_gemm:
+            raise ValueError(
+                "model.moe_grouped_gemm=true is not supported: the engine builds megatron-core's "
+                "SequentialMLP experts, whose per-expert linear_fc1 / linear_fc2 the checkpoint "
+                "tables and LoRA adapters (lora.enabled) map; grouped GEMM needs the grouped_gemm "
+                "package's CUDA kernels (GroupedMLP) or transformer-engine (TEGroupedMLP), "
+                "neither runs on the CPU, and it fuses all experts into two weights beside which "
+                "no per-expert adapter can sit; set model.moe_grouped_gemm=false (the same "
+                "function)"
+            )
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)
         check_choice("model", self, "qk_norm_scope", QK_NORM_SCOPES)

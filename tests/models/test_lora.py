@@ -72,6 +72,21 @@ def test_config_rejects_what_cannot_run():
     _validate(LoraConfig(enabled=False, rank=0))  # lora.* is not read when LoRA is off
 
 
+def test_moe_experts_refuse_grouped_gemm_and_an_expert_tp_that_does_not_divide_tp():
+    """LoRA adapts megatron-core's per-expert layers (SequentialMLP): grouped GEMM, which fuses
+    the experts and has no CPU kernel, is refused by name; expert TP must divide TP (the
+    gradient norm counts an expert adapter's replicated matrix by the dense TP rank)."""
+    common = ["data.tokenizer=x", "data.path=x.json", "model.num_experts=4", "lora.enabled=true"]
+    with pytest.raises(ValueError, match=r"model.moe_grouped_gemm=true is not supported.*LoRA"):
+        load_config(None, [*common, "model.moe_grouped_gemm=true"])
+    etp2 = [*common, "parallel.expert_tensor_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size=2 and .*size=1: expert TP"):
+        load_config(None, etp2)
+    load_config(None, [*etp2, "lora.target_modules=[linear_qkv]"])  # no expert adapted
+    tp2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    assert load_config(None, [*etp2, *tp2]).parallel.expert_tensor_parallel() == 2
+
+
 def test_export_hf_keeps_its_boolean_meaning():
     assert [
         export_mode(v) for v in (False, "False", "none", "", True, "True", "merged", "adapter")
