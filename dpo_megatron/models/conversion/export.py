@@ -31,6 +31,7 @@ from dpo_megatron.models.conversion.hf_config import hf_config_dict, infer_archi
 from dpo_megatron.models.conversion.hf_files import write_safetensors_shards
 from dpo_megatron.models.conversion.load import OUTPUT, iter_global_params, table_entry
 from dpo_megatron.models.conversion.tp_split import merge_tp_shards
+from dpo_megatron.models.lora_config import EXPERT_TARGETS
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.files import atomic_dir
 from dpo_megatron.utils.modules import unwrap
@@ -59,20 +60,9 @@ def _gather(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return shards
 
 
-def _tp_shards(local: torch.Tensor, split: bool) -> list[torch.Tensor]:
-    """Every TP rank's slice of a split tensor (collective over the TP group), on the CPU; a
-    replicated tensor as the one slice."""
-    local = local.detach()
-    shards = (
-        _gather(
-            local,
-            parallel_state.get_tensor_model_parallel_group(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-        )
-        if split
-        else [local]
-    )
-    return [s.cpu() for s in shards]
+def _group_shards(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every group rank's ``local`` (collective over ``group``), detached, on the CPU."""
+    return [s.cpu() for s in _gather(local.detach(), group, size)]
 
 
 def stage_hf_tensors(
@@ -195,52 +185,149 @@ def stage_adapter_tensors(
     computes exactly the fused update. A row-parallel layer's A is gathered over TP (padded
     head columns dropped), a column-parallel layer's B likewise; names are
     ``base_model.model.<HF module>.lora_A.weight`` / ``lora_B.weight`` (PEFT's saved layout).
+    The routed experts of an MoE layer become one adapter per stacked HF parameter
+    (:func:`_stacked_expert_tensors`), each expert's A and B gathered over the expert-TP group
+    and then over the expert-parallel group.
 
-    Collective over the TP group; ``keep=False``: take part, return nothing (as
-    :func:`stage_hf_tensors`).
+    Collective over the TP group (and the expert-TP / expert-parallel groups for experts);
+    ``keep=False``: take part, return nothing (as :func:`stage_hf_tensors`).
     """
     arch = infer_architecture(cfg)
     table = {t.megatron: t for t in arch.table(cfg)}
+    groups = {  # is_expert -> the group that splits an adapter's matrices
+        False: (
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        True: (
+            parallel_state.get_expert_tensor_parallel_group(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        ),
+    }
+    ep = (
+        parallel_state.get_expert_model_parallel_group(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
+    per_rank = (cfg.num_experts or 0) // ep[1]
     out: list[tuple[tuple[int, int], str, torch.Tensor]] = []
     for chunk in map(unwrap, chunks):
-        where = {id(p): (pattern, layer) for pattern, layer, _, p in iter_global_params(chunk)}
+        where = {id(p): (pat, layer, e) for pat, layer, e, p in iter_global_params(chunk)}
+        experts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for _, adapter in lora.adapters(chunk):
-            pattern, layer = where[id(adapter.base.weight)]
+            pattern, layer, expert = where[id(adapter.base.weight)]
             # PEFT stores A [r, in] and B [out, r] whatever HF's weight orientation.
             tmap = dataclasses.replace(table_entry(table, pattern, cfg, arch), transposed=False)
+            group, size = groups[tmap.expert]
             if adapter.parallel_mode == "column":
-                b_parts = merge_tp_shards(tmap, _tp_shards(adapter.lora_b, True), cfg)
+                b_parts = merge_tp_shards(tmap, _group_shards(adapter.lora_b, group, size), cfg)
                 a_parts = [adapter.lora_a.detach().cpu()] * len(b_parts)
             else:
-                a_parts = merge_tp_shards(tmap, _tp_shards(adapter.lora_a, True), cfg)
+                a_parts = merge_tp_shards(tmap, _group_shards(adapter.lora_a, group, size), cfg)
                 b_parts = [adapter.lora_b.detach().cpu()] * len(a_parts)
-            for name, a, b in zip(tmap.hf, a_parts, b_parts):
-                module = "base_model.model." + expand(name, layer).removesuffix(".weight")
-                for suffix, tensor in (("lora_A", a), ("lora_B", b)):
-                    # A copy each: the q/k/v (gate/up) modules share A, safetensors refuses
-                    # tensors that share memory.
-                    out.append(
-                        (
-                            (layer, len(out)),
-                            f"{module}.{suffix}.weight",
-                            tensor.to(dtype, copy=True).contiguous(),
-                        )
-                    )
+            if tmap.expert:  # local expert j of every EP rank k: global experts k * E/EP + j
+                stack = experts.setdefault((layer, _stacked_name(tmap, arch)), {})
+                a_all = _group_shards(a_parts[0], *ep)
+                b_all = _group_shards(torch.cat(b_parts), *ep)  # a gated fc1's [gate; up]
+                for k, (a, b) in enumerate(zip(a_all, b_all)):
+                    stack[k * per_rank + expert % per_rank] = (a, b)
+                continue
+            for hf_name, a, b in zip(tmap.hf, a_parts, b_parts):
+                module = "base_model.model." + expand(hf_name, layer).removesuffix(".weight")
+                out += [
+                    ((layer, len(out) + n), f"{module}.{suffix}.weight", tensor)
+                    for n, (suffix, tensor) in enumerate((("lora_A", a), ("lora_B", b)))
+                ]
+        out += [
+            ((layer, len(out) + n), name, tensor)
+            for n, (layer, name, tensor) in enumerate(_stacked_expert_tensors(experts, cfg))
+        ]
     out.sort(key=lambda item: item[0])
-    return [(name, tensor) for _, name, tensor in out] if keep else []
+    # A copy each: the q/k/v (gate/up) modules share A, safetensors refuses tensors that share
+    # memory.
+    return [(name, t.to(dtype, copy=True).contiguous()) for _, name, t in out] if keep else []
+
+
+def _stacked_name(tmap, arch) -> str:
+    """The stacked HF parameter (``{i}`` pattern) an expert tensor of ``arch`` belongs to.
+
+    Raises:
+        ValueError: the architecture's table names none (its experts have no PEFT form).
+    """
+    if tmap.hf_stacked is None:
+        raise ValueError(
+            f"{arch.name}: the table names no stacked expert parameter for {tmap.megatron}, so "
+            "its expert adapters have no PEFT form (checkpoint.export_hf=merged merges them)"
+        )
+    return tmap.hf_stacked
+
+
+def _stacked_expert_tensors(
+    experts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]], cfg: ModelConfig
+) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(layer, PEFT name, tensor) of the adapters on transformers' stacked expert parameters.
+
+    ``experts[(layer, stacked name)][e] = (A_e [r, in], B_e [out, r])`` for every global expert
+    e of the layer. PEFT's LoRA on a 3-D parameter [E, out, in] (``target_parameters``:
+    ``lora.ParamWrapper`` of peft 0.21) holds ``lora_A.weight`` [E * r, in], whose rows
+    ``e * r .. e * r + r - 1`` are A_e, and ``lora_B.weight`` [out, r * E], whose column
+    ``k * E + e`` is column k of B_e; it adds ``(alpha / r) B_e A_e`` to expert e's matrix.
+    PEFT wraps the targeted parameters of one module in the order the module registers them,
+    each wrapper around the previous one: transformers registers ``gate_up_proj`` before
+    ``down_proj``, so with both adapted ``gate_up_proj``'s names have one ``base_layer.`` more.
+
+    Raises:
+        ValueError: a layer's experts are incomplete (every EP rank sends its own).
+    """
+    by_layer: dict[int, list[str]] = {}
+    for layer, stacked in experts:
+        by_layer.setdefault(layer, []).append(stacked)
+    for (layer, stacked), factors in experts.items():
+        if sorted(factors) != list(range(cfg.num_experts or 0)):
+            raise ValueError(f"layer {layer}: adapters of experts {sorted(factors)} only")
+        a = torch.cat([factors[e][0] for e in sorted(factors)])
+        b = torch.stack([factors[e][1] for e in sorted(factors)], dim=2).flatten(1)
+        inner_first = sorted(by_layer[layer], key=lambda name: name.endswith("down_proj"))
+        depth = len(inner_first) - 1 - inner_first.index(stacked)
+        module = expand(stacked, layer).rpartition(".")[0]
+        prefix = f"base_model.model.{module}." + "base_layer." * depth
+        yield layer, f"{prefix}lora_A.weight", a
+        yield layer, f"{prefix}lora_B.weight", b
 
 
 def peft_adapter_config(model_cfg: ModelConfig, lora_cfg) -> dict:
     """PEFT's ``adapter_config.json`` for these adapters: LoRA, r, lora_alpha, lora_dropout, and
     the HF modules they sit on as name suffixes (``self_attn.q_proj``, ...; suffixes, not leaf
-    names, so GPT-2's ``attn.c_proj`` is not confused with ``mlp.c_proj``)."""
+    names, so GPT-2's ``attn.c_proj`` is not confused with ``mlp.c_proj``). An MoE model's MLP
+    adapters are ``target_parameters``, with ``lora_dropout`` 0 (PEFT refuses dropout there): the
+    routed experts' stacked parameters (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)
+    and the weights of a dense or shared-expert MLP (``mlp.shared_experts.gate_proj.weight``:
+    peft 0.21 rewrites such modules in ``target_modules`` to the routed experts).
+
+    Raises:
+        ValueError: experts targeted in an architecture whose table names no stacked expert
+            parameter.
+    """
     arch = infer_architecture(model_cfg)
-    targets, fan_in_fan_out = [], False
+    targets, parameters, fan_in_fan_out = [], [], False
     for tmap in arch.table(model_cfg):
         leaf = tmap.megatron.removesuffix(".weight").rsplit(".", 1)[-1]
-        if tmap.megatron.endswith(".weight") and leaf in lora_cfg.target_modules:
+        if not (tmap.megatron.endswith(".weight") and leaf in lora_cfg.target_modules):
+            continue
+        if tmap.expert:  # routed experts: transformers' stacked parameters
+            parameters.append(_stacked_name(tmap, arch).split("{i}.", 1)[1])
+        elif model_cfg.num_experts and leaf in EXPERT_TARGETS:
+            # An MoE model's dense / shared-expert MLP by its weight: peft (0.21) reads
+            # target_modules named like transformers 4's experts (gate_proj, up_proj, down_proj)
+            # as the stacked experts of transformers 5 (transformers_weight_conversion).
+            parameters += [n.split("{i}.", 1)[1] for n in tmap.hf]
+        else:
             targets += [n.split("{i}.", 1)[1].removesuffix(".weight") for n in tmap.hf]
             fan_in_fan_out |= tmap.transposed  # GPT-2's Conv1D stores weights [in, out]
+    extra = {}
+    if parameters:
+        # PEFT refuses dropout on parameter targets (it folds B A into the weight); dropout
+        # only acts in training, the exported function is the same.
+        extra = {"target_parameters": sorted(parameters), "lora_dropout": 0.0}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -255,6 +342,7 @@ def peft_adapter_config(model_cfg: ModelConfig, lora_cfg) -> dict:
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
+        **extra,
     }
 
 

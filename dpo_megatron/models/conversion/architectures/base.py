@@ -41,6 +41,13 @@ GATE_UP = "gate_up"
 """Fused SwiGLU fc1: TP rank r holds ``[gate_r; up_r]`` (its slice of each). HF: gate, up."""
 SPLITS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
 
+# transformers 5 holds an MoE layer's routed experts (Qwen3-MoE, Mixtral, DeepSeek-V3) as two
+# stacked parameters of ``mlp.experts``, whatever the checkpoint's per-expert names.
+HF_STACKED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"
+"""[experts, 2 x expert_ffn, hidden]: each expert's [gate; up] (megatron's fc1 in HF order)."""
+HF_STACKED_DOWN = "model.layers.{i}.mlp.experts.down_proj"
+"""[experts, hidden, expert_ffn]: each expert's down projection (megatron's fc2)."""
+
 
 @dataclass(frozen=True)
 class TensorMap:
@@ -61,6 +68,10 @@ class TensorMap:
     layers: Optional[tuple[int, ...]] = None
     """The global layers that hold this tensor (DeepSeek-V3: the dense MLP of its first layers,
     the experts of the others); None: every layer."""
+    hf_stacked: Optional[str] = None
+    """An expert tensor's (``{e}``) place in transformers 5's model in memory: the 3-D parameter
+    that stacks every expert of layer ``{i}`` (:data:`HF_STACKED_GATE_UP`,
+    :data:`HF_STACKED_DOWN`), the name PEFT's ``target_parameters`` adapts. None: not stacked."""
 
     @property
     def expert(self) -> bool:

@@ -14,10 +14,14 @@ the norms), the up projections column-parallel by heads, ``linear_proj`` row-par
 
 from __future__ import annotations
 
+import dataclasses
+
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
     COLUMN,
     GATE_UP,
+    HF_STACKED_DOWN,
+    HF_STACKED_GATE_UP,
     REPLICATED,
     ROW,
     VOCAB,
@@ -132,12 +136,14 @@ def deepseek_v3_tensors(cfg: ModelConfig) -> list[TensorMap]:
             (p + "mlp.experts.{e}.gate_proj.weight", p + "mlp.experts.{e}.up_proj.weight"),
             GATE_UP,
             (("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
+            hf_stacked=HF_STACKED_GATE_UP,
         ),
         TensorMap(
             e + "linear_fc2.weight",
             (p + "mlp.experts.{e}.down_proj.weight",),
             ROW,
             (("hidden", "expert_ffn"),),
+            hf_stacked=HF_STACKED_DOWN,
         ),
         TensorMap(
             d + "mlp.shared_experts.linear_fc1.weight",
@@ -161,7 +167,7 @@ def deepseek_v3_tensors(cfg: ModelConfig) -> list[TensorMap]:
                 (("experts",),),
             )
         )
-    moe = [TensorMap(t.megatron, t.hf, t.split, t.shapes, layers=sparse) for t in moe]
+    moe = [dataclasses.replace(t, layers=sparse) for t in moe]
     return table + (mlp if dense else []) + moe + _output(cfg)
 
 

@@ -11,6 +11,8 @@ from typing import Optional
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
     GATE_UP,
+    HF_STACKED_DOWN,
+    HF_STACKED_GATE_UP,
     LLAMA3_FIXED,
     QKV,
     REPLICATED,
@@ -122,8 +124,15 @@ def llama_tensors(cfg: ModelConfig, moe: "MoENames | None" = None) -> list[Tenso
                 (moe.gate, moe.up),
                 GATE_UP,
                 (("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
+                hf_stacked=HF_STACKED_GATE_UP,
             ),
-            TensorMap(e + "linear_fc2.weight", (moe.down,), ROW, (("hidden", "expert_ffn"),)),
+            TensorMap(
+                e + "linear_fc2.weight",
+                (moe.down,),
+                ROW,
+                (("hidden", "expert_ffn"),),
+                hf_stacked=HF_STACKED_DOWN,
+            ),
         ]
     if cfg.qk_layernorm:  # Qwen3: one RMSNorm weight over head_dim, shared by all heads
         table += [
