@@ -90,9 +90,11 @@ def _runs(root: str, archs: list[str]) -> None:
             trainer.train()
 
 
-def _hf_logps(arch: str) -> tuple[float, float]:
-    """transformers' (fp32) mean summed completion log-probs of the chosen and rejected sides."""
-    model = build_tiny_hf_model(arch)
+def _hf_logps(arch: str, model=None) -> tuple[float, float]:
+    """transformers' (fp32) mean summed completion log-probs of the chosen and rejected sides of
+    the engine tests' pairs (``tiny_pairs(8, seed=5)``), under ``model`` (default: the tiny random
+    ``arch`` model; e.g. a PEFT model on it)."""
+    model = model if model is not None else build_tiny_hf_model(arch)
     sums = {"chosen": [], "rejected": []}
     with torch.no_grad():
         for pair in tiny_pairs(8, seed=5, vocab=VOCAB):

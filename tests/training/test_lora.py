@@ -24,14 +24,16 @@ GLOBAL_PAIRS = 8
 LORA = dict(enabled=True, rank=4, alpha=8.0)
 
 
-def lora_trainer(pairs, eval_pairs=(), lora=None, **config):
-    """``tests.engine.tiny_trainer`` with a ``lora`` section (dict of ``LoraConfig`` fields)."""
+def lora_trainer(pairs, eval_pairs=(), lora=None, export_hf="none", **config):
+    """``tests.engine.tiny_trainer`` with a ``lora`` section (dict of ``LoraConfig`` fields);
+    ``export_hf``: ``checkpoint.export_hf`` (written in fp32)."""
     from dpo_megatron.models.lora_config import LoraConfig
     from dpo_megatron.training.run_data import RunData
     from dpo_megatron.training.trainer import Trainer
 
     cfg = engine_config(**config)
-    cfg = dataclasses.replace(cfg, lora=LoraConfig(**(lora or LORA)))
+    checkpoint = dataclasses.replace(cfg.checkpoint, export_hf=export_hf, export_dtype="float32")
+    cfg = dataclasses.replace(cfg, lora=LoraConfig(**(lora or LORA)), checkpoint=checkpoint)
     return Trainer(cfg, data=RunData(list(pairs), list(eval_pairs), 0))
 
 

@@ -1,7 +1,9 @@
 """DPO on the new architectures through the real ``Trainer``: ln 2 at step 0, the same numbers at
 TP 2 x PP 2 (mixture of experts: also with expert parallel 2) as on one rank, exact resume, MoE
 checkpoints that reshard between EP 1 and EP 2, and the load-balancing loss against
-transformers.
+transformers. LoRA on MoE experts (routed and shared): the same adapters and steps at EP 1, 2
+and 4 and expert TP 2, checkpoints that reshard across EP, and PEFT exports that transformers +
+peft load with the engine's log-probs.
 
 Every run starts from the same tiny random transformers folder (``model.hf_path``), so policy
 and reference are the same model at every layout. The runs of one layout family share one
@@ -10,10 +12,12 @@ launch: megatron-core's parallel state is rebuilt between them (:func:`run_plans
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import pytest
+import torch
 
 from tests.engine import tiny_pairs, tiny_trainer
 from tests.models.conversion_helpers import save_tiny_hf_folder
@@ -30,7 +34,11 @@ def run_plans(root: str, plans: list[dict]) -> None:
     (the tiny transformers folder to start from), ``tp``, ``pp``, ``ep``, ``etp``, ``resume``
     ('none' or a plan name whose step-2 checkpoint to resume). 8 pairs per step in micro-batches
     of 2, a checkpoint at step 2 of the plans that another resumes (no other save), metrics in
-    ``<root>/<name>/metrics.jsonl``."""
+    ``<root>/<name>/metrics.jsonl``. A plan with ``lora`` (the ``lora`` section) trains
+    adapters for :data:`LORA_STEPS` steps at lr :data:`LORA_LR` on the pairs of ``_hf_logps``,
+    evaluates on them after the last step and exports the adapters for PEFT in fp32, as
+    initialised (``<root>/<name>/initial_adapter``; not for a resumed plan) and trained
+    (``<root>/<name>/checkpoints/hf_adapter``)."""
     from megatron.core import parallel_state as ps
 
     from dpo_megatron.models.conversion import model_config_from_hf
@@ -45,8 +53,7 @@ def run_plans(root: str, plans: list[dict]) -> None:
         if resume != "none":
             resume = os.path.join(root, resume, "checkpoints", "iter_0000002")
         tp = plan.get("tp", 1)
-        trainer = tiny_trainer(
-            tiny_pairs(8, vocab=VOCAB),
+        common = dict(
             tp=tp,
             pp=plan.get("pp", 1),
             ep=plan.get("ep", 1),
@@ -54,13 +61,32 @@ def run_plans(root: str, plans: list[dict]) -> None:
             sp=moe and tp > 1,
             micro_batch_size=2,
             global_batch_size=8,
-            steps=STEPS,
-            lr=1e-3,
             seed=11,
             run_dir=os.path.join(root, plan["name"]),
             resume=resume,
             model={"hf_path": hf_dir, "params_dtype": "float32", "transformer_impl": "local"},
         )
+        if "lora" in plan:
+            from tests.training.test_lora import lora_trainer
+
+            pairs = tiny_pairs(8, seed=5, vocab=VOCAB)  # _hf_logps's
+            trainer = lora_trainer(
+                pairs,
+                eval_pairs=pairs,
+                lora=plan["lora"],
+                export_hf="adapter",
+                steps=LORA_STEPS,
+                lr=LORA_LR,
+                **common,
+            )
+            if resume == "none":
+                from dpo_megatron.models.conversion import export_peft_adapter
+
+                initial = os.path.join(root, plan["name"], "initial_adapter")
+                chunks = [c.module for c in trainer.policy]
+                export_peft_adapter(chunks, trainer.model_config, trainer.cfg.lora, initial)
+        else:
+            trainer = tiny_trainer(tiny_pairs(8, vocab=VOCAB), steps=STEPS, lr=1e-3, **common)
         # Only the step-2 checkpoints that a later plan resumes are read: the others (every
         # plan's last step, always saved) would cost a collective save each for nothing.
         trainer.checkpointer.due = lambda step, last_step, keep=plan["name"] in sources: (
@@ -112,28 +138,65 @@ PLANS = {  # architecture: its 4-rank plans (each also runs on one rank as "sing
     "gpt_oss": [{"name": "ep2", **EP2}],
 }
 
+LORA_STEPS, LORA_LR = 3, 1e-2
+BETA = 0.1  # tests.engine's loss: sigmoid DPO
+LORA = {"enabled": True, "rank": 4, "alpha": 8.0}
+ALL_TARGETS = {**LORA, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
+MLA_TARGETS = {**LORA, "target_modules": ["linear_proj", "linear_fc1", "linear_fc2"]}
+"""DeepSeek-V3's multi-latent attention has no fused ``linear_qkv``; its latent projections take
+no adapter. ``linear_fc1`` / ``linear_fc2`` adapt the dense first layer, the shared expert and
+every routed expert."""
+TP1 = dict(tp=1, pp=1)
+LORA_PLANS = {  # architecture: its 4-rank LoRA plans (TP 1: EP over the 4 data-parallel ranks)
+    "qwen3_moe": [
+        {"name": "lora_ep1", **TP1, "ep": 1, "lora": ALL_TARGETS},
+        {"name": "lora_ep2", **TP1, "ep": 2, "lora": ALL_TARGETS},
+        {"name": "lora_ep4", **TP1, "ep": 4, "lora": ALL_TARGETS},
+        {"name": "lora_ep1_from_ep2", **TP1, "ep": 1, "lora": ALL_TARGETS, "resume": "lora_ep2"},
+        {"name": "lora_ep4_from_ep2", **TP1, "ep": 4, "lora": ALL_TARGETS, "resume": "lora_ep2"},
+        {"name": "lora_etp2", "tp": 2, "ep": 2, "etp": 2, "lora": ALL_TARGETS},
+    ],
+    "deepseek_v3": [
+        {"name": "lora_ep1", **TP1, "ep": 1, "lora": MLA_TARGETS},
+        {"name": "lora_ep4", **TP1, "ep": 4, "lora": MLA_TARGETS},
+        {"name": "lora_pp2ep2", "tp": 1, "pp": 2, "ep": 2, "lora": MLA_TARGETS},
+        {"name": "lora_tp2pp2ep2", **EP2, "lora": MLA_TARGETS},
+    ],
+}
+SINGLE_LORA = {"mixtral": ALL_TARGETS}
+"""One-rank LoRA runs (``lora_single``): Mixtral's PEFT export (its checkpoint names its experts
+``block_sparse_moe.experts.{e}.w1``; transformers and PEFT hold them as Qwen3-MoE's)."""
+
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``{arch: {plan name: metrics by step}}`` for every plan of PLANS and ``single`` (one
-    rank): one launch of 1 rank and one of 4 ranks for all architectures."""
-    root = tmp_path_factory.mktemp("moe_dpo")
-    single, four = [], []
-    for arch, plans in PLANS.items():
+def moe_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_dpo")
+
+
+@pytest.fixture(scope="module")
+def runs(moe_root):
+    """``{arch: {plan name: metrics by step}}`` for every plan of PLANS and LORA_PLANS,
+    ``single`` (one rank) and ``lora_single``: one launch of 1 rank and one of 4 ranks for all
+    architectures."""
+    root = moe_root
+    single, four, names = [], [], {}
+    for arch in {**PLANS, **LORA_PLANS}:
         hf_dir = save_tiny_hf_folder(arch, str(root / "hf" / arch))
-        single.append({"name": f"{arch}/single", "hf_dir": hf_dir})
+        plans = PLANS.get(arch, []) + LORA_PLANS.get(arch, [])
+        if arch in PLANS:
+            single.append({"name": f"{arch}/single", "hf_dir": hf_dir})
+        if arch in SINGLE_LORA:
+            single.append({"name": f"{arch}/lora_single", "hf_dir": hf_dir})
+            single[-1]["lora"] = SINGLE_LORA[arch]
         for plan in plans:
             four.append({**plan, "name": f"{arch}/{plan['name']}", "hf_dir": hf_dir})
             if "resume" in plan:
                 four[-1]["resume"] = f"{arch}/{plan['resume']}"
+        names[arch] = [p["name"].split("/", 1)[1] for p in single + four if p["hf_dir"] == hf_dir]
     run_ranks(run_plans, world_size=1, root=str(root), plans=single)
     run_ranks(run_plans, world_size=4, timeout=3600, root=str(root), plans=four)
     return {
-        arch: {
-            name: read_metrics(root / arch / name)
-            for name in ["single"] + [p["name"] for p in plans]
-        }
-        for arch, plans in PLANS.items()
+        arch: {name: read_metrics(root / arch / name) for name in names[arch]} for arch in names
     }
 
 
@@ -227,3 +290,168 @@ def test_moe_steps_leave_no_tensor_on_the_host_with_either_dispatcher(tmp_path):
         assert abs(reference[0] - math.log(2)) < 1e-6
         for name, (_, losses) in runs.items():
             assert all(abs(a - b) <= 1e-6 for a, b in zip(losses, reference)), name
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA on MoE experts
+
+
+def _adapter_folder(root, arch: str, name: str):
+    return root / arch / name / "checkpoints" / "hf_adapter"
+
+
+def _initial_adapters(root, arch: str, name: str) -> dict:
+    """The plan's adapters as initialised, in PEFT's layout (full tensors, global experts)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(root / arch / name / "initial_adapter" / "adapter_model.safetensors"))
+
+
+def _assert_same_initial_adapters(root, arch: str, names, reference: str) -> None:
+    """Every layout draws exactly the same adapters (B = 0; A of each expert keyed by its global
+    index, not by the rank's local index or RNG state), experts included."""
+    want = _initial_adapters(root, arch, reference)
+    assert any(".experts." in k for k in want)
+    for name in names:
+        got = _initial_adapters(root, arch, name)
+        assert sorted(got) == sorted(want), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def _assert_same_lora(got: dict, want: dict, steps, what: str) -> None:
+    """The same LoRA steps (training records, or the evaluation after the last step): loss,
+    log-probs, gradient norm and load-balancing terms within 1e-5 relative; the margins, beta
+    times a difference of four summed log-probs (policy and reference, chosen and rejected),
+    within what 1e-5 relative on each of them allows.
+
+    The trained adapter entries themselves are compared as initialised only (exactly): Adam
+    scales each entry's step by its own gradient's size, so entries whose gradient is near
+    Adam's epsilon carry the layouts' fp32 summation-order differences."""
+    for step in steps:
+        g, w = got[step], want[step]
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected") + MOE_KEYS:
+            if key in w:
+                assert _rel(g[key], w[key]) <= 1e-5, (what, step, key)
+        scale = 2 * BETA * (abs(w["logps/chosen"]) + abs(w["logps/rejected"]))
+        assert abs(g["rewards/margins"] - w["rewards/margins"]) <= 1e-5 * scale, (what, step)
+
+
+def _lora_starts_at_the_base(metrics: dict, base_logps: dict) -> None:
+    """Step 1: the adapters' B is zero, so the policy is the frozen base, which is the reference:
+    the loss is ln 2, the rewards zero, the log-probs the base model's; the adapters train."""
+    first = metrics[1]
+    assert abs(first["loss"] - math.log(2)) < 1e-6
+    assert first["rewards/margins"] == 0 and first["rewards/chosen"] == 0
+    for key, want in base_logps.items():
+        assert _rel(first[key], want) <= 1e-5, key
+    assert metrics[LORA_STEPS]["loss"] < first["loss"]
+
+
+def _peft_logps(root, arch: str, name: str) -> dict:
+    """transformers + peft on the run's exported folder: the mean summed completion log-probs
+    of the run's pairs, after checking that every adapter tensor of the file sits in the PEFT
+    model (``PeftModel.from_pretrained`` only warns about keys it does not place)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.models.conversion_helpers import build_tiny_hf_model
+    from tests.training.test_bf16_architectures import _hf_logps
+
+    folder = _adapter_folder(root, arch, name)
+    model = PeftModel.from_pretrained(build_tiny_hf_model(arch), str(folder)).eval()
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    loaded = {
+        k.replace(".default.weight", ".weight"): v
+        for k, v in model.state_dict().items()
+        if ".lora_" in k
+    }
+    assert sorted(loaded) == sorted(saved), (arch, name)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved), (arch, name)
+    return dict(zip(("logps/chosen", "logps/rejected"), _hf_logps(arch, model)))
+
+
+def _assert_peft_reproduces_the_engine(root, arch: str, name: str, base_logps: dict) -> None:
+    """The exported adapters, loaded by peft onto transformers' model, give the engine's
+    log-probs after the last step (its evaluation) within 1e-5, and differ from the base's."""
+    engine = read_metrics(root / arch / name, "eval")[LORA_STEPS]
+    peft_logps = _peft_logps(root, arch, name)
+    for key, want in peft_logps.items():
+        assert _rel(engine[key], want) <= 1e-5, (arch, name, key)
+        assert _rel(want, base_logps[key]) > 1e-3, (arch, name, key)  # the adapters act
+
+
+def _base_logps(arch: str) -> dict:
+    from tests.training.test_bf16_architectures import _hf_logps
+
+    return dict(zip(("logps/chosen", "logps/rejected"), _hf_logps(arch)))
+
+
+@pytest.mark.slow
+def test_moe_lora_is_the_same_at_ep1_ep2_ep4_and_expert_tp2_and_reshards(runs, moe_root):
+    """Qwen3-MoE (routed experts only), adapters on attention and on every expert's fc1 / fc2:
+    at TP 1 with EP 1, 2 and 4 (the experts split over the 4 data-parallel ranks) and at TP 2 x
+    EP 2 with each expert split over 2 ranks (expert TP 2), every step's loss, margins,
+    log-probs and gradient norm are the same, and so are the trained adapters (initialised by
+    global expert index). A step-2 checkpoint of EP 2 resumes at EP 1 and at EP 4 to EP 2's
+    step 3 and adapters. The PEFT export reproduces the engine's log-probs."""
+    arch, root = "qwen3_moe", moe_root
+    runs = runs[arch]
+    base = _base_logps(arch)
+    names = ("lora_ep1", "lora_ep2", "lora_ep4", "lora_etp2")
+    for name in names:
+        _lora_starts_at_the_base(runs[name], base)
+    _assert_same_initial_adapters(root, arch, names[1:], "lora_ep1")
+    every_step = range(1, LORA_STEPS + 1)
+    evaluation = {n: read_metrics(root / arch / n, "eval") for n in runs if n.startswith("lora")}
+    for name in names[1:]:
+        _assert_same_lora(runs[name], runs["lora_ep1"], every_step, name)
+        _assert_same_lora(evaluation[name], evaluation["lora_ep1"], [LORA_STEPS], name)
+    for name in ("lora_ep1_from_ep2", "lora_ep4_from_ep2"):
+        assert sorted(runs[name]) == [3]
+        _assert_same_lora(runs[name], runs["lora_ep2"], (3,), name)
+        _assert_same_lora(evaluation[name], evaluation["lora_ep2"], [LORA_STEPS], name)
+    _assert_peft_reproduces_the_engine(root, arch, "lora_ep4", base)
+    _assert_peft_reproduces_the_engine(root, arch, "lora_etp2", base)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_lora_on_dense_shared_and_routed_experts_is_the_same_at_every_ep(
+    runs, moe_root
+):
+    """DeepSeek-V3 (a dense first layer, a shared expert, 8 routed experts), adapters on the
+    attention output and every MLP: EP 1 and EP 4 at TP 1, PP 2 x EP 2 and TP 2 x PP 2 x EP 2
+    (expert TP 1) start at transformers' base log-probs with ln 2 and draw the same adapters
+    (the shared expert's too); the TP 1 layouts give the same steps and trained function, and
+    the PEFT export (every MLP as parameters) reproduces the engine.
+
+    Not compared after step 1 at TP 2: DeepSeek-V3's own backward at TP 2 differs from TP 1
+    (full DPO without LoRA too: the step-1 gradient norm by ~1e-4 relative, with or without the
+    shared expert and group-limited routing, while the forward log-probs agree to 1e-8)."""
+    arch, root = "deepseek_v3", moe_root
+    runs = runs[arch]
+    base = _base_logps(arch)
+    for name in ("lora_ep1", "lora_ep4", "lora_pp2ep2", "lora_tp2pp2ep2"):
+        _lora_starts_at_the_base(runs[name], base)
+    others = ("lora_ep4", "lora_pp2ep2")
+    _assert_same_initial_adapters(root, arch, (*others, "lora_tp2pp2ep2"), "lora_ep1")
+    assert any(".shared_experts." in k for k in _initial_adapters(root, arch, "lora_ep1"))
+    evaluation = {n: read_metrics(root / arch / n, "eval") for n in runs if n.startswith("lora")}
+    for name in others:
+        _assert_same_lora(runs[name], runs["lora_ep1"], range(1, LORA_STEPS + 1), name)
+        _assert_same_lora(evaluation[name], evaluation["lora_ep1"], [LORA_STEPS], name)
+    _assert_peft_reproduces_the_engine(root, arch, "lora_pp2ep2", base)
+    _assert_peft_reproduces_the_engine(root, arch, "lora_tp2pp2ep2", base)
+
+
+@pytest.mark.slow
+def test_mixtral_lora_export_loads_in_peft_with_the_engines_log_probs(runs, moe_root):
+    """Mixtral's experts are ``block_sparse_moe.experts.{e}.w1/w3/w2`` in its checkpoint and
+    transformers' stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` in memory: the PEFT
+    export targets the latter."""
+    base = _base_logps("mixtral")
+    _lora_starts_at_the_base(runs["mixtral"]["lora_single"], base)
+    config = json.loads(
+        (_adapter_folder(moe_root, "mixtral", "lora_single") / "adapter_config.json").read_text()
+    )
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    _assert_peft_reproduces_the_engine(moe_root, "mixtral", "lora_single", base)
