@@ -372,12 +372,17 @@ def _peft_logps(root, arch: str, name: str) -> dict:
 
 def _assert_peft_reproduces_the_engine(root, arch: str, name: str, base_logps: dict) -> None:
     """The exported adapters, loaded by peft onto transformers' model, give the engine's
-    log-probs after the last step (its evaluation) within 1e-5, and differ from the base's."""
+    log-probs after the last step (its evaluation) within 1e-5, and differ from the base's; the
+    engine's reference (its policy with the adapters off: policy log-probs - rewards / beta) is
+    still transformers' base model."""
     engine = read_metrics(root / arch / name, "eval")[LORA_STEPS]
     peft_logps = _peft_logps(root, arch, name)
     for key, want in peft_logps.items():
         assert _rel(engine[key], want) <= 1e-5, (arch, name, key)
         assert _rel(want, base_logps[key]) > 1e-3, (arch, name, key)  # the adapters act
+        side = key.split("/")[1]
+        reference = engine[key] - engine[f"rewards/{side}"] / BETA
+        assert _rel(reference, base_logps[key]) <= 1e-5, (arch, name, "reference", side)
 
 
 def _base_logps(arch: str) -> dict:
