@@ -154,6 +154,7 @@ LORA_PLANS = {  # architecture: its 4-rank LoRA plans (TP 1: EP over the 4 data-
         {"name": "lora_ep4", **TP1, "ep": 4, "lora": ALL_TARGETS},
         {"name": "lora_ep1_from_ep2", **TP1, "ep": 1, "lora": ALL_TARGETS, "resume": "lora_ep2"},
         {"name": "lora_ep4_from_ep2", **TP1, "ep": 4, "lora": ALL_TARGETS, "resume": "lora_ep2"},
+        {"name": "lora_tp2ep2", "tp": 2, "ep": 2, "etp": 1, "lora": ALL_TARGETS},
         {"name": "lora_etp2", "tp": 2, "ep": 2, "etp": 2, "lora": ALL_TARGETS},
     ],
     "deepseek_v3": [
@@ -394,15 +395,17 @@ def _base_logps(arch: str) -> dict:
 @pytest.mark.slow
 def test_moe_lora_is_the_same_at_ep1_ep2_ep4_and_expert_tp2_and_reshards(runs, moe_root):
     """Qwen3-MoE (routed experts only), adapters on attention and on every expert's fc1 / fc2:
-    at TP 1 with EP 1, 2 and 4 (the experts split over the 4 data-parallel ranks) and at TP 2 x
-    EP 2 with each expert split over 2 ranks (expert TP 2), every step's loss, margins,
-    log-probs and gradient norm are the same, and so are the trained adapters (initialised by
-    global expert index). A step-2 checkpoint of EP 2 resumes at EP 1 and at EP 4 to EP 2's
-    step 3 and adapters. The PEFT export reproduces the engine's log-probs."""
+    at TP 1 with EP 1, 2 and 4 (the experts split over the 4 data-parallel ranks), at TP 2 x EP 2
+    (the experts split over the TP ranks, whose replicated adapter matrices the gradient norm
+    must count on both) and at TP 2 x EP 2 with each expert split over 2 ranks (expert TP 2),
+    the adapters are drawn identically (by global expert index), every step's loss, margins,
+    log-probs and gradient norm are the same, and so is the trained function. A step-2
+    checkpoint of EP 2 resumes at EP 1 and at EP 4 to EP 2's step 3 and trained function. The
+    PEFT export reproduces the engine's log-probs."""
     arch, root = "qwen3_moe", moe_root
     runs = runs[arch]
     base = _base_logps(arch)
-    names = ("lora_ep1", "lora_ep2", "lora_ep4", "lora_etp2")
+    names = ("lora_ep1", "lora_ep2", "lora_ep4", "lora_tp2ep2", "lora_etp2")
     for name in names:
         _lora_starts_at_the_base(runs[name], base)
     _assert_same_initial_adapters(root, arch, names[1:], "lora_ep1")
