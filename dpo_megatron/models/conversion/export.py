@@ -358,7 +358,9 @@ def export_peft_adapter(
     out_dir)`` onto the HF model of ``model_cfg.hf_path``. Collective (every rank, its chunks).
 
     Raises:
-        ValueError: unknown dtype, or chunks without adapters (before any communication).
+        ValueError: unknown dtype, chunks without adapters, or expert adapters of an
+            architecture whose files stack the experts in another form (gpt-oss), before any
+            communication.
         RuntimeError: whatever a rank hit while gathering or writing (on every rank).
     """
     if not lora.has_adapters([unwrap(c) for c in chunks]):
@@ -370,8 +372,9 @@ def export_peft_adapter(
     if infer_architecture(model_cfg).file_layout is not None and stacked:
         raise ValueError(
             f"lora.target_modules {sorted(stacked)}: {infer_architecture(model_cfg).name} "
-            "stores its experts stacked in one parameter, which PEFT's LoRA does not adapt; "
-            "export with checkpoint.export_hf=merged"
+            "stores its experts stacked with gate and up interleaved, a form this PEFT export "
+            "does not write (it writes the concatenated stacks of Qwen3-MoE, Mixtral and "
+            "DeepSeek-V3); export with checkpoint.export_hf=merged"
         )
 
     def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:
