@@ -13,6 +13,7 @@ LONGEST_FILES = {
     "tests/test_launcher.py": 270,
     "tests/training/test_moe_dpo.py": 215,
     "tests/training/test_bf16_architectures.py": 190,
+    "tests/test_architecture_launches.py": 150,
     "tests/test_bench.py": 125,
     "tests/training/test_frontend_dpo_repo_runs.py": 105,
     "tests/models/test_new_architectures.py": 110,
