@@ -23,6 +23,9 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   (an undefined name).
 * :mod:`~dpo_megatron.compat.mla_without_te`: megatron-core 0.16's multi-latent attention
   without transformer-engine (an isinstance() check against a mock class).
+* :mod:`~dpo_megatron.compat.mla_rope_key_grad`: megatron-core 0.16's multi-latent attention at
+  TP > 1 on the local spec: the shared RoPE key's gradient summed over the TP ranks (one rank's
+  share was kept).
 * :mod:`~dpo_megatron.compat.moe_expert_bias_padding_mask`: megatron-core 0.16's expert-bias
   token count with a padding mask (a broadcast error).
 * :mod:`~dpo_megatron.compat.moe_expert_fc2_bias`: megatron-core 0.16's expert fc2 bias

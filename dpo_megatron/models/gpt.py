@@ -295,9 +295,10 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
     if model.num_experts:
         _enable_moe_patches(model)
     if model.kv_lora_rank is not None:
-        from dpo_megatron.compat import mla_without_te
+        from dpo_megatron.compat import mla_rope_key_grad, mla_without_te
 
         mla_without_te.enable()
+        mla_rope_key_grad.enable()
     if model.recompute_granularity == "selective" and not _have_transformer_engine():
         from dpo_megatron.compat import checkpoint_without_output_without_te
 

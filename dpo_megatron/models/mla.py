@@ -10,6 +10,10 @@ query/key computation in place of its own table (:class:`GivenRotary`). megatron
 with its MLA rule: the rotated dimensions are de-interleaved first (``x[0::2]`` then
 ``x[1::2]``), exactly HF DeepSeek-V3's ``rope_interleave=True``.
 
+At TP > 1 the key/value down projection is column-parallel here (the local spec) and megatron-core
+keeps one TP rank's share of the shared RoPE key's gradient; the layer names that projection's
+output to ``compat.mla_rope_key_grad``, which sums the RoPE columns' gradient over TP.
+
 Packed rows reach the core attention as ``packed_seq_params`` (``models.attention``); the
 query/key/value computation does not need them (megatron-core only reads THD boundaries there,
 and would squeeze a one-row batch), so it gets None.
@@ -20,7 +24,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+from dpo_megatron.compat import mla_rope_key_grad
 
 
 class GivenRotary(torch.nn.Module):
@@ -59,6 +66,14 @@ class DPOMLASelfAttention(MLASelfAttention):
         if config.rope_type == "yarn":
             _, mscale = self.rotary_pos_emb.get_emb(1)
         self.rotary_pos_emb = GivenRotary(mscale)
+        if (
+            isinstance(self.linear_kv_down_proj, ColumnParallelLinear)
+            and self.pg_collection.tp.size() > 1
+        ):  # its gathered RoPE key needs its gradient summed over TP (compat.mla_rope_key_grad)
+            self.linear_kv_down_proj.register_forward_hook(self._name_rope_key_source)
+
+    def _name_rope_key_source(self, module, args, output) -> None:
+        mla_rope_key_grad.mark_rope_key_source(output[0], self.config.qk_pos_emb_head_dim)
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if not isinstance(rotary_pos_emb, torch.Tensor):
