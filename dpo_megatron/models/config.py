@@ -278,6 +278,16 @@ class ModelConfig:
         Raises:
             ValueError: ``model.<field>=<value> must be ...``.
         """
+        self._check_ranges()
+        self._check_yarn()
+        self._check_routing_and_mla()
+        self._check_layer_lists()
+        self._check_experts()
+        self._check_choices()
+        self._check_recompute()
+
+    def _check_ranges(self) -> None:
+        """Sizes, counts, factors and scales in range."""
         for name in (
             "num_layers",
             "hidden_size",
@@ -332,6 +342,9 @@ class ModelConfig:
         for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
             check_range("model", self, name, 0)
         check_range("model", self, "swiglu_limit", 0, low_open=True)
+
+    def _check_yarn(self) -> None:
+        """YaRN rotates every head dimension with one table: no other RoPE scaling beside it."""
         if self.rope_yarn_factor is not None:
             other = [
                 name
@@ -348,6 +361,9 @@ class ModelConfig:
                     f"dimension with one table: drop "
                     f"{', '.join('model.' + o for o in other) or 'model.position_embedding_type'}"
                 )
+
+    def _check_routing_and_mla(self) -> None:
+        """The router's scaling and score function; the head sizes multi-latent attention needs."""
         check_range("model", self, "moe_routed_scaling_factor", 0, low_open=True, optional=True)
         check_choice("model", self, "moe_router_score_function", MOE_SCORE_FUNCTIONS)
         if self.kv_lora_rank is not None:
@@ -361,6 +377,9 @@ class ModelConfig:
                     f"model.kv_lora_rank={self.kv_lora_rank} (multi-latent attention) needs "
                     f"{', '.join('model.' + m for m in missing)}"
                 )
+
+    def _check_layer_lists(self) -> None:
+        """Per-layer lists (NoPE, windows) name layers that exist, and a window list has a size."""
         for name in ("no_rope_layers", "sliding_window_layers"):
             for index in getattr(self, name) or ():
                 if not (isinstance(index, int) and 0 <= index < self.num_layers):
@@ -373,6 +392,9 @@ class ModelConfig:
                 "model.sliding_window_layers is set but model.sliding_window is null: set the "
                 "window size or drop the layer list"
             )
+
+    def _check_experts(self) -> None:
+        """The token dispatcher; grouped GEMM refused (no CPU kernel, no per-expert layer)."""
         check_choice("model", self, "moe_token_dispatcher", MOE_TOKEN_DISPATCHERS)
         if self.moe_grouped_gemm:
             raise ValueError(
@@ -384,6 +406,9 @@ class ModelConfig:
                 "no per-expert adapter can sit; set model.moe_grouped_gemm=false (the same "
                 "function)"
             )
+
+    def _check_choices(self) -> None:
+        """Named choices, and the local RoPE base only with windows."""
         check_choice("model", self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         check_choice("model", self, "normalization", NORMALIZATIONS)
         check_choice("model", self, "qk_norm_scope", QK_NORM_SCOPES)
@@ -400,6 +425,9 @@ class ModelConfig:
         check_choice("model", self, "local_attention", LOCAL_ATTENTIONS)
         check_choice("model", self, "recompute_granularity", RECOMPUTE_GRANULARITIES, optional=True)
         check_choice("model", self, "recompute_method", RECOMPUTE_METHODS, optional=True)
+
+    def _check_recompute(self) -> None:
+        """Recompute modules are known and need selective recompute."""
         if self.recompute_modules is not None:
             for module in self.recompute_modules:
                 if module not in RECOMPUTE_MODULES:

@@ -126,6 +126,10 @@ DENSE_PLANS = [{"name": "tp2pp2", **TP2PP2}, {"name": "resumed", **TP2PP2, "resu
 PLANS = {  # architecture: its 4-rank plans (each also runs on one rank as "single")
     "qwen3": DENSE_PLANS,
     "gpt_neox": DENSE_PLANS,
+    # issue 25's dense families (resume is the checkpoint's, covered above)
+    "smollm3": DENSE_PLANS[:1],
+    "olmo3": DENSE_PLANS[:1],
+    "gemma3": DENSE_PLANS[:1],
     "qwen3_moe": [
         {"name": "ep1", **EP1},
         {"name": "ep1_resumed", **EP1, "resume": "ep1"},
@@ -203,14 +207,28 @@ def runs(moe_root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_neox", "smollm3", "olmo3", "gemma3"])
 def test_dense_dpo_at_tp2_pp2_matches_one_rank_and_resumes_exactly(runs, arch):
+    """Every step (loss, gradient norm, margins, log-probs) at TP 2 x PP 2 equals one rank's:
+    SmolLM3's NoPE and windowed layers, OLMo 3's projection-wide query/key norms and
+    post-norms, Gemma 3's sandwich norms and local RoPE included; Qwen3 and GPT-NeoX also
+    resume exactly."""
     runs = runs[arch]
     for name in ("single", "tp2pp2"):
         _starts_at_ln2(runs[name], moe=False)
-    _assert_same(runs["tp2pp2"], runs["single"], range(1, STEPS + 1), 1e-5, "TP 2 x PP 2")
-    assert sorted(runs["resumed"]) == [3, 4]
-    _assert_same(runs["resumed"], runs["tp2pp2"], (3, 4), 1e-6, "exact resume")
+    got, want = runs["tp2pp2"], runs["single"]
+    _assert_same(got, want, (1, 2), 1e-5, "TP 2 x PP 2")
+    # Later steps: the loss and log-probs stay within 1e-5; the gradient norm of the issue-25
+    # families drifts to ~1e-5 by step 4 (step 1: 3e-8): Adam's step turns the TP reduction's
+    # rounding of near-zero gradients into whole updates of those weights.
+    drift = 5e-5 if arch in ("smollm3", "olmo3", "gemma3") else 1e-5
+    _assert_same(got, want, range(3, STEPS + 1), drift, "TP 2 x PP 2")
+    for step in range(3, STEPS + 1):
+        for key in ("loss", "logps/chosen", "logps/rejected"):
+            assert _rel(got[step][key], want[step][key]) <= 1e-5, (step, key)
+    if "resumed" in runs:
+        assert sorted(runs["resumed"]) == [3, 4]
+        _assert_same(runs["resumed"], runs["tp2pp2"], (3, 4), 1e-6, "exact resume")
 
 
 @pytest.mark.slow
