@@ -23,7 +23,7 @@ import torch
 
 from tests.models.conversion_helpers import save_tiny_hf_folder
 from tests.scripts import run_script
-from tests.training.test_lifecycle import read_metrics, write_fixture
+from tests.training.test_lifecycle import fixture_data_overrides, read_metrics, write_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +47,7 @@ def _overrides(config, run_dir, data_file, tok_dir, hf_dir):
         config,
         f"run_dir={run_dir}",
         f"model.hf_path={hf_dir}",
-        f"data.path={data_file}",
-        f"data.tokenizer={tok_dir}",
-        "data.format=standard",
-        "data.max_length=32",
-        "data.max_prompt_length=16",
-        "data.cache_dir=none",
+        *fixture_data_overrides(data_file, tok_dir),
         "train.micro_batch_size=1",
         f"train.global_batch_size={PAIRS}",
         "train.train_iters=1",

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from dpo_megatron.parallel.layout import free_port
-from tests.training.test_lifecycle import TINY_MODEL, read_metrics, write_fixture
+from tests.training.test_lifecycle import (
+    TINY_MODEL,
+    fixture_data_overrides,
+    read_metrics,
+    write_fixture,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +37,7 @@ def _args(tmp_path: Path, run_dir: Path) -> list[str]:
         "--config",
         str(config),
         f"run_dir={run_dir}",
-        f"data.path={data_file}",
-        f"data.tokenizer={tok_dir}",
-        "data.format=standard",
-        "data.max_length=32",
-        "data.max_prompt_length=16",
-        "data.cache_dir=none",
-        "data.verbose=false",
+        *fixture_data_overrides(data_file, tok_dir),
         "model.vocab_size=400",
         *TINY_MODEL,
         "parallel.data_parallel_size=2",

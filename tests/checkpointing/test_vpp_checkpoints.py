@@ -24,6 +24,7 @@ from tests.multirank import run_ranks
 from tests.scripts import run_script
 from tests.training.test_lifecycle import (
     assert_same_tensors,
+    fixture_data_overrides,
     model_tensors,
     read_metrics,
     write_fixture,
@@ -39,13 +40,7 @@ NO_DIST_OPT = ["train.use_distributed_optimizer=false"]
 def _args(data_file, tok_dir, hf_dir):
     """The overrides every run shares (4 steps at PP 2, a checkpoint after each)."""
     return [
-        f"data.path={data_file}",
-        f"data.tokenizer={tok_dir}",
-        "data.format=standard",
-        "data.max_length=32",
-        "data.max_prompt_length=16",
-        "data.cache_dir=none",
-        "data.verbose=false",
+        *fixture_data_overrides(data_file, tok_dir),
         f"model.hf_path={hf_dir}",
         "train.micro_batch_size=1",
         "train.global_batch_size=4",

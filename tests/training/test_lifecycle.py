@@ -54,11 +54,10 @@ def write_fixture(folder: Path, rows: int = 24, seed: int = 0) -> tuple[str, str
     return str(data_file), str(tok_dir)
 
 
-def tiny_overrides(run_dir, data_file: str, tok_dir: str) -> list[str]:
-    """The overrides of a run of the tiny model on the fixture data (vocab 400), CPU, no data
-    cache: for :func:`tiny_config` and for command lines through the launcher."""
+def fixture_data_overrides(data_file: str, tok_dir: str) -> list[str]:
+    """The ``data.*`` overrides for :func:`write_fixture`'s file and tokenizer: the standard
+    format, 32 tokens a sequence (16 of prompt), no data cache, no data report."""
     return [
-        f"run_dir={run_dir}",
         f"data.path={data_file}",
         f"data.tokenizer={tok_dir}",
         "data.format=standard",
@@ -66,6 +65,15 @@ def tiny_overrides(run_dir, data_file: str, tok_dir: str) -> list[str]:
         "data.max_prompt_length=16",
         "data.cache_dir=none",
         "data.verbose=false",
+    ]
+
+
+def tiny_overrides(run_dir, data_file: str, tok_dir: str) -> list[str]:
+    """The overrides of a run of the tiny model on the fixture data (vocab 400), CPU, no data
+    cache: for :func:`tiny_config` and for command lines through the launcher."""
+    return [
+        f"run_dir={run_dir}",
+        *fixture_data_overrides(data_file, tok_dir),
         "model.vocab_size=400",
         *TINY_MODEL,
         "train.micro_batch_size=1",
