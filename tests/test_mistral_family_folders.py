@@ -181,13 +181,10 @@ def test_a_partial_mistral_common_stops_the_precheck_with_one_line(folders, part
 
 
 def _launch(folders, arch, run_dir, env, *extra):
-    out = subprocess.run(
-        ["bash", "scripts/pretrain_dpo.sh", *_args(folders, arch, *extra), f"run_dir={run_dir}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    from tests.scripts import run_script
+
+    out = run_script(
+        "scripts/pretrain_dpo.sh", *_args(folders, arch, *extra), f"run_dir={run_dir}", env=env
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]

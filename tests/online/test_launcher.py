@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.scripts import run_script
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,13 +18,11 @@ JUDGE = ["online.reward_model.path=", "online.judge=tests.online.standins:char_j
 
 
 def _launch(tmp_path, *args):
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": ROOT}
-    return subprocess.run(
-        ["bash", f"{ROOT}/scripts/iterative_dpo.sh", f"run_dir={tmp_path / 'run'}", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
+    return run_script(
+        "scripts/iterative_dpo.sh",
+        f"run_dir={tmp_path / 'run'}",
+        *args,
+        env={"PYTHONPATH": ROOT},
         timeout=300,
     )
 

@@ -16,7 +16,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from tests.checkpointing.faults import flip_bytes, plant_in_dcp_item, tree_digest
 from tests.checkpointing.test_storage import small_tmpfs
 from tests.multirank import process_context, run_ranks
+from tests.scripts import launcher_env
 from tests.training.test_lifecycle import (
     _train,
     read_metrics,
@@ -485,12 +485,7 @@ def _launch(run_dir, data_file, tok_dir, *overrides, env=None) -> tuple[subproce
     and the marker in its environment (to find its ranks)."""
     marker = uuid.uuid4().hex
     extra = env or {}
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
-    }
-    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", DPO_TEST_MARKER=marker, **extra)
+    env = launcher_env(DPO_TEST_MARKER=marker, **extra)
     log = open(Path(run_dir).parent / f"{Path(run_dir).name}-{marker[:6]}.out", "w")
     proc = subprocess.Popen(
         _launcher_args(run_dir, data_file, tok_dir, *overrides),

@@ -5,8 +5,6 @@ batch from the same weights; reference-based losses must give their known step-0
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from dpo_megatron.losses.registry import get_loss_spec
 from tests.engine import save_initial_checkpoint, tiny_pairs, tiny_trainer
 from tests.losses.test_gradients_and_step_zero import STEP_ZERO
 from tests.multirank import run_ranks
+from tests.scripts import run_script
 
 pytestmark = pytest.mark.slow
 
@@ -97,24 +96,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _launch(tmp_path, *overrides):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return subprocess.run(
-        [
-            "bash",
-            "scripts/pretrain_dpo.sh",
-            "--config",
-            "configs/tiny_cpu.yaml",
-            f"run_dir={tmp_path}",
-            "train.train_iters=1",
-            *overrides,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return run_script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"run_dir={tmp_path}",
+        "train.train_iters=1",
+        *overrides,
     )
 
 
