@@ -245,14 +245,25 @@ def test_sinks_on_packed_and_shared_prompt_spans_equal_megatrons_learnable_softm
             assert torch.allclose(g_got, g_want, rtol=0, atol=1e-5), name
 
 
-def test_peft_export_of_expert_adapters_is_refused_by_name(cfg, monkeypatch, tmp_path):
-    """transformers' gpt-oss holds each layer's experts in one stacked parameter, which PEFT's
-    LoRA does not adapt: an adapter export with expert targets stops before any communication."""
-    from dpo_megatron.models import lora
-    from dpo_megatron.models.conversion.export import export_peft_adapter
+def test_peft_export_targets_the_stacked_experts_with_gate_and_up_rows_interleaved(cfg):
+    """Expert adapters export for PEFT on transformers' stacked parameters
+    (``target_parameters``), an expert's B rows in the stored order: gate and up interleaved as
+    the loader reads them (``gate_up_proj[e, :, 0::2]`` is the gate). PEFT's log-probs equal to
+    the engine's are ``training/test_moe_dpo``'s."""
+    from dpo_megatron.models.conversion.architectures import interleave_rows
+    from dpo_megatron.models.conversion.export import peft_adapter_config
     from dpo_megatron.models.lora_config import LoraConfig
 
-    monkeypatch.setattr(lora, "has_adapters", lambda chunks: True)
-    targets = LoraConfig(enabled=True, target_modules=["linear_qkv", "linear_fc2"])
-    with pytest.raises(ValueError, match=r"lora.target_modules \['linear_fc2'\]: gpt_oss stores"):
-        export_peft_adapter([], cfg, targets, str(tmp_path / "adapter"))
+    targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    config = peft_adapter_config(cfg, LoraConfig(enabled=True, target_modules=targets))
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert config["target_modules"] == [f"self_attn.{m}_proj" for m in "koqv"]
+    assert config["lora_dropout"] == 0
+    table = {t.megatron: t for t in infer_architecture(cfg).table(cfg)}
+    experts = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+    fc1, fc2 = (table[experts + f"linear_fc{n}.weight"] for n in (1, 2))
+    assert fc1.hf_interleaved and not fc2.hf_interleaved
+    gate, up = torch.arange(6.0).reshape(3, 2), -torch.arange(6.0).reshape(3, 2)
+    rows = interleave_rows([gate, up])
+    assert rows.shape == (6, 2)
+    assert torch.equal(rows[0::2], gate) and torch.equal(rows[1::2], up)

@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 
 from dpo_megatron.models import lora
 from dpo_megatron.models.config import ModelConfig
-from dpo_megatron.models.conversion.architectures import REPLICATED, expand
+from dpo_megatron.models.conversion.architectures import REPLICATED, expand, interleave_rows
 from dpo_megatron.models.conversion.hf_config import hf_config_dict, infer_architecture
 from dpo_megatron.models.conversion.hf_files import write_safetensors_shards
 from dpo_megatron.models.conversion.load import OUTPUT, iter_global_params, table_entry
@@ -227,7 +227,9 @@ def stage_adapter_tensors(
             if tmap.expert:  # local expert j of every EP rank k: global experts k * E/EP + j
                 stack = experts.setdefault((layer, _stacked_name(tmap, arch)), {})
                 a_all = _group_shards(a_parts[0], *ep)
-                b_all = _group_shards(torch.cat(b_parts), *ep)  # a gated fc1's [gate; up]
+                # a gated fc1's [gate; up] (gpt-oss: its gate and up rows interleaved)
+                rows = interleave_rows(b_parts) if tmap.hf_interleaved else torch.cat(b_parts)
+                b_all = _group_shards(rows, *ep)
                 for k, (a, b) in enumerate(zip(a_all, b_all)):
                     stack[k * per_rank + expert % per_rank] = (a, b)
                 continue
@@ -267,10 +269,13 @@ def _stacked_expert_tensors(
     """(layer, PEFT name, tensor) of the adapters on transformers' stacked expert parameters.
 
     ``experts[(layer, stacked name)][e] = (A_e [r, in], B_e [out, r])`` for every global expert
-    e of the layer. PEFT's LoRA on a 3-D parameter [E, out, in] (``target_parameters``:
-    ``lora.ParamWrapper`` of peft 0.21) holds ``lora_A.weight`` [E * r, in], whose rows
-    ``e * r .. e * r + r - 1`` are A_e, and ``lora_B.weight`` [out, r * E], whose column
-    ``k * E + e`` is column k of B_e; it adds ``(alpha / r) B_e A_e`` to expert e's matrix.
+    e of the layer, B_e's rows in the stacked parameter's output order. PEFT's LoRA on a 3-D
+    parameter (``target_parameters``: ``lora.ParamWrapper`` of peft 0.21) holds
+    ``lora_A.weight`` [E * r, in], whose rows ``e * r .. e * r + r - 1`` are A_e, and
+    ``lora_B.weight`` [out, r * E], whose column ``k * E + e`` is column k of B_e; it adds
+    ``(alpha / r) B_e A_e`` to expert e's matrix when the parameter is [E, out, in] (Qwen3-MoE,
+    Mixtral, DeepSeek-V3) and its transpose when transformers marks the experts
+    ``is_transposed`` and the parameter is [E, in, out] (gpt-oss), so both take the same A and B.
     PEFT wraps the targeted parameters of one module in the order the module registers them,
     each wrapper around the previous one: transformers registers ``gate_up_proj`` before
     ``down_proj``, so with both adapted ``gate_up_proj``'s names have one ``base_layer.`` more.
@@ -358,23 +363,13 @@ def export_peft_adapter(
     out_dir)`` onto the HF model of ``model_cfg.hf_path``. Collective (every rank, its chunks).
 
     Raises:
-        ValueError: unknown dtype, chunks without adapters, or expert adapters of an
-            architecture whose files stack the experts in another form (gpt-oss), before any
-            communication.
+        ValueError: unknown dtype or chunks without adapters, before any communication.
         RuntimeError: whatever a rank hit while gathering or writing (on every rank).
     """
     if not lora.has_adapters([unwrap(c) for c in chunks]):
         raise ValueError(
             "export_peft_adapter: the model has no LoRA adapters "
             "(checkpoint.export_hf=adapter needs lora.enabled=true)"
-        )
-    stacked = {"linear_fc1", "linear_fc2"} & set(lora_cfg.target_modules)
-    if infer_architecture(model_cfg).file_layout is not None and stacked:
-        raise ValueError(
-            f"lora.target_modules {sorted(stacked)}: {infer_architecture(model_cfg).name} "
-            "stores its experts stacked with gate and up interleaved, a form this PEFT export "
-            "does not write (it writes the concatenated stacks of Qwen3-MoE, Mixtral and "
-            "DeepSeek-V3); export with checkpoint.export_hf=merged"
         )
 
     def write(tensors: Iterator[tuple[str, torch.Tensor]], tmp: str) -> None:

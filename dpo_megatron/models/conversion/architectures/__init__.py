@@ -58,6 +58,7 @@ from dpo_megatron.models.conversion.architectures.base import (
     TensorMap,
     dims,
     expand,
+    interleave_rows,
     is_expert_pattern,
     is_layer_pattern,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "dims",
     "expand",
     "get_architecture",
+    "interleave_rows",
     "is_expert_pattern",
     "is_layer_pattern",
 ]

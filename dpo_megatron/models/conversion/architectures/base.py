@@ -21,7 +21,9 @@ tensor-parallel group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 from dpo_megatron.models.config import ModelConfig
 
@@ -41,12 +43,14 @@ GATE_UP = "gate_up"
 """Fused SwiGLU fc1: TP rank r holds ``[gate_r; up_r]`` (its slice of each). HF: gate, up."""
 SPLITS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
 
-# transformers 5 holds an MoE layer's routed experts (Qwen3-MoE, Mixtral, DeepSeek-V3) as two
-# stacked parameters of ``mlp.experts``, whatever the checkpoint's per-expert names.
+# transformers 5 holds an MoE layer's routed experts (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss)
+# as two stacked parameters of ``mlp.experts``, whatever the checkpoint's per-expert names.
 HF_STACKED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"
-"""[experts, 2 x expert_ffn, hidden]: each expert's [gate; up] (megatron's fc1 in HF order)."""
+"""[experts, 2 x expert_ffn, hidden]: each expert's [gate; up] (megatron's fc1 in HF order);
+gpt-oss: [experts, hidden, 2 x expert_ffn], gate and up interleaved (``hf_interleaved``)."""
 HF_STACKED_DOWN = "model.layers.{i}.mlp.experts.down_proj"
-"""[experts, hidden, expert_ffn]: each expert's down projection (megatron's fc2)."""
+"""[experts, hidden, expert_ffn]: each expert's down projection (megatron's fc2); gpt-oss:
+[experts, expert_ffn, hidden]."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ class TensorMap:
     """An expert tensor's (``{e}``) place in transformers 5's model in memory: the 3-D parameter
     that stacks every expert of layer ``{i}`` (:data:`HF_STACKED_GATE_UP`,
     :data:`HF_STACKED_DOWN`), the name PEFT's ``target_parameters`` adapts. None: not stacked."""
+    hf_interleaved: bool = False
+    """The stacked parameter holds this entry's HF tensors (gate, up) interleaved along the
+    output (gpt-oss's ``gate_up_proj``: gate row 0, up row 0, gate row 1, ...;
+    :func:`interleave_rows`) instead of one after the other."""
 
     @property
     def expert(self) -> bool:
@@ -182,6 +190,14 @@ def expand(pattern: str, layer: int | None, expert: int | None = None) -> str:
     if expert is not None:
         pattern = pattern.replace("{e}", str(expert))
     return pattern
+
+
+def interleave_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``k`` tensors [n, ...] -> [k * n, ...] with row ``j * k + m`` = row ``j`` of ``parts[m]``
+    (gate, up -> gate_0, up_0, gate_1, up_1, ...); one tensor is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.stack(list(parts), dim=1).flatten(0, 1)
 
 
 def is_layer_pattern(pattern: str) -> bool:

@@ -11,7 +11,10 @@ up interleaved along the output (``gate_up_proj[e, :, 0::2]`` is expert e's gate
 MoE families (``mlp.experts.{e}.gate_proj.weight`` [F, hidden], ...) and :data:`STACKED_EXPERTS`
 translates: the loader reads an expert's slice of the stacked tensor (:class:`StackedExpertsView`),
 the exporter stacks and interleaves them again (:func:`pack_stacked_experts`); both only index,
-transpose and concatenate, so an export is bit for bit the imported folder.
+transpose and concatenate, so an export is bit for bit the imported folder. transformers holds
+the same stacked parameters in memory, where PEFT adapts them (``target_parameters``): the
+expert weights' ``hf_stacked`` names them, ``hf_interleaved`` has the adapter export put the
+rows of an expert's B in the interleaved order.
 
 megatron-core names: ``self_attention.core_attention.softmax_offset`` (the sinks, split with the
 heads), ``mlp.router.weight`` / ``bias`` (replicated), ``mlp.experts.local_experts.{e}.linear_fc1``
@@ -30,12 +33,15 @@ from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
     COLUMN,
     GATE_UP,
+    HF_STACKED_DOWN,
+    HF_STACKED_GATE_UP,
     REPLICATED,
     ROW,
     TensorMap,
     decoder_dims,
     dims,
     hf_layer_types,
+    interleave_rows,
     rope_parameters,
     sliding_window_fields,
     yarn_fields,
@@ -81,6 +87,8 @@ def gpt_oss_tensors(cfg: ModelConfig) -> list[TensorMap]:
             (x + "gate_proj.weight", x + "up_proj.weight"),
             GATE_UP,
             (("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
+            hf_stacked=HF_STACKED_GATE_UP,
+            hf_interleaved=True,
         ),
         TensorMap(
             e + "linear_fc1.bias",
@@ -89,7 +97,11 @@ def gpt_oss_tensors(cfg: ModelConfig) -> list[TensorMap]:
             (("expert_ffn",), ("expert_ffn",)),
         ),
         TensorMap(
-            e + "linear_fc2.weight", (x + "down_proj.weight",), ROW, (("hidden", "expert_ffn"),)
+            e + "linear_fc2.weight",
+            (x + "down_proj.weight",),
+            ROW,
+            (("hidden", "expert_ffn"),),
+            hf_stacked=HF_STACKED_DOWN,
         ),
         TensorMap(e + "linear_fc2.bias", (x + "down_proj.bias",), REPLICATED, (("hidden",),)),
     ]
@@ -195,10 +207,9 @@ def pack_stacked_experts(
         del pending[key]
         stacked = []
         for expert in range(experts):
-            one = [parts[(expert, proj)] for proj, _ in _PARTS[kind]]
-            if len(one) == 2:  # interleave along the output: gate_0, up_0, gate_1, ...
-                one = [torch.stack(one, dim=1).reshape(-1, *one[0].shape[1:])]
-            stacked.append(one[0].t() if one[0].dim() == 2 else one[0])
+            # gate_up: interleaved along the output (gate_0, up_0, gate_1, ...)
+            one = interleave_rows([parts[(expert, proj)] for proj, _ in _PARTS[kind]])
+            stacked.append(one.t() if one.dim() == 2 else one)
         bias = "_bias" if m["what"] == "bias" else ""
         yield f"{m['layer']}{kind}{bias}", torch.stack(stacked).contiguous()
     if pending:
