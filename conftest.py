@@ -11,7 +11,7 @@ LONGEST_FILES = {
     "tests/test_slurm_cluster.py": 440,
     "tests/training/test_durability.py": 280,
     "tests/test_launcher.py": 270,
-    "tests/training/test_moe_dpo.py": 260,
+    "tests/training/test_moe_dpo.py": 280,
     "tests/training/test_bf16_architectures.py": 190,
     "tests/test_architecture_launches.py": 150,
     "tests/test_bench.py": 125,
