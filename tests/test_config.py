@@ -256,8 +256,8 @@ def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
     assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == ("/assets/smollm2", True)
     with pytest.raises(
         ValueError,
-        match=r"model=gptj \(from command line\): model is a section.*preset name \(.*smollm2\)"
-        r".*model.hf_path=",
+        match=r"model=gptj \(from command line\): model is a section.*preset name "
+        r"\(.*smollm2, smollm3\).*model.hf_path=",
     ):
         load_config(None, BASE + ["model=gptj"])
     with pytest.raises(

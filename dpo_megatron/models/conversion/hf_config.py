@@ -57,10 +57,13 @@ def read_hf_config_json(hf_path: str) -> dict:
         if not os.path.isdir(hf_path) and "/" in hf_path.strip("/"):
             # A hub name (what a preset resolves to without a local copy): the engine reads
             # local folders only.
+            from dpo_megatron.models.presets import hub_note
+
+            note = hub_note(hf_path.strip("/"))
             hint = (
                 f"; {hf_path!r} looks like a hub name: download it (huggingface-cli download "
                 f"{hf_path} --local-dir DIR/{hf_path}) and set DPO_MEGATRON_MODELS=DIR or "
-                f"model.hf_path=DIR/{hf_path}"
+                f"model.hf_path=DIR/{hf_path}" + (f"; {note}" if note else "")
             )
         raise FileNotFoundError(
             f"{path}: no config.json (model.hf_path must be a Hugging Face model folder){hint}"
