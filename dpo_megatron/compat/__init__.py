@@ -37,6 +37,8 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   failed worker until the launcher (:mod:`dpo_megatron.launch`) knows whether it was a crash.
 * :mod:`~dpo_megatron.compat.model_parallel_teardown`: megatron-core 0.16's model-parallel
   groups destroyed for real when a run switches layouts in one process (online DPO's phases).
+* :mod:`~dpo_megatron.compat.gloo_shared_device`: one gloo device (one event-loop thread, waking
+  every 10 ms) per process instead of one per process group.
 * :mod:`~dpo_megatron.compat.torchrun_repeated_signal`: torch elastic's agent keeps waiting for
   its workers to save when SLURM repeats a job's SIGTERM.
 

@@ -37,7 +37,10 @@ def initialize_distributed(cfg: ParallelConfig) -> None:
 
     from megatron.core import parallel_state
 
+    from dpo_megatron.compat import gloo_shared_device
+
     if not torch.distributed.is_initialized():
+        gloo_shared_device.install()  # every gloo group of this process on one device
         torch.distributed.init_process_group(
             backend=backend,
             timeout=datetime.timedelta(minutes=cfg.distributed_timeout_minutes),
