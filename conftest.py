@@ -34,6 +34,11 @@ def pytest_configure(config):
     # Collection imports torch, megatron-core and transformers: no cyclic collection meanwhile
     # (dpo_megatron.utils.collector; resumed in pytest_collection_finish).
     gc.disable()
+    # As every entry point does, before any test module imports megatron-core (on the CPU its
+    # fusions stay plain functions: no TorchDynamo / inductor import in each test process).
+    from dpo_megatron.compat import before_megatron_import
+
+    before_megatron_import()
     config.addinivalue_line("markers", "slow: multi-rank or real-weights test (CI runs all)")
     # xdist's default sorts files by their number of tests, which hands the longest files (one
     # test of minutes each) out last, so one worker ends minutes after the other: keep ours.

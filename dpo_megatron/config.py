@@ -38,9 +38,9 @@ from typing import Any, Optional, Sequence, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+from dpo_megatron.compat import before_megatron_import
 
-filter_expected_warnings()  # the launcher imports this module first: before megatron-core's import
+before_megatron_import()  # the launcher imports this module first: before megatron-core's import
 
 from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
 from dpo_megatron.generation.config import GenerationConfig  # noqa: E402

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+from dpo_megatron.compat import before_megatron_import
 
-filter_expected_warnings()  # before megatron-core's import-time warnings
+before_megatron_import()  # before megatron-core's import (its warnings; no torch.compile on CPU)
 
 from dpo_megatron.config import DPOConfig, load_config, parse_args  # noqa: E402
 from dpo_megatron.data.reader import DataError, read_json_rows  # noqa: E402

@@ -146,9 +146,9 @@ def score_file(cfg, input_path: str, output_path: str) -> list[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """One rank of the scoring command; a mistake ends it with one line and status 1."""
-    from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+    from dpo_megatron.compat import before_megatron_import
 
-    filter_expected_warnings()
+    before_megatron_import()
     args, overrides = _parse(argv)
     from dpo_megatron.config import load_config
 

@@ -15,9 +15,9 @@ if __name__ == "__main__":  # first, before torch: glibc reads its malloc tunabl
 
     restart_with_malloc_tunables()
 
-from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # noqa: E402
+from dpo_megatron.compat import before_megatron_import  # noqa: E402
 
-filter_expected_warnings()  # before megatron-core's import-time warnings
+before_megatron_import()  # before megatron-core's import (its warnings; no torch.compile on CPU)
 
 import os  # noqa: E402
 

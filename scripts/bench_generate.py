@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # noqa: E402
+from dpo_megatron.compat import before_megatron_import  # noqa: E402
 
-filter_expected_warnings()
+before_megatron_import()
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,9 +21,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dpo_megatron.compat.expected_warnings import filter_expected_warnings  # noqa: E402
+from dpo_megatron.compat import before_megatron_import  # noqa: E402
 
-filter_expected_warnings()  # before megatron-core's import-time warnings (Apex, TE)
+before_megatron_import()  # before megatron-core's import (its warnings; no torch.compile on CPU)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,6 +29,9 @@ from dpo_megatron.parallel.layout import free_port
 # (about 1 s for the trainer and 2 s for transformers per rank on a busy 2-core machine); none of
 # these modules starts a thread at import.
 _PRELOAD = [
+    # first: its import runs the entry points' set-up before megatron-core's import
+    # (dpo_megatron.compat.before_megatron_import: no torch.compile wrapping on the CPU)
+    "dpo_megatron.config",
     "torch",
     "torch.distributed",
     "megatron.core.parallel_state",

@@ -48,4 +48,17 @@ Applying a patch is always its caller's explicit decision, never an import side 
 
 from dpo_megatron.compat.registry import Patch, check_installed, installed_version, patches
 
-__all__ = ["Patch", "check_installed", "installed_version", "patches"]
+
+def before_megatron_import() -> None:
+    """What every entry point does before megatron-core is imported (idempotent, light): the
+    expected warnings filtered (:mod:`~dpo_megatron.compat.expected_warnings`), and on a machine
+    without CUDA no ``torch.compile`` wrapping of megatron-core's fusions
+    (:func:`~dpo_megatron.compat.eager_fusions.compile_only_on_cuda`)."""
+    from dpo_megatron.compat.eager_fusions import compile_only_on_cuda
+    from dpo_megatron.compat.expected_warnings import filter_expected_warnings
+
+    filter_expected_warnings()
+    compile_only_on_cuda()
+
+
+__all__ = ["Patch", "before_megatron_import", "check_installed", "installed_version", "patches"]
