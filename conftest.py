@@ -8,26 +8,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LONGEST_FILES = {
-    "tests/test_slurm_cluster.py": 440,
-    "tests/training/test_durability.py": 280,
-    "tests/test_launcher.py": 270,
-    "tests/training/test_moe_dpo.py": 280,
-    "tests/training/test_bf16_architectures.py": 190,
-    "tests/test_architecture_launches.py": 150,
-    "tests/test_bench.py": 125,
-    "tests/training/test_frontend_dpo_repo_runs.py": 105,
-    "tests/models/test_new_architectures.py": 110,
-    "tests/online/test_rounds.py": 110,
-    "tests/models/test_reward_model.py": 100,
-    "tests/test_mistral_family_folders.py": 95,
-    "tests/generation/test_generate.py": 80,
-    "tests/test_gpu_check.py": 65,
-    "tests/training/test_real_smollm2.py": 65,
+    "tests/test_slurm_cluster.py": 315,
+    "tests/training/test_durability.py": 250,
+    "tests/training/test_moe_dpo.py": 170,
+    "tests/training/test_bf16_architectures.py": 105,
+    "tests/test_architecture_launches.py": 95,
+    "tests/test_launcher.py": 80,
+    "tests/training/test_frontend_dpo_repo_runs.py": 70,
+    "tests/training/test_device_boundary.py": 70,
+    "tests/training/test_shared_prompt.py": 70,
+    "tests/test_bench.py": 65,
+    "tests/test_gpu_check.py": 55,
+    "tests/training/test_real_smollm2.py": 50,
+    "tests/training/test_context_parallel.py": 45,
+    "tests/training/test_lora_lifecycle.py": 45,
+    "tests/training/test_lifecycle.py": 45,
+    "tests/test_mistral_family_folders.py": 45,
+    "tests/online/test_rounds.py": 45,
 }
-"""Seconds each file took in CI (the longest tests of the last two fresh-clone runs, rounded up
-with their file's other tests, less what later commits cut): these files go to the workers first,
-longest first, so that the last files handed out are short and both workers finish together. A
-file missing here only starts later (after these, slow-marked files before the others)."""
+"""Seconds each file took in the last fresh-clone rehearsal (all its tests, rounded up): these
+files go to the workers first, longest first, so that the last files handed out are short and
+both workers finish together. A file missing here only starts later (after these, slow-marked
+files before the others)."""
 
 
 def pytest_configure(config):
