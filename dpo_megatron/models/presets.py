@@ -80,9 +80,9 @@ def _dequantize_note(hub_name: str, quantization: str, transformers_config: str)
     """How to turn a quantized hub folder into the local copy a preset finds."""
     return (
         f"{hub_name} is {quantization}-quantized on the hub and the engine reads unquantized "
-        f"weights: load it with transformers' {transformers_config}(dequantize=True), "
-        f"save_pretrained it as $DPO_MEGATRON_MODELS/{hub_name} (in place of the quantized "
-        "download) and model=NAME finds it"
+        f"weights: make the local copy with transformers (from_pretrained({hub_name!r}, "
+        f"quantization_config={transformers_config}(dequantize=True)), then save_pretrained "
+        f"to DIR/{hub_name}) and set {MODELS_DIR_ENV}=DIR"
     )
 
 

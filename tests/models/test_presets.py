@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -98,7 +99,11 @@ def test_model_equals_preset_expands_the_one_table(tmp_path, monkeypatch):
 def test_a_hub_name_without_a_local_copy_says_how_to_get_it():
     from dpo_megatron.models.conversion import model_config_from_hf
 
-    with pytest.raises(FileNotFoundError, match="hub name: download it.*DPO_MEGATRON_MODELS"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"hub name: download it \(hf download EleutherAI/pythia-70m --local-dir "
+        r"DIR/EleutherAI/pythia-70m\) and set DPO_MEGATRON_MODELS=DIR",
+    ):
         model_config_from_hf("EleutherAI/pythia-70m")
 
 
@@ -226,19 +231,25 @@ def test_moe_presets_check_their_local_copies(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"quantization_config \(mxfp4\): preset 'gpt-oss-20b' needs an unquantized copy; "
-        r".*Mxfp4Config\(dequantize=True\).*\$DPO_MEGATRON_MODELS/openai/gpt-oss-20b",
+        r".*Mxfp4Config\(dequantize=True\)\), then save_pretrained to DIR/openai/gpt-oss-20b\) "
+        r"and set DPO_MEGATRON_MODELS=DIR",
     ):
         model_preset_keys("gpt-oss-20b", [str(tmp_path / "hub")])
 
 
 def test_a_quantized_hub_name_says_to_dequantize():
-    """``model=gpt-oss-20b`` without a local copy: the engine's error names the download and the
-    dequantization the hub's MXFP4 folder needs (DeepSeek-V3: FP8)."""
-    with pytest.raises(
-        FileNotFoundError,
-        match=r"hub name: download it.*DPO_MEGATRON_MODELS.*MXFP4-quantized.*"
-        r"Mxfp4Config\(dequantize=True\), save_pretrained it",
-    ):
+    """``model=gpt-oss-20b`` without a local copy: the engine's error gives the recipe for the
+    local copy (loading the hub name dequantized, saving it under a folder of
+    DPO_MEGATRON_MODELS), not a plain download the engine could not read (DeepSeek-V3: FP8)."""
+    with pytest.raises(FileNotFoundError) as raised:
         model_config_from_hf("openai/gpt-oss-20b")
+    message = str(raised.value)
+    assert re.search(
+        r"hub name: openai/gpt-oss-20b is MXFP4-quantized on the hub .*from_pretrained\("
+        r"'openai/gpt-oss-20b', quantization_config=Mxfp4Config\(dequantize=True\)\), then "
+        r"save_pretrained to DIR/openai/gpt-oss-20b\) and set DPO_MEGATRON_MODELS=DIR$",
+        message,
+    ), message
+    assert "download it" not in message
     with pytest.raises(FileNotFoundError, match=r"FP8-quantized.*FineGrainedFP8Config"):
         model_config_from_hf("deepseek-ai/DeepSeek-V3")

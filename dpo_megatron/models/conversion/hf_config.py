@@ -59,11 +59,12 @@ def read_hf_config_json(hf_path: str) -> dict:
             # local folders only.
             from dpo_megatron.models.presets import hub_note
 
-            note = hub_note(hf_path.strip("/"))
-            hint = (
-                f"; {hf_path!r} looks like a hub name: download it (huggingface-cli download "
-                f"{hf_path} --local-dir DIR/{hf_path}) and set DPO_MEGATRON_MODELS=DIR or "
-                f"model.hf_path=DIR/{hf_path}" + (f"; {note}" if note else "")
+            # A preset whose hub folder the engine cannot read as downloaded (quantized) has
+            # its own recipe for the local copy instead of the plain download.
+            hint = f"; {hf_path!r} looks like a hub name: " + (
+                hub_note(hf_path.strip("/"))
+                or f"download it (hf download {hf_path} --local-dir DIR/{hf_path}) and set "
+                f"DPO_MEGATRON_MODELS=DIR or model.hf_path=DIR/{hf_path}"
             )
         raise FileNotFoundError(
             f"{path}: no config.json (model.hf_path must be a Hugging Face model folder){hint}"

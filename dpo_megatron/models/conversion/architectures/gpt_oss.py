@@ -253,8 +253,8 @@ def gpt_oss_config_from_hf(hf) -> dict:
         raise ValueError(
             f"{name}: quantization_config ({method}) is not supported: load the folder with "
             "transformers (Mxfp4Config(dequantize=True)) and save_pretrained it unquantized "
-            "(for model=gpt-oss-20b / gpt-oss-120b: as $DPO_MEGATRON_MODELS/openai/gpt-oss-<size>,"
-            " in place of the quantized download)"
+            "(for model=gpt-oss-20b / gpt-oss-120b: to DIR/openai/gpt-oss-<size>, with "
+            "DPO_MEGATRON_MODELS=DIR)"
         )
     if not getattr(hf, "attention_bias", True):
         raise ValueError(f"{name}: attention_bias=false is not supported (gpt-oss has biases)")
