@@ -29,6 +29,52 @@ def test_fused_swiglu_is_eager_exact_and_saves_only_its_input():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+def _megatron_swiglu(y):  # megatron.core.fusions.fused_bias_swiglu.swiglu, as written
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    return F.silu(y_1) * y_2
+
+
+def _megatron_swiglu_back(g, y):  # megatron-core's swiglu_back, as written
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    return torch.cat(
+        (g * torch.sigmoid(y_1) * (1 + y_1 * (1 - torch.sigmoid(y_1))) * y_2, g * F.silu(y_1)), -1
+    )
+
+
+def test_eager_swiglu_and_its_backward_are_megatron_cores_bit_for_bit():
+    """The in-place functions that enable() puts in give megatron-core's formulas' exact bits
+    (fp32 and bf16, a strided input), and the fused autograd function then uses them."""
+    import inspect
+
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from dpo_megatron.compat import eager_fusions
+
+    assert eager_fusions.enable() is True
+    assert fused_bias_swiglu.swiglu is eager_fusions.swiglu
+    assert fused_bias_swiglu.swiglu_back is eager_fusions.swiglu_back
+    # megatron-core's own functions are still the formulas the reference copies above hold
+    kept = inspect.getsource(eager_fusions._MEGATRON_SWIGLU_BACK)
+    assert "(1 + y_1 * (1 - torch.sigmoid(y_1))) * y_2, g * F.silu(y_1)" in kept
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = (torch.randn(37, 2, 48, generator=gen) * 4).to(dtype)
+        g = torch.randn(37, 2, 24, generator=gen).to(dtype)
+        for y_in in (y, y.transpose(0, 1)):  # contiguous and strided
+            g_in = g if y_in is y else g.transpose(0, 1)
+            assert torch.equal(eager_fusions.swiglu(y_in), _megatron_swiglu(y_in)), dtype
+            got = eager_fusions.swiglu_back(g_in, y_in)
+            assert got.is_contiguous() and got.dtype == dtype
+            assert torch.equal(got, _megatron_swiglu_back(g_in, y_in)), dtype
+    # mixed dtypes take megatron-core's function (in-place type promotion would differ)
+    y, g = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen).bfloat16()
+    assert torch.equal(eager_fusions.swiglu_back(g, y), _megatron_swiglu_back(g, y))
+    x = torch.randn(9, 32, generator=gen, requires_grad=True)
+    grad = torch.randn(9, 16, generator=gen)
+    (got,) = torch.autograd.grad(fused_bias_swiglu.bias_swiglu_impl(x, None), x, grad)
+    assert torch.equal(got, _megatron_swiglu_back(grad, x.detach()))
+
+
 _IMPORT = """
 import sys
 {setup}
