@@ -187,9 +187,12 @@ class DPOGPTModel(GPTModel):
         finally:
             self.output_layer.sequence_parallel = sequence_parallel
         if target_ids is not None:  # model.fused_lm_head=false: the logits stay for backward
+            # squeeze, not logits[0]: a view's backward is a view, where select's would zero a
+            # new [1, n, V/TP] gradient and copy into it
+            logits = logits.squeeze(0)
             return HeadLogps(
-                vocab_parallel_token_logps(logits[0], target_ids),
-                vocab_parallel_log_sum_p2(logits[0]) if log_sum_p2 else None,
+                vocab_parallel_token_logps(logits, target_ids),
+                vocab_parallel_log_sum_p2(logits) if log_sum_p2 else None,
             )
         return logits  # [1, n, V/TP]
 

@@ -65,14 +65,15 @@ def _chunk_max_and_sum_exp(z: torch.Tensor, group) -> tuple[torch.Tensor, torch.
     """(max_v z [c], sum_v exp(z - max) [c]) over the whole vocabulary of a chunk's
     compute-dtype logits z [c, V/TP]."""
     m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    return m, _all_reduce((z - m[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+    # exp in place: one [c, V/TP] temporary, not two (the same values)
+    return m, _all_reduce(torch.sub(z, m[:, None]).exp_().sum(dim=-1), dist.ReduceOp.SUM, group)
 
 
 def _log_sum_p2_from(
     z: torch.Tensor, m: torch.Tensor, sum_exp: torch.Tensor, group
 ) -> torch.Tensor:
     """log sum_v p_v^2 [c], given the chunk's :func:`_chunk_max_and_sum_exp`."""
-    sum2 = _all_reduce((2 * (z - m[:, None])).exp().sum(-1), dist.ReduceOp.SUM, group)
+    sum2 = _all_reduce(torch.sub(z, m[:, None]).mul_(2).exp_().sum(-1), dist.ReduceOp.SUM, group)
     return sum2.log() - 2 * sum_exp.log()
 
 
@@ -96,12 +97,20 @@ def _chunk_log_sum_p2(z: torch.Tensor, group) -> torch.Tensor:
 
 
 def _chunk_grad(
-    z: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, local: torch.Tensor, owned: torch.Tensor
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    local: torch.Tensor,
+    owned: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """d(sum_t grad_t log p(y_t)) / dz [c, V/TP] = grad_t (1[v == y_t] - softmax(z_t)_v), this
-    rank's vocabulary slice (compute dtype)."""
+    rank's vocabulary slice (compute dtype), written into ``out`` when given (which may be
+    ``z`` itself): the chunk is made in place, no [c, V/TP] temporary (each is a fresh
+    allocation the kernel maps and zeroes on the CPU)."""
     g = grad[:, None]
-    chunk = -(z - lse[:, None]).exp() * g
+    chunk = torch.sub(z, lse[:, None], out=out) if out is not None else z - lse[:, None]
+    chunk.exp_().mul_(-g)  # exp(z - lse) * -g: the bits of -exp(z - lse) * g
     return chunk.scatter_add_(-1, local[:, None], g * owned[:, None])
 
 
@@ -129,11 +138,19 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
         logits, local, owned, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         grad_logps = grad_logps.to(lse.dtype)
+        in_place = grad_logits.dtype == lse.dtype  # else each chunk is made, then rounded
         for s in range(0, logits.shape[0], ctx.chunk_tokens):
             rows = slice(s, s + ctx.chunk_tokens)
-            grad_logits[rows] = _chunk_grad(
-                logits[rows].to(lse.dtype), lse[rows], grad_logps[rows], local[rows], owned[rows]
+            chunk = _chunk_grad(
+                logits[rows].to(lse.dtype),
+                lse[rows],
+                grad_logps[rows],
+                local[rows],
+                owned[rows],
+                out=grad_logits[rows] if in_place else None,
             )
+            if not in_place:
+                grad_logits[rows] = chunk
         return grad_logits, None, None, None, None
 
 
@@ -282,7 +299,7 @@ class _LinearTokenLogps(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(s, s + ctx.chunk_rows)
             z = _head_logits(hidden[rows], weight, ctx.valid_columns, lse.dtype)
-            grad_z = _chunk_grad(z, lse[rows], grad_logps[rows], local[rows], owned[rows])
+            grad_z = _chunk_grad(z, lse[rows], grad_logps[rows], local[rows], owned[rows], out=z)
             grad_z = grad_z.to(hidden.dtype)
             del z
             if need_hidden:

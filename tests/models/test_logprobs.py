@@ -56,6 +56,31 @@ def test_bf16_logits_give_fp32_logps():
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_gradient_is_the_formula_in_fp32_and_rounded_in_bf16():
+    """Backward (each chunk written in place into the logits' gradient for fp32 logits, made
+    then stored for bf16) gives g * (onehot - exp(z - lse)) for every chunk: 3 chunks of 4
+    rows and one of 1 here."""
+    logits, labels = _full_logits()
+    flat, targets = logits.reshape(-1, 12), labels.reshape(-1)
+    grad = torch.linspace(-2.0, 3.0, targets.numel())
+    lse = torch.logsumexp(flat, -1)
+    want = -(flat - lse[:, None]).exp() * grad[:, None]
+    want.scatter_add_(-1, targets[:, None], grad[:, None])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = flat.to(dtype).requires_grad_(True)
+        out = vocab_parallel_token_logps(x, targets, group=None, chunk_tokens=4)
+        (got,) = torch.autograd.grad(out, x, grad)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        else:
+            z = x.detach().float()
+            lse16 = torch.logsumexp(z, -1)
+            ref = -(z - lse16[:, None]).exp() * grad[:, None]
+            ref.scatter_add_(-1, targets[:, None], grad[:, None])
+            torch.testing.assert_close(got.float(), ref.bfloat16().float(), rtol=0, atol=1e-2)
+            assert got.dtype == torch.bfloat16
+
+
 def test_log_sum_p2_single_rank():
     logits, _ = _full_logits()
     p = torch.softmax(logits, -1)
