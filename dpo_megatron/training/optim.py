@@ -68,6 +68,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
         use_distributed_optimizer=train.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, chunks, param_group_overrides(config, train))
+    fuse_torch_adam_on_cpu(optimizer)
     if model_config.bf16 or model_config.fp16:
         model_config.grad_scale_func = optimizer.scale_loss
     decay_iters = train.lr_decay_iters or train.train_iters
@@ -85,6 +86,32 @@ def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def fuse_torch_adam_on_cpu(optimizer) -> int:
+    """Give megatron-core's torch Adam(W) torch's fused kernel where its parameters are on the
+    CPU; returns how many parameter groups were switched.
+
+    Without apex / transformer-engine megatron-core builds torch's Adam with torch's defaults,
+    and torch's default on the CPU is its per-parameter Python loop (its multi-tensor path is for
+    CUDA): 0.70 CPU-s per step for SmolLM2-135M's 272 tensors against 0.08 s for the fused CPU
+    kernel (``torch._fused_adamw_``, torch >= 2.4), measured alone, one thread. The update is
+    Adam's (Kingma & Ba 2015, Algorithm 1; decoupled weight decay, Loshchilov & Hutter 2019) in
+    another order of operations: values agree to rounding. Set before the first step, when
+    torch's Adam makes its state (the fused kernel wants its ``step`` counters on the
+    parameters' device, which lazy creation then does). CUDA keeps torch's default.
+    """
+    switched = 0
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam) or inner.state:
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if params and all(p.device.type == "cpu" for p in params) and not group["fused"]:
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
 
 
 def param_group_overrides(config: OptimizerConfig, train: TrainConfig) -> dict:

@@ -96,10 +96,15 @@ def _losses(num_pairs: int, steps: int, settings: dict) -> dict:
         trainer.cfg.reference.mode,
         trainer.policy[0].module.fused_lm_head,
     )
+    losses = [trainer.train_step()[0].metrics["loss"] for _ in range(2)]
+    inner = [o.optimizer for o in getattr(trainer.optimizer, "chained_optimizers", [])]
     return {
-        "losses": [trainer.train_step()[0].metrics["loss"] for _ in range(2)],
+        "losses": losses,
         "chosen": chosen,
         "line": trainer.auto_settings.line,
+        # torch's fused AdamW on the CPU (training.optim.fuse_torch_adam_on_cpu), state made
+        "fused_adam": [g["fused"] for o in inner for g in o.param_groups],
+        "adam_steps": sorted({float(s["step"]) for o in inner for s in o.state.values()}),
     }
 
 
@@ -127,6 +132,9 @@ def test_new_default_gives_the_old_default_losses():
     assert model["chosen"] == (True, "model", False)
     assert precomputed["chosen"] == (True, "precomputed", False)
     assert old["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    for run in (old, model, precomputed):
+        assert run["fused_adam"] and all(run["fused_adam"]), run["fused_adam"]
+        assert run["adam_steps"] == [2.0]
     for new in (model, precomputed):
         for a, b in zip(new["losses"], old["losses"], strict=True):
             assert abs(a - b) < 1e-5, (new["losses"], old["losses"])
