@@ -191,7 +191,8 @@ class DPOGPTModel(GPTModel):
             # new [1, n, V/TP] gradient and copy into it
             logits = logits.squeeze(0)
             return HeadLogps(
-                vocab_parallel_token_logps(logits, target_ids),
+                # only these log-probs read the logits: their gradient takes their memory
+                vocab_parallel_token_logps(logits, target_ids, consume_logits=True),
                 vocab_parallel_log_sum_p2(logits) if log_sum_p2 else None,
             )
         return logits  # [1, n, V/TP]

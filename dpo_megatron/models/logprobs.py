@@ -15,7 +15,8 @@ Two entry points:
 
 * :func:`vocab_parallel_token_logps` takes logits. The fp32 copy is made one chunk of rows at a
   time, and backward recomputes the softmax from the saved (model-dtype) logits and the saved
-  per-token log-sum-exp, so no fp32 [tokens, vocab/TP] tensor outlives a chunk.
+  per-token log-sum-exp, so no fp32 [tokens, vocab/TP] tensor outlives a chunk; a caller that
+  hands its logits over (``consume_logits``) gets their gradient written into them.
 * :func:`vocab_parallel_linear_logps` takes the hidden states and the LM-head weight (what the
   training step uses). It never holds the [tokens, vocab/TP] logits: each chunk of rows is
   projected, reduced and dropped, and backward projects it again (one more LM-head matmul) to
@@ -35,8 +36,18 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_TOKENS = 1024
-"""Rows (tokens) of logits converted to fp32 at a time (:func:`vocab_parallel_token_logps`)."""
+LOGITS_CHUNK_ELEMENTS = 2**22
+"""Logits per chunk of :func:`vocab_parallel_token_logps` and :func:`vocab_parallel_log_sum_p2`
+(16 MiB in fp32; 85 rows for SmolLM2 at TP 1). Below glibc's largest mmap threshold (32 MiB), so
+on the CPU each chunk's temporary comes from the heap and the next chunk reuses it; a larger one
+is mapped fresh for every chunk, and the kernel faults in and zeroes each of its pages."""
+
+
+def _chunk_rows(chunk_tokens: Optional[int], shard: int) -> int:
+    """Rows per chunk: ``chunk_tokens`` when given, else :data:`LOGITS_CHUNK_ELEMENTS` over the
+    vocabulary shard (at least 1)."""
+    return chunk_tokens if chunk_tokens else max(1, LOGITS_CHUNK_ELEMENTS // max(shard, 1))
+
 
 DEFAULT_CHUNK_ELEMENTS = 2**24
 """Logits per chunk of :func:`vocab_parallel_linear_logps` (64 MiB in fp32): the rows of a chunk
@@ -115,10 +126,11 @@ def _chunk_grad(
 
 
 class _VocabParallelTokenLogps(torch.autograd.Function):
-    """logits [N, V/TP], labels [N] -> log p(label) [N] fp32 (see module docstring)."""
+    """logits [N, V/TP], labels [N] -> log p(label) [N] fp32 (see module docstring). With
+    ``consume_logits`` backward writes the gradient into the logits' own memory."""
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, chunk_tokens):
+    def forward(ctx, logits, labels, group, vocab_start, chunk_tokens, consume_logits):
         n, shard = logits.shape
         dtype = _compute_dtype(logits)
         logps = torch.empty(n, dtype=dtype, device=logits.device)
@@ -130,13 +142,15 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
                 logits[rows].to(dtype), local[rows], owned[rows], group
             )
         ctx.save_for_backward(logits, local, owned, lse)
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.consume_logits = chunk_tokens, consume_logits
         return logps
 
     @staticmethod
     def backward(ctx, grad_logps):
         logits, local, owned, lse = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
+        # A chunk's gradient needs only that chunk's logits: written over them when the caller
+        # hands the logits over, no second [N, V/TP] tensor.
+        grad_logits = logits if ctx.consume_logits else torch.empty_like(logits)
         grad_logps = grad_logps.to(lse.dtype)
         in_place = grad_logits.dtype == lse.dtype  # else each chunk is made, then rounded
         for s in range(0, logits.shape[0], ctx.chunk_tokens):
@@ -151,7 +165,7 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
             )
             if not in_place:
                 grad_logits[rows] = chunk
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def _tp_context(group) -> tuple[Optional[object], int]:
@@ -167,7 +181,8 @@ def vocab_parallel_token_logps(
     logits: torch.Tensor,
     labels: torch.Tensor,
     group=None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: Optional[int] = None,
+    consume_logits: bool = False,
 ) -> torch.Tensor:
     """log p(labels[..., t] | context) for every position, from this rank's vocabulary shard.
 
@@ -177,7 +192,12 @@ def vocab_parallel_token_logps(
         labels: [...] int64 target token ids in the full vocabulary (already shifted: the
             target of position t is token t+1).
         group: TP process group (default: megatron-core's tensor-model-parallel group).
-        chunk_tokens: rows converted to fp32 at a time (bounds peak memory).
+        chunk_tokens: rows converted to fp32 at a time (bounds peak memory); default
+            :data:`LOGITS_CHUNK_ELEMENTS` over V/TP.
+        consume_logits: the caller hands the logits over: nothing reads them after this
+            function's backward, which then writes their gradient into their memory (one
+            [..., V/TP] tensor less at the start of backward: 0.5 GiB for SmolLM2's ~2,600
+            scored tokens in fp32). Their values are gone after backward.
 
     Returns:
         [...] log-probabilities in nats, fp32 (fp64 for fp64 logits). Differentiable w.r.t.
@@ -186,14 +206,19 @@ def vocab_parallel_token_logps(
     group, rank = _tp_context(group)
     shard = logits.shape[-1]
     flat = _VocabParallelTokenLogps.apply(
-        logits.reshape(-1, shard), labels.reshape(-1), group, rank * shard, chunk_tokens
+        logits.reshape(-1, shard),
+        labels.reshape(-1),
+        group,
+        rank * shard,
+        _chunk_rows(chunk_tokens, shard),
+        consume_logits,
     )
     return flat.view(labels.shape)
 
 
 @torch.no_grad()
 def vocab_parallel_log_sum_p2(
-    logits: torch.Tensor, group=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    logits: torch.Tensor, group=None, chunk_tokens: Optional[int] = None
 ) -> torch.Tensor:
     """log sum_v p_v^2 per position, the normaliser of the WPO weights (Zhou et al.
     2024, arXiv:2406.11827, Sec. 3; used by ``dpo_megatron.losses.reductions.wpo_weights``).
@@ -203,6 +228,7 @@ def vocab_parallel_log_sum_p2(
     """
     group, _ = _tp_context(group)
     flat = logits.reshape(-1, logits.shape[-1])
+    chunk_tokens = _chunk_rows(chunk_tokens, flat.shape[-1])
     out = torch.empty(flat.shape[0], dtype=_compute_dtype(logits), device=logits.device)
     for s in range(0, flat.shape[0], chunk_tokens):
         out[s : s + chunk_tokens] = _chunk_log_sum_p2(

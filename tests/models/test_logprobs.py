@@ -81,6 +81,37 @@ def test_gradient_is_the_formula_in_fp32_and_rounded_in_bf16():
             assert got.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consumed_logits_take_their_gradient_with_the_same_values(dtype):
+    """``consume_logits``: backward writes the gradient into the logits' own memory (no second
+    vocabulary-wide tensor) and gives the same values as the default path, chunk by chunk."""
+    logits, labels = _full_logits()
+    flat, targets = logits.reshape(-1, 12).to(dtype), labels.reshape(-1)
+    grad = torch.linspace(-2.0, 3.0, targets.numel())
+    kept = flat.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(
+        vocab_parallel_token_logps(kept, targets, group=None, chunk_tokens=4), kept, grad
+    )
+    leaf = flat.clone().requires_grad_(True)
+    made = leaf * 1  # a non-leaf, as the output layer's logits are
+    out = vocab_parallel_token_logps(made, targets, group=None, chunk_tokens=4, consume_logits=True)
+    (got,) = torch.autograd.grad(out, made, grad, retain_graph=True)
+    assert got.data_ptr() == made.data_ptr()  # the logits' memory holds their gradient
+    assert torch.equal(got, want)
+    assert torch.equal(kept.detach(), flat)  # not handed over: left as they were
+
+
+def test_default_chunks_stay_below_glibcs_mmap_ceiling():
+    """The default chunk of logits is at most 16 MiB in fp32 (heap memory, reused chunk after
+    chunk on the CPU) at SmolLM2's vocabulary, and at least one row at any vocabulary."""
+    from dpo_megatron.models.logprobs import LOGITS_CHUNK_ELEMENTS, _chunk_rows
+
+    assert _chunk_rows(None, 49152) * 49152 * 4 <= 16 * 2**20
+    assert _chunk_rows(None, 49152) == 85
+    assert _chunk_rows(None, 10 * LOGITS_CHUNK_ELEMENTS) == 1
+    assert _chunk_rows(7, 49152) == 7
+
+
 def test_log_sum_p2_single_rank():
     logits, _ = _full_logits()
     p = torch.softmax(logits, -1)
