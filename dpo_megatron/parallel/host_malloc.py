@@ -21,6 +21,13 @@ tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned between
   (``docs/BENCHMARKS.md``) but made a step 5-8% slower: each trim also hands back pages the next
   layer's transients reuse, which the kernel maps and zeroes again. The bound trims every few
   layers instead: about 2% of a step (+1.7% on the shared-prompt setting measured), 8.0-8.2 GiB.
+  In this mode every block also comes from the heap (:func:`heap_only`): glibc maps a block
+  above its largest mmap threshold (32 MiB) afresh at each ``malloc`` and unmaps it at ``free``,
+  so such a tensor (a layer's [tokens, 2 x ffn] gate/up output: 37.5 MiB for 3,056 tokens of
+  SmolLM2) had every page faulted in and zeroed by the kernel each time; from the heap it reuses
+  freed pages, and the trimmer's bound still caps what the heap keeps. 30-layer SmolLM2 step,
+  one thread, CPU s (system part): 41.4-41.9 (3.4-3.7) mapped, 39.7-40.4 (3.0-3.3) heap only,
+  peak RSS 6.65 -> 6.9 GiB (2026-12-05).
 * ``release``: glibc's tunables :data:`TUNABLES` (``GLIBC_TUNABLES``):
   ``glibc.malloc.mmap_threshold=4194304`` maps every block of 4 MiB and more when made and unmaps
   it when freed, and ``glibc.malloc.hugetlb=1`` asks for transparent huge pages for those
@@ -177,6 +184,19 @@ def _libc():
     return ctypes.CDLL("libc.so.6")
 
 
+M_MMAP_MAX = -4
+"""glibc's ``mallopt`` parameter: the most blocks it maps at once (0: none, every block from the
+heap)."""
+
+
+def heap_only() -> bool:
+    """Have glibc serve every later block from the heap, however large (``mallopt(M_MMAP_MAX,
+    0)``); returns whether it took. Blocks mapped before stay mapped until freed. Process-wide
+    and for good: :func:`trim_after_each_layer` calls it where a :class:`HeapTrimmer` bounds the
+    heap's free pages (module docstring)."""
+    return _glibc() and _libc().mallopt(M_MMAP_MAX, 0) == 1
+
+
 TRIM_SLACK_BYTES = 512 << 20
 """Resident free heap a layer's forward may leave before :class:`HeapTrimmer` trims."""
 
@@ -222,8 +242,9 @@ def trim_after_each_layer(
 ) -> Optional[HeapTrimmer]:
     """In ``trim`` mode on a CPU device with glibc, call a :class:`HeapTrimmer` after every
     transformer layer's forward in ``model_chunks`` (a forward hook, so also in recomputed
-    forwards, and with LoRA in the reference pass, which runs the policy's own layers); elsewhere
-    nothing. The trimmer is per process: each rank keeps its own bound.
+    forwards, and with LoRA in the reference pass, which runs the policy's own layers), and
+    serve every block from the heap from now on (:func:`heap_only`); elsewhere nothing. The
+    trimmer is per process: each rank keeps its own bound.
 
     Args:
         model_chunks: the policy's model chunks (``torch.nn.Module``, DDP-wrapped or not).
@@ -241,6 +262,7 @@ def trim_after_each_layer(
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     trimmer = trimmer or HeapTrimmer()
+    heap_only()
     for chunk in model_chunks:
         for layer in chunk.modules():
             if isinstance(layer, TransformerLayer):
@@ -258,8 +280,7 @@ def describe(environ: Mapping[str, str] = os.environ, trimming: bool = False) ->
     tunables = ", ".join(t[len("glibc.malloc.") :] for t in active)
     if trimming:
         return (
-            "host malloc: trim (free heap pages returned between layers; "
-            + (tunables or "glibc's default malloc")
-            + ")"
+            "host malloc: trim (every block from the heap, free heap pages returned between "
+            "layers; " + (tunables or "glibc's default malloc") + ")"
         )
     return "host malloc: " + (tunables or "the C library's default")

@@ -34,11 +34,13 @@ def test_tunables_are_added_once_and_a_users_choice_is_kept():
     assert host_malloc.describe(env) == "host malloc: mmap_threshold=4194304, hugetlb=1"
     assert host_malloc.describe({}) == "host malloc: the C library's default"
     assert host_malloc.describe({}, trimming=True) == (
-        "host malloc: trim (free heap pages returned between layers; glibc's default malloc)"
+        "host malloc: trim (every block from the heap, free heap pages returned between "
+        "layers; glibc's default malloc)"
     )
     assert (
         host_malloc.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, trimming=True)
-        == "host malloc: trim (free heap pages returned between layers; arena_max=2)"
+        == "host malloc: trim (every block from the heap, free heap pages returned between "
+        "layers; arena_max=2)"
     )
 
 
@@ -219,7 +221,12 @@ def _count_trims(switch, device, slack, recompute):
     first = chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
     chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None).sum().backward()
     chunks[0](tokens, torch.arange(5).expand(2, 5), attention_mask=None)
-    return trimmer and trimmer.trims, first.detach()
+    # a 48 MiB tensor, above glibc's largest mmap threshold: mapped unless heap_only() took
+    mapped_before = host_malloc._mallinfo2()().hblkhd
+    large = torch.ones(48 << 20, dtype=torch.uint8)
+    mapped = host_malloc._mallinfo2()().hblkhd - mapped_before >= 48 << 20
+    del large
+    return trimmer and trimmer.trims, first.detach(), mapped
 
 
 @glibc
@@ -251,3 +258,5 @@ def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, recompute, t
     )
     assert result[0] == trims
     assert torch.equal(result[1], untrimmed[1])  # trimming moves no byte in use
+    # with a trimmer every block comes from the heap (heap_only); elsewhere glibc maps it
+    assert result[2] is (trims is None) and untrimmed[2] is True
