@@ -17,12 +17,12 @@ peak RSS, step-0 loss and logps; then ratios against TRL. On a machine shared wi
 CPU-time figures are the fairer comparison: they do not count time the process spent waiting for
 a core. Results go to a JSON file and a Markdown table (``--markdown``).
 
-Every run uses glibc's malloc as it comes, the engine's runs with their default
-``DPO_MEGATRON_HOST_MALLOC=trim`` (free heap pages returned between layers' forwards:
-``dpo_megatron.parallel.host_malloc``); a run name ending in ``+malloc`` (``trl+malloc``,
-``engine+malloc``, ...) runs that setting with the engine's opt-in tunables
+Every run uses glibc's malloc, TRL's as it comes, the engine's runs with their default
+``DPO_MEGATRON_HOST_MALLOC=trim`` (every block from the heap, free heap pages returned between
+layers' forwards: ``dpo_megatron.parallel.host_malloc``); a run name ending in ``+malloc``
+(``trl+malloc``, ``engine+malloc``, ...) runs that setting with the engine's opt-in tunables
 (``DPO_MEGATRON_HOST_MALLOC=release``), which hand large freed tensors back to the OS, and
-``engine+system-malloc`` the engine without its heap trimming (``DPO_MEGATRON_HOST_MALLOC=system``).
+``engine+system-malloc`` the engine with glibc as it comes (``DPO_MEGATRON_HOST_MALLOC=system``).
 """
 
 from __future__ import annotations
