@@ -37,6 +37,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from dpo_megatron.models.quantized import (
+    TRANSFORMERS_CONFIGS,
+    dequantize_recipe,
+    quantization_method,
+)
+
 MODELS_DIR_ENV = "DPO_MEGATRON_MODELS"
 """Environment variable: folders (``os.pathsep``-separated) searched for local copies of preset
 models, as ``<folder>/<hub name>`` (``EleutherAI/pythia-2.8b``) or ``<folder>/<last part>``
@@ -76,13 +82,13 @@ def _pythia(size: str, layers: int, hidden: int, heads: int, vocab: int = 50304)
     )
 
 
-def _dequantize_note(hub_name: str, quantization: str, transformers_config: str) -> str:
-    """How to turn a quantized hub folder into the local copy a preset finds."""
+def _dequantize_note(hub_name: str, method: str) -> str:
+    """How to turn a quantized hub folder into the local copy a preset finds
+    (``models.quantized``)."""
+    name, _ = TRANSFORMERS_CONFIGS[method]
     return (
-        f"{hub_name} is {quantization}-quantized on the hub and the engine reads unquantized "
-        f"weights: make the local copy with transformers (from_pretrained({hub_name!r}, "
-        f"quantization_config={transformers_config}(dequantize=True)), then save_pretrained "
-        f"to DIR/{hub_name}) and set {MODELS_DIR_ENV}=DIR"
+        f"{hub_name} is {name}-quantized on the hub and the engine reads unquantized weights: "
+        f"{dequantize_recipe(hub_name, method, f'DIR/{hub_name}')} and set {MODELS_DIR_ENV}=DIR"
     )
 
 
@@ -107,7 +113,7 @@ def _gpt_oss(size: str, layers: int) -> ModelPreset:
         2880,
         201088,
         size,
-        note=_dequantize_note(hub_name, "MXFP4", "Mxfp4Config"),
+        note=_dequantize_note(hub_name, "mxfp4"),
     )
 
 
@@ -176,7 +182,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         18432,
         129280,
         "671b",
-        note=_dequantize_note("deepseek-ai/DeepSeek-V3", "FP8", "FineGrainedFP8Config"),
+        note=_dequantize_note("deepseek-ai/DeepSeek-V3", "fp8"),
     ),
 }
 """Preset name -> model. The reference repo's ``gptj`` is absent: GPT-J is not mapped."""
@@ -223,9 +229,8 @@ def _check_folder(folder: str, name: str, preset: ModelPreset) -> None:
     them, GPT-2's ``n_inner`` being null) and be unquantized."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = quantization_method(config)
+    if method:
         raise ValueError(
             f"{folder}/config.json: quantization_config ({method}): preset {name!r} needs an "
             "unquantized copy"
@@ -246,8 +251,9 @@ def _check_folder(folder: str, name: str, preset: ModelPreset) -> None:
         if got is None and keys in stated:
             continue
         if got != want:
+            said = f"{keys[0]}={got!r}" if got is not None else f"no {' or '.join(keys)}"
             raise ValueError(
-                f"{folder}/config.json: {keys[0]}={got!r}, but preset {name!r} "
+                f"{folder}/config.json: {said}, but preset {name!r} "
                 f"({preset.hub_name}) has {want!r}: the folder holds another model"
             )
 

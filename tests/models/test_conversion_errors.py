@@ -75,6 +75,36 @@ def test_unknown_architecture(llama_dir):
 
 
 @pytest.mark.parametrize(
+    ("arch", "method", "recipe"),
+    [
+        ("llama", "fp8", "FineGrainedFP8Config(dequantize=True)"),
+        ("deepseek_v3", "fp8", "FineGrainedFP8Config(dequantize=True)"),
+        ("gpt_oss", "mxfp4", "Mxfp4Config(dequantize=True)"),
+        ("qwen3", "awq", "<its quantization config>(dequantize=True)"),
+    ],
+)
+def test_a_quantized_folder_is_refused_with_the_dequantize_recipe(tmp_path, arch, method, recipe):
+    """Any architecture: the file, the method, transformers' dequantizing load, and where the
+    copy goes (models.quantized, checked in model_config_from_hf)."""
+    from transformers import AutoConfig
+
+    from tests.models.conversion_helpers import NEW_TINY_CONFIGS, TINY_CONFIGS
+
+    kwargs = dict({**TINY_CONFIGS, **NEW_TINY_CONFIGS}[arch])
+    AutoConfig.for_model(kwargs.pop("model_type"), **kwargs).save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"] = {"quant_method": method}
+    json.dump(config, open(path, "w"))
+    with pytest.raises(ValueError) as raised:
+        model_config_from_hf(str(tmp_path))
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path}/config.json: quantization_config ({method}) ")
+    assert f"from_pretrained('{tmp_path}', quantization_config={recipe})" in message
+    assert message.endswith("then save_pretrained to NEW_FOLDER) and set model.hf_path=NEW_FOLDER")
+
+
+@pytest.mark.parametrize(
     "config_class", ["Qwen3NextConfig", "Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"]
 )
 def test_gated_deltanet_families_are_refused_with_the_reason(tmp_path, config_class):

@@ -61,6 +61,15 @@ def test_a_local_copy_wins_and_must_be_that_model(tmp_path, monkeypatch):
     _local_copy(tmp_path / "other", "pythia-2.8b", {**PYTHIA_28B_CONFIG, "hidden_size": 2048})
     with pytest.raises(ValueError, match="hidden_size=2048.*'pythia28'.*another model"):
         resolve_model_preset("pythia28", [str(tmp_path / "other")])
+    # a required fact the config does not state is named as missing, not as None
+    layerless = {k: v for k, v in PYTHIA_28B_CONFIG.items() if k != "num_hidden_layers"}
+    _local_copy(tmp_path / "bare", "pythia-2.8b", layerless)
+    with pytest.raises(
+        ValueError,
+        match=r"config.json: no num_hidden_layers or n_layer, but preset 'pythia28' "
+        r"\(EleutherAI/pythia-2.8b\) has 32",
+    ):
+        resolve_model_preset("pythia28", [str(tmp_path / "bare")])
 
 
 def test_unknown_preset_lists_the_presets():

@@ -13,6 +13,7 @@ from dpo_megatron.models.conversion.architectures import (
     Architecture,
     get_architecture,
 )
+from dpo_megatron.models.quantized import refuse_quantized
 
 HF_DEFAULTED_FIELDS = ("moe_aux_loss_coeff",)
 """ModelConfig fields whose None means "the HF config's value" (``router_aux_loss_coef``)."""
@@ -117,7 +118,8 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
 
     Raises:
         FileNotFoundError: no config.json.
-        ValueError: unknown architecture, or a setting megatron-core cannot represent (names it).
+        ValueError: unknown architecture, a quantized checkpoint (with the dequantize recipe:
+            ``models.quantized``), or a setting megatron-core cannot represent (names it).
     """
     arch = architecture_of(hf_path)
     from transformers import AutoConfig
@@ -125,6 +127,7 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     # transformers resolves class defaults and old/new spellings (rope_theta/rope_scaling vs
     # rope_parameters); the file is local, nothing is downloaded.
     hf = AutoConfig.from_pretrained(hf_path)
+    refuse_quantized(hf, hf_path)  # every architecture: the weights are read unquantized
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     fields = {**{name: defaults[name] for name in FAMILY_FIELDS}, **arch.config_from_hf(hf)}
     base = base or ModelConfig()

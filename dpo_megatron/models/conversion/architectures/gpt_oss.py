@@ -241,21 +241,12 @@ def gpt_oss_config_from_hf(hf) -> dict:
     """ModelConfig fields of a gpt-oss config.
 
     Raises:
-        ValueError: naming what is not served: a quantized checkpoint (the hub's MXFP4 experts:
-            dequantize first), ``attention_bias=false``, a SwiGLU gain other than 1.702, a RoPE
-            other than plain or YaRN (and YaRN settings ``base.yarn_fields`` refuses, or
-            ``mscale_all_dim`` without ``mscale``).
+        ValueError: naming what is not served: ``attention_bias=false``, a SwiGLU gain other
+            than 1.702, a RoPE other than plain or YaRN (and YaRN settings ``base.yarn_fields``
+            refuses, or ``mscale_all_dim`` without ``mscale``). A quantized checkpoint (the hub's
+            MXFP4 experts) is refused before, by ``hf_config.model_config_from_hf``.
     """
     name = hf.model_type
-    quant = getattr(hf, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"{name}: quantization_config ({method}) is not supported: load the folder with "
-            "transformers (Mxfp4Config(dequantize=True)) and save_pretrained it unquantized "
-            "(for model=gpt-oss-20b / gpt-oss-120b: to DIR/openai/gpt-oss-<size>, with "
-            "DPO_MEGATRON_MODELS=DIR)"
-        )
     if not getattr(hf, "attention_bias", True):
         raise ValueError(f"{name}: attention_bias=false is not supported (gpt-oss has biases)")
     alpha = float(getattr(hf, "swiglu_alpha", SWIGLU_ALPHA))
