@@ -183,7 +183,7 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
         assert engine["heap_trims"] >= 1 and trl.get("heap_trims") is None
         assert engine["host_malloc"] == (
             "host malloc: trim (every block from the heap, free heap pages returned between "
-            "layers; glibc's default malloc)"
+            "layers; no glibc tunables)"
         )
 
 

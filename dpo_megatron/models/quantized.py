@@ -39,7 +39,8 @@ def dequantize_recipe(source: str, method: str, target: str) -> str:
     quantizer's own dequantize option)."""
     _, config = TRANSFORMERS_CONFIGS.get(method, (method, "<its quantization config>"))
     return (
-        f"make an unquantized copy with transformers (from_pretrained({source!r}, "
+        f"make an unquantized copy with transformers (AutoModelForCausalLM.from_pretrained("
+        f"{source!r}, "
         f"quantization_config={config}(dequantize=True)), then save_pretrained to {target})"
     )
 

@@ -281,6 +281,6 @@ def describe(environ: Mapping[str, str] = os.environ, trimming: bool = False) ->
     if trimming:
         return (
             "host malloc: trim (every block from the heap, free heap pages returned between "
-            "layers; " + (tunables or "glibc's default malloc") + ")"
+            "layers; " + (tunables or "no glibc tunables") + ")"
         )
     return "host malloc: " + (tunables or "the C library's default")

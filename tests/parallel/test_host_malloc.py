@@ -35,7 +35,7 @@ def test_tunables_are_added_once_and_a_users_choice_is_kept():
     assert host_malloc.describe({}) == "host malloc: the C library's default"
     assert host_malloc.describe({}, trimming=True) == (
         "host malloc: trim (every block from the heap, free heap pages returned between "
-        "layers; glibc's default malloc)"
+        "layers; no glibc tunables)"
     )
     assert (
         host_malloc.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, trimming=True)
