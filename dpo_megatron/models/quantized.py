@@ -23,8 +23,9 @@ TRANSFORMERS_CONFIGS = {"mxfp4": ("MXFP4", "Mxfp4Config"), "fp8": ("FP8", "FineG
 def quantization_method(config: Any) -> Optional[str]:
     """The ``quant_method`` of a config's ``quantization_config`` (a transformers config object or
     the ``config.json`` dict), ``"unknown"`` when it names none, None when unquantized."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(config, dict):
+    if isinstance(config, dict):
+        quant = config.get("quantization_config")
+    else:
         quant = getattr(config, "quantization_config", None)
     if not quant:
         return None
@@ -38,10 +39,10 @@ def dequantize_recipe(source: str, method: str, target: str) -> str:
     transformers, for a ``method`` of :data:`TRANSFORMERS_CONFIGS` (others: the transformers
     quantizer's own dequantize option)."""
     _, config = TRANSFORMERS_CONFIGS.get(method, (method, "<its quantization config>"))
+    load = f"AutoModelForCausalLM.from_pretrained({source!r}, quantization_config={config}"
     return (
-        f"make an unquantized copy with transformers (AutoModelForCausalLM.from_pretrained("
-        f"{source!r}, "
-        f"quantization_config={config}(dequantize=True)), then save_pretrained to {target})"
+        f"make an unquantized copy with transformers ({load}(dequantize=True)), then "
+        f"save_pretrained to {target})"
     )
 
 
