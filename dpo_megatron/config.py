@@ -218,7 +218,7 @@ def list_keys() -> str:
                 lines.extend("    " + line for line in textwrap.wrap(docs[f.name], 92))
 
     walk(DPOConfig, "")
-    lines.append("loss.<parameter>: the parameters of the chosen loss.name (see README, Losses)")
+    lines.append("loss.<parameter>: the parameters of the chosen loss.name (see docs/LOSSES.md)")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=stage_help.sh
 source "$ROOT/scripts/stage_help.sh"
-stage_help "${BASH_SOURCE[0]}" "the online.* keys set the rounds (README, Iterative DPO)." "$@"
+stage_help "${BASH_SOURCE[0]}" "the online.* keys set the rounds (docs/REWARD_AND_ONLINE.md)." "$@"
 export DPO_MEGATRON_DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/online_smollm2_cpu.yaml}"
 export DPO_MEGATRON_ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.online.run}"
 export DPO_MEGATRON_PRECHECK="${DPO_MEGATRON_PRECHECK:--m dpo_megatron.online.run --check}"

@@ -22,8 +22,8 @@ for a in "$@"; do
     echo "Options: --config FILE (anywhere; default $(basename "$DEFAULT_CONFIG")), key=value overrides,"
     echo "  --list-keys (every config key: type, default, valid range), --print-config (the resolved"
     echo "  config as YAML). Shorthands: loss=ipo is loss.name=ipo; key= clears a string key;"
-    echo "  model=NAME is a model preset (smollm2, pythia28, smollm3, gpt-oss-20b, ...: README,"
-    echo "  Presets), its local copy looked up under \$DPO_MEGATRON_MODELS."
+    echo "  model=NAME is a model preset (smollm2, pythia28, smollm3, gpt-oss-20b, ...:"
+    echo "  docs/HF_CONVERSION.md#presets), its local copy looked up under \$DPO_MEGATRON_MODELS."
     echo "Before any rank starts, the config, the data files and the model's layout are checked;"
     echo "a mistake ends the script with one 'config error:' or 'error:' line (exit status 1)."
     exit 0

@@ -308,14 +308,13 @@ def test_datasets_train_and_test_splits(tmp_path):
 
 
 def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path):
-    """The README's two lines as pasted (a hub model preset, the hub HH dataset, a
-    ``model.archive`` path that does not exist here), with ``--dry-run`` on a machine without
-    the hub: the translation is printed, nothing is read (steps ``N``, noted; the archive
-    noted), the run goes to a visible ``runs/`` folder, not ``.cache/<user>``. Without
-    ``--dry-run`` the pairs must be counted: one ``error:`` line naming both sources and the
-    local alternatives, exit status 2, at once. Old: the first dry run spent about a minute on
-    hub retries before that error, the second needed the archive file to exist, and the run
-    folder was ``.cache/<user>/...`` inside the clone."""
+    """The reference repo's two README lines as docs/COMING_FROM.md pastes them (a hub model
+    preset, the hub HH dataset, a ``model.archive`` path that does not exist here), with
+    ``--dry-run`` on a machine without the hub: the translation is printed, nothing is read
+    (steps ``N``, noted; the archive noted, and it need not exist), the run goes to a visible
+    ``runs/`` folder, not ``.cache/<user>`` inside the clone. Without ``--dry-run`` the pairs
+    must be counted: one ``error:`` line naming both sources and the local alternatives, exit
+    status 2, at once (no minute of hub retries first)."""
     import os
     import re
     import subprocess
@@ -324,7 +323,7 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
 
     from dpo_megatron.frontends.common import ROOT
 
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "COMING_FROM.md"), encoding="utf-8") as f:
         lines = [
             line.split()[2:]
             for line in f.read().splitlines()

@@ -14,7 +14,7 @@ Every key of the reference repo's ``config.yaml`` / ``loss`` / ``model`` groups 
 equivalent here are named in the printed notes, never silently dropped. ``engine.<our key>=v``
 passes one of our own keys through (``engine.data.shp_max_pairs_per_post=0``).
 
-What is translated how (the README's "Coming from the reference DPO repo" table lists every key):
+What is translated how (docs/COMING_FROM.md's "Key by key" table lists every key):
 ``batch_size`` is the global batch in pairs, ``gradient_accumulation_steps`` the micro-batches
 per step, ``trainer`` a layout over the visible devices (:func:`layout_for`), ``eval_every`` and
 ``n_examples`` count examples (divided by ``batch_size`` into steps), ``n_epochs`` counts passes

@@ -1,6 +1,6 @@
 """A TRL ``DPOConfig`` YAML (trl 1.16 field names, as ``trl dpo --config FILE`` reads it) as our
 overrides: ``python -m dpo_megatron.frontends.dpo_repo --trl FILE.yaml [our key=value ...]``
-prints the equivalent ``scripts/pretrain_dpo.sh`` command and runs it (README, "Coming from TRL").
+prints the equivalent ``scripts/pretrain_dpo.sh`` command and runs it (docs/COMING_FROM.md, "TRL").
 
 Field names and defaults: ``trl.trainer.dpo_config.DPOConfig`` and
 ``transformers.TrainingArguments`` (trl 1.16.0). A field that is not in :data:`RENAMES` /

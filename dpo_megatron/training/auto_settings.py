@@ -1,7 +1,7 @@
 """The speed settings left to the engine (``null`` / ``auto`` in the config), decided once per run.
 
 A newcomer should get the fastest *exact* setting without reading about it. Four settings are
-chosen here, each by a rule stated in the README ("Fast by default") and reported on the
+chosen here, each by a rule stated in docs/PERFORMANCE.md ("Fast by default") and reported on the
 start-up line with its reason (``Trainer`` prints :attr:`AutoSettings.line`):
 
 * **packing** (``packing.enabled`` / ``packing.share_prompt`` = null): shared-prompt pairs
