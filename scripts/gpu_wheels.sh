@@ -3,9 +3,9 @@
 #
 #   bash scripts/gpu_wheels.sh [DIR]        (default: .whl/ at the repository root)
 #
-# Run it on a machine with a package registry. The lent GPU machine has Python 3.12 and torch
-# with CUDA (numpy, packaging, PyYAML, transformers, safetensors, tensorboard, psutil included)
-# but not megatron-core or omegaconf: this downloads exactly those two (~2.7 MB; omegaconf 2.4
+# Run it on a machine with a package registry. A bare GPU machine (such as one with Python 3.12
+# and torch with CUDA, numpy, packaging, PyYAML, transformers, safetensors, tensorboard, psutil)
+# may lack megatron-core and omegaconf: this downloads exactly those two (~2.7 MB; omegaconf 2.4
 # vendors its parser runtime), built for CPython 3.12 on x86-64 Linux, whatever this machine is.
 #
 # .whl/ is git-ignored: a copy of the tracked tree (git clone / archive, or a device tool that

@@ -5,8 +5,8 @@ publishes it) is ``manifest.json``: every other file of the checkpoint with its 
 and its xxHash XXH3-128 digest. Loading checks every file against it, and a file that is missing,
 unlisted, of another size or another digest is named in the error. XXH3-128 is a
 non-cryptographic 128-bit hash made for checksums (the ``xxhash`` PyPI package, bindings of the
-reference C library): ~9.5 GB/s per core here against ~1.4 GB/s for hashlib's SHA-256 with
-SHA-NI, so hashing stays well below the cost of reading the files. It detects corruption (bit
+reference C library), several times faster than hashlib's SHA-256 (``docs/BENCHMARKS.md``), so
+hashing stays well below the cost of reading the files. It detects corruption (bit
 rot, torn or truncated writes, a stray copy), not tampering: an attacker who can rewrite the
 files can rewrite the manifest too, which is why the second half of this module exists. Ranks
 hash disjoint shares of the files, so the cost is divided by the world size.

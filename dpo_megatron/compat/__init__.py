@@ -14,7 +14,7 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.dist_ckpt_writer_orphans`: the writer processes a ``torch_dist``
   save forks die with their rank (megatron-core 0.16).
 * :mod:`~dpo_megatron.compat.eager_fusions`: megatron-core's fused SwiGLU runs eagerly on the
-  CPU (its ``torch.compile`` takes minutes per shape there).
+  CPU (its ``torch.compile`` compiles C++ for every shape there).
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
 * :mod:`~dpo_megatron.compat.moe_router_without_te`: megatron-core 0.16's MoE router gating
   without transformer-engine (an undefined name).

@@ -5,7 +5,7 @@ write bucket at every save, synchronous ones included (``write_preloaded_data_mu
 ``thread_count=2`` buckets by default). A fork does not inherit the rank's parent-death signal
 (:func:`dpo_megatron.parallel.shutdown.die_with_launcher`), so when the launcher is killed with
 SIGKILL during a save the rank dies and its writers live on: seen in the kill -9 test, a writer
-still alive more than 10 s later, writing into ``iter_N.tmp``; one whose results outgrow its
+still alive well after its rank, writing into ``iter_N.tmp``; one whose results outgrow its
 queue's pipe would block in its queue's feeder thread for ever, since nobody reads it. With the
 patch each writer asks the kernel, first thing, for SIGKILL when its rank dies.
 

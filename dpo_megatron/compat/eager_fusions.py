@@ -2,8 +2,8 @@
 
 megatron-core wraps its fusions (``megatron.core.fusions.fused_bias_swiglu``: ``swiglu`` and its
 backward) in ``torch.compile`` (``megatron.core.jit.jit_fuser``). On the CPU that compiles C++
-with inductor at the first call of every new shape: 116 s for one SwiGLU on the 2-core build
-machine. The fused *autograd function* is what this engine wants (``SwiGLUFunction`` saves only
+with inductor at the first call of every new shape, a long compile on a CPU. The fused
+*autograd function* is what this engine wants (``SwiGLUFunction`` saves only
 its input and recomputes SiLU in backward, where the unfused GLU keeps the SiLU output, a copy of
 the linear half and the product: 3 extra [tokens, ffn] tensors per layer), not the compiled
 kernel; so on the CPU the module's functions are replaced by the plain Python functions that
@@ -13,14 +13,14 @@ Run eagerly, those functions are written for a compiler: ``swiglu_back`` is a do
 full-size element-wise passes, each into a new [tokens, ffn] tensor, and a ``torch.cat``. So
 :func:`enable` also puts in :func:`swiglu` and :func:`swiglu_back`: the same operations on the
 same operands in the same order (bit-identical results, tested), written for eager execution,
-into one output buffer with one temporary: 2.4x faster alone ([3056, 3072] fp32, one thread),
-about 0.6 of a 45 CPU-s step of the 30-layer SmolLM2 (2026-12-05; the torch profiler had put
-8.8 s there, mostly its own per-operation overhead). ``bias_swiglu``, ``weighted_swiglu`` and
-their backwards look these names up at call time and use them too.
+into one output buffer with one temporary (the gain, measured: ``docs/BENCHMARKS.md``).
+``bias_swiglu``, ``weighted_swiglu`` and their backwards look these names up at call time and use
+them too.
 
 Wrapping costs too: each ``torch.compile(fn)`` at megatron-core's import (a dozen modules
-decorate functions with ``jit_fuser``) imports TorchDynamo and inductor, 1.5 s of the 4.3 s that
-a rank's megatron-core imports take on the CPU, in every process of every launch. Where torch sees
+decorate functions with ``jit_fuser``) imports TorchDynamo and inductor, a large share of a
+rank's megatron-core import on the CPU (``docs/BENCHMARKS.md``), in every process of every
+launch. Where torch sees
 no CUDA device (nothing would be compiled for it), :func:`compile_only_on_cuda` throws
 megatron-core's own switch, ``megatron.core.jit.disable_jit_fuser``, the moment
 ``megatron.core.jit`` has run, before any module decorates with it: the functions stay plain.

@@ -6,10 +6,10 @@ device for every group. Each device runs its own event-loop thread, which wakes 
 (gloo's ``tcp::Loop``: ``epoll_wait(..., 10)``) whether or not the group is used. megatron-core
 builds about 20 groups per rank (tensor, pipeline, data, context, expert, embedding groups and
 gloo copies of the data-parallel ones), so every rank of a CPU run carries some 20 loop threads
-waking 2,000 times a second; with 4-8 ranks on a 2-core machine those wake-ups took 5-8% of the
-CPU in the test suite (``perf``: ``gloo_tcp_loop`` threads). gloo's device is the network
-endpoint and serves any number of groups (each group's pairs register their sockets with its one
-loop), so :func:`install` makes every gloo group built afterwards in this process share one
+waking 2,000 times a second; with several ranks per core those wake-ups take a measurable share
+of the CPU (``perf``: ``gloo_tcp_loop`` threads; ``docs/BENCHMARKS.md``). gloo's device is the
+network endpoint and serves any number of groups (each group's pairs register their sockets with
+its one loop), so :func:`install` makes every gloo group built afterwards in this process share one
 device, made the way torch makes its default one (``GLOO_SOCKET_IFNAME`` honoured, lazy
 connection set-up as ``TORCH_GLOO_LAZY_INIT`` says).
 

@@ -21,8 +21,8 @@ cuts of ``lengths.fit_lengths`` follow after the tokenization cache):
   last user turn always stays), re-rendered through the template, so the model never reads half
   a turn when whole turns would do (note ``turns_dropped``).
 - Huge texts: a text far longer than any limit lets it keep (``bound_text``) is cut to a
-  character budget before it is tokenized; the tokens the limits keep are the same, and one
-  50 MB row no longer costs gigabytes inside the tokenizer (note ``text_bounded``).
+  character budget before it is tokenized; the tokens the limits keep are the same, and a huge
+  row costs the tokenizer no more than its budget (note ``text_bounded``).
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ REFERENCE_MODELS: dict[str, str] = {
 }
 """The reference repo's ``model=`` names -> the hub model they name. Used only for a name that
 ``models.presets.MODEL_PRESETS`` (the one preset table, which resolves local copies) does not
-have yet: it then becomes ``model.hf_path=<hub name>``. The models work (issue 10) takes these
-names over into MODEL_PRESETS."""
+have yet: it then becomes ``model.hf_path=<hub name>``. A name moves into MODEL_PRESETS once its
+architecture's facts are recorded there."""
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 LOSSES = ("sft", "dpo", "ipo")

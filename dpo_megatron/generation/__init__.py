@@ -1,4 +1,4 @@
-"""Generation from the policy at any layout, with a KV cache (issue 26).
+"""Generation from the policy at any layout, with a KV cache.
 
 ``SamplingParams`` (temperature, top-p, max new tokens, seed, stop ids) and ``generate`` (batched,
 collective over the world): see :mod:`dpo_megatron.generation.engine` for how a call runs and

@@ -179,7 +179,7 @@ class DPOGPTModel(GPTModel):
         # [1, n, h]: the n positions as one "sequence" of batch n, so the logits come out as
         # [1, n, V/TP] with plain strides. (A transposed [n, 1, V/TP] gives a gradient whose
         # strides send megatron-core's frozen-weight backward, taken when the output layer is
-        # frozen as under LoRA, into a slow batched matmul: ~15x the time on the CPU.)
+        # frozen as under LoRA, into a slow batched matmul: many times the time on the CPU.)
         sequence_parallel = self.output_layer.sequence_parallel
         self.output_layer.sequence_parallel = False  # gathered by _scored_hidden
         try:
@@ -277,8 +277,8 @@ class DPOGPTModel(GPTModel):
 def lm_head_is_fused(setting: Optional[bool]) -> bool:
     """``model.fused_lm_head`` resolved: an explicit true/false is kept; null (auto) is fused on
     an accelerator and unfused on the host CPU. On the CPU the second LM-head matmul that the
-    fused head runs in backward cost about 7% of a SmolLM2 step, more than keeping the [n, V]
-    logits saves (docs/BENCHMARKS.md); on a GPU the memory of the logits is the scarcer."""
+    fused head runs in backward costs more than keeping the [n, V] logits saves (measured:
+    docs/BENCHMARKS.md); on a GPU the memory of the logits is the scarcer."""
     if setting is not None:
         return bool(setting)
     return not is_host()

@@ -7,7 +7,7 @@ The reference repo selects a model with a short name (``config/model/pythia28.ya
 whose architecture this engine maps, plus the smaller Pythia models (70m .. 1.4b) that the same
 recipe runs on one machine, plus ``smollm2`` (the cached offline SmolLM2-135M-Instruct), plus the
 common released sizes of the newer families the engine maps (Gemma 3 text, OLMo 3, SmolLM3, gpt-oss,
-DeepSeek-V3; issue 25). A preset is also found by its hub name's last part (``pythia-70m``,
+DeepSeek-V3). A preset is also found by its hub name's last part (``pythia-70m``,
 ``pythia-2.8b``).
 
 Every fact is the model's config.json; the comment beside each preset names the public copy it was
@@ -144,7 +144,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         asset="smollm2",
         model_keys={"pad_attention_heads": True},
     ),
-    # Issue 25: the common sizes of the newer families. Sources (stored public copies):
+    # The common sizes of the newer families. Sources (stored public copies):
     # SmolLM3-3B: its config.json (mirror fetchwiki/HuggingFaceTB-SmolLM3-3B, config.json).
     "smollm3": ModelPreset(
         "HuggingFaceTB/SmolLM3-3B", "smollm3", 36, 2048, 16, 11008, 128256, "3b"

@@ -5,10 +5,9 @@ On a GPU, PyTorch's caching allocator owns the device memory. On the CPU (gloo),
 time it frees a mapped block it raises that threshold to the block's size (up to 32 MiB), so from
 the first step on nearly every activation lives in the heap. A forward pass frees its transients
 (norm and RoPE intermediates, projections' outputs) between the activations it keeps, and glibc
-does not fit the next layer's tensors into all of those holes: the freed pages stay resident.
-On SmolLM2-135M (30 layers, 4 pairs of up to 512 tokens, fp32) the heap held 2.9-3.1 GiB of free
-blocks at a step's peak beside 5.8 GiB in use: the resident set was 10.9 GiB for 7.9 GiB of
-tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned between layers").
+does not fit the next layer's tensors into all of those holes: the freed pages stay resident,
+and the resident set exceeds the tensors in use by gigabytes on SmolLM2-135M (measured in
+``docs/BENCHMARKS.md``, "Free heap pages returned between layers").
 
 ``DPO_MEGATRON_HOST_MALLOC`` (:data:`SWITCH`) chooses what the engine does about it:
 
@@ -17,24 +16,22 @@ tensors and libraries (``docs/BENCHMARKS.md``, "Free heap pages returned between
   calls glibc's ``malloc_trim(0)`` (:func:`release_free_heap`), which returns every whole page
   of the heap's free blocks to the OS (``madvise(MADV_DONTNEED)``) and keeps the blocks
   themselves, so the resident set stays within that bound of the bytes in use (per process).
-  Trimming after every layer gave 8.0 GiB instead of 10.8 in a side-by-side run
-  (``docs/BENCHMARKS.md``) but made a step 5-8% slower: each trim also hands back pages the next
-  layer's transients reuse, which the kernel maps and zeroes again. The bound trims every few
-  layers instead: about 2% of a step (+1.7% on the shared-prompt setting measured), 8.0-8.2 GiB.
+  Trimming after every layer keeps the resident set lowest but slows a step: each trim also
+  hands back pages the next layer's transients reuse, which the kernel maps and zeroes again.
+  The bound trims every few layers instead.
   In this mode every block also comes from the heap (:func:`heap_only`): glibc maps a block
   above its largest mmap threshold (32 MiB) afresh at each ``malloc`` and unmaps it at ``free``,
   so such a tensor (a layer's [tokens, 2 x ffn] gate/up output: 37.5 MiB for 3,056 tokens of
-  SmolLM2) had every page faulted in and zeroed by the kernel each time; from the heap it reuses
-  freed pages, and the trimmer's bound still caps what the heap keeps. 30-layer SmolLM2 step,
-  one thread, CPU s (system part): 41.4-41.9 (3.4-3.7) mapped, 39.7-40.4 (3.0-3.3) heap only,
-  peak RSS 6.65 -> 6.9 GiB (2026-12-05).
+  SmolLM2) would have every page faulted in and zeroed by the kernel each time; from the heap it
+  reuses freed pages, and the trimmer's bound still caps what the heap keeps.
 * ``release``: glibc's tunables :data:`TUNABLES` (``GLIBC_TUNABLES``):
   ``glibc.malloc.mmap_threshold=4194304`` maps every block of 4 MiB and more when made and unmaps
   it when freed, and ``glibc.malloc.hugetlb=1`` asks for transparent huge pages for those
   mappings. The resident set is about the same as with ``trim``, but mapping and zeroing fresh
-  pages for every large tensor made a step 17% slower (55.5 -> 67.5 s on
-  ``engine+shared+precomputed``).
-* ``system``: glibc as it comes, nothing trimmed: the fastest, with the largest resident set.
+  pages for every large tensor makes a step slower.
+* ``system``: glibc as it comes, nothing trimmed: the largest resident set.
+
+The memory and step time of each mode, measured: ``docs/BENCHMARKS.md``.
 
 glibc reads ``GLIBC_TUNABLES`` once, when a process starts, so :func:`restart_with_malloc_tunables`
 re-executes the process (same PID, arguments and descriptors) with them before anything is
@@ -206,7 +203,7 @@ class HeapTrimmer:
 
     Trimming after every layer keeps the resident set lowest, but each trim also hands back the
     pages of blocks the next layer's transients reuse, and the kernel then maps and zeroes them
-    again (a step of SmolLM2's 30 layers was 5-8% slower). So each call estimates the resident
+    again (a slower step: ``docs/BENCHMARKS.md``). So each call estimates the resident
     free heap as RSS - bytes in use - the non-heap rest (code, libraries, the interpreter's
     arenas: RSS - bytes in use just after the last trim) and trims only above ``slack_bytes``:
     the peak keeps at most about that much slack, at a trim every few layers. Growth outside

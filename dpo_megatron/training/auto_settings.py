@@ -152,7 +152,7 @@ def _precision(cfg, model_cfg: ModelConfig) -> str:
     if model_cfg.params_dtype != "auto":
         why = "set in the config"
         if name == "bf16" and is_host() and not cpu_has_native_bf16():
-            # torch emulates bf16 products there: 8-60x slower than fp32 (docs/BENCHMARKS.md)
+            # torch emulates bf16 products there: many times slower than fp32 (docs/BENCHMARKS.md)
             why += "; this CPU has no native bf16: its bf16 matmuls are emulated, many times "
             why += "slower than fp32 (model.params_dtype=auto keeps fp32 here)"
     elif not is_host():

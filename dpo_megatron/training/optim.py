@@ -94,8 +94,8 @@ def fuse_torch_adam_on_cpu(optimizer) -> int:
 
     Without apex / transformer-engine megatron-core builds torch's Adam with torch's defaults,
     and torch's default on the CPU is its per-parameter Python loop (its multi-tensor path is for
-    CUDA): 0.70 CPU-s per step for SmolLM2-135M's 272 tensors against 0.08 s for the fused CPU
-    kernel (``torch._fused_adamw_``, torch >= 2.4), measured alone, one thread. The update is
+    CUDA), several times slower than the fused CPU kernel (``torch._fused_adamw_``, torch >= 2.4;
+    measured: docs/BENCHMARKS.md). The update is
     Adam's (Kingma & Ba 2015, Algorithm 1; decoupled weight decay, Loshchilov & Hutter 2019) in
     another order of operations: values agree to rounding. Set before the first step, when
     torch's Adam makes its state (the fused kernel wants its ``step`` counters on the
