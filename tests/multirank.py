@@ -26,7 +26,7 @@ from dpo_megatron.parallel.layout import free_port
 # leave threads (tokenizers, tqdm, torch pools) whose locks a forked child can inherit held, and
 # a rank then hangs in its first collective.
 # Everything most ranks import is imported here once per test process, not once per rank
-# (about 1 s for the trainer and 2 s for transformers per rank on a busy 2-core machine); none of
+# (seconds of CPU per rank for the trainer and for transformers); none of
 # these modules starts a thread at import.
 _PRELOAD = [
     # first: its import runs the entry points' set-up before megatron-core's import
@@ -73,7 +73,7 @@ def _child(fn, rank, world_size, port, kwargs, conn):
     _shut_groups_on_destroy()
     # The preloaded modules' objects (a few hundred thousand) leave the collector's view: a full
     # collection walks every tracked object, and megatron-core runs one per optimizer
-    # sharded_state_dict (each checkpoint save and load), 0.7 s of a rank's CPU each here.
+    # sharded_state_dict (each checkpoint save and load), a noticeable share of a rank's CPU.
     gc.freeze()
     # Results go as plain pickled bytes: multiprocessing's own pickler would hand tensors over as
     # shared-memory file descriptors that the parent fetches from this process afterwards, and
@@ -165,7 +165,7 @@ def run_in_turn(each: Callable[..., Any], cases: dict[str, dict]) -> dict[str, A
     """Inside :func:`run_ranks`: ``each(**kwargs)`` for every ``name: kwargs`` of ``cases`` in
     order, on the same ranks, megatron-core's parallel state torn down before each (a case may
     use another layout); returns ``{name: result}``. Many cases in one rank-world save a world's
-    start-up and the first build's imports per case (seconds each on a 2-core machine)::
+    start-up and the first build's imports per case (seconds each)::
 
         runs = run_ranks(run_in_turn, world_size=4, each=_run_layout, cases={...})[rank]
     """

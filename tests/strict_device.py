@@ -46,7 +46,7 @@ Harness details that a GPU does not need:
 * ``data_ptr()``, ``untyped_storage()`` and ``tolist()`` answer from the CPU tensor behind
   the wrapper (the wrapper itself has no storage); ``numpy()`` refuses, as on CUDA.
 * megatron-core's notice "CPU RNG state changed within GPU RNG context" is dropped: its GPU
-  branch initialises weights in a fork of the CUDA generator, which on this machine is the CPU's.
+  branch initialises weights in a fork of the CUDA generator, which without CUDA is the CPU's.
 
 Values are the CPU's: the stand-in proves placement, not kernels.
 """

@@ -1,7 +1,7 @@
-"""The architectures of issue 25 through the launcher, each in an interleaved pipeline (issue 25's
-acceptance: "a tiny random model of each architecture, saved by transformers, trains one step
-through ``scripts/pretrain_dpo.sh model.hf_path=...`` at lr 0 and reproduces transformers'
-log-probs"; and VPP for the new architectures).
+"""The newer architectures through the launcher, each in an interleaved pipeline: a tiny random
+model of each architecture, saved by transformers, trains one step through
+``scripts/pretrain_dpo.sh model.hf_path=...`` at lr 0 and reproduces transformers' log-probs,
+at PP 2 x VPP 2.
 
 Each family's tiny random transformers folder (4 layers, vocabulary of the tiny tokenizer) trains
 one step of 4 pairs at PP 2 x VPP 2 (one layer per model chunk, so every per-layer pattern -

@@ -88,7 +88,7 @@ def test_package_dir_finds_installed_package():
 
 
 def test_sentencepiece_model_cached_and_repaired(tmp_cache, monkeypatch):
-    """Read from the downloaded mistral-common wheel; pip never installs anything (issue 29: an
+    """Read from the downloaded mistral-common wheel; pip never installs anything (an
     install made transformers take its Mistral-format branch for Mistral-family folders)."""
     pip_calls = []
     run_pip = assets._run_pip
@@ -165,7 +165,7 @@ def test_smollm2_export():
 @pytest.mark.slow
 def test_setup_removes_a_partial_mistral_common(tmp_path):
     """What scripts/setup.sh runs first: in a fresh venv holding mistral-common installed
-    ``--no-deps`` (as set-ups before issue 29 left it), the package is uninstalled with one line
+    ``--no-deps`` (as earlier set-ups left it), the package is uninstalled with one line
     saying why; a second run finds nothing to do."""
     import subprocess
     import sys

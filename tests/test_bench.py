@@ -241,7 +241,7 @@ def _assets_smollm2():
 
 @pytest.mark.slow
 def test_gpu_bench_runs_the_shared_prompt_path_on_cpu(tmp_path):
-    """``gpu_bench.py --share-prompt`` (the GPU figure of issue 11) in its CPU smoke mode: the
+    """``gpu_bench.py --share-prompt`` (the shared-prompt GPU figure) in its CPU smoke mode: the
     engine's shared-prompt path at step 0 (ln 2), fewer positions computed than real tokens."""
     import json
     import os

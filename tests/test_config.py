@@ -100,7 +100,7 @@ def test_early_errors_for_sorting_losses_and_data_format():
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 16: ranges, shorthands, parsing, the fast pre-check
+# Ranges, shorthands, parsing, the fast pre-check
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -169,9 +169,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ],
 )
 def test_every_field_is_range_checked_before_launch(override, message):
-    """Old (5fd70fa): all of these loaded; 0 intervals / sizes crashed later with
-    ZeroDivisionError, max_nonfinite_steps=0 stopped a healthy run, a negative lr failed only
-    after the model was built, the others ran."""
+    """Each of these values is refused before launch with its message: 0 intervals /
+    sizes (a ZeroDivisionError later), max_nonfinite_steps=0 (it would stop a healthy run), a
+    negative lr (found only after the model is built), and the others that would run."""
     extra = ["data.eval_fraction=0.1"] if override.startswith("data.eval_datasets") else []
     # share_prompt alone now turns packing on with it (auto): refused only with packing off
     extra += ["packing.enabled=false"] if override.startswith("packing.share_prompt") else []
@@ -202,7 +202,8 @@ def test_pre_check_reads_the_eval_files(tmp_path):
 
 
 def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsys):
-    """Old: a raw omegaconf / yaml traceback."""
+    """A YAML file that is a list, or does not parse, is one config error naming the file (not
+    a raw omegaconf / yaml traceback)."""
     listed = tmp_path / "list.yaml"
     listed.write_text("- train\n- lr\n")
     broken = tmp_path / "broken.yaml"
@@ -217,7 +218,7 @@ def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsy
 
 
 def test_config_anywhere_on_the_command_line(tmp_path):
-    """Old: ``k=v --config F`` failed in argparse (unrecognized arguments)."""
+    """``--config F`` may come anywhere, after ``k=v`` overrides too."""
     assert parse_args(["train.lr=0.1", "--config", "c.yaml", "loss.beta=1"]) == (
         "c.yaml",
         ["train.lr=0.1", "loss.beta=1"],
@@ -225,8 +226,8 @@ def test_config_anywhere_on_the_command_line(tmp_path):
 
 
 def test_loss_shorthand_trains_that_loss():
-    """``loss=ipo loss.beta=0.1`` is IPO at beta 0.1. Old: {"name": "sigmoid", "beta": 0.1}
-    (the scalar silently lost), and ``loss=ipo`` alone "Cannot assign str to Dict"."""
+    """``loss=ipo loss.beta=0.1`` is IPO at beta 0.1 (the shorthand is not lost to a sigmoid
+    section), and ``loss=ipo`` alone is IPO at its defaults."""
     assert load_config(None, BASE + ["loss=ipo", "loss.beta=0.1"]).loss == {
         "name": "ipo",
         "beta": 0.1,
@@ -244,8 +245,9 @@ def test_loss_shorthand_trains_that_loss():
 
 
 def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
-    """``loss: ipo`` / ``model: smollm2`` in YAML and ``model=NAME`` on the command line. Old:
-    ``model=pythia69`` gave "invalid value for config key None ...: None"."""
+    """``loss: ipo`` / ``model: smollm2`` in YAML expand as the command-line shorthands do; a
+    ``model=NAME`` that is no preset (``model=gptj``) and ``train=5`` each name the section and
+    what to write instead."""
     from dpo_megatron.utils import cache
 
     monkeypatch.setattr(cache, "asset_path", lambda name: f"/assets/{name}")  # no asset built here
@@ -267,7 +269,7 @@ def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
 
 
 def test_empty_value_clears_a_string_list_or_optional_key(tmp_path):
-    """Old: ``data.chat_template=`` gave "field 'chat_template' is not Optional"."""
+    """``key=`` clears a string, list or optional key (``data.chat_template=`` included)."""
     f = tmp_path / "c.yaml"
     f.write_text(
         "data:\n  path: d.json\n  tokenizer: t\n  chat_template: chatml\n  datasets: []\n"
@@ -279,7 +281,8 @@ def test_empty_value_clears_a_string_list_or_optional_key(tmp_path):
 
 
 def test_interleaved_pipeline_micro_batches_must_be_a_multiple_of_pp():
-    """Old: passed validation and failed inside megatron-core's interleaved schedule at step 1."""
+    """An interleaved pipeline whose micro-batches per step are not a multiple of PP is refused
+    at validation, before megatron-core's interleaved schedule would fail at step 1."""
     layout = [
         "parallel.pipeline_model_parallel_size=2",
         "parallel.virtual_pipeline_model_parallel_size=2",
@@ -296,7 +299,8 @@ def test_interleaved_pipeline_micro_batches_must_be_a_multiple_of_pp():
 
 
 def test_list_keys_and_print_config(capsys, tmp_path):
-    """Old: ``--help`` pointed to a key list that did not exist."""
+    """``--list-keys`` lists every key with its type, default and range, and
+    ``--print-config`` prints the resolved config."""
     text = list_keys()
     assert (
         "train.log_interval (int, default 1)\n"
@@ -312,8 +316,8 @@ def test_list_keys_and_print_config(capsys, tmp_path):
 
 def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_path):
     """The launchers' pre-check reports a range / key / YAML mistake without importing torch or
-    megatron-core (seconds, not the tens of seconds those imports take on a busy 2-core machine).
-    Old: ``import dpo_megatron.config`` imported megatron-core (through dpo_megatron.models)."""
+    megatron-core: ``import dpo_megatron.config`` pulls in neither (dpo_megatron.models is
+    imported on first use), so a mistake costs seconds, not those imports."""
     code = (
         "import sys\n"
         "from dpo_megatron.config import main\n"
@@ -338,8 +342,8 @@ def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_pat
 
 
 def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
-    """Old: a missing path or a format that does not fit was found only after launch, by every
-    rank (76-126 lines of tracebacks)."""
+    """A missing path or a format that does not fit is one line from the pre-check, before
+    launch (not a traceback from every rank)."""
     with pytest.raises(SystemExit) as e:
         main(["data.tokenizer=t", f"data.path={tmp_path}/missing.jsonl"])
     assert str(e.value) == f"error: data file {tmp_path}/missing.jsonl does not exist"
@@ -372,8 +376,8 @@ def test_a_warm_up_that_outlasts_the_run_is_announced():
 def test_print_config_is_the_resolved_config(tmp_path, capsys):
     """With ``model.hf_path`` the architecture shown is the folder's (what the run builds: the
     Trainer's ``resolve_model_config``), not the file's toy fields; the loss shows every
-    parameter with its default (what the run's start-up line describes). Old: 2 layers,
-    hidden 64 and vocabulary 49152 of tiny_cpu.yaml beside the folder, and ``loss: {name:
+    parameter with its default (what the run's start-up line describes), not tiny_cpu.yaml's
+    2 layers, hidden 64 and vocabulary 49152 beside the folder, nor a bare ``loss: {name:
     ipo}``."""
     import json
 

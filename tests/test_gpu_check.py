@@ -290,7 +290,7 @@ def test_missing_wheels_fail_with_a_clear_line(tmp_path):
 
 
 def test_the_gpu_path_needs_only_what_the_gpu_machine_has_or_the_wheels_carry():
-    """The H200 image has torch, numpy, packaging, PyYAML, jinja2, tensorboard, transformers,
+    """The bare GPU image has torch, numpy, packaging, PyYAML, jinja2, tensorboard, transformers,
     safetensors, psutil; the wheels carry megatron-core and omegaconf. Nothing else may be
     imported on the way to a GPU check step (datasets, for one, is not there)."""
     code = (

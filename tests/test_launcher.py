@@ -63,7 +63,7 @@ def test_under_torchrun_no_python_pp2(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 16
+# Config and data mistakes stop the launcher with one line
 
 
 _script = run_script
@@ -78,8 +78,7 @@ def test_ipo_shorthand_trains_ipo_through_the_launcher_at_tp2(tmp_path):
     """The launcher starts its own 2 ranks (TP 2) and ``loss=ipo loss.beta=0.1`` trains IPO: its
     step-0 loss is (0 - 1/(2 x 0.1))^2 = 25 (Azar et al. 2023, eq. 17), computed from TP-reduced
     log-probs; the step's checkpoint is written (pipeline stages through the launcher: the
-    torchrun --no-python test above). Old: the scalar was
-    dropped and the run trained sigmoid DPO (ln 2 = 0.6931)."""
+    torchrun --no-python test above). Sigmoid DPO would start at ln 2 = 0.6931 instead."""
     out = _script(
         "scripts/pretrain_dpo.sh",
         "--config",
@@ -99,7 +98,8 @@ def test_ipo_shorthand_trains_ipo_through_the_launcher_at_tp2(tmp_path):
 
 
 def test_config_mistake_stops_the_launcher_with_one_line():
-    """Old: ``train.log_interval=0`` launched the ranks, which died of ZeroDivisionError."""
+    """``train.log_interval=0`` stops the launcher with one config error, before any rank
+    starts (the ranks would die of ZeroDivisionError)."""
     out = _script(
         "scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "train.log_interval=0"
     )
@@ -124,7 +124,8 @@ def test_a_host_malloc_typo_stops_the_launcher_with_one_line():
 
 
 def test_missing_data_stops_the_launcher_with_one_line(tmp_path):
-    """Old: every rank printed a FileNotFoundError traceback, then torchrun its failure block."""
+    """A missing data file stops the launcher with one line naming it, before any rank starts
+    (no FileNotFoundError traceback per rank, no torchrun failure block)."""
     out = _script(
         "scripts/pretrain_dpo.sh",
         "--config",
@@ -140,8 +141,8 @@ def test_missing_data_stops_the_launcher_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
     """A chat-template mistake shows only when the data is tokenized: the pre-check tokenizes
-    (into the cache the ranks read), so it too ends in one line before any rank starts. Old: a
-    traceback from every rank plus torchrun's failure block."""
+    (into the cache the ranks read), so it too ends in one line before any rank starts, with no
+    traceback from any rank and no torchrun failure block."""
     from tests.scripts import load_script
 
     ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
@@ -166,7 +167,7 @@ def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
 def test_rank_side_data_error_is_one_line(tmp_path):
     """Under another launcher (here one process, no pre-check) a data error is printed once,
     plainly, with the exit status of a reported mistake (dpo_megatron.utils.exits.USER_ERROR_EXIT,
-    which scripts/pretrain_dpo.sh turns into 1). Old: a traceback ending in the message."""
+    which scripts/pretrain_dpo.sh turns into 1), not a traceback ending in the message."""
     from tests.scripts import load_script
 
     ensure_sentencepiece_model = load_script("assets").ensure_sentencepiece_model
@@ -199,8 +200,8 @@ def test_rank_side_data_error_is_one_line(tmp_path):
 
 
 def test_help_texts_and_key_listing(tmp_path):
-    """Old: ``setup.sh --help`` ran the whole install, ``pretrain_sft.sh --help`` printed the DPO
-    text, and the key list ``--help`` pointed to did not exist."""
+    """Each script's ``--help`` prints its own text and exits (``setup.sh --help`` installs
+    nothing; ``pretrain_sft.sh --help`` is the SFT text), and the key list it points to exists."""
     setup = _script(
         "scripts/setup.sh", "--help", env={"PYTHON": "/bin/false"}
     )  # an install would fail
@@ -224,8 +225,8 @@ def test_help_texts_and_key_listing(tmp_path):
 
 
 def test_exporter_names_the_checkpoint_it_loads(tmp_path):
-    """Old: it printed only ``wrote OUT``, so exporting a run's checkpoints folder after another
-    run had written there exported the wrong weights without a word."""
+    """The exporter names the checkpoint it loads (its step and run), not only ``wrote OUT``: a
+    run's checkpoints folder written by another run is then seen before its weights go out."""
     import json
 
     from tests.scripts import load_script
@@ -312,9 +313,10 @@ def _ended(ending, tmp_path):
 
 @pytest.mark.slow
 def test_a_mistake_met_on_the_ranks_ends_with_its_line_and_a_pointer(tmp_path):
-    """Old: after the rank's one ``error:`` line torchrun printed a closing-signal and a
-    ``failed (exitcode: 1)`` log line, its own traceback and its ChildFailedError block; and
-    rank 1, exiting first, could get rank 0 terminated before it printed the line."""
+    """A mistake met on the ranks ends with rank 0's one ``error:`` line and the launcher's
+    pointer at train.log: no closing-signal or ``failed (exitcode: 1)`` log line, no torchrun
+    traceback or ChildFailedError block, and rank 1 exiting first never cuts rank 0 off before
+    it prints the line."""
     from tests.launcher_entry import MISTAKE
 
     out = _ended("mistake", tmp_path)
@@ -357,8 +359,8 @@ def test_a_crash_on_the_ranks_keeps_its_traceback_and_torchruns_block(tmp_path):
 def test_a_run_dir_refusal_comes_in_seconds_before_any_heavy_import(tmp_path):
     """Re-running a finished run's command (a fresh run over its folder) is refused by the
     launcher's pre-check, and by rank 0 of ``dpo_megatron.train`` under another launcher, before
-    torch / megatron-core / the data are loaded: one line, nothing changed. Old: refused only
-    once the ranks had started (about 50 s on the SmolLM2 job)."""
+    torch / megatron-core / the data are loaded: one line, nothing changed, in seconds (not
+    once the ranks have started)."""
     from dpo_megatron.utils.exits import USER_ERROR_EXIT
 
     run_dir = tmp_path / "run"
@@ -408,8 +410,8 @@ def test_a_run_dir_refusal_comes_in_seconds_before_any_heavy_import(tmp_path):
 def test_a_world_size_that_does_not_fit_the_layout_is_one_line(tmp_path):
     """3 ranks for TP 2: every rank finds it before the heavy imports; rank 0 alone prints it.
     Through the launcher: that line and the pointer, exit status 1; under a plain torchrun the
-    same single line, then torchrun's own report of exit code 2. Old: a ValueError traceback
-    from every rank, then torchrun's failure block."""
+    same single line, then torchrun's own report of exit code 2; no ValueError traceback from
+    any rank."""
     args = [
         "-m",
         "dpo_megatron.train",
@@ -455,7 +457,7 @@ def test_a_world_size_that_does_not_fit_the_layout_is_one_line(tmp_path):
 def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatch, capsys, fault):
     """The faults a run meets and reports (a checkpoint failing verification, a full disk, the
     NaN stop) end a rank with their ``error:`` line and ``FAULT_EXIT`` (3), which the launcher
-    passes on (a mistake's 2 becomes 1). Old: an uncaught exception, a traceback per rank."""
+    passes on (a mistake's 2 becomes 1); no uncaught exception, no traceback per rank."""
     import dpo_megatron.train as train_module
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.storage import CheckpointSaveError

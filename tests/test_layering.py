@@ -1,4 +1,4 @@
-"""The package's floors (issue 30): the import contract in ``.importlinter`` holds, it fails
+"""The package's floors: the import contract in ``.importlinter`` holds, it fails
 when a model module imports from ``training/``, every top-level module sits on a floor, and no
 module imports itself back through others (imports inside functions count)."""
 

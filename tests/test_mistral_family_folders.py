@@ -1,4 +1,4 @@
-"""Mistral- and Mixtral-family Hugging Face folders through the launcher (issue 29, items 1-2).
+"""Mistral- and Mixtral-family Hugging Face folders through the launcher.
 
 Each folder is a tiny random model built with transformers plus the real Mistral-7B v0.1
 SentencePiece tokenizer from the offline cache (``tokenizer.model`` + ``tokenizer_config.json``),
@@ -121,8 +121,8 @@ def without_mistral_common(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def partial_mistral_common(tmp_path_factory):
-    """A PYTHONPATH folder holding mistral-common installed ``--no-deps``, as set-ups before
-    issue 29 left it in the venv."""
+    """A PYTHONPATH folder holding mistral-common installed ``--no-deps``, as earlier set-ups
+    left it in the venv."""
     from tests.scripts import load_script
 
     MISTRAL_COMMON_PACKAGE = load_script("assets").MISTRAL_COMMON_PACKAGE
@@ -148,7 +148,8 @@ def partial_mistral_common(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_partial_mistral_common_stops_the_precheck_with_one_line(folders, partial_mistral_common):
-    """Old: a 30-line traceback ending in ``ModuleNotFoundError: No module named 'tiktoken'``."""
+    """A mistral-common installed without its dependencies stops the pre-check with one line
+    saying so (not a traceback ending in ``ModuleNotFoundError: No module named 'tiktoken'``)."""
     env = _env(partial_mistral_common)
     missing = subprocess.run(  # the module the partial install misses (tiktoken here)
         [
@@ -200,9 +201,8 @@ def test_mistral_and_mixtral_folders_train_through_the_launcher(
 ):
     """The pre-check and one step of each folder with its SentencePiece tokenizer; the Mixtral
     one at TP 2 without ``parallel.sequence_parallel`` (turned on, and said so by the pre-check
-    and by rank 0). Old: the Mistral-format branch's traceback (in a venv set up before), and
-    ``config error: a mixture-of-experts model at parallel.tensor_model_parallel_size=2 needs
-    parallel.sequence_parallel=true``."""
+    and by rank 0): neither the Mistral-format branch's traceback nor a config error asking
+    for ``parallel.sequence_parallel=true``."""
     env = _env(without_mistral_common)
     mistral = _launch(folders, "mistral", str(tmp_path / "mistral"), env)
     assert "layout TP 1 x PP 1 x DP 1" in mistral.stdout and SP_NOTE not in mistral.stdout

@@ -43,7 +43,7 @@ DPO, SFT = ROOT / "scripts" / "slurm" / "dpo.sbatch", ROOT / "scripts" / "slurm"
 # as the README shows them.
 CPU_FLAGS = ["--gpus-per-node=0", "--cpus-per-task=1", "--oversubscribe"]
 STEPS = 30  # long enough for a signal to land mid-run; each step takes a tenth of a second
-JOB_TIMEOUT = 600  # seconds: job start-up (torch imports) is slow on a loaded 2-core machine
+JOB_TIMEOUT = 600  # seconds: job start-up (torch imports) is slow on a loaded machine
 
 
 def _ports_free(*ports: int) -> bool:

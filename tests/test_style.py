@@ -1,4 +1,4 @@
-"""One style for the whole tree (issue 30): `ruff format` and `ruff check` (ruff.toml: 100 columns,
+"""One style for the whole tree: `ruff format` and `ruff check` (ruff.toml: 100 columns,
 absolute imports, sorted imports, pyflakes) pass on every tracked Python file."""
 
 import shutil

@@ -3,9 +3,9 @@ distributed optimizer and without: a run through ``scripts/pretrain_dpo.sh`` sav
 step, resuming it at VPP 2 repeats the uninterrupted run exactly, and its checkpoints reshard to
 the non-interleaved PP 2 layout and back.
 
-Issue 29: every VPP run died at its first save (``Model param ... not in
-model_sharded_state_dict``): the chunks' sharded state dicts were merged into one flat dict
-before the optimizer mapped its parameters, and the chunks' local keys collide.
+The first save is the one that guards the chunks' keys: the chunks' local keys collide, so
+merging their sharded state dicts into one flat dict before the optimizer maps its parameters
+ends the run at once (``Model param ... not in model_sharded_state_dict``).
 
 Two rank-worlds of 2 ranks: the launcher's run, then one world for every resume (the layout is
 switched inside it). All runs start from one tiny random Llama folder (4 layers: one per chunk),

@@ -230,8 +230,9 @@ def test_common_prefix_never_splits_a_word():
 
 
 def test_hh_pair_diverging_before_the_last_turn_is_split_at_the_common_assistant_turn():
-    """Issue 16 defect 2. Old: RowError "chosen and rejected dialogues differ before their last
-    Assistant turn" (with on_error=skip: dropped as malformed)."""
+    """An HH pair whose dialogues differ before their last Assistant turn is split at the last
+    Assistant turn inside their common prefix and noted ``diverged_early``; it is neither a
+    RowError nor, with on_error=skip, dropped as malformed."""
     row = {
         "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Sky?\n\nAssistant: Blue.",
         "rejected": "\n\nHuman: Hi\n\nAssistant: Go away.\n\nHuman: Sky?\n\nAssistant: No.",

@@ -1,4 +1,4 @@
-"""Bad or unusual input reported where it is (issue 16, defects 2, 5, 6): non-UTF-8 bytes, JSON
+"""Bad or unusual input reported where it is: non-UTF-8 bytes, JSON
 Lines rows that are arrays, a format that does not fit, duplicates, one huge row, text prompts
 ending in a space, HH pairs that diverge early, and the launchers' data pre-check."""
 
@@ -39,8 +39,8 @@ def _bad_utf8_jsonl(tmp_path):
 
 
 def test_non_utf8_byte_names_file_line_and_byte_and_skip_drops_the_row(tmp_path):
-    """Old: ``UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 123``, no file
-    or line, and on_error=skip did not help."""
+    """A byte that is not UTF-8 is named by file, line, byte and file offset (not a bare
+    ``UnicodeDecodeError``), and on_error=skip drops and counts its row."""
     path = _bad_utf8_jsonl(tmp_path)
     offset = path.read_bytes().index(b"\xe9")
     line_start = path.read_bytes().rindex(b"\n", 0, offset) + 1
@@ -72,7 +72,8 @@ def test_non_utf8_byte_in_a_json_array(tmp_path):
 
 
 def test_jsonl_rows_that_are_arrays_are_named(tmp_path):
-    """Old: the file started with "[" and was parsed as one JSON array: "Extra data"."""
+    """JSON Lines rows that are arrays are named by file and line, whether the file starts
+    with "[" (not parsed as one JSON array, "Extra data") or is a ``.json`` file."""
     path = tmp_path / "arrays.jsonl"
     path.write_text('["The sky is", " blue.", " green."]\n["a", "b", "c"]\n')
     with pytest.raises(
@@ -88,15 +89,15 @@ def test_jsonl_rows_that_are_arrays_are_named(tmp_path):
 
 
 def test_undetectable_format_names_the_file(tmp_path):
-    """Old: "cannot tell the data format from columns ['text']" (which file?)."""
+    """A file whose format cannot be detected is named in the message, with its columns."""
     path = write_jsonl(tmp_path / "plain.jsonl", [{"text": "hello"}])
     with pytest.raises(ValueError, match=r"plain.jsonl from its columns \['text'\]"):
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
 
 
 def test_pinned_format_that_does_not_fit_says_what_the_file_looks_like(tmp_path):
-    """Old: "...: field 'prompt': missing (and 1 more bad rows); set data.on_error=skip to drop
-    and count them" -- which would drop every row."""
+    """A pinned format that no row fits says which format the file looks like, and does not
+    suggest data.on_error=skip (which would drop every row); the pre-check says the same."""
     path = write_json(tmp_path / "sg.json", [SHAREGPT, SHAREGPT])
     for on_error in ("raise", "skip"):
         with pytest.raises(DataError) as e:
@@ -124,7 +125,8 @@ def test_pre_check_finds_missing_files_and_bad_rows_without_a_tokenizer(tmp_path
 
 
 def test_duplicates_are_counted_reported_and_optionally_dropped(tmp_path):
-    """Old: duplicate rows were neither counted nor reported."""
+    """Duplicate rows are counted and reported with the lines they repeat, kept by default
+    and dropped with data.drop_duplicates."""
     other = GOOD | {"prompt": "The grass is"}
     path = write_jsonl(tmp_path / "dup.jsonl", [GOOD, other, GOOD, GOOD])
     ds = load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
@@ -139,8 +141,8 @@ def test_duplicates_are_counted_reported_and_optionally_dropped(tmp_path):
 
 def test_huge_row_is_cut_before_tokenizing(tmp_path, monkeypatch):
     """A 2 MB completion with max_length 64: the tokenizer never sees more than the character
-    budget, and the kept tokens equal those of tokenizing the whole text. Old: the whole text
-    was tokenized (a 50 MB row peaked at 8.4 GB) and only then cut to 64 tokens."""
+    budget, and the kept tokens equal those of tokenizing the whole text (tokenizing a huge row
+    whole before the cut costs memory in proportion to the row)."""
     tok = tiny_hf_tokenizer()
     huge = " It is blue, it is green." * 80_000  # 2 MB
     path = write_jsonl(tmp_path / "huge.jsonl", [GOOD | {"chosen": huge}])
@@ -161,7 +163,8 @@ def test_huge_row_is_cut_before_tokenizing(tmp_path, monkeypatch):
 
 
 def test_text_prompts_ending_in_a_space_warn_once_with_the_count(tmp_path, caplog):
-    """Old: no word about it (TRL warns; the space becomes a lone token at the boundary)."""
+    """Text prompts ending in a space (the space becomes a lone token at the boundary) give one
+    warning with their count, as TRL warns, and a note in the summary."""
     rows = [GOOD | {"prompt": "The sky is "}, GOOD | {"prompt": "The grass is "}, GOOD]
     path = write_jsonl(tmp_path / "sp.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="dpo_megatron.data.pipeline"):
@@ -175,7 +178,8 @@ def test_text_prompts_ending_in_a_space_warn_once_with_the_count(tmp_path, caplo
 
 
 def test_hh_file_with_early_divergence_is_counted(tmp_path):
-    """Old: the whole load failed on the row (RowError), or skip dropped it as malformed."""
+    """An HH file with an early-diverging pair loads whole: the pair is kept, split at the
+    common Assistant turn and counted as ``diverged_early`` (no RowError, no malformed drop)."""
     rows = [
         {
             "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!",

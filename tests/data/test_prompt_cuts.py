@@ -1,10 +1,9 @@
-"""Prompt cuts (issue 16, defect 1): the BOS survives every cut, conversations lose whole oldest
+"""Prompt cuts: the BOS survives every cut, conversations lose whole oldest
 turns before any token is cut, and each kind of cut is counted in the summary.
 
-Old behaviour (5fd70fa): ``cut_prompt`` sliced ``prompt_ids[-max_prompt_length:]`` after the BOS
-had been put at position 0, so every keep_end cut removed the BOS (136 of the 300 dpo_en_demo
-pairs with the Mistral tokenizer trained without one), and a conversation was cut token-wise in
-the middle of its oldest remaining turn.
+What these guard: a keep_end cut that slices ``prompt_ids[-max_prompt_length:]`` after the BOS
+has been put at position 0 removes the BOS, and a conversation cut token-wise starts in the
+middle of its oldest remaining turn.
 """
 
 import pytest
@@ -26,7 +25,7 @@ def _cfg(path, **kw):
 
 
 def test_cut_prompt_keeps_bos_and_the_last_tokens():
-    """Old: [1, 10, 11, 12, 13, 14] cut to 3 gave [12, 13, 14] (no BOS)."""
+    """[1, 10, 11, 12, 13, 14] cut to 3 keeps the BOS and the last tokens: [1, 13, 14]."""
     ids = [BOS, 10, 11, 12, 13, 14]
     assert cut_prompt(ids, 3, "keep_end", BOS) == [BOS, 13, 14]
     assert cut_prompt(ids, 3, "keep_start", BOS) == [BOS, 10, 11]
@@ -64,8 +63,8 @@ def test_text_prompts_cut_with_a_bos_tokenizer_keep_it(tmp_path):
 
 
 def test_template_bos_is_never_doubled(tmp_path):
-    """A text prompt that holds its own <s>, or a template that prints two: one BOS stays.
-    Old: [<s>, <s>, ...] (the encoder's BOS before the text's)."""
+    """A text prompt that holds its own <s>, or a template that prints two: one BOS stays (not
+    the encoder's BOS before the text's)."""
     tok = mistral_sp_tokenizer()
     path = write_jsonl(
         tmp_path / "t.jsonl",
@@ -101,8 +100,8 @@ def _chatml_ids(tok, messages):
 
 
 def test_conversation_drops_oldest_turns_first_keeping_the_system_message(tmp_path):
-    """Old: the prompt was the last max_prompt_length tokens, starting inside a turn and
-    without the system message."""
+    """A long conversation loses its oldest whole turns first and keeps its system message;
+    the prompt never starts inside a turn."""
     tok = tiny_hf_tokenizer()
     old = [U("The sky is blue. The grass is green."), A("It is blue, it is green.")] * 3
     prompt = [S("Answer: yes or no."), *old, U("Is the sky blue?")]

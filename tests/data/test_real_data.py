@@ -83,9 +83,9 @@ def test_alpaca_en_demo_sft_view(smollm2_tokenizer, tmp_path):
 
 @pytest.mark.parametrize("name", ["dpo_en_demo", "dpo_zh_demo"])
 def test_every_sequence_starts_with_one_bos_with_the_mistral_tokenizer(name, tmp_path):
-    """Issue 16 acceptance: default length settings, Mistral's SentencePiece model (adds a BOS)
-    with its chat template. Old (5fd70fa): 164/300 (en) and 230/300 (zh) kept their BOS; the
-    136 / 70 cut prompts lost it."""
+    """Default length settings, Mistral's SentencePiece model (adds a BOS) with its chat
+    template: every sequence of the real en and zh pairs starts with exactly one BOS, the cut
+    prompts included."""
     from dpo_megatron.data.tokenizer import SentencePieceTokenizer
 
     tok = SentencePieceTokenizer(assets.ensure_sentencepiece_model())

@@ -1,4 +1,4 @@
-"""Generation at any layout with a KV cache (issue 26, item 2).
+"""Generation at any layout with a KV cache.
 
 Greedy completions equal ``transformers``' ``generate(do_sample=False)`` on the same weights, at
 one rank and at TP 2 x PP 2 (prompts of different lengths batched together, left-padded), and

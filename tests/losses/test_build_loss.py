@@ -40,7 +40,7 @@ def test_unknown_name_lists_valid_names():
 
 
 def test_dpo_is_an_alias_of_sigmoid():
-    """Issue 16: ``loss.name=dpo`` was unknown; it is Rafailov et al.'s sigmoid loss."""
+    """``loss.name=dpo`` is known: it is Rafailov et al.'s sigmoid loss, under its usual name."""
     assert repr(build_loss({"name": "dpo"})) == repr(build_loss({"name": "sigmoid"}))
 
 
@@ -274,7 +274,7 @@ def test_reference_free_combination_passes_zero_reference_to_reference_based_los
 
 def test_describe_is_one_readable_line_with_every_parameter():
     """The start-up line's loss: names, parameters with their defaults, weights when several,
-    the modifiers that are on. Old: ``LossFunction(1*sigmoid(...), LossModifiers(...))``."""
+    the modifiers that are on; one readable line, not a dataclass repr."""
     assert build_loss({"name": "sigmoid"}).describe() == "loss sigmoid(beta=0.1, label_smoothing=0)"
     assert (
         build_loss(

@@ -114,7 +114,7 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
-# The architectures of issue 10, kept apart so the per-architecture layout tests of the tables
+# The MoE and GPT-NeoX architectures, kept apart so the per-architecture layout tests of the tables
 # above do not grow (each of these is tested at all layouts in one launch: test_new_architectures).
 NEW_TINY_CONFIGS: dict[str, dict] = {
     # Qwen3: q/k RMSNorm, head_dim 32 != hidden / heads = 16, tied like the small Qwen3s.

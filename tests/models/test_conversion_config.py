@@ -162,7 +162,7 @@ def test_generated_config_derives_the_same_model(tmp_path, arch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX (issue 10)
+# Qwen3, Qwen3-MoE, Mixtral, GPT-NeoX
 # ---------------------------------------------------------------------------------------------
 
 

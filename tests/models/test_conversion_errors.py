@@ -209,7 +209,7 @@ def test_failed_export_raises_on_every_rank_and_writes_nothing(llama_dir, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------
-# Mixture of experts and GPT-NeoX (issue 10): the same errors, per expert.
+# Mixture of experts and GPT-NeoX: the same errors, per expert.
 # ---------------------------------------------------------------------------------------------
 
 

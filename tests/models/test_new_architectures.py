@@ -8,7 +8,7 @@ layout in turn (megatron-core's parallel state is rebuilt between layouts; the m
 fails there as it would at TP 2 or PP 2 alone) and, for the mixture-of-experts models,
 expert parallel 2 with data parallel 4 (expert data parallel 2) and TP 2 x EP 2 (expert TP 2),
 with the all-to-all token dispatcher (the default) and again with the all-gather one; the
-architectures of issue 25 (SmolLM3: NoPE and sliding-window layers; OLMo 3: post-norms, q/k norms
+newer architectures (SmolLM3: NoPE and sliding-window layers; OLMo 3: post-norms, q/k norms
 over the whole projection, sliding windows; Gemma 3: sandwich (1 + w) norms, GeGLU, scaled
 embeddings, windowed layers with their own RoPE theta; windows shorter than the
 sequences) at every TP x PP in {1, 2}^2, and DeepSeek-V3 (multi-latent attention, a dense first
@@ -54,7 +54,7 @@ DENSE_LAYOUTS = [(1, 1, 1, A2A), (2, 2, 1, A2A)]
 # (TP, PP, EP, MoE token dispatcher)
 MOE_LAYOUTS = DENSE_LAYOUTS + [(1, 1, 2, A2A), (2, 1, 2, A2A), (1, 1, 2, GATHER), (2, 1, 2, GATHER)]
 MOE = {"qwen3_moe", "mixtral"}
-# The architectures of issue 25 are checked at every TP x PP in {1, 2}^2 (their per-layer
+# The newer architectures are checked at every TP x PP in {1, 2}^2 (their per-layer
 # patterns, NoPE and sliding windows, must follow the layers onto their pipeline stage).
 ALL_TP_PP = {"smollm3", "olmo3", "gemma3"}
 TP_PP_LAYOUTS = [(1, 1, 1, A2A), (1, 2, 1, A2A), (2, 1, 1, A2A), (2, 2, 1, A2A)]

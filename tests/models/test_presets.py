@@ -127,8 +127,8 @@ def test_smollm2_preset_facts_are_those_of_the_cached_folder():
     _check_folder(str(folder), "smollm2", MODEL_PRESETS["smollm2"])  # raises on any difference
 
 
-# Issue 25's presets -> the hub model each names (written out here, not read from the table).
-ISSUE_25_HUB_NAMES = {
+# The newer families' presets -> the hub model each names (written out, not read from the table).
+NEWER_FAMILY_HUB_NAMES = {
     "smollm3": "HuggingFaceTB/SmolLM3-3B",
     "olmo3-7b": "allenai/Olmo-3-1025-7B",
     "gemma3-1b": "google/gemma-3-1b-it",
@@ -194,14 +194,14 @@ GPT_OSS_20B_FACTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ISSUE_25_HUB_NAMES))
+@pytest.mark.parametrize("name", sorted(NEWER_FAMILY_HUB_NAMES))
 def test_issue_25_presets_expand_to_their_hub_models(name, monkeypatch):
     """``model=gemma3-1b`` (and the other new names) sets ``model.hf_path`` to the hub model,
     with no further ``model.*`` keys: at TP 1 none of them needs padded heads."""
     from dpo_megatron.config import load_config
 
     monkeypatch.delenv(MODELS_DIR_ENV, raising=False)
-    hub_name = ISSUE_25_HUB_NAMES[name]
+    hub_name = NEWER_FAMILY_HUB_NAMES[name]
     assert model_preset_keys(name) == {"hf_path": hub_name}
     cfg = load_config(None, ["data.path=d.json", f"model={name}"])
     assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == (hub_name, False)

@@ -1,4 +1,4 @@
-"""Reward models (issue 26, item 1) against transformers' ``*ForSequenceClassification``, at
+"""Reward models against transformers' ``*ForSequenceClassification``, at
 TP 2 x PP 2 and at one rank (TP 1 x PP 1, data parallel 4), in one world of 4 gloo ranks:
 
 * an HF reward model imported at each layout scores padded, packed and shared-prompt rows as

@@ -71,8 +71,8 @@ def test_print_config_shows_the_online_section(tmp_path):
 
 
 def test_a_causal_lm_as_the_reward_model_is_one_line_before_any_rank(tmp_path):
-    """Old: the path passed the pre-check, and every rank stopped with a ValueError traceback
-    when it built the reward model."""
+    """A causal LM given as the reward model is refused by the pre-check with one line, before
+    any rank starts (not a ValueError traceback from every rank building the reward model)."""
     from tests.models.conversion_helpers import save_tiny_hf_folder
 
     causal = save_tiny_hf_folder("llama", str(tmp_path / "causal_lm"))

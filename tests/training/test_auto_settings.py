@@ -1,4 +1,4 @@
-"""The speed settings left to the engine (issue 31): what auto chooses and why, and that the new
+"""The speed settings left to the engine: what auto chooses and why, and that the new
 default gives the old default's losses (1e-5 per step) on a tiny model."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ For each architecture, in one 4-rank launch:
   :data:`BF16_RTOL` of the fp32 step's and of transformers'; step 2 comes after one optimizer step
   (its loss is no longer ln 2);
 - a bf16 resume from the step-1 checkpoint: step 2 equals the uninterrupted run's exactly;
-- for the architectures of issue 25 also an fp32 step on packed shared-prompt rows: log-probs
+- for the newer architectures also an fp32 step on packed shared-prompt rows: log-probs
   equal transformers' within 1e-5 and the loss is ln 2.
 
 Before the model dtype had one owner (``models.gpt.place_chunk``), GPT-2 failed here at its first
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 ARCHITECTURES = FAMILIES
 MOE = {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"}
 SHARED_PROMPT = {"smollm3", "olmo3", "gemma3", "deepseek_v3", "gpt_oss"}
-"""Also run an fp32 step with packed shared-prompt rows (issue 25: per-layer windows and RoPE on
+"""Also run an fp32 step with packed shared-prompt rows (per-layer windows and RoPE on
 the rejected branch, whose positions continue after the prompt)."""
 VOCAB = 128  # the smallest tiny vocabulary: every id is valid for every architecture
 BF16_RTOL = 2e-2

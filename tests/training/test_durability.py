@@ -183,7 +183,7 @@ def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fix
     base = tmp_path / "base"
     run_train(base, data_file, tok_dir, *FOUR_STEPS)
     shard = sorted(p.name for p in (base / "checkpoints" / "iter_0000004").glob("*.distcp"))[0]
-    # Each save reports its cost, checksums included (issue 15: the manifest's price).
+    # Each save reports its cost, checksums included (the manifest's price).
     base_log = (base / "train.log").read_text()
     for step in (2, 4):
         files = len(
@@ -658,9 +658,8 @@ def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
 ):
     """SIGTERM to the launcher (a scheduler's, ``kill``): the ranks save the step they are in,
     rank 0 says so, the launcher adds one line and exits with 143 (128 + 15); resume=auto then
-    finishes exactly like the run never stopped. Old: after the correct save torchrun printed
-    its ``SignalException`` traceback (45 lines, out of order) and each rank announced the
-    signal."""
+    finishes exactly like the run never stopped. No ``SignalException`` traceback from torchrun
+    after the save, and the signal is announced once, not by each rank."""
     data_file, tok_dir = fixture_files
     run_dir = tmp_path / "run"
     proc, marker = _launch(run_dir, data_file, tok_dir)
@@ -699,7 +698,7 @@ def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
     """Two faults met by the ranks, through the launcher: resuming a checkpoint with a changed
     shard, and ``train.max_nonfinite_steps`` NaN steps in a row. Each ends with the rank's
     ``error:`` line and the launcher's pointer, exit status 3 (``utils.exits.FAULT_EXIT``), no
-    traceback. Old: a traceback from every rank, torchrun's failure block, exit status 1."""
+    traceback from any rank, no torchrun failure block."""
     from dpo_megatron.utils.exits import FAULT_EXIT
 
     data_file, tok_dir = fixture_files

@@ -1,8 +1,6 @@
-"""Evaluation covers every eval pair, with a smaller last batch (issue 16).
-
-Old behaviour (5fd70fa): the eval split was cut into whole global batches, so with 10 eval pairs
-and ``train.global_batch_size=4`` the last 2 pairs were never evaluated and the reported means
-were those of 8 pairs.
+"""Evaluation covers every eval pair, with a smaller last batch: with 10 eval pairs and
+``train.global_batch_size=4`` the means are those of all 10 pairs (cutting the split into whole
+global batches would leave the last 2 out and report the means of 8).
 
 All cases run in two rank-worlds (one of 1 rank, one of 2: the module fixture ``runs``).
 """
@@ -120,10 +118,10 @@ REFERENCE_MODES = ["model", "precomputed"]
 @pytest.mark.slow
 @pytest.mark.parametrize("reference_mode", REFERENCE_MODES)
 def test_interleaved_pipeline_evaluates_a_smaller_last_step(runs, reference_mode):
-    """Old: megatron-core's interleaved schedule refused a forward-only call whose micro-batch
-    count is not a multiple of PP (the last eval step's 3 micro-batches at PP 2; the precompute
-    pass's single one). Now such calls are padded with copies whose outputs are dropped, and the
-    eval metrics equal the one-stage run's."""
+    """megatron-core's interleaved schedule refuses a forward-only call whose micro-batch count
+    is not a multiple of PP (the last eval step's 3 micro-batches at PP 2; the precompute pass's
+    single one): such calls are padded with copies whose outputs are dropped, and the eval
+    metrics equal the one-stage run's."""
     vpp, one = runs[f"vpp_{reference_mode}"], runs[f"one_{reference_mode}"][0]
     assert len(vpp) == 2
     assert "logps/chosen" in one

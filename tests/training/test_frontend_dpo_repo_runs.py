@@ -1,4 +1,4 @@
-"""Acceptance of issue 13: the reference DPO repo's two README lines, pasted as they are (``model=``
+"""The reference DPO repo's two README lines, end to end: pasted as they are (``model=``
 a tiny GPT-2-style HF folder through ``model=blank_model model.name_or_path``, ``datasets=`` a local
 HH-format file, since the machines are offline), run SFT and then DPO from the SFT's
 ``LATEST/policy.pt`` on our engine through ``scripts/train_reference_style.sh``; each prints its

@@ -126,7 +126,7 @@ DENSE_PLANS = [{"name": "tp2pp2", **TP2PP2}, {"name": "resumed", **TP2PP2, "resu
 PLANS = {  # architecture: its 4-rank plans (each also runs on one rank as "single")
     "qwen3": DENSE_PLANS,
     "gpt_neox": DENSE_PLANS,
-    # issue 25's dense families (resume is the checkpoint's, covered above)
+    # the newer dense families (resume is the checkpoint's, covered above)
     "smollm3": DENSE_PLANS[:1],
     "olmo3": DENSE_PLANS[:1],
     "gemma3": DENSE_PLANS[:1],

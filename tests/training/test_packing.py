@@ -198,10 +198,10 @@ def _step_zero_rewards(share_prompt):
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["packed", "shared_prompt"])
 def test_step_zero_rewards_are_exactly_zero_on_packed_rows(share_prompt):
     """At step 0 policy and reference hold the same weights, so every reward is exactly 0 and
-    the loss is fp32 -log sigmoid(0), bit for bit, however the pairs pack. Old: a micro-batch
-    packed into one row left its attention output with strides (h, s * h, 1); torch.matmul then
-    ran the frozen reference's ``linear_proj`` as a batched kernel and the policy's as one mm,
-    and rewards came out at +-2e-7 (a loss 3e-6 off ln 2 on SmolLM2-135M)."""
+    the loss is fp32 -log sigmoid(0), bit for bit, however the pairs pack. This guards the
+    attention output's layout: a micro-batch packed into one row with strides (h, s * h, 1) makes
+    torch.matmul run the frozen reference's ``linear_proj`` as a batched kernel and the policy's
+    as one mm, and the rewards drift from 0 (a loss off ln 2 on SmolLM2-135M)."""
     result = run_ranks(_step_zero_rewards, world_size=1, share_prompt=share_prompt)[0]
     assert 1 in result["rows"]  # a one-row micro-batch: the case that differed
     for key, values in result["rewards"].items():
