@@ -1,0 +1,148 @@
+"""The documentation cannot drift from the tree: the README's layout map names exactly the
+package's top-level modules and packages, in the order of their import floors; every relative
+link (and the section it points at) and every repository path named in README.md, docs/*.md and
+the package READMEs exists; the README stays a short map that starts with the fresh-machine
+commands and links every topic page."""
+
+import configparser
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dpo_megatron"
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *PACKAGE.glob("*/README.md")])
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _layout_map() -> list[str]:
+    """The entries under ``dpo_megatron/`` in the README's layout block, in order."""
+    section = _read(ROOT / "README.md").split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1).splitlines()
+    start = block.index("dpo_megatron/")
+    entries = []
+    for line in block[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        match = re.match(r"  (\S+?)(/|\.py)\s", line + " ")
+        if match:
+            entries.append(match.group(1))
+    return entries
+
+
+def _top_level() -> set[str]:
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    return modules | packages
+
+
+def _floors() -> dict[str, int]:
+    """Top-level name -> its floor in .importlinter's layers contract (0 is the top)."""
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / ".importlinter")
+    layers = parser["importlinter:contract:layers"]["layers"].strip().splitlines()
+    return {
+        name.strip().removeprefix("dpo_megatron."): floor
+        for floor, layer in enumerate(layers)
+        for name in layer.split("|")
+    }
+
+
+def test_the_layout_map_names_every_top_level_module_and_package_once_by_floor():
+    """A module or package added, renamed or removed under dpo_megatron/ must be drawn in the
+    README's layout map, once, on its import floor (the map runs top floor first)."""
+    entries = _layout_map()
+    assert len(entries) == len(set(entries)), entries
+    assert set(entries) == _top_level(), (
+        f"missing from the map: {sorted(_top_level() - set(entries))}; "
+        f"not in the package: {sorted(set(entries) - _top_level())}"
+    )
+    floors = _floors()
+    order = [floors[name] for name in entries]
+    assert order == sorted(order), list(zip(entries, order))
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces -> '-'."""
+    text = re.sub(r"```.*?```", "", _read(page), flags=re.S)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#+ (.*)$", text, re.M)
+    }
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_its_section_exist(page):
+    """A link to a file that moved, or to a section whose heading changed, fails here."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _read(page)):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no such section")
+    assert not broken, f"{page.relative_to(ROOT)}: {broken}"
+
+
+_TOP = {"dpo_megatron", "scripts", "configs", "tests", "docs", ".ci"}
+
+
+def _named_paths(text: str) -> set[str]:
+    """Repository paths a page names: in code spans and in code blocks, e.g.
+    ``dpo_megatron/models/presets.py::MODEL_PRESETS``, ``data/unpaired.py`` (a package's
+    module), ``scripts/pretrain_dpo.sh``. Placeholders (``configs/MY.yaml``, ``<run_dir>/...``)
+    and globs are not paths."""
+    words = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+        words += block.split()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    for span in re.findall(r"`([^`]+)`", text):
+        words += span.split()
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    paths = set()
+    for word in words:
+        word = word.split("::")[0].rstrip(".,;:)'\"").lstrip("('\"")
+        parts = word.split("/")
+        if len(parts) < 2 or parts[0] not in _TOP | packages | {"conversion", "architectures"}:
+            continue
+        if re.search(r"[<>{}*$~|]", word) or any(
+            re.fullmatch(r"[A-Z][A-Z_]+(\.\w+)?", part) for part in parts
+        ):
+            continue
+        paths.add(word)
+    return paths
+
+
+def _exists(path: str) -> bool:
+    """At the repository root, under dpo_megatron/, or (a path relative to a package, e.g.
+    ``architectures/gpt_oss.py``) as the end of a path under dpo_megatron/."""
+    if (ROOT / path).exists() or (PACKAGE / path).exists():
+        return True
+    return any(str(p).endswith("/" + path.rstrip("/")) for p in PACKAGE.rglob("*"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_a_page_names_exists(page):
+    """A file or folder named on a page (a module, a script, a config, a test) that is renamed
+    or removed fails here."""
+    missing = sorted(path for path in _named_paths(_read(page)) if not _exists(path))
+    assert not missing, f"{page.relative_to(ROOT)} names {missing}"
+
+
+def test_the_readme_is_a_short_map_that_starts_with_the_fresh_machine_commands():
+    """The README stays under 300 lines; its first commands set up a fresh machine and run the
+    main job, then the tests; it links every topic page of docs/."""
+    readme = _read(ROOT / "README.md")
+    assert len(readme.splitlines()) <= 300
+    first, second = re.findall(r"```bash\n(.*?)```", readme, re.S)[:2]
+    assert first.strip() == "bash scripts/setup.sh && scripts/pretrain_dpo.sh"
+    assert second.strip().startswith("bash scripts/setup.sh && .venv/bin/python -m pytest")
+    linked = set(re.findall(r"\]\(docs/([^)#]+)", readme))
+    assert linked == {p.name for p in (ROOT / "docs").glob("*.md")}
