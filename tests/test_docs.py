@@ -137,10 +137,11 @@ def test_every_repository_path_a_page_names_exists(page):
 
 
 def test_the_readme_is_a_short_map_that_starts_with_the_fresh_machine_commands():
-    """The README stays under 300 lines; its first commands set up a fresh machine and run the
-    main job, then the tests; it links every topic page of docs/."""
+    """The README stays under 300 lines; its first section and first commands set up a fresh
+    machine and run the main job, then the tests; it links every topic page of docs/."""
     readme = _read(ROOT / "README.md")
     assert len(readme.splitlines()) <= 300
+    assert re.findall(r"^## (.*)$", readme, re.M)[0] == "On a fresh machine"
     first, second = re.findall(r"```bash\n(.*?)```", readme, re.S)[:2]
     assert first.strip() == "bash scripts/setup.sh && scripts/pretrain_dpo.sh"
     assert second.strip().startswith("bash scripts/setup.sh && .venv/bin/python -m pytest")
