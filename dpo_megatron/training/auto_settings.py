@@ -60,7 +60,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(words & {"avx512_bf16", "amx_bf16"})
 
 
-def _packing(cfg, loss_fn, model_cfg: ModelConfig) -> str:
+def resolve_packing(cfg, loss_fn, model_cfg: ModelConfig) -> str:
     """Resolve ``packing.enabled`` / ``packing.share_prompt`` left at null; the reason."""
     p = cfg.packing
     explicit = p.enabled is not None and p.share_prompt is not None
@@ -115,7 +115,7 @@ def _lm_head(model_cfg: ModelConfig) -> str:
     return f"LM head {name} (auto on {where}: {why})"
 
 
-def _reference(cfg, loss_fn, num_train: int) -> str:
+def resolve_reference(cfg, loss_fn, num_train: int) -> str:
     """Resolve ``reference.mode=auto``; the reason."""
     ref = cfg.reference
     if not loss_fn.needs_reference:
@@ -188,9 +188,9 @@ def resolve_auto_settings(
         The choices and their reasons (:attr:`AutoSettings.line` is the start-up line).
     """
     settings = AutoSettings()
-    settings.reasons.append(_packing(cfg, loss_fn, model_cfg))
+    settings.reasons.append(resolve_packing(cfg, loss_fn, model_cfg))
     settings.reasons.append(_lm_head(model_cfg))
-    settings.reasons.append(_reference(cfg, loss_fn, 0 if num_train is None else num_train))
+    settings.reasons.append(resolve_reference(cfg, loss_fn, 0 if num_train is None else num_train))
     settings.reasons.append(_precision(cfg, model_cfg))
     if cfg.model.fused_lm_head is None:
         cfg.model.fused_lm_head = model_cfg.fused_lm_head

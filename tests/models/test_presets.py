@@ -247,11 +247,15 @@ def test_moe_presets_check_their_local_copies(tmp_path):
 
 
 def test_a_quantized_hub_name_says_to_dequantize():
-    """``model=gpt-oss-20b`` without a local copy: the engine's error gives the recipe for the
-    local copy (loading the hub name dequantized, saving it under a folder of
-    DPO_MEGATRON_MODELS), not a plain download the engine could not read (DeepSeek-V3: FP8)."""
+    """``model=gpt-oss-20b`` without a local copy: its architecture is known (stored with the
+    preset), but reading its weights gives the recipe for the local copy (loading the hub name
+    dequantized, saving it under a folder of DPO_MEGATRON_MODELS), not a plain download the
+    engine could not read (DeepSeek-V3, whose architecture is not stored: FP8)."""
+    from dpo_megatron.models.conversion.hf_files import HFCheckpointReader
+
+    assert model_config_from_hf("openai/gpt-oss-20b").num_experts == 32
     with pytest.raises(FileNotFoundError) as raised:
-        model_config_from_hf("openai/gpt-oss-20b")
+        HFCheckpointReader("openai/gpt-oss-20b")
     message = str(raised.value)
     assert re.search(
         r"hub name: openai/gpt-oss-20b is MXFP4-quantized on the hub .*from_pretrained\("
@@ -262,3 +266,25 @@ def test_a_quantized_hub_name_says_to_dequantize():
     assert "download it" not in message
     with pytest.raises(FileNotFoundError, match=r"FP8-quantized.*FineGrainedFP8Config"):
         model_config_from_hf("deepseek-ai/DeepSeek-V3")
+
+
+def test_stored_architectures_state_the_preset_facts():
+    """A preset that stores its config.json keys (the GPU recipes' models, gpt-oss) resolves
+    offline to the architecture its facts state."""
+    stored = [name for name, preset in MODEL_PRESETS.items() if preset.architecture]
+    assert {"llama3.1-8b", "llama3.3-70b", "qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b"} <= set(
+        stored
+    )
+    for name in stored:
+        preset = MODEL_PRESETS[name]
+        model = model_config_from_hf(preset.hub_name)
+        facts = (model.num_layers, model.hidden_size, model.num_attention_heads, model.vocab_size)
+        want = (
+            preset.num_layers,
+            preset.hidden_size,
+            preset.num_attention_heads,
+            preset.vocab_size,
+        )
+        assert facts == want, name
+        ffn = model.moe_ffn_hidden_size if preset.model_type == "gpt_oss" else model.ffn_hidden_size
+        assert ffn == preset.ffn_hidden_size, name

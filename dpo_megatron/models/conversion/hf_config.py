@@ -46,29 +46,40 @@ sinks and clamped SwiGLU, YaRN): the other families' folders get their defaults 
 config's values never leak into another architecture)."""
 
 
+def hub_name_hint(hf_path: str) -> str:
+    """What to do when ``hf_path`` is not a folder but looks like a hub name (what a preset
+    resolves to without a local copy; the engine reads local folders only): '' otherwise."""
+    if os.path.isdir(hf_path) or "/" not in hf_path.strip("/"):
+        return ""
+    from dpo_megatron.models.presets import hub_note
+
+    # A preset whose hub folder the engine cannot read as downloaded (quantized) has its own
+    # recipe for the local copy instead of the plain download.
+    return f"; {hf_path!r} looks like a hub name: " + (
+        hub_note(hf_path.strip("/"))
+        or f"download it (hf download {hf_path} --local-dir DIR/{hf_path}) and set "
+        f"DPO_MEGATRON_MODELS=DIR or model.hf_path=DIR/{hf_path}"
+    )
+
+
 def read_hf_config_json(hf_path: str) -> dict:
-    """The raw ``config.json`` of an HF folder.
+    """The raw ``config.json`` of an HF folder; for the hub name of a preset that stores its
+    architecture (``models.presets.ModelPreset.architecture``) and has no folder here, those
+    stored keys (the architecture is known offline; the weights still need a local copy).
 
     Raises:
         FileNotFoundError: the folder or its config.json does not exist.
     """
     path = os.path.join(hf_path, "config.json")
     if not os.path.isfile(path):
-        hint = ""
-        if not os.path.isdir(hf_path) and "/" in hf_path.strip("/"):
-            # A hub name (what a preset resolves to without a local copy): the engine reads
-            # local folders only.
-            from dpo_megatron.models.presets import hub_note
+        from dpo_megatron.models.presets import stored_architecture
 
-            # A preset whose hub folder the engine cannot read as downloaded (quantized) has
-            # its own recipe for the local copy instead of the plain download.
-            hint = f"; {hf_path!r} looks like a hub name: " + (
-                hub_note(hf_path.strip("/"))
-                or f"download it (hf download {hf_path} --local-dir DIR/{hf_path}) and set "
-                f"DPO_MEGATRON_MODELS=DIR or model.hf_path=DIR/{hf_path}"
-            )
+        stored = None if os.path.isdir(hf_path) else stored_architecture(hf_path.strip("/"))
+        if stored is not None:
+            return stored
         raise FileNotFoundError(
-            f"{path}: no config.json (model.hf_path must be a Hugging Face model folder){hint}"
+            f"{path}: no config.json (model.hf_path must be a Hugging Face model folder)"
+            f"{hub_name_hint(hf_path)}"
         )
     with open(path) as f:
         return json.load(f)
@@ -125,8 +136,9 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     from transformers import AutoConfig
 
     # transformers resolves class defaults and old/new spellings (rope_theta/rope_scaling vs
-    # rope_parameters); the file is local, nothing is downloaded.
-    hf = AutoConfig.from_pretrained(hf_path)
+    # rope_parameters), as from_pretrained does with a folder's file; nothing is downloaded.
+    raw = read_hf_config_json(hf_path)
+    hf = AutoConfig.for_model(**raw) if "model_type" in raw else AutoConfig.from_pretrained(hf_path)
     refuse_quantized(hf, hf_path)  # every architecture: the weights are read unquantized
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     fields = {**{name: defaults[name] for name in FAMILY_FIELDS}, **arch.config_from_hf(hf)}

@@ -66,9 +66,11 @@ class HFCheckpointReader:
         for single in ("model.safetensors", "pytorch_model.bin"):
             if os.path.isfile(os.path.join(self.hf_path, single)):
                 return [single]
+        from dpo_megatron.models.conversion.hf_config import hub_name_hint
+
         raise FileNotFoundError(
             f"{self.hf_path}: no model.safetensors, pytorch_model.bin or "
-            "sharded index in this folder"
+            f"sharded index in this folder{hub_name_hint(self.hf_path)}"
         )
 
     def _handle(self, name: str):

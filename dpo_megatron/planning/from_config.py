@@ -1,0 +1,124 @@
+"""A run's config read the way the planner needs it: the step's work, the numerics on the
+target device, the layout of the config itself, and one call that estimates a config as it
+stands (the launcher's memory warning)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.planning.hardware import GIB, Cluster
+from dpo_megatron.planning.memory import Numerics, Workload, rank_memory
+
+
+def resolved_model(cfg, loss_fn) -> ModelConfig:
+    """The architecture the run trains (``model.hf_path``'s config.json, a preset's stored one,
+    a ``model.load`` checkpoint's, or the ``model.*`` keys) with the loss's head."""
+    from dpo_megatron.training.run_models import resolve_model_config, with_loss_head
+
+    return with_loss_head(resolve_model_config(cfg), loss_fn)
+
+
+def numerics_for(model: ModelConfig, cluster: Cluster) -> Numerics:
+    """The dtype and kernels of ``model`` on the cluster's device: ``params_dtype=auto`` is bf16
+    on an accelerator and fp32 on the host; ``fused_lm_head`` unset is fused on an accelerator
+    and unfused on the host (``models.gpt.lm_head_is_fused``); CUDA's fp32 attention kernels
+    take keys repeated to every head."""
+    bf16 = model.params_dtype == "bfloat16" if model.params_dtype != "auto" else not cluster.host
+    fused = model.fused_lm_head if model.fused_lm_head is not None else not cluster.host
+    return Numerics(bf16=bf16, fused_lm_head=fused, expand_kv=not bf16 and not cluster.host)
+
+
+def workload_for(
+    cfg,
+    loss_fn,
+    model: ModelConfig,
+    micro_batch_size: int,
+    prompt_fraction: Optional[float] = None,
+    train_items: Optional[int] = None,
+) -> Workload:
+    """The step's work for ``cfg`` (its batch sizes, lengths, loss, packing and reference) at
+    ``micro_batch_size``.
+
+    Args:
+        prompt_fraction: the prompt's share of a sequence (default: ``data.max_prompt_length /
+            data.max_length``, prompts as long as allowed).
+        train_items: items in the training data, to resolve ``reference.mode=auto`` as the run
+            would (``training.auto_settings``); None: as if the steps covered them all.
+    """
+    from dpo_megatron.training.auto_settings import resolve_packing, resolve_reference
+
+    resolved = copy.deepcopy(cfg)
+    resolve_packing(resolved, loss_fn, model)
+    items = (
+        train_items
+        if train_items is not None
+        else cfg.train.train_iters * cfg.train.global_batch_size
+    )
+    resolve_reference(resolved, loss_fn, items)
+    if not loss_fn.needs_reference:
+        reference = "none"
+    elif cfg.lora.enabled:
+        reference = "base"
+    else:
+        reference = resolved.reference.mode
+    data = cfg.data
+    fraction = (
+        prompt_fraction
+        if prompt_fraction is not None
+        else min(data.max_prompt_length, data.max_length - 1) / data.max_length
+    )
+    sequences = 1 if loss_fn.item_kind == "sft" else 2
+    return Workload(
+        max_length=data.max_length,
+        prompt_fraction=fraction,
+        sequences_per_item=sequences,
+        share_prompt=bool(resolved.packing.enabled and resolved.packing.share_prompt),
+        lm_head=loss_fn.model_head == "lm",
+        global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=micro_batch_size,
+        reference=reference,
+        reference_offload=cfg.reference.offload,
+        policy_statistic_pass=loss_fn.needs_step_statistic(True),
+    )
+
+
+def config_layout(cfg, model: ModelConfig, world_size: int) -> ParallelConfig:
+    """The config's own layout with its data-parallel size: ``parallel.data_parallel_size``, or
+    what ``world_size`` leaves; MoE models at TP > 1 get sequence parallelism, as the ranks
+    turn it on (``training.run_models.require_sequence_parallel``)."""
+    from dpo_megatron.models.moe import moe_needs_sequence_parallel
+
+    parallel = copy.deepcopy(cfg.parallel)
+    if parallel.data_parallel_size is None:
+        parallel.data_parallel_size = max(1, world_size // parallel.model_parallel_size())
+    if moe_needs_sequence_parallel(model, parallel.tensor_model_parallel_size):
+        parallel.sequence_parallel = True
+    return parallel
+
+
+def memory_warning(cfg, loss_fn, model: ModelConfig, cluster: Cluster) -> Optional[str]:
+    """One line when the planner's peak for ``cfg``'s own layout exceeds the device's memory,
+    else None (an estimate: the launcher warns, it does not refuse)."""
+    parallel = config_layout(cfg, model, cluster.world_size)
+    workload = workload_for(cfg, loss_fn, model, cfg.train.micro_batch_size)
+    numerics = numerics_for(model, cluster)
+    memory = rank_memory(
+        model,
+        parallel,
+        workload,
+        numerics,
+        cfg.train.use_distributed_optimizer,
+        cfg.train.optimizer,
+        cfg.lora if cfg.lora.enabled else None,
+    )
+    if memory.total <= cluster.usable_bytes:
+        return None
+    return (
+        f"WARNING: the planner predicts {memory.total / GIB:.1f} GiB per GPU for this layout "
+        f"(pipeline stage {memory.pp_rank}), more than the {cluster.usable_bytes / GIB:.1f} GiB "
+        f"usable of a {cluster.accelerator.memory_gib:g} GiB {cluster.accelerator.sku}: it may "
+        f"run out of memory; 'scripts/pretrain_dpo.sh --plan ...' lists layouts that fit"
+    )

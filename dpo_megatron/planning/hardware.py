@@ -1,0 +1,132 @@
+"""Accelerators and clusters the planner plans for: memory, dense bf16 peak and link speeds.
+
+Peaks are the dense (no sparsity) bf16 figures of NVIDIA's datasheets for the exact board, by the
+name ``torch.cuda.get_device_name()`` gives: the PCIe and NVL boards of a chip run at lower
+clocks and power than its SXM board (H100 SXM 989.4, H100 NVL 835.5, H100 PCIe 756.5 TFLOP/s),
+so a name is matched exactly, never by substring. Memory is the board's capacity in GiB as
+``torch.cuda.get_device_properties().total_memory`` reports it (80 GB HBM3 -> 79.1 GiB).
+Link speeds are per GPU and per direction: NVLink 4 (H100 / H200 SXM) 450 GB/s, NVLink 3 (A100
+SXM) 300 GB/s, PCIe 5 x16 64 GB/s, PCIe 4 x16 32 GB/s; between nodes, one 400 Gb/s InfiniBand
+NDR port per GPU (50 GB/s), the DGX H100 / H200 design. Memory bandwidth: HBM3 3.35 TB/s (H100
+SXM), HBM3e 4.8 TB/s (H200).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator model.
+
+    Attributes:
+        sku: the board (``H100 SXM``).
+        memory_gib: device memory (GiB).
+        bf16_tflops: dense bf16 peak (TFLOP/s).
+        intra_node_gbps: bandwidth to the other GPUs of its node, per direction (GB/s).
+        memory_gbps: device-memory bandwidth (GB/s), for the optimizer step.
+        device_names: what ``torch.cuda.get_device_name()`` calls it.
+    """
+
+    sku: str
+    memory_gib: float
+    bf16_tflops: float
+    intra_node_gbps: float
+    memory_gbps: float
+    device_names: tuple[str, ...] = ()
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "h100": Accelerator("H100 SXM", 79.1, 989.4, 450.0, 3350.0, ("NVIDIA H100 80GB HBM3",)),
+    "h100-pcie": Accelerator("H100 PCIe", 79.1, 756.5, 64.0, 2000.0, ("NVIDIA H100 PCIe",)),
+    "h100-nvl": Accelerator("H100 NVL", 93.1, 835.5, 300.0, 3900.0, ("NVIDIA H100 NVL",)),
+    "h200": Accelerator("H200 SXM", 139.8, 989.4, 450.0, 4800.0, ("NVIDIA H200",)),
+    "h200-nvl": Accelerator("H200 NVL", 139.8, 835.5, 450.0, 4800.0, ("NVIDIA H200 NVL",)),
+    "gh200": Accelerator(
+        "GH200", 94.5, 989.4, 450.0, 4000.0, ("NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e")
+    ),
+    "b200": Accelerator("B200", 178.4, 2250.0, 900.0, 8000.0, ("NVIDIA B200",)),
+    "a100-80gb": Accelerator(
+        "A100 SXM", 79.1, 312.0, 300.0, 2039.0, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM-80GB")
+    ),
+    "a100-40gb": Accelerator("A100 SXM", 39.4, 312.0, 300.0, 1555.0, ("NVIDIA A100-SXM4-40GB",)),
+    "a100-pcie": Accelerator(
+        "A100 PCIe", 79.1, 312.0, 32.0, 1935.0, ("NVIDIA A100 80GB PCIe", "NVIDIA A100-PCIE-40GB")
+    ),
+    "l40s": Accelerator("L40S", 44.4, 362.05, 32.0, 864.0, ("NVIDIA L40S",)),
+    "l40": Accelerator("L40", 44.4, 181.05, 32.0, 864.0, ("NVIDIA L40",)),
+    "l4": Accelerator("L4", 22.0, 121.0, 32.0, 300.0, ("NVIDIA L4",)),
+    "a10": Accelerator("A10", 22.0, 125.0, 32.0, 600.0, ("NVIDIA A10",)),
+    "a40": Accelerator("A40", 44.4, 149.7, 32.0, 696.0, ("NVIDIA A40",)),
+    "rtx-a6000": Accelerator("RTX A6000", 47.4, 154.8, 32.0, 768.0, ("NVIDIA RTX A6000",)),
+}
+"""Short name (``--gpu``) -> accelerator."""
+
+
+def _key(name: str) -> str:
+    return " ".join(name.lower().split())
+
+
+def find_accelerator(name: str) -> Optional[Accelerator]:
+    """The accelerator a short name (``h100``) or a device name (``NVIDIA H100 80GB HBM3``, case
+    and runs of spaces aside) stands for; None when unknown."""
+    if _key(name) in ACCELERATORS:
+        return ACCELERATORS[_key(name)]
+    for accelerator in ACCELERATORS.values():
+        if _key(name) in {_key(n) for n in accelerator.device_names}:
+            return accelerator
+    return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the job runs on.
+
+    Attributes:
+        nodes: machines.
+        gpus_per_node: ranks per machine.
+        accelerator: each rank's device.
+        inter_node_gbps: bandwidth to other nodes per GPU and direction (GB/s).
+        reserved_gib: device memory the engine cannot use for tensors: the CUDA context, NCCL's
+            buffers and the caching allocator's fragmentation (GiB).
+        mfu: the share of the dense peak that the model FLOPs run at (model FLOPs utilisation:
+            Chowdhery et al. 2022, "PaLM", appendix B).
+        host: the CPU stands in for the device (ranks share one host memory).
+    """
+
+    nodes: int
+    gpus_per_node: int
+    accelerator: Accelerator
+    inter_node_gbps: float = 50.0
+    reserved_gib: float = 6.0
+    mfu: float = 0.35
+    host: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes per rank the planner lets tensors take."""
+        return (self.accelerator.memory_gib - self.reserved_gib) * GIB
+
+    def link_gbps(self, span: int) -> float:
+        """Bandwidth of a communication group whose ranks span ``span`` consecutive ranks
+        (megatron-core orders ranks TP, CP, EP, DP, PP from fastest to slowest): inside a node
+        over NVLink / PCIe, else over the network."""
+        if span <= self.gpus_per_node:
+            return self.accelerator.intra_node_gbps
+        return self.inter_node_gbps
+
+
+def host_cluster(ranks: int, memory_gib: float, tflops: float) -> Cluster:
+    """The CPU as the device: ``ranks`` processes sharing ``memory_gib`` of host memory (each
+    rank's budget is its share) at ``tflops`` fp32 all together, over shared memory."""
+    share = memory_gib / ranks
+    cpu = Accelerator("CPU", share, tflops / ranks, 10.0, 10.0)
+    return Cluster(1, ranks, cpu, inter_node_gbps=10.0, reserved_gib=0.5, mfu=1.0, host=True)
