@@ -678,12 +678,33 @@ def prepare_data(cfg: DPOConfig) -> bool:
     return True
 
 
+def predicted_memory_warning(cfg: DPOConfig, cluster=None) -> Optional[str]:
+    """On a CUDA launch (or for ``cluster``), one line when the layout planner predicts more
+    memory per GPU than the device has (``planning.from_config.memory_warning``); None otherwise.
+    A warning, not a refusal: the prediction is an estimate."""
+    from dpo_megatron.parallel.device import resolve_backend
+    from dpo_megatron.planning.from_config import local_cluster, memory_warning, resolved_model
+
+    if cluster is None:
+        if resolve_backend(cfg.parallel.backend) != "nccl":
+            return None
+        cluster = local_cluster(world_size_for(cfg))
+        if cluster is None:
+            return None
+    from dpo_megatron.losses import build_loss
+
+    loss_fn = build_loss(cfg.loss)
+    return memory_warning(cfg, loss_fn, resolved_model(cfg, loss_fn), cluster)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
 
     Resolves the config (its assets from the cache), checks the data
     sources (:func:`check_data`), the model against the layout, then tokenizes the data into
-    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. Every
+    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. On a
+    CUDA machine it warns (one line) when the layout planner predicts more memory per GPU than
+    the device has (:func:`predicted_memory_warning`). Every
     mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr and
     exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
     """
@@ -741,6 +762,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if note:  # stderr: the launcher reads the world size from stdout's last line
             print(note, file=sys.stderr, flush=True)
         check_model_layout(cfg)
+        warning = predicted_memory_warning(cfg)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         prepare_data(cfg)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None

@@ -10,8 +10,9 @@ Reads the run's config as the launcher does (the model from ``model.hf_path``, a
 every layout of the cluster that the engine's own rules accept (``dpo_megatron.planning.search``)
 and prints them ranked, with per-GPU memory by part, the predicted step time and the reason for
 every layout left out; then the best one as a config snippet. ``--json`` writes the same table.
-Memory is what the ranks allocate (``torch.cuda.max_memory_allocated``); the device keeps
-``--reserved-gib`` for the CUDA context, NCCL and the allocator's slack. Times are estimates at
+Memory is what the ranks allocate (``torch.cuda.max_memory_allocated``); a layout fits when its
+peak plus ``--margin`` of it (the allocator's fragmentation, the estimate's error) plus
+``--reserved-gib`` (the CUDA context, NCCL) is within the device's memory. Times are estimates at
 ``--mfu``. Exit status 1 for a config mistake (one ``config error:`` line), 0 otherwise.
 """
 
@@ -51,8 +52,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reserved-gib",
         type=float,
-        default=6.0,
-        help="per-GPU memory kept for the CUDA context, NCCL and the allocator's slack",
+        default=3.0,
+        help="per-GPU memory kept for the CUDA context and NCCL",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.10,
+        help="share of the predicted peak kept for the allocator's fragmentation and the "
+        "estimate's error",
+    )
+    p.add_argument(
+        "--expert-overhead-us",
+        type=float,
+        default=50.0,
+        help="host time per expert and pass of megatron-core's SequentialMLP (microseconds)",
     )
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="per GPU and direction")
     p.add_argument(
@@ -106,7 +120,9 @@ def cluster_from_args(args) -> Cluster:
         accelerator,
         inter_node_gbps=args.inter_node_gbps,
         reserved_gib=args.reserved_gib,
+        margin=args.margin,
         mfu=args.mfu,
+        expert_overhead_us=args.expert_overhead_us,
     )
 
 
@@ -183,8 +199,8 @@ def _work_line(loss_fn, workload, numerics) -> str:
 def _cluster_line(cluster: Cluster) -> str:
     a = cluster.accelerator
     return (
-        f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {a.sku} ({a.memory_gib:g} GiB, "
-        f"{cluster.usable_bytes / GIB:.1f} usable; {a.bf16_tflops:g} TFLOP/s peak at MFU "
+        f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {a.sku}: {cluster.budget()}; "
+        f"{a.bf16_tflops:g} TFLOP/s peak at MFU "
         f"{cluster.mfu:.0%}; links {a.intra_node_gbps:g} GB/s in a node, "
         f"{cluster.inter_node_gbps:g} GB/s between nodes)"
     )

@@ -21,9 +21,11 @@ for a in "$@"; do
     echo
     echo "Options: --config FILE (anywhere; default $(basename "$DEFAULT_CONFIG")), key=value overrides,"
     echo "  --list-keys (every config key: type, default, valid range), --print-config (the resolved"
-    echo "  config as YAML). Shorthands: loss=ipo is loss.name=ipo; key= clears a string key;"
-    echo "  model=NAME is a model preset (smollm2, pythia28, smollm3, gpt-oss-20b, ...:"
-    echo "  docs/HF_CONVERSION.md#presets), its local copy looked up under \$DPO_MEGATRON_MODELS."
+    echo "  config as YAML), --plan (the layouts that fit this config on a cluster: --gpu h100"
+    echo "  --nodes N --gpus-per-node 8, ...: docs/PLANNER.md). Shorthands: loss=ipo is"
+    echo "  loss.name=ipo; key= clears a string key; model=NAME is a model preset (smollm2,"
+    echo "  pythia28, llama3.1-8b, gpt-oss-20b, ...: docs/HF_CONVERSION.md#presets), its local copy"
+    echo "  looked up under \$DPO_MEGATRON_MODELS."
     echo "Before any rank starts, the config, the data files and the model's layout are checked;"
     echo "a mistake ends the script with one 'config error:' or 'error:' line (exit status 1)."
     exit 0
@@ -45,6 +47,14 @@ export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 # The pre-check: the config module's, or another entry's (DPO_MEGATRON_PRECHECK, e.g.
 # scripts/iterative_dpo.sh's).
 read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.config}"
+# --plan: the layout planner on this config (dpo_megatron/plan.py; its options such as --gpu h100
+# --nodes 4 pass through), nothing is launched.
+for i in "${!args[@]}"; do
+  if [[ "${args[$i]}" == "--plan" ]]; then
+    unset 'args[i]'
+    exec "$PYTHON" -m dpo_megatron.plan "${args[@]}"
+  fi
+done
 # --list-keys / --print-config: answered by the pre-check's module, nothing is launched.
 for a in "${args[@]}"; do
   if [[ "$a" == "--list-keys" || "$a" == "--print-config" ]]; then

@@ -99,6 +99,27 @@ def config_layout(cfg, model: ModelConfig, world_size: int) -> ParallelConfig:
     return parallel
 
 
+def local_cluster(ranks: int) -> Optional[Cluster]:
+    """The cluster a CUDA launch of ``ranks`` ranks runs on, as this machine's first GPU sees it
+    (its name, or its memory and the H100's peak when the name is not in the table); None
+    without CUDA."""
+    import dataclasses
+
+    import torch
+
+    from dpo_megatron.planning.hardware import find_accelerator
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    memory = torch.cuda.get_device_properties(0).total_memory / GIB
+    known = find_accelerator(name) or find_accelerator("h100")
+    accelerator = dataclasses.replace(
+        known, memory_gib=memory, sku=known.sku if find_accelerator(name) else name
+    )
+    return Cluster(1, ranks, accelerator)
+
+
 def memory_warning(cfg, loss_fn, model: ModelConfig, cluster: Cluster) -> Optional[str]:
     """One line when the planner's peak for ``cfg``'s own layout exceeds the device's memory,
     else None (an estimate: the launcher warns, it does not refuse)."""
@@ -117,8 +138,7 @@ def memory_warning(cfg, loss_fn, model: ModelConfig, cluster: Cluster) -> Option
     if memory.total <= cluster.usable_bytes:
         return None
     return (
-        f"WARNING: the planner predicts {memory.total / GIB:.1f} GiB per GPU for this layout "
-        f"(pipeline stage {memory.pp_rank}), more than the {cluster.usable_bytes / GIB:.1f} GiB "
-        f"usable of a {cluster.accelerator.memory_gib:g} GiB {cluster.accelerator.sku}: it may "
-        f"run out of memory; 'scripts/pretrain_dpo.sh --plan ...' lists layouts that fit"
+        f"WARNING: the layout planner predicts {memory.total / GIB:.1f} GiB per GPU for this "
+        f"layout (pipeline stage {memory.pp_rank}), but {cluster.budget()}: the run may run out "
+        "of memory; scripts/pretrain_dpo.sh --plan with this config lists layouts that fit"
     )

@@ -91,10 +91,14 @@ class Cluster:
         gpus_per_node: ranks per machine.
         accelerator: each rank's device.
         inter_node_gbps: bandwidth to other nodes per GPU and direction (GB/s).
-        reserved_gib: device memory the engine cannot use for tensors: the CUDA context, NCCL's
-            buffers and the caching allocator's fragmentation (GiB).
+        reserved_gib: device memory no tensor gets: the CUDA context and NCCL's buffers (GiB).
+        margin: the caching allocator's fragmentation and the estimate's error, as a share of
+            the predicted peak (a layout fits when peak x (1 + margin) + reserved <= memory).
         mfu: the share of the dense peak that the model FLOPs run at (model FLOPs utilisation:
             Chowdhery et al. 2022, "PaLM", appendix B).
+        expert_overhead_us: host time per routed expert and pass through a layer: megatron-core's
+            ``SequentialMLP`` (the engine's experts) runs one expert after another from Python,
+            whatever their size (microseconds).
         host: the CPU stands in for the device (ranks share one host memory).
     """
 
@@ -102,8 +106,10 @@ class Cluster:
     gpus_per_node: int
     accelerator: Accelerator
     inter_node_gbps: float = 50.0
-    reserved_gib: float = 6.0
+    reserved_gib: float = 3.0
+    margin: float = 0.10
     mfu: float = 0.35
+    expert_overhead_us: float = 50.0
     host: bool = False
 
     @property
@@ -112,8 +118,16 @@ class Cluster:
 
     @property
     def usable_bytes(self) -> float:
-        """Bytes per rank the planner lets tensors take."""
-        return (self.accelerator.memory_gib - self.reserved_gib) * GIB
+        """The largest predicted peak per rank that fits (``margin`` and ``reserved_gib`` off)."""
+        return (self.accelerator.memory_gib - self.reserved_gib) * GIB / (1 + self.margin)
+
+    def budget(self) -> str:
+        """The memory rule in words."""
+        return (
+            f"at most {self.usable_bytes / GIB:.1f} GiB predicted fits a "
+            f"{self.accelerator.memory_gib:g} GiB {self.accelerator.sku} ({self.reserved_gib:g} "
+            f"GiB for the CUDA context and NCCL, {self.margin:.0%} margin)"
+        )
 
     def link_gbps(self, span: int) -> float:
         """Bandwidth of a communication group whose ranks span ``span`` consecutive ranks
@@ -129,4 +143,6 @@ def host_cluster(ranks: int, memory_gib: float, tflops: float) -> Cluster:
     rank's budget is its share) at ``tflops`` fp32 all together, over shared memory."""
     share = memory_gib / ranks
     cpu = Accelerator("CPU", share, tflops / ranks, 10.0, 10.0)
-    return Cluster(1, ranks, cpu, inter_node_gbps=10.0, reserved_gib=0.5, mfu=1.0, host=True)
+    return Cluster(
+        1, ranks, cpu, inter_node_gbps=10.0, reserved_gib=0.5, margin=0.1, mfu=1.0, host=True
+    )

@@ -45,7 +45,7 @@ class Plan:
         recompute: 'none', 'selective' or 'full'.
         model_keys: the ``model.*`` keys the recompute choice sets.
         memory, time: the estimates (None for a refused layout).
-        fits: the peak fits the device's usable memory.
+        fits: the peak fits the device's memory (``Cluster.usable_bytes``).
         reason: why it was left out or does not fit ('' when it fits).
     """
 
@@ -253,34 +253,32 @@ def plan_layouts(
                 need = plan.memory.total
                 plan.fits = need <= cluster.usable_bytes
                 if not plan.fits:
-                    more = (need - cluster.usable_bytes) / GIB
-                    plan.reason = (
-                        f"needs {need / GIB:.1f} GiB per GPU, {more:.1f} GiB more than the "
-                        f"{cluster.usable_bytes / GIB:.1f} GiB usable of {cluster.accelerator.sku}"
-                    )
-    return rank(plans)
+                    plan.reason = f"needs {need / GIB:.1f} GiB per GPU; {cluster.budget()}"
+    return rank(plans, cluster.usable_bytes)
 
 
 def complexity(parallel: ParallelConfig) -> tuple[int, int]:
-    """How much a layout splits the model: model-parallel ranks (TP x PP x CP x EP), then
+    """How much a layout splits the dense model: model-parallel ranks (TP x PP x CP), then
     interleaving. Fewer is simpler to run and less exposed to what the estimate leaves out
     (smaller matrix products per GPU, communication that does not overlap)."""
     return (
-        parallel.model_parallel_size() * parallel.expert_model_parallel_size,
+        parallel.model_parallel_size(),
         parallel.virtual_pipeline_model_parallel_size or 1,
     )
 
 
-def rank(plans: list[Plan], tie: float = 0.02) -> list[Plan]:
-    """Fitting plans fastest first (step times within ``tie`` of each other count as equal and
-    the simpler layout comes first, then the one with more headroom), then estimated ones
-    smallest first, then refused ones."""
+def rank(plans: list[Plan], usable: float, tie: float = 0.02, headroom: float = 0.1) -> list[Plan]:
+    """Fitting plans fastest first, step times within ``tie`` of each other counting as equal:
+    among those, a plan whose peak leaves ``headroom`` of ``usable`` bytes free first (the
+    estimate is an estimate), then the simpler layout (:func:`complexity`), then the smaller
+    peak. Then the estimated plans that do not fit, smallest first; then the refused ones."""
     fitting = [p for p in plans if p.fits]
     if fitting:
         best = min(p.time.total_s for p in fitting)
         fitting.sort(
             key=lambda p: (
                 int((p.time.total_s - best) / (tie * best)),
+                p.memory.total > (1 - headroom) * usable,
                 complexity(p.parallel),
                 p.memory.total,
             )

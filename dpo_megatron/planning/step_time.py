@@ -18,6 +18,9 @@ megatron-core's DDP without overlapped reduction and its layers without communic
   distributed optimizer, or one all-reduce without it.
 * **Pipeline**: each micro-batch's activations and gradients between stages.
 * **Optimizer**: a memory-bound pass over the weights, gradients and optimizer state.
+* **Experts**: megatron-core's ``SequentialMLP`` runs a rank's experts one after another from
+  Python, a fixed host cost per expert and pass (``Cluster.expert_overhead_us``): what makes
+  expert parallelism pay beyond its memory.
 
 Groups take the bandwidth of where their ranks sit (:meth:`Cluster.link_gbps`).
 """
@@ -45,6 +48,7 @@ class StepTime:
     data_parallel_s: float
     pipeline_s: float
     optimizer_s: float
+    experts_s: float
     model_flops: float
     """Model FLOPs of the step over all ranks (recomputation not counted)."""
 
@@ -59,6 +63,7 @@ class StepTime:
             + self.data_parallel_s
             + self.pipeline_s
             + self.optimizer_s
+            + self.experts_s
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -135,7 +140,18 @@ def step_time(
     kv_bytes = tokens * 2 * kv * d / tp * b * cp  # the gathered keys and values of one layer
     cp_passes = 2 + (1 if workload.reference == "model" else 0)
     cp_time = micro_batches * layers * cp_passes * _ring(kv_bytes, cp, cluster.link_gbps(tp * cp))
-    ep_time = 0.0
+    ep_time = experts_time = 0.0
+    if model.num_experts:
+        moe_layers = (model.num_layers - model.moe_first_dense_layers) / pp
+        passes = 3 + (1 if workload.reference == "model" else 0)  # forward, backward (x 2)
+        experts_time = (
+            micro_batches
+            * moe_layers
+            * passes
+            * (model.num_experts / ep)
+            * cluster.expert_overhead_us
+            * 1e-6
+        )
     if model.num_experts and ep > 1:
         moe_layers = (model.num_layers - model.moe_first_dense_layers) / pp
         routed = tokens / (tp if parallel.sequence_parallel else 1) * model.moe_router_topk * h * b
@@ -164,5 +180,6 @@ def step_time(
         data_parallel_s=dp_time,
         pipeline_s=pp_time,
         optimizer_s=optimizer_time,
+        experts_s=experts_time,
         model_flops=model_flops,
     )
