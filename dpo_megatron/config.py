@@ -13,7 +13,8 @@ loss's own parameters. ``${asset:NAME}`` in a YAML value resolves to a cached of
 (``dpo_megatron.utils.cache.asset_path``; ``scripts/assets.py`` builds them).
 
 Shorthands: ``loss=ipo`` is ``loss.name=ipo`` (a fresh loss section, as ``loss.name`` always
-is); ``model=NAME`` expands a preset of ``models.presets.MODEL_PRESETS``; ``key=`` clears a string
+is); ``model=NAME`` (YAML ``model: NAME``, or ``model: {preset: NAME, ...}`` with further model
+keys) expands a preset of ``models.presets.MODEL_PRESETS``; ``key=`` clears a string
 key (``''``), a list key (``[]``) or an optional key (null). Any other scalar given to a section is
 an error that says what the section takes.
 
@@ -276,6 +277,8 @@ def _expand_override(item: str) -> list[str]:
     """One command-line ``key=value`` as the dotted overrides it stands for."""
     key, _, value = item.partition("=")
     key = key.strip()
+    if key == "model.preset":  # the YAML spelling of model=NAME
+        key = "model"
     if key in _sections() or key == "loss":
         expanded = _section_scalar(key, value, "command line")
         return [f"{key}.{k}={_dotlist_value(v)}" for k, v in expanded.items()]
@@ -296,12 +299,17 @@ def _dotlist_value(value: Any) -> str:
 
 
 def _expand_layer(layer, source: str):
-    """A YAML layer with its section scalars (``loss: ipo``, ``model: smollm2``) expanded."""
+    """A YAML layer with its section scalars (``loss: ipo``, ``model: smollm2``) expanded, and a
+    model section's ``preset: NAME`` replaced by that preset's keys under the section's own
+    (``model: {preset: qwen3-30b-a3b, recompute_granularity: full}``)."""
     raw = OmegaConf.to_container(layer, resolve=False)  # no interpolation resolved yet
     for section in [*_sections(), "loss"]:
         value = raw.get(section)  # type: ignore[union-attr]
         if value is not None and not isinstance(value, dict):
             layer[section] = _section_scalar(section, value, source)
+        elif section == "model" and isinstance(value, dict) and "preset" in value:
+            name = value.pop("preset")
+            layer[section] = {**_section_scalar(section, name, source), **value}
     return layer
 
 

@@ -156,9 +156,10 @@ def _row(i: int, plan) -> str:
         )
     )
     tok = plan.tokens_per_step / t.total_s / (p.launch_world_size())
+    fits = "tight" if plan.tight else "yes" if plan.fits else "no"
     return (
         f"{i:>3} {layout} {plan.micro_batch_size:>3} {plan.recompute:>5} {parts} "
-        f"{_gib(m.total):>6} {t.total_s:>7.2f} {tok:>8.0f}  {'yes' if plan.fits else 'no'}"
+        f"{_gib(m.total):>6} {t.total_s:>7.2f} {tok:>8.0f}  {fits}"
     )
 
 
@@ -276,9 +277,11 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
         for i, plan in enumerate(estimated[: args.top], 1):
             print(_row(i, plan))
         fitting = sum(p.fits for p in plans)
+        tight = sum(p.tight for p in plans)
         refused = Counter(_short_reason(p.reason) for p in plans if not p.valid)
         print(
-            f"\n{len(plans)} layouts x micro-batch sizes x recompute judged: {fitting} fit, "
+            f"\n{len(plans)} layouts x micro-batch sizes x recompute judged: {fitting} fit "
+            f"({tight} tight: within 10% of the limit, listed after the others), "
             f"{len(estimated) - fitting} too big, {sum(refused.values())} refused by the "
             "engine's rules" + (":" if refused else "")
         )

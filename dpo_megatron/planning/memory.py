@@ -446,13 +446,16 @@ def stage_memory(
     sp = tp if parallel.sequence_parallel else 1
     b = numerics.bytes
     dp = parallel.data_parallel_size
-    chunks = stage_parameters(model, parallel, r, lora)
-    static = static_bytes(chunks, parallel, numerics, distributed_optimizer, optimizer)
+    largest_weight, static = _stage_static(
+        model, parallel, r, lora, numerics, distributed_optimizer, optimizer
+    )
     model_bytes = static["params"] * b  # every parameter as built, before DDP's buffers
     reference = 0
     if workload.reference in ("model", "precomputed"):
         reference = (
-            sum(p.numel for chunk in stage_parameters(model, parallel, r) for p in chunk) * b
+            static["params"] * b
+            if lora is None
+            else sum(p.numel for chunk in stage_parameters(model, parallel, r) for p in chunk) * b
         )
     resident_reference = (
         reference if workload.reference == "model" and not workload.reference_offload else 0
@@ -502,9 +505,7 @@ def stage_memory(
         if model.num_experts
         else (model.ffn_hidden_size)
     )
-    layer_work = b * tokens * (model.hidden_size / sp + 3 * ffn / tp) + b * _largest_weight(
-        chunks, exclude=("word_embeddings", "output_layer")
-    )
+    layer_work = b * tokens * (model.hidden_size / sp + 3 * ffn / tp) + b * largest_weight
     workspace = max(layer_work, head_work) + recompute_group
 
     training = (
@@ -553,6 +554,45 @@ def stage_memory(
         workspace=int(workspace),
         phases={k: int(v) for k, v in phases.items()},
     )
+
+
+_STATIC_CACHE: dict = {}
+
+
+def _stage_static(model, parallel, r, lora, numerics, distributed_optimizer, optimizer):
+    """(parameters, :func:`static_bytes`) of stage ``r``, remembered for the layouts a search
+    visits again (they differ in what does not change the parameters: micro-batch size,
+    recomputation, sizes of the other dimensions)."""
+    import dataclasses
+
+    recompute = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    architecture = tuple(
+        (f.name, repr(getattr(model, f.name)))
+        for f in dataclasses.fields(model)
+        if f.name not in recompute
+    )
+    p = parallel
+    key = (
+        architecture,
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.virtual_pipeline_model_parallel_size,
+        p.context_parallel_size,
+        p.data_parallel_size,
+        p.expert_model_parallel_size,
+        p.expert_tensor_parallel(),
+        r,
+        None if lora is None else (lora.rank, tuple(lora.target_modules)),
+        numerics.bf16,
+        distributed_optimizer,
+        optimizer,
+    )
+    if key not in _STATIC_CACHE:
+        chunks = stage_parameters(model, parallel, r, lora)
+        static = static_bytes(chunks, parallel, numerics, distributed_optimizer, optimizer)
+        largest = _largest_weight(chunks, exclude=("word_embeddings", "output_layer"))
+        _STATIC_CACHE[key] = (largest, static)
+    return _STATIC_CACHE[key]
 
 
 def _vocab_shard(model: ModelConfig, tp: int) -> int:

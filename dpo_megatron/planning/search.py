@@ -46,6 +46,7 @@ class Plan:
         model_keys: the ``model.*`` keys the recompute choice sets.
         memory, time: the estimates (None for a refused layout).
         fits: the peak fits the device's memory (``Cluster.usable_bytes``).
+        tight: it fits with less than the ranking's headroom to spare (:func:`rank`).
         reason: why it was left out or does not fit ('' when it fits).
     """
 
@@ -56,6 +57,7 @@ class Plan:
     memory: Optional[RankMemory] = None
     time: Optional[StepTime] = None
     fits: bool = False
+    tight: bool = False
     reason: str = ""
     tokens_per_step: int = 0
 
@@ -96,6 +98,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "recompute": self.recompute,
             "fits": self.fits,
+            "tight": self.tight,
             "reason": self.reason,
         }
         if self.memory is not None and self.time is not None:
@@ -268,21 +271,29 @@ def complexity(parallel: ParallelConfig) -> tuple[int, int]:
 
 
 def rank(plans: list[Plan], usable: float, tie: float = 0.02, headroom: float = 0.1) -> list[Plan]:
-    """Fitting plans fastest first, step times within ``tie`` of each other counting as equal:
-    among those, a plan whose peak leaves ``headroom`` of ``usable`` bytes free first (the
-    estimate is an estimate), then the simpler layout (:func:`complexity`), then the smaller
-    peak. Then the estimated plans that do not fit, smallest first; then the refused ones."""
-    fitting = [p for p in plans if p.fits]
-    if fitting:
-        best = min(p.time.total_s for p in fitting)
-        fitting.sort(
+    """Fitting plans first, those that leave ``headroom`` of the ``usable`` bytes free before
+    the tight ones (the estimate is an estimate); each group fastest first, step times within
+    ``tie`` of each other counting as equal, the simpler layout (:func:`complexity`) and then
+    the smaller peak first among equals. Then the estimated plans that do not fit, smallest
+    first; then the refused ones."""
+
+    def fastest(group: list[Plan]) -> list[Plan]:
+        if not group:
+            return group
+        best = min(p.time.total_s for p in group)
+        return sorted(
+            group,
             key=lambda p: (
                 int((p.time.total_s - best) / (tie * best)),
-                p.memory.total > (1 - headroom) * usable,
                 complexity(p.parallel),
                 p.memory.total,
-            )
+            ),
         )
+
+    for p in plans:
+        p.tight = p.fits and p.memory.total > (1 - headroom) * usable
+    fitting = fastest([p for p in plans if p.fits and not p.tight])
+    fitting += fastest([p for p in plans if p.tight])
     too_big = sorted((p for p in plans if p.valid and not p.fits), key=lambda p: p.memory.total)
     refused = [p for p in plans if not p.valid]
     return fitting + too_big + refused
