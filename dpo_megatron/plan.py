@@ -47,7 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="override the memory")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="override the dense bf16 peak")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="override the dense bf16 peak (with --gpu cpu: the ranks' fp32 rate together, "
+        "default 0.1)",
+    )
     p.add_argument("--mfu", type=float, default=0.35, help="share of the peak the FLOPs run at")
     p.add_argument(
         "--reserved-gib",
@@ -199,6 +205,11 @@ def _work_line(loss_fn, workload, numerics) -> str:
 
 def _cluster_line(cluster: Cluster) -> str:
     a = cluster.accelerator
+    if cluster.host:
+        return (
+            f"cluster: {cluster.world_size} ranks on this CPU: {cluster.budget()}; "
+            f"{a.bf16_tflops * cluster.world_size:g} TFLOP/s fp32 together (--peak-tflops)"
+        )
     return (
         f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {a.sku}: {cluster.budget()}; "
         f"{a.bf16_tflops:g} TFLOP/s peak at MFU "

@@ -123,6 +123,12 @@ class Cluster:
 
     def budget(self) -> str:
         """The memory rule in words."""
+        if self.host:
+            return (
+                f"at most {self.usable_bytes / GIB:.1f} GiB predicted fits each of "
+                f"{self.world_size} ranks' share of host memory ({self.accelerator.memory_gib:.1f} "
+                f"GiB; {self.reserved_gib:g} GiB for the process, {self.margin:.0%} margin)"
+            )
         return (
             f"at most {self.usable_bytes / GIB:.1f} GiB predicted fits a "
             f"{self.accelerator.memory_gib:g} GiB {self.accelerator.sku} ({self.reserved_gib:g} "
@@ -140,9 +146,10 @@ class Cluster:
 
 def host_cluster(ranks: int, memory_gib: float, tflops: float) -> Cluster:
     """The CPU as the device: ``ranks`` processes sharing ``memory_gib`` of host memory (each
-    rank's budget is its share) at ``tflops`` fp32 all together, over shared memory."""
+    rank's budget is its share, less 1.5 GiB for the interpreter, torch, megatron-core and the
+    tokenizer of its process) at ``tflops`` fp32 all together, over shared memory."""
     share = memory_gib / ranks
     cpu = Accelerator("CPU", share, tflops / ranks, 10.0, 10.0)
     return Cluster(
-        1, ranks, cpu, inter_node_gbps=10.0, reserved_gib=0.5, margin=0.1, mfu=1.0, host=True
+        1, ranks, cpu, inter_node_gbps=10.0, reserved_gib=1.5, margin=0.1, mfu=1.0, host=True
     )

@@ -100,6 +100,7 @@ class Plan:
             "fits": self.fits,
             "tight": self.tight,
             "reason": self.reason,
+            "overrides": self.overrides(),
         }
         if self.memory is not None and self.time is not None:
             out.update(
