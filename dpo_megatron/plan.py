@@ -19,6 +19,7 @@ peak plus ``--margin`` of it (the allocator's fragmentation, the estimate's erro
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from typing import Optional, Sequence
@@ -90,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", action="store_true", help="only the config's own layout")
     p.add_argument("--top", type=int, default=TOP, help="rows of the table")
     p.add_argument("--json", default="", help="write every layout's record to this file")
+    p.add_argument(
+        "--json-top",
+        type=int,
+        default=0,
+        help="only the first N records (ranked) in the JSON (0: all)",
+    )
     return p
 
 
@@ -267,7 +274,9 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
         as_configured,
     )[0]
     plans = [] if args.layout else plan_layouts(cfg, model, workload_of, numerics, cluster, check)
-    name = model.hf_path or "model.* keys"
+    # a cached asset's folder is machine-specific: its name is enough
+    name = os.path.basename(model.hf_path) if os.path.isabs(model.hf_path) else model.hf_path
+    name = name or "model.* keys"
     workload = workload_of(own, cfg.train.micro_batch_size)
     print(_model_line(model, name))
     print(_work_line(loss_fn, workload, numerics))
@@ -321,7 +330,7 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
         },
         "workload": workload.__dict__,
         "config_layout": mine.record(),
-        "layouts": [p.record() for p in plans],
+        "layouts": [p.record() for p in plans[: args.json_top or None]],
     }
     if args.json:
         from dpo_megatron.utils.files import write_json_atomic

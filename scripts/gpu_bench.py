@@ -12,7 +12,8 @@ bf16 with fp32 main weights (megatron-core's mixed-precision optimizer). The pai
 with prompt and completion lengths drawn over a wide range like real preference data.
 
 Reported: real (non-pad) tokens per second (every sequence counted, as TRL counts them),
-padded fraction, step time (median after warm-up), peak GPU memory, and MFU = model FLOPs /
+padded fraction, step time (median after warm-up), peak GPU memory beside the layout planner's
+prediction of it (``dpo_megatron.planning``), and MFU = model FLOPs /
 (step time x peak bf16 FLOP/s) where model FLOPs per step = (3 x forward for the policy's
 forward+backward + 1 x forward for the reference, or 3 x when the reference is precomputed);
 forward FLOPs follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on
@@ -217,6 +218,41 @@ def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]
     return found.bf16_tflops, found.sku
 
 
+def planned_peak(trainer, pairs, seq_length: int) -> float:
+    """The layout planner's peak (GiB) of a training step of this run, as
+    ``torch.cuda.max_memory_allocated`` counts it after set-up (``dpo_megatron.planning``): its
+    config, every sequence ``seq_length`` long (the longest step's padded rows), prompts as long
+    as the pairs' on average."""
+    import dataclasses
+
+    from dpo_megatron.losses import build_loss
+    from dpo_megatron.parallel.device import is_host
+    from dpo_megatron.planning.from_config import numerics_for, workload_for
+    from dpo_megatron.planning.hardware import ACCELERATORS, Cluster
+    from dpo_megatron.planning.memory import stage_memory
+
+    cfg = dataclasses.replace(trainer.cfg)
+    cfg.data = dataclasses.replace(cfg.data, max_length=seq_length)
+    prompt = sum(len(p.prompt_ids) for p in pairs) / sum(
+        len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs
+    )
+    loss_fn = build_loss(cfg.loss)
+    model = trainer.model_config
+    cluster = Cluster(1, 1, ACCELERATORS["h100"], host=is_host())
+    workload = workload_for(cfg, loss_fn, model, cfg.train.micro_batch_size, prompt, len(pairs))
+    parallel = dataclasses.replace(cfg.parallel, data_parallel_size=1)
+    memory = stage_memory(
+        model,
+        parallel,
+        workload,
+        numerics_for(model, cluster),
+        0,
+        cfg.train.use_distributed_optimizer,
+        cfg.train.optimizer,
+    )
+    return memory.phases["training"] / 2**30
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -374,6 +410,7 @@ def main(argv=None) -> int:
         "peak_tflops": peak,
         "sku": sku,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "planned_peak_gib": planned_peak(trainer, pairs, max(r["seq_length"] for r in records)),
         "precompute_s": precompute_s,
         "step0_loss": records[0]["loss"],
         "steps": records,

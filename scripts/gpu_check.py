@@ -27,7 +27,8 @@ config) or a kernel call of the engine, in a worker process:
 ``moe``            bf16, 4 experts, top-2 (``MOE_REL``, routing may flip in bf16).
 ``bench``          ``gpu_bench.main`` on the Llama-3.2-1B shape at sequence length 2048, padded,
 ``bench-shared``   and with shared prompts: tokens/s and MFU counting the reference forward
-                   (``gpu_bench.peak_tflops``: exact per SKU; unknown GPU -> MFU unknown).
+                   (``gpu_bench.peak_tflops``: exact per SKU; unknown GPU -> MFU unknown), and
+                   the peak memory beside the layout planner's prediction of it.
 ``resume``         bf16: 4 steps straight vs 2 + checkpoint + resume for 2: same losses.
 =================  ==============================================================================
 
@@ -434,6 +435,7 @@ def check_bench(settings: dict, share_prompt: bool) -> dict:
         else f"MFU unknown: {r['sku']}"
     )
     memory = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else "n/a"
+    memory += f" (the planner predicts {r['planned_peak_gib']:.1f} GiB)"
     return {
         "pass": status == 0 and r["real_tokens_per_s"] > 0,
         "line": f"{r['device']} {r['params'] / 1e9:.2f} B params, seq <= "
@@ -453,6 +455,7 @@ def check_bench(settings: dict, share_prompt: bool) -> dict:
                 "real_tokens_per_s",
                 "step_time_median_s",
                 "peak_memory_gib",
+                "planned_peak_gib",
                 "padded_fraction",
                 "step0_loss",
                 "params",
