@@ -13,7 +13,9 @@ every layout left out; then the best one as a config snippet. ``--json`` writes 
 Memory is what the ranks allocate (``torch.cuda.max_memory_allocated``); a layout fits when its
 peak plus ``--margin`` of it (the allocator's fragmentation, the estimate's error) plus
 ``--reserved-gib`` (the CUDA context, NCCL) is within the device's memory. Times are estimates at
-``--mfu``. Exit status 1 for a config mistake (one ``config error:`` line), 0 otherwise.
+``--mfu``, every sequence as long as ``data.max_length`` allows (an upper bound for real data).
+Exit status: 0 when the config's own layout fits, 2 when it does not (too big, or refused on
+this cluster), 1 for a config mistake (one ``config error:`` line).
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="per GPU and direction")
     p.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=0.0,
+        help="override the GPUs' link to each other in a node (per direction; default the "
+        "table's NVLink / PCIe)",
+    )
+    p.add_argument(
         "--prompt-fraction",
         type=float,
         default=None,
@@ -108,6 +117,16 @@ def cluster_from_args(args) -> Cluster:
     """
     import dataclasses
 
+    for name, value, low in (
+        ("--nodes", args.nodes, 1),
+        ("--gpus-per-node", args.gpus_per_node, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{name}={value} must be >= {low}")
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu={args.mfu} must be in (0, 1]: a share of the peak")
+    if args.margin < 0 or args.reserved_gib < 0:
+        raise ValueError("--margin and --reserved-gib must be >= 0")
     ranks = args.nodes * args.gpus_per_node
     if args.gpu.lower() == "cpu":
         import psutil
@@ -117,9 +136,18 @@ def cluster_from_args(args) -> Cluster:
     accelerator = find_accelerator(args.gpu)
     if accelerator is None:
         if not (args.gpu_memory_gib and args.peak_tflops):
+            given = [
+                flag
+                for flag, v in (
+                    ("--gpu-memory-gib", args.gpu_memory_gib),
+                    ("--peak-tflops", args.peak_tflops),
+                )
+                if v
+            ]
             raise ValueError(
-                f"--gpu {args.gpu!r} is not in the table ({', '.join(ACCELERATORS)}): give "
-                "--gpu-memory-gib and --peak-tflops"
+                f"--gpu {args.gpu!r} is not in the table ({', '.join(ACCELERATORS)}): give both "
+                f"--gpu-memory-gib and --peak-tflops (given: {', '.join(given) or 'neither'}; "
+                "--intra-node-gbps for its links)"
             )
         accelerator = find_accelerator("h100")
         accelerator = dataclasses.replace(accelerator, sku=args.gpu, device_names=())
@@ -127,6 +155,8 @@ def cluster_from_args(args) -> Cluster:
         accelerator = dataclasses.replace(accelerator, memory_gib=args.gpu_memory_gib)
     if args.peak_tflops:
         accelerator = dataclasses.replace(accelerator, bf16_tflops=args.peak_tflops)
+    if args.intra_node_gbps:
+        accelerator = dataclasses.replace(accelerator, intra_node_gbps=args.intra_node_gbps)
     return Cluster(
         args.nodes,
         args.gpus_per_node,
@@ -148,7 +178,7 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def _row(i: int, plan) -> str:
+def _row(label: str, plan) -> str:
     p = plan.parallel
     layout = (
         f"{p.tensor_model_parallel_size:>2} {p.pipeline_model_parallel_size:>2} "
@@ -169,17 +199,16 @@ def _row(i: int, plan) -> str:
         )
     )
     tok = plan.tokens_per_step / t.total_s / (p.launch_world_size())
-    fits = "tight" if plan.tight else "yes" if plan.fits else "no"
     return (
-        f"{i:>3} {layout} {plan.micro_batch_size:>3} {plan.recompute:>5} {parts} "
-        f"{_gib(m.total):>6} {t.total_s:>7.2f} {tok:>8.0f}  {fits}"
+        f"{label:>4} {layout} {plan.micro_batch_size:>3} {plan.recompute:>9} {parts} "
+        f"{_gib(m.total):>6} {t.total_s:>7.2f} {tok:>8.0f}  {plan.status}"
     )
 
 
 HEADER = (
-    "  #  TP PP VPP CP EP  DP mbs recmp weight  grads  optim    ref   acts logits   work "
+    "   #  TP PP VPP CP EP  DP mbs recompute weight  grads  optim    ref   acts logits   work "
     " total  step s tok/s/GPU fits\n"
-    "                                      (GiB per GPU, the stage that needs most)"
+    "                                          (GiB per GPU, for the stage that needs most)"
 )
 
 
@@ -200,13 +229,27 @@ def _model_line(model, name: str) -> str:
 
 
 def _work_line(loss_fn, workload, numerics) -> str:
-    share = ", prompt shared" if workload.share_prompt else ""
+    through = (
+        f", {workload.item_tokens()} through the layers with the prompt once"
+        if workload.share_prompt
+        else ""
+    )
+    if workload.reference == "none":
+        reference = "no reference"
+    else:
+        reference = f"reference {workload.reference}"
+        reference += " (the LoRA base)" if workload.reference_is_base else ""
+        reference += " offloaded" if workload.reference_offload else ""
+    head = (
+        ("fused" if numerics.fused_lm_head else "unfused") + " LM head"
+        if workload.lm_head
+        else "reward head"
+    )
     return (
-        f"work: {loss_fn.describe()}; {workload.global_batch_size} items of "
-        f"{workload.sequences_per_item} x {workload.max_length} tokens per step (prompt "
-        f"{workload.prompt_fraction:.0%}{share}); reference {workload.reference}; "
-        f"{'bf16' if numerics.bf16 else 'fp32'}, "
-        f"{'fused' if numerics.fused_lm_head else 'unfused'} LM head"
+        f"work: {loss_fn.describe()}; {workload.global_batch_size} items per step, each "
+        f"{workload.sequences_per_item} x {workload.max_length} tokens at most (prompt "
+        f"{workload.prompt_fraction:.0%}{through}); {reference}; "
+        f"{'bf16' if numerics.bf16 else 'fp32'}, {head}"
     )
 
 
@@ -219,9 +262,8 @@ def _cluster_line(cluster: Cluster) -> str:
         )
     return (
         f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {a.sku}: {cluster.budget()}; "
-        f"{a.bf16_tflops:g} TFLOP/s peak at MFU "
-        f"{cluster.mfu:.0%}; links {a.intra_node_gbps:g} GB/s in a node, "
-        f"{cluster.inter_node_gbps:g} GB/s between nodes)"
+        f"{a.bf16_tflops:g} TFLOP/s peak at MFU {cluster.mfu:.0%}; links "
+        f"{a.intra_node_gbps:g} GB/s in a node, {cluster.inter_node_gbps:g} GB/s between nodes"
     )
 
 
@@ -231,12 +273,50 @@ def _snippet(plan) -> str:
     for item in plan.overrides():
         key, value = item.split("=", 1)
         section, name = key.split(".", 1)
-        sections.setdefault(section, []).append(f"  {name}: {value}")
+        line = f"  {name}: {value}"
+        if name == "data_parallel_size":
+            line += "   # what this cluster leaves; null lets any allocation decide (SLURM)"
+        sections.setdefault(section, []).append(line)
     return "\n".join(f"{s}:\n" + "\n".join(lines) for s, lines in sections.items())
 
 
-def _short_reason(reason: str) -> str:
-    return reason.split(":")[0].split(";")[0][:100]
+def _short_reason(reason: str, width: int = 150) -> str:
+    """The rule's first sentence, cut to ``width`` characters."""
+    first = reason.split(". ")[0]
+    return first if len(first) <= width else first[: width - 3] + "..."
+
+
+def _nothing_fits(plans, cluster, cfg, workload) -> str:
+    """Why no layout fits, and what to change."""
+    estimated = [p for p in plans if p.valid]
+    if not estimated:
+        reasons = Counter(_short_reason(p.reason) for p in plans)
+        reason, count = reasons.most_common(1)[0]
+        return (
+            f"no layout fits: the engine's rules refuse all {len(plans)}; the most common reason "
+            f"({count}): {reason}"
+        )
+    smallest = min(estimated, key=lambda p: p.memory.total)
+    m = smallest.memory
+    static = m.weights + m.grads + m.optimizer + m.reference
+    if static > cluster.usable_bytes:
+        advice = ["more GPUs (more pipeline stages, or data-parallel ranks to shard the optimizer)"]
+    else:
+        advice = ["a shorter data.max_length", "more GPUs"]
+        if cfg.model.recompute_granularity != "full":
+            advice.insert(1, "full recompute (model.recompute_granularity=full)")
+    if not cfg.lora.enabled:
+        advice.append("LoRA (lora.enabled=true)")
+    if workload.reference == "model" and not workload.reference_is_base:
+        advice.append("reference.mode=precomputed")
+    return (
+        f"no layout fits: the smallest needs {_gib(m.total)} GiB per GPU "
+        f"({' '.join(smallest.overrides())}), of which {_gib(static)} GiB are weights, "
+        f"gradients, optimizer state and reference; {cluster.budget()}. Try "
+        + ", ".join(advice[:-1])
+        + (" or " if len(advice) > 1 else "")
+        + advice[-1]
+    )
 
 
 def run(argv: Optional[Sequence[str]] = None) -> dict:
@@ -248,10 +328,14 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
         resolved_model,
         workload_for,
     )
-    from dpo_megatron.planning.search import plan_layouts
+    from dpo_megatron.planning.search import Plan, plan_layouts
 
     args = _parser().parse_intermixed_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check=False)
+    if not (cfg.model.hf_path or cfg.model.load or cfg.data.tokenizer):
+        # the tokenizer rule is the data path's: the planner reads no text
+        cfg.data.tokenizer = "(not needed to plan)"
+    validate(cfg)
     cluster = cluster_from_args(args)
     loss_fn = build_loss(cfg.loss)
     model = resolved_model(cfg, loss_fn)
@@ -260,34 +344,39 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
     def workload_of(parallel, mbs):
         return workload_for(cfg, loss_fn, model, mbs, args.prompt_fraction, args.train_pairs)
 
-    own = config_layout(cfg, model, cluster.world_size)
     as_configured = {model.recompute_granularity or "none": {}}
-    mine = plan_layouts(
-        cfg,
-        model,
-        workload_of,
-        numerics,
-        cluster,
-        check,
-        own,
-        cfg.train.micro_batch_size,
-        as_configured,
-    )[0]
+    try:
+        own = config_layout(cfg, model, cluster.world_size)
+        mine = plan_layouts(
+            cfg,
+            model,
+            workload_of,
+            numerics,
+            cluster,
+            check,
+            own,
+            cfg.train.micro_batch_size,
+            as_configured,
+        )[0]
+    except ValueError as e:  # the layout does not fit the cluster's rank count
+        mine = Plan(cfg.parallel, cfg.train.micro_batch_size, next(iter(as_configured)))
+        mine.reason = str(e)
     plans = [] if args.layout else plan_layouts(cfg, model, workload_of, numerics, cluster, check)
     # a cached asset's folder is machine-specific: its name is enough
     name = os.path.basename(model.hf_path) if os.path.isabs(model.hf_path) else model.hf_path
     name = name or "model.* keys"
-    workload = workload_of(own, cfg.train.micro_batch_size)
+    workload = workload_of(cfg.parallel, cfg.train.micro_batch_size)
     print(_model_line(model, name))
     print(_work_line(loss_fn, workload, numerics))
     print(_cluster_line(cluster))
     print()
     if mine.valid:
-        verdict = "fits" if mine.fits else f"does not fit: {mine.reason}"
-        print(
-            f"the config's layout ({' '.join(mine.overrides())}): {_gib(mine.memory.total)} GiB "
-            f"per GPU, {mine.time.total_s:.2f} s per step: {verdict}"
+        verdict = {"yes": "fits", "tight": "fits, within 10% of the limit"}.get(
+            mine.status, f"does not fit: {mine.reason}"
         )
+        print(f"the config's layout: {verdict}\n")
+        print(HEADER)
+        print(_row("cfg", mine))
     else:
         print(f"the config's layout is refused: {mine.reason}")
     if plans:
@@ -295,21 +384,21 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
         print(HEADER)
         estimated = [p for p in plans if p.valid]
         for i, plan in enumerate(estimated[: args.top], 1):
-            print(_row(i, plan))
+            print(_row(str(i), plan))
         fitting = sum(p.fits for p in plans)
         tight = sum(p.tight for p in plans)
         refused = Counter(_short_reason(p.reason) for p in plans if not p.valid)
         print(
-            f"\n{len(plans)} layouts x micro-batch sizes x recompute judged: {fitting} fit "
-            f"({tight} tight: within 10% of the limit, listed after the others), "
-            f"{len(estimated) - fitting} too big, {sum(refused.values())} refused by the "
-            "engine's rules" + (":" if refused else "")
+            f"\n{len(plans)} candidates (layout x micro-batch size x recompute) judged: "
+            f"{fitting} fit ({tight} of them tight: within 10% of the limit, listed after the "
+            f"others), {len(estimated) - fitting} too big, {sum(refused.values())} refused by "
+            "the engine's rules" + (":" if refused else "")
         )
         for reason, count in refused.most_common(8):
             print(f"  {count:>5}  {reason}")
         best = next((p for p in plans if p.fits), None)
         if best is None:
-            print("\nno layout fits: add GPUs, shorten data.max_length, or use LoRA")
+            print("\n" + _nothing_fits(plans, cluster, cfg, workload))
         else:
             print(
                 f"\nbest: {_gib(best.memory.total)} GiB per GPU, {best.time.total_s:.2f} s per "
@@ -317,6 +406,7 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
             )
             print(_snippet(best))
             print(f"\nor on the command line:\n  {' '.join(best.overrides())}")
+    records = [p.record() for p in plans]
     document = {
         "model": {"name": name, "num_layers": model.num_layers, "hidden_size": model.hidden_size},
         "cluster": {
@@ -330,7 +420,8 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
         },
         "workload": workload.__dict__,
         "config_layout": mine.record(),
-        "layouts": [p.record() for p in plans[: args.json_top or None]],
+        "best": next((r for r in records if r["fits"]), None),
+        "layouts": records[: args.json_top or None],
     }
     if args.json:
         from dpo_megatron.utils.files import write_json_atomic
@@ -340,11 +431,15 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m dpo_megatron.plan``: a config mistake ends with one ``config error:`` line."""
+    """``python -m dpo_megatron.plan``: a config mistake ends with one ``config error:`` line
+    (exit status 1); otherwise the exit status says whether the config's own layout fits (0)
+    or not (2: too big, or refused on this cluster)."""
     try:
-        run(argv)
+        document = run(argv)
     except (OSError, ValueError) as e:
         raise SystemExit(f"config error: {e}") from None
+    if not document["config_layout"]["fits"]:
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ _EXPECTED = [
     # (category, message regex)
     (UserWarning, r".*(Transformer Engine|Apex).*(is|are) not installed"),
     (UserWarning, r"full scope is deprecated"),  # megatron-core's own config default
+    # megatron-core's advice for transformer-engine's fused attention, printed for every selective
+    # recompute of core_attn (the engine's local kernels are not TE's)
+    (UserWarning, r"If you are using transformer_engine as the transformer implementation"),
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"),
     # megatron-core's schedules read .grad of received activations (non-leaf on some stages).
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf"),

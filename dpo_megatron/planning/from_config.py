@@ -58,12 +58,7 @@ def workload_for(
         else cfg.train.train_iters * cfg.train.global_batch_size
     )
     resolve_reference(resolved, loss_fn, items)
-    if not loss_fn.needs_reference:
-        reference = "none"
-    elif cfg.lora.enabled:
-        reference = "base"
-    else:
-        reference = resolved.reference.mode
+    reference = resolved.reference.mode if loss_fn.needs_reference else "none"
     data = cfg.data
     fraction = (
         prompt_fraction
@@ -80,20 +75,28 @@ def workload_for(
         global_batch_size=cfg.train.global_batch_size,
         micro_batch_size=micro_batch_size,
         reference=reference,
+        reference_is_base=cfg.lora.enabled,
         reference_offload=cfg.reference.offload,
         policy_statistic_pass=loss_fn.needs_step_statistic(True),
     )
 
 
 def config_layout(cfg, model: ModelConfig, world_size: int) -> ParallelConfig:
-    """The config's own layout with its data-parallel size: ``parallel.data_parallel_size``, or
-    what ``world_size`` leaves; MoE models at TP > 1 get sequence parallelism, as the ranks
-    turn it on (``training.run_models.require_sequence_parallel``)."""
+    """The config's own layout on ``world_size`` ranks, with its data-parallel size:
+    ``parallel.data_parallel_size``, or what ``world_size`` leaves; MoE models at TP > 1 get
+    sequence parallelism, as the ranks turn it on
+    (``training.run_models.require_sequence_parallel``).
+
+    Raises:
+        ValueError: the layout does not fit ``world_size`` ranks (the ranks' own message:
+            ``ParallelConfig.validate``).
+    """
     from dpo_megatron.models.moe import moe_needs_sequence_parallel
 
     parallel = copy.deepcopy(cfg.parallel)
+    parallel.validate(world_size)
     if parallel.data_parallel_size is None:
-        parallel.data_parallel_size = max(1, world_size // parallel.model_parallel_size())
+        parallel.data_parallel_size = world_size // parallel.model_parallel_size()
     if moe_needs_sequence_parallel(model, parallel.tensor_model_parallel_size):
         parallel.sequence_parallel = True
     return parallel

@@ -61,8 +61,10 @@ class Workload:
         lm_head: log-probs of the completion tokens (False: a reward model's scalar head).
         global_batch_size: items per optimizer step.
         micro_batch_size: items per micro-batch.
-        reference: 'model' (a frozen copy runs each step), 'precomputed' (one pass before
-            training, then freed), 'base' (a LoRA run's own base) or 'none' (a loss without one).
+        reference: 'model' (a forward of the reference each step), 'precomputed' (one pass before
+            training) or 'none' (a loss without one).
+        reference_is_base: the reference is the policy's own frozen base (LoRA): no copy of
+            the weights exists, only the passes.
         reference_offload: the frozen copy waits in host memory between passes.
         policy_statistic_pass: one more forward-only policy pass per step (beta-DPO's batch
             statistic).
@@ -76,6 +78,7 @@ class Workload:
     global_batch_size: int
     micro_batch_size: int
     reference: str
+    reference_is_base: bool = False
     reference_offload: bool = False
     policy_statistic_pass: bool = False
 
@@ -451,7 +454,7 @@ def stage_memory(
     )
     model_bytes = static["params"] * b  # every parameter as built, before DDP's buffers
     reference = 0
-    if workload.reference in ("model", "precomputed"):
+    if workload.reference in ("model", "precomputed") and not workload.reference_is_base:
         reference = (
             static["params"] * b
             if lora is None

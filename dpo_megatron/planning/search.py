@@ -65,6 +65,13 @@ class Plan:
     def valid(self) -> bool:
         return self.memory is not None
 
+    @property
+    def status(self) -> str:
+        """'yes', 'tight' (fits within the ranking's headroom), 'no' (too big) or 'refused'."""
+        if not self.valid:
+            return "refused"
+        return "tight" if self.tight else "yes" if self.fits else "no"
+
     def overrides(self) -> list[str]:
         """The plan as ``key=value`` overrides of the config."""
         p = self.parallel
@@ -97,6 +104,7 @@ class Plan:
             "sequence_parallel": p.sequence_parallel,
             "micro_batch_size": self.micro_batch_size,
             "recompute": self.recompute,
+            "status": self.status,
             "fits": self.fits,
             "tight": self.tight,
             "reason": self.reason,
@@ -110,6 +118,9 @@ class Plan:
                 step_time_s=self.time.total_s,
                 step_time=self.time.as_dict(),
                 tokens_per_s=self.tokens_per_step / self.time.total_s,
+                tokens_per_s_per_gpu=self.tokens_per_step
+                / self.time.total_s
+                / p.launch_world_size(),
             )
         return out
 

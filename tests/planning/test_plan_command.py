@@ -17,7 +17,7 @@ from tests.scripts import ROOT, launcher_env, run_script
 
 TINY = "configs/tiny_cpu.yaml"
 CLUSTER = ["--gpu", "h100", "--nodes", "1", "--gpus-per-node", "4"]
-RECORD = {"tp", "pp", "vpp", "dp", "cp", "ep", "micro_batch_size", "fits", "reason"}
+RECORD = {"tp", "pp", "vpp", "dp", "cp", "ep", "micro_batch_size", "status", "fits", "reason"}
 BYTES = {"weights", "grads", "optimizer", "reference", "activations", "logits", "total"}
 
 
@@ -38,14 +38,16 @@ def test_json_has_one_record_per_layout_with_its_bytes_and_time(planned):
     for record in layouts:
         assert RECORD <= set(record)
         assert record["tp"] * record["pp"] * record["cp"] * record["dp"] == 4
-        if "bytes" in record:
+        if record["status"] != "refused":
             assert set(record["bytes"]) == BYTES | {"workspace"}
             assert record["params_per_rank"] > 0 and record["step_time_s"] > 0
-            assert record["fits"] == (record["reason"] == "")
+            assert record["fits"] == (record["reason"] == "") == (record["status"] != "no")
+            assert record["tokens_per_s_per_gpu"] * 4 == pytest.approx(record["tokens_per_s"])
         else:
             assert not record["fits"] and record["reason"]  # refused, with the rule's words
     fits = [r["fits"] for r in layouts]
     assert fits == sorted(fits, reverse=True)  # every fitting layout before the others
+    assert written["best"] == layouts[0] and written["config_layout"]["status"] == "yes"
     first = [r for r in layouts if r["fits"] and not r["tight"]]
     times = [r["step_time_s"] for r in first]
     assert times[0] <= 1.02 * min(times)  # ranked fastest first (2% counts as equal)
@@ -87,13 +89,22 @@ def test_the_launcher_plans_and_the_pre_check_accepts_the_best(planned, tmp_path
     assert checked.stdout.splitlines()[-1] == "4"  # the world size it asks torchrun for
 
 
-def test_a_mistake_is_one_config_error_line():
+def test_a_mistake_is_one_config_error_line_and_a_misfit_exit_2():
     from dpo_megatron.plan import main
 
     with pytest.raises(SystemExit, match=r"^config error: --gpu 'v100' is not in the table"):
         main(["--config", TINY, "--gpu", "v100"])
     with pytest.raises(SystemExit, match=r"^config error: unknown config key 'train.nope'"):
         main(["--config", TINY, "train.nope=1"])
+    with pytest.raises(SystemExit, match=r"^config error: --nodes=0 must be >= 1"):
+        main(["--config", TINY, "--nodes", "0"])
+    with pytest.raises(SystemExit, match=r"^config error: --mfu=1.5 must be in \(0, 1\]"):
+        main(["--config", TINY, "--mfu", "1.5"])
+    # the config's layout pinned to 2 ranks on a cluster of 4: refused as the ranks would
+    with pytest.raises(SystemExit) as refused:
+        main(["--config", TINY, *CLUSTER, "--layout", "parallel.data_parallel_size=2"])
+    assert refused.value.code == 2
+    main(["--config", TINY, *CLUSTER, "--layout"])  # fits: returns
 
 
 def test_the_pre_check_warns_when_the_layout_does_not_fit():
