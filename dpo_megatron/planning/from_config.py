@@ -10,7 +10,7 @@ from typing import Optional
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.planning.hardware import GIB, Cluster
-from dpo_megatron.planning.memory import Numerics, Workload, rank_memory
+from dpo_megatron.planning.memory import Numerics, Workload, config_memory
 
 
 def resolved_model(cfg, loss_fn) -> ModelConfig:
@@ -129,15 +129,7 @@ def memory_warning(cfg, loss_fn, model: ModelConfig, cluster: Cluster) -> Option
     parallel = config_layout(cfg, model, cluster.world_size)
     workload = workload_for(cfg, loss_fn, model, cfg.train.micro_batch_size)
     numerics = numerics_for(model, cluster)
-    memory = rank_memory(
-        model,
-        parallel,
-        workload,
-        numerics,
-        cfg.train.use_distributed_optimizer,
-        cfg.train.optimizer,
-        cfg.lora if cfg.lora.enabled else None,
-    )
+    memory = config_memory(cfg, model, parallel, workload, numerics)
     if memory.total <= cluster.usable_bytes:
         return None
     return (

@@ -432,6 +432,19 @@ def rank_memory(
     return max(stages, key=lambda s: s.total)
 
 
+def config_memory(cfg, model: ModelConfig, parallel: ParallelConfig, workload, numerics):
+    """:func:`rank_memory` with the optimizer and LoRA settings of the run's config ``cfg``."""
+    return rank_memory(
+        model,
+        parallel,
+        workload,
+        numerics,
+        cfg.train.use_distributed_optimizer,
+        cfg.train.optimizer,
+        cfg.lora if cfg.lora.enabled else None,
+    )
+
+
 def stage_memory(
     model: ModelConfig,
     parallel: ParallelConfig,

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.planning.hardware import GIB, Cluster
-from dpo_megatron.planning.memory import Numerics, RankMemory, Workload, rank_memory
+from dpo_megatron.planning.memory import Numerics, RankMemory, Workload, config_memory
 from dpo_megatron.planning.step_time import StepTime, step_time
 
 RECOMPUTE = {
@@ -245,15 +245,7 @@ def plan_layouts(
                     plan.reason = str(e)
                     continue
                 workload = workload_of(parallel, mbs)
-                plan.memory = rank_memory(
-                    variant,
-                    parallel,
-                    workload,
-                    numerics,
-                    cfg.train.use_distributed_optimizer,
-                    cfg.train.optimizer,
-                    cfg.lora if cfg.lora.enabled else None,
-                )
+                plan.memory = config_memory(cfg, variant, parallel, workload, numerics)
                 plan.time = step_time(
                     variant,
                     parallel,
