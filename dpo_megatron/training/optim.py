@@ -15,6 +15,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dpo_megatron.models.reward_head import HEAD_PARAMETER
+from dpo_megatron.parallel.device import get_device
 from dpo_megatron.training.config import TrainConfig
 
 
@@ -68,7 +69,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
         use_distributed_optimizer=train.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, chunks, param_group_overrides(config, train))
-    fuse_torch_adam_on_cpu(optimizer)
+    fuse_torch_adam_on_cpu(optimizer, get_device())
     if model_config.bf16 or model_config.fp16:
         model_config.grad_scale_func = optimizer.scale_loss
     decay_iters = train.lr_decay_iters or train.train_iters
@@ -88,8 +89,8 @@ def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
     return optimizer, scheduler
 
 
-def fuse_torch_adam_on_cpu(optimizer) -> int:
-    """Give megatron-core's torch Adam(W) torch's fused kernel where its parameters are on the
+def fuse_torch_adam_on_cpu(optimizer, device: torch.device) -> int:
+    """Give megatron-core's torch Adam(W) torch's fused kernel when the run's ``device`` is the
     CPU; returns how many parameter groups were switched.
 
     Without apex / transformer-engine megatron-core builds torch's Adam with torch's defaults,
@@ -100,15 +101,22 @@ def fuse_torch_adam_on_cpu(optimizer) -> int:
     another order of operations: values agree to rounding. Set before the first step, when
     torch's Adam makes its state (the fused kernel wants its ``step`` counters on the
     parameters' device, which lazy creation then does). CUDA keeps torch's default.
+
+    Every group is switched, an empty one too: with the distributed optimizer a data-parallel
+    rank's share of a group (the norms' and biases' no-decay group of a small model) can be
+    empty, and a group left as built would make the ranks' optimizer settings differ (the
+    common state a checkpoint stores once, from rank 0). The decision is the run's device, the
+    same on every rank, not the parameters a rank happens to hold.
     """
+    if device.type != "cpu":
+        return 0
     switched = 0
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(wrapper, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam) or inner.state:
             continue
         for group in inner.param_groups:
-            params = group["params"]
-            if params and all(p.device.type == "cpu" for p in params) and not group["fused"]:
+            if not group["fused"]:
                 group["fused"], group["foreach"] = True, False
                 switched += 1
     return switched
