@@ -411,3 +411,32 @@ def test_an_engine_layout_override_is_named_beside_the_trainers_layout():
         "replace(s) the layout of trainer=FSDPTrainer above"
     ) in t.notes
     assert not any("replace(s) the layout" in n for n in _translate(DPO_LINE).notes)
+
+
+def test_a_pickled_policy_pt_stops_the_script_with_one_line_and_never_runs(tmp_path):
+    """``scripts/train_reference_style.sh ... model.archive=policy.pt`` with a policy.pt whose
+    pickle calls ``os.mkdir`` (torch 2.13 words its refusal of ``posix.*`` otherwise than of
+    other globals; the verdict is read from the file's opcodes): one ``error:`` line that names
+    the file and what it would call, exit status 2, no run folder, and the payload never ran."""
+    import torch
+
+    from tests.checkpointing.faults import Payload
+    from tests.scripts import run_script
+
+    marker, archive = tmp_path / "PAYLOAD_RAN", tmp_path / "policy.pt"
+    torch.save({"step_idx": 0, "state": {"w": torch.zeros(2)}, "x": Payload(str(marker))}, archive)
+    run_dir = tmp_path / "run"
+    out = run_script(
+        "scripts/train_reference_style.sh",
+        *DPO_LINE,
+        f"model.archive={archive}",
+        f"local_run_dir={run_dir}",
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"error: model.archive={archive}: refused: the file holds a pickled object other than "
+        "tensors and plain containers (dict, list, tuple, str, numbers): its pickle calls "
+        "posix.mkdir, and loading it would run that code. Save only the state_dict "
+        "(torch.save({'state': model.state_dict()}, path))"
+    ]
+    assert not marker.exists() and not run_dir.exists()

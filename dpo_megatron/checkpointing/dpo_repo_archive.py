@@ -4,10 +4,11 @@ That repo saves the policy as ``torch.save({"step_idx": int, "state": <HF state_
 "metrics": dict}, <run dir>/LATEST/policy.pt)`` and starts DPO from it with
 ``model.archive=<file>`` (policy and reference both load ``state``). This module:
 
-- reads such a file with ``torch.load(weights_only=True)``: only tensors and plain containers
-  (dict, list, tuple, str, numbers, None) are unpickled; any other object in the file (a class
-  instance, a function, an ``OmegaConf`` node) is refused with an error naming the file, and no
-  code in it runs;
+- reads such a file with :func:`dpo_megatron.utils.torch_pickle.load_tensor_file`: only
+  tensors and plain containers (dict, list, tuple, str, numbers, None) are unpickled; a file
+  whose pickle names anything else (a class instance, a function, an ``OmegaConf`` node) is
+  refused, read from its opcodes before anything is unpickled, with an error naming the file
+  and what it would call;
 - turns it into a Hugging Face folder (the base model's ``config.json`` and tokenizer, the
   archive's weights) through transformers' own model class, so that our importer
   (``models.conversion``) takes it like any other folder;
@@ -17,13 +18,12 @@ That repo saves the policy as ``torch.save({"step_idx": int, "state": <HF state_
 
 from __future__ import annotations
 
-import os
-import pickle
 from typing import Any, Optional
 
 import torch
 
 from dpo_megatron.utils.files import atomic_file
+from dpo_megatron.utils.torch_pickle import TorchFileError, UnsafePickleError, load_tensor_file
 
 ARCHIVE_NAME = "policy.pt"
 
@@ -42,38 +42,6 @@ class ArchiveError(ValueError):
     """A ``policy.pt`` that cannot be used: the message names the file and what is wrong."""
 
 
-_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
-
-
-def _first_foreign(value: Any, where: str) -> Optional[tuple[str, str]]:
-    """(where, type name) of the first value that is not a tensor or a plain container."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                return f"{where} key {key!r}", type(key).__name__
-            found = _first_foreign(item, f"{where}[{key!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            found = _first_foreign(item, f"{where}[{i}]")
-            if found:
-                return found
-        return None
-    if type(value) in _PLAIN or isinstance(value, torch.Tensor):
-        return None
-    return where, f"{type(value).__module__}.{type(value).__qualname__}"
-
-
-def _unreadable(path: str, cause: str) -> ArchiveError:
-    """The error for a file that is damaged, not dangerous: garbage, cut short, another format."""
-    return ArchiveError(
-        f"model.archive={path}: not a readable torch.save file (corrupt, "
-        f"truncated or another format): {cause}"
-    )
-
-
 def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights and the bookkeeping of a reference-repo ``policy.pt``.
 
@@ -85,42 +53,17 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
         ArchiveError: a missing file, a file holding a pickled object other than tensors and
             plain containers (refused unread), or one without a ``state`` mapping of tensors.
     """
-    if not os.path.isfile(path):
-        raise ArchiveError(f"model.archive={path}: no such file")
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        detail = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = next((line for line in detail if "Unsupported global" in line), None)
-        if reason is None:  # not a pickle of objects at all: garbage or a truncated file
-            cause = next(
-                (
-                    line
-                    for line in detail
-                    if line.startswith(("Unsupported operand", "invalid load key"))
-                ),
-                detail[-1] if detail else "",
-            )
-            raise _unreadable(path, cause) from None
+        blob = load_tensor_file(path)
+    except UnsafePickleError as e:
         raise ArchiveError(
             f"model.archive={path}: refused: the file holds a pickled object other than tensors "
-            f"and plain containers (dict, list, tuple, str, numbers), and loading it would run "
-            f"code from the file. Save only the state_dict (torch.save({{'state': "
-            f"model.state_dict()}}, path)). torch says: {reason.strip()}"
+            f"and plain containers (dict, list, tuple, str, numbers): its pickle calls "
+            f"{', '.join(e.globals[:5])}, and loading it would run that code. Save only the "
+            f"state_dict (torch.save({{'state': model.state_dict()}}, path))"
         ) from None
-    except Exception as e:  # truncated or not a torch file at all
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise _unreadable(path, f"{type(e).__name__}: {first}") from None
-    # weights_only also unpickles the classes a library in this process registered as safe
-    # (megatron-core registers argparse.Namespace, ...): refuse those too, whatever is imported.
-    foreign = _first_foreign(blob, "file")
-    if foreign:
-        raise ArchiveError(
-            f"model.archive={path}: refused: the file holds a pickled object other than tensors "
-            f"and plain containers (dict, list, tuple, str, numbers): {foreign[0]} is a "
-            f"{foreign[1]}. Save only the state_dict (torch.save({{'state': "
-            f"model.state_dict()}}, path))"
-        )
+    except TorchFileError as e:
+        raise ArchiveError(f"model.archive={e}") from None
     if not isinstance(blob, dict) or "state" not in blob:
         keys = sorted(blob) if isinstance(blob, dict) else type(blob).__name__
         raise ArchiveError(

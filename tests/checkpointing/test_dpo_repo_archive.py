@@ -14,6 +14,7 @@ from dpo_megatron.checkpointing.dpo_repo_archive import (
     load_policy_archive,
     save_policy_archive,
 )
+from tests.checkpointing.faults import Payload
 from tests.models.conversion_helpers import (
     build_tiny_hf_model,
     hf_logps,
@@ -101,7 +102,17 @@ def test_pickled_objects_are_refused_naming_the_file(tmp_path):
         r"pickled object other than tensors",
     ):
         load_policy_archive(str(evil))
-    assert not marker.exists()  # nothing in the file ran
+    # os.mkdir (torch 2.13 words its refusal of posix.* "module posix is blocked"): the same
+    # refusal, naming what the file would call
+    mkdir = tmp_path / "mkdir.pt"
+    torch.save({"step_idx": 0, "state": sd, "x": Payload(str(marker))}, str(mkdir))
+    with pytest.raises(
+        ArchiveError,
+        match=r"refused: the file holds a pickled object .* calls "
+        r"posix\.mkdir, and loading it would run that code",
+    ):
+        load_policy_archive(str(mkdir))
+    assert not marker.exists()  # nothing in the files ran
 
     # argparse.Namespace is a safe global once megatron-core is imported (it registers it for its
     # own checkpoints): still refused here, with megatron-core imported or not
@@ -121,8 +132,8 @@ def test_pickled_objects_are_refused_naming_the_file(tmp_path):
         load_policy_archive(str(tmp_path / "list.pt"))
     with pytest.raises(ArchiveError, match="no such file"):
         load_policy_archive(str(tmp_path / "absent.pt"))
-    # Garbage and a cut file are damage, not a security refusal (old: "refused: ... would run
-    # code", and torch's advice to load with weights_only=False)
+    # Garbage and a cut file are damage, not a security refusal (no torch advice to load with
+    # weights_only=False either)
     (tmp_path / "garbage.pt").write_text("garbage")
     good = tmp_path / "good.pt"
     torch.save({"step_idx": 0, "state": sd, "metrics": {}}, str(good))
