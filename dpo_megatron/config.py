@@ -625,6 +625,23 @@ def check_model_layout(cfg: DPOConfig) -> None:
     build_transformer_config(resolve_model_config(cfg), cfg.parallel)
 
 
+def check_model_weights(cfg: DPOConfig) -> None:
+    """The starting weights of ``model.hf_path`` (when no ``model.load`` replaces them), before
+    any rank reads them: every file present and complete, tensors only, names and shapes as
+    config.json implies (``models.conversion.check_hf_weights``, headers only). A ``model.load``
+    checkpoint is verified against its manifest by the ranks.
+
+    Raises:
+        OSError / ValueError: naming the folder or the file.
+    """
+    if not cfg.model.hf_path or cfg.model.load:
+        return
+    from dpo_megatron.models.conversion import check_hf_weights
+    from dpo_megatron.training.run_models import resolve_model_config
+
+    check_hf_weights(resolve_model_config(cfg))
+
+
 def _item_kind(cfg: DPOConfig):
     """What the loss trains on (``LossFunction.item_kind``, as a ``data.kinds.ItemKind``): a loss
     that reads no rejected completion (sft) trains on SFT examples and may read SFT-only formats
@@ -709,10 +726,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
 
     Resolves the config (its assets from the cache), checks the data
-    sources (:func:`check_data`), the model against the layout, then tokenizes the data into
-    the cache the ranks read (:func:`prepare_data`), and prints the world size it needs. On a
-    CUDA machine it warns (one line) when the layout planner predicts more memory per GPU than
-    the device has (:func:`predicted_memory_warning`). Every
+    sources (:func:`check_data`), the model against the layout, its weight files
+    (:func:`check_model_weights`), then tokenizes the data into the cache the ranks read
+    (:func:`prepare_data`), and prints the world size it needs. On a CUDA machine it warns (one
+    line) when the layout planner predicts more memory per GPU than the device has
+    (:func:`predicted_memory_warning`). Every
     mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr and
     exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
     """
@@ -770,6 +788,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if note:  # stderr: the launcher reads the world size from stdout's last line
             print(note, file=sys.stderr, flush=True)
         check_model_layout(cfg)
+        check_model_weights(cfg)
         warning = predicted_memory_warning(cfg)
         if warning:
             print(warning, file=sys.stderr, flush=True)

@@ -138,6 +138,33 @@ def test_missing_data_stops_the_launcher_with_one_line(tmp_path):
     ]
 
 
+def test_a_cut_weights_file_stops_the_launcher_with_one_line_naming_it(tmp_path):
+    """``model.hf_path``'s weight files are checked before any rank starts: a safetensors file
+    cut to half (else every rank stops at safetensors' "incomplete metadata", which names no
+    file) ends in one line naming it, with its size against its header's, exit status 1. (The
+    pre-check's other refusals, a pickled ``.bin`` among them, are unit tests of
+    ``check_hf_weights`` in tests/models/test_conversion_errors.py.)"""
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"))
+    weights = os.path.join(folder, "model.safetensors")
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[: len(data) // 2])
+    out = _script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"model.hf_path={folder}",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"config error: {weights}: not a complete safetensors file: {len(data) // 2} bytes, its "
+        f"header describes {len(data)} (cut short: copy or download it again)"
+    ]
+    assert out.stdout == "" and not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_error_found_while_tokenizing_stops_the_launcher_too(tmp_path):
     """A chat-template mistake shows only when the data is tokenized: the pre-check tokenizes

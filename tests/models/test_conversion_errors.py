@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
+from dpo_megatron.models.conversion import check_hf_weights, load_hf_weights, model_config_from_hf
+from tests.checkpointing.faults import Payload
 from tests.models.conversion_helpers import save_tiny_hf_folder
 from tests.multirank import run_ranks
 
@@ -63,6 +64,58 @@ def test_unmapped_tensor_is_named(llama_dir):
     _edit_weights(llama_dir, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="not mapped.*model.layers.0.extra.weight"):
         _load(llama_dir)
+
+
+def test_bad_weight_files_are_named_before_any_rank_reads_them(tmp_path):
+    """``check_hf_weights`` (the launchers' pre-check) on what a copy or a download can leave
+    behind: a shard cut short (its size against its header's), an index that is not JSON, an
+    index naming a tensor its shard lacks, a tensor of another shape; a good sharded folder and
+    a good ``.bin`` pass. Each error names the file or tensor, as one ValueError / OSError."""
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"), max_shard_size="40KB")
+    check_hf_weights(model_config_from_hf(folder))
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    shard = os.path.join(folder, sorted(set(index["weight_map"].values()))[1])
+    data = open(shard, "rb").read()
+    open(shard, "wb").write(data[: len(data) // 2])
+    with pytest.raises(
+        ValueError,
+        match=rf"^{shard}: not a complete safetensors file: {len(data) // 2} bytes, its header "
+        rf"describes {len(data)} \(cut short",
+    ):
+        check_hf_weights(model_config_from_hf(folder))
+    open(shard, "wb").write(data)
+    tensor = next(iter(index["weight_map"]))
+    json.dump(
+        {"weight_map": {**index["weight_map"], "extra.weight": index["weight_map"][tensor]}},
+        open(index_path, "w"),
+    )
+    with pytest.raises(ValueError, match="tensor 'extra.weight' listed in the index is not in"):
+        check_hf_weights(model_config_from_hf(folder))
+    open(index_path, "w").write("{not json")
+    with pytest.raises(ValueError, match=rf"^{index_path}: not a weights index"):
+        check_hf_weights(model_config_from_hf(folder))
+
+    single = save_tiny_hf_folder("llama", str(tmp_path / "single"))
+    _edit_weights(single, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \[3\], config.json"):
+        check_hf_weights(model_config_from_hf(single))
+
+
+def test_a_pickled_bin_is_refused_unread(tmp_path):
+    """A ``pytorch_model.bin`` is a pickle: one that calls anything beyond tensors is refused,
+    naming the file and the call, before it is loaded (the payload never runs); a plain one
+    of tensors passes the same check."""
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"), safe_serialization=False)
+    check_hf_weights(model_config_from_hf(folder))
+    path = os.path.join(folder, "pytorch_model.bin")
+    marker = str(tmp_path / "PAYLOAD_RAN")
+    torch.save({**torch.load(path, weights_only=True), "x": Payload(marker)}, path)
+    with pytest.raises(ValueError, match=rf"^{path}: refused: its pickle calls posix.mkdir"):
+        check_hf_weights(model_config_from_hf(folder))
+    with pytest.raises(ValueError, match=rf"^{path}: refused"):
+        _load(folder)  # the ranks' reader refuses it alike
+    assert not os.path.exists(marker)
 
 
 def test_unknown_architecture(llama_dir):

@@ -3,7 +3,10 @@
 Reading is lazy: the folder's index (``model.safetensors.index.json`` or
 ``pytorch_model.bin.index.json``) or file headers give every tensor's name and shape without
 reading data, and :meth:`HFCheckpointReader.read` returns only the requested slice of one tensor
-(``safe_open(...).get_slice``; ``.bin`` files are memory-mapped with ``torch.load(mmap=True)``).
+(``safe_open(...).get_slice``; ``.bin`` files are memory-mapped with ``torch.load(mmap=True)``,
+after :func:`dpo_megatron.utils.torch_pickle.load_tensor_file` has read their pickle's opcodes:
+a ``.bin`` that pickles anything but tensors is refused unread). A damaged file is named in the
+error (a safetensors file cut short: its size against its header's).
 
 Writing produces sharded ``model-0000x-of-0000y.safetensors`` files and
 ``model.safetensors.index.json``, the layout ``save_pretrained`` writes.
@@ -17,6 +20,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from dpo_megatron.utils.torch_pickle import load_tensor_file
+
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
@@ -27,6 +32,10 @@ class HFCheckpointReader:
     Raises (at construction):
         FileNotFoundError: no weights in the folder, or a shard named by the index is missing
             (names the shard and the index file).
+        ValueError: an index that is not JSON with a ``weight_map``, a safetensors file cut
+            short or corrupt, a ``.bin`` that pickles more than tensors (refused unread:
+            ``utils.torch_pickle``) or is not a readable ``torch.save`` file (each names the
+            file).
     """
 
     def __init__(self, hf_path: str):
@@ -60,8 +69,7 @@ class HFCheckpointReader:
         for index in (SAFE_INDEX, BIN_INDEX):
             path = os.path.join(self.hf_path, index)
             if os.path.isfile(path):
-                with open(path) as f:
-                    self._index_map = json.load(f)["weight_map"]
+                self._index_map = _read_index(path)
                 return sorted(set(self._index_map.values()))
         for single in ("model.safetensors", "pytorch_model.bin"):
             if os.path.isfile(os.path.join(self.hf_path, single)):
@@ -77,13 +85,19 @@ class HFCheckpointReader:
         if name not in self._open:
             path = os.path.join(self.hf_path, name)
             if name.endswith(".safetensors"):
-                from safetensors import safe_open
+                from safetensors import SafetensorError, safe_open
 
-                self._open[name] = safe_open(path, framework="pt", device="cpu")
-            else:
-                self._open[name] = torch.load(
-                    path, map_location="cpu", mmap=True, weights_only=True
-                )
+                try:  # safetensors checks that the header's offsets cover the file exactly
+                    self._open[name] = safe_open(path, framework="pt", device="cpu")
+                except SafetensorError as e:
+                    raise ValueError(f"{path}: {_safetensors_problem(path, e)}") from None
+            else:  # a pickle: read from its opcodes first, tensors only (utils.torch_pickle)
+                state = load_tensor_file(path, mmap=True)
+                if not isinstance(state, dict) or not all(
+                    isinstance(v, torch.Tensor) for v in state.values()
+                ):
+                    raise ValueError(f"{path}: not a state_dict of tensors")
+                self._open[name] = state
         return self._open[name]
 
     def _header(self, name: str) -> dict[str, tuple[int, ...]]:
@@ -131,6 +145,52 @@ class HFCheckpointReader:
     def close(self) -> None:
         """Release open files."""
         self._open.clear()
+
+
+def _read_index(path: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of a sharded folder's index file.
+
+    Raises:
+        ValueError: not JSON, or no ``weight_map`` of names to file names (names the file).
+    """
+    try:
+        with open(path) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a weights index (JSON with a weight_map): {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{path}: not a weights index: no weight_map of tensor names to files")
+    return weight_map
+
+
+def _safetensors_problem(path: str, error: Exception) -> str:
+    """Why safetensors refused a file, in words: its size against what its header describes
+    (8-byte header length, JSON header, then the data its offsets cover), else safetensors'
+    own reason."""
+    size = os.path.getsize(path)
+    expected = None
+    with open(path, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        if size >= 8 + header_bytes:
+            try:
+                header = json.loads(f.read(header_bytes))
+                expected = (
+                    8
+                    + header_bytes
+                    + max(
+                        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                        default=0,
+                    )
+                )
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                pass
+    if expected is not None and expected != size:
+        how = "cut short" if size < expected else "longer than that"
+        return (
+            f"not a complete safetensors file: {size} bytes, its header describes {expected} "
+            f"({how}: copy or download it again)"
+        )
+    return f"not a readable safetensors file (corrupt or another format): {error}"
 
 
 def write_safetensors_shards(

@@ -169,6 +169,32 @@ def open_hf_folder(hf_path: str, arch: Architecture) -> HFCheckpointReader:
     return reader if arch.file_layout is None else arch.file_layout.view(reader)
 
 
+def check_hf_weights(model_cfg: ModelConfig) -> None:
+    """The weights of ``model_cfg.hf_path`` before any rank reads them (the launchers'
+    pre-check): every file the folder's index names exists and is complete (a safetensors
+    file's size against its header), a ``.bin`` holds only tensors (its pickle read from its
+    opcodes first, refused unread otherwise), and every tensor's name and shape fit config.json
+    (:func:`check_hf_folder`). Reads the files' headers only (a ``.bin`` is memory-mapped).
+
+    Raises:
+        FileNotFoundError: no weights, or a shard the index names is missing (named).
+        ValueError: a damaged or unsafe file, a tensor missing, of another shape or unmapped
+            (each names the file or tensor).
+    """
+    hf_path = model_cfg.hf_path
+    arch = architecture_of(hf_path)
+    folder_cfg = _folder_model(hf_path, model_cfg)
+    reader = None
+    try:
+        reader = open_hf_folder(hf_path, arch)
+        check_hf_folder(reader, arch, folder_cfg)
+    except KeyError as e:  # the reader's and the table's "missing tensor" errors
+        raise ValueError(e.args[0]) from None
+    finally:
+        if reader is not None:
+            reader.close()
+
+
 @torch.no_grad()
 def load_hf_weights(chunks: list[torch.nn.Module], model_cfg: ModelConfig, hf_path: str) -> None:
     """Copy the HF folder's weights into this rank's chunks (current parallel_state layout,
