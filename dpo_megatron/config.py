@@ -351,6 +351,51 @@ def _load_yaml(config_file: str):
     return _expand_layer(layer, config_file)
 
 
+def _layers(config_file: Optional[str], overrides: Sequence[str]) -> list[tuple[Any, str]]:
+    """(layer, source) of the YAML file and of the command line, section scalars (presets,
+    ``loss=ipo``) and ``key=`` expanded, in the order they merge."""
+    layers = [(_load_yaml(config_file), config_file)] if config_file else []
+    dotted = [expanded for item in overrides for expanded in _expand_override(item)]
+    try:
+        layers.append((OmegaConf.from_dotlist(dotted), "command line"))
+    except Exception as e:  # omegaconf's grammar errors
+        raise ValueError(f"cannot parse overrides {list(overrides)}: {e}") from None
+    return layers
+
+
+def stated_model_keys(config_file: Optional[str], overrides: Sequence[str] = ()) -> frozenset:
+    """The ``model.*`` fields the YAML file or the command line set (a preset's included), as
+    opposed to the defaults: what the user stated about the model, which a ``model.load``
+    checkpoint must not silently override (``training.run_models.check_checkpoint_models``).
+
+    Raises:
+        ValueError: as :func:`load_config`, for a file or overrides that do not parse.
+    """
+    stated: set[str] = set()
+    for layer, _ in _layers(config_file, overrides):
+        model = layer.get("model")
+        if isinstance(model, DictConfig):
+            stated.update(str(k) for k in model.keys())
+    return frozenset(stated)
+
+
+def check_model_sources(
+    cfg: DPOConfig, config_file: Optional[str], overrides: Sequence[str] = ()
+) -> None:
+    """``model.load`` and ``checkpoint.resume`` against the model the run builds and the
+    ``model.*`` keys the config states, before any checkpoint is loaded
+    (``training.run_models.check_checkpoint_models``): the launchers' pre-check and every rank.
+
+    Raises:
+        ValueError: naming the key, the checkpoint and the fields that conflict.
+        OSError: ``checkpoint.resume`` names no complete checkpoint, or a model folder cannot
+            be read.
+    """
+    from dpo_megatron.training.run_models import check_checkpoint_models
+
+    check_checkpoint_models(cfg, stated_model_keys(config_file, overrides))
+
+
 def load_config(
     config_file: Optional[str], overrides: Sequence[str] = (), check: bool = True
 ) -> DPOConfig:
@@ -368,14 +413,8 @@ def load_config(
             :func:`validate`).
     """
     merged = OmegaConf.structured(DPOConfig)
-    if config_file:
-        merged = _merge_layer(merged, _load_yaml(config_file), config_file)
-    dotted = [expanded for item in overrides for expanded in _expand_override(item)]
-    try:
-        cli = OmegaConf.from_dotlist(dotted)
-    except Exception as e:  # omegaconf's grammar errors
-        raise ValueError(f"cannot parse overrides {list(overrides)}: {e}") from None
-    merged = _merge_layer(merged, cli, "command line")
+    for layer, source in _layers(config_file, overrides):
+        merged = _merge_layer(merged, layer, source)
     try:
         OmegaConf.resolve(merged)
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
@@ -726,7 +765,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
 
     Resolves the config (its assets from the cache), checks the data
-    sources (:func:`check_data`), the model against the layout, its weight files
+    sources (:func:`check_data`), the checkpoints it loads or resumes against the model
+    (:func:`check_model_sources`), the model against the layout, its weight files
     (:func:`check_model_weights`), then tokenizes the data into the cache the ranks read
     (:func:`prepare_data`), and prints the world size it needs. On a CUDA machine it warns (one
     line) when the layout planner predicts more memory per GPU than the device has
@@ -779,6 +819,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         check_data(cfg)  # cheap: no tokenizer, no megatron-core
+        check_model_sources(cfg, args.config, args.overrides)
         from dpo_megatron.training.run_models import (
             require_sequence_parallel,
             resolve_model_config,

@@ -21,7 +21,13 @@ before_megatron_import()  # before megatron-core's import (its warnings; no torc
 
 import os  # noqa: E402
 
-from dpo_megatron.config import DPOConfig, load_config, parse_args, validate  # noqa: E402
+from dpo_megatron.config import (  # noqa: E402
+    DPOConfig,
+    check_model_sources,
+    load_config,
+    parse_args,
+    validate,
+)
 from dpo_megatron.parallel.shutdown import NonFiniteLossError  # noqa: E402
 from dpo_megatron.training.run_dir import RunDirError, check_run_dir  # noqa: E402
 from dpo_megatron.utils import collector, ranks  # noqa: E402
@@ -65,6 +71,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 fail(f"error: {e}")
         validate(cfg)
     except ValueError as e:
+        fail(f"config error: {e}")
+    try:  # what the launcher's pre-check found, for ranks started by another launcher
+        check_model_sources(cfg, config_file, overrides)
+    except (OSError, ValueError) as e:
         fail(f"config error: {e}")
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.storage import CheckpointSaveError

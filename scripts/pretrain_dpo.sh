@@ -26,8 +26,9 @@ for a in "$@"; do
     echo "  loss.name=ipo; key= clears a string key; model=NAME is a model preset (smollm2,"
     echo "  pythia28, llama3.1-8b, gpt-oss-20b, ...: docs/HF_CONVERSION.md#presets), its local copy"
     echo "  looked up under \$DPO_MEGATRON_MODELS."
-    echo "Before any rank starts, the config, the data files and the model's layout are checked;"
-    echo "a mistake ends the script with one 'config error:' or 'error:' line (exit status 1)."
+    echo "Before any rank starts, the config, the data files, the model's layout and weight files and"
+    echo "the checkpoints it loads or resumes are checked; a mistake ends the script with one"
+    echo "'config error:' or 'error:' line (exit status 1)."
     exit 0
   fi
 done

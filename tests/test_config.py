@@ -427,3 +427,91 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
         == build_loss(cfg.loss).describe()
         == "loss ipo(beta=0.1, average_logps=True)"
     )
+
+
+def test_model_load_gives_the_architecture_and_refuses_a_conflicting_key(tmp_path):
+    """``model.load``: the checkpoint's ``model_config.json`` gives the architecture, the run's
+    own keys its settings (dtype, recompute, ...); a ``model.*`` architecture key the YAML file
+    or the command line sets to another value is refused by name, the same value is fine, and
+    a padding setting counts only where it changes the key/value groups. With ``model.hf_path``
+    the checkpoint must hold config.json's architecture. (The checks read only
+    ``model_config.json``: a folder holding it stands for the checkpoint here; the launcher's
+    refusals over real checkpoints are in tests/training/test_lifecycle.py.)"""
+    import dataclasses
+
+    from dpo_megatron.checkpointing.model_checkpoint import write_model_config
+    from dpo_megatron.config import check_model_sources, stated_model_keys
+    from dpo_megatron.training.run_models import resolve_model_config
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+
+    tiny = "configs/tiny_cpu.yaml"
+    assert stated_model_keys(tiny, ["model.recompute_granularity=full"]) == {
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "vocab_size",
+        "max_position_embeddings",
+        "recompute_granularity",
+    }
+    assert {"hf_path", "pad_attention_heads"} <= stated_model_keys(None, ["model=smollm2"])
+    base = load_config(tiny, ["model.num_layers=3"]).model
+    stored = dataclasses.replace(base, params_dtype="bfloat16", pad_attention_heads=True)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_model_config(str(ckpt), stored)
+
+    def check(*overrides):
+        args = [f"model.load={ckpt}", *overrides]
+        cfg = load_config(tiny, args)
+        check_model_sources(cfg, tiny, args)
+        return resolve_model_config(cfg)
+
+    with pytest.raises(ValueError) as info:
+        check()  # tiny_cpu.yaml states num_layers: 2
+    assert str(info.value) == (
+        f"model.load={ckpt} holds a model with num_layers=3 (its model_config.json), but "
+        "model.num_layers=2 is set: the checkpoint gives the architecture; drop "
+        "model.num_layers or load a checkpoint of that architecture"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"holds a model with num_layers=3, hidden_size=64 .*but "
+        r"model.num_layers=2, model.hidden_size=32 is set",
+    ):
+        check("model.hidden_size=32")
+    # the same value, run settings of the run's own, padding that adds no group (2 stay 2)
+    model = check(
+        "model.num_layers=3", "model.recompute_granularity=full", "model.pad_attention_heads=false"
+    )
+    assert (model.num_layers, model.load) == (3, str(ckpt))
+    assert (model.recompute_granularity, model.params_dtype) == ("full", "auto")
+    assert model.pad_attention_heads  # the checkpoint's tensors' padding
+    # padding that does change the groups: 8 heads / 2 groups, padded to 4 in the checkpoint
+    padded = dataclasses.replace(
+        stored, num_attention_heads=8, num_query_groups=2, pad_attention_heads_multiple=4
+    )
+    write_model_config(str(ckpt), padded)
+    with pytest.raises(ValueError) as info:
+        check(
+            "model.num_layers=3", "model.num_attention_heads=8", "model.pad_attention_heads=false"
+        )
+    assert str(info.value).startswith(
+        f"model.load={ckpt} holds a model with pad_attention_heads=True (its model_config.json), "
+        "but model.pad_attention_heads=False is set"
+    )
+
+    # model.hf_path gives the architecture: the checkpoint must hold it
+    folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"))
+    from_hf = resolve_model_config(load_config(tiny, [f"model.hf_path={folder}"]))
+    write_model_config(str(ckpt), dataclasses.replace(from_hf, num_layers=2))
+    with pytest.raises(ValueError) as info:
+        check(f"model.hf_path={folder}")
+    assert str(info.value) == (
+        f"model.load={ckpt} holds a model with num_layers=2 (its model_config.json), but "
+        f"model.hf_path={folder} gives num_layers=4 (its config.json): load a checkpoint of "
+        "that model, or drop model.hf_path to take the checkpoint's own architecture"
+    )
+    write_model_config(str(ckpt), from_hf)
+    assert check(f"model.hf_path={folder}").num_layers == 4

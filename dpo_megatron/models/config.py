@@ -3,8 +3,8 @@ GPT-NeoX, and mixture-of-experts models)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterable, Optional
 
 # The one preset table lives in ``models/presets.py`` (reference-repo names such as pythia28 and
 # pythia69, the small Pythias, smollm2); re-exported here, where ``model=NAME`` looks it up.
@@ -23,6 +23,29 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")  # megatron-core's,
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 HEADS = ("lm", "reward")  # models.gpt: the LM head, or models.reward_head
+SOURCE_FIELDS = ("hf_path", "load", "head")
+"""Where a model comes from and which head it has (set by its folder, checkpoint or loss)."""
+RUN_FIELDS = (
+    "params_dtype",
+    "transformer_impl",
+    "local_attention",
+    "fused_lm_head",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "moe_token_dispatcher",
+    "moe_grouped_gemm",
+    "moe_aux_loss_coeff",
+)
+"""How a run builds, computes and trains the model, not what the model is: the run's own
+``model.*`` keys, whatever config.json or checkpoint gives the architecture."""
+PADDING_FIELDS = ("pad_attention_heads", "pad_attention_heads_multiple")
+"""The zero key/value heads added for TP: part of a checkpoint's tensors (so taken from the
+checkpoint with its architecture), compared through the groups they make
+(:meth:`ModelConfig.stored_query_groups`), not by value."""
 
 
 @dataclass
@@ -266,6 +289,16 @@ class ModelConfig:
     keep no scores), 'layernorm' (both norms' outputs dropped after use: a cheap recompute),
     'mlp' (the dense MLP: the largest activations), 'moe' (the MoE layer)."""
 
+    def stored_query_groups(self) -> int:
+        """Key/value groups the model's attention parameters hold: ``num_query_groups`` (None:
+        one per query head), with ``pad_attention_heads`` rounded up to a multiple of
+        ``pad_attention_heads_multiple`` (SmolLM2-135M: 3 -> 4)."""
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.pad_attention_heads:
+            multiple = self.pad_attention_heads_multiple
+            return -(-groups // multiple) * multiple
+        return groups
+
     def validate(self) -> None:
         """Ranges of every field: sizes and counts >= 1 (``num_query_groups``, ``kv_channels``,
         ``recompute_num_layers``, ``num_experts``, ``moe_ffn_hidden_size``: >= 1 or null);
@@ -441,3 +474,42 @@ class ModelConfig:
                     f"model.recompute_granularity=selective, got "
                     f"{self.recompute_granularity!r}"
                 )
+
+
+ARCHITECTURE_FIELDS = tuple(
+    f.name for f in fields(ModelConfig) if f.name not in SOURCE_FIELDS + RUN_FIELDS + PADDING_FIELDS
+)
+"""What the model is: the fields an HF folder's config.json or a checkpoint's
+``model_config.json`` gives (sizes, heads, norms, positions, experts, ...)."""
+
+
+def architecture_differences(
+    a: ModelConfig, b: ModelConfig, names: Optional[Iterable[str]] = None
+) -> dict[str, tuple[Any, Any]]:
+    """The fields of :data:`ARCHITECTURE_FIELDS` in which ``a`` and ``b`` differ, name -> (a's
+    value, b's value), and :data:`PADDING_FIELDS` that differ when the key/value groups they
+    make differ. ``names``: compare only these fields (the keys a user set)."""
+    wanted = set(ARCHITECTURE_FIELDS + PADDING_FIELDS if names is None else names)
+    compared = [n for n in ARCHITECTURE_FIELDS if n in wanted]
+    if a.stored_query_groups() != b.stored_query_groups():
+        compared += [n for n in PADDING_FIELDS if n in wanted]
+    return {
+        n: (getattr(a, n), getattr(b, n))
+        for n in compared
+        if _plain(getattr(a, n)) != _plain(getattr(b, n))
+    }
+
+
+def _plain(value: Any) -> Any:
+    """A value as JSON reads it back (a stored config's lists were tuples when saved)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def with_run_settings(stored: ModelConfig, run: ModelConfig) -> ModelConfig:
+    """A checkpoint's model (``stored``: architecture, padding, source and head) built as this
+    run says: ``run``'s :data:`RUN_FIELDS` and ``load``. ``run.moe_aux_loss_coeff`` None means
+    the checkpoint's, as with an HF folder's (``models.conversion.model_config_from_hf``)."""
+    settings = {n: getattr(run, n) for n in RUN_FIELDS}
+    if run.moe_aux_loss_coeff is None:
+        settings.pop("moe_aux_loss_coeff")
+    return replace(stored, load=run.load, **settings)

@@ -109,7 +109,7 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
     tp = tensor_model_parallel_size
     if model.pad_attention_heads:
         multiple = model.pad_attention_heads_multiple
-        padded = -(-groups // multiple) * multiple
+        padded = model.stored_query_groups()
         heads, groups = padded * (heads // groups), padded
         if groups % tp:
             raise ValueError(

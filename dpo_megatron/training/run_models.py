@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
+from dpo_megatron.checkpointing.model_checkpoint import MODEL_CONFIG_FILE
 from dpo_megatron.models import ModelConfig, build_model_chunks
+from dpo_megatron.models.config import architecture_differences, with_run_settings
 from dpo_megatron.training.optim import copy_weights, freeze
 
 
@@ -23,8 +25,11 @@ def resolve_model_load(path: str) -> str:
 
 
 def resolve_model_config(cfg) -> ModelConfig:
-    """The architecture: derived from ``model.hf_path``'s config.json when given, else the one
-    stored with the ``model.load`` checkpoint, else the ``model.*`` fields."""
+    """The model the run builds: the architecture from ``model.hf_path``'s config.json when
+    given, else the one stored with the ``model.load`` checkpoint (its padding, source and head
+    too), else the ``model.*`` fields; the run settings (``models.config.RUN_FIELDS``: dtype,
+    kernels, recompute, ...) are always the run's own ``model.*`` keys. A conflict between the
+    two sources is refused by :func:`check_checkpoint_models`."""
     if cfg.model.hf_path:
         from dpo_megatron.models.conversion import model_config_from_hf
 
@@ -34,9 +39,88 @@ def resolve_model_config(cfg) -> ModelConfig:
 
         stored = load_model_config(resolve_model_load(cfg.model.load))
         if stored is not None:
-            stored.load = cfg.model.load
-            return stored
+            return with_run_settings(stored, cfg.model)
     return cfg.model
+
+
+def check_checkpoint_models(cfg, stated: Iterable[str] = ()) -> None:
+    """The architecture the run builds against the checkpoints it loads, before any rank loads
+    one (megatron-core would stop at the first tensor of another shape, on every rank, or load
+    a model other than the configured one):
+
+    * ``model.load`` without ``model.hf_path``: the checkpoint's ``model_config.json`` gives the
+      architecture; a ``model.*`` architecture key the config sets (``stated``: the field names
+      the YAML file or the command line gave) to another value is refused, the same value is
+      fine;
+    * ``model.load`` with ``model.hf_path``: the checkpoint must hold config.json's architecture;
+    * ``checkpoint.resume``: every checkpoint it may continue from must hold the run's.
+
+    Padding heads count through the key/value groups they make
+    (``models.config.architecture_differences``); checkpoints saved without a
+    ``model_config.json`` are not compared.
+
+    Raises:
+        ValueError: naming the key, the checkpoint, each field and both values.
+        FileNotFoundError: ``checkpoint.resume`` names a folder without a complete checkpoint.
+    """
+    from dpo_megatron.checkpointing.training_checkpoint import resume_candidates
+    from dpo_megatron.utils.run_layout import RunLayout
+
+    model_cfg = resolve_model_config(cfg)
+    stored = _stored_model(resolve_model_load(cfg.model.load)) if cfg.model.load else None
+    if stored is not None and cfg.model.hf_path:
+        differ = architecture_differences(model_cfg, stored)
+        if differ:
+            raise ValueError(
+                f"model.load={cfg.model.load} holds a model with {_values(differ, 1)} (its "
+                f"{MODEL_CONFIG_FILE}), but model.hf_path={cfg.model.hf_path} gives "
+                f"{_values(differ, 0)} (its config.json): load a checkpoint of that model, or "
+                f"drop model.hf_path to take the checkpoint's own architecture"
+            )
+    elif stored is not None:
+        differ = architecture_differences(cfg.model, stored, names=stated)
+        if differ:
+            keys = ", ".join(f"model.{name}={values[0]}" for name, values in differ.items())
+            raise ValueError(
+                f"model.load={cfg.model.load} holds a model with {_values(differ, 1)} (its "
+                f"{MODEL_CONFIG_FILE}), but {keys} is set: the checkpoint gives the "
+                f"architecture; drop {', '.join('model.' + name for name in differ)} or load "
+                f"a checkpoint of that architecture"
+            )
+    for path in resume_candidates(cfg.checkpoint.resume, RunLayout.of(cfg).checkpoints):
+        stored = _stored_model(path)
+        differ = {} if stored is None else architecture_differences(model_cfg, stored)
+        if differ:
+            raise ValueError(
+                f"checkpoint.resume={cfg.checkpoint.resume}: {path} holds a model with "
+                f"{_values(differ, 1)} (its {MODEL_CONFIG_FILE}), but this run builds "
+                f"{_values(differ, 0)} (from {_architecture_source(cfg)}): resume with the "
+                f"architecture it was saved with, or start the other model in another run_dir"
+            )
+
+
+def _stored_model(path: str) -> Optional[ModelConfig]:
+    """The model stored with a checkpoint; None when it has none or it cannot be read (the
+    checkpoint's verification names that file)."""
+    from dpo_megatron.checkpointing import load_model_config
+
+    try:
+        return load_model_config(path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _values(differ: dict, side: int) -> str:
+    """``name=value, ...`` of one side of :func:`architecture_differences`."""
+    return ", ".join(f"{name}={values[side]}" for name, values in differ.items())
+
+
+def _architecture_source(cfg) -> str:
+    if cfg.model.hf_path:
+        return f"model.hf_path={cfg.model.hf_path}'s config.json"
+    if cfg.model.load:
+        return f"model.load={cfg.model.load}'s {MODEL_CONFIG_FILE}"
+    return "the model.* keys"
 
 
 def with_loss_head(model_cfg: ModelConfig, loss_fn) -> ModelConfig:

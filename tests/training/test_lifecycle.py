@@ -8,6 +8,7 @@ forked process (megatron-core keeps global state).
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpo_megatron.utils.exits import USER_ERROR_EXIT
 from tests.data.fixtures import CORPUS, tiny_hf_tokenizer
 from tests.engine import TINY, model_overrides
 from tests.multirank import process_context, run_ranks
@@ -362,7 +364,7 @@ def test_eval_metrics_and_greedy_samples(tmp_path, fixture_files):
     ]
 
 
-def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
+def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files, capsys):
     """SFT (chosen-only rows) lowers the eval NLL; DPO from the SFT checkpoint (model.load, for
     policy and reference) starts at loss ln 2."""
     data_file, tok_dir = fixture_files
@@ -385,6 +387,56 @@ def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files):
     )
     assert abs(read_metrics(dpo_dir)[1]["loss"] - math.log(2)) < 1e-6
     assert dpo["rewards/margins"] == 0.0
+
+    # A checkpoint of another architecture is refused by name before it is loaded: a resume,
+    # by the launcher's pre-check (else megatron-core's "Global shape mismatch" on every rank)
+    resume = ["loss.name=sft", "checkpoint.resume=auto", "model.hidden_size=128"]
+    out = _precheck(sft_dir, data_file, tok_dir, *resume)
+    assert out.returncode == 1 and out.stdout == "", out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"config error: checkpoint.resume=auto: {sft_dir}/checkpoints/iter_0000006 holds a model "
+        "with hidden_size=64 (its model_config.json), but this run builds hidden_size=128 (from "
+        "the model.* keys): resume with the architecture it was saved with, or start the other "
+        "model in another run_dir"
+    ]
+    # ... and model.load with a model.* key set to another value than its model_config.json's,
+    # by a rank started without the pre-check (another launcher); the same values are fine, as
+    # the DPO run above states them all
+    from dpo_megatron.config import check_model_sources
+    from dpo_megatron.train import main
+
+    load = f"model.load={sft_dir}/checkpoints"
+    overrides = [*tiny_overrides(tmp_path / "again", data_file, tok_dir), load]
+    check_model_sources(tiny_config(tmp_path / "again", data_file, tok_dir, load), None, overrides)
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as info:
+            main([*overrides, "model.num_layers=3"])
+    finally:
+        gc.enable()  # the entry point pauses the collector until its run is built
+    assert info.value.code == USER_ERROR_EXIT
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"config error: {load} holds a model with num_layers=4 (its model_config.json), but "
+        "model.num_layers=3 is set: the checkpoint gives the architecture; drop "
+        "model.num_layers or load a checkpoint of that architecture"
+    ]
+    assert not (tmp_path / "again").exists()
+
+
+def _precheck(run_dir, data_file, tok_dir, *overrides):
+    """``scripts/pretrain_dpo.sh`` with the tiny model's overrides (no config file's keys), for a
+    command its pre-check refuses: nothing is launched."""
+    from tests.scripts import run_script
+
+    config = Path(run_dir).parent / "empty.yaml"
+    config.write_text("{}\n")
+    return run_script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        str(config),
+        *tiny_overrides(run_dir, data_file, tok_dir),
+        *overrides,
+    )
 
 
 def test_resume_with_another_optimizer_format_or_lr_schedule(tmp_path, fixture_files):
