@@ -772,7 +772,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     line) when the layout planner predicts more memory per GPU than the device has
     (:func:`predicted_memory_warning`). Every
     mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr and
-    exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree.
+    exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree;
+    ``--without-weights`` leaves out the weight files and the tokenization, for a config prepared
+    where the model is not (a preset's architecture is known without its files).
     """
     from dpo_megatron.utils import collector
 
@@ -785,6 +787,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    parser.add_argument(
+        "--without-weights",
+        action="store_true",
+        help="check a config where the model's files are not (a job prepared for a cluster): "
+        "everything but the weight files and the tokenization",
     )
     args = _parse(parser, argv)
     if args.list_keys:
@@ -829,11 +837,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if note:  # stderr: the launcher reads the world size from stdout's last line
             print(note, file=sys.stderr, flush=True)
         check_model_layout(cfg)
-        check_model_weights(cfg)
         warning = predicted_memory_warning(cfg)
         if warning:
             print(warning, file=sys.stderr, flush=True)
-        prepare_data(cfg)
+        if not args.without_weights:
+            check_model_weights(cfg)
+            prepare_data(cfg)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     except (OSError, ValueError) as e:  # a tokenizer or checkpoint path, a layout conflict

@@ -1,7 +1,7 @@
-"""The GPU recipes (``configs/gpu/``): each passes the launcher's pre-check offline (architecture
-from its preset, no weights), its layout is the one the planner picks for the cluster its header
-names, and the header's predicted memory and step time are the planner's (so they cannot drift
-from the planner)."""
+"""The GPU recipes (``configs/gpu/``): each passes the launcher's pre-check offline
+(``--without-weights``: architecture from its preset, no weights), its layout is the one the
+planner picks for the cluster its header names, and the header's predicted memory and step time
+are the planner's (so they cannot drift from the planner)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,30 @@ def test_recipe_passes_the_pre_check_offline(recipe, monkeypatch):
     check_data(cfg)  # hub datasets: read by the ranks, nothing to check here
     check_model_layout(cfg)
     assert cfg.model.hf_path.count("/") == 1 and not Path(cfg.model.hf_path).exists()
+
+
+def test_the_pre_check_command_passes_a_recipe_without_its_weights(tmp_path):
+    """The launcher's pre-check itself: ``--without-weights`` passes the 70B recipe (32 ranks);
+    without the flag the missing weights are named, with the download to make."""
+    import subprocess
+    import sys
+
+    from tests.scripts import launcher_env
+
+    recipe = "configs/gpu/llama3.3_70b_h100_4nodes.yaml"
+    env = {k: v for k, v in launcher_env().items() if k != "DPO_MEGATRON_MODELS"}
+    command = [sys.executable, "-m", "dpo_megatron.config", "--config", recipe]
+    command += [f"run_dir={tmp_path / 'run'}"]
+    ok = subprocess.run(
+        [*command, "--without-weights"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[-1] == "32"
+    refused = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert "looks like a hub name: download it (hf download meta-llama/Llama-3.3-70B" in (
+        refused.stderr
+    )
 
 
 @pytest.mark.slow
