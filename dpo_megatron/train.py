@@ -54,7 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """One rank of a run. Every stop found here ends in one line and a status
     (:mod:`dpo_megatron.launch`): a mistake (config, layout against the launched world size,
     data, run folder) with ``USER_ERROR_EXIT``, a fault of the run (a checkpoint failing
-    verification, a full disk, the NaN stop) with ``FAULT_EXIT``, SIGINT / SIGTERM with
+    verification, a full or read-only disk met by a save, the logs or the run folder, the NaN
+    stop) with ``FAULT_EXIT``, SIGINT / SIGTERM with
     128 + the signal's number after saving."""
     collector.pause()  # until the run is built (train)
     config_file, overrides = parse_args(argv)
@@ -77,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (OSError, ValueError) as e:
         fail(f"config error: {e}")
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
-    from dpo_megatron.checkpointing.storage import CheckpointSaveError
+    from dpo_megatron.checkpointing.storage import StorageError
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.parallel import destroy_distributed
 
@@ -87,9 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # reach every rank): one line, status launch.USER_ERROR_EXIT (the launcher's contract).
     except (DataError, RunDirError) as e:
         fail(f"error: {e}")
-    # A fault every rank meets (the checks and the save are collective, the NaN count is the
-    # same everywhere): its message names the file or step and the last good checkpoint.
-    except (CheckpointIntegrityError, CheckpointSaveError, NonFiniteLossError) as e:
+    # A fault every rank meets (the checks and the save are collective, rank 0's failed log
+    # writes are agreed at the step boundary, the NaN count is the same everywhere): its
+    # message names the file or step and the last good checkpoint.
+    except (CheckpointIntegrityError, StorageError, NonFiniteLossError) as e:
         fail(f"error: {e}", FAULT_EXIT)
     finally:
         destroy_distributed()

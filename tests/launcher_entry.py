@@ -3,9 +3,11 @@
 the way a real run ends: ``DPO_TEST_ENDING=mistake`` reports a user's mistake with
 :func:`dpo_megatron.utils.exits.fail` (rank 0 a second after the others, the order in which torch
 elastic would otherwise stop rank 0 before it printed), ``mistake_on_rank1`` on rank 1 alone
-(rank 0 runs on), ``crash`` raises an exception on every rank, ``nan_from_step_N`` runs the
-real ``dpo_megatron.train`` (its own stops and messages) with a loss that is NaN from optimizer
-step N on."""
+(rank 0 runs on), ``crash`` raises an exception on every rank. The others run the real
+``dpo_megatron.train`` (its own stops and messages) with one thing changed: ``nan_from_step_N``
+a loss that is NaN from optimizer step N on; ``fault_after_first_save`` the write of a
+line into the file ``DPO_TEST_FAULT`` by rank 0 right after the first save (an ext4 file
+system's ``trigger_fs_error``: the disk turns read-only)."""
 
 import os
 import time
@@ -45,10 +47,44 @@ def _train_with_nan_from(step_from: int) -> None:
     train_module.main()
 
 
+def _train_around_first_save(before=None, after=None) -> None:
+    """dpo_megatron.train.main where ``before()`` runs as this process's first checkpoint save
+    starts and ``after()`` once it is written (each on every rank; None: nothing)."""
+    import dpo_megatron.checkpointing.run_checkpoint as run_checkpoint
+    import dpo_megatron.train as train_module
+
+    real_save = run_checkpoint.Checkpointer.save
+    saves = []
+
+    def save(self, counters):
+        first = not saves
+        saves.append(counters.step)
+        if first and before:
+            before()
+        path = real_save(self, counters)
+        if first and after:
+            after()
+        return path
+
+    run_checkpoint.Checkpointer.save = save
+    train_module.main()
+
+
+def _fault_on_rank_0() -> None:
+    from dpo_megatron.utils import ranks
+
+    if ranks.is_rank0():
+        with open(os.environ["DPO_TEST_FAULT"], "w") as f:
+            f.write("test\n")
+    ranks.barrier()
+
+
 def main() -> None:
     ending = os.environ["DPO_TEST_ENDING"]
     if ending.startswith("nan_from_step_"):
         return _train_with_nan_from(int(ending.rsplit("_", 1)[1]))
+    if ending == "fault_after_first_save":
+        return _train_around_first_save(after=_fault_on_rank_0)
     rank = int(os.environ["RANK"])
     if ending == "mistake":
         if rank == 0:

@@ -510,3 +510,29 @@ def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatc
         train_module.main(["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path}"])
     assert stopped.value.code == FAULT_EXIT == LAUNCHER_EXITS[FAULT_EXIT] == 3
     assert capsys.readouterr().err.splitlines() == [f"error: {error}"]
+
+
+def test_a_run_folder_read_only_from_the_start_is_a_fault_of_the_run(tmp_path, monkeypatch, capsys):
+    """A run folder on a read-only disk: rank 0's opening of it (the first thing the trainer
+    does) ends every rank with one line naming the file and ``FAULT_EXIT`` (3), as the README
+    lists a read-only disk. Shown in one process, the ranks' own path (``RunFolder.open``, then
+    ``dpo_megatron.train``'s ending): the launcher adds its pointer and passes the 3 on for
+    any fault (``tests/training/test_durability.py``, the folder turning read-only mid-run)."""
+    import dpo_megatron.train as train_module
+    from dpo_megatron.training.run_dir import RunFolder
+    from dpo_megatron.utils.exits import FAULT_EXIT
+    from tests.checkpointing.test_storage import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        (disk / "run").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        monkeypatch.setattr(train_module, "train", RunFolder.open)
+        for k in LAUNCH_VARIABLES:
+            monkeypatch.delenv(k, raising=False)
+        with pytest.raises(SystemExit) as stopped:
+            train_module.main(["--config", "configs/tiny_cpu.yaml", f"run_dir={disk / 'run'}"])
+        assert stopped.value.code == FAULT_EXIT == 3
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: cannot write run_dir {disk / 'run'}: read-only file system: cannot write "
+            f"{disk / 'run' / 'run.lock'}; nothing was started"
+        ]

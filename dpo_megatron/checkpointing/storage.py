@@ -38,7 +38,14 @@ _RESERVE_BYTES = 1 << 20
 (JSON, RNG states, DCP's index), rounding."""
 
 
-class CheckpointSaveError(RuntimeError):
+class StorageError(RuntimeError):
+    """A write of the run met a full, read-only or forbidden disk (or another ``OSError``): a
+    checkpoint, the run folder at the start, or rank 0's logs between saves. Every rank raises
+    it at the same point; the message names the file, the cause and what was kept. The entry
+    points end the ranks with ``utils.exits.FAULT_EXIT``."""
+
+
+class CheckpointSaveError(StorageError):
     """A checkpoint could not be written; the message names the path and the cause. The
     ``.tmp`` folder is removed and earlier checkpoints are intact."""
 

@@ -41,6 +41,8 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   every 10 ms) per process instead of one per process group.
 * :mod:`~dpo_megatron.compat.torchrun_repeated_signal`: torch elastic's agent keeps waiting for
   its workers to save when SLURM repeats a job's SIGTERM.
+* :mod:`~dpo_megatron.compat.tensorboard_writer_thread`: tensorboard's event-writer thread leaves
+  a failed write (full or read-only disk) to the writer's caller instead of printing a traceback.
 
 Applying a patch is always its caller's explicit decision, never an import side effect. This
 ``__init__`` imports nothing heavy, so config-only entry points stay fast.

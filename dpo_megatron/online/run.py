@@ -106,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ValueError as e:
         fail(f"config error: {e}")
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
-    from dpo_megatron.checkpointing.storage import CheckpointSaveError
+    from dpo_megatron.checkpointing.storage import StorageError
     from dpo_megatron.data.reader import DataError
     from dpo_megatron.online.adapters import JudgeError
     from dpo_megatron.online.rounds import run_online
@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run_online(cfg)
     except (DataError, RunDirError, JudgeError) as e:
         fail(f"error: {e}")
-    except (CheckpointIntegrityError, CheckpointSaveError, NonFiniteLossError) as e:
+    except (CheckpointIntegrityError, StorageError, NonFiniteLossError) as e:
         fail(f"error: {e}", FAULT_EXIT)
     finally:
         destroy_distributed()

@@ -10,16 +10,22 @@ strict parsers reject. A resumed run appends to the same file after dropping the
 steps past its checkpoint (those the interrupted run logged but did not save), so the file
 reads as one run; a torn last line (the process killed mid-write) is dropped with a warning, and
 the file is rewritten atomically (a temporary file renamed over it).
+
+A write that fails (a full or read-only disk) does not raise where it happens, on rank 0 alone
+while the other ranks wait in a collective: the logger keeps the first failure, stops writing
+files, and :meth:`MetricsLogger.agreed_write_error` gives it to every rank at the step
+boundary, where the trainer stops the run (``checkpointing.storage.StorageError``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 import warnings
-from typing import Optional
+from typing import Iterator, Optional
 
 from dpo_megatron.training.config import LoggingConfig  # noqa: F401  (the section's home)
 from dpo_megatron.utils import ranks
@@ -134,22 +140,47 @@ class MetricsLogger:
         self.writer = None
         self.jsonl = None
         self.wandb = None
+        self.write_error: Optional[str] = None
+        """The first failed write into the run folder (a full or read-only disk), in words with
+        its file; None while every write succeeded. Rank 0 only."""
         if not self.enabled:
             return
         layout = run if isinstance(run, RunLayout) else RunLayout(run)
-        os.makedirs(layout.run_dir, exist_ok=True)
         path = layout.metrics
-        truncate_metrics(path, start_step)
-        self.jsonl = open(path, "a", encoding="utf-8")
-        if config.tensorboard:
+        with self.writing(path):
+            os.makedirs(layout.run_dir, exist_ok=True)
+            truncate_metrics(path, start_step)
+            self.jsonl = open(path, "a", encoding="utf-8")
+        if config.tensorboard and self.write_error is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(
-                layout.tensorboard,
-                purge_step=start_step + 1 if start_step else None,
-            )
+            from dpo_megatron.compat.tensorboard_writer_thread import quiet_writer_thread_errors
+
+            quiet_writer_thread_errors()  # a failed append is reported here, in one line
+            with self.writing(layout.tensorboard):
+                self.writer = SummaryWriter(
+                    layout.tensorboard,
+                    purge_step=start_step + 1 if start_step else None,
+                )
         if config.wandb_project:
             self.wandb = _start_wandb(config, layout.run_dir, run_config)
+
+    @contextlib.contextmanager
+    def writing(self, path: str) -> Iterator[None]:
+        """Around a write of rank 0 into the run folder (``path``: what it writes): an
+        ``OSError`` is kept as :attr:`write_error` (the first one) instead of raised."""
+        try:
+            yield
+        except OSError as e:
+            if self.write_error is None:
+                from dpo_megatron.checkpointing.storage import describe_storage_error
+
+                self.write_error = describe_storage_error(e, path)
+
+    def agreed_write_error(self) -> Optional[str]:
+        """Rank 0's :attr:`write_error` on every rank (collective: call it at the same point on
+        every rank, once per step)."""
+        return ranks.broadcast_from_rank0(self.write_error)
 
     def log(
         self,
@@ -163,16 +194,19 @@ class MetricsLogger:
             return
         values = {**metrics, **(extra or {})}
         record = {"step": step, "split": split, **values}
-        self.jsonl.write(json.dumps(strict_json_value(record), allow_nan=False) + "\n")
-        self.jsonl.flush()
+        if self.write_error is None:  # after a failed write no file is written again
+            with self.writing(self.jsonl.name):
+                self.jsonl.write(json.dumps(strict_json_value(record), allow_nan=False) + "\n")
+                self.jsonl.flush()
         scalars = {
             f"{split}/{k}": v
             for k, v in values.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
-        if self.writer is not None:
-            for k, v in scalars.items():
-                self.writer.add_scalar(k, v, step)
+        if self.writer is not None and self.write_error is None:
+            with self.writing(self.writer.log_dir):
+                for k, v in scalars.items():
+                    self.writer.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
         print(self.line(step, split, values), flush=True)
@@ -200,10 +234,13 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def close(self) -> None:
+        """Close the files (a failed last write is kept in :attr:`write_error`) and W&B."""
         if self.jsonl:
-            self.jsonl.close()
+            with self.writing(self.jsonl.name):
+                self.jsonl.close()
         if self.writer:
-            self.writer.close()
+            with self.writing(self.writer.log_dir):
+                self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -132,6 +132,8 @@ class RunLock:
         self._held.pop(self.path, None)
         try:
             os.ftruncate(self.fd, 0)
+        except OSError:  # a read-only or full disk: the record of a released lock is stale
+            pass
         finally:
             os.close(self.fd)  # closing drops the flock
             self.fd = -1
@@ -399,7 +401,11 @@ class RunFolder:
 
         Raises:
             RunDirError: the folder is in use or holds another run (see the module docstring).
+            StorageError: the folder cannot be written (a read-only or full disk, no
+                permission): a fault of the run, naming the file.
         """
+        from dpo_megatron.checkpointing.storage import StorageError, describe_storage_error
+
         layout = RunLayout.of(cfg)
         run_dir = layout.run_dir
         folder, error = cls(layout), None
@@ -407,14 +413,19 @@ class RunFolder:
             try:
                 folder._open_rank0(cfg)
             except RunDirError as e:
-                error = e.message
+                error = (RunDirError, e.message)
             except OSError as e:
-                error = f"cannot use run_dir {run_dir}: {e}"
+                error = (
+                    StorageError,
+                    f"cannot write run_dir {run_dir}: {describe_storage_error(e, run_dir)}; "
+                    "nothing was started",
+                )
             if error:
                 folder.close()
         error = ranks.broadcast_from_rank0(error)
         if error:
-            raise RunDirError(error)
+            kind, message = error
+            raise kind(message)
         return folder
 
     def _open_rank0(self, cfg) -> None:
@@ -460,7 +471,10 @@ class RunFolder:
                 sys.stderr = self._streams[1]
             self._streams = None
         if self.log is not None:
-            self.log.close()
+            try:
+                self.log.close()
+            except OSError:  # its last lines met a full or read-only disk (as _Tee's writes)
+                pass
             self.log = None
         if self.lock is not None:
             self.lock.release()

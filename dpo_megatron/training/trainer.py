@@ -21,6 +21,7 @@ from typing import Optional
 from megatron.core import parallel_state
 
 from dpo_megatron.checkpointing.run_checkpoint import Checkpointer, RunCounters
+from dpo_megatron.checkpointing.storage import StorageError
 from dpo_megatron.data import PairSampler
 from dpo_megatron.data.batch import StepBatch
 from dpo_megatron.data.builders import make_batch_builder
@@ -284,9 +285,11 @@ class Trainer:
             self.evaluations["last"] = (step, metrics)
         if self.cfg.train.sample_during_eval and self.cfg.train.eval_num_samples > 0:
             records = self.samples()
-            if is_logging_rank():
-                path = write_samples(self.layout, step, records)
-                print(f"[eval] step {step}: {len(records)} greedy samples -> {path}", flush=True)
+            if is_logging_rank() and self.logger.write_error is None:
+                with self.logger.writing(self.layout.samples_file(step)):
+                    path = write_samples(self.layout, step, records)
+                    said = f"[eval] step {step}: {len(records)} greedy samples -> {path}"
+                    print(said, flush=True)
         return metrics
 
     def samples(self) -> list[dict]:
@@ -327,6 +330,8 @@ class Trainer:
         Raises:
             NonFiniteLossError: ``train.max_nonfinite_steps`` steps in a row had a NaN/Inf loss
                 or gradient (the checkpoints written before are intact).
+            StorageError: rank 0 could not write the run's logs (a full or read-only disk;
+                the last checkpoint is intact), or a checkpoint could not be saved.
         """
         cfg, last = self.cfg, self.cfg.train.train_iters
         if self.counters.step >= last:
@@ -342,6 +347,7 @@ class Trainer:
         started, first_step = time.time(), self.counters.step
         if self.counters.step == 0 and self.evaluator.due(0, last):
             self.evaluate(0)
+        self._stop_if_logs_failed(self.counters.step)
         while self.counters.step < last:
             t0 = time.time()
             lr = current_lr(self.optimizer)
@@ -375,6 +381,7 @@ class Trainer:
                 )
             if self.evaluator.due(step, last):
                 self.evaluate(step)
+            self._stop_if_logs_failed(step)
             interrupted = self.checkpointer.after_step(self.counters, last, out.update_successful)
             if interrupted is not None:  # SIGINT / SIGTERM: saved, all ranks stop here
                 self.close()
@@ -393,6 +400,30 @@ class Trainer:
             print(self.summary(metrics, first_step, time.time() - started, export), flush=True)
         self.close()
         return metrics
+
+    def _stop_if_logs_failed(self, step: int) -> None:
+        """Stop every rank (collective) when rank 0 could not write its logs into the run folder
+        (a full or read-only disk): the run ends at its last checkpoint, from which a resume
+        continues (the records past it are dropped then).
+
+        Raises:
+            StorageError: naming the file, the cause and the last checkpoint.
+        """
+        error = self.logger.agreed_write_error()
+        if error is None:
+            return
+        self.close()
+        latest = self.checkpointer.latest()
+        kept = (
+            f"the last checkpoint, {latest}, is intact: continue from it with "
+            "checkpoint.resume=auto once the disk can be written"
+            if latest
+            else "no checkpoint was written yet"
+        )
+        raise StorageError(
+            f"writing the run's logs failed at step {step}: {error}. Stopped there without "
+            f"saving; {kept}"
+        )
 
     def summary(
         self, metrics: dict[str, float], first_step: int, seconds: float, export: Optional[str]

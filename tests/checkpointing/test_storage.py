@@ -120,6 +120,53 @@ def small_tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+def fill(folder) -> str:
+    """Write a file into ``folder`` until its file system is full; returns the file's path."""
+    filler = os.path.join(folder, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return filler
+
+
+@contextlib.contextmanager
+def ext4_turning_read_only(path, size: str = "64M"):
+    """An ext4 file system of ``size`` (an image file beside ``path``) mounted at ``path`` with
+    ``errors=remount-ro``; yields its ``trigger_fs_error`` file: a line written there turns the
+    file system read-only at once, open files included, as a disk error does (a plain ``mount
+    -o remount,ro`` is refused while a file is open for writing). Skips the test where loop
+    devices or mounting are not available."""
+    os.makedirs(path, exist_ok=True)
+    image = f"{path}.img"
+    subprocess.run(["truncate", "-s", size, image], check=True)
+    for cmd in (
+        ["mkfs.ext4", "-q", "-F", image],
+        ["mount", "-o", "loop,errors=remount-ro", image, str(path)],
+    ):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            pytest.skip(f"no {e.filename} here")
+        if done.returncode != 0:
+            pytest.skip(f"cannot {cmd[0]} an ext4 image here: {done.stderr.strip()}")
+    try:
+        device = subprocess.run(
+            ["findmnt", "-n", "-o", "SOURCE", str(path)], capture_output=True, text=True
+        ).stdout.strip()
+        trigger = f"/sys/fs/ext4/{os.path.basename(device)}/trigger_fs_error"
+        if not os.path.exists(trigger):
+            pytest.skip(f"no {trigger} here")
+        yield trigger
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        os.remove(image)
+
+
 def test_a_real_full_disk(tmp_path):
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
         _save(disk / "iter_0000001", _write("a.bin", 400_000))

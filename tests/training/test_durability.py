@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from dpo_megatron.checkpointing.integrity import verify_checkpoint
 from tests.checkpointing.faults import flip_bytes, plant_in_dcp_item, tree_digest
-from tests.checkpointing.test_storage import small_tmpfs
+from tests.checkpointing.test_storage import ext4_turning_read_only, small_tmpfs
 from tests.multirank import process_context, run_ranks
 from tests.scripts import launcher_env
 from tests.training.test_lifecycle import (
@@ -608,6 +609,16 @@ def test_kill_9_of_the_launcher_at_random_moments_then_resume_is_exact(
     _assert_same_run(run_dir, straight)
 
 
+def _entry(ending: str, **variables: str) -> dict:
+    """The environment that runs tests/launcher_entry.py's ``ending`` through the launcher."""
+    return {
+        "DPO_MEGATRON_ENTRY": "tests.launcher_entry",
+        "DPO_TEST_ENDING": ending,
+        "PYTHONPATH": str(ROOT),
+        **variables,
+    }
+
+
 def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
     tmp_path, fixture_files, straight_run
 ):
@@ -690,6 +701,37 @@ def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
     assert not _processes_with(marker)
     _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
     _assert_same_run(run_dir, straight_run)
+
+
+def test_a_run_folder_turning_read_only_between_saves_ends_in_one_line(tmp_path, fixture_files):
+    """The disk of the run folder turns read-only right after the step-2 checkpoint (an ext4
+    error; TensorBoard on): rank 0's next write of its logs fails, every rank stops at that
+    step's boundary with the ``error:`` line naming the file and the last checkpoint, the
+    launcher adds its pointer, status 3, no traceback (TensorBoard's writer thread's
+    included). Nothing written before is lost: the checkpoint verifies, metrics.jsonl holds
+    steps 1-2 (a folder read-only from the start: ``tests/test_launcher.py``)."""
+    from dpo_megatron.utils.exits import FAULT_EXIT
+
+    data_file, tok_dir = fixture_files
+    run_dir = tmp_path / "disk"  # the mount point (the launcher's output stays beside it)
+    with ext4_turning_read_only(run_dir) as trigger:
+        entry = _entry("fault_after_first_save", DPO_TEST_FAULT=trigger)
+        proc, _ = _launch(run_dir, data_file, tok_dir, "logging.tensorboard=true", env=entry)
+        assert proc.wait(timeout=300) == FAULT_EXIT == 3
+        output = Path(proc.output_path).read_text()
+        assert "Traceback" not in output and "Exception in thread" not in output, output[-3000:]
+        ckpt = run_dir / "checkpoints" / "iter_0000002"
+        assert _tail_after(output, "error:") == [
+            f"error: writing the run's logs failed at step 3: read-only file system: cannot "
+            f"write {run_dir / 'metrics.jsonl'}. Stopped there without saving; the last "
+            f"checkpoint, {ckpt}, is intact: continue from it with checkpoint.resume=auto once "
+            f"the disk can be written",
+            f"launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
+            f"stopped); rank 0's output is also in {run_dir / 'train.log'}",
+        ]
+        assert verify_checkpoint(str(ckpt)).problems == []
+        assert sorted(read_metrics(run_dir)) == [1, 2]
+        assert list((run_dir / "tensorboard").iterdir())
 
 
 def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -138,3 +139,41 @@ def test_a_broken_line_before_the_last_names_the_file_and_line(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON record"):
         truncate_metrics(str(path), 2)
+
+
+def test_a_disk_filling_between_saves_is_kept_for_the_step_boundary(tmp_path, capsys):
+    """Rank 0's metrics.jsonl and TensorBoard writes meet a full disk between two saves: the
+    logger raises nothing where it stands (the other ranks wait in a collective there), keeps
+    the first failure in words with its file, writes no file after it, and prints no traceback
+    (TensorBoard's writer thread's neither); ``agreed_write_error`` hands it over at the step
+    boundary, where the trainer stops every rank (tests/training/test_durability.py, through
+    the launcher)."""
+    from tests.checkpointing.test_storage import fill, small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "512k") as disk:
+        run = disk / "run"
+        logger = MetricsLogger(str(run), total_steps=100_000, config=LoggingConfig())
+        logger.log(1, "train", {"loss": 0.5})
+        filler = fill(disk)
+        step = 1
+        while logger.write_error is None and step < 100_000:  # until a new page is needed
+            step += 1
+            logger.log(step, "train", {"loss": 0.5})
+        step += 1
+        logger.log(step, "train", {"loss": 0.5})  # after the failure
+        logger.close()
+        error = logger.write_error
+        assert error.startswith("no space left on device writing "), error
+        assert error.split(" writing ")[1].startswith(
+            (f"{run / 'metrics.jsonl'} (", f"{run / 'tensorboard'}")
+        ), error
+        assert logger.agreed_write_error() == error  # no process group: this process's
+        os.remove(filler)
+        # The last line may be torn by the full disk (a resume drops it, with a warning).
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines[:-1]]
+        assert [r["step"] for r in records] == list(range(1, len(lines)))
+        assert len(lines) < step  # nothing written after the failure
+    out = capsys.readouterr()
+    assert f"[train] step {step}/100000" in out.out  # the console line goes on
+    assert "Traceback" not in out.err and "Exception in thread" not in out.err
