@@ -347,14 +347,16 @@ class Checkpointer:
         self, counters: RunCounters, last_step: int, update_successful: bool
     ) -> Optional[RunInterrupted]:
         """The step boundary (collective): save when due or when a rank was signalled, unless
-        the step's update was skipped. Returns the :class:`RunInterrupted` to raise when the
-        run must stop (the caller closes its components first), else None."""
+        the step's update was skipped. A signal that arrives during a save stops the run after
+        it (the ranks agree again once it is written). Returns the :class:`RunInterrupted` to
+        raise when the run must stop (the caller closes its components first), else None."""
         signum = self.stop.agreed()
         step = counters.step
         saved = False
         if (signum or self.due(step, last_step)) and step != self.last_saved_step:
             if update_successful:
                 saved = self.save(counters) is not None
+                signum = signum or self.stop.agreed()
             else:
                 _say(
                     f"step {step}: its update was skipped (non-finite loss or gradient): no "

@@ -11,6 +11,13 @@ time limit) and again from torchrun, which forwards its own; honouring the secon
 rank in the middle of its checkpoint. torchrun sends SIGKILL after its ``--shutdown-timeout``
 (``PET_SHUTDOWN_TIMEOUT``), SLURM after the cluster's KillWait, so the stop stays bounded.
 
+The handler stays installed until :meth:`StopRequest.close` and decides about a repeat itself:
+swapping in ``SIG_IGN`` / ``SIG_DFL`` from inside the handler would lose a signal that arrived
+meanwhile, which CPython reports as ``OSError: Signal 15 ignored due to race condition`` (two
+signals close together while the rank is busy in a save). The checkpoint writers a rank forks
+during a save inherit the handler: there it does nothing (the rank decides; a writer dies with
+its rank).
+
 **The launcher's death.** torch elastic starts every worker in its own session, so a worker
 outlives a torchrun (or ``scripts/pretrain_dpo.sh``) killed with SIGKILL and would go on
 training and writing checkpoints. :func:`die_with_launcher` asks Linux to send the rank SIGKILL
@@ -76,17 +83,23 @@ class StopRequest:
 
     def __init__(self):
         self.signum = 0
+        self._pid = os.getpid()
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a checkpoint writer forked by the rank: the rank decides
+            return
+        if self.signum:
+            # Ctrl-C again: stop now, as SIGINT's default action. SIGTERM again: the same
+            # request from another sender (see the module docstring), ignored.
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            return
         self.signum = signum
-        # Ctrl-C again: stop now. SIGTERM again: the same request from another sender (see the
-        # module docstring), ignored.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not ranks.is_rank0():  # torchrun signals every rank: say it once
             return
         print(
@@ -97,7 +110,9 @@ class StopRequest:
         )
 
     def agreed(self) -> int:
-        """The signal any rank received (0: none), the same on every rank (collective)."""
+        """The signal any rank received (0: none), the same on every rank (collective). Once
+        agreed it is this rank's request too: a signal that reaches it later (torchrun stops
+        the others when the first rank exits) counts as a repeat."""
         import torch
         import torch.distributed as dist
 
@@ -107,6 +122,7 @@ class StopRequest:
 
         flag = torch.tensor([self.signum], dtype=torch.int64, device=get_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = self.signum or int(flag.item())
         return int(flag.item())
 
     def close(self) -> None:
