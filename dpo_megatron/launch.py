@@ -24,9 +24,16 @@ Two halves, one contract (the exit statuses below):
   ranks by torchrun, which waits for them to save and exit; instead of the ``SignalException``
   traceback torchrun then raises, the launcher prints one line and exits with 128 + the
   signal's number (a repeated SIGTERM, as Slurm's ``scancel`` sends to every process of the
-  step, does not cut torchrun's wait short: :mod:`dpo_megatron.compat.torchrun_repeated_signal`).
-  Any other failure (an exception's traceback, a rank killed) keeps
-  torchrun's block and its exit status.
+  step, does not cut torchrun's wait short; a second Ctrl-C stops the ranks at once:
+  :mod:`dpo_megatron.compat.torchrun_repeated_signal`). A signal sent to one rank alone (a
+  scheduler, the OOM killer's SIGTERM) stops every rank the same way; the first of them to exit
+  ends torchrun with its status, 128 + the signal's number, which the launcher reports alike.
+  Any other failure (an exception's traceback, a rank killed) keeps torchrun's block and its
+  exit status.
+
+The line points at ``<run_dir>/train.log`` only when this job's rank 0 wrote to it (the log
+holds a start line with rank 0's process id): a job refused because another run holds the run
+folder has not written there.
 """
 
 from __future__ import annotations
@@ -36,39 +43,67 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from dpo_megatron.utils.exits import LAUNCHER_EXITS
+from dpo_megatron.utils.exits import LAUNCHER_EXITS, SIGNAL_EXITS
 
 
-def _train_log(training_args: Sequence[str]) -> Optional[str]:
-    """``<run_dir>/train.log`` of the entry's config when it exists, else None (also when the
-    config itself was the mistake)."""
+def _train_log(training_args: Sequence[str], rank0_pid: Optional[int] = None) -> str:
+    """Where rank 0's output also is: ``; rank 0's output is also in <run_dir>/train.log``, or
+    "" when there is no such log (also when the config itself was the mistake); when
+    ``rank0_pid`` is given and the log holds no start line of that process (another run's, or an
+    earlier start's), it says so instead."""
     from dpo_megatron.config import load_config, parse_args
 
     try:
         cfg = load_config(*parse_args(list(training_args)))
     except (ValueError, SystemExit, OSError):
-        return None
+        return ""
+    from dpo_megatron.training.run_dir import log_started_by
     from dpo_megatron.utils.run_layout import RunLayout
 
     path = RunLayout(cfg.run_dir).log
-    return path if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return ""
+    try:
+        ours = rank0_pid is None or log_started_by(path, rank0_pid)
+    except OSError:  # unreadable: point at it as before
+        ours = True
+    if not ours:
+        return f"; {path} holds no output of this job"
+    return f"; rank 0's output is also in {path}"
 
 
-def stopped_line(rank: int, failed: int, training_args: Sequence[str]) -> str:
-    """The launcher's one line after a rank's :func:`fail` (``failed``: ranks that ended)."""
+def stopped_line(
+    rank: int, failed: int, training_args: Sequence[str], rank0_pid: Optional[int] = None
+) -> str:
+    """The launcher's one line after a rank's :func:`fail` (``failed``: ranks that ended;
+    ``rank0_pid``: rank 0's process id, when known)."""
     others = f"; the other {failed - 1} rank(s) were stopped" if failed > 1 else ""
-    log = _train_log(training_args)
-    where = f"; rank 0's output is also in {log}" if log else ""
+    where = _train_log(training_args, rank0_pid)
     return f"launcher: the job stopped at the line above (rank {rank}{others}){where}"
 
 
-def signal_line(signum: int, training_args: Sequence[str]) -> str:
-    """The launcher's one line after it forwarded SIGINT / SIGTERM to the ranks and they ended."""
-    log = _train_log(training_args)
-    where = f"; rank 0's output is also in {log}" if log else ""
+def signal_line(
+    signum: int,
+    training_args: Sequence[str],
+    one_rank: bool = False,
+    rank0_pid: Optional[int] = None,
+    at_once: bool = False,
+) -> str:
+    """The launcher's one line after the ranks stopped on SIGINT / SIGTERM: forwarded by
+    torchrun, or (``one_rank``) sent to a rank directly; ``at_once``: a second Ctrl-C stopped
+    them without saving."""
+    name = signal.Signals(signum).name
+    where = _train_log(training_args, rank0_pid)
+    if at_once:
+        return (
+            f"launcher: the job stopped at once on a second {name} (forwarded to every rank; "
+            f"the step in progress was not saved: continue from the last checkpoint with "
+            f"checkpoint.resume=auto){where}"
+        )
+    sent = "sent to a rank, not to the launcher" if one_rank else "forwarded to every rank"
     return (
-        f"launcher: the job stopped on {signal.Signals(signum).name} (forwarded to every "
-        f"rank; rank 0's line above says what was saved){where}"
+        f"launcher: the job stopped on {name} ({sent}; rank 0's line above says what was "
+        f"saved){where}"
     )
 
 
@@ -83,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from torch.distributed.run import main as torchrun
 
     from dpo_megatron.compat.torchrun_failure_logs import HeldFailureLogs
-    from dpo_megatron.compat.torchrun_repeated_signal import RepeatedSigtermIgnored
+    from dpo_megatron.compat.torchrun_repeated_signal import RepeatedSignals
 
     collector.resume_after_setup()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -91,21 +126,29 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def training_args() -> list[str]:
         return get_args_parser().parse_args(argv).training_script_args
 
-    with HeldFailureLogs() as held, RepeatedSigtermIgnored():
+    with HeldFailureLogs() as held, RepeatedSignals() as signals:
         try:
             torchrun(argv)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
-            if failure.exitcode not in LAUNCHER_EXITS:
+            status = failure.exitcode
+            if status not in LAUNCHER_EXITS and status not in SIGNAL_EXITS:
                 raise
             held.drop()
-            print(stopped_line(rank, len(e.failures), training_args()), file=sys.stderr, flush=True)
-            raise SystemExit(LAUNCHER_EXITS[failure.exitcode]) from None
+            rank0 = e.failures.get(0)
+            rank0_pid = rank0.pid if rank0 is not None else None
+            if status in SIGNAL_EXITS:  # one rank was signalled: every rank saved and stopped
+                line = signal_line(SIGNAL_EXITS[status], training_args(), True, rank0_pid)
+            else:
+                line = stopped_line(rank, len(e.failures), training_args(), rank0_pid)
+            print(line, file=sys.stderr, flush=True)
+            raise SystemExit(LAUNCHER_EXITS.get(status, status)) from None
         except SignalException as e:
             # torchrun has sent the signal on to the ranks and waited for them (its shutdown
             # timeout, then SIGKILL): what they saved is in rank 0's line, not in a traceback.
             held.drop()
-            print(signal_line(int(e.sigval), training_args()), file=sys.stderr, flush=True)
+            line = signal_line(int(e.sigval), training_args(), at_once=signals.stopped_at_once)
+            print(line, file=sys.stderr, flush=True)
             raise SystemExit(128 + int(e.sigval)) from None
 
 

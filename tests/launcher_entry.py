@@ -5,11 +5,15 @@ the way a real run ends: ``DPO_TEST_ENDING=mistake`` reports a user's mistake wi
 elastic would otherwise stop rank 0 before it printed), ``mistake_on_rank1`` on rank 1 alone
 (rank 0 runs on), ``crash`` raises an exception on every rank. The others run the real
 ``dpo_megatron.train`` (its own stops and messages) with one thing changed: ``nan_from_step_N``
-a loss that is NaN from optimizer step N on; ``fault_after_first_save`` the write of a
+a loss that is NaN from optimizer step N on; ``slow_steps`` a sleep of
+``DPO_TEST_STEP_SLEEP`` seconds before each step (a signal then lands inside a step);
+``sigterm_in_first_save`` a SIGTERM that rank 1 sends itself as its first checkpoint save
+starts (the ranks agreed on "no signal" just before); ``fault_after_first_save`` the write of a
 line into the file ``DPO_TEST_FAULT`` by rank 0 right after the first save (an ext4 file
 system's ``trigger_fs_error``: the disk turns read-only)."""
 
 import os
+import signal
 import time
 
 from dpo_megatron.utils.exits import fail
@@ -47,6 +51,21 @@ def _train_with_nan_from(step_from: int) -> None:
     train_module.main()
 
 
+def _train_with_slow_steps(seconds: float) -> None:
+    """dpo_megatron.train.main where each optimizer step starts with a sleep of ``seconds``."""
+    import dpo_megatron.train as train_module
+    import dpo_megatron.training.trainer as trainer_module
+
+    real_step = trainer_module.Trainer.train_step
+
+    def train_step(self):
+        time.sleep(seconds)
+        return real_step(self)
+
+    trainer_module.Trainer.train_step = train_step
+    train_module.main()
+
+
 def _train_around_first_save(before=None, after=None) -> None:
     """dpo_megatron.train.main where ``before()`` runs as this process's first checkpoint save
     starts and ``after()`` once it is written (each on every rank; None: nothing)."""
@@ -70,6 +89,11 @@ def _train_around_first_save(before=None, after=None) -> None:
     train_module.main()
 
 
+def _sigterm_on_rank_1() -> None:
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _fault_on_rank_0() -> None:
     from dpo_megatron.utils import ranks
 
@@ -83,6 +107,10 @@ def main() -> None:
     ending = os.environ["DPO_TEST_ENDING"]
     if ending.startswith("nan_from_step_"):
         return _train_with_nan_from(int(ending.rsplit("_", 1)[1]))
+    if ending == "slow_steps":
+        return _train_with_slow_steps(float(os.environ["DPO_TEST_STEP_SLEEP"]))
+    if ending == "sigterm_in_first_save":
+        return _train_around_first_save(before=_sigterm_on_rank_1)
     if ending == "fault_after_first_save":
         return _train_around_first_save(after=_fault_on_rank_0)
     rank = int(os.environ["RANK"])

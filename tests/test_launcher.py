@@ -536,3 +536,34 @@ def test_a_run_folder_read_only_from_the_start_is_a_fault_of_the_run(tmp_path, m
             f"error: cannot write run_dir {disk / 'run'}: read-only file system: cannot write "
             f"{disk / 'run' / 'run.lock'}; nothing was started"
         ]
+
+
+@pytest.mark.slow
+def test_the_second_of_two_runs_on_a_folder_does_not_point_at_the_first_runs_log(tmp_path):
+    """Two runs started on one run folder at once both pass the launcher's pre-check; the
+    second one's rank 0 then finds the folder taken (here: this process holds it, as the first
+    run does, and the pre-check is skipped). Its launcher line must not send the user to
+    ``<run_dir>/train.log``, which holds the first run's output only."""
+    from dpo_megatron.config import load_config
+    from dpo_megatron.training.run_dir import RunFolder
+
+    run_dir = tmp_path / "run"
+    args = ["--config", "configs/tiny_cpu.yaml", "parallel.tensor_model_parallel_size=2"]
+    first = RunFolder.open(load_config(args[1], [*args[2:], f"run_dir={run_dir}"]))
+    try:
+        out = _script(
+            "scripts/pretrain_dpo.sh",
+            *args,
+            f"run_dir={run_dir}",
+            env={"DPO_MEGATRON_PRECHECK": "-c print(2)"},  # as if it ran before the first took it
+        )
+    finally:
+        first.close()
+    assert out.returncode == 1, out.stderr[-3000:]
+    refusal, pointer = out.stderr.splitlines()
+    assert refusal.startswith(f"error: run_dir {run_dir} is in use by another run (pid ")
+    assert f"(pid {os.getpid()} on " in refusal
+    assert pointer == (
+        "launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
+        f"stopped); {run_dir / 'train.log'} holds no output of this job"
+    )

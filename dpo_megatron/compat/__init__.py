@@ -40,7 +40,7 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.gloo_shared_device`: one gloo device (one event-loop thread, waking
   every 10 ms) per process instead of one per process group.
 * :mod:`~dpo_megatron.compat.torchrun_repeated_signal`: torch elastic's agent keeps waiting for
-  its workers to save when SLURM repeats a job's SIGTERM.
+  its workers to save when SLURM repeats a job's SIGTERM, and a second Ctrl-C stops them at once.
 * :mod:`~dpo_megatron.compat.tensorboard_writer_thread`: tensorboard's event-writer thread leaves
   a failed write (full or read-only disk) to the writer's caller instead of printing a traceback.
 

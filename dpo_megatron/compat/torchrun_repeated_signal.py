@@ -1,15 +1,25 @@
-"""Keep torch elastic's agent waiting for its workers when a job's SIGTERM arrives twice.
+"""torch elastic's agent at a repeated signal: waits on for a repeated SIGTERM, stops the workers
+at once for a second Ctrl-C.
 
 On its first SIGTERM / SIGINT the agent (``torch/distributed/elastic/multiprocessing/api.py``,
 torch 2.13: ``_terminate_process_handler`` raises ``SignalException``) forwards the signal to its
-workers and waits for them up to its shutdown timeout before SIGKILL. Under SLURM the agent gets
-SIGTERM more than once (slurmstepd signals every process of the step, srun's
-``--kill-on-bad-exit`` / step termination repeats it): the second one raises again inside that
-wait, the agent exits with a traceback, and its workers, which die with it
-(:func:`dpo_megatron.parallel.shutdown.die_with_launcher`), are killed in the middle of the
-checkpoint they were asked to write. :class:`RepeatedSigtermIgnored` swaps the module's handler
-for one that raises on the first signal only and ignores a SIGTERM after it; a SIGINT after it
-(a second Ctrl-C) still raises, so the agent stops at once as before.
+workers and waits for them up to its shutdown timeout before SIGKILL. Two things then go wrong:
+
+* Under SLURM the agent gets SIGTERM more than once (slurmstepd signals every process of the
+  step, srun's ``--kill-on-bad-exit`` / step termination repeats it): the second one raises again
+  inside that wait, the agent exits with a traceback, and its workers, which die with it
+  (:func:`dpo_megatron.parallel.shutdown.die_with_launcher`), are killed in the middle of the
+  checkpoint they were asked to write.
+* A second Ctrl-C raises inside that wait too, but the agent's ``run`` then shuts its workers
+  down again from its ``finally`` (``torch/distributed/elastic/agent/server/api.py``): SIGTERM,
+  which the workers ignore as a repeat, and another wait of the whole shutdown timeout, so the
+  workers finish their step, evaluation and checkpoint after all. The workers, each in a session
+  of its own, never see the Ctrl-C themselves.
+
+:class:`RepeatedSignals` swaps the module's handler for one that raises on the first signal only
+and ignores a SIGTERM after it; a SIGINT after it is first sent on to every worker's process
+group (a worker that has a stop request pending takes SIGINT's default action: it ends at once,
+its checkpoint writers with it), then raises, so the agent's second shutdown finds them gone.
 
 Switched on by :mod:`dpo_megatron.launch` around its call of torchrun's ``main``.
 """
@@ -25,8 +35,8 @@ PATCH = register(
     Patch(
         name="torchrun_repeated_signal",
         why="torch elastic's agent aborts its wait for the workers at a second SIGTERM (SLURM "
-        "sends "
-        "more than one), so the workers die in the checkpoint of a preempted job",
+        "sends more than one), so the workers die in the checkpoint of a preempted job; at a "
+        "second Ctrl-C it waits for them again, so they save instead of stopping at once",
         versions={"torch": ">=2.13,<2.14"},
         switched_on="by dpo_megatron.launch (scripts/slurm/launch_node.sh) around torchrun's main",
     )
@@ -36,18 +46,21 @@ MODULE = "torch.distributed.elastic.multiprocessing.api"
 """The module whose ``_terminate_process_handler`` the agent installs in ``PContext.start``."""
 
 
-class RepeatedSigtermIgnored:
+class RepeatedSignals:
     """Context manager: while installed, the agent's death-signal handler raises torch's
     ``SignalException`` for the first signal only; a later SIGTERM is ignored (one log line on
-    stderr), a later SIGINT or other signal raises as before. Does nothing on torch versions the
-    patch was not written for (the handler's name or contract may have changed).
+    stderr), a later SIGINT is sent on to the workers' process groups (this process's children)
+    and raises, a later other signal raises as before. Does nothing on torch versions the patch
+    was not written for (the handler's name or contract may have changed).
 
     Attributes:
         received: the first signal number seen while installed, or None.
+        stopped_at_once: True once a repeated SIGINT was sent on to the workers.
     """
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.stopped_at_once = False
         self._module = None
         self._original = None
 
@@ -64,9 +77,25 @@ class RepeatedSigtermIgnored:
             return
         if self.received is None:
             self.received = signum
+        elif signum == signal.SIGINT:
+            self._interrupt_workers()
         self._original(signum, frame)
 
-    def __enter__(self) -> "RepeatedSigtermIgnored":
+    def _interrupt_workers(self) -> None:
+        """SIGINT to the process group of each child (torch elastic starts every worker as a
+        session leader: its group is its pid)."""
+        import os
+
+        from dpo_megatron.utils.processes import child_pids
+
+        self.stopped_at_once = True
+        for pid in child_pids():
+            try:
+                os.killpg(pid, signal.SIGINT)
+            except (ProcessLookupError, PermissionError):  # gone, or not a group leader
+                pass
+
+    def __enter__(self) -> "RepeatedSignals":
         if PATCH.applies_to_installed():
             import importlib
 

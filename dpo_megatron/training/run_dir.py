@@ -375,6 +375,18 @@ def _untee(stream):
     return stream.stream if isinstance(stream, _Tee) else stream
 
 
+_LOG_START = "===="
+"""The start of the line each start of a run writes into train.log (time, pid, host, command)."""
+
+
+def log_started_by(log: str, pid: int) -> bool:
+    """Whether the train.log ``log`` holds the start line of process ``pid`` (on this host): the
+    log that process wrote to (the launcher asks, for rank 0)."""
+    mark = f" pid {pid} on {socket.gethostname()}: "
+    with open(log, encoding="utf-8", errors="replace") as f:
+        return any(line.startswith(_LOG_START) and mark in line for line in f)
+
+
 def write_config(cfg, run_dir: str) -> str:
     """The resolved config as YAML at ``<run_dir>/config.yaml`` (atomically); returns the path."""
     from omegaconf import OmegaConf
@@ -450,7 +462,7 @@ class RunFolder:
     def _start_log(self) -> None:
         self.log = open(self.layout.log, "a", buffering=1, encoding="utf-8")
         self.log.write(
-            f"==== {time.strftime('%Y-%m-%d %H:%M:%S %z')} pid {os.getpid()} on "
+            f"{_LOG_START} {time.strftime('%Y-%m-%d %H:%M:%S %z')} pid {os.getpid()} on "
             f"{socket.gethostname()}: {' '.join(sys.argv)}\n"
         )
         self._streams = (sys.stdout, sys.stderr)

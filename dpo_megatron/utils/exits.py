@@ -28,6 +28,10 @@ LAUNCHER_EXIT = 1
 mistakes)."""
 LAUNCHER_EXITS = {USER_ERROR_EXIT: LAUNCHER_EXIT, FAULT_EXIT: FAULT_EXIT}
 """A rank's reported stop -> the launcher's exit status."""
+SIGNAL_EXITS = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.SIGTERM}
+"""A rank's exit status after it stopped on SIGINT / SIGTERM and rank 0 said what was saved
+(``parallel.shutdown.RunInterrupted``) -> the signal; the launcher exits with the same status.
+A rank killed by a signal has no exit status of its own (torchrun reports -N)."""
 RANK0_GRACE_S = 20.0
 """How long the other ranks wait for rank 0 to print and exit before exiting anyway."""
 

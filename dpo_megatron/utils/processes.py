@@ -49,3 +49,25 @@ def parent_death_signal() -> int:
     if _prctl(_PR_GET_PDEATHSIG, ctypes.byref(value)) != 0:
         return 0
     return value.value
+
+
+def child_pids(pid: int = 0) -> list[int]:
+    """The live child processes of ``pid`` (0: this process), from ``/proc/<pid>/stat``'s
+    parent field; empty where /proc is missing."""
+    parent = pid or os.getpid()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == str(parent) and fields[0] != "Z":
+            found.append(int(entry))
+    return found

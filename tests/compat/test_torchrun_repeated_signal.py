@@ -1,28 +1,44 @@
 """compat.torchrun_repeated_signal: torch elastic's agent raises at its first death signal only;
-a repeated SIGTERM (SLURM sends more than one) no longer aborts its wait for the workers' save."""
+a repeated SIGTERM (SLURM sends more than one) no longer aborts its wait for the workers' save,
+and a second Ctrl-C reaches the workers (in sessions of their own) before the agent stops."""
 
 import importlib
 import signal
+import subprocess
 
 import pytest
 
-from dpo_megatron.compat.torchrun_repeated_signal import MODULE, RepeatedSigtermIgnored
+from dpo_megatron.compat.torchrun_repeated_signal import MODULE, RepeatedSignals
+from dpo_megatron.utils.processes import child_pids
 
 
-def test_only_the_first_signal_raises_and_a_later_sigint_still_does(capsys):
+def test_only_the_first_signal_raises_and_a_second_sigint_interrupts_the_workers(
+    capsys, monkeypatch
+):
     api = importlib.import_module(MODULE)
     original = api._terminate_process_handler
     with pytest.raises(api.SignalException):  # unpatched: every SIGTERM raises
         original(signal.SIGTERM, None)
-    with RepeatedSigtermIgnored() as patch:
-        handler = api._terminate_process_handler
-        assert handler is not original
-        with pytest.raises(api.SignalException) as first:
-            handler(signal.SIGTERM, None)
-        assert first.value.sigval == signal.SIGTERM and patch.received == signal.SIGTERM
-        assert handler(signal.SIGTERM, None) is None  # the repeat: ignored
-        assert "SIGTERM again: still waiting for the ranks" in capsys.readouterr().err
-        with pytest.raises(api.SignalException) as second:  # a second Ctrl-C stops at once
-            handler(signal.SIGINT, None)
-        assert second.value.sigval == signal.SIGINT
-    assert api._terminate_process_handler is original
+    # a stand-in worker: a session of its own, as torch elastic starts them
+    worker = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        assert worker.pid in child_pids()
+        # only this worker: the test process may have other children
+        monkeypatch.setattr("dpo_megatron.utils.processes.child_pids", lambda pid=0: [worker.pid])
+        with RepeatedSignals() as patch:
+            handler = api._terminate_process_handler
+            assert handler is not original
+            with pytest.raises(api.SignalException) as first:
+                handler(signal.SIGTERM, None)
+            assert first.value.sigval == signal.SIGTERM and patch.received == signal.SIGTERM
+            assert handler(signal.SIGTERM, None) is None  # the repeat: ignored
+            assert "SIGTERM again: still waiting for the ranks" in capsys.readouterr().err
+            assert worker.poll() is None and not patch.stopped_at_once
+            with pytest.raises(api.SignalException) as second:  # a second Ctrl-C stops at once
+                handler(signal.SIGINT, None)
+            assert second.value.sigval == signal.SIGINT and patch.stopped_at_once
+            assert worker.wait(timeout=10) == -signal.SIGINT  # sent on to the worker's group
+        assert api._terminate_process_handler is original
+    finally:
+        worker.kill()
+        worker.wait()

@@ -623,8 +623,11 @@ def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
     tmp_path, fixture_files, straight_run
 ):
     """SIGINT to torchrun (what Ctrl-C does: torch elastic forwards it to its ranks): every rank
-    stops after the same step with a checkpoint of it; the run exits non-zero; resume=auto
-    finishes exactly like the reference."""
+    stops after the same step with a checkpoint of it; the run exits non-zero. The run resumed
+    from it gets two Ctrl-C inside a step (each step made 60 s long): the second one stops it at
+    once, within seconds, without finishing the step nor saving, with the launcher's line and
+    status 130 and no traceback (neither torchrun's nor CPython's ``Signal N ignored due to race
+    condition``). resume=auto then finishes exactly like the reference."""
     data_file, tok_dir = fixture_files
     straight = straight_run
     run_dir = tmp_path / "run"
@@ -638,6 +641,27 @@ def test_ctrl_c_saves_at_one_step_on_every_rank_and_resume_is_exact(
     assert len(stopped) == 1, output[-3000:]
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     assert f"saved checkpoint {run_dir / 'checkpoints' / f'iter_{step:07d}'}" in stopped[0]
+    assert not _processes_with(marker)
+
+    saved = sorted(os.listdir(run_dir / "checkpoints"))
+    slow = _entry("slow_steps", DPO_TEST_STEP_SLEEP="60")
+    proc, marker = _launch(run_dir, data_file, tok_dir, "checkpoint.resume=auto", env=slow)
+    output = Path(proc.output_path)
+    _wait_for(lambda: "resumed from " in output.read_text(), "the resumed run", timeout=900)
+    os.kill(proc.pid, signal.SIGINT)
+    _wait_for(lambda: "received SIGINT" in output.read_text(), "rank 0's signal line")
+    second = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert time.monotonic() - second < 30  # not the 60 s step, its save and the stop
+    text = output.read_text()
+    assert "Traceback" not in text and "race condition" not in text, text[-3000:]
+    assert _tail_after(text, "received SIGINT")[1:] == [
+        "launcher: the job stopped at once on a second SIGINT (forwarded to every rank; the "
+        "step in progress was not saved: continue from the last checkpoint with "
+        f"checkpoint.resume=auto); rank 0's output is also in {run_dir / 'train.log'}"
+    ]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == saved
     assert not _processes_with(marker)
     _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
     _assert_same_run(run_dir, straight)
@@ -698,6 +722,29 @@ def test_sigterm_through_the_launcher_ends_in_its_lines_and_resumes_exactly(
         f"launcher: the job stopped on SIGTERM (forwarded to every rank; rank 0's line above "
         f"says what was saved); rank 0's output is also in {run_dir / 'train.log'}",
     ]
+    assert not _processes_with(marker)
+
+    # SIGTERM to rank 1 alone (a scheduler's, the OOM killer's) as the resumed run's first save
+    # starts, just after the ranks agreed that no signal had come: every rank stops once that
+    # checkpoint is written (not a step later with one more), and the launcher reports it as
+    # the signal it is: status 143, its line, no torchrun traceback.
+    first_save = step + 2 - step % 2  # checkpoint.save_interval=2
+    proc, marker = _launch(
+        run_dir, data_file, tok_dir, "checkpoint.resume=auto", env=_entry("sigterm_in_first_save")
+    )
+    assert proc.wait(timeout=300) == 143
+    output = Path(proc.output_path).read_text()
+    assert "Traceback" not in output and "received SIGTERM" not in output, output[-3000:]
+    ckpt = run_dir / "checkpoints" / f"iter_{first_save:07d}"
+    tail = _tail_after(output, f"wrote checkpoint {ckpt} (")
+    assert tail[1:] == [
+        f"stopped by SIGTERM after step {first_save}: saved checkpoint {ckpt}; continue with "
+        f"checkpoint.resume=auto",
+        f"launcher: the job stopped on SIGTERM (sent to a rank, not to the launcher; rank 0's "
+        f"line above says what was saved); rank 0's output is also in {run_dir / 'train.log'}",
+    ]
+    assert not (run_dir / "checkpoints" / f"iter_{first_save + 1:07d}").exists()
+    assert max(read_metrics(run_dir)) == first_save
     assert not _processes_with(marker)
     _run_to_end(run_dir, data_file, tok_dir, "checkpoint.resume=auto")
     _assert_same_run(run_dir, straight_run)
