@@ -83,11 +83,12 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         """Raises ValueError for a negative interval or count, an unknown export dtype or
-        ``export_hf`` value."""
+        ``export_hf`` value; ``export_hf`` becomes its canonical name (``none``, ``merged`` or
+        ``adapter``: a YAML ``false`` arrives as the string ``'False'``)."""
         check_range("checkpoint", self, "save_interval", 0, why="0: only at the end")
         check_range("checkpoint", self, "keep_last_n", 0, why="0: keep all")
         check_choice("checkpoint", self, "export_dtype", EXPORT_DTYPES)
-        export_mode(self.export_hf)
+        self.export_hf = export_mode(self.export_hf)
 
 
 @dataclass
@@ -191,10 +192,44 @@ def _field_docs(node_type: type) -> dict[str, str]:
     return docs
 
 
-def list_keys() -> str:
+def _file_values(config_file: str) -> dict[str, Any]:
+    """Dotted key -> the value ``config_file`` gives it, where that differs from the built-in
+    default (interpolations such as ``${asset:smollm2}`` as written, not resolved).
+
+    Raises:
+        ValueError: as :func:`load_config` for the file.
+    """
+    merged = _merge_layer(OmegaConf.structured(DPOConfig), _load_yaml(config_file), config_file)
+    given = OmegaConf.to_container(merged, resolve=False)
+    defaults = OmegaConf.to_container(OmegaConf.structured(DPOConfig), resolve=False)
+    out = {}
+    for key in _valid_keys(DPOConfig):
+        value, default = given, defaults
+        for part in key.split("."):
+            value, default = value[part], default[part]
+        if key == "checkpoint.export_hf":  # a YAML boolean arrives as 'False' / 'True'
+            value = export_mode(value)
+        if value != default:
+            out[key] = value
+    return out
+
+
+def list_keys(config_file: Optional[str] = None) -> str:
     """Every key of the tree with its type, default and documentation (valid range included),
-    one block per key; ``loss.*`` keys depend on the loss (``dpo_megatron.losses``)."""
+    one block per key; ``loss.*`` keys depend on the loss (``dpo_megatron.losses``). With
+    ``config_file`` (the launchers pass their default config), a key the file sets shows the
+    file's value as its default, beside the built-in one.
+
+    Raises:
+        ValueError: ``config_file`` does not load (as :func:`load_config`).
+    """
     lines = []
+    from_file = _file_values(config_file) if config_file else {}
+    source = config_file and (
+        os.path.relpath(config_file)
+        if not os.path.relpath(config_file).startswith("..")
+        else config_file
+    )
 
     def walk(node_type: type, prefix: str) -> None:
         docs = _field_docs(node_type)
@@ -214,7 +249,12 @@ def list_keys() -> str:
                 if getattr(hint, "__args__", None)
                 else getattr(hint, "__name__", str(hint))
             )
-            lines.append(f"{prefix}{f.name} ({kind}, default {default!r})")
+            key = prefix + f.name
+            if key in from_file:
+                default = f"{from_file[key]!r} in {source}; {default!r} without a config file"
+            else:
+                default = repr(default)
+            lines.append(f"{key} ({kind}, default {default})")
             if f.name in docs:
                 lines.extend("    " + line for line in textwrap.wrap(docs[f.name], 92))
 
@@ -796,7 +836,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     args = _parse(parser, argv)
     if args.list_keys:
-        print(list_keys())
+        try:
+            print(list_keys(args.config))
+        except ValueError as e:
+            raise SystemExit(f"config error: {e}") from None
         return
     from dpo_megatron.training.run_dir import RunDirError, check_run_dir
 
@@ -812,8 +855,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"config error: {e}") from None
     if args.print_config:
         try:
-            from dpo_megatron.training.resolved_config import resolved_config
+            from dpo_megatron.training.resolved_config import (
+                resolved_config,
+                unresolved_model_note,
+            )
 
+            note = unresolved_model_note(cfg)
+            if note:
+                print(f"# {note}")
             print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
         except (OSError, ValueError) as e:  # the model folder or checkpoint
             raise SystemExit(f"config error: {e}") from None

@@ -515,3 +515,57 @@ def test_model_load_gives_the_architecture_and_refuses_a_conflicting_key(tmp_pat
     )
     write_model_config(str(ckpt), from_hf)
     assert check(f"model.hf_path={folder}").num_layers == 4
+
+
+def test_print_config_of_a_preset_without_a_local_copy_and_a_plain_export_hf(monkeypatch, capsys):
+    """``model=smollm3`` with no local copy under $DPO_MEGATRON_MODELS (nothing downloaded, no
+    config.json): ``--print-config`` shows the architecture the preset states and says where
+    the rest comes from, instead of failing on the hub name. ``checkpoint.export_hf: false``
+    (a YAML boolean in a string field) reads back as its canonical name."""
+    import yaml
+
+    from dpo_megatron.models.presets import MODEL_PRESETS
+
+    monkeypatch.delenv("DPO_MEGATRON_MODELS", raising=False)
+    main(["--config", "configs/dpo_smollm2_cpu.yaml", "model=smollm3", "--print-config"])
+    out = capsys.readouterr().out
+    note, tree = out.split("\n", 1)
+    assert note == (
+        "# model: preset smollm3 (HuggingFaceTB/SmolLM3-3B) has no local copy here, so the "
+        "model section holds the architecture the preset states (num_layers, hidden_size, "
+        "num_attention_heads, ffn_hidden_size, vocab_size); the rest is read from its "
+        "config.json once a copy is there ($DPO_MEGATRON_MODELS)"
+    )
+    printed = yaml.safe_load(tree)
+    model = printed["model"]
+    assert model["hf_path"] == "HuggingFaceTB/SmolLM3-3B"
+    assert {k: model[k] for k in MODEL_PRESETS["smollm3"].facts()} == {
+        "num_layers": 36,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "ffn_hidden_size": 11008,
+        "vocab_size": 128256,
+    }
+    # what config.json decides is not made up; the run's own settings stay
+    assert "num_query_groups" not in model and "rotary_base" not in model
+    assert model["pad_attention_heads"] is True and model["params_dtype"] == "auto"
+    assert printed["checkpoint"]["export_hf"] == "none"
+    assert load_config("configs/rm_smollm2_cpu.yaml").checkpoint.export_hf == "merged"
+
+
+def test_list_keys_gives_the_defaults_of_the_config_it_is_given():
+    """A launcher's --list-keys passes its default config: a key that config sets shows the
+    config's value as the default, beside the built-in one; keys it leaves alone read as
+    before, and a YAML boolean ``export_hf`` is compared by its meaning."""
+    text = list_keys("configs/sft_smollm2_cpu.yaml")
+    assert (
+        "run_dir (str, default 'runs/sft_smollm2_cpu' in configs/sft_smollm2_cpu.yaml; "
+        "'runs/dpo' without a config file)\n" in text
+    )
+    # an interpolation as written: listing the keys fetches nothing
+    assert "model.hf_path (str, default '${asset:smollm2}' in configs/sft_smollm2_cpu.yaml" in text
+    assert "train.log_interval (int, default 1)\n" in text
+    assert "checkpoint.export_hf (str, default 'none')\n" in list_keys(
+        "configs/dpo_smollm2_cpu.yaml"
+    )
+    assert list_keys().startswith("run_dir (str, default 'runs/dpo')\n")

@@ -249,6 +249,11 @@ def test_help_texts_and_key_listing(tmp_path):
     )
     keys = _script("scripts/pretrain_dpo.sh", "--list-keys")
     assert keys.returncode == 0 and "train.global_batch_size (int, default 4)" in keys.stdout
+    # the script's default config sets its own run_dir: that is the default it runs with
+    assert keys.stdout.startswith(
+        "run_dir (str, default 'runs/dpo_smollm2_cpu' in configs/dpo_smollm2_cpu.yaml; "
+        "'runs/dpo' without a config file)\n"
+    )
 
 
 def test_exporter_names_the_checkpoint_it_loads(tmp_path):

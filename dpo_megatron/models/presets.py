@@ -79,6 +79,17 @@ class ModelPreset:
     resolves offline (the layout planner, the pre-check, ``--print-config``); a run still needs
     the weights (a local copy under ``$DPO_MEGATRON_MODELS``)."""
 
+    def facts(self) -> dict[str, Any]:
+        """The architecture the preset states, as ``model.*`` keys (the rest is in the
+        model's config.json)."""
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+
 
 def _pythia(size: str, layers: int, hidden: int, heads: int, vocab: int = 50304) -> ModelPreset:
     """Pythia (Biderman et al. 2023, table 1): GPT-NeoX, ffn = 4 x hidden, untied."""
@@ -360,6 +371,18 @@ def stored_architecture(hub_name: str) -> Optional[dict]:
     if key is None or not MODEL_PRESETS[key].architecture:
         return None
     return json.loads(json.dumps(MODEL_PRESETS[key].architecture))
+
+
+def preset_without_copy(hf_path: str) -> Optional[str]:
+    """The preset whose hub name ``model.hf_path`` is when no folder is there (what
+    ``model=NAME`` leaves without a local copy) and which stores no architecture (one that
+    does resolves offline: :func:`stored_architecture`), else None."""
+    if not hf_path or os.path.isdir(hf_path):
+        return None
+    key = preset_name(hf_path.strip("/"))
+    if not key or MODEL_PRESETS[key].hub_name != hf_path.strip("/"):
+        return None
+    return None if MODEL_PRESETS[key].architecture else key
 
 
 def hub_note(hub_name: str) -> str:

@@ -39,7 +39,10 @@ def check(argv: Sequence[str]) -> None:
     if "--list-keys" in argv:
         from dpo_megatron.config import list_keys
 
-        print(list_keys())
+        try:
+            print(list_keys(parse_args([a for a in argv if a != "--list-keys"])[0]))
+        except ValueError as e:
+            raise SystemExit(f"config error: {e}") from None
         return
     printing = "--print-config" in argv
     config_file, overrides = parse_args([a for a in argv if a != "--print-config"])

@@ -149,6 +149,21 @@ def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> Mo
     return dataclasses.replace(base, hf_path=hf_path, head=head_of(hf_path), **fields)
 
 
+def architecture_fields(model_type: str) -> frozenset[str]:
+    """The ModelConfig fields a folder of this ``model_type`` decides (what
+    :func:`model_config_from_hf` replaces): those its translation sets, read off transformers'
+    config class for the type (its defaults: no folder, no download), and
+    :data:`FAMILY_FIELDS`. The rest (dtype, recompute, implementation, ...) are the run's.
+
+    Raises:
+        ValueError: an architecture the engine does not map.
+    """
+    from transformers import AutoConfig
+
+    arch = get_architecture(model_type, "model_type")
+    return frozenset(arch.config_from_hf(AutoConfig.for_model(model_type))) | set(FAMILY_FIELDS)
+
+
 def infer_architecture(cfg: ModelConfig) -> Architecture:
     """The architecture of a ModelConfig with no source folder (for export): GPT-2 for learned
     positions, GPT-NeoX for LayerNorm with RoPE, DeepSeek-V3 for multi-latent attention, OLMo 3
