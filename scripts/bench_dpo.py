@@ -739,6 +739,8 @@ def main(argv=None) -> int:
         runs = chosen or DEFAULT_RUNS.get(model, ALL_RUNS)
         for run in [r for r in runs if has_trl or r not in TRL_RUNS]:
             t0 = time.time()
+            # A run is silent for minutes (its output is kept for a failure): say what runs.
+            print(f"{model:11s} {run:27s} running {base['steps']} steps ...", flush=True)
             result = _child({**base, "model": model, "model_path": path, "run": run})
             report["results"][model][run] = result
             print(

@@ -187,6 +187,31 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
         )
 
 
+def test_each_run_is_announced_before_its_silent_child_process(tmp_path, monkeypatch, capsys):
+    """A run's child process prints nothing until it ends (minutes for TRL's on SmolLM2): the
+    driver says which model and run it starts first."""
+
+    class Started(Exception):
+        pass
+
+    def child(spec):
+        assert capsys.readouterr().out.splitlines()[-1].split() == [
+            "smollm2-4l",
+            "engine",
+            "running",
+            "3",
+            "steps",
+            "...",
+        ]
+        raise Started
+
+    monkeypatch.setattr(bench, "_child", child)
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path))
+    monkeypatch.setattr(bench, "bench_pairs", lambda *args: ([], 0))
+    with pytest.raises(Started):
+        bench.main(["--models", "smollm2-4l", "--engines", "engine", "--steps", "3"])
+
+
 def test_pair_forward_flops_by_hand():
     shape = dict(
         num_layers=2,
