@@ -15,6 +15,9 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   save forks die with their rank (megatron-core 0.16).
 * :mod:`~dpo_megatron.compat.eager_fusions`: megatron-core's fused SwiGLU runs eagerly on the
   CPU (its ``torch.compile`` compiles C++ for every shape there).
+* :mod:`~dpo_megatron.compat.frozen_linear_fold`: a frozen linear (the reference's) runs the
+  trainable one's matrix product (torch.matmul picks its kernel by ``requires_grad``), so step-0
+  policy and reference log-probs are bit-identical.
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
 * :mod:`~dpo_megatron.compat.moe_router_without_te`: megatron-core 0.16's MoE router gating
   without transformer-engine (an undefined name).

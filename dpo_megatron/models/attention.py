@@ -660,13 +660,6 @@ class LocalAttention(DotProductAttention):
         if layout is not None and self.kernel == "sdpa":
             flat = [t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in (query, key, value)]
             out = packed_attention(*flat, layout, self.softmax_scale, self.window, self.sinks())
-            # [sq, b, h] with row-major strides, also for one row (b = 1), where transpose +
-            # contiguous() would keep strides (h, sq * h, 1): torch.matmul folds [s, b, h] @ W^T
-            # into one mm when W requires grad (the policy) but, for a frozen W (the reference),
-            # only when the leading strides are row-major, else it runs a batched kernel whose
-            # sums round differently, and step-0 rewards would be an ulp off zero.
-            if b == 1:
-                return out.view(sq, 1, self.hidden_size_per_partition)
             out = out.view(b, sq, self.hidden_size_per_partition)
             return out.transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
