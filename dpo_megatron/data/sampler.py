@@ -83,30 +83,45 @@ class PairSampler:
 
         Raises ValueError when the pairs cannot fill one global batch (``steps_per_epoch == 0``).
         """
+        return self._global_batch(self.epoch, self.step_in_epoch)
+
+    def _global_batch(self, epoch: int, step_in_epoch: int) -> list[int]:
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"{self.num_pairs} pairs cannot fill one global batch of {self.global_batch_size} "
                 "pairs "
                 "(lower global_batch_size or add data)"
             )
-        order = self.epoch_order(self.epoch)
-        start = self.step_in_epoch * self.global_batch_size
+        order = self.epoch_order(epoch)
+        start = step_in_epoch * self.global_batch_size
         batch = order[start : start + self.global_batch_size]
         if len(batch) < self.global_batch_size:  # drop_last=False: wrap within the epoch
             batch = np.concatenate([batch, order[: self.global_batch_size - len(batch)]])
         return [int(i) for i in batch]
 
+    def _micro_batches(self, batch: list[int]) -> list[list[int]]:
+        """This rank's share of a global batch, split into micro-batches."""
+        per_rank = self.global_batch_size // self.data_parallel_size
+        mine = batch[self.data_parallel_rank * per_rank : (self.data_parallel_rank + 1) * per_rank]
+        m = self.micro_batch_size
+        return [mine[i : i + m] for i in range(0, per_rank, m)]
+
     def next_step(self) -> list[list[int]]:
         """This rank's micro-batches (lists of micro_batch_size pair indices) for one step."""
         batch = self.global_batch()
-        per_rank = self.global_batch_size // self.data_parallel_size
-        mine = batch[self.data_parallel_rank * per_rank : (self.data_parallel_rank + 1) * per_rank]
         self.step_in_epoch += 1
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
-        m = self.micro_batch_size
-        return [mine[i : i + m] for i in range(0, per_rank, m)]
+        return self._micro_batches(batch)
+
+    def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
+        """This rank's micro-batches of every step of epoch ``epoch``, as :meth:`next_step`
+        returns them there, without moving the sampler ([] when the pairs cannot fill one
+        global batch)."""
+        return [
+            self._micro_batches(self._global_batch(epoch, k)) for k in range(self.steps_per_epoch)
+        ]
 
     def state_dict(self) -> dict:
         return {

@@ -161,8 +161,9 @@ class ReferenceConfig:
     """'auto': 'precomputed' when the loss reads a reference and train_iters x global_batch_size
     covers every train pair, else 'model' (``training.auto_settings``). 'model': the frozen
     reference runs forward every step. 'precomputed': one forward-only pass over the training
-    pairs before training, cached on disk; no reference forward while training (same loss as
-    'model', fp32 1e-5)."""
+    pairs before training, cached on disk; no reference forward while training. Both give the
+    same log-probs to the bit (the pass groups pairs as the run's first epoch and evaluation
+    do), so with the policy's weights as reference step-0 rewards are exactly 0 in each."""
     offload: bool = False
     """Keep the reference weights in host memory and copy them to the accelerator only for the
     reference pass (mode 'model'; also used for the precompute pass)."""
@@ -170,7 +171,9 @@ class ReferenceConfig:
     """Directory of precomputed tables (empty: <DPO_MEGATRON_CACHE>/reference_logps). Must be
     shared by all ranks of a multi-node run (like checkpoint directories)."""
     micro_batch_size: int = 0
-    """Pairs per micro-batch of the precompute pass (>= 0; 0: train.micro_batch_size)."""
+    """Pairs per micro-batch of the precompute pass (>= 0; 0: train.micro_batch_size, grouped
+    as training and evaluation group them). Another size packs other rows: the values then equal
+    'model' mode's to fp32 rounding only, and step-0 rewards are float noise around 0."""
 
     def validate(self) -> None:
         """Raises ValueError for an unknown mode or a negative micro-batch size."""

@@ -96,6 +96,17 @@ class Evaluator:
             return self.at_start
         return step == last_step or bool(self.interval and step % self.interval == 0)
 
+    def steps(self) -> list[list[list[int]]]:
+        """This data-parallel rank's micro-batches of every eval step
+        (:func:`eval_micro_batch_indices`; ``max_steps`` not applied)."""
+        return eval_micro_batch_indices(
+            len(self.items),
+            self.global_batch_size,
+            self.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
+
     def run(self, policy_chunks: list, reference, loss_fn) -> dict[str, float]:
         """Metric name -> mean over all evaluated pairs, and ``items``: their number
         (collective); {} for an empty split.
@@ -104,13 +115,7 @@ class Evaluator:
         last, smaller step); the sums are combined over the data-parallel ranks once, at the
         end, and shared from the last pipeline stage.
         """
-        steps = eval_micro_batch_indices(
-            len(self.items),
-            self.global_batch_size,
-            self.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
-        )
+        steps = self.steps()
         if self.max_steps:
             steps = steps[: self.max_steps]
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)

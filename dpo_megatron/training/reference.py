@@ -12,8 +12,10 @@ be paid once:
   bypassed, so no second copy of the weights exists.
 * ``reference.mode=precomputed``: one forward-only pass over the training *and* eval pairs before
   the first step stores each pair's per-token completion log-probs in a table (cached on disk,
-  keyed by a fingerprint of the reference weights, the layout, the tokenized pairs and the format
-  version). The values then travel with the pairs (``PreferencePair.reference_*_logps`` ->
+  keyed by a fingerprint of the reference weights, the layout, the tokenized pairs, their
+  grouping and the format version). The pass groups the pairs as the first epoch and the
+  evaluation do (:func:`precompute_plan`), so the values are ``model`` mode's bit for bit. They
+  then travel with the pairs (``PreferencePair.reference_*_logps`` ->
   ``MicroBatch.reference_logps``), no reference forward runs while training or evaluating, and
   the reference model is freed.
 
@@ -152,9 +154,13 @@ def weights_fingerprint(chunks: list) -> str:
 
 
 def reference_cache_key(
-    pairs: Sequence[PreferencePair], model_config, weights: str, layout: dict
+    pairs: Sequence[PreferencePair],
+    model_config,
+    weights: str,
+    layout: dict,
+    grouping: Optional[dict] = None,
 ) -> str:
-    """Key of a precomputed table: everything the reference log-probs depend on.
+    """Key of a precomputed table: everything the reference log-probs depend on, to the bit.
 
     Args:
         pairs: the tokenized pairs (their fingerprint).
@@ -162,6 +168,9 @@ def reference_cache_key(
         weights: :func:`weights_fingerprint` of the reference model.
         layout: the parallel layout (TP, PP, VPP, ...), since the reduction order and, for random
             weights, the weights themselves depend on it.
+        grouping: how the pass grouped the pairs into micro-batches and rows
+            (:func:`precompute_plan`'s fingerprint, the packing settings): the last bits of a
+            pair's log-probs depend on what shares its micro-batch.
     """
     model = asdict(model_config) if is_dataclass(model_config) else dict(model_config)
     key = {
@@ -169,6 +178,7 @@ def reference_cache_key(
         "weights": weights,
         "layout": layout,
         "pairs": pairs_fingerprint(pairs),
+        "grouping": grouping or {},
         "dtype": str(torch.get_default_dtype()),
     }
     return content_key(key)
@@ -279,43 +289,96 @@ def _completion_values(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> li
     return [row[m] for row, m in zip(token_logps, loss_mask)]
 
 
+Plan = list[list[list[int]]]
+"""This data-parallel rank's steps of a pass: each step a list of micro-batches, each a list of
+item indices (``PairSampler.next_step()``'s form); a step is built as one ``StepBatch``."""
+
+
+def precompute_plan(run_steps: Plan, num_pairs: int, micro_batch_size: int) -> tuple[Plan, str]:
+    """The precompute pass's steps on this rank, and a fingerprint of every rank's (collective
+    over the data-parallel group).
+
+    The pass runs ``run_steps`` (the steps training's first epoch or evaluation takes on this
+    rank: the reference then sees each of these pairs in the very micro-batches, rows and
+    padding the policy sees, so its log-probs are the model-mode reference's bit for bit), then
+    the pairs no rank's ``run_steps`` hold (the remainder a dropped last batch leaves out of the
+    first epoch), split contiguously over the data-parallel ranks in micro-batches of
+    ``micro_batch_size``, one per step.
+
+    Why the grouping matters: a pair's log-probs depend in the last bits on what shares its
+    micro-batch (matrix kernels block the token dimension by its size, and packed rows hold other
+    pairs), so the same pairs grouped otherwise would give a reference an ulp away from the
+    step-0 policy, and step-0 rewards that are float noise instead of 0.
+
+    Returns:
+        (this rank's steps, the hex sha256 of all data-parallel ranks' steps in rank order: the
+        grouping, part of the table's cache key).
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    plans: list = [None] * dp
+    dist.all_gather_object(plans, run_steps, group=group)
+    covered = {i for plan in plans for step in plan for mb in step for i in mb}
+    missing = [i for i in range(num_pairs) if i not in covered]
+    per_rank = -(-len(missing) // dp)
+    mine = missing[rank * per_rank : (rank + 1) * per_rank]
+    rest = [[mine[i : i + micro_batch_size]] for i in range(0, len(mine), micro_batch_size)]
+    plan = list(run_steps) + rest
+    h = hashlib.sha256()
+    for other in range(dp):
+        other_rest = missing[other * per_rank : (other + 1) * per_rank]
+        h.update(repr((plans[other], other_rest, micro_batch_size)).encode())
+    return plan, h.hexdigest()
+
+
 def precompute_reference_logps(
     reference: ReferenceModel,
     pairs: Sequence[PreferencePair],
     builder: BatchBuilder,
-    micro_batch_size: int,
+    plan: Plan,
 ) -> Optional[ReferenceTable]:
-    """One forward-only pass of the reference over all pairs (split over data-parallel ranks).
+    """One forward-only pass of the reference over ``plan`` (this data-parallel rank's steps,
+    :func:`precompute_plan`; together the ranks' plans hold every pair).
 
-    Collective over the whole world. Returns the full table on last-pipeline-stage ranks, None on
-    the others.
+    Every rank runs as many schedule calls as the rank with the most steps (an empty step, or a
+    missing one, runs pair 0 and is discarded): expert-parallel groups span data-parallel ranks.
+    A pair met twice keeps its first values. Collective over the whole world.
+
+    Returns:
+        The full table on last-pipeline-stage ranks, None on the others.
     """
     from megatron.core import parallel_state
 
-    dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
-    per_rank = -(-len(pairs) // dp)
-    mine = list(range(rank * per_rank, min(len(pairs), (rank + 1) * per_rank)))
-    # Every DP rank must run the same number of schedule calls: pad with repeats of pair 0.
-    batches = -(-per_rank // micro_batch_size)
+    count = torch.tensor([len(plan)], dtype=torch.int64, device=get_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    steps = list(plan) + [[]] * (int(count.item()) - len(plan))
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for b in range(batches):
-        idx = mine[b * micro_batch_size : (b + 1) * micro_batch_size] or [0]
-        step = builder.build(pairs, [idx]).to_device()
+    for micro_batches in steps:
+        filler = not any(micro_batches)
+        step = builder.build(pairs, [[0]] if filler else micro_batches).to_device()
         reference.attach(step)
-        if last:
-            mb = step.micro_batches[0]
+        if not last or filler:
+            continue
+        for mb in step.micro_batches:
             rows = _completion_values(mb.reference_logps, mb.loss_mask)
+            n = len(mb.item_indices)
             for k, i in enumerate(mb.item_indices):
-                values[i] = (rows[k], rows[len(mb.item_indices) + k])
+                values.setdefault(i, (rows[k], rows[n + k]))
+    dp = parallel_state.get_data_parallel_world_size()
     gathered = [None] * dp
     dist.all_gather_object(
         gathered, values if last else None, group=parallel_state.get_data_parallel_group()
     )
     if not last:
         return None
-    merged = {i: v for part in gathered for i, v in part.items()}
+    merged: dict = {}
+    for part in gathered:
+        for i, v in part.items():
+            merged.setdefault(i, v)
     return ReferenceTable(
         [merged[i][0] for i in range(len(pairs))], [merged[i][1] for i in range(len(pairs))]
     )
@@ -332,15 +395,25 @@ def precomputed_pairs(
     reference: ReferenceModel,
     pairs: Sequence[PreferencePair],
     builder: BatchBuilder,
+    run_steps: Plan,
     micro_batch_size: int,
     model_config,
     layout: dict,
+    batching: dict,
     split: str = "train",
 ) -> list[PreferencePair]:
     """``pairs`` carrying their reference log-probs: from the cache when every rank finds the
-    table of these weights, layout and pairs, else computed (one forward-only pass) and written
-    by one rank (last stage, TP rank 0, DP rank 0); every rank then reads the file (the cache
-    folder must be shared by all ranks, like checkpoint folders). Collective.
+    table of these weights, layout, pairs and grouping, else computed (one forward-only pass,
+    grouped as :func:`precompute_plan` says) and written by one rank (last stage, TP rank 0, DP
+    rank 0); every rank then reads the file (the cache folder must be shared by all ranks, like
+    checkpoint folders). Collective.
+
+    Args:
+        run_steps: this rank's steps that will read these pairs (training's first epoch, or the
+            evaluation's steps); [] to group them only by ``micro_batch_size``.
+        micro_batch_size: pairs per micro-batch of the pairs ``run_steps`` leaves out.
+        batching: how the builder turns micro-batches into rows (packing settings, row-length
+            granule, pad id), part of the cache key with the grouping.
 
     Prints on rank 0 whether the cache was hit.
     """
@@ -348,13 +421,18 @@ def precomputed_pairs(
 
     if not pairs:
         return list(pairs)
-    key = reference_cache_key(pairs, model_config, weights_fingerprint(reference.chunks), layout)
+    plan, grouping = precompute_plan(run_steps, len(pairs), micro_batch_size)
+    key = reference_cache_key(
+        pairs,
+        model_config,
+        weights_fingerprint(reference.chunks),
+        layout,
+        {"steps": grouping, **batching},
+    )
     path = cache_path(cfg, key)
     hit = _all_ranks_agree(path.is_file())
     if not hit:
-        table = precompute_reference_logps(
-            reference, pairs, builder, cfg.micro_batch_size or micro_batch_size
-        )
+        table = precompute_reference_logps(reference, pairs, builder, plan)
         writer = (
             table is not None
             and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -1,9 +1,10 @@
 """The trainer: builds a run from its config once, then takes steps (torchtitan's ``Trainer``).
 
-Set-up, in order: process groups and the device -> loss -> architecture -> data -> policy (and
-the frozen reference) -> megatron-core DDP + optimizer + LR schedule -> batch builder -> sampler
--> reference source (precomputed: the pairs take their reference log-probs and the reference
-model is freed) -> evaluator -> checkpointer (resume) -> logger.
+Set-up, in order: process groups and the device -> loss -> architecture -> data -> batch
+builder, sampler and evaluator (what groups the pairs into steps) -> policy (and the frozen
+reference) -> reference source (precomputed: the pairs take their reference log-probs, grouped as
+the run's steps group them, and the reference model is freed) -> megatron-core DDP + optimizer +
+LR schedule -> checkpointer (resume) -> logger.
 
 ``train()`` is the loop; each step is :meth:`Trainer.train_step` (sample, build, cross to the
 device, reference + policy passes, optimizer update) followed by the components that own their
@@ -14,6 +15,7 @@ the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Optional
@@ -102,6 +104,22 @@ class Trainer:
             self.kind,
             context_parallel_rank_and_size(),
         )
+        self.batching = {
+            "packing": dataclasses.asdict(cfg.packing),
+            "multiple": multiple,
+            "pad_token_id": self.data.pad_token_id,
+        }
+        """What turns micro-batches into rows besides the items (a precomputed table's key)."""
+        self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
+        self.evaluator = Evaluator(
+            self.data.eval,
+            self.builder,
+            cfg.train.eval_global_batch_size or cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            cfg.train.eval_interval,
+            cfg.train.eval_iters,
+            at_start=cfg.train.eval_at_start,
+        )
         policy = run_models.build_policy(cfg, self.model_config)
         reference = (
             run_models.build_reference(cfg, self.model_config, policy, reference_weights)
@@ -120,16 +138,6 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
         saved_policy, lora_record = run_models.checkpointed_policy(
             cfg, self.model_config, self.policy
-        )
-        self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
-        self.evaluator = Evaluator(
-            self.data.eval,
-            self.builder,
-            cfg.train.eval_global_batch_size or cfg.train.global_batch_size,
-            cfg.train.micro_batch_size,
-            cfg.train.eval_interval,
-            cfg.train.eval_iters,
-            at_start=cfg.train.eval_at_start,
         )
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
@@ -173,13 +181,25 @@ class Trainer:
     def _reference_source(self, reference):
         """The reference object for ``reference.mode=model``; for ``precomputed``, the train and
         eval pairs take their reference log-probs (one pass, or the cache) and the reference is
-        released: no reference weights are held while training."""
+        released: no reference weights are held while training.
+
+        The pass groups the train pairs as the first epoch's steps and the eval pairs as the
+        evaluation's (``reference.micro_batch_size`` 0 or ``train.micro_batch_size``), so the
+        values are those of ``reference.mode=model`` bit for bit and step-0 rewards are exactly
+        0; another ``reference.micro_batch_size`` groups them by that size only."""
         if reference is None or self.cfg.reference.mode == "model":
             return reference
         from dpo_megatron.checkpointing.training_checkpoint import current_layout
 
-        layout = current_layout(self.cfg.train.use_distributed_optimizer)
-        for split in ("train", "eval"):
+        train = self.cfg.train
+        layout = current_layout(train.use_distributed_optimizer)
+        micro_batch_size = self.cfg.reference.micro_batch_size or train.micro_batch_size
+        as_run = micro_batch_size == train.micro_batch_size
+        run_steps = {
+            "train": self.sampler.epoch_steps(0) if as_run else [],
+            "eval": self.evaluator.steps() if as_run else [],
+        }
+        for split, steps in run_steps.items():
             items = getattr(self.data, split)
             setattr(
                 self.data,
@@ -189,12 +209,15 @@ class Trainer:
                     reference,
                     items,
                     self.builder,
-                    self.cfg.train.micro_batch_size,
+                    steps,
+                    micro_batch_size,
                     self.model_config,
                     layout,
+                    self.batching,
                     split,
                 ),
             )
+        self.evaluator.items = self.data.eval  # now carrying their reference log-probs
         reference.release()
         return None
 

@@ -76,3 +76,17 @@ def test_errors():
     s = PairSampler(10, 2, 1, 0, 1, seed=0)
     with pytest.raises(ValueError, match="sampler state has seed=1"):
         s.load_state_dict(PairSampler(10, 2, 1, 0, 1, seed=1).state_dict())
+
+
+def test_epoch_steps_are_what_next_step_returns_without_moving_the_sampler():
+    """The precompute pass of the reference groups the pairs as training's first epoch does:
+    ``epoch_steps`` gives each step's micro-batches of this rank, and leaves the state alone."""
+    s = PairSampler(22, 6, 3, 1, 2, seed=4)
+    s.next_step()
+    state = s.state_dict()
+    plan = s.epoch_steps(0)
+    assert s.state_dict() == state
+    fresh = PairSampler(22, 6, 3, 1, 2, seed=4)
+    assert plan == _steps(fresh, 3) and len(plan) == s.steps_per_epoch == 3
+    assert s.epoch_steps(1) == _steps(fresh, 3)
+    assert PairSampler(3, 4, 1, 0, 1, seed=0).epoch_steps(0) == []

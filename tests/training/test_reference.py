@@ -1,6 +1,6 @@
 """Reference modes: precomputed (cached) and offloaded reference give the loss of ``model`` mode,
 the precomputed mode holds no reference model, and a table is never shared between runs whose
-reference weights differ (another layout of random weights, another seed)."""
+reference weights or grouping differ (another layout of random weights, another seed, packing)."""
 
 import math
 
@@ -54,6 +54,12 @@ def test_cache_key_follows_tokens_model_weights_and_layout():
     assert key != reference_cache_key(pairs, ModelConfig(), "w2", layout)
     assert key != reference_cache_key(
         pairs, ModelConfig(), "w1", {**layout, "pipeline_model_parallel_size": 2}
+    )
+    assert key == reference_cache_key(pairs, ModelConfig(), "w1", layout, {})
+    grouped = reference_cache_key(pairs, ModelConfig(), "w1", layout, {"steps": "a"})
+    assert grouped not in (
+        key,
+        reference_cache_key(pairs, ModelConfig(), "w1", layout, {"steps": "b"}),
     )
 
 
@@ -118,16 +124,16 @@ def test_precomputed_and_offload_give_the_model_mode_loss(tmp_path):
         assert abs(out[name]["eval"] - out["model"]["eval"]) < 1e-5, name
     # model mode: one reference pass per training step and one for the evaluation.
     assert out["model"]["training_calls"] == 3 + 1 and out["model"]["reference_held"]
-    # precomputed: 3 train micro-batches + 1 eval micro-batch before training, none after,
-    # and no reference model held.
-    assert out["precomputed"]["precompute_calls"] == 3 + 1
+    # precomputed: the first epoch's one train step (its 3 micro-batches in one pass) + the one
+    # eval step before training, none after, and no reference model held.
+    assert out["precomputed"]["precompute_calls"] == 1 + 1
     assert out["precomputed"]["training_calls"] == 0
     assert not out["precomputed"]["reference_held"]
-    # The second run with the same weights, layout and data reads the cache: no pass at all.
+    # The second run with the same weights, layout, data and grouping reads the cache: no pass.
     assert out["precomputed_again"]["precompute_calls"] == 0
     assert out["precomputed_again"]["training_calls"] == 0
-    # train + eval tables, padded and packed share them (same values, same key).
-    assert len(list(tmp_path.glob("reference-*.pt"))) == 2
+    # train + eval tables, padded and packed (rows grouped otherwise: a table of their own).
+    assert len(list(tmp_path.glob("reference-*.pt"))) == 4
 
 
 def _step_one_loss(cache_dir, pp):
