@@ -174,14 +174,65 @@ def tiny_pairs(n: int = 8, seed: int = 7, lengths=short_lengths, vocab: int = VO
     return random_pairs(n, seed, lengths, vocab=vocab)
 
 
-def step_record(out, batch) -> dict:
-    """Plain values of one step (for comparisons across processes)."""
+def step_record(out, batch, policy_equals_reference=None) -> dict:
+    """Plain values of one step (for comparisons across processes); ``policy_equals_reference``
+    as :func:`train_step_against_reference` gives it."""
     return {
+        "policy_equals_reference": policy_equals_reference,
         "metrics": out.metrics,
         "grad_norm": out.grad_norm,
         "per_pair": {k: v.tolist() for k, v in out.per_pair.items()},
         "shape": list(batch.micro_batches[0].tokens.shape),
     }
+
+
+class _ComparingLoss:
+    """The trainer's loss function, also noting per micro-batch whether the policy's per-token
+    log-probs equal the reference's bit for bit on the scored tokens."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+        self.equal: list[bool] = []
+
+    def __getattr__(self, name):
+        return getattr(self.loss_fn, name)
+
+    def __call__(self, policy_token_logps, reference_token_logps, loss_mask, *args, **kwargs):
+        import torch
+
+        scored = loss_mask.bool()
+        self.equal.append(
+            torch.equal(policy_token_logps.detach()[scored], reference_token_logps[scored])
+        )
+        return self.loss_fn(policy_token_logps, reference_token_logps, loss_mask, *args, **kwargs)
+
+
+def train_step_against_reference(trainer):
+    """``trainer.train_step()``, and whether the policy's per-token log-probs of every scored
+    token of the step were bit-identical (``torch.equal``) to the reference's (model mode) or to
+    the precomputed values the pairs carry: at step 0 they must be, whatever the layout. Collective.
+
+    Returns:
+        (the step's output, its batch, True / False on the last pipeline stage, None elsewhere).
+    """
+    comparing = _ComparingLoss(trainer.loss_fn)
+    trainer.loss_fn = comparing
+    try:
+        out, batch = trainer.train_step()
+    finally:
+        trainer.loss_fn = comparing.loss_fn
+    return out, batch, all(comparing.equal) if comparing.equal else None
+
+
+def assert_step_zero_is_exact(record: dict) -> None:
+    """Step 0 of a run whose reference is the policy's starting weights (a :func:`step_record`
+    with ``policy_equals_reference``, from a last-stage rank): the policy's per-token log-probs
+    equal the reference's bit for bit, so every reward and margin is exactly 0 and
+    ``rewards/accuracies`` is 0.0 (a tie is not a win: chosen > rejected strictly, as in TRL)."""
+    assert record["policy_equals_reference"] is True
+    metrics = record["metrics"]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert metrics[key] == 0.0, (key, metrics[key])
 
 
 def owns_results() -> bool:

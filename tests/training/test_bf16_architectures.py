@@ -12,12 +12,12 @@ For each architecture, in one 4-rank launch:
 - an fp32 step at the same layout: its ``logps/chosen`` / ``logps/rejected`` equal transformers'
   (fp32) within 1e-5 relative, which pins what the metrics mean;
 - two bf16 steps with a checkpoint after the first: step 1 has policy == reference, so the loss is
-  exactly ln 2 (the rewards cancel bit for bit) and the margins are 0; its log-probs are within
-  :data:`BF16_RTOL` of the fp32 step's and of transformers'; step 2 comes after one optimizer step
-  (its loss is no longer ln 2);
+  exactly ln 2 (the rewards cancel bit for bit), the margins and the accuracy are 0; its log-probs
+  are within :data:`BF16_RTOL` of the fp32 step's and of transformers'; step 2 comes after one
+  optimizer step (its loss is no longer ln 2);
 - a bf16 resume from the step-1 checkpoint: step 2 equals the uninterrupted run's exactly;
 - for the newer architectures also an fp32 step on packed shared-prompt rows: log-probs
-  equal transformers' within 1e-5 and the loss is ln 2.
+  equal transformers' within 1e-5, the loss is ln 2 and the margins and the accuracy are 0.
 
 Before the model dtype had one owner (``models.gpt.place_chunk``), GPT-2 failed here at its first
 LayerNorm: megatron-core's learned position embedding stayed fp32 beside bf16 weights.
@@ -131,8 +131,10 @@ def test_every_architecture_trains_in_bf16_at_tp2_pp2_and_resumes_exactly(tmp_pa
             for key, want in hf.items():
                 assert _rel(shared[key], want) <= 1e-5, (arch, "shared prompt vs transformers", key)
             assert shared["loss"] == pytest.approx(math.log(2), abs=1e-7), arch
+            # one-row packed micro-batches at TP 2: policy and reference agree to the bit
+            assert shared["rewards/margins"] == shared["rewards/accuracies"] == 0.0, arch
         assert bf16["loss"] == pytest.approx(math.log(2), abs=1e-7), arch
-        assert bf16["rewards/margins"] == 0, arch
+        assert bf16["rewards/margins"] == bf16["rewards/accuracies"] == 0.0, arch
         assert runs["bf16"][2]["loss"] != bf16["loss"], arch  # one optimizer step was taken
         assert sorted(runs["bf16_resumed"]) == [2], arch
         for key in ("loss", "grad_norm", "logps/chosen", "rewards/margins"):

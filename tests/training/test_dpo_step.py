@@ -11,7 +11,14 @@ import math
 
 import pytest
 
-from tests.engine import owns_results, step_record, tiny_pairs, tiny_trainer
+from tests.engine import (
+    assert_step_zero_is_exact,
+    owns_results,
+    step_record,
+    tiny_pairs,
+    tiny_trainer,
+    train_step_against_reference,
+)
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -46,7 +53,8 @@ def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, vpp=None, steps=2, loss=
         loss=loss,
         seed=11,
     )
-    history = [step_record(*trainer.train_step()) for _ in range(steps)]
+    history = [step_record(*train_step_against_reference(trainer))]
+    history += [step_record(*trainer.train_step()) for _ in range(steps - 1)]
     return {"dp_rank": ps.get_data_parallel_rank(), "owner": owns_results(), "history": history}
 
 
@@ -86,10 +94,12 @@ def test_layout_matches_single_rank(initial_checkpoint, baseline, tp, pp, dp, sp
         micro_batch_size=2,
     )
     step0 = results[0]["history"][0]["metrics"]
-    # Step 0, policy == reference: loss exactly ln 2, zero rewards, zero (strict) accuracy.
+    # Step 0, policy == reference: loss exactly ln 2, zero rewards, zero (strict) accuracy, and
+    # on every last-stage rank the policy's per-token log-probs are the reference's bit for bit.
     assert abs(step0["loss"] - math.log(2)) < 1e-5
-    assert step0["rewards/chosen"] == 0 and step0["rewards/rejected"] == 0
-    assert step0["rewards/margins"] == 0 and step0["rewards/accuracies"] == 0
+    for r in results:
+        if r["owner"]:
+            assert_step_zero_is_exact(r["history"][0])
     for step in range(2):  # step 1 runs after one distributed-optimizer update
         got, want = results[0]["history"][step], baseline[0]["history"][step]
         for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):

@@ -17,7 +17,15 @@ import math
 
 import pytest
 
-from tests.engine import TINY, engine_config, tiny_pairs
+from tests.engine import (
+    TINY,
+    assert_step_zero_is_exact,
+    engine_config,
+    owns_results,
+    step_record,
+    tiny_pairs,
+    train_step_against_reference,
+)
 from tests.multirank import run_cases
 
 GLOBAL_PAIRS = 8
@@ -59,8 +67,12 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     finally:  # the next case in these ranks counts its own builds
         run_models.build_model_chunks = original
     history = []
-    for _ in range(steps):
-        out, _ = trainer.train_step()
+    for step in range(steps):
+        if step == 0:
+            out, batch, equal = train_step_against_reference(trainer)
+            step0 = step_record(out, batch, equal)
+        else:
+            out, _ = trainer.train_step()
         history.append(
             {
                 k: out.metrics[k]
@@ -73,6 +85,8 @@ def _run(ckpt_dir, steps=3, lora=None, **config):
     trainer.close()
     return {
         "history": history,
+        "step0": step0,
+        "owner": owns_results(),
         "models_built": len(built),
         "reference": type(trainer.reference).__name__,
         "reference_is_policy": trainer.reference is not None
@@ -169,7 +183,7 @@ def test_single_rank_lora_trains_only_adapters_against_the_base(baseline):
     h = baseline["history"]
     # Step 0: the policy (B = 0) is the base, the reference: ln 2, zero rewards.
     assert abs(h[0]["loss"] - math.log(2)) < 1e-6
-    assert h[0]["rewards/chosen"] == 0 and h[0]["rewards/margins"] == 0
+    assert_step_zero_is_exact(baseline["step0"])
     assert h[2]["loss"] < h[0]["loss"] - 1e-3  # the adapters learn
     assert h[1]["rewards/margins"] != 0
     # One model built (the policy); the reference is the policy's own modules.
@@ -188,7 +202,8 @@ def test_step0_is_ln2_with_no_reference_model_at_tp2_pp2(slow_runs, baseline):
     results = slow_runs[f"layout{TP2PP2}"]
     for r in results:
         assert abs(r["history"][0]["loss"] - math.log(2)) < 1e-6
-        assert r["history"][0]["rewards/margins"] == 0
+        if r["owner"]:
+            assert_step_zero_is_exact(r["step0"])
         assert r["models_built"] == 1 and r["reference"] == "BaseModelReference"
         assert r["reference_is_policy"] and r["trainable_are_adapters"]
     _assert_same_steps(results[0], baseline)
@@ -201,6 +216,8 @@ def test_layout_matches_single_rank(slow_runs, baseline, tp, pp, dp, sp, vpp):
     assert len(results) == tp * pp * dp
     for r in results:
         _assert_same_steps(r, baseline)
+        if r["owner"]:
+            assert_step_zero_is_exact(r["step0"])
 
 
 @pytest.mark.slow
@@ -209,6 +226,7 @@ def test_recompute_and_packing_give_the_same_steps(slow_runs, baseline, index):
     # Full recompute checkpoints each layer: without the embedding output requiring grad the
     # adapters inside would get no gradient (grad norm 0).
     _assert_same_steps(slow_runs[f"setting{index}"][0], baseline)
+    assert_step_zero_is_exact(slow_runs[f"setting{index}"][0]["step0"])
 
 
 def _precomputed_then_full(ckpt_dir, cache_dir):

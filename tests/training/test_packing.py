@@ -14,13 +14,15 @@ from dpo_megatron.data.packing import (
 from dpo_megatron.models.attention import attention_mask_from_segments
 from tests.engine import (
     SHALLOW,
+    assert_step_zero_is_exact,
     owns_results,
     step_record,
     tiny_pairs,
     tiny_trainer,
+    train_step_against_reference,
     varied_lengths,
 )
-from tests.multirank import run_ranks
+from tests.multirank import run_cases, run_ranks
 
 
 def test_plan_rows_first_fit_decreasing():
@@ -110,13 +112,15 @@ def test_bucket_by_length_keeps_the_pair_set():
     assert bucket_micro_batches(pairs, [[0, 1], [2, 3]]) == [[1, 3], [2, 0]]
 
 
-def _compare(tp=1, pp=1, steps=3, micro_batch_size=3, learned=False, lr=1e-2, **config):
-    """The real trainer with padded and with packed batches, from the same seed."""
+def _compare(tp=1, pp=1, steps=3, micro_batch_size=3, learned=False, lr=1e-2, model=None, **config):
+    """The real trainer with padded and with packed batches, from the same seed; step 0 also
+    says whether the policy's log-probs equal the reference's bit for bit."""
     model = dict(
         **SHALLOW,
         position_embedding_type="learned_absolute" if learned else "rope",
         normalization="LayerNorm" if learned else "RMSNorm",
         activation="gelu" if learned else "swiglu",
+        **(model or {}),
     )
     history = {}
     for packed in (False, True):
@@ -134,7 +138,8 @@ def _compare(tp=1, pp=1, steps=3, micro_batch_size=3, learned=False, lr=1e-2, **
             loss={"name": "sigmoid", "beta": 0.5},
             **config,
         )
-        history[packed] = [step_record(*trainer.train_step()) for _ in range(steps)]
+        history[packed] = [step_record(*train_step_against_reference(trainer))]
+        history[packed] += [step_record(*trainer.train_step()) for _ in range(steps - 1)]
         for k in history[packed]:
             k["loss"] = k["metrics"]["loss"]
     return {"last": owns_results(), "history": history}
@@ -165,15 +170,26 @@ def test_packed_equals_padded_fp32(learned):
 
 
 @pytest.mark.slow
-def test_packed_equals_padded_tp2_pp2():
+def test_packed_equals_padded_tp2_pp2_and_tp4():
     """Packed rows attend span by span, padded rows in one batched call, so their sums run in
     another order: at lr 1e-2 the step-1 gradient norms at TP 2 x PP 2 differed by 8.5e-5
     relative (Adam amplifies the difference on near-zero gradients, see
     :func:`assert_same_trajectory`); lr 1e-3 keeps the step small enough that the 1e-5 bound
-    tests the packing and not that amplification. Step 0 is compared at full precision."""
-    results = run_ranks(_compare, world_size=4, tp=2, pp=2, steps=2, lr=1e-3)
-    last = next(r for r in results if r["last"])
-    assert_same_trajectory(last["history"][False], last["history"][True])
+    tests the packing and not that amplification. Step 0 is compared at full precision, and at
+    step 0 policy and reference log-probs are bit-identical, padded and packed, at TP 2 x PP 2
+    and at TP 4 (in the same 4-rank world)."""
+    runs = run_cases(
+        4,
+        {
+            "tp2_pp2": (_compare, dict(tp=2, pp=2, steps=2, lr=1e-3)),
+            "tp4": (_compare, dict(tp=4, steps=1, model={"num_query_groups": 4})),
+        },
+    )
+    for name, results in runs.items():
+        last = next(r for r in results if r["last"])
+        assert_same_trajectory(last["history"][False], last["history"][True])
+        for packed in (False, True):
+            assert_step_zero_is_exact(last["history"][packed][0])
 
 
 def _step_zero_rewards(share_prompt):
@@ -198,10 +214,11 @@ def _step_zero_rewards(share_prompt):
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["packed", "shared_prompt"])
 def test_step_zero_rewards_are_exactly_zero_on_packed_rows(share_prompt):
     """At step 0 policy and reference hold the same weights, so every reward is exactly 0 and
-    the loss is fp32 -log sigmoid(0), bit for bit, however the pairs pack. This guards the
-    attention output's layout: a micro-batch packed into one row with strides (h, s * h, 1) makes
-    torch.matmul run the frozen reference's ``linear_proj`` as a batched kernel and the policy's
-    as one mm, and the rewards drift from 0 (a loss off ln 2 on SmolLM2-135M)."""
+    the loss is fp32 -log sigmoid(0), bit for bit, however the pairs pack. A micro-batch packed
+    into one row gives the layers' inputs strides (h, s * h, 1), on which torch.matmul runs a
+    frozen weight (the reference's) through another kernel than a trainable one unless
+    ``compat.frozen_linear_fold`` is on. TP 2 x PP 2 and TP 4: the packed-equals-padded test
+    above; more layouts: the shared-prompt layout test."""
     result = run_ranks(_step_zero_rewards, world_size=1, share_prompt=share_prompt)[0]
     assert 1 in result["rows"]  # a one-row micro-batch: the case that differed
     for key, values in result["rewards"].items():

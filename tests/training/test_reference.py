@@ -1,5 +1,6 @@
-"""Reference modes: precomputed (cached) and offloaded reference give the loss of ``model`` mode,
-the precomputed mode holds no reference model, and a table is never shared between runs whose
+"""Reference modes: precomputed (cached) and offloaded reference give the loss of ``model`` mode
+(the precomputed values, grouped as the run groups its pairs, bit for bit: step-0 rewards exactly
+0), the precomputed mode holds no reference model, and a table is never shared between runs whose
 reference weights or grouping differ (another layout of random weights, another seed, packing)."""
 
 import math
@@ -10,7 +11,14 @@ import torch
 from dpo_megatron.data import PreferencePair
 from dpo_megatron.training.config import ReferenceConfig
 from dpo_megatron.training.reference import ReferenceTable, reference_cache_key
-from tests.engine import tiny_pairs, tiny_trainer, varied_lengths
+from tests.engine import (
+    assert_step_zero_is_exact,
+    step_record,
+    tiny_pairs,
+    tiny_trainer,
+    train_step_against_reference,
+    varied_lengths,
+)
 from tests.multirank import run_ranks
 
 
@@ -103,9 +111,12 @@ def _trajectories(cache_dir, steps=3):
             loss={"name": "sigmoid", "beta": 0.5},
         )
         before_training = len(calls)
-        losses = [trainer.train_step()[0].metrics["loss"] for _ in range(steps)]
+        step0 = step_record(*train_step_against_reference(trainer))
+        losses = [step0["metrics"]["loss"]]
+        losses += [trainer.train_step()[0].metrics["loss"] for _ in range(steps - 1)]
         evaluation = trainer.evaluate(steps)["loss"]
         out[name] = {
+            "step0": step0,
             "losses": losses,
             "eval": evaluation,
             "precompute_calls": before_training,
@@ -122,6 +133,11 @@ def test_precomputed_and_offload_give_the_model_mode_loss(tmp_path):
         for a, b in zip(out[name]["losses"], want, strict=True):
             assert abs(a - b) < 1e-5, (name, out[name]["losses"], want)
         assert abs(out[name]["eval"] - out["model"]["eval"]) < 1e-5, name
+    # Step 0: the policy's log-probs are the reference's bit for bit in every mode (the
+    # precomputed values were computed on the very micro-batches step 0 runs).
+    for name, run in out.items():
+        assert_step_zero_is_exact(run["step0"])
+        assert run["losses"][0] == float(-torch.nn.functional.logsigmoid(torch.zeros(()))), name
     # model mode: one reference pass per training step and one for the evaluation.
     assert out["model"]["training_calls"] == 3 + 1 and out["model"]["reference_held"]
     # precomputed: the first epoch's one train step (its 3 micro-batches in one pass) + the one
@@ -162,3 +178,4 @@ def test_random_init_runs_at_two_layouts_never_share_a_table(tmp_path):
     losses = run_ranks(_step_one_loss, world_size=2, cache_dir=cache, pp=2)
     assert all(abs(loss - math.log(2)) < 1e-6 for loss in losses)
     assert len(list(tmp_path.glob("reference-*.pt"))) == 2
+
