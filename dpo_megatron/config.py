@@ -557,6 +557,12 @@ def validate(cfg: DPOConfig) -> None:
             )
     _validate_context_parallel(cfg)
     _validate_loss(cfg)
+    if cfg.reference.weights() and not _loss_reads_reference(cfg):
+        key = cfg.reference.weights_key()
+        raise ValueError(
+            f"{key}={cfg.reference.weights()}, but loss.name={cfg.loss['name']} reads no "
+            f"reference model: drop {key}"
+        )
     cfg.lora.validate(
         loss=cfg.loss,
         loss_reads_reference=_loss_reads_reference(cfg) if cfg.lora.enabled else True,
@@ -705,20 +711,25 @@ def check_model_layout(cfg: DPOConfig) -> None:
 
 
 def check_model_weights(cfg: DPOConfig) -> None:
-    """The starting weights of ``model.hf_path`` (when no ``model.load`` replaces them), before
-    any rank reads them: every file present and complete, tensors only, names and shapes as
-    config.json implies (``models.conversion.check_hf_weights``, headers only). A ``model.load``
-    checkpoint is verified against its manifest by the ranks.
+    """The starting weights of ``model.hf_path`` (when no ``model.load`` replaces them), and a
+    reference of its own (``reference.hf_path`` / ``reference.load``, first checked to be the
+    policy's architecture: ``training.run_models.reference_model_config``), before any rank
+    reads them: every file present and complete, tensors only, names and shapes as config.json
+    implies (``models.conversion.check_hf_weights``, headers only). A checkpoint is verified
+    against its manifest by the ranks.
 
     Raises:
-        OSError / ValueError: naming the folder or the file.
+        OSError / ValueError: naming the key, the folder or the file.
     """
-    if not cfg.model.hf_path or cfg.model.load:
-        return
     from dpo_megatron.models.conversion import check_hf_weights
-    from dpo_megatron.training.run_models import resolve_model_config
+    from dpo_megatron.training.run_models import reference_model_config, resolve_model_config
 
-    check_hf_weights(resolve_model_config(cfg))
+    model_cfg = resolve_model_config(cfg)
+    if cfg.model.hf_path and not cfg.model.load:
+        check_hf_weights(model_cfg)
+    reference = reference_model_config(cfg, model_cfg)
+    if cfg.reference.hf_path:
+        check_hf_weights(reference)
 
 
 def _item_kind(cfg: DPOConfig):

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from tests.models.conversion_helpers import save_tiny_hf_folder
+from tests.models.conversion_helpers import completion_logps, save_tiny_hf_folder
 from tests.scripts import run_script
 from tests.training.test_lifecycle import fixture_data_overrides, read_metrics, write_fixture
 
@@ -72,15 +72,7 @@ def _hf_means(config, hf_dir, data_file, tok_dir):
     pairs = load_items(cfg.data, load_tokenizer(tok_dir), "pairs").train
     assert len(pairs) == PAIRS
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    sums = {"chosen": [], "rejected": []}
-    with torch.no_grad():
-        for pair in pairs:
-            for side in sums:
-                completion = list(getattr(pair, f"{side}_ids"))
-                ids = torch.tensor([list(pair.prompt_ids) + completion])
-                logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-                per_token = logps.gather(-1, ids[0, 1:, None])[:, 0]
-                sums[side].append(per_token[-len(completion) :].sum().item())
+    sums = completion_logps(model, pairs)
     return {f"logps/{side}": sum(v) / len(v) for side, v in sums.items()}
 
 

@@ -103,8 +103,9 @@ class LoraConfig:
 
         Raises:
             ValueError: an unknown target module, rank <= 0, alpha <= 0, dropout outside [0, 1),
-                ``export_hf=adapter`` without LoRA, ``reference.offload`` with LoRA (the
-                reference is the policy's own base weights: there is no copy to offload), a
+                ``export_hf=adapter`` without LoRA, ``reference.offload`` or a reference of its
+                own (``reference.hf_path`` / ``reference.load``) with LoRA (the reference is the
+                policy's own base weights: there is no copy to offload or to replace), a
                 loss that reads no reference with ``reference.mode=precomputed`` (with LoRA the
                 base is the reference only for losses that read one; nothing to precompute),
                 transformer-engine layers (adapters attach to megatron-core's local layers), or
@@ -137,6 +138,13 @@ class LoraConfig:
                 "reference.offload=true with lora.enabled=true: the reference is "
                 "the policy's own frozen base weights, there is no reference copy "
                 "to offload; drop reference.offload"
+            )
+        if reference.weights():
+            key = reference.weights_key()
+            raise ValueError(
+                f"{key}={reference.weights()} with lora.enabled=true: a LoRA run's reference is "
+                "the policy's own base with the adapters off (no second model is built); drop "
+                f"{key}, or train without LoRA against that reference"
             )
         if not loss_reads_reference and reference.mode == "precomputed":
             raise ValueError(

@@ -26,6 +26,12 @@ def validate_online(cfg, world_size: Optional[int] = None) -> None:
             "lora.enabled=true is not supported by online runs (each round starts from the "
             "previous round's full checkpoint): set lora.enabled=false"
         )
+    if cfg.reference.weights():
+        raise ValueError(
+            f"{cfg.reference.weights_key()}={cfg.reference.weights()}: an online run's "
+            "reference is online.reference (round_start or initial); drop "
+            f"{cfg.reference.weights_key()}"
+        )
     if cfg.checkpoint.resume not in ("none", "auto"):
         raise ValueError(
             f"checkpoint.resume={cfg.checkpoint.resume!r}: an online run resumes with "

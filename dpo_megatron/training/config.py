@@ -155,8 +155,19 @@ class TrainConfig:
 
 @dataclass
 class ReferenceConfig:
-    """How the reference log-probs are obtained (``reference.*``)."""
+    """Which model is the reference and how its log-probs are obtained (``reference.*``)."""
 
+    hf_path: str = ""
+    """Hugging Face folder (config.json + safetensors) whose weights are the reference, instead
+    of the policy's starting weights (TRL's ``ref_model``): e.g. the SFT model while the policy
+    continues from a DPO checkpoint, or a fixed baseline. Its architecture must be the policy's
+    (the fields that differ are named at start-up); it is loaded at the run's layout, in either
+    mode. Refused with ``lora.enabled`` (LoRA's reference is the policy's base with the adapters
+    off) and with a loss that reads no reference. Empty: the policy's starting weights."""
+    load: str = ""
+    """Checkpoint folder (or a run's ``checkpoints`` folder: its latest) whose weights are the
+    reference, as ``reference.hf_path`` (OpenRLHF's reference path); saved at any layout, resharded
+    to the run's. Not with ``reference.hf_path``, nor with a LoRA checkpoint (adapters only)."""
     mode: str = "auto"
     """'auto': 'precomputed' when the loss reads a reference and train_iters x global_batch_size
     covers every train pair, else 'model' (``training.auto_settings``). 'model': the frozen
@@ -175,11 +186,28 @@ class ReferenceConfig:
     as training and evaluation group them). Another size packs other rows: the values then equal
     'model' mode's to fp32 rounding only, and step-0 rewards are float noise around 0."""
 
+    def weights(self) -> str:
+        """The reference's own weights: ``hf_path`` or ``load`` ('' when the reference is the
+        policy's starting weights)."""
+        return self.hf_path or self.load
+
+    def weights_key(self) -> str:
+        """The key that names them: 'reference.hf_path' or 'reference.load' ('' for neither)."""
+        if self.hf_path:
+            return "reference.hf_path"
+        return "reference.load" if self.load else ""
+
     def validate(self) -> None:
-        """Raises ValueError for an unknown mode or a negative micro-batch size."""
+        """Raises ValueError for an unknown mode, a negative micro-batch size, or both
+        ``hf_path`` and ``load``."""
         if self.mode not in REFERENCE_MODES:
             raise ValueError(f"reference.mode={self.mode!r}; known: {', '.join(REFERENCE_MODES)}")
         check_range("reference", self, "micro_batch_size", 0, why="0: train.micro_batch_size")
+        if self.hf_path and self.load:
+            raise ValueError(
+                f"reference.hf_path={self.hf_path} and reference.load={self.load}: the reference "
+                "has one source; keep one of them"
+            )
 
 
 @dataclass

@@ -19,6 +19,9 @@ be paid once:
   ``MicroBatch.reference_logps``), no reference forward runs while training or evaluating, and
   the reference model is freed.
 
+The reference is the policy's starting weights, or with ``reference.hf_path`` /
+``reference.load`` weights of its own (``training.run_models.build_reference``).
+
 Per-token values are kept (not per-sequence sums) so that losses that weight reference tokens
 (LD-DPO) see exactly what ``model`` mode gives them.
 """

@@ -1,6 +1,7 @@
 """The run's models: the architecture resolved from the config, the policy with its starting
-weights (and, with ``lora.enabled``, its adapters), the reference that starts equal to it, and
-what a training checkpoint stores of the policy."""
+weights (and, with ``lora.enabled``, its adapters), the reference (equal to the policy at the
+start, or of its own: ``reference.hf_path`` / ``reference.load``), and what a training
+checkpoint stores of the policy."""
 
 from __future__ import annotations
 
@@ -239,7 +240,7 @@ def _load_checkpoint(policy: list, model_cfg: ModelConfig, parallel, path: str) 
                 )
 
 
-def _refuse_adapter_checkpoint(path: str) -> None:
+def _refuse_adapter_checkpoint(path: str, key: str = "model.load") -> None:
     from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE
 
     state_file = os.path.join(path, TRAIN_STATE_FILE)
@@ -250,19 +251,82 @@ def _refuse_adapter_checkpoint(path: str) -> None:
             lora = json.load(f).get("lora")
         if lora:
             raise ValueError(
-                f"model.load={path} is a LoRA checkpoint: it holds adapters, not base weights "
+                f"{key}={path} is a LoRA checkpoint: it holds adapters, not base weights "
                 f"(base: {lora.get('base')}). Continue it with checkpoint.resume={path}, or "
                 "export it merged (checkpoint.export_hf=merged) and start from that folder"
             )
 
 
+def reference_source(cfg) -> str:
+    """The reference's own weights in words ('' when it is the policy's starting weights)."""
+    if cfg.reference.hf_path:
+        return f"Hugging Face folder {cfg.reference.hf_path}"
+    if cfg.reference.load:
+        return f"checkpoint {resolve_model_load(cfg.reference.load)}"
+    return ""
+
+
+def reference_model_config(cfg, model_cfg: ModelConfig) -> Optional[ModelConfig]:
+    """The model of ``reference.hf_path`` / ``reference.load``, checked against the policy's
+    (``model_cfg``): None when the reference is the policy's starting weights. Reads config.json
+    or the checkpoint's records only (the launchers call it before any rank starts; the ranks
+    again when they build the reference).
+
+    Raises:
+        FileNotFoundError: ``reference.hf_path`` has no config.json.
+        ValueError: ``reference.load`` is no checkpoint folder or a LoRA checkpoint (adapters, no
+            base weights); the reference is a reward model; or its architecture differs from the
+            policy's (``models.config.architecture_differences``: naming both sources and each
+            field with both values). A checkpoint saved without its ``model_config.json`` is not
+            compared (megatron-core checks the shapes as it loads).
+    """
+    ref = cfg.reference
+    if ref.hf_path:
+        from dpo_megatron.models.conversion import model_config_from_hf
+
+        key = f"reference.hf_path={ref.hf_path}"
+        theirs = model_config_from_hf(ref.hf_path, model_cfg)
+    elif ref.load:
+        path = resolve_model_load(ref.load)
+        key = f"reference.load={path}"
+        if not os.path.isfile(os.path.join(path, "metadata.json")):
+            raise ValueError(
+                f"{key}: not a checkpoint folder (no metadata.json), nor a run's checkpoints "
+                "folder holding one"
+            )
+        _refuse_adapter_checkpoint(path, "reference.load")
+        stored = _stored_model(path)
+        theirs = model_cfg if stored is None else with_run_settings(stored, model_cfg)
+    else:
+        return None
+    if theirs.head == "reward":
+        raise ValueError(
+            f"{key} is a reward model (no LM head): a DPO reference is a causal LM "
+            "(a *ForCausalLM folder, an SFT or DPO checkpoint)"
+        )
+    differ = architecture_differences(theirs, model_cfg)
+    if differ:
+        raise ValueError(
+            f"{key} holds a model with {_values(differ, 0)}, but the policy "
+            f"({weights_source(cfg, model_cfg)}) has {_values(differ, 1)}: the reference must "
+            "be the policy's architecture, with other weights"
+        )
+    return theirs
+
+
 def build_reference(cfg, model_cfg: ModelConfig, policy: list, weights: str = ""):
     """The run's reference object (``training.reference``): with LoRA the policy itself with
     its adapters bypassed (:class:`BaseModelReference`, no second model); else a frozen copy
-    built with the same function and layout as the policy and copied from it, so each pipeline
-    stage holds its layers of both and step 0 has policy == reference. ``weights`` (a
-    checkpoint or Hugging Face folder; not with LoRA) loads other weights into the copy instead:
-    online DPO's ``online.reference=initial``."""
+    built with the same function and layout as the policy, holding either the policy's starting
+    weights (copied from it: each pipeline stage holds its layers of both, and step 0 has
+    policy == reference) or a reference of its own (``reference.hf_path`` / ``reference.load``,
+    checked by :func:`reference_model_config` and loaded at this layout). ``weights`` (a
+    checkpoint or Hugging Face folder; not with LoRA) loads those instead: online DPO's
+    ``online.reference=initial``.
+
+    Raises:
+        ValueError: as :func:`reference_model_config`.
+    """
     from dpo_megatron.training.reference import BaseModelReference, ReferenceModel
 
     if cfg.lora.enabled:
@@ -270,6 +334,8 @@ def build_reference(cfg, model_cfg: ModelConfig, policy: list, weights: str = ""
     reference = freeze(build_model_chunks(model_cfg, cfg.parallel))
     if weights:
         load_weights(reference, model_cfg, weights)
+    elif reference_model_config(cfg, model_cfg) is not None:
+        load_weights(reference, model_cfg, cfg.reference.hf_path or cfg.reference.load)
     else:
         copy_weights(policy, reference)
     return ReferenceModel(reference, offload=cfg.reference.offload)

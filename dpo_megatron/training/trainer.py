@@ -234,7 +234,7 @@ class Trainer:
             if (
                 layout_note
                 and self.loss_fn.needs_reference
-                and not (cfg.model.hf_path or cfg.model.load)
+                and not (cfg.model.hf_path or cfg.model.load or cfg.reference.weights())
             ):
                 # Random initial weights depend on the layout (each pipeline stage draws its
                 # own layers), so the reference rebuilt here is not the run's original one.
@@ -263,7 +263,12 @@ class Trainer:
             + "| "
             f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} "
             "eval "
-            f"{self.kind.unit} | weights: {run_models.weights_source(cfg, self.model_config)}",
+            f"{self.kind.unit} | weights: {run_models.weights_source(cfg, self.model_config)}"
+            + (
+                f" | reference: {run_models.reference_source(cfg)}"
+                if self.loss_fn.needs_reference and run_models.reference_source(cfg)
+                else ""
+            ),
             flush=True,
         )
         print(self.auto_settings.line, flush=True)

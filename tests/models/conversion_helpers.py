@@ -442,6 +442,19 @@ def hf_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> to
     return token_logps(logits, input_ids)
 
 
+def completion_logps(model, pairs) -> dict[str, list[float]]:
+    """transformers' summed completion log-probs (nats) of each pair's chosen and rejected sides
+    under ``model`` (prompt + completion as one unpadded row each)."""
+    sums = {"chosen": [], "rejected": []}
+    for pair in pairs:
+        for side in sums:
+            completion = list(getattr(pair, f"{side}_ids"))
+            ids = torch.tensor([list(pair.prompt_ids) + completion])
+            per_token = hf_logps(model, ids, torch.ones_like(ids))[0]
+            sums[side].append(per_token[-len(completion) :].sum().item())
+    return sums
+
+
 def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log softmax(logits[:, t]) at token input_ids[:, t+1]: [b, s, V], [b, s] -> [b, s-1]."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)

@@ -57,6 +57,10 @@ def _cfg(tmp_path, prompts_file, *overrides):
         (["online.rounds=0"], "online.rounds=0: an online run needs online.rounds >= 1"),
         (["model.load="], "start it from pretrained weights"),
         (["lora.enabled=true"], "lora.enabled=true is not supported by online runs"),
+        (
+            ["reference.hf_path=/sft"],
+            "reference.hf_path=/sft: an online run's reference is online.reference",
+        ),
         (["checkpoint.resume=/x"], "an online run resumes with checkpoint.resume=auto"),
         (["checkpoint.save=/x"], "leave checkpoint.save empty"),
         (

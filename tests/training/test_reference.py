@@ -3,7 +3,12 @@
 0), the precomputed mode holds no reference model, and a table is never shared between runs whose
 reference weights or grouping differ (another layout of random weights, another seed, packing)."""
 
+import json
 import math
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -179,3 +184,191 @@ def test_random_init_runs_at_two_layouts_never_share_a_table(tmp_path):
     assert all(abs(loss - math.log(2)) < 1e-6 for loss in losses)
     assert len(list(tmp_path.glob("reference-*.pt"))) == 2
 
+
+# ----------------------------------------------------------------------------------------------
+# a reference of its own: reference.hf_path / reference.load
+
+BASE = ["data.tokenizer=t", "data.path=d.json"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["lora.enabled=true", "reference.hf_path=/sft"],
+            "reference.hf_path=/sft with lora.enabled=true: a LoRA run's reference is the "
+            "policy's own base with the adapters off",
+        ),
+        (
+            ["reference.hf_path=/sft", "reference.load=/ckpt"],
+            "reference.hf_path=/sft and reference.load=/ckpt: the reference has one source",
+        ),
+        (
+            ["loss.name=simpo", "reference.load=/ckpt"],
+            "reference.load=/ckpt, but loss.name=simpo reads no reference model: drop "
+            "reference.load",
+        ),
+    ],
+)
+def test_a_reference_of_its_own_is_refused_where_it_cannot_work(overrides, message):
+    from dpo_megatron.config import load_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, BASE + overrides)
+
+
+def test_a_reference_of_another_shape_or_no_causal_lm_is_refused_naming_both(tmp_path):
+    """The launchers' pre-check (``reference_model_config``) reads config.json or the
+    checkpoint's records only: another architecture names both sources and every field that
+    differs; a truncated weights file of the reference folder is named, as the policy's would
+    be; a folder that is no checkpoint, and a LoRA checkpoint (adapters, no base weights), are
+    refused by name."""
+    from dpo_megatron.config import load_config, main
+    from dpo_megatron.training.run_models import reference_model_config, resolve_model_config
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+    from tests.training.test_lifecycle import fixture_data_overrides, write_fixture
+
+    policy = save_tiny_hf_folder("llama", str(tmp_path / "policy"))
+    same = save_tiny_hf_folder("llama", str(tmp_path / "same"), seed=1)
+    other = save_tiny_hf_folder(
+        "llama", str(tmp_path / "other"), seed=1, hidden_size=32, num_hidden_layers=2
+    )
+
+    def check(*overrides):
+        cfg = load_config(None, ["data.path=d.json", f"model.hf_path={policy}", *overrides])
+        return reference_model_config(cfg, resolve_model_config(cfg))
+
+    assert check() is None  # the policy's starting weights
+    assert check(f"reference.hf_path={same}").hf_path == same
+    data_file, tok_dir = write_fixture(tmp_path / "data", rows=4)
+    with pytest.raises(SystemExit) as stop:  # the launchers' pre-check: one line, exit 1
+        main(
+            [f"run_dir={tmp_path / 'run'}", f"model.hf_path={policy}"]
+            + fixture_data_overrides(data_file, tok_dir)
+            + [f"reference.hf_path={other}"]
+        )
+    assert str(stop.value) == (
+        f"config error: reference.hf_path={other} holds a model with num_layers=2, "
+        f"hidden_size=32, kv_channels=8, but the policy (Hugging Face folder {policy}) has "
+        "num_layers=4, hidden_size=64, kv_channels=16: the reference must be the policy's "
+        "architecture, with other weights"
+    )
+    broken = tmp_path / "broken"  # the reference's weight files are checked as the policy's
+    shutil.copytree(same, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SystemExit) as stop:
+        main(
+            [f"run_dir={tmp_path / 'run'}", f"model.hf_path={policy}"]
+            + fixture_data_overrides(data_file, tok_dir)
+            + [f"reference.hf_path={broken}"]
+        )
+    assert str(stop.value).startswith("config error: ") and str(weights) in str(stop.value)
+    not_checkpoint = tmp_path / "empty"
+    not_checkpoint.mkdir()
+    with pytest.raises(ValueError, match="reference.load=.*empty: not a checkpoint folder"):
+        check(f"reference.load={not_checkpoint}")
+    adapters = tmp_path / "lora_ckpt"
+    adapters.mkdir()
+    (adapters / "metadata.json").write_text("{}")
+    (adapters / "train_state.json").write_text(json.dumps({"lora": {"base": policy}}))
+    with pytest.raises(ValueError, match="reference.load=.*lora_ckpt is a LoRA checkpoint"):
+        check(f"reference.load={adapters}")
+
+
+def _transformers_logps(hf_dir: str, pairs) -> dict[str, list[float]]:
+    """transformers' (fp32) summed completion log-probs of each pair under ``hf_dir``'s model."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.conversion_helpers import completion_logps
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return completion_logps(model, pairs)
+
+
+@pytest.mark.slow
+def test_a_reference_of_its_own_through_the_launcher_with_a_save_and_a_resume(tmp_path):
+    """Policy A, reference B: two tiny random Llama folders. Run 1 (TP 2, reference.hf_path=B,
+    the reference model every step) saves after each step; its step-1 rewards are transformers'
+    log-ratios, beta x (log p_A - log p_B) summed over completion tokens, averaged over the
+    pairs. Run 2 resumes run 1's step-1 checkpoint at PP 2 with the same reference from a
+    checkpoint (reference.load, converted from B at TP 1: resharded) and precomputed: its step 2
+    is run 1's step 2 (1e-5), which a reference equal to the policy's start would not give."""
+    from dpo_megatron.config import load_config
+    from dpo_megatron.data import load_tokenizer
+    from dpo_megatron.data.pipeline import load_items
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+    from tests.scripts import ROOT, launcher_env, run_script
+    from tests.training.test_lifecycle import fixture_data_overrides, read_metrics, write_fixture
+
+    beta = 0.1
+    data_file, tok_dir = write_fixture(tmp_path / "data", rows=4, seed=2)
+    policy = save_tiny_hf_folder("llama", str(tmp_path / "A"), seed=0, vocab_size=400)
+    reference = save_tiny_hf_folder("llama", str(tmp_path / "B"), seed=1, vocab_size=400)
+    converted = subprocess.run(
+        [sys.executable, "scripts/convert_hf_to_megatron.py", "--hf-path", reference]
+        + ["--save", str(tmp_path / "B_ckpt")],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    config = tmp_path / "run.yaml"  # the package defaults (one rank, no eval split) and DPO
+    config.write_text(f"loss:\n  name: sigmoid\n  beta: {beta}\n")
+    common = [
+        f"model.hf_path={policy}",
+        *fixture_data_overrides(data_file, tok_dir),
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",  # every pair at every step
+        "train.train_iters=2",
+        "train.lr=1e-3",
+        "checkpoint.save_interval=1",
+        "logging.tensorboard=false",
+    ]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    out = run_script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        str(config),
+        *common,
+        f"run_dir={first}",
+        f"reference.hf_path={reference}",
+        "reference.mode=model",
+        "parallel.tensor_model_parallel_size=2",
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"reference: Hugging Face folder {reference}" in out.stdout
+    out = run_script(
+        "scripts/pretrain_dpo.sh",
+        "--config",
+        str(config),
+        *common,
+        f"run_dir={resumed}",
+        f"checkpoint.resume={first}/checkpoints/iter_0000001",
+        f"reference.load={tmp_path / 'B_ckpt'}",
+        "reference.mode=precomputed",
+        f"reference.cache_dir={tmp_path / 'cache'}",
+        "parallel.pipeline_model_parallel_size=2",
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"reference: checkpoint {tmp_path / 'B_ckpt'}" in out.stdout
+
+    cfg = load_config(str(config), common)
+    pairs = load_items(cfg.data, load_tokenizer(tok_dir), "pairs").train
+    assert len(pairs) == 4
+    under_a = _transformers_logps(policy, pairs)
+    under_b = _transformers_logps(reference, pairs)
+    step1 = read_metrics(first)[1]
+    for side in ("chosen", "rejected"):
+        a, b = under_a[side], under_b[side]
+        want = sum(beta * (x - y) for x, y in zip(a, b)) / len(a)
+        # the summed log-probs are each within 1e-5 relative of transformers'
+        bound = sum(beta * 1e-5 * (abs(x) + abs(y)) for x, y in zip(a, b)) / len(a)
+        assert abs(step1[f"rewards/{side}"] - want) <= bound, (side, step1, want)
+        assert abs(want) > 100 * bound  # the two models differ: a ratio far from 0
+    step2, again = read_metrics(first)[2], read_metrics(resumed)
+    assert sorted(again) == [2]
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
+        assert again[2][key] == pytest.approx(step2[key], rel=1e-5), key
