@@ -28,7 +28,10 @@ from dpo_megatron.config import (  # noqa: E402
     parse_args,
     validate,
 )
-from dpo_megatron.parallel.shutdown import NonFiniteLossError  # noqa: E402
+from dpo_megatron.parallel.shutdown import (  # noqa: E402
+    NonFiniteLossError,
+    broken_collectives_end_a_stopping_rank,
+)
 from dpo_megatron.training.run_dir import RunDirError, check_run_dir  # noqa: E402
 from dpo_megatron.utils import collector, ranks  # noqa: E402
 from dpo_megatron.utils.exits import FAULT_EXIT, fail  # noqa: E402
@@ -83,7 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from dpo_megatron.parallel import destroy_distributed
 
     try:
-        train(cfg)
+        with broken_collectives_end_a_stopping_rank():
+            train(cfg)
     # A user's mistake every rank meets (rank 0's data failure and its verdict on the run folder
     # reach every rank): one line, status launch.USER_ERROR_EXIT (the launcher's contract).
     except (DataError, RunDirError) as e:

@@ -26,11 +26,12 @@ when its parent dies (``prctl(PR_SET_PDEATHSIG)``), for processes started by tor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.processes import die_with_parent
@@ -45,9 +46,30 @@ def die_with_launcher() -> bool:
     return die_with_parent(signal.SIGKILL)
 
 
+_received = 0  # the first SIGINT / SIGTERM this process caught (0: none), kept after close()
+
+
 class NonFiniteLossError(RuntimeError):
     """Too many steps in a row had a NaN/Inf loss or gradient (``train.max_nonfinite_steps``);
     the message names the last checkpoint written."""
+
+
+@contextlib.contextmanager
+def broken_collectives_end_a_stopping_rank() -> Iterator[None]:
+    """Around a rank's run: a ``RuntimeError`` (a collective broken by a peer's exit) met after
+    this rank caught SIGINT / SIGTERM ends the process with 128 + that signal's number and no
+    traceback. A second Ctrl-C kills each rank as torchrun's forwarded signal reaches it; a rank
+    blocked in a gloo collective meanwhile gets ``Connection reset by peer`` before its own
+    (pending) second signal is handled, and that is the stop the user asked for, not a fault.
+    Without a signal caught, and for :class:`NonFiniteLossError`, the error propagates."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not _received or isinstance(e, NonFiniteLossError):
+            raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + _received)
 
 
 class RunInterrupted(SystemExit):
@@ -100,6 +122,8 @@ class StopRequest:
                 os.kill(os.getpid(), signal.SIGINT)
             return
         self.signum = signum
+        global _received
+        _received = _received or signum
         if not ranks.is_rank0():  # torchrun signals every rank: say it once
             return
         print(

@@ -161,3 +161,49 @@ def test_outside_torch_elastic_nothing_is_armed():
         os.kill(int(pid), signal.SIGKILL)
         launcher.kill()
         launcher.wait()
+
+
+def test_a_collective_broken_by_a_stopped_peer_ends_a_signalled_rank_quietly(tmp_path):
+    """Two gloo ranks both caught a first SIGINT; rank 0 then ends (a second Ctrl-C reached it
+    first) while rank 1 waits in a broadcast, which fails with gloo's ``Connection reset by
+    peer``: rank 1 ends with status 130 and no traceback. Without a signal caught the same
+    broken broadcast is a traceback and status 1."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {ROOT!r})
+        import torch, torch.distributed as dist
+        from dpo_megatron.parallel.shutdown import (
+            StopRequest, broken_collectives_end_a_stopping_rank)
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/pg-" + sys.argv[1],
+                                rank=rank, world_size=2)
+        stop = StopRequest()
+        if sys.argv[1] == "signalled":
+            os.kill(os.getpid(), signal.SIGINT)
+        dist.barrier()
+        if rank == 0:
+            time.sleep(1)
+            os._exit(130)
+        with broken_collectives_end_a_stopping_rank():
+            dist.broadcast(torch.zeros(1), src=0)
+        print("not reached", flush=True)
+    """)
+
+    def world(mode):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, mode],
+                env={**os.environ, "RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+
+    (status0, _, _), (status1, out1, err1) = world("signalled")
+    assert (status0, status1) == (130, 130), err1
+    assert out1 == "" and "Traceback" not in err1, err1
+    (_, _, _), (status1, out1, err1) = world("unsignalled")
+    assert status1 == 1 and "Traceback" in err1 and "RuntimeError" in err1, err1
