@@ -213,26 +213,49 @@ def model_folder(name: str) -> str:
     return str(out)
 
 
-def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
-    """The first ``num_pairs`` kept pairs of dpo_en_demo (file order), tokenized with SmolLM2's
-    chat template by this engine's pipeline, and the pad id."""
-    from dpo_megatron.data import DataConfig, load_preference_pairs, load_tokenizer
+OBJECTIVE_DATA = {
+    # objective: (asset, the engine's data.format, the item kind the loss trains on)
+    "dpo": ("dpo_en_demo", "sharegpt", "pairs"),
+    "reward": ("dpo_en_demo", "sharegpt", "pairs"),
+    "kto": ("kto_en_demo", "kto_messages", "unpaired"),
+}
+"""The data of each training objective: LLaMA-Factory's real pairs for DPO and the reward model,
+its real unpaired rows for KTO (each with its mismatched completion: ``data.unpaired``)."""
+
+
+def bench_items(
+    num_items: int, max_length: int, max_prompt_length: int, objective: str = "dpo"
+) -> tuple[list, int]:
+    """The first ``num_items`` kept items of the objective's data (:data:`OBJECTIVE_DATA`, file
+    order), tokenized with SmolLM2's chat template by this engine's pipeline, and the pad id.
+
+    Raises:
+        ValueError: fewer than ``num_items`` items fit ``max_length``.
+    """
+    from dpo_megatron.data import DataConfig, load_items, load_tokenizer
     from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
+    asset, fmt, kind = OBJECTIVE_DATA[objective]
     tokenizer = load_tokenizer(str(assets.asset_path("smollm2")))
     cfg = DataConfig(
-        path=str(assets.asset_path("dpo_en_demo")),
-        format="sharegpt",
+        path=str(assets.asset_path(asset)),
+        format=fmt,
         max_length=max_length,
         max_prompt_length=max_prompt_length,
         eval_fraction=0.0,
         verbose=False,
     )
-    pairs = load_preference_pairs(cfg, tokenizer).train
-    if len(pairs) < num_pairs:
-        raise ValueError(f"only {len(pairs)} pairs fit max_length={max_length}")
+    items = load_items(cfg, tokenizer, kind).train
+    if len(items) < num_items:
+        raise ValueError(f"only {len(items)} items of {asset} fit max_length={max_length}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return pairs[:num_pairs], pad
+    return items[:num_items], pad
+
+
+def bench_pairs(num_pairs: int, max_length: int, max_prompt_length: int):
+    """The first ``num_pairs`` kept pairs of dpo_en_demo (file order), tokenized with SmolLM2's
+    chat template by this engine's pipeline, and the pad id."""
+    return bench_items(num_pairs, max_length, max_prompt_length, "dpo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,25 +328,40 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 # this engine
 
 
+LOSS_OVERRIDES = {
+    # objective: its loss section (TRL's defaults: DPOConfig / KTOConfig beta 0.1, KTO's weights
+    # 1.0, RewardConfig's center_rewards_coefficient None = 0)
+    "dpo": lambda spec: ("loss.name=sigmoid", f"loss.beta={spec['beta']}"),
+    "kto": lambda spec: ("loss.name=kto", f"loss.beta={spec['beta']}"),
+    "reward": lambda spec: ("loss.name=bradley_terry",),
+}
+
+
+STEP0_METRICS = ("loss", "logps/chosen", "logps/rejected", "kl", "rewards/chosen")
+"""Step-0 values compared side by side (those the objective reports)."""
+
+
 def engine_config(spec: dict):
-    """The engine's config for one benchmark run: world size 1, fp32, local spec, sigmoid DPO,
+    """The engine's config for one benchmark run: world size 1, fp32, local spec, the
+    objective's loss (``spec["objective"]``: sigmoid DPO by default, :data:`LOSS_OVERRIDES`),
     constant LR, no checkpoints, the data in file order (as TRL's sequential sampler)."""
     from dpo_megatron.config import load_config
     from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
+    objective = spec.get("objective", "dpo")
     run_dir = tempfile.mkdtemp(prefix="bench_engine_")
     return load_config(
         None,
         [  # data.path names the pairs' source; they come in as token ids
             f"run_dir={run_dir}",
-            f"data.path={assets.asset_path('dpo_en_demo')}",
+            f"data.path={assets.asset_path(OBJECTIVE_DATA[objective][0])}",
+            f"data.format={OBJECTIVE_DATA[objective][1]}",
             f"model.hf_path={spec['model_path']}",
             # the default runs keep the engine's own choice (fp32 on the CPU) and say so
             f"model.params_dtype={'auto' if setting(spec['run']) in AUTO else 'float32'}",
             "model.transformer_impl=local",
             f"model.recompute_granularity={spec['recompute'] or 'null'}",
-            "loss.name=sigmoid",
-            f"loss.beta={spec['beta']}",
+            *LOSS_OVERRIDES[objective](spec),
             f"train.lr={spec['lr']}",
             "train.lr_decay_style=constant",
             "train.clip_grad=1.0",
@@ -356,7 +394,9 @@ def run_engine(spec: dict) -> dict:
     from dpo_megatron.training.run_data import RunData
     from dpo_megatron.training.trainer import Trainer
 
-    pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
+    pairs, pad = bench_items(
+        spec["pairs"], spec["max_length"], spec["max_prompt_length"], spec.get("objective", "dpo")
+    )
     t0, c0 = time.perf_counter(), time.process_time()
     trainer = Trainer(engine_config(spec), data=RunData(pairs, [], pad))
     setup_s, setup_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -378,7 +418,7 @@ def run_engine(spec: dict) -> dict:
             }
         )
         if step == 0:
-            step0 = {k: out.metrics[k] for k in ("loss", "logps/chosen", "logps/rejected")}
+            step0 = {k: out.metrics[k] for k in STEP0_METRICS if k in out.metrics}
     summary = summarize(steps, spec["warmup"])
     # One epoch over the benchmarked pairs, the precompute pass included: the reference forward
     # is moved before training, so its gain is per epoch after the first (or per cached rerun).
@@ -403,58 +443,11 @@ def run_engine(spec: dict) -> dict:
 # TRL
 
 
-def run_trl(spec: dict) -> dict:
-    """TRL DPOTrainer on the same token ids, batch, order and hyper-parameters."""
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    meter = PeakRSS()
-    import datasets
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
-
-    pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
-    data = datasets.Dataset.from_list(
-        [
-            {
-                "prompt_ids": list(p.prompt_ids),
-                "chosen_ids": list(p.chosen_ids),
-                "rejected_ids": list(p.rejected_ids),
-            }
-            for p in pairs
-        ]
-    )
-    steps: list[dict] = []
-
-    class Trainer(DPOTrainer):
-        def _prepare_dataset(self, dataset, *args, **kwargs):
-            return dataset  # already tokenized by the engine's pipeline: identical token ids
-
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)  # the engine's order (no shuffle)
-
-        def training_step(self, model, inputs, *args, **kwargs):
-            steps.append(
-                {
-                    "real_tokens": int(inputs["attention_mask"].sum()),
-                    "computed_tokens": int(inputs["input_ids"].numel()),
-                }
-            )
-            return super().training_step(model, inputs, *args, **kwargs)
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.w0, self.c0 = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            steps[-1].update(
-                wall_s=time.perf_counter() - self.w0, cpu_s=time.process_time() - self.c0
-            )
-
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    args = DPOConfig(
+def trl_args(spec: dict, config_class, **objective_args):
+    """TRL's config (``DPOConfig``, ``KTOConfig``, ``RewardConfig``) with the hyper-parameters
+    every objective shares with the engine's run: batch, steps, constant lr, Adam, clip 1.0,
+    fp32 (``trl+bf16``: TRL's ``bf16=True``), dropout off, one log line per step, no saving."""
+    return config_class(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
         per_device_train_batch_size=spec["pairs_per_step"],
         gradient_accumulation_steps=1,
@@ -467,8 +460,6 @@ def run_trl(spec: dict) -> dict:
         adam_beta1=0.9,
         adam_beta2=0.999,
         adam_epsilon=1e-8,
-        beta=spec["beta"],
-        loss_type=["sigmoid"],
         max_length=spec["max_length"],
         logging_steps=1,
         save_strategy="no",
@@ -480,17 +471,53 @@ def run_trl(spec: dict) -> dict:
         seed=spec["seed"],
         disable_dropout=True,
         gradient_checkpointing=False,
+        **objective_args,
     )
-    trainer = Trainer(
-        model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]
-    )
+
+
+def train_trl(spec: dict, meter: PeakRSS, trainer_class, rows: list[dict], count, **kwargs) -> dict:
+    """Train TRL's ``trainer_class`` on ``rows`` (already token ids: its ``_prepare_dataset`` is
+    skipped, so tokenization cannot differ from the engine's) in file order, timing each step;
+    the measurements as :func:`run_engine` reports them.
+
+    Args:
+        count: a collated batch -> (real tokens, positions computed), the unit of tokens/s.
+        kwargs: the trainer's other arguments (model, args, processing_class).
+    """
+    import datasets
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+
+    steps: list[dict] = []
+
+    class Trainer(trainer_class):
+        def _prepare_dataset(self, dataset, *args, **kwargs):
+            return dataset  # already tokenized by the engine's pipeline: identical token ids
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)  # the engine's order (no shuffle)
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            real, computed = count(inputs)
+            steps.append({"real_tokens": int(real), "computed_tokens": int(computed)})
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.w0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps[-1].update(
+                wall_s=time.perf_counter() - self.w0, cpu_s=time.process_time() - self.c0
+            )
+
+    data = datasets.Dataset.from_list(rows)
+    trainer = Trainer(train_dataset=data, callbacks=[Clock()], **kwargs)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     for s, h in zip(steps, logs):
         s["loss"] = float(h["loss"])
-    step0 = {
-        k: float(logs[0][k]) for k in ("loss", "logps/chosen", "logps/rejected") if k in logs[0]
-    }
+    step0 = {k: float(logs[0][k]) for k in STEP0_METRICS if k in logs[0]}
     summary = summarize(steps, spec["warmup"])
     summary["real_tokens_per_cpu_s_first_epoch"] = summary["real_tokens_per_cpu_s"]
     return {
@@ -503,12 +530,53 @@ def run_trl(spec: dict) -> dict:
     }
 
 
+def run_trl(spec: dict) -> dict:
+    """TRL DPOTrainer on the same token ids, batch, order and hyper-parameters."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    meter = PeakRSS()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
+    rows = [
+        {
+            "prompt_ids": list(p.prompt_ids),
+            "chosen_ids": list(p.chosen_ids),
+            "rejected_ids": list(p.rejected_ids),
+        }
+        for p in pairs
+    ]
+    return train_trl(
+        spec,
+        meter,
+        DPOTrainer,
+        rows,
+        lambda inputs: (inputs["attention_mask"].sum(), inputs["input_ids"].numel()),
+        model=AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32),
+        args=trl_args(spec, DPOConfig, beta=spec["beta"], loss_type=["sigmoid"]),
+        processing_class=AutoTokenizer.from_pretrained(spec["model_path"]),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # driver
 
 
-def _child(spec: dict) -> dict:
-    """Run one (model, engine) in a fresh interpreter; returns its JSON result."""
+HEARTBEAT_S = 60.0
+"""How often :func:`_child` says that a run is still going (seconds)."""
+
+
+def _child(spec: dict, script: str = __file__, heartbeat_s: float = HEARTBEAT_S) -> dict:
+    """Run one (model, engine) in a fresh interpreter (``script --worker``); returns its JSON
+    result. Says what it starts (``spec["doing"]``, else the run and model) and, every
+    ``heartbeat_s`` while it runs, that it is still running, so a long peer run (TRL's half
+    takes minutes on the 30-layer model) is never a silent terminal."""
+    doing = (
+        spec.get("doing") or f"{spec['run']} ({spec.get('objective', 'dpo')}) on {spec['model']}"
+    )
+    print(f"running {doing} ...", flush=True)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     # A fresh single-process world: no launcher variables inherited from the caller.
@@ -534,12 +602,22 @@ def _child(spec: dict) -> dict:
     if _suffix(spec["run"]):
         env[SWITCH] = HOST_MALLOC_SUFFIXES[_suffix(spec["run"])]
         env = malloc_env(env) or env
-    cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--worker-out", out]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, script, "--worker", json.dumps(spec), "--worker-out", out]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        started = time.time()
+        while True:
+            try:
+                proc.wait(timeout=heartbeat_s)
+                break
+            except subprocess.TimeoutExpired:
+                print(f"  ... {doing}: still running ({time.time() - started:.0f} s)", flush=True)
+        log.seek(0)
+        output = log.read()
     if proc.returncode != 0:
         raise RuntimeError(
             f"{spec['run']} on {spec['model']} failed (exit status "
-            f"{proc.returncode}):\n{proc.stdout[-4000:]}"
+            f"{proc.returncode}):\n{output[-4000:]}"
         )
     result = json.loads(Path(out).read_text())
     os.unlink(out)
@@ -642,9 +720,16 @@ def machine() -> dict:
     import torch
 
     load = os.getloadavg()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "")
+    except OSError:
+        model = ""
     return {
         "platform": platform.platform(),
         "processor": platform.processor(),
+        "cpu_model": model,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

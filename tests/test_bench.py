@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 bench = load_script("bench_dpo")
+objectives = load_script("bench_objectives")
 gpu = load_script("gpu_bench")
 
 
@@ -352,3 +353,126 @@ def _free_port() -> int:
     from dpo_megatron.parallel.layout import free_port
 
     return free_port()
+
+
+def _run_result(tokens_per_cpu_s, tokens_per_s, rss_gib, **extra):
+    return {
+        "real_tokens_per_cpu_s": tokens_per_cpu_s,
+        "real_tokens_per_s": tokens_per_s,
+        "peak_rss_bytes": rss_gib * 2**30,
+        **extra,
+    }
+
+
+def test_objective_ratios_by_hand():
+    """Every objective against its peer in one report: tokens per CPU-second and per second,
+    peak RSS, the step-0 losses (training) and identical completions (greedy generation only)."""
+    report = {
+        "results": {
+            "m": {
+                "kto": {
+                    "trl": _run_result(50.0, 40.0, 4.0, step0={"loss": 0.5}, losses=[0.5, 0.4]),
+                    "engine": _run_result(125.0, 60.0, 2.0, step0={"loss": 0.5}, losses=[0.5]),
+                },
+                "generation/greedy/batch8": {
+                    "transformers": _run_result(20.0, 20.0, 1.0, completions=[[1, 2], [3, 4]]),
+                    "engine": _run_result(45.0, 50.0, 1.5, completions=[[1, 2], [3, 5]]),
+                },
+                "generation/sampled/batch8": {
+                    "transformers": _run_result(20.0, 20.0, 1.0, completions=[[1]]),
+                    "engine": _run_result(30.0, 30.0, 1.0, completions=[[2]]),
+                },
+                "reward": {"trl": _run_result(1.0, 1.0, 1.0, step0={"loss": 0.7})},  # no engine
+            }
+        }
+    }
+    runs = report["results"]["m"]
+    q = objectives.compare(runs["kto"]["engine"], runs["kto"]["trl"], "kto")
+    assert q == {
+        "tokens_per_cpu_s": 2.5,
+        "tokens_per_s": 1.5,
+        "peak_rss": 0.5,
+        "step0_loss_abs_diff": 0.0,
+    }
+    greedy = runs["generation/greedy/batch8"]
+    q = objectives.compare(greedy["engine"], greedy["transformers"], "generation/greedy/batch8")
+    assert q["tokens_per_cpu_s"] == 2.25 and q["tokens_per_s"] == 2.5 and q["peak_rss"] == 1.5
+    assert q["identical_completions"] == 1 and q["completions"] == 2
+    sampled = runs["generation/sampled/batch8"]
+    q = objectives.compare(sampled["engine"], sampled["transformers"], "generation/sampled/batch8")
+    assert "identical_completions" not in q  # sampled streams differ between the two sides
+    lines = objectives.ratio_lines(report)
+    assert len(lines) == 3  # the reward model has no engine run: no ratio
+    assert "kto" in lines[0] and "2.50x tokens per CPU-s" in lines[0]
+    assert "step-0 loss 0.500000 vs 0.500000" in lines[0]
+    assert "identical completions 1/2" in lines[1]
+    assert "| kto | engine | 125.0 | 60.0 | 2.00 | 0.500000 | 0.500000 |" in (
+        objectives.markdown(report)
+    )
+
+
+def test_objective_cases_run_the_peer_first_and_one_case_per_mode_and_batch():
+    args = objectives.parse_args(
+        ["--objectives", "kto,generation", "--modes", "greedy", "--batches", "1,32"]
+    )
+    got = [(key, run, part.get("prompts")) for key, run, part in objectives.cases(args)]
+    assert got == [
+        ("kto", "trl", None),
+        ("kto", "engine", None),
+        ("generation/greedy/batch1", "transformers", 16),
+        ("generation/greedy/batch1", "engine", 16),
+        ("generation/greedy/batch32", "transformers", 32),  # at least one whole batch
+        ("generation/greedy/batch32", "engine", 32),
+    ]
+    with pytest.raises(SystemExit, match="unknown objective 'ppo'"):
+        objectives.cases(objectives.parse_args(["--objectives", "ppo"]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install -e .[bench]")
+def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys):
+    """The objectives' bench on a tiny Llama: KTO and the reward model give TRL's losses at
+    every step (step 0: 1/2 and ln 2), greedy generation transformers' completions; each run
+    says what it starts and, while it runs, that it still does."""
+    path = _tiny_hf_model(tmp_path / "tiny")
+    spec = {
+        "steps": 2,
+        "warmup": 1,
+        "pairs_per_step": 2,
+        "micro_batch_size": 2,
+        "pairs": 4,
+        "max_length": 256,
+        "max_prompt_length": 128,
+        "beta": 0.1,
+        "lr": 1e-3,
+        "recompute": "",
+        "seed": 1,
+        "threads": 1,
+        "model": "tiny",
+        "model_path": path,
+        "prompts": 3,
+        "max_prompt_tokens": 24,
+        "max_new_tokens": 4,
+        "batch": 2,
+        "temperature": 0.8,
+        "top_p": 0.95,
+    }
+
+    def run(objective, name, **extra):
+        job = {**spec, **extra, "objective": objective, "run": name}
+        return bench._child(job, script=objectives.__file__, heartbeat_s=0.5)
+
+    for objective, step0 in (("kto", 0.5), ("reward", math.log(2))):
+        trl, engine = run(objective, "trl"), run(objective, "engine")
+        assert abs(trl["step0"]["loss"] - step0) < 1e-6
+        assert abs(engine["step0"]["loss"] - step0) < 1e-6
+        for a, b in zip(engine["losses"], trl["losses"], strict=True):
+            assert abs(a - b) < 1e-4, objective
+    key = "generation/greedy/batch2"
+    hf = run(key, "transformers", mode="greedy")
+    engine = run(key, "engine", mode="greedy")
+    q = objectives.compare(engine, hf, key)
+    assert q["identical_completions"] == q["completions"] == 3
+    assert all(len(c) == 4 for c in engine["completions"]) and engine["tokens"] == 12
+    out = capsys.readouterr().out
+    assert "running trl (kto) on tiny ..." in out and "still running" in out
