@@ -302,16 +302,21 @@ class StepBatch:
         micro_batches: in schedule order; all share R x L (the pipeline schedule sizes its
             p2p buffers once per call).
         seq_length: L, tokens per model row (a multiple of the padding granule).
-        real_tokens: non-pad tokens of this rank's step, every sequence counted (a pair's prompt
-            twice, as TRL counts it): the unit of the tokens/s metric.
-        model_tokens: non-pad positions the model computes (a shared prompt counted once); None
-            means ``real_tokens``.
+        real_tokens: non-pad tokens of the sequences this rank's step computes, ``statistic``'s
+            included, every sequence counted (a pair's prompt twice, as TRL counts it): the unit
+            of the tokens/s metric.
+        model_tokens: non-pad positions the model computes (a shared prompt counted once,
+            ``statistic``'s included); None means ``real_tokens``.
     """
 
     micro_batches: list[MicroBatch]
     seq_length: int
     real_tokens: int
     model_tokens: Optional[int] = None
+    statistic: Optional["StepBatch"] = None
+    """The micro-batches the step-statistic pass runs when they are not these
+    (:meth:`BatchBuilder.computing`): the same items in the same micro-batches, other sequences
+    of them computed (KTO: the mismatched sequences only)."""
 
     @property
     def computed_tokens(self) -> int:
@@ -325,12 +330,20 @@ class StepBatch:
 
     def to_device(self) -> "StepBatch":
         """The host -> device crossing of a step (the only one)."""
-        return replace(self, micro_batches=[mb.to_device() for mb in self.micro_batches])
+        return replace(
+            self,
+            micro_batches=[mb.to_device() for mb in self.micro_batches],
+            statistic=None if self.statistic is None else self.statistic.to_device(),
+        )
 
 
 def round_up(length: int, multiple: int) -> int:
     """``length`` rounded up to a multiple of ``multiple`` (tokens)."""
     return -(-length // multiple) * multiple
+
+
+SIDES = ("chosen", "rejected")
+"""The two sequences of an item laid out as a pair: per-sequence rows 0..B-1 and B..2B-1."""
 
 
 class BatchBuilder:
@@ -345,6 +358,22 @@ class BatchBuilder:
     """
 
     sequences_per_item = 2
+
+    def computing(
+        self, sides: Sequence[str] = SIDES, statistic_sides: Optional[Sequence[str]] = None
+    ) -> "BatchBuilder":
+        """A builder of the same steps whose micro-batches compute only the sequences of
+        ``sides`` (of :data:`SIDES`; the others keep their rows of the per-sequence layout,
+        with nothing scored: their log-probs read 0), and that attaches, with
+        ``statistic_sides``, the same micro-batches computing those as
+        :attr:`StepBatch.statistic`. A loss that reads one side in its pass and the other in
+        its step statistic (KTO) then computes each sequence once.
+
+        This builder itself where it cannot (padded rows, SFT examples, shared-prompt units,
+        which hold both sides): every sequence is computed, and the step statistic reads the
+        step's own micro-batches.
+        """
+        return self
 
     def __init__(self, pad_token_id: int, multiple: int):
         self.pad_token_id = pad_token_id

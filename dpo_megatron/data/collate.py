@@ -101,10 +101,13 @@ def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
 
 
 def reference_logps(
-    pairs: Sequence[PreferencePair], loss_mask: torch.Tensor
+    pairs: Sequence[PreferencePair],
+    loss_mask: torch.Tensor,
+    computed: Optional[Sequence[bool]] = None,
 ) -> Optional[torch.Tensor]:
     """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
-    when the pairs carry none.
+    when the pairs carry none. ``computed`` [2B]: False for a sequence the micro-batch does not
+    compute (``BatchBuilder.computing``), whose row stays 0; None: every sequence.
 
     Raises:
         ValueError: some pairs carry values and others do not, or a pair's values do not match
@@ -118,15 +121,18 @@ def reference_logps(
             "a micro-batch mixes pairs with and without precomputed reference log-probs"
         )
     rows = [p.reference_chosen_logps for p in pairs] + [p.reference_rejected_logps for p in pairs]
+    computed = [True] * len(rows) if computed is None else list(computed)
     counts = loss_mask.sum(-1).long().tolist()
     for k, (values, n) in enumerate(zip(rows, counts)):
-        if values.numel() != n:
+        if computed[k] and values.numel() != n:
             raise ValueError(
                 f"precomputed reference row {k} has {values.numel()} values for {n} "
                 "completion tokens: the table is stale"
             )
     out = torch.zeros_like(loss_mask)
-    out[loss_mask.bool()] = torch.cat(rows).to(out.dtype)
+    laid = [values for values, keep in zip(rows, computed) if keep]
+    if laid:
+        out[loss_mask.bool()] = torch.cat(laid).to(out.dtype)
     return out
 
 

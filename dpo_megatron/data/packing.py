@@ -31,12 +31,14 @@ packed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from dpo_megatron.data.batch import (
+    SIDES,
     AttentionSpan,
     BatchBuilder,
     MicroBatch,
@@ -258,6 +260,10 @@ def pack_units(
     rows = pair_rows(pairs)
     longest = max(len(p) + len(c) for p, c in rows)
     loss_mask = score_mask(rows, longest)
+    # A sequence no unit carries (BatchBuilder.computing) keeps its row, with nothing scored.
+    carried = {i for unit in units for i, _ in unit.sequences}
+    computed = [i in carried for i in range(len(rows))]
+    loss_mask[[i for i, keep in enumerate(computed) if not keep]] = 0.0
     score_index, target_ids = score_targets(rows, loss_mask)
     # Model position of token t of sequence i: its unit's start + the unit-local position.
     where = torch.zeros((len(rows), longest), dtype=torch.int64)
@@ -279,7 +285,7 @@ def pack_units(
         score_index=score_index,
         target_ids=target_ids,
         packed=layout,
-        reference_logps=reference_logps(pairs, loss_mask),
+        reference_logps=reference_logps(pairs, loss_mask, computed),
         desirable=desirable_labels(pairs),
         last_index=last_index,
         margin=pair_margins(pairs),
@@ -353,6 +359,11 @@ class PackedPairs(BatchBuilder):
     pair_length = staticmethod(sequence_pair_length)
     """Length key of a pair for bucketing."""
 
+    sides = SIDES
+    """The sequences its micro-batches compute (:meth:`computing`)."""
+    statistic_sides: Optional[tuple[str, ...]] = None
+    """The sequences of the attached step-statistic micro-batches, or None (none attached)."""
+
     def __init__(
         self, pad_token_id: int, multiple: int, packing: PackingConfig, unit_multiple: int = 1
     ):
@@ -360,6 +371,17 @@ class PackedPairs(BatchBuilder):
         self.packing = packing
         self.unit_multiple = unit_multiple
         """Each unit is padded to a multiple of this (:func:`pad_unit`; 2 x CP under CP)."""
+
+    def computing(self, sides=SIDES, statistic_sides=None) -> BatchBuilder:
+        """A copy computing ``sides`` and attaching ``statistic_sides``
+        (:meth:`BatchBuilder.computing`); each sequence is its own unit, so any side can go."""
+        unknown = (set(sides) | set(statistic_sides or ())) - set(SIDES)
+        if unknown:
+            raise ValueError(f"unknown sides {sorted(unknown)}; known: {SIDES}")
+        builder = copy.copy(self)
+        builder.sides = tuple(sides)
+        builder.statistic_sides = None if statistic_sides is None else tuple(statistic_sides)
+        return builder
 
     def micro_batch_indices(self, items, micro_batch_indices):
         if self.packing.bucket_by_length:
@@ -370,8 +392,26 @@ class PackedPairs(BatchBuilder):
         self, items: Sequence[PreferencePair], micro_batch_indices: list[list[int]]
     ) -> StepBatch:
         micro_batch_indices = self.micro_batch_indices(items, micro_batch_indices)
+        batch = self._build(items, micro_batch_indices, self.sides)
+        if self.statistic_sides is not None:
+            statistic = self._build(items, micro_batch_indices, self.statistic_sides)
+            batch.statistic = statistic
+            batch.real_tokens += statistic.real_tokens
+            batch.model_tokens += statistic.model_tokens
+        return batch
+
+    def _units(self, pairs: Sequence[PreferencePair], sides) -> list[PackedUnit]:
+        """The units of one micro-batch's pairs that carry a sequence of ``sides`` (all of them
+        with both sides)."""
+        units = self.units(pairs)
+        if tuple(sides) == SIDES:
+            return units
+        side_of = [SIDES[i >= len(pairs)] for i in range(2 * len(pairs))]
+        return [u for u in units if all(side_of[i] in sides for i, _ in u.sequences)]
+
+    def _build(self, items, micro_batch_indices: list[list[int]], sides) -> StepBatch:
         step = [[items[i] for i in mb] for mb in micro_batch_indices]
-        raw = [self.units(mb) for mb in step]
+        raw = [self._units(mb, sides) for mb in step]
         units = [[pad_unit(u, self.unit_multiple, self.pad_token_id) for u in us] for us in raw]
         if self.packing.row_length:
             length = round_up(self.packing.row_length, self.multiple)
@@ -385,9 +425,10 @@ class PackedPairs(BatchBuilder):
             batch.item_indices = tuple(idx)
             micro_batches.append(batch)
         real_tokens = sum(
-            2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
+            len(p.prompt_ids) + len(p.chosen_ids if side == "chosen" else p.rejected_ids)
             for mb in step
             for p in mb
+            for side in sides
         )
         model_tokens = sum(len(u) for us in raw for u in us)  # without the 2 x CP padding
         return StepBatch(micro_batches, length, real_tokens, model_tokens)
@@ -399,3 +440,7 @@ class SharedPromptPairs(PackedPairs):
 
     units = staticmethod(shared_prompt_units)
     pair_length = staticmethod(shared_pair_length)
+
+    def computing(self, sides=SIDES, statistic_sides=None) -> BatchBuilder:
+        """Itself: a ``[prompt | chosen | rejected]`` unit computes both sides."""
+        return self

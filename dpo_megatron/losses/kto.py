@@ -27,7 +27,13 @@ class KLReferencePoint:
     """KTO's z_0 for a training step: max(0, mean of the mismatched log-ratios h(x, y') of every
     example of the global batch), detached (Ethayarajh et al. 2024, Sec. 4.1; TRL's KTOTrainer takes
     the mean per device, then the mean over devices, clamped at 0: the same for equal shares).
-    Evaluation steps use the last training step's z_0 (0 before the first)."""
+    Evaluation steps use the last training step's z_0 (0 before the first).
+
+    Its values read the mismatched sequences only (``sides``): the engine's statistic pass then
+    computes those, and the loss's pass the examples' own (``BatchBuilder.computing``)."""
+
+    sides = ("rejected",)
+    """The sequences `pair_values` reads (``data.batch.SIDES``)."""
 
     def __init__(self) -> None:
         self.kl = 0.0
@@ -70,6 +76,7 @@ class KLReferencePoint:
     unpaired=True,
     state_factory=KLReferencePoint,
     runtime_params=("kl",),
+    uses_rejected=False,  # the mismatched completions reach the loss only through z_0
 )
 def kto_loss(
     policy_chosen_logps: Tensor,

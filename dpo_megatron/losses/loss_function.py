@@ -356,6 +356,21 @@ class LossFunction:
             return "unpaired"
         return "pairs" if self.needs_rejected else "sft"
 
+    @property
+    def loss_sides(self) -> tuple[str, ...]:
+        """The sequences of an item the loss's pass reads ("chosen", "rejected"): the chosen
+        one alone when no part of the loss reads the rejected one (`needs_rejected`)."""
+        return ("chosen", "rejected") if self.needs_rejected else ("chosen",)
+
+    @property
+    def statistic_sides(self) -> Optional[tuple[str, ...]]:
+        """The sequences the step statistic reads (its state's ``sides``, else both), or None
+        without a step statistic."""
+        component = self._statistic_component
+        if component is None:
+            return None
+        return tuple(getattr(component.state, "sides", ("chosen", "rejected")))
+
     def needs_step_statistic(self, training: bool) -> bool:
         """True when the engine must run the step-statistic pass (`registry.StepStatistic`) before
         this step: a training step (``training``) of a loss with a step statistic."""

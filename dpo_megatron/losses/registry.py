@@ -75,6 +75,10 @@ class StepStatistic(Protocol):
     ) -> torch.Tensor:
         """[B] detached per-pair values the statistic is computed from."""
 
+    sides: tuple[str, ...]
+    """Optional: the sequences `pair_values` reads ("chosen", "rejected"); both when absent. The
+    engine's statistic pass computes only these (`LossFunction.statistic_sides`)."""
+
     def begin_step(
         self, values: torch.Tensor, keys: torch.Tensor, training: bool
     ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
@@ -104,7 +108,8 @@ class LossSpec:
     runtime_params: tuple[str, ...] = ()
     """Keyword arguments supplied by the state at call time; not config keys."""
     uses_rejected: bool = True
-    """False when the loss reads only the chosen completions (`sft`)."""
+    """False when the loss reads only the chosen completions (`sft`; `kto`, whose mismatched
+    completions reach it only through its step statistic)."""
     unpaired: bool = False
     """True for losses of unpaired examples (KTO): the "chosen" sequence is the example's
     completion, the "rejected" one the mismatched completion of the KL estimate, and `fn` takes

@@ -121,10 +121,11 @@ class Evaluator:
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         sums: dict[str, float] = {}
         count = 0
+        builder = self.builder.computing(loss_fn.loss_sides)  # the sequences the loss reads
         for micro_batch_indices in steps:
             if not micro_batch_indices:
                 continue  # no item for this rank in the last, smaller step
-            batch = self.builder.build(self.items, micro_batch_indices).to_device()
+            batch = builder.build(self.items, micro_batch_indices).to_device()
             store = run_policy(policy_chunks, reference, batch, loss_fn, forward_only=True)
             if last:
                 for values in store:

@@ -8,10 +8,13 @@ step is:
    the frozen ``reference_model`` runs forward-only through the schedule and its per-token
    log-probs are stored in each micro-batch on the last stage (``reference_logps``);
 1b. when the loss takes a statistic of the whole step's batch (``losses.registry.StepStatistic``:
-   beta-DPO's batch beta and filter), the policy runs forward-only through the schedule, each
-   micro-batch's per-pair values are gathered over the data-parallel ranks, and the loss's state
-   turns the global batch's values into the step's inputs (:func:`step_statistic_inputs`), the
-   same whatever the layout; each micro-batch's share rides with it into step 2;
+   beta-DPO's batch beta and filter, KTO's KL reference point), the policy runs forward-only
+   through the schedule, each micro-batch's per-pair values are gathered over the data-parallel
+   ranks, and the loss's state turns the global batch's values into the step's inputs
+   (:func:`step_statistic_inputs`), the same whatever the layout; each micro-batch's share rides
+   with it into step 2. When the batch brings the statistic's own micro-batches
+   (``StepBatch.statistic``: KTO's mismatched sequences, while step 2 computes the examples'
+   own), that pass runs those, and the reference pass covers them too;
 2. the policy runs forward+backward through the schedule; on the last stage the loss function
    turns per-token log-probs into per-pair losses and returns their *sum* with the pair count;
 3. megatron-core's ``finalize_model_grads`` (``calculate_per_token_loss=True``) all-reduces the
@@ -339,16 +342,20 @@ def run_policy(
         ValueError: the loss needs reference log-probs, the batch carries none and no reference
             model was given.
     """
-    if loss_fn.needs_reference and not batch.has_reference_logps:
-        if reference is None:
-            raise ValueError(
-                "this loss needs reference log-probs: the batch carries none and "
-                "no reference model was built"
-            )
-        reference.attach(batch)
+    statistic = loss_fn.needs_step_statistic(not forward_only)
+    # The statistic pass's own micro-batches when the batch brings them (StepBatch.statistic).
+    passes = [batch] + ([batch.statistic] if statistic and batch.statistic is not None else [])
+    for part in passes:
+        if loss_fn.needs_reference and not part.has_reference_logps:
+            if reference is None:
+                raise ValueError(
+                    "this loss needs reference log-probs: the batch carries none and "
+                    "no reference model was built"
+                )
+            reference.attach(part)
     inputs = (
-        step_statistic_inputs(policy_chunks, batch, loss_fn, training=not forward_only)
-        if loss_fn.needs_step_statistic(not forward_only)
+        step_statistic_inputs(policy_chunks, passes[-1], loss_fn, training=not forward_only)
+        if statistic
         else [{} for _ in batch.micro_batches]
     )
     step = partial(_policy_forward_step, loss_fn)

@@ -281,9 +281,14 @@ class Trainer:
     # steps
 
     def next_batch(self) -> StepBatch:
-        """This rank's micro-batches of the next step, on the device."""
+        """This rank's micro-batches of the next step, on the device: the sequences the loss
+        reads, and those its step statistic reads in micro-batches of their own where the
+        builder can split them (``BatchBuilder.computing``; asked at every step: the loss is
+        the trainer's current one)."""
         indices = self.sampler.next_step()
-        return self.builder.build(self.data.train, indices).to_device()
+        sides, statistic = self.loss_fn.loss_sides, self.loss_fn.statistic_sides
+        builder = self.builder.computing(sides, None if statistic == sides else statistic)
+        return builder.build(self.data.train, indices).to_device()
 
     def train_step(self) -> tuple[StepOutput, StepBatch]:
         """One optimizer step on the next batch (reference pass included); updates the counters.

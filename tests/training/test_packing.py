@@ -7,6 +7,7 @@ from dpo_megatron.data import PreferencePair, collate_pairs
 from dpo_megatron.data.packing import (
     PackedPairs,
     PackingConfig,
+    SharedPromptPairs,
     bucket_micro_batches,
     pack_pairs,
     plan_rows,
@@ -105,6 +106,45 @@ def test_every_micro_batch_of_a_step_has_one_shape():
     small = builder.build(pairs, [[0, 1], [3]]).micro_batches
     assert [tuple(mb.tokens.shape) for mb in small] == [(3, 8), (3, 8)]
     assert small[1].tokens[2].tolist() == [0] * 8  # the empty row appended
+
+
+def test_a_builder_computing_one_side_attaches_the_other_for_the_statistic():
+    """KTO's step (``BatchBuilder.computing``): the examples' own sequences in the step's
+    micro-batches, the mismatched ones in the statistic's; each side's rows keep their place in
+    the per-sequence layout, with nothing scored where the other side is computed, and its
+    precomputed reference values; the tokens of both count once."""
+    from dpo_megatron.data.pairs import UnpairedPair
+
+    pairs = [
+        UnpairedPair((10, 11), (12, 2), (13, 14, 2), desirable=True),
+        UnpairedPair((20,), (21, 2), (22, 2), desirable=False),
+    ]
+    for k, p in enumerate(pairs):
+        object.__setattr__(p, "reference_chosen_logps", torch.tensor([-1.0, -2.0]) - 10 * k)
+        object.__setattr__(p, "reference_rejected_logps", -torch.arange(len(p.rejected_ids)) - 0.5)
+    builder = PackedPairs(0, 4, PackingConfig(enabled=True))
+    both = builder.build(pairs, [[0, 1]])
+    split = builder.computing(("chosen",), ("rejected",)).build(pairs, [[0, 1]])
+    main, stat = split.micro_batches[0], split.statistic.micro_batches[0]
+    full = both.micro_batches[0]
+    assert main.tokens[0, :7].tolist() == [10, 11, 12, 2, 20, 21, 2]  # the examples only
+    assert stat.tokens[0, :8].tolist() == [10, 11, 13, 14, 2, 20, 22, 2]  # the KL sequences
+    chosen, rejected = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0.0, 0, 1, 1])
+    assert torch.equal(main.loss_mask.sum(-1).bool().float(), chosen)
+    assert torch.equal(stat.loss_mask.sum(-1).bool().float(), rejected)
+    assert torch.equal(main.loss_mask + stat.loss_mask, full.loss_mask)
+    assert torch.equal(main.reference_logps + stat.reference_logps, full.reference_logps)
+    # the same scored tokens, split between the two
+    assert main.target_ids.tolist() + stat.target_ids.tolist() == full.target_ids.tolist()
+    assert main.item_indices == stat.item_indices == (0, 1)
+    assert torch.equal(main.desirable, torch.tensor([1.0, 0.0]))
+    assert split.real_tokens == both.real_tokens == 4 + 3 + 5 + 3
+    assert split.model_tokens == both.model_tokens and both.statistic is None
+    # shared-prompt units hold both sides: that builder computes every sequence
+    shared = SharedPromptPairs(0, 4, PackingConfig(enabled=True, share_prompt=True))
+    assert shared.computing(("chosen",), ("rejected",)) is shared
+    with pytest.raises(ValueError, match="unknown sides"):
+        builder.computing(("prompt",))
 
 
 def test_bucket_by_length_keeps_the_pair_set():
