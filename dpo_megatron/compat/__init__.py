@@ -46,6 +46,9 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
   its workers to save when SLURM repeats a job's SIGTERM, and a second Ctrl-C stops them at once.
 * :mod:`~dpo_megatron.compat.tensorboard_writer_thread`: tensorboard's event-writer thread leaves
   a failed write (full or read-only disk) to the writer's caller instead of printing a traceback.
+* :mod:`~dpo_megatron.compat.onednn_inference_linear`: megatron-core's linears multiply with
+  weights packed once for oneDNN during generation on the CPU (MKL's sgemm packs every weight
+  at every product: a decode step of a few rows paid that twice over).
 
 Applying a patch is always its caller's explicit decision, never an import side effect. This
 ``__init__`` imports nothing heavy, so config-only entry points stay fast.

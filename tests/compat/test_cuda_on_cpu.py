@@ -30,6 +30,21 @@ def test_cuda_devices_become_cpu():
     assert x.to(device="cuda", dtype=torch.float64).dtype == torch.float64
 
 
+def test_suspended_blocks_bypass_the_mode_and_nest():
+    """Inside ``suspended()`` torch calls skip the mode (a CUDA literal is no longer redirected;
+    ``current_device()`` still answers the CPU), and the mode is back on leaving the block,
+    also from a nested one."""
+    with cuda_on_cpu.suspended():
+        assert torch.overrides._get_current_function_mode() is None
+        assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.empty(1, device="cuda")
+        with cuda_on_cpu.suspended():  # nothing of ours to pop: a no-op
+            assert torch.overrides._get_current_function_mode() is None
+        assert torch.overrides._get_current_function_mode() is None
+    assert torch.empty(1, device="cuda").device.type == "cpu"
+
+
 def test_tensor_type_names_match_megatron_checks():
     assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
