@@ -7,12 +7,21 @@ micro-batches of ``micro_batch_size`` rows (filled up with idle rows, so every r
 calls: expert parallelism exchanges tokens across data-parallel ranks). Each micro-batch has its
 own :class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core attention:
 
-1. prefill: each micro-batch's prompts, left-padded to its longest (every row then appends at
-   the same cache slots), positions counted from 0 at each row's first token, padding slots
-   never a key, go through megatron-core's forward-only pipeline schedule once (one call per
-   micro-batch, each at its own length);
+1. prefill: each micro-batch's prompts, left-padded to its longest in the cache (every row then
+   appends at the same cache slots), positions counted from 0 at each row's first token, padding
+   slots never a key, go through megatron-core's forward-only pipeline schedule once (one call
+   per micro-batch, each at its own length). Only their real tokens are computed, packed into
+   one row with each prompt a causal span (``KVCache.append_packed``); under sequence
+   parallelism, whose rows split along the sequence, the left-padded rows themselves;
 2. decode: one slot per row (x TP under sequence parallelism, the extra slots idle) per step,
    through the same schedule, until every completion of the world has stopped.
+
+On the CPU the linear layers multiply with weights packed once per call for oneDNN
+(``compat.onednn_inference_linear``): a decode step's products of a few rows are then about
+twice as fast as MKL's, which packs every weight again at every product. A decode step's other
+costs are per operation, not per token: the model's forward runs without the CUDA redirection
+mode (``compat.cuda_on_cpu.suspended``), the chunks switch to eval mode once per call, and a
+single process takes no collective to know whether a completion is still going.
 
 On the last stage only the last position of each row meets the LM head (``output_index``); its
 [rows, V/TP] logits are gathered over the tensor-parallel group and the next tokens chosen on
@@ -23,6 +32,7 @@ results of the data-parallel ranks are gathered at the end: every rank returns e
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -30,10 +40,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from dpo_megatron.compat import cuda_on_cpu
+from dpo_megatron.compat.onednn_inference_linear import packed_linears
+from dpo_megatron.data.batch import AttentionSpan, PackedLayout
 from dpo_megatron.generation.sampling import SamplingParams, choose_tokens, completion_generator
+from dpo_megatron.models.attention import packed_seq_params
 from dpo_megatron.models.kv_cache import KVCache
-from dpo_megatron.parallel.device import get_device, to_device
-from dpo_megatron.parallel.schedule import run_schedule, share_from_last_stage
+from dpo_megatron.parallel.device import get_device, is_host, to_device
+from dpo_megatron.parallel.schedule import eval_mode, run_schedule, share_from_last_stage
 from dpo_megatron.utils.modules import unwrap
 
 
@@ -92,20 +106,17 @@ def _forward_step(data_iterator, model):
         zero = torch.tensor(0, dtype=torch.int, device=get_device())
         return logits.new_zeros(()), zero, {"logits": full.float().cpu()}
 
-    return model(tokens, positions, output_index=output_index, kv_cache=cache), last_logits
+    with cuda_on_cpu.suspended():  # a forward makes no CUDA request the CPU must answer
+        output = model(tokens, positions, output_index=output_index, kv_cache=cache)
+    return output, last_logits
 
 
-def _run(chunks, batches: list[_MicroBatch], inputs: list, column: int, params, vocab: int):
-    """One forward of every micro-batch (``inputs``: host [R, n] tokens, positions and real
-    flags each; ``column``: the slot whose logits choose each row's next token), then the next
-    token of every live row, shared along the pipeline."""
-    feed = []
-    for mb, (tokens, positions, real) in zip(batches, inputs):
-        rows, n = tokens.shape
-        mb.cache.append(to_device(positions), to_device(real))
-        output_index = torch.arange(rows) * n + column  # flat r * n + column
-        feed.append((to_device(tokens), to_device(positions), to_device(output_index), mb.cache))
-    rows, n = inputs[0][0].shape
+def _run(chunks, batches: list[_MicroBatch], feeds: list, params, vocab: int):
+    """One forward of every micro-batch (``feeds``: host tokens, positions and the flat
+    positions whose logits choose each row's next token, all of one shape; the caches already
+    appended), then the next token of every live row, shared along the pipeline."""
+    rows, n = feeds[0][0].shape
+    feed = [(*(to_device(t) for t in tensors), mb.cache) for mb, tensors in zip(batches, feeds)]
     store = run_schedule(_forward_step, chunks, feed, rows, n, True)
     chosen = None
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -140,9 +151,36 @@ def _prefill_inputs(mb: _MicroBatch, prompts, length: int, pad_id: int):
     return tokens, positions, real
 
 
-def _decode_inputs(mb: _MicroBatch, slots: int, pad_id: int):
-    """Host [R, slots] tokens, positions and real flags of one decode step: each live row's
-    last token in slot 0 at its position, the other slots idle (sequence parallelism)."""
+def _prefill_feed(mb: _MicroBatch, prompts, pad_id: int, packed: bool):
+    """Append the prompts' slots to ``mb``'s cache; the prefill's host tokens, positions and
+    output index: packed ([1, T], T the prompts' tokens, row after row, each prompt one causal
+    span; the output index each row's last token, an idle row's 0) or, without ``packed`` or
+    without any prompt (a rank's idle micro-batch), the left-padded [R, length] rows."""
+    tokens, positions, real = _prefill_inputs(mb, prompts, mb.length, pad_id)
+    rows, length = tokens.shape
+    if not packed or not real.any():
+        mb.cache.append(to_device(positions), to_device(real))
+        return tokens, positions, torch.arange(rows) * length + length - 1
+    lengths = mb.prompt_lengths
+    ends = torch.tensor(lengths).cumsum(0)
+    spans = [
+        AttentionSpan(end - n, end, ((end - n, end),))
+        for n, end in zip(lengths, ends.tolist())
+        if n
+    ]
+    segment_ids = torch.repeat_interleave(
+        torch.arange(len(spans), dtype=torch.int32), torch.tensor([n for n in lengths if n])
+    )
+    layout = PackedLayout.from_spans(segment_ids[None], None, spans).to_device()
+    mb.cache.append_packed(to_device(positions), to_device(real), packed_seq_params(layout, False))
+    output_index = torch.where(torch.tensor(lengths) > 0, ends - 1, 0)
+    return tokens[real][None], positions[real][None], output_index
+
+
+def _decode_feed(mb: _MicroBatch, slots: int, pad_id: int):
+    """Append one decode step's slots to ``mb``'s cache; its host [R, slots] tokens and
+    positions (each live row's last token in slot 0 at its position, the other slots idle:
+    sequence parallelism) and output index (slot 0 of each row)."""
     tokens = torch.full((len(mb.keys), slots), pad_id, dtype=torch.int64)
     positions = torch.zeros_like(tokens)
     real = torch.zeros(tokens.shape, dtype=torch.bool)
@@ -151,15 +189,18 @@ def _decode_inputs(mb: _MicroBatch, slots: int, pad_id: int):
             tokens[r, 0] = out[-1]
             positions[r, 0] = mb.prompt_lengths[r] + len(out) - 1
             real[r, 0] = True
-    return tokens, positions, real
+    mb.cache.append(to_device(positions), to_device(real))
+    return tokens, positions, torch.arange(len(mb.keys)) * slots
 
 
 def _any_live(batches: list[_MicroBatch]) -> bool:
     """Whether a completion anywhere in the world is still generating (collective): every rank
     then takes the same number of steps."""
-    flag = torch.tensor([float(any(mb.live() for mb in batches))], device=get_device())
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    live = any(mb.live() for mb in batches)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return live
+    flag = torch.tensor([float(live)], device=get_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
@@ -227,14 +268,16 @@ def generate(
         _MicroBatch([None if k is None else keys[k] for k in indices], prompts, slots, params)
         for indices in _deal(len(keys), micro_batch_size)
     ]
-    # Prefill one micro-batch per schedule call, each at its own length (every data-parallel
-    # rank makes as many calls, in the same order: expert parallelism pairs their forwards).
-    for mb in batches:
-        inputs = [_prefill_inputs(mb, prompts, mb.length, pad_id)]
-        _run(chunks, [mb], inputs, mb.length - 1, params, vocab_size)
-    while _any_live(batches):
-        inputs = [_decode_inputs(mb, slots, pad_id) for mb in batches]
-        _run(chunks, batches, inputs, 0, params, vocab_size)
+    # eval mode once for the call, not at every schedule call (each walks every module)
+    with eval_mode(chunks), packed_linears(chunks) if is_host() else contextlib.nullcontext():
+        # Prefill one micro-batch per schedule call, each at its own length (every data-parallel
+        # rank makes as many calls, in the same order: expert parallelism pairs their forwards).
+        for mb in batches:
+            feed = _prefill_feed(mb, prompts, pad_id, packed=slots == 1)
+            _run(chunks, [mb], [feed], params, vocab_size)
+        while _any_live(batches):
+            feeds = [_decode_feed(mb, slots, pad_id) for mb in batches]
+            _run(chunks, batches, feeds, params, vocab_size)
     mine = [(k, out) for mb in batches for k, out in zip(mb.keys, mb.generated) if k is not None]
     parts = [mine]
     if parallel_state.get_data_parallel_world_size() > 1:

@@ -22,6 +22,17 @@ its position is at most i's, and (sliding window w) i's position minus j's is at
 slot also sees itself, so a padding query has a key and its output stays finite (nothing reads
 it).
 
+A prefill need not compute the padding: :meth:`KVCache.append_packed` takes the same slots but
+only their real tokens, packed into one row ([1, T], row after row, each row's tokens in slot
+order) with the packed layout they are attended with (each row's prompt one causal span,
+``models.attention.PackedSequenceParams``); the core attention attends to them packed and
+scatters their keys and values into the slots (:meth:`KVCache.store_packed`). The padding slots
+keep zero keys that no real query sees.
+
+Storage: each owner's keys and values are [R, groups, capacity, hn], so a decode step reads a
+row's slots as a [groups, length, hn] view, the layout a batched matmul takes without a copy
+(:meth:`KVCache.row_major`).
+
 megatron-core's own inference context (``megatron.core.inference.contexts.StaticInferenceContext``)
 was tried on this stack first: it runs on the CPU for rows of one length, but it stores keys
 unrotated and rotates the whole cache with one position table per slot at every decode step, and
@@ -56,6 +67,10 @@ class KVCache(PackedSeqParams):
     """Slots filled, the forward in progress included."""
     entries: dict = field(default_factory=dict, repr=False)
     masks: dict = field(default_factory=dict, repr=False)
+    packed: Optional[PackedSeqParams] = None
+    """The packed layout of the forward in progress (:meth:`append_packed`), else None."""
+    packed_slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    """[T] row and [T] slot of each packed token (:meth:`append_packed`)."""
 
     # PackedSeqParams compares field by field (tensors here): one cache is one object.
     __eq__ = object.__eq__
@@ -94,6 +109,35 @@ class KVCache(PackedSeqParams):
         self.real[:, self.length : end] = real
         self.start, self.length = self.length, end
         self.masks = {}
+        self.packed = self.packed_slots = None
+
+    def append_packed(
+        self, positions: torch.Tensor, real: torch.Tensor, packed: PackedSeqParams
+    ) -> None:
+        """Take the next n slots, as :meth:`append`, for a forward of their real tokens only.
+
+        Args:
+            positions, real: [R, n] as :meth:`append`.
+            packed: the packed layout of the forward's [1, T] tokens, T the real slots: row
+                after row, each row's real slots in slot order (attended with it; its
+                ``layout.spans`` must keep a row's tokens from another row's).
+
+        Raises:
+            ValueError: as :meth:`append`.
+        """
+        self.append(positions, real)
+        rows, slots = real.nonzero(as_tuple=True)  # row-major: the packed token order
+        self.packed, self.packed_slots = packed, (rows, slots + self.start)
+
+    def _entry(self, owner: torch.nn.Module, key: torch.Tensor, value: torch.Tensor):
+        """``owner``'s [R, groups, capacity, hn] keys and values (zeros when first met; values
+        may be narrower than keys: multi-latent attention)."""
+        if owner not in self.entries:
+            self.entries[owner] = tuple(
+                t.new_zeros((self.rows, t.shape[-2], self.capacity, t.shape[-1]))
+                for t in (key, value)
+            )
+        return self.entries[owner]
 
     def update(
         self, owner: torch.nn.Module, key: torch.Tensor, value: torch.Tensor
@@ -107,13 +151,25 @@ class KVCache(PackedSeqParams):
         Returns:
             (keys, values) [length, R, groups, hn], views of the cache.
         """
-        if owner not in self.entries:
-            shape = (self.capacity, *key.shape[1:])
-            self.entries[owner] = (key.new_zeros(shape), value.new_zeros(shape))
-        keys, values = self.entries[owner]
-        keys[self.start : self.length] = key
-        values[self.start : self.length] = value
-        return keys[: self.length], values[: self.length]
+        keys, values = self._entry(owner, key, value)
+        keys[:, :, self.start : self.length] = key.permute(1, 2, 0, 3)
+        values[:, :, self.start : self.length] = value.permute(1, 2, 0, 3)
+        return tuple(t[:, :, : self.length].permute(2, 0, 1, 3) for t in (keys, values))
+
+    def store_packed(self, owner: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``owner``'s keys and values of a packed forward (:meth:`append_packed`).
+
+        Args:
+            key, value: [T, groups, hn], the packed tokens in order.
+        """
+        keys, values = self._entry(owner, key, value)
+        rows, slots = self.packed_slots
+        keys[rows, :, slots] = key
+        values[rows, :, slots] = value
+
+    def row_major(self, owner: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``owner``'s keys and values of every slot so far, [R, groups, length, hn] views."""
+        return tuple(t[:, :, : self.length] for t in self.entries[owner])
 
     def visible(self, window: Optional[int] = None) -> torch.Tensor:
         """[R, 1, n, length] bool, True where a new query slot may attend to a key slot (the

@@ -26,10 +26,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x32 = x.to(_fp32_or_wider(x))
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -48,6 +47,13 @@ class _RMSNormFunction(torch.autograd.Function):
                 .to(weight.dtype)
             )
         return grad_x, grad_weight, None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(weight * (x * rstd), rstd): :class:`_RMSNormFunction`'s forward, op for op."""
+    x32 = x.to(_fp32_or_wider(x))
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 * rstd).to(x.dtype), rstd
 
 
 def _fp32_or_wider(x: torch.Tensor) -> torch.dtype:
@@ -72,6 +78,8 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # the same ops without the autograd function's cost
+            return _rms_norm(x, self.weight, self.eps)[0]
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 

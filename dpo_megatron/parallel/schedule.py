@@ -66,15 +66,17 @@ def _interleaved_padding(count: int, num_chunks: int) -> int:
 
 @contextlib.contextmanager
 def eval_mode(chunks: list):
-    """The chunks in eval mode within the block, their previous mode restored after."""
-    previous = [chunk.training for chunk in chunks]
-    for chunk in chunks:
+    """The chunks in eval mode within the block, their previous mode restored after. A chunk
+    already in eval mode is left alone (switching walks every module: about 10 ms for a
+    30-layer model, at every decode step of a generation)."""
+    switched = [chunk for chunk in chunks if chunk.training]
+    for chunk in switched:
         chunk.eval()
     try:
         yield
     finally:
-        for chunk, training in zip(chunks, previous):
-            chunk.train(training)
+        for chunk in switched:
+            chunk.train(True)
 
 
 def share_from_last_stage(payload: Any) -> Any:
