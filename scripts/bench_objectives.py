@@ -37,6 +37,7 @@ batch, ``generation/greedy/batch8``), and the command prints every ratio against
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -191,7 +192,9 @@ def generation_prompts(count: int, max_tokens: int) -> list[list[int]]:
 
 
 def _engine_generator(spec: dict):
-    """The engine's ``generate`` on one rank (KV cache), as ``call(prompts, new_tokens)``."""
+    """The engine's ``generate`` on one rank (KV cache), as ``call(prompts, new_tokens)``, and
+    the block its calls run in: the weights packed for oneDNN once for all of them on the CPU
+    (``compat.onednn_inference_linear``), as one call over every prompt would."""
     from dpo_megatron.compat import before_megatron_import
 
     before_megatron_import()
@@ -226,12 +229,15 @@ def _engine_generator(spec: dict):
         )
         return [samples[0] for samples in out]
 
-    return call
+    from dpo_megatron.compat.onednn_inference_linear import packed_linears
+
+    return call, lambda: packed_linears(chunks)
 
 
 def _transformers_generator(spec: dict):
     """``transformers``' ``generate`` on left-padded rows, as ``call(prompts, new_tokens)``:
-    exactly ``new_tokens`` per row (no stop), greedy or sampled with top-k off."""
+    exactly ``new_tokens`` per row (no stop), greedy or sampled with top-k off; no block
+    around its calls."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -266,7 +272,7 @@ def _transformers_generator(spec: dict):
             )
         return full[:, width:].tolist()
 
-    return call
+    return call, contextlib.nullcontext
 
 
 def run_generation(spec: dict) -> dict:
@@ -277,12 +283,14 @@ def run_generation(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     meter = bench_dpo.PeakRSS()
     prompts = generation_prompts(spec["prompts"], spec["max_prompt_tokens"])
-    call = (_engine_generator if spec["run"] == "engine" else _transformers_generator)(spec)
+    side = _engine_generator if spec["run"] == "engine" else _transformers_generator
+    call, block = side(spec)
     call(prompts[:1], 2)  # first-call overheads
     completions: list[list[int]] = []
     w0, c0 = time.perf_counter(), time.process_time()
-    for i in range(0, len(prompts), spec["batch"]):
-        completions += call(prompts[i : i + spec["batch"]], spec["max_new_tokens"])
+    with block():  # timed: the engine packs its weights in it
+        for i in range(0, len(prompts), spec["batch"]):
+            completions += call(prompts[i : i + spec["batch"]], spec["max_new_tokens"])
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     tokens = sum(len(c) for c in completions)
     return {
