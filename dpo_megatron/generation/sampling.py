@@ -80,11 +80,38 @@ def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     if top_p >= 1:
         return probs
-    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    before = torch.cumsum(ordered, dim=-1) - ordered
-    kept = torch.where(before < top_p, ordered, torch.zeros_like(ordered))
-    nucleus = torch.zeros_like(probs).scatter(-1, order, kept)
+    nucleus = torch.zeros_like(probs)
+    for r in range(probs.shape[0]):
+        ordered, order = _descending_head(probs[r], top_p)
+        before = torch.cumsum(ordered, dim=-1) - ordered
+        kept = torch.where(before < top_p, ordered, torch.zeros_like(ordered))
+        nucleus[r].scatter_(-1, order, kept)
     return nucleus / nucleus.sum(dim=-1, keepdim=True)
+
+
+HEAD = 256
+"""Most likely tokens :func:`_descending_head` orders first (a nucleus of top-p 0.95 over a
+49k vocabulary is usually far smaller)."""
+
+
+def _descending_head(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first tokens of ``probs`` [V] in decreasing order (ties: lower id first), enough of
+    them to hold the whole top-p nucleus, with their ids: the head of the stable full sort,
+    value for value (so its cumulative sums are the full sort's too). A full sort of V float64
+    took 5 ms a row; the head comes from ``topk`` of 256, 1024, ... tokens, taken when the
+    nucleus ends before the smallest of them, so no token outside can tie with one inside."""
+    k = HEAD
+    while k < probs.shape[0]:
+        values, ids = torch.topk(probs, k)
+        ids, by_id = torch.sort(ids)  # ascending ids, then a stable sort by value: ties by id
+        ordered, position = torch.sort(values[by_id], descending=True, stable=True)
+        order = ids[position]
+        mass = torch.cumsum(ordered, dim=-1)
+        inside = int((mass - ordered < top_p).sum())
+        if inside < k and ordered[inside - 1] > ordered[-1]:
+            return ordered, order
+        k *= 4
+    return torch.sort(probs, dim=-1, descending=True, stable=True)
 
 
 def choose_tokens(

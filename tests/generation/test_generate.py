@@ -58,6 +58,42 @@ def test_top_p_keeps_the_tokens_whose_preceding_mass_is_below_p():
     assert hot[0].tolist() == pytest.approx([r / sum(root) for r in root], abs=1e-12)
 
 
+def _full_sort_nucleus(logits, temperature, top_p):
+    """The nucleus by a stable sort of the whole vocabulary (the definition, written out)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    kept = torch.where(before < top_p, ordered, torch.zeros_like(ordered))
+    nucleus = torch.zeros_like(probs).scatter(-1, order, kept)
+    return nucleus / nucleus.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("head", [2, 256])
+def test_the_nucleus_of_the_sorted_head_is_the_full_sorts_bit_for_bit(monkeypatch, head):
+    """Top-p from the head of the distribution (``topk``, grown until the nucleus ends inside
+    it) keeps the tokens the full stable sort keeps, with the same values: ties at the edge
+    (rounded logits, all equal), nuclei larger than the first head, vocabularies of 4 to 49k."""
+    from dpo_megatron.generation import sampling
+
+    monkeypatch.setattr(sampling, "HEAD", head)
+    g = torch.Generator().manual_seed(0)
+    for vocab, scale, tied in [
+        (4, 1.0, False),
+        (300, 3.0, True),
+        (1000, 0.5, False),
+        (49152, 3.0, True),
+    ]:
+        logits = torch.randn(3, vocab, generator=g) * scale
+        if tied:
+            logits = (logits * 2).round() / 2
+        logits[2] = 0.0  # every token tied
+        for temperature, top_p in ((0.8, 0.95), (1.0, 0.5), (1.3, 0.999999)):
+            assert torch.equal(
+                nucleus_probs(logits, temperature, top_p),
+                _full_sort_nucleus(logits, temperature, top_p),
+            ), (vocab, temperature, top_p)
+
+
 def test_a_draw_is_the_inverse_transform_of_the_completion_stream():
     logits = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3]]).log()
     params = SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=1, seed=7)
