@@ -300,14 +300,16 @@ def span_attention(
     window: Optional[int] = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of packed spans in one ``scaled_dot_product_attention`` call, with no mask.
+    """Attention of packed spans in one ``scaled_dot_product_attention`` call per bucket of rows
+    of similar width, with no mask.
 
     The spans are laid out as square causal rows (:class:`~dpo_megatron.data.batch.SpanRows`:
-    a span's keys, with its queries in the last slots), gathered into [N, heads, W, hn], and run
-    with ``is_causal``: the flash kernel on the CPU (``enable_gqa``) and on CUDA in fp16 / bf16,
-    memory-efficient attention on CUDA in fp32 (keys expanded, :func:`sdpa`). Compute:
-    N * W^2 / 2 scores, W the longest span's keys (a rejected span also recomputes its prompt's
-    queries). On CUDA in fp16 / bf16 the engine takes :func:`varlen_attention` instead.
+    a span's keys, with its queries in the last slots), each bucket gathered into
+    [N_b, heads, W_b, hn], and run with ``is_causal``: the flash kernel on the CPU
+    (``enable_gqa``) and on CUDA in fp16 / bf16, memory-efficient attention on CUDA in fp32
+    (keys expanded, :func:`sdpa`). Compute: N_b * W_b^2 / 2 scores per bucket, W_b its longest
+    span's keys (a rejected span also recomputes its prompt's queries). On CUDA in fp16 / bf16
+    the engine takes :func:`varlen_attention` instead.
 
     Args:
         query: [Tq, heads, hn], key / value: [Tk, groups, hn] in flat positions (heads a
@@ -332,23 +334,27 @@ def span_attention(
     if rows is None:
         rows = span_rows(spans)
         rows = SpanRows(
-            *(t.to(query.device) for t in (rows.query_index, rows.key_index, rows.output_index))
+            *(t.to(query.device) for t in (rows.query_index, rows.key_index, rows.output_index)),
+            tuple((r.to(query.device), w) for r, w in rows.buckets),
         )
-    n, width = rows.query_index.shape
-    flat_q, flat_k = rows.query_index.reshape(-1), rows.key_index.reshape(-1)
-    # [N, W, heads, hn] -> [N, heads, W, hn]: the fused CPU kernel takes the strided view.
-    q = query.index_select(0, flat_q).view(n, width, *query.shape[1:]).transpose(1, 2)
-    k, v = (
-        t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2) for t in (key, value)
-    )
-    band = causal_window_mask(width, width, window, query.device)
-    out = sdpa(q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band, sinks=sinks)
-    # [N, heads, W, hv]: values may be narrower than queries (multi-latent attention).
-    return (
-        out.transpose(1, 2)
-        .reshape(n * width, query.shape[1], value.shape[-1])
-        .index_select(0, rows.output_index)
-    )
+    outs = []
+    for bucket, width in rows.buckets:  # one call per bucket of rows of similar width
+        n = bucket.shape[0]
+        flat_q = rows.query_index.index_select(0, bucket)[:, :width].reshape(-1)
+        flat_k = rows.key_index.index_select(0, bucket)[:, :width].reshape(-1)
+        # [n, W, heads, hn] -> [n, heads, W, hn]: the fused CPU kernel takes the strided view.
+        q = query.index_select(0, flat_q).view(n, width, *query.shape[1:]).transpose(1, 2)
+        k, v = (
+            t.index_select(0, flat_k).view(n, width, *t.shape[1:]).transpose(1, 2)
+            for t in (key, value)
+        )
+        band = causal_window_mask(width, width, window, query.device)
+        out = sdpa(
+            q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band, sinks=sinks
+        )
+        # [n, heads, W, hv]: values may be narrower than queries (multi-latent attention).
+        outs.append(out.transpose(1, 2).reshape(n * width, query.shape[1], value.shape[-1]))
+    return torch.cat(outs).index_select(0, rows.output_index)
 
 
 @functools.lru_cache(maxsize=None)

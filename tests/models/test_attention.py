@@ -155,10 +155,11 @@ class SDPACalls:
 
 
 @pytest.mark.parametrize("name", ["packed", "shared", "shared_rows"])
-def test_packed_rows_make_one_maskless_sdpa_call_served_by_flash(name, monkeypatch):
-    """The packed rows of a micro-batch: one SDPA call (not one per span), no mask (so no
-    boolean mask with grouped-query attention, which only SDPA's math kernel serves on CUDA),
-    and the fused flash kernel serves it on CPU (``sdpa_kernel`` refuses the others)."""
+def test_packed_rows_make_one_maskless_sdpa_call_per_bucket_served_by_flash(name, monkeypatch):
+    """The packed rows of a micro-batch: one SDPA call per bucket of rows of similar width (not
+    one per span), no mask (so no boolean mask with grouped-query attention, which only SDPA's
+    math kernel serves on CUDA), and the fused flash kernel serves it on CPU (``sdpa_kernel``
+    refuses the others)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     layout = _layouts()[name]
@@ -167,20 +168,26 @@ def test_packed_rows_make_one_maskless_sdpa_call_served_by_flash(name, monkeypat
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         out = packed_attention(q, k, v, layout, scale=None)
         out.sum().backward()
-    assert len(layout.spans) >= 4 and len(spy.calls) == 1
-    call = spy.calls[0]
-    assert call["mask"] is None and call["is_causal"]
-    assert (call["heads"], call["groups"], call["enable_gqa"]) == (HEADS, GROUPS, True)
+    assert len(layout.spans) >= 4 and len(spy.calls) == len(layout.rows.buckets) == 2
+    for call in spy.calls:
+        assert call["mask"] is None and call["is_causal"]
+        assert (call["heads"], call["groups"], call["enable_gqa"]) == (HEADS, GROUPS, True)
 
 
 def test_span_rows_cover_each_span_once():
     """Every real query position is read from the slot of its own query; rows are as wide as
-    the most keys of a span (a rejected span: its prompt and itself)."""
+    the most keys of a span (a rejected span: its prompt and itself), each bucket's rows cut to
+    its widest span's, and a row is at least 3/4 as wide as its bucket."""
     layout = _layouts()["shared"]
     rows = layout.rows
     spans = [s for s in layout.spans if not s.padding]
-    assert rows.query_index.shape == (len(spans), max(sum(e - b for b, e in s.keys) for s in spans))
-    flat = rows.query_index.reshape(-1)
+    widths = [sum(e - b for b, e in s.keys) for s in spans]
+    assert rows.query_index.shape == (len(spans), max(widths))
+    assert sorted(r for b, _ in rows.buckets for r in b.tolist()) == list(range(len(spans)))
+    for bucket, width in rows.buckets:
+        assert width == max(widths[r] for r in bucket) <= 4 / 3 * min(widths[r] for r in bucket)
+    # the buckets' slots end to end, as the attention lays its outputs
+    flat = torch.cat([rows.query_index[b][:, :w].reshape(-1) for b, w in rows.buckets])
     real = _real(layout)
     positions = torch.arange(layout.segment_ids.numel())
     assert torch.equal(flat[rows.output_index][real], positions[real])
@@ -432,17 +439,22 @@ def _count_sdpa_calls(form):
         )
     finally:
         F.scaled_dot_product_attention = real
-    return {"calls": calls, "spans": [len(mb.packed.spans) for mb in batch.micro_batches]}
+    return {
+        "calls": calls,
+        "spans": [len(mb.packed.spans) for mb in batch.micro_batches],
+        "buckets": [len(mb.packed.rows.buckets) for mb in batch.micro_batches],
+    }
 
 
-def test_packed_model_makes_one_sdpa_call_per_layer_and_micro_batch():
-    """Through the real model: 2 models (policy, reference) x 2 layers x 2 micro-batches = 8
-    calls for packed and shared-prompt rows alike (one per span would be 2 x 2 x (4 + 4)), none
-    with a mask; the tiny model has grouped-query attention (4 heads, 2 groups)."""
+def test_packed_model_makes_one_sdpa_call_per_layer_micro_batch_and_bucket():
+    """Through the real model: 2 models (policy, reference) x 2 layers x the micro-batches'
+    buckets of rows calls for packed and shared-prompt rows alike (one per span would be
+    2 x 2 x (4 + 4)), none with a mask; the tiny model has grouped-query attention (4 heads,
+    2 groups)."""
     for form in ("packed", "shared"):
         out = run_ranks(_count_sdpa_calls, world_size=1, form=form)[0]
-        assert min(out["spans"]) >= 4
-        assert len(out["calls"]) == 8, form
+        assert min(out["spans"]) >= 4 and sum(out["buckets"]) < sum(out["spans"])
+        assert len(out["calls"]) == 2 * 2 * sum(out["buckets"]), form
         assert all(gqa and not masked for masked, gqa in out["calls"]), form
 
 

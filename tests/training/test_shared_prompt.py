@@ -64,8 +64,8 @@ def test_layout_by_hand():
     assert out.packed.cu_seqlens_kv.tolist() == [0, 4, 9, 12, 15]
     assert out.packed.kv_index.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 7, 10, 11]
     assert (out.packed.max_seqlen_q, out.packed.max_seqlen_kv) == (4, 5)
-    # The same spans as square causal rows of 5 slots (one SDPA call): each span's keys, its
-    # queries in the last slots (before them the span's first query as filler), filler after.
+    # The same spans as square causal rows of 5 slots: each span's keys, its queries in the last
+    # slots (before them the span's first query as filler), filler after.
     rows = out.packed.rows
     assert rows.key_index.tolist() == [
         [0, 1, 2, 3, 0],
@@ -79,7 +79,9 @@ def test_layout_by_hand():
         [7, 8, 9, 7, 7],
         [10, 10, 11, 10, 10],
     ]
-    assert rows.output_index.tolist() == [0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 16, 17]
+    # two buckets: rows 0-1 at 5 slots (outputs 0..9), rows 2-3 cut to 3 (outputs 10..15)
+    assert [(r.tolist(), w) for r, w in rows.buckets] == [([0, 1], 5), ([2, 3], 3)]
+    assert rows.output_index.tolist() == [0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 14, 15]
     visible = visible_keys(out.segment_ids, out.packed.branch_ids)[0, 0]
     assert visible[5].tolist() == [True, True, False, False, True, True] + [False] * 6  # A+r
     assert visible[3].tolist() == [True] * 4 + [False] * 8  # A+c
