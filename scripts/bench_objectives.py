@@ -266,7 +266,7 @@ def _transformers_generator(spec: dict):
                 ids,
                 attention_mask=mask,
                 max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
+                eos_token_id=None,  # no stop, and no EOS suppressed (as the engine's rows)
                 pad_token_id=0,
                 **sampling,
             )

@@ -88,14 +88,16 @@ class SavedActivations:
 def breakdown(spec: dict) -> dict:
     """The numbers of one engine setting (see the module docstring)."""
     import torch
-    from bench_dpo import PeakRSS, bench_pairs, engine_config
+    from bench_dpo import PeakRSS, bench_items, engine_config
 
     torch.set_num_threads(spec["threads"])
     meter = PeakRSS()
     from dpo_megatron.training.run_data import RunData
     from dpo_megatron.training.trainer import Trainer
 
-    pairs, pad = bench_pairs(spec["pairs"], spec["max_length"], spec["max_prompt_length"])
+    pairs, pad = bench_items(
+        spec["pairs"], spec["max_length"], spec["max_prompt_length"], spec["objective"]
+    )
     before = _rss()
     trainer = Trainer(engine_config(spec), data=RunData(pairs, [], pad))
     after_setup = _rss()
@@ -213,7 +215,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="engine", choices=sorted(ENGINES))
-    parser.add_argument("--model", default="smollm2", help="smollm2 or smollm2-4l")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2, smollm2-4l or an HF folder of the same tokenizer",
+    )
+    parser.add_argument("--objective", default="dpo", help="dpo, kto or reward (bench_dpo's)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--pairs-per-step", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=512)
@@ -229,7 +236,8 @@ def main(argv=None) -> int:
     spec = {
         "run": args.engine,
         "model": args.model,
-        "model_path": model_folder(args.model),
+        "model_path": args.model if Path(args.model).is_dir() else model_folder(args.model),
+        "objective": args.objective,
         "steps": args.steps,
         "warmup": 0,
         "pairs_per_step": args.pairs_per_step,
