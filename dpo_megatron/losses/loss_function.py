@@ -135,8 +135,9 @@ class LossFunction:
     Attributes:
         needs_reference: the engine must run the reference model and pass its log-probs.
         needs_token_log_sum_p2: the engine must pass `policy_token_log_sum_p2` (WPO).
-        needs_rejected: False when only chosen completions are read (pure `sft`); the engine may
-            then pass chosen rows only with `chosen_only=True`.
+        needs_rejected: False when the loss reads only chosen completions (`sft`; `kto`, whose
+            mismatched completions reach it through its step statistic only): the engine may
+            then compute chosen rows only (`loss_sides`; SFT: `chosen_only=True`).
         unpaired: the loss trains on unpaired examples (KTO): the engine passes `desirable` labels,
             and rows are completions then mismatched completions (`data.unpaired`).
         model_head: what the model computes for the loss (`LossSpec.model_head`): "lm"

@@ -118,3 +118,16 @@ def test_kto_cannot_be_combined_or_modified_and_needs_labels():
         build_loss({"name": "sft"}).item_kind == "sft"
         and build_loss({"name": "ipo"}).item_kind == "pairs"
     )
+
+
+def test_kto_reads_the_examples_in_its_pass_and_the_mismatched_ones_in_its_statistic():
+    """The sides the engine computes for each pass (``BatchBuilder.computing``): KTO's loss
+    reads the examples' own completions, its KL reference point the mismatched ones; a paired
+    loss reads both, with or without a statistic."""
+    kto = build_loss({"name": "kto"})
+    assert kto.loss_sides == ("chosen",) and kto.statistic_sides == ("rejected",)
+    assert kto.item_kind == "unpaired"
+    dpo = build_loss({"name": "sigmoid"})
+    assert dpo.loss_sides == ("chosen", "rejected") and dpo.statistic_sides is None
+    beta_dpo = build_loss({"name": "beta_dpo"})
+    assert beta_dpo.statistic_sides == beta_dpo.loss_sides == ("chosen", "rejected")

@@ -51,7 +51,7 @@ def _evaluate_all(ckpt_dir, tp, pp):
     out = {}
     for i, cfg in enumerate(CONFIGS):
         loss_fn = build_loss(cfg)
-        if not loss_fn.needs_rejected:  # sft: chosen rows only
+        if loss_fn.item_kind == "sft":  # chosen rows only
             continue
         result = dpo_forward_backward(
             trainer.policy,
