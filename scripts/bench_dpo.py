@@ -570,13 +570,12 @@ HEARTBEAT_S = 60.0
 
 def _child(spec: dict, script: str = __file__, heartbeat_s: float = HEARTBEAT_S) -> dict:
     """Run one (model, engine) in a fresh interpreter (``script --worker``); returns its JSON
-    result. Says what it starts (``spec["doing"]``, else the run and model) and, every
-    ``heartbeat_s`` while it runs, that it is still running, so a long peer run (TRL's half
-    takes minutes on the 30-layer model) is never a silent terminal."""
+    result. Says every ``heartbeat_s`` while it runs that it is still running (``spec["doing"]``,
+    else the run and model), so a long peer run (TRL's half takes minutes on the 30-layer
+    model) is never a silent terminal; the drivers say what they start."""
     doing = (
         spec.get("doing") or f"{spec['run']} ({spec.get('objective', 'dpo')}) on {spec['model']}"
     )
-    print(f"running {doing} ...", flush=True)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     # A fresh single-process world: no launcher variables inherited from the caller.

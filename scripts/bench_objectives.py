@@ -487,6 +487,8 @@ def main(argv=None) -> int:
                 "doing": f"{key} on {model}: {who}",
             }
             t0 = time.time()
+            # A run is silent for minutes (its output is kept for a failure): say what runs.
+            print(f"running {spec['doing']} ...", flush=True)
             result = bench_dpo._child(spec, script=__file__)
             results.setdefault(key, {})[run] = result
             print(

@@ -432,8 +432,8 @@ def test_objective_cases_run_the_peer_first_and_one_case_per_mode_and_batch():
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install -e .[bench]")
 def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys):
     """The objectives' bench on a tiny Llama: KTO and the reward model give TRL's losses at
-    every step (step 0: 1/2 and ln 2), greedy generation transformers' completions; each run
-    says what it starts and, while it runs, that it still does."""
+    every step (step 0: 1/2 and ln 2), greedy generation transformers' completions; while a
+    run goes, the driver says that it still does."""
     path = _tiny_hf_model(tmp_path / "tiny")
     spec = {
         "steps": 2,
@@ -474,5 +474,4 @@ def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys):
     q = objectives.compare(engine, hf, key)
     assert q["identical_completions"] == q["completions"] == 3
     assert all(len(c) == 4 for c in engine["completions"]) and engine["tokens"] == 12
-    out = capsys.readouterr().out
-    assert "running trl (kto) on tiny ..." in out and "still running" in out
+    assert "trl (kto) on tiny: still running" in capsys.readouterr().out
