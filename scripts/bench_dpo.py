@@ -836,14 +836,19 @@ def main(argv=None) -> int:
                 flush=True,
             )
             Path(args.out).write_text(json.dumps(report, indent=1))
+    finish(report, started, args.out, args.markdown, markdown(report))
+    return 0
+
+
+def finish(report: dict, started: float, out: str, markdown_path: str, text: str) -> None:
+    """A bench's end: the load average at the end and the total seconds into ``report``, the
+    JSON written to ``out``, the tables ``text`` printed (and written to ``markdown_path``)."""
     report["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report["total_s"] = time.time() - started
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    text = markdown(report)
+    Path(out).write_text(json.dumps(report, indent=1))
     print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    return 0
+    if markdown_path:
+        Path(markdown_path).write_text(text)
 
 
 if __name__ == "__main__":

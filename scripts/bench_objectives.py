@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -500,13 +499,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
             Path(args.out).write_text(json.dumps(report, indent=1))
-    report["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    report["total_s"] = time.time() - started
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    bench_dpo.finish(report, started, args.out, args.markdown, markdown(report))
     return 0
 
 
