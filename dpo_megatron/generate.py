@@ -5,7 +5,9 @@ torchrun, at any layout of ``parallel.*``).
 The policy is built as training builds it (``model.hf_path``, or a checkpoint with
 ``model.load``; ``model.*`` / ``parallel.*`` as for a run), the prompts are encoded as the data
 path encodes prompts (``data.tokenizer`` or the model folder's tokenizer; ``data.chat_template``
-or the tokenizer's for ``messages``), and ``generation.*`` says how to sample and where to write
+or the tokenizer's for ``messages``, and for a text prompt as one user turn unless
+``generation.apply_chat_template=false``: :func:`encode_prompts`), and ``generation.*`` says how
+to sample and where to write
 (``dpo_megatron.generation.config.GenerationConfig``). Completions stop at the tokenizer's EOS or
 a ``generation.stop_ids`` id. Rank 0 writes the output file atomically once all are done.
 """
@@ -58,6 +60,42 @@ def read_prompts(path: str) -> list:
     return prompts
 
 
+def encode_prompts(
+    prompts: list, tokenizer, settings, apply_chat_template: bool = True
+) -> tuple[list[list[int]], Optional[str]]:
+    """Token ids of each prompt, and the start-up line saying how text prompts were sent (None
+    when there is none, or nothing to say).
+
+    A ``messages`` prompt goes through the chat template with the generation prompt; a text
+    prompt too, as one user turn, when ``apply_chat_template`` and the tokenizer (or
+    ``settings.chat_template``) has a template, else as it stands (``data.encode.encode_prompt``
+    either way).
+
+    Raises:
+        DataError: a ``messages`` prompt and no chat template.
+    """
+    from dpo_megatron.data.encode import encode_prompt
+    from dpo_megatron.data.tokenizer import has_chat_template
+
+    as_chat = apply_chat_template and has_chat_template(tokenizer, settings.chat_template)
+    texts = sum(isinstance(p, str) for p in prompts)
+    ids = [
+        encode_prompt(
+            [{"role": "user", "content": p}] if as_chat and isinstance(p, str) else p,
+            tokenizer,
+            settings,
+        )
+        for p in prompts
+    ]
+    note = None
+    if texts and as_chat:
+        note = (
+            f"[generate] {texts} text prompt(s) sent as one user turn through the chat template "
+            "(generation.apply_chat_template=false: as they stand)"
+        )
+    return ids, note
+
+
 def output_path(cfg: DPOConfig) -> str:
     """``generation.output``, or ``<run_dir>/generations.jsonl``."""
     return cfg.generation.output or os.path.join(cfg.run_dir, "generations.jsonl")
@@ -66,7 +104,7 @@ def output_path(cfg: DPOConfig) -> str:
 def run(cfg: DPOConfig, prompts: list) -> str:
     """Build the policy and tokenizer, sample every prompt's completions, write them (rank 0);
     returns the output path (collective)."""
-    from dpo_megatron.data.encode import encode_prompt, encode_settings
+    from dpo_megatron.data.encode import encode_settings
     from dpo_megatron.data.tokenizer import load_tokenizer, resolve_chat_template
     from dpo_megatron.generation import generate
     from dpo_megatron.parallel import initialize_distributed, set_seed
@@ -81,10 +119,12 @@ def run(cfg: DPOConfig, prompts: list) -> str:
         print(note, flush=True)
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     run_models.check_vocab_fits(tokenizer, model_cfg)
-    settings = encode_settings(tokenizer, resolve_chat_template(cfg.data.chat_template))
-    prompt_ids = [encode_prompt(p, tokenizer, settings) for p in prompts]
-    policy = run_models.build_policy(cfg, model_cfg)
     g = cfg.generation
+    settings = encode_settings(tokenizer, resolve_chat_template(cfg.data.chat_template))
+    prompt_ids, note = encode_prompts(prompts, tokenizer, settings, g.apply_chat_template)
+    if note and ranks.is_rank0():
+        print(note, flush=True)
+    policy = run_models.build_policy(cfg, model_cfg)
     params = g.params(g.seed, [settings.eos_token_id, *g.stop_ids])
     started = time.time()
     completions = generate(

@@ -1,7 +1,8 @@
 """``python -m dpo_megatron.generate`` end to end on a tiny Llama with the tiny BPE tokenizer:
-text and chat prompts encoded as the data path encodes them, greedy completions equal to
-``transformers``' ``generate`` (stopping at EOS, which is kept), rows in input order with their
-decoded text, and a malformed prompt row refused in one line naming file, line and field."""
+text and chat prompts through the chat template (a text as one user turn, unless turned off),
+greedy completions equal to ``transformers``' ``generate`` (stopping at EOS, which is kept), rows
+in input order with their decoded text, and a malformed prompt row refused in one line naming
+file, line and field."""
 
 from __future__ import annotations
 
@@ -70,13 +71,16 @@ def test_generate_command_writes_greedy_completions_of_text_and_chat_prompts(tmp
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [
         (i, j) for i in range(3) for j in range(2)
     ]
-    rendered = tokenizer.apply_chat_template(
-        PROMPTS[1]["messages"], tokenize=False, add_generation_prompt=True
-    )
+
+    def rendered(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # the tokenizer has a chat template: a text prompt is one user turn through it
     prompt_ids = [
-        tokenizer.encode(PROMPTS[0]["prompt"], add_special_tokens=False),
-        tokenizer.encode(rendered, add_special_tokens=False),
-        tokenizer.encode("a", add_special_tokens=False),
+        rendered([{"role": "user", "content": PROMPTS[0]["prompt"]}]),
+        rendered(PROMPTS[1]["messages"]),
+        rendered([{"role": "user", "content": "a"}]),
     ]
     for i, ids in enumerate(prompt_ids):
         x = torch.tensor([ids])
@@ -88,6 +92,37 @@ def test_generate_command_writes_greedy_completions_of_text_and_chat_prompts(tmp
             assert row["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
     assert rows[0]["prompt"] == PROMPTS[0]["prompt"] and rows[2]["prompt"] == PROMPTS[1]["messages"]
     assert "completions of 3 prompts" in done.stdout
+    assert (
+        "[generate] 2 text prompt(s) sent as one user turn through the chat template "
+        "(generation.apply_chat_template=false: as they stand)\n"
+    ) in done.stdout
+
+
+def test_text_prompts_take_the_chat_template_unless_turned_off():
+    """An instruct model given a bare text ends at once: a text prompt goes through the chat
+    template as one user turn when there is one; generation.apply_chat_template=false, or a
+    tokenizer without a template, sends the text as it stands (and says nothing)."""
+    import copy
+
+    from dpo_megatron.data.encode import encode_settings
+    from dpo_megatron.generate import encode_prompts
+
+    tokenizer = tiny_hf_tokenizer()
+    settings = encode_settings(tokenizer, None)
+    text, chat = "the cat sat on the", [{"role": "user", "content": "where is the dog?"}]
+    as_chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    assert as_chat.startswith("<|im_start|>user\nthe cat sat")
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    ids, note = encode_prompts([text, chat], tokenizer, settings)
+    assert ids[0] == tokenizer.encode(as_chat, add_special_tokens=False)
+    assert note.startswith("[generate] 1 text prompt(s) sent as one user turn")
+    ids_off, note_off = encode_prompts([text, chat], tokenizer, settings, False)
+    assert (ids_off, note_off) == ([plain, ids[1]], None)
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    assert encode_prompts([text], bare, encode_settings(bare, None)) == ([plain], None)
 
 
 def test_generate_command_names_a_malformed_prompt_row(tmp_path):

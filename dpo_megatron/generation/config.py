@@ -59,10 +59,16 @@ class GenerationConfig(SamplingConfig):
     the sampling fields are :class:`SamplingConfig`'s."""
 
     prompts: str = ""
-    """JSONL file of prompts, one object a line: ``{"prompt": str}`` (plain text, encoded as
-    the data path encodes a text prompt) or ``{"messages": [{"role", "content"}, ...]}``
-    (rendered with the chat template, ``data.chat_template`` or the tokenizer's, with the
-    generation prompt); other fields are ignored."""
+    """JSONL file of prompts, one object a line: ``{"prompt": str}`` (a text: see
+    ``apply_chat_template``) or ``{"messages": [{"role", "content"}, ...]}`` (rendered with the
+    chat template, ``data.chat_template`` or the tokenizer's, with the generation prompt); other
+    fields are ignored."""
+    apply_chat_template: bool = True
+    """A ``{"prompt": text}`` row reaches the model as one user turn through the chat template
+    (``data.chat_template`` or the tokenizer's) when there is one, as an instruct model expects
+    (given the bare text it often ends at once: empty completions); the start-up says so in one
+    line. False, or no template: the text as it stands (a base model's continuation, encoded as
+    the data path encodes a text prompt)."""
     output: str = ""
     """JSONL file written (atomically, at the end): one row per completion with ``prompt`` (as
     given), ``prompt_index``, ``sample_index``, ``completion`` (decoded text, special tokens
