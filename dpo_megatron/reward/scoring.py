@@ -1,12 +1,15 @@
-"""Score token sequences with a reward model, in-process and collective over the world, at any
-TP x PP x DP layout: the library function behind ``python -m dpo_megatron.score`` and what other
-packages (iterative DPO) call between training phases.
+"""Score token sequences with a reward model (or read a causal LM's log-probabilities of them),
+in-process and collective over the world, at any TP x PP x DP layout: the library function behind
+``python -m dpo_megatron.score`` and what other packages (iterative DPO) call between training
+phases.
 
 * :func:`build_reward_chunks`: this rank's chunks of a reward model from an HF
   ``*ForSequenceClassification`` folder or a reward model's checkpoint, at the current layout.
 * :func:`score_sequences`: every rank passes the same list; the sequences are sharded over the
   data-parallel ranks, run through the pipeline schedule forward-only (``training.step
   .reward_scores``) and the scores gathered, so every rank returns the full list in input order.
+* :func:`completion_logps`: the same for a causal LM's log p(completion | prompt) (the
+  forward-only pass of a frozen reference, ``training.step.attach_reference_logps``).
 
 A sequence's score is the reward head's value at its last token that is not the pad id
 (``data.collate.reward_position``, as transformers' ``*ForSequenceClassification`` reads it).
@@ -27,7 +30,7 @@ from dpo_megatron.data.pairs import SFTExample
 from dpo_megatron.models import ModelConfig, build_model_chunks
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.parallel.device import get_device
-from dpo_megatron.training.step import reward_scores
+from dpo_megatron.training.step import attach_reference_logps, reward_scores
 
 SEQUENCES_PER_CALL = 8
 """Micro-batches per schedule call: a call's rows are padded to its longest sequence, and the
@@ -61,6 +64,55 @@ def score_sequences(
         ValueError: lengths of the two lists differ, a start outside [1, len), or
             micro_batch_size < 1 (every rank alike, before any communication).
     """
+    return _per_sequence(
+        reward_scores, chunks, sequences, completion_starts, micro_batch_size, pad_id
+    )
+
+
+def completion_logps(
+    chunks,
+    sequences: Sequence[Sequence[int]],
+    completion_starts: Sequence[int],
+    *,
+    micro_batch_size: int,
+    pad_id: int,
+) -> list[float]:
+    """log p(completion | prompt) of every sequence under a causal LM, in nats: the sum over
+    its completion tokens y_t of log softmax(logits_t)[y_t] (temperature 1), as the DPO losses
+    read a sequence (collective, arguments as :func:`score_sequences`).
+
+    Args:
+        chunks: this rank's chunks of a causal LM (``model.head=lm``) at the current layout.
+        sequences, completion_starts, micro_batch_size, pad_id: as :func:`score_sequences`
+            (here the pad id only fills rows: every completion token is scored).
+    Returns:
+        One log-probability per sequence as Python floats (summed in fp64 from the fp32
+        per-token values), in input order, on every rank.
+    Raises:
+        ValueError: as :func:`score_sequences`.
+    """
+    return _per_sequence(
+        _summed_logps, chunks, sequences, completion_starts, micro_batch_size, pad_id
+    )
+
+
+def _summed_logps(chunks, batch) -> list[torch.Tensor]:
+    """Per micro-batch, the [B] sums of each row's completion log-probs (last stage; empty
+    elsewhere): the forward-only pass that fills a frozen reference's ``reference_logps``."""
+    attach_reference_logps(chunks, batch)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return []
+    return [
+        (mb.reference_logps.double() * mb.loss_mask.double()).sum(-1) for mb in batch.micro_batches
+    ]
+
+
+def _per_sequence(
+    values_of, chunks, sequences, completion_starts, micro_batch_size: int, pad_id: int
+) -> list[float]:
+    """One value per sequence from ``values_of(chunks, step_batch)`` (the last stage's [B]
+    tensor per micro-batch, rows in per-sequence order), the sequences sharded over the
+    data-parallel ranks and gathered back in input order on every rank."""
     if len(sequences) != len(completion_starts):
         raise ValueError(
             f"{len(sequences)} sequences but {len(completion_starts)} completion starts"
@@ -79,7 +131,7 @@ def score_sequences(
     share = math.ceil(len(sequences) / dp_size) if sequences else 0
     mine = range(dp_rank * share, min((dp_rank + 1) * share, len(sequences)))
     order = sorted(mine, key=lambda i: len(sequences[i]))
-    scores = torch.zeros(len(sequences), dtype=torch.float64, device=get_device())
+    values = torch.zeros(len(sequences), dtype=torch.float64, device=get_device())
     per_call = micro_batch_size * SEQUENCES_PER_CALL
     builder = SFTExamples(pad_id, _row_multiple(chunks))
     for begin in range(0, len(order), per_call):
@@ -92,21 +144,21 @@ def score_sequences(
             for i in indices
         ]
         # Whole micro-batches (the schedule's buffers have one shape): the last one is filled
-        # with copies of its last sequence, whose scores are dropped.
+        # with copies of its last sequence, whose values are dropped.
         filler = -len(examples) % micro_batch_size
         examples += [examples[-1]] * filler
         groups = [
             list(range(k, k + micro_batch_size)) for k in range(0, len(examples), micro_batch_size)
         ]
         batch = builder.build(examples, groups).to_device()
-        values = reward_scores(chunks, batch)
-        if values and _reports():
-            got = torch.cat(values)[: len(indices)]
-            scores[torch.tensor(indices, device=scores.device)] = got.to(scores.dtype)
-    # Each sequence's score is written by exactly one rank (its DP rank's last stage, TP rank
-    # 0): a sum over the world gives every rank every score.
-    dist.all_reduce(scores)
-    return scores.tolist()
+        got = values_of(chunks, batch)
+        if got and _reports():
+            got = torch.cat(got)[: len(indices)]
+            values[torch.tensor(indices, device=values.device)] = got.to(values.dtype)
+    # Each sequence's value is written by exactly one rank (its DP rank's last stage, TP rank
+    # 0): a sum over the world gives every rank every value.
+    dist.all_reduce(values)
+    return values.tolist()
 
 
 def _reports() -> bool:

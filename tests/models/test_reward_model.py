@@ -120,6 +120,24 @@ def _import_and_score(folders: dict, tp: int, pp: int, sp: bool = False) -> dict
     return out
 
 
+def _completion_logps(folder: str, tp: int, pp: int) -> list[float]:
+    """``completion_logps`` of the causal LM in the HF ``folder`` at TP x PP (DP: the rest)."""
+    from dpo_megatron.models import ModelConfig, build_model_chunks
+    from dpo_megatron.models.conversion import load_hf_weights, model_config_from_hf
+    from dpo_megatron.reward.scoring import completion_logps
+
+    parallel = _parallel(tp, pp)
+    cfg = model_config_from_hf(
+        folder, ModelConfig(params_dtype="float32", transformer_impl="local")
+    )
+    chunks = build_model_chunks(cfg, parallel)
+    load_hf_weights(chunks, cfg, folder)
+    for chunk in chunks:
+        chunk.eval()
+    sequences, starts = _sequences(_pairs())
+    return completion_logps(chunks, sequences, starts, micro_batch_size=3, pad_id=PAD)
+
+
 def _round_trip(folders: dict, export_root: str) -> dict:
     """At one rank's layout (TP 1 x PP 1): each family's reward model imported, scored and
     exported to ``export_root/<family>``."""
@@ -340,6 +358,8 @@ def world(tmp_path_factory):
             dict(folder=folders["qwen2"], tp=1, pp=1, steps=3, run_dir=run, resume="auto"),
         ),
         "from_causal_lm": (_train, dict(folder=causal, tp=2, pp=2, steps=1)),
+        "logps_tp2pp2": (_completion_logps, dict(folder=causal, tp=2, pp=2)),
+        "logps_dp4": (_completion_logps, dict(folder=causal, tp=1, pp=1)),
         "head_lr": (_head_lr_steps, dict(folder=causal, tp=2, pp=2)),
         "causal_checkpoint": (_save_causal_checkpoint, dict(ckpt_dir=str(tmp / "lm_ckpt"))),
         "from_causal_checkpoint": (_from_causal_checkpoint, dict(ckpt_dir=str(tmp / "lm_ckpt"))),
@@ -347,6 +367,7 @@ def world(tmp_path_factory):
     runs = run_cases(4, cases)
     return {
         "folders": folders,
+        "causal": causal,
         "export": export,
         "round_trip": str(tmp / "round_trip"),
         "runs": runs,
@@ -370,6 +391,27 @@ def test_hf_reward_models_score_as_transformers(world, case):
         got = _reporting(results)[family]
         for form in ("padded", "packed", "shared"):
             assert got[form] == pytest.approx(expected, rel=REL, abs=1e-6), (family, form)
+
+
+@pytest.mark.parametrize("case", ["logps_tp2pp2", "logps_dp4"])
+def test_completion_logps_are_transformers_log_probabilities(world, case):
+    """log p(completion | prompt) of a causal LM, every rank the full list in input order, as
+    transformers' log-softmax summed over the completion tokens (fp32, 1e-5 relative)."""
+    from transformers import AutoModelForCausalLM
+
+    sequences, starts = _sequences(_pairs())
+    model = AutoModelForCausalLM.from_pretrained(world["causal"], dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for ids, start in zip(sequences, starts):
+            logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)
+            targets = torch.tensor(ids[start:])
+            expected.append(
+                logps[start - 1 : len(ids) - 1].gather(1, targets[:, None]).sum().item()
+            )
+    results = world["runs"][case]
+    assert all(r == results[0] for r in results)
+    assert results[0] == pytest.approx(expected, rel=REL)
 
 
 def test_every_family_imports_and_exports_for_transformers(world):
