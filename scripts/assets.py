@@ -14,8 +14,11 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
   ``llamafactory==0.9.5`` source distribution without installing it.
 - ``mistral-sentencepiece/tokenizer.model``: Mistral-7B v0.1 SentencePiece BPE model, read from
   the downloaded ``mistral-common==1.13.1`` wheel without installing it.
+- ``generated/word_count_prompts.jsonl``: 600 chat prompts asking for an answer "in exactly N
+  words", made here (``dpo_megatron.online.judges.word_count_prompts``, seed 0) for the
+  iterative-DPO judge recipe (``configs/online_judge_cpu.yaml``).
 
-Every input is checked against the size and sha256 recorded below, every output is written to a
+Every downloaded input is checked against the size and sha256 recorded below, every output is written to a
 temporary folder and renamed into place (a crash never leaves a half-written cache entry), and a
 valid cache entry is reused without work. Run ``python scripts/assets.py`` (``scripts/setup.sh``
 does) to build them all; a run only looks them up (``${asset:NAME}``,
@@ -418,6 +421,26 @@ def ensure_kto_en_demo() -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
+# generated prompts
+
+
+def ensure_word_count_prompts() -> Path:
+    """Path of the word-count judge's prompts (``judges.word_count_prompts(600, seed=0)`` as JSON
+    lines), written when missing or different from what the package makes now."""
+    from dpo_megatron.online.judges import write_word_count_prompts
+
+    final = cache_root() / ASSET_PATHS["word_count_prompts"]
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp) / final.name
+        write_word_count_prompts(fresh)
+        if final.is_file() and final.read_bytes() == fresh.read_bytes():
+            return final
+        with atomic_file(final) as staged:
+            Path(staged).write_bytes(fresh.read_bytes())
+    return final
+
+
+# ----------------------------------------------------------------------------------------------
 # SentencePiece model
 
 
@@ -502,6 +525,7 @@ ASSETS = {
     "alpaca_en_demo": ensure_alpaca_en_demo,
     "kto_en_demo": ensure_kto_en_demo,
     "sentencepiece": ensure_sentencepiece_model,
+    "word_count_prompts": ensure_word_count_prompts,
 }
 
 

@@ -210,6 +210,7 @@ def test_the_runtime_looks_up_where_the_builders_write(tmp_cache):
         "alpaca_en_demo": assets.llamafactory_dir() / assets.ALPACA_EN_DEMO.name,
         "kto_en_demo": assets.llamafactory_dir() / assets.KTO_EN_DEMO.name,
         "sentencepiece": tmp_cache / "mistral-sentencepiece" / "tokenizer.model",
+        "word_count_prompts": assets.ensure_word_count_prompts(),
     }
     assert {name: tmp_cache / rel for name, rel in ASSET_PATHS.items()} == built
     with pytest.raises(
@@ -220,3 +221,16 @@ def test_the_runtime_looks_up_where_the_builders_write(tmp_cache):
     assert asset_path("smollm2") == built["smollm2"]
     with pytest.raises(ValueError, match="unknown asset 'nope'; known: "):
         asset_path("nope")
+
+
+def test_the_judge_prompts_are_made_here_and_remade_when_they_differ(tmp_cache):
+    from dpo_megatron.online.judges import word_count_prompts
+
+    path = assets.ensure_word_count_prompts()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == word_count_prompts(600, seed=0)
+    stamp = path.stat().st_mtime_ns
+    assert assets.ensure_word_count_prompts() == path and path.stat().st_mtime_ns == stamp
+    path.write_text('{"prompt": "edited"}\n')
+    assets.ensure_word_count_prompts()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows

@@ -37,6 +37,7 @@ ASSET_PATHS = {
     "alpaca_en_demo": "llamafactory-0.9.5/alpaca_en_demo.json",
     "kto_en_demo": "llamafactory-0.9.5/kto_en_demo.json",
     "sentencepiece": "mistral-sentencepiece/tokenizer.model",
+    "word_count_prompts": "generated/word_count_prompts.jsonl",
 }
 """The offline assets (``${asset:NAME}`` in a config): name -> path under :func:`cache_root`.
 ``scripts/assets.py`` builds them there (``scripts/setup.sh`` runs it); a run only looks."""
