@@ -19,6 +19,7 @@ from dpo_megatron.data.format_registry import detect_format
 from dpo_megatron.data.formats import get_format
 from dpo_megatron.data.read import columns, first_row, rows
 from dpo_megatron.data.reader import DataError, read_source
+from dpo_megatron.data.summary import DROP_WARNING_SHARE
 from dpo_megatron.data.tokenizer import resolve_chat_template
 
 Prompt = Union[str, list]
@@ -115,6 +116,20 @@ def encode_prompts(
         if ids:
             kept.append(PromptItem(row, prompt, tuple(ids)))
     return kept, too_long
+
+
+def left_out_warning(too_long: int, total: int, max_prompt_length: int) -> str | None:
+    """One ``WARNING:`` line when more than ``data.summary.DROP_WARNING_SHARE`` of the ``total``
+    prompts read were left out for length (the data path's rule for dropped pairs); None
+    otherwise."""
+    if not total or too_long / total <= DROP_WARNING_SHARE:
+        return None
+    return (
+        f"WARNING: {too_long} of {total} prompts ({100 * too_long / total:.0f}%) were left out: "
+        f"longer than data.max_prompt_length={max_prompt_length} tokens (raise "
+        "data.max_prompt_length, or pick other rows with online.prompts_offset / "
+        "online.prompts_limit)"
+    )
 
 
 def split_prompts(items: list, held_out: int, shuffle: bool, seed: int) -> tuple[list, list]:

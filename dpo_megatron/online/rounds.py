@@ -44,6 +44,7 @@ from dpo_megatron.online.pairs import Sample, build_pairs
 from dpo_megatron.online.prompts import (
     PromptItem,
     encode_prompts,
+    left_out_warning,
     read_prompts,
     round_prompts,
     split_prompts,
@@ -408,16 +409,24 @@ class _OnlineRun:
         return read_jsonl(files[PAIRS])
 
     def train(self, r, folder, files, policy: str, pairs: list[dict]) -> None:
-        """DPO on the round's pairs (none: the policy stays); the summary gets the last training
-        metrics, the policy after the round and the phases' wall times."""
+        """DPO on the round's pairs (fewer than one global batch: the policy stays); the summary
+        gets the last training metrics, the policy after the round and the phases' wall
+        times."""
         if self.state.done(r, "train"):
             return
         t0 = time.time()
         initial = self.initial
         reference = initial if self.cfg.online.reference == "initial" and policy != initial else ""
         end = None
-        if pairs:
+        # Fewer pairs than one global batch cannot make a step: the policy stays this round.
+        if len(pairs) >= self.cfg.train.global_batch_size:
             end = _train(self.cfg, folder, policy, reference, self.tokenizer, self.pad_id, pairs)
+        elif ranks.is_rank0():
+            print(
+                f"online: round {r}: {len(pairs)} pair(s), fewer than train.global_batch_size="
+                f"{self.cfg.train.global_batch_size}: the policy does not train this round",
+                flush=True,
+            )
         if ranks.is_rank0():
             summary = _read_json(files[SUMMARY])
             entry = self.state.data["rounds"].get(str(r), {})
@@ -508,6 +517,11 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
                 + f" | scorer: {o.judge or o.reward_model.path} | reference: {o.reference}",
                 flush=True,
             )
+            warning = left_out_warning(
+                too_long, len(all_prompts) + too_long, cfg.data.max_prompt_length
+            )
+            if warning:
+                print(warning, flush=True)
         pool, held = split_prompts(all_prompts, o.eval_prompts, o.shuffle_prompts, o.seed)
         run = _OnlineRun(
             cfg,

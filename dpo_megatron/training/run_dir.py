@@ -453,8 +453,10 @@ class RunFolder:
             )
         for path in moved:
             print(f"moved the previous run to {path} (checkpoint.overwrite=true)", flush=True)
+        # An online run keeps no checkpoint of its own: each round's training has its folder.
+        saves = self.layout.online_checkpoints if cfg.online.rounds else self.save_dir
         print(
-            f"run_dir {self.run_dir} | checkpoints -> {self.save_dir} | config {config_path} "
+            f"run_dir {self.run_dir} | checkpoints -> {saves} | config {config_path} "
             f"| log {self.layout.log}",
             flush=True,
         )

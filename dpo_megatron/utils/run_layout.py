@@ -115,6 +115,12 @@ class RunLayout:
         """``online/eval_start.jsonl``: the starting policy's scored held-out samples."""
         return os.path.join(self.online, "eval_start.jsonl")
 
+    @property
+    def online_checkpoints(self) -> str:
+        """Where an online run's checkpoints go: ``online/round_<r>/checkpoints``, one folder
+        per round (the pattern, for messages)."""
+        return os.path.join(self.online, "round_<r>", self.CHECKPOINTS)
+
     def online_round(self, index: int) -> str:
         """``online/round_<index>``: a round's files and the run folder of its training."""
         return os.path.join(self.online, f"round_{index}")
