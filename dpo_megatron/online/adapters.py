@@ -1,5 +1,6 @@
-"""Every call the online loop makes into generation, reward-model scoring and a judge, in one
-module: the names of ``dpo_megatron.generation`` and ``dpo_megatron.reward`` are used here only.
+"""Every call the online loop makes into generation, reward-model scoring, a causal LM's
+log-probabilities and a judge, in one module: the names of ``dpo_megatron.generation`` and
+``dpo_megatron.reward`` are used here only.
 
 Tests (and programs) may put stand-ins in their place for one block::
 
@@ -128,6 +129,28 @@ def score_with_reward_model(
             micro_batch_size=micro_batch_size,
             pad_id=pad_id,
         )
+    )
+
+
+def completion_logps(
+    chunks: list,
+    sequences: Sequence[Sequence[int]],
+    completion_starts: Sequence[int],
+    *,
+    micro_batch_size: int,
+    pad_id: int,
+) -> list[float]:
+    """log p(completion | prompt) of each sequence under the causal-LM ``chunks``, in nats
+    (``dpo_megatron.reward.scoring.completion_logps``; collective: every rank gets every
+    value)."""
+    from dpo_megatron.reward.scoring import completion_logps as logps
+
+    return logps(
+        chunks,
+        [list(s) for s in sequences],
+        list(completion_starts),
+        micro_batch_size=micro_batch_size,
+        pad_id=pad_id,
     )
 
 

@@ -15,8 +15,15 @@ Each round ``r`` (folder ``<run_dir>/online/round_<r>``):
    ``parallel.*``; its checkpoints in ``round_<r>/checkpoints``. ``summary.json`` gets the last
    training metrics and the phases' wall times.
 5. **eval** (``online.eval_prompts`` > 0): the policy samples the held-out prompts (also once
-   before round 0: ``online/eval_start.jsonl``) with a fixed seed, the scorer scores them;
-   ``eval.jsonl`` and ``eval_mean_score`` (with the score before the round) in ``summary.json``.
+   before round 0: ``online/eval_start.jsonl``) with a fixed seed, the scorer scores them, and
+   the policy and the starting policy give each sample's log-probability; ``eval.jsonl``, and
+   in ``summary.json`` ``eval_mean_score`` (with the score before the round) and ``eval``: the
+   mean score, its change since the start and the KL from the starting policy, each with its
+   bootstrap interval (``online.evaluation``).
+
+At the end rank 0 writes the run's report (``online/summary.json``: every evaluation, each
+round's counts and wall times, the final policy; ``online/evaluation.png``: score and KL by
+round) and prints the table and the final policy's checkpoint.
 
 Between phases megatron-core's model-parallel groups are torn down and built for the next
 phase's layout (``layouts.use_layout``: the default process group stays), and the phase's models
@@ -39,6 +46,13 @@ from typing import Any, Optional
 from dpo_megatron.data import PreferencePair
 from dpo_megatron.online import adapters
 from dpo_megatron.online.checks import validate_online
+from dpo_megatron.online.evaluation import (
+    evaluation_entry,
+    final_policy_line,
+    plot_evaluation,
+    run_summary,
+    summary_lines,
+)
 from dpo_megatron.online.layouts import free_models, use_layout
 from dpo_megatron.online.pairs import Sample, build_pairs
 from dpo_megatron.online.prompts import (
@@ -156,6 +170,14 @@ its scores then differ between evaluations by the policy alone."""
 def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: str, r, seed: int):
     use_layout(cfg.parallel)
     chunks = _policy_chunks(cfg, model_cfg, policy)
+    records = _sample_with(chunks, cfg, tokenizer, pad_id, items, r, seed)
+    del chunks
+    free_models()
+    return records
+
+
+def _sample_with(chunks, cfg, tokenizer, pad_id, items: list[PromptItem], r, seed: int):
+    """The samples records of ``items`` from the policy ``chunks`` (collective)."""
     stop = sorted({i for i in (tokenizer.eos_token_id, pad_id) if i is not None})
     completions = adapters.sample_completions(
         chunks,
@@ -167,8 +189,6 @@ def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: 
         pad_id=pad_id,
         vocab_size=len(tokenizer),
     )
-    del chunks
-    free_models()
     records = []
     for i, (item, outs) in enumerate(zip(items, completions)):
         prompt_text = tokenizer.decode(list(item.prompt_ids))
@@ -258,15 +278,42 @@ def _pairs(cfg, samples: list[dict], scores: list[float], r: int, seed: int, ite
     return records, summary
 
 
-def _evaluate(cfg, model_cfg, tokenizer, pad_id, held: list, policy: str, path: str) -> float:
-    """Sample the held-out prompts from ``policy``, score them, write ``path`` (samples with
-    their scores); returns the mean score (collective)."""
+def _completion_logps(cfg, chunks, samples: list[dict], pad_id: int) -> list[float]:
+    return adapters.completion_logps(
+        chunks,
+        [s["prompt_ids"] + s["completion_ids"] for s in samples],
+        [len(s["prompt_ids"]) for s in samples],
+        micro_batch_size=cfg.online.sampling.micro_batch_size,
+        pad_id=pad_id,
+    )
+
+
+def _evaluate(
+    cfg, model_cfg, tokenizer, pad_id, held: list, policy: str, initial: str, path: str
+) -> list[dict]:
+    """Sample the held-out prompts from ``policy``; unless it is the ``initial`` policy, read
+    the log-probability of each sample under both (``logp``, ``logp_initial``: the KL's
+    terms, ``online.evaluation``); score them; write ``path`` (the samples with their values)
+    and return its rows (collective)."""
     seed = cfg.online.sampling.seed + EVAL_SEED_OFFSET
-    samples = _sample(cfg, model_cfg, tokenizer, pad_id, held, policy, "eval", seed)
+    use_layout(cfg.parallel)
+    chunks = _policy_chunks(cfg, model_cfg, policy)
+    samples = _sample_with(chunks, cfg, tokenizer, pad_id, held, "eval", seed)
+    if policy != initial:
+        logps = _completion_logps(cfg, chunks, samples, pad_id)
+        del chunks
+        free_models()
+        chunks = _policy_chunks(cfg, model_cfg, initial)
+        logps_initial = _completion_logps(cfg, chunks, samples, pad_id)
+        for s, a, b in zip(samples, logps, logps_initial):
+            s.update(logp=a, logp_initial=b)
+    del chunks
+    free_models()
     scores = _score(cfg, model_cfg, samples, pad_id)
+    rows = [{**s, "score": v} for s, v in zip(samples, scores)]
     if ranks.is_rank0():
-        write_jsonl(path, [{**s, "score": v} for s, v in zip(samples, scores)])
-    return sum(scores) / len(scores)
+        write_jsonl(path, rows)
+    return rows
 
 
 def _last_train_metrics(layout: RunLayout) -> dict:
@@ -352,13 +399,21 @@ class _OnlineRun:
             raise StopAfter(f"stopped after round {r} phase {phase}")
 
     def evaluate_start(self, policy: str) -> None:
-        """The starting policy's held-out mean score, once (round -1)."""
+        """The starting policy's held-out evaluation, once (round -1)."""
         if self.held and not self.state.done(-1, "eval"):
-            path = self.layout.online_eval_start
-            mean = _evaluate(
-                self.cfg, self.model_cfg, self.tokenizer, self.pad_id, self.held, policy, path
+            t0 = time.time()
+            rows = _evaluate(
+                self.cfg,
+                self.model_cfg,
+                self.tokenizer,
+                self.pad_id,
+                self.held,
+                policy,
+                self.initial,
+                self.layout.online_eval_start,
             )
-            self.state.mark(-1, "eval", eval_mean_score=mean)
+            mean = sum(r["score"] for r in rows) / len(rows)
+            self.state.mark(-1, "eval", eval_mean_score=mean, eval_s=time.time() - t0)
 
     def round(self, r: int, items: list[PromptItem], policy: str) -> tuple[str, dict]:
         """Round ``r``'s unfinished phases on ``items`` from ``policy``; returns the policy after
@@ -450,34 +505,85 @@ class _OnlineRun:
         self.finished(r, "train", policy=end or policy)
 
     def evaluate(self, r, folder, files, policy: str) -> None:
-        """The held-out mean score after round ``r``, beside the one before it."""
+        """The held-out evaluation after round ``r``: its mean score beside the one before the
+        round, the change since the start and the KL from the starting policy with their
+        intervals (``summary.json``'s ``eval``)."""
         if not self.held or self.state.done(r, "eval"):
             return
         t0 = time.time()
-        mean = _evaluate(
+        rows = _evaluate(
             self.cfg,
             self.model_cfg,
             self.tokenizer,
             self.pad_id,
             self.held,
             policy,
+            self.initial,
             os.path.join(folder, EVAL),
         )
+        mean = sum(x["score"] for x in rows) / len(rows)
         if ranks.is_rank0():
+            entry = evaluation_entry(
+                rows,
+                read_jsonl(self.layout.online_eval_start),
+                round_index=r,
+                seed=self.cfg.online.seed,
+            )
             summary = _read_json(files[SUMMARY])
             # round -1: the evaluation before round 0
             before = self.state.data["rounds"][str(r - 1)]["eval_mean_score"]
             summary.update(
-                eval_prompts=len(self.held), eval_mean_score_before=before, eval_mean_score=mean
+                eval_prompts=len(self.held),
+                eval_mean_score_before=before,
+                eval_mean_score=mean,
+                eval=entry,
             )
             summary.setdefault("wall_s", {})["eval"] = time.time() - t0
             write_json_atomic(files[SUMMARY], summary)
+            change, kl = entry["score_change"], entry["kl_from_initial"]
             print(
                 f"online: round {r}: mean score of the policy's samples on {len(self.held)} "
-                f"held-out prompts {before:.4f} -> {mean:.4f}",
+                f"held-out prompts {before:.4f} -> {mean:.4f}; since the start "
+                f"{change['mean']:+.4f} [{change['low']:+.4f}, {change['high']:+.4f}], "
+                f"KL from the start {kl['mean']:.3f} nats",
                 flush=True,
             )
         self.finished(r, "eval", eval_mean_score=mean)
+
+    def report(self, policy: str, summaries: list[dict]) -> None:
+        """The closing summary (rank 0): ``online/summary.json``, the evaluation plot, the
+        table of held-out scores and the line naming the final policy."""
+        if not ranks.is_rank0():
+            return
+        final = run_models.resolve_model_load(policy)  # a checkpoints folder: its latest
+        entries, plot = [], None
+        if self.held:
+            start_rows = read_jsonl(self.layout.online_eval_start)
+            start = evaluation_entry(
+                start_rows, start_rows, round_index=-1, seed=self.cfg.online.seed
+            )
+            entries = [start] + [s["eval"] for s in summaries if "eval" in s]
+            plot = self.layout.online_plot
+            plot_evaluation(entries, plot, self.scorer)
+        write_json_atomic(
+            self.layout.online_summary,
+            run_summary(
+                entries,
+                summaries,
+                scorer=self.scorer,
+                final_policy=final,
+                plot=plot,
+                start_eval_s=self.state.data["rounds"].get("-1", {}).get("eval_s"),
+            ),
+        )
+        for line in summary_lines(entries, self.scorer):
+            print(line, flush=True)
+        print(final_policy_line(final, self.layout.online_summary, plot), flush=True)
+
+    @property
+    def scorer(self) -> str:
+        o = self.cfg.online
+        return o.judge or o.reward_model.path
 
 
 def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dict]:
@@ -541,6 +647,7 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
             items = round_prompts(pool, r, o.prompts_per_round, False, o.seed)
             policy, summary = run.round(r, items, policy)
             summaries.append(summary)
+        run.report(policy, summaries)
         return summaries
     finally:
         folder.close()

@@ -10,7 +10,8 @@ A run folder (``run_dir``) holds::
     samples/          decoded evaluation samples, step_<step>.jsonl
     checkpoints/      iter_<step>/ checkpoints (or checkpoint.save), and the HF exports
                       checkpoints/hf (merged) and checkpoints/hf_adapter (PEFT adapter)
-    online/           an online (iterative DPO) run: state.json, eval_start.jsonl and
+    online/           an online (iterative DPO) run: state.json, eval_start.jsonl,
+                      summary.json and evaluation.png (the run's closing report) and
                       round_<r>/, each round a run folder of its own training plus
                       samples.jsonl, scores.jsonl, pairs.jsonl, eval.jsonl and summary.json
 
@@ -114,6 +115,16 @@ class RunLayout:
     def online_eval_start(self) -> str:
         """``online/eval_start.jsonl``: the starting policy's scored held-out samples."""
         return os.path.join(self.online, "eval_start.jsonl")
+
+    @property
+    def online_summary(self) -> str:
+        """``online/summary.json``: the run's held-out evaluations, rounds and final policy."""
+        return os.path.join(self.online, "summary.json")
+
+    @property
+    def online_plot(self) -> str:
+        """``online/evaluation.png``: held-out score and KL by round."""
+        return os.path.join(self.online, "evaluation.png")
 
     @property
     def online_checkpoints(self) -> str:

@@ -42,7 +42,9 @@ def _prepare(folder: str) -> None:
     save_model_checkpoint(chunks, os.path.join(folder, "initial"), model_cfg)
 
 
-def _config(folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_pp=0):
+def _config(
+    folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_pp=0, global_batch=2
+):
     from dpo_megatron.config import config_from_mapping
 
     online = {
@@ -71,7 +73,7 @@ def _config(folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_
             "loss": {"name": "sigmoid", "beta": 0.1},
             "train": {
                 "micro_batch_size": 1,
-                "global_batch_size": 2,
+                "global_batch_size": global_batch,
                 "train_iters": 2,
                 "lr": 1e-2,
                 "lr_decay_style": "constant",
@@ -200,6 +202,43 @@ def _check_round_files(run_dir, r, k=3, n=3, min_margin=1.0):
     return summary, pairs
 
 
+def _check_report(run_dir, evals, summaries):
+    """The evaluation report against the evaluation files: means, the change since the start
+    and the KL (mean log-ratio of the policy to the starting policy; 0 at the start) with
+    intervals around them, in each round's summary.json and the run's online/summary.json;
+    the plot written; the final policy the last round's last checkpoint."""
+    report = json.load(open(f"{run_dir}/online/summary.json"))
+    entries = report["evaluation"]
+    assert [e["round"] for e in entries] == [-1, 0, 1]
+    assert [e["eval"] for e in summaries] == entries[1:]
+    assert "logp" not in evals[0][0]  # the starting policy: KL 0 by definition
+    assert entries[0]["kl_from_initial"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
+    start_mean = sum(x["score"] for x in evals[0]) / len(evals[0])
+    for e, rows in zip(entries, evals):
+        mean = sum(x["score"] for x in rows) / len(rows)
+        assert (e["prompts"], e["samples_per_prompt"]) == (1, 3)
+        assert e["score"]["mean"] == pytest.approx(mean)
+        assert e["score"]["low"] <= mean <= e["score"]["high"]
+        if e["round"] < 0:
+            continue
+        assert e["score_change"]["mean"] == pytest.approx(mean - start_mean)
+        assert e["score_change"]["low"] <= e["score_change"]["mean"] <= e["score_change"]["high"]
+        ratios = [x["logp"] - x["logp_initial"] for x in rows]
+        assert all(x["logp"] < 0 and x["logp_initial"] < 0 for x in rows)
+        assert any(abs(r) > 1e-3 for r in ratios)  # the policy moved (lr 1e-2)
+        kl = e["kl_from_initial"]
+        assert kl["mean"] == pytest.approx(sum(ratios) / len(ratios))
+        assert min(ratios) <= kl["low"] <= kl["mean"] <= kl["high"] <= max(ratios)
+    assert report["final_policy"] == f"{run_dir}/online/round_1/checkpoints/iter_0000002"
+    assert report["plot"] == f"{run_dir}/online/evaluation.png"
+    assert open(report["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert [r["round"] for r in report["rounds"]] == [0, 1]
+    log = open(f"{run_dir}/train.log").read()
+    assert f"online: final policy {report['final_policy']} (continue: model.load=" in log
+    assert f"checkpoints -> {run_dir}/online/round_<r>/checkpoints |" in log
+    assert not os.path.exists(f"{run_dir}/checkpoints")
+
+
 def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
     folder = str(tmp_path)
     run_ranks(_prepare, world_size=1, folder=folder)
@@ -226,6 +265,8 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
                 _final_weights_equal,
                 {"folder": folder, "run_a": "straight", "run_b": "killed"},
             ),
+            # 3 prompts a round: never a global batch of 4 pairs, the policy never trains
+            "untrained": (_online, {"folder": folder, "run": "untrained", "global_batch": 4}),
         },
     )
     straight = f"{folder}/straight"
@@ -254,6 +295,7 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
     summaries = out["straight"][0]["summaries"]
     assert [s["eval_mean_score_before"] for s in summaries] == pytest.approx(means[:2])
     assert [s["eval_mean_score"] for s in summaries] == pytest.approx(means[1:])
+    _check_report(straight, evals, summaries)
     # reference = the initial weights: round 1 starts from a policy that moved in round 0
     initial_r1 = _train_records(f"{folder}/initref", 1)
     assert abs(initial_r1[0]["loss"] - math.log(2)) > 1e-4
@@ -280,6 +322,15 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
         pairs = open(f"{killed}/online/round_{r}/pairs.jsonl").read()
         assert pairs == open(f"{straight}/online/round_{r}/pairs.jsonl").read()
     assert out["same_weights_killed"] == [True]
+    untrained = out["untrained"][0]["summaries"]
+    assert [s["policy_end"] for s in untrained] == [f"{folder}/initial"] * 2
+    assert all(s["train"] == {} for s in untrained)
+    assert not os.path.exists(f"{folder}/untrained/online/round_0/checkpoints")
+    report = json.load(open(f"{folder}/untrained/online/summary.json"))
+    assert report["final_policy"] == f"{folder}/initial"
+    for e in report["evaluation"]:  # the starting policy throughout: the same samples, KL 0
+        assert e["score"] == report["evaluation"][0]["score"]
+        assert e["kl_from_initial"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
     state = json.load(open(f"{resumed}/online/state.json"))
     assert state["rounds"]["1"]["done"] == ["sample", "score", "pairs", "train", "eval"]
 
