@@ -19,6 +19,8 @@ setup(
         "omegaconf",
         "tensorboard",
         "numpy",
+        # An online run's evaluation plot (dpo_megatron/online/evaluation.py).
+        "matplotlib>=3.8",
         # Checkpoint manifests: XXH3-128 checksums (dpo_megatron/checkpointing/integrity.py).
         "xxhash>=3",
     ],
