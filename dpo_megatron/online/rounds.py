@@ -398,21 +398,26 @@ class _OnlineRun:
         if self.stop_after == (r, phase):
             raise StopAfter(f"stopped after round {r} phase {phase}")
 
+    def held_out(self, policy: str, path: str) -> tuple[list[dict], float]:
+        """The held-out evaluation of ``policy`` (``_evaluate``, rows written to ``path``):
+        its rows and mean score."""
+        rows = _evaluate(
+            self.cfg,
+            self.model_cfg,
+            self.tokenizer,
+            self.pad_id,
+            self.held,
+            policy,
+            self.initial,
+            path,
+        )
+        return rows, sum(x["score"] for x in rows) / len(rows)
+
     def evaluate_start(self, policy: str) -> None:
         """The starting policy's held-out evaluation, once (round -1)."""
         if self.held and not self.state.done(-1, "eval"):
             t0 = time.time()
-            rows = _evaluate(
-                self.cfg,
-                self.model_cfg,
-                self.tokenizer,
-                self.pad_id,
-                self.held,
-                policy,
-                self.initial,
-                self.layout.online_eval_start,
-            )
-            mean = sum(r["score"] for r in rows) / len(rows)
+            _, mean = self.held_out(policy, self.layout.online_eval_start)
             self.state.mark(-1, "eval", eval_mean_score=mean, eval_s=time.time() - t0)
 
     def round(self, r: int, items: list[PromptItem], policy: str) -> tuple[str, dict]:
@@ -511,17 +516,7 @@ class _OnlineRun:
         if not self.held or self.state.done(r, "eval"):
             return
         t0 = time.time()
-        rows = _evaluate(
-            self.cfg,
-            self.model_cfg,
-            self.tokenizer,
-            self.pad_id,
-            self.held,
-            policy,
-            self.initial,
-            os.path.join(folder, EVAL),
-        )
-        mean = sum(x["score"] for x in rows) / len(rows)
+        rows, mean = self.held_out(policy, os.path.join(folder, EVAL))
         if ranks.is_rank0():
             entry = evaluation_entry(
                 rows,
@@ -628,6 +623,14 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
             )
             if warning:
                 print(warning, flush=True)
+            if o.eval_prompts and (o.sampling.temperature != 1 or o.sampling.top_p != 1):
+                print(
+                    f"note: online.sampling.temperature={o.sampling.temperature}, top_p="
+                    f"{o.sampling.top_p}: the evaluation's KL is the mean log-ratio on samples "
+                    "that do not come from the policy itself, not an unbiased KL (1 and 1 make "
+                    "it one)",
+                    flush=True,
+                )
         pool, held = split_prompts(all_prompts, o.eval_prompts, o.shuffle_prompts, o.seed)
         run = _OnlineRun(
             cfg,
