@@ -358,6 +358,10 @@ def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path)
     assert [s["round"] for s in summaries] == [0, 1] and all(
         o["summaries"] == summaries for o in out
     )
+    evals = [_read(f"{folder}/tp2pp2/online/eval_start.jsonl")] + [
+        _read(f"{folder}/tp2pp2/online/round_{r}/eval.jsonl") for r in range(2)
+    ]
+    _check_report(f"{folder}/tp2pp2", evals, summaries)  # log-probabilities at TP 2 x PP 2
     for r in range(2):
         summary, pairs = _check_round_files(f"{folder}/tp2pp2", r)
         assert pairs
