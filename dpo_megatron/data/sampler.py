@@ -64,10 +64,6 @@ class PairSampler:
         full, rest = divmod(self.num_pairs, self.global_batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 
-    @property
-    def consumed_steps(self) -> int:
-        return self.epoch * self.steps_per_epoch + self.step_in_epoch
-
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Pair indices in epoch ``epoch``'s visiting order."""
         if self._order_epoch != epoch:

@@ -67,6 +67,18 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+def is_stage_writer() -> bool:
+    """Whether this rank writes its pipeline stage's share of a file every rank computes: TP rank
+    0 and DP rank 0 (the other TP ranks hold other shards of the same stage, which rank 0 of the
+    stage gathers first where it needs them; the other DP ranks hold copies)."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy, torch and megatron-core's model-parallel RNG tracker.
 

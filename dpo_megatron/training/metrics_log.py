@@ -46,11 +46,6 @@ _CONSOLE_KEYS = (
 )
 
 
-def is_logging_rank() -> bool:
-    """Global rank 0 writes logs (every rank holds the same reduced metrics)."""
-    return ranks.is_rank0()
-
-
 def strict_json_value(value):
     """``value`` with every non-finite float replaced by ``"NaN"`` / ``"Infinity"`` /
     ``"-Infinity"`` (recursively through dicts and lists), for ``json.dumps(allow_nan=False)``."""
@@ -135,7 +130,7 @@ class MetricsLogger:
         config = config or LoggingConfig()
         self.total_steps = total_steps
         self.start_step = start_step
-        self.enabled = is_logging_rank()
+        self.enabled = ranks.is_rank0()  # every rank holds the same reduced metrics
         self.start = time.time()
         self.writer = None
         self.jsonl = None

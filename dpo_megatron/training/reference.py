@@ -40,6 +40,7 @@ import torch.distributed as dist
 from dpo_megatron.data.batch import BatchBuilder
 from dpo_megatron.data.pairs import PreferencePair
 from dpo_megatron.parallel.device import get_device, is_cuda
+from dpo_megatron.parallel.layout import is_stage_writer
 from dpo_megatron.training.config import ReferenceConfig
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.cache import CACHE_VERSION, cache_root, content_key
@@ -420,7 +421,6 @@ def precomputed_pairs(
 
     Prints on rank 0 whether the cache was hit.
     """
-    from megatron.core import parallel_state
 
     if not pairs:
         return list(pairs)
@@ -436,12 +436,7 @@ def precomputed_pairs(
     hit = _all_ranks_agree(path.is_file())
     if not hit:
         table = precompute_reference_logps(reference, pairs, builder, plan)
-        writer = (
-            table is not None
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0
-        )
-        if writer:
+        if table is not None and is_stage_writer():
             table.save(path)
         dist.barrier()
     if ranks.is_rank0():

@@ -37,13 +37,14 @@ from dpo_megatron.parallel.shutdown import NonFiniteLossError, die_with_launcher
 from dpo_megatron.training import run_models
 from dpo_megatron.training.auto_settings import resolve_auto_settings
 from dpo_megatron.training.evaluation import Evaluator, write_samples
-from dpo_megatron.training.metrics_log import MetricsLogger, is_logging_rank
+from dpo_megatron.training.metrics_log import MetricsLogger
 from dpo_megatron.training.optim import build_optimizer, current_lr, wrap_ddp
 from dpo_megatron.training.reference import precomputed_pairs
 from dpo_megatron.training.resolved_config import resolved_config
 from dpo_megatron.training.run_data import RunData, load_run_data
 from dpo_megatron.training.run_dir import RunFolder
 from dpo_megatron.training.step import StepOutput, train_step
+from dpo_megatron.utils import ranks
 
 
 class Trainer:
@@ -222,7 +223,7 @@ class Trainer:
         return None
 
     def _report_start(self, layout_note: Optional[str]) -> None:
-        if not is_logging_rank():
+        if not ranks.is_rank0():
             return
         cfg = self.cfg
         if self.resumed_from:
@@ -318,7 +319,7 @@ class Trainer:
             self.evaluations["last"] = (step, metrics)
         if self.cfg.train.sample_during_eval and self.cfg.train.eval_num_samples > 0:
             records = self.samples()
-            if is_logging_rank() and self.logger.write_error is None:
+            if ranks.is_rank0() and self.logger.write_error is None:
                 with self.logger.writing(self.layout.samples_file(step)):
                     path = write_samples(self.layout, step, records)
                     said = f"[eval] step {step}: {len(records)} greedy samples -> {path}"
@@ -368,7 +369,7 @@ class Trainer:
         """
         cfg, last = self.cfg, self.cfg.train.train_iters
         if self.counters.step >= last:
-            if is_logging_rank():
+            if ranks.is_rank0():
                 print(
                     f"nothing to do: {self.resumed_from} is at step {self.counters.step} >= "
                     f"train.train_iters={last}",
@@ -420,7 +421,7 @@ class Trainer:
                 self.close()
                 raise interrupted
         export = self.export_final()
-        if is_logging_rank():
+        if ranks.is_rank0():
             print(
                 f"saved checkpoint {self.checkpointer.latest()}"
                 + (
@@ -539,7 +540,7 @@ class Trainer:
             )
         else:
             return None
-        if is_logging_rank():
+        if ranks.is_rank0():
             print(f"exported the {what}", flush=True)
         return what
 

@@ -32,6 +32,7 @@ from dpo_megatron.models.conversion.hf_files import write_safetensors_shards
 from dpo_megatron.models.conversion.load import OUTPUT, iter_global_params, table_entry
 from dpo_megatron.models.conversion.tp_split import merge_tp_shards
 from dpo_megatron.models.lora_config import EXPERT_TARGETS
+from dpo_megatron.parallel.layout import is_stage_writer
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.files import atomic_dir
 from dpo_megatron.utils.modules import unwrap
@@ -443,10 +444,7 @@ def _export(
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
     is_rank0 = ranks.is_rank0()
-    sender = (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
+    sender = is_stage_writer()
     error = None
     if is_rank0:
         receiver = _StageReceiver()
