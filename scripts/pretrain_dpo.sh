@@ -9,7 +9,7 @@
 # asks for (TP x PP x parallel.data_parallel_size).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.train}"
+ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.cli.train}"
 DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/dpo_smollm2_cpu.yaml}"
 if [[ -n "${PYTHON:-}" ]]; then :
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"

@@ -1,10 +1,10 @@
-"""A stand-in for ``dpo_megatron.train`` that the launcher tests start through
+"""A stand-in for ``dpo_megatron.cli.train`` that the launcher tests start through
 ``scripts/pretrain_dpo.sh`` (``DPO_MEGATRON_ENTRY=tests.launcher_entry``), to end a job quickly
 the way a real run ends: ``DPO_TEST_ENDING=mistake`` reports a user's mistake with
 :func:`dpo_megatron.utils.exits.fail` (rank 0 a second after the others, the order in which torch
 elastic would otherwise stop rank 0 before it printed), ``mistake_on_rank1`` on rank 1 alone
 (rank 0 runs on), ``crash`` raises an exception on every rank. The others run the real
-``dpo_megatron.train`` (its own stops and messages) with one thing changed: ``nan_from_step_N``
+``dpo_megatron.cli.train`` (its own stops and messages) with one thing changed: ``nan_from_step_N``
 a loss that is NaN from optimizer step N on; ``slow_steps`` a sleep of
 ``DPO_TEST_STEP_SLEEP`` seconds before each step (a signal then lands inside a step);
 ``sigterm_in_first_save`` a SIGTERM that rank 1 sends itself as its first checkpoint save
@@ -22,9 +22,9 @@ MISTAKE = "error: data file pairs.jsonl, row 3: field 'chosen' is missing"
 
 
 def _train_with_nan_from(step_from: int) -> None:
-    """dpo_megatron.train.main (arguments from the command line) where every loss value of
+    """dpo_megatron.cli.train.main (arguments from the command line) where every loss value of
     optimizer step ``step_from`` and later is NaN, on every rank."""
-    import dpo_megatron.train as train_module
+    import dpo_megatron.cli.train as train_module
     import dpo_megatron.training.trainer as trainer_module
 
     real_build_loss, real_step = trainer_module.build_loss, trainer_module.Trainer.train_step
@@ -52,8 +52,8 @@ def _train_with_nan_from(step_from: int) -> None:
 
 
 def _train_with_slow_steps(seconds: float) -> None:
-    """dpo_megatron.train.main where each optimizer step starts with a sleep of ``seconds``."""
-    import dpo_megatron.train as train_module
+    """dpo_megatron.cli.train.main where each optimizer step starts with a sleep of ``seconds``."""
+    import dpo_megatron.cli.train as train_module
     import dpo_megatron.training.trainer as trainer_module
 
     real_step = trainer_module.Trainer.train_step
@@ -67,10 +67,10 @@ def _train_with_slow_steps(seconds: float) -> None:
 
 
 def _train_around_first_save(before=None, after=None) -> None:
-    """dpo_megatron.train.main where ``before()`` runs as this process's first checkpoint save
+    """dpo_megatron.cli.train.main where ``before()`` runs as this process's first checkpoint save
     starts and ``after()`` once it is written (each on every rank; None: nothing)."""
     import dpo_megatron.checkpointing.run_checkpoint as run_checkpoint
-    import dpo_megatron.train as train_module
+    import dpo_megatron.cli.train as train_module
 
     real_save = run_checkpoint.Checkpointer.save
     saves = []

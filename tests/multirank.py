@@ -43,7 +43,7 @@ _PRELOAD = [
     "dpo_megatron.losses",
     "dpo_megatron.data",
     "dpo_megatron.training.trainer",
-    "dpo_megatron.train",
+    "dpo_megatron.cli.train",
     "dpo_megatron.models.conversion",
     "transformers",
     "transformers.models.auto.tokenization_auto",

@@ -296,7 +296,7 @@ def test_the_gpu_path_needs_only_what_the_gpu_machine_has_or_the_wheels_carry():
     code = (
         "import sys; sys.path.insert(0, 'scripts')\n"
         "import gpu_check, gpu_bench\n"
-        "import dpo_megatron.train, dpo_megatron.config, dpo_megatron.training.trainer\n"
+        "import dpo_megatron.cli.train, dpo_megatron.config, dpo_megatron.training.trainer\n"
         "import dpo_megatron.models.attention, dpo_megatron.data.packing\n"
         "bad = [m for m in ('datasets', 'trl', 'peft', 'pandas', 'pyarrow', 'sentencepiece')"
         " if m in sys.modules]\n"

@@ -490,7 +490,7 @@ def test_a_fault_of_the_run_is_one_line_with_its_own_status(tmp_path, monkeypatc
     """The faults a run meets and reports (a checkpoint failing verification, a full disk, the
     NaN stop) end a rank with their ``error:`` line and ``FAULT_EXIT`` (3), which the launcher
     passes on (a mistake's 2 becomes 1); no uncaught exception, no traceback per rank."""
-    import dpo_megatron.train as train_module
+    import dpo_megatron.cli.train as train_module
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.storage import CheckpointSaveError
     from dpo_megatron.parallel.shutdown import NonFiniteLossError
@@ -523,7 +523,7 @@ def test_a_run_folder_read_only_from_the_start_is_a_fault_of_the_run(tmp_path, m
     lists a read-only disk. Shown in one process, the ranks' own path (``RunFolder.open``, then
     ``dpo_megatron.train``'s ending): the launcher adds its pointer and passes the 3 on for
     any fault (``tests/training/test_durability.py``, the folder turning read-only mid-run)."""
-    import dpo_megatron.train as train_module
+    import dpo_megatron.cli.train as train_module
     from dpo_megatron.training.run_dir import RunFolder
     from dpo_megatron.utils.exits import FAULT_EXIT
     from tests.checkpointing.test_storage import small_tmpfs

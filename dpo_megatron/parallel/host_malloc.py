@@ -63,15 +63,19 @@ docstring)."""
 MODES = ("trim", "release", "system")
 
 
+class HostMallocError(ValueError):
+    """:data:`SWITCH` holds a value not in :data:`MODES`."""
+
+
 def mode(environ: Mapping[str, str] = os.environ) -> str:
     """The host malloc mode :data:`SWITCH` selects: ``trim`` when unset.
 
     Raises:
-        ValueError: a value not in :data:`MODES`.
+        HostMallocError: a value not in :data:`MODES`.
     """
     value = environ.get(SWITCH, "") or "trim"
     if value not in MODES:
-        raise ValueError(
+        raise HostMallocError(
             f"{SWITCH}={value!r}: expected one of {', '.join(MODES)} (unset means trim)"
         )
     return value
@@ -87,7 +91,7 @@ def malloc_env(environ: Mapping[str, str]) -> Optional[dict[str, str]]:
     already sets a ``glibc.malloc`` tunable (the engine's own, or the user's).
 
     Raises:
-        ValueError: an unknown ``DPO_MEGATRON_HOST_MALLOC`` (:func:`mode`).
+        HostMallocError: an unknown ``DPO_MEGATRON_HOST_MALLOC`` (:func:`mode`).
     """
     if mode(environ) != "release" or not _glibc():
         return None
@@ -108,7 +112,7 @@ def restart_with_malloc_tunables() -> None:
     """
     try:
         env = malloc_env(os.environ)
-    except ValueError as exc:  # before torch: one line from rank 0, not a traceback per rank
+    except HostMallocError as exc:  # before torch: one line from rank 0, not a traceback per rank
         from dpo_megatron.utils.exits import fail
 
         fail(f"error: {exc}")
@@ -252,7 +256,7 @@ def trim_after_each_layer(
         the trimmer (its ``trims`` count the trims), or None in another mode or on a GPU.
 
     Raises:
-        ValueError: an unknown ``DPO_MEGATRON_HOST_MALLOC`` (:func:`mode`).
+        HostMallocError: an unknown ``DPO_MEGATRON_HOST_MALLOC`` (:func:`mode`).
     """
     if mode() != "trim" or device.type != "cpu" or not _glibc():
         return None

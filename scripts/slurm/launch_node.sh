@@ -12,13 +12,13 @@
 #                                    SLURM_JOB_ID % 1000, so jobs sharing a node do not collide)
 #   GPUS_PER_NODE                    processes per node (default SLURM_GPUS_ON_NODE, else the
 #                                    number of visible GPUs, else 1)
-#   DPO_MEGATRON_ENTRY               python module to run (default dpo_megatron.train)
+#   DPO_MEGATRON_ENTRY               python module to run (default dpo_megatron.cli.train)
 #   DPO_MEGATRON_DEFAULT_CONFIG      config used when no --config is given
 # Global rank = node index x GPUS_PER_NODE + local rank (torchrun's static rendezvous), so a job
 # of N nodes x G GPUs has the same rank layout as one machine with N x G processes.
 set -euo pipefail
 ROOT="${DPO_MEGATRON_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
-ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.train}"
+ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.cli.train}"
 DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/dpo_smollm2_cpu.yaml}"
 if [[ -n "${PYTHON:-}" ]]; then :
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"

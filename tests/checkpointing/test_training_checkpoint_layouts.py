@@ -30,7 +30,7 @@ def _run_then_resume(root, prefix, data_file, tok_dir, layout):
     """A 4-step run, and a copy of it cut back to step 2 then resumed with resume=auto."""
     import torch.distributed as dist
 
-    from dpo_megatron.train import train
+    from dpo_megatron.cli.train import train
 
     full = os.path.join(root, prefix + "full")
     resumed = os.path.join(root, prefix + "resumed")
@@ -104,8 +104,8 @@ def _tp2pp2_runs(root, data_file, tok_dir, init):
 def _tp1_runs(root, data_file, tok_dir, init):
     """At TP 1 x PP 1: log-probs of the TP 2 x PP 2 final checkpoint, and a resume of its step-2
     checkpoint (weights and distributed-optimizer state resharded)."""
+    from dpo_megatron.cli.train import train
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
-    from dpo_megatron.train import train
 
     initialize_distributed(ParallelConfig())
     set_seed(1)
@@ -189,7 +189,7 @@ def _dp2_runs(root, data_file, tok_dir, init):
 
 
 def _dp1_resume(root, data_file, tok_dir, init):
-    from dpo_megatron.train import train
+    from dpo_megatron.cli.train import train
 
     train(
         tiny_config(

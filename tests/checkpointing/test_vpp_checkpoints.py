@@ -82,9 +82,9 @@ def _resumes(root, config_file, args):
     own uninterrupted run ``plain_full`` first)."""
     from megatron.core import parallel_state as ps
 
+    from dpo_megatron.cli.train import train
     from dpo_megatron.config import load_config
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed
-    from dpo_megatron.train import train
 
     initialize_distributed(
         ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)

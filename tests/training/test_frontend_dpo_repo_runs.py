@@ -155,8 +155,8 @@ def test_reference_readme_lines_sft_then_dpo(tmp_path, tiny_files):
 
 
 def _train_translated(config, overrides):
+    from dpo_megatron.cli.train import train
     from dpo_megatron.config import load_config
-    from dpo_megatron.train import train
 
     return train(load_config(os.path.join(ROOT, config), overrides))
 

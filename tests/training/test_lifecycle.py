@@ -1,5 +1,5 @@
-"""The run lifecycle through ``dpo_megatron.train.train``: exact resume, NaN/Inf skipping, a kill
-during a save, evaluation with samples, and the SFT -> DPO hand-off.
+"""The run lifecycle through ``dpo_megatron.cli.train.train``: exact resume, NaN/Inf skipping, a
+kill during a save, evaluation with samples, and the SFT -> DPO hand-off.
 
 Each run is a whole ``train(cfg)`` on a tiny random model (4 layers, hidden 64) with a 400-token
 BPE tokenizer trained in-process and a small preference file written here; every run is a fresh
@@ -114,7 +114,7 @@ def run_train(
 
 
 def _train(run_dir, data_file, tok_dir, overrides):
-    from dpo_megatron.train import train
+    from dpo_megatron.cli.train import train
 
     return train(tiny_config(run_dir, data_file, tok_dir, *overrides))
 
@@ -193,8 +193,9 @@ def test_resume_is_exact_and_auto_picks_latest(tmp_path, fixture_files):
 
 def _nan_after(step_from: int, run_dir, data_file, tok_dir, overrides):
     """train() with a loss that returns NaN from optimizer step ``step_from`` on."""
-    import dpo_megatron.train as train_module
+    import dpo_megatron.cli.train as train_module
     import dpo_megatron.training.trainer as trainer_module
+    from dpo_megatron.parallel.shutdown import NonFiniteLossError
 
     real_build_loss = trainer_module.build_loss
     calls = {"n": 0}
@@ -218,7 +219,7 @@ def _nan_after(step_from: int, run_dir, data_file, tok_dir, overrides):
     trainer_module.build_loss = build_loss
     try:
         return train_module.train(tiny_config(run_dir, data_file, tok_dir, *overrides))
-    except train_module.NonFiniteLossError as e:
+    except NonFiniteLossError as e:
         return str(e)
 
 
@@ -402,8 +403,8 @@ def test_sft_then_dpo_from_its_checkpoint(tmp_path, fixture_files, capsys):
     # ... and model.load with a model.* key set to another value than its model_config.json's,
     # by a rank started without the pre-check (another launcher); the same values are fine, as
     # the DPO run above states them all
+    from dpo_megatron.cli.train import main
     from dpo_megatron.config import check_model_sources
-    from dpo_megatron.train import main
 
     load = f"model.load={sft_dir}/checkpoints"
     overrides = [*tiny_overrides(tmp_path / "again", data_file, tok_dir), load]
@@ -498,7 +499,7 @@ def _real_data_config(run_dir, data_file, data_format, *overrides):
 
 
 def _train_real(run_dir, data_file, data_format, overrides):
-    from dpo_megatron.train import train
+    from dpo_megatron.cli.train import train
 
     return train(_real_data_config(run_dir, data_file, data_format, *overrides))
 

@@ -1,4 +1,4 @@
-"""LoRA run lifecycle through ``dpo_megatron.train.train``: exact resume from an adapter-only
+"""LoRA run lifecycle through ``dpo_megatron.cli.train.train``: exact resume from an adapter-only
 checkpoint, resharding it to another layout, refusing checkpoints that do not fit, and the PEFT
 export at the end. Tiny random model, tiny tokenizer, fixture data (``test_lifecycle``'s)."""
 
