@@ -19,18 +19,17 @@ key (``''``), a list key (``[]``) or an optional key (null). Any other scalar gi
 an error that says what the section takes.
 
 This module imports no torch and no megatron-core until the loss is checked (torch) and the
-layout is checked (megatron-core, :func:`check_model_layout`), so that ``python -m
-dpo_megatron.config`` (the launchers' pre-check) reports a config mistake within seconds.
+layout is checked (megatron-core, :func:`check_model_layout`), so that the launchers' pre-check
+(``python -m dpo_megatron.config``: :mod:`dpo_megatron.cli.check`) reports a config mistake
+within seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import difflib
 import inspect
 import os
-import sys
 import textwrap
 import warnings
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -40,17 +39,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dpo_megatron.compat import before_megatron_import
+from dpo_megatron.data.config import DataConfig, PackingConfig
+from dpo_megatron.generation.config import GenerationConfig
+from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name
+from dpo_megatron.models.lora_config import LoraConfig, export_mode
+from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+from dpo_megatron.training.online_config import OnlineConfig
+from dpo_megatron.utils.config_checks import check_choice, check_range
 
-before_megatron_import()  # the launcher imports this module first: before megatron-core's import
-
-from dpo_megatron.data.config import DataConfig, PackingConfig  # noqa: E402
-from dpo_megatron.generation.config import GenerationConfig  # noqa: E402
-from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name  # noqa: E402
-from dpo_megatron.models.lora_config import LoraConfig, export_mode  # noqa: E402
-from dpo_megatron.parallel.config import ParallelConfig  # noqa: E402
-from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig  # noqa: E402
-from dpo_megatron.training.online_config import OnlineConfig  # noqa: E402
-from dpo_megatron.utils.config_checks import check_choice, check_range  # noqa: E402
+# Programs that build the engine themselves (benchmarks, converters, tests) load a config
+# first; the imports above are light (no megatron-core), so this still comes before its import.
+before_megatron_import()
 
 EXPORT_DTYPES = ("bfloat16", "float32")
 
@@ -673,28 +673,7 @@ def world_size_for(cfg: DPOConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# command line
-
-
-def _parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=None, help="YAML file under configs/")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    return parser
-
-
-def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]):
-    args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        parser.error(f"overrides must look like key=value, got {bad}")
-    return args
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:
-    """``--config FILE`` (anywhere) plus ``key=value`` overrides."""
-    args = _parse(_parser(__doc__.splitlines()[0]), argv)
-    return args.config, args.overrides
+# the config against the files it names (the launchers' pre-check: dpo_megatron.cli.check)
 
 
 def check_model_layout(cfg: DPOConfig) -> None:
@@ -812,103 +791,7 @@ def predicted_memory_warning(cfg: DPOConfig, cluster=None) -> Optional[str]:
     return memory_warning(cfg, loss_fn, resolved_model(cfg, loss_fn), cluster)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m dpo_megatron.config --config F [k=v...]``: the launchers' pre-check.
+if __name__ == "__main__":  # the pre-check's first name: the command, by its module name
+    import runpy
 
-    Resolves the config (its assets from the cache), checks the data
-    sources (:func:`check_data`), the checkpoints it loads or resumes against the model
-    (:func:`check_model_sources`), the model against the layout, its weight files
-    (:func:`check_model_weights`), then tokenizes the data into the cache the ranks read
-    (:func:`prepare_data`), and prints the world size it needs. On a CUDA machine it warns (one
-    line) when the layout planner predicts more memory per GPU than the device has
-    (:func:`predicted_memory_warning`). Every
-    mistake ends the process with one ``config error: ...`` or ``error: ...`` line on stderr and
-    exit status 1. ``--list-keys`` prints every key; ``--print-config`` the resolved tree;
-    ``--without-weights`` leaves out the weight files and the tokenization, for a config prepared
-    where the model is not (a preset's architecture is known without its files).
-    """
-    from dpo_megatron.utils import collector
-
-    collector.pause()  # a short process: its imports are most of its time
-    parser = _parser(main.__doc__.splitlines()[0])
-    parser.add_argument(
-        "--list-keys",
-        action="store_true",
-        help="print every config key with its type, default and valid range",
-    )
-    parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
-    )
-    parser.add_argument(
-        "--without-weights",
-        action="store_true",
-        help="check a config where the model's files are not (a job prepared for a cluster): "
-        "everything but the weight files and the tokenization",
-    )
-    args = _parse(parser, argv)
-    if args.list_keys:
-        try:
-            print(list_keys(args.config))
-        except ValueError as e:
-            raise SystemExit(f"config error: {e}") from None
-        return
-    from dpo_megatron.training.run_dir import RunDirError, check_run_dir
-
-    try:
-        cfg = load_config(args.config, args.overrides, check=False)
-        if not args.print_config:
-            try:  # first: the run folder's refusals need neither torch, the data nor the model
-                check_run_dir(cfg)
-            except RunDirError as e:
-                raise SystemExit(f"error: {e}") from None
-        validate(cfg)
-    except ValueError as e:
-        raise SystemExit(f"config error: {e}") from None
-    if args.print_config:
-        try:
-            from dpo_megatron.training.resolved_config import (
-                resolved_config,
-                unresolved_model_note,
-            )
-
-            note = unresolved_model_note(cfg)
-            if note:
-                print(f"# {note}")
-            print(OmegaConf.to_yaml(resolved_config(cfg)), end="")
-        except (OSError, ValueError) as e:  # the model folder or checkpoint
-            raise SystemExit(f"config error: {e}") from None
-        return
-    from dpo_megatron.data.reader import DataError
-    from dpo_megatron.parallel.host_malloc import mode
-
-    try:
-        mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    try:
-        check_data(cfg)  # cheap: no tokenizer, no megatron-core
-        check_model_sources(cfg, args.config, args.overrides)
-        from dpo_megatron.training.run_models import (
-            require_sequence_parallel,
-            resolve_model_config,
-        )
-
-        note = require_sequence_parallel(cfg, resolve_model_config(cfg))  # as the ranks will
-        if note:  # stderr: the launcher reads the world size from stdout's last line
-            print(note, file=sys.stderr, flush=True)
-        check_model_layout(cfg)
-        warning = predicted_memory_warning(cfg)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-        if not args.without_weights:
-            check_model_weights(cfg)
-            prepare_data(cfg)
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
-    except (OSError, ValueError) as e:  # a tokenizer or checkpoint path, a layout conflict
-        raise SystemExit(f"config error: {e}") from None
-    print(world_size_for(cfg))
-
-
-if __name__ == "__main__":
-    main()
+    runpy.run_module("dpo_megatron.cli.check", run_name="__main__", alter_sys=True)

@@ -45,9 +45,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Killing this script with SIGKILL takes the ranks with it (parent-death signal in each rank).
 export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 
-# The pre-check: the config module's, or another entry's (DPO_MEGATRON_PRECHECK, e.g.
+# The pre-check: dpo_megatron.cli.check, or another entry's (DPO_MEGATRON_PRECHECK, e.g.
 # scripts/iterative_dpo.sh's).
-read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.config}"
+read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.cli.check}"
 # --plan: the layout planner on this config (dpo_megatron/plan.py; its options such as --gpu h100
 # --nodes 4 pass through), nothing is launched.
 for i in "${!args[@]}"; do
@@ -56,7 +56,7 @@ for i in "${!args[@]}"; do
     exec "$PYTHON" -m dpo_megatron.plan "${args[@]}"
   fi
 done
-# --list-keys / --print-config: answered by the pre-check's module, nothing is launched.
+# --list-keys / --print-config: answered by the pre-check, nothing is launched.
 for a in "${args[@]}"; do
   if [[ "$a" == "--list-keys" || "$a" == "--print-config" ]]; then
     exec "$PYTHON" "${PRECHECK[@]}" "${args[@]}"

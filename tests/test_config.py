@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from dpo_megatron.config import load_config, parse_args, world_size_for
+from dpo_megatron.cli import command
+from dpo_megatron.config import load_config, world_size_for
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -71,6 +72,12 @@ def test_missing_file_and_bad_override():
         parse_args(["--config", "x.yaml", "train.lr"])
 
 
+def parse_args(argv):
+    """A command's ``--config`` and overrides (``cli.command``), as (file, overrides)."""
+    args = command.parse(command.parser("a command"), argv)
+    return args.config, args.overrides
+
+
 def test_shipped_configs_load():
     for name in ("configs/dpo_smollm2_cpu.yaml", "configs/tiny_cpu.yaml"):
         # Interpolations (${asset:...}) resolve lazily: check structure with assets stubbed.
@@ -107,7 +114,8 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from dpo_megatron.config import list_keys, main  # noqa: E402
+from dpo_megatron.cli.check import main  # noqa: E402
+from dpo_megatron.config import list_keys  # noqa: E402
 
 BASE = ["data.tokenizer=t", "data.path=d.json"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -316,11 +324,11 @@ def test_list_keys_and_print_config(capsys, tmp_path):
 
 def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_path):
     """The launchers' pre-check reports a range / key / YAML mistake without importing torch or
-    megatron-core: ``import dpo_megatron.config`` pulls in neither (dpo_megatron.models is
+    megatron-core: ``import dpo_megatron.cli.check`` pulls in neither (dpo_megatron.models is
     imported on first use), so a mistake costs seconds, not those imports."""
     code = (
         "import sys\n"
-        "from dpo_megatron.config import main\n"
+        "from dpo_megatron.cli.check import main\n"
         "try:\n"
         "    main(['data.path=d.json', 'data.tokenizer=t', 'train.log_interval=0'])\n"
         "except SystemExit as e:\n"
@@ -383,7 +391,7 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
 
     import yaml
 
-    from dpo_megatron.config import main
+    from dpo_megatron.cli.check import main
     from dpo_megatron.losses import build_loss
     from dpo_megatron.training.run_models import resolve_model_config
     from tests.models.conversion_helpers import save_tiny_hf_folder

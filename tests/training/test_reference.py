@@ -223,7 +223,8 @@ def test_a_reference_of_another_shape_or_no_causal_lm_is_refused_naming_both(tmp
     differs; a truncated weights file of the reference folder is named, as the policy's would
     be; a folder that is no checkpoint, and a LoRA checkpoint (adapters, no base weights), are
     refused by name."""
-    from dpo_megatron.config import load_config, main
+    from dpo_megatron.cli.check import main
+    from dpo_megatron.config import load_config
     from dpo_megatron.training.run_models import reference_model_config, resolve_model_config
     from tests.models.conversion_helpers import save_tiny_hf_folder
     from tests.training.test_lifecycle import fixture_data_overrides, write_fixture
