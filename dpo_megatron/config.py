@@ -27,6 +27,7 @@ within seconds.
 from __future__ import annotations
 
 import ast
+import copy
 import difflib
 import inspect
 import os
@@ -43,9 +44,9 @@ from dpo_megatron.data.config import DataConfig, PackingConfig
 from dpo_megatron.generation.config import GenerationConfig
 from dpo_megatron.models.config import MODEL_PRESETS, ModelConfig, model_preset_keys, preset_name
 from dpo_megatron.models.lora_config import LoraConfig, export_mode
+from dpo_megatron.online.config import OnlineConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
-from dpo_megatron.training.online_config import OnlineConfig
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
 # Programs that build the engine themselves (benchmarks, converters, tests) load a config
@@ -664,6 +665,26 @@ def _validate_reward_model(cfg: DPOConfig) -> None:
                 f"loss.name={cfg.loss['name']} trains a reward model, which does not support "
                 f"this setting: set {fix}"
             )
+
+
+def validate_online_config(cfg: DPOConfig, world_size: Optional[int] = None) -> None:
+    """An online run's config: everything :func:`validate` checks of a training run, then the
+    rules that span ``online.*`` and the rest (``online.checks.validate_online``; with
+    ``world_size``, both layouts against it). An online run trains on its own pairs: ``data.*``
+    gives the tokenizer, the chat template and the prompt length, and needs no ``data.path``
+    (the prompts file stands in for it in the data checks).
+
+    Raises:
+        ValueError: naming the fields and what to do.
+    """
+    from dpo_megatron.online.checks import validate_online
+
+    checked = copy.deepcopy(cfg)
+    if not (checked.data.path or checked.data.datasets):
+        checked.data.path = cfg.online.prompts or "online.prompts"
+    validate(checked)
+    cfg.loss = checked.loss  # aliases resolved (loss.name=dpo -> sigmoid)
+    validate_online(cfg, world_size)
 
 
 def world_size_for(cfg: DPOConfig) -> int:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 
 def validate_online(cfg, world_size: Optional[int] = None) -> None:
     """The rules that span ``online.*`` and the rest of the config (``config.validate`` has
-    checked each section's ranges); with ``world_size``, both layouts against it.
+    checked the sections, ``config.validate_online_config`` runs both); with ``world_size``,
+    both layouts against it.
 
     Raises:
         ValueError: naming the fields and what to do.
@@ -58,22 +58,3 @@ def validate_online(cfg, world_size: Optional[int] = None) -> None:
                 raise ValueError(
                     str(e).replace("parallel.", "online.reward_model.parallel.")
                 ) from None
-
-
-def validate_online_config(cfg, world_size: Optional[int] = None) -> None:
-    """Everything ``config.validate`` checks of a training run, then :func:`validate_online`.
-    An online run trains on its own pairs: ``data.*`` gives the tokenizer, the chat template
-    and the prompt length, and needs no ``data.path`` (the prompts file stands in for it in
-    the data checks).
-
-    Raises:
-        ValueError: naming the fields and what to do.
-    """
-    from dpo_megatron.config import validate
-
-    checked = copy.deepcopy(cfg)
-    if not (checked.data.path or checked.data.datasets):
-        checked.data.path = cfg.online.prompts or "online.prompts"
-    validate(checked)
-    cfg.loss = checked.loss  # aliases resolved (loss.name=dpo -> sigmoid)
-    validate_online(cfg, world_size)

@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from dpo_megatron.config import load_config
-from dpo_megatron.online.checks import validate_online_config
+from dpo_megatron.config import load_config, validate_online_config
 from dpo_megatron.online.prompts import encode_prompts, read_prompts, round_prompts, split_prompts
 from tests.data.fixtures import tiny_hf_tokenizer
 

@@ -111,8 +111,8 @@ def _sigterm_after(round_index: int, step: int):
 def _online(folder, run, stop_after=None, sigterm_at=None, **config):
     """One online run (or part of one); returns the summaries (None when stopped) and the
     stand-ins' call counts of this run. ``sigterm_at``: (round, step) of a SIGTERM."""
+    from dpo_megatron.config import validate_online_config
     from dpo_megatron.online.adapters import use_generator, use_reward_model
-    from dpo_megatron.online.checks import validate_online_config
     from dpo_megatron.online.rounds import StopAfter, run_online
     from tests.online import standins
 
