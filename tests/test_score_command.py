@@ -72,7 +72,7 @@ def _expected(folder: str) -> list[float]:
 
 
 def _run(argv):
-    from dpo_megatron.score import main
+    from dpo_megatron.cli.score import main
 
     main(argv)
 
@@ -98,7 +98,7 @@ def test_score_command_writes_transformers_scores(tmp_path):
 
 
 def test_bad_rows_are_named_by_file_line_and_field(tmp_path):
-    from dpo_megatron.score import encode_rows, read_rows
+    from dpo_megatron.reward.rows import encode_rows, read_rows
 
     path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "x"}])
     with pytest.raises(ValueError, match=r"bad.jsonl: line 2: field 'completion' is missing"):

@@ -169,10 +169,10 @@ def check_start(cfg, run_folder: bool = True) -> None:
         check_run_dir(cfg)
 
 
-def run_in_ranks(work: Callable, *args, mistakes: tuple[type, ...] = ()):
-    """``work(*args)`` on this rank, ended by the table (:func:`stops`); a collective broken by
-    a peer's exit after this rank caught SIGINT / SIGTERM ends it with 128 + the signal and no
-    traceback (a second Ctrl-C:
+def run_in_ranks(work: Callable, *args, mistakes: tuple[type, ...] = (), **kwargs):
+    """``work(*args, **kwargs)`` on this rank, ended by the table (:func:`stops`, with the
+    command's own ``mistakes``); a collective broken by a peer's exit after this rank caught
+    SIGINT / SIGTERM ends it with 128 + the signal and no traceback (a second Ctrl-C:
     :func:`~dpo_megatron.parallel.shutdown.broken_collectives_end_a_stopping_rank`); the process
     groups are torn down after it either way. Returns what ``work`` returns."""
     from dpo_megatron.parallel import destroy_distributed
@@ -180,6 +180,6 @@ def run_in_ranks(work: Callable, *args, mistakes: tuple[type, ...] = ()):
 
     try:
         with stops(mistakes=mistakes), broken_collectives_end_a_stopping_rank():
-            return work(*args)
+            return work(*args, **kwargs)
     finally:
         destroy_distributed()

@@ -1,7 +1,7 @@
 """Score token sequences with a reward model (or read a causal LM's log-probabilities of them),
 in-process and collective over the world, at any TP x PP x DP layout: the library function behind
-``python -m dpo_megatron.score`` and what other packages (iterative DPO) call between training
-phases.
+``python -m dpo_megatron.score`` (:mod:`dpo_megatron.reward.rows`) and what other packages
+(iterative DPO) call between training phases.
 
 * :func:`build_reward_chunks`: this rank's chunks of a reward model from an HF
   ``*ForSequenceClassification`` folder or a reward model's checkpoint, at the current layout.

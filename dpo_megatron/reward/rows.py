@@ -1,0 +1,135 @@
+"""A JSONL file of (prompt, completion) rows scored with a reward model: the work of
+``python -m dpo_megatron.score`` (:mod:`dpo_megatron.cli.score`).
+
+Each input line is a JSON object with ``prompt`` and ``completion``: both strings (tokenized as
+the data path tokenizes them: the completion as a continuation ending with one EOS), or both
+message lists (rendered with the tokenizer's chat template, or ``data.chat_template``, as the
+data path renders conversations). The output holds every input row with a ``score`` field (fp32
+reward, a float), in input order, written atomically by rank 0. A bad row stops it with one line
+naming the file, the line and the field. The scoring itself is :mod:`dpo_megatron.reward.scoring`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dpo_megatron.data.config import DataConfig
+from dpo_megatron.data.reader import DataError, read_json_rows
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.utils import ranks
+
+
+def read_rows(path: str) -> list[tuple[str, dict]]:
+    """(location, JSON object) of each row of a JSON Lines file (or a JSON array), read by the
+    data path's reader (``data.reader.read_json_rows``: blank lines skipped, a line that is not
+    a UTF-8 JSON object named by its number); the location is ``line N`` (``row N`` in an
+    array).
+
+    Raises:
+        DataError (a ValueError): ``<path>: line N: ...`` for a malformed line or a row without
+            ``prompt`` and ``completion``.
+    """
+    texts, where, _ = read_json_rows(Path(path))
+    rows = []
+    for text, location in zip(texts, where):
+        row = json.loads(text)
+        for field in ("prompt", "completion"):
+            if field not in row:
+                raise DataError(f"{path}: {location}: field {field!r} is missing")
+        rows.append((location, row))
+    return rows
+
+
+def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
+    """(token ids of prompt + completion, completion start) per row, tokenized as the data path
+    tokenizes a pair's prompt and chosen completion (``data.encode.encode_example``).
+
+    Raises:
+        ValueError: ``<path>: line N: field '...': ...`` for a malformed or empty field.
+    """
+    from dpo_megatron.data.encode import encode_example, encode_settings
+    from dpo_megatron.data.format_registry import Filtered, RowError
+    from dpo_megatron.data.formats import convert_unpaired, convert_unpaired_conversational
+    from dpo_megatron.data.tokenizer import resolve_chat_template
+
+    settings = encode_settings(tokenizer, resolve_chat_template(chat_template))
+    sequences, starts = [], []
+    for location, row in rows:
+        # The unpaired formats' converters check a prompt and one completion (text, or messages);
+        # the label they also read plays no part here.
+        convert = (
+            convert_unpaired_conversational
+            if isinstance(row["completion"], list)
+            else convert_unpaired
+        )
+        try:
+            (example,) = convert({**row, "label": True}, None)
+            encoded = encode_example(example, tokenizer, settings)
+        except RowError as e:
+            raise ValueError(f"{path}: {location}: {e}") from None
+        except Filtered as e:
+            raise ValueError(f"{path}: {location}: nothing to score ({e.reason})") from None
+        sequences.append([*encoded.prompt_ids, *encoded.chosen_ids])
+        starts.append(len(encoded.prompt_ids))
+    return sequences, starts
+
+
+def write_rows(path: str, rows: list, scores: list[float]) -> None:
+    """The rows with their ``score``, one JSON object a line, written atomically."""
+    from dpo_megatron.utils.files import write_text_atomic
+
+    lines = [
+        json.dumps({**row, "score": score}, ensure_ascii=False)
+        for (_, row), score in zip(rows, scores)
+    ]
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
+
+
+def score_file(
+    input_path: str,
+    output_path: str,
+    *,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    data: DataConfig,
+    micro_batch_size: int,
+) -> list[float]:
+    """Score ``input_path`` into ``output_path`` with the reward model ``model`` states
+    (``model.hf_path`` or ``model.load``) at the layout ``parallel``, ``micro_batch_size`` rows a
+    forward, tokenized with ``data.tokenizer`` (or the model folder's) and
+    ``data.chat_template`` (collective: every rank calls it; rank 0 writes). Returns the scores
+    in row order.
+
+    Raises:
+        ValueError: a bad row or config (named), or a model that is not a reward model.
+    """
+    from dpo_megatron.data.tokenizer import load_tokenizer
+    from dpo_megatron.parallel import initialize_distributed
+    from dpo_megatron.reward.scoring import build_reward_chunks, score_sequences
+
+    source = model.hf_path or model.load
+    if not source:
+        raise ValueError("set model.hf_path (an HF reward model) or model.load (a checkpoint)")
+    rows = read_rows(input_path)
+    tokenizer = load_tokenizer(data.tokenizer or model.hf_path)
+    sequences, starts = encode_rows(rows, input_path, tokenizer, data.chat_template)
+    initialize_distributed(parallel)
+    chunks, built = build_reward_chunks(source, parallel, model)
+    longest = max((len(s) for s in sequences), default=0)
+    if longest > built.max_position_embeddings:
+        raise ValueError(
+            f"{input_path}: a row has {longest} tokens, more than the model's "
+            f"{built.max_position_embeddings} positions"
+        )
+    scores = score_sequences(
+        chunks,
+        sequences,
+        starts,
+        micro_batch_size=micro_batch_size,
+        pad_id=tokenizer.pad_token_id,
+    )
+    if ranks.is_rank0():
+        write_rows(output_path, rows, scores)
+    return scores
