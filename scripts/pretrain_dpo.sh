@@ -48,12 +48,12 @@ export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 # The pre-check: dpo_megatron.cli.check, or another entry's (DPO_MEGATRON_PRECHECK, e.g.
 # scripts/iterative_dpo.sh's).
 read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.cli.check}"
-# --plan: the layout planner on this config (dpo_megatron/plan.py; its options such as --gpu h100
+# --plan: the layout planner on this config (dpo_megatron/cli/plan.py; its options such as --gpu h100
 # --nodes 4 pass through), nothing is launched.
 for i in "${!args[@]}"; do
   if [[ "${args[$i]}" == "--plan" ]]; then
     unset 'args[i]'
-    exec "$PYTHON" -m dpo_megatron.plan "${args[@]}"
+    exec "$PYTHON" -m dpo_megatron.cli.plan "${args[@]}"
   fi
 done
 # --list-keys / --print-config: answered by the pre-check, nothing is launched.

@@ -153,3 +153,67 @@ def host_cluster(ranks: int, memory_gib: float, tflops: float) -> Cluster:
     return Cluster(
         1, ranks, cpu, inter_node_gbps=10.0, reserved_gib=1.5, margin=0.1, mfu=1.0, host=True
     )
+
+
+def cluster_from_options(args) -> Cluster:
+    """The cluster the planner's command-line options describe (``args``: its namespace, with
+    ``gpu``, ``nodes``, ``gpus_per_node``, ``gpu_memory_gib``, ``peak_tflops``, ``mfu``,
+    ``margin``, ``reserved_gib``, ``inter_node_gbps``, ``intra_node_gbps`` and
+    ``expert_overhead_us``: ``dpo_megatron.cli.plan``).
+
+    Raises:
+        ValueError: naming the option: a count below 1, an MFU outside (0, 1], a negative
+            margin, an unknown ``--gpu`` without ``--gpu-memory-gib`` and ``--peak-tflops``.
+    """
+    import dataclasses
+
+    for name, value, low in (
+        ("--nodes", args.nodes, 1),
+        ("--gpus-per-node", args.gpus_per_node, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{name}={value} must be >= {low}")
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu={args.mfu} must be in (0, 1]: a share of the peak")
+    if args.margin < 0 or args.reserved_gib < 0:
+        raise ValueError("--margin and --reserved-gib must be >= 0")
+    ranks = args.nodes * args.gpus_per_node
+    if args.gpu.lower() == "cpu":
+        import psutil
+
+        memory = args.gpu_memory_gib or psutil.virtual_memory().total / GIB
+        return host_cluster(ranks, memory, args.peak_tflops or 0.1)
+    accelerator = find_accelerator(args.gpu)
+    if accelerator is None:
+        if not (args.gpu_memory_gib and args.peak_tflops):
+            given = [
+                flag
+                for flag, v in (
+                    ("--gpu-memory-gib", args.gpu_memory_gib),
+                    ("--peak-tflops", args.peak_tflops),
+                )
+                if v
+            ]
+            raise ValueError(
+                f"--gpu {args.gpu!r} is not in the table ({', '.join(ACCELERATORS)}): give both "
+                f"--gpu-memory-gib and --peak-tflops (given: {', '.join(given) or 'neither'}; "
+                "--intra-node-gbps for its links)"
+            )
+        accelerator = find_accelerator("h100")
+        accelerator = dataclasses.replace(accelerator, sku=args.gpu, device_names=())
+    if args.gpu_memory_gib:
+        accelerator = dataclasses.replace(accelerator, memory_gib=args.gpu_memory_gib)
+    if args.peak_tflops:
+        accelerator = dataclasses.replace(accelerator, bf16_tflops=args.peak_tflops)
+    if args.intra_node_gbps:
+        accelerator = dataclasses.replace(accelerator, intra_node_gbps=args.intra_node_gbps)
+    return Cluster(
+        args.nodes,
+        args.gpus_per_node,
+        accelerator,
+        inter_node_gbps=args.inter_node_gbps,
+        reserved_gib=args.reserved_gib,
+        margin=args.margin,
+        mfu=args.mfu,
+        expert_overhead_us=args.expert_overhead_us,
+    )

@@ -23,7 +23,7 @@ BYTES = {"weights", "grads", "optimizer", "reference", "activations", "logits", 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    from dpo_megatron.plan import run
+    from dpo_megatron.cli.plan import run
 
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     document = run(["--config", TINY, *CLUSTER, "--json", str(out)])
@@ -90,7 +90,7 @@ def test_the_launcher_plans_and_the_pre_check_accepts_the_best(planned, tmp_path
 
 
 def test_a_mistake_is_one_config_error_line_and_a_misfit_exit_2():
-    from dpo_megatron.plan import main
+    from dpo_megatron.cli.plan import main
 
     with pytest.raises(SystemExit, match=r"^config error: --gpu 'v100' is not in the table"):
         main(["--config", TINY, "--gpu", "v100"])

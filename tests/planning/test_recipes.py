@@ -75,7 +75,7 @@ def test_the_pre_check_command_passes_a_recipe_without_its_weights(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_is_the_planners_pick_with_its_prediction(recipe, monkeypatch, capsys):
-    from dpo_megatron.plan import run
+    from dpo_megatron.cli.plan import run
 
     monkeypatch.delenv("DPO_MEGATRON_MODELS", raising=False)
     cluster, gib, seconds = _header(recipe)
