@@ -15,4 +15,4 @@ elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
 else PYTHON=python3; fi
 export PYTHON
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m dpo_megatron.frontends.dpo_repo "$@"
+exec "$PYTHON" -m dpo_megatron.cli.dpo_repo "$@"

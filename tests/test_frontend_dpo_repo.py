@@ -3,6 +3,7 @@ trainers, and its errors (no training here; tests/training/test_frontend_dpo_rep
 it)."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -317,7 +318,6 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
     status 2, at once (no minute of hub retries first)."""
     import os
     import re
-    import subprocess
     import sys
     import time
 
@@ -375,7 +375,8 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
 def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, capsys):
     """The engine's own messages name its keys (``data.on_error=skip``); the reference command
     line takes them as ``engine.data.on_error=skip``, and says so after a failed run."""
-    from dpo_megatron.frontends import dpo_repo as reference_cli
+    from dpo_megatron.cli.dpo_repo import main
+    from dpo_megatron.frontends import dpo_repo as frontend
     from dpo_megatron.frontends.dpo_repo import Layout
 
     t = Translation(
@@ -384,11 +385,11 @@ def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, 
         run_dir="/runs/x",
         layout=Layout(),
     )
-    monkeypatch.setattr(reference_cli, "prepare", lambda argv, **kw: t)
+    monkeypatch.setattr(frontend, "prepare", lambda argv, **kw: t)
     for rc in (1, 0):
-        monkeypatch.setattr(reference_cli.subprocess, "call", lambda cmd, rc=rc: rc)
-        monkeypatch.setattr(reference_cli, "write_latest_archive", lambda *a: "/runs/x/LATEST")
-        assert reference_cli.main(["loss=dpo"]) == rc
+        monkeypatch.setattr(subprocess, "call", lambda cmd, rc=rc: rc)
+        monkeypatch.setattr(frontend, "write_latest_archive", lambda *a: "/runs/x/LATEST")
+        assert main(["loss=dpo"]) == rc
         err = capsys.readouterr().err
         assert ("with the prefix engine. (engine.data.on_error=skip)" in err) == (rc == 1), err
 

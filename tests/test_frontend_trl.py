@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from dpo_megatron.frontends.dpo_repo import main, prepare_trl_command
+from dpo_megatron.cli.dpo_repo import main
+from dpo_megatron.frontends.dpo_repo import prepare_trl_command
 from dpo_megatron.frontends.trl import translate_trl, trl_steps
 from tests.data.fixtures import tiny_hf_tokenizer
 

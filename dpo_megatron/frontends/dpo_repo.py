@@ -273,6 +273,19 @@ class Translation:
     def command(self) -> list[str]:
         return ["bash", self.script, "--config", self.config, *self.overrides]
 
+    def run(self, dry_run: bool = False) -> int:
+        """Print the notes and the command, then (unless ``dry_run``) run it from the
+        repository root's scripts; returns its exit status (0 for a dry run)."""
+        for note in self.notes:
+            print(f"note: {note}")
+        print("translated command:")
+        print("  " + shlex.join(self.command()))
+        sys.stdout.flush()
+        if dry_run:
+            return 0
+        script, config = os.path.join(ROOT, self.script), os.path.join(ROOT, self.config)
+        return subprocess.call(["bash", script, "--config", config, *self.overrides])
+
 
 RUNS_ROOT = "runs"
 """Where a run goes when the command leaves ``local_dirs`` at the reference repo's default."""
@@ -810,44 +823,7 @@ def prepare_trl_command(
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    dry = "--dry-run" in argv
-    argv = [a for a in argv if a != "--dry-run"]
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
-        if argv and argv[0] == "--trl":
-            if len(argv) < 2:
-                raise FrontendError("--trl needs the path of a TRL DPOConfig YAML")
-            t = prepare_trl_command(argv[1], argv[2:])
-        else:
-            t = prepare(argv, dry_run=dry)
-    except ValueError as e:  # FrontendError, ArchiveError, our config's errors
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for note in t.notes:
-        print(f"note: {note}")
-    print("translated command:")
-    print("  " + shlex.join(t.command()))
-    sys.stdout.flush()
-    if dry:
-        return 0
-    script = os.path.join(ROOT, t.script)
-    rc = subprocess.call(["bash", script, "--config", os.path.join(ROOT, t.config), *t.overrides])
-    if rc == 0 and t.config == BASE_CONFIG:
-        steps = int(t.overrides[-1].partition("=")[2])
-        print(f"wrote {write_latest_archive(t.run_dir, steps, t.batch_size)}")
-    elif rc != 0 and t.config == BASE_CONFIG:
-        # The engine's messages name its own keys; on this command line they take a prefix.
-        print(
-            "note: an engine key named above (such as data.on_error=skip) goes on this command "
-            "line with the prefix engine. (engine.data.on_error=skip)",
-            file=sys.stderr,
-        )
-    return rc
+if __name__ == "__main__":  # the dpo_repo command by its module name (it sits above this package)
+    import runpy
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("dpo_megatron.cli.dpo_repo", run_name="__main__", alter_sys=True)
