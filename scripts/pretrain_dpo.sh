@@ -73,8 +73,8 @@ fi
 # the data files (exist, rows fit their format) and the model against the layout; then the world
 # size. A mistake prints one line on stderr and stops here (set -e), before any rank starts.
 NPROC="$("$PYTHON" "${PRECHECK[@]}" "${args[@]}" | tail -n 1)"
-# torchrun, run by dpo_megatron/launch.py: a mistake only the ranks meet (a run_dir in use, data
+# torchrun, run by dpo_megatron/cli/launch.py: a mistake only the ranks meet (a run_dir in use, data
 # that changed) ends with the ranks' one error line and one pointer line, not torchrun's failure
 # block; a crash keeps its traceback and torchrun's block.
-exec "$PYTHON" -m dpo_megatron.launch --standalone --nnodes=1 --nproc-per-node="$NPROC" \
+exec "$PYTHON" -m dpo_megatron.cli.launch --standalone --nnodes=1 --nproc-per-node="$NPROC" \
   -m "$ENTRY" "${args[@]}"

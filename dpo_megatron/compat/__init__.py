@@ -37,7 +37,7 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.moe_alltoall_on_cpu`: the all-to-all MoE token dispatcher on the CPU
   (host stand-ins for its side CUDA stream, host split sizes, uneven collectives on gloo).
 * :mod:`~dpo_megatron.compat.torchrun_failure_logs`: hold back torch elastic's log lines about a
-  failed worker until the launcher (:mod:`dpo_megatron.launch`) knows whether it was a crash.
+  failed worker until the launcher (:mod:`dpo_megatron.cli.launch`) knows whether it was a crash.
 * :mod:`~dpo_megatron.compat.model_parallel_teardown`: megatron-core 0.16's model-parallel
   groups destroyed for real when a run switches layouts in one process (online DPO's phases).
 * :mod:`~dpo_megatron.compat.gloo_shared_device`: one gloo device (one event-loop thread, waking

@@ -4,7 +4,7 @@ When a worker exits non-zero, torch elastic's process context (``torch/distribut
 multiprocessing/api.py``, torch 2.13) logs ``Sending process P closing signal SIGTERM`` for every
 other worker, then ``failed (exitcode: N) local_rank: R (pid: P) of binary: B``, before the
 launcher raises its ``ChildFailedError``. When the worker stopped at a user's mistake (it printed
-one ``error:`` line and exited with ``dpo_megatron.launch.USER_ERROR_EXIT``) those lines only
+one ``error:`` line and exited with ``dpo_megatron.utils.exits.USER_ERROR_EXIT``) those lines only
 repeat its exit status around that line; for a crash they belong in front of torchrun's failure
 block. The first line is also logged when torchrun forwards a SIGINT / SIGTERM it received to
 its workers, which then save and end with their own line. :class:`HeldFailureLogs` is a
@@ -12,7 +12,7 @@ its workers, which then save and end with their own line. :class:`HeldFailureLog
 two records aside; the launcher then drops them (a reported stop, a forwarded signal) or releases
 them, in order (a crash, anything else). Every other record of the logger passes at once.
 
-Switched on by :mod:`dpo_megatron.launch` only, around its call of torchrun's ``main``. If torch
+Switched on by :mod:`dpo_megatron.cli.launch` only, around its call of torchrun's ``main``. If torch
 renames the logger or rewords the messages, nothing is held and the lines simply print.
 """
 
@@ -28,7 +28,7 @@ PATCH = register(
         why="torch elastic logs a closing-signal and a 'failed (exitcode: N)' line around a worker "
         "that stopped at a user's mistake, after that mistake's one error line",
         versions={"torch": ">=2.13,<2.14"},
-        switched_on="by dpo_megatron.launch (scripts/pretrain_dpo.sh) around torchrun's main",
+        switched_on="by dpo_megatron.cli.launch (scripts/pretrain_dpo.sh) around torchrun's main",
         off_on_other_versions=False,  # a filter of unknown messages holds nothing
     )
 )

@@ -21,7 +21,7 @@ and ignores a SIGTERM after it; a SIGINT after it is first sent on to every work
 group (a worker that has a stop request pending takes SIGINT's default action: it ends at once,
 its checkpoint writers with it), then raises, so the agent's second shutdown finds them gone.
 
-Switched on by :mod:`dpo_megatron.launch` around its call of torchrun's ``main``.
+Switched on by :mod:`dpo_megatron.cli.launch` around its call of torchrun's ``main``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ PATCH = register(
         "sends more than one), so the workers die in the checkpoint of a preempted job; at a "
         "second Ctrl-C it waits for them again, so they save instead of stopping at once",
         versions={"torch": ">=2.13,<2.14"},
-        switched_on="by dpo_megatron.launch (scripts/slurm/launch_node.sh) around torchrun's main",
+        switched_on="by dpo_megatron.cli.launch (the launcher scripts) around torchrun's main",
     )
 )
 

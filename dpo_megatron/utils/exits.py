@@ -1,5 +1,5 @@
 """How a rank ends at a stop it has reported: one line from rank 0 and an exit status, no
-traceback (the rank half of the launcher's contract, :mod:`dpo_megatron.launch`).
+traceback (the rank half of the launcher's contract, :mod:`dpo_megatron.cli.launch`).
 
 A leaf module: the allocator setup, the entry point and the launcher all end through
 :func:`fail`, and none of them has to import another to do so.

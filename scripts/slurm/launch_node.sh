@@ -66,8 +66,8 @@ export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-120}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "node $NODE_RANK/$NNODES on $(hostname): $GPUS_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
-# torchrun, run by dpo_megatron/launch.py (a rank's one error line is not followed by torchrun's
+# torchrun, run by dpo_megatron/cli/launch.py (a rank's one error line is not followed by torchrun's
 # failure block; a crash keeps it).
-exec "$PYTHON" -m dpo_megatron.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" \
+exec "$PYTHON" -m dpo_megatron.cli.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" \
   --nproc-per-node="$GPUS_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
   -m "$ENTRY" "${args[@]}"
