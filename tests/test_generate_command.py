@@ -105,7 +105,7 @@ def test_text_prompts_take_the_chat_template_unless_turned_off():
     import copy
 
     from dpo_megatron.data.encode import encode_settings
-    from dpo_megatron.generate import encode_prompts
+    from dpo_megatron.generation.files import encode_prompts
 
     tokenizer = tiny_hf_tokenizer()
     settings = encode_settings(tokenizer, None)

@@ -3,7 +3,9 @@
 ``SamplingParams`` (temperature, top-p, max new tokens, seed, stop ids) and ``generate`` (batched,
 collective over the world): see :mod:`dpo_megatron.generation.engine` for how a call runs and
 :mod:`dpo_megatron.generation.sampling` for how tokens are chosen. ``config`` holds the
-``generation.*`` config section and imports nothing heavy; the rest is imported when first used.
+``generation.*`` config section and imports nothing heavy; ``files`` a JSONL of prompts sampled
+into a JSONL of completions (``python -m dpo_megatron.generate``); the rest is imported when
+first used.
 """
 
 __all__ = ["SamplingParams", "generate"]

@@ -1,0 +1,144 @@
+"""A JSONL of prompts -> a JSONL of completions: the work of ``python -m dpo_megatron.generate``
+(:mod:`dpo_megatron.cli.generate`, which builds the policy and the tokenizer).
+
+The prompts are encoded as the data path encodes prompts (:func:`encode_prompts`: ``messages``
+through the chat template with the generation prompt, a text prompt as one user turn unless
+``generation.apply_chat_template=false``), sampled with
+``generation.*`` (:class:`~dpo_megatron.generation.config.GenerationConfig`), and rank 0 writes
+every completion, one JSON object a line, atomically once all are done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from dpo_megatron.data.reader import DataError, read_json_rows
+from dpo_megatron.generation.config import GenerationConfig
+from dpo_megatron.utils import ranks
+
+
+def read_prompts(path: str) -> list:
+    """The prompts of a JSONL file: per line a ``prompt`` string or a ``messages`` list of
+    ``{"role", "content"}`` objects (other fields ignored); blank lines skipped.
+
+    Raises:
+        DataError: a missing file, a line that is not a JSON object, or a row without a valid
+            ``prompt`` / ``messages`` (the message names file, line and field).
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"generation.prompts={path}: no such file")
+    texts, where, _ = read_json_rows(Path(path))
+    prompts = []
+    for text, location in zip(texts, where):
+        row = json.loads(text)
+        if isinstance(row.get("prompt"), str) and row["prompt"]:
+            prompts.append(row["prompt"])
+        elif isinstance(row.get("messages"), list) and all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in row["messages"]
+        ):
+            prompts.append(row["messages"])
+        else:
+            raise DataError(
+                f"{path}, {location}: field 'prompt' (a non-empty string) or 'messages' (a list "
+                f"of {{'role', 'content'}} objects) is missing or malformed"
+            )
+    if not prompts:
+        raise DataError(f"{path}: no prompt in the file")
+    return prompts
+
+
+def encode_prompts(
+    prompts: list, tokenizer, settings, apply_chat_template: bool = True
+) -> tuple[list[list[int]], Optional[str]]:
+    """Token ids of each prompt, and the start-up line saying how text prompts were sent (None
+    when there is none, or nothing to say).
+
+    A ``messages`` prompt goes through the chat template with the generation prompt; a text
+    prompt too, as one user turn, when ``apply_chat_template`` and the tokenizer (or
+    ``settings.chat_template``) has a template, else as it stands (``data.encode.encode_prompt``
+    either way).
+
+    Raises:
+        DataError: a ``messages`` prompt and no chat template.
+    """
+    from dpo_megatron.data.encode import encode_prompt
+    from dpo_megatron.data.tokenizer import has_chat_template
+
+    as_chat = apply_chat_template and has_chat_template(tokenizer, settings.chat_template)
+    texts = sum(isinstance(p, str) for p in prompts)
+    ids = [
+        encode_prompt(
+            [{"role": "user", "content": p}] if as_chat and isinstance(p, str) else p,
+            tokenizer,
+            settings,
+        )
+        for p in prompts
+    ]
+    note = None
+    if texts and as_chat:
+        note = (
+            f"[generate] {texts} text prompt(s) sent as one user turn through the chat template "
+            "(generation.apply_chat_template=false: as they stand)"
+        )
+    return ids, note
+
+
+def generate_file(
+    policy,
+    prompts: list,
+    prompt_ids: list,
+    *,
+    tokenizer,
+    eos_token_id: int,
+    path: str,
+    g: GenerationConfig,
+) -> str:
+    """Sample ``g.num_samples`` completions of each prompt (``prompt_ids``: their token ids)
+    from ``policy`` (this rank's chunks) with the sampling of ``g`` (a
+    :class:`GenerationConfig`), stopping at ``eos_token_id`` or a ``g.stop_ids`` id; rank 0
+    writes them to ``path`` with ``prompt``, ``prompt_index``, ``sample_index``, ``completion``
+    (decoded) and ``completion_ids``, and says so in one line. Collective; returns ``path``."""
+    from dpo_megatron.generation import generate
+    from dpo_megatron.utils.files import write_text_atomic
+
+    params = g.params(g.seed, [eos_token_id, *g.stop_ids])
+    started = time.time()
+    completions = generate(
+        policy,
+        prompt_ids,
+        params,
+        num_samples=g.num_samples,
+        micro_batch_size=g.micro_batch_size,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        vocab_size=len(tokenizer),
+    )
+    seconds = time.time() - started
+    if ranks.is_rank0():
+        lines = [
+            json.dumps(
+                {
+                    "prompt": prompt,
+                    "prompt_index": i,
+                    "sample_index": j,
+                    "completion": tokenizer.decode(ids, skip_special_tokens=True),
+                    "completion_ids": ids,
+                },
+                ensure_ascii=False,
+            )
+            for i, (prompt, samples) in enumerate(zip(prompts, completions))
+            for j, ids in enumerate(samples)
+        ]
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_text_atomic(path, "".join(line + "\n" for line in lines))
+        tokens = sum(len(ids) for samples in completions for ids in samples)
+        print(
+            f"[generate] {len(lines)} completions of {len(prompts)} prompts -> {path} "
+            f"({tokens} tokens in {seconds:.1f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s)",
+            flush=True,
+        )
+    ranks.barrier()
+    return path
