@@ -65,14 +65,16 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
+STATE_ENTRIES = ("scheduler", "sampler", "loss")
+"""The stateful objects whose ``state_dict()`` the JSON train state holds, under these names
+(beside the tensors of ``model`` and ``optimizer``)."""
+
+
 def save_run(
     save_dir: str,
-    chunks: list,
-    optimizer,
-    scheduler,
-    sampler,
-    loss_fn,
+    states: dict,
     counters: RunCounters,
+    *,
     use_distributed_optimizer: bool,
     keep_last_n: int,
     model_cfg=None,
@@ -81,8 +83,9 @@ def save_run(
 ) -> str:
     """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective; rank 0
     prints the save's report: size, seconds, seconds of the checksums), then delete this run's
-    checkpoints beyond the newest ``keep_last_n``. ``lora``: the run's LoRA record, stored as
-    ``train_state["lora"]`` (its ``chunks`` then hold adapters only). Returns the folder.
+    checkpoints beyond the newest ``keep_last_n``. ``states``: the run's stateful objects by
+    name (:class:`Checkpointer`). ``lora``: the run's LoRA record, stored as
+    ``train_state["lora"]`` (the ``model`` chunks then hold adapters only). Returns the folder.
 
     Raises:
         CheckpointSaveError: the save failed (disk full, read-only, ...): nothing was pruned.
@@ -92,14 +95,14 @@ def save_run(
         "step": counters.step,
         "run_id": run_id,
         "counters": asdict(counters),
-        "scheduler": scheduler.state_dict(),
-        "sampler": sampler.state_dict(),
-        "loss": loss_fn.state_dict(),
+        **{name: states[name].state_dict() for name in STATE_ENTRIES},
         "layout": current_layout(use_distributed_optimizer),
     }
     if lora is not None:
         train_state["lora"] = lora
-    report = save_training_checkpoint(ckpt_dir, chunks, optimizer, train_state, model_cfg)
+    report = save_training_checkpoint(
+        ckpt_dir, states["model"], states["optimizer"], train_state, model_cfg
+    )
     if ranks.is_rank0():
         print(report, flush=True)
         prune_checkpoints(save_dir, keep_last_n, run_id)
@@ -108,16 +111,10 @@ def save_run(
 
 
 def resume_run(
-    ckpt_dir: str,
-    chunks: list,
-    optimizer,
-    scheduler,
-    sampler,
-    loss_fn,
-    use_distributed_optimizer: bool,
-    verified: bool = False,
+    ckpt_dir: str, states: dict, *, use_distributed_optimizer: bool, verified: bool = False
 ) -> tuple[RunCounters, dict]:
-    """Load a checkpoint written by :func:`save_run` into the loop's objects (collective).
+    """Load a checkpoint written by :func:`save_run` into the run's stateful objects
+    (``states``, by name; collective).
 
     The LR schedule continues as saved (megatron-core's behaviour); configured values that
     differ (e.g. a longer ``train_iters``) are reported on rank 0 and ignored.
@@ -131,8 +128,13 @@ def resume_run(
             this run's configuration (the message names the setting).
     """
     state = load_training_checkpoint(
-        ckpt_dir, chunks, optimizer, use_distributed_optimizer, verified=verified
+        ckpt_dir,
+        states["model"],
+        states["optimizer"],
+        use_distributed_optimizer,
+        verified=verified,
     )
+    scheduler = states["scheduler"]
     changed = schedule_changes(scheduler.state_dict(), state["scheduler"])
     if changed and ranks.is_rank0():
         # megatron-core's scheduler keeps the checkpoint's schedule (use_checkpoint_opt_param_
@@ -144,8 +146,8 @@ def resume_run(
         )
     scheduler.load_state_dict(state["scheduler"])
     try:
-        sampler.load_state_dict(state["sampler"])
-        loss_fn.load_state_dict(state["loss"])
+        states["sampler"].load_state_dict(state["sampler"])
+        states["loss"].load_state_dict(state["loss"])
     except ValueError as e:
         raise ValueError(f"{ckpt_dir}: {e}") from None
     return RunCounters(**state["counters"]), state
@@ -219,8 +221,11 @@ class Checkpointer:
     Args:
         cfg: the ``checkpoint`` config section.
         layout: the run folder's layout (the checkpoint folder is its ``checkpoints``).
-        policy, optimizer, scheduler, sampler, loss_fn: the objects a checkpoint saves and a
-            resume restores.
+        states: what a checkpoint saves and a resume restores, by name (torchtitan's
+            ``CheckpointManager`` states): ``model`` (this rank's policy chunks, or with LoRA
+            the adapters' view of them), ``optimizer``, and the objects of
+            :data:`STATE_ENTRIES` (``scheduler``, ``sampler``, ``loss``: ``state_dict()`` /
+            ``load_state_dict()``).
         model_config: stored as ``model_config.json`` beside the tensors.
         use_distributed_optimizer: ``train.use_distributed_optimizer``.
         lora: the run's LoRA record (``run_models.checkpointed_policy``), None for a full run.
@@ -229,20 +234,19 @@ class Checkpointer:
     def __init__(
         self,
         cfg,
+        *,
         layout: RunLayout,
-        policy: list,
-        optimizer,
-        scheduler,
-        sampler,
-        loss_fn,
+        states: dict,
         model_config,
         use_distributed_optimizer: bool,
         lora: Optional[dict] = None,
     ):
+        missing = {"model", "optimizer", *STATE_ENTRIES} - set(states)
+        if missing:
+            raise ValueError(f"Checkpointer: no {', '.join(sorted(missing))} in its states")
         self.cfg = cfg
         self.save_dir = layout.checkpoints
-        self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
-        self.sampler, self.loss_fn = sampler, loss_fn
+        self.states = dict(states)
         self.model_config = model_config
         self.use_distributed_optimizer = use_distributed_optimizer
         self.lora = lora
@@ -286,12 +290,8 @@ class Checkpointer:
                 _say(f"WARNING: resuming {path}: {base_note}")
             counters, state = resume_run(
                 path,
-                self.policy,
-                self.optimizer,
-                self.scheduler,
-                self.sampler,
-                self.loss_fn,
-                self.use_distributed_optimizer,
+                self.states,
+                use_distributed_optimizer=self.use_distributed_optimizer,
                 verified=True,
             )
             self.last_saved_step = counters.step
@@ -382,15 +382,11 @@ class Checkpointer:
             return None
         path = save_run(
             self.save_dir,
-            self.policy,
-            self.optimizer,
-            self.scheduler,
-            self.sampler,
-            self.loss_fn,
+            self.states,
             counters,
-            self.use_distributed_optimizer,
-            self.cfg.keep_last_n,
-            self.model_config,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            keep_last_n=self.cfg.keep_last_n,
+            model_cfg=self.model_config,
             lora=self.lora,
             run_id=self.run_id,
         )

@@ -12,15 +12,18 @@ from dpo_megatron.data.packing import PackedPairs, SharedPromptPairs
 
 
 def make_batch_builder(
+    packing=None,
+    *,
     pad_token_id: int,
     multiple: int,
-    packing=None,
     kind: ItemKind = PAIRS_KIND,
     context_parallel: tuple[int, int] = (0, 1),
 ) -> BatchBuilder:
     """The builder for a run: the ``kind``'s padded builder (SFT examples: chosen only; pairs
     and unpaired examples: two rows per item), shared-prompt pairs (``packing.share_prompt``)
-    or packed pairs (``packing.enabled``). With ``context_parallel`` = (CP rank, CP size),
+    or packed pairs (``packing.enabled``); ``packing``: the ``packing`` config section (None:
+    padded rows). Rows are padded with ``pad_token_id`` to a multiple of ``multiple`` tokens.
+    With ``context_parallel`` = (CP rank, CP size),
     size > 1: packed units are padded to a multiple of 2 x CP and every micro-batch is cut for
     that rank (``data.context_split``); ``multiple`` must then be a multiple of 2 x CP.
 

@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 
 from dpo_megatron.data.batch import BatchBuilder
 from dpo_megatron.parallel.schedule import share_from_last_stage
+from dpo_megatron.training.config import TrainConfig
 from dpo_megatron.training.step import run_policy
 from dpo_megatron.utils.run_layout import RunLayout
 
@@ -59,33 +60,23 @@ class Evaluator:
     """Forward-only evaluation of the policy over an eval split.
 
     Args:
+        train: the ``train`` config section: items per eval step (``eval_global_batch_size``, or
+            ``global_batch_size``) and per micro-batch (``micro_batch_size``), evaluate every
+            ``eval_interval`` steps (0: only at the end) over ``eval_iters`` steps (0: the whole
+            split), and before the first step with ``eval_at_start``.
         items: the eval pairs (or SFT examples); with ``reference.mode=precomputed`` they carry
             their reference log-probs and no reference model is needed.
         builder: the run's batch builder (padded, packed or SFT).
-        global_batch_size, micro_batch_size: items per eval step (``train.eval_global_batch_size``
-            or ``train.global_batch_size``) and per micro-batch (``train.micro_batch_size``).
-        interval: evaluate every this many steps (0: only at the end).
-        max_steps: ``train.eval_iters`` (0: the whole split).
-        at_start: also evaluate before the first step (``train.eval_at_start``).
     """
 
-    def __init__(
-        self,
-        items: Sequence,
-        builder: BatchBuilder,
-        global_batch_size: int,
-        micro_batch_size: int,
-        interval: int = 0,
-        max_steps: int = 0,
-        at_start: bool = False,
-    ):
+    def __init__(self, train: TrainConfig, *, items: Sequence, builder: BatchBuilder):
         self.items = items
         self.builder = builder
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.interval = interval
-        self.max_steps = max_steps
-        self.at_start = at_start
+        self.global_batch_size = train.eval_global_batch_size or train.global_batch_size
+        self.micro_batch_size = train.micro_batch_size
+        self.interval = train.eval_interval
+        self.max_steps = train.eval_iters
+        self.at_start = train.eval_at_start
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether to evaluate after ``step`` (every ``interval`` steps, and after the last);

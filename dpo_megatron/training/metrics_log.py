@@ -111,9 +111,9 @@ class MetricsLogger:
     """Writes one record per step to console, TensorBoard, W&B and ``<run_dir>/metrics.jsonl``.
 
     Args:
+        config: the ``logging`` config section (None: TensorBoard only).
         run: the run folder (its RunLayout, or the folder path).
         total_steps: the run's ``train_iters`` (for ``step/total`` and the ETA).
-        config: LoggingConfig (None: TensorBoard only).
         start_step: the step a resumed run starts after; the ETA uses the steps of this process
             only, and metrics.jsonl records past it are dropped.
         run_config: the full config as a plain dict, given to W&B.
@@ -121,9 +121,10 @@ class MetricsLogger:
 
     def __init__(
         self,
+        config: Optional[LoggingConfig] = None,
+        *,
         run: RunLayout | str,
         total_steps: int,
-        config: Optional[LoggingConfig] = None,
         start_step: int = 0,
         run_config: Optional[dict] = None,
     ):

@@ -47,8 +47,9 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list[DistributedD
     return wrapped
 
 
-def build_optimizer(chunks: list[DistributedDataParallel], train: TrainConfig):
-    """megatron-core optimizer + OptimizerParamScheduler stepping once per optimizer step.
+def build_optimizer(train: TrainConfig, *, chunks: list[DistributedDataParallel]):
+    """megatron-core optimizer + OptimizerParamScheduler stepping once per optimizer step, from
+    the ``train`` config section over the DDP-wrapped ``chunks``.
 
     Returns:
         (optimizer, scheduler). Without apex / transformer-engine megatron-core falls back to

@@ -99,11 +99,11 @@ class Trainer:
             cfg.parallel.sequence_granule(),
         )
         self.builder = make_batch_builder(
-            self.data.pad_token_id,
-            multiple,
             cfg.packing,
-            self.kind,
-            context_parallel_rank_and_size(),
+            pad_token_id=self.data.pad_token_id,
+            multiple=multiple,
+            kind=self.kind,
+            context_parallel=context_parallel_rank_and_size(),
         )
         self.batching = {
             "packing": dataclasses.asdict(cfg.packing),
@@ -112,15 +112,7 @@ class Trainer:
         }
         """What turns micro-batches into rows besides the items (a precomputed table's key)."""
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
-        self.evaluator = Evaluator(
-            self.data.eval,
-            self.builder,
-            cfg.train.eval_global_batch_size or cfg.train.global_batch_size,
-            cfg.train.micro_batch_size,
-            cfg.train.eval_interval,
-            cfg.train.eval_iters,
-            at_start=cfg.train.eval_at_start,
-        )
+        self.evaluator = Evaluator(cfg.train, items=self.data.eval, builder=self.builder)
         policy = run_models.build_policy(cfg, self.model_config)
         reference = (
             run_models.build_reference(cfg, self.model_config, policy, reference_weights)
@@ -136,30 +128,32 @@ class Trainer:
         # between layers (parallel.host_malloc), or a step's peak holds GiBs of freed blocks.
         self.heap_trimmer = host_malloc.trim_after_each_layer(policy, self.device)
         self.policy = wrap_ddp(policy, cfg.train.use_distributed_optimizer)
-        self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.train)
+        self.optimizer, self.scheduler = build_optimizer(cfg.train, chunks=self.policy)
         saved_policy, lora_record = run_models.checkpointed_policy(
             cfg, self.model_config, self.policy
         )
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
-            self.layout,
-            saved_policy,
-            self.optimizer,
-            self.scheduler,
-            self.sampler,
-            self.loss_fn,
-            self.model_config,
-            cfg.train.use_distributed_optimizer,
-            lora_record,
+            layout=self.layout,
+            states={
+                "model": saved_policy,
+                "optimizer": self.optimizer,
+                "scheduler": self.scheduler,
+                "sampler": self.sampler,
+                "loss": self.loss_fn,
+            },
+            model_config=self.model_config,
+            use_distributed_optimizer=cfg.train.use_distributed_optimizer,
+            lora=lora_record,
         )
         # Resume after the reference is built: it stays the initial policy, not the checkpoint's.
         self.counters, self.resumed_from, layout_note = self.checkpointer.resume()
         self.evaluations: dict[str, tuple[int, dict[str, float]]] = {}
         """The first and the last evaluation of this process: (step, metrics)."""
         self.logger = MetricsLogger(
-            self.layout,
-            cfg.train.train_iters,
             cfg.logging,
+            run=self.layout,
+            total_steps=cfg.train.train_iters,
             start_step=self.counters.step,
             run_config=resolved_config(cfg, self.model_config, self.loss_fn),
         )

@@ -25,7 +25,7 @@ def test_chunk_positions_are_megatron_cores_load_balanced_layout():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
     packing = PackingConfig(enabled=kind != "padded", share_prompt=kind == "shared_prompt")
-    full_builder = make_batch_builder(0, 2 * cp, packing)
+    full_builder = make_batch_builder(packing, pad_token_id=0, multiple=2 * cp)
     if kind != "padded":  # the CP builder pads each packed unit to 2 x CP; so does this one
         full_builder.unit_multiple = 2 * cp
     full = full_builder.build(tiny_pairs(3, seed=1), [[0, 1, 2]]).micro_batches[0]
@@ -33,9 +33,9 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
     seen = torch.zeros(rows, length, dtype=torch.int64)
     scored = []
     for rank in range(cp):
-        step = make_batch_builder(0, 2 * cp, packing, context_parallel=(rank, cp)).build(
-            tiny_pairs(3, seed=1), [[0, 1, 2]]
-        )
+        step = make_batch_builder(
+            packing, pad_token_id=0, multiple=2 * cp, context_parallel=(rank, cp)
+        ).build(tiny_pairs(3, seed=1), [[0, 1, 2]])
         part = step.micro_batches[0]
         assert step.seq_length == length  # the schedule divides by CP itself
         assert part.tokens.shape == (rows, length // cp)
@@ -96,7 +96,7 @@ def test_units_are_padded_to_whole_chunks_after_their_last_position():
     assert unit.branch_ids == [0, 0, 1, 1, 2, 2, 2, 0]
     assert unit.spans[-1].padding and unit.spans[-1].q_start == 7
     step = make_batch_builder(
-        0, 4, PackingConfig(enabled=True), context_parallel=(0, 2)
+        PackingConfig(enabled=True), pad_token_id=0, multiple=4, context_parallel=(0, 2)
     ).inner.build(tiny_pairs(3, seed=1), [[0, 1, 2]])
     for row in step.micro_batches[0].packed.segment_ids:
         ids, counts = torch.unique_consecutive(row, return_counts=True)

@@ -99,10 +99,13 @@ def test_item_kind_is_chosen_once_and_carries_its_parts():
     with pytest.raises(DataError, match="holds unpaired rows"):
         SFT_KIND.check_format(FORMATS["unpaired"], "u.json")
     # the builder of its micro-batches
-    assert type(make_batch_builder(0, 8, None, SFT_KIND)) is SFTExamples
-    assert type(make_batch_builder(0, 8, None, UNPAIRED_KIND)) is PaddedPairs
+    assert type(make_batch_builder(None, pad_token_id=0, multiple=8, kind=SFT_KIND)) is SFTExamples
+    assert (
+        type(make_batch_builder(None, pad_token_id=0, multiple=8, kind=UNPAIRED_KIND))
+        is PaddedPairs
+    )
     with pytest.raises(ValueError, match="packs preference pairs"):
-        make_batch_builder(0, 8, PackingConfig(enabled=True), SFT_KIND)
+        make_batch_builder(PackingConfig(enabled=True), pad_token_id=0, multiple=8, kind=SFT_KIND)
     # its items: the completion a sample is shown against, one name for every kind
     pair = PAIRS_KIND.make_item((1,), (2,), (3,), None)
     example = SFT_KIND.make_item((1,), (2,), None, None)

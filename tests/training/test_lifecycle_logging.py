@@ -28,7 +28,7 @@ def test_format_duration():
 
 def test_progress_line(tmp_path, monkeypatch):
     logger = MetricsLogger(
-        str(tmp_path), total_steps=10, config=LoggingConfig(tensorboard=False), start_step=4
+        LoggingConfig(tensorboard=False), run=str(tmp_path), total_steps=10, start_step=4
     )
     monkeypatch.setattr("time.time", lambda: logger.start + 20.0)  # 2 steps done in 20 s
     line = logger.line(
@@ -60,7 +60,7 @@ def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
     )
     assert truncate_metrics(str(path), 2) == 2
     logger = MetricsLogger(
-        str(tmp_path), total_steps=4, config=LoggingConfig(tensorboard=False), start_step=2
+        LoggingConfig(tensorboard=False), run=str(tmp_path), total_steps=4, start_step=2
     )
     logger.log(3, "train", {"loss": 30.0}, {"lr": 0.1})
     logger.close()
@@ -73,7 +73,7 @@ def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
 def test_wandb_configured_but_missing_warns(tmp_path):
     with pytest.warns(UserWarning, match="wandb package is not installed"):
         logger = MetricsLogger(
-            str(tmp_path), 2, LoggingConfig(tensorboard=False, wandb_project="p")
+            LoggingConfig(tensorboard=False, wandb_project="p"), run=str(tmp_path), total_steps=2
         )
     assert logger.wandb is None
     logger.close()
@@ -89,7 +89,7 @@ def _strict(line: str) -> dict:
 def test_metrics_are_strict_json_with_named_non_finite_values(tmp_path):
     import math
 
-    logger = MetricsLogger(str(tmp_path), total_steps=2, config=LoggingConfig(tensorboard=False))
+    logger = MetricsLogger(LoggingConfig(tensorboard=False), run=str(tmp_path), total_steps=2)
     logger.log(
         1,
         "train",
@@ -120,7 +120,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_the_file_rewritten(tmp_p
     assert path.stat().st_ino != inode  # replaced by rename, not rewritten in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary left
     logger = MetricsLogger(
-        str(tmp_path), total_steps=3, config=LoggingConfig(tensorboard=False), start_step=2
+        LoggingConfig(tensorboard=False), run=str(tmp_path), total_steps=3, start_step=2
     )
     logger.log(3, "train", {"loss": 3.0})
     logger.close()
@@ -152,7 +152,7 @@ def test_a_disk_filling_between_saves_is_kept_for_the_step_boundary(tmp_path, ca
 
     with small_tmpfs(tmp_path / "disk", "512k") as disk:
         run = disk / "run"
-        logger = MetricsLogger(str(run), total_steps=100_000, config=LoggingConfig())
+        logger = MetricsLogger(LoggingConfig(), run=str(run), total_steps=100_000)
         logger.log(1, "train", {"loss": 0.5})
         filler = fill(disk)
         step = 1
