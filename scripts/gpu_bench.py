@@ -231,8 +231,9 @@ def planned_peak(trainer, pairs, seq_length: int) -> float:
     from dpo_megatron.planning.hardware import ACCELERATORS, Cluster
     from dpo_megatron.planning.memory import stage_memory
 
-    cfg = dataclasses.replace(trainer.cfg)
-    cfg.data = dataclasses.replace(cfg.data, max_length=seq_length)
+    cfg = dataclasses.replace(
+        trainer.cfg, data=dataclasses.replace(trainer.cfg.data, max_length=seq_length)
+    )
     prompt = sum(len(p.prompt_ids) for p in pairs) / sum(
         len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs
     )

@@ -115,11 +115,13 @@ def engine_config(
 
 def tiny_trainer(pairs: Sequence, eval_pairs: Sequence = (), pad_token_id: int = 0, **config):
     """A ``Trainer`` over ``pairs`` (train) and ``eval_pairs``; ``config`` as
-    :func:`engine_config`. Collective: call it on every rank."""
+    :func:`engine_config`, given frozen (the run never writes into the config it is given).
+    Collective: call it on every rank."""
     from dpo_megatron.training.run_data import RunData
     from dpo_megatron.training.trainer import Trainer
+    from dpo_megatron.utils.frozen import freeze
 
-    cfg = engine_config(**config)
+    cfg = freeze(engine_config(**config))
     return Trainer(cfg, data=RunData(list(pairs), list(eval_pairs), pad_token_id))
 
 

@@ -386,13 +386,16 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
     Trainer's ``resolve_model_config``), not the file's toy fields; the loss shows every
     parameter with its default (what the run's start-up line describes), not tiny_cpu.yaml's
     2 layers, hidden 64 and vocabulary 49152 beside the folder, nor a bare ``loss: {name:
-    ipo}``."""
+    ipo}``; the speed settings left to the engine are shown decided, as the run decides them,
+    and the config loaded is not changed."""
+    import dataclasses
     import json
 
     import yaml
 
     from dpo_megatron.cli.check import main
     from dpo_megatron.losses import build_loss
+    from dpo_megatron.training.auto_settings import resolve_auto_settings
     from dpo_megatron.training.run_models import resolve_model_config
     from tests.models.conversion_helpers import save_tiny_hf_folder
 
@@ -419,8 +422,15 @@ def test_print_config_is_the_resolved_config(tmp_path, capsys):
     )
     assert model["num_layers"] != 2 or model["hidden_size"] != 64  # not tiny_cpu.yaml's
     cfg = load_config(args[1], args[2:])
-    run_model = resolve_model_config(cfg)
+    loss_fn = build_loss(cfg.loss)
+    # the run's own resolution (training.auto_settings), the data's count aside
+    settings = resolve_auto_settings(cfg, loss_fn, resolve_model_config(cfg))
+    run_model = settings.model_config
     assert model == {k: getattr(run_model, k) for k in model}
+    assert model["fused_lm_head"] is False  # decided on this CPU, as the run decides it
+    for section in ("packing", "reference", "parallel"):
+        assert printed[section] == dataclasses.asdict(getattr(settings.config, section))
+    assert cfg.model.fused_lm_head is None  # the config loaded is not changed
     assert printed["loss"] == {
         "name": "ipo",
         "beta": 0.1,

@@ -44,18 +44,15 @@ SP_NOTE = (
 
 
 def test_sequence_parallel_is_required_only_for_moe_at_tp_above_1():
-    from types import SimpleNamespace
-
     from dpo_megatron.models import ModelConfig
     from dpo_megatron.parallel import ParallelConfig
     from dpo_megatron.training.run_models import require_sequence_parallel
 
     def resolved(tp, experts, sp=False):
-        cfg = SimpleNamespace(
-            parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
-        )
-        note = require_sequence_parallel(cfg, ModelConfig(num_experts=experts))
-        return note, cfg.parallel.sequence_parallel
+        given = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
+        parallel, note = require_sequence_parallel(given, ModelConfig(num_experts=experts))
+        assert given.sequence_parallel is sp  # the layout given is not changed
+        return note, parallel.sequence_parallel
 
     assert resolved(2, 4) == (SP_NOTE, True)
     assert resolved(1, 4) == (None, False)

@@ -14,6 +14,7 @@ config prepared where the model is not (a preset's architecture is known without
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -76,8 +77,9 @@ def training_checks(cfg, args) -> None:
     mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
     config.check_data(cfg)  # cheap: no tokenizer, no megatron-core
     config.check_model_sources(cfg, args.config, args.overrides)
-    _note(require_sequence_parallel(cfg, resolve_model_config(cfg)))  # as the ranks will
-    config.check_model_layout(cfg)
+    parallel, note = require_sequence_parallel(cfg.parallel, resolve_model_config(cfg))
+    _note(note)  # as the ranks will
+    config.check_model_layout(dataclasses.replace(cfg, parallel=parallel))
     _note(config.predicted_memory_warning(cfg))
     if not args.without_weights:
         config.check_model_weights(cfg)

@@ -6,12 +6,13 @@ The policy is built as training builds it (``model.hf_path``, or a checkpoint wi
 ``model.load``; ``model.*`` / ``parallel.*`` as for a run), the prompts are encoded as the data
 path encodes prompts (``data.tokenizer`` or the model folder's tokenizer; ``data.chat_template``
 or the tokenizer's for ``messages``, and for a text prompt as one user turn unless
-``generation.apply_chat_template=false``), and ``generation.*`` says how to sample and where to write
-(:mod:`dpo_megatron.generation.files`). A mistake ends every rank with one line and status 2.
+``generation.apply_chat_template=false``), and ``generation.*`` says how to sample and where to
+write (:mod:`dpo_megatron.generation.files`). A mistake ends every rank with one line and status 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence
 
@@ -46,7 +47,8 @@ def run(cfg, prompts: list) -> str:
     from dpo_megatron.utils.ranks import is_rank0
 
     model_cfg = run_models.resolve_model_config(cfg)
-    note = run_models.require_sequence_parallel(cfg, model_cfg)
+    parallel, note = run_models.require_sequence_parallel(cfg.parallel, model_cfg)
+    cfg = dataclasses.replace(cfg, parallel=parallel)
     initialize_distributed(cfg.parallel)
     set_seed(cfg.train.seed)
     if note and is_rank0():

@@ -15,6 +15,7 @@ not (too big, or refused on this cluster), 1 for a config mistake (one ``config 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 from dpo_megatron.cli import command
@@ -52,7 +53,9 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
     cfg = load_config(args.config, args.overrides, check=False)
     if not (cfg.model.hf_path or cfg.model.load or cfg.data.tokenizer):
         # the tokenizer rule is the data path's: the planner reads no text
-        cfg.data.tokenizer = "(not needed to plan)"
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, tokenizer="(not needed to plan)")
+        )
     validate(cfg)
     cluster = cluster_from_options(args)
     document = plan_report(

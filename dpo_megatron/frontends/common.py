@@ -6,6 +6,7 @@ steps).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -32,8 +33,7 @@ def count_items(overrides: Sequence[str], config: str, kind: str = "pairs") -> i
 
     cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
     tokenizer_source = cfg.data.tokenizer or cfg.model.hf_path
-    verbose = cfg.data.verbose
-    cfg.data.verbose = False
+    quiet = dataclasses.replace(cfg.data, verbose=False)  # a count: no data summary printed
     remote = [name for name in (tokenizer_source,) if not os.path.isdir(name)] + [
         name for name, _ in cfg.data.sources() if not is_local_source(name)
     ]
@@ -43,7 +43,7 @@ def count_items(overrides: Sequence[str], config: str, kind: str = "pairs") -> i
                 f"the Hugging Face hub is not reachable from here (offline) for {', '.join(remote)}"
             )
         tokenizer = load_tokenizer(tokenizer_source)
-        dataset = load_items(cfg.data, tokenizer, kind)
+        dataset = load_items(quiet, tokenizer, kind)
     except OSError as e:  # also the hub clients' ConnectionError / OfflineModeIsEnabled
         # n_epochs -> steps needs the pairs counted, so this is where a hub name meets a
         # machine without the hub: one line that says what to give instead, no traceback.
@@ -56,8 +56,6 @@ def count_items(overrides: Sequence[str], config: str, kind: str = "pairs") -> i
             f"preset's model and set DPO_MEGATRON_MODELS) and datasets=[<local file or "
             f"folder>]"
         ) from e
-    finally:
-        cfg.data.verbose = verbose
     return len(dataset.train)
 
 

@@ -36,7 +36,7 @@ pairs and weights as an uninterrupted run.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import os
 import time
@@ -68,6 +68,7 @@ from dpo_megatron.training.run_data import RunData
 from dpo_megatron.training.run_dir import RunFolder
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.files import atomic_file, write_json_atomic
+from dpo_megatron.utils.frozen import freeze
 from dpo_megatron.utils.run_layout import RunLayout
 
 PHASES = ("sample", "score", "pairs", "train", "eval")
@@ -138,17 +139,17 @@ class OnlineState:
 
 
 def _round_config(cfg, round_dir: str, policy: str):
-    """The round's training config: the run's own sections, the round folder as run folder,
-    ``model.load`` the policy the round starts from, resume from the round's checkpoints."""
-    rc = copy.deepcopy(cfg)
-    rc.run_dir = round_dir
+    """The round's training config: a copy of the run's with the round folder as run folder,
+    ``model.load`` the policy the round starts from, resume from the round's checkpoints (the
+    run's config is not changed)."""
     starts_from_hf = policy == cfg.model.hf_path and not cfg.model.load
-    rc.model.load = "" if starts_from_hf else policy
-    rc.checkpoint.resume = "auto"
-    rc.checkpoint.overwrite = False
-    rc.checkpoint.save = ""
-    rc.online.rounds = 0
-    return rc
+    return dataclasses.replace(
+        cfg,
+        run_dir=round_dir,
+        model=dataclasses.replace(cfg.model, load="" if starts_from_hf else policy),
+        checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto", overwrite=False, save=""),
+        online=dataclasses.replace(cfg.online, rounds=0),
+    )
 
 
 def _policy_chunks(cfg, model_cfg, policy: str) -> list:
@@ -599,10 +600,12 @@ def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dic
     from dpo_megatron.parallel.shutdown import die_with_launcher
 
     die_with_launcher()
+    cfg = freeze(cfg)  # each round's training config is a replaced copy of it
     use_layout(cfg.parallel)  # starts the world the first time
     validate_online(cfg, ranks.world_size())
     folder = RunFolder.open(cfg)
     try:
+        folder.record_config(cfg)
         model_cfg = run_models.resolve_model_config(cfg)
         tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
         run_models.check_vocab_fits(tokenizer, model_cfg)

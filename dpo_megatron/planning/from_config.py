@@ -50,15 +50,14 @@ def workload_for(
     """
     from dpo_megatron.training.auto_settings import resolve_packing, resolve_reference
 
-    resolved = copy.deepcopy(cfg)
-    resolve_packing(resolved, loss_fn, model)
+    packing, _ = resolve_packing(cfg, loss_fn, model)
     items = (
         train_items
         if train_items is not None
         else cfg.train.train_iters * cfg.train.global_batch_size
     )
-    resolve_reference(resolved, loss_fn, items)
-    reference = resolved.reference.mode if loss_fn.needs_reference else "none"
+    resolved_reference, _ = resolve_reference(cfg, loss_fn, items)
+    reference = resolved_reference.mode if loss_fn.needs_reference else "none"
     data = cfg.data
     fraction = (
         prompt_fraction
@@ -70,7 +69,7 @@ def workload_for(
         max_length=data.max_length,
         prompt_fraction=fraction,
         sequences_per_item=sequences,
-        share_prompt=bool(resolved.packing.enabled and resolved.packing.share_prompt),
+        share_prompt=bool(packing.enabled and packing.share_prompt),
         lm_head=loss_fn.model_head == "lm",
         global_batch_size=cfg.train.global_batch_size,
         micro_batch_size=micro_batch_size,

@@ -24,22 +24,31 @@ start-up line with its reason (``Trainer`` prints :attr:`AutoSettings.line`):
   on CUDA, fp32 on the CPU; reported here with whether the CPU has native bf16 (AVX512-BF16 /
   AMX), where ``model.params_dtype=bfloat16`` is about twice as fast (log-probs ~1e-3 apart).
 
-Nothing else is decided here; an explicit value in the config is always kept.
+Nothing else is decided here; an explicit value in the config is always kept. Nothing is
+written into the config given: :func:`resolve_auto_settings` returns a new, frozen config
+(``utils.frozen``) with the choices made, which the run then reads everywhere (its start-up line,
+``config.yaml``, ``--print-config``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.utils.frozen import freeze
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoSettings:
     """What :func:`resolve_auto_settings` chose, and why (for the start-up line)."""
 
-    reasons: list[str] = field(default_factory=list)
+    config: object
+    """The run's config with every choice made: a new, frozen tree (``utils.frozen``)."""
+    model_config: ModelConfig
+    """The architecture with ``fused_lm_head`` decided: a new, frozen one."""
+    reasons: tuple[str, ...]
     """One ``what (why)`` phrase per setting, in start-up line order."""
 
     @property
@@ -60,8 +69,9 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(words & {"avx512_bf16", "amx_bf16"})
 
 
-def resolve_packing(cfg, loss_fn, model_cfg: ModelConfig) -> str:
-    """Resolve ``packing.enabled`` / ``packing.share_prompt`` left at null; the reason."""
+def resolve_packing(cfg, loss_fn, model_cfg: ModelConfig):
+    """``cfg.packing`` with ``enabled`` / ``share_prompt`` left at null decided (a new
+    ``PackingConfig``; ``cfg`` is not changed), and the reason."""
     p = cfg.packing
     explicit = p.enabled is not None and p.share_prompt is not None
     if loss_fn.item_kind == "sft":
@@ -79,13 +89,16 @@ def resolve_packing(cfg, loss_fn, model_cfg: ModelConfig) -> str:
     else:
         why = "shared-prompt pairs: exact, the prompt computed once"
         enable, share = True, True
-    if p.enabled is None:
-        p.enabled = enable if p.share_prompt is not True else True
-    if p.share_prompt is None:
-        p.share_prompt = share and p.enabled
+    enabled = p.enabled
+    if enabled is None:
+        enabled = enable if p.share_prompt is not True else True
+    share_prompt = p.share_prompt
+    if share_prompt is None:
+        share_prompt = share and enabled
+    p = dataclasses.replace(p, enabled=enabled, share_prompt=share_prompt)
     if explicit:
-        return f"packing {_packing_name(p)} (set in the config)"
-    return f"packing {_packing_name(p)} (auto: {why})"
+        return p, f"packing {_packing_name(p)} (set in the config)"
+    return p, f"packing {_packing_name(p)} (auto: {why})"
 
 
 def _packing_name(p) -> str:
@@ -94,51 +107,57 @@ def _packing_name(p) -> str:
     return "on" if p.enabled else "off"
 
 
-def _lm_head(model_cfg: ModelConfig) -> str:
-    """Resolve ``model.fused_lm_head`` left at null on ``model_cfg``; the reason."""
+def _lm_head(model_cfg: ModelConfig) -> tuple[Optional[bool], str]:
+    """``model.fused_lm_head`` decided (as set when set), and the reason."""
     from dpo_megatron.models.gpt import lm_head_is_fused
     from dpo_megatron.parallel.device import get_device
 
     if model_cfg.head == "reward":
-        return "LM head none (a reward model: models.reward_head)"
+        return model_cfg.fused_lm_head, "LM head none (a reward model: models.reward_head)"
     chosen = lm_head_is_fused(model_cfg.fused_lm_head)
     name = "fused" if chosen else "unfused"
     if model_cfg.fused_lm_head is not None:
-        return f"LM head {name} (set in the config)"
-    model_cfg.fused_lm_head = chosen
+        return model_cfg.fused_lm_head, f"LM head {name} (set in the config)"
     where = get_device().type
     why = (
         "the second LM-head matmul in backward costs less than keeping the logits"
         if chosen
         else "keeping the logits for backward is faster than a second LM-head matmul"
     )
-    return f"LM head {name} (auto on {where}: {why})"
+    return chosen, f"LM head {name} (auto on {where}: {why})"
 
 
-def resolve_reference(cfg, loss_fn, num_train: int) -> str:
-    """Resolve ``reference.mode=auto``; the reason."""
+def resolve_reference(cfg, loss_fn, num_train: Optional[int]):
+    """``cfg.reference`` with ``mode=auto`` decided (a new ``ReferenceConfig``; ``cfg`` is not
+    changed), and the reason. ``num_train`` None (the data not read: ``--print-config``) leaves
+    ``auto`` where the loss reads a reference."""
     ref = cfg.reference
     if not loss_fn.needs_reference:
         if ref.mode == "auto":
-            ref.mode = "model"  # never built: the loss reads no reference
-        return "reference none (the loss reads none)"
+            ref = dataclasses.replace(ref, mode="model")  # never built: the loss reads none
+        return ref, "reference none (the loss reads none)"
     offload = " + offload" if ref.offload else ""
     if ref.mode != "auto":
-        return f"reference {ref.mode}{offload} (set in the config)"
+        return ref, f"reference {ref.mode}{offload} (set in the config)"
+    if num_train is None:
+        return ref, (
+            f"reference auto{offload} (decided at start: precomputed when the steps cover "
+            "the train pairs, else model)"
+        )
     seen = cfg.train.train_iters * cfg.train.global_batch_size
     if seen >= num_train:
-        ref.mode = "precomputed"
+        mode = "precomputed"
         why = (
             f"{cfg.train.train_iters} steps x {cfg.train.global_batch_size} pairs cover the "
             f"{num_train} train pairs: one pass costs no more, then none"
         )
     else:
-        ref.mode = "model"
+        mode = "model"
         why = (
             f"{cfg.train.train_iters} steps x {cfg.train.global_batch_size} pairs = {seen} < "
             f"{num_train} train pairs: a pass over all would cost more"
         )
-    return f"reference {ref.mode}{offload} (auto: {why})"
+    return dataclasses.replace(ref, mode=mode), f"reference {mode}{offload} (auto: {why})"
 
 
 def _precision(cfg, model_cfg: ModelConfig) -> str:
@@ -170,28 +189,35 @@ def _precision(cfg, model_cfg: ModelConfig) -> str:
 def resolve_auto_settings(
     cfg, loss_fn, model_cfg: ModelConfig, num_train: Optional[int] = None
 ) -> AutoSettings:
-    """Decide every speed setting left to the engine, in place on ``cfg`` and ``model_cfg``.
+    """Decide every speed setting left to the engine: a new, frozen config and architecture
+    with the choices made; ``cfg`` and ``model_cfg`` are not changed (a frozen ``cfg`` is
+    fine).
 
     Call it after the loss, the architecture and the data are known and before the batch
-    builder, the models or the reference source are built (``Trainer.__init__``). Idempotent:
-    a second call keeps the first call's choices (they are explicit values by then).
+    builder, the models or the reference source are built (``Trainer.__init__``), and read the
+    returned config from then on. Idempotent: its own result resolves to an equal config.
 
     Args:
-        cfg: the run's ``DPOConfig`` (``packing``, ``reference``, ``train`` read and set).
+        cfg: the run's ``DPOConfig`` (``packing``, ``reference``, ``train`` read).
         loss_fn: the built loss (``item_kind``, ``unpaired``, ``needs_reference``).
-        model_cfg: the resolved architecture (``num_experts``, ``fused_lm_head`` set,
+        model_cfg: the resolved architecture (``num_experts``, ``fused_lm_head``,
             ``params_dtype``).
-        num_train: train pairs (or examples) of the run; None resolves the reference as if
-            the steps covered them (the reference rule needs the count).
+        num_train: train pairs (or examples) of the run; None (the data not read) leaves
+            ``reference.mode=auto`` undecided (the reference rule needs the count).
 
     Returns:
-        The choices and their reasons (:attr:`AutoSettings.line` is the start-up line).
+        The resolved config and architecture, and the choices' reasons
+        (:attr:`AutoSettings.line` is the start-up line).
     """
-    settings = AutoSettings()
-    settings.reasons.append(resolve_packing(cfg, loss_fn, model_cfg))
-    settings.reasons.append(_lm_head(model_cfg))
-    settings.reasons.append(resolve_reference(cfg, loss_fn, 0 if num_train is None else num_train))
-    settings.reasons.append(_precision(cfg, model_cfg))
-    if cfg.model.fused_lm_head is None:
-        cfg.model.fused_lm_head = model_cfg.fused_lm_head
-    return settings
+    packing, packing_why = resolve_packing(cfg, loss_fn, model_cfg)
+    fused, lm_head_why = _lm_head(model_cfg)
+    reference, reference_why = resolve_reference(cfg, loss_fn, num_train)
+    model = cfg.model
+    if model.fused_lm_head is None:
+        model = dataclasses.replace(model, fused_lm_head=fused)
+    resolved = dataclasses.replace(cfg, packing=packing, reference=reference, model=model)
+    return AutoSettings(
+        config=freeze(resolved),
+        model_config=freeze(dataclasses.replace(model_cfg, fused_lm_head=fused)),
+        reasons=(packing_why, lm_head_why, reference_why, _precision(cfg, model_cfg)),
+    )

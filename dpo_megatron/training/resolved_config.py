@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from dpo_megatron.losses import build_loss
 from dpo_megatron.models.presets import MODEL_PRESETS, preset_without_copy
-from dpo_megatron.training.run_models import resolve_model_config
+from dpo_megatron.training.auto_settings import resolve_auto_settings
+from dpo_megatron.training.run_models import resolve_model_config, with_loss_head
 
 
 def resolved_config(cfg, model_config=None, loss_fn=None) -> dict:
@@ -19,21 +20,26 @@ def resolved_config(cfg, model_config=None, loss_fn=None) -> dict:
     one stored with the ``model.load`` checkpoint; ``training.run_models.
     resolve_model_config``), ``loss`` every parameter of the chosen loss(es) and the modifiers
     with their defaults (``LossFunction.config_section``). ``model_config`` / ``loss_fn``: the
-    run's own, when it has built them. A preset without a local copy (``model.hf_path`` is its
-    hub name) shows the architecture the preset states (:func:`unresolved_model_note`).
+    run's own, when it has built them (``cfg`` is then the run's resolved config); without
+    them the speed settings left to the engine are decided here as the run decides them
+    (``training.auto_settings``; ``reference.mode=auto`` stays so: it needs the train pairs'
+    count). A preset without a local copy (``model.hf_path`` is its hub name) shows the
+    architecture the preset states (:func:`unresolved_model_note`).
 
     Raises:
         OSError / ValueError: the model folder or checkpoint cannot be read.
     """
     if loss_fn is None:
         loss_fn = build_loss(cfg.loss)
-    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
     preset = preset_without_copy(cfg.model.hf_path) if model_config is None else None
+    if model_config is None:
+        model = cfg.model if preset else resolve_model_config(cfg)
+        settings = resolve_auto_settings(cfg, loss_fn, with_loss_head(model, loss_fn))
+        cfg, model_config = settings.config, settings.model_config
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
     if preset:
         tree["model"] = _preset_model(cfg.model, preset)
     else:
-        if model_config is None:
-            model_config = resolve_model_config(cfg)
         tree["model"] = OmegaConf.to_container(OmegaConf.structured(model_config))
     tree["loss"] = loss_fn.config_section()
     return tree

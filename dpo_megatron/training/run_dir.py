@@ -14,9 +14,10 @@
    then the old run's files move, untouched, to ``<run_dir>.replaced-<time>/`` (and an outside
    ``checkpoint.save`` folder to ``<save>.replaced-<time>``). ``checkpoint.resume=auto``
    continues the run that is there.
-3. **Record.** The resolved configuration goes to ``<run_dir>/config.yaml`` (loadable with
-   ``--config``), and everything rank 0 prints (stdout and stderr, warnings and tracebacks
-   included) is also appended to ``<run_dir>/train.log``, one header line per start.
+3. **Record.** The resolved configuration (``training.auto_settings``: the config the run
+   reads) goes to ``<run_dir>/config.yaml`` (loadable with ``--config``), and everything
+   rank 0 prints (stdout and stderr, warnings and tracebacks included) is also appended to
+   ``<run_dir>/train.log``, one header line per start.
 """
 
 from __future__ import annotations
@@ -408,8 +409,9 @@ class RunFolder:
 
     @classmethod
     def open(cls, cfg) -> "RunFolder":
-        """Lock the run folder, refuse mixing, write config.yaml, start train.log and print
-        where the run writes (collective: every rank raises the same error).
+        """Lock the run folder, refuse mixing, start train.log and print where the run writes
+        (``config.yaml`` comes once the run resolved its config: :meth:`record_config`);
+        collective: every rank raises the same error.
 
         Raises:
             RunDirError: the folder is in use or holds another run (see the module docstring).
@@ -443,7 +445,7 @@ class RunFolder:
     def _open_rank0(self, cfg) -> None:
         self.lock = RunLock.acquire(self.run_dir)
         moved = check_no_mixing(cfg, self.run_dir, self.save_dir)
-        config_path = write_config(cfg, self.run_dir)
+        config_path = self.layout.config  # written by record_config, once the run resolved it
         self._start_log()
         stale = self.lock.stale_owner
         if stale:
@@ -460,6 +462,26 @@ class RunFolder:
             f"| log {self.layout.log}",
             flush=True,
         )
+
+    def record_config(self, cfg) -> None:
+        """Write the config the run resolved (``training.auto_settings``) to ``config.yaml``
+        (rank 0, atomically; collective: every rank raises the same error).
+
+        Raises:
+            StorageError: the file cannot be written (a fault of the run, naming it).
+        """
+        from dpo_megatron.checkpointing.storage import StorageError, describe_storage_error
+
+        error = None
+        if ranks.is_rank0():
+            try:
+                write_config(cfg, self.run_dir)
+            except OSError as e:
+                path = self.layout.config
+                error = f"cannot write {path}: {describe_storage_error(e, path)}"
+        error = ranks.broadcast_from_rank0(error)
+        if error:
+            raise StorageError(error)
 
     def _start_log(self) -> None:
         self.log = open(self.layout.log, "a", buffering=1, encoding="utf-8")

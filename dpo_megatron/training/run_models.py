@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 from dpo_megatron.checkpointing.model_checkpoint import MODEL_CONFIG_FILE
 from dpo_megatron.models import ModelConfig, build_model_chunks
 from dpo_megatron.models.config import architecture_differences, with_run_settings
+from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.training.optim import copy_weights, freeze
 
 
@@ -144,23 +145,25 @@ def with_loss_head(model_cfg: ModelConfig, loss_fn) -> ModelConfig:
     return dataclasses.replace(model_cfg, head=loss_fn.model_head)
 
 
-def require_sequence_parallel(cfg, model_cfg: ModelConfig) -> Optional[str]:
-    """Turn ``parallel.sequence_parallel`` on where megatron-core requires it: a mixture-of-
-    experts model at TP > 1 (its MoE layer refuses to train with TP but without sequence
-    parallelism, so there is no other choice to respect). Changes ``cfg.parallel`` in place; call
-    it right after :func:`resolve_model_config`, before anything reads the layout (row lengths
-    become multiples of TP).
+def require_sequence_parallel(
+    parallel: ParallelConfig, model_cfg: ModelConfig
+) -> tuple[ParallelConfig, Optional[str]]:
+    """The layout ``parallel`` with ``sequence_parallel`` on where megatron-core requires it: a
+    mixture-of-experts model at TP > 1 (its MoE layer refuses to train with TP but without
+    sequence parallelism, so there is no other choice to respect). ``parallel`` is not changed;
+    call it right after :func:`resolve_model_config` and read the returned layout from then on
+    (row lengths become multiples of TP).
 
     Returns:
-        The line that says so, or None when nothing changed.
+        The layout (``parallel`` itself when nothing changes), and the line that says what
+        changed, or None.
     """
     from dpo_megatron.models.moe import moe_needs_sequence_parallel
 
-    tp = cfg.parallel.tensor_model_parallel_size
-    if cfg.parallel.sequence_parallel or not moe_needs_sequence_parallel(model_cfg, tp):
-        return None
-    cfg.parallel.sequence_parallel = True
-    return (
+    tp = parallel.tensor_model_parallel_size
+    if parallel.sequence_parallel or not moe_needs_sequence_parallel(model_cfg, tp):
+        return parallel, None
+    return dataclasses.replace(parallel, sequence_parallel=True), (
         f"note: parallel.sequence_parallel turned on: megatron-core's mixture-of-experts "
         f"layer ({model_cfg.num_experts} experts) needs it at "
         f"parallel.tensor_model_parallel_size={tp}"

@@ -51,13 +51,15 @@ class Trainer:
     """One training run (collective: every rank builds one).
 
     Args:
-        cfg: the resolved ``DPOConfig``.
+        cfg: the run's ``DPOConfig`` (not changed: the run reads :attr:`cfg`).
         data: tokenized items to train on instead of ``cfg.data`` (tests, benchmarks); None
             loads them from the config.
         reference_weights: a checkpoint or HF folder the reference loads instead of starting
             equal to the policy (online DPO's ``online.reference=initial``); empty: the policy.
 
     Attributes:
+        cfg: the config the run reads: ``cfg`` with the layout and the speed settings resolved
+            (``training.auto_settings``), frozen (``utils.frozen``); ``config.yaml`` holds it.
         policy: this rank's DDP-wrapped policy chunks.
         reference: the reference object (``training.reference``: the frozen
             :class:`ReferenceModel`, or with LoRA the policy's base, ``BaseModelReference``), or
@@ -70,7 +72,6 @@ class Trainer:
     """
 
     def __init__(self, cfg, data: Optional[RunData] = None, reference_weights: str = ""):
-        self.cfg = cfg
         die_with_launcher()
         initialize_distributed(cfg.parallel)
         # First: a folder in use or holding another run is refused before anything is built.
@@ -83,16 +84,21 @@ class Trainer:
         # data path, the batch builder and the reports ask this kind.
         self.kind = item_kind(self.loss_fn.item_kind)
         # The loss says what the model computes (log-probs or a reward model's scores).
-        self.model_config = run_models.with_loss_head(
-            run_models.resolve_model_config(cfg), self.loss_fn
+        model_config = run_models.with_loss_head(run_models.resolve_model_config(cfg), self.loss_fn)
+        parallel, self.sequence_parallel_note = run_models.require_sequence_parallel(
+            cfg.parallel, model_config
         )
-        self.sequence_parallel_note = run_models.require_sequence_parallel(cfg, self.model_config)
-        self.data = data if data is not None else load_run_data(cfg, self.model_config, self.kind)
+        cfg = dataclasses.replace(cfg, parallel=parallel)
+        self.data = data if data is not None else load_run_data(cfg, model_config, self.kind)
         # The speed settings left at auto (packing, LM head, reference mode), before anything
-        # that reads them is built.
+        # that reads them is built: the run reads the resolved, frozen config from here on
+        # (config.yaml, the start-up lines, every component); the config given is not changed.
         self.auto_settings = resolve_auto_settings(
-            cfg, self.loss_fn, self.model_config, len(self.data.train)
+            cfg, self.loss_fn, model_config, len(self.data.train)
         )
+        self.cfg = cfg = self.auto_settings.config
+        self.model_config = self.auto_settings.model_config
+        self.run_folder.record_config(cfg)
         # Row lengths: the configured granule x TP, and whole 2 x CP chunks (x TP under SP).
         multiple = math.lcm(
             cfg.train.seq_length_multiple * cfg.parallel.tensor_model_parallel_size,

@@ -15,12 +15,44 @@ NEW_DEFAULT = dict(packing=None, share_prompt=None, reference_mode="auto")
 
 
 def _resolve(loss=None, model=None, steps=2, num_train=8, **config):
+    """The resolved config and the start-up line, from a frozen config (nothing may write
+    into the config the user built)."""
     from dpo_megatron.losses import build_loss
     from dpo_megatron.training.auto_settings import resolve_auto_settings
+    from dpo_megatron.utils.frozen import freeze
 
-    cfg = engine_config(loss=loss, model=model, steps=steps, **{**NEW_DEFAULT, **config})
+    cfg = freeze(engine_config(loss=loss, model=model, steps=steps, **{**NEW_DEFAULT, **config}))
     settings = resolve_auto_settings(cfg, build_loss(cfg.loss), cfg.model, num_train)
-    return cfg, settings.line
+    return settings.config, settings.line
+
+
+def test_the_config_built_is_never_changed_and_the_resolved_one_is_new_and_frozen():
+    """The auto settings leave the (frozen) config the user built as it was and return a new
+    frozen config and architecture with the choices; resolving the resolved one changes
+    nothing (idempotent)."""
+    import dataclasses
+
+    from dpo_megatron.losses import build_loss
+    from dpo_megatron.training.auto_settings import resolve_auto_settings
+    from dpo_megatron.utils.frozen import freeze, is_frozen
+
+    built = freeze(engine_config(steps=2, **NEW_DEFAULT))
+    loss_fn = build_loss(built.loss)
+    settings = resolve_auto_settings(built, loss_fn, built.model, 8)
+    assert (built.packing.enabled, built.packing.share_prompt) == (None, None)
+    assert built.reference.mode == "auto" and built.model.fused_lm_head is None
+    resolved = settings.config
+    assert resolved is not built and is_frozen(resolved) and is_frozen(resolved.packing)
+    assert (resolved.packing.enabled, resolved.packing.share_prompt) == (True, True)
+    assert resolved.reference.mode == "precomputed" and resolved.model.fused_lm_head is False
+    assert settings.model_config.fused_lm_head is False and is_frozen(settings.model_config)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="dataclasses.replace"):
+        resolved.packing.enabled = False
+    again = resolve_auto_settings(resolved, loss_fn, settings.model_config, 8)
+    assert again.config == resolved and again.model_config == settings.model_config
+    # without the train pairs' count (--print-config) the reference is left to the run
+    unread = resolve_auto_settings(built, loss_fn, built.model)
+    assert unread.config.reference.mode == "auto" and "reference auto (decided at" in unread.line
 
 
 def test_auto_on_the_cpu_for_a_paired_loss():

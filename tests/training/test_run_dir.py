@@ -183,6 +183,7 @@ def test_run_folder_writes_config_yaml_and_tees_rank0_output_to_train_log(tmp_pa
     run_dir = tmp_path / "run"
     cfg = _config(run_dir, "loss.beta=0.25")
     folder = RunFolder.open(cfg)
+    folder.record_config(cfg)
     print("to stdout")
     print("to stderr", file=sys.stderr)
     folder.close()
