@@ -39,6 +39,7 @@ from typing import Any, Optional, Sequence, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from dpo_megatron.checkpointing.config import CheckpointConfig
 from dpo_megatron.compat import before_megatron_import
 from dpo_megatron.data.config import DataConfig, PackingConfig
 from dpo_megatron.generation.config import GenerationConfig
@@ -47,49 +48,10 @@ from dpo_megatron.models.lora_config import LoraConfig, export_mode
 from dpo_megatron.online.config import OnlineConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
-from dpo_megatron.utils.config_checks import check_choice, check_range
 
 # Programs that build the engine themselves (benchmarks, converters, tests) load a config
 # first; the imports above are light (no megatron-core), so this still comes before its import.
 before_megatron_import()
-
-EXPORT_DTYPES = ("bfloat16", "float32")
-
-
-@dataclass
-class CheckpointConfig:
-    """Where and when checkpoints are written."""
-
-    save: str = ""
-    """Checkpoint directory (empty: <run_dir>/checkpoints)."""
-    save_interval: int = 0
-    """Steps between checkpoints (>= 0; 0: only at the end)."""
-    keep_last_n: int = 2
-    """Checkpoints kept (>= 0); older ones are deleted after a newer one is complete (0: keep
-    all)."""
-    resume: str = "none"
-    """Continue a run: ``none`` (start fresh), ``auto`` (the latest complete checkpoint in the
-    save directory, else start fresh), or a checkpoint folder (or a folder of them: its latest).
-    Restores model, optimizer, LR scheduler, RNG, data position, loss state and step."""
-    overwrite: bool = False
-    """Start afresh (``resume=none``) in a run_dir that holds an earlier run's checkpoints or
-    metrics by moving that run, untouched, to ``<run_dir>.replaced-<time>``; without it such a
-    start is refused (``dpo_megatron/training/run_dir.py``)."""
-    export_hf: str = "none"
-    """At the end of training write the final policy for Hugging Face: ``false``/``none`` (no
-    export), ``true``/``merged`` (an HF folder <save>/hf; LoRA adapters merged into the weights)
-    or ``adapter`` (LoRA only: the adapters in PEFT's layout, <save>/hf_adapter)."""
-    export_dtype: str = "bfloat16"
-    """dtype of the exported HF weights: bfloat16 or float32."""
-
-    def validate(self) -> None:
-        """Raises ValueError for a negative interval or count, an unknown export dtype or
-        ``export_hf`` value; ``export_hf`` becomes its canonical name (``none``, ``merged`` or
-        ``adapter``: a YAML ``false`` arrives as the string ``'False'``)."""
-        check_range("checkpoint", self, "save_interval", 0, why="0: only at the end")
-        check_range("checkpoint", self, "keep_last_n", 0, why="0: keep all")
-        check_choice("checkpoint", self, "export_dtype", EXPORT_DTYPES)
-        self.export_hf = export_mode(self.export_hf)
 
 
 @dataclass
