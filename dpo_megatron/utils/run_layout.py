@@ -48,6 +48,15 @@ class RunLayout:
     HF_EXPORT: ClassVar[str] = "hf"
     HF_ADAPTER: ClassVar[str] = "hf_adapter"
     ONLINE: ClassVar[str] = "online"
+    ONLINE_STATE: ClassVar[str] = "state.json"
+    ONLINE_EVAL_START: ClassVar[str] = "eval_start.jsonl"
+    ONLINE_SUMMARY: ClassVar[str] = "summary.json"
+    ONLINE_PLOT: ClassVar[str] = "evaluation.png"
+    ROUND_SAMPLES: ClassVar[str] = "samples.jsonl"
+    ROUND_SCORES: ClassVar[str] = "scores.jsonl"
+    ROUND_PAIRS: ClassVar[str] = "pairs.jsonl"
+    ROUND_SUMMARY: ClassVar[str] = "summary.json"
+    ROUND_EVAL: ClassVar[str] = "eval.jsonl"
 
     @classmethod
     def of(cls, cfg) -> "RunLayout":
@@ -109,22 +118,22 @@ class RunLayout:
     @property
     def online_state(self) -> str:
         """``online/state.json``: the finished phases of each round."""
-        return os.path.join(self.online, "state.json")
+        return os.path.join(self.online, self.ONLINE_STATE)
 
     @property
     def online_eval_start(self) -> str:
         """``online/eval_start.jsonl``: the starting policy's scored held-out samples."""
-        return os.path.join(self.online, "eval_start.jsonl")
+        return os.path.join(self.online, self.ONLINE_EVAL_START)
 
     @property
     def online_summary(self) -> str:
         """``online/summary.json``: the run's held-out evaluations, rounds and final policy."""
-        return os.path.join(self.online, "summary.json")
+        return os.path.join(self.online, self.ONLINE_SUMMARY)
 
     @property
     def online_plot(self) -> str:
         """``online/evaluation.png``: held-out score and KL by round."""
-        return os.path.join(self.online, "evaluation.png")
+        return os.path.join(self.online, self.ONLINE_PLOT)
 
     @property
     def online_checkpoints(self) -> str:
@@ -135,3 +144,24 @@ class RunLayout:
     def online_round(self, index: int) -> str:
         """``online/round_<index>``: a round's files and the run folder of its training."""
         return os.path.join(self.online, f"round_{index}")
+
+    def round_samples(self, index: int) -> str:
+        """``online/round_<index>/samples.jsonl``: the round's sampled completions."""
+        return os.path.join(self.online_round(index), self.ROUND_SAMPLES)
+
+    def round_scores(self, index: int) -> str:
+        """``online/round_<index>/scores.jsonl``: the scorer's score of each sample."""
+        return os.path.join(self.online_round(index), self.ROUND_SCORES)
+
+    def round_pairs(self, index: int) -> str:
+        """``online/round_<index>/pairs.jsonl``: the preference pairs the round trains on."""
+        return os.path.join(self.online_round(index), self.ROUND_PAIRS)
+
+    def round_summary(self, index: int) -> str:
+        """``online/round_<index>/summary.json``: the round's counts, training metrics, wall
+        times and held-out evaluation."""
+        return os.path.join(self.online_round(index), self.ROUND_SUMMARY)
+
+    def round_eval(self, index: int) -> str:
+        """``online/round_<index>/eval.jsonl``: the held-out samples after the round, scored."""
+        return os.path.join(self.online_round(index), self.ROUND_EVAL)
