@@ -37,13 +37,11 @@ pairs and weights as an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dpo_megatron.data import PreferencePair
 from dpo_megatron.online import adapters
 from dpo_megatron.online.checks import validate_online
 from dpo_megatron.online.evaluation import (
@@ -54,7 +52,7 @@ from dpo_megatron.online.evaluation import (
     summary_lines,
 )
 from dpo_megatron.online.layouts import free_models, use_layout
-from dpo_megatron.online.pairs import Sample, build_pairs
+from dpo_megatron.online.pairs import build_pairs
 from dpo_megatron.online.prompts import (
     PromptItem,
     encode_prompts,
@@ -63,17 +61,30 @@ from dpo_megatron.online.prompts import (
     round_prompts,
     split_prompts,
 )
+from dpo_megatron.online.records import (
+    EvalSample,
+    PairRecord,
+    PhaseTimes,
+    RecordError,
+    RoundState,
+    RoundSummary,
+    SampleRecord,
+    ScoreRecord,
+    StateRecord,
+    read_record,
+    read_records,
+    write_record,
+    write_records,
+)
 from dpo_megatron.training import run_models
+from dpo_megatron.training.metrics_log import last_record
 from dpo_megatron.training.run_data import RunData
 from dpo_megatron.training.run_dir import RunFolder
 from dpo_megatron.utils import ranks
-from dpo_megatron.utils.files import atomic_file, write_json_atomic
 from dpo_megatron.utils.frozen import freeze
 from dpo_megatron.utils.run_layout import RunLayout
 
 PHASES = ("sample", "score", "pairs", "train", "eval")
-SAMPLES, SCORES, PAIRS, SUMMARY = "samples.jsonl", "scores.jsonl", "pairs.jsonl", "summary.json"
-EVAL = "eval.jsonl"
 
 
 class StopAfter(Exception):
@@ -82,56 +93,52 @@ class StopAfter(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# files
-
-
-def write_jsonl(path: str, records: list[dict]) -> None:
-    """``records`` as JSON lines at ``path``, atomically (rank 0 calls it)."""
-    with atomic_file(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _read_json(path: str) -> Optional[dict]:
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+# state
 
 
 class OnlineState:
-    """``online/state.json``: ``{"rounds": {"<r>": {"done": [phases], "policy": path}}}``, the
-    phases each round finished and, after training, the checkpoint folder its policy ended in.
-    Rank 0 reads and writes it; every rank asks it the same questions."""
+    """``online/state.json`` (:class:`~dpo_megatron.online.records.StateRecord`): the phases
+    each round finished and, after training, the checkpoint folder its policy ended in. Rank 0
+    reads and writes it; every rank asks it the same questions.
+
+    Raises:
+        RecordError: (on rank 0) the file is not a state record; every rank stops with it.
+    """
 
     def __init__(self, path: str):
         self.path = path
-        self.data = ranks.broadcast_from_rank0(
-            (_read_json(path) or {"rounds": {}}) if ranks.is_rank0() else None
-        )
+        record, error = None, None
+        if ranks.is_rank0():
+            try:
+                exists = os.path.isfile(path)
+                record = read_record(path, StateRecord) if exists else StateRecord()
+            except RecordError as e:
+                error = e
+        self.record, error = ranks.broadcast_from_rank0((record, error))
+        if error is not None:
+            raise error
+
+    def round(self, r: int) -> RoundState:
+        """What the state knows of round ``r`` (nothing finished: an empty one)."""
+        return self.record.rounds.get(r, RoundState())
 
     def done(self, r: int, phase: str) -> bool:
-        return phase in self.data["rounds"].get(str(r), {}).get("done", [])
+        return phase in self.round(r).done
 
     def mark(self, r: int, phase: str, **values) -> None:
-        entry = self.data["rounds"].setdefault(str(r), {"done": []})
-        if phase not in entry["done"]:
-            entry["done"].append(phase)
-        entry.update(values)
+        """Record ``phase`` of round ``r`` as finished, with ``values`` (fields of
+        :class:`~dpo_megatron.online.records.RoundState`), and write the file (collective)."""
+        entry = self.round(r)
+        done = entry.done if phase in entry.done else (*entry.done, phase)
+        self.record.rounds[r] = dataclasses.replace(entry, done=done, **values)
         if ranks.is_rank0():
-            write_json_atomic(self.path, self.data)
+            write_record(self.path, self.record)
         ranks.barrier()
 
     def policy_after(self, r: int) -> Optional[str]:
-        """The checkpoint folder the policy of round ``r`` ended in (None: the round trained on
-        no pair, or did not train yet)."""
-        return self.data["rounds"].get(str(r), {}).get("policy")
+        """The checkpoint folder the policy of round ``r`` ended in (None: the round did not
+        train yet)."""
+        return self.round(r).policy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,32 +202,32 @@ def _sample_with(chunks, cfg, tokenizer, pad_id, items: list[PromptItem], r, see
         prompt_text = tokenizer.decode(list(item.prompt_ids))
         for k, ids in enumerate(outs):
             records.append(
-                {
-                    "round": r,
-                    "prompt": i,
-                    "sample": k,
-                    "row": item.row,
-                    "prompt_text": prompt_text,
-                    "completion_text": tokenizer.decode(list(ids), skip_special_tokens=True),
-                    "prompt_ids": list(item.prompt_ids),
-                    "completion_ids": [int(t) for t in ids],
-                }
+                SampleRecord(
+                    round=r,
+                    prompt=i,
+                    sample=k,
+                    row=item.row,
+                    prompt_text=prompt_text,
+                    completion_text=tokenizer.decode(list(ids), skip_special_tokens=True),
+                    prompt_ids=tuple(item.prompt_ids),
+                    completion_ids=tuple(int(t) for t in ids),
+                )
             )
     return records
 
 
-def _score(cfg, model_cfg, samples: list[dict], pad_id: int) -> list[float]:
+def _score(cfg, model_cfg, samples: list[SampleRecord], pad_id: int) -> list[float]:
     o = cfg.online
     if o.judge:
         return adapters.judge_scores(
-            o.judge, [s["prompt_text"] for s in samples], [s["completion_text"] for s in samples]
+            o.judge, [s.prompt_text for s in samples], [s.completion_text for s in samples]
         )
     use_layout(o.reward_model.parallel)
     chunks = adapters.build_reward_model(cfg, o.reward_model.path)
     scores = adapters.score_with_reward_model(
         chunks,
-        [s["prompt_ids"] + s["completion_ids"] for s in samples],
-        [len(s["prompt_ids"]) for s in samples],
+        [s.sequence for s in samples],
+        [len(s.prompt_ids) for s in samples],
         micro_batch_size=o.reward_model.micro_batch_size,
         pad_id=pad_id,
     )
@@ -229,13 +236,15 @@ def _score(cfg, model_cfg, samples: list[dict], pad_id: int) -> list[float]:
     return [float(x) for x in scores]
 
 
-def _pairs(cfg, samples: list[dict], scores: list[float], r: int, seed: int, items: list):
+def _pairs(
+    cfg, samples: list[SampleRecord], scores: list[float], r: int, seed: int, items: list, policy
+) -> tuple[list[PairRecord], RoundSummary]:
+    """The round's pairs and its summary as the pairs phase writes it (``policy``: the one the
+    round started from)."""
     pairs, counts = build_pairs(
-        [Sample(s["prompt"], s["sample"], tuple(s["completion_ids"])) for s in samples],
-        scores,
-        cfg.online.min_margin,
+        [s.pair_candidate() for s in samples], scores, cfg.online.min_margin
     )
-    by_key = {(s["prompt"], s["sample"]): s for s in samples}
+    by_key = {(s.prompt, s.sample): s for s in samples}
     records = []
     for p in pairs:
         chosen, rejected = (
@@ -243,47 +252,47 @@ def _pairs(cfg, samples: list[dict], scores: list[float], r: int, seed: int, ite
             by_key[(p.prompt, p.rejected_sample)],
         )
         records.append(
-            {
-                "round": r,
-                "prompt": p.prompt,
-                "row": chosen["row"],
-                "chosen_sample": p.chosen_sample,
-                "rejected_sample": p.rejected_sample,
-                "chosen_score": p.chosen_score,
-                "rejected_score": p.rejected_score,
-                "prompt_text": chosen["prompt_text"],
-                "chosen_text": chosen["completion_text"],
-                "rejected_text": rejected["completion_text"],
-                "prompt_ids": chosen["prompt_ids"],
-                "chosen_ids": chosen["completion_ids"],
-                "rejected_ids": rejected["completion_ids"],
-            }
+            PairRecord(
+                round=r,
+                prompt=p.prompt,
+                row=chosen.row,
+                chosen_sample=p.chosen_sample,
+                rejected_sample=p.rejected_sample,
+                chosen_score=p.chosen_score,
+                rejected_score=p.rejected_score,
+                prompt_text=chosen.prompt_text,
+                chosen_text=chosen.completion_text,
+                rejected_text=rejected.completion_text,
+                prompt_ids=chosen.prompt_ids,
+                chosen_ids=chosen.completion_ids,
+                rejected_ids=rejected.completion_ids,
+            )
         )
-    summary = {
-        "round": r,
-        "prompts": counts.prompts,
-        "samples": counts.samples,
-        "pairs_kept": counts.pairs,
-        "ties_dropped": counts.ties,
-        "near_ties_dropped": counts.near_ties,
-        "empty_samples": counts.empty,
-        "prompts_with_too_few_samples": counts.too_few,
-        "mean_score": sum(scores) / len(scores) if scores else None,
-        "mean_chosen_score": (sum(p.chosen_score for p in pairs) / len(pairs) if pairs else None),
-        "mean_rejected_score": (
-            sum(p.rejected_score for p in pairs) / len(pairs) if pairs else None
-        ),
-        "sampling_seed": seed,
-        "prompt_rows": [it.row for it in items],
-    }
+    summary = RoundSummary(
+        round=r,
+        prompts=counts.prompts,
+        samples=counts.samples,
+        pairs_kept=counts.pairs,
+        ties_dropped=counts.ties,
+        near_ties_dropped=counts.near_ties,
+        empty_samples=counts.empty,
+        prompts_with_too_few_samples=counts.too_few,
+        mean_score=sum(scores) / len(scores) if scores else None,
+        mean_chosen_score=sum(p.chosen_score for p in pairs) / len(pairs) if pairs else None,
+        mean_rejected_score=sum(p.rejected_score for p in pairs) / len(pairs) if pairs else None,
+        sampling_seed=seed,
+        prompt_rows=tuple(it.row for it in items),
+        policy_start=policy,
+        reference=cfg.online.reference,
+    )
     return records, summary
 
 
-def _completion_logps(cfg, chunks, samples: list[dict], pad_id: int) -> list[float]:
+def _completion_logps(cfg, chunks, samples: list[SampleRecord], pad_id: int) -> list[float]:
     return adapters.completion_logps(
         chunks,
-        [s["prompt_ids"] + s["completion_ids"] for s in samples],
-        [len(s["prompt_ids"]) for s in samples],
+        [s.sequence for s in samples],
+        [len(s.prompt_ids) for s in samples],
         micro_batch_size=cfg.online.sampling.micro_batch_size,
         pad_id=pad_id,
     )
@@ -291,7 +300,7 @@ def _completion_logps(cfg, chunks, samples: list[dict], pad_id: int) -> list[flo
 
 def _evaluate(
     cfg, model_cfg, tokenizer, pad_id, held: list, policy: str, initial: str, path: str
-) -> list[dict]:
+) -> list[EvalSample]:
     """Sample the held-out prompts from ``policy``; unless it is the ``initial`` policy, read
     the log-probability of each sample under both (``logp``, ``logp_initial``: the KL's
     terms, ``online.evaluation``); score them; write ``path`` (the samples with their values)
@@ -300,45 +309,34 @@ def _evaluate(
     use_layout(cfg.parallel)
     chunks = _policy_chunks(cfg, model_cfg, policy)
     samples = _sample_with(chunks, cfg, tokenizer, pad_id, held, "eval", seed)
+    logps = logps_initial = [None] * len(samples)
     if policy != initial:
         logps = _completion_logps(cfg, chunks, samples, pad_id)
         del chunks
         free_models()
         chunks = _policy_chunks(cfg, model_cfg, initial)
         logps_initial = _completion_logps(cfg, chunks, samples, pad_id)
-        for s, a, b in zip(samples, logps, logps_initial):
-            s.update(logp=a, logp_initial=b)
     del chunks
     free_models()
     scores = _score(cfg, model_cfg, samples, pad_id)
-    rows = [{**s, "score": v} for s, v in zip(samples, scores)]
+    rows = [
+        EvalSample.of(s, v, logp=a, logp_initial=b)
+        for s, a, b, v in zip(samples, logps, logps_initial, scores)
+    ]
     if ranks.is_rank0():
-        write_jsonl(path, rows)
+        write_records(path, rows)
     return rows
 
 
-def _last_train_metrics(layout: RunLayout) -> dict:
-    """The last ``train`` record of a round's ``metrics.jsonl`` ({} when none)."""
-    if not os.path.isfile(layout.metrics):
-        return {}
-    last = {}
-    for record in read_jsonl(layout.metrics):
-        if record.get("split") == "train":
-            last = record
-    return last
-
-
-def _train(cfg, round_dir: str, policy: str, reference: str, tokenizer, pad_id, records):
+def _train(
+    cfg, round_dir: str, policy: str, reference: str, tokenizer, pad_id, pairs: list[PairRecord]
+):
     from dpo_megatron.training.trainer import Trainer
 
     use_layout(cfg.parallel)
-    pairs = [
-        PreferencePair(tuple(p["prompt_ids"]), tuple(p["chosen_ids"]), tuple(p["rejected_ids"]))
-        for p in records
-    ]
     trainer = Trainer(
         _round_config(cfg, round_dir, policy),
-        data=RunData(pairs, [], pad_id, tokenizer),
+        data=RunData([p.preference_pair() for p in pairs], [], pad_id, tokenizer),
         reference_weights=reference,
     )
     trainer.train()
@@ -399,7 +397,7 @@ class _OnlineRun:
         if self.stop_after == (r, phase):
             raise StopAfter(f"stopped after round {r} phase {phase}")
 
-    def held_out(self, policy: str, path: str) -> tuple[list[dict], float]:
+    def held_out(self, policy: str, path: str) -> tuple[list[EvalSample], float]:
         """The held-out evaluation of ``policy`` (``_evaluate``, rows written to ``path``):
         its rows and mean score."""
         rows = _evaluate(
@@ -412,7 +410,7 @@ class _OnlineRun:
             self.initial,
             path,
         )
-        return rows, sum(x["score"] for x in rows) / len(rows)
+        return rows, sum(x.score for x in rows) / len(rows)
 
     def evaluate_start(self, policy: str) -> None:
         """The starting policy's held-out evaluation, once (round -1)."""
@@ -421,61 +419,65 @@ class _OnlineRun:
             _, mean = self.held_out(policy, self.layout.online_eval_start)
             self.state.mark(-1, "eval", eval_mean_score=mean, eval_s=time.time() - t0)
 
-    def round(self, r: int, items: list[PromptItem], policy: str) -> tuple[str, dict]:
+    def round(self, r: int, items: list[PromptItem], policy: str) -> tuple[str, RoundSummary]:
         """Round ``r``'s unfinished phases on ``items`` from ``policy``; returns the policy after
         the round and its summary (every rank)."""
-        folder = self.layout.online_round(r)
-        files = {name: os.path.join(folder, name) for name in (SAMPLES, SCORES, PAIRS, SUMMARY)}
         seed = self.cfg.online.sampling.seed + r
-        samples = self.sample(r, files, items, policy, seed)
-        scores = self.score(r, files, samples)
-        pairs = self.pair(r, files, samples, scores, items, seed, policy)
-        self.train(r, folder, files, policy, pairs)
+        samples = self.sample(r, items, policy, seed)
+        scores = self.score(r, samples)
+        pairs = self.pair(r, samples, scores, items, seed, policy)
+        self.train(r, policy, pairs)
         policy = self.state.policy_after(r) or policy
-        self.evaluate(r, folder, files, policy)
-        return policy, ranks.broadcast_from_rank0(_read_json(files[SUMMARY]))
+        self.evaluate(r, policy)
+        summary = self.summary(r) if ranks.is_rank0() else None
+        return policy, ranks.broadcast_from_rank0(summary)
 
-    def sample(self, r, files, items, policy, seed) -> list[dict]:
+    def summary(self, r: int) -> RoundSummary:
+        """Round ``r``'s ``summary.json`` (rank 0)."""
+        return read_record(self.layout.round_summary(r), RoundSummary)
+
+    def sample(self, r, items, policy, seed) -> list[SampleRecord]:
+        path = self.layout.round_samples(r)
         if not self.state.done(r, "sample"):
             t0 = time.time()
             records = _sample(
                 self.cfg, self.model_cfg, self.tokenizer, self.pad_id, items, policy, r, seed
             )
             if ranks.is_rank0():
-                write_jsonl(files[SAMPLES], records)
+                write_records(path, records)
             self.finished(r, "sample", sample_s=time.time() - t0)
-        return read_jsonl(files[SAMPLES])
+        return read_records(path, SampleRecord)
 
-    def score(self, r, files, samples: list[dict]) -> list[float]:
+    def score(self, r, samples: list[SampleRecord]) -> list[float]:
+        path = self.layout.round_scores(r)
         if not self.state.done(r, "score"):
             t0 = time.time()
             scores = _score(self.cfg, self.model_cfg, samples, self.pad_id)
             if ranks.is_rank0():
-                rows = [
-                    {"prompt": s["prompt"], "sample": s["sample"], "score": v}
-                    for s, v in zip(samples, scores)
-                ]
-                write_jsonl(files[SCORES], rows)
+                write_records(
+                    path, [ScoreRecord(s.prompt, s.sample, v) for s, v in zip(samples, scores)]
+                )
             self.finished(r, "score", score_s=time.time() - t0)
-        return [float(x["score"]) for x in read_jsonl(files[SCORES])]
+        return [float(x.score) for x in read_records(path, ScoreRecord)]
 
-    def pair(self, r, files, samples, scores, items, seed, policy) -> list[dict]:
+    def pair(self, r, samples, scores, items, seed, policy) -> list[PairRecord]:
+        path = self.layout.round_pairs(r)
         if not self.state.done(r, "pairs"):
-            records, summary = _pairs(self.cfg, samples, scores, r, seed, items)
-            summary.update(policy_start=policy, reference=self.cfg.online.reference)
+            records, summary = _pairs(self.cfg, samples, scores, r, seed, items, policy)
             if ranks.is_rank0():
-                write_jsonl(files[PAIRS], records)
-                write_json_atomic(files[SUMMARY], summary)
+                write_records(path, records)
+                write_record(self.layout.round_summary(r), summary)
             self.finished(r, "pairs")
-        return read_jsonl(files[PAIRS])
+        return read_records(path, PairRecord)
 
-    def train(self, r, folder, files, policy: str, pairs: list[dict]) -> None:
+    def train(self, r, policy: str, pairs: list[PairRecord]) -> None:
         """DPO on the round's pairs (fewer than one global batch: the policy stays); the summary
         gets the last training metrics, the policy after the round and the phases' wall
         times."""
         if self.state.done(r, "train"):
             return
         t0 = time.time()
+        folder = self.layout.online_round(r)
         initial = self.initial
         reference = initial if self.cfg.online.reference == "initial" and policy != initial else ""
         end = None
@@ -489,64 +491,61 @@ class _OnlineRun:
                 flush=True,
             )
         if ranks.is_rank0():
-            summary = _read_json(files[SUMMARY])
-            entry = self.state.data["rounds"].get(str(r), {})
-            summary.update(
-                train=_last_train_metrics(RunLayout(folder)) if end else {},
+            entry = self.state.round(r)
+            summary = dataclasses.replace(
+                self.summary(r),
+                train=last_record(RunLayout(folder).metrics, "train") if end else {},
                 policy_end=end or policy,
-                wall_s={
-                    "sample": entry.get("sample_s"),
-                    "score": entry.get("score_s"),
-                    "train": time.time() - t0,
-                },
+                wall_s=PhaseTimes(entry.sample_s, entry.score_s, time.time() - t0),
             )
-            write_json_atomic(files[SUMMARY], summary)
+            write_record(self.layout.round_summary(r), summary)
             print(
-                f"online: round {r}: {summary['pairs_kept']} pairs of "
-                f"{summary['prompts']} prompts ({summary['ties_dropped']} ties, "
-                f"{summary['near_ties_dropped']} near-ties dropped), mean score "
-                f"{summary['mean_score']:.4f} -> {folder}",
+                f"online: round {r}: {summary.pairs_kept} pairs of {summary.prompts} prompts "
+                f"({summary.ties_dropped} ties, {summary.near_ties_dropped} near-ties dropped), "
+                f"mean score {summary.mean_score:.4f} -> {folder}",
                 flush=True,
             )
         self.finished(r, "train", policy=end or policy)
 
-    def evaluate(self, r, folder, files, policy: str) -> None:
+    def evaluate(self, r, policy: str) -> None:
         """The held-out evaluation after round ``r``: its mean score beside the one before the
         round, the change since the start and the KL from the starting policy with their
         intervals (``summary.json``'s ``eval``)."""
         if not self.held or self.state.done(r, "eval"):
             return
         t0 = time.time()
-        rows, mean = self.held_out(policy, os.path.join(folder, EVAL))
+        rows, mean = self.held_out(policy, self.layout.round_eval(r))
         if ranks.is_rank0():
             entry = evaluation_entry(
                 rows,
-                read_jsonl(self.layout.online_eval_start),
+                read_records(self.layout.online_eval_start, EvalSample),
                 round_index=r,
                 seed=self.cfg.online.seed,
             )
-            summary = _read_json(files[SUMMARY])
+            summary = self.summary(r)
             # round -1: the evaluation before round 0
-            before = self.state.data["rounds"][str(r - 1)]["eval_mean_score"]
-            summary.update(
+            before = self.state.round(r - 1).eval_mean_score
+            wall_s = summary.wall_s or PhaseTimes(None, None, None)
+            summary = dataclasses.replace(
+                summary,
+                wall_s=dataclasses.replace(wall_s, eval=time.time() - t0),
                 eval_prompts=len(self.held),
                 eval_mean_score_before=before,
                 eval_mean_score=mean,
                 eval=entry,
             )
-            summary.setdefault("wall_s", {})["eval"] = time.time() - t0
-            write_json_atomic(files[SUMMARY], summary)
-            change, kl = entry["score_change"], entry["kl_from_initial"]
+            write_record(self.layout.round_summary(r), summary)
+            change, kl = entry.score_change, entry.kl_from_initial
             print(
                 f"online: round {r}: mean score of the policy's samples on {len(self.held)} "
                 f"held-out prompts {before:.4f} -> {mean:.4f}; since the start "
-                f"{change['mean']:+.4f} [{change['low']:+.4f}, {change['high']:+.4f}], "
-                f"KL from the start {kl['mean']:.3f} nats",
+                f"{change.mean:+.4f} [{change.low:+.4f}, {change.high:+.4f}], "
+                f"KL from the start {kl.mean:.3f} nats",
                 flush=True,
             )
         self.finished(r, "eval", eval_mean_score=mean)
 
-    def report(self, policy: str, summaries: list[dict]) -> None:
+    def report(self, policy: str, summaries: list[RoundSummary]) -> None:
         """The closing summary (rank 0): ``online/summary.json``, the evaluation plot, the
         table of held-out scores and the line naming the final policy."""
         if not ranks.is_rank0():
@@ -554,14 +553,14 @@ class _OnlineRun:
         final = run_models.resolve_model_load(policy)  # a checkpoints folder: its latest
         entries, plot = [], None
         if self.held:
-            start_rows = read_jsonl(self.layout.online_eval_start)
+            start_rows = read_records(self.layout.online_eval_start, EvalSample)
             start = evaluation_entry(
                 start_rows, start_rows, round_index=-1, seed=self.cfg.online.seed
             )
-            entries = [start] + [s["eval"] for s in summaries if "eval" in s]
+            entries = [start] + [s.eval for s in summaries if s.eval is not None]
             plot = self.layout.online_plot
             plot_evaluation(entries, plot, self.scorer)
-        write_json_atomic(
+        write_record(
             self.layout.online_summary,
             run_summary(
                 entries,
@@ -569,7 +568,7 @@ class _OnlineRun:
                 scorer=self.scorer,
                 final_policy=final,
                 plot=plot,
-                start_eval_s=self.state.data["rounds"].get("-1", {}).get("eval_s"),
+                start_eval_s=self.state.round(-1).eval_s,
             ),
         )
         for line in summary_lines(entries, self.scorer):
@@ -582,7 +581,7 @@ class _OnlineRun:
         return o.judge or o.reward_model.path
 
 
-def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[dict]:
+def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[RoundSummary]:
     """Run (or continue, ``checkpoint.resume=auto``) the configured online rounds
     (collective: every rank calls it). Returns each round's summary.
 

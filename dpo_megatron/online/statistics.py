@@ -40,9 +40,6 @@ class Interval:
     low: float
     high: float
 
-    def as_dict(self) -> dict:
-        return {"mean": self.mean, "low": self.low, "high": self.high}
-
     def excludes_zero(self) -> bool:
         """Whether the whole interval lies above 0 or below 0."""
         return self.low > 0 or self.high < 0

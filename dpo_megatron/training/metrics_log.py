@@ -97,6 +97,21 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
+def last_record(path: str, split: str) -> dict:
+    """The last record of ``split`` (``train``, ``eval``) in a metrics.jsonl: ``{"step", "split",
+    metric name: value, ...}`` ({} when the file or such a record is missing)."""
+    if not os.path.isfile(path):
+        return {}
+    last = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                if record.get("split") == split:
+                    last = record
+    return last
+
+
 def format_duration(seconds: float) -> str:
     """``75`` -> ``1m15s``, ``3725`` -> ``1h02m``: the progress line's elapsed / ETA."""
     seconds = int(round(max(seconds, 0.0)))

@@ -17,7 +17,8 @@ from dpo_megatron.online.evaluation import (
     value_matrix,
 )
 from dpo_megatron.online.prompts import left_out_warning
-from dpo_megatron.online.statistics import bootstrap_mean, bootstrap_mean_difference
+from dpo_megatron.online.records import EvalSample
+from dpo_megatron.online.statistics import Interval, bootstrap_mean, bootstrap_mean_difference
 
 
 def test_a_paired_shift_has_a_zero_width_interval():
@@ -64,10 +65,21 @@ def _rows(scores, logp=None, logp_initial=None):
     rows = []
     for i, row in enumerate(scores):
         for j, score in enumerate(row):
-            r = {"prompt": i, "sample": j, "score": score, "completion_ids": [5] * (i + j + 1)}
-            if logp is not None:
-                r.update(logp=logp[i][j], logp_initial=logp_initial[i][j])
-            rows.append(r)
+            rows.append(
+                EvalSample(
+                    round="eval",
+                    prompt=i,
+                    sample=j,
+                    row=i,
+                    prompt_text="p",
+                    completion_text="c",
+                    prompt_ids=(1,),
+                    completion_ids=(5,) * (i + j + 1),
+                    logp=None if logp is None else logp[i][j],
+                    logp_initial=None if logp is None else logp_initial[i][j],
+                    score=score,
+                )
+            )
     return rows
 
 
@@ -78,14 +90,15 @@ def test_the_report_of_an_evaluation(tmp_path):
         logp_initial=[[-5.0, -4.5], [-2.0, -3.0]],
     )  # fmt: skip
     first = evaluation_entry(start, start, round_index=-1, seed=0)
-    assert first["score"]["mean"] == pytest.approx(0.25) and first["score_change"] is None
-    assert first["kl_from_initial"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
+    assert first.score.mean == pytest.approx(0.25) and first.score_change is None
+    assert first.kl_from_initial == Interval(0.0, 0.0, 0.0)
     entry = evaluation_entry(after, start, round_index=0, seed=0)
-    assert entry["prompts"] == 2 and entry["samples_per_prompt"] == 2
-    assert entry["completion_tokens"] == pytest.approx((1 + 2 + 2 + 3) / 4)
-    assert entry["score_change"] == pytest.approx({"mean": 0.5, "low": 0.5, "high": 0.5})
-    kl = entry["kl_from_initial"]  # log-ratios 2, 0.5, 0, 2
-    assert kl["mean"] == pytest.approx(1.125) and 0 <= kl["low"] <= kl["mean"] <= kl["high"] <= 2
+    assert entry.prompts == 2 and entry.samples_per_prompt == 2
+    assert entry.completion_tokens == pytest.approx((1 + 2 + 2 + 3) / 4)
+    change = entry.score_change
+    assert (change.mean, change.low, change.high) == pytest.approx((0.5, 0.5, 0.5))
+    kl = entry.kl_from_initial  # log-ratios 2, 0.5, 0, 2
+    assert kl.mean == pytest.approx(1.125) and 0 <= kl.low <= kl.mean <= kl.high <= 2
     lines = summary_lines([first, entry], "my.judge:fn")
     assert lines[0].startswith("online: held-out evaluation (2 prompts x 2 samples")
     assert "start     score 0.2500" in lines[1]
@@ -94,7 +107,7 @@ def test_the_report_of_an_evaluation(tmp_path):
     plot_evaluation([first, entry], str(plot), "my.judge:fn")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="do not fill a 2 x 2 grid"):
-        value_matrix(start[:3], "score")
+        value_matrix(start[:3], [r.score for r in start[:3]])
 
 
 def test_prompts_left_out_for_length_warn_above_a_tenth():

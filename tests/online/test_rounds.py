@@ -210,7 +210,7 @@ def _check_report(run_dir, evals, summaries):
     report = json.load(open(f"{run_dir}/online/summary.json"))
     entries = report["evaluation"]
     assert [e["round"] for e in entries] == [-1, 0, 1]
-    assert [e["eval"] for e in summaries] == entries[1:]
+    assert [s.eval.to_json() for s in summaries] == entries[1:]
     assert "logp" not in evals[0][0]  # the starting policy: KL 0 by definition
     assert entries[0]["kl_from_initial"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
     start_mean = sum(x["score"] for x in evals[0]) / len(evals[0])
@@ -293,8 +293,8 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
         }
     means = [sum(x["score"] for x in e) / 3 for e in evals]
     summaries = out["straight"][0]["summaries"]
-    assert [s["eval_mean_score_before"] for s in summaries] == pytest.approx(means[:2])
-    assert [s["eval_mean_score"] for s in summaries] == pytest.approx(means[1:])
+    assert [s.eval_mean_score_before for s in summaries] == pytest.approx(means[:2])
+    assert [s.eval_mean_score for s in summaries] == pytest.approx(means[1:])
     _check_report(straight, evals, summaries)
     # reference = the initial weights: round 1 starts from a policy that moved in round 0
     initial_r1 = _train_records(f"{folder}/initref", 1)
@@ -323,8 +323,8 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
         assert pairs == open(f"{straight}/online/round_{r}/pairs.jsonl").read()
     assert out["same_weights_killed"] == [True]
     untrained = out["untrained"][0]["summaries"]
-    assert [s["policy_end"] for s in untrained] == [f"{folder}/initial"] * 2
-    assert all(s["train"] == {} for s in untrained)
+    assert [s.policy_end for s in untrained] == [f"{folder}/initial"] * 2
+    assert all(s.train == {} for s in untrained)
     assert not os.path.exists(f"{folder}/untrained/online/round_0/checkpoints")
     report = json.load(open(f"{folder}/untrained/online/summary.json"))
     assert report["final_policy"] == f"{folder}/initial"
@@ -355,9 +355,7 @@ def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path)
     assert [o["layout"] for o in out] == [(1, 4, 1)] * 4
     assert out[0]["calls"] == {"generate": 5, "judge": 0, "score": 5}
     summaries = out[0]["summaries"]
-    assert [s["round"] for s in summaries] == [0, 1] and all(
-        o["summaries"] == summaries for o in out
-    )
+    assert [s.round for s in summaries] == [0, 1] and all(o["summaries"] == summaries for o in out)
     evals = [_read(f"{folder}/tp2pp2/online/eval_start.jsonl")] + [
         _read(f"{folder}/tp2pp2/online/round_{r}/eval.jsonl") for r in range(2)
     ]
