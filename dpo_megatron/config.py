@@ -27,13 +27,12 @@ within seconds.
 from __future__ import annotations
 
 import ast
-import copy
 import difflib
 import inspect
 import os
 import textwrap
 import warnings
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Optional, Sequence, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,6 +47,7 @@ from dpo_megatron.models.lora_config import LoraConfig, export_mode
 from dpo_megatron.online.config import OnlineConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.training.config import LoggingConfig, ReferenceConfig, TrainConfig
+from dpo_megatron.utils.loss_names import canonical_loss_section
 
 # Programs that build the engine themselves (benchmarks, converters, tests) load a config
 # first; the imports above are light (no megatron-core), so this still comes before its import.
@@ -68,7 +68,7 @@ class DPOConfig:
     """Preference data and tokenization."""
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "sigmoid", "beta": 0.1})
     """Loss name and its parameters (``loss.name=ipo loss.beta=0.5``, or ``loss=ipo``); see
-    dpo_megatron.losses. ``dpo`` is an alias of ``sigmoid``."""
+    dpo_megatron.losses. ``dpo`` is an alias of ``sigmoid``: the config holds ``sigmoid``."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch sizes, optimizer, LR schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -85,6 +85,11 @@ class DPOConfig:
     """Iterative (online) DPO rounds (``scripts/iterative_dpo.sh``); unused with rounds 0."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Sampling from the policy (``python -m dpo_megatron.generate``)."""
+
+    def __post_init__(self) -> None:
+        # Built normalized: a loss's other name (``dpo``) is its registered one here, so that
+        # validation only checks and the run, config.yaml and --print-config read one name.
+        self.loss = canonical_loss_section(self.loss)
 
 
 def _resolve_asset(name: str) -> str:
@@ -582,20 +587,15 @@ def _validate_context_parallel(cfg: DPOConfig) -> None:
 
 
 def _validate_loss(cfg: DPOConfig) -> None:
-    """``loss.name`` present, aliases replaced by registered names, the sorting losses' micro-
-    batch rule, then ``build_loss`` (unknown names / parameters, listing the valid ones)."""
+    """``loss.name`` present, the sorting losses' micro-batch rule, then ``build_loss`` (unknown
+    names / parameters, listing the valid ones). Aliases were replaced when the config was built
+    (``DPOConfig``)."""
     if not isinstance(cfg.loss, dict) or "name" not in cfg.loss:
         raise ValueError("loss.name is required (e.g. loss.name=sigmoid, or loss=ipo)")
     from dpo_megatron.losses import build_loss
-    from dpo_megatron.losses.registry import canonical_loss_name
 
     name = cfg.loss["name"]
-    cfg.loss["name"] = (
-        [canonical_loss_name(str(n)) for n in name]
-        if isinstance(name, list)
-        else canonical_loss_name(str(name))
-    )
-    names = cfg.loss["name"] if isinstance(cfg.loss["name"], list) else [cfg.loss["name"]]
+    names = name if isinstance(name, list) else [name]
     sorting = sorted({"aot", "aot_unpaired"} & set(names))
     if sorting and cfg.train.micro_batch_size < 2:
         raise ValueError(
@@ -641,11 +641,11 @@ def validate_online_config(cfg: DPOConfig, world_size: Optional[int] = None) -> 
     """
     from dpo_megatron.online.checks import validate_online
 
-    checked = copy.deepcopy(cfg)
-    if not (checked.data.path or checked.data.datasets):
-        checked.data.path = cfg.online.prompts or "online.prompts"
+    checked = cfg
+    if not (cfg.data.path or cfg.data.datasets):
+        stand_in = cfg.online.prompts or "online.prompts"
+        checked = replace(cfg, data=replace(cfg.data, path=stand_in))
     validate(checked)
-    cfg.loss = checked.loss  # aliases resolved (loss.name=dpo -> sigmoid)
     validate_online(cfg, world_size)
 
 

@@ -322,6 +322,43 @@ def test_list_keys_and_print_config(capsys, tmp_path):
     assert "loss:\n  name: ipo\n" in out and "run_dir: runs/dpo" in out
 
 
+@pytest.mark.parametrize(
+    "overrides, loss, export_hf",
+    [
+        (["loss=dpo"], {"name": "sigmoid"}, "none"),
+        (
+            ["loss.name=[dpo,sft]", "loss.beta=0.2"],
+            {"name": ["sigmoid", "sft"], "beta": 0.2},
+            "none",
+        ),
+        (["checkpoint.export_hf=true"], {"name": "sigmoid", "beta": 0.1}, "merged"),
+        (["checkpoint.export_hf=false"], {"name": "sigmoid", "beta": 0.1}, "none"),
+        (["checkpoint.export_hf=MERGED"], {"name": "sigmoid", "beta": 0.1}, "merged"),
+    ],
+)
+def test_a_config_is_built_normalized_and_validation_only_checks(overrides, loss, export_hf):
+    """A loss's other name (``dpo``) and a boolean or any-case ``checkpoint.export_hf`` are
+    their canonical values in the config as loaded, before any check; validating a frozen copy
+    (``utils.frozen``) raises nothing and changes nothing (a loss section is a plain dict even
+    in a frozen tree: it is compared too); ``--print-config`` shows the canonical values."""
+    from dpo_megatron.config import validate
+    from dpo_megatron.utils.frozen import freeze, thaw
+
+    cfg = freeze(load_config(None, BASE + overrides, check=False))
+    assert cfg.loss == loss and cfg.checkpoint.export_hf == export_hf
+    before = thaw(cfg)
+    validate(cfg)
+    assert cfg == before and cfg.loss == loss
+
+
+def test_print_config_shows_the_registered_loss_name(capsys):
+    """``loss=dpo`` prints as the loss the run trains, ``sigmoid``; ``export_hf=true`` as
+    ``merged``."""
+    main(["--print-config", "loss=dpo", "checkpoint.export_hf=true"] + BASE)
+    out = capsys.readouterr().out
+    assert "loss:\n  name: sigmoid\n" in out and "  export_hf: merged\n" in out
+
+
 def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_path):
     """The launchers' pre-check reports a range / key / YAML mistake without importing torch or
     megatron-core: ``import dpo_megatron.cli.check`` pulls in neither (dpo_megatron.models is

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpo_megatron.models.lora_config import export_mode
+from dpo_megatron.models.lora_config import EXPORT_MODES, export_mode
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
 EXPORT_DTYPES = ("bfloat16", "float32")
@@ -38,11 +38,20 @@ class CheckpointConfig:
     export_dtype: str = "bfloat16"
     """dtype of the exported HF weights: bfloat16 or float32."""
 
+    def __post_init__(self) -> None:
+        """``export_hf`` as its canonical name (``none``, ``merged`` or ``adapter``: a YAML
+        ``false`` arrives as the string ``'False'``), so that the run and its config.yaml read
+        one spelling.
+
+        Raises:
+            ValueError: an unknown ``export_hf`` value (``models.lora_config.export_mode``).
+        """
+        self.export_hf = export_mode(self.export_hf)
+
     def validate(self) -> None:
         """Raises ValueError for a negative interval or count, an unknown export dtype or
-        ``export_hf`` value; ``export_hf`` becomes its canonical name (``none``, ``merged`` or
-        ``adapter``: a YAML ``false`` arrives as the string ``'False'``)."""
+        ``export_hf`` value."""
         check_range("checkpoint", self, "save_interval", 0, why="0: only at the end")
         check_range("checkpoint", self, "keep_last_n", 0, why="0: keep all")
         check_choice("checkpoint", self, "export_dtype", EXPORT_DTYPES)
-        self.export_hf = export_mode(self.export_hf)
+        check_choice("checkpoint", self, "export_hf", EXPORT_MODES)

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from dpo_megatron.utils.loss_names import LOSS_ALIASES, canonical_loss_name
+
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 LossFn = Callable[..., LossOutput]
 
@@ -162,15 +164,6 @@ def _keyword_defaults(name: str, fn: Callable, skip: tuple[str, ...] = ()) -> di
 
 LOSSES: dict[str, LossSpec] = {}
 """All registered losses by name. Filled when `dpo_megatron.losses` is imported."""
-
-LOSS_ALIASES: dict[str, str] = {"dpo": "sigmoid"}
-"""Other names users give a loss (`loss.name=dpo` is Rafailov et al.'s sigmoid loss, as in TRL's
-`loss_type="sigmoid"`); the config replaces them with the registered name."""
-
-
-def canonical_loss_name(name: str) -> str:
-    """The registered name for `name` (itself, or what an alias stands for)."""
-    return LOSS_ALIASES.get(name, name)
 
 
 def register_loss(

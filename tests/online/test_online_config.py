@@ -91,10 +91,16 @@ def test_reward_model_layout_must_fit_the_world(tmp_path, prompts_file):
         validate_online_config(cfg, world_size=2)
 
 
-def test_a_valid_section_passes_and_resolves_the_loss_alias(tmp_path, prompts_file):
-    cfg = _cfg(tmp_path, prompts_file, "loss=dpo")
+def test_a_valid_section_passes_and_changes_nothing(tmp_path, prompts_file):
+    """A valid online config passes; checked frozen (``utils.frozen``), nothing in it changes:
+    the loss alias was replaced when it was loaded, and the prompts file stands in for
+    ``data.path`` only in a copy the data checks read."""
+    from dpo_megatron.utils.frozen import freeze, thaw
+
+    cfg = freeze(_cfg(tmp_path, prompts_file, "loss=dpo"))
+    before = thaw(cfg)
     validate_online_config(cfg)
-    assert cfg.loss["name"] == "sigmoid" and not cfg.data.path
+    assert cfg == before and cfg.loss["name"] == "sigmoid" and not cfg.data.path
 
 
 def test_prompts_from_every_row_form_and_rounds_wrap(tmp_path, prompts_file):

@@ -181,7 +181,7 @@ def test_run_folder_writes_config_yaml_and_tees_rank0_output_to_train_log(tmp_pa
     from dpo_megatron.config import load_config
 
     run_dir = tmp_path / "run"
-    cfg = _config(run_dir, "loss.beta=0.25")
+    cfg = _config(run_dir, "loss=dpo", "loss.beta=0.25", "checkpoint.export_hf=true")
     folder = RunFolder.open(cfg)
     folder.record_config(cfg)
     print("to stdout")
@@ -193,6 +193,8 @@ def test_run_folder_writes_config_yaml_and_tees_rank0_output_to_train_log(tmp_pa
     assert f"checkpoints -> {run_dir}/checkpoints" in log
     assert "to stdout\n" in log and "to stderr\n" in log and "after close" not in log
     assert "to stdout" in capsys.readouterr().out  # the console still gets everything
+    recorded = (run_dir / "config.yaml").read_text()
+    assert "loss:\n  name: sigmoid\n" in recorded and "  export_hf: merged\n" in recorded
     again = load_config(str(run_dir / "config.yaml"))
     assert again.loss["beta"] == 0.25 and again.run_dir == str(run_dir)
     assert (run_dir / LOCK_FILE).read_text() == ""
