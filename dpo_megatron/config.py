@@ -689,7 +689,7 @@ def check_model_weights(cfg: DPOConfig) -> None:
     model_cfg = resolve_model_config(cfg)
     if cfg.model.hf_path and not cfg.model.load:
         check_hf_weights(model_cfg)
-    reference = reference_model_config(cfg, model_cfg)
+    reference = reference_model_config(cfg.reference, model_cfg, seed=cfg.train.seed)
     if cfg.reference.hf_path:
         check_hf_weights(reference)
 

@@ -61,7 +61,9 @@ def run(cfg, prompts: list) -> str:
     )
     if note and is_rank0():
         print(note, flush=True)
-    policy = run_models.build_policy(cfg, model_cfg)
+    policy = run_models.build_policy(
+        model_cfg, parallel=cfg.parallel, lora=cfg.lora, seed=cfg.train.seed
+    )
     path = cfg.generation.output or os.path.join(cfg.run_dir, "generations.jsonl")
     return generate_file(
         policy,

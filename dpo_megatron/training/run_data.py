@@ -8,7 +8,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.pairs import DataSummary
+from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.device import get_device
 from dpo_megatron.utils import ranks
 
@@ -34,9 +36,11 @@ class RunData:
     summary: Optional[DataSummary] = None
 
 
-def load_run_data(cfg, model_cfg, kind) -> RunData:
-    """Load tokenizer and tokenized items (collective): rank 0 first, so the others hit its
-    cache; its failure reaches every rank, or they would wait in a collective until the timeout.
+def load_run_data(data: DataConfig, *, model: ModelConfig, kind) -> RunData:
+    """Load the ``data`` section's tokenizer (``data.tokenizer``, else ``model.hf_path``'s, the
+    resolved model section's) and tokenized items (collective): rank 0 first, so the others hit
+    its cache; its failure reaches every rank, or they would wait in a collective until the
+    timeout.
 
     ``kind``: what the loss trains on (a ``data.kinds.ItemKind``, or its name: the loss's
     ``item_kind``).
@@ -49,8 +53,8 @@ def load_run_data(cfg, model_cfg, kind) -> RunData:
     from dpo_megatron.data.pipeline import load_items
     from dpo_megatron.training.run_models import check_vocab_fits
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
-    check_vocab_fits(tokenizer, model_cfg)
+    tokenizer = load_tokenizer(data.tokenizer or model.hf_path)
+    check_vocab_fits(tokenizer, model)
 
     def load(data_cfg, tokenizer):
         return load_items(data_cfg, tokenizer, kind)
@@ -58,7 +62,7 @@ def load_run_data(cfg, model_cfg, kind) -> RunData:
     failure, dataset = None, None
     if ranks.is_rank0():
         try:
-            dataset = load(cfg.data, tokenizer)
+            dataset = load(data, tokenizer)
         except Exception as e:  # re-raised below, after telling the other ranks
             failure = e
     ok = torch.tensor([0 if failure else 1], device=get_device())
@@ -68,10 +72,10 @@ def load_run_data(cfg, model_cfg, kind) -> RunData:
     if not ok.item():
         raise DataError("rank 0 failed to load the data; it reports why")
     if dataset is None:
-        dataset = load(cfg.data, tokenizer)
+        dataset = load(data, tokenizer)
     if not dataset.train:
         raise DataError(
-            f"no training pairs left in {cfg.data.path or cfg.data.datasets} "
+            f"no training pairs left in {data.path or data.datasets} "
             f"after filtering: {dataset.summary.dropped}"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

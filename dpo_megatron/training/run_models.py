@@ -12,7 +12,9 @@ from typing import Iterable, Optional
 from dpo_megatron.checkpointing.model_checkpoint import MODEL_CONFIG_FILE
 from dpo_megatron.models import ModelConfig, build_model_chunks
 from dpo_megatron.models.config import architecture_differences, with_run_settings
+from dpo_megatron.models.lora_config import LoraConfig
 from dpo_megatron.parallel.config import ParallelConfig
+from dpo_megatron.training.config import ReferenceConfig
 from dpo_megatron.training.optim import copy_weights, freeze
 
 
@@ -170,37 +172,42 @@ def require_sequence_parallel(
     )
 
 
-def weights_source(cfg, model_cfg: ModelConfig) -> str:
-    """Where the starting weights come from, in words (printed at start-up)."""
-    if cfg.model.load:
-        return f"checkpoint {resolve_model_load(cfg.model.load)}"
-    if model_cfg.hf_path:
-        return f"Hugging Face folder {model_cfg.hf_path}"
-    return f"random initialisation (seed {cfg.train.seed})"
+def weights_source(model: ModelConfig, *, seed: int) -> str:
+    """Where the starting weights of ``model`` (the resolved model section) come from, in words
+    (printed at start-up); ``seed``: ``train.seed``, which a random initialisation starts from."""
+    if model.load:
+        return f"checkpoint {resolve_model_load(model.load)}"
+    if model.hf_path:
+        return f"Hugging Face folder {model.hf_path}"
+    return f"random initialisation (seed {seed})"
 
 
-def build_policy(cfg, model_cfg: ModelConfig) -> list:
-    """Policy chunks with their starting weights: ``model.load``, else ``model.hf_path``, else
-    random (collective). A reward model (``model_cfg.head``) takes a causal LM's weights but its
-    LM head. With ``lora.enabled`` the weights are then frozen and adapters attached
-    (``dpo_megatron.models.lora``): only the adapters train.
+def build_policy(
+    model: ModelConfig, *, parallel: ParallelConfig, lora: LoraConfig, seed: int
+) -> list:
+    """Policy chunks of ``model`` (the model section as the run resolved it:
+    :func:`resolve_model_config`) at the ``parallel`` layout, with their starting weights:
+    ``model.load``, else ``model.hf_path``, else random (collective). A reward model
+    (``model.head``) takes a causal LM's weights but its LM head. With ``lora.enabled`` the
+    weights are then frozen and adapters attached (``dpo_megatron.models.lora``, initialised
+    from ``seed``, ``train.seed``): only the adapters train.
 
     Raises:
         ValueError: ``model.load`` names a LoRA checkpoint (it holds adapters, no base weights).
     """
-    policy = build_model_chunks(model_cfg, cfg.parallel)
-    if cfg.model.load:
-        path = resolve_model_load(cfg.model.load)
+    policy = build_model_chunks(model, parallel)
+    if model.load:
+        path = resolve_model_load(model.load)
         _refuse_adapter_checkpoint(path)
-        _load_checkpoint(policy, model_cfg, cfg.parallel, path)
-    elif model_cfg.hf_path:
+        _load_checkpoint(policy, model, parallel, path)
+    elif model.hf_path:
         from dpo_megatron.models.conversion import load_hf_weights
 
-        load_hf_weights(policy, model_cfg, model_cfg.hf_path)
-    if cfg.lora.enabled:
+        load_hf_weights(policy, model, model.hf_path)
+    if lora.enabled:
         from dpo_megatron.models.lora import attach_lora
 
-        attach_lora(policy, cfg.lora, model_cfg, cfg.train.seed)
+        attach_lora(policy, lora, model, seed)
     return policy
 
 
@@ -260,18 +267,22 @@ def _refuse_adapter_checkpoint(path: str, key: str = "model.load") -> None:
             )
 
 
-def reference_source(cfg) -> str:
-    """The reference's own weights in words ('' when it is the policy's starting weights)."""
-    if cfg.reference.hf_path:
-        return f"Hugging Face folder {cfg.reference.hf_path}"
-    if cfg.reference.load:
-        return f"checkpoint {resolve_model_load(cfg.reference.load)}"
+def reference_source(reference: ReferenceConfig) -> str:
+    """The ``reference`` section's own weights in words ('' when the reference is the policy's
+    starting weights)."""
+    if reference.hf_path:
+        return f"Hugging Face folder {reference.hf_path}"
+    if reference.load:
+        return f"checkpoint {resolve_model_load(reference.load)}"
     return ""
 
 
-def reference_model_config(cfg, model_cfg: ModelConfig) -> Optional[ModelConfig]:
+def reference_model_config(
+    reference: ReferenceConfig, model: ModelConfig, *, seed: int
+) -> Optional[ModelConfig]:
     """The model of ``reference.hf_path`` / ``reference.load``, checked against the policy's
-    (``model_cfg``): None when the reference is the policy's starting weights. Reads config.json
+    (``model``, the resolved model section; ``seed``, ``train.seed``, names a random policy in
+    the message): None when the reference is the policy's starting weights. Reads config.json
     or the checkpoint's records only (the launchers call it before any rank starts; the ranks
     again when they build the reference).
 
@@ -283,14 +294,13 @@ def reference_model_config(cfg, model_cfg: ModelConfig) -> Optional[ModelConfig]
             field with both values). A checkpoint saved without its ``model_config.json`` is not
             compared (megatron-core checks the shapes as it loads).
     """
-    ref = cfg.reference
-    if ref.hf_path:
+    if reference.hf_path:
         from dpo_megatron.models.conversion import model_config_from_hf
 
-        key = f"reference.hf_path={ref.hf_path}"
-        theirs = model_config_from_hf(ref.hf_path, model_cfg)
-    elif ref.load:
-        path = resolve_model_load(ref.load)
+        key = f"reference.hf_path={reference.hf_path}"
+        theirs = model_config_from_hf(reference.hf_path, model)
+    elif reference.load:
+        path = resolve_model_load(reference.load)
         key = f"reference.load={path}"
         if not os.path.isfile(os.path.join(path, "metadata.json")):
             raise ValueError(
@@ -299,7 +309,7 @@ def reference_model_config(cfg, model_cfg: ModelConfig) -> Optional[ModelConfig]
             )
         _refuse_adapter_checkpoint(path, "reference.load")
         stored = _stored_model(path)
-        theirs = model_cfg if stored is None else with_run_settings(stored, model_cfg)
+        theirs = model if stored is None else with_run_settings(stored, model)
     else:
         return None
     if theirs.head == "reward":
@@ -307,41 +317,51 @@ def reference_model_config(cfg, model_cfg: ModelConfig) -> Optional[ModelConfig]
             f"{key} is a reward model (no LM head): a DPO reference is a causal LM "
             "(a *ForCausalLM folder, an SFT or DPO checkpoint)"
         )
-    differ = architecture_differences(theirs, model_cfg)
+    differ = architecture_differences(theirs, model)
     if differ:
         raise ValueError(
             f"{key} holds a model with {_values(differ, 0)}, but the policy "
-            f"({weights_source(cfg, model_cfg)}) has {_values(differ, 1)}: the reference must "
+            f"({weights_source(model, seed=seed)}) has {_values(differ, 1)}: the reference must "
             "be the policy's architecture, with other weights"
         )
     return theirs
 
 
-def build_reference(cfg, model_cfg: ModelConfig, policy: list, weights: str = ""):
-    """The run's reference object (``training.reference``): with LoRA the policy itself with
-    its adapters bypassed (:class:`BaseModelReference`, no second model); else a frozen copy
-    built with the same function and layout as the policy, holding either the policy's starting
-    weights (copied from it: each pipeline stage holds its layers of both, and step 0 has
-    policy == reference) or a reference of its own (``reference.hf_path`` / ``reference.load``,
-    checked by :func:`reference_model_config` and loaded at this layout). ``weights`` (a
-    checkpoint or Hugging Face folder; not with LoRA) loads those instead: online DPO's
-    ``online.reference=initial``.
+def build_reference(
+    reference: ReferenceConfig,
+    *,
+    policy: list,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    lora: LoraConfig,
+    seed: int,
+    weights: str = "",
+):
+    """The run's reference object (``training.reference``) from the ``reference`` section: with
+    ``lora.enabled`` the ``policy`` itself with its adapters bypassed
+    (:class:`BaseModelReference`, no second model); else a frozen copy built as the policy was
+    (``model``, the resolved model section, at the ``parallel`` layout), holding either the
+    policy's starting weights (copied from it: each pipeline stage holds its layers of both, and
+    step 0 has policy == reference) or a reference of its own (``reference.hf_path`` /
+    ``reference.load``, checked by :func:`reference_model_config`, whose message ``seed`` serves,
+    and loaded at this layout). ``weights`` (a checkpoint or Hugging Face folder; not with LoRA)
+    loads those instead: online DPO's ``online.reference=initial``.
 
     Raises:
         ValueError: as :func:`reference_model_config`.
     """
     from dpo_megatron.training.reference import BaseModelReference, ReferenceModel
 
-    if cfg.lora.enabled:
+    if lora.enabled:
         return BaseModelReference(policy)
-    reference = freeze(build_model_chunks(model_cfg, cfg.parallel))
+    chunks = freeze(build_model_chunks(model, parallel))
     if weights:
-        load_weights(reference, model_cfg, weights)
-    elif reference_model_config(cfg, model_cfg) is not None:
-        load_weights(reference, model_cfg, cfg.reference.hf_path or cfg.reference.load)
+        load_weights(chunks, model, weights)
+    elif reference_model_config(reference, model, seed=seed) is not None:
+        load_weights(chunks, model, reference.hf_path or reference.load)
     else:
-        copy_weights(policy, reference)
-    return ReferenceModel(reference, offload=cfg.reference.offload)
+        copy_weights(policy, chunks)
+    return ReferenceModel(chunks, offload=reference.offload)
 
 
 def checkpointed_policy(cfg, model_cfg: ModelConfig, policy: list) -> tuple[list, Optional[dict]]:
@@ -359,7 +379,7 @@ def checkpointed_policy(cfg, model_cfg: ModelConfig, policy: list) -> tuple[list
 
     from dpo_megatron.models.lora import AdapterCheckpoint
 
-    record = {**asdict(cfg.lora), "base": weights_source(cfg, model_cfg)}
+    record = {**asdict(cfg.lora), "base": weights_source(model_cfg, seed=cfg.train.seed)}
     record.pop("enabled")
     return [AdapterCheckpoint(chunk) for chunk in policy], record
 

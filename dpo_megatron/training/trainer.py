@@ -89,7 +89,11 @@ class Trainer:
             cfg.parallel, model_config
         )
         cfg = dataclasses.replace(cfg, parallel=parallel)
-        self.data = data if data is not None else load_run_data(cfg, model_config, self.kind)
+        self.data = (
+            data
+            if data is not None
+            else load_run_data(cfg.data, model=model_config, kind=self.kind)
+        )
         # The speed settings left at auto (packing, LM head, reference mode), before anything
         # that reads them is built: the run reads the resolved, frozen config from here on
         # (config.yaml, the start-up lines, every component); the config given is not changed.
@@ -119,9 +123,19 @@ class Trainer:
         """What turns micro-batches into rows besides the items (a precomputed table's key)."""
         self.sampler = self._sampler(len(self.data.train), shuffle=cfg.data.shuffle)
         self.evaluator = Evaluator(cfg.train, items=self.data.eval, builder=self.builder)
-        policy = run_models.build_policy(cfg, self.model_config)
+        policy = run_models.build_policy(
+            self.model_config, parallel=cfg.parallel, lora=cfg.lora, seed=cfg.train.seed
+        )
         reference = (
-            run_models.build_reference(cfg, self.model_config, policy, reference_weights)
+            run_models.build_reference(
+                cfg.reference,
+                policy=policy,
+                model=self.model_config,
+                parallel=cfg.parallel,
+                lora=cfg.lora,
+                seed=cfg.train.seed,
+                weights=reference_weights,
+            )
             if self.loss_fn.needs_reference
             else None
         )
@@ -249,6 +263,8 @@ class Trainer:
         if self.sequence_parallel_note:
             print(self.sequence_parallel_note, flush=True)
         cp = cfg.parallel.context_parallel_size
+        weights = run_models.weights_source(self.model_config, seed=cfg.train.seed)
+        reference = run_models.reference_source(cfg.reference)
         print(
             f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
             f"{cfg.parallel.pipeline_model_parallel_size} x "
@@ -264,12 +280,8 @@ class Trainer:
             + "| "
             f"{self.loss_fn.describe()} | {len(self.data.train)} train / {len(self.data.eval)} "
             "eval "
-            f"{self.kind.unit} | weights: {run_models.weights_source(cfg, self.model_config)}"
-            + (
-                f" | reference: {run_models.reference_source(cfg)}"
-                if self.loss_fn.needs_reference and run_models.reference_source(cfg)
-                else ""
-            ),
+            f"{self.kind.unit} | weights: {weights}"
+            + (f" | reference: {reference}" if self.loss_fn.needs_reference and reference else ""),
             flush=True,
         )
         print(self.auto_settings.line, flush=True)

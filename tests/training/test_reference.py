@@ -237,7 +237,7 @@ def test_a_reference_of_another_shape_or_no_causal_lm_is_refused_naming_both(tmp
 
     def check(*overrides):
         cfg = load_config(None, ["data.path=d.json", f"model.hf_path={policy}", *overrides])
-        return reference_model_config(cfg, resolve_model_config(cfg))
+        return reference_model_config(cfg.reference, resolve_model_config(cfg), seed=cfg.train.seed)
 
     assert check() is None  # the policy's starting weights
     assert check(f"reference.hf_path={same}").hf_path == same
