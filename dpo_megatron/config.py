@@ -731,7 +731,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
     import dataclasses
 
     from dpo_megatron.data.pipeline import load_items
-    from dpo_megatron.data.reader import DataError, is_local_source
+    from dpo_megatron.data.sources import DataError, is_local_source
     from dpo_megatron.data.tokenizer import load_tokenizer
     from dpo_megatron.training.run_models import check_vocab_fits, resolve_model_config
 

@@ -56,7 +56,7 @@ STOPS = (
     # holding another run, an online judge, the host allocator's setting.
     Stop(
         (
-            "dpo_megatron.data.reader.DataError",
+            "dpo_megatron.data.sources.DataError",
             "dpo_megatron.training.run_dir.RunDirError",
             "dpo_megatron.online.adapters.JudgeError",
             "dpo_megatron.parallel.host_malloc.HostMallocError",

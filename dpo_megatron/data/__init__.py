@@ -2,7 +2,7 @@
 
 Read in this order: ``config`` (DataConfig), ``kinds`` (the item kind a loss trains on: pairs,
 SFT examples, unpaired examples), then the stages ``pipeline`` runs per source: ``read`` (rows
-from files / hub via ``reader``, the format from the registry of ``format_registry`` /
+from files / hub via ``sources``, the format from the registry of ``format_registry`` /
 ``formats``), ``tokenization`` (Example -> token ids via ``tokenizer`` and ``encode``, cached by
 ``cache``), ``selection`` (caps, duplicates, ``lengths``, eval split, mix: the typed items of
 ``pairs``), ``summary``; then the batches: ``batch`` (the contract), ``builders`` (the run's
@@ -16,7 +16,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "DataConfig": "config",
-    "DataError": "reader",
+    "DataError": "sources",
     "ItemKind": "kinds",
     "PairSampler": "sampler",
     "PreferenceDataset": "pairs",

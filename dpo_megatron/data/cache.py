@@ -17,7 +17,7 @@ from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.encode import EncodeSettings
 from dpo_megatron.data.kinds import ItemKind
 from dpo_megatron.data.read import ReadSource
-from dpo_megatron.data.reader import Source
+from dpo_megatron.data.sources import Source
 from dpo_megatron.data.tokenizer import tokenizer_fingerprint
 from dpo_megatron.utils.cache import cache_root, content_key
 from dpo_megatron.utils.files import atomic_dir

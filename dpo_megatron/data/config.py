@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from dpo_megatron.data.reader import parse_split
+from dpo_megatron.data.sources import parse_split
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
 TRUNCATION_MODES = ("keep_end", "keep_start")

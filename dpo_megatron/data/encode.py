@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dpo_megatron.data.formats import Example, Filtered, Messages, RowError
-from dpo_megatron.data.reader import DataError
+from dpo_megatron.data.sources import DataError
 from dpo_megatron.data.tokenizer import (
     adds_bos,
     encode_continuation,

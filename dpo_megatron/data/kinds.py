@@ -27,7 +27,7 @@ from dpo_megatron.data.pairs import (
     UnpairedExample,
     UnpairedPair,
 )
-from dpo_megatron.data.reader import DataError
+from dpo_megatron.data.sources import DataError
 from dpo_megatron.data.unpaired import label_counts, with_kl_completions
 
 

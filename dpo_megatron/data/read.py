@@ -1,7 +1,7 @@
 """Read stage: a configured source -> :class:`ReadSource` (its raw rows and its row format), and
 the row-error policy.
 
-Each source is read (``reader``: files, folders, hub names) and its format resolved: the
+Each source is read (``sources``: files, folders, hub names) and its format resolved: the
 configured one, or for ``auto`` the one its columns imply (``format_registry.detect_format``),
 checked against the item kind the loss trains on (``kinds.ItemKind.check_format``). Malformed rows
 stop the load with file, row and field (``data.on_error=raise``) or are counted (``skip``); a
@@ -22,7 +22,7 @@ from typing import Iterator
 from dpo_megatron.data.config import DataConfig, as_data_config
 from dpo_megatron.data.formats import Filtered, RowError, RowFormat, detect_format, get_format
 from dpo_megatron.data.kinds import PAIRS_KIND, ItemKind
-from dpo_megatron.data.reader import (
+from dpo_megatron.data.sources import (
     JSON_COLUMN,
     WHERE_COLUMN,
     DataError,
@@ -37,7 +37,7 @@ class ReadSource:
     """One source's raw rows and their format.
 
     Attributes:
-        source: the rows (``reader.Source``: label, ``datasets.Dataset``, malformed count,
+        source: the rows (``sources.Source``: label, ``datasets.Dataset``, malformed count,
             files).
         format: its row format (resolved from ``auto``).
         index: its position in ``data.datasets`` (or ``data.eval_datasets``): seeds its eval
@@ -63,7 +63,7 @@ def read(
     """Read source ``name`` (at ``split``) and resolve its format ``fmt`` for ``kind``.
 
     Raises:
-        DataError: see :func:`reader.read_source` and :func:`resolve_format`.
+        DataError: see :func:`sources.read_source` and :func:`resolve_format`.
     """
     source = read_source(name, split, cfg.on_error)
     return ReadSource(source, resolve_format(source, fmt, kind), index, role)

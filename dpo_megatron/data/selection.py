@@ -21,7 +21,7 @@ from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.formats import Filtered
 from dpo_megatron.data.kinds import ItemKind
 from dpo_megatron.data.lengths import fit_lengths
-from dpo_megatron.data.reader import DataError
+from dpo_megatron.data.sources import DataError
 from dpo_megatron.data.tokenization import NO_LABEL, TokenizedSource
 
 TRUNCATION_KINDS = ("prompt", "prompt_turns_dropped", "prompt_tokens_cut", "chosen", "rejected")

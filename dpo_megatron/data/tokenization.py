@@ -25,7 +25,7 @@ from dpo_megatron.data.encode import EncodeSettings, TokenBudget, encode_example
 from dpo_megatron.data.formats import Filtered, RowError, get_format
 from dpo_megatron.data.kinds import ItemKind
 from dpo_megatron.data.read import ReadSource, check_row_errors
-from dpo_megatron.data.reader import JSON_COLUMN, WHERE_COLUMN
+from dpo_megatron.data.sources import JSON_COLUMN, WHERE_COLUMN
 
 NAN = float("nan")
 NO_LABEL = -1

@@ -29,7 +29,7 @@ def count_items(overrides: Sequence[str], config: str, kind: str = "pairs") -> i
     """
     from dpo_megatron.config import load_config
     from dpo_megatron.data import load_items, load_tokenizer
-    from dpo_megatron.data.reader import is_local_source
+    from dpo_megatron.data.sources import is_local_source
 
     cfg = load_config(os.path.join(ROOT, config), [*overrides, "train.train_iters=1"])
     tokenizer_source = cfg.data.tokenizer or cfg.model.hf_path

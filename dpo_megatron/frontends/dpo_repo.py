@@ -384,7 +384,7 @@ def _data_overrides(args: dict, t: Translation) -> list[str]:
     Raises:
         FrontendError: a name that is neither a reference dataset nor a local path.
     """
-    from dpo_megatron.data.reader import local_split_names
+    from dpo_megatron.data.sources import local_split_names
 
     names = args["datasets"]
     if isinstance(names, str):

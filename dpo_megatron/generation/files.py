@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from dpo_megatron.data.reader import DataError, read_json_rows
+from dpo_megatron.data.sources import DataError, read_json_rows
 from dpo_megatron.generation.config import GenerationConfig
 from dpo_megatron.utils import ranks
 

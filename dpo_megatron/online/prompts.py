@@ -18,7 +18,7 @@ from dpo_megatron.data.encode import encode_prompt, encode_settings
 from dpo_megatron.data.format_registry import detect_format
 from dpo_megatron.data.formats import get_format
 from dpo_megatron.data.read import columns, first_row, rows
-from dpo_megatron.data.reader import DataError, read_source
+from dpo_megatron.data.sources import DataError, read_source
 from dpo_megatron.data.summary import DROP_WARNING_SHARE
 from dpo_megatron.data.tokenizer import resolve_chat_template
 

@@ -368,7 +368,7 @@ def _prompts(cfg, tokenizer) -> tuple[list[PromptItem], int]:
             error = str(e)
     out, error = ranks.broadcast_from_rank0((out, error))
     if error:
-        from dpo_megatron.data.reader import DataError
+        from dpo_megatron.data.sources import DataError
 
         raise DataError(error)
     return out

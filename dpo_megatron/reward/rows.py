@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from dpo_megatron.data.config import DataConfig
-from dpo_megatron.data.reader import DataError, read_json_rows
+from dpo_megatron.data.sources import DataError, read_json_rows
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.utils import ranks
@@ -23,7 +23,7 @@ from dpo_megatron.utils import ranks
 
 def read_rows(path: str) -> list[tuple[str, dict]]:
     """(location, JSON object) of each row of a JSON Lines file (or a JSON array), read by the
-    data path's reader (``data.reader.read_json_rows``: blank lines skipped, a line that is not
+    data path's reader (``data.sources.read_json_rows``: blank lines skipped, a line that is not
     a UTF-8 JSON object named by its number); the location is ``line N`` (``row N`` in an
     array).
 

@@ -25,7 +25,7 @@ def test_every_exception_the_table_names_exists():
 def _errors():
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.storage import CheckpointSaveError
-    from dpo_megatron.data.reader import DataError, MissingDataError
+    from dpo_megatron.data.sources import DataError, MissingDataError
     from dpo_megatron.online.adapters import JudgeError
     from dpo_megatron.parallel.host_malloc import HostMallocError
     from dpo_megatron.parallel.shutdown import NonFiniteLossError, RunInterrupted

@@ -123,7 +123,7 @@ def test_prompts_from_every_row_form_and_rounds_wrap(tmp_path, prompts_file):
     assert sorted(shuffled) == [0, 1, 2]  # one pass over a seeded permutation
     pool, held = split_prompts(items, 1, True, 5)
     assert [it.row for it in held + pool] == shuffled  # the first of the same order held out
-    from dpo_megatron.data.reader import DataError
+    from dpo_megatron.data.sources import DataError
 
     with pytest.raises(DataError, match="online.eval_prompts=3 holds out every one of the 3"):
         split_prompts(items, 3, True, 5)
@@ -139,7 +139,7 @@ def test_prompts_of_a_preference_format_and_errors(tmp_path):
     path.write_text(json.dumps([row, row]))
     rows = read_prompts(str(path), limit=1)
     assert rows == [(0, [{"role": "user", "content": "Name a colour."}])]
-    from dpo_megatron.data.reader import DataError
+    from dpo_megatron.data.sources import DataError
 
     with pytest.raises(DataError, match="no rows left after online.prompts_offset=5"):
         read_prompts(str(path), offset=5)
