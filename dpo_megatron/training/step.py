@@ -404,9 +404,11 @@ def dpo_forward_backward(
 def step_is_finite(loss: float, policy_chunks: list) -> bool:
     """False when the step's loss or any gradient is NaN/Inf, on every rank alike.
 
-    Checks each rank's DDP gradient buffers (after the data-parallel reduction, before the
-    optimizer reads them) and all-reduces the verdict over the world, so every rank skips the
-    same step. A NaN/Inf anywhere in a rank's buffer would reach the global gradient norm.
+    Checks each rank's DDP gradient buffers (megatron-core ``DistributedDataParallel``'s
+    ``buffers`` and ``expert_parallel_buffers``: ``policy_chunks`` are the DDP-wrapped chunks of
+    a training step) after the data-parallel reduction, before the optimizer reads them, and
+    all-reduces the verdict over the world, so every rank skips the same step. A NaN/Inf
+    anywhere in a rank's buffer would reach the global gradient norm.
 
     The test is on each buffer's sum: one fused reduction that reads the buffer once and makes
     no temporary of its size (``isfinite`` would make a bool copy of every gradient). A sum is
@@ -421,7 +423,7 @@ def step_is_finite(loss: float, policy_chunks: list) -> bool:
         sums = [
             buffer.grad_data.sum().float()
             for chunk in policy_chunks
-            for buffer in getattr(chunk, "buffers", [])
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers
         ]
         if sums:
             bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1)

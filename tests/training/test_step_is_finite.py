@@ -28,9 +28,15 @@ class LargestOutput(TorchDispatchMode):
         return out
 
 
-def _chunks(*grads):
-    """Model chunks as ``step_is_finite`` reads them: DDP grad buffers of ``grad_data``."""
-    return [SimpleNamespace(buffers=[SimpleNamespace(grad_data=g) for g in grads])]
+def _chunks(*grads, expert=()):
+    """Model chunks as ``step_is_finite`` reads them: DDP grad buffers of ``grad_data``, dense
+    (``grads``) and expert-parallel (``expert``)."""
+    return [
+        SimpleNamespace(
+            buffers=[SimpleNamespace(grad_data=g) for g in grads],
+            expert_parallel_buffers=[SimpleNamespace(grad_data=g) for g in expert],
+        )
+    ]
 
 
 def _grads(value=None, where=N // 2, dtype=torch.float32):
@@ -46,6 +52,9 @@ def test_a_single_nonfinite_gradient_fails_the_step(value, dtype):
     assert step_is_finite(0.7, _chunks(_grads(dtype=dtype))) is True
     assert step_is_finite(0.7, _chunks(_grads(dtype=dtype), _grads(value, dtype=dtype))) is False
     assert step_is_finite(0.7, _chunks(_grads(value, where=N - 1, dtype=dtype))) is False
+    # A mixture-of-experts model's expert gradients live in their own DDP buffers.
+    expert = _chunks(_grads(dtype=dtype), expert=[_grads(value, dtype=dtype)])
+    assert step_is_finite(0.7, expert) is False
 
 
 def test_large_finite_gradients_and_a_nonfinite_loss():
