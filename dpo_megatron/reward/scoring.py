@@ -9,7 +9,7 @@ in-process and collective over the world, at any TP x PP x DP layout: the librar
   data-parallel ranks, run through the pipeline schedule forward-only (``training.step
   .reward_scores``) and the scores gathered, so every rank returns the full list in input order.
 * :func:`completion_logps`: the same for a causal LM's log p(completion | prompt) (the
-  forward-only pass of a frozen reference, ``training.step.attach_reference_logps``).
+  forward-only pass of a frozen reference, ``training.step.reference_token_logps``).
 
 A sequence's score is the reward head's value at its last token that is not the pad id
 (``data.collate.reward_position``, as transformers' ``*ForSequenceClassification`` reads it).
@@ -30,7 +30,7 @@ from dpo_megatron.data.pairs import SFTExample
 from dpo_megatron.models import ModelConfig, build_model_chunks
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.parallel.device import get_device
-from dpo_megatron.training.step import attach_reference_logps, reward_scores
+from dpo_megatron.training.step import reference_token_logps, reward_scores
 
 SEQUENCES_PER_CALL = 8
 """Micro-batches per schedule call: a call's rows are padded to its longest sequence, and the
@@ -98,12 +98,10 @@ def completion_logps(
 
 def _summed_logps(chunks, batch) -> list[torch.Tensor]:
     """Per micro-batch, the [B] sums of each row's completion log-probs (last stage; empty
-    elsewhere): the forward-only pass that fills a frozen reference's ``reference_logps``."""
-    attach_reference_logps(chunks, batch)
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return []
+    elsewhere): a frozen reference's forward-only pass."""
     return [
-        (mb.reference_logps.double() * mb.loss_mask.double()).sum(-1) for mb in batch.micro_batches
+        (token_logps.double() * mb.loss_mask.double()).sum(-1)
+        for mb, token_logps in zip(batch.micro_batches, reference_token_logps(chunks, batch))
     ]
 
 

@@ -5,7 +5,7 @@ reference never changes, so running it every step costs one forward per pair per
 be paid once:
 
 * ``reference.mode=model``: the frozen :class:`ReferenceModel` runs forward-only
-  through the pipeline schedule each step (``training.step.attach_reference_logps``);
+  through the pipeline schedule each step (``training.step.reference_token_logps``);
   ``reference.offload=true`` keeps its weights in host memory between passes (pinned on CUDA;
   a no-op on the CPU, where host and device are the same). With LoRA (``lora.enabled``) the
   reference is :class:`BaseModelReference`: the policy's own chunks with their adapters
@@ -233,7 +233,7 @@ class ReferenceModel:
     between passes (``reference.offload``).
 
     A reference object has ``chunks`` (whose frozen parameters are the reference weights),
-    ``attach(batch)`` and ``release()``; the step and the trainer use only these.
+    ``token_logps(batch)`` and ``release()``; the step and the trainer use only these.
     """
 
     def __init__(self, chunks: list, offload: bool = False):
@@ -242,16 +242,18 @@ class ReferenceModel:
         if self.offload:
             move_chunks(chunks, torch.device("cpu"))
 
-    def attach(self, batch) -> None:
-        """Store the reference log-probs in ``batch``'s micro-batches (collective over the
-        pipeline)."""
-        from dpo_megatron.training.step import attach_reference_logps
+    def token_logps(self, batch) -> list[torch.Tensor]:
+        """The reference's per-token log-probs of ``batch``: on the last pipeline stage one
+        [N, S] fp32 tensor per micro-batch, an empty list elsewhere
+        (``training.step.reference_token_logps``; collective over the pipeline)."""
+        from dpo_megatron.training.step import reference_token_logps
 
         if self.offload:
             move_chunks(self.chunks, get_device())
-        attach_reference_logps(self.chunks, batch)
+        values = reference_token_logps(self.chunks, batch)
         if self.offload:
             move_chunks(self.chunks, torch.device("cpu"))
+        return values
 
     def release(self) -> None:
         """Free the reference weights (``reference.mode=precomputed``, after its pass)."""
@@ -270,14 +272,14 @@ class BaseModelReference:
     def __init__(self, chunks: list):
         self.chunks = chunks
 
-    def attach(self, batch) -> None:
-        """Store the base model's log-probs in ``batch``'s micro-batches (collective over the
-        pipeline)."""
+    def token_logps(self, batch) -> list[torch.Tensor]:
+        """The base model's per-token log-probs of ``batch``, as
+        :meth:`ReferenceModel.token_logps` (collective over the pipeline)."""
         from dpo_megatron.models.lora import adapters_disabled
-        from dpo_megatron.training.step import attach_reference_logps
+        from dpo_megatron.training.step import reference_token_logps
 
         with adapters_disabled(self.chunks):
-            attach_reference_logps(self.chunks, batch)
+            return reference_token_logps(self.chunks, batch)
 
     def release(self) -> None:
         """Nothing to free: the weights are the policy's."""
@@ -364,11 +366,11 @@ def precompute_reference_logps(
     for micro_batches in steps:
         filler = not any(micro_batches)
         step = builder.build(pairs, [[0]] if filler else micro_batches).to_device()
-        reference.attach(step)
+        token_logps = reference.token_logps(step)
         if not last or filler:
             continue
-        for mb in step.micro_batches:
-            rows = _completion_values(mb.reference_logps, mb.loss_mask)
+        for mb, mb_logps in zip(step.micro_batches, token_logps):
+            rows = _completion_values(mb_logps, mb.loss_mask)
             n = len(mb.item_indices)
             for k, i in enumerate(mb.item_indices):
                 values.setdefault(i, (rows[k], rows[n + k]))

@@ -5,8 +5,9 @@ items each: pairs as 2B sequences (chosen rows, then rejected rows) or SFT examp
 step is:
 
 1. when the loss reads a reference and the batch does not carry precomputed reference log-probs,
-   the frozen ``reference_model`` runs forward-only through the schedule and its per-token
-   log-probs are stored in each micro-batch on the last stage (``reference_logps``);
+   the frozen ``reference_model`` runs forward-only through the schedule and returns each
+   micro-batch's per-token log-probs on the last stage (:func:`reference_logps`), which go to
+   the loss with that micro-batch;
 1b. when the loss takes a statistic of the whole step's batch (``losses.registry.StepStatistic``:
    beta-DPO's batch beta and filter, KTO's KL reference point), the policy runs forward-only
    through the schedule, each micro-batch's per-pair values are gathered over the data-parallel
@@ -48,7 +49,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
-from dpo_megatron.models.logprobs import HeadLogps
 from dpo_megatron.models.moe import load_balancing_metrics
 from dpo_megatron.parallel.context import (
     is_first_context_parallel_rank,
@@ -155,20 +155,22 @@ def _count(n: int) -> torch.Tensor:
 def _reference_forward_step(data_iterator, model):
     batch = next(data_iterator)
 
-    def store(head):
-        batch.reference_logps = token_logps(head.token_logps, batch).detach()
-        return head.token_logps.new_zeros(()), _count(0), {}
+    def keep(head):
+        values = token_logps(head.token_logps, batch).detach()
+        return head.token_logps.new_zeros(()), _count(0), {"token_logps": values}
 
-    return model_forward(model, batch), store
+    return model_forward(model, batch), keep
 
 
-def _policy_loss(loss_fn, batch: MicroBatch, step_inputs: dict, head: HeadLogps):
+def _policy_loss(
+    loss_fn, batch: MicroBatch, reference: Optional[torch.Tensor], step_inputs: dict, head
+):
     """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
     policy_token_logps = token_logps(head.token_logps, batch)
     log_sum_p2 = token_logps(head.log_sum_p2, batch) if loss_fn.needs_token_log_sum_p2 else None
     losses, metrics = loss_fn(
         policy_token_logps,
-        batch.reference_logps,
+        reference,
         batch.loss_mask,
         log_sum_p2,
         chosen_only=batch.chosen_only,
@@ -215,21 +217,21 @@ def _reward_loss(loss_fn, batch: MicroBatch, rewards: torch.Tensor):
 
 
 def _policy_forward_step(loss_fn, data_iterator, model):
-    batch, step_inputs = next(data_iterator)
+    batch, reference, step_inputs = next(data_iterator)
     if loss_fn.model_head == "reward":
         return model_forward(model, batch, rewards=True), partial(_reward_loss, loss_fn, batch)
     return (
         model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
-        partial(_policy_loss, loss_fn, batch, step_inputs),
+        partial(_policy_loss, loss_fn, batch, reference, step_inputs),
     )
 
 
 def _statistic_forward_step(loss_fn, data_iterator, model):
-    batch = next(data_iterator)
+    batch, reference = next(data_iterator)
 
     def values(head):
         pair_values = loss_fn.pair_statistics(
-            token_logps(head.token_logps, batch), batch.reference_logps, batch.loss_mask
+            token_logps(head.token_logps, batch), reference, batch.loss_mask
         )
         return head.token_logps.new_zeros(()), _count(0), {"values": pair_values}
 
@@ -238,9 +240,16 @@ def _statistic_forward_step(loss_fn, data_iterator, model):
 
 @torch.no_grad()
 def step_statistic_inputs(
-    policy_chunks: list, batch: StepBatch, loss_fn: Callable, training: bool
+    policy_chunks: list,
+    batch: StepBatch,
+    reference: list[Optional[torch.Tensor]],
+    loss_fn: Callable,
+    training: bool,
 ) -> list[dict]:
     """The loss's step statistic over the global batch, as each micro-batch's loss inputs.
+
+    ``reference``: each micro-batch's [N, S] reference log-probs on the last stage
+    (:func:`reference_logps`), None where the loss reads none.
 
     A forward-only policy pass gives each pair's value (``loss_fn.pair_statistics``) on the last
     stage; the values and dataset indices of every data-parallel rank are gathered (rank order),
@@ -254,7 +263,7 @@ def step_statistic_inputs(
     store = run_schedule(
         partial(_statistic_forward_step, loss_fn),
         policy_chunks,
-        batch.micro_batches,
+        list(zip(batch.micro_batches, reference)),
         _rows(batch),
         batch.seq_length,
         True,
@@ -294,10 +303,15 @@ def _rows(batch: StepBatch) -> int:
 
 
 @torch.no_grad()
-def attach_reference_logps(reference_chunks: list, batch: StepBatch) -> None:
-    """Run the frozen reference forward-only; store ``reference_logps`` [N, S] in each
-    micro-batch on the last pipeline stage (other stages are left unchanged)."""
-    run_schedule(
+def reference_token_logps(reference_chunks: list, batch: StepBatch) -> list[torch.Tensor]:
+    """The frozen reference's per-token log-probs of a batch, forward-only through the pipeline
+    schedule.
+
+    Returns:
+        On the last pipeline stage one [N, S] fp32 tensor per micro-batch (log p(label) in nats
+        at the scored positions, 0 elsewhere; no gradient); an empty list elsewhere.
+    """
+    store = run_schedule(
         _reference_forward_step,
         reference_chunks,
         batch.micro_batches,
@@ -305,6 +319,29 @@ def attach_reference_logps(reference_chunks: list, batch: StepBatch) -> None:
         batch.seq_length,
         True,
     )
+    return [entry["token_logps"] for entry in store]
+
+
+def reference_logps(reference, batch: StepBatch) -> list[Optional[torch.Tensor]]:
+    """Each micro-batch's [N, S] reference log-probs: those the batch carries (precomputed), else
+    the reference pass's (``reference.token_logps(batch)``; collective over the pipeline). Off
+    the last pipeline stage, whose loss reads none, None per micro-batch.
+
+    Whether the batch carries reference log-probs is the same on every rank (precomputed values
+    travel with the pairs everywhere), so every pipeline stage takes the same decision.
+
+    Raises:
+        ValueError: the batch carries none and ``reference`` is None.
+    """
+    if batch.has_reference_logps:
+        return [mb.reference_logps for mb in batch.micro_batches]
+    if reference is None:
+        raise ValueError(
+            "this loss needs reference log-probs: the batch carries none and "
+            "no reference model was built"
+        )
+    values = reference.token_logps(batch)
+    return values if values else [None] * len(batch.micro_batches)
 
 
 def _reduce_per_pair(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, int]:
@@ -330,9 +367,9 @@ def run_policy(
     """Reference pass (when the loss needs reference log-probs and the batch carries none), then
     the policy's forward(+backward) over the micro-batches.
 
-    ``reference`` is the run's ``training.reference.ReferenceModel`` (``attach(batch)``), or None.
-    Whether the batch carries reference log-probs is the same on every rank (precomputed values
-    travel with the pairs everywhere), so every pipeline stage takes the same decision.
+    ``reference`` is the run's ``training.reference.ReferenceModel`` (``token_logps(batch)``),
+    or None. The reference pass and the step-statistic pass return their values, which go to
+    the loss with each micro-batch; nothing is written into the batch.
 
     Returns:
         On the last pipeline stage, each micro-batch's per-pair values (``loss`` and the loss's
@@ -342,28 +379,25 @@ def run_policy(
         ValueError: the loss needs reference log-probs, the batch carries none and no reference
             model was given.
     """
-    statistic = loss_fn.needs_step_statistic(not forward_only)
-    # The statistic pass's own micro-batches when the batch brings them (StepBatch.statistic).
-    passes = [batch] + ([batch.statistic] if statistic and batch.statistic is not None else [])
-    for part in passes:
-        if loss_fn.needs_reference and not part.has_reference_logps:
-            if reference is None:
-                raise ValueError(
-                    "this loss needs reference log-probs: the batch carries none and "
-                    "no reference model was built"
-                )
-            reference.attach(part)
-    inputs = (
-        step_statistic_inputs(policy_chunks, passes[-1], loss_fn, training=not forward_only)
-        if statistic
-        else [{} for _ in batch.micro_batches]
-    )
+    none = [None] * len(batch.micro_batches)
+    reference_values = reference_logps(reference, batch) if loss_fn.needs_reference else none
+    if loss_fn.needs_step_statistic(not forward_only):
+        # The statistic pass's own micro-batches when the batch brings them (StepBatch.statistic).
+        part = batch if batch.statistic is None else batch.statistic
+        part_reference = reference_values
+        if part is not batch:
+            part_reference = reference_logps(reference, part) if loss_fn.needs_reference else none
+        inputs = step_statistic_inputs(
+            policy_chunks, part, part_reference, loss_fn, training=not forward_only
+        )
+    else:
+        inputs = [{} for _ in batch.micro_batches]
     step = partial(_policy_forward_step, loss_fn)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return run_schedule(
             step,
             policy_chunks,
-            list(zip(batch.micro_batches, inputs)),
+            list(zip(batch.micro_batches, reference_values, inputs)),
             _rows(batch),
             batch.seq_length,
             forward_only,

@@ -236,8 +236,8 @@ def _precomputed_then_full(ckpt_dir, cache_dir):
     from tests.engine import tiny_trainer
 
     calls = []
-    original = step_module.attach_reference_logps
-    step_module.attach_reference_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    original = step_module.reference_token_logps
+    step_module.reference_token_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
     common = dict(
         load=ckpt_dir,
         micro_batch_size=2,
@@ -266,7 +266,7 @@ def _precomputed_then_full(ckpt_dir, cache_dir):
         out["full_step0"] = full.train_step()[0].metrics["loss"]
         full.close()
     finally:  # the next case in these ranks runs the real function
-        step_module.attach_reference_logps = original
+        step_module.reference_token_logps = original
     return out
 
 

@@ -88,8 +88,8 @@ def _trajectories(cache_dir, steps=3):
     import dpo_megatron.training.step as step_module
 
     calls = []
-    original = step_module.attach_reference_logps
-    step_module.attach_reference_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    original = step_module.reference_token_logps
+    step_module.reference_token_logps = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
     runs = {
         "model": ("model", False, False),
         "precomputed": ("precomputed", False, False),
