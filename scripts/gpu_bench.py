@@ -354,7 +354,7 @@ def main(argv=None) -> int:
         w0 = time.perf_counter()
         out, batch = trainer.train_step()
         sync()
-        step_pairs = [pairs[i] for mb in batch.micro_batches for i in mb.item_indices]
+        step_pairs = [pairs[i] for indices in batch.item_indices for i in indices]
         records.append(
             {
                 "time_s": time.perf_counter() - w0,

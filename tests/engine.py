@@ -199,14 +199,12 @@ class _ComparingLoss:
     def __getattr__(self, name):
         return getattr(self.loss_fn, name)
 
-    def __call__(self, policy_token_logps, reference_token_logps, loss_mask, *args, **kwargs):
+    def __call__(self, scores):
         import torch
 
-        scored = loss_mask.bool()
-        self.equal.append(
-            torch.equal(policy_token_logps.detach()[scored], reference_token_logps[scored])
-        )
-        return self.loss_fn(policy_token_logps, reference_token_logps, loss_mask, *args, **kwargs)
+        scored = scores.targets.loss_mask.bool()
+        self.equal.append(torch.equal(scores.policy.detach()[scored], scores.reference[scored]))
+        return self.loss_fn(scores)
 
 
 def train_step_against_reference(trainer):

@@ -1,35 +1,40 @@
 """The step-batch contract: what one micro-batch is, and the builder that makes a step's batches.
 
-A micro-batch holds B whole items: B preference pairs as 2B sequences (rows 0..B-1
-prompt+chosen, B..2B-1 prompt+rejected, so chosen and rejected of a pair always meet on the same
-last-stage rank), or B SFT examples (prompt+completion, ``sequences_per_item=1``). The model
-reads its rows in one of two layouts, and the loss always reads the per-sequence layout:
+A micro-batch holds B whole items of one kind (``data.kinds``): B preference pairs as 2B
+sequences (rows 0..B-1 prompt+chosen, B..2B-1 prompt+rejected, so chosen and rejected of a pair
+always meet on the same last-stage rank), B unpaired examples as 2B sequences (each completion,
+then each KL completion), or B SFT examples (prompt+completion). It carries what the model reads
+in the model layout, and the item kind's targets (``losses.targets``), which the loss reads in
+the per-sequence layout:
 
 * **model layout** [R, L]: ``tokens``, ``labels``, ``position_ids`` and, for packed rows, their
   :class:`PackedLayout` (``packed``). Padded: R = N sequences of L tokens, right padded. Packed:
   several sequences per row (``data.packing``), positions restarting at each one; with
   ``packing.share_prompt`` one segment ``[prompt | chosen | rejected]`` per pair, so one model
   position (the last prompt token) scores the first token of both completions.
-* **per-sequence layout** [N, S] (N = 2B or B, S = the longest sequence): ``loss_mask`` (1 where
-  ``labels`` is a completion token) and ``reference_logps`` (precomputed reference per-token
-  log-probs, when the pairs carry them).
-* ``output_index`` [n] and ``score_index`` [n] join the two: the k-th scored token sits at flat
-  position ``output_index[k]`` of the [R * L] model input and at ``score_index[k]`` of the
-  [N * S] per-sequence layout, and ``target_ids[k]`` is its label. They are computed on the host,
-  so the step never has to look at device values (``nonzero``) to know what to score. An
-  ``output_index`` value may repeat (a shared prompt's last position scores two sequences).
+* **per-sequence layout** [N, S] (N = 2B or B, S = the longest sequence): the targets'
+  ``loss_mask`` (1 where ``labels`` is a completion token) and, when the items carry them,
+  ``reference_logps`` (precomputed reference per-token log-probs).
+* ``output_index`` [n] and the targets' ``score_index`` [n] join the two: the k-th scored token
+  sits at flat position ``output_index[k]`` of the [R * L] model input and at ``score_index[k]``
+  of the [N * S] per-sequence layout, and ``target_ids[k]`` is its label. They are computed on
+  the host, so the step never has to look at device values (``nonzero``) to know what to score.
+  An ``output_index`` value may repeat (a shared prompt's last position scores two sequences).
+  A reward model's micro-batch scores one position per sequence instead (``RewardTargets``).
 
-Built on the host by one :class:`BatchBuilder` (padded, packed or SFT implementation), moved to
-the device in one place (:meth:`StepBatch.to_device`), read by ``training.step``.
+Built on the host by one :class:`BatchBuilder` (padded, packed or SFT implementation; the kind's
+targets by ``data.targets``), moved to the device in one place (:meth:`StepBatch.to_device`), read
+by ``training.step``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from dpo_megatron.losses.targets import Targets
 from dpo_megatron.parallel.device import to_device
 
 
@@ -256,7 +261,8 @@ class PackedLayout:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch (see the module docstring for the two layouts).
+    """One micro-batch: what the model reads (see the module docstring for the two layouts), and
+    the targets of its item kind, which the loss reads.
 
     Attributes:
         tokens: [R, L] int64 input ids.
@@ -264,42 +270,29 @@ class MicroBatch:
             prompt's last position holds the chosen side's; ``target_ids`` is authoritative).
         position_ids: [R, L] int64 positions (RoPE / learned), restarting at each packed sequence
             (a shared-prompt pair's rejected tokens continue from the end of its prompt).
-        loss_mask: [N, S] fp32, 1 where ``labels`` of that sequence position is a completion token.
-        output_index: [n] int64 flat positions (``r * L + t``) of the scored tokens in the model
-            layout, in per-sequence order (sequence 0's completion first).
-        score_index: [n] int64 flat positions (``i * S + t``) of the same tokens in [N, S].
-        target_ids: [n] int64 token each scored position predicts (the label, per sequence).
+        output_index: [n] int64 flat positions (``r * L + t``) the model's last stage scores, in
+            per-sequence order: the scored tokens (sequence 0's completion first), or for a
+            reward model each sequence's last token (``RewardTargets.last_index``).
+        target_ids: [n] int64 token each scored position predicts (the label, per sequence);
+            None for a reward model (its head reads the positions alone).
+        targets: the item kind's targets (``losses.targets``: ``PairTargets``, ``SFTTargets``,
+            ``UnpairedTargets``, ``RewardTargets``), made with the batch (``data.targets``).
         packed: the :class:`PackedLayout` of packed rows (under context parallelism this CP
             rank's ``data.context_split.LocalRows``); None for padded rows (one causal sequence
             per row).
-        reference_logps: [N, S] fp32 reference log p(label) at the scored positions (0 elsewhere)
-            when the items carry precomputed values; None when a reference pass must compute them.
-        item_indices: dataset indices of the B items, in row order (host metadata).
-        sequences_per_item: 2 for preference pairs, 1 for SFT examples.
-        desirable: [B] fp32 labels of unpaired examples (1.0 desirable, 0.0 undesirable; rows
-            are then completions and mismatched completions, ``data.pairs.UnpairedPair``); None
-            for pairs.
-        last_index: [N] int64 flat model position (``r * L + t``) of the token a reward model
-            reads for each sequence, in per-sequence order (``data.collate.reward_position``:
-            its last token that is not padding); None where the builder made none.
-        margin: [B] fp32 per-pair margins from the data (``PreferencePair.margin``, 0 where a
-            pair has none), read by a reward model's loss; None when no pair has one.
+        padding_mask: [R, L] bool of padded rows, True past each sequence's last token
+            (megatron-core's convention; MoE routers read it); None for packed rows, whose
+            layout says it (a row's unused tail has a negative segment id).
     """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
-    loss_mask: torch.Tensor
     output_index: torch.Tensor
-    score_index: torch.Tensor
-    target_ids: torch.Tensor
+    target_ids: Optional[torch.Tensor]
+    targets: Targets
     packed: Optional[PackedLayout] = None
-    reference_logps: Optional[torch.Tensor] = None
-    item_indices: tuple[int, ...] = ()
-    sequences_per_item: int = 2
-    desirable: Optional[torch.Tensor] = None
-    last_index: Optional[torch.Tensor] = None
-    margin: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None
 
     @property
     def segment_ids(self) -> Optional[torch.Tensor]:
@@ -308,13 +301,8 @@ class MicroBatch:
 
     @property
     def num_items(self) -> int:
-        """B: pairs (or SFT examples) in the micro-batch."""
-        return self.loss_mask.shape[0] // self.sequences_per_item
-
-    @property
-    def chosen_only(self) -> bool:
-        """True for SFT micro-batches (one completion per item, no rejected rows)."""
-        return self.sequences_per_item == 1
+        """B: items (pairs, examples) in the micro-batch."""
+        return self.targets.num_items
 
     def to_device(self) -> "MicroBatch":
         """The same micro-batch with every tensor on the engine's device."""
@@ -323,8 +311,8 @@ class MicroBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 moved[f.name] = to_device(value)
-            elif isinstance(value, PackedLayout) or hasattr(value, "to_device"):
-                moved[f.name] = value.to_device()  # the layout, or a CP rank's LocalRows
+            elif value is not None and hasattr(value, "to_device"):
+                moved[f.name] = value.to_device()  # layout, CP rank's LocalRows, targets
         return replace(self, **moved)
 
 
@@ -341,6 +329,8 @@ class StepBatch:
             of the tokens/s metric.
         model_tokens: non-pad positions the model computes (a shared prompt counted once,
             ``statistic``'s included); None means ``real_tokens``.
+        item_indices: the dataset indices of each micro-batch's items, in row order (host
+            metadata: the step statistic's keys, the precompute pass's table rows).
     """
 
     micro_batches: list[MicroBatch]
@@ -351,6 +341,7 @@ class StepBatch:
     """The micro-batches the step-statistic pass runs when they are not these
     (:meth:`BatchBuilder.computing`): the same items in the same micro-batches, other sequences
     of them computed (KTO: the mismatched sequences only)."""
+    item_indices: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def computed_tokens(self) -> int:
@@ -359,8 +350,8 @@ class StepBatch:
 
     @property
     def has_reference_logps(self) -> bool:
-        """True when every micro-batch carries precomputed reference log-probs."""
-        return all(mb.reference_logps is not None for mb in self.micro_batches)
+        """True when every micro-batch's targets carry precomputed reference log-probs."""
+        return all(mb.targets.reference_logps is not None for mb in self.micro_batches)
 
     def to_device(self) -> "StepBatch":
         """The host -> device crossing of a step (the only one)."""
@@ -389,9 +380,13 @@ class BatchBuilder:
         pad_token_id: fills padding positions (never scored).
         multiple: padding granule of the step's row length (tokens; includes TP under sequence
             parallelism, which splits rows along the sequence).
+        kind: the item kind whose targets the micro-batches carry (``data.kinds.ItemKind.name``;
+            ``data.targets``): "pairs", "unpaired" or "reward" for builders of two rows per item,
+            "sft" or "reward" for one.
     """
 
     sequences_per_item = 2
+    default_kind = "pairs"
 
     def computing(
         self, sides: Sequence[str] = SIDES, statistic_sides: Optional[Sequence[str]] = None
@@ -409,9 +404,10 @@ class BatchBuilder:
         """
         return self
 
-    def __init__(self, pad_token_id: int, multiple: int):
+    def __init__(self, pad_token_id: int, multiple: int, kind: Optional[str] = None):
         self.pad_token_id = pad_token_id
         self.multiple = multiple
+        self.kind = kind or self.default_kind
 
     def build(self, items: Sequence, micro_batch_indices: list[list[int]]) -> StepBatch:
         """This rank's micro-batches of one step.

@@ -46,8 +46,9 @@ def make_batch_builder(
             multiple,
             packing,
             unit_multiple=2 * context_parallel[1] if context_parallel[1] > 1 else 1,
+            kind=kind.name,
         )
     else:
-        builder = getattr(collate, kind.builder)(pad_token_id, multiple)
+        builder = getattr(collate, kind.builder)(pad_token_id, multiple, kind.name)
     rank, size = context_parallel
     return ContextParallelSplit(builder, rank, size) if size > 1 else builder

@@ -12,12 +12,13 @@ In a padded batch the model layout and the per-sequence layout are the same [N, 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dpo_megatron.data.batch import BatchBuilder, MicroBatch, StepBatch, round_up
-from dpo_megatron.data.pairs import PreferencePair, SFTExample, UnpairedPair
+from dpo_megatron.data.pairs import PreferencePair, SFTExample
+from dpo_megatron.data.targets import target_maker
 
 Row = tuple[Sequence[int], Sequence[int]]
 """(prompt_ids, completion_ids) of one sequence."""
@@ -76,70 +77,12 @@ def reward_position(prompt: Sequence[int], completion: Sequence[int], pad_token_
     return len(ids) - 1
 
 
-def pair_margins(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
-    """[B] fp32 margins of the pairs (``PreferencePair.margin``; 0 for a pair without one), or
-    None when none has one."""
-    margins = [getattr(p, "margin", None) for p in pairs]
-    if all(m is None for m in margins):
-        return None
-    return torch.tensor([0.0 if m is None else m for m in margins], dtype=torch.float32)
-
-
-def desirable_labels(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
-    """[B] fp32 labels of unpaired examples (``UnpairedPair.desirable``: 1.0 / 0.0), or None for
-    preference pairs.
-
-    Raises:
-        ValueError: a micro-batch mixes unpaired examples and pairs.
-    """
-    labels = [p.desirable if isinstance(p, UnpairedPair) else None for p in pairs]
-    if all(label is None for label in labels):
-        return None
-    if any(label is None for label in labels):
-        raise ValueError("a micro-batch mixes unpaired examples and preference pairs")
-    return torch.tensor([float(label) for label in labels], dtype=torch.float32)
-
-
-def reference_logps(
-    pairs: Sequence[PreferencePair],
-    loss_mask: torch.Tensor,
-    computed: Optional[Sequence[bool]] = None,
-) -> Optional[torch.Tensor]:
-    """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
-    when the pairs carry none. ``computed`` [2B]: False for a sequence the micro-batch does not
-    compute (``BatchBuilder.computing``), whose row stays 0; None: every sequence.
-
-    Raises:
-        ValueError: some pairs carry values and others do not, or a pair's values do not match
-            its completion length (a stale table).
-    """
-    carried = [p.reference_chosen_logps is not None for p in pairs]
-    if not any(carried):
-        return None
-    if not all(carried):
-        raise ValueError(
-            "a micro-batch mixes pairs with and without precomputed reference log-probs"
-        )
-    rows = [p.reference_chosen_logps for p in pairs] + [p.reference_rejected_logps for p in pairs]
-    computed = [True] * len(rows) if computed is None else list(computed)
-    counts = loss_mask.sum(-1).long().tolist()
-    for k, (values, n) in enumerate(zip(rows, counts)):
-        if computed[k] and values.numel() != n:
-            raise ValueError(
-                f"precomputed reference row {k} has {values.numel()} values for {n} "
-                "completion tokens: the table is stale"
-            )
-    out = torch.zeros_like(loss_mask)
-    laid = [values for values, keep in zip(rows, computed) if keep]
-    if laid:
-        out[loss_mask.bool()] = torch.cat(laid).to(out.dtype)
-    return out
-
-
 def collate_rows(
-    rows: Sequence[Row], pad_token_id: int, seq_length: int, sequences_per_item: int = 2
+    rows: Sequence[Row], pad_token_id: int, seq_length: int, make_targets: Callable
 ) -> MicroBatch:
-    """(prompt_ids, completion_ids) rows -> a padded :class:`MicroBatch` of [N, seq_length].
+    """(prompt_ids, completion_ids) rows -> a padded :class:`MicroBatch` of [N, seq_length],
+    its targets made by ``make_targets(loss_mask, score_index, last_index)``
+    (``data.targets``).
 
     Padding (right) uses ``pad_token_id``; the last label column is padding.
 
@@ -149,6 +92,7 @@ def collate_rows(
     check_rows(rows)
     n = len(rows)
     tokens = torch.full((n, seq_length), pad_token_id, dtype=torch.int64)
+    lengths = []
     for i, (prompt, completion) in enumerate(rows):
         length = len(prompt) + len(completion)
         if length > seq_length:
@@ -157,6 +101,7 @@ def collate_rows(
                 f"{len(completion)}) > seq_length {seq_length}"
             )
         tokens[i, :length] = torch.tensor([*prompt, *completion], dtype=torch.int64)
+        lengths.append(length)
     labels = torch.full_like(tokens, pad_token_id)
     labels[:, :-1] = tokens[:, 1:]
     loss_mask = score_mask(rows, seq_length)
@@ -166,43 +111,49 @@ def collate_rows(
         [i * seq_length + reward_position(p, c, pad_token_id) for i, (p, c) in enumerate(rows)],
         dtype=torch.int64,
     )
+    targets = make_targets(loss_mask, scored, last_index)
+    output_index, target_ids = targets.model_scores(scored, labels.reshape(-1)[scored])
     return MicroBatch(
         tokens=tokens,
         labels=labels,
         position_ids=position_ids,
-        loss_mask=loss_mask,
-        output_index=scored,
-        score_index=scored,
-        target_ids=labels.reshape(-1)[scored],
-        sequences_per_item=sequences_per_item,
-        last_index=last_index,
+        output_index=output_index,
+        target_ids=target_ids,
+        targets=targets,
+        padding_mask=torch.arange(seq_length)[None, :] >= torch.tensor(lengths)[:, None],
     )
 
 
 def collate_pairs(
-    pairs: Sequence[PreferencePair], pad_token_id: int, seq_length: int
+    pairs: Sequence[PreferencePair], pad_token_id: int, seq_length: int, kind: str = "pairs"
 ) -> MicroBatch:
     """B pairs -> 2B padded rows (prompt+chosen for rows 0..B-1, prompt+rejected for B..2B-1,
-    same pair order), with the pairs' precomputed reference log-probs when they carry them.
+    same pair order), with ``kind``'s targets (``data.targets``: pairs carry their margins and
+    precomputed reference log-probs; unpaired examples their labels).
 
     Raises:
         ValueError: a sequence longer than ``seq_length`` (see :func:`collate_rows`).
     """
-    batch = collate_rows(pair_rows(pairs), pad_token_id, seq_length)
-    batch.reference_logps = reference_logps(pairs, batch.loss_mask)
-    batch.desirable = desirable_labels(pairs)
-    batch.margin = pair_margins(pairs)
-    return batch
+    make = target_maker(kind)
+    return collate_rows(
+        pair_rows(pairs),
+        pad_token_id,
+        seq_length,
+        lambda loss_mask, scored, last: make(pairs, loss_mask, scored, last),
+    )
 
 
-def collate_sft(examples: Sequence[SFTExample], pad_token_id: int, seq_length: int) -> MicroBatch:
-    """B SFT examples -> B padded rows (``sequences_per_item=1``), same layout as
-    :func:`collate_pairs`."""
+def collate_sft(
+    examples: Sequence[SFTExample], pad_token_id: int, seq_length: int, kind: str = "sft"
+) -> MicroBatch:
+    """B SFT examples -> B padded rows, same layout as :func:`collate_pairs` (``kind`` "reward":
+    the rows to score with a reward model)."""
+    make = target_maker(kind)
     return collate_rows(
         [(e.prompt_ids, e.completion_ids) for e in examples],
         pad_token_id,
         seq_length,
-        sequences_per_item=1,
+        lambda loss_mask, scored, last: make(examples, loss_mask, scored, last),
     )
 
 
@@ -227,12 +178,16 @@ class PaddedPairs(BatchBuilder):
     ) -> StepBatch:
         step = [items[i] for mb in micro_batch_indices for i in mb]
         seq_length = padded_length([max(pair_lengths(p)) for p in step], self.multiple)
-        micro_batches = []
-        for mb in micro_batch_indices:
-            batch = collate_pairs([items[i] for i in mb], self.pad_token_id, seq_length)
-            batch.item_indices = tuple(mb)
-            micro_batches.append(batch)
-        return StepBatch(micro_batches, seq_length, sum(sum(pair_lengths(p)) for p in step))
+        micro_batches = [
+            collate_pairs([items[i] for i in mb], self.pad_token_id, seq_length, self.kind)
+            for mb in micro_batch_indices
+        ]
+        return StepBatch(
+            micro_batches,
+            seq_length,
+            sum(sum(pair_lengths(p)) for p in step),
+            item_indices=[tuple(mb) for mb in micro_batch_indices],
+        )
 
 
 def example_length(example: SFTExample) -> int:
@@ -246,13 +201,18 @@ class SFTExamples(BatchBuilder):
     checkpoints); ``global_batch_size`` then counts examples."""
 
     sequences_per_item = 1
+    default_kind = "sft"
 
     def build(self, items: Sequence[SFTExample], micro_batch_indices: list[list[int]]) -> StepBatch:
         step = [items[i] for mb in micro_batch_indices for i in mb]
         seq_length = padded_length([example_length(e) for e in step], self.multiple)
-        micro_batches = []
-        for mb in micro_batch_indices:
-            batch = collate_sft([items[i] for i in mb], self.pad_token_id, seq_length)
-            batch.item_indices = tuple(mb)
-            micro_batches.append(batch)
-        return StepBatch(micro_batches, seq_length, sum(example_length(e) for e in step))
+        micro_batches = [
+            collate_sft([items[i] for i in mb], self.pad_token_id, seq_length, self.kind)
+            for mb in micro_batch_indices
+        ]
+        return StepBatch(
+            micro_batches,
+            seq_length,
+            sum(example_length(e) for e in step),
+            item_indices=[tuple(mb) for mb in micro_batch_indices],
+        )

@@ -16,11 +16,13 @@ What is cut and what is not:
   that token sits on another rank. ``position_ids`` travel with their tokens, so RoPE rotates
   every token by its position in its sequence (``models.gpt.DPOGPTModel`` reads per-token
   positions; a shared pair's rejected positions keep continuing after the prompt).
-* ``output_index`` / ``score_index`` / ``target_ids`` [n] -> [n_r]: only the scored tokens this
-  rank holds, with ``output_index`` renumbered into the [R * L / CP] local layout.
-* ``loss_mask`` and ``reference_logps`` [N, S] (the per-sequence layout) are kept whole: each
-  rank fills its tokens' log-probs into [N, S] and the CP group sums them
-  (``training.step.token_logps``), so the loss sees every token of every sequence.
+* ``output_index`` / ``target_ids`` and the targets' ``score_index`` [n] -> [n_r]: only the
+  scored tokens this rank holds, with ``output_index`` renumbered into the [R * L / CP] local
+  layout; a padded row's ``padding_mask`` is cut as its tokens.
+* the targets' ``loss_mask`` and ``reference_logps`` [N, S] (the per-sequence layout) are kept
+  whole: each rank fills its tokens' log-probs into [N, S] and the CP group sums them
+  (``training.step.token_logps``), so the loss sees every token of every sequence. (A reward
+  model, whose targets score each sequence's last token, has no context-parallel form.)
 """
 
 from __future__ import annotations
@@ -123,9 +125,10 @@ def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
         labels=cut(batch.labels),
         position_ids=cut(batch.position_ids),
         packed=packed,
+        padding_mask=cut(batch.padding_mask),
         output_index=mapped[held],
-        score_index=batch.score_index[held],
         target_ids=batch.target_ids[held],
+        targets=replace(batch.targets, score_index=batch.targets.score_index[held]),
     )
 
 
@@ -135,7 +138,7 @@ class ContextParallelSplit(BatchBuilder):
     divides by CP itself when it sizes its pipeline buffers)."""
 
     def __init__(self, inner: BatchBuilder, rank: int, size: int):
-        super().__init__(inner.pad_token_id, inner.multiple)
+        super().__init__(inner.pad_token_id, inner.multiple, inner.kind)
         self.inner, self.rank, self.size = inner, rank, size
         self.sequences_per_item = inner.sequences_per_item
 

@@ -1,11 +1,12 @@
 """The kind of item a loss trains on, chosen once from the loss (``LossFunction.item_kind``).
 
 An :class:`ItemKind` carries everything that differs between preference pairs (DPO and every
-paired loss), SFT examples (a loss that reads no rejected completion) and unpaired examples
-(KTO): which row formats it reads, whether the rejected side is tokenized, cut and kept, the item
-class the data path makes (and its dataset class), the unit the summary and the logs count, and
-the batch builder of its unpacked micro-batches. The data path and the trainer take the kind and
-ask it; nothing threads a boolean.
+paired loss), a reward model's pairs, SFT examples (a loss that reads no rejected completion) and
+unpaired examples (KTO): which row formats it reads, whether the rejected side is tokenized, cut
+and kept, the item class the data path makes (and its dataset class), the unit the summary and
+the logs count, and the batch builder of its unpacked micro-batches. Its name also names its
+micro-batches' targets (``data.targets``, ``losses.targets``), which the loss dispatches on. The
+data path and the trainer take the kind and ask it; nothing threads a boolean.
 
 No torch here (the launchers' pre-check reads the kinds): the batch builders are named, and
 ``data.builders`` makes them.
@@ -13,7 +14,7 @@ No torch here (the launchers' pre-check reads the kinds): the batch builders are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from dpo_megatron.data.format_registry import COMPLETIONS, FORMATS, PAIRS, UNPAIRED, RowFormat
@@ -36,7 +37,8 @@ class ItemKind:
     """One kind of item (see the module doc).
 
     Attributes:
-        name: the loss's ``item_kind``: ``pairs``, ``sft`` or ``unpaired``.
+        name: the loss's ``item_kind``: ``pairs``, ``reward``, ``sft`` or ``unpaired`` (the
+            targets' kind, ``data.targets.TARGET_MAKERS``).
         item_class: the class of the items a load returns.
         dataset_class: the class of the load's result (``train``, ``eval``, ``summary``).
         unit: what the summary and the logs count (``pairs`` or ``examples``).
@@ -143,6 +145,10 @@ PAIRS_KIND = ItemKind(
 )
 """Preference pairs (DPO and every paired loss)."""
 
+REWARD_KIND = replace(PAIRS_KIND, name="reward")
+"""A reward model's preference pairs: read, kept and batched as pairs; their targets
+(``RewardTargets``) score one reward per sequence."""
+
 SFT_KIND = ItemKind(
     "sft",
     SFTExample,
@@ -167,7 +173,9 @@ UNPAIRED_KIND = UnpairedKind(
 )
 """Unpaired examples (KTO), laid out as pairs with their mismatched completions."""
 
-ITEM_KINDS: dict[str, ItemKind] = {k.name: k for k in (PAIRS_KIND, SFT_KIND, UNPAIRED_KIND)}
+ITEM_KINDS: dict[str, ItemKind] = {
+    k.name: k for k in (PAIRS_KIND, REWARD_KIND, SFT_KIND, UNPAIRED_KIND)
+}
 
 
 def item_kind(kind: Any) -> ItemKind:

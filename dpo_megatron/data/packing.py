@@ -49,16 +49,14 @@ from dpo_megatron.data.batch import (
 )
 from dpo_megatron.data.collate import (
     check_rows,
-    desirable_labels,
-    pair_margins,
     pair_rows,
-    reference_logps,
     reward_position,
     score_mask,
     score_targets,
 )
 from dpo_megatron.data.config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from dpo_megatron.data.pairs import PreferencePair
+from dpo_megatron.data.targets import target_maker
 
 
 @dataclass
@@ -201,6 +199,7 @@ def pack_units(
     pad_token_id: int,
     row_length: int,
     num_rows: int = 0,
+    kind: str = "pairs",
 ) -> MicroBatch:
     """Place one micro-batch's units into R rows of ``row_length`` tokens (first-fit
     decreasing) and map its scored tokens (see the module docstring).
@@ -212,11 +211,12 @@ def pack_units(
         row_length: L, tokens per row.
         num_rows: R; 0 = as many as first-fit decreasing needs; more appends empty rows (so
             every micro-batch of a step has the same shape).
+        kind: the item kind whose targets the micro-batch carries (``data.targets``).
 
     Returns:
-        A MicroBatch: tokens / labels / position_ids [R, L] with their :class:`PackedLayout`,
-        loss_mask (and reference_logps when the pairs carry them) [2B, S], S the longest
-        sequence.
+        A MicroBatch: tokens / labels / position_ids [R, L] with their :class:`PackedLayout`;
+        its targets' loss_mask (and reference_logps when the pairs carry them) [2B, S], S the
+        longest sequence.
 
     Raises:
         ValueError: a unit longer than ``row_length``, or ``num_rows`` smaller than the rows
@@ -276,19 +276,16 @@ def pack_units(
     )
     shared = any(b != 0 for u in units for b in u.branch_ids)
     layout = PackedLayout.from_spans(segment_ids, branch_ids if shared else None, spans)
+    targets = target_maker(kind)(pairs, loss_mask, score_index, last_index, computed)
+    output_index, target_ids = targets.model_scores(output_index, target_ids)
     return MicroBatch(
         tokens=tokens,
         labels=labels,
         position_ids=position_ids,
-        loss_mask=loss_mask,
         output_index=output_index,
-        score_index=score_index,
         target_ids=target_ids,
+        targets=targets,
         packed=layout,
-        reference_logps=reference_logps(pairs, loss_mask, computed),
-        desirable=desirable_labels(pairs),
-        last_index=last_index,
-        margin=pair_margins(pairs),
     )
 
 
@@ -365,9 +362,14 @@ class PackedPairs(BatchBuilder):
     """The sequences of the attached step-statistic micro-batches, or None (none attached)."""
 
     def __init__(
-        self, pad_token_id: int, multiple: int, packing: PackingConfig, unit_multiple: int = 1
+        self,
+        pad_token_id: int,
+        multiple: int,
+        packing: PackingConfig,
+        unit_multiple: int = 1,
+        kind: str = "pairs",
     ):
-        super().__init__(pad_token_id, multiple)
+        super().__init__(pad_token_id, multiple, kind)
         self.packing = packing
         self.unit_multiple = unit_multiple
         """Each unit is padded to a multiple of this (:func:`pad_unit`; 2 x CP under CP)."""
@@ -419,11 +421,10 @@ class PackedPairs(BatchBuilder):
         else:
             length = round_up(max(sum(len(u) for u in us) for us in units), self.multiple)
             n_rows = 1
-        micro_batches = []
-        for mb, us, idx in zip(step, units, micro_batch_indices):
-            batch = pack_units(us, mb, self.pad_token_id, length, n_rows)
-            batch.item_indices = tuple(idx)
-            micro_batches.append(batch)
+        micro_batches = [
+            pack_units(us, mb, self.pad_token_id, length, n_rows, self.kind)
+            for mb, us in zip(step, units)
+        ]
         real_tokens = sum(
             len(p.prompt_ids) + len(p.chosen_ids if side == "chosen" else p.rejected_ids)
             for mb in step
@@ -431,7 +432,13 @@ class PackedPairs(BatchBuilder):
             for side in sides
         )
         model_tokens = sum(len(u) for us in raw for u in us)  # without the 2 x CP padding
-        return StepBatch(micro_batches, length, real_tokens, model_tokens)
+        return StepBatch(
+            micro_batches,
+            length,
+            real_tokens,
+            model_tokens,
+            item_indices=[tuple(idx) for idx in micro_batch_indices],
+        )
 
 
 class SharedPromptPairs(PackedPairs):

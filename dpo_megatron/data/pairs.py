@@ -55,6 +55,17 @@ class UnpairedPair(PreferencePair):
 
     desirable: bool = True
 
+    @property
+    def completion_ids(self) -> tuple[int, ...]:
+        """The example's own completion (laid out as ``chosen_ids``)."""
+        return self.chosen_ids
+
+    @property
+    def kl_completion_ids(self) -> tuple[int, ...]:
+        """Its KL completion: another example's completion after this prompt (laid out as
+        ``rejected_ids``)."""
+        return self.rejected_ids
+
 
 @dataclass(frozen=True)
 class UnpairedExample:

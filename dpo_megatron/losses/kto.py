@@ -1,12 +1,13 @@
 """KTO (Ethayarajh et al. 2024): a loss of unpaired examples, each a completion labelled desirable
 or undesirable, against a KL reference point estimated over the whole step's batch.
 
-The engine lays an unpaired example out as a pair (`data.unpaired`): the "chosen" sequence is the
-example's prompt + completion, the "rejected" one the same prompt with another example's completion
-(the mismatched pair TRL and the paper use to estimate KL(pi || pi_ref)). So
+The engine lays an unpaired example out as two sequences (`data.unpaired`,
+`losses.targets.UnpairedTargets`): its completion (prompt + completion) and its KL completion (the
+same prompt with another example's completion: the mismatched pair TRL and the paper use to
+estimate KL(pi || pi_ref)). So
 
-    policy_chosen_logps - reference_chosen_logps      = h(x, y)   the example's log-ratio,
-    policy_rejected_logps - reference_rejected_logps  = h(x, y')  a mismatched log-ratio,
+    policy_logps - reference_logps        = h(x, y)   the example's log-ratio,
+    policy_kl_logps - reference_kl_logps  = h(x, y')  a mismatched log-ratio,
 
 and the reference point z_0 = max(0, mean over the global batch of h(x, y')) (`KLReferencePoint`,
 a step statistic: the same at any micro-batch size, data-parallel size or pipeline layout).
@@ -29,24 +30,25 @@ class KLReferencePoint:
     the mean per device, then the mean over devices, clamped at 0: the same for equal shares).
     Evaluation steps use the last training step's z_0 (0 before the first).
 
-    Its values read the mismatched sequences only (``sides``): the engine's statistic pass then
-    computes those, and the loss's pass the examples' own (``BatchBuilder.computing``)."""
+    Its values read the KL completions only (``sides``: the second sequence of each example):
+    the engine's statistic pass then computes those, and the loss's pass the examples' own
+    (``BatchBuilder.computing``)."""
 
     sides = ("rejected",)
-    """The sequences `pair_values` reads (``data.batch.SIDES``)."""
+    """The sequences `pair_values` reads (``data.batch.SIDES``: the KL completions)."""
 
     def __init__(self) -> None:
         self.kl = 0.0
 
     def pair_values(
         self,
-        policy_chosen_logps: Tensor,
-        policy_rejected_logps: Tensor,
-        reference_chosen_logps: Tensor,
-        reference_rejected_logps: Tensor,
+        policy_logps: Tensor,
+        policy_kl_logps: Tensor,
+        reference_logps: Tensor,
+        reference_kl_logps: Tensor,
     ) -> Tensor:
-        """[B] h(x, y') = log pi(y'|x) - log pi_ref(y'|x) of the mismatched completions (nats)."""
-        return (policy_rejected_logps - reference_rejected_logps).detach()
+        """[B] h(x, y') = log pi(y'|x) - log pi_ref(y'|x) of the KL completions (nats)."""
+        return (policy_kl_logps - reference_kl_logps).detach()
 
     def begin_step(
         self, values: Tensor, keys: Tensor, training: bool
@@ -76,13 +78,13 @@ class KLReferencePoint:
     unpaired=True,
     state_factory=KLReferencePoint,
     runtime_params=("kl",),
-    uses_rejected=False,  # the mismatched completions reach the loss only through z_0
+    uses_rejected=False,  # the KL completions reach the loss only through z_0
 )
 def kto_loss(
-    policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-    reference_chosen_logps: Tensor,
-    reference_rejected_logps: Tensor,
+    policy_logps: Tensor,
+    policy_kl_logps: Tensor,
+    reference_logps: Tensor,
+    reference_kl_logps: Tensor,
     *,
     chosen_tokens: Tensor,
     rejected_tokens: Tensor,
@@ -99,21 +101,22 @@ def kto_loss(
     arXiv:2402.01306, Eq. 8; beta 0.1 and lambda_D = lambda_U = 1 as TRL's KTOConfig; the paper
     recommends lambda_D n_D / (lambda_U n_U) in [1, 4/3], see `weight_advice`).
 
-    Args: as every loss, with "chosen" the example's completion and "rejected" the mismatched one
-    (see the module docstring); desirable: [B] 1.0 for a desirable example, 0.0 for an undesirable
-    one; kl: z_0 (the step statistic; 0 in a direct call).
+    Args: as every loss, its first and second sequences being each example's completion and its KL
+    completion (see the module docstring; the KL completions enter through z_0 only);
+    desirable: [B] 1.0 for a desirable example, 0.0 for an undesirable one; kl: z_0 (the step
+    statistic; 0 in a direct call); the token counts are unused.
     Metrics, per example, for the engine's means over the step (`finish_metrics` turns them into
     TRL's KTO names): rewards/chosen_sum, rewards/rejected_sum (beta h on one side, 0 on the other),
     logps/chosen_sum, logps/rejected_sum, count/chosen, count/rejected (the label), kl (z_0).
     Step-0 value (policy == reference, z_0 = 0): lambda/2 (1/2 with the default weights).
     """
-    rewards = beta * (policy_chosen_logps - reference_chosen_logps)
+    rewards = beta * (policy_logps - reference_logps)
     desirable = desirable.to(rewards.dtype)
     undesirable = 1.0 - desirable
     losses = desirable * desirable_weight * (
         1.0 - torch.sigmoid(rewards - beta * kl)
     ) + undesirable * undesirable_weight * (1.0 - torch.sigmoid(beta * kl - rewards))
-    rewards, logps = rewards.detach(), policy_chosen_logps.detach()
+    rewards, logps = rewards.detach(), policy_logps.detach()
     metrics = {
         "rewards/chosen_sum": rewards * desirable,
         "rewards/rejected_sum": rewards * undesirable,

@@ -22,6 +22,7 @@ from dpo_megatron.losses.reductions import (
     wpo_weights,
 )
 from dpo_megatron.losses.registry import LABEL_ARG, LossSpec, LossState, get_loss_spec
+from dpo_megatron.losses.targets import SequenceScores
 from dpo_megatron.losses.terms import add_nll_term
 
 Tensor = torch.Tensor
@@ -130,19 +131,18 @@ class LossComponent:
 
 
 class LossFunction:
-    """Per-pair preference loss over per-token log-probs; see `__call__`.
+    """Per-item loss of one micro-batch's scores and targets; see `__call__`.
 
     Attributes:
         needs_reference: the engine must run the reference model and pass its log-probs.
-        needs_token_log_sum_p2: the engine must pass `policy_token_log_sum_p2` (WPO).
+        needs_token_log_sum_p2: the engine must pass the policy's `log_sum_p2` (WPO).
         needs_rejected: False when the loss reads only chosen completions (`sft`; `kto`, whose
-            mismatched completions reach it through its step statistic only): the engine may
-            then compute chosen rows only (`loss_sides`; SFT: `chosen_only=True`).
-        unpaired: the loss trains on unpaired examples (KTO): the engine passes `desirable` labels,
-            and rows are completions then mismatched completions (`data.unpaired`).
+            KL completions reach it through its step statistic only): the engine may then
+            compute chosen rows only (`loss_sides`; SFT: `SFTTargets`).
+        unpaired: the loss trains on unpaired examples (KTO: `UnpairedTargets`, each example's
+            completion and its KL completion, with the labels).
         model_head: what the model computes for the loss (`LossSpec.model_head`): "lm"
-            (per-token log-probs: call the function) or "reward" (one scalar per sequence: call
-            :meth:`reward_loss`).
+            (per-token log-probs) or "reward" (one scalar per sequence: `RewardTargets`).
     """
 
     def __init__(self, components: Sequence[LossComponent], modifiers: LossModifiers) -> None:
@@ -211,71 +211,96 @@ class LossFunction:
             mods.append(f"LD-DPO (ld_alpha={m.ld_alpha:g})")
         return "loss " + " + ".join(parts) + (" | " + ", ".join(mods) if mods else "")
 
-    def __call__(
-        self,
-        policy_token_logps: Tensor,
-        reference_token_logps: Optional[Tensor],
-        loss_mask: Tensor,
-        policy_token_log_sum_p2: Optional[Tensor] = None,
-        *,
-        chosen_only: bool = False,
-        step_inputs: Optional[Mapping[str, Any]] = None,
-        desirable: Optional[Tensor] = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-pair losses and metrics of one micro-batch.
+    def __call__(self, scores: SequenceScores) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-item losses and metrics of one micro-batch, dispatched once on its item kind
+        (``scores.targets.kind``: :meth:`_pairs`, :meth:`_sft`, :meth:`_unpaired`,
+        :meth:`_reward`).
 
         Args:
-            policy_token_logps: [2B, S] log p(label_t | tokens <= t) under the policy; rows 0..B-1
-                chosen, B..2B-1 the rejected completions of the same pairs. With chosen_only: [B, S]
-            chosen rows.
-            reference_token_logps: [2B, S] the same under the reference model (no grad), or None
-                when not `needs_reference`.
-            loss_mask: [2B, S] 1 on completion-token label positions, else 0.
-            policy_token_log_sum_p2: [2B, S] log sum_v p_v^2 of the policy per position; only with
-            WPO.
-            chosen_only: rows are chosen completions only (allowed when not `needs_rejected`).
-            step_inputs: this micro-batch's share of `begin_step`'s answer (scalars, and [B]
-                per-pair values), passed to the loss with the step statistic; None when unset.
-            desirable: [B] 1.0 / 0.0 labels of unpaired examples (required when `unpaired`).
+            scores: the micro-batch's targets and scores (``losses.targets.SequenceScores``):
+                per-token log-probs [N, S] of the policy (and of the reference, when
+                `needs_reference`; ``log_sum_p2`` with WPO), or a reward model's [N] rewards;
+                the step statistic's share in a training step of a loss with one.
         Returns:
-            losses: [B] per-pair loss (nats for the likelihood-based losses; squared or unitless
-                log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums over pairs and
-                divides by the global pair count.
-            metrics: name -> [B] detached per-pair values (the engine averages them over all pairs).
+            losses: [B] per-item loss (nats for the likelihood-based losses; squared or
+                unitless log-ratio margins for ipo, sppo_hard, hinge, apo_*); the engine sums
+                over items and divides by the global item count.
+            metrics: name -> [B] detached per-item values (the engine averages them over all
+                items).
         Raises:
-            ValueError: shapes disagree, a reference is missing or given when not used, WPO inputs
-                missing, chosen_only for a loss that reads rejected completions, or a loss of
-                rewards (:meth:`reward_loss`).
+            ValueError: targets of a kind this loss does not train on (:attr:`item_kind`; an SFT
+                loss also reads pairs' chosen rows), shapes that disagree, a reference missing or
+                given when not used, or WPO's ``log_sum_p2`` missing.
         """
-        if self.model_head != "lm":
-            raise ValueError(f"{self!r} takes a reward model's scores: call reward_loss")
-        self._check_inputs(
-            policy_token_logps,
-            reference_token_logps,
-            loss_mask,
-            policy_token_log_sum_p2,
-            chosen_only,
-            desirable,
-        )
-        loss_mask = loss_mask.to(policy_token_logps.dtype)
-        counts = sequence_token_counts(loss_mask, policy_token_logps.dtype)
-        if chosen_only:
-            policy_chosen = sequence_logps(policy_token_logps, loss_mask)
-            chosen_tokens = counts
-            policy_rejected, rejected_tokens = (
-                torch.zeros_like(policy_chosen),
-                torch.ones_like(counts),
+        kind = scores.targets.kind
+        if kind not in self.accepted_kinds:
+            raise ValueError(
+                f"{self!r} trains on {self.item_kind} items, got {kind} targets "
+                f"(accepted: {', '.join(self.accepted_kinds)})"
             )
-        else:
-            policy_chosen, policy_rejected = split_pairs(
-                self._sequence_logps(policy_token_logps, loss_mask)
-            )
-            chosen_tokens, rejected_tokens = split_pairs(counts)
+        if kind != "reward":
+            self._check_inputs(scores)
+        return getattr(self, f"_{kind}")(scores)
 
+    @property
+    def accepted_kinds(self) -> tuple[str, ...]:
+        """The target kinds :meth:`__call__` takes: :attr:`item_kind`, and pairs for a loss that
+        reads no rejected completion (their chosen rows)."""
+        return (self.item_kind, "pairs") if self.item_kind == "sft" else (self.item_kind,)
+
+    def _pairs(self, scores: SequenceScores) -> tuple[Tensor, dict[str, Tensor]]:
+        """Preference pairs: rows 0..B-1 chosen, B..2B-1 rejected."""
+        policy, loss_mask = scores.policy, scores.targets.loss_mask.to(scores.policy.dtype)
+        policy_chosen, policy_rejected = split_pairs(self._sequence_logps(policy, loss_mask))
+        chosen_tokens, rejected_tokens = split_pairs(sequence_token_counts(loss_mask, policy.dtype))
+        return self._combine(
+            scores, loss_mask, (policy_chosen, policy_rejected), (chosen_tokens, rejected_tokens)
+        )
+
+    def _unpaired(self, scores: SequenceScores) -> tuple[Tensor, dict[str, Tensor]]:
+        """Unpaired examples: rows 0..B-1 each example's completion, B..2B-1 its KL completion;
+        the loss function takes them as its first and second sequences, with the labels."""
+        policy, loss_mask = scores.policy, scores.targets.loss_mask.to(scores.policy.dtype)
+        completion, kl_completion = split_pairs(self._sequence_logps(policy, loss_mask))
+        completion_tokens, kl_completion_tokens = split_pairs(
+            sequence_token_counts(loss_mask, policy.dtype)
+        )
+        return self._combine(
+            scores,
+            loss_mask,
+            (completion, kl_completion),
+            (completion_tokens, kl_completion_tokens),
+            {LABEL_ARG: scores.targets.desirable},
+        )
+
+    def _sft(self, scores: SequenceScores) -> tuple[Tensor, dict[str, Tensor]]:
+        """SFT examples: B completions, no rejected row (its log-prob reads 0, its count 1)."""
+        policy, loss_mask = scores.policy, scores.targets.loss_mask.to(scores.policy.dtype)
+        chosen_tokens = sequence_token_counts(loss_mask, policy.dtype)
+        policy_chosen = sequence_logps(policy, loss_mask)
+        return self._combine(
+            scores,
+            loss_mask,
+            (policy_chosen, torch.zeros_like(policy_chosen)),
+            (chosen_tokens, torch.ones_like(chosen_tokens)),
+        )
+
+    def _combine(
+        self,
+        scores: SequenceScores,
+        loss_mask: Tensor,
+        policy_logps: tuple[Tensor, Tensor],
+        tokens: tuple[Tensor, Tensor],
+        data_kwargs: Optional[Mapping[str, Tensor]] = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The selected losses of a log-prob kind's [B] first and second sequence log-probs and
+        token counts, weighted and summed, then the modifiers (SFT term, WPO weights)."""
+        policy_chosen, policy_rejected = policy_logps
+        chosen_tokens, rejected_tokens = tokens
         reference_chosen = reference_rejected = None
         if self.needs_reference:
             reference_chosen, reference_rejected = split_pairs(
-                self._sequence_logps(reference_token_logps, loss_mask)
+                self._sequence_logps(scores.reference, loss_mask)
             )
         elif self._any_reference_based:  # reference_free: an implicit reference with log-prob 0
             reference_chosen, reference_rejected = (
@@ -287,10 +312,10 @@ class LossFunction:
         metrics: dict[str, Tensor] = {}
         for component in self.components:
             runtime = component.state.loss_kwargs() if component.state is not None else {}
-            if step_inputs and component is self._statistic_component:
-                runtime = {**runtime, **step_inputs}
+            if scores.statistic is not None and component is self._statistic_component:
+                runtime = {**runtime, **scores.statistic.kwargs()}
             if component.spec.unpaired:
-                runtime[LABEL_ARG] = desirable
+                runtime.update(data_kwargs or {})
             losses, component_metrics = component.spec.fn(
                 policy_chosen,
                 policy_rejected,
@@ -312,28 +337,19 @@ class LossFunction:
             total, metrics, self.modifiers.sft_weight, policy_chosen, chosen_tokens
         )
         if self.modifiers.use_weighting:
-            weights = wpo_weights(policy_token_logps, policy_token_log_sum_p2, loss_mask)
+            weights = wpo_weights(scores.policy, scores.log_sum_p2, loss_mask)
             total = total * weights
             metrics["wpo/weights"] = weights
         return total, metrics
 
-    def reward_loss(
-        self, rewards: Tensor, margin: Optional[Tensor] = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-pair losses and metrics of one micro-batch of a reward model
-        (``model_head == "reward"``).
+    def _reward(self, scores: SequenceScores) -> tuple[Tensor, dict[str, Tensor]]:
+        """A reward model's pairs: ``scores.policy`` [2B] fp32 one reward per sequence (0..B-1
+        chosen, B..2B-1 the rejected sequences of the same pairs), with the pairs' margins.
 
-        Args:
-            rewards: [2B] fp32 one reward per sequence: 0..B-1 chosen, B..2B-1 the rejected
-                sequences of the same pairs.
-            margin: [B] per-pair margins, or None.
-        Returns:
-            As :meth:`__call__`: losses [B] (nats) and metrics name -> [B] detached.
         Raises:
-            ValueError: a loss of log-probs, or rewards that are not [2B].
+            ValueError: rewards that are not [2B].
         """
-        if self.model_head != "reward":
-            raise ValueError(f"{self!r} takes per-token log-probs, not rewards")
+        rewards = scores.policy
         if rewards.dim() != 1 or rewards.shape[0] % 2:
             raise ValueError(f"rewards must be [2B] (chosen, then rejected), got {rewards.shape}")
         chosen, rejected = split_pairs(rewards)
@@ -345,14 +361,17 @@ class LossFunction:
             None,
             chosen_tokens=None,
             rejected_tokens=None,
-            margin=margin,
+            margin=scores.targets.margin,
             **component.fn_params,
         )
 
     @property
     def item_kind(self) -> str:
-        """What the loss trains on: "unpaired" examples (KTO), "sft" examples (no rejected
-        completion read) or preference "pairs" (`data.pipeline.load_items`)."""
+        """What the loss trains on (`data.kinds`, `losses.targets`): a reward model's "reward"
+        pairs, "unpaired" examples (KTO), "sft" examples (no rejected completion read) or
+        preference "pairs"."""
+        if self.model_head == "reward":
+            return "reward"
         if self.unpaired:
             return "unpaired"
         return "pairs" if self.needs_rejected else "sft"
@@ -377,25 +396,23 @@ class LossFunction:
         this step: a training step (``training``) of a loss with a step statistic."""
         return training and self._statistic_component is not None
 
-    def pair_statistics(
-        self, policy_token_logps: Tensor, reference_token_logps: Optional[Tensor], loss_mask: Tensor
-    ) -> Tensor:
-        """[B] detached per-pair values of one micro-batch for the step statistic.
+    def pair_statistics(self, scores: SequenceScores) -> Tensor:
+        """[B] detached per-item values of one micro-batch for the step statistic.
 
-        Args: as `__call__` (rows [2B, S], chosen then rejected).
+        Args: as `__call__` (rows [2B, S]: a pair's chosen then rejected, or an unpaired
+            example's completion then its KL completion); ``scores.statistic`` unused.
         """
         with torch.no_grad():
-            loss_mask = loss_mask.to(policy_token_logps.dtype)
-            policy_chosen, policy_rejected = split_pairs(
-                self._sequence_logps(policy_token_logps, loss_mask)
-            )
+            policy = scores.policy
+            loss_mask = scores.targets.loss_mask.to(policy.dtype)
+            policy_first, policy_second = split_pairs(self._sequence_logps(policy, loss_mask))
             if self.needs_reference:
-                reference = self._sequence_logps(reference_token_logps, loss_mask)
+                reference = self._sequence_logps(scores.reference, loss_mask)
             else:  # reference_free: an implicit reference with log-prob 0
-                reference = torch.zeros_like(policy_token_logps[:, 0])
-            reference_chosen, reference_rejected = split_pairs(reference)
+                reference = torch.zeros_like(policy[:, 0])
+            reference_first, reference_second = split_pairs(reference)
             return self._statistic_component.state.pair_values(
-                policy_chosen, policy_rejected, reference_chosen, reference_rejected
+                policy_first, policy_second, reference_first, reference_second
             )
 
     def begin_step(
@@ -419,44 +436,37 @@ class LossFunction:
             return sequence_logps(token_logps, loss_mask)
         return length_desensitized_logps(token_logps, loss_mask, self.modifiers.ld_alpha)
 
-    def _check_inputs(
-        self,
-        policy: Tensor,
-        reference: Optional[Tensor],
-        loss_mask: Tensor,
-        log_sum_p2: Optional[Tensor],
-        chosen_only: bool,
-        desirable: Optional[Tensor] = None,
-    ) -> None:
+    def _check_inputs(self, scores: SequenceScores) -> None:
+        policy, reference, log_sum_p2 = scores.policy, scores.reference, scores.log_sum_p2
+        loss_mask = scores.targets.loss_mask
         if policy.dim() != 2 or policy.shape != loss_mask.shape:
             raise ValueError(
-                f"policy_token_logps {tuple(policy.shape)} and loss_mask {tuple(loss_mask.shape)} "
-                "must both be [2B, S]"
+                f"policy log-probs {tuple(policy.shape)} and loss_mask {tuple(loss_mask.shape)} "
+                "must both be [N, S]"
             )
-        if self.unpaired and (desirable is None or desirable.shape != (policy.shape[0] // 2,)):
+        if scores.targets.kind == "unpaired" and scores.targets.desirable.shape != (
+            policy.shape[0] // 2,
+        ):
             raise ValueError(
-                f"{self!r} trains on unpaired examples: pass desirable labels [B] for the "
-                f"{policy.shape[0]} rows, got "
-                f"{None if desirable is None else tuple(desirable.shape)}"
+                f"{self!r} trains on unpaired examples: desirable labels must be [B] for the "
+                f"{policy.shape[0]} rows, got {tuple(scores.targets.desirable.shape)}"
             )
-        if chosen_only and self.needs_rejected:
-            raise ValueError(f"chosen_only=True, but {self!r} reads the rejected completions")
         if self.needs_reference:
             if reference is None:
-                raise ValueError(f"{self!r} needs reference_token_logps, got None")
+                raise ValueError(f"{self!r} needs the reference log-probs, got None")
             if reference.shape != policy.shape:
                 raise ValueError(
-                    f"reference_token_logps {tuple(reference.shape)} != policy_token_logps "
+                    f"reference log-probs {tuple(reference.shape)} != policy log-probs "
                     f"{tuple(policy.shape)}"
                 )
         elif reference is not None:
             raise ValueError(
-                f"{self!r} uses no reference model; pass reference_token_logps=None "
+                f"{self!r} uses no reference model; pass no reference log-probs "
                 "(and do not run one)"
             )
         if self.needs_token_log_sum_p2 and (log_sum_p2 is None or log_sum_p2.shape != policy.shape):
             raise ValueError(
-                "loss.use_weighting (WPO) needs policy_token_log_sum_p2 of shape "
+                "loss.use_weighting (WPO) needs the policy's log_sum_p2 of shape "
                 f"{tuple(policy.shape)}, got "
                 f"{None if log_sum_p2 is None else tuple(log_sum_p2.shape)}"
             )

@@ -65,7 +65,7 @@ def score_sequences(
             micro_batch_size < 1 (every rank alike, before any communication).
     """
     return _per_sequence(
-        reward_scores, chunks, sequences, completion_starts, micro_batch_size, pad_id
+        reward_scores, "reward", chunks, sequences, completion_starts, micro_batch_size, pad_id
     )
 
 
@@ -92,7 +92,7 @@ def completion_logps(
         ValueError: as :func:`score_sequences`.
     """
     return _per_sequence(
-        _summed_logps, chunks, sequences, completion_starts, micro_batch_size, pad_id
+        _summed_logps, "sft", chunks, sequences, completion_starts, micro_batch_size, pad_id
     )
 
 
@@ -100,17 +100,19 @@ def _summed_logps(chunks, batch) -> list[torch.Tensor]:
     """Per micro-batch, the [B] sums of each row's completion log-probs (last stage; empty
     elsewhere): a frozen reference's forward-only pass."""
     return [
-        (token_logps.double() * mb.loss_mask.double()).sum(-1)
+        (token_logps.double() * mb.targets.loss_mask.double()).sum(-1)
         for mb, token_logps in zip(batch.micro_batches, reference_token_logps(chunks, batch))
     ]
 
 
 def _per_sequence(
-    values_of, chunks, sequences, completion_starts, micro_batch_size: int, pad_id: int
+    values_of, kind: str, chunks, sequences, completion_starts, micro_batch_size: int, pad_id: int
 ) -> list[float]:
     """One value per sequence from ``values_of(chunks, step_batch)`` (the last stage's [B]
-    tensor per micro-batch, rows in per-sequence order), the sequences sharded over the
-    data-parallel ranks and gathered back in input order on every rank."""
+    tensor per micro-batch, rows in per-sequence order), the sequences one row each with
+    ``kind``'s targets ("reward": the reward head reads the last token; "sft": the completion's
+    tokens are scored), sharded over the data-parallel ranks and gathered back in input order on
+    every rank."""
     if len(sequences) != len(completion_starts):
         raise ValueError(
             f"{len(sequences)} sequences but {len(completion_starts)} completion starts"
@@ -131,7 +133,7 @@ def _per_sequence(
     order = sorted(mine, key=lambda i: len(sequences[i]))
     values = torch.zeros(len(sequences), dtype=torch.float64, device=get_device())
     per_call = micro_batch_size * SEQUENCES_PER_CALL
-    builder = SFTExamples(pad_id, _row_multiple(chunks))
+    builder = SFTExamples(pad_id, _row_multiple(chunks), kind)
     for begin in range(0, len(order), per_call):
         indices = order[begin : begin + per_call]
         examples = [

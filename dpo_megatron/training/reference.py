@@ -15,9 +15,9 @@ be paid once:
   keyed by a fingerprint of the reference weights, the layout, the tokenized pairs, their
   grouping and the format version). The pass groups the pairs as the first epoch and the
   evaluation do (:func:`precompute_plan`), so the values are ``model`` mode's bit for bit. They
-  then travel with the pairs (``PreferencePair.reference_*_logps`` ->
-  ``MicroBatch.reference_logps``), no reference forward runs while training or evaluating, and
-  the reference model is freed.
+  then travel with the pairs (``PreferencePair.reference_*_logps`` -> the micro-batch's
+  targets' ``reference_logps``), no reference forward runs while training or evaluating, and the
+  reference model is freed.
 
 The reference is the policy's starting weights, or with ``reference.hf_path`` /
 ``reference.load`` weights of its own (``training.run_models.build_reference``).
@@ -369,10 +369,10 @@ def precompute_reference_logps(
         token_logps = reference.token_logps(step)
         if not last or filler:
             continue
-        for mb, mb_logps in zip(step.micro_batches, token_logps):
-            rows = _completion_values(mb_logps, mb.loss_mask)
-            n = len(mb.item_indices)
-            for k, i in enumerate(mb.item_indices):
+        for mb, indices, mb_logps in zip(step.micro_batches, step.item_indices, token_logps):
+            rows = _completion_values(mb_logps, mb.targets.loss_mask)
+            n = len(indices)
+            for k, i in enumerate(indices):
                 values.setdefault(i, (rows[k], rows[n + k]))
     dp = parallel_state.get_data_parallel_world_size()
     gathered = [None] * dp

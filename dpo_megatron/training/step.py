@@ -24,9 +24,12 @@ step is:
    micro_batch_size, gradient accumulation, data-parallel or context-parallel size:
    sum_i loss_i / N_pairs.
 
-A reward model (the loss's ``model_head`` is "reward": ``bradley_terry``) computes one score per
-sequence instead of log-probs (:func:`model_forward` with ``rewards=True``: the reward head at
-each sequence's ``MicroBatch.last_index``); its loss takes the [2B] scores. It has no reference.
+Every item kind goes through the same passes: its micro-batches' targets (``losses.targets``) say
+what the model scores and how its output reads in the loss's layout, and the loss dispatches on
+the kind once (``LossFunction.__call__`` of :func:`sequence_scores`' record). A reward model
+(``bradley_terry``) is one such kind: its targets score each sequence's last token
+(``RewardTargets.last_index``), its model returns one reward per sequence, and its loss takes
+the [2B] rewards. It has no reference.
 
 Mixture-of-experts models add the routers' load-balancing loss to the gradient on every stage
 (``dpo_megatron.models.moe``: weighted so that it is the same term on every layout). It is not
@@ -49,6 +52,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
+from dpo_megatron.losses.targets import SequenceScores, StatisticShare
 from dpo_megatron.models.moe import load_balancing_metrics
 from dpo_megatron.parallel.context import (
     is_first_context_parallel_rank,
@@ -84,22 +88,23 @@ class StepOutput:
     aux_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False, rewards: bool = False):
-    """Output of one chunk: hidden states to send on, or on the last stage the log-probs of the
-    micro-batch's n scored targets (``DPOGPTModel`` with ``target_ids``: a ``HeadLogps`` of [n]
-    fp32 tensors, the WPO normaliser too with ``log_sum_p2``). Prompt and padding positions are
-    never projected onto the vocabulary, and the scored ones one chunk at a time. Packed rows
-    bring their layout (``MicroBatch.packed``); MoE routers get the padding mask and the
-    micro-batch's pairs (their load-balancing weight). ``rewards``: a reward model's chunk, whose
-    last stage returns the [N] fp32 rewards at each sequence's ``last_index``."""
+def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False):
+    """Output of one chunk: hidden states to send on, or on the last stage the scores of the
+    micro-batch's ``output_index`` positions: a language model's log-probs of its n scored
+    targets (``DPOGPTModel`` with ``target_ids``: a ``HeadLogps`` of [n] fp32 tensors, the WPO
+    normaliser too with ``log_sum_p2``), or a reward model's [N] fp32 rewards (its targets score
+    each sequence's last token, with no ``target_ids``). Prompt and padding positions are never
+    projected onto the vocabulary, and the scored ones one chunk at a time. Packed rows bring
+    their layout (``MicroBatch.packed``); MoE routers get the padding mask and the micro-batch's
+    items (their load-balancing weight)."""
     # Only routers read the mask: dense models skip building it on every micro-batch.
     mask = padding_mask(batch) if model.config.num_moe_experts else None
     return model(
         batch.tokens,
         batch.position_ids,
         packed=batch.packed,
-        output_index=batch.last_index if rewards else batch.output_index,
-        target_ids=None if rewards else batch.target_ids,
+        output_index=batch.output_index,
+        target_ids=batch.target_ids,
         log_sum_p2=log_sum_p2,
         padding_mask=mask,
         moe_aux_loss_weight=float(batch.num_items),
@@ -110,35 +115,45 @@ def padding_mask(batch: MicroBatch) -> torch.Tensor:
     """[R, L] bool, True at the positions of the model layout that hold no token of a sequence
     (megatron-core's convention), on the batch's device.
 
-    Packed rows: a row's unused tail has a negative segment id (``data.packing``). Padded rows
-    (model layout = per-sequence layout): a sequence ends with its completion, whose last token
-    is the label of the last scored position, so the tokens of row r are positions
-    ``0 .. last_scored(r) + 1``.
+    Packed rows: a row's unused tail has a negative segment id (``data.packing``). Padded rows:
+    the builder's ``MicroBatch.padding_mask`` (positions past each sequence's last token).
     """
     if batch.segment_ids is not None:
         return batch.segment_ids < 0
-    mask = batch.loss_mask
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last_scored = torch.where(mask > 0, positions, -1).amax(dim=1, keepdim=True)
-    return positions[None, :] > last_scored + 1
-
-
-def _to_sequence_layout(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """[n] values of the scored tokens -> [N, S] (zero elsewhere); differentiable."""
-    mask = batch.loss_mask
-    flat = values.new_zeros(mask.numel()).index_put((batch.score_index,), values.reshape(-1))
-    return flat.view(mask.shape)
+    return batch.padding_mask
 
 
 def token_logps(scored: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """[N, S] per-token values (log p(label_t) in nats, or another per-token quantity), zero on
-    prompt and padding positions, from the [n] values of the scored positions.
+    prompt and padding positions, from the [n] values of the scored positions (the targets'
+    ``sequence_layout``).
 
     Under context parallelism each CP rank scores the tokens it holds (``data.context_split``)
     and the [N, S] tables are summed over the CP group (``parallel.context``: identity backward),
     so every CP rank holds every sequence's log-probs (hence its sums and token counts) and
     computes the same loss once per pair."""
-    return sum_over_context_parallel(_to_sequence_layout(scored, batch))
+    return sum_over_context_parallel(batch.targets.sequence_layout(scored))
+
+
+def sequence_scores(
+    loss_fn,
+    batch: MicroBatch,
+    output,
+    reference: Optional[torch.Tensor] = None,
+    statistic: Optional[StatisticShare] = None,
+) -> SequenceScores:
+    """The loss's record of one micro-batch: its targets, the policy's last-stage ``output`` in
+    the targets' layout (``Targets.policy_values``: [N, S] log-probs, summed over the
+    context-parallel group, or [N] rewards), and the values the reference and step-statistic
+    passes returned for it."""
+    policy, log_sum_p2 = batch.targets.policy_values(output, loss_fn.needs_token_log_sum_p2)
+    return SequenceScores(
+        batch.targets,
+        sum_over_context_parallel(policy),
+        reference,
+        None if log_sum_p2 is None else sum_over_context_parallel(log_sum_p2),
+        statistic,
+    )
 
 
 def _count(n: int) -> torch.Tensor:
@@ -162,21 +177,10 @@ def _reference_forward_step(data_iterator, model):
     return model_forward(model, batch), keep
 
 
-def _policy_loss(
-    loss_fn, batch: MicroBatch, reference: Optional[torch.Tensor], step_inputs: dict, head
-):
-    """Last-stage loss of one micro-batch: (sum of per-pair losses, pair count, per-pair values)."""
-    policy_token_logps = token_logps(head.token_logps, batch)
-    log_sum_p2 = token_logps(head.log_sum_p2, batch) if loss_fn.needs_token_log_sum_p2 else None
-    losses, metrics = loss_fn(
-        policy_token_logps,
-        reference,
-        batch.loss_mask,
-        log_sum_p2,
-        chosen_only=batch.chosen_only,
-        step_inputs=step_inputs or None,
-        desirable=batch.desirable,
-    )
+def _policy_loss(loss_fn, batch: MicroBatch, reference, statistic, output):
+    """Last-stage loss of one micro-batch: (sum of per-item losses, item count, per-item
+    values)."""
+    losses, metrics = loss_fn(sequence_scores(loss_fn, batch, output, reference, statistic))
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), _count(losses.shape[0]), reported
 
@@ -187,7 +191,7 @@ def _score_forward_step(data_iterator, model):
     def keep(rewards):
         return rewards.new_zeros(()), _count(0), {"rewards": rewards.detach()}
 
-    return model_forward(model, batch, rewards=True), keep
+    return model_forward(model, batch), keep
 
 
 @torch.no_grad()
@@ -196,8 +200,8 @@ def reward_scores(chunks: list, batch: StepBatch) -> list[torch.Tensor]:
 
     Args:
         chunks: this rank's chunks of a reward model (``model.head=reward``).
-        batch: this data-parallel rank's micro-batches (on the device), every sequence's
-            ``last_index`` set.
+        batch: this data-parallel rank's micro-batches (on the device) of reward targets
+            (``RewardTargets``: the model scores each sequence's ``last_index``).
     Returns:
         On the last pipeline stage one [N] fp32 tensor per micro-batch (the reward of each
         sequence, per-sequence order); an empty list elsewhere.
@@ -208,21 +212,11 @@ def reward_scores(chunks: list, batch: StepBatch) -> list[torch.Tensor]:
     return [entry["rewards"] for entry in store]
 
 
-def _reward_loss(loss_fn, batch: MicroBatch, rewards: torch.Tensor):
-    """Last-stage loss of one reward-model micro-batch: as :func:`_policy_loss`, from the [2B]
-    rewards."""
-    losses, metrics = loss_fn.reward_loss(rewards, margin=batch.margin)
-    reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
-    return losses.sum(), _count(losses.shape[0]), reported
-
-
 def _policy_forward_step(loss_fn, data_iterator, model):
-    batch, reference, step_inputs = next(data_iterator)
-    if loss_fn.model_head == "reward":
-        return model_forward(model, batch, rewards=True), partial(_reward_loss, loss_fn, batch)
+    batch, reference, statistic = next(data_iterator)
     return (
         model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
-        partial(_policy_loss, loss_fn, batch, reference, step_inputs),
+        partial(_policy_loss, loss_fn, batch, reference, statistic),
     )
 
 
@@ -230,10 +224,9 @@ def _statistic_forward_step(loss_fn, data_iterator, model):
     batch, reference = next(data_iterator)
 
     def values(head):
-        pair_values = loss_fn.pair_statistics(
-            token_logps(head.token_logps, batch), reference, batch.loss_mask
-        )
-        return head.token_logps.new_zeros(()), _count(0), {"values": pair_values}
+        scores = SequenceScores(batch.targets, token_logps(head.token_logps, batch), reference)
+        item_values = loss_fn.pair_statistics(scores)
+        return head.token_logps.new_zeros(()), _count(0), {"values": item_values}
 
     return model_forward(model, batch), values
 
@@ -257,8 +250,9 @@ def step_statistic_inputs(
     the loss's state stays identical everywhere. The cost is one extra forward of the policy.
 
     Returns:
-        One dict per micro-batch (the step's scalars and that micro-batch's [B] slice of the
-        per-pair values, on the device); empty dicts off the last stage.
+        One :class:`StatisticShare` per micro-batch (the step's scalars and that micro-batch's
+        [B] slice of the per-item values, on the device); None per micro-batch off the last
+        stage.
     """
     store = run_schedule(
         partial(_statistic_forward_step, loss_fn),
@@ -273,7 +267,7 @@ def step_statistic_inputs(
     if last:
         local = (
             torch.cat([d["values"].reshape(-1) for d in store]).double().cpu().tolist(),
-            [i for mb in batch.micro_batches for i in mb.item_indices],
+            [i for indices in batch.item_indices for i in indices],
         )
         gathered = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
@@ -284,7 +278,7 @@ def step_statistic_inputs(
     keys = torch.tensor([k for _, rank_keys in gathered for k in rank_keys], dtype=torch.int64)
     scalars, per_pair = loss_fn.begin_step(values, keys, training)
     if not last:
-        return [{} for _ in batch.micro_batches]
+        return [None] * len(batch.micro_batches)
     offset = sum(
         len(rank_values) for rank_values, _ in gathered[: parallel_state.get_data_parallel_rank()]
     )
@@ -293,7 +287,7 @@ def step_statistic_inputs(
         sliced = {
             k: v[offset : offset + mb.num_items].to(get_device()) for k, v in per_pair.items()
         }
-        inputs.append({**scalars, **sliced})
+        inputs.append(StatisticShare(dict(scalars), sliced))
         offset += mb.num_items
     return inputs
 
@@ -334,7 +328,7 @@ def reference_logps(reference, batch: StepBatch) -> list[Optional[torch.Tensor]]
         ValueError: the batch carries none and ``reference`` is None.
     """
     if batch.has_reference_logps:
-        return [mb.reference_logps for mb in batch.micro_batches]
+        return [mb.targets.reference_logps for mb in batch.micro_batches]
     if reference is None:
         raise ValueError(
             "this loss needs reference log-probs: the batch carries none and "
@@ -391,7 +385,7 @@ def run_policy(
             policy_chunks, part, part_reference, loss_fn, training=not forward_only
         )
     else:
-        inputs = [{} for _ in batch.micro_batches]
+        inputs = none
     step = partial(_policy_forward_step, loss_fn)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return run_schedule(

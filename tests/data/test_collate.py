@@ -1,9 +1,18 @@
-"""collate_pairs: row order, padding, next-token labels and the completion mask, by hand."""
+"""collate_pairs: row order, padding, next-token labels, the padding mask and each item kind's
+targets (the completion mask and its scored positions), by hand."""
 
 import pytest
 import torch
 
-from dpo_megatron.data import PreferencePair, SFTExample, collate_pairs, collate_sft, padded_length
+from dpo_megatron.data import (
+    PreferencePair,
+    SFTExample,
+    UnpairedPair,
+    collate_pairs,
+    collate_sft,
+    padded_length,
+)
+from dpo_megatron.losses.targets import PairTargets, RewardTargets, SFTTargets, UnpairedTargets
 
 PAD = 0
 
@@ -27,7 +36,9 @@ def test_collate_pairs_layout_by_hand():
         [13, 2, 0, 0, 0, 0],
     ]
     # 1 exactly where labels[:, t] is a completion token: t from len(prompt)-1 to length-2.
-    assert batch.loss_mask.tolist() == [
+    targets = batch.targets
+    assert isinstance(targets, PairTargets)
+    assert targets.loss_mask.tolist() == [
         [0, 1, 1, 0, 0, 0],
         [1, 0, 0, 0, 0, 0],
         [0, 1, 1, 1, 0, 0],
@@ -35,16 +46,18 @@ def test_collate_pairs_layout_by_hand():
     ]
     assert batch.position_ids.tolist() == [list(range(6))] * 4
     assert (batch.tokens.dtype, batch.labels.dtype, batch.position_ids.dtype) == (torch.int64,) * 3
-    assert batch.loss_mask.dtype == torch.float32
-    assert batch.segment_ids is None and batch.reference_logps is None
+    assert targets.loss_mask.dtype == torch.float32
+    assert batch.segment_ids is None and targets.reference_logps is None and targets.margin is None
     # Padded: the scored tokens sit at the same flat position in both layouts (row * 6 + t).
     assert (
-        batch.output_index.tolist() == batch.score_index.tolist() == [1, 2, 6, 13, 14, 15, 18, 19]
+        batch.output_index.tolist() == targets.score_index.tolist() == [1, 2, 6, 13, 14, 15, 18, 19]
     )
-    assert batch.num_items == 2 and not batch.chosen_only
+    assert batch.num_items == 2
+    # Padding starts after each row's last token (lengths 4, 2, 5, 3).
+    assert batch.padding_mask.tolist() == [[t >= n for t in range(6)] for n in (4, 2, 5, 3)]
     # The masked labels are exactly each row's completion.
     for row, completion in enumerate([(7, 2), (12,), (8, 9, 2), (13, 2)]):
-        mask = batch.loss_mask[row].bool()
+        mask = targets.loss_mask[row].bool()
         assert tuple(batch.labels[row][mask].tolist()) == completion
 
 
@@ -53,7 +66,7 @@ def test_collate_exact_fit_and_too_long():
     batch = collate_pairs([pair], pad_token_id=9, seq_length=4)
     assert batch.tokens.tolist() == [[1, 2, 3, 4], [1, 2, 5, 9]]
     assert batch.labels.tolist() == [[2, 3, 4, 9], [2, 5, 9, 9]]
-    assert batch.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
+    assert batch.targets.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
     with pytest.raises(ValueError, match=r"row 0 has 4 tokens .* > seq_length 3"):
         collate_pairs([pair], pad_token_id=9, seq_length=3)
 
@@ -61,8 +74,9 @@ def test_collate_exact_fit_and_too_long():
 def test_collate_sft_and_padded_length():
     batch = collate_sft([SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4)
     assert batch.tokens.tolist() == [[1, 2, 3, 0]]
-    assert batch.loss_mask.tolist() == [[0, 1, 0, 0]]
-    assert batch.chosen_only and batch.num_items == 1
+    assert isinstance(batch.targets, SFTTargets)
+    assert batch.targets.loss_mask.tolist() == [[0, 1, 0, 0]]
+    assert batch.num_items == 1
     assert padded_length([5, 17, 9]) == 24
     assert padded_length([16]) == 16
 
@@ -76,7 +90,7 @@ def test_precomputed_reference_logps_travel_with_the_pairs():
     ]
     batch = collate_pairs(pairs, 0, 6)
     # loss_mask rows (completion label positions): [1, 2], [0, 1], [1, 2, 3], [0].
-    assert batch.reference_logps.tolist() == [
+    assert batch.targets.reference_logps.tolist() == [
         [0, -1, -2, 0, 0, 0],
         [-3, -4, 0, 0, 0, 0],
         [0, -5, -6, -7, 0, 0],
@@ -90,3 +104,31 @@ def test_precomputed_reference_logps_travel_with_the_pairs():
         collate_pairs(stale, 0, 6)
     with pytest.raises(ValueError, match="mixes pairs with and without"):
         collate_pairs([pairs[0], PreferencePair((5,), (7, 2), (2,))], 0, 6)
+
+
+def test_each_kind_brings_its_own_targets():
+    """Unpaired examples name their labels; a reward model's pairs score each sequence's last
+    token that is not padding (and carry the margins), with no label; a reward model's single
+    sequences score one token each."""
+    examples = [
+        UnpairedPair((5, 6), (7, 2), (8,), desirable=True),
+        UnpairedPair((11,), (12,), (13, 2), desirable=False),
+    ]
+    unpaired = collate_pairs(examples, pad_token_id=PAD, seq_length=6, kind="unpaired")
+    assert isinstance(unpaired.targets, UnpairedTargets)
+    assert unpaired.targets.desirable.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="holds a preference pair"):
+        collate_pairs([PreferencePair((5,), (7,), (8,))], PAD, 6, kind="unpaired")
+
+    pairs = [
+        PreferencePair((5, 6), (7, 2), (8, 9, 2), margin=1.5),
+        PreferencePair((11,), (12,), (13, 2)),
+    ]
+    reward = collate_pairs(pairs, pad_token_id=2, seq_length=6, kind="reward")
+    assert isinstance(reward.targets, RewardTargets)
+    # Rows as in test_collate_pairs_layout_by_hand; pad id 2 is skipped at a row's end.
+    assert reward.targets.last_index.tolist() == [2, 7, 15, 19]
+    assert reward.output_index.tolist() == [2, 7, 15, 19] and reward.target_ids is None
+    assert reward.targets.margin.tolist() == [1.5, 0.0] and reward.num_items == 2
+    single = collate_sft([SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4, kind="reward")
+    assert single.output_index.tolist() == [2] and single.num_items == 1

@@ -46,8 +46,8 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
         if kind != "padded":
             assert torch.equal(part.packed.segment_ids, full.packed.segment_ids.gather(1, keep))
         # Each scored token keeps its label, its model input and its per-sequence slot.
-        for k_local, slot in enumerate(part.score_index.tolist()):
-            k = full.score_index.tolist().index(slot)
+        for k_local, slot in enumerate(part.targets.score_index.tolist()):
+            k = full.targets.score_index.tolist().index(slot)
             assert part.target_ids[k_local] == full.target_ids[k]
             assert (
                 part.tokens.reshape(-1)[part.output_index[k_local]]
@@ -58,32 +58,36 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
                 == full.position_ids.reshape(-1)[full.output_index[k]]
             )
             scored.append(slot)
-        assert torch.equal(part.loss_mask, full.loss_mask)  # per-sequence layout kept whole
+        # The per-sequence layout is kept whole.
+        assert torch.equal(part.targets.loss_mask, full.targets.loss_mask)
     assert bool((seen == 1).all())  # every position on exactly one rank
-    assert sorted(scored) == sorted(full.score_index.tolist())
+    assert sorted(scored) == sorted(full.targets.score_index.tolist())
 
 
 def test_padded_split_of_one_row_by_hand():
     from dpo_megatron.data.batch import MicroBatch
+    from dpo_megatron.losses.targets import SFTTargets
 
     tokens = torch.arange(8).view(1, 8)
     batch = MicroBatch(
         tokens=tokens,
         labels=tokens + 100,
         position_ids=tokens.clone(),
-        loss_mask=torch.ones(1, 8),
         output_index=torch.tensor([1, 2, 6]),
-        score_index=torch.tensor([1, 2, 6]),
         target_ids=torch.tensor([101, 102, 106]),
+        targets=SFTTargets(torch.ones(1, 8), torch.tensor([1, 2, 6])),
+        padding_mask=torch.arange(8)[None, :] >= 7,
     )
     rank1 = split_micro_batch(batch, 1, 2)
     assert rank1.tokens.tolist() == [[2, 3, 4, 5]]
     assert rank1.position_ids.tolist() == [[2, 3, 4, 5]]  # RoPE angles follow the chunks
-    assert rank1.output_index.tolist() == [0] and rank1.score_index.tolist() == [2]
+    assert rank1.output_index.tolist() == [0] and rank1.targets.score_index.tolist() == [2]
     assert rank1.target_ids.tolist() == [102]
+    assert rank1.padding_mask.tolist() == [[False] * 4]
     rank0 = split_micro_batch(batch, 0, 2)
     assert rank0.tokens.tolist() == [[0, 1, 6, 7]]
-    assert rank0.output_index.tolist() == [1, 2] and rank0.score_index.tolist() == [1, 6]
+    assert rank0.output_index.tolist() == [1, 2] and rank0.targets.score_index.tolist() == [1, 6]
+    assert rank0.padding_mask.tolist() == [[False, False, False, True]]
 
 
 def test_units_are_padded_to_whole_chunks_after_their_last_position():

@@ -26,10 +26,13 @@ def _load(path):
 def test_margins_reach_the_pairs_and_every_batch_form(tmp_path):
     pairs = _load(write_jsonl(tmp_path / "rows.jsonl", ROWS)).train
     assert [p.margin for p in pairs] == [1.5, None, 2.0]
-    for builder in (PaddedPairs(2, 8), SharedPromptPairs(2, 8, PackingConfig(enabled=True))):
-        batch = builder.build(pairs, [[0, 1], [2]])
-        assert [mb.margin.tolist() for mb in batch.micro_batches] == [[1.5, 0.0], [2.0]]
-    assert PaddedPairs(2, 8).build(pairs, [[1]]).micro_batches[0].margin is None
+    packing = PackingConfig(enabled=True)
+    for kind in ("pairs", "reward"):
+        for builder in (PaddedPairs(2, 8, kind), SharedPromptPairs(2, 8, packing, kind=kind)):
+            batch = builder.build(pairs, [[0, 1], [2]])
+            margins = [mb.targets.margin.tolist() for mb in batch.micro_batches]
+            assert margins == [[1.5, 0.0], [2.0]]
+        assert PaddedPairs(2, 8, kind).build(pairs, [[1]]).micro_batches[0].targets.margin is None
 
 
 def test_a_bad_margin_is_named(tmp_path):

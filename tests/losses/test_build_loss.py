@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dpo_megatron.losses import LOSSES, build_loss
+from tests.losses.pairs import pair_scores, sft_scores
 
 F64 = torch.float64
 
@@ -101,7 +102,9 @@ def test_needs_reference_flags():
 
 
 def test_sigmoid_from_token_logps():
-    losses, metrics = build_loss({"name": "sigmoid", "beta": 0.1})(POLICY, REFERENCE, MASK)
+    losses, metrics = build_loss({"name": "sigmoid", "beta": 0.1})(
+        pair_scores(POLICY, REFERENCE, MASK)
+    )
     # h_w = -6 + 7 = 1, h_l = -10 + 8 = -2 -> z = 0.3
     torch.testing.assert_close(
         losses, torch.tensor([softplus(-0.3)], dtype=F64), rtol=0, atol=1e-12
@@ -114,33 +117,35 @@ def test_sigmoid_from_token_logps():
 
 def test_reference_free_uses_no_reference():
     loss_fn = build_loss({"name": "sigmoid", "reference_free": True})
-    losses, metrics = loss_fn(POLICY, None, MASK)
+    losses, metrics = loss_fn(pair_scores(POLICY, None, MASK))
     torch.testing.assert_close(
         losses, torch.tensor([softplus(-0.4)], dtype=F64), rtol=0, atol=1e-12
     )  # 0.1*(-6+10)
     assert metrics["rewards/chosen"].item() == pytest.approx(-0.6)
     with pytest.raises(ValueError, match="uses no reference model"):
-        loss_fn(POLICY, REFERENCE, MASK)
+        loss_fn(pair_scores(POLICY, REFERENCE, MASK))
 
 
 def test_missing_reference_is_an_error():
-    with pytest.raises(ValueError, match="needs reference_token_logps"):
-        build_loss({"name": "sigmoid"})(POLICY, None, MASK)
+    with pytest.raises(ValueError, match="needs the reference log-probs"):
+        build_loss({"name": "sigmoid"})(pair_scores(POLICY, None, MASK))
 
 
-def test_sft_loss_and_chosen_only_rows():
+def test_sft_loss_on_pairs_and_on_sft_examples():
     loss_fn = build_loss({"name": "sft"})
     assert not loss_fn.needs_rejected
-    losses, metrics = loss_fn(POLICY, None, MASK)
+    losses, metrics = loss_fn(pair_scores(POLICY, None, MASK))
     assert losses.tolist() == [2.0] and metrics["nll_loss"].tolist() == [2.0]  # 6 / 3
-    losses, _ = loss_fn(POLICY, None, MASK, chosen_only=True)  # both rows as chosen completions
+    losses, _ = loss_fn(sft_scores(POLICY, MASK))  # both rows as SFT examples
     assert losses.tolist() == [2.0, 2.5]
-    with pytest.raises(ValueError, match="chosen_only"):
-        build_loss({"name": "sigmoid"})(POLICY, REFERENCE, MASK, chosen_only=True)
+    with pytest.raises(ValueError, match="trains on pairs items, got sft targets"):
+        build_loss({"name": "sigmoid"})(sft_scores(POLICY, MASK))
 
 
 def test_sft_weight_adds_chosen_nll():
-    losses, metrics = build_loss({"name": "sigmoid", "sft_weight": 0.5})(POLICY, REFERENCE, MASK)
+    losses, metrics = build_loss({"name": "sigmoid", "sft_weight": 0.5})(
+        pair_scores(POLICY, REFERENCE, MASK)
+    )
     assert losses.item() == pytest.approx(softplus(-0.3) + 0.5 * 2.0, abs=1e-12)
     assert metrics["nll_loss"].tolist() == [2.0]
 
@@ -149,7 +154,7 @@ def test_combined_losses_with_weights():
     loss_fn = build_loss(
         {"name": ["sigmoid", "bco_pair", "sft"], "weights": [0.8, 0.2, 1.0], "beta": 0.1}
     )
-    losses, metrics = loss_fn(POLICY, REFERENCE, MASK)
+    losses, metrics = loss_fn(pair_scores(POLICY, REFERENCE, MASK))
     sigmoid, bco = softplus(-0.3), softplus(-0.1) + softplus(-0.2)  # BCO: -log s(0.1) - log s(0.2)
     assert losses.item() == pytest.approx(0.8 * sigmoid + 0.2 * bco + 2.0, abs=1e-12)
     assert metrics["loss/sigmoid"].item() == pytest.approx(sigmoid, abs=1e-12)
@@ -166,14 +171,18 @@ def test_per_loss_defaults_in_a_combination():
 def test_ld_alpha_weights_tokens_past_the_shared_length():
     # Shared length min(3, 4) = 3: the rejected 4th token counts with weight 0.5, in the policy
     # (-1 -> -9.5) and in the reference (-2 -> -7): h_l = -2.5, h = 1 + 2.5.
-    losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.5})(POLICY, REFERENCE, MASK)
+    losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.5})(
+        pair_scores(POLICY, REFERENCE, MASK)
+    )
     assert metrics["logps/rejected"].tolist() == [-9.5]
     assert metrics["rewards/rejected"].item() == pytest.approx(-0.25)
     assert losses.item() == pytest.approx(softplus(-0.35), abs=1e-12)
 
 
 def test_ld_alpha_keeps_the_step_zero_value():
-    losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.2})(POLICY, POLICY.clone(), MASK)
+    losses, metrics = build_loss({"name": "sigmoid", "ld_alpha": 0.2})(
+        pair_scores(POLICY, POLICY.clone(), MASK)
+    )
     assert losses.item() == pytest.approx(math.log(2.0), abs=1e-15)
     assert metrics["rewards/margins"].tolist() == [0.0]
 
@@ -182,17 +191,17 @@ def test_wpo_weights_scale_the_pair_loss():
     # log sum_v p_v^2 = -0.5 at every position: w = exp(mean(logp) + 0.5) per sequence.
     log_sum_p2 = torch.full_like(POLICY, -0.5)
     loss_fn = build_loss({"name": "sigmoid", "use_weighting": True})
-    losses, metrics = loss_fn(POLICY, REFERENCE, MASK, log_sum_p2)
+    losses, metrics = loss_fn(pair_scores(POLICY, REFERENCE, MASK, log_sum_p2))
     weight = math.exp((-2.0 + 0.5) + (-2.5 + 0.5))
     assert metrics["wpo/weights"].item() == pytest.approx(weight, rel=1e-12)
     assert losses.item() == pytest.approx(weight * softplus(-0.3), rel=1e-12)
-    with pytest.raises(ValueError, match="policy_token_log_sum_p2"):
-        loss_fn(POLICY, REFERENCE, MASK)
+    with pytest.raises(ValueError, match="needs the policy's log_sum_p2"):
+        loss_fn(pair_scores(POLICY, REFERENCE, MASK))
 
 
 def test_wpo_weight_is_capped_at_one():
     losses, metrics = build_loss({"name": "sigmoid", "use_weighting": True})(
-        POLICY, REFERENCE, MASK, torch.full_like(POLICY, -10.0)
+        pair_scores(POLICY, REFERENCE, MASK, torch.full_like(POLICY, -10.0))
     )
     assert metrics["wpo/weights"].tolist() == [1.0]
 
@@ -200,12 +209,12 @@ def test_wpo_weight_is_capped_at_one():
 def test_bco_running_mean_and_checkpoint_state():
     loss_fn = build_loss({"name": "bco_pair"})
     assert loss_fn.state_dict() == {"bco_pair": {"mean": 0.0, "count": 0}}
-    _, metrics = loss_fn(POLICY, REFERENCE, MASK)
+    _, metrics = loss_fn(pair_scores(POLICY, REFERENCE, MASK))
     assert metrics["bco/reward_mean"].item() == pytest.approx(-0.05)  # (0.1 - 0.2) / 2
     loss_fn.on_step_end({"bco/reward_mean": 0.4})
     loss_fn.on_step_end({"bco/reward_mean": 0.2})
     assert loss_fn.state_dict() == {"bco_pair": {"mean": pytest.approx(0.3), "count": 2}}
-    losses, metrics = loss_fn(POLICY, REFERENCE, MASK)
+    losses, metrics = loss_fn(pair_scores(POLICY, REFERENCE, MASK))
     assert metrics["bco/delta"].item() == pytest.approx(0.3)
     assert losses.item() == pytest.approx(softplus(-(0.1 - 0.3)) + softplus(-0.2 - 0.3), abs=1e-12)
 
@@ -225,7 +234,7 @@ def test_stateless_losses_have_empty_state():
 
 def test_gradient_flows_to_policy_token_logps_only_through_the_mask():
     policy = POLICY.clone().requires_grad_()
-    losses, _ = build_loss({"name": "sigmoid"})(policy, REFERENCE, MASK)
+    losses, _ = build_loss({"name": "sigmoid"})(pair_scores(policy, REFERENCE, MASK))
     losses.sum().backward()
     assert torch.all(policy.grad[MASK == 0] == 0)
     d = 0.1 * torch.sigmoid(
@@ -238,11 +247,11 @@ def test_batch_shapes_and_float32():
     generator = torch.Generator().manual_seed(0)
     policy = -torch.rand(8, 6, generator=generator)
     mask = torch.ones(8, 6)
-    losses, metrics = build_loss({"name": "ipo"})(policy, policy - 0.1, mask)
+    losses, metrics = build_loss({"name": "ipo"})(pair_scores(policy, policy - 0.1, mask))
     assert losses.shape == (4,) and losses.dtype == torch.float32
     assert all(value.shape == (4,) for value in metrics.values())
     with pytest.raises(ValueError, match="2B rows"):
-        build_loss({"name": "sigmoid"})(policy[:3], policy[:3], mask[:3])
+        build_loss({"name": "sigmoid"})(pair_scores(policy[:3], policy[:3], mask[:3]))
 
 
 @pytest.mark.parametrize(
@@ -258,14 +267,14 @@ def test_gradients_through_token_logps_match_finite_differences(config):
     reference = REFERENCE if loss_fn.needs_reference else None
 
     def total(policy):
-        return loss_fn(policy * MASK, reference, MASK)[0]
+        return loss_fn(pair_scores(policy * MASK, reference, MASK))[0]
 
     assert torch.autograd.gradcheck(total, (POLICY.clone().requires_grad_(),), eps=1e-6, atol=1e-7)
 
 
 def test_reference_free_combination_passes_zero_reference_to_reference_based_losses():
     losses, metrics = build_loss({"name": ["sigmoid", "cpo"], "reference_free": True})(
-        POLICY, None, MASK
+        pair_scores(POLICY, None, MASK)
     )
     # Both see the policy margin -6 + 10 = 4 at beta 0.1; CPO adds its NLL 6 / 3.
     assert metrics["loss/sigmoid"].item() == pytest.approx(softplus(-0.4), abs=1e-12)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpo_megatron.losses import LOSSES, build_loss
-from tests.losses.pairs import as_tensor
+from tests.losses.pairs import as_tensor, pair_scores, unpaired_scores
 
 # Three pairs away from every kink (hinge's 1 - beta h = 0, ties in AOT's sorts).
 PAIRS = dict(
@@ -97,9 +97,13 @@ def test_every_reference_based_loss_has_a_step_zero_value():
 @pytest.mark.parametrize("name", sorted(STEP_ZERO))
 def test_step_zero_value_and_zero_rewards(name):
     token_logps, loss_mask = token_batch()
-    desirable = torch.tensor([1.0, 0.0, 1.0]) if LOSSES[name].unpaired else None
     loss_fn = build_loss({"name": name})
-    losses, metrics = loss_fn(token_logps, token_logps.clone(), loss_mask, desirable=desirable)
+    if LOSSES[name].unpaired:
+        desirable = torch.tensor([1.0, 0.0, 1.0])
+        scores = unpaired_scores(token_logps, token_logps.clone(), loss_mask, desirable)
+    else:
+        scores = pair_scores(token_logps, token_logps.clone(), loss_mask)
+    losses, metrics = loss_fn(scores)
     expected = STEP_ZERO[name]
     if name == "rpo":  # ln 2 + per-token NLL of each chosen completion (alpha 1)
         expected = math.log(2.0) - (token_logps[:3].sum(-1) / loss_mask[:3].sum(-1))

@@ -7,7 +7,7 @@ import torch
 
 from dpo_megatron.losses import build_loss
 from dpo_megatron.losses.kto import finish_kto_metrics, weight_advice
-from tests.losses.pairs import call_loss
+from tests.losses.pairs import call_loss, pair_scores, unpaired_scores
 from tests.losses.test_gradients_and_step_zero import token_batch
 
 
@@ -71,7 +71,8 @@ def test_kl_reference_point_is_the_clamped_global_mean():
     loss_fn = build_loss({"name": "kto"})
     token_logps, loss_mask = token_batch(pairs=3)
     reference = token_logps * 0.5
-    values = loss_fn.pair_statistics(token_logps, reference, loss_mask)
+    desirable = torch.tensor([1.0, 0.0, 1.0])
+    values = loss_fn.pair_statistics(unpaired_scores(token_logps, reference, loss_mask, desirable))
     sums = (token_logps * loss_mask).sum(-1)
     torch.testing.assert_close(values, 0.5 * sums[3:], rtol=0, atol=1e-12)  # the mismatched rows
     assert loss_fn.begin_step(values, torch.arange(3), True) == ({"kl": 0.0}, {})  # negative -> 0
@@ -83,7 +84,7 @@ def test_kl_reference_point_is_the_clamped_global_mean():
         "kto": {"kl": pytest.approx(0.4)}
     }  # evaluation uses the last z_0
     losses, metrics = loss_fn(
-        token_logps, token_logps.clone(), loss_mask, desirable=torch.tensor([1.0, 0.0, 1.0])
+        unpaired_scores(token_logps, token_logps.clone(), loss_mask, desirable)
     )
     assert metrics["kl"].tolist() == pytest.approx([0.4] * 3)
     assert losses.tolist() == pytest.approx(
@@ -111,12 +112,16 @@ def test_kto_cannot_be_combined_or_modified_and_needs_labels():
     with pytest.raises(ValueError, match="sft_weight does not apply"):
         build_loss({"name": "kto", "sft_weight": 1.0})
     token_logps, loss_mask = token_batch(pairs=3)
-    with pytest.raises(ValueError, match="desirable labels"):
-        build_loss({"name": "kto"})(token_logps, token_logps.clone(), loss_mask)
-    assert build_loss({"name": "kto"}).item_kind == "unpaired"
+    kto = build_loss({"name": "kto"})
+    with pytest.raises(ValueError, match="trains on unpaired items, got pairs targets"):
+        kto(pair_scores(token_logps, token_logps.clone(), loss_mask))
+    with pytest.raises(ValueError, match="desirable labels must be"):
+        kto(unpaired_scores(token_logps, token_logps.clone(), loss_mask, torch.ones(2)))
+    assert kto.item_kind == "unpaired"
     assert (
         build_loss({"name": "sft"}).item_kind == "sft"
         and build_loss({"name": "ipo"}).item_kind == "pairs"
+        and build_loss({"name": "bradley_terry"}).item_kind == "reward"
     )
 
 

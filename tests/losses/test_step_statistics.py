@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from dpo_megatron.losses import LOSSES, build_loss
+from dpo_megatron.losses.targets import StatisticShare
+from tests.losses.pairs import pair_scores
 from tests.losses.test_gradients_and_step_zero import token_batch
 
 MARGINS = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
@@ -91,11 +93,12 @@ def test_the_draw_depends_on_the_pairs_not_on_their_order():
 def test_step_zero_mean_over_kept_pairs_is_ln2():
     token_logps, loss_mask = token_batch(pairs=3)
     loss_fn = build_loss({"name": "beta_dpo"})
-    values = loss_fn.pair_statistics(token_logps, token_logps.clone(), loss_mask)
+    values = loss_fn.pair_statistics(pair_scores(token_logps, token_logps.clone(), loss_mask))
     assert values.tolist() == [0.0, 0.0, 0.0]
     scalars, per_pair = loss_fn.begin_step(values, torch.arange(3), training=True)
+    share = StatisticShare(scalars, per_pair)
     losses, metrics = loss_fn(
-        token_logps, token_logps.clone(), loss_mask, step_inputs={**scalars, **per_pair}
+        pair_scores(token_logps, token_logps.clone(), loss_mask, statistic=share)
     )
     # K = floor(3 * 0.8) = 2 kept pairs at weight 3/2 each: the mean over all 3 is ln 2.
     assert sorted(losses.tolist()) == pytest.approx(
@@ -111,7 +114,8 @@ def test_step_zero_mean_over_kept_pairs_is_ln2():
 def test_pair_statistics_are_the_log_ratio_margins():
     token_logps, loss_mask = token_batch(pairs=3)
     reference = token_logps * 0.5
-    values = build_loss({"name": "beta_dpo"}).pair_statistics(token_logps, reference, loss_mask)
+    loss_fn = build_loss({"name": "beta_dpo"})
+    values = loss_fn.pair_statistics(pair_scores(token_logps, reference, loss_mask))
     sums = (token_logps * loss_mask).sum(-1)
     expected = 0.5 * (sums[:3] - sums[3:])  # h_w - h_l with h = 0.5 * policy
     torch.testing.assert_close(values, expected, rtol=0, atol=1e-12)

@@ -108,8 +108,13 @@ def _import_and_score(folders: dict, tp: int, pp: int, sp: bool = False) -> dict
             "padded": score_sequences(chunks, sequences, starts, micro_batch_size=3, pad_id=PAD),
         }
         for name, builder in (
-            ("packed", PackedPairs(PAD, 8, PackingConfig(enabled=True))),
-            ("shared", SharedPromptPairs(PAD, 8, PackingConfig(enabled=True, share_prompt=True))),
+            ("packed", PackedPairs(PAD, 8, PackingConfig(enabled=True), kind="reward")),
+            (
+                "shared",
+                SharedPromptPairs(
+                    PAD, 8, PackingConfig(enabled=True, share_prompt=True), kind="reward"
+                ),
+            ),
         ):
             values = reward_scores(chunks, builder.build(pairs, [[0, 1], [2, 3]]).to_device())
             if owns_results():  # micro-batch k: chosen of pairs 2k, 2k+1, then their rejected

@@ -41,7 +41,7 @@ def _evaluate_all(ckpt_dir, tp, pp):
     trainer = tiny_trainer(tiny_pairs(8), tp=tp, pp=pp, load=ckpt_dir, seed=0)
     batch = PaddedPairs(0, 8 * tp).build(tiny_pairs(8), [[0, 1, 2, 3], [4, 5, 6, 7]])
     # Unpaired losses (kto): the same token ids as unpaired examples with alternating labels.
-    unpaired = PaddedPairs(0, 8 * tp).build(
+    unpaired = PaddedPairs(0, 8 * tp, "unpaired").build(
         [
             UnpairedPair(p.prompt_ids, p.chosen_ids, p.rejected_ids, desirable=i % 2 == 0)
             for i, p in enumerate(tiny_pairs(8))

@@ -62,14 +62,14 @@ def test_pack_pairs_layout_by_hand():
     assert visible[0, 6].tolist() == [False] * 5 + [True, True, False]  # B+c sees only itself
     assert visible[1, 7].tolist() == [False] * 7 + [True]  # the tail: itself
     padded = collate_pairs(pairs, pad_token_id=0, seq_length=5)
-    assert torch.equal(out.loss_mask, padded.loss_mask)
+    assert torch.equal(out.targets.loss_mask, padded.targets.loss_mask)
     # Scored tokens: A+c at row 1, B+c at row 0 (offset 5), A+r at row 0, B+r at row 1 (offset 4).
     assert out.output_index.tolist() == [9, 10, 5, 6, 1, 2, 3, 12, 13]
-    assert torch.equal(out.score_index, padded.score_index)
+    assert torch.equal(out.targets.score_index, padded.targets.score_index)
     for key in ("tokens", "labels"):  # the same tokens, scored in the same order
         assert torch.equal(
             getattr(out, key).reshape(-1)[out.output_index],
-            getattr(padded, key).reshape(-1)[padded.score_index],
+            getattr(padded, key).reshape(-1)[padded.targets.score_index],
         )
     assert torch.equal(out.target_ids, padded.target_ids)
     assert padded.target_ids.tolist() == [12, 2, 21, 2, 13, 14, 2, 22, 2]
@@ -122,7 +122,7 @@ def test_a_builder_computing_one_side_attaches_the_other_for_the_statistic():
     for k, p in enumerate(pairs):
         object.__setattr__(p, "reference_chosen_logps", torch.tensor([-1.0, -2.0]) - 10 * k)
         object.__setattr__(p, "reference_rejected_logps", -torch.arange(len(p.rejected_ids)) - 0.5)
-    builder = PackedPairs(0, 4, PackingConfig(enabled=True))
+    builder = PackedPairs(0, 4, PackingConfig(enabled=True), kind="unpaired")
     both = builder.build(pairs, [[0, 1]])
     split = builder.computing(("chosen",), ("rejected",)).build(pairs, [[0, 1]])
     main, stat = split.micro_batches[0], split.statistic.micro_batches[0]
@@ -130,14 +130,15 @@ def test_a_builder_computing_one_side_attaches_the_other_for_the_statistic():
     assert main.tokens[0, :7].tolist() == [10, 11, 12, 2, 20, 21, 2]  # the examples only
     assert stat.tokens[0, :8].tolist() == [10, 11, 13, 14, 2, 20, 22, 2]  # the KL sequences
     chosen, rejected = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0.0, 0, 1, 1])
-    assert torch.equal(main.loss_mask.sum(-1).bool().float(), chosen)
-    assert torch.equal(stat.loss_mask.sum(-1).bool().float(), rejected)
-    assert torch.equal(main.loss_mask + stat.loss_mask, full.loss_mask)
-    assert torch.equal(main.reference_logps + stat.reference_logps, full.reference_logps)
+    main_t, stat_t, full_t = main.targets, stat.targets, full.targets
+    assert torch.equal(main_t.loss_mask.sum(-1).bool().float(), chosen)
+    assert torch.equal(stat_t.loss_mask.sum(-1).bool().float(), rejected)
+    assert torch.equal(main_t.loss_mask + stat_t.loss_mask, full_t.loss_mask)
+    assert torch.equal(main_t.reference_logps + stat_t.reference_logps, full_t.reference_logps)
     # the same scored tokens, split between the two
     assert main.target_ids.tolist() + stat.target_ids.tolist() == full.target_ids.tolist()
-    assert main.item_indices == stat.item_indices == (0, 1)
-    assert torch.equal(main.desirable, torch.tensor([1.0, 0.0]))
+    assert split.item_indices == split.statistic.item_indices == [(0, 1)]
+    assert torch.equal(main_t.desirable, torch.tensor([1.0, 0.0]))
     assert split.real_tokens == both.real_tokens == 4 + 3 + 5 + 3
     assert split.model_tokens == both.model_tokens and both.statistic is None
     # shared-prompt units hold both sides: that builder computes every sequence

@@ -68,7 +68,7 @@ def _hf_logps(hf_path, pairs, pad_id):
     token_logps = (
         torch.log_softmax(logits.float(), -1).gather(-1, batch.labels[..., None]).squeeze(-1)
     )
-    return (token_logps * batch.loss_mask).sum(-1).double()
+    return (token_logps * batch.targets.loss_mask).sum(-1).double()
 
 
 def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):

@@ -48,8 +48,8 @@ def test_layout_by_hand():
     assert out.segment_ids.tolist() == [[0] * 7 + [1] * 5]
     # Per sequence (rows A+c, B+c, A+r, B+r): the padded path's tokens and order.
     padded = collate_pairs(PAIRS, pad_token_id=0, seq_length=5)
-    assert torch.equal(out.loss_mask, padded.loss_mask)
-    assert torch.equal(out.score_index, padded.score_index)
+    assert torch.equal(out.targets.loss_mask, padded.targets.loss_mask)
+    assert torch.equal(out.targets.score_index, padded.targets.score_index)
     assert torch.equal(out.target_ids, padded.target_ids)
     # The last prompt position scores both completions' first token: 1 (A) and 7 (B) twice.
     assert out.output_index.tolist() == [1, 2, 7, 8, 1, 4, 5, 7, 10]

@@ -3,7 +3,8 @@ batch beta and filter, KTO's KL reference point) cover the global batch.
 
 Each layout runs the real trainer from one checkpoint over the same 8 items per step (unpaired
 examples, 6 desirable, with the previous item's completion as the mismatched one, as the data path
-makes them; the pair losses read them as pairs): two KTO steps (step 0: policy == reference, KL 0;
+makes them; the pair losses read them as pairs, their batch builder switched to the pairs kind's
+targets): two KTO steps (step 0: policy == reference, KL 0;
 step 1: a positive KL reference point), two beta-DPO steps (real margins, moving averages, a
 filtered draw) and one Cal-DPO step. Loss, metrics, grad norm and the set of kept pairs must match
 the single-rank run with micro-batches of 2, at other micro-batch sizes, TP, PP and DP.
@@ -54,11 +55,16 @@ def _run(ckpt_dir, tp, pp, micro_batch_size, **config):
         loss={"name": "kto", "beta": 0.5, "undesirable_weight": 1.5},
         **config,
     )
+
+    def use_loss(config):  # a pair loss on the same items: the micro-batches carry pair targets
+        trainer.loss_fn = build_loss(config)
+        trainer.builder.kind = trainer.loss_fn.item_kind
+
     history = [step_record(*trainer.train_step()) for _ in range(2)]
-    trainer.loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.25})
+    use_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.25})
     history += [step_record(*trainer.train_step()) for _ in range(2)]
     state = trainer.loss_fn.state_dict()
-    trainer.loss_fn = build_loss({"name": "cal_dpo", "beta": 0.1})
+    use_loss({"name": "cal_dpo", "beta": 0.1})
     history.append(step_record(*trainer.train_step()))
     return {
         "dp_rank": ps.get_data_parallel_rank(),
