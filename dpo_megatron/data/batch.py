@@ -7,14 +7,14 @@ then each KL completion), or B SFT examples (prompt+completion). It carries what
 in the model layout, and the item kind's targets (``losses.targets``), which the loss reads in
 the per-sequence layout:
 
-* **model layout** [R, L]: ``tokens``, ``labels``, ``position_ids`` and, for packed rows, their
+* **model layout** [R, L]: ``tokens``, ``position_ids`` and, for packed rows, their
   :class:`PackedLayout` (``packed``). Padded: R = N sequences of L tokens, right padded. Packed:
   several sequences per row (``data.packing``), positions restarting at each one; with
   ``packing.share_prompt`` one segment ``[prompt | chosen | rejected]`` per pair, so one model
   position (the last prompt token) scores the first token of both completions.
 * **per-sequence layout** [N, S] (N = 2B or B, S = the longest sequence): the targets'
-  ``loss_mask`` (1 where ``labels`` is a completion token) and, when the items carry them,
-  ``reference_logps`` (precomputed reference per-token log-probs).
+  ``loss_mask`` (1 where a position's next token is a completion token) and, when the items
+  carry them, ``reference_logps`` (precomputed reference per-token log-probs).
 * ``output_index`` [n] and the targets' ``score_index`` [n] join the two: the k-th scored token
   sits at flat position ``output_index[k]`` of the [R * L] model input and at ``score_index[k]``
   of the [N * S] per-sequence layout, and ``target_ids[k]`` is its label. They are computed on
@@ -266,8 +266,6 @@ class MicroBatch:
 
     Attributes:
         tokens: [R, L] int64 input ids.
-        labels: [R, L] int64, the next token of each position within its sequence (a shared
-            prompt's last position holds the chosen side's; ``target_ids`` is authoritative).
         position_ids: [R, L] int64 positions (RoPE / learned), restarting at each packed sequence
             (a shared-prompt pair's rejected tokens continue from the end of its prompt).
         output_index: [n] int64 flat positions (``r * L + t``) the model's last stage scores, in
@@ -286,7 +284,6 @@ class MicroBatch:
     """
 
     tokens: torch.Tensor
-    labels: torch.Tensor
     position_ids: torch.Tensor
     output_index: torch.Tensor
     target_ids: Optional[torch.Tensor]

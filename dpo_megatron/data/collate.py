@@ -115,7 +115,6 @@ def collate_rows(
     output_index, target_ids = targets.model_scores(scored, labels.reshape(-1)[scored])
     return MicroBatch(
         tokens=tokens,
-        labels=labels,
         position_ids=position_ids,
         output_index=output_index,
         target_ids=target_ids,

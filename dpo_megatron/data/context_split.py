@@ -9,7 +9,7 @@ The kept positions of a row are laid out unit by unit, so each rank's row is L /
 
 What is cut and what is not:
 
-* ``tokens``, ``labels``, ``position_ids`` [R, L] -> [R, L / CP]: gathered at the kept positions;
+* ``tokens``, ``position_ids`` [R, L] -> [R, L / CP]: gathered at the kept positions;
   ``packed`` becomes :class:`LocalRows` (the kept positions' segment and branch ids), which is
   all the context-parallel attention reads (``models.context_attention``). A scored token's
   label is its ``target_ids`` entry, so a chunk's last token still scores the next token when
@@ -122,7 +122,6 @@ def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
     return replace(
         batch,
         tokens=cut(batch.tokens),
-        labels=cut(batch.labels),
         position_ids=cut(batch.position_ids),
         packed=packed,
         padding_mask=cut(batch.padding_mask),

@@ -81,16 +81,6 @@ class PackedUnit:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def labels(self, pad_token_id: int) -> list[int]:
-        """The next token of each position within its sequence (the first sequence through a
-        position wins: a shared prompt's last position holds the chosen side's first token)."""
-        out: list[Optional[int]] = [None] * len(self.tokens)
-        for _, where in self.sequences:
-            for t in range(len(where) - 1):
-                if out[where[t]] is None:
-                    out[where[t]] = self.tokens[where[t + 1]]
-        return [pad_token_id if x is None else x for x in out]
-
 
 def sequence_unit(index: int, prompt: Sequence[int], completion: Sequence[int]) -> PackedUnit:
     """Sequence ``index`` (prompt + completion) as a unit attending to itself."""
@@ -214,7 +204,7 @@ def pack_units(
         kind: the item kind whose targets the micro-batch carries (``data.targets``).
 
     Returns:
-        A MicroBatch: tokens / labels / position_ids [R, L] with their :class:`PackedLayout`;
+        A MicroBatch: tokens / position_ids [R, L] with their :class:`PackedLayout`;
         its targets' loss_mask (and reference_logps when the pairs carry them) [2B, S], S the
         longest sequence.
 
@@ -229,7 +219,6 @@ def pack_units(
         )
     n_rows = num_rows or len(plan)
     tokens = torch.full((n_rows, row_length), pad_token_id, dtype=torch.int64)
-    labels = torch.full((n_rows, row_length), pad_token_id, dtype=torch.int64)
     position_ids = torch.zeros((n_rows, row_length), dtype=torch.int64)
     branch_ids = torch.zeros((n_rows, row_length), dtype=torch.int8)
     # Unit j -> segment j; a row's unused tail -> a segment of its own (-1 - row), so that
@@ -243,7 +232,6 @@ def pack_units(
         for j in plan[r] if r < len(plan) else []:
             unit, n, base = units[j], len(units[j]), r * row_length + offset
             tokens[r, offset : offset + n] = torch.tensor(unit.tokens)
-            labels[r, offset : offset + n] = torch.tensor(unit.labels(pad_token_id))
             position_ids[r, offset : offset + n] = torch.tensor(unit.position_ids)
             branch_ids[r, offset : offset + n] = torch.tensor(unit.branch_ids, dtype=torch.int8)
             segment_ids[r, offset : offset + n] = j
@@ -280,7 +268,6 @@ def pack_units(
     output_index, target_ids = targets.model_scores(output_index, target_ids)
     return MicroBatch(
         tokens=tokens,
-        labels=labels,
         position_ids=position_ids,
         output_index=output_index,
         target_ids=target_ids,

@@ -29,12 +29,6 @@ def test_collate_pairs_layout_by_hand():
         [5, 6, 8, 9, 2, 0],  # pair 0 rejected
         [11, 13, 2, 0, 0, 0],  # pair 1 rejected
     ]
-    assert batch.labels.tolist() == [
-        [6, 7, 2, 0, 0, 0],
-        [12, 0, 0, 0, 0, 0],
-        [6, 8, 9, 2, 0, 0],
-        [13, 2, 0, 0, 0, 0],
-    ]
     # 1 exactly where labels[:, t] is a completion token: t from len(prompt)-1 to length-2.
     targets = batch.targets
     assert isinstance(targets, PairTargets)
@@ -45,7 +39,7 @@ def test_collate_pairs_layout_by_hand():
         [1, 1, 0, 0, 0, 0],
     ]
     assert batch.position_ids.tolist() == [list(range(6))] * 4
-    assert (batch.tokens.dtype, batch.labels.dtype, batch.position_ids.dtype) == (torch.int64,) * 3
+    assert (batch.tokens.dtype, batch.position_ids.dtype) == (torch.int64,) * 2
     assert targets.loss_mask.dtype == torch.float32
     assert batch.segment_ids is None and targets.reference_logps is None and targets.margin is None
     # Padded: the scored tokens sit at the same flat position in both layouts (row * 6 + t).
@@ -55,17 +49,15 @@ def test_collate_pairs_layout_by_hand():
     assert batch.num_items == 2
     # Padding starts after each row's last token (lengths 4, 2, 5, 3).
     assert batch.padding_mask.tolist() == [[t >= n for t in range(6)] for n in (4, 2, 5, 3)]
-    # The masked labels are exactly each row's completion.
-    for row, completion in enumerate([(7, 2), (12,), (8, 9, 2), (13, 2)]):
-        mask = targets.loss_mask[row].bool()
-        assert tuple(batch.labels[row][mask].tolist()) == completion
+    # Each scored position predicts the next token: the rows' completions, row by row.
+    assert batch.target_ids.tolist() == [7, 2, 12, 8, 9, 2, 13, 2]
 
 
 def test_collate_exact_fit_and_too_long():
     pair = PreferencePair((1, 2), (3, 4), (5,))
     batch = collate_pairs([pair], pad_token_id=9, seq_length=4)
     assert batch.tokens.tolist() == [[1, 2, 3, 4], [1, 2, 5, 9]]
-    assert batch.labels.tolist() == [[2, 3, 4, 9], [2, 5, 9, 9]]
+    assert batch.target_ids.tolist() == [3, 4, 5]
     assert batch.targets.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
     with pytest.raises(ValueError, match=r"row 0 has 4 tokens .* > seq_length 3"):
         collate_pairs([pair], pad_token_id=9, seq_length=3)

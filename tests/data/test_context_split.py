@@ -41,7 +41,7 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
         assert part.tokens.shape == (rows, length // cp)
         keep = local_positions(full, rank, cp)
         seen.scatter_add_(1, keep, torch.ones_like(keep))
-        for name in ("tokens", "labels", "position_ids"):
+        for name in ("tokens", "position_ids"):
             assert torch.equal(getattr(part, name), getattr(full, name).gather(1, keep))
         if kind != "padded":
             assert torch.equal(part.packed.segment_ids, full.packed.segment_ids.gather(1, keep))
@@ -71,7 +71,6 @@ def test_padded_split_of_one_row_by_hand():
     tokens = torch.arange(8).view(1, 8)
     batch = MicroBatch(
         tokens=tokens,
-        labels=tokens + 100,
         position_ids=tokens.clone(),
         output_index=torch.tensor([1, 2, 6]),
         target_ids=torch.tensor([101, 102, 106]),

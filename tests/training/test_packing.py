@@ -43,7 +43,6 @@ def test_pack_pairs_layout_by_hand():
     out = pack_pairs(pairs, pad_token_id=0, row_length=8)
     # FFD, longest first: A+r (5) row 0; A+c (4) row 1; B+c (3) row 0; B+r (3) row 1.
     assert out.tokens.tolist() == [[10, 11, 13, 14, 2, 20, 21, 2], [10, 11, 12, 2, 20, 22, 2, 0]]
-    assert out.labels.tolist() == [[11, 13, 14, 2, 0, 21, 2, 0], [11, 12, 2, 0, 22, 2, 0, 0]]
     assert out.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 0]]
     assert out.segment_ids.tolist() == [[2, 2, 2, 2, 2, 1, 1, 1], [0, 0, 0, 0, 3, 3, 3, -2]]
     assert out.packed.branch_ids is None  # no shared prompt: one branch
@@ -66,11 +65,11 @@ def test_pack_pairs_layout_by_hand():
     # Scored tokens: A+c at row 1, B+c at row 0 (offset 5), A+r at row 0, B+r at row 1 (offset 4).
     assert out.output_index.tolist() == [9, 10, 5, 6, 1, 2, 3, 12, 13]
     assert torch.equal(out.targets.score_index, padded.targets.score_index)
-    for key in ("tokens", "labels"):  # the same tokens, scored in the same order
-        assert torch.equal(
-            getattr(out, key).reshape(-1)[out.output_index],
-            getattr(padded, key).reshape(-1)[padded.targets.score_index],
-        )
+    # the same tokens, scored in the same order
+    assert torch.equal(
+        out.tokens.reshape(-1)[out.output_index],
+        padded.tokens.reshape(-1)[padded.targets.score_index],
+    )
     assert torch.equal(out.target_ids, padded.target_ids)
     assert padded.target_ids.tolist() == [12, 2, 21, 2, 13, 14, 2, 22, 2]
 

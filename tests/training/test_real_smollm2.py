@@ -65,9 +65,8 @@ def _hf_logps(hf_path, pairs, pad_id):
     batch = collate_pairs(pairs, pad_id, longest)
     with torch.no_grad():
         logits = model(batch.tokens).logits
-    token_logps = (
-        torch.log_softmax(logits.float(), -1).gather(-1, batch.labels[..., None]).squeeze(-1)
-    )
+    labels = torch.nn.functional.pad(batch.tokens[:, 1:], (0, 1), value=pad_id)  # next tokens
+    token_logps = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
     return (token_logps * batch.targets.loss_mask).sum(-1).double()
 
 

@@ -35,7 +35,6 @@ def test_unit_positions_and_branches():
     assert unit.tokens == [10, 11, 12, 2, 13, 14, 2]
     assert unit.position_ids == [0, 1, 2, 3, 2, 3, 4]  # rejected continues after the prompt
     assert unit.branch_ids == [0, 0, 1, 1, 2, 2, 2]
-    assert unit.labels(0) == [11, 12, 2, 0, 14, 2, 0]
     assert unit.sequences == [(0, [0, 1, 2, 3]), (2, [0, 1, 4, 5, 6])]
 
 
