@@ -594,16 +594,15 @@ def _validate_loss(cfg: DPOConfig) -> None:
         raise ValueError("loss.name is required (e.g. loss.name=sigmoid, or loss=ipo)")
     from dpo_megatron.losses import build_loss
 
-    name = cfg.loss["name"]
-    names = name if isinstance(name, list) else [name]
-    sorting = sorted({"aot", "aot_unpaired"} & set(names))
+    loss_fn = build_loss(cfg.loss)
+    sorting = sorted(c.spec.name for c in loss_fn.components if c.spec.sorts_batch)
     if sorting and cfg.train.micro_batch_size < 2:
         raise ValueError(
             f"loss {sorting[0]} sorts the log-ratios of the pairs within one "
             f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
             f"train.micro_batch_size >= 2 (its value depends on that size)"
         )
-    if build_loss(cfg.loss).model_head == "reward":
+    if loss_fn.model_head == "reward":
         _validate_reward_model(cfg)
     elif cfg.train.reward_head_lr is not None:
         raise ValueError(

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dpo_megatron.losses.registry import LossOutput, register_loss
+from dpo_megatron.losses.registry import LossOutput, ParamRange, register_loss
 from dpo_megatron.losses.running_mean import RunningRewardMean
 from dpo_megatron.losses.step_statistics import BetaDPOStatistics
 from dpo_megatron.losses.terms import (
@@ -111,7 +111,7 @@ def sigmoid_loss(
     return losses, ratios.metrics(beta)
 
 
-@register_loss("rpo", needs_reference=True)
+@register_loss("rpo", needs_reference=True, ranges={"rpo_alpha": ParamRange(0.0)})
 def rpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -169,7 +169,11 @@ def robust_loss(
     return losses, ratios.metrics(beta)
 
 
-@register_loss("exo_pair", needs_reference=True)
+@register_loss(
+    "exo_pair",
+    needs_reference=True,
+    ranges={"label_smoothing": ParamRange(0.0, 1.0, low_open=True, high_open=True)},
+)
 def exo_pair_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -342,7 +346,7 @@ def sppo_hard_loss(
     return losses, ratios.metrics(beta)
 
 
-@register_loss("aot", needs_reference=True)
+@register_loss("aot", needs_reference=True, sorts_batch=True)
 def aot_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -370,7 +374,7 @@ def aot_loss(
     return losses, ratios.metrics(beta)
 
 
-@register_loss("aot_unpaired", needs_reference=True)
+@register_loss("aot_unpaired", needs_reference=True, sorts_batch=True)
 def aot_unpaired_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -437,7 +441,9 @@ def apo_down_loss(
     return losses, ratios.metrics(beta)
 
 
-@register_loss("discopop", needs_reference=True)
+@register_loss(
+    "discopop", needs_reference=True, ranges={"discopop_tau": ParamRange(0.0, low_open=True)}
+)
 def discopop_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -469,6 +475,11 @@ def discopop_loss(
     needs_reference=True,
     state_factory=BetaDPOStatistics,
     runtime_params=("batch_beta", "pair_weights"),
+    ranges={
+        "beta_dpo_alpha": ParamRange(0.0),
+        "beta_dpo_filter_ratio": ParamRange(0.0, 1.0, high_open=True),
+        "beta_dpo_momentum": ParamRange(0.0, 1.0, high_open=True),
+    },
 )
 def beta_dpo_loss(
     policy_chosen_logps: Tensor,

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from dpo_megatron.losses.registry import LossOutput, register_loss
+from dpo_megatron.losses.registry import LossOutput, ParamRange, register_loss
 
 Tensor = torch.Tensor
 
@@ -79,6 +79,10 @@ class KLReferencePoint:
     state_factory=KLReferencePoint,
     runtime_params=("kl",),
     uses_rejected=False,  # the KL completions reach the loss only through z_0
+    ranges={
+        "desirable_weight": ParamRange(0.0, low_open=True),
+        "undesirable_weight": ParamRange(0.0, low_open=True),
+    },
 )
 def kto_loss(
     policy_logps: Tensor,

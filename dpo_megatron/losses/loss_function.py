@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -21,7 +21,13 @@ from dpo_megatron.losses.reductions import (
     split_pairs,
     wpo_weights,
 )
-from dpo_megatron.losses.registry import LABEL_ARG, LossSpec, LossState, get_loss_spec
+from dpo_megatron.losses.registry import (
+    LABEL_ARG,
+    LossSpec,
+    LossState,
+    ParamRange,
+    get_loss_spec,
+)
 from dpo_megatron.losses.targets import SequenceScores
 from dpo_megatron.losses.terms import add_nll_term
 
@@ -55,40 +61,10 @@ _MODIFIER_KINDS: dict[str, type] = {
 }
 
 
-def _in_range(
-    low: float, high: float, low_open: bool = False, high_open: bool = False
-) -> Callable[[float], bool]:
-    def check(value: float) -> bool:
-        above = value > low if low_open else value >= low
-        below = value < high if high_open else value <= high
-        return above and below
-
-    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-    check.__doc__ = interval
-    return check
-
-
-# Losses whose i-th entry is a batch quantile, not pair i (per-pair weights do not apply).
-_SORTING_LOSSES = {"aot", "aot_unpaired"}
-
-_INF = float("inf")
-# key -> range check (its docstring is the interval); (loss name, key) entries override the key's
-# rule.
-_VALUE_RULES: dict[Any, Callable[[float], bool]] = {
-    "beta": _in_range(0.0, _INF, low_open=True),
-    "label_smoothing": _in_range(0.0, 0.5, high_open=True),
-    ("exo_pair", "label_smoothing"): _in_range(0.0, 1.0, low_open=True, high_open=True),
-    "discopop_tau": _in_range(0.0, _INF, low_open=True),
-    "ld_alpha": _in_range(0.0, 1.0),
-    "sft_weight": _in_range(0.0, _INF),
-    "rpo_alpha": _in_range(0.0, _INF),
-    "cpo_alpha": _in_range(0.0, _INF),
-    "beta_dpo_alpha": _in_range(0.0, _INF),
-    "beta_dpo_filter_ratio": _in_range(0.0, 1.0, high_open=True),
-    "beta_dpo_momentum": _in_range(0.0, 1.0, high_open=True),
-    "desirable_weight": _in_range(0.0, _INF, low_open=True),
-    "undesirable_weight": _in_range(0.0, _INF, low_open=True),
-    "center_rewards_coefficient": _in_range(0.0, _INF),
+# The modifiers' ranges (a loss's own parameters have theirs at its @register_loss).
+_MODIFIER_RANGES: dict[str, ParamRange] = {
+    "ld_alpha": ParamRange(0.0, 1.0),
+    "sft_weight": ParamRange(0.0),
 }
 
 
@@ -107,12 +83,10 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
     return float(value)
 
 
-def _check_value(loss_name: str, key: str, value: Any) -> None:
-    rule = _VALUE_RULES.get((loss_name, key), _VALUE_RULES.get(key))
-    if rule is not None and not rule(value):
-        raise ValueError(
-            f"loss.{key}={value} is out of range {rule.__doc__} for loss {loss_name!r}"
-        )
+def _check_value(loss_name: str, key: str, value: Any, ranges: Mapping[str, ParamRange]) -> None:
+    rule = ranges.get(key)
+    if rule is not None and value not in rule:
+        raise ValueError(f"loss.{key}={value} is out of range {rule} for loss {loss_name!r}")
 
 
 @dataclass
@@ -571,7 +545,7 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         params = {}
         for key, default in spec.params.items():
             params[key] = _coerce(key, config[key], type(default)) if key in config else default
-            _check_value(spec.name, key, params[key])
+            _check_value(spec.name, key, params[key], spec.param_ranges)
         state = (
             spec.state_factory(**{key: params[key] for key in spec.state_params})
             if spec.state_factory is not None
@@ -585,7 +559,7 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         if key in config
     }
     for key, value in modifier_values.items():
-        _check_value(",".join(names), key, value)
+        _check_value(",".join(names), key, value, _MODIFIER_RANGES)
     with_statistic = [
         c.spec.name for c in components if c.state is not None and hasattr(c.state, "begin_step")
     ]
@@ -616,7 +590,7 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
             "a "
             "completion and a mismatched completion, not a chosen and a rejected answer"
         )
-    sorting = sorted(set(names) & _SORTING_LOSSES)
+    sorting = sorted(spec.name for spec in specs if spec.sorts_batch)
     if modifier_values.get("use_weighting") and sorting:
         raise ValueError(
             f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within "

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dpo_megatron.losses.registry import LossOutput, register_loss
+from dpo_megatron.losses.registry import LossOutput, ParamRange, register_loss
 from dpo_megatron.losses.terms import (
     add_nll_term,
     bradley_terry_loss,
@@ -25,7 +25,7 @@ from dpo_megatron.losses.terms import (
 Tensor = torch.Tensor
 
 
-@register_loss("simpo", needs_reference=False)
+@register_loss("simpo", needs_reference=False, ranges={"cpo_alpha": ParamRange(0.0)})
 def simpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -59,7 +59,7 @@ def simpo_loss(
     return add_nll_term(losses, metrics, cpo_alpha, policy_chosen_logps, chosen_tokens), metrics
 
 
-@register_loss("cpo", needs_reference=False)
+@register_loss("cpo", needs_reference=False, ranges={"cpo_alpha": ParamRange(0.0)})
 def cpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,

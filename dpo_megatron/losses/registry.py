@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -95,6 +95,35 @@ class StepStatistic(Protocol):
 
 
 @dataclass(frozen=True)
+class ParamRange:
+    """The interval a loss parameter's value must lie in; ``str()`` writes it as ``[0.0, 0.5)``."""
+
+    low: float
+    high: float = float("inf")
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        return (
+            f"{'(' if self.low_open else '['}{self.low}, {self.high}"
+            f"{')' if self.high_open else ']'}"
+        )
+
+
+COMMON_RANGES: dict[str, ParamRange] = {
+    "beta": ParamRange(0.0, low_open=True),
+    "label_smoothing": ParamRange(0.0, 0.5, high_open=True),
+}
+"""Ranges of the parameters many losses share, for every loss that takes them unless its
+``@register_loss(ranges=...)`` says otherwise."""
+
+
+@dataclass(frozen=True)
 class LossSpec:
     """One registered loss."""
 
@@ -120,6 +149,13 @@ class LossSpec:
     """What the model computes for this loss (module docstring): "lm" (per-token log-probs)
     or "reward" (one scalar per sequence; `fn` takes the chosen and rejected rewards [B] as
     its first two arguments, None for the reference and token counts)."""
+    ranges: Mapping[str, ParamRange] = field(default_factory=dict)
+    """The loss's own parameter ranges (`@register_loss(ranges=...)`); with `COMMON_RANGES`
+    they make `param_ranges`."""
+    sorts_batch: bool = False
+    """True when the loss's i-th entry is a batch quantile, not pair i (it sorts the pairs of a
+    micro-batch: `aot`), so per-pair weights do not apply and one pair a micro-batch makes it
+    plain DPO."""
     params: dict[str, Any] = field(init=False)
     """Config keys this loss accepts -> paper defaults (read from `fn`'s and the state's
     signatures)."""
@@ -127,6 +163,8 @@ class LossSpec:
     """The keys of `params` that `fn` takes."""
     state_params: tuple[str, ...] = field(init=False)
     """The keys of `params` that `state_factory` takes."""
+    param_ranges: dict[str, ParamRange] = field(init=False)
+    """Each parameter with a range -> its range."""
 
     def __post_init__(self) -> None:
         fn_params = _keyword_defaults(
@@ -141,7 +179,13 @@ class LossSpec:
                     f"loss {self.name!r}: {key!r} defaults to {fn_params[key]} in the loss "
                     f"and {state_params[key]} in its state"
                 )
-        object.__setattr__(self, "params", {**fn_params, **state_params})
+        params = {**fn_params, **state_params}
+        strays = sorted(set(self.ranges) - set(params))
+        if strays:
+            raise TypeError(f"loss {self.name!r}: a range for {strays}, which it does not take")
+        ranges = {k: r for k, r in COMMON_RANGES.items() if k in params}
+        object.__setattr__(self, "param_ranges", {**ranges, **self.ranges})
+        object.__setattr__(self, "params", params)
         object.__setattr__(self, "fn_params", tuple(fn_params))
         object.__setattr__(self, "state_params", tuple(state_params))
 
@@ -175,8 +219,10 @@ def register_loss(
     uses_rejected: bool = True,
     unpaired: bool = False,
     model_head: str = "lm",
+    ranges: Optional[Mapping[str, ParamRange]] = None,
+    sorts_batch: bool = False,
 ) -> Callable[[LossFn], LossFn]:
-    """Decorator registering `fn` under `name` in `LOSSES`.
+    """Decorator registering `fn` under `name` in `LOSSES` (the arguments: `LossSpec`'s fields).
 
     Raises:
         ValueError: `name` is already registered.
@@ -197,6 +243,8 @@ def register_loss(
             uses_rejected,
             unpaired,
             model_head,
+            dict(ranges or {}),
+            sorts_batch,
         )
         return fn
 

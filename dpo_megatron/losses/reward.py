@@ -12,14 +12,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dpo_megatron.losses.registry import LossOutput, register_loss
+from dpo_megatron.losses.registry import LossOutput, ParamRange, register_loss
 from dpo_megatron.losses.terms import reward_metrics
 
 Tensor = torch.Tensor
 
 
 @register_loss(
-    "bradley_terry", needs_reference=False, runtime_params=("margin",), model_head="reward"
+    "bradley_terry",
+    needs_reference=False,
+    runtime_params=("margin",),
+    model_head="reward",
+    ranges={"center_rewards_coefficient": ParamRange(0.0)},
 )
 def bradley_terry_reward_loss(
     chosen_rewards: Tensor,

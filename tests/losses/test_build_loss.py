@@ -291,3 +291,25 @@ def test_describe_is_one_readable_line_with_every_parameter():
         ).describe()
         == "loss 1 x sigmoid(beta=0.2, label_smoothing=0) + 0.5 x sft() | LD-DPO (ld_alpha=0.5)"
     )
+
+
+def test_a_loss_declares_its_parameter_ranges_and_batch_sorting_where_it_is_registered():
+    """The ranges a loss's own parameters must lie in, and whether it sorts its micro-batch, sit
+    at its @register_loss; shared keys take the common range unless the loss overrides it; a
+    range for a key the loss does not take is refused when the loss is registered."""
+    from dpo_megatron.losses import LOSSES
+    from dpo_megatron.losses.registry import ParamRange, register_loss
+
+    assert str(LOSSES["exo_pair"].param_ranges["label_smoothing"]) == "(0.0, 1.0)"
+    assert str(LOSSES["sigmoid"].param_ranges["label_smoothing"]) == "[0.0, 0.5)"
+    assert str(LOSSES["kto"].param_ranges["desirable_weight"]) == "(0.0, inf]"
+    assert sorted(n for n, spec in LOSSES.items() if spec.sorts_batch) == ["aot", "aot_unpaired"]
+
+    def stray_loss(policy_chosen_logps, policy_rejected_logps, *, beta: float = 0.1):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match=r"a range for \['gamma'\], which it does not take"):
+        register_loss("stray_range", needs_reference=False, ranges={"gamma": ParamRange(0.0)})(
+            stray_loss
+        )
+    assert "stray_range" not in LOSSES
