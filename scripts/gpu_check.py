@@ -194,8 +194,8 @@ def engine_run(
                     "step": trainer.counters.step,
                     "loss": out.metrics["loss"],
                     "grad_norm": out.grad_norm,
-                    "logps": out.per_pair["logps/chosen"].tolist()
-                    + out.per_pair["logps/rejected"].tolist(),
+                    "logps": out.per_item["logps/chosen"].tolist()
+                    + out.per_item["logps/rejected"].tolist(),
                 }
             )
             if trainer.checkpointer.due(trainer.counters.step, steps):

@@ -183,7 +183,7 @@ def step_record(out, batch, policy_equals_reference=None) -> dict:
         "policy_equals_reference": policy_equals_reference,
         "metrics": out.metrics,
         "grad_norm": out.grad_norm,
-        "per_pair": {k: v.tolist() for k, v in out.per_pair.items()},
+        "per_item": {k: v.tolist() for k, v in out.per_item.items()},
         "shape": list(batch.micro_batches[0].tokens.shape),
     }
 

@@ -277,7 +277,7 @@ class HostTensorCheck(TorchFunctionMode):
         import megatron.core.tensor_parallel.random  # noqa: F401  (before the RNG patch)
 
         from dpo_megatron.compat import cuda_on_cpu
-        from dpo_megatron.models.gpt import DPOGPTModel
+        from dpo_megatron.models.gpt import ScoringGPTModel
         from dpo_megatron.parallel import device
 
         # The engine's device, and where megatron-core's CUDA requests land: ``cpu:0``.
@@ -303,7 +303,9 @@ class HostTensorCheck(TorchFunctionMode):
             self._saved.append((dist, name, original))
             setattr(dist, name, checked)
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, a: self._check_model_inputs(m, a, {}) if isinstance(m, DPOGPTModel) else None
+            lambda m, a: (
+                self._check_model_inputs(m, a, {}) if isinstance(m, ScoringGPTModel) else None
+            )
         )
         return super().__enter__()
 

@@ -18,7 +18,7 @@ _EXPORTS = {
     "DataConfig": "config",
     "DataError": "sources",
     "ItemKind": "kinds",
-    "PairSampler": "sampler",
+    "ItemSampler": "sampler",
     "PreferenceDataset": "pairs",
     "PreferencePair": "pairs",
     "SFTDataset": "pairs",

@@ -412,7 +412,7 @@ class BatchBuilder:
         Args:
             items: the whole (train or eval) list of pairs or examples.
             micro_batch_indices: indices into ``items``, one list per micro-batch
-                (``PairSampler.next_step()``).
+                (``ItemSampler.next_step()``).
         """
         raise NotImplementedError
 

@@ -14,7 +14,7 @@ What is cut and what is not:
   all the context-parallel attention reads (``models.context_attention``). A scored token's
   label is its ``target_ids`` entry, so a chunk's last token still scores the next token when
   that token sits on another rank. ``position_ids`` travel with their tokens, so RoPE rotates
-  every token by its position in its sequence (``models.gpt.DPOGPTModel`` reads per-token
+  every token by its position in its sequence (``models.gpt.ScoringGPTModel`` reads per-token
   positions; a shared pair's rejected positions keep continuing after the prompt).
 * ``output_index`` / ``target_ids`` and the targets' ``score_index`` [n] -> [n_r]: only the
   scored tokens this rank holds, with ``output_index`` renumbered into the [R * L / CP] local

@@ -35,12 +35,12 @@ class KLReferencePoint:
     (``BatchBuilder.computing``)."""
 
     sides = ("rejected",)
-    """The sequences `pair_values` reads (``data.batch.SIDES``: the KL completions)."""
+    """The sequences `item_values` reads (``data.batch.SIDES``: the KL completions)."""
 
     def __init__(self) -> None:
         self.kl = 0.0
 
-    def pair_values(
+    def item_values(
         self,
         policy_logps: Tensor,
         policy_kl_logps: Tensor,

@@ -370,7 +370,7 @@ class LossFunction:
         this step: a training step (``training``) of a loss with a step statistic."""
         return training and self._statistic_component is not None
 
-    def pair_statistics(self, scores: SequenceScores) -> Tensor:
+    def item_statistics(self, scores: SequenceScores) -> Tensor:
         """[B] detached per-item values of one micro-batch for the step statistic.
 
         Args: as `__call__` (rows [2B, S]: a pair's chosen then rejected, or an unpaired
@@ -385,7 +385,7 @@ class LossFunction:
             else:  # reference_free: an implicit reference with log-prob 0
                 reference = torch.zeros_like(policy[:, 0])
             reference_first, reference_second = split_pairs(reference)
-            return self._statistic_component.state.pair_values(
+            return self._statistic_component.state.item_values(
                 policy_first, policy_second, reference_first, reference_second
             )
 

@@ -61,14 +61,14 @@ class LossState(Protocol):
 class StepStatistic(Protocol):
     """A loss state whose loss needs a statistic of the whole step's batch before any gradient.
 
-    The engine calls, per training step: `pair_values` on every micro-batch of a forward-only policy
+    The engine calls, per training step: `item_values` on every micro-batch of a forward-only policy
     pass (after the reference pass); then `begin_step` once on every rank with the values of all
     pairs of the global batch; then the loss function of each micro-batch with the per-pair slice of
     what `begin_step` returned. The statistic thus never depends on micro-batch size, data-parallel
     size or pipeline layout. Evaluation steps call the loss with the state's `loss_kwargs()` only.
     """
 
-    def pair_values(
+    def item_values(
         self,
         policy_chosen_logps,
         policy_rejected_logps,
@@ -78,7 +78,7 @@ class StepStatistic(Protocol):
         """[B] detached per-pair values the statistic is computed from."""
 
     sides: tuple[str, ...]
-    """Optional: the sequences `pair_values` reads ("chosen", "rejected"); both when absent. The
+    """Optional: the sequences `item_values` reads ("chosen", "rejected"); both when absent. The
     engine's statistic pass computes only these (`LossFunction.statistic_sides`)."""
 
     def begin_step(
@@ -87,7 +87,7 @@ class StepStatistic(Protocol):
         """Statistic of the global batch -> (scalar runtime kwargs, per-pair runtime kwargs [N]).
 
         Args:
-            values: [N] float64 `pair_values` of every pair of the step, all ranks together.
+            values: [N] float64 `item_values` of every pair of the step, all ranks together.
             keys: [N] int64 a layout-independent key per pair (its dataset index), so that any
                 randomness can be drawn in an order that does not depend on the layout.
             training: False for an evaluation step (state must then not change).

@@ -62,7 +62,7 @@ class BetaDPOStatistics:
         self.margin_std = 0.0
         self.steps = 0
 
-    def pair_values(
+    def item_values(
         self,
         policy_chosen_logps: Tensor,
         policy_rejected_logps: Tensor,

@@ -8,7 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "ModelConfig": "dpo_megatron.models.config",
-    "DPOGPTModel": "dpo_megatron.models.gpt",
+    "ScoringGPTModel": "dpo_megatron.models.gpt",
     "build_model_chunks": "dpo_megatron.models.gpt",
     "build_transformer_config": "dpo_megatron.models.transformer_config",
     "export_hf": "dpo_megatron.models.conversion",
@@ -17,7 +17,7 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "DPOGPTModel",
+    "ScoringGPTModel",
     "ModelConfig",
     "build_model_chunks",
     "build_transformer_config",

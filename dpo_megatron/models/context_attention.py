@@ -233,7 +233,7 @@ class ContextParallelAttention(DotProductAttention):
 
     Same inputs and output as megatron-core's ``DotProductAttention`` (query [sq, b, np, hn], key
     / value [sq, b, ng, hn] with sq = L / CP -> context [sq, b, np * hn]); ``attention_mask`` is
-    :func:`context_parallel_coordinates`' tensor, built once per forward by ``DPOGPTModel``. No
+    :func:`context_parallel_coordinates`' tensor, built once per forward by ``ScoringGPTModel``. No
     attention dropout (the engine's dropout is 0), softmax offsets or sliding windows.
     """
 

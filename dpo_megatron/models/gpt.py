@@ -41,7 +41,7 @@ from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.parallel.device import get_device, is_cuda, is_host
 
 
-class DPOGPTModel(GPTModel):
+class ScoringGPTModel(GPTModel):
     """``GPTModel`` whose forward also takes what a DPO micro-batch carries
     (``dpo_megatron.data.batch.MicroBatch``):
 
@@ -284,14 +284,14 @@ def lm_head_is_fused(setting: Optional[bool]) -> bool:
     return not is_host()
 
 
-def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPOGPTModel]:
+def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[ScoringGPTModel]:
     """This rank's model chunks (one, or one per virtual pipeline stage), randomly initialised,
     every parameter and buffer on the engine's device (``dpo_megatron.parallel.device``) in the
     model dtype (:func:`place_chunk`).
 
     Requires megatron-core's parallel state (``dpo_megatron.parallel.initialize_distributed``).
     Outputs of each chunk's forward on the last stage are vocab-parallel logits
-    (``DPOGPTModel``; fp32 on CPU, the model dtype on GPU), or with ``model.head=reward``
+    (``ScoringGPTModel``; fp32 on CPU, the model dtype on GPU), or with ``model.head=reward``
     rewards (the LM head replaced by ``models.reward_head``; embeddings never tied to it).
     """
     from dpo_megatron.compat import frozen_linear_fold
@@ -317,7 +317,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunk = DPOGPTModel(
+        chunk = ScoringGPTModel(
             config=config,
             transformer_layer_spec=layer_spec(model, config, stage),
             vocab_size=vocab,
@@ -354,7 +354,7 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[DPO
                 else yarn_rotary(model, model.qk_rope_head_dim, config.use_cpu_initialization)
             )
         elif model.rope_yarn_factor is not None:
-            # gpt-oss: the layers rotate by the YaRN table (DPOGPTModel._rotary_per_row); its
+            # gpt-oss: the layers rotate by the YaRN table (ScoringGPTModel._rotary_per_row); its
             # cos / sin scale is in the softmax scale (transformer_config.attention_fields).
             chunk.rotary_pos_emb = yarn_rotary(
                 model, config.kv_channels, config.use_cpu_initialization
@@ -441,7 +441,7 @@ def _enable_moe_patches(model: ModelConfig) -> None:
         moe_expert_fc2_bias.enable()
 
 
-def _mask_vocab_padding(chunk: DPOGPTModel, vocab_size: int, padded: int) -> None:
+def _mask_vocab_padding(chunk: ScoringGPTModel, vocab_size: int, padded: int) -> None:
     """Give the padding columns of the vocabulary a logit of -inf.
 
     Padding rows of the output weight are zero, so without this every padding id would get logit

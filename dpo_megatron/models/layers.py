@@ -163,7 +163,7 @@ class PostNormTransformerLayer(TransformerLayer):
 class LayerTypeRope:
     """Two RoPE tables for one forward: ``full`` for full-attention layers, ``local`` for the
     sliding-window layers (Gemma 3 rotates them with another theta and no scaling). Each is
-    megatron-core's [L, R, 1, dim] table (``models.gpt.DPOGPTModel``)."""
+    megatron-core's [L, R, 1, dim] table (``models.gpt.ScoringGPTModel``)."""
 
     full: torch.Tensor
     local: torch.Tensor

@@ -4,7 +4,7 @@ local core attention only.
 
 megatron-core's MLA builds its own RoPE table for positions 0..L-1 of every row and refuses a
 ``rotary_pos_emb`` argument. This engine's rows restart positions at every packed sequence, so
-the model (``models.gpt.DPOGPTModel``) passes the table of each row's positions, [L, R, 1, rope
+the model (``models.gpt.ScoringGPTModel``) passes the table of each row's positions, [L, R, 1, rope
 dims], as for every other architecture; :class:`DPOMLASelfAttention` gives it to megatron-core's
 query/key computation in place of its own table (:class:`GivenRotary`). megatron-core applies it
 with its MLA rule: the rotated dimensions are de-interleaved first (``x[0::2]`` then
@@ -79,7 +79,7 @@ class DPOMLASelfAttention(MLASelfAttention):
         if not isinstance(rotary_pos_emb, torch.Tensor):
             raise ValueError(
                 "DPOMLASelfAttention needs the per-row RoPE table as rotary_pos_emb "
-                "(models.gpt.DPOGPTModel builds it)"
+                "(models.gpt.ScoringGPTModel builds it)"
             )
         self.rotary_pos_emb.table = rotary_pos_emb
         try:

@@ -64,7 +64,7 @@ def megatron_aux_loss_coeff(model: ModelConfig) -> float:
 
 class DPOTopKRouter(TopKRouter):
     """megatron-core's ``TopKRouter`` whose load-balancing loss is attached with weight
-    :attr:`aux_loss_weight` (the micro-batch's pairs; set by ``DPOGPTModel.forward``) instead of
+    :attr:`aux_loss_weight` (the micro-batch's pairs; set by ``ScoringGPTModel.forward``) instead of
     the micro-batch's local token count. Routing itself is unchanged (softmax, top-k, optional
     renormalisation).
     """

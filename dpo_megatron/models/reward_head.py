@@ -3,7 +3,7 @@
 each sequence's last token, on the last pipeline stage, in place of the LM head.
 
 The head is replicated over the tensor-parallel group: its input is the whole hidden vector on
-every TP rank (``DPOGPTModel._scored_hidden`` gathers it along the sequence first under sequence
+every TP rank (``ScoringGPTModel._scored_hidden`` gathers it along the sequence first under sequence
 parallelism), so every TP rank computes the same rewards and the same gradient for the head;
 the hidden states' gradient is then the full one on every rank, as megatron-core's replicated
 activations expect. No TP reduction is needed in either direction.
@@ -33,7 +33,7 @@ class RewardHead(torch.nn.Module):
 
 
 def attach_reward_head(chunk: torch.nn.Module) -> None:
-    """Turn a freshly built last-stage ``DPOGPTModel`` chunk into a reward model's: its LM head
+    """Turn a freshly built last-stage ``ScoringGPTModel`` chunk into a reward model's: its LM head
     (``output_layer``) is removed and a :class:`RewardHead` added as ``reward_head``. Chunks
     that are not on the last stage are left as they are.
 

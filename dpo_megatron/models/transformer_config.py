@@ -333,7 +333,7 @@ def attention_fields(model: ModelConfig, heads: int, groups: int, head_dim: int)
     With YaRN on standard attention (gpt-oss) transformers scales RoPE's cos and sin by m
     (:func:`yarn_attention_factor`), which scales every query and key by m: here the scores are
     scaled by m ** 2 instead (the layers rotate by the unscaled YaRN table,
-    ``models.gpt.DPOGPTModel``). Multi-latent attention scales itself (:func:`mla_fields`)."""
+    ``models.gpt.ScoringGPTModel``). Multi-latent attention scales itself (:func:`mla_fields`)."""
     scale = model.softmax_scale
     if model.rope_yarn_factor is not None and model.kv_lora_rank is None:
         scale = (scale or head_dim**-0.5) * yarn_attention_factor(model) ** 2

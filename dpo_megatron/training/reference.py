@@ -297,10 +297,10 @@ def _completion_values(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> li
 
 Plan = list[list[list[int]]]
 """This data-parallel rank's steps of a pass: each step a list of micro-batches, each a list of
-item indices (``PairSampler.next_step()``'s form); a step is built as one ``StepBatch``."""
+item indices (``ItemSampler.next_step()``'s form); a step is built as one ``StepBatch``."""
 
 
-def precompute_plan(run_steps: Plan, num_pairs: int, micro_batch_size: int) -> tuple[Plan, str]:
+def precompute_plan(run_steps: Plan, num_items: int, micro_batch_size: int) -> tuple[Plan, str]:
     """The precompute pass's steps on this rank, and a fingerprint of every rank's (collective
     over the data-parallel group).
 
@@ -328,7 +328,7 @@ def precompute_plan(run_steps: Plan, num_pairs: int, micro_batch_size: int) -> t
     plans: list = [None] * dp
     dist.all_gather_object(plans, run_steps, group=group)
     covered = {i for plan in plans for step in plan for mb in step for i in mb}
-    missing = [i for i in range(num_pairs) if i not in covered]
+    missing = [i for i in range(num_items) if i not in covered]
     per_rank = -(-len(missing) // dp)
     mine = missing[rank * per_rank : (rank + 1) * per_rank]
     rest = [[mine[i : i + micro_batch_size]] for i in range(0, len(mine), micro_batch_size)]

@@ -69,10 +69,10 @@ class StepOutput:
     Attributes:
         metrics: loss and the loss's metrics, each averaged over all pairs of the step across
             data-parallel ranks (e.g. ``loss``, ``rewards/margins``, ``logps/chosen``).
-        num_pairs: pairs in the step, all data-parallel ranks together.
+        num_items: pairs in the step, all data-parallel ranks together.
         grad_norm: global L2 norm of the gradient before clipping (None for forward-only).
         update_successful: False when the optimizer skipped the step (inf/NaN gradient).
-        per_pair: this data-parallel rank's per-pair values in micro-batch order ([pairs] each,
+        per_item: this data-parallel rank's per-pair values in micro-batch order ([pairs] each,
             host tensors), on the last pipeline stage only (empty elsewhere).
         aux_metrics: terms of the objective outside the preference loss, for logging: with a
             mixture-of-experts model ``moe/load_balancing_loss`` and ``moe/aux_loss`` (the
@@ -81,17 +81,17 @@ class StepOutput:
     """
 
     metrics: dict[str, float]
-    num_pairs: int
+    num_items: int
     grad_norm: Optional[float] = None
     update_successful: bool = True
-    per_pair: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_item: dict[str, torch.Tensor] = field(default_factory=dict)
     aux_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False):
     """Output of one chunk: hidden states to send on, or on the last stage the scores of the
     micro-batch's ``output_index`` positions: a language model's log-probs of its n scored
-    targets (``DPOGPTModel`` with ``target_ids``: a ``HeadLogps`` of [n] fp32 tensors, the WPO
+    targets (``ScoringGPTModel`` with ``target_ids``: a ``HeadLogps`` of [n] fp32 tensors, the WPO
     normaliser too with ``log_sum_p2``), or a reward model's [N] fp32 rewards (its targets score
     each sequence's last token, with no ``target_ids``). Prompt and padding positions are never
     projected onto the vocabulary, and the scored ones one chunk at a time. Packed rows bring
@@ -225,7 +225,7 @@ def _statistic_forward_step(loss_fn, data_iterator, model):
 
     def values(head):
         scores = SequenceScores(batch.targets, token_logps(head.token_logps, batch), reference)
-        item_values = loss_fn.pair_statistics(scores)
+        item_values = loss_fn.item_statistics(scores)
         return head.token_logps.new_zeros(()), _count(0), {"values": item_values}
 
     return model_forward(model, batch), values
@@ -244,7 +244,7 @@ def step_statistic_inputs(
     ``reference``: each micro-batch's [N, S] reference log-probs on the last stage
     (:func:`reference_logps`), None where the loss reads none.
 
-    A forward-only policy pass gives each pair's value (``loss_fn.pair_statistics``) on the last
+    A forward-only policy pass gives each pair's value (``loss_fn.item_statistics``) on the last
     stage; the values and dataset indices of every data-parallel rank are gathered (rank order),
     shared with the whole pipeline group, and every rank calls ``loss_fn.begin_step`` with them, so
     the loss's state stays identical everywhere. The cost is one extra forward of the policy.
@@ -276,7 +276,7 @@ def step_statistic_inputs(
         [v for rank_values, _ in gathered for v in rank_values], dtype=torch.float64
     )
     keys = torch.tensor([k for _, rank_keys in gathered for k in rank_keys], dtype=torch.int64)
-    scalars, per_pair = loss_fn.begin_step(values, keys, training)
+    scalars, per_item = loss_fn.begin_step(values, keys, training)
     if not last:
         return [None] * len(batch.micro_batches)
     offset = sum(
@@ -285,7 +285,7 @@ def step_statistic_inputs(
     inputs = []
     for mb in batch.micro_batches:
         sliced = {
-            k: v[offset : offset + mb.num_items].to(get_device()) for k, v in per_pair.items()
+            k: v[offset : offset + mb.num_items].to(get_device()) for k, v in per_item.items()
         }
         inputs.append(StatisticShare(dict(scalars), sliced))
         offset += mb.num_items
@@ -338,18 +338,18 @@ def reference_logps(reference, batch: StepBatch) -> list[Optional[torch.Tensor]]
     return values if values else [None] * len(batch.micro_batches)
 
 
-def _reduce_per_pair(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, int]:
-    """Per-pair values of this DP rank -> (per_pair on the host, metric means over all DP ranks,
+def _reduce_per_item(store: list[dict[str, torch.Tensor]]) -> tuple[dict, dict, int]:
+    """Per-pair values of this DP rank -> (per_item on the host, metric means over all DP ranks,
     pair count)."""
     keys = list(store[0])
-    per_pair = {k: torch.cat([d[k].reshape(-1).float() for d in store]) for k in keys}
-    count = per_pair["loss"].new_tensor(float(per_pair["loss"].numel()), dtype=torch.float64)
-    sums = torch.stack([per_pair[k].double().sum() for k in keys] + [count])
+    per_item = {k: torch.cat([d[k].reshape(-1).float() for d in store]) for k in keys}
+    count = per_item["loss"].new_tensor(float(per_item["loss"].numel()), dtype=torch.float64)
+    sums = torch.stack([per_item[k].double().sum() for k in keys] + [count])
     dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
     sums = sums.tolist()
     total = int(sums[-1])
     return (
-        {k: v.cpu() for k, v in per_pair.items()},
+        {k: v.cpu() for k, v in per_item.items()},
         {k: sums[i] / total for i, k in enumerate(keys)},
         total,
     )
@@ -398,7 +398,7 @@ def run_policy(
         )
 
 
-def dpo_forward_backward(
+def step_forward_backward(
     policy_chunks: list, reference, batch: StepBatch, loss_fn: Callable, forward_only: bool = False
 ) -> StepOutput:
     """:func:`run_policy`, then its per-pair values reduced over the data-parallel ranks.
@@ -416,9 +416,9 @@ def dpo_forward_backward(
         are left in the DDP buffers, already divided by the global pair count).
     """
     store = run_policy(policy_chunks, reference, batch, loss_fn, forward_only)
-    per_pair, metrics, count = ({}, None, 0)
+    per_item, metrics, count = ({}, None, 0)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        per_pair, metrics, count = _reduce_per_pair(store)
+        per_item, metrics, count = _reduce_per_item(store)
         metrics = loss_fn.finish_metrics(metrics, count)
     metrics, count = share_from_last_stage((metrics, count))
     aux = (
@@ -426,7 +426,7 @@ def dpo_forward_backward(
         if forward_only
         else load_balancing_metrics(policy_chunks[0].config, len(batch.micro_batches))
     )
-    return StepOutput(metrics=metrics, num_pairs=count, per_pair=per_pair, aux_metrics=aux)
+    return StepOutput(metrics=metrics, num_items=count, per_item=per_item, aux_metrics=aux)
 
 
 def step_is_finite(loss: float, policy_chunks: list) -> bool:
@@ -471,7 +471,7 @@ def train_step(
     for chunk in policy_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    out = dpo_forward_backward(policy_chunks, reference, batch, loss_fn)
+    out = step_forward_backward(policy_chunks, reference, batch, loss_fn)
     if not step_is_finite(out.metrics["loss"], policy_chunks):
         # NaN/Inf loss or gradient: no update, no scheduler step (the loop counts these).
         out.grad_norm, out.update_successful = float("nan"), False

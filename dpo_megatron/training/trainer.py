@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 
 from dpo_megatron.checkpointing.run_checkpoint import Checkpointer, RunCounters
 from dpo_megatron.checkpointing.storage import StorageError
-from dpo_megatron.data import PairSampler
+from dpo_megatron.data import ItemSampler
 from dpo_megatron.data.batch import StepBatch
 from dpo_megatron.data.builders import make_batch_builder
 from dpo_megatron.data.kinds import item_kind
@@ -182,9 +182,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # set-up
 
-    def _sampler(self, num_items: int, shuffle: bool) -> PairSampler:
-        return PairSampler(
-            num_pairs=num_items,
+    def _sampler(self, num_items: int, shuffle: bool) -> ItemSampler:
+        return ItemSampler(
+            num_items=num_items,
             global_batch_size=self.cfg.train.global_batch_size,
             micro_batch_size=self.cfg.train.micro_batch_size,
             data_parallel_rank=parallel_state.get_data_parallel_rank(),

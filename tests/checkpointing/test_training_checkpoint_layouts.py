@@ -67,7 +67,7 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
     from dpo_megatron.data.collate import PaddedPairs
     from dpo_megatron.losses import build_loss
     from dpo_megatron.models import build_model_chunks
-    from dpo_megatron.training.step import dpo_forward_backward
+    from dpo_megatron.training.step import step_forward_backward
 
     cfg = tiny_config("unused", data_file, tok_dir)
     parallel = cfg.parallel
@@ -82,12 +82,12 @@ def _eval_logps(ckpt_dir, data_file, tok_dir):
         .build(pairs, [[0, 1], [2, 3]])
         .to_device()
     )
-    out = dpo_forward_backward(
+    out = step_forward_backward(
         chunks, None, batch, build_loss({"name": "simpo"}), forward_only=True
     )
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
         return None
-    return {k: out.per_pair[k].tolist() for k in ("logps/chosen", "logps/rejected")}
+    return {k: out.per_item[k].tolist() for k in ("logps/chosen", "logps/rejected")}
 
 
 def _tp2pp2_runs(root, data_file, tok_dir, init):

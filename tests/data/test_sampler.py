@@ -1,9 +1,9 @@
-"""PairSampler: determinism, disjoint DP shards, layout independence, exact resume."""
+"""ItemSampler: determinism, disjoint DP shards, layout independence, exact resume."""
 
 import numpy as np
 import pytest
 
-from dpo_megatron.data import PairSampler
+from dpo_megatron.data import ItemSampler
 
 
 def _steps(sampler, n):
@@ -11,7 +11,7 @@ def _steps(sampler, n):
 
 
 def test_global_batches_follow_seeded_permutation_by_hand():
-    s = PairSampler(
+    s = ItemSampler(
         10,
         global_batch_size=4,
         micro_batch_size=2,
@@ -30,9 +30,9 @@ def test_global_batches_follow_seeded_permutation_by_hand():
 
 def test_dp_ranks_get_contiguous_disjoint_slices_and_layouts_agree():
     G = 8
-    single = PairSampler(20, G, 1, 0, 1, seed=3)
-    ranks = [PairSampler(20, G, 2, r, 2, seed=3) for r in range(2)]
-    four = [PairSampler(20, G, 1, r, 4, seed=3) for r in range(4)]
+    single = ItemSampler(20, G, 1, 0, 1, seed=3)
+    ranks = [ItemSampler(20, G, 2, r, 2, seed=3) for r in range(2)]
+    four = [ItemSampler(20, G, 1, r, 4, seed=3) for r in range(4)]
     for _ in range(5):  # crosses an epoch boundary (2 steps per epoch)
         whole = [m[0] for m in single.next_step()]
         per_rank = [r.next_step() for r in ranks]
@@ -43,23 +43,23 @@ def test_dp_ranks_get_contiguous_disjoint_slices_and_layouts_agree():
 
 
 def test_resume_sees_exactly_the_unseen_pairs():
-    ref = PairSampler(30, 6, 3, 1, 2, seed=11)
+    ref = ItemSampler(30, 6, 3, 1, 2, seed=11)
     expected = _steps(ref, 12)
-    run = PairSampler(30, 6, 3, 1, 2, seed=11)
+    run = ItemSampler(30, 6, 3, 1, 2, seed=11)
     first = _steps(run, 7)
     state = run.state_dict()
     assert state["epoch"] == 1 and state["step_in_epoch"] == 2
-    resumed = PairSampler(30, 6, 3, 1, 2, seed=11)
+    resumed = ItemSampler(30, 6, 3, 1, 2, seed=11)
     resumed.load_state_dict(state)
     assert first + _steps(resumed, 5) == expected
     # resuming on another layout continues the same global order
-    whole = PairSampler(30, 6, 6, 0, 1, seed=11)
+    whole = ItemSampler(30, 6, 6, 0, 1, seed=11)
     whole.load_state_dict(state)
     assert len(whole.next_step()[0]) == 6
 
 
 def test_no_shuffle_and_drop_last_false_wraps():
-    s = PairSampler(5, 2, 1, 0, 1, seed=0, shuffle=False, drop_last=False)
+    s = ItemSampler(5, 2, 1, 0, 1, seed=0, shuffle=False, drop_last=False)
     assert s.steps_per_epoch == 3
     assert _steps(s, 4) == [[[0], [1]], [[2], [3]], [[4], [0]], [[0], [1]]]
 
@@ -68,25 +68,41 @@ def test_errors():
     with pytest.raises(
         ValueError, match="not divisible by micro_batch_size=2 x data_parallel_size=3"
     ):
-        PairSampler(100, 8, 2, 0, 3, seed=0)
-    short = PairSampler(3, 4, 1, 0, 1, seed=0)  # constructing is fine (e.g. a small eval split)
+        ItemSampler(100, 8, 2, 0, 3, seed=0)
+    short = ItemSampler(3, 4, 1, 0, 1, seed=0)  # constructing is fine (e.g. a small eval split)
     assert short.steps_per_epoch == 0
-    with pytest.raises(ValueError, match="3 pairs cannot fill one global batch of 4 pairs"):
+    with pytest.raises(ValueError, match="3 items cannot fill one global batch of 4 items"):
         short.next_step()
-    s = PairSampler(10, 2, 1, 0, 1, seed=0)
+    s = ItemSampler(10, 2, 1, 0, 1, seed=0)
     with pytest.raises(ValueError, match="sampler state has seed=1"):
-        s.load_state_dict(PairSampler(10, 2, 1, 0, 1, seed=1).state_dict())
+        s.load_state_dict(ItemSampler(10, 2, 1, 0, 1, seed=1).state_dict())
 
 
 def test_epoch_steps_are_what_next_step_returns_without_moving_the_sampler():
     """The precompute pass of the reference groups the pairs as training's first epoch does:
     ``epoch_steps`` gives each step's micro-batches of this rank, and leaves the state alone."""
-    s = PairSampler(22, 6, 3, 1, 2, seed=4)
+    s = ItemSampler(22, 6, 3, 1, 2, seed=4)
     s.next_step()
     state = s.state_dict()
     plan = s.epoch_steps(0)
     assert s.state_dict() == state
-    fresh = PairSampler(22, 6, 3, 1, 2, seed=4)
+    fresh = ItemSampler(22, 6, 3, 1, 2, seed=4)
     assert plan == _steps(fresh, 3) and len(plan) == s.steps_per_epoch == 3
     assert s.epoch_steps(1) == _steps(fresh, 3)
-    assert PairSampler(3, 4, 1, 0, 1, seed=0).epoch_steps(0) == []
+    assert ItemSampler(3, 4, 1, 0, 1, seed=0).epoch_steps(0) == []
+
+
+def test_a_state_saved_under_the_old_key_num_pairs_resumes_at_its_step():
+    """Checkpoints written before the sampler counted items of any kind store ``num_pairs``: a
+    run resumed from one reads the same next batch as the uninterrupted run."""
+    straight = ItemSampler(20, 4, 2, 0, 2, seed=3)
+    for _ in range(3):
+        straight.next_step()
+    state = straight.state_dict()
+    old = {("num_pairs" if k == "num_items" else k): v for k, v in state.items()}
+    resumed = ItemSampler(20, 4, 2, 0, 2, seed=3)
+    resumed.load_state_dict(old)
+    assert resumed.state_dict() == state
+    assert resumed.next_step() == straight.next_step()
+    with pytest.raises(ValueError, match="num_items=21 but this run has num_items=20"):
+        ItemSampler(20, 4, 2, 0, 2, seed=3).load_state_dict({**old, "num_pairs": 21})

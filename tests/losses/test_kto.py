@@ -72,7 +72,7 @@ def test_kl_reference_point_is_the_clamped_global_mean():
     token_logps, loss_mask = token_batch(pairs=3)
     reference = token_logps * 0.5
     desirable = torch.tensor([1.0, 0.0, 1.0])
-    values = loss_fn.pair_statistics(unpaired_scores(token_logps, reference, loss_mask, desirable))
+    values = loss_fn.item_statistics(unpaired_scores(token_logps, reference, loss_mask, desirable))
     sums = (token_logps * loss_mask).sum(-1)
     torch.testing.assert_close(values, 0.5 * sums[3:], rtol=0, atol=1e-12)  # the mismatched rows
     assert loss_fn.begin_step(values, torch.arange(3), True) == ({"kl": 0.0}, {})  # negative -> 0

@@ -16,7 +16,7 @@ MARGINS = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
 
 def test_first_step_by_hand():
     loss_fn = build_loss({"name": "beta_dpo"})
-    scalars, per_pair = loss_fn.begin_step(MARGINS, torch.arange(5), training=True)
+    scalars, per_item = loss_fn.begin_step(MARGINS, torch.arange(5), training=True)
     state = loss_fn.components[0].state
     # M_0 = 0.1 * mean 2 = 0.2; sigma = 0.1 * unbiased std sqrt(2.5).
     assert state.margin_mean == pytest.approx(0.2, abs=1e-15)
@@ -24,7 +24,7 @@ def test_first_step_by_hand():
     # K = floor(5 * 0.8) = 4. The weights exp(-(M - 0.2)^2 / (2 sigma^2)) are e^-6.4, e^-12.8, ...
     # for M = 0, 1, ...: the margin 4 has log-weight -289 against -64 or more: it is the one left
     # out.
-    assert per_pair["pair_weights"].tolist() == [1.25, 1.25, 1.25, 1.25, 0.0]
+    assert per_item["pair_weights"].tolist() == [1.25, 1.25, 1.25, 1.25, 0.0]
     # beta = 0.1 (1 + 0.6 (mean(0, 1, 2, 3) - 0.2)) = 0.178
     assert scalars["batch_beta"] == pytest.approx(0.178, abs=1e-15)
 
@@ -34,11 +34,11 @@ def test_moving_averages_over_steps_and_checkpoint_state():
         {"name": "beta_dpo", "beta_dpo_momentum": 0.5, "beta_dpo_filter_ratio": 0.0}
     )
     loss_fn.begin_step(MARGINS, torch.arange(5), training=True)
-    scalars, per_pair = loss_fn.begin_step(MARGINS + 2.0, torch.arange(5), training=True)
+    scalars, per_item = loss_fn.begin_step(MARGINS + 2.0, torch.arange(5), training=True)
     state = loss_fn.components[0].state
     assert state.margin_mean == pytest.approx(0.5 * 1.0 + 0.5 * 4.0)  # M_0 = 1 after step 1
     assert state.margin_std == pytest.approx(0.75 * math.sqrt(2.5))
-    assert per_pair["pair_weights"].tolist() == [1.0] * 5  # rho = 0 keeps every pair
+    assert per_item["pair_weights"].tolist() == [1.0] * 5  # rho = 0 keeps every pair
     assert scalars["batch_beta"] == pytest.approx(0.1 * (1 + 0.6 * (4.0 - 2.5)))
     restored = build_loss(
         {"name": "beta_dpo", "beta_dpo_momentum": 0.5, "beta_dpo_filter_ratio": 0.0}
@@ -70,12 +70,12 @@ def test_the_draw_depends_on_the_pairs_not_on_their_order():
         torch.tensor([3, 0, 6, 1, 4, 7, 2, 5]),
     ):
         loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.5})
-        scalars, per_pair = loss_fn.begin_step(
+        scalars, per_item = loss_fn.begin_step(
             torch.zeros(8, dtype=torch.float64), keys[perm], training=True
         )
         assert scalars["batch_beta"] == 0.1  # every margin equals M_0 = 0
-        kept.append(sorted(keys[perm][per_pair["pair_weights"] > 0].tolist()))
-        assert per_pair["pair_weights"].sum().item() == 8.0  # N/K per kept pair: the mean over kept
+        kept.append(sorted(keys[perm][per_item["pair_weights"] > 0].tolist()))
+        assert per_item["pair_weights"].sum().item() == 8.0  # N/K per kept pair: the mean over kept
     assert kept[0] == kept[1] == kept[2] and len(kept[0]) == 4
     # Successive steps draw afresh.
     loss_fn = build_loss({"name": "beta_dpo", "beta_dpo_filter_ratio": 0.5})
@@ -93,10 +93,10 @@ def test_the_draw_depends_on_the_pairs_not_on_their_order():
 def test_step_zero_mean_over_kept_pairs_is_ln2():
     token_logps, loss_mask = token_batch(pairs=3)
     loss_fn = build_loss({"name": "beta_dpo"})
-    values = loss_fn.pair_statistics(pair_scores(token_logps, token_logps.clone(), loss_mask))
+    values = loss_fn.item_statistics(pair_scores(token_logps, token_logps.clone(), loss_mask))
     assert values.tolist() == [0.0, 0.0, 0.0]
-    scalars, per_pair = loss_fn.begin_step(values, torch.arange(3), training=True)
-    share = StatisticShare(scalars, per_pair)
+    scalars, per_item = loss_fn.begin_step(values, torch.arange(3), training=True)
+    share = StatisticShare(scalars, per_item)
     losses, metrics = loss_fn(
         pair_scores(token_logps, token_logps.clone(), loss_mask, statistic=share)
     )
@@ -115,7 +115,7 @@ def test_pair_statistics_are_the_log_ratio_margins():
     token_logps, loss_mask = token_batch(pairs=3)
     reference = token_logps * 0.5
     loss_fn = build_loss({"name": "beta_dpo"})
-    values = loss_fn.pair_statistics(pair_scores(token_logps, reference, loss_mask))
+    values = loss_fn.item_statistics(pair_scores(token_logps, reference, loss_mask))
     sums = (token_logps * loss_mask).sum(-1)
     expected = 0.5 * (sums[:3] - sums[3:])  # h_w - h_l with h = 0.5 * policy
     torch.testing.assert_close(values, expected, rtol=0, atol=1e-12)

@@ -359,7 +359,7 @@ def test_auto_resolves_by_device():
 def _kernel_logps(settings):
     """Forward-only per-pair log-probs of the same model and pairs for each (kernel, batch form)
     or (kernel, batch form, "sinks"): the model with attention sinks (gpt-oss's)."""
-    from dpo_megatron.training.step import dpo_forward_backward
+    from dpo_megatron.training.step import step_forward_backward
 
     pairs = random_pairs(4, 9, lambda i: (3 + 2 * i, 2 + (3 * i) % 5, 4 - i % 3))
     out = {}
@@ -373,7 +373,7 @@ def _kernel_logps(settings):
             packing=form != "padded",
             share_prompt=form == "shared",
         )
-        step = dpo_forward_backward(
+        step = step_forward_backward(
             trainer.policy,
             trainer.reference,
             trainer.next_batch(),
@@ -381,7 +381,7 @@ def _kernel_logps(settings):
             forward_only=True,
         )
         out[(kernel, form, *sinks)] = {
-            k: step.per_pair[k].tolist() for k in ("logps/chosen", "logps/rejected")
+            k: step.per_item[k].tolist() for k in ("logps/chosen", "logps/rejected")
         }
     return out
 
@@ -412,7 +412,7 @@ def test_every_kernel_gives_the_sdpa_log_probs():
 
 def _count_sdpa_calls(form):
     """SDPA calls of one forward-only step (policy and reference, 2 layers, 2 micro-batches)."""
-    from dpo_megatron.training.step import dpo_forward_backward
+    from dpo_megatron.training.step import step_forward_backward
 
     calls = []
     real = F.scaled_dot_product_attention
@@ -434,7 +434,7 @@ def _count_sdpa_calls(form):
     batch = trainer.next_batch()
     F.scaled_dot_product_attention = spy
     try:
-        dpo_forward_backward(
+        step_forward_backward(
             trainer.policy, trainer.reference, batch, trainer.loss_fn, forward_only=True
         )
     finally:

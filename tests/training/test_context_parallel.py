@@ -67,7 +67,7 @@ def _per_pair(results, step, key):
     owners = sorted(
         (r for r in results if r["owner"] and r["cp_rank"] == 0), key=lambda r: r["dp_rank"]
     )
-    return [v for r in owners for v in r["history"][step]["per_pair"][key]]
+    return [v for r in owners for v in r["history"][step]["per_item"][key]]
 
 
 def _rel(a, b):

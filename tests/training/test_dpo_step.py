@@ -61,7 +61,7 @@ def _run_layout(ckpt_dir, tp, pp, sp, micro_batch_size, vpp=None, steps=2, loss=
 def _per_pair(results, step, key):
     """Stitch the per-pair values of every DP rank back into global pair order."""
     owners = sorted((r for r in results if r["owner"]), key=lambda r: r["dp_rank"])
-    return [v for r in owners for v in r["history"][step]["per_pair"][key]]
+    return [v for r in owners for v in r["history"][step]["per_item"][key]]
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +136,12 @@ def test_micro_batch_size_and_accumulation_do_not_change_loss_or_gradient(
 def test_loss_is_the_mean_over_global_pairs(baseline):
     """The reported loss equals the mean of the per-pair losses (hand reduction)."""
     step1 = baseline[0]["history"][1]
-    per_pair = step1["per_pair"]["loss"]
-    assert len(per_pair) == GLOBAL_PAIRS
-    assert _rel(step1["metrics"]["loss"], sum(per_pair) / GLOBAL_PAIRS) < 1e-6
+    per_item = step1["per_item"]["loss"]
+    assert len(per_item) == GLOBAL_PAIRS
+    assert _rel(step1["metrics"]["loss"], sum(per_item) / GLOBAL_PAIRS) < 1e-6
     margins = [
         c - r
-        for c, r in zip(step1["per_pair"]["rewards/chosen"], step1["per_pair"]["rewards/rejected"])
+        for c, r in zip(step1["per_item"]["rewards/chosen"], step1["per_item"]["rewards/rejected"])
     ]
-    for m, loss in zip(margins, per_pair):  # sigmoid DPO: -log sigmoid(margin)
+    for m, loss in zip(margins, per_item):  # sigmoid DPO: -log sigmoid(margin)
         assert abs(loss - math.log1p(math.exp(-m))) < 1e-5

@@ -34,7 +34,7 @@ def _evaluate_all(ckpt_dir, tp, pp):
     from dpo_megatron.data.collate import PaddedPairs
     from dpo_megatron.data.pairs import UnpairedPair
     from dpo_megatron.losses import build_loss
-    from dpo_megatron.training.step import dpo_forward_backward
+    from dpo_megatron.training.step import step_forward_backward
 
     # The real trainer's policy and reference (loaded, resharded, DDP-wrapped); every loss then
     # evaluates the same device batch through the engine's step.
@@ -53,7 +53,7 @@ def _evaluate_all(ckpt_dir, tp, pp):
         loss_fn = build_loss(cfg)
         if loss_fn.item_kind == "sft":  # chosen rows only
             continue
-        result = dpo_forward_backward(
+        result = step_forward_backward(
             trainer.policy,
             trainer.reference,
             (unpaired if loss_fn.unpaired else batch).to_device(),

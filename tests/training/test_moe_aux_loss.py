@@ -35,7 +35,7 @@ def _router_gradients(hf_dir):
     """One forward-backward of the same step with coefficient COEFF and 0: ([(tokens [R, L],
     padding mask [R, L]) per micro-batch], reported metrics at COEFF and 0, preference losses,
     router gradient difference)."""
-    from dpo_megatron.training.step import dpo_forward_backward, padding_mask
+    from dpo_megatron.training.step import padding_mask, step_forward_backward
 
     pairs = random_pairs(PAIRS, seed=3, lengths=lambda i: (4 + i, 3 + i % 2, 6 - i), vocab=128)
     runs = []
@@ -54,7 +54,7 @@ def _router_gradients(hf_dir):
         batch = trainer.next_batch()
         for chunk in trainer.policy:
             chunk.zero_grad_buffer()
-        out = dpo_forward_backward(trainer.policy, trainer.reference, batch, trainer.loss_fn)
+        out = step_forward_backward(trainer.policy, trainer.reference, batch, trainer.loss_fn)
         router = trainer.policy[0].module.decoder.layers[0].mlp.router.weight
         runs.append((out.metrics["loss"], out.aux_metrics, router.main_grad.clone()))
     (loss_c, aux_c, grad_c), (loss_0, aux_0, grad_0) = runs

@@ -191,8 +191,8 @@ def assert_same_trajectory(reference, other, logps_rtol=1e-6, loss_atol=1e-5):
     lr 1e-2, summation-order differences of 1e-7 in the layers are amplified on near-zero
     gradients, so later log-probs are compared through the loss.)"""
     for key in ("logps/chosen", "logps/rejected"):
-        want = torch.tensor(reference[0]["per_pair"][key], dtype=torch.float64)
-        got = torch.tensor(other[0]["per_pair"][key], dtype=torch.float64)
+        want = torch.tensor(reference[0]["per_item"][key], dtype=torch.float64)
+        got = torch.tensor(other[0]["per_item"][key], dtype=torch.float64)
         assert ((got - want).abs() <= logps_rtol * want.abs()).all(), (key, got, want)
     assert len(reference) == len(other)
     for step, (a, b) in enumerate(zip(reference, other)):
@@ -246,7 +246,7 @@ def _step_zero_rewards(share_prompt):
     out, batch = trainer.train_step()
     return {
         "rows": [mb.tokens.shape[0] for mb in batch.micro_batches],
-        "rewards": {k: out.per_pair[k].tolist() for k in ("rewards/chosen", "rewards/rejected")},
+        "rewards": {k: out.per_item[k].tolist() for k in ("rewards/chosen", "rewards/rejected")},
         "loss": out.metrics["loss"],
     }
 

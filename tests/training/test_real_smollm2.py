@@ -89,10 +89,10 @@ def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):
         steps=3,
         export_dir=export_dir,
     )
-    history = next(r for r in results if r[0]["per_pair"])
+    history = next(r for r in results if r[0]["per_item"])
     step0 = history[0]
     engine = torch.tensor(
-        step0["per_pair"]["logps/chosen"] + step0["per_pair"]["logps/rejected"], dtype=torch.float64
+        step0["per_item"]["logps/chosen"] + step0["per_item"]["logps/rejected"], dtype=torch.float64
     )
     expected = _hf_logps(hf_path, pairs, pad_id)
     # Sums of ~100 real completion tokens (nats): relative error < 1e-4.

@@ -26,7 +26,7 @@ LONG = PreferencePair(
 
 def _run(ckpt_dir):
     from dpo_megatron.data.collate import PaddedPairs
-    from dpo_megatron.training.step import dpo_forward_backward
+    from dpo_megatron.training.step import step_forward_backward
 
     # simpo is reference-free: only the policy's log-probs, as the real trainer builds them.
     trainer = tiny_trainer(
@@ -36,8 +36,8 @@ def _run(ckpt_dir):
 
     def logps(pairs, indices, multiple):
         batch = PaddedPairs(0, multiple).build(pairs, indices).to_device()
-        out = dpo_forward_backward(model, None, batch, trainer.loss_fn, forward_only=True)
-        return out.per_pair["logps/chosen"].tolist(), out.per_pair["logps/rejected"].tolist()
+        out = step_forward_backward(model, None, batch, trainer.loss_fn, forward_only=True)
+        return out.per_item["logps/chosen"].tolist(), out.per_item["logps/rejected"].tolist()
 
     alone = logps([PAIR], [[0]], 8)
     batched = logps([LONG, PAIR, LONG], [[0, 1], [2]], 64)  # more padding, other neighbours

@@ -179,7 +179,7 @@ def _corrupt(batch, how):
 
 def _logps_with(kernel, broken):
     from dpo_megatron.data.batch import StepBatch
-    from dpo_megatron.training.step import dpo_forward_backward
+    from dpo_megatron.training.step import step_forward_backward
 
     out = {}
     for share, how in [(False, None), (True, None)] + [(True, b) for b in broken]:
@@ -199,10 +199,10 @@ def _logps_with(kernel, broken):
                 batch.seq_length,
                 batch.real_tokens,
             )
-        step = dpo_forward_backward(
+        step = step_forward_backward(
             trainer.policy, trainer.reference, batch, trainer.loss_fn, forward_only=True
         )
-        out[how or ("shared" if share else "unshared")] = step.per_pair["logps/rejected"].tolist()
+        out[how or ("shared" if share else "unshared")] = step.per_item["logps/rejected"].tolist()
     return out
 
 
