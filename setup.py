@@ -16,7 +16,7 @@ setup(
         "datasets",
         "transformers",
         "safetensors",
-        "omegaconf",
+        "omegaconf>=2.4",  # PEP 604 unions (int | None) in structured configs
         "tensorboard",
         "numpy",
         # An online run's evaluation plot (dpo_megatron/online/evaluation.py).

@@ -32,8 +32,9 @@ import inspect
 import os
 import textwrap
 import warnings
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
-from typing import Any, Optional, Sequence, get_type_hints
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
@@ -182,7 +183,7 @@ def _file_values(config_file: str) -> dict[str, Any]:
     return out
 
 
-def list_keys(config_file: Optional[str] = None) -> str:
+def list_keys(config_file: str | None = None) -> str:
     """Every key of the tree with its type, default and documentation (valid range included),
     one block per key; ``loss.*`` keys depend on the loss (``dpo_megatron.losses``). With
     ``config_file`` (the launchers pass their default config), a key the file sets shows the
@@ -359,7 +360,7 @@ def _load_yaml(config_file: str):
     return _expand_layer(layer, config_file)
 
 
-def _layers(config_file: Optional[str], overrides: Sequence[str]) -> list[tuple[Any, str]]:
+def _layers(config_file: str | None, overrides: Sequence[str]) -> list[tuple[Any, str]]:
     """(layer, source) of the YAML file and of the command line, section scalars (presets,
     ``loss=ipo``) and ``key=`` expanded, in the order they merge."""
     layers = [(_load_yaml(config_file), config_file)] if config_file else []
@@ -371,7 +372,7 @@ def _layers(config_file: Optional[str], overrides: Sequence[str]) -> list[tuple[
     return layers
 
 
-def stated_model_keys(config_file: Optional[str], overrides: Sequence[str] = ()) -> frozenset:
+def stated_model_keys(config_file: str | None, overrides: Sequence[str] = ()) -> frozenset:
     """The ``model.*`` fields the YAML file or the command line set (a preset's included), as
     opposed to the defaults: what the user stated about the model, which a ``model.load``
     checkpoint must not silently override (``training.run_models.check_checkpoint_models``).
@@ -388,7 +389,7 @@ def stated_model_keys(config_file: Optional[str], overrides: Sequence[str] = ())
 
 
 def check_model_sources(
-    cfg: DPOConfig, config_file: Optional[str], overrides: Sequence[str] = ()
+    cfg: DPOConfig, config_file: str | None, overrides: Sequence[str] = ()
 ) -> None:
     """``model.load`` and ``checkpoint.resume`` against the model the run builds and the
     ``model.*`` keys the config states, before any checkpoint is loaded
@@ -405,7 +406,7 @@ def check_model_sources(
 
 
 def load_config(
-    config_file: Optional[str], overrides: Sequence[str] = (), check: bool = True
+    config_file: str | None, overrides: Sequence[str] = (), check: bool = True
 ) -> DPOConfig:
     """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
 
@@ -459,7 +460,7 @@ def config_from_mapping(sections: dict, check: bool = True) -> DPOConfig:
 # validation
 
 
-def data_parallel_size(cfg: DPOConfig) -> Optional[int]:
+def data_parallel_size(cfg: DPOConfig) -> int | None:
     """The data-parallel size of this job: ``parallel.data_parallel_size``, else what the
     launcher's ``WORLD_SIZE`` leaves after TP x PP, else None (not known yet)."""
     if cfg.parallel.data_parallel_size is not None:
@@ -628,7 +629,7 @@ def _validate_reward_model(cfg: DPOConfig) -> None:
             )
 
 
-def validate_online_config(cfg: DPOConfig, world_size: Optional[int] = None) -> None:
+def validate_online_config(cfg: DPOConfig, world_size: int | None = None) -> None:
     """An online run's config: everything :func:`validate` checks of a training run, then the
     rules that span ``online.*`` and the rest (``online.checks.validate_online``; with
     ``world_size``, both layouts against it). An online run trains on its own pairs: ``data.*``
@@ -754,7 +755,7 @@ def prepare_data(cfg: DPOConfig) -> bool:
     return True
 
 
-def predicted_memory_warning(cfg: DPOConfig, cluster=None) -> Optional[str]:
+def predicted_memory_warning(cfg: DPOConfig, cluster=None) -> str | None:
     """On a CUDA launch (or for ``cluster``), one line when the layout planner predicts more
     memory per GPU than the device has (``planning.from_config.memory_warning``); None otherwise.
     A warning, not a refusal: the prediction is an estimate."""

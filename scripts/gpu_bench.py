@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -110,7 +110,7 @@ def run_config(
     cache_dir: str = "",
     context_parallel_size: int = 1,
     distributed_optimizer: bool = True,
-    extra: Optional[dict[str, dict[str, Any]]] = None,
+    extra: dict[str, dict[str, Any]] | None = None,
 ):
     """The engine's config for a one-replica run on pairs given directly (no tokenizer): sigmoid
     DPO (beta 0.1), constant LR, pairs in order, no checkpoints or TensorBoard unless ``extra``
@@ -191,7 +191,7 @@ def bench_config(args, shape: dict, cuda: bool):
     )
 
 
-def peak_tflops(name: str, override: float = 0.0) -> tuple[Optional[float], str]:
+def peak_tflops(name: str, override: float = 0.0) -> tuple[float | None, str]:
     """The dense bf16 peak of the GPU ``torch.cuda.get_device_name()`` calls ``name``
     (``dpo_megatron.planning.hardware``: exact per board, never by substring: ``NVIDIA H100
     PCIe`` is 756.5, ``NVIDIA H100 80GB HBM3`` (SXM) 989.4).

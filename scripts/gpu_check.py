@@ -55,9 +55,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 for _path in (REPO, REPO / "scripts"):
@@ -259,7 +260,7 @@ def cpu_baseline(settings: dict, arch: str) -> dict:
 
 
 def device_step(
-    settings: dict, baseline: Optional[dict], arch: str, dtype: str, tolerance: float, **options
+    settings: dict, baseline: dict | None, arch: str, dtype: str, tolerance: float, **options
 ) -> dict:
     """One step on the device from the baseline's weights: ln 2 at step 0 and the log-probs
     within ``tolerance`` (relative) of the CPU baseline's. ``options``: :func:`engine_run`'s."""
@@ -295,7 +296,7 @@ def device_step(
     }
 
 
-def check_lora(settings: dict, baseline: Optional[dict]) -> dict:
+def check_lora(settings: dict, baseline: dict | None) -> dict:
     """LoRA in bf16: step 0 is the base model (B = 0), step 1 has moved the adapters."""
     record = device_step(
         settings, baseline, "llama", "bfloat16", BF16_REL, lora=True, steps=2, lr=1e-3
@@ -307,7 +308,7 @@ def check_lora(settings: dict, baseline: Optional[dict]) -> dict:
     return record
 
 
-def check_flex(settings: dict, baseline: Optional[dict]) -> dict:
+def check_flex(settings: dict, baseline: dict | None) -> dict:
     """The engine's FlexAttention kernel on one packed shared-prompt micro-batch (GQA, bf16)
     against the dense visibility rule in fp32: outputs, and on CUDA the gradients of q, k, v
     (torch has no FlexAttention backward on the CPU: forward only there)."""
@@ -366,7 +367,7 @@ def check_flex(settings: dict, baseline: Optional[dict]) -> dict:
     return {"pass": ok, "line": line + f" (<= {FLEX_REL:g})", **numbers}
 
 
-def check_resume(settings: dict, baseline: Optional[dict]) -> dict:
+def check_resume(settings: dict, baseline: dict | None) -> dict:
     """bf16: 4 steps straight vs 2 steps + checkpoint + resume for 2 (same losses, grad norms)."""
     common = dict(
         backend=settings["backend"], dtype="bfloat16", load=baseline["init"] if baseline else ""
@@ -464,11 +465,11 @@ def check_bench(settings: dict, share_prompt: bool) -> dict:
     }
 
 
-def injected(kind: str) -> Callable[[dict, Optional[dict]], dict]:
+def injected(kind: str) -> Callable[[dict, dict | None], dict]:
     """A check that fails on purpose (``--inject``): ``raise`` an exception, ``exit`` the worker
     (as a CUDA abort would), or ``hang`` past its time-out."""
 
-    def run(settings: dict, baseline: Optional[dict]) -> dict:
+    def run(settings: dict, baseline: dict | None) -> dict:
         if kind == "raise":
             raise RuntimeError("injected failure (--inject raise)")
         if kind == "exit":
@@ -488,8 +489,8 @@ class Check:
     name: str
     role: str
     cap_s: float
-    run: Callable[[dict, Optional[dict]], dict]
-    baseline: Optional[str] = None
+    run: Callable[[dict, dict | None], dict]
+    baseline: str | None = None
 
 
 CHECKS: tuple[Check, ...] = (
@@ -545,7 +546,7 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-def plan(names: Optional[list[str]], injections: list[str], inject_cap: float) -> list[Check]:
+def plan(names: list[str] | None, injections: list[str], inject_cap: float) -> list[Check]:
     """The checks to run, in order: ``names`` (None: all) plus the ``KIND@POS`` injections.
 
     Raises:
@@ -840,7 +841,7 @@ def run_checks(
             worker.kill()
 
 
-def _version(package: str) -> Optional[str]:
+def _version(package: str) -> str | None:
     from importlib import metadata
 
     try:

@@ -13,7 +13,8 @@ batch builder, reference source, optimizer, checkpointer. Only the data is given
 from __future__ import annotations
 
 import tempfile
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 VOCAB = 256
 
@@ -43,16 +44,16 @@ def engine_config(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
-    vpp: Optional[int] = None,
+    vpp: int | None = None,
     sp: bool = False,
     ep: int = 1,
-    etp: Optional[int] = None,
+    etp: int | None = None,
     micro_batch_size: int = 1,
     global_batch_size: int = 4,
     steps: int = 2,
     lr: float = 1e-3,
-    loss: Optional[dict] = None,
-    model: Optional[dict] = None,
+    loss: dict | None = None,
+    model: dict | None = None,
     load: str = "",
     packing: bool = False,
     bucket_by_length: bool = False,
@@ -61,7 +62,7 @@ def engine_config(
     reference_mode: str = "model",
     offload: bool = False,
     cache_dir: str = "",
-    run_dir: Optional[str] = None,
+    run_dir: str | None = None,
     seed: int = 1234,
     resume: str = "none",
     save_interval: int = 0,

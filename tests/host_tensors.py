@@ -34,7 +34,8 @@ Usage (inside a rank, before anything is built)::
 from __future__ import annotations
 
 import traceback
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ _OBJECT_COLLECTIVES = (
 )
 
 
-def _is_device_name(device: Any) -> Optional[bool]:
+def _is_device_name(device: Any) -> bool | None:
     """True for the engine's device or CUDA, False for a plain host device, None if absent."""
     if device is None:
         return None
@@ -149,13 +150,13 @@ class HostTensorCheck(TorchFunctionMode):
 
     # -- tags -----------------------------------------------------------------------------------
 
-    def kind(self, t: torch.Tensor) -> Optional[str]:
+    def kind(self, t: torch.Tensor) -> str | None:
         tag = self.where.get(t)
         if tag is None and isinstance(t, torch.nn.Parameter):
             return DEVICE
         return tag
 
-    def _tag(self, out: Any, kind: Optional[str]) -> None:
+    def _tag(self, out: Any, kind: str | None) -> None:
         if kind is None:
             return
         for t in tree_flatten(out)[0]:
@@ -210,7 +211,7 @@ class HostTensorCheck(TorchFunctionMode):
                 f"{[tuple(t.shape) for t in host]}"
             )
 
-    def _output_kind(self, func, args, kwargs, kinds) -> Optional[str]:
+    def _output_kind(self, func, args, kwargs, kinds) -> str | None:
         if func in _FACTORIES or func in _NEW:
             named = _is_device_name(kwargs.get("device"))
             if named is None and func in _NEW:

@@ -17,7 +17,8 @@ import os
 import pickle
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dpo_megatron.parallel.layout import free_port
 

@@ -57,7 +57,8 @@ import copy
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -470,7 +471,7 @@ class StrictDevice:
 
         return run
 
-    def __enter__(self) -> "StrictDevice":
+    def __enter__(self) -> StrictDevice:
         global _CROSS_DEVICE_DATA
         install()
         if _CROSS_DEVICE_DATA is None:

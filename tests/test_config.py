@@ -314,7 +314,7 @@ def test_list_keys_and_print_config(capsys, tmp_path):
         "train.log_interval (int, default 1)\n"
         "    Steps between log lines / TensorBoard points (>= 1)." in text
     )
-    assert "parallel.data_parallel_size (Optional[int], default None)" in text
+    assert "parallel.data_parallel_size (int | None, default None)" in text
     main(["--list-keys"])
     assert "checkpoint.save_interval (int, default 0)" in capsys.readouterr().out
     main(["--print-config", "loss=ipo"] + BASE)

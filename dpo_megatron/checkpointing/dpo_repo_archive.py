@@ -18,7 +18,7 @@ That repo saves the policy as ``torch.save({"step_idx": int, "state": <HF state_
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -85,7 +85,7 @@ def load_policy_archive(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
 
 
 def save_policy_archive(
-    path: str, state: dict[str, torch.Tensor], step_idx: int, metrics: Optional[dict] = None
+    path: str, state: dict[str, torch.Tensor], step_idx: int, metrics: dict | None = None
 ) -> str:
     """Write ``state`` (HF names -> tensors) as the reference repo does; returns ``path``."""
     with atomic_file(path) as tmp:  # a reader never sees half a file
@@ -101,7 +101,7 @@ def save_policy_archive(
 
 
 def archive_to_hf_folder(
-    archive: str, base: str, out_dir: str, tokenizer: Optional[str] = None
+    archive: str, base: str, out_dir: str, tokenizer: str | None = None
 ) -> str:
     """A Hugging Face folder holding ``base``'s architecture (config.json) and tokenizer with the
     archive's weights, written with the model's own ``save_pretrained``.
@@ -151,9 +151,7 @@ def archive_to_hf_folder(
     return out_dir
 
 
-def hf_folder_to_archive(
-    hf_dir: str, path: str, step_idx: int, metrics: Optional[dict] = None
-) -> str:
+def hf_folder_to_archive(hf_dir: str, path: str, step_idx: int, metrics: dict | None = None) -> str:
     """Write the weights of the HF folder ``hf_dir`` as a reference-repo ``policy.pt``."""
     from transformers import AutoModelForCausalLM
 

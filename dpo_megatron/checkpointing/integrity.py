@@ -39,7 +39,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -127,7 +127,7 @@ def write_manifest(folder: str) -> dict:
     return manifest
 
 
-def read_manifest(folder: str) -> Optional[dict]:
+def read_manifest(folder: str) -> dict | None:
     """The manifest of a checkpoint, or None when it has none (saved before checksums existed).
 
     Raises:
@@ -216,7 +216,7 @@ def verify_checkpoint(folder: str) -> Verification:
     )
 
 
-def _manifest_and_listing(folder: str) -> tuple[Optional[dict], list[str]]:
+def _manifest_and_listing(folder: str) -> tuple[dict | None, list[str]]:
     try:
         manifest = read_manifest(folder)
     except CheckpointIntegrityError as e:
@@ -297,7 +297,7 @@ def read_dcp_metadata(folder: str):
         ) from None
 
 
-def load_weights_only(path: str, what: Optional[str] = None):
+def load_weights_only(path: str, what: str | None = None):
     """``torch.load(path, weights_only=True)`` on the CPU, with an error naming the file.
 
     Raises:
@@ -324,7 +324,7 @@ def _refusal_reason(e: BaseException) -> str:
     return (named or lines or [type(e).__name__])[0][:200]
 
 
-def _weights_only_problem(data: bytes) -> Optional[str]:
+def _weights_only_problem(data: bytes) -> str | None:
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

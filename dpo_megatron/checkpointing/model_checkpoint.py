@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 import torch
 
@@ -93,7 +92,7 @@ def save_sharded(state: dict, folder: str) -> None:
 
 
 def save_model_checkpoint(
-    chunks: list[torch.nn.Module], ckpt_dir: str, model_cfg: Optional[ModelConfig] = None
+    chunks: list[torch.nn.Module], ckpt_dir: str, model_cfg: ModelConfig | None = None
 ) -> None:
     """Save this job's model weights as a distributed checkpoint at ``ckpt_dir`` (collective),
     atomically and with a manifest of checksums (:class:`~dpo_megatron.checkpointing.storage.
@@ -132,7 +131,7 @@ def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
     load_chunks(chunks, load_sharded(sharded, ckpt_dir))
 
 
-def load_model_config(ckpt_dir: str) -> Optional[ModelConfig]:
+def load_model_config(ckpt_dir: str) -> ModelConfig | None:
     """The ModelConfig stored with a checkpoint, or None when it was saved without one."""
     path = os.path.join(ckpt_dir, MODEL_CONFIG_FILE)
     if not os.path.isfile(path):

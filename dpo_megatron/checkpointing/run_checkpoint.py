@@ -24,7 +24,6 @@ import os
 import secrets
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError, verify_checkpoint
 from dpo_megatron.checkpointing.training_checkpoint import (
@@ -78,8 +77,8 @@ def save_run(
     use_distributed_optimizer: bool,
     keep_last_n: int,
     model_cfg=None,
-    lora: Optional[dict] = None,
-    run_id: Optional[str] = None,
+    lora: dict | None = None,
+    run_id: str | None = None,
 ) -> str:
     """Save a training checkpoint for ``counters.step`` under ``save_dir`` (collective; rank 0
     prints the save's report: size, seconds, seconds of the checksums), then delete this run's
@@ -163,7 +162,7 @@ def schedule_changes(configured: dict, saved: dict) -> dict:
     }
 
 
-def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]:
+def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> str | None:
     """A line saying the checkpoint was saved at another layout (resharded on load), or None."""
     saved = read_train_state(ckpt_dir)["layout"]
     now = current_layout(use_distributed_optimizer)
@@ -173,7 +172,7 @@ def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> Optional[str]
     return f"resharding {ckpt_dir} ({changed}); RNG states start fresh"
 
 
-def check_lora_record(ckpt_dir: str, lora: Optional[dict]) -> Optional[str]:
+def check_lora_record(ckpt_dir: str, lora: dict | None) -> str | None:
     """Whether the checkpoint's model state fits this run: both full, or both LoRA with the
     same adapters (rank, alpha, dropout, targets). Returns a note when the base weights' source
     differs (the adapters are then applied to another base), else None.
@@ -239,7 +238,7 @@ class Checkpointer:
         states: dict,
         model_config,
         use_distributed_optimizer: bool,
-        lora: Optional[dict] = None,
+        lora: dict | None = None,
     ):
         missing = {"model", "optimizer", *STATE_ENTRIES} - set(states)
         if missing:
@@ -250,14 +249,14 @@ class Checkpointer:
         self.model_config = model_config
         self.use_distributed_optimizer = use_distributed_optimizer
         self.lora = lora
-        self.last_saved_step: Optional[int] = None
-        self.run_id: Optional[str] = None
+        self.last_saved_step: int | None = None
+        self.run_id: str | None = None
         self.stop = StopRequest()
 
     # ------------------------------------------------------------------------------------------
     # resume
 
-    def resume(self) -> tuple[RunCounters, Optional[str], Optional[str]]:
+    def resume(self) -> tuple[RunCounters, str | None, str | None]:
         """Restore the checkpoint ``checkpoint.resume`` names (collective); with ``auto``, the
         newest one that verifies (skipped ones are named, with why, and renamed
         ``iter_N.corrupt``).
@@ -345,7 +344,7 @@ class Checkpointer:
 
     def after_step(
         self, counters: RunCounters, last_step: int, update_successful: bool
-    ) -> Optional[RunInterrupted]:
+    ) -> RunInterrupted | None:
         """The step boundary (collective): save when due or when a rank was signalled, unless
         the step's update was skipped. A signal that arrives during a save stops the run after
         it (the ranks agree again once it is written). Returns the :class:`RunInterrupted` to
@@ -370,7 +369,7 @@ class Checkpointer:
         _say(str(interrupted))
         return interrupted
 
-    def save(self, counters: RunCounters) -> Optional[str]:
+    def save(self, counters: RunCounters) -> str | None:
         """Save the current step (collective); returns the checkpoint folder, or None (with a
         message) when no update has been applied yet: megatron-core cannot save an optimizer
         without state, and such a checkpoint would hold the initial weights only."""
@@ -393,7 +392,7 @@ class Checkpointer:
         self.last_saved_step = counters.step
         return path
 
-    def latest(self) -> Optional[str]:
+    def latest(self) -> str | None:
         """The newest complete checkpoint of the save folder, or None."""
         return find_latest_checkpoint(self.save_dir)
 

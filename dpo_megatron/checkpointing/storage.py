@@ -27,7 +27,7 @@ import errno
 import os
 import shutil
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.exceptions import exceptions_in
@@ -65,7 +65,7 @@ def _read_only(path: str) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
-def _find_oserror(exc: BaseException) -> Optional[OSError]:
+def _find_oserror(exc: BaseException) -> OSError | None:
     """The first OSError with an errno among :func:`exceptions_in` ``exc``."""
     return next((e for e in exceptions_in(exc) if isinstance(e, OSError) and e.errno), None)
 
@@ -108,7 +108,7 @@ class CheckpointWriter:
         self.ckpt_dir = os.path.abspath(ckpt_dir)
         self.tmp = f"{self.ckpt_dir}.tmp"
         self.started = time.perf_counter()
-        self.manifest: Optional[dict] = None
+        self.manifest: dict | None = None
         """The manifest written by :meth:`commit` (None before)."""
         self.hash_seconds = 0.0
         """Wall time of the manifest phase (every rank hashing its share, then the gather)."""
@@ -118,7 +118,7 @@ class CheckpointWriter:
             error = self._prepare(total)
         self._agree(error)
 
-    def _prepare(self, needed: int) -> Optional[str]:
+    def _prepare(self, needed: int) -> str | None:
         parent = os.path.dirname(self.ckpt_dir)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -174,7 +174,7 @@ class CheckpointWriter:
             f"{time.perf_counter() - self.started:.2f} s; checksums {self.hash_seconds:.2f} s)"
         )
 
-    def _agree(self, error: Optional[str]) -> None:
+    def _agree(self, error: str | None) -> None:
         errors = ranks.agreed_errors(error)
         if not errors:
             return

@@ -35,7 +35,7 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,13 +105,13 @@ def list_checkpoints(save_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_latest_checkpoint(save_dir: str) -> Optional[str]:
+def find_latest_checkpoint(save_dir: str) -> str | None:
     """The newest complete checkpoint under ``save_dir``, or None."""
     found = list_checkpoints(save_dir)
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume: str, save_dir: str) -> Optional[str]:
+def resolve_resume(resume: str, save_dir: str) -> str | None:
     """The checkpoint a run continues from, per ``checkpoint.resume`` (before verification:
     :func:`resume_candidates` lists the fall-backs of ``auto``).
 
@@ -149,7 +149,7 @@ def resume_candidates(resume: str, save_dir: str) -> list[str]:
     return [latest]
 
 
-def checkpoint_run_id(ckpt_dir: str) -> Optional[str]:
+def checkpoint_run_id(ckpt_dir: str) -> str | None:
     """The id of the run that wrote a checkpoint (``train_state.json``), None if unreadable or
     saved before runs had ids."""
     try:
@@ -158,7 +158,7 @@ def checkpoint_run_id(ckpt_dir: str) -> Optional[str]:
         return None
 
 
-def prune_checkpoints(save_dir: str, keep_last_n: int, run_id: Optional[str] = None) -> list[str]:
+def prune_checkpoints(save_dir: str, keep_last_n: int, run_id: str | None = None) -> list[str]:
     """Delete all but the newest ``keep_last_n`` complete checkpoints *of run ``run_id``* (0:
     keep all); checkpoints of any other run, and unreadable ones, are never touched. Call on one
     rank after a save completed. Returns the deleted paths."""
@@ -344,7 +344,7 @@ def _optimizer_common(tree) -> dict:
     }
 
 
-def _adam_step(tree) -> Optional[float]:
+def _adam_step(tree) -> float | None:
     """The Adam step stored in any parameter group under ``tree`` (all groups step together)."""
     stack = [tree]
     while stack:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from dpo_megatron import config
 from dpo_megatron.cli import command
@@ -86,12 +86,12 @@ def training_checks(cfg, args) -> None:
         config.prepare_data(cfg)
 
 
-def _note(line: Optional[str]) -> None:
+def _note(line: str | None) -> None:
     if line:
         print(line, file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """The pre-check of a training run (module docstring)."""
     precheck(argv, config.validate, training_checks)
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from dpo_megatron.utils.exits import FAULT_EXIT, LAUNCHER_EXITS, USER_ERROR_EXIT, fail
 
@@ -73,7 +74,7 @@ CONFIG_STOP = Stop(("builtins.ValueError", "builtins.OSError"), "config error", 
 
 def stop_for(
     error: BaseException, config: bool = False, mistakes: tuple[type, ...] = ()
-) -> Optional[Stop]:
+) -> Stop | None:
     """The row that ends a command at ``error`` (``config``: while the config is read and
     checked; ``mistakes``: the command's own input errors, ``error:`` lines), or None: a
     traceback."""
@@ -128,7 +129,7 @@ def start(main: Callable[[], None], *, ranks: bool) -> None:
     main()
 
 
-def parser(description: str, prog: Optional[str] = None) -> argparse.ArgumentParser:
+def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
     """``--config FILE`` and dotted ``key=value`` overrides; a command adds its own options."""
     p = argparse.ArgumentParser(description=description.splitlines()[0], prog=prog)
     p.add_argument("--config", default=None, help="YAML file under configs/")
@@ -136,7 +137,7 @@ def parser(description: str, prog: Optional[str] = None) -> argparse.ArgumentPar
     return p
 
 
-def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, options anywhere (``--config`` may follow the overrides); a usage
     error (an override without ``=``) ends the process with argparse's message."""
     args = p.parse_intermixed_args(argv)

@@ -9,13 +9,13 @@ translated ends with one ``error:`` line and status 2; a run's own status is the
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import command
 from dpo_megatron.frontends import dpo_repo
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command (module docstring); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     dry = "--dry-run" in argv

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import command
 from dpo_megatron.config import load_config
@@ -76,7 +76,7 @@ def run(cfg, prompts: list) -> str:
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """One rank of the command (module docstring)."""
     from dpo_megatron.generation.files import read_prompts
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.utils.exits import LAUNCHER_EXITS, SIGNAL_EXITS
 
 
-def _train_log(training_args: Sequence[str], rank0_pid: Optional[int] = None) -> str:
+def _train_log(training_args: Sequence[str], rank0_pid: int | None = None) -> str:
     """Where rank 0's output also is: ``; rank 0's output is also in <run_dir>/train.log``, or
     "" when there is no such log (also when the config itself was the mistake); when
     ``rank0_pid`` is given and the log holds no start line of that process (another run's, or an
@@ -55,7 +55,7 @@ def _train_log(training_args: Sequence[str], rank0_pid: Optional[int] = None) ->
 
 
 def stopped_line(
-    rank: int, failed: int, training_args: Sequence[str], rank0_pid: Optional[int] = None
+    rank: int, failed: int, training_args: Sequence[str], rank0_pid: int | None = None
 ) -> str:
     """The launcher's one line after a rank's :func:`fail` (``failed``: ranks that ended;
     ``rank0_pid``: rank 0's process id, when known)."""
@@ -68,7 +68,7 @@ def signal_line(
     signum: int,
     training_args: Sequence[str],
     one_rank: bool = False,
-    rank0_pid: Optional[int] = None,
+    rank0_pid: int | None = None,
     at_once: bool = False,
 ) -> str:
     """The launcher's one line after the ranks stopped on SIGINT / SIGTERM: forwarded by
@@ -89,7 +89,7 @@ def signal_line(
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """torchrun with the ending described in the module docstring."""
     from dpo_megatron.utils import collector
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import check, command
 from dpo_megatron.config import check_model_layout, load_config, validate_online_config
@@ -40,7 +40,7 @@ def online_checks(cfg, args) -> None:
         reward_model_config(o.reward_model.path)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """One rank of an online run, or with ``--check`` its pre-check (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--check" in argv:

@@ -16,7 +16,7 @@ not (too big, or refused on this cluster), 1 for a config mistake (one ``config 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import command
 from dpo_megatron.config import load_config, validate
@@ -43,7 +43,7 @@ OPTIONS = (  # flag, type, default, help
 )
 
 
-def run(argv: Optional[Sequence[str]] = None) -> dict:
+def run(argv: Sequence[str] | None = None) -> dict:
     """Plan (module docstring); returns the JSON document it prints or writes."""
     p = command.parser(__doc__)
     for flag, kind, default, text in OPTIONS:
@@ -75,7 +75,7 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
     return document
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """``python -m dpo_megatron.plan``: a config mistake ends with one ``config error:`` line
     (exit status 1); otherwise the exit status says whether the config's own layout fits (0)
     or not (2: too big, or refused on this cluster)."""

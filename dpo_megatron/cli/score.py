@@ -12,13 +12,13 @@ line and the field).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import command
 from dpo_megatron.config import load_config
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """One rank of the scoring command (module docstring)."""
     from dpo_megatron.utils.ranks import is_rank0
 

@@ -11,7 +11,7 @@ disk, the NaN stop) 3, SIGINT / SIGTERM 128 + the signal's number after saving.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import command
 from dpo_megatron.config import check_model_sources, load_config, validate
@@ -34,7 +34,7 @@ def train(cfg) -> dict[str, float]:
     return trainer.train()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """One rank of a run (module docstring)."""
     collector.pause()  # until the run is built (train)
     args = command.parse(command.parser(__doc__), argv)

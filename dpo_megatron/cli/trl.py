@@ -9,14 +9,14 @@ status 2; a run's own status is the command's.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.cli import command
 from dpo_megatron.frontends.common import FrontendError
 from dpo_megatron.frontends.dpo_repo import prepare_trl_command
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command (module docstring); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):

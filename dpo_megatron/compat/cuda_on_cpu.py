@@ -26,7 +26,8 @@ host operands as CUDA does) chosen through :func:`dpo_megatron.parallel.device.s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -47,7 +48,7 @@ PATCH = register(
 __all__ = ["PATCH", "enable", "is_enabled", "suspended"]
 
 _ENABLED = False
-_MODE: "_CudaToCpuMode | None" = None
+_MODE: _CudaToCpuMode | None = None
 _TARGET = torch.device("cpu")
 """Where CUDA requests land (:func:`enable`'s ``device``)."""
 
@@ -133,7 +134,7 @@ def _patch_cuda_module() -> None:
     torch.cuda.nvtx.range_pop = lambda: None
 
 
-def enable(device: "torch.device | str" = "cpu") -> bool:
+def enable(device: torch.device | str = "cpu") -> bool:
     """Redirect megatron-core's CUDA calls to ``device`` (the CPU, or a test's stand-in for an
     accelerator that computes on CPU storage) for the rest of the process.
 

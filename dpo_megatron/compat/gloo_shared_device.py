@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 from dpo_megatron.compat.registry import Patch, register
 
@@ -75,9 +75,7 @@ def install() -> bool:
 
         shares_one_device = True
 
-        def __init__(
-            self, store, rank: int, size: int, timeout: Optional[timedelta] = None, **kwargs
-        ):
+        def __init__(self, store, rank: int, size: int, timeout: timedelta | None = None, **kwargs):
             device = shared_device()
             if device is None or kwargs:
                 super().__init__(store, rank, size, **({"timeout": timeout} if timeout else {}))

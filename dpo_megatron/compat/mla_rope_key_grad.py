@@ -25,8 +25,6 @@ attention model at TP > 1 on the local spec.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from dpo_megatron.compat.registry import Patch, register
@@ -44,7 +42,7 @@ PATCH = register(
 
 __all__ = ["PATCH", "enable", "mark_rope_key_source"]
 
-_SOURCE: Optional[tuple[torch.Tensor, int]] = None
+_SOURCE: tuple[torch.Tensor, int] | None = None
 """(this rank's slice of the key/value down projection, RoPE columns at the gathered end): set
 by the layer's forward hook, taken by the next gather of that very tensor."""
 

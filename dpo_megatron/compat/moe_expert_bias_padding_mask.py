@@ -14,8 +14,6 @@ mixture-of-experts model with an expert score bias (``model.moe_router_expert_bi
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from dpo_megatron.compat.registry import Patch, register
@@ -34,7 +32,7 @@ __all__ = ["PATCH", "enable"]
 
 
 def _apply_expert_bias(
-    self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
 ) -> None:
     """Add this forward's tokens per expert ([tokens, experts] map; [tokens] mask, True =
     padding, not counted) to ``local_tokens_per_expert``; only with gradients (not in

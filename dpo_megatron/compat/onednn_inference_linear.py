@@ -26,7 +26,7 @@ megatron-core 0.16 with a torch whose oneDNN ops are present (:func:`available`)
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
@@ -83,7 +83,7 @@ def patches() -> list[Patch]:
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def installed_version(distribution: str) -> str | None:
     """The installed version of a distribution (``"megatron-core"``), or None."""
     try:

@@ -65,7 +65,7 @@ class HeldFailureLogs(logging.Filter):
             return False
         return True
 
-    def __enter__(self) -> "HeldFailureLogs":
+    def __enter__(self) -> HeldFailureLogs:
         for logger in self._loggers:
             logger.addFilter(self)
         return self

@@ -27,7 +27,6 @@ Switched on by :mod:`dpo_megatron.cli.launch` around its call of torchrun's ``ma
 from __future__ import annotations
 
 import signal
-from typing import Optional
 
 from dpo_megatron.compat.registry import Patch, register
 
@@ -59,7 +58,7 @@ class RepeatedSignals:
     """
 
     def __init__(self):
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self.stopped_at_once = False
         self._module = None
         self._original = None
@@ -95,7 +94,7 @@ class RepeatedSignals:
             except (ProcessLookupError, PermissionError):  # gone, or not a group leader
                 pass
 
-    def __enter__(self) -> "RepeatedSignals":
+    def __enter__(self) -> RepeatedSignals:
         if PATCH.applies_to_installed():
             import importlib
 

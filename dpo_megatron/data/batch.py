@@ -29,8 +29,9 @@ by ``training.step``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -106,7 +107,7 @@ class SpanRows:
     output_index: torch.Tensor
     buckets: tuple[tuple[torch.Tensor, int], ...] = ()
 
-    def to_device(self) -> "SpanRows":
+    def to_device(self) -> SpanRows:
         """The same rows with their tensors on the engine's device."""
         return SpanRows(
             to_device(self.query_index),
@@ -191,22 +192,22 @@ class PackedLayout:
     """
 
     segment_ids: torch.Tensor
-    branch_ids: Optional[torch.Tensor]
+    branch_ids: torch.Tensor | None
     spans: tuple[AttentionSpan, ...]
     cu_seqlens_q: torch.Tensor
     cu_seqlens_kv: torch.Tensor
-    kv_index: Optional[torch.Tensor]
+    kv_index: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_kv: int
-    rows: Optional[SpanRows] = None
+    rows: SpanRows | None = None
 
     @classmethod
     def from_spans(
         cls,
         segment_ids: torch.Tensor,
-        branch_ids: Optional[torch.Tensor],
+        branch_ids: torch.Tensor | None,
         spans: Sequence[AttentionSpan],
-    ) -> "PackedLayout":
+    ) -> PackedLayout:
         """The layout of ``spans`` (host tensors).
 
         Raises:
@@ -247,7 +248,7 @@ class PackedLayout:
             span_rows(spans),
         )
 
-    def to_device(self) -> "PackedLayout":
+    def to_device(self) -> PackedLayout:
         """The same layout with its tensors on the engine's device (spans stay host ints)."""
         moved = {
             f.name: to_device(getattr(self, f.name))
@@ -286,13 +287,13 @@ class MicroBatch:
     tokens: torch.Tensor
     position_ids: torch.Tensor
     output_index: torch.Tensor
-    target_ids: Optional[torch.Tensor]
+    target_ids: torch.Tensor | None
     targets: Targets
-    packed: Optional[PackedLayout] = None
-    padding_mask: Optional[torch.Tensor] = None
+    packed: PackedLayout | None = None
+    padding_mask: torch.Tensor | None = None
 
     @property
-    def segment_ids(self) -> Optional[torch.Tensor]:
+    def segment_ids(self) -> torch.Tensor | None:
         """[R, L] segment ids of packed rows (``packed.segment_ids``), None for padded rows."""
         return None if self.packed is None else self.packed.segment_ids
 
@@ -301,7 +302,7 @@ class MicroBatch:
         """B: items (pairs, examples) in the micro-batch."""
         return self.targets.num_items
 
-    def to_device(self) -> "MicroBatch":
+    def to_device(self) -> MicroBatch:
         """The same micro-batch with every tensor on the engine's device."""
         moved = {}
         for f in fields(self):
@@ -333,8 +334,8 @@ class StepBatch:
     micro_batches: list[MicroBatch]
     seq_length: int
     real_tokens: int
-    model_tokens: Optional[int] = None
-    statistic: Optional["StepBatch"] = None
+    model_tokens: int | None = None
+    statistic: StepBatch | None = None
     """The micro-batches the step-statistic pass runs when they are not these
     (:meth:`BatchBuilder.computing`): the same items in the same micro-batches, other sequences
     of them computed (KTO: the mismatched sequences only)."""
@@ -350,7 +351,7 @@ class StepBatch:
         """True when every micro-batch's targets carry precomputed reference log-probs."""
         return all(mb.targets.reference_logps is not None for mb in self.micro_batches)
 
-    def to_device(self) -> "StepBatch":
+    def to_device(self) -> StepBatch:
         """The host -> device crossing of a step (the only one)."""
         return replace(
             self,
@@ -386,8 +387,8 @@ class BatchBuilder:
     default_kind = "pairs"
 
     def computing(
-        self, sides: Sequence[str] = SIDES, statistic_sides: Optional[Sequence[str]] = None
-    ) -> "BatchBuilder":
+        self, sides: Sequence[str] = SIDES, statistic_sides: Sequence[str] | None = None
+    ) -> BatchBuilder:
         """A builder of the same steps whose micro-batches compute only the sequences of
         ``sides`` (of :data:`SIDES`; the others keep their rows of the per-sequence layout,
         with nothing scored: their log-probs read 0), and that attaches, with
@@ -401,7 +402,7 @@ class BatchBuilder:
         """
         return self
 
-    def __init__(self, pad_token_id: int, multiple: int, kind: Optional[str] = None):
+    def __init__(self, pad_token_id: int, multiple: int, kind: str | None = None):
         self.pad_token_id = pad_token_id
         self.multiple = multiple
         self.kind = kind or self.default_kind

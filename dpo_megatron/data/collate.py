@@ -12,7 +12,7 @@ In a padded batch the model layout and the per-sequence layout are the same [N, 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

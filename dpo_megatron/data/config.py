@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 from dpo_megatron.data.sources import parse_split
 from dpo_megatron.utils.config_checks import check_choice, check_range
@@ -248,7 +248,7 @@ class PackingConfig:
     """Padding-free packing of each micro-batch's sequences (``packing.*``; used by
     ``data.packing``, defined here so that the config tree imports no torch)."""
 
-    enabled: Optional[bool] = None
+    enabled: bool | None = None
     """Pack the 2B sequences of each micro-batch into rows, each sequence attending only to
     itself. Log-probs equal the padded path's (fp32, 1e-6 relative). null (auto): on, except for
     SFT losses and MoE models (``training.auto_settings``)."""
@@ -262,7 +262,7 @@ class PackingConfig:
     """Within each data-parallel rank's share of a step, regroup pairs into micro-batches of
     similar length (longest first). The step's pair set, hence its loss and gradient, is
     unchanged; only which pairs share a micro-batch (and the per-pair report order) changes."""
-    share_prompt: Optional[bool] = None
+    share_prompt: bool | None = None
     """null (auto): on for paired losses wherever packing is on (``training.auto_settings``).
     With ``enabled``: each pair is one unit ``[prompt | chosen | rejected]``: the prompt runs
     once through the model (policy and reference), each completion attends to the prompt and to

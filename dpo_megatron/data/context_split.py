@@ -27,8 +27,8 @@ What is cut and what is not:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence
 
 import torch
 
@@ -48,9 +48,9 @@ class LocalRows:
     """
 
     segment_ids: torch.Tensor
-    branch_ids: Optional[torch.Tensor]
+    branch_ids: torch.Tensor | None
 
-    def to_device(self) -> "LocalRows":
+    def to_device(self) -> LocalRows:
         """The same rows with their tensors on the engine's device."""
         return replace(
             self,

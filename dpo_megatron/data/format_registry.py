@@ -16,11 +16,12 @@ the order detection tries them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Union
+from typing import Protocol
 
 Messages = list[dict]
-Text = Union[str, Messages]
+Text = str | Messages
 
 PAIRS = "pairs"
 """Rows with a chosen and a rejected answer (DPO and every paired loss; SFT reads the chosen)."""
@@ -99,7 +100,7 @@ class RowFormat:
     convert: Converter
     columns: frozenset[str]
     holds: str = PAIRS
-    matches: Optional[Callable[[dict, set], bool]] = None
+    matches: Callable[[dict, set], bool] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "columns", frozenset(self.columns))

@@ -14,8 +14,9 @@ No torch here (the launchers' pre-check reads the kinds): the batch builders are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from dpo_megatron.data.format_registry import COMPLETIONS, FORMATS, PAIRS, UNPAIRED, RowFormat
 from dpo_megatron.data.pairs import (

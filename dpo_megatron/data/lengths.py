@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.data.config import DataConfig
 from dpo_megatron.data.formats import Filtered

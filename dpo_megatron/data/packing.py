@@ -32,8 +32,8 @@ packed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -345,7 +345,7 @@ class PackedPairs(BatchBuilder):
 
     sides = SIDES
     """The sequences its micro-batches compute (:meth:`computing`)."""
-    statistic_sides: Optional[tuple[str, ...]] = None
+    statistic_sides: tuple[str, ...] | None = None
     """The sequences of the attached step-statistic micro-batches, or None (none attached)."""
 
     def __init__(

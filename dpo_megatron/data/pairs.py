@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,13 +31,9 @@ class PreferencePair:
     prompt_ids: tuple[int, ...]
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
-    reference_chosen_logps: Optional["torch.Tensor"] = field(
-        default=None, compare=False, repr=False
-    )
-    reference_rejected_logps: Optional["torch.Tensor"] = field(
-        default=None, compare=False, repr=False
-    )
-    margin: Optional[float] = None
+    reference_chosen_logps: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    reference_rejected_logps: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    margin: float | None = None
 
     @property
     def target_ids(self) -> tuple[int, ...]:
@@ -166,7 +162,7 @@ class DataSummary:
     lengths_before_cut: dict[str, LengthStats] = field(default_factory=dict)
     lengths: dict[str, LengthStats] = field(default_factory=dict)
     sources: list[SourceSummary] = field(default_factory=list)
-    labels: Optional[dict[str, int]] = None
+    labels: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain JSON-ready values (for logs and files)."""
@@ -180,7 +176,7 @@ class PreferenceDataset:
 
     train: list[PreferencePair]
     eval: list[PreferencePair]
-    summary: Optional[DataSummary] = None
+    summary: DataSummary | None = None
 
 
 @dataclass
@@ -190,7 +186,7 @@ class UnpairedDataset:
 
     train: list[UnpairedPair]
     eval: list[UnpairedPair]
-    summary: Optional[DataSummary] = None
+    summary: DataSummary | None = None
 
 
 @dataclass
@@ -199,4 +195,4 @@ class SFTDataset:
 
     train: list[SFTExample]
     eval: list[SFTExample]
-    summary: Optional[DataSummary] = None
+    summary: DataSummary | None = None

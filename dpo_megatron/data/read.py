@@ -16,8 +16,8 @@ does not fit its format is reported before any rank starts.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from dpo_megatron.data.config import DataConfig, as_data_config
 from dpo_megatron.data.formats import Filtered, RowError, RowFormat, detect_format, get_format

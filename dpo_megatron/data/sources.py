@@ -16,7 +16,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 JSON_COLUMN = "_json"
 WHERE_COLUMN = "_where"
@@ -41,7 +40,7 @@ class Source:
     dataset: object  # datasets.Dataset
     malformed: int = 0
     files: tuple[str, ...] = ()
-    rows: Optional[tuple[int, int]] = None
+    rows: tuple[int, int] | None = None
     """The rows kept of what was read, [start, stop) (a sliced split, :func:`parse_split`); None:
     all. Part of the data's identity in the tokenization cache."""
 
@@ -49,7 +48,7 @@ class Source:
 _SLICED_SPLIT = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 
 
-def parse_split(split: str) -> tuple[str, Optional[slice]]:
+def parse_split(split: str) -> tuple[str, slice | None]:
     """A split name, optionally with a row range in ``datasets``' slicing notation:
     ``train[:200]`` -> ("train", slice(None, 200)), ``train[200:]``, ``test[10:20]``; a plain
     name -> (name, None). Rows are counted as read (a skipped malformed line is not a row).

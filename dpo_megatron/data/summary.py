@@ -4,8 +4,8 @@ percentiles) from the selected sources (:func:`summarize`), its text and its dro
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Sequence
 
 import numpy as np
 

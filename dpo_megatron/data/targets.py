@@ -10,7 +10,7 @@ sequence the micro-batch does not compute, ``BatchBuilder.computing``; None: eve
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from dpo_megatron.losses.targets import (
 )
 
 
-def pair_margins(pairs: Sequence[PreferencePair]) -> Optional[torch.Tensor]:
+def pair_margins(pairs: Sequence[PreferencePair]) -> torch.Tensor | None:
     """[B] fp32 margins of the pairs (``PreferencePair.margin``; 0 for a pair without one), or
     None when none has one."""
     margins = [getattr(p, "margin", None) for p in pairs]
@@ -47,8 +47,8 @@ def desirable_labels(examples: Sequence[UnpairedPair]) -> torch.Tensor:
 def reference_logps(
     pairs: Sequence[PreferencePair],
     loss_mask: torch.Tensor,
-    computed: Optional[Sequence[bool]] = None,
-) -> Optional[torch.Tensor]:
+    computed: Sequence[bool] | None = None,
+) -> torch.Tensor | None:
     """[2B, S] precomputed reference log-probs at the scored positions (0 elsewhere), or None
     when the pairs carry none. ``computed`` [2B]: False for a sequence the micro-batch does not
     compute (``BatchBuilder.computing``), whose row stays 0; None: every sequence.

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # Built-in chat templates, for tokenizers that have none (a raw SentencePiece model) or to
 # override one. ``chatml``: the format of SmolLM2 / Qwen (without a default system prompt).

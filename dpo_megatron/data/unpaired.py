@@ -10,7 +10,7 @@ the batch size, the data-parallel size or the order the sampler draws in.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from dpo_megatron.data.pairs import UnpairedExample, UnpairedPair
 

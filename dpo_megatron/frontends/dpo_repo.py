@@ -40,8 +40,9 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import yaml
 
@@ -255,16 +256,16 @@ class Translation:
     layout: Layout
     notes: list[str] = field(default_factory=list)
     """What differs from the reference repo, one line each (printed)."""
-    archive: Optional[str] = None
+    archive: str | None = None
     """``model.archive``: converted to ``archive_dir`` before the run."""
-    archive_dir: Optional[str] = None
-    base_model: Optional[str] = None
+    archive_dir: str | None = None
+    base_model: str | None = None
     """The model the archive was trained from (its config.json), when known here."""
     eval_sets: list[str] = field(default_factory=list)
     """The datasets whose test split is the eval set (``data.eval_datasets``)."""
-    epochs: Optional[int] = None
+    epochs: int | None = None
     """``n_epochs`` when the step count still needs the number of pairs (see ``steps_for``)."""
-    examples: Optional[int] = None
+    examples: int | None = None
     batch_size: int = 1
     sft: bool = False
 
@@ -574,7 +575,7 @@ def _optimizer_overrides(args: dict, t: Translation) -> list[str]:
     return ["train.optimizer=sgd", "train.weight_decay=0.0"]
 
 
-def translate(args: dict, engine: Sequence[str] = (), devices: Optional[int] = None) -> Translation:
+def translate(args: dict, engine: Sequence[str] = (), devices: int | None = None) -> Translation:
     """A parsed reference command (:func:`parse_args`) -> our script and overrides.
 
     Args:
@@ -704,7 +705,7 @@ DRY_RUN_STEPS = "N"
 """``train.train_iters`` of a dry run whose step count needs the pairs counted (not done)."""
 
 
-def steps_for(t: Translation, items: Optional[int]) -> int:
+def steps_for(t: Translation, items: int | None) -> int:
     """Optimizer steps: the reference repo's iterator yields only full batches, drops an
     epoch's last partial batch, and stops after ``n_examples`` (whole batches, rounded up) or
     ``n_epochs``, whichever comes first.
@@ -756,9 +757,7 @@ def write_latest_archive(run_dir: str, steps: int, batch_size: int) -> str:
     )
 
 
-def prepare(
-    argv: Sequence[str], devices: Optional[int] = None, dry_run: bool = False
-) -> Translation:
+def prepare(argv: Sequence[str], devices: int | None = None, dry_run: bool = False) -> Translation:
     """Parse, translate, convert ``model.archive`` and count the steps: a Translation whose
     :meth:`Translation.command` is ready to run. ``dry_run``: only translate, reading no model,
     archive or data (offline, in seconds): the archive is not converted and a step count that
@@ -802,9 +801,7 @@ def prepare(
     return t
 
 
-def prepare_trl_command(
-    path: str, extra: Sequence[str], devices: Optional[int] = None
-) -> Translation:
+def prepare_trl_command(path: str, extra: Sequence[str], devices: int | None = None) -> Translation:
     """``--trl FILE.yaml [our key=value ...]``: a TRL DPOConfig YAML
     (:mod:`~dpo_megatron.frontends.trl`) as a Translation on ``configs/from_trl_base.yaml``."""
     from dpo_megatron.frontends.trl import TRL_BASE_CONFIG, prepare_trl

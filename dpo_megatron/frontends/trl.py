@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
@@ -313,7 +314,7 @@ def _peft_overrides(f: dict, source: str, notes: list[str]) -> list[str]:
     ]
 
 
-def trl_steps(facts: dict, items: Optional[int]) -> tuple[int, int]:
+def trl_steps(facts: dict, items: int | None) -> tuple[int, int]:
     """(optimizer steps, warm-up steps) as transformers' Trainer counts them: ``max_steps`` when
     > 0, else ``ceil(num_train_epochs x ceil(pairs / global batch))``; a warm-up below 1 is a
     ratio of the steps."""

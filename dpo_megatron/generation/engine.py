@@ -33,7 +33,7 @@ results of the data-parallel ranks are gathered at the end: every rank returns e
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,7 @@ def _check_layout() -> None:
         )
 
 
-def _deal(num_items: int, micro_batch_size: int) -> list[list[Optional[int]]]:
+def _deal(num_items: int, micro_batch_size: int) -> list[list[int | None]]:
     """This data-parallel rank's micro-batches of item indices (None: idle row): a contiguous
     share of ``ceil(num_items / DP)`` items, in micro-batches of ``min(micro_batch_size,
     share)`` rows; every rank gets the same number of micro-batches and rows."""
@@ -93,7 +93,7 @@ def _deal(num_items: int, micro_batch_size: int) -> list[list[Optional[int]]]:
     share = -(-num_items // dp)
     rows = min(micro_batch_size, share)
     count = -(-share // rows)
-    mine: list[Optional[int]] = list(range(rank * share, min((rank + 1) * share, num_items)))
+    mine: list[int | None] = list(range(rank * share, min((rank + 1) * share, num_items)))
     mine += [None] * (count * rows - len(mine))
     return [mine[i * rows : (i + 1) * rows] for i in range(count)]
 

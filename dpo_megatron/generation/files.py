@@ -14,7 +14,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 from dpo_megatron.data.sources import DataError, read_json_rows
 from dpo_megatron.generation.config import GenerationConfig
@@ -53,7 +52,7 @@ def read_prompts(path: str) -> list:
 
 def encode_prompts(
     prompts: list, tokenizer, settings, apply_chat_template: bool = True
-) -> tuple[list[list[int]], Optional[str]]:
+) -> tuple[list[list[int]], str | None]:
     """Token ids of each prompt, and the start-up line saying how text prompts were sent (None
     when there is none, or nothing to say).
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +54,7 @@ class LogRatios:
         policy_rejected_logps: Tensor,
         reference_chosen_logps: Tensor,
         reference_rejected_logps: Tensor,
-    ) -> "LogRatios":
+    ) -> LogRatios:
         return cls(
             policy_chosen_logps - reference_chosen_logps,
             policy_rejected_logps - reference_rejected_logps,
@@ -68,7 +67,7 @@ class LogRatios:
         """[B] the DPO margin h = h_w - h_l."""
         return self.chosen - self.rejected
 
-    def per_token(self, chosen_tokens: Tensor, rejected_tokens: Tensor) -> "LogRatios":
+    def per_token(self, chosen_tokens: Tensor, rejected_tokens: Tensor) -> LogRatios:
         """Log-ratios divided by the completion token counts (IPO's length-averaged form)."""
         return dataclasses.replace(
             self,
@@ -490,8 +489,8 @@ def beta_dpo_loss(
     chosen_tokens: Tensor,
     rejected_tokens: Tensor,
     beta: float = 0.1,
-    batch_beta: Optional[float] = None,
-    pair_weights: Optional[Tensor] = None,
+    batch_beta: float | None = None,
+    pair_weights: Tensor | None = None,
 ) -> LossOutput:
     """beta-DPO: w_i * -log sigma(beta_batch h_i) (Wu et al. 2024, "beta-DPO: Direct Preference
     Optimization with Dynamic beta", arXiv:2407.08639, Eq. 8 with the beta-guided filter of Sec.

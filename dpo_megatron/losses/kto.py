@@ -15,7 +15,8 @@ a step statistic: the same at any micro-batch size, data-parallel size or pipeli
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ def finish_kto_metrics(means: Mapping[str, float], count: int) -> dict[str, floa
 
 def weight_advice(
     n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float
-) -> Optional[str]:
+) -> str | None:
     """The paper's check (Ethayarajh et al. 2024, Sec. 4.2, as TRL's KTOTrainer warns): a warning
     when lambda_D n_D / (lambda_U n_U) is outside [1, 4/3], with the weights that would fit;
     None when it is inside or a side has no examples (then there is no ratio to fix)."""

@@ -8,8 +8,9 @@ and applies the modifiers that act across losses (SFT term, WPO weights, LD-DPO,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ class LossModifiers:
     use_weighting: bool = False
     """WPO (Zhou et al. 2024, arXiv:2406.11827): multiply each pair's loss by its detached weight;
     the engine must then pass `policy_token_log_sum_p2`."""
-    ld_alpha: Optional[float] = None
+    ld_alpha: float | None = None
     """LD-DPO (Liu et al. 2024, arXiv:2409.06411): weight in [0, 1] of the tokens past the pair's
     shared length, in policy and reference log-probs alike (as TRL 1.x); None = off, 1 = plain
     sums."""
@@ -96,7 +97,7 @@ class LossComponent:
     spec: LossSpec
     weight: float
     params: dict[str, Any]
-    state: Optional[LossState]
+    state: LossState | None
 
     @property
     def fn_params(self) -> dict[str, Any]:
@@ -265,7 +266,7 @@ class LossFunction:
         loss_mask: Tensor,
         policy_logps: tuple[Tensor, Tensor],
         tokens: tuple[Tensor, Tensor],
-        data_kwargs: Optional[Mapping[str, Tensor]] = None,
+        data_kwargs: Mapping[str, Tensor] | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The selected losses of a log-prob kind's [B] first and second sequence log-probs and
         token counts, weighted and summed, then the modifiers (SFT term, WPO weights)."""
@@ -357,7 +358,7 @@ class LossFunction:
         return ("chosen", "rejected") if self.needs_rejected else ("chosen",)
 
     @property
-    def statistic_sides(self) -> Optional[tuple[str, ...]]:
+    def statistic_sides(self) -> tuple[str, ...] | None:
         """The sequences the step statistic reads (its state's ``sides``, else both), or None
         without a step statistic."""
         component = self._statistic_component
@@ -398,7 +399,7 @@ class LossFunction:
         return self._statistic_component.state.begin_step(values, keys, training)
 
     @property
-    def _statistic_component(self) -> Optional[LossComponent]:
+    def _statistic_component(self) -> LossComponent | None:
         for component in self.components:
             if component.state is not None and hasattr(component.state, "begin_step"):
                 return component
@@ -445,7 +446,7 @@ class LossFunction:
                 f"{None if log_sum_p2 is None else tuple(log_sum_p2.shape)}"
             )
 
-    def data_advice(self, train_items: Sequence) -> Optional[str]:
+    def data_advice(self, train_items: Sequence) -> str | None:
         """A warning about the training data for this loss, or None: for KTO the paper's check of
         lambda_D n_D / (lambda_U n_U) in [1, 4/3] (`kto.weight_advice`) over the items' labels."""
         if not self.unpaired:
@@ -540,19 +541,9 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     if unknown:
         raise ValueError(f"loss.name={names} takes no parameter(s) {unknown}; valid keys: {valid}")
 
-    components = []
-    for spec, weight in zip(specs, weights):
-        params = {}
-        for key, default in spec.params.items():
-            params[key] = _coerce(key, config[key], type(default)) if key in config else default
-            _check_value(spec.name, key, params[key], spec.param_ranges)
-        state = (
-            spec.state_factory(**{key: params[key] for key in spec.state_params})
-            if spec.state_factory is not None
-            else None
-        )
-        components.append(LossComponent(spec, weight, params, state))
-
+    components = [
+        _component(spec, weight, config) for spec, weight in zip(specs, weights, strict=True)
+    ]
     modifier_values = {
         key: _coerce(key, config[key], kind)
         for key, kind in modifier_kinds.items()
@@ -560,6 +551,34 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     }
     for key, value in modifier_values.items():
         _check_value(",".join(names), key, value, _MODIFIER_RANGES)
+    _check_combination(components, modifier_values)
+    return LossFunction(components, LossModifiers(**modifier_values))
+
+
+def _component(spec: LossSpec, weight: float, config: Mapping[str, Any]) -> LossComponent:
+    """One listed loss: its parameters from ``config`` (or its defaults), checked against its
+    ranges, and its cross-step state built from them."""
+    params = {}
+    for key, default in spec.params.items():
+        params[key] = _coerce(key, config[key], type(default)) if key in config else default
+        _check_value(spec.name, key, params[key], spec.param_ranges)
+    state = (
+        spec.state_factory(**{key: params[key] for key in spec.state_params})
+        if spec.state_factory is not None
+        else None
+    )
+    return LossComponent(spec, weight, params, state)
+
+
+def _check_combination(components: list[LossComponent], modifier_values: dict[str, Any]) -> None:
+    """The losses and modifiers listed together can be combined.
+
+    Raises:
+        ValueError: two losses with a step statistic; an unpaired or reward-model loss with
+            other losses or modifiers; per-pair weights with a loss that sorts its batch.
+    """
+    specs = [c.spec for c in components]
+    names = [spec.name for spec in specs]
     with_statistic = [
         c.spec.name for c in components if c.state is not None and hasattr(c.state, "begin_step")
     ]
@@ -587,14 +606,11 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     if unpaired and misfits:
         raise ValueError(
             f"loss.{misfits[0]} does not apply to unpaired examples ({unpaired[0]}): its rows are "
-            "a "
-            "completion and a mismatched completion, not a chosen and a rejected answer"
+            "a completion and a mismatched completion, not a chosen and a rejected answer"
         )
     sorting = sorted(spec.name for spec in specs if spec.sorts_batch)
     if modifier_values.get("use_weighting") and sorting:
         raise ValueError(
             f"loss.use_weighting (WPO) cannot be combined with {sorting}: they sort pairs within "
-            "the "
-            "micro-batch, so per-pair weights would not line up with the losses"
+            "the micro-batch, so per-pair weights would not line up with the losses"
         )
-    return LossFunction(components, LossModifiers(**modifier_values))

@@ -7,8 +7,6 @@ loss compares (per-token averages for SimPO and ORPO, sums for CPO).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -29,8 +27,8 @@ Tensor = torch.Tensor
 def simpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
-    reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor],
+    reference_chosen_logps: Tensor | None,
+    reference_rejected_logps: Tensor | None,
     *,
     chosen_tokens: Tensor,
     rejected_tokens: Tensor,
@@ -63,8 +61,8 @@ def simpo_loss(
 def cpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
-    reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor],
+    reference_chosen_logps: Tensor | None,
+    reference_rejected_logps: Tensor | None,
     *,
     chosen_tokens: Tensor,
     rejected_tokens: Tensor,
@@ -93,8 +91,8 @@ def cpo_loss(
 def orpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
-    reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor],
+    reference_chosen_logps: Tensor | None,
+    reference_rejected_logps: Tensor | None,
     *,
     chosen_tokens: Tensor,
     rejected_tokens: Tensor,
@@ -132,12 +130,12 @@ def orpo_loss(
 @register_loss("sft", needs_reference=False, uses_rejected=False)
 def sft_loss(
     policy_chosen_logps: Tensor,
-    policy_rejected_logps: Optional[Tensor],
-    reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor],
+    policy_rejected_logps: Tensor | None,
+    reference_chosen_logps: Tensor | None,
+    reference_rejected_logps: Tensor | None,
     *,
     chosen_tokens: Tensor,
-    rejected_tokens: Optional[Tensor],
+    rejected_tokens: Tensor | None,
 ) -> LossOutput:
     """SFT: per-token negative log-likelihood of the chosen completion, -log pi(y_w|x) / |y_w|.
     Uses neither the rejected completion nor a reference model. Metrics: nll_loss, logps/chosen.

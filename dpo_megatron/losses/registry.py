@@ -27,8 +27,9 @@ the state's answer (scalars and per-pair values) to every micro-batch's loss cal
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -134,7 +135,7 @@ class LossSpec:
     needs_reference: bool
     """True when the formula uses reference-model log-probs (can be switched off by
     `reference_free`)."""
-    state_factory: Optional[Callable[[], LossState]] = None
+    state_factory: Callable[[], LossState] | None = None
     """Builds the loss's cross-step state; None for stateless losses."""
     runtime_params: tuple[str, ...] = ()
     """Keyword arguments supplied by the state at call time; not config keys."""
@@ -214,12 +215,12 @@ def register_loss(
     name: str,
     *,
     needs_reference: bool,
-    state_factory: Optional[Callable[[], LossState]] = None,
+    state_factory: Callable[[], LossState] | None = None,
     runtime_params: tuple[str, ...] = (),
     uses_rejected: bool = True,
     unpaired: bool = False,
     model_head: str = "lm",
-    ranges: Optional[Mapping[str, ParamRange]] = None,
+    ranges: Mapping[str, ParamRange] | None = None,
     sorts_batch: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering `fn` under `name` in `LOSSES` (the arguments: `LossSpec`'s fields).

@@ -7,8 +7,6 @@ log-prob losses take the policy's log-probs; it reads no reference and no token 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -28,12 +26,12 @@ Tensor = torch.Tensor
 def bradley_terry_reward_loss(
     chosen_rewards: Tensor,
     rejected_rewards: Tensor,
-    reference_chosen_logps: Optional[Tensor],
-    reference_rejected_logps: Optional[Tensor],
+    reference_chosen_logps: Tensor | None,
+    reference_rejected_logps: Tensor | None,
     *,
-    chosen_tokens: Optional[Tensor],
-    rejected_tokens: Optional[Tensor],
-    margin: Optional[Tensor] = None,
+    chosen_tokens: Tensor | None,
+    rejected_tokens: Tensor | None,
+    margin: Tensor | None = None,
     center_rewards_coefficient: float = 0.0,
 ) -> LossOutput:
     """-log sigma(r_c - r_r - m) + c (r_c + r_r)^2 per pair.

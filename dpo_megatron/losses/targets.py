@@ -24,7 +24,7 @@ group, no model, no config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 
@@ -44,7 +44,7 @@ class Targets:
     """
 
     kind: ClassVar[str]
-    reference_logps: Optional[Tensor] = None
+    reference_logps: Tensor | None = None
 
     @property
     def num_items(self) -> int:
@@ -64,7 +64,7 @@ class Targets:
 
     def model_scores(
         self, output_index: Tensor, target_ids: Tensor
-    ) -> tuple[Tensor, Optional[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None]:
         """What the model scores for these targets, given the builder's scored tokens
         (``output_index`` [n] flat model positions, ``target_ids`` [n] their labels): the model's
         ``output_index`` and ``target_ids`` (None: the model's own head reads the positions)."""
@@ -124,8 +124,8 @@ class PairTargets(TokenTargets):
 
     kind: ClassVar[str] = "pairs"
 
-    margin: Optional[Tensor] = None
-    reference_logps: Optional[Tensor] = None
+    margin: Tensor | None = None
+    reference_logps: Tensor | None = None
 
 
 @dataclass
@@ -150,7 +150,7 @@ class UnpairedTargets(TokenTargets):
     kind: ClassVar[str] = "unpaired"
 
     desirable: Tensor
-    reference_logps: Optional[Tensor] = None
+    reference_logps: Tensor | None = None
 
 
 @dataclass
@@ -169,7 +169,7 @@ class RewardTargets(Targets):
     kind: ClassVar[str] = "reward"
 
     last_index: Tensor
-    margin: Optional[Tensor] = None
+    margin: Tensor | None = None
     sequences_per_item: int = 2
 
     @property
@@ -220,6 +220,6 @@ class SequenceScores:
 
     targets: Targets
     policy: Tensor
-    reference: Optional[Tensor] = None
-    log_sum_p2: Optional[Tensor] = None
-    statistic: Optional[StatisticShare] = None
+    reference: Tensor | None = None
+    log_sum_p2: Tensor | None = None
+    statistic: StatisticShare | None = None

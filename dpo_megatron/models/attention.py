@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,9 +129,7 @@ def packed_seq_params(layout, thd: bool) -> PackedSequenceParams:
     )
 
 
-def visible_keys(
-    segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor] = None
-) -> torch.Tensor:
+def visible_keys(segment_ids: torch.Tensor, branch_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Dense visibility of packed rows: [R, 1, L, L] bool, True where query t may attend to key s.
 
     Args:
@@ -151,7 +150,7 @@ def visible_keys(
 
 
 def attention_mask_from_segments(
-    segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor] = None
+    segment_ids: torch.Tensor, branch_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """megatron-core's mask convention of :func:`visible_keys`: [R, 1, L, L] bool, True = masked."""
     return ~visible_keys(segment_ids, branch_ids)
@@ -180,10 +179,10 @@ def sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scale: Optional[float],
+    scale: float | None,
     is_causal: bool = False,
-    attn_mask: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
+    attn_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` with grouped-query keys the way a fused kernel takes
     them (:func:`gqa_by_expansion`).
@@ -221,10 +220,10 @@ def sink_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scale: Optional[float],
+    scale: float | None,
     sinks: torch.Tensor,
     is_causal: bool = False,
-    attn_mask: Optional[torch.Tensor] = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with one sink logit per head in every query's softmax denominator (gpt-oss;
     transformers' ``eager_attention_forward`` of ``GptOssAttention``, megatron-core's
@@ -273,8 +272,8 @@ def sink_attention(
 
 
 def causal_window_mask(
-    n_q: int, n_k: int, window: Optional[int], device: torch.device
-) -> Optional[torch.Tensor]:
+    n_q: int, n_k: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
     """Bottom-right causal sliding-window visibility: [n_q, n_k] bool, True where query i (at
     key slot ``n_k - n_q + i``) may see key j: ``0 <= slot(i) - j <= window``. None without a
     window (``window`` None: plain causal attention, which ``is_causal`` serves).
@@ -295,10 +294,10 @@ def span_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     spans,
-    scale: Optional[float],
-    rows: Optional[SpanRows] = None,
-    window: Optional[int] = None,
-    sinks: Optional[torch.Tensor] = None,
+    scale: float | None,
+    rows: SpanRows | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed spans in one ``scaled_dot_product_attention`` call per bucket of rows
     of similar width, with no mask.
@@ -357,7 +356,7 @@ def span_attention(
     return torch.cat(outs).index_select(0, rows.output_index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _takes_varlen_arguments(varlen_attn: Callable) -> bool:
     return {"scale", "window_size", "enable_gqa"} <= inspect.signature(
         varlen_attn
@@ -398,8 +397,8 @@ def varlen_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     layout,
-    scale: Optional[float],
-    window: Optional[int] = None,
+    scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed spans in one call of torch's varlen flash-attention
     (``torch.nn.attention.varlen.varlen_attn``): every span at its own length, bottom-right
@@ -442,9 +441,9 @@ def packed_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     layout,
-    scale: Optional[float],
-    window: Optional[int] = None,
-    sinks: Optional[torch.Tensor] = None,
+    scale: float | None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``sdpa`` kernel on packed rows: one call per micro-batch and layer, the route of
     :func:`packed_attention_route`. Shapes, ``window`` and ``sinks`` as :func:`span_attention`;
@@ -473,7 +472,7 @@ def _flex_functions() -> tuple[Callable, Callable]:
     return _FLEX["attention"], _FLEX["block_mask"]
 
 
-def flex_block_mask(segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor] = None):
+def flex_block_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor | None = None):
     """FlexAttention ``BlockMask`` of packed rows: the rule of :func:`visible_keys` as a
     ``mask_mod``, for R rows of L positions (heads broadcast)."""
     _, create_block_mask = _flex_functions()
@@ -494,7 +493,7 @@ def flex_block_mask(segment_ids: torch.Tensor, branch_ids: Optional[torch.Tensor
 
 
 def flex_attention_rows(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, scale: Optional[float]
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, scale: float | None
 ) -> torch.Tensor:
     """FlexAttention over [R, heads, L, hn] queries (keys [R, groups, L, hn]) with a block mask.
 
@@ -527,9 +526,9 @@ def cached_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     cache: KVCache,
-    scale: Optional[float],
-    window: Optional[int],
-    sinks: Optional[torch.Tensor] = None,
+    scale: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A generation forward of one layer: the new slots' keys and values join ``cache``
     under ``owner`` and the new queries attend to the slots they may see
@@ -563,8 +562,8 @@ def slot_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     visible: torch.Tensor,
-    scale: Optional[float],
-    sinks: Optional[torch.Tensor] = None,
+    scale: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a few new query slots per row to a row's cached slots (a decode step):
     softmax(q k^T * scale) v (Vaswani et al. 2017, eq. 1) written as two batched matmuls per
@@ -627,8 +626,8 @@ class LocalAttention(DotProductAttention):
         self,
         *args,
         kernel: str = "sdpa",
-        k_channels: Optional[int] = None,
-        v_channels: Optional[int] = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -645,7 +644,7 @@ class LocalAttention(DotProductAttention):
                 )
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
         window_size = self.scale_mask_softmax.window_size
-        self.window: Optional[int] = None
+        self.window: int | None = None
         """Earlier keys a query sees besides itself in this layer's sliding window; None: full
         causal attention (megatron-core's ``window_size[0]`` where this layer is windowed)."""
         if window_size is not None:
@@ -666,7 +665,7 @@ class LocalAttention(DotProductAttention):
                 "set model.local_attention=sdpa"
             )
 
-    def sinks(self) -> Optional[torch.Tensor]:
+    def sinks(self) -> torch.Tensor | None:
         """[heads/TP] attention-sink logits the ``sdpa`` kernel applies (megatron-core's
         learnable ``softmax_offset``); None without sinks or with the ``megatron`` kernel."""
         if self.kernel == "sdpa" and self.config.softmax_type == "learnable":

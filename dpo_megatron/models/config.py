@@ -3,8 +3,9 @@ GPT-NeoX, and mixture-of-experts models)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterable, Optional
+from typing import Any
 
 # The one preset table lives in ``models/presets.py`` (reference-repo names such as pythia28 and
 # pythia69, the small Pythias, smollm2); re-exported here, where ``model=NAME`` looks it up.
@@ -69,10 +70,10 @@ class ModelConfig:
     """Width of the MLP's intermediate layer (per branch for SwiGLU; >= 1)."""
     num_attention_heads: int = 4
     """Query heads (>= 1)."""
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Key/value heads for grouped-query attention (>= 1, dividing the query heads; None: one per
     query head)."""
-    kv_channels: Optional[int] = None
+    kv_channels: int | None = None
     """Head dimension (>= 1; None: hidden_size / num_attention_heads)."""
     pad_attention_heads: bool = False
     """When TP does not divide the key/value heads (SmolLM2-135M: 9 query / 3 KV heads at TP 2),
@@ -96,21 +97,21 @@ class ModelConfig:
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates, in (0, 1] (GPT-NeoX ``rotary_pct``:
     Pythia rotates the first 25%); the rest pass through unrotated."""
-    rope_scaling_factor: Optional[float] = None
+    rope_scaling_factor: float | None = None
     """Llama-3.1 style RoPE frequency scaling factor (> 0; None: no scaling)."""
-    rope_linear_scaling_factor: Optional[float] = None
+    rope_linear_scaling_factor: float | None = None
     """Llama-2 style linear RoPE scaling (position interpolation, Chen et al. 2023): positions
     are divided by this factor (> 0; HF ``rope_type: linear``). None: no interpolation."""
-    no_rope_layers: Optional[list[int]] = None
+    no_rope_layers: list[int] | None = None
     """0-based indices of the layers whose attention applies no RoPE ("NoPE" layers: SmolLM3
     leaves every fourth layer unrotated, HF ``no_rope_layers`` holding 0 there); megatron-core's
     ``no_rope_freq``. None or empty: RoPE in every layer."""
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     """Sliding-window attention: a query sees itself and the ``sliding_window - 1`` keys before
     it (HF's ``sliding_window``; >= 1). None: full causal attention. Served by the local ``sdpa``
     kernel only (padded and packed rows, shared prompts); the other kernels, transformer-engine
     and context parallelism refuse it at config time."""
-    sliding_window_layers: Optional[list[int]] = None
+    sliding_window_layers: list[int] | None = None
     """With ``sliding_window``: 0-based indices of the windowed layers (OLMo 3: three of every
     four, HF ``layer_types``); the others attend to the whole sequence. None: every layer."""
     normalization: str = "RMSNorm"
@@ -144,7 +145,7 @@ class ModelConfig:
     norm_weight_offset: bool = False
     """Gemma's RMSNorm: the weight w is stored as an offset and the norm scales by ``1 + w``
     (computed in fp32), in every norm including the query/key norms. False: by w."""
-    embedding_scale: Optional[float] = None
+    embedding_scale: float | None = None
     """Multiply the word embeddings by this (Gemma: sqrt(hidden_size), rounded to the model dtype
     first, as transformers does). None: no scaling."""
     attention_sinks: bool = False
@@ -153,10 +154,10 @@ class ModelConfig:
     megatron-core's ``softmax_type='learnable'``). Served by the local ``sdpa`` kernel (padded,
     packed and shared-prompt rows, generation) and the ``megatron`` kernel; ``flex``,
     transformer-engine and context parallelism refuse it at config time."""
-    softmax_scale: Optional[float] = None
+    softmax_scale: float | None = None
     """Attention softmax scale (> 0; Gemma 3: ``query_pre_attn_scalar ** -0.5``). None:
     1 / sqrt(head_dim)."""
-    local_rotary_base: Optional[float] = None
+    local_rotary_base: float | None = None
     """RoPE theta of the sliding-window layers when it differs from ``rotary_base`` (Gemma 3's
     local layers: 10,000, unscaled, against 1,000,000 with linear scaling in its global layers).
     None: every layer uses ``rotary_base`` and its scaling."""
@@ -164,18 +165,18 @@ class ModelConfig:
     """GPT-NeoX's parallel residual: attention and MLP both read the layer input,
     ``x + attn(ln1(x)) + mlp(ln2(x))`` (``dpo_megatron.models.layers``). False: the sequential
     pre-norm layer ``h = x + attn(ln1(x)); h + mlp(ln2(h))``."""
-    num_experts: Optional[int] = None
+    num_experts: int | None = None
     """Mixture of experts: routed experts per layer, every layer (megatron-core's MoE layer;
     Mixtral, Qwen3-MoE). None: dense MLP."""
     moe_router_topk: int = 2
     """Experts each token is routed to."""
-    moe_ffn_hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: int | None = None
     """Intermediate width of one expert (Qwen3-MoE ``moe_intermediate_size``); None:
     ffn_hidden_size."""
     moe_norm_topk_prob: bool = True
     """Renormalise the top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE
     ``norm_topk_prob``). False: the top-k entries of the softmax over all experts."""
-    moe_aux_loss_coeff: Optional[float] = None
+    moe_aux_loss_coeff: float | None = None
     """Weight of the router's load-balancing loss (Fedus et al. 2021, eq. 4) in the training
     objective, on transformers' scale: ``E * sum_e f_e P_e`` with ``f_e`` the fraction of routing
     choices sent to expert e, averaged over the layers (``dpo_megatron.models.moe``). None: the HF
@@ -195,7 +196,7 @@ class ModelConfig:
     moe_first_dense_layers: int = 0
     """The first N layers have a dense MLP of ``ffn_hidden_size`` instead of experts (DeepSeek-V3
     ``first_k_dense_replace``; megatron-core's ``moe_layer_freq``). 0: every layer is MoE."""
-    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_ffn_hidden_size: int | None = None
     """Width of the shared expert every token passes through beside its routed experts
     (DeepSeek-V3: ``n_shared_experts * moe_intermediate_size``; >= 1). None: no shared expert."""
     moe_router_score_function: str = "softmax"
@@ -205,30 +206,30 @@ class ModelConfig:
     """With 'sigmoid' scores: a per-expert bias added to the scores for the choice of experts
     only (DeepSeek-V3 ``e_score_correction_bias``). It is loaded with the weights and kept fixed
     (DPO must route the policy as the reference; megatron-core's bias update rate is 0)."""
-    moe_router_num_groups: Optional[int] = None
+    moe_router_num_groups: int | None = None
     """Group-limited routing (DeepSeek-V3 ``n_group``): the experts split into this many equal
     groups, a token chooses among the ``moe_router_group_topk`` groups whose two best scores
     sum highest (>= 1; None: no groups)."""
-    moe_router_group_topk: Optional[int] = None
+    moe_router_group_topk: int | None = None
     """Groups a token may choose experts from (DeepSeek-V3 ``topk_group``; >= 1)."""
-    moe_routed_scaling_factor: Optional[float] = None
+    moe_routed_scaling_factor: float | None = None
     """The routed experts' weights are multiplied by this (DeepSeek-V3 ``routed_scaling_factor``;
     > 0; None: 1)."""
-    kv_lora_rank: Optional[int] = None
+    kv_lora_rank: int | None = None
     """Multi-latent attention (DeepSeek-V2 / V3, megatron-core's ``MLASelfAttention``): width of
     the compressed key/value latent (>= 1). None: standard multi-head attention. With it the
     head sizes are ``qk_nope_head_dim`` + ``qk_rope_head_dim`` (queries, keys) and
     ``v_head_dim`` (values); ``kv_channels`` and ``num_query_groups`` are unused."""
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: int | None = None
     """MLA: width of the compressed query latent (>= 1); None: one full-rank query projection."""
-    qk_nope_head_dim: Optional[int] = None
+    qk_nope_head_dim: int | None = None
     """MLA: per-head query/key dimensions without RoPE (>= 1)."""
-    qk_rope_head_dim: Optional[int] = None
+    qk_rope_head_dim: int | None = None
     """MLA: per-head query/key dimensions that RoPE rotates (>= 1; the rotated key part is shared
     by all heads). megatron-core rotates them in DeepSeek's interleaved pair order."""
-    v_head_dim: Optional[int] = None
+    v_head_dim: int | None = None
     """MLA: per-head value dimensions (>= 1)."""
-    rope_yarn_factor: Optional[float] = None
+    rope_yarn_factor: float | None = None
     """YaRN RoPE (Peng et al. 2023; DeepSeek-V3 and gpt-oss ``rope_type: yarn``): the context
     extension factor (> 0); None: plain RoPE. The ``rope_yarn_*`` fields below are HF's
     ``rope_parameters`` of the same names. With multi-latent attention megatron-core's MLA
@@ -264,18 +265,18 @@ class ModelConfig:
     packed rows, compiled on CUDA; forward-only on CPU), 'auto' (flex on CUDA, else sdpa) or
     'megatron' (megatron-core's unfused DotProductAttention with a dense mask: the reference).
     Ignored with transformer-engine (THD packed sequences)."""
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: str | None = None
     """Activation recompute: None, 'full' or 'selective' (megatron-core)."""
-    recompute_method: Optional[str] = None
+    recompute_method: str | None = None
     """With 'full': 'uniform' or 'block'."""
-    recompute_num_layers: Optional[int] = None
+    recompute_num_layers: int | None = None
     """With 'full': layers per recompute group (>= 1)."""
     head: str = "lm"
     """What the last stage computes: 'lm' (the LM head: per-token log-probs) or 'reward' (a
     [hidden -> 1] scalar head on each sequence's last token, ``models.reward_head``; no LM
     head is built). A training run sets it from its loss (``LossSpec.model_head``); an HF
     ``*ForSequenceClassification`` folder or a reward model's checkpoint states it."""
-    fused_lm_head: Optional[bool] = None
+    fused_lm_head: bool | None = None
     """null (auto): fused on an accelerator, unfused on the host CPU, where keeping the logits
     was measured faster (``models.gpt.lm_head_is_fused``). true: log-probs straight from the
     hidden states, the LM head a chunk of positions at a time
@@ -283,7 +284,7 @@ class ModelConfig:
     backward, which projects each chunk again (one more LM-head matmul: about 7% of a SmolLM2
     step on CPU). false: the output layer's logits, kept for backward (faster, ~1 GiB more at
     SmolLM2's 49k vocabulary and 2k scored tokens). The log-probs agree to fp32 rounding."""
-    recompute_modules: Optional[list[str]] = None
+    recompute_modules: list[str] | None = None
     """With 'selective': the submodules megatron-core recomputes in backward (null: its default,
     ['core_attn']): 'core_attn' (attention of the local 'megatron' kernel; the fused kernels
     keep no scores), 'layernorm' (both norms' outputs dropped after use: a cheap recompute),
@@ -484,7 +485,7 @@ ARCHITECTURE_FIELDS = tuple(
 
 
 def architecture_differences(
-    a: ModelConfig, b: ModelConfig, names: Optional[Iterable[str]] = None
+    a: ModelConfig, b: ModelConfig, names: Iterable[str] | None = None
 ) -> dict[str, tuple[Any, Any]]:
     """The fields of :data:`ARCHITECTURE_FIELDS` in which ``a`` and ``b`` differ, name -> (a's
     value, b's value), and :data:`PADDING_FIELDS` that differ when the key/value groups they

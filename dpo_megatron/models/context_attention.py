@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
-from typing import Optional
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -50,8 +49,8 @@ BLOCK = 512
 @torch.no_grad()
 def context_parallel_coordinates(
     position_ids: torch.Tensor,
-    segment_ids: Optional[torch.Tensor] = None,
-    branch_ids: Optional[torch.Tensor] = None,
+    segment_ids: torch.Tensor | None = None,
+    branch_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This CP rank's query coordinates and the all-gathered key coordinates, in one tensor (the
     ``attention_mask`` argument of :class:`ContextParallelAttention`: a tensor, so megatron-core's

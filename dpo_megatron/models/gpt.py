@@ -7,8 +7,6 @@ identically: each pipeline rank holds its layers of both.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -100,10 +98,10 @@ class ScoringGPTModel(GPTModel):
     """``model.fused_lm_head``: with ``target_ids``, the chunked log-prob head, else the output
     layer's logits reduced to log-probs (``build_model_chunks``)."""
 
-    embedding_scale: Optional[float] = None
+    embedding_scale: float | None = None
     """``model.embedding_scale``: the word embeddings are multiplied by it (Gemma)."""
 
-    vocab_valid_columns: Optional[int] = None
+    vocab_valid_columns: int | None = None
     """Columns of this TP rank's vocabulary shard that hold real tokens (None: all); the rest
     is padding (``build_model_chunks``)."""
 
@@ -111,15 +109,15 @@ class ScoringGPTModel(GPTModel):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         *,
         packed=None,
-        output_index: Optional[torch.Tensor] = None,
-        target_ids: Optional[torch.Tensor] = None,
+        output_index: torch.Tensor | None = None,
+        target_ids: torch.Tensor | None = None,
         log_sum_p2: bool = False,
-        padding_mask: Optional[torch.Tensor] = None,
+        padding_mask: torch.Tensor | None = None,
         moe_aux_loss_weight: float = 1.0,
-        kv_cache: Optional[KVCache] = None,
+        kv_cache: KVCache | None = None,
     ):
         if kv_cache is not None:
             # Generation: the layers' core attention keeps and reads the keys (models.kv_cache).
@@ -209,7 +207,7 @@ class ScoringGPTModel(GPTModel):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
-    def _local_padding_mask(self, padding_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _local_padding_mask(self, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
         """[R, L] -> this TP rank's [R, L/TP] slice under sequence parallelism (the routers see
         only their slice of the sequence), on every pipeline stage."""
         if padding_mask is None or not self.config.sequence_parallel:
@@ -219,8 +217,8 @@ class ScoringGPTModel(GPTModel):
         return padding_mask.chunk(tp, dim=1)[rank].contiguous()
 
     def _rotary_per_row(
-        self, position_ids: torch.Tensor, bound: Optional[int] = None
-    ) -> Optional[torch.Tensor]:
+        self, position_ids: torch.Tensor, bound: int | None = None
+    ) -> torch.Tensor | None:
         """[L, R, 1, dim] RoPE table of each row's positions, or None without RoPE.
 
         Every position of a row is below its length L (padded, packed and shared-prompt rows
@@ -248,7 +246,7 @@ class ScoringGPTModel(GPTModel):
                 tables.append(table[position_ids.to(table.device)].transpose(0, 1).unsqueeze(2))
         return tables[0] if len(tables) == 1 else LayerTypeRope(*tables)
 
-    def _output_weight(self) -> Optional[torch.Tensor]:
+    def _output_weight(self) -> torch.Tensor | None:
         """The LM head's weight when tied to the word embeddings, else None (the output layer's
         own)."""
         return (
@@ -274,7 +272,7 @@ class ScoringGPTModel(GPTModel):
         return picked.index_select(0, output_index)
 
 
-def lm_head_is_fused(setting: Optional[bool]) -> bool:
+def lm_head_is_fused(setting: bool | None) -> bool:
     """``model.fused_lm_head`` resolved: an explicit true/false is kept; null (auto) is fused on
     an accelerator and unfused on the host CPU. On the CPU the second LM-head matmul that the
     fused head runs in backward costs more than keeping the [n, V] logits saves (measured:

@@ -43,7 +43,6 @@ not take), so the engine keeps its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -57,9 +56,9 @@ class KVCache(PackedSeqParams):
 
     rows: int = 0
     capacity: int = 0
-    positions: Optional[torch.Tensor] = None
+    positions: torch.Tensor | None = None
     """[R, capacity] int64: each filled slot's position in its row (padding slots: 0)."""
-    real: Optional[torch.Tensor] = None
+    real: torch.Tensor | None = None
     """[R, capacity] bool: True where a slot holds a token of the row (not padding)."""
     start: int = 0
     """First slot of the forward in progress."""
@@ -67,9 +66,9 @@ class KVCache(PackedSeqParams):
     """Slots filled, the forward in progress included."""
     entries: dict = field(default_factory=dict, repr=False)
     masks: dict = field(default_factory=dict, repr=False)
-    packed: Optional[PackedSeqParams] = None
+    packed: PackedSeqParams | None = None
     """The packed layout of the forward in progress (:meth:`append_packed`), else None."""
-    packed_slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    packed_slots: tuple[torch.Tensor, torch.Tensor] | None = None
     """[T] row and [T] slot of each packed token (:meth:`append_packed`)."""
 
     # PackedSeqParams compares field by field (tensors here): one cache is one object.
@@ -77,7 +76,7 @@ class KVCache(PackedSeqParams):
     __hash__ = object.__hash__
 
     @classmethod
-    def create(cls, rows: int, capacity: int, device: torch.device) -> "KVCache":
+    def create(cls, rows: int, capacity: int, device: torch.device) -> KVCache:
         """An empty cache of ``rows`` rows and ``capacity`` slots on ``device``."""
         return cls(
             qkv_format="sbhd",
@@ -171,7 +170,7 @@ class KVCache(PackedSeqParams):
         """``owner``'s keys and values of every slot so far, [R, groups, length, hn] views."""
         return tuple(t[:, :, : self.length] for t in self.entries[owner])
 
-    def visible(self, window: Optional[int] = None) -> torch.Tensor:
+    def visible(self, window: int | None = None) -> torch.Tensor:
         """[R, 1, n, length] bool, True where a new query slot may attend to a key slot (the
         rule of the module docstring); built once per forward and window."""
         if window not in self.masks:

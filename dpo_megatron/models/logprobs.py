@@ -31,7 +31,7 @@ Two entry points:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ on the CPU each chunk's temporary comes from the heap and the next chunk reuses 
 is mapped fresh for every chunk, and the kernel faults in and zeroes each of its pages."""
 
 
-def _chunk_rows(chunk_tokens: Optional[int], shard: int) -> int:
+def _chunk_rows(chunk_tokens: int | None, shard: int) -> int:
     """Rows per chunk: ``chunk_tokens`` when given, else :data:`LOGITS_CHUNK_ELEMENTS` over the
     vocabulary shard (at least 1)."""
     return chunk_tokens if chunk_tokens else max(1, LOGITS_CHUNK_ELEMENTS // max(shard, 1))
@@ -113,7 +113,7 @@ def _chunk_grad(
     grad: torch.Tensor,
     local: torch.Tensor,
     owned: torch.Tensor,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d(sum_t grad_t log p(y_t)) / dz [c, V/TP] = grad_t (1[v == y_t] - softmax(z_t)_v), this
     rank's vocabulary slice (compute dtype), written into ``out`` when given (which may be
@@ -168,7 +168,7 @@ class _VocabParallelTokenLogps(torch.autograd.Function):
         return grad_logits, None, None, None, None, None
 
 
-def _tp_context(group) -> tuple[Optional[object], int]:
+def _tp_context(group) -> tuple[object | None, int]:
     from megatron.core import parallel_state
 
     if group is None and parallel_state.model_parallel_is_initialized():
@@ -181,7 +181,7 @@ def vocab_parallel_token_logps(
     logits: torch.Tensor,
     labels: torch.Tensor,
     group=None,
-    chunk_tokens: Optional[int] = None,
+    chunk_tokens: int | None = None,
     consume_logits: bool = False,
 ) -> torch.Tensor:
     """log p(labels[..., t] | context) for every position, from this rank's vocabulary shard.
@@ -218,7 +218,7 @@ def vocab_parallel_token_logps(
 
 @torch.no_grad()
 def vocab_parallel_log_sum_p2(
-    logits: torch.Tensor, group=None, chunk_tokens: Optional[int] = None
+    logits: torch.Tensor, group=None, chunk_tokens: int | None = None
 ) -> torch.Tensor:
     """log sum_v p_v^2 per position, the normaliser of the WPO weights (Zhou et al.
     2024, arXiv:2406.11827, Sec. 3; used by ``dpo_megatron.losses.reductions.wpo_weights``).
@@ -242,7 +242,7 @@ class HeadLogps(NamedTuple):
     differentiable) and ``log_sum_p2`` [n] (fp32, no gradient; None unless asked for)."""
 
     token_logps: torch.Tensor
-    log_sum_p2: Optional[torch.Tensor]
+    log_sum_p2: torch.Tensor | None
 
 
 _MM_OUT_DTYPE = True
@@ -344,7 +344,7 @@ def vocab_parallel_linear_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    valid_columns: Optional[int] = None,
+    valid_columns: int | None = None,
     log_sum_p2: bool = False,
     group=None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,

@@ -56,7 +56,7 @@ import contextlib
 import math
 import weakref
 import zlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +128,7 @@ class LoRAAdapter(torch.nn.Module):
         dropout: float,
         gated: bool = False,
         name: str = "",
-        zero_input_from: Optional[int] = None,
+        zero_input_from: int | None = None,
     ):
         super().__init__()
         if getattr(base, "gather_output", False):
@@ -277,7 +277,7 @@ class LoRAAdapter(torch.nn.Module):
         return (w.float() + self.delta_weight().float()).to(w.dtype)
 
     def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """megatron-core distributed-checkpoint entries: the split matrix along its TP axis (a
         gated fc1's B through the SwiGLU factory), the replicated one once."""
@@ -324,7 +324,7 @@ def global_module_name(model: torch.nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
-def _padded_head_inputs(model_cfg, tp_size: int) -> Optional[int]:
+def _padded_head_inputs(model_cfg, tp_size: int) -> int | None:
     """First input column of ``linear_proj`` that reads a zero-padded head, or None."""
     from dpo_megatron.models.transformer_config import attention_heads
 
@@ -485,7 +485,7 @@ class AdapterCheckpoint:
         self._chunk = chunk  # not ``module``: the checkpoint code unwraps ``.module`` chains
 
     def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         full = unwrap(self._chunk).sharded_state_dict(prefix, sharded_offsets, metadata)
         return {k: v for k, v in full.items() if is_adapter_key(k)}

@@ -21,8 +21,6 @@ and would squeeze a one-row batch), so it gets None.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -36,9 +34,9 @@ class GivenRotary(torch.nn.Module):
     megatron-core's ``YarnRotaryEmbedding`` does, together with its cos / sin scale
     (``mscale``)."""
 
-    def __init__(self, mscale: Optional[float] = None):
+    def __init__(self, mscale: float | None = None):
         super().__init__()
-        self.table: Optional[torch.Tensor] = None
+        self.table: torch.Tensor | None = None
         self.mscale = mscale
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:

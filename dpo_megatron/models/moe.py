@@ -35,8 +35,6 @@ reported on its own (:func:`load_balancing_metrics`).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -155,7 +153,7 @@ def check_moe(
     expert_tensor_parallel_size: int,
     tensor_model_parallel_size: int,
     sequence_parallel: bool,
-) -> Optional[int]:
+) -> int | None:
     """The expert width, after checking the MoE fields against the layout.
 
     Returns:

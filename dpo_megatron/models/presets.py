@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from dpo_megatron.models.quantized import (
     TRANSFORMERS_CONFIGS,
@@ -336,7 +337,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 """Preset name -> model. The reference repo's ``gptj`` is absent: GPT-J is not mapped."""
 
 
-def preset_name(name: str) -> Optional[str]:
+def preset_name(name: str) -> str | None:
     """The key of :data:`MODEL_PRESETS` that ``name`` stands for: the key itself, or a preset's
     hub name (``EleutherAI/pythia-70m``) or its last part (``pythia-70m``). None: no preset."""
     if name in MODEL_PRESETS:
@@ -359,13 +360,13 @@ def get_preset(name: str) -> ModelPreset:
     return MODEL_PRESETS[key]
 
 
-def _search_dirs(search_dirs: Optional[Sequence[str]]) -> list[str]:
+def _search_dirs(search_dirs: Sequence[str] | None) -> list[str]:
     if search_dirs is not None:
         return list(search_dirs)
     return [d for d in os.environ.get(MODELS_DIR_ENV, "").split(os.pathsep) if d]
 
 
-def stored_architecture(hub_name: str) -> Optional[dict]:
+def stored_architecture(hub_name: str) -> dict | None:
     """The config.json keys stored with the preset whose hub name this is (a copy), or None."""
     key = preset_name(hub_name)
     if key is None or not MODEL_PRESETS[key].architecture:
@@ -373,7 +374,7 @@ def stored_architecture(hub_name: str) -> Optional[dict]:
     return json.loads(json.dumps(MODEL_PRESETS[key].architecture))
 
 
-def preset_without_copy(hf_path: str) -> Optional[str]:
+def preset_without_copy(hf_path: str) -> str | None:
     """The preset whose hub name ``model.hf_path`` is when no folder is there (what
     ``model=NAME`` leaves without a local copy) and which stores no architecture (one that
     does resolves offline: :func:`stored_architecture`), else None."""
@@ -426,7 +427,7 @@ def _check_folder(folder: str, name: str, preset: ModelPreset) -> None:
             )
 
 
-def resolve_model_preset(name: str, search_dirs: Optional[Sequence[str]] = None) -> str:
+def resolve_model_preset(name: str, search_dirs: Sequence[str] | None = None) -> str:
     """What ``model.hf_path`` should be for a preset: a local folder holding the preset's model,
     else its hub name.
 
@@ -455,7 +456,7 @@ def resolve_model_preset(name: str, search_dirs: Optional[Sequence[str]] = None)
     return preset.hub_name
 
 
-def _local_copy(name: str, preset: ModelPreset, search_dirs: Optional[Sequence[str]]) -> str:
+def _local_copy(name: str, preset: ModelPreset, search_dirs: Sequence[str] | None) -> str:
     for root in _search_dirs(search_dirs):
         for candidate in (preset.hub_name, preset.hub_name.rsplit("/", 1)[-1]):
             folder = os.path.join(root, candidate)
@@ -465,7 +466,7 @@ def _local_copy(name: str, preset: ModelPreset, search_dirs: Optional[Sequence[s
     return ""
 
 
-def model_preset_keys(name: str, search_dirs: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def model_preset_keys(name: str, search_dirs: Sequence[str] | None = None) -> dict[str, Any]:
     """The ``model.*`` keys that ``model=NAME`` stands for: ``hf_path`` (a checked local copy
     under ``search_dirs`` / ``$DPO_MEGATRON_MODELS``, else ``${asset:...}`` for a preset held by
     an offline asset, resolved with the config, else the hub name) and the preset's

@@ -13,14 +13,14 @@ This module imports no torch / transformers (the config path reads it).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 TRANSFORMERS_CONFIGS = {"mxfp4": ("MXFP4", "Mxfp4Config"), "fp8": ("FP8", "FineGrainedFP8Config")}
 """``quant_method`` -> (its name, the transformers config that loads it dequantized:
 ``<Config>(dequantize=True)``), for the methods of the models the engine has presets for."""
 
 
-def quantization_method(config: Any) -> Optional[str]:
+def quantization_method(config: Any) -> str | None:
     """The ``quant_method`` of a config's ``quantization_config`` (a transformers config object or
     the ``config.json`` dict), ``"unknown"`` when it names none, None when unquantized."""
     if isinstance(config, dict):

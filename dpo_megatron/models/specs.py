@@ -10,8 +10,6 @@ and OLMo's post-norm layer (``models.layers``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
@@ -80,9 +78,7 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
     return te
 
 
-def layer_spec(
-    model: ModelConfig, config: TransformerConfig, vp_stage: Optional[int]
-) -> ModuleSpec:
+def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:
     """Transformer-block spec: TE layers when chosen (their attention does context parallelism
     itself), else local layers with SP-aware norms and, under context parallelism,
     ``models.context_attention.ContextParallelAttention``."""
@@ -108,7 +104,7 @@ def layer_spec(
     )
 
 
-def _local_layer(model: ModelConfig, config: TransformerConfig, num_experts: Optional[int]):
+def _local_layer(model: ModelConfig, config: TransformerConfig, num_experts: int | None):
     """One local-spec layer: with ``num_experts`` an MoE layer, else a dense MLP."""
     mla = model.kv_lora_rank is not None
     layer = get_gpt_layer_local_spec(

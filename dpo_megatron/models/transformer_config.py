@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -126,7 +125,7 @@ def attention_heads(model: ModelConfig, tensor_model_parallel_size: int) -> tupl
     return heads, groups, head_dim
 
 
-def no_rope_pattern(model: ModelConfig) -> Optional[list[int]]:
+def no_rope_pattern(model: ModelConfig) -> list[int] | None:
     """megatron-core's ``no_rope_freq`` list for ``model.no_rope_layers``: one entry per layer, 1
     where the layer applies no RoPE (e.g. layers [3] of 4 -> [0, 0, 0, 1]); None without NoPE
     layers."""
@@ -136,7 +135,7 @@ def no_rope_pattern(model: ModelConfig) -> Optional[list[int]]:
     return [int(i in skipped) for i in range(model.num_layers)]
 
 
-def window_pattern(model: ModelConfig) -> Optional[list[int]]:
+def window_pattern(model: ModelConfig) -> list[int] | None:
     """megatron-core's ``window_attn_skip_freq`` list for ``model.sliding_window_layers``: one
     entry per layer, 1 where the layer is windowed (e.g. layers [0, 1, 2] of 4 -> [1, 1, 1, 0]);
     None when every layer is (or no layer has a window)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from dpo_megatron.utils import ranks
 
@@ -27,7 +27,7 @@ class JudgeError(ValueError):
     the one line a user sees)."""
 
 
-_STAND_INS: dict[str, Optional[Callable]] = {"generate": None, "score": None, "build_rm": None}
+_STAND_INS: dict[str, Callable | None] = {"generate": None, "score": None, "build_rm": None}
 
 
 @contextlib.contextmanager

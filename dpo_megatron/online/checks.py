@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
-
-def validate_online(cfg, world_size: Optional[int] = None) -> None:
+def validate_online(cfg, world_size: int | None = None) -> None:
     """The rules that span ``online.*`` and the rest of the config (``config.validate`` has
     checked the sections, ``config.validate_online_config`` runs both); with ``world_size``,
     both layouts against it.

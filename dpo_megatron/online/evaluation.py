@@ -18,7 +18,7 @@ mean log-ratio on the samples drawn, no longer an unbiased KL.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -63,7 +63,7 @@ def value_matrix(rows: Sequence[EvalSample], values: Sequence[float]) -> np.ndar
     return out
 
 
-def kl_values(rows: Sequence[EvalSample]) -> Optional[np.ndarray]:
+def kl_values(rows: Sequence[EvalSample]) -> np.ndarray | None:
     """[P, K] ``logp - logp_initial`` (nats), or None for rows of the starting policy (no
     log-probabilities: the KL is 0)."""
     if rows[0].logp is None:
@@ -163,8 +163,8 @@ def run_summary(
     *,
     scorer: str,
     final_policy: str,
-    plot: Optional[str],
-    start_eval_s: Optional[float],
+    plot: str | None,
+    start_eval_s: float | None,
 ) -> RunSummary:
     """``online/summary.json``: the evaluations by round, each round's counts and wall times,
     where the final policy is and how the intervals and the KL were computed."""
@@ -183,7 +183,7 @@ def run_summary(
     )
 
 
-def final_policy_line(final_policy: str, summary_path: str, plot: Optional[str]) -> str:
+def final_policy_line(final_policy: str, summary_path: str, plot: str | None) -> str:
     """Where the run left its policy and its report (the run's last line)."""
     where = f"online: final policy {final_policy}"
     if os.path.isfile(os.path.join(final_policy, "metadata.json")):  # a checkpoint of a round

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 WORD = re.compile(r"[A-Za-z0-9]+(?:['\u2019-][A-Za-z0-9]+)*")
 """A word: letters and digits, joined by inner apostrophes or hyphens ("don't", "well-known");

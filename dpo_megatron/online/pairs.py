@@ -7,8 +7,8 @@ completions of a prompt the highest-scored one is chosen, the lowest-scored one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Union
 
 from dpo_megatron.data.encode import encode_prompt, encode_settings
 from dpo_megatron.data.format_registry import detect_format
@@ -22,7 +21,7 @@ from dpo_megatron.data.sources import DataError, read_source
 from dpo_megatron.data.summary import DROP_WARNING_SHARE
 from dpo_megatron.data.tokenizer import resolve_chat_template
 
-Prompt = Union[str, list]
+Prompt = str | list
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ import functools
 import json
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, TypeVar, Union
+from typing import Any, TypeVar, Union
 
 from dpo_megatron.data import PreferencePair
 from dpo_megatron.online.pairs import Sample
@@ -94,7 +95,7 @@ class SampleRecord(Record):
             ended on one).
     """
 
-    round: Union[int, str]
+    round: int | str
     prompt: int
     sample: int
     row: int
@@ -126,8 +127,8 @@ class EvalSample(SampleRecord):
         score: the scorer's score.
     """
 
-    logp: Optional[float] = optional()
-    logp_initial: Optional[float] = optional()
+    logp: float | None = optional()
+    logp_initial: float | None = optional()
     score: float
 
     @classmethod
@@ -135,8 +136,8 @@ class EvalSample(SampleRecord):
         cls,
         sample: SampleRecord,
         score: float,
-        logp: Optional[float] = None,
-        logp_initial: Optional[float] = None,
+        logp: float | None = None,
+        logp_initial: float | None = None,
     ) -> EvalSample:
         """``sample`` with its score (and log-probabilities)."""
         values = {f.name: getattr(sample, f.name) for f in dataclasses.fields(SampleRecord)}
@@ -182,10 +183,10 @@ class PhaseTimes(Record):
     """Wall time of a round's phases, seconds (None: not measured in this process, e.g. a phase
     an earlier run of a resumed one finished without recording it)."""
 
-    sample: Optional[float]
-    score: Optional[float]
-    train: Optional[float]
-    eval: Optional[float] = optional()
+    sample: float | None
+    score: float | None
+    train: float | None
+    eval: float | None = optional()
 
     def total(self) -> float:
         return sum(t or 0.0 for t in (self.sample, self.score, self.train, self.eval))
@@ -211,7 +212,7 @@ class EvaluationEntry(Record):
     samples_per_prompt: int
     completion_tokens: float
     score: Interval
-    score_change: Optional[Interval]
+    score_change: Interval | None
     kl_from_initial: Interval
 
 
@@ -243,20 +244,20 @@ class RoundSummary(Record):
     near_ties_dropped: int
     empty_samples: int
     prompts_with_too_few_samples: int
-    mean_score: Optional[float]
-    mean_chosen_score: Optional[float]
-    mean_rejected_score: Optional[float]
+    mean_score: float | None
+    mean_chosen_score: float | None
+    mean_rejected_score: float | None
     sampling_seed: int
     prompt_rows: tuple[int, ...]
     policy_start: str
     reference: str
-    train: Optional[dict[str, Any]] = optional()
-    policy_end: Optional[str] = optional()
-    wall_s: Optional[PhaseTimes] = optional()
-    eval_prompts: Optional[int] = optional()
-    eval_mean_score_before: Optional[float] = optional()
-    eval_mean_score: Optional[float] = optional()
-    eval: Optional[EvaluationEntry] = optional()
+    train: dict[str, Any] | None = optional()
+    policy_end: str | None = optional()
+    wall_s: PhaseTimes | None = optional()
+    eval_prompts: int | None = optional()
+    eval_mean_score_before: float | None = optional()
+    eval_mean_score: float | None = optional()
+    eval: EvaluationEntry | None = optional()
 
     def outline(self) -> RoundOutline:
         """The round's line in the run's report."""
@@ -280,9 +281,9 @@ class RoundOutline(Record):
     prompts: int
     pairs_kept: int
     ties_dropped: int
-    mean_score: Optional[float]
-    policy_end: Optional[str]
-    wall_s: Optional[PhaseTimes]
+    mean_score: float | None
+    policy_end: str | None
+    wall_s: PhaseTimes | None
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,7 @@ class RunTimes(Record):
     """The run's wall times, seconds: the starting policy's evaluation (None: none) and the
     rounds' phases together."""
 
-    eval_start: Optional[float]
+    eval_start: float | None
     rounds: float
 
 
@@ -301,7 +302,7 @@ class RunSummary(Record):
 
     scorer: str
     final_policy: str
-    plot: Optional[str]
+    plot: str | None
     evaluation: tuple[EvaluationEntry, ...]
     interval: str
     kl: str
@@ -323,11 +324,11 @@ class RoundState(Record):
     """
 
     done: tuple[str, ...] = ()
-    sample_s: Optional[float] = optional()
-    score_s: Optional[float] = optional()
-    policy: Optional[str] = optional()
-    eval_mean_score: Optional[float] = optional()
-    eval_s: Optional[float] = optional()
+    sample_s: float | None = optional()
+    score_s: float | None = optional()
+    policy: str | None = optional()
+    eval_mean_score: float | None = optional()
+    eval_s: float | None = optional()
 
 
 @dataclass(frozen=True)

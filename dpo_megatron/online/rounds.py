@@ -40,7 +40,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from dpo_megatron.online import adapters
 from dpo_megatron.online.checks import validate_online
@@ -135,7 +135,7 @@ class OnlineState:
             write_record(self.path, self.record)
         ranks.barrier()
 
-    def policy_after(self, r: int) -> Optional[str]:
+    def policy_after(self, r: int) -> str | None:
         """The checkpoint folder the policy of round ``r`` ended in (None: the round did not
         train yet)."""
         return self.round(r).policy
@@ -389,7 +389,7 @@ class _OnlineRun:
     """The starting policy (``model.load`` or ``model.hf_path``)."""
     held: list
     """The held-out prompts (``online.eval_prompts``)."""
-    stop_after: Optional[tuple[int, str]] = None
+    stop_after: tuple[int, str] | None = None
 
     def finished(self, r: int, phase: str, **values) -> None:
         """Record the phase (after its files); raise :class:`StopAfter` where a test stops."""
@@ -581,7 +581,7 @@ class _OnlineRun:
         return o.judge or o.reward_model.path
 
 
-def run_online(cfg, *, stop_after: Optional[tuple[int, str]] = None) -> list[RoundSummary]:
+def run_online(cfg, *, stop_after: tuple[int, str] | None = None) -> list[RoundSummary]:
     """Run (or continue, ``checkpoint.resume=auto``) the configured online rounds
     (collective: every rank calls it). Returns each round's summary.
 

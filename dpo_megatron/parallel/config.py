@@ -15,7 +15,6 @@ TP 2 x PP 2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
@@ -36,17 +35,17 @@ class ParallelConfig:
     chunks r and 2CP-1-r; keys/values are all-gathered across the group, see
     ``dpo_megatron.models.context_attention``). Context-parallel ranks hold the same weights and
     see the same pairs; their gradients are summed with the data-parallel ones."""
-    data_parallel_size: Optional[int] = None
+    data_parallel_size: int | None = None
     """Model replicas (>= 1). None: world size / (TP x PP x CP). Launchers use it to choose the
     world size; under torchrun it must agree with the world size."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (>= 2, with PP >= 2;
     None: not interleaved). The micro-batches per step (global batch / (micro batch x DP)) must
     then be a multiple of PP (megatron-core's interleaved schedule)."""
     expert_model_parallel_size: int = 1
     """Ranks that split the experts of each MoE layer (>= 1; each holds num_experts / EP of them);
     taken from the TP x DP ranks of a pipeline stage. Needs ``model.num_experts``."""
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: int | None = None
     """Ranks that split each expert's weight matrices (>= 1; None: tensor_model_parallel_size)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence across the TP group
@@ -95,7 +94,7 @@ class ParallelConfig:
         """Expert tensor-parallel size, resolved (None -> tensor_model_parallel_size)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
-    def validate(self, world_size: Optional[int] = None) -> None:
+    def validate(self, world_size: int | None = None) -> None:
         """Reject layouts that cannot be built; with ``world_size``, also on that many ranks.
 
         Valid ranges: tensor / pipeline sizes >= 1; ``data_parallel_size`` >= 1 or null;

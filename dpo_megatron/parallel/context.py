@@ -24,8 +24,6 @@ Collectives (autograd-aware where a gradient flows through them):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -132,7 +130,7 @@ def sum_over_context_parallel(values: torch.Tensor, group=None) -> torch.Tensor:
     return _SumOverContextParallel.apply(values, group)
 
 
-def is_first_context_parallel_rank(group: Optional[object] = None) -> bool:
+def is_first_context_parallel_rank(group: object | None = None) -> bool:
     """True on CP rank 0 (and always without context parallelism)."""
     group = group if group is not None else context_parallel_group()
     return group is None or dist.get_rank(group) == 0

@@ -20,7 +20,6 @@ host operands as CUDA does; ``tests/host_tensors.py`` on ``cpu:0``, tagging tens
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -28,12 +27,12 @@ BACKENDS = ("auto", "nccl", "gloo")
 CPU_DEVICE = torch.device("cpu")
 """The device of a gloo run, unless a test chose another with :func:`set_gloo_device`."""
 
-_DEVICE: Optional[torch.device] = None
-_BACKEND: Optional[str] = None
+_DEVICE: torch.device | None = None
+_BACKEND: str | None = None
 _GLOO_DEVICE: torch.device = CPU_DEVICE
 
 
-def set_gloo_device(device: "torch.device | str | None") -> None:
+def set_gloo_device(device: torch.device | str | None) -> None:
     """Make the next :func:`setup_device` for gloo compute on ``device`` (``None``: the CPU again).
 
     A test seam: on a CPU-only machine the engine's device is the host, so a tensor left on the
@@ -61,7 +60,7 @@ ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """The variables torch reads its allocator settings from (the second is the newer name)."""
 
 
-def default_cuda_allocator(environ=os.environ) -> Optional[str]:
+def default_cuda_allocator(environ=os.environ) -> str | None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` to :data:`CUDA_ALLOCATOR_DEFAULT` unless the user set it
     (or ``PYTORCH_ALLOC_CONF``), before CUDA initialises: torch reads it once, at its first
     CUDA call. The user's own value, even an empty one, is left as it is (the override).

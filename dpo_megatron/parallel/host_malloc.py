@@ -51,7 +51,7 @@ import functools
 import os
 import platform
 import sys
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 TUNABLES = ("glibc.malloc.mmap_threshold=4194304", "glibc.malloc.hugetlb=1")
 """The engine's glibc malloc tunables (module docstring)."""
@@ -85,7 +85,7 @@ def _glibc() -> bool:
     return platform.libc_ver()[0] == "glibc"
 
 
-def malloc_env(environ: Mapping[str, str]) -> Optional[dict[str, str]]:
+def malloc_env(environ: Mapping[str, str]) -> dict[str, str] | None:
     """``environ`` with :data:`TUNABLES` added to ``GLIBC_TUNABLES``, or None when nothing is
     to change: ``DPO_MEGATRON_HOST_MALLOC`` is not ``release``, not glibc, or ``GLIBC_TUNABLES``
     already sets a ``glibc.malloc`` tunable (the engine's own, or the user's).
@@ -225,7 +225,7 @@ class HeapTrimmer:
         self, slack_bytes: int = TRIM_SLACK_BYTES, rss=resident_bytes, in_use=malloc_in_use
     ):
         self.slack_bytes, self.rss, self.in_use = slack_bytes, rss, in_use
-        self.rest: Optional[int] = None  # RSS - bytes in use after the last trim
+        self.rest: int | None = None  # RSS - bytes in use after the last trim
         self.trims = 0
 
     def __call__(self, *hook_args) -> None:
@@ -239,8 +239,8 @@ class HeapTrimmer:
 
 
 def trim_after_each_layer(
-    model_chunks: Sequence, device, trimmer: Optional[HeapTrimmer] = None
-) -> Optional[HeapTrimmer]:
+    model_chunks: Sequence, device, trimmer: HeapTrimmer | None = None
+) -> HeapTrimmer | None:
     """In ``trim`` mode on a CPU device with glibc, call a :class:`HeapTrimmer` after every
     transformer layer's forward in ``model_chunks`` (a forward hook, so also in recomputed
     forwards, and with LoRA in the reference pass, which runs the policy's own layers), and

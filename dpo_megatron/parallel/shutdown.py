@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.processes import die_with_parent
@@ -77,7 +77,7 @@ class RunInterrupted(SystemExit):
     skipped) a checkpoint. A ``SystemExit`` whose code is 128 + the signal number, so an
     uncaught one ends the process with that status; ``str()`` is the message."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Optional[str], saved: bool):
+    def __init__(self, signum: int, step: int, checkpoint: str | None, saved: bool):
         super().__init__(128 + signum)
         self.signum, self.step, self.checkpoint, self.saved = signum, step, checkpoint, saved
 

@@ -10,8 +10,6 @@ layer counts the experts a token is routed to (and the shared expert), not all o
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 def forward_flops_per_token(
     layers: int, hidden: int, ffn: int, heads: int, groups: int, vocab: int, context: float
@@ -37,7 +35,7 @@ def item_forward_flops(
     layer_flops_per_token: float,
     layers: int,
     hidden: int,
-    vocab: Optional[int],
+    vocab: int | None,
     prompt: int,
     completions: list[int],
     share_prompt: bool,

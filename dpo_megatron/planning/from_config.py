@@ -5,7 +5,6 @@ stands (the launcher's memory warning)."""
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
@@ -36,8 +35,8 @@ def workload_for(
     loss_fn,
     model: ModelConfig,
     micro_batch_size: int,
-    prompt_fraction: Optional[float] = None,
-    train_items: Optional[int] = None,
+    prompt_fraction: float | None = None,
+    train_items: int | None = None,
 ) -> Workload:
     """The step's work for ``cfg`` (its batch sizes, lengths, loss, packing and reference) at
     ``micro_batch_size``.
@@ -101,7 +100,7 @@ def config_layout(cfg, model: ModelConfig, world_size: int) -> ParallelConfig:
     return parallel
 
 
-def local_cluster(ranks: int) -> Optional[Cluster]:
+def local_cluster(ranks: int) -> Cluster | None:
     """The cluster a CUDA launch of ``ranks`` ranks runs on, as this machine's first GPU sees it
     (its name, or its memory and the H100's peak when the name is not in the table); None
     without CUDA."""
@@ -122,7 +121,7 @@ def local_cluster(ranks: int) -> Optional[Cluster]:
     return Cluster(1, ranks, accelerator)
 
 
-def memory_warning(cfg, loss_fn, model: ModelConfig, cluster: Cluster) -> Optional[str]:
+def memory_warning(cfg, loss_fn, model: ModelConfig, cluster: Cluster) -> str | None:
     """One line when the planner's peak for ``cfg``'s own layout exceeds the device's memory,
     else None (an estimate: the launcher warns, it does not refuse)."""
     parallel = config_layout(cfg, model, cluster.world_size)

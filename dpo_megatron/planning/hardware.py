@@ -14,7 +14,6 @@ SXM), HBM3e 4.8 TB/s (H200).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 GIB = 2**30
 
@@ -71,7 +70,7 @@ def _key(name: str) -> str:
     return " ".join(name.lower().split())
 
 
-def find_accelerator(name: str) -> Optional[Accelerator]:
+def find_accelerator(name: str) -> Accelerator | None:
     """The accelerator a short name (``h100``) or a device name (``NVIDIA H100 80GB HBM3``, case
     and runs of spaces aside) stands for; None when unknown."""
     if _key(name) in ACCELERATORS:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
@@ -210,8 +209,8 @@ def static_bytes(
     numerics: Numerics,
     distributed_optimizer: bool,
     optimizer: str = "adam",
-    dp_rank: Optional[int] = None,
-    expert_dp_rank: Optional[int] = None,
+    dp_rank: int | None = None,
+    expert_dp_rank: int | None = None,
 ) -> dict[str, int]:
     """Weights, gradients and optimizer state of one rank holding ``chunks`` (its parameters).
 

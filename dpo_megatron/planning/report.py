@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from dpo_megatron.planning.hardware import GIB, Cluster
 
@@ -168,8 +168,8 @@ def plan_report(
     *,
     layout_only: bool = False,
     top: int = TOP,
-    prompt_fraction: Optional[float] = None,
-    train_pairs: Optional[int] = None,
+    prompt_fraction: float | None = None,
+    train_pairs: int | None = None,
     json_top: int = 0,
 ) -> dict:
     """Plan ``cfg``'s model on ``cluster`` and print the report (module docstring): every

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.parallel.config import ParallelConfig
@@ -54,8 +54,8 @@ class Plan:
     micro_batch_size: int
     recompute: str
     model_keys: dict = field(default_factory=dict)
-    memory: Optional[RankMemory] = None
-    time: Optional[StepTime] = None
+    memory: RankMemory | None = None
+    time: StepTime | None = None
     fits: bool = False
     tight: bool = False
     reason: str = ""
@@ -141,7 +141,7 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def layouts(model: ModelConfig, cluster: Cluster, fixed: Optional[ParallelConfig] = None):
+def layouts(model: ModelConfig, cluster: Cluster, fixed: ParallelConfig | None = None):
     """Candidate layouts for ``model`` on ``cluster`` (every rank used): TP within a node,
     PP dividing the layers, VPP for PP >= 2, CP up to 8, and for MoE models EP dividing the
     experts with expert TP 1 or TP. Sequence parallelism is on whenever TP > 1 (megatron-core's
@@ -179,7 +179,7 @@ def layouts(model: ModelConfig, cluster: Cluster, fixed: Optional[ParallelConfig
                             )
 
 
-def _micro_batch_sizes(global_batch_size: int, dp: int, given: Optional[int]) -> list[int]:
+def _micro_batch_sizes(global_batch_size: int, dp: int, given: int | None) -> list[int]:
     per_replica = global_batch_size // dp if global_batch_size % dp == 0 else 0
     if given is not None:
         return [given]
@@ -193,9 +193,9 @@ def plan_layouts(
     numerics: Numerics,
     cluster: Cluster,
     check: Callable[[object], None],
-    fixed: Optional[ParallelConfig] = None,
-    micro_batch_size: Optional[int] = None,
-    recompute: Optional[dict] = None,
+    fixed: ParallelConfig | None = None,
+    micro_batch_size: int | None = None,
+    recompute: dict | None = None,
 ) -> list[Plan]:
     """Judge and estimate every candidate (module docstring), ranked.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,7 @@ def _row_multiple(chunks) -> int:
     return math.lcm(8, config.tensor_model_parallel_size if config.sequence_parallel else 1)
 
 
-def reward_model_config(source: str, base: Optional[ModelConfig] = None) -> ModelConfig:
+def reward_model_config(source: str, base: ModelConfig | None = None) -> ModelConfig:
     """The architecture of the reward model in ``source`` (an HF folder's ``config.json`` or a
     checkpoint's ``model_config.json``), read without building it: what
     :func:`build_reward_chunks` builds, and what a launcher's pre-check checks before any rank
@@ -206,7 +206,7 @@ def reward_model_config(source: str, base: Optional[ModelConfig] = None) -> Mode
 
 
 def build_reward_chunks(
-    source: str, parallel: ParallelConfig, base: Optional[ModelConfig] = None
+    source: str, parallel: ParallelConfig, base: ModelConfig | None = None
 ) -> tuple[list, ModelConfig]:
     """This rank's chunks of the reward model in ``source``, at the current layout (collective;
     megatron-core's parallel state must be initialised with ``parallel``).

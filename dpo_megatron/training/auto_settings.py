@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.utils.frozen import freeze
@@ -107,7 +106,7 @@ def _packing_name(p) -> str:
     return "on" if p.enabled else "off"
 
 
-def _lm_head(model_cfg: ModelConfig) -> tuple[Optional[bool], str]:
+def _lm_head(model_cfg: ModelConfig) -> tuple[bool | None, str]:
     """``model.fused_lm_head`` decided (as set when set), and the reason."""
     from dpo_megatron.models.gpt import lm_head_is_fused
     from dpo_megatron.parallel.device import get_device
@@ -127,7 +126,7 @@ def _lm_head(model_cfg: ModelConfig) -> tuple[Optional[bool], str]:
     return chosen, f"LM head {name} (auto on {where}: {why})"
 
 
-def resolve_reference(cfg, loss_fn, num_train: Optional[int]):
+def resolve_reference(cfg, loss_fn, num_train: int | None):
     """``cfg.reference`` with ``mode=auto`` decided (a new ``ReferenceConfig``; ``cfg`` is not
     changed), and the reason. ``num_train`` None (the data not read: ``--print-config``) leaves
     ``auto`` where the loss reads a reference."""
@@ -187,7 +186,7 @@ def _precision(cfg, model_cfg: ModelConfig) -> str:
 
 
 def resolve_auto_settings(
-    cfg, loss_fn, model_cfg: ModelConfig, num_train: Optional[int] = None
+    cfg, loss_fn, model_cfg: ModelConfig, num_train: int | None = None
 ) -> AutoSettings:
     """Decide every speed setting left to the engine: a new, frozen config and architecture
     with the choices made; ``cfg`` and ``model_cfg`` are not changed (a frozen ``cfg`` is

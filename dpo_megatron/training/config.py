@@ -4,7 +4,6 @@ reference (``reference.*``) and logging (``logging.*``). Imports nothing heavy."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from dpo_megatron.utils.config_checks import check_choice, check_range
 
@@ -29,7 +28,7 @@ class TrainConfig:
     """Peak learning rate (>= 0; DPO papers use 5e-7 to 1e-6 for 7B models)."""
     min_lr: float = 0.0
     """Floor of the decay (0 <= min_lr <= lr)."""
-    reward_head_lr: Optional[float] = None
+    reward_head_lr: float | None = None
     """Peak learning rate of a reward model's scalar head (``loss.name=bradley_terry``; > 0;
     None: ``lr``), on the same schedule (megatron-core's per-group ``max_lr``). The head starts
     at zero and Adam moves each weight by about the learning rate per step, so at a body's
@@ -83,7 +82,7 @@ class TrainConfig:
     """Each step's micro-batches are padded to the longest sequence rounded up to this x TP
     (>= 1)."""
 
-    def warmup_warning(self) -> Optional[str]:
+    def warmup_warning(self) -> str | None:
         """A line for the start of a run whose warm-up does not end before its last step (the
         learning rate then never reaches ``lr``: the reference repo's 150 warm-up steps on a
         short run), else None."""

@@ -25,7 +25,7 @@ import math
 import os
 import time
 import warnings
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from dpo_megatron.training.config import LoggingConfig  # noqa: F401  (the section's home)
 from dpo_megatron.utils import ranks
@@ -136,12 +136,12 @@ class MetricsLogger:
 
     def __init__(
         self,
-        config: Optional[LoggingConfig] = None,
+        config: LoggingConfig | None = None,
         *,
         run: RunLayout | str,
         total_steps: int,
         start_step: int = 0,
-        run_config: Optional[dict] = None,
+        run_config: dict | None = None,
     ):
         config = config or LoggingConfig()
         self.total_steps = total_steps
@@ -151,7 +151,7 @@ class MetricsLogger:
         self.writer = None
         self.jsonl = None
         self.wandb = None
-        self.write_error: Optional[str] = None
+        self.write_error: str | None = None
         """The first failed write into the run folder (a full or read-only disk), in words with
         its file; None while every write succeeded. Rank 0 only."""
         if not self.enabled:
@@ -188,7 +188,7 @@ class MetricsLogger:
 
                 self.write_error = describe_storage_error(e, path)
 
-    def agreed_write_error(self) -> Optional[str]:
+    def agreed_write_error(self) -> str | None:
         """Rank 0's :attr:`write_error` on every rank (collective: call it at the same point on
         every rank, once per step)."""
         return ranks.broadcast_from_rank0(self.write_error)
@@ -198,7 +198,7 @@ class MetricsLogger:
         step: int,
         split: str,
         metrics: dict[str, float],
-        extra: Optional[dict[str, float]] = None,
+        extra: dict[str, float] | None = None,
     ) -> None:
         """Record ``metrics`` (+ ``extra`` like lr, grad_norm, tokens/s) under ``split/``."""
         if not self.enabled:
@@ -256,7 +256,7 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def _start_wandb(config: LoggingConfig, run_dir: str, run_config: Optional[dict]):
+def _start_wandb(config: LoggingConfig, run_dir: str, run_config: dict | None):
     """A W&B run, or None (with a warning) when the package is not installed."""
     try:
         import wandb

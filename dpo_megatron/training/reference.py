@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ class ReferenceTable:
             torch.save({"version": CACHE_VERSION, "lengths": lengths, "values": flat}, tmp)
 
     @classmethod
-    def load(cls, path: Path) -> "ReferenceTable":
+    def load(cls, path: Path) -> ReferenceTable:
         """Raises ValueError for a file of another format version."""
         blob = torch.load(path, weights_only=True)
         if blob.get("version") != CACHE_VERSION:
@@ -162,7 +162,7 @@ def reference_cache_key(
     model_config,
     weights: str,
     layout: dict,
-    grouping: Optional[dict] = None,
+    grouping: dict | None = None,
 ) -> str:
     """Key of a precomputed table: everything the reference log-probs depend on, to the bit.
 
@@ -202,7 +202,7 @@ def cache_path(cfg: ReferenceConfig, key: str) -> Path:
 # the frozen model
 
 
-def release_chunks(chunks: Optional[list]) -> None:
+def release_chunks(chunks: list | None) -> None:
     """Drop a model's parameters and buffers now (the caller drops its own references), and
     hand cached accelerator memory back."""
     import gc
@@ -345,7 +345,7 @@ def precompute_reference_logps(
     pairs: Sequence[PreferencePair],
     builder: BatchBuilder,
     plan: Plan,
-) -> Optional[ReferenceTable]:
+) -> ReferenceTable | None:
     """One forward-only pass of the reference over ``plan`` (this data-parallel rank's steps,
     :func:`precompute_plan`; together the ranks' plans hold every pair).
 

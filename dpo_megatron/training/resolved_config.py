@@ -4,7 +4,6 @@ loss (``--print-config``, and the run config given to W&B)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -59,7 +58,7 @@ def _preset_model(model, preset: str) -> dict:
     }
 
 
-def unresolved_model_note(cfg) -> Optional[str]:
+def unresolved_model_note(cfg) -> str | None:
     """For a preset without a local copy: one line saying where the rest of its architecture
     comes from (``--print-config`` prints it above the tree); else None."""
     preset = preset_without_copy(cfg.model.hf_path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ class RunData:
     eval: list
     pad_token_id: int
     tokenizer: Any = None
-    summary: Optional[DataSummary] = None
+    summary: DataSummary | None = None
 
 
 def load_run_data(data: DataConfig, *, model: ModelConfig, kind) -> RunData:

@@ -30,7 +30,6 @@ import re
 import socket
 import sys
 import time
-from typing import Optional
 
 from dpo_megatron.utils import ranks
 from dpo_megatron.utils.files import write_text_atomic
@@ -58,7 +57,7 @@ class RunDirError(SystemExit):
 # the lock
 
 
-def _start_ticks(pid: int) -> Optional[int]:
+def _start_ticks(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), to
     tell a live owner from a recycled pid; None where /proc is missing or the pid is gone."""
     try:
@@ -89,14 +88,14 @@ class RunLock:
     :meth:`acquire` by the same process shares it, and it is released with the last
     :meth:`release`)."""
 
-    _held: dict[str, "RunLock"] = {}
+    _held: dict[str, RunLock] = {}
 
     def __init__(self, path: str, fd: int):
         self.path, self.fd, self.count = path, fd, 1
-        self.stale_owner: Optional[dict] = None
+        self.stale_owner: dict | None = None
 
     @classmethod
-    def acquire(cls, run_dir: str) -> "RunLock":
+    def acquire(cls, run_dir: str) -> RunLock:
         """Lock ``<run_dir>/run.lock``.
 
         Raises:
@@ -140,7 +139,7 @@ class RunLock:
             self.fd = -1
 
 
-def _read_owner(fd: int) -> Optional[dict]:
+def _read_owner(fd: int) -> dict | None:
     data = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if not data:
         return None
@@ -217,7 +216,7 @@ def _in_use_message(run_dir: str, owner: dict) -> str:
     )
 
 
-def _check_owner_without_flock(owner: Optional[dict], run_dir: str, path: str) -> None:
+def _check_owner_without_flock(owner: dict | None, run_dir: str, path: str) -> None:
     if not owner or "pid" not in owner:
         return
     if owner.get("host") != socket.gethostname():
@@ -401,14 +400,14 @@ class RunFolder:
     """The run folder of a running run: its lock, config.yaml and train.log (rank 0 holds them;
     other ranks hold nothing). Build it with :meth:`open`; :meth:`close` at the end."""
 
-    def __init__(self, layout: RunLayout, lock: Optional[RunLock] = None, log=None):
+    def __init__(self, layout: RunLayout, lock: RunLock | None = None, log=None):
         self.layout = layout
         self.run_dir, self.save_dir = layout.run_dir, layout.checkpoints
         self.lock, self.log = lock, log
         self._streams = None
 
     @classmethod
-    def open(cls, cfg) -> "RunFolder":
+    def open(cls, cfg) -> RunFolder:
         """Lock the run folder, refuse mixing, start train.log and print where the run writes
         (``config.yaml`` comes once the run resolved its config: :meth:`record_config`);
         collective: every rank raises the same error.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from dpo_megatron.checkpointing.model_checkpoint import MODEL_CONFIG_FILE
 from dpo_megatron.models import ModelConfig, build_model_chunks
@@ -103,7 +103,7 @@ def check_checkpoint_models(cfg, stated: Iterable[str] = ()) -> None:
             )
 
 
-def _stored_model(path: str) -> Optional[ModelConfig]:
+def _stored_model(path: str) -> ModelConfig | None:
     """The model stored with a checkpoint; None when it has none or it cannot be read (the
     checkpoint's verification names that file)."""
     from dpo_megatron.checkpointing import load_model_config
@@ -149,7 +149,7 @@ def with_loss_head(model_cfg: ModelConfig, loss_fn) -> ModelConfig:
 
 def require_sequence_parallel(
     parallel: ParallelConfig, model_cfg: ModelConfig
-) -> tuple[ParallelConfig, Optional[str]]:
+) -> tuple[ParallelConfig, str | None]:
     """The layout ``parallel`` with ``sequence_parallel`` on where megatron-core requires it: a
     mixture-of-experts model at TP > 1 (its MoE layer refuses to train with TP but without
     sequence parallelism, so there is no other choice to respect). ``parallel`` is not changed;
@@ -279,7 +279,7 @@ def reference_source(reference: ReferenceConfig) -> str:
 
 def reference_model_config(
     reference: ReferenceConfig, model: ModelConfig, *, seed: int
-) -> Optional[ModelConfig]:
+) -> ModelConfig | None:
     """The model of ``reference.hf_path`` / ``reference.load``, checked against the policy's
     (``model``, the resolved model section; ``seed``, ``train.seed``, names a random policy in
     the message): None when the reference is the policy's starting weights. Reads config.json
@@ -364,7 +364,7 @@ def build_reference(
     return ReferenceModel(chunks, offload=reference.offload)
 
 
-def checkpointed_policy(cfg, model_cfg: ModelConfig, policy: list) -> tuple[list, Optional[dict]]:
+def checkpointed_policy(cfg, model_cfg: ModelConfig, policy: list) -> tuple[list, dict | None]:
     """What a training checkpoint stores of the policy, and the LoRA record kept with it.
 
     Returns:

@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class StepOutput:
 
     metrics: dict[str, float]
     num_items: int
-    grad_norm: Optional[float] = None
+    grad_norm: float | None = None
     update_successful: bool = True
     per_item: dict[str, torch.Tensor] = field(default_factory=dict)
     aux_metrics: dict[str, float] = field(default_factory=dict)
@@ -139,8 +139,8 @@ def sequence_scores(
     loss_fn,
     batch: MicroBatch,
     output,
-    reference: Optional[torch.Tensor] = None,
-    statistic: Optional[StatisticShare] = None,
+    reference: torch.Tensor | None = None,
+    statistic: StatisticShare | None = None,
 ) -> SequenceScores:
     """The loss's record of one micro-batch: its targets, the policy's last-stage ``output`` in
     the targets' layout (``Targets.policy_values``: [N, S] log-probs, summed over the
@@ -235,7 +235,7 @@ def _statistic_forward_step(loss_fn, data_iterator, model):
 def step_statistic_inputs(
     policy_chunks: list,
     batch: StepBatch,
-    reference: list[Optional[torch.Tensor]],
+    reference: list[torch.Tensor | None],
     loss_fn: Callable,
     training: bool,
 ) -> list[dict]:
@@ -316,7 +316,7 @@ def reference_token_logps(reference_chunks: list, batch: StepBatch) -> list[torc
     return [entry["token_logps"] for entry in store]
 
 
-def reference_logps(reference, batch: StepBatch) -> list[Optional[torch.Tensor]]:
+def reference_logps(reference, batch: StepBatch) -> list[torch.Tensor | None]:
     """Each micro-batch's [N, S] reference log-probs: those the batch carries (precomputed), else
     the reference pass's (``reference.token_logps(batch)``; collective over the pipeline). Off
     the last pipeline stage, whose loss reads none, None per micro-batch.

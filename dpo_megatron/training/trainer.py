@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Optional
 
 from megatron.core import parallel_state
 
@@ -71,7 +70,7 @@ class Trainer:
             cache read of ``reference.mode=precomputed``).
     """
 
-    def __init__(self, cfg, data: Optional[RunData] = None, reference_weights: str = ""):
+    def __init__(self, cfg, data: RunData | None = None, reference_weights: str = ""):
         die_with_launcher()
         initialize_distributed(cfg.parallel)
         # First: a folder in use or holding another run is refused before anything is built.
@@ -236,7 +235,7 @@ class Trainer:
         reference.release()
         return None
 
-    def _report_start(self, layout_note: Optional[str]) -> None:
+    def _report_start(self, layout_note: str | None) -> None:
         if not ranks.is_rank0():
             return
         cfg = self.cfg
@@ -472,7 +471,7 @@ class Trainer:
         )
 
     def summary(
-        self, metrics: dict[str, float], first_step: int, seconds: float, export: Optional[str]
+        self, metrics: dict[str, float], first_step: int, seconds: float, export: str | None
     ) -> str:
         """The end-of-run block (rank 0 prints it): what the run achieved (steps, the last
         step's loss and accuracy, the first and last evaluation) and where its files are."""
@@ -517,7 +516,7 @@ class Trainer:
         self.checkpointer.close()
         self.run_folder.close()
 
-    def export_final(self) -> Optional[str]:
+    def export_final(self) -> str | None:
         """Per ``checkpoint.export_hf``: the final policy as a Hugging Face folder ``<save>/hf``
         (LoRA adapters merged), or the LoRA adapters in PEFT's layout ``<save>/hf_adapter``;
         says so on rank 0. Returns what was written (a description with its folder), or None."""

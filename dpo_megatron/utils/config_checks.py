@@ -8,15 +8,16 @@ the valid range. Imports nothing (the launcher's config check must stay fast).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 
 def check_range(
     section: str,
     obj: Any,
     name: str,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
+    low: float | None = None,
+    high: float | None = None,
     *,
     low_open: bool = False,
     high_open: bool = False,

@@ -12,7 +12,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def _umask() -> int:

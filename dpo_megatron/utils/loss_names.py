@@ -8,7 +8,8 @@ config is built before torch is imported.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 LOSS_ALIASES: dict[str, str] = {"dpo": "sigmoid"}
 """Other names users give a loss (``loss.name=dpo`` is Rafailov et al.'s sigmoid loss, as in

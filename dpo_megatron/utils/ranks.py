@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 
 def _process_group():
@@ -68,7 +68,7 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def agreed_errors(error: Optional[str]) -> list[str]:
+def agreed_errors(error: str | None) -> list[str]:
     """The distinct non-empty error messages of all ranks, each prefixed with the ranks that
     raised it (``"rank 0, 1: ..."``; no prefix in a world of one), the same list on every rank
     (collective)."""

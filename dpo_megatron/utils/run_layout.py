@@ -59,7 +59,7 @@ class RunLayout:
     ROUND_EVAL: ClassVar[str] = "eval.jsonl"
 
     @classmethod
-    def of(cls, cfg) -> "RunLayout":
+    def of(cls, cfg) -> RunLayout:
         """The layout of a run config (``cfg.run_dir``, ``cfg.checkpoint.save``)."""
         return cls(cfg.run_dir, cfg.checkpoint.save)
 

@@ -206,7 +206,7 @@ def load_tensor_file(path: str, mmap: bool = False) -> Any:
         raise _unreadable(path, e) from None
 
 
-def _unreadable(path: str, cause: "BaseException | str") -> UnreadableTorchFileError:
+def _unreadable(path: str, cause: BaseException | str) -> UnreadableTorchFileError:
     if isinstance(cause, BaseException):
         cause = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}"
     return UnreadableTorchFileError(

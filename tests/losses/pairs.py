@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
 from dpo_megatron.losses import LOSSES
 
-Numbers = Union[float, Sequence[float]]
+Numbers = float | Sequence[float]
 
 INPUT_NAMES = (
     "policy_chosen_logps",

@@ -4,7 +4,6 @@ forward pass through megatron-core's pipeline schedule that returns the gathered
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -507,9 +506,9 @@ def pipeline_logits(
     chunks: list,
     input_ids: torch.Tensor,
     num_microbatches: int = 1,
-    position_ids: Optional[torch.Tensor] = None,
-    segment_ids: Optional[torch.Tensor] = None,
-) -> Optional[torch.Tensor]:
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Forward ``input_ids`` [b, s] through megatron-core's pipeline schedule (forward only).
 
     The batch is split into ``num_microbatches`` equal micro-batches (the interleaved schedule

@@ -129,7 +129,7 @@ def old_run(tmp_path):
         ckpt = run_dir / "checkpoints" / f"iter_{step:07d}"
         ckpt.mkdir(parents=True)
         (ckpt / "metadata.json").write_text("{}")
-        (ckpt / "train_state.json").write_text('{"step": %d}' % step)
+        (ckpt / "train_state.json").write_text(f'{{"step": {step}}}')
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     (run_dir / "tensorboard").mkdir()
     (run_dir / "tensorboard" / "events").write_text("x")

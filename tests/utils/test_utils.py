@@ -29,7 +29,7 @@ def test_atomic_file_replaces_on_success_and_keeps_the_old_file_on_error(tmp_pat
 
 def test_content_key_is_sha256_of_sorted_json_with_the_cache_version():
     expected = hashlib.sha256(
-        ('{"a": 1, "b": "x", "version": %d}' % CACHE_VERSION).encode()
+        f'{{"a": 1, "b": "x", "version": {CACHE_VERSION}}}'.encode()
     ).hexdigest()
     assert content_key({"b": "x", "a": 1}) == expected
     assert content_key({"a": 2, "b": "x"}) != expected

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures import (
@@ -117,7 +116,7 @@ def head_of(hf_path: str) -> str:
     return "reward"
 
 
-def model_config_from_hf(hf_path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
+def model_config_from_hf(hf_path: str, base: ModelConfig | None = None) -> ModelConfig:
     """A ModelConfig whose architecture fields come from ``hf_path/config.json``.
 
     ``base`` supplies the non-architecture fields (params_dtype, transformer_impl, recompute_*,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -65,7 +65,7 @@ class HFCheckpointReader:
                 self._file_of[tensor] = name
 
     def _weight_files(self) -> list[str]:
-        self._index_map: Optional[dict[str, str]] = None
+        self._index_map: dict[str, str] | None = None
         for index in (SAFE_INDEX, BIN_INDEX):
             path = os.path.join(self.hf_path, index)
             if os.path.isfile(path):
@@ -124,7 +124,7 @@ class HFCheckpointReader:
         return self._shapes[name]
 
     def read(
-        self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
         """Rows ``[start, stop)`` of the stored tensor along ``dim`` (0 or 1); only those bytes
         are read (safetensors) or paged in (mmap'd .bin). Returns a contiguous CPU tensor."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -103,7 +103,7 @@ def check_hf_folder(reader: HFCheckpointReader, arch: Architecture, cfg: ModelCo
 
 def iter_global_params(
     chunk: torch.nn.Module,
-) -> Iterator[tuple[str, Optional[int], Optional[int], torch.Tensor]]:
+) -> Iterator[tuple[str, int | None, int | None, torch.Tensor]]:
     """(table pattern, global layer index or None, global expert index or None, parameter) for
     every parameter of a chunk, and every buffer of :data:`WEIGHT_BUFFERS`.
 

@@ -20,8 +20,9 @@ tensor-parallel group.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -69,10 +70,10 @@ class TensorMap:
     """Logical shape of each HF tensor in megatron orientation, as symbols (see module doc)."""
     transposed: bool = False
     """HF stores the 2-D tensors as ``[in, out]`` (GPT-2 ``Conv1D``)."""
-    layers: Optional[tuple[int, ...]] = None
+    layers: tuple[int, ...] | None = None
     """The global layers that hold this tensor (DeepSeek-V3: the dense MLP of its first layers,
     the experts of the others); None: every layer."""
-    hf_stacked: Optional[str] = None
+    hf_stacked: str | None = None
     """An expert tensor's (``{e}``) place in transformers 5's model in memory: the 3-D parameter
     that stacks every expert of layer ``{i}`` (:data:`HF_STACKED_GATE_UP`,
     :data:`HF_STACKED_DOWN`), the name PEFT's ``target_parameters`` adapts. None: not stacked."""
@@ -108,7 +109,7 @@ class Architecture:
     ignored: tuple[str, ...] = field(default=())
     """HF tensor names (``{i}`` patterns) that may appear in a checkpoint and carry no weights
     (non-persistent buffers saved by old versions, e.g. rotary ``inv_freq``)."""
-    file_layout: Optional[Any] = None
+    file_layout: Any | None = None
     """How the checkpoint stores tensors the table names one by one, when it does otherwise
     (gpt-oss: every expert of a layer in one stacked tensor, gate and up interleaved): an
     object with ``view(reader) -> reader`` (load: the stored tensors presented under the
@@ -235,7 +236,7 @@ LLAMA3_FIXED = {
 }
 
 
-def llama_rope(hf, name: str) -> tuple[float, Optional[float], Optional[float]]:
+def llama_rope(hf, name: str) -> tuple[float, float | None, float | None]:
     """(theta, Llama-3 scaling factor, linear scaling factor) of a Llama-family config."""
     rope = rope_parameters(hf)
     rope_type = rope["rope_type"]
@@ -352,7 +353,7 @@ def sliding_window_fields(hf) -> dict:
     )
 
 
-def hf_layer_types(cfg: ModelConfig) -> Optional[list[str]]:
+def hf_layer_types(cfg: ModelConfig) -> list[str] | None:
     """HF ``layer_types`` of a ModelConfig with a sliding window (None without one)."""
     if cfg.sliding_window is None:
         return None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -135,7 +135,7 @@ class StackedExpertsView:
         self.inner = reader
         self.hf_path = reader.hf_path
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._source: dict[str, tuple[str, int, Optional[int]]] = {}
+        self._source: dict[str, tuple[str, int, int | None]] = {}
         for name in reader.names():
             m = _STORED.match(name)
             if m is None:
@@ -161,7 +161,7 @@ class StackedExpertsView:
         return self._shapes[name]
 
     def read(
-        self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
         """Rows ``[start, stop)`` along ``dim`` of a presented tensor (contiguous, CPU)."""
         if name not in self._source:

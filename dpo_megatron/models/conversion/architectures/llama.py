@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
 
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.conversion.architectures.base import (
@@ -56,7 +55,7 @@ MIXTRAL_NAMES = MoENames(
 )
 
 
-def llama_tensors(cfg: ModelConfig, moe: "MoENames | None" = None) -> list[TensorMap]:
+def llama_tensors(cfg: ModelConfig, moe: MoENames | None = None) -> list[TensorMap]:
     p = "model.layers.{i}."
     d = "decoder.layers.{i}."
     table = [
@@ -218,7 +217,7 @@ def _moe_config_from_hf(hf, name: str) -> dict:
     return dict(num_experts=None, moe_ffn_hidden_size=None)
 
 
-def _no_rope_layers(hf) -> Optional[list[int]]:
+def _no_rope_layers(hf) -> list[int] | None:
     """SmolLM3's NoPE layers: the indices where HF's ``no_rope_layers`` holds 0 (HF: 1 = the
     layer applies RoPE; the config fills it from ``no_rope_layer_interval``, every 4th layer
     unrotated)."""
