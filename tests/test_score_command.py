@@ -109,3 +109,35 @@ def test_bad_rows_are_named_by_file_line_and_field(tmp_path):
     path = write_jsonl(tmp_path / "type.jsonl", [{"prompt": 3, "completion": "y"}])
     with pytest.raises(ValueError, match=r"type.jsonl: line 1: field 'prompt'"):
         encode_rows(read_rows(str(path)), str(path), tiny_hf_tokenizer(), "")
+
+
+def test_generate_rows_score_as_their_message_rows(tmp_path):
+    """A row as ``python -m dpo_megatron.generate`` writes it (a message-list prompt, the
+    sampled text as ``completion``, its extra fields) is scored as the row whose completion is
+    that text as the assistant turn: the same token ids and completion start, so the same score;
+    the ids are the chat template's rendering of the whole conversation."""
+    from dpo_megatron.reward.rows import encode_rows, read_rows
+
+    prompt = [{"role": "user", "content": "Hello! How are you?"}]
+    generated = {
+        "prompt": prompt,
+        "prompt_index": 0,
+        "sample_index": 1,
+        "completion": "I am fine, thank you.",
+        "completion_ids": [1, 2, 3],
+    }
+    messages = {
+        "prompt": prompt,
+        "completion": [{"role": "assistant", "content": "I am fine, thank you."}],
+    }
+    path = write_jsonl(tmp_path / "gen.jsonl", [generated, messages])
+    tokenizer = tiny_hf_tokenizer()
+    (gen_ids, msg_ids), (gen_start, msg_start) = encode_rows(
+        read_rows(str(path)), str(path), tokenizer, ""
+    )
+    assert gen_ids == msg_ids
+    assert gen_start == msg_start
+    text = tokenizer.apply_chat_template(prompt + messages["completion"], tokenize=False)
+    assert gen_ids == tokenizer(text.rstrip("\n"), add_special_tokens=False).input_ids
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert gen_start == len(tokenizer(prompt_text, add_special_tokens=False).input_ids)

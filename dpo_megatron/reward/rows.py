@@ -4,9 +4,12 @@
 Each input line is a JSON object with ``prompt`` and ``completion``: both strings (tokenized as
 the data path tokenizes them: the completion as a continuation ending with one EOS), or both
 message lists (rendered with the tokenizer's chat template, or ``data.chat_template``, as the
-data path renders conversations). The output holds every input row with a ``score`` field (fp32
-reward, a float), in input order, written atomically by rank 0. A bad row stops it with one line
-naming the file, the line and the field. The scoring itself is :mod:`dpo_megatron.reward.scoring`.
+data path renders conversations), or a message-list prompt with a text completion, as
+``python -m dpo_megatron.generate`` writes them (the text is the assistant turn after the
+prompt's messages, rendered as a message row). The output holds every input row with a
+``score`` field (fp32 reward, a float), in input order, written atomically by rank 0. A bad row
+stops it with one line naming the file, the line and the field. The scoring itself is
+:mod:`dpo_megatron.reward.scoring`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
     return rows
 
 
+def _as_message_row(row: dict) -> dict:
+    """``row`` with a text ``completion`` after a message-list ``prompt`` (the rows
+    ``python -m dpo_megatron.generate`` writes for a chat prompt) as the assistant message that
+    follows the prompt's messages; any other row unchanged."""
+    if isinstance(row["prompt"], list) and isinstance(row["completion"], str):
+        return {**row, "completion": [{"role": "assistant", "content": row["completion"]}]}
+    return row
+
+
 def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
     """(token ids of prompt + completion, completion start) per row, tokenized as the data path
     tokenizes a pair's prompt and chosen completion (``data.encode.encode_example``).
@@ -57,6 +69,7 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[l
     settings = encode_settings(tokenizer, resolve_chat_template(chat_template))
     sequences, starts = [], []
     for location, row in rows:
+        row = _as_message_row(row)
         # The unpaired formats' converters check a prompt and one completion (text, or messages);
         # the label they also read plays no part here.
         convert = (
