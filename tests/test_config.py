@@ -74,7 +74,7 @@ def test_missing_file_and_bad_override():
 
 def parse_args(argv):
     """A command's ``--config`` and overrides (``cli.command``), as (file, overrides)."""
-    args = command.parse(command.parser("a command"), argv)
+    args = command.parse(command.parser("A command.", "python -m a.command"), argv)
     return args.config, args.overrides
 
 

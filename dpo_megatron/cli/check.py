@@ -22,14 +22,21 @@ from dpo_megatron import config
 from dpo_megatron.cli import command
 
 
-def precheck(argv, validate: Callable, checks: Callable, weights: bool = True) -> None:
+def precheck(
+    argv,
+    validate: Callable,
+    checks: Callable,
+    weights: bool = True,
+    prog: str = "python -m dpo_megatron.config",
+) -> None:
     """The frame every pre-check shares: ``--list-keys``, ``--print-config`` (``validate``d),
     else the run folder (first: it needs neither torch, the data nor the model), ``validate``,
-    ``checks(cfg, args)`` and the world size."""
+    ``checks(cfg, args)`` and the world size; ``prog`` is how the pre-check is run (its usage
+    line)."""
     from dpo_megatron.utils import collector
 
     collector.pause()  # a short process: its imports are most of its time
-    p = command.parser(__doc__)
+    p = command.parser(__doc__, prog)
     p.add_argument("--list-keys", action="store_true", help="every key: type, default, range")
     p.add_argument("--print-config", action="store_true", help="the resolved config as YAML")
     if weights:

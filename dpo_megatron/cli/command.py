@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -129,10 +130,25 @@ def start(main: Callable[[], None], *, ranks: bool) -> None:
     main()
 
 
-def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    """``--config FILE`` and dotted ``key=value`` overrides; a command adds its own options."""
-    p = argparse.ArgumentParser(description=description.splitlines()[0], prog=prog)
-    p.add_argument("--config", default=None, help="YAML file under configs/")
+def description(doc: str) -> str:
+    """The first paragraph of a command's module docstring ``doc`` as plain text on one line
+    (its help's description): reST's double backquotes and ``:role:`` markup dropped."""
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", first).replace("``", "")
+
+
+def parser(doc: str, prog: str) -> argparse.ArgumentParser:
+    """A command's parser: ``prog`` as the command is run (``python -m dpo_megatron.train``: the
+    usage line's first words), the first paragraph of its module docstring ``doc`` as the
+    description (:func:`description`), ``--config FILE`` and dotted ``key=value`` overrides; the
+    command adds its own options."""
+    p = argparse.ArgumentParser(description=description(doc), prog=prog)
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="the run's YAML config (any path; the recipes are under configs/)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return p
 

@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """One rank of the command (module docstring)."""
     from dpo_megatron.generation.files import read_prompts
 
-    args = command.parse(command.parser(__doc__), argv)
+    args = command.parse(command.parser(__doc__, "python -m dpo_megatron.generate"), argv)
     with command.stops(config=True):  # every mistake found before torch: a stop in a second
         cfg = load_config(args.config, args.overrides, check=False)
         check_config(cfg)

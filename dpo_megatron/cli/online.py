@@ -45,9 +45,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--check" in argv:
         rest = [a for a in argv if a != "--check"]
-        check.precheck(rest, validate_online_config, online_checks, weights=False)
+        check.precheck(
+            rest,
+            validate_online_config,
+            online_checks,
+            weights=False,
+            prog="python -m dpo_megatron.online.run --check",
+        )
         return
-    args = command.parse(command.parser(__doc__), argv)
+    args = command.parse(command.parser(__doc__, "python -m dpo_megatron.online.run"), argv)
     with command.stops(config=True):
         cfg = load_config(args.config, args.overrides, check=False)
         command.check_start(cfg)

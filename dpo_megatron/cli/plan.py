@@ -45,7 +45,7 @@ OPTIONS = (  # flag, type, default, help
 
 def run(argv: Sequence[str] | None = None) -> dict:
     """Plan (module docstring); returns the JSON document it prints or writes."""
-    p = command.parser(__doc__)
+    p = command.parser(__doc__, "python -m dpo_megatron.plan")
     for flag, kind, default, text in OPTIONS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--layout", action="store_true", help="only the config's own layout")

@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """One rank of the scoring command (module docstring)."""
     from dpo_megatron.utils.ranks import is_rank0
 
-    p = command.parser(__doc__, prog="python -m dpo_megatron.score")
+    p = command.parser(__doc__, "python -m dpo_megatron.score")
     p.add_argument("--input", required=True, help="JSONL of {prompt, completion} rows")
     p.add_argument("--output", required=True, help="JSONL to write: the rows plus score")
     args = command.parse(p, argv)

@@ -37,7 +37,7 @@ def train(cfg) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> None:
     """One rank of a run (module docstring)."""
     collector.pause()  # until the run is built (train)
-    args = command.parse(command.parser(__doc__), argv)
+    args = command.parse(command.parser(__doc__, "python -m dpo_megatron.train"), argv)
     with command.stops(config=True):
         cfg = load_config(args.config, args.overrides, check=False)
         command.check_start(cfg)

@@ -107,3 +107,47 @@ def test_a_rank_stopping_on_a_signal_ends_quietly_at_a_broken_collective(monkeyp
     with pytest.raises(SystemExit):
         command.run_in_ranks(broken)
     assert ended == [128 + signal.SIGINT]
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "prog", "described_by"),
+    [
+        ("train", [], "python -m dpo_megatron.train", "train"),
+        ("generate", [], "python -m dpo_megatron.generate", "generate"),
+        ("score", [], "python -m dpo_megatron.score", "score"),
+        ("plan", [], "python -m dpo_megatron.plan", "plan"),
+        ("check", [], "python -m dpo_megatron.config", "check"),
+        ("online", [], "python -m dpo_megatron.online.run", "online"),
+        ("online", ["--check"], "python -m dpo_megatron.online.run --check", "check"),
+    ],
+)
+def test_each_command_help_names_how_it_is_run_in_whole_sentences(
+    module, argv, prog, described_by, capsys
+):
+    """A command's ``--help``: the usage line starts with how the command is run (not the
+    file's name), the description is its docstring's whole first paragraph (a sentence, not
+    the first line cut at a colon; an online run's pre-check is the pre-check's), and
+    ``--config`` takes any path."""
+    cli = importlib.import_module(f"dpo_megatron.cli.{module}")
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*argv, "--help"])
+    assert stop.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith(f"usage: {prog} [-h] [--config FILE]")
+    first = command.description(importlib.import_module(f"dpo_megatron.cli.{described_by}").__doc__)
+    assert first.endswith(".") and "``" not in first
+    assert f" {first} " in out
+    assert "--config FILE the run's YAML config (any path;" in out
+
+
+def test_a_description_is_the_first_paragraph_as_plain_text():
+    """The help's description: the docstring's first paragraph joined on one line, without
+    reST's double backquotes and role markup; the paragraphs after it are left out."""
+    doc = """Score rows with a reward model:
+    ``python -m x --input IN`` (:mod:`dpo_megatron.reward.rows`).
+
+    Details that stay in the docstring.
+    """
+    assert command.description(doc) == (
+        "Score rows with a reward model: python -m x --input IN (dpo_megatron.reward.rows)."
+    )
