@@ -351,6 +351,21 @@ def test_a_config_is_built_normalized_and_validation_only_checks(overrides, loss
     assert cfg == before and cfg.loss == loss
 
 
+@pytest.mark.parametrize(
+    "value, shown", [("yes", "true"), ("true", "true"), ("on", "true"), ("no", "false")]
+)
+def test_a_yes_or_no_resume_is_refused_naming_the_valid_values(value, shown):
+    """``checkpoint.resume`` is none, auto or a path: a YAML boolean (which the string field
+    stores as ``'True'`` / ``'False'``) stops the config with one line naming them, not as a
+    checkpoint folder called ``True`` that does not exist."""
+    with pytest.raises(ValueError) as error:
+        load_config(None, BASE + [f"checkpoint.resume={value}"], check=False)
+    assert str(error.value) == (
+        f"checkpoint.resume={shown} is a yes/no; it takes none (start fresh), auto (the latest "
+        "complete checkpoint in the save folder, else start fresh) or a checkpoint path"
+    )
+
+
 def test_print_config_shows_the_registered_loss_name(capsys):
     """``loss=dpo`` prints as the loss the run trains, ``sigmoid``; ``export_hf=true`` as
     ``merged``."""

@@ -41,12 +41,20 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         """``export_hf`` as its canonical name (``none``, ``merged`` or ``adapter``: a YAML
         ``false`` arrives as the string ``'False'``), so that the run and its config.yaml read
-        one spelling.
+        one spelling; a yes/no ``resume`` refused here, before the run folder's checks read it
+        as a path.
 
         Raises:
-            ValueError: an unknown ``export_hf`` value (``models.lora_config.export_mode``).
+            ValueError: an unknown ``export_hf`` value (``models.lora_config.export_mode``), or
+                a boolean ``resume`` (a YAML ``true`` / ``yes`` / ``on`` arrives as ``'True'``).
         """
         self.export_hf = export_mode(self.export_hf)
+        if self.resume in ("True", "False"):
+            raise ValueError(
+                f"checkpoint.resume={self.resume.lower()} is a yes/no; it takes none (start "
+                "fresh), auto (the latest complete checkpoint in the save folder, else start "
+                "fresh) or a checkpoint path"
+            )
 
     def validate(self) -> None:
         """Raises ValueError for a negative interval or count, an unknown export dtype or
