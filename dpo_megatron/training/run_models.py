@@ -172,14 +172,28 @@ def require_sequence_parallel(
     )
 
 
-def weights_source(model: ModelConfig, *, seed: int) -> str:
-    """Where the starting weights of ``model`` (the resolved model section) come from, in words
-    (printed at start-up); ``seed``: ``train.seed``, which a random initialisation starts from."""
+def weights_source(
+    model: ModelConfig, *, seed: int, resumed_from: str | None = None, lora: bool = False
+) -> str:
+    """Where the weights of ``model`` (the resolved model section) come from, in words (printed
+    at start-up); ``seed``: ``train.seed``, which a random initialisation starts from.
+
+    ``resumed_from``: the training checkpoint a resume loaded, whose weights replace the
+    starting ones (with ``lora``, ``lora.enabled``, it holds the adapters only: the base weights
+    are still the model section's). None: a fresh start, or the base's source alone (what a
+    LoRA checkpoint records as its ``base``).
+    """
     if model.load:
-        return f"checkpoint {resolve_model_load(model.load)}"
-    if model.hf_path:
-        return f"Hugging Face folder {model.hf_path}"
-    return f"random initialisation (seed {seed})"
+        start = f"checkpoint {resolve_model_load(model.load)}"
+    elif model.hf_path:
+        start = f"Hugging Face folder {model.hf_path}"
+    else:
+        start = f"random initialisation (seed {seed})"
+    if not resumed_from:
+        return start
+    if lora:
+        return f"LoRA adapters of the resumed checkpoint {resumed_from} on the base {start}"
+    return f"the resumed checkpoint {resumed_from}"
 
 
 def build_policy(

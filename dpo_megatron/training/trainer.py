@@ -262,7 +262,12 @@ class Trainer:
         if self.sequence_parallel_note:
             print(self.sequence_parallel_note, flush=True)
         cp = cfg.parallel.context_parallel_size
-        weights = run_models.weights_source(self.model_config, seed=cfg.train.seed)
+        weights = run_models.weights_source(
+            self.model_config,
+            seed=cfg.train.seed,
+            resumed_from=self.resumed_from,
+            lora=cfg.lora.enabled,
+        )
         reference = run_models.reference_source(cfg.reference)
         print(
             f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
