@@ -43,6 +43,35 @@ OPTIONS = (  # flag, type, default, help
 )
 
 
+RECIPE = "configs/gpu/llama3.1_8b_h100.yaml"
+"""The recipe a planner started without ``--config`` points to."""
+
+
+def _run_config(config_file: str | None, overrides: list[str]):
+    """The validated config of the run to plan (no tokenizer needed: the planner reads no text).
+
+    Raises:
+        ValueError: a config mistake; without ``config_file`` (the defaults and overrides alone
+            are rarely a run) it says to pass ``--config FILE``.
+    """
+    try:
+        cfg = load_config(config_file, overrides, check=False)
+        if not (cfg.model.hf_path or cfg.model.load or cfg.data.tokenizer):
+            # the tokenizer rule is the data path's: the planner reads no text
+            cfg = dataclasses.replace(
+                cfg, data=dataclasses.replace(cfg.data, tokenizer="(not needed to plan)")
+            )
+        validate(cfg)
+    except ValueError as e:
+        if config_file is not None:
+            raise
+        raise ValueError(
+            f"{e} (no --config given: the planner plans a run's config; pass --config FILE, "
+            f"e.g. {RECIPE} or another recipe of configs/gpu/)"
+        ) from None
+    return cfg
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     """Plan (module docstring); returns the JSON document it prints or writes."""
     p = command.parser(__doc__, "python -m dpo_megatron.plan")
@@ -50,13 +79,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--layout", action="store_true", help="only the config's own layout")
     args = p.parse_intermixed_args(argv)  # a bad override is the config's mistake (status 1)
-    cfg = load_config(args.config, args.overrides, check=False)
-    if not (cfg.model.hf_path or cfg.model.load or cfg.data.tokenizer):
-        # the tokenizer rule is the data path's: the planner reads no text
-        cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, tokenizer="(not needed to plan)")
-        )
-    validate(cfg)
+    cfg = _run_config(args.config, args.overrides)
     cluster = cluster_from_options(args)
     document = plan_report(
         cfg,

@@ -107,6 +107,26 @@ def test_a_mistake_is_one_config_error_line_and_a_misfit_exit_2():
     main(["--config", TINY, *CLUSTER, "--layout"])  # fits: returns
 
 
+def test_without_a_config_the_mistake_says_to_pass_one():
+    """A bare ``python -m dpo_megatron.plan`` (the defaults name no data) ends with the
+    config's mistake and how to give the planner a run: ``--config FILE``, naming a recipe
+    that exists; with ``--config`` the same mistake is the config's alone."""
+    import os
+
+    from dpo_megatron.cli.plan import RECIPE, main
+
+    assert os.path.isfile(os.path.join(ROOT, RECIPE))
+    with pytest.raises(SystemExit) as stop:
+        main([])
+    assert str(stop.value) == (
+        "config error: no data: set data.path (one dataset) or data.datasets (a mix) (no "
+        "--config given: the planner plans a run's config; pass --config FILE, e.g. "
+        f"{RECIPE} or another recipe of configs/gpu/)"
+    )
+    with pytest.raises(SystemExit, match=r"^config error: no data: set data.path .*a mix\)$"):
+        main(["--config", TINY, "data.path="])
+
+
 def test_the_pre_check_warns_when_the_layout_does_not_fit():
     from dpo_megatron.config import predicted_memory_warning
 
