@@ -7,7 +7,14 @@ import pytest
 
 from dpo_megatron.cli.dpo_repo import main
 from dpo_megatron.frontends.dpo_repo import prepare_trl_command
-from dpo_megatron.frontends.trl import translate_trl, trl_steps
+from dpo_megatron.frontends.trl import (
+    RENAMES,
+    SPECIAL,
+    UNSUPPORTED,
+    known_fields,
+    translate_trl,
+    trl_steps,
+)
 from tests.data.fixtures import tiny_hf_tokenizer
 
 
@@ -64,6 +71,73 @@ def test_fields_translate():
     assert trl_steps(facts, 100) == (14, 0)  # ceil(100 / 16) = 7 per epoch
     assert trl_steps({**facts, "warmup": 0.1}, 100) == (14, 2)
     assert trl_steps({**facts, "max_steps": 5}, None) == (5, 0)
+
+
+def test_every_key_is_written_once():
+    """A TRL config that sets every field it may (the test lists them all: a new field joins it)
+    translates to overrides that each set their key once: no field is both renamed and read by
+    a rule, so the printed command does not carry ``train.micro_batch_size`` twice."""
+    assert not set(RENAMES) & set(SPECIAL)
+    fields = {
+        "beta": 0.1,
+        "label_smoothing": 0.0,
+        "use_weighting": False,
+        "ld_alpha": 0.5,
+        "discopop_tau": 0.05,
+        "loss_weights": [1.0],
+        "max_length": 256,
+        "max_prompt_length": 64,
+        "truncation_mode": "keep_end",
+        "dataset_num_proc": 2,
+        "model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "dataset_name": "trl-lib/ultrafeedback_binarized",
+        "dataset_train_split": "train",
+        "output_dir": "runs/t",
+        "learning_rate": 5e-7,
+        "weight_decay": 0.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+        "max_grad_norm": 1.0,
+        "seed": 7,
+        "per_device_train_batch_size": 2,
+        "save_steps": 10,
+        "logging_steps": 5,
+        "save_total_limit": 2,
+        "pad_to_multiple_of": 8,
+        "precompute_ref_batch_size": 4,
+        "loss_type": "sigmoid",
+        "rpo_alpha": None,
+        "gradient_accumulation_steps": 4,
+        "num_train_epochs": 1,
+        "max_steps": 20,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0,
+        "warmup_ratio": 0.1,
+        "precompute_ref_log_probs": True,
+        "padding_free": True,
+        "gradient_checkpointing": True,
+        "bf16": True,
+        "optim": "adamw_torch",
+        "disable_dropout": True,
+        "report_to": ["tensorboard"],
+        "use_peft": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"],
+        "eval_strategy": "steps",
+        "eval_steps": 10,
+        "per_device_eval_batch_size": 4,
+        "dataset_test_split": "test",
+        **UNSUPPORTED,  # at TRL's defaults, the only values accepted
+    }
+    assert sorted(fields) == sorted(known_fields())
+    overrides, _, _ = translate_trl(fields, "cfg.yaml", devices=2)
+    keys = [o.partition("=")[0] for o in overrides]
+    assert sorted(k for k in set(keys) if keys.count(k) > 1) == []
+    assert "train.micro_batch_size=2" in overrides
+    assert "train.global_batch_size=16" in overrides  # 2 x 4 x 2 devices
 
 
 def test_unknown_and_unsupported_fields():

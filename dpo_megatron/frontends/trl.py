@@ -45,7 +45,6 @@ RENAMES: dict[str, str] = {
     "adam_epsilon": "train.adam_eps",
     "max_grad_norm": "train.clip_grad",
     "seed": "train.seed",
-    "per_device_train_batch_size": "train.micro_batch_size",
     "save_steps": "checkpoint.save_interval",
     "logging_steps": "train.log_interval",
     "save_total_limit": "checkpoint.keep_last_n",
@@ -57,6 +56,7 @@ RENAMES: dict[str, str] = {
 SPECIAL = (
     "loss_type",
     "rpo_alpha",
+    "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "num_train_epochs",
     "max_steps",
@@ -81,7 +81,9 @@ SPECIAL = (
     "dataset_test_split",
 )
 """TRL fields translated by a rule of :func:`translate_trl` (the ``lora_*`` and ``use_peft``
-ones are TRL's ``ModelConfig``, read from the same YAML by ``trl dpo --config``)."""
+ones are TRL's ``ModelConfig``, read from the same YAML by ``trl dpo --config``); none is in
+:data:`RENAMES` too, or its key would be written twice (``per_device_train_batch_size`` is the
+batch rule's, with ``gradient_accumulation_steps`` and the devices)."""
 
 PEFT_MODULES = {
     "q_proj": "linear_qkv",
