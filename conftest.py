@@ -8,25 +8,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LONGEST_FILES = {
-    "tests/test_slurm_cluster.py": 315,
-    "tests/training/test_durability.py": 250,
-    "tests/training/test_moe_dpo.py": 170,
-    "tests/training/test_bf16_architectures.py": 105,
-    "tests/test_architecture_launches.py": 95,
-    "tests/test_launcher.py": 80,
-    "tests/test_bench.py": 110,  # + the objectives' bench on a tiny model (45 s, 2 cores)
-    "tests/training/test_frontend_dpo_repo_runs.py": 70,
-    "tests/training/test_device_boundary.py": 70,
-    "tests/training/test_shared_prompt.py": 70,
-    "tests/test_gpu_check.py": 55,
-    "tests/training/test_real_smollm2.py": 50,
-    "tests/training/test_context_parallel.py": 45,
-    "tests/training/test_lora_lifecycle.py": 45,
-    "tests/training/test_lifecycle.py": 45,
-    "tests/test_mistral_family_folders.py": 45,
-    "tests/online/test_rounds.py": 45,
+    "tests/test_slurm_cluster.py": 355,
+    "tests/training/test_durability.py": 310,
+    "tests/training/test_moe_dpo.py": 165,
+    "tests/test_bench.py": 145,
+    "tests/test_launcher.py": 110,
+    "tests/training/test_bf16_architectures.py": 95,
+    "tests/test_architecture_launches.py": 65,
+    "tests/training/test_shared_prompt.py": 60,
+    "tests/training/test_device_boundary.py": 45,
+    "tests/training/test_frontend_dpo_repo_runs.py": 45,
+    "tests/test_gpu_check.py": 45,
+    "tests/training/test_real_smollm2.py": 40,
+    "tests/planning/test_prediction.py": 40,
+    "tests/training/test_reference.py": 40,
+    "tests/online/test_launcher.py": 40,
+    "tests/training/test_lifecycle.py": 40,
+    "tests/online/test_rounds.py": 35,
+    "tests/training/test_lora_lifecycle.py": 35,
+    "tests/test_mistral_family_folders.py": 35,
+    "tests/checkpointing/test_vpp_checkpoints.py": 35,
 }
-"""Seconds each file took in the last fresh-clone rehearsal (all its tests, rounded up): these
+"""Seconds each file took in the last full run (all its tests, rounded up to 5 s): these
 files go to the workers first, longest first, so that the last files handed out are short and
 both workers finish together. A file missing here only starts later (after these, slow-marked
 files before the others)."""
