@@ -22,7 +22,7 @@ def _train_log(training_args: Sequence[str], rank0_pid: int | None = None) -> st
     from dpo_megatron.config import load_config
 
     try:
-        args = parse(parser("the entry's command line"), list(training_args))
+        args = parse(parser("the entry's command line", "the entry"), list(training_args))
         cfg = load_config(args.config, args.overrides)
     except (ValueError, SystemExit, OSError):
         return ""
