@@ -324,7 +324,7 @@ def check_flex(settings: dict, baseline: dict | None) -> dict:
     tiny = settings["tiny"]
     pairs = synthetic_pairs(4 if tiny else 8, 256, 64 if tiny else 512, settings["seed"])
     length = -(-sum(shared_pair_length(p) for p in pairs) // 128) * 128  # whole flex blocks
-    layout = pack_shared_prompt_pairs(pairs, 0, length).packed
+    layout = pack_shared_prompt_pairs(pairs, 0, length)[0].packed
     segments, branches = (t.to(device) for t in (layout.segment_ids, layout.branch_ids))
     heads, groups, dim = 8, 2, 32 if tiny else 64
     generator = torch.Generator().manual_seed(settings["seed"])

@@ -3,9 +3,10 @@
 A micro-batch holds B whole items of one kind (``data.kinds``): B preference pairs as 2B
 sequences (rows 0..B-1 prompt+chosen, B..2B-1 prompt+rejected, so chosen and rejected of a pair
 always meet on the same last-stage rank), B unpaired examples as 2B sequences (each completion,
-then each KL completion), or B SFT examples (prompt+completion). It carries what the model reads
-in the model layout, and the item kind's targets (``losses.targets``), which the loss reads in
-the per-sequence layout:
+then each KL completion), or B SFT examples (prompt+completion). A :class:`MicroBatch` holds
+only what the model reads, in the model layout; the item kind's targets (``losses.targets``),
+which the loss reads in the per-sequence layout, travel beside it (:attr:`StepBatch.targets`,
+one per micro-batch):
 
 * **model layout** [R, L]: ``tokens``, ``position_ids`` and, for packed rows, their
   :class:`PackedLayout` (``packed``). Padded: R = N sequences of L tokens, right padded. Packed:
@@ -24,7 +25,7 @@ the per-sequence layout:
 
 Built on the host by one :class:`BatchBuilder` (padded, packed or SFT implementation; the kind's
 targets by ``data.targets``), moved to the device in one place (:meth:`StepBatch.to_device`), read
-by ``training.step``.
+by ``training.step``: the model gets each :class:`MicroBatch`, the loss its targets.
 """
 
 from __future__ import annotations
@@ -262,8 +263,9 @@ class PackedLayout:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch: what the model reads (see the module docstring for the two layouts), and
-    the targets of its item kind, which the loss reads.
+    """One micro-batch's model inputs: everything the model reads, nothing else (see the module
+    docstring for the two layouts). The targets of its item kind, which the loss reads, are
+    :attr:`StepBatch.targets`.
 
     Attributes:
         tokens: [R, L] int64 input ids.
@@ -274,8 +276,9 @@ class MicroBatch:
             reward model each sequence's last token (``RewardTargets.last_index``).
         target_ids: [n] int64 token each scored position predicts (the label, per sequence);
             None for a reward model (its head reads the positions alone).
-        targets: the item kind's targets (``losses.targets``: ``PairTargets``, ``SFTTargets``,
-            ``UnpairedTargets``, ``RewardTargets``), made with the batch (``data.targets``).
+        num_items: B, items (pairs, examples) in the micro-batch: the weight of its MoE
+            routers' load-balancing loss (``models.gpt.ScoringGPTModel``'s
+            ``moe_aux_loss_weight``).
         packed: the :class:`PackedLayout` of packed rows (under context parallelism this CP
             rank's ``data.context_split.LocalRows``); None for padded rows (one causal sequence
             per row).
@@ -288,7 +291,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     output_index: torch.Tensor
     target_ids: torch.Tensor | None
-    targets: Targets
+    num_items: int
     packed: PackedLayout | None = None
     padding_mask: torch.Tensor | None = None
 
@@ -296,11 +299,6 @@ class MicroBatch:
     def segment_ids(self) -> torch.Tensor | None:
         """[R, L] segment ids of packed rows (``packed.segment_ids``), None for padded rows."""
         return None if self.packed is None else self.packed.segment_ids
-
-    @property
-    def num_items(self) -> int:
-        """B: items (pairs, examples) in the micro-batch."""
-        return self.targets.num_items
 
     def to_device(self) -> MicroBatch:
         """The same micro-batch with every tensor on the engine's device."""
@@ -310,7 +308,7 @@ class MicroBatch:
             if isinstance(value, torch.Tensor):
                 moved[f.name] = to_device(value)
             elif value is not None and hasattr(value, "to_device"):
-                moved[f.name] = value.to_device()  # layout, CP rank's LocalRows, targets
+                moved[f.name] = value.to_device()  # layout, CP rank's LocalRows
         return replace(self, **moved)
 
 
@@ -319,8 +317,11 @@ class StepBatch:
     """One data-parallel rank's micro-batches of one optimizer step.
 
     Attributes:
-        micro_batches: in schedule order; all share R x L (the pipeline schedule sizes its
-            p2p buffers once per call).
+        micro_batches: the model's inputs, in schedule order; all share R x L (the pipeline
+            schedule sizes its p2p buffers once per call).
+        targets: the loss's targets of each micro-batch (``losses.targets``: ``PairTargets``,
+            ``SFTTargets``, ``UnpairedTargets``, ``RewardTargets``; ``data.targets`` makes them),
+            aligned with ``micro_batches``.
         seq_length: L, tokens per model row (a multiple of the padding granule).
         real_tokens: non-pad tokens of the sequences this rank's step computes, ``statistic``'s
             included, every sequence counted (a pair's prompt twice, as TRL counts it): the unit
@@ -332,6 +333,7 @@ class StepBatch:
     """
 
     micro_batches: list[MicroBatch]
+    targets: list[Targets]
     seq_length: int
     real_tokens: int
     model_tokens: int | None = None
@@ -349,13 +351,14 @@ class StepBatch:
     @property
     def has_reference_logps(self) -> bool:
         """True when every micro-batch's targets carry precomputed reference log-probs."""
-        return all(mb.targets.reference_logps is not None for mb in self.micro_batches)
+        return all(t.reference_logps is not None for t in self.targets)
 
     def to_device(self) -> StepBatch:
         """The host -> device crossing of a step (the only one)."""
         return replace(
             self,
             micro_batches=[mb.to_device() for mb in self.micro_batches],
+            targets=[t.to_device() for t in self.targets],
             statistic=None if self.statistic is None else self.statistic.to_device(),
         )
 
@@ -378,7 +381,7 @@ class BatchBuilder:
         pad_token_id: fills padding positions (never scored).
         multiple: padding granule of the step's row length (tokens; includes TP under sequence
             parallelism, which splits rows along the sequence).
-        kind: the item kind whose targets the micro-batches carry (``data.kinds.ItemKind.name``;
+        kind: the item kind whose targets the builder makes (``data.kinds.ItemKind.name``;
             ``data.targets``): "pairs", "unpaired" or "reward" for builders of two rows per item,
             "sft" or "reward" for one.
     """

@@ -19,6 +19,7 @@ import torch
 from dpo_megatron.data.batch import BatchBuilder, MicroBatch, StepBatch, round_up
 from dpo_megatron.data.pairs import PreferencePair, SFTExample
 from dpo_megatron.data.targets import target_maker
+from dpo_megatron.losses.targets import Targets
 
 Row = tuple[Sequence[int], Sequence[int]]
 """(prompt_ids, completion_ids) of one sequence."""
@@ -79,9 +80,9 @@ def reward_position(prompt: Sequence[int], completion: Sequence[int], pad_token_
 
 def collate_rows(
     rows: Sequence[Row], pad_token_id: int, seq_length: int, make_targets: Callable
-) -> MicroBatch:
-    """(prompt_ids, completion_ids) rows -> a padded :class:`MicroBatch` of [N, seq_length],
-    its targets made by ``make_targets(loss_mask, score_index, last_index)``
+) -> tuple[MicroBatch, Targets]:
+    """(prompt_ids, completion_ids) rows -> a padded :class:`MicroBatch` of [N, seq_length] and
+    its targets, made by ``make_targets(loss_mask, score_index, last_index)``
     (``data.targets``).
 
     Padding (right) uses ``pad_token_id``; the last label column is padding.
@@ -113,21 +114,22 @@ def collate_rows(
     )
     targets = make_targets(loss_mask, scored, last_index)
     output_index, target_ids = targets.model_scores(scored, labels.reshape(-1)[scored])
-    return MicroBatch(
+    inputs = MicroBatch(
         tokens=tokens,
         position_ids=position_ids,
         output_index=output_index,
         target_ids=target_ids,
-        targets=targets,
+        num_items=targets.num_items,
         padding_mask=torch.arange(seq_length)[None, :] >= torch.tensor(lengths)[:, None],
     )
+    return inputs, targets
 
 
 def collate_pairs(
     pairs: Sequence[PreferencePair], pad_token_id: int, seq_length: int, kind: str = "pairs"
-) -> MicroBatch:
+) -> tuple[MicroBatch, Targets]:
     """B pairs -> 2B padded rows (prompt+chosen for rows 0..B-1, prompt+rejected for B..2B-1,
-    same pair order), with ``kind``'s targets (``data.targets``: pairs carry their margins and
+    same pair order) and ``kind``'s targets (``data.targets``: pairs carry their margins and
     precomputed reference log-probs; unpaired examples their labels).
 
     Raises:
@@ -144,9 +146,9 @@ def collate_pairs(
 
 def collate_sft(
     examples: Sequence[SFTExample], pad_token_id: int, seq_length: int, kind: str = "sft"
-) -> MicroBatch:
-    """B SFT examples -> B padded rows, same layout as :func:`collate_pairs` (``kind`` "reward":
-    the rows to score with a reward model)."""
+) -> tuple[MicroBatch, Targets]:
+    """B SFT examples -> B padded rows and their targets, same layout as :func:`collate_pairs`
+    (``kind`` "reward": the rows to score with a reward model)."""
     make = target_maker(kind)
     return collate_rows(
         [(e.prompt_ids, e.completion_ids) for e in examples],
@@ -177,12 +179,13 @@ class PaddedPairs(BatchBuilder):
     ) -> StepBatch:
         step = [items[i] for mb in micro_batch_indices for i in mb]
         seq_length = padded_length([max(pair_lengths(p)) for p in step], self.multiple)
-        micro_batches = [
+        built = [
             collate_pairs([items[i] for i in mb], self.pad_token_id, seq_length, self.kind)
             for mb in micro_batch_indices
         ]
         return StepBatch(
-            micro_batches,
+            [inputs for inputs, _ in built],
+            [targets for _, targets in built],
             seq_length,
             sum(sum(pair_lengths(p)) for p in step),
             item_indices=[tuple(mb) for mb in micro_batch_indices],
@@ -205,12 +208,13 @@ class SFTExamples(BatchBuilder):
     def build(self, items: Sequence[SFTExample], micro_batch_indices: list[list[int]]) -> StepBatch:
         step = [items[i] for mb in micro_batch_indices for i in mb]
         seq_length = padded_length([example_length(e) for e in step], self.multiple)
-        micro_batches = [
+        built = [
             collate_sft([items[i] for i in mb], self.pad_token_id, seq_length, self.kind)
             for mb in micro_batch_indices
         ]
         return StepBatch(
-            micro_batches,
+            [inputs for inputs, _ in built],
+            [targets for _, targets in built],
             seq_length,
             sum(example_length(e) for e in step),
             item_indices=[tuple(mb) for mb in micro_batch_indices],

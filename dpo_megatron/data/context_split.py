@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from dpo_megatron.data.batch import BatchBuilder, MicroBatch, StepBatch
+from dpo_megatron.losses.targets import TokenTargets
 from dpo_megatron.parallel.context import chunk_positions
 from dpo_megatron.parallel.device import to_device
 
@@ -97,10 +98,13 @@ def local_positions(batch: MicroBatch, rank: int, size: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
-    """This CP rank's share of ``batch`` (see the module docstring). Identity for ``size`` 1."""
+def split_micro_batch(
+    batch: MicroBatch, targets: TokenTargets, rank: int, size: int
+) -> tuple[MicroBatch, TokenTargets]:
+    """This CP rank's share of ``batch`` and of its ``targets`` (their ``score_index``: see the
+    module docstring). Identity for ``size`` 1."""
     if size == 1:
-        return batch
+        return batch, targets
     rows, length = batch.tokens.shape
     keep = local_positions(batch, rank, size)  # [R, L / CP]
     local_length = keep.shape[1]
@@ -119,7 +123,7 @@ def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
         if batch.packed is None
         else LocalRows(cut(batch.packed.segment_ids), cut(batch.packed.branch_ids))
     )
-    return replace(
+    inputs = replace(
         batch,
         tokens=cut(batch.tokens),
         position_ids=cut(batch.position_ids),
@@ -127,8 +131,8 @@ def split_micro_batch(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
         padding_mask=cut(batch.padding_mask),
         output_index=mapped[held],
         target_ids=batch.target_ids[held],
-        targets=replace(batch.targets, score_index=batch.targets.score_index[held]),
     )
+    return inputs, replace(targets, score_index=targets.score_index[held])
 
 
 class ContextParallelSplit(BatchBuilder):
@@ -146,9 +150,12 @@ class ContextParallelSplit(BatchBuilder):
 
     def build(self, items: Sequence, micro_batch_indices: list[list[int]]) -> StepBatch:
         step = self.inner.build(items, micro_batch_indices)
+        split = [
+            split_micro_batch(mb, targets, self.rank, self.size)
+            for mb, targets in zip(step.micro_batches, step.targets)
+        ]
         return replace(
             step,
-            micro_batches=[
-                split_micro_batch(mb, self.rank, self.size) for mb in step.micro_batches
-            ],
+            micro_batches=[inputs for inputs, _ in split],
+            targets=[targets for _, targets in split],
         )

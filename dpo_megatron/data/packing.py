@@ -57,6 +57,7 @@ from dpo_megatron.data.collate import (
 from dpo_megatron.data.config import PackingConfig  # noqa: F401  (packing.* lives with the data configs: no torch)
 from dpo_megatron.data.pairs import PreferencePair
 from dpo_megatron.data.targets import target_maker
+from dpo_megatron.losses.targets import Targets
 
 
 @dataclass
@@ -190,7 +191,7 @@ def pack_units(
     row_length: int,
     num_rows: int = 0,
     kind: str = "pairs",
-) -> MicroBatch:
+) -> tuple[MicroBatch, Targets]:
     """Place one micro-batch's units into R rows of ``row_length`` tokens (first-fit
     decreasing) and map its scored tokens (see the module docstring).
 
@@ -201,12 +202,12 @@ def pack_units(
         row_length: L, tokens per row.
         num_rows: R; 0 = as many as first-fit decreasing needs; more appends empty rows (so
             every micro-batch of a step has the same shape).
-        kind: the item kind whose targets the micro-batch carries (``data.targets``).
+        kind: the item kind whose targets are made (``data.targets``).
 
     Returns:
-        A MicroBatch: tokens / position_ids [R, L] with their :class:`PackedLayout`;
-        its targets' loss_mask (and reference_logps when the pairs carry them) [2B, S], S the
-        longest sequence.
+        (the MicroBatch: tokens / position_ids [R, L] with their :class:`PackedLayout`; its
+        targets: loss_mask, and reference_logps when the pairs carry them, [2B, S], S the
+        longest sequence).
 
     Raises:
         ValueError: a unit longer than ``row_length``, or ``num_rows`` smaller than the rows
@@ -266,19 +267,20 @@ def pack_units(
     layout = PackedLayout.from_spans(segment_ids, branch_ids if shared else None, spans)
     targets = target_maker(kind)(pairs, loss_mask, score_index, last_index, computed)
     output_index, target_ids = targets.model_scores(output_index, target_ids)
-    return MicroBatch(
+    inputs = MicroBatch(
         tokens=tokens,
         position_ids=position_ids,
         output_index=output_index,
         target_ids=target_ids,
-        targets=targets,
+        num_items=targets.num_items,
         packed=layout,
     )
+    return inputs, targets
 
 
 def pack_pairs(
     pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int, num_rows: int = 0
-) -> MicroBatch:
+) -> tuple[MicroBatch, Targets]:
     """Pack one micro-batch of B pairs as 2B sequences into R rows of ``row_length`` tokens
     (:func:`pack_units`).
 
@@ -291,7 +293,7 @@ def pack_pairs(
 
 def pack_shared_prompt_pairs(
     pairs: Sequence[PreferencePair], pad_token_id: int, row_length: int, num_rows: int = 0
-) -> MicroBatch:
+) -> tuple[MicroBatch, Targets]:
     """Pack one micro-batch of B pairs as B ``[prompt | chosen | rejected]`` units
     (:func:`pack_units`); same per-sequence layout as :func:`pack_pairs`.
 
@@ -408,7 +410,7 @@ class PackedPairs(BatchBuilder):
         else:
             length = round_up(max(sum(len(u) for u in us) for us in units), self.multiple)
             n_rows = 1
-        micro_batches = [
+        built = [
             pack_units(us, mb, self.pad_token_id, length, n_rows, self.kind)
             for mb, us in zip(step, units)
         ]
@@ -420,7 +422,8 @@ class PackedPairs(BatchBuilder):
         )
         model_tokens = sum(len(u) for us in raw for u in us)  # without the 2 x CP padding
         return StepBatch(
-            micro_batches,
+            [inputs for inputs, _ in built],
+            [targets for _, targets in built],
             length,
             real_tokens,
             model_tokens,

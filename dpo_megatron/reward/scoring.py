@@ -100,8 +100,8 @@ def _summed_logps(chunks, batch) -> list[torch.Tensor]:
     """Per micro-batch, the [B] sums of each row's completion log-probs (last stage; empty
     elsewhere): a frozen reference's forward-only pass."""
     return [
-        (token_logps.double() * mb.targets.loss_mask.double()).sum(-1)
-        for mb, token_logps in zip(batch.micro_batches, reference_token_logps(chunks, batch))
+        (token_logps.double() * targets.loss_mask.double()).sum(-1)
+        for targets, token_logps in zip(batch.targets, reference_token_logps(chunks, batch))
     ]
 
 

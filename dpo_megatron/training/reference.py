@@ -369,8 +369,8 @@ def precompute_reference_logps(
         token_logps = reference.token_logps(step)
         if not last or filler:
             continue
-        for mb, indices, mb_logps in zip(step.micro_batches, step.item_indices, token_logps):
-            rows = _completion_values(mb_logps, mb.targets.loss_mask)
+        for targets, indices, mb_logps in zip(step.targets, step.item_indices, token_logps):
+            rows = _completion_values(mb_logps, targets.loss_mask)
             n = len(indices)
             for k, i in enumerate(indices):
                 values.setdefault(i, (rows[k], rows[n + k]))

@@ -1,8 +1,9 @@
 """One DPO step through megatron-core's pipeline schedule.
 
 A step's micro-batches (``dpo_megatron.data.batch.StepBatch``, already on the device) hold B whole
-items each: pairs as 2B sequences (chosen rows, then rejected rows) or SFT examples as B rows. A
-step is:
+items each: pairs as 2B sequences (chosen rows, then rejected rows) or SFT examples as B rows.
+The model reads each ``MicroBatch`` (its inputs only); the loss reads the micro-batch's targets
+(``StepBatch.targets``), which the schedule's data iterator yields with it. A step is:
 
 1. when the loss reads a reference and the batch does not carry precomputed reference log-probs,
    the frozen ``reference_model`` runs forward-only through the schedule and returns each
@@ -25,7 +26,8 @@ step is:
    sum_i loss_i / N_pairs.
 
 Every item kind goes through the same passes: its micro-batches' targets (``losses.targets``) say
-what the model scores and how its output reads in the loss's layout, and the loss dispatches on
+what the model scores (the builder asks them when it lays out ``output_index``) and how its
+output reads in the loss's layout, and the loss dispatches on
 the kind once (``LossFunction.__call__`` of :func:`sequence_scores`' record). A reward model
 (``bradley_terry``) is one such kind: its targets score each sequence's last token
 (``RewardTargets.last_index``), its model returns one reward per sequence, and its loss takes
@@ -52,7 +54,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dpo_megatron.data.batch import MicroBatch, StepBatch
-from dpo_megatron.losses.targets import SequenceScores, StatisticShare
+from dpo_megatron.losses.targets import SequenceScores, StatisticShare, Targets, TokenTargets
 from dpo_megatron.models.moe import load_balancing_metrics
 from dpo_megatron.parallel.context import (
     is_first_context_parallel_rank,
@@ -96,7 +98,8 @@ def model_forward(model, batch: MicroBatch, log_sum_p2: bool = False):
     each sequence's last token, with no ``target_ids``). Prompt and padding positions are never
     projected onto the vocabulary, and the scored ones one chunk at a time. Packed rows bring
     their layout (``MicroBatch.packed``); MoE routers get the padding mask and the micro-batch's
-    items (their load-balancing weight)."""
+    items (their load-balancing weight). The model reads the micro-batch's inputs only, never
+    its targets."""
     # Only routers read the mask: dense models skip building it on every micro-batch.
     mask = padding_mask(batch) if model.config.num_moe_experts else None
     return model(
@@ -123,32 +126,32 @@ def padding_mask(batch: MicroBatch) -> torch.Tensor:
     return batch.padding_mask
 
 
-def token_logps(scored: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+def token_logps(scored: torch.Tensor, targets: TokenTargets) -> torch.Tensor:
     """[N, S] per-token values (log p(label_t) in nats, or another per-token quantity), zero on
-    prompt and padding positions, from the [n] values of the scored positions (the targets'
-    ``sequence_layout``).
+    prompt and padding positions, from the [n] values of the scored positions (the micro-batch's
+    ``targets.sequence_layout``).
 
     Under context parallelism each CP rank scores the tokens it holds (``data.context_split``)
     and the [N, S] tables are summed over the CP group (``parallel.context``: identity backward),
     so every CP rank holds every sequence's log-probs (hence its sums and token counts) and
     computes the same loss once per pair."""
-    return sum_over_context_parallel(batch.targets.sequence_layout(scored))
+    return sum_over_context_parallel(targets.sequence_layout(scored))
 
 
 def sequence_scores(
     loss_fn,
-    batch: MicroBatch,
+    targets: Targets,
     output,
     reference: torch.Tensor | None = None,
     statistic: StatisticShare | None = None,
 ) -> SequenceScores:
-    """The loss's record of one micro-batch: its targets, the policy's last-stage ``output`` in
+    """The loss's record of one micro-batch: its ``targets``, the policy's last-stage ``output`` in
     the targets' layout (``Targets.policy_values``: [N, S] log-probs, summed over the
     context-parallel group, or [N] rewards), and the values the reference and step-statistic
     passes returned for it."""
-    policy, log_sum_p2 = batch.targets.policy_values(output, loss_fn.needs_token_log_sum_p2)
+    policy, log_sum_p2 = targets.policy_values(output, loss_fn.needs_token_log_sum_p2)
     return SequenceScores(
-        batch.targets,
+        targets,
         sum_over_context_parallel(policy),
         reference,
         None if log_sum_p2 is None else sum_over_context_parallel(log_sum_p2),
@@ -168,19 +171,19 @@ def _count(n: int) -> torch.Tensor:
 
 
 def _reference_forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch, targets = next(data_iterator)
 
     def keep(head):
-        values = token_logps(head.token_logps, batch).detach()
+        values = token_logps(head.token_logps, targets).detach()
         return head.token_logps.new_zeros(()), _count(0), {"token_logps": values}
 
     return model_forward(model, batch), keep
 
 
-def _policy_loss(loss_fn, batch: MicroBatch, reference, statistic, output):
+def _policy_loss(loss_fn, targets: Targets, reference, statistic, output):
     """Last-stage loss of one micro-batch: (sum of per-item losses, item count, per-item
     values)."""
-    losses, metrics = loss_fn(sequence_scores(loss_fn, batch, output, reference, statistic))
+    losses, metrics = loss_fn(sequence_scores(loss_fn, targets, output, reference, statistic))
     reported = {"loss": losses.detach(), **{k: v.detach() for k, v in metrics.items()}}
     return losses.sum(), _count(losses.shape[0]), reported
 
@@ -213,18 +216,18 @@ def reward_scores(chunks: list, batch: StepBatch) -> list[torch.Tensor]:
 
 
 def _policy_forward_step(loss_fn, data_iterator, model):
-    batch, reference, statistic = next(data_iterator)
+    batch, targets, reference, statistic = next(data_iterator)
     return (
         model_forward(model, batch, log_sum_p2=loss_fn.needs_token_log_sum_p2),
-        partial(_policy_loss, loss_fn, batch, reference, statistic),
+        partial(_policy_loss, loss_fn, targets, reference, statistic),
     )
 
 
 def _statistic_forward_step(loss_fn, data_iterator, model):
-    batch, reference = next(data_iterator)
+    batch, targets, reference = next(data_iterator)
 
     def values(head):
-        scores = SequenceScores(batch.targets, token_logps(head.token_logps, batch), reference)
+        scores = SequenceScores(targets, token_logps(head.token_logps, targets), reference)
         item_values = loss_fn.item_statistics(scores)
         return head.token_logps.new_zeros(()), _count(0), {"values": item_values}
 
@@ -257,7 +260,7 @@ def step_statistic_inputs(
     store = run_schedule(
         partial(_statistic_forward_step, loss_fn),
         policy_chunks,
-        list(zip(batch.micro_batches, reference)),
+        list(zip(batch.micro_batches, batch.targets, reference)),
         _rows(batch),
         batch.seq_length,
         True,
@@ -283,12 +286,11 @@ def step_statistic_inputs(
         len(rank_values) for rank_values, _ in gathered[: parallel_state.get_data_parallel_rank()]
     )
     inputs = []
-    for mb in batch.micro_batches:
-        sliced = {
-            k: v[offset : offset + mb.num_items].to(get_device()) for k, v in per_item.items()
-        }
+    for targets in batch.targets:
+        n = targets.num_items
+        sliced = {k: v[offset : offset + n].to(get_device()) for k, v in per_item.items()}
         inputs.append(StatisticShare(dict(scalars), sliced))
-        offset += mb.num_items
+        offset += n
     return inputs
 
 
@@ -308,7 +310,7 @@ def reference_token_logps(reference_chunks: list, batch: StepBatch) -> list[torc
     store = run_schedule(
         _reference_forward_step,
         reference_chunks,
-        batch.micro_batches,
+        list(zip(batch.micro_batches, batch.targets)),
         _rows(batch),
         batch.seq_length,
         True,
@@ -328,7 +330,7 @@ def reference_logps(reference, batch: StepBatch) -> list[torch.Tensor | None]:
         ValueError: the batch carries none and ``reference`` is None.
     """
     if batch.has_reference_logps:
-        return [mb.targets.reference_logps for mb in batch.micro_batches]
+        return [targets.reference_logps for targets in batch.targets]
     if reference is None:
         raise ValueError(
             "this loss needs reference log-probs: the batch carries none and "
@@ -391,7 +393,7 @@ def run_policy(
         return run_schedule(
             step,
             policy_chunks,
-            list(zip(batch.micro_batches, reference_values, inputs)),
+            list(zip(batch.micro_batches, batch.targets, reference_values, inputs)),
             _rows(batch),
             batch.seq_length,
             forward_only,

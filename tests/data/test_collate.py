@@ -22,7 +22,7 @@ def test_collate_pairs_layout_by_hand():
         PreferencePair(prompt_ids=(5, 6), chosen_ids=(7, 2), rejected_ids=(8, 9, 2)),
         PreferencePair(prompt_ids=(11,), chosen_ids=(12,), rejected_ids=(13, 2)),
     ]
-    batch = collate_pairs(pairs, pad_token_id=PAD, seq_length=6)
+    batch, targets = collate_pairs(pairs, pad_token_id=PAD, seq_length=6)
     assert batch.tokens.tolist() == [
         [5, 6, 7, 2, 0, 0],  # pair 0 chosen
         [11, 12, 0, 0, 0, 0],  # pair 1 chosen
@@ -30,7 +30,6 @@ def test_collate_pairs_layout_by_hand():
         [11, 13, 2, 0, 0, 0],  # pair 1 rejected
     ]
     # 1 exactly where labels[:, t] is a completion token: t from len(prompt)-1 to length-2.
-    targets = batch.targets
     assert isinstance(targets, PairTargets)
     assert targets.loss_mask.tolist() == [
         [0, 1, 1, 0, 0, 0],
@@ -46,7 +45,7 @@ def test_collate_pairs_layout_by_hand():
     assert (
         batch.output_index.tolist() == targets.score_index.tolist() == [1, 2, 6, 13, 14, 15, 18, 19]
     )
-    assert batch.num_items == 2
+    assert batch.num_items == targets.num_items == 2
     # Padding starts after each row's last token (lengths 4, 2, 5, 3).
     assert batch.padding_mask.tolist() == [[t >= n for t in range(6)] for n in (4, 2, 5, 3)]
     # Each scored position predicts the next token: the rows' completions, row by row.
@@ -55,20 +54,20 @@ def test_collate_pairs_layout_by_hand():
 
 def test_collate_exact_fit_and_too_long():
     pair = PreferencePair((1, 2), (3, 4), (5,))
-    batch = collate_pairs([pair], pad_token_id=9, seq_length=4)
+    batch, targets = collate_pairs([pair], pad_token_id=9, seq_length=4)
     assert batch.tokens.tolist() == [[1, 2, 3, 4], [1, 2, 5, 9]]
     assert batch.target_ids.tolist() == [3, 4, 5]
-    assert batch.targets.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
+    assert targets.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
     with pytest.raises(ValueError, match=r"row 0 has 4 tokens .* > seq_length 3"):
         collate_pairs([pair], pad_token_id=9, seq_length=3)
 
 
 def test_collate_sft_and_padded_length():
-    batch = collate_sft([SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4)
+    batch, targets = collate_sft([SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4)
     assert batch.tokens.tolist() == [[1, 2, 3, 0]]
-    assert isinstance(batch.targets, SFTTargets)
-    assert batch.targets.loss_mask.tolist() == [[0, 1, 0, 0]]
-    assert batch.num_items == 1
+    assert isinstance(targets, SFTTargets)
+    assert targets.loss_mask.tolist() == [[0, 1, 0, 0]]
+    assert batch.num_items == targets.num_items == 1
     assert padded_length([5, 17, 9]) == 24
     assert padded_length([16]) == 16
 
@@ -80,9 +79,9 @@ def test_precomputed_reference_logps_travel_with_the_pairs():
         ),
         PreferencePair((5,), (7, 2), (2,), torch.tensor([-3.0, -4.0]), torch.tensor([-8.0])),
     ]
-    batch = collate_pairs(pairs, 0, 6)
+    _, targets = collate_pairs(pairs, 0, 6)
     # loss_mask rows (completion label positions): [1, 2], [0, 1], [1, 2, 3], [0].
-    assert batch.targets.reference_logps.tolist() == [
+    assert targets.reference_logps.tolist() == [
         [0, -1, -2, 0, 0, 0],
         [-3, -4, 0, 0, 0, 0],
         [0, -5, -6, -7, 0, 0],
@@ -106,9 +105,9 @@ def test_each_kind_brings_its_own_targets():
         UnpairedPair((5, 6), (7, 2), (8,), desirable=True),
         UnpairedPair((11,), (12,), (13, 2), desirable=False),
     ]
-    unpaired = collate_pairs(examples, pad_token_id=PAD, seq_length=6, kind="unpaired")
-    assert isinstance(unpaired.targets, UnpairedTargets)
-    assert unpaired.targets.desirable.tolist() == [1.0, 0.0]
+    _, unpaired = collate_pairs(examples, pad_token_id=PAD, seq_length=6, kind="unpaired")
+    assert isinstance(unpaired, UnpairedTargets)
+    assert unpaired.desirable.tolist() == [1.0, 0.0]
     with pytest.raises(ValueError, match="holds a preference pair"):
         collate_pairs([PreferencePair((5,), (7,), (8,))], PAD, 6, kind="unpaired")
 
@@ -116,11 +115,13 @@ def test_each_kind_brings_its_own_targets():
         PreferencePair((5, 6), (7, 2), (8, 9, 2), margin=1.5),
         PreferencePair((11,), (12,), (13, 2)),
     ]
-    reward = collate_pairs(pairs, pad_token_id=2, seq_length=6, kind="reward")
-    assert isinstance(reward.targets, RewardTargets)
+    reward, targets = collate_pairs(pairs, pad_token_id=2, seq_length=6, kind="reward")
+    assert isinstance(targets, RewardTargets)
     # Rows as in test_collate_pairs_layout_by_hand; pad id 2 is skipped at a row's end.
-    assert reward.targets.last_index.tolist() == [2, 7, 15, 19]
+    assert targets.last_index.tolist() == [2, 7, 15, 19]
     assert reward.output_index.tolist() == [2, 7, 15, 19] and reward.target_ids is None
-    assert reward.targets.margin.tolist() == [1.5, 0.0] and reward.num_items == 2
-    single = collate_sft([SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4, kind="reward")
-    assert single.output_index.tolist() == [2] and single.num_items == 1
+    assert targets.margin.tolist() == [1.5, 0.0] and reward.num_items == targets.num_items == 2
+    single, targets = collate_sft(
+        [SFTExample((1, 2), (3,))], pad_token_id=0, seq_length=4, kind="reward"
+    )
+    assert single.output_index.tolist() == [2] and single.num_items == targets.num_items == 1

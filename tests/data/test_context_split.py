@@ -28,7 +28,8 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
     full_builder = make_batch_builder(packing, pad_token_id=0, multiple=2 * cp)
     if kind != "padded":  # the CP builder pads each packed unit to 2 x CP; so does this one
         full_builder.unit_multiple = 2 * cp
-    full = full_builder.build(tiny_pairs(3, seed=1), [[0, 1, 2]]).micro_batches[0]
+    full_step = full_builder.build(tiny_pairs(3, seed=1), [[0, 1, 2]])
+    full, full_targets = full_step.micro_batches[0], full_step.targets[0]
     rows, length = full.tokens.shape
     seen = torch.zeros(rows, length, dtype=torch.int64)
     scored = []
@@ -36,7 +37,7 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
         step = make_batch_builder(
             packing, pad_token_id=0, multiple=2 * cp, context_parallel=(rank, cp)
         ).build(tiny_pairs(3, seed=1), [[0, 1, 2]])
-        part = step.micro_batches[0]
+        part, part_targets = step.micro_batches[0], step.targets[0]
         assert step.seq_length == length  # the schedule divides by CP itself
         assert part.tokens.shape == (rows, length // cp)
         keep = local_positions(full, rank, cp)
@@ -46,8 +47,8 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
         if kind != "padded":
             assert torch.equal(part.packed.segment_ids, full.packed.segment_ids.gather(1, keep))
         # Each scored token keeps its label, its model input and its per-sequence slot.
-        for k_local, slot in enumerate(part.targets.score_index.tolist()):
-            k = full.targets.score_index.tolist().index(slot)
+        for k_local, slot in enumerate(part_targets.score_index.tolist()):
+            k = full_targets.score_index.tolist().index(slot)
             assert part.target_ids[k_local] == full.target_ids[k]
             assert (
                 part.tokens.reshape(-1)[part.output_index[k_local]]
@@ -59,9 +60,9 @@ def test_ranks_share_every_token_once_with_its_label_and_position(kind, cp):
             )
             scored.append(slot)
         # The per-sequence layout is kept whole.
-        assert torch.equal(part.targets.loss_mask, full.targets.loss_mask)
+        assert torch.equal(part_targets.loss_mask, full_targets.loss_mask)
     assert bool((seen == 1).all())  # every position on exactly one rank
-    assert sorted(scored) == sorted(full.targets.score_index.tolist())
+    assert sorted(scored) == sorted(full_targets.score_index.tolist())
 
 
 def test_padded_split_of_one_row_by_hand():
@@ -74,18 +75,20 @@ def test_padded_split_of_one_row_by_hand():
         position_ids=tokens.clone(),
         output_index=torch.tensor([1, 2, 6]),
         target_ids=torch.tensor([101, 102, 106]),
-        targets=SFTTargets(torch.ones(1, 8), torch.tensor([1, 2, 6])),
+        num_items=1,
         padding_mask=torch.arange(8)[None, :] >= 7,
     )
-    rank1 = split_micro_batch(batch, 1, 2)
+    targets = SFTTargets(torch.ones(1, 8), torch.tensor([1, 2, 6]))
+    rank1, targets1 = split_micro_batch(batch, targets, 1, 2)
     assert rank1.tokens.tolist() == [[2, 3, 4, 5]]
     assert rank1.position_ids.tolist() == [[2, 3, 4, 5]]  # RoPE angles follow the chunks
-    assert rank1.output_index.tolist() == [0] and rank1.targets.score_index.tolist() == [2]
+    assert rank1.output_index.tolist() == [0] and targets1.score_index.tolist() == [2]
     assert rank1.target_ids.tolist() == [102]
     assert rank1.padding_mask.tolist() == [[False] * 4]
-    rank0 = split_micro_batch(batch, 0, 2)
+    rank0, targets0 = split_micro_batch(batch, targets, 0, 2)
     assert rank0.tokens.tolist() == [[0, 1, 6, 7]]
-    assert rank0.output_index.tolist() == [1, 2] and rank0.targets.score_index.tolist() == [1, 6]
+    assert rank0.output_index.tolist() == [1, 2] and targets0.score_index.tolist() == [1, 6]
+    assert torch.equal(targets0.loss_mask, targets.loss_mask)  # the per-sequence layout: whole
     assert rank0.padding_mask.tolist() == [[False, False, False, True]]
 
 

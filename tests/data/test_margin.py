@@ -30,9 +30,9 @@ def test_margins_reach_the_pairs_and_every_batch_form(tmp_path):
     for kind in ("pairs", "reward"):
         for builder in (PaddedPairs(2, 8, kind), SharedPromptPairs(2, 8, packing, kind=kind)):
             batch = builder.build(pairs, [[0, 1], [2]])
-            margins = [mb.targets.margin.tolist() for mb in batch.micro_batches]
+            margins = [targets.margin.tolist() for targets in batch.targets]
             assert margins == [[1.5, 0.0], [2.0]]
-        assert PaddedPairs(2, 8, kind).build(pairs, [[1]]).micro_batches[0].targets.margin is None
+        assert PaddedPairs(2, 8, kind).build(pairs, [[1]]).targets[0].margin is None
 
 
 def test_a_bad_margin_is_named(tmp_path):

@@ -39,9 +39,9 @@ HEADS, GROUPS, DIM = 4, 2, 8
 
 def _layouts():
     return {
-        "packed": pack_pairs(PAIRS, 0, row_length=40).packed,
-        "shared": pack_shared_prompt_pairs(PAIRS, 0, row_length=32).packed,
-        "shared_rows": pack_shared_prompt_pairs(PAIRS, 0, row_length=13).packed,
+        "packed": pack_pairs(PAIRS, 0, row_length=40)[0].packed,
+        "shared": pack_shared_prompt_pairs(PAIRS, 0, row_length=32)[0].packed,
+        "shared_rows": pack_shared_prompt_pairs(PAIRS, 0, row_length=13)[0].packed,
     }
 
 
@@ -324,7 +324,7 @@ def test_thd_rope_applies_each_tokens_own_position():
         def rank(self):
             return 0
 
-    batch = pack_shared_prompt_pairs(PAIRS, 0, row_length=32)
+    batch, _ = pack_shared_prompt_pairs(PAIRS, 0, row_length=32)
     config = TransformerConfig(
         num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS, apply_rope_fusion=False
     )

@@ -15,7 +15,7 @@ PAIRS = [
 
 
 def test_padded_rows_mask_exactly_the_padding():
-    batch = collate_pairs(PAIRS, pad_token_id=0, seq_length=9)
+    batch, _ = collate_pairs(PAIRS, pad_token_id=0, seq_length=9)
     lengths = [5, 3, 7, 2]  # chosen 0, chosen 1, rejected 0, rejected 1 (prompt + completion)
     want = torch.tensor([[t >= n for t in range(9)] for n in lengths])
     assert torch.equal(padding_mask(batch), want)
@@ -24,7 +24,7 @@ def test_padded_rows_mask_exactly_the_padding():
 
 
 def test_packed_rows_mask_only_the_row_tails():
-    batch = pack_pairs(PAIRS, pad_token_id=0, row_length=10)
+    batch, _ = pack_pairs(PAIRS, pad_token_id=0, row_length=10)
     mask = padding_mask(batch)
     assert torch.equal(mask, batch.segment_ids < 0)
     assert int((~mask).sum()) == 5 + 3 + 7 + 2  # every token of every sequence, once

@@ -40,7 +40,7 @@ def test_pack_pairs_layout_by_hand():
         PreferencePair((10, 11), (12, 2), (13, 14, 2)),
         PreferencePair((20,), (21, 2), (22, 2)),
     ]
-    out = pack_pairs(pairs, pad_token_id=0, row_length=8)
+    out, targets = pack_pairs(pairs, pad_token_id=0, row_length=8)
     # FFD, longest first: A+r (5) row 0; A+c (4) row 1; B+c (3) row 0; B+r (3) row 1.
     assert out.tokens.tolist() == [[10, 11, 13, 14, 2, 20, 21, 2], [10, 11, 12, 2, 20, 22, 2, 0]]
     assert out.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 0]]
@@ -60,15 +60,15 @@ def test_pack_pairs_layout_by_hand():
     visible = ~attention_mask_from_segments(out.segment_ids)[:, 0]
     assert visible[0, 6].tolist() == [False] * 5 + [True, True, False]  # B+c sees only itself
     assert visible[1, 7].tolist() == [False] * 7 + [True]  # the tail: itself
-    padded = collate_pairs(pairs, pad_token_id=0, seq_length=5)
-    assert torch.equal(out.targets.loss_mask, padded.targets.loss_mask)
+    padded, padded_targets = collate_pairs(pairs, pad_token_id=0, seq_length=5)
+    assert torch.equal(targets.loss_mask, padded_targets.loss_mask)
     # Scored tokens: A+c at row 1, B+c at row 0 (offset 5), A+r at row 0, B+r at row 1 (offset 4).
     assert out.output_index.tolist() == [9, 10, 5, 6, 1, 2, 3, 12, 13]
-    assert torch.equal(out.targets.score_index, padded.targets.score_index)
+    assert torch.equal(targets.score_index, padded_targets.score_index)
     # the same tokens, scored in the same order
     assert torch.equal(
         out.tokens.reshape(-1)[out.output_index],
-        padded.tokens.reshape(-1)[padded.targets.score_index],
+        padded.tokens.reshape(-1)[padded_targets.score_index],
     )
     assert torch.equal(out.target_ids, padded.target_ids)
     assert padded.target_ids.tolist() == [12, 2, 21, 2, 13, 14, 2, 22, 2]
@@ -78,7 +78,7 @@ def test_a_long_tail_is_cut_into_short_padding_spans():
     """A varlen kernel computes every span it is given: an unused tail of 294 positions as one
     causal span would cost it as much as a 294-token sequence."""
     pairs = [PreferencePair((10, 11), (12,), (13,))]
-    out = pack_pairs(pairs, pad_token_id=0, row_length=300)
+    out, _ = pack_pairs(pairs, pad_token_id=0, row_length=300)
     tail = [(s.q_start, s.q_end, s.keys) for s in out.packed.spans if s.padding]
     assert tail == [(6, 134, ((6, 134),)), (134, 262, ((134, 262),)), (262, 300, ((262, 300),))]
     assert out.packed.cu_seqlens_q.tolist() == [0, 3, 6, 134, 262, 300]
@@ -129,7 +129,7 @@ def test_a_builder_computing_one_side_attaches_the_other_for_the_statistic():
     assert main.tokens[0, :7].tolist() == [10, 11, 12, 2, 20, 21, 2]  # the examples only
     assert stat.tokens[0, :8].tolist() == [10, 11, 13, 14, 2, 20, 22, 2]  # the KL sequences
     chosen, rejected = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0.0, 0, 1, 1])
-    main_t, stat_t, full_t = main.targets, stat.targets, full.targets
+    main_t, stat_t, full_t = split.targets[0], split.statistic.targets[0], both.targets[0]
     assert torch.equal(main_t.loss_mask.sum(-1).bool().float(), chosen)
     assert torch.equal(stat_t.loss_mask.sum(-1).bool().float(), rejected)
     assert torch.equal(main_t.loss_mask + stat_t.loss_mask, full_t.loss_mask)

@@ -62,12 +62,12 @@ def _hf_logps(hf_path, pairs, pad_id):
 
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
     longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
-    batch = collate_pairs(pairs, pad_id, longest)
+    batch, targets = collate_pairs(pairs, pad_id, longest)
     with torch.no_grad():
         logits = model(batch.tokens).logits
     labels = torch.nn.functional.pad(batch.tokens[:, 1:], (0, 1), value=pad_id)  # next tokens
     token_logps = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
-    return (token_logps * batch.targets.loss_mask).sum(-1).double()
+    return (token_logps * targets.loss_mask).sum(-1).double()
 
 
 def test_tp2_pp2_matches_transformers_and_training_raises_margins(tmp_path):

@@ -39,16 +39,16 @@ def test_unit_positions_and_branches():
 
 
 def test_layout_by_hand():
-    out = pack_shared_prompt_pairs(PAIRS, pad_token_id=0, row_length=12)
+    out, targets = pack_shared_prompt_pairs(PAIRS, pad_token_id=0, row_length=12)
     # FFD: A (7 tokens) then B (5) in one row of 12.
     assert out.tokens.tolist() == [[10, 11, 12, 2, 13, 14, 2, 20, 21, 2, 22, 2]]
     assert out.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1, 2, 1, 2]]
     assert out.packed.branch_ids.tolist() == [[0, 0, 1, 1, 2, 2, 2, 0, 1, 1, 2, 2]]
     assert out.segment_ids.tolist() == [[0] * 7 + [1] * 5]
     # Per sequence (rows A+c, B+c, A+r, B+r): the padded path's tokens and order.
-    padded = collate_pairs(PAIRS, pad_token_id=0, seq_length=5)
-    assert torch.equal(out.targets.loss_mask, padded.targets.loss_mask)
-    assert torch.equal(out.targets.score_index, padded.targets.score_index)
+    padded, padded_targets = collate_pairs(PAIRS, pad_token_id=0, seq_length=5)
+    assert torch.equal(targets.loss_mask, padded_targets.loss_mask)
+    assert torch.equal(targets.score_index, padded_targets.score_index)
     assert torch.equal(out.target_ids, padded.target_ids)
     # The last prompt position scores both completions' first token: 1 (A) and 7 (B) twice.
     assert out.output_index.tolist() == [1, 2, 7, 8, 1, 4, 5, 7, 10]
@@ -196,6 +196,7 @@ def _logps_with(kernel, broken):
         if how:
             batch = StepBatch(
                 [_corrupt(mb, how) for mb in batch.micro_batches],
+                batch.targets,
                 batch.seq_length,
                 batch.real_tokens,
             )
