@@ -330,6 +330,9 @@ class StepBatch:
             ``statistic``'s included); None means ``real_tokens``.
         item_indices: the dataset indices of each micro-batch's items, in row order (host
             metadata: the step statistic's keys, the precompute pass's table rows).
+
+    Raises:
+        ValueError: ``targets`` not one per micro-batch.
     """
 
     micro_batches: list[MicroBatch]
@@ -342,6 +345,13 @@ class StepBatch:
     (:meth:`BatchBuilder.computing`): the same items in the same micro-batches, other sequences
     of them computed (KTO: the mismatched sequences only)."""
     item_indices: list[tuple[int, ...]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.targets) != len(self.micro_batches):
+            raise ValueError(
+                f"a step batch of {len(self.micro_batches)} micro-batches has "
+                f"{len(self.targets)} targets: one per micro-batch"
+            )
 
     @property
     def computed_tokens(self) -> int:

@@ -27,8 +27,8 @@ The model reads each ``MicroBatch`` (its inputs only); the loss reads the micro-
 
 Every item kind goes through the same passes: its micro-batches' targets (``losses.targets``) say
 what the model scores (the builder asks them when it lays out ``output_index``) and how its
-output reads in the loss's layout, and the loss dispatches on
-the kind once (``LossFunction.__call__`` of :func:`sequence_scores`' record). A reward model
+output reads in the loss's layout, and the loss dispatches on the kind once
+(``LossFunction.__call__`` of :func:`sequence_scores`' record). A reward model
 (``bradley_terry``) is one such kind: its targets score each sequence's last token
 (``RewardTargets.last_index``), its model returns one reward per sequence, and its loss takes
 the [2B] rewards. It has no reference.

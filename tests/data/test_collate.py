@@ -97,6 +97,28 @@ def test_precomputed_reference_logps_travel_with_the_pairs():
         collate_pairs([pairs[0], PreferencePair((5,), (7, 2), (2,))], 0, 6)
 
 
+def test_the_model_reads_the_same_micro_batch_whatever_targets_sit_beside_it():
+    """A micro-batch holds only the model's inputs: the same rows as pairs (DPO) or as unpaired
+    examples (KTO) give equal micro-batches and targets of each kind; a step batch keeps one
+    targets record per micro-batch."""
+    import dataclasses
+
+    from dpo_megatron.data.batch import StepBatch
+
+    rows = [((5, 6), (7, 2), (8,)), ((11,), (12,), (13, 2))]
+    pairs = [PreferencePair(*r) for r in rows]
+    examples = [UnpairedPair(*r, desirable=k == 0) for k, r in enumerate(rows)]
+    as_pairs, pair_targets = collate_pairs(pairs, PAD, 6)
+    as_examples, unpaired_targets = collate_pairs(examples, PAD, 6, kind="unpaired")
+    for f in dataclasses.fields(as_pairs):
+        a, b = getattr(as_pairs, f.name), getattr(as_examples, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    assert (type(pair_targets), type(unpaired_targets)) == (PairTargets, UnpairedTargets)
+    assert torch.equal(pair_targets.score_index, unpaired_targets.score_index)
+    with pytest.raises(ValueError, match="2 micro-batches has 1 targets"):
+        StepBatch([as_pairs, as_examples], [pair_targets], seq_length=6, real_tokens=20)
+
+
 def test_each_kind_brings_its_own_targets():
     """Unpaired examples name their labels; a reward model's pairs score each sequence's last
     token that is not padding (and carry the margins), with no label; a reward model's single
