@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
 MIB_PER_GIB = 1024.0
 
 
@@ -65,16 +66,11 @@ def memory_trend(records: list[dict], warmup_steps: int) -> dict:
     }
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("split", "train") == "train" and "step" in row:
-            rows.append(row)
-    return rows
-
-
 def main() -> int:
+    if str(REPO) not in sys.path:  # run as a file: the package from this checkout
+        sys.path.insert(0, str(REPO))
+    from dpo_megatron.training.metrics_log import split_records
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--data-parallel-size", type=int, default=2)
@@ -99,7 +95,8 @@ def main() -> int:
         print("soak:", " ".join(cmd), flush=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        trend = memory_trend(_read_metrics(run_dir / "metrics.jsonl"), args.save_interval)
+        records = list(split_records(str(run_dir / "metrics.jsonl"), "train"))
+        trend = memory_trend(records, args.save_interval)
     trend.update(steps_run=args.steps, data_parallel_size=args.data_parallel_size)
     print(
         f"soak: {trend['steps']} steps after {args.save_interval} of warm-up: "

@@ -97,18 +97,25 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
-def last_record(path: str, split: str) -> dict:
-    """The last record of ``split`` (``train``, ``eval``) in a metrics.jsonl: ``{"step", "split",
-    metric name: value, ...}`` ({} when the file or such a record is missing)."""
+def split_records(path: str, split: str) -> Iterator[dict]:
+    """The records of ``split`` (``train``, ``eval``) in a metrics.jsonl, in file order:
+    ``{"step", "split", metric name: value, ...}`` (none when the file is missing)."""
     if not os.path.isfile(path):
-        return {}
-    last = {}
+        return
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
                 if record.get("split") == split:
-                    last = record
+                    yield record
+
+
+def last_record(path: str, split: str) -> dict:
+    """The last record of ``split`` in a metrics.jsonl ({} when the file or such a record is
+    missing; :func:`split_records`)."""
+    last = {}
+    for record in split_records(path, split):
+        last = record
     return last
 
 
