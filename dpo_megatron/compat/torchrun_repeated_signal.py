@@ -82,17 +82,29 @@ class RepeatedSignals:
 
     def _interrupt_workers(self) -> None:
         """SIGINT to the process group of each child (torch elastic starts every worker as a
-        session leader: its group is its pid)."""
-        import os
+        session leader: its group is its pid), then SIGKILL to the groups still there after
+        :data:`KILL_AFTER_S`. A rank's own handler ends it at a second SIGINT, but CPython runs a
+        handler once for signals that arrive together: a rank busy in native code (a collective,
+        a long kernel) when both Ctrl-C's forwarded SIGINTs reach it sees one signal, and would
+        run on to its step's end. A killed rank prints no traceback and the checkpoints on disk
+        stay whole (every save is atomic)."""
+        import threading
 
         from dpo_megatron.utils.processes import child_pids
 
         self.stopped_at_once = True
-        for pid in child_pids():
-            try:
-                os.killpg(pid, signal.SIGINT)
-            except (ProcessLookupError, PermissionError):  # gone, or not a group leader
-                pass
+        groups = list(child_pids())
+        for pid in groups:
+            _signal_group(pid, signal.SIGINT)
+
+        def kill_the_rest() -> None:
+            for pid in groups:
+                if _group_alive(pid):
+                    _signal_group(pid, signal.SIGKILL)
+
+        timer = threading.Timer(KILL_AFTER_S, kill_the_rest)
+        timer.daemon = True
+        timer.start()
 
     def __enter__(self) -> RepeatedSignals:
         if PATCH.applies_to_installed():
@@ -107,3 +119,26 @@ class RepeatedSignals:
         if self._module is not None:
             self._module._terminate_process_handler = self._original
             self._module = None
+
+
+KILL_AFTER_S = 5.0
+"""Seconds the workers have after a repeated SIGINT before their groups are killed."""
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    import os
+
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):  # gone, or not a group leader
+        pass
+
+
+def _group_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -42,3 +42,34 @@ def test_only_the_first_signal_raises_and_a_second_sigint_interrupts_the_workers
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_a_worker_still_there_after_the_repeated_sigint_is_killed(monkeypatch):
+    """A worker that runs on after the second Ctrl-C's SIGINT (its two forwarded SIGINTs seen as
+    one while it was busy in native code: here it ignores SIGINT) is killed after
+    ``KILL_AFTER_S``; one that stops at the SIGINT is not signalled again."""
+    import subprocess
+    import sys
+    import time
+
+    from dpo_megatron.compat import torchrun_repeated_signal as repeated
+
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    stubborn = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    polite = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        time.sleep(1.0)  # both running their sleep
+        monkeypatch.setattr(repeated, "KILL_AFTER_S", 0.5)
+        monkeypatch.setattr(
+            "dpo_megatron.utils.processes.child_pids", lambda: [stubborn.pid, polite.pid]
+        )
+        signals = repeated.RepeatedSignals()
+        signals._interrupt_workers()
+        assert signals.stopped_at_once
+        assert polite.wait(timeout=10) == -signal.SIGINT
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in (stubborn, polite):
+            p.kill()
