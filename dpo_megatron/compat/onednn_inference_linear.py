@@ -70,6 +70,18 @@ def packed_product(
     return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
 
 
+_ACTIVE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+"""id -> (weight, packed) of the weights packed by the :func:`packed_linears` block in progress."""
+
+
+def packed_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """``weight``'s packed copy inside a :func:`packed_linears` block that packed it, else
+    None (for :func:`packed_product`: a caller that multiplies by the weights itself, as the
+    direct decode step does)."""
+    entry = _ACTIVE.get(id(weight)) if weight is not None else None
+    return entry[1] if entry is not None and entry[0] is weight else None
+
+
 def _modules(chunks, *classes) -> Iterator[torch.nn.Module]:
     for chunk in chunks:
         for module in chunk.modules():
@@ -116,15 +128,17 @@ def packed_linears(chunks) -> Iterator[int]:
         return
     # A tied LM head multiplies by the word embeddings: their weight is packed too.
     owners = patched + list(_modules(chunks, VocabParallelEmbedding))
-    table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for weight in (m.weight for m in owners if m.weight is not None):
-        if weight.dtype in DTYPES and weight.device.type == "cpu" and id(weight) not in table:
-            table[id(weight)] = (weight, pack(weight))
+        if weight.dtype in DTYPES and weight.device.type == "cpu" and id(weight) not in _ACTIVE:
+            mine[id(weight)] = (weight, pack(weight))
+    _ACTIVE.update(mine)
     for module in patched:
-        module._forward_impl = _packed_impl(module, table)
+        module._forward_impl = _packed_impl(module, _ACTIVE)
     try:
-        yield len(table)
+        yield len(mine)
     finally:
         for module in patched:
             del module._forward_impl
-        table.clear()
+        for key in mine:  # another block's weights (other chunks) stay packed
+            del _ACTIVE[key]

@@ -14,7 +14,10 @@ own :class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core att
    one row with each prompt a causal span (``KVCache.append_packed``); under sequence
    parallelism, whose rows split along the sequence, the left-padded rows themselves;
 2. decode: one slot per row (x TP under sequence parallelism, the extra slots idle) per step,
-   through the same schedule, until every completion of the world has stopped.
+   through the same schedule, until every completion of the world has stopped. On the CPU, a
+   model the direct loop covers (one chunk per rank, dense pre-norm layers:
+   :mod:`dpo_megatron.generation.direct_decode`) decodes through that loop instead: the same
+   operations on the same operands, bit for bit, without megatron-core's per-module costs.
 
 On the CPU the linear layers multiply with weights packed once per call for oneDNN
 (``compat.onednn_inference_linear``): a decode step's products of a few rows are then about
@@ -43,6 +46,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from dpo_megatron.compat import cuda_on_cpu
 from dpo_megatron.compat.onednn_inference_linear import packed_linears
 from dpo_megatron.data.batch import AttentionSpan, PackedLayout
+from dpo_megatron.generation.direct_decode import DirectDecoder, unsupported
 from dpo_megatron.generation.sampling import SamplingParams, choose_tokens, completion_generator
 from dpo_megatron.models.attention import packed_seq_params
 from dpo_megatron.models.kv_cache import KVCache
@@ -111,13 +115,19 @@ def _forward_step(data_iterator, model):
     return output, last_logits
 
 
-def _run(chunks, batches: list[_MicroBatch], feeds: list, params, vocab: int):
+def _run(chunks, batches: list[_MicroBatch], feeds: list, params, vocab: int, direct=None):
     """One forward of every micro-batch (``feeds``: host tokens, positions and the flat
     positions whose logits choose each row's next token, all of one shape; the caches already
-    appended), then the next token of every live row, shared along the pipeline."""
+    appended), then the next token of every live row, shared along the pipeline. A decode
+    step with ``direct`` (a :class:`DirectDecoder`) computes the logits with it instead of
+    the schedule."""
     rows, n = feeds[0][0].shape
     feed = [(*(to_device(t) for t in tensors), mb.cache) for mb, tensors in zip(batches, feeds)]
-    store = run_schedule(_forward_step, chunks, feed, rows, n, True)
+    if direct is not None:
+        with cuda_on_cpu.suspended():
+            store = [{"logits": direct.logits(t[:, 0], p[:, 0], c).float()} for t, p, _, c in feed]
+    else:
+        store = run_schedule(_forward_step, chunks, feed, rows, n, True)
     chosen = None
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         chosen = []
@@ -275,9 +285,10 @@ def generate(
         for mb in batches:
             feed = _prefill_feed(mb, prompts, pad_id, packed=slots == 1)
             _run(chunks, [mb], [feed], params, vocab_size)
+        direct = DirectDecoder(chunks[0]) if unsupported(chunks) is None else None
         while _any_live(batches):
             feeds = [_decode_feed(mb, slots, pad_id) for mb in batches]
-            _run(chunks, batches, feeds, params, vocab_size)
+            _run(chunks, batches, feeds, params, vocab_size, direct)
     mine = [(k, out) for mb in batches for k, out in zip(mb.keys, mb.generated) if k is not None]
     parts = [mine]
     if parallel_state.get_data_parallel_world_size() > 1:

@@ -460,4 +460,5 @@ def _mask_vocab_padding(chunk: ScoringGPTModel, vocab_size: int, padded: int) ->
         pad = torch.arange(first_pad, shard, device=logits.device)
         return logits.index_fill(-1, pad, float("-inf")), bias
 
+    hook.masks_vocab_padding = True  # known to callers that compute the head themselves
     chunk.output_layer.register_forward_hook(hook)

@@ -57,10 +57,16 @@ def _model_outputs():
         with onednn.packed_linears(chunks) as packed_count:
             with onednn.packed_linears(chunks) as nested_count:  # a caller's block around it
                 packed = model(tokens, positions)
+            # the packed copies stay for the outer block; another weight was never packed
+            known = [
+                onednn.packed_weight(m.weight) is not None for m in linears if m.weight is not None
+            ]
+            unknown = onednn.packed_weight(torch.zeros(3, 3))
             with torch.enable_grad():
                 graded = model(tokens, positions)
             inside = all("_forward_impl" in m.__dict__ for m in linears)
         after = not any("_forward_impl" in m.__dict__ for m in linears)
+        freed = all(onednn.packed_weight(m.weight) is None for m in linears)
         again = model(tokens, positions)
     onednn.packed_product = product
     return {
@@ -75,6 +81,9 @@ def _model_outputs():
         "products": products,
         "inside": inside,
         "after": after,
+        "known": known,
+        "unknown": unknown,
+        "freed": freed,
     }
 
 
@@ -83,6 +92,7 @@ def test_a_model_inside_the_block_gives_the_same_logits():
     # every linear's weight and the tied word embeddings, which the LM head multiplies by
     assert r["count"] == r["weights"] + 1 and r["nested"] == 0  # packed once
     assert r["inside"] and r["after"]
+    assert r["known"] == [True] * r["weights"] and r["unknown"] is None and r["freed"]
     assert r["products"] == [False] * r["linears"]  # only the no-grad forward, every linear
     torch.testing.assert_close(r["packed"], r["plain"], rtol=1e-5, atol=1e-5)
     assert torch.equal(r["graded"], r["plain"])  # gradients on: megatron-core's own product

@@ -139,7 +139,9 @@ def test_sampling_params_out_of_range_are_refused_by_name(kwargs, field):
 # the engine on ranks
 
 
-def _chunks(hf_dir, tp=1, pp=1, ep=1, vpp=None):
+def _chunks(hf_dir, tp=1, pp=1, ep=1, vpp=None, **model):
+    """This rank's chunks of the model at ``hf_dir`` at the layout (``model``: ModelConfig
+    fields other than the defaults here), and the model config."""
     from dpo_megatron.models import ModelConfig, build_model_chunks, load_hf_weights
     from dpo_megatron.models.conversion import model_config_from_hf
     from dpo_megatron.parallel import ParallelConfig, initialize_distributed, set_seed
@@ -156,7 +158,14 @@ def _chunks(hf_dir, tp=1, pp=1, ep=1, vpp=None):
     set_seed(1234)
     cfg = model_config_from_hf(
         hf_dir,
-        ModelConfig(params_dtype="float32", transformer_impl="local", pad_attention_heads=True),
+        ModelConfig(
+            **{
+                "params_dtype": "float32",
+                "transformer_impl": "local",
+                "pad_attention_heads": True,
+                **model,
+            }
+        ),
     )
     chunks = build_model_chunks(cfg, parallel)
     load_hf_weights(chunks, cfg, hf_dir)
@@ -247,8 +256,55 @@ def _cache_vs_recompute(hf_dir):
     return worst
 
 
+def _direct_vs_schedule(hf_dir, lora=False, **model):
+    """The direct decode step against the schedule's on the same cache, greedy steps of rows
+    of different lengths (each step's tokens chosen by the schedule): whether the logits are
+    equal bit for bit, per step; or the one line saying why the direct step does not serve
+    the model (``lora``: with LoRA adapters attached; ``model``: ModelConfig fields)."""
+    from dpo_megatron.compat.onednn_inference_linear import packed_linears
+    from dpo_megatron.generation import SamplingParams, engine
+    from dpo_megatron.generation.direct_decode import DirectDecoder, unsupported
+    from dpo_megatron.parallel.schedule import eval_mode
+
+    chunks, cfg = _chunks(hf_dir, **model)
+    if lora:
+        from dpo_megatron.models.lora import attach_lora
+        from dpo_megatron.models.lora_config import LoraConfig
+
+        attach_lora(chunks, LoraConfig(enabled=True, rank=4), cfg, seed=0)
+    prompts = _prompts(cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_DIRECT)
+    mb = engine._MicroBatch([(i, 0) for i in range(len(prompts))], prompts, 1, params)
+    equal = []
+    with torch.no_grad(), eval_mode(chunks), packed_linears(chunks):
+        reason = unsupported(chunks)
+        if reason is not None:
+            return reason
+        direct = DirectDecoder(chunks[0])
+        padded = chunks[0].vocab_valid_columns
+        assert padded == (cfg.vocab_size if model.get("make_vocab_size_divisible_by") else None)
+        feed = engine._prefill_feed(mb, prompts, PAD_ID, packed=True)
+        engine._run(chunks, [mb], [feed], params, cfg.vocab_size)
+        while mb.live():
+            tokens, positions, index = engine._decode_feed(mb, 1, PAD_ID)
+            mine = direct.logits(tokens[:, 0], positions[:, 0], mb.cache).float()
+            store = engine.run_schedule(
+                engine._forward_step,
+                chunks,
+                [(tokens, positions, index, mb.cache)],
+                len(prompts),
+                1,
+                True,
+            )
+            equal.append(torch.equal(mine, store[0]["logits"]))
+            engine._run(chunks, [mb], [(tokens, positions, index)], params, cfg.vocab_size)
+    return equal
+
+
 MOE = "qwen3_moe"
+MAX_NEW_DIRECT = 6
 CACHE_ARCHS = ["llama", "gemma3", "smollm3", "gpt_oss"]  # gpt-oss: sinks in the cache path
+DIRECT_ARCHS = ["llama", "qwen2", "qwen3"]  # untied; biases, padded vocabulary; q/k norms
 GREEDY = dict(temperature=0, max_new_tokens=MAX_NEW)
 SAMPLED = dict(temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW, seed=0)
 
@@ -256,10 +312,13 @@ SAMPLED = dict(temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW, seed=0)
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
-    return {
+    folders = {
         arch: save_tiny_hf_folder(arch, str(root / arch))
-        for arch in ["llama", MOE, *CACHE_ARCHS[1:]]
+        for arch in ["llama", MOE, *CACHE_ARCHS[1:], "qwen3"]
     }
+    # a vocabulary the engine pads (to a multiple of 128): the LM head masks the padding
+    folders["qwen2"] = save_tiny_hf_folder("qwen2", str(root / "qwen2"), vocab_size=250)
+    return folders
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +338,17 @@ def runs(folders):
             f"cache_{arch}": (_cache_vs_recompute, dict(hf_dir=folders[arch]))
             for arch in CACHE_ARCHS
         },
+        **{
+            f"direct_{arch}": (_direct_vs_schedule, dict(hf_dir=folders[arch]))
+            for arch in ["llama", "qwen3", MOE, *CACHE_ARCHS[1:]]
+        },
+        # 250 tokens padded to 256 columns: the LM head masks the padding
+        "direct_qwen2": (
+            _direct_vs_schedule,
+            dict(hf_dir=folders["qwen2"], make_vocab_size_divisible_by=128),
+        ),
+        "direct_llama_bf16": (_direct_vs_schedule, dict(hf_dir=llama, params_dtype="bfloat16")),
+        "direct_lora": (_direct_vs_schedule, dict(hf_dir=llama, lora=True)),
     }
     four = {
         "tp2pp2": (
@@ -365,6 +435,35 @@ def test_an_empty_batch_of_rows_chooses_nothing():
 @pytest.mark.parametrize("arch", CACHE_ARCHS)
 def test_cached_decode_equals_recomputation(runs, arch):
     assert runs[f"cache_{arch}"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [*DIRECT_ARCHS, "llama_bf16"])
+def test_the_direct_decode_step_gives_the_schedules_logits_bit_for_bit(runs, arch):
+    """A decode step computed directly from the layers (``generation.direct_decode``) gives
+    the logits of megatron-core's forward through the schedule, bit for bit, in fp32 and bf16:
+    untied and tied LM heads, linear biases (added in and after the product), query/key norms."""
+    equal = runs[f"direct_{arch}"]
+    assert equal == [True] * (MAX_NEW_DIRECT - 1), equal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "reason"),
+    [
+        (MOE, "mixture of experts"),
+        ("gemma3", "embedding scale"),
+        ("smollm3", "sliding window"),
+        ("gpt_oss", "mixture of experts"),
+        ("lora", "LoRA adapters"),
+    ],
+)
+def test_models_the_direct_decode_step_does_not_cover_decode_through_the_schedule(
+    runs, arch, reason
+):
+    """Anything the direct loop does not compute is named (and decoded through the schedule:
+    the greedy and cache tests above)."""
+    assert reason in runs[f"direct_{arch}"]
 
 
 def test_a_prompt_that_does_not_fit_the_positions_is_refused_by_index():

@@ -1,0 +1,268 @@
+"""A decode step of a dense pre-norm GPT chunk computed directly from its modules, on the CPU.
+
+A decode step feeds one token per row through every layer. Through megatron-core's modules that
+is about a hundred torch operations per layer besides its four products (module wrappers, the
+tensor-parallel region functions, the query/key/value split, RoPE's cos / sin recomputed in
+every layer, the bias-dropout-add), which at a few rows cost more than the products themselves.
+:class:`DirectDecoder` runs the same computation as a short loop over the layers: the norms are
+the layers' own modules, the products the oneDNN-packed ones of
+``compat.onednn_inference_linear`` (the same call the packed modules make), the activation
+megatron-core's ``bias_swiglu_impl`` (what its MLP calls), the attention the engine's cached
+attention (``models.attention.cached_attention``, the cache the prefill filled), and RoPE
+``t * cos + rotate_half(t) * sin`` (megatron-core's ``_apply_rotary_pos_emb_bshd``, Su et al.
+2021, eq. 34) with cos / sin computed once per step for every layer. Every operation is the
+one megatron-core's forward makes on the same operands in the same order, so the logits are
+bit for bit the schedule's (tested), and generation chooses the same tokens whichever path
+runs.
+
+It serves what the loop covers and nothing else (:func:`unsupported` says why not): one
+chunk holding the whole model (no pipeline or tensor parallelism), megatron-core's plain
+``TransformerLayer`` and ``SelfAttention`` (query/key norms allowed), RoPE on the whole head or
+none, the local core attention without a sliding window, attention sinks or a softmax offset,
+a gated SiLU MLP (SwiGLU), no mixture of experts, no multi-latent attention, no LoRA or
+quantized linears, every product packed. Anything else decodes through the schedule, as
+before.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from dpo_megatron.compat.onednn_inference_linear import packed_product, packed_weight
+from dpo_megatron.models.attention import LocalAttention, cached_attention
+from dpo_megatron.models.kv_cache import KVCache
+from dpo_megatron.models.norms import LayerNorm, RMSNorm
+from dpo_megatron.parallel.host_malloc import HeapTrimmer
+from dpo_megatron.utils.modules import unwrap
+
+_NORMS = (RMSNorm, LayerNorm)
+
+
+def _layer_problem(layer) -> str | None:
+    """Why the direct loop cannot compute ``layer``, or None."""
+    if type(layer) is not TransformerLayer:
+        return f"layer class {type(layer).__name__}"
+    attention, mlp = layer.self_attention, layer.mlp
+    if type(attention) is not SelfAttention or type(mlp) is not MLP:
+        return f"{type(attention).__name__} / {type(mlp).__name__}"
+    core = attention.core_attention
+    if not isinstance(core, LocalAttention) or core.window is not None:
+        return "core attention other than the local one without a sliding window"
+    if core.softmax_offset is not None or core.config.apply_query_key_layer_scaling:
+        return "attention sinks, a softmax offset or query-key layer scaling"
+    for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+        if type(norm) not in _NORMS:
+            return f"norm {type(norm).__name__}"
+    for norm in (attention.q_layernorm, attention.k_layernorm):
+        if norm is not None and type(norm) is not IdentityOp and type(norm) not in _NORMS:
+            return f"query/key norm {type(norm).__name__}"
+    if type(layer.pre_cross_attn_layernorm) is not IdentityOp:
+        return "cross attention"
+    for linear, kind in (
+        (attention.linear_qkv, ColumnParallelLinear),
+        (attention.linear_proj, RowParallelLinear),
+        (mlp.linear_fc1, ColumnParallelLinear),
+        (mlp.linear_fc2, RowParallelLinear),
+    ):
+        if type(linear) is not kind or packed_weight(linear.weight) is None:
+            return f"{type(linear).__name__} without a packed weight"
+    config = layer.config
+    if config.attention_output_gate:
+        return "a gated attention output"
+    if not (
+        config.gated_linear_unit
+        and config.bias_activation_fusion
+        and mlp.activation_func is torch.nn.functional.silu
+    ):
+        return "an MLP other than SwiGLU"
+    return None
+
+
+def unsupported(chunks) -> str | None:
+    """Why :class:`DirectDecoder` cannot serve ``chunks`` (one line), or None when it can.
+    Call it inside the block of ``compat.onednn_inference_linear.packed_linears``: the
+    products must be packed."""
+    if len(chunks) != 1:
+        return "more than one model chunk"
+    model = unwrap(chunks[0])
+    config = model.config
+    if not (model.pre_process and model.post_process):
+        return "pipeline parallelism"
+    if config.tensor_model_parallel_size > 1 or config.context_parallel_size > 1:
+        return "tensor or context parallelism"
+    if config.num_moe_experts or config.multi_latent_attention:
+        return "mixture of experts or multi-latent attention"
+    if getattr(model, "reward_head", None) is not None or model.embedding_scale is not None:
+        return "a reward head or an embedding scale"
+    if model.position_embedding_type not in ("rope", "none"):
+        return f"{model.position_embedding_type} position embeddings"
+    if model.position_embedding_type == "rope" and (
+        config.rotary_interleaved
+        or getattr(model, "local_rotary_pos_emb", None) is not None
+        or type(model.rotary_pos_emb) is not RotaryEmbedding
+        or model.rotary_pos_emb.get_emb(1).shape[-1] != config.kv_channels
+    ):
+        return "RoPE other than plain rotation of the whole head"
+    if config.fp32_residual_connection or config.apply_residual_connection_post_layernorm:
+        return "fp32 or post-norm residual connections"
+    hooked = _hooked_module(model)
+    if hooked:
+        return f"a forward hook on {hooked} (LoRA adapters)"
+    if packed_weight(_output_weight(model)) is None:
+        return "an LM head without a packed weight"
+    for layer in model.decoder.layers:
+        problem = _layer_problem(layer)
+        if problem:
+            return problem
+    return None
+
+
+def _hooked_module(model) -> str | None:
+    """The name of a module of ``model`` with a forward hook or pre-hook the direct loop would
+    skip, or None. Two kinds are known and harmless: the heap trimmer's after a layer
+    (``parallel.host_malloc``: memory only) and the LM head's vocabulary padding mask
+    (``models.gpt``: :meth:`DirectDecoder.logits` applies it itself)."""
+    for name, module in model.named_modules():
+        for hook in [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]:
+            if not (isinstance(hook, HeapTrimmer) or getattr(hook, "masks_vocab_padding", False)):
+                return name or "the model"
+    return None
+
+
+def _output_weight(model) -> torch.Tensor:
+    return (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
+
+
+class _Linear:
+    """A linear layer's packed weight and its bias, added where megatron-core adds it: in the
+    product, or after it (a skipped bias: the bias-dropout-add's or the activation's)."""
+
+    def __init__(self, linear):
+        self.packed = packed_weight(linear.weight)
+        self.bias = None if linear.skip_bias_add else linear.bias
+        self.skipped_bias = linear.bias if linear.skip_bias_add else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with the bias added (both kinds)."""
+        out = packed_product(x, self.packed, self.bias)
+        return out if self.skipped_bias is None else out.add_(self.skipped_bias)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``_apply_rotary_pos_emb_bshd`` (non-interleaved, whole head), op for op:
+    t * cos + rotate_half(t) * sin, rotate_half(t) = [-t_2, t_1]."""
+    t_1, t_2 = torch.chunk(t, 2, dim=-1)
+    return (t * cos) + (torch.cat((-t_2, t_1), dim=-1) * sin)
+
+
+class _Layer:
+    """What a decode step reads of one ``TransformerLayer``, looked up once."""
+
+    def __init__(self, layer):
+        attention, mlp = layer.self_attention, layer.mlp
+        self.input_norm, self.mlp_norm = layer.input_layernorm, layer.pre_mlp_layernorm
+        self.qkv, self.proj = _Linear(attention.linear_qkv), _Linear(attention.linear_proj)
+        self.fc1, self.fc2 = _Linear(mlp.linear_fc1), _Linear(mlp.linear_fc2)
+        self.norms = tuple(
+            None if norm is None or type(norm) is IdentityOp else norm
+            for norm in (attention.q_layernorm, attention.k_layernorm)
+        )
+        self.core = attention.core_attention
+        self.groups = attention.num_query_groups_per_partition
+        self.per_group = attention.num_attention_heads_per_partition // self.groups
+        self.head = attention.hidden_size_per_attention_head
+
+    def __call__(self, hidden: torch.Tensor, rope, cache: KVCache) -> torch.Tensor:
+        """[R, h] -> [R, h]: megatron-core's ``TransformerLayer`` forward of one slot per row
+        (``rope``: [1, R, 1, 1, dim] cos and sin, or None)."""
+        rows, per_group, head = hidden.shape[0], self.per_group, self.head
+        qkv = self.qkv(self.input_norm(hidden)).view(1, rows, self.groups, per_group + 2, head)
+        if rope is not None and self.norms == (None, None):
+            # a group's query heads and its key head in one rotation (the same operations on
+            # every element as rotating each)
+            rotated = _rotate(qkv[:, :, :, : per_group + 1], *rope)
+            query, key = rotated[:, :, :, :per_group], rotated[:, :, :, per_group]
+        else:
+            query, key = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
+            query = query.reshape(1, rows, -1, head)
+            if self.norms[0] is not None:
+                query = self.norms[0](query)
+            if self.norms[1] is not None:
+                key = self.norms[1](key)
+            if rope is not None:
+                cos, sin = (t[:, :, 0] for t in rope)  # [1, R, 1, dim]
+                query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        query = query.reshape(1, rows, -1, head)
+        core = self.core
+        context = cached_attention(
+            core, query, key, qkv[:, :, :, per_group + 1], cache, core.softmax_scale, None
+        )
+        hidden = self.proj(context[0]).add_(hidden)
+        activated = bias_swiglu_impl(
+            packed_product(self.mlp_norm(hidden), self.fc1.packed, self.fc1.bias),
+            self.fc1.skipped_bias,
+            False,
+            False,
+        )
+        return self.fc2(activated).add_(hidden)
+
+
+class DirectDecoder:
+    """The decode step of one whole-model chunk as a loop over its layers (module docstring).
+    Build it inside the ``packed_linears`` block whose packed weights it multiplies by.
+
+    Args:
+        chunk: the model chunk (DDP-wrapped or not); :func:`unsupported` must be None for it.
+    """
+
+    def __init__(self, chunk):
+        self.model = model = unwrap(chunk)
+        self.layers = [_Layer(layer) for layer in model.decoder.layers]
+        self.head = packed_weight(_output_weight(model))
+        self._tables: dict[int, torch.Tensor] = {}
+
+    def _cos_sin(self, positions: torch.Tensor, capacity: int):
+        """[1, R, 1, 1, dim] cos and sin of each row's position (the RoPE table of
+        ``capacity`` positions, built once per capacity), or None without RoPE."""
+        if self.model.position_embedding_type != "rope":
+            return None
+        if capacity not in self._tables:
+            self._tables[capacity] = self.model.rotary_pos_emb.get_emb(capacity)[:, 0, 0, :]
+        freqs = self._tables[capacity][positions][None, :, None, None, :]
+        # megatron-core's (cos(freqs) * mscale).to(dtype), mscale 1
+        dtype = self.model.embedding.word_embeddings.weight.dtype
+        return (torch.cos(freqs) * 1.0).to(dtype), (torch.sin(freqs) * 1.0).to(dtype)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next-token logits of one decode step.
+
+        Args:
+            tokens: [R] int64, each row's newest token (an idle row's any id).
+            positions: [R] int64, its position in its row.
+            cache: the micro-batch's cache, its next slot already appended
+                (:meth:`KVCache.append` of [R, 1]).
+
+        Returns:
+            [R, V] logits in the model's dtype (V the padded vocabulary).
+        """
+        hidden = self.model.embedding.word_embeddings.weight[tokens]  # [R, h]
+        rope = self._cos_sin(positions, cache.capacity)
+        for layer in self.layers:
+            hidden = layer(hidden, rope, cache)
+        logits = packed_product(self.model.decoder.final_layernorm(hidden), self.head)
+        valid = self.model.vocab_valid_columns
+        if valid is not None:  # the LM head's padding mask (models.gpt), as its hook applies it
+            logits[:, valid:] = float("-inf")
+        return logits
