@@ -7,7 +7,8 @@ every layer, the bias-dropout-add), which at a few rows cost more than the produ
 :class:`DirectDecoder` runs the same computation as a short loop over the layers: the norms are
 the layers' own modules, the products the oneDNN-packed ones of
 ``compat.onednn_inference_linear`` (the same call the packed modules make), the activation
-megatron-core's ``bias_swiglu_impl`` (what its MLP calls), the attention the engine's cached
+megatron-core's ``swiglu`` (what its MLP's ``bias_swiglu_impl`` computes without a bias; on the
+CPU the eager function of ``compat.eager_fusions``), the attention the engine's cached
 attention (``models.attention.cached_attention``, the cache the prefill filled), and RoPE
 ``t * cos + rotate_half(t) * sin`` (megatron-core's ``_apply_rotary_pos_emb_bshd``, Su et al.
 2021, eq. 34) with cos / sin computed once per step for every layer. Every operation is the
@@ -19,15 +20,15 @@ It serves what the loop covers and nothing else (:func:`unsupported` says why no
 chunk holding the whole model (no pipeline or tensor parallelism), megatron-core's plain
 ``TransformerLayer`` and ``SelfAttention`` (query/key norms allowed), RoPE on the whole head or
 none, the local core attention without a sliding window, attention sinks or a softmax offset,
-a gated SiLU MLP (SwiGLU), no mixture of experts, no multi-latent attention, no LoRA or
-quantized linears, every product packed. Anything else decodes through the schedule, as
-before.
+a gated SiLU MLP (SwiGLU), no mixture of experts, no multi-latent attention, no forward hooks
+(LoRA adapters), no bias added after a product, every product packed. Anything else decodes
+through the schedule.
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
@@ -43,6 +44,21 @@ from dpo_megatron.parallel.host_malloc import HeapTrimmer
 from dpo_megatron.utils.modules import unwrap
 
 _NORMS = (RMSNorm, LayerNorm)
+
+
+def _linears_problem(attention, mlp) -> str | None:
+    """Why the direct loop cannot multiply by a layer's linears, or None."""
+    for linear, kind in (
+        (attention.linear_qkv, ColumnParallelLinear),
+        (attention.linear_proj, RowParallelLinear),
+        (mlp.linear_fc1, ColumnParallelLinear),
+        (mlp.linear_fc2, RowParallelLinear),
+    ):
+        if type(linear) is not kind or packed_weight(linear.weight) is None:
+            return f"{type(linear).__name__} without a packed weight"
+        if linear.bias is not None and linear.skip_bias_add:
+            return "a linear bias added after the product"
+    return None
 
 
 def _layer_problem(layer) -> str | None:
@@ -65,14 +81,9 @@ def _layer_problem(layer) -> str | None:
             return f"query/key norm {type(norm).__name__}"
     if type(layer.pre_cross_attn_layernorm) is not IdentityOp:
         return "cross attention"
-    for linear, kind in (
-        (attention.linear_qkv, ColumnParallelLinear),
-        (attention.linear_proj, RowParallelLinear),
-        (mlp.linear_fc1, ColumnParallelLinear),
-        (mlp.linear_fc2, RowParallelLinear),
-    ):
-        if type(linear) is not kind or packed_weight(linear.weight) is None:
-            return f"{type(linear).__name__} without a packed weight"
+    problem = _linears_problem(attention, mlp)
+    if problem:
+        return problem
     config = layer.config
     if config.attention_output_gate:
         return "a gated attention output"
@@ -145,18 +156,15 @@ def _output_weight(model) -> torch.Tensor:
 
 
 class _Linear:
-    """A linear layer's packed weight and its bias, added where megatron-core adds it: in the
-    product, or after it (a skipped bias: the bias-dropout-add's or the activation's)."""
+    """A linear layer's packed weight and its bias, which megatron-core adds in the product
+    (a bias it adds after the product, ``skip_bias_add``, is refused by :func:`unsupported`)."""
 
     def __init__(self, linear):
-        self.packed = packed_weight(linear.weight)
-        self.bias = None if linear.skip_bias_add else linear.bias
-        self.skipped_bias = linear.bias if linear.skip_bias_add else None
+        self.packed, self.bias = packed_weight(linear.weight), linear.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with the bias added (both kinds)."""
-        out = packed_product(x, self.packed, self.bias)
-        return out if self.skipped_bias is None else out.add_(self.skipped_bias)
+        """x @ W^T + b."""
+        return packed_product(x, self.packed, self.bias)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -171,11 +179,13 @@ class _Layer:
 
     def __init__(self, layer):
         attention, mlp = layer.self_attention, layer.mlp
-        self.input_norm, self.mlp_norm = layer.input_layernorm, layer.pre_mlp_layernorm
+        # forward, not __call__: no hooks to run (unsupported() checked), one call less
+        self.input_norm = layer.input_layernorm.forward
+        self.mlp_norm = layer.pre_mlp_layernorm.forward
         self.qkv, self.proj = _Linear(attention.linear_qkv), _Linear(attention.linear_proj)
         self.fc1, self.fc2 = _Linear(mlp.linear_fc1), _Linear(mlp.linear_fc2)
         self.norms = tuple(
-            None if norm is None or type(norm) is IdentityOp else norm
+            None if norm is None or type(norm) is IdentityOp else norm.forward
             for norm in (attention.q_layernorm, attention.k_layernorm)
         )
         self.core = attention.core_attention
@@ -209,12 +219,9 @@ class _Layer:
             core, query, key, qkv[:, :, :, per_group + 1], cache, core.softmax_scale, None
         )
         hidden = self.proj(context[0]).add_(hidden)
-        activated = bias_swiglu_impl(
-            packed_product(self.mlp_norm(hidden), self.fc1.packed, self.fc1.bias),
-            self.fc1.skipped_bias,
-            False,
-            False,
-        )
+        # what megatron-core's bias_swiglu_impl computes without a bias, less its autograd
+        # function (the eager function of compat.eager_fusions on the CPU)
+        activated = fused_bias_swiglu.swiglu(self.fc1(self.mlp_norm(hidden)))
         return self.fc2(activated).add_(hidden)
 
 
