@@ -17,6 +17,13 @@ into one output buffer with one temporary (the gain, measured: ``docs/BENCHMARKS
 ``bias_swiglu``, ``weighted_swiglu`` and their backwards look these names up at call time and use
 them too.
 
+The product that ``SwiGLUFunction`` returns is the down projection's input, which that linear keeps
+for its weight gradient (half the feed-forward width per token and layer), while the function
+keeps its own input ``y`` for its backward. :func:`enable` marks the product recomputable from
+``y`` (``dpo_megatron.utils.saved_activations``: :func:`swiglu` again in backward, two
+element-wise passes, instead of the kept tensor). Not where ``y`` itself is not kept (megatron-
+core's FP8 input store or activation offloading).
+
 Wrapping costs too: each ``torch.compile(fn)`` at megatron-core's import (a dozen modules
 decorate functions with ``jit_fuser``) imports TorchDynamo and inductor, a large share of a
 rank's megatron-core import on the CPU (``docs/BENCHMARKS.md``), in every process of every
@@ -38,6 +45,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from dpo_megatron.compat.registry import Patch, register
+from dpo_megatron.utils.saved_activations import recomputable
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +113,20 @@ def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 _MEGATRON_SWIGLU_BACK = None
 """megatron-core's (uncompiled) ``swiglu_back``, kept for mixed-dtype operands."""
 
+_MEGATRON_SWIGLU_FORWARD = None
+"""megatron-core's ``SwiGLUFunction.forward``, which :func:`_swiglu_forward` calls."""
+
+
+def _swiglu_forward(ctx, input, fp8_input_store, cpu_offload_input):
+    """megatron-core's ``SwiGLUFunction.forward``, its product marked recomputable from the
+    ``input`` it keeps (module docstring)."""
+    import functools
+
+    out = _MEGATRON_SWIGLU_FORWARD(ctx, input, fp8_input_store, cpu_offload_input)
+    if not fp8_input_store and not cpu_offload_input:
+        recomputable(out, functools.partial(swiglu, input))
+    return out
+
 
 def enable() -> bool:
     """Unwrap the compiled fusions and put in the eager :func:`swiglu` / :func:`swiglu_back`
@@ -123,6 +145,11 @@ def enable() -> bool:
         _MEGATRON_SWIGLU_BACK = fused_bias_swiglu.swiglu_back
     fused_bias_swiglu.swiglu = swiglu
     fused_bias_swiglu.swiglu_back = swiglu_back
+    function = fused_bias_swiglu.SwiGLUFunction
+    if function.forward is not _swiglu_forward:
+        global _MEGATRON_SWIGLU_FORWARD
+        _MEGATRON_SWIGLU_FORWARD = function.forward
+        function.forward = staticmethod(_swiglu_forward)
     return True
 
 

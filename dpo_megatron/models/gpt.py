@@ -37,6 +37,7 @@ from dpo_megatron.models.specs import layer_spec
 from dpo_megatron.models.transformer_config import build_transformer_config, padded_vocab_size
 from dpo_megatron.parallel.config import ParallelConfig
 from dpo_megatron.parallel.device import get_device, is_cuda, is_host
+from dpo_megatron.utils.saved_activations import recompute_marked
 
 
 class ScoringGPTModel(GPTModel):
@@ -84,6 +85,9 @@ class ScoringGPTModel(GPTModel):
     * A reward model (``model.head=reward``) has no LM head: its ``reward_head``
       (``models.reward_head``) maps the final hidden state at each ``output_index`` position
       (one per sequence, its last token) to a scalar.
+
+    The layers' norm outputs and SwiGLU products are not kept for backward but made again from
+    what is (``utils.saved_activations``: bit-identical, a quarter less activation memory).
 
     Outputs: hidden states [L(/TP), R, h] off the last stage; on it, for a reward model the [n]
     fp32 rewards at ``output_index``; else with ``target_ids`` a ``HeadLogps`` of [n] fp32
@@ -147,15 +151,16 @@ class ScoringGPTModel(GPTModel):
             padding_mask = self._local_padding_mask(padding_mask)
         else:
             padding_mask = None
-        hidden_states = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            rotary_pos_emb=self._rotary_per_row(
-                position_ids, None if kv_cache is None else kv_cache.capacity
-            ),
-            padding_mask=padding_mask,
-            packed_seq_params=params,
-        )
+        with recompute_marked():  # norm outputs, SwiGLU products: remade in backward
+            hidden_states = self.decoder(
+                hidden_states=decoder_input,
+                attention_mask=attention_mask,
+                rotary_pos_emb=self._rotary_per_row(
+                    position_ids, None if kv_cache is None else kv_cache.capacity
+                ),
+                padding_mask=padding_mask,
+                packed_seq_params=params,
+            )
         if not self.post_process:
             return hidden_states
         head = reward_head(self)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from dpo_megatron.utils.saved_activations import recomputable
+
 
 class _RMSNormFunction(torch.autograd.Function):
     """x [..., h], weight [h] -> weight * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) in fp32.
@@ -21,17 +23,18 @@ class _RMSNormFunction(torch.autograd.Function):
     autograd on those ops would also keep the normalised x (a second [..., h] tensor, and in
     bf16 an fp32 copy of x), so this saves one to two activations of the hidden size per norm.
     With y = x * rstd: dL/dx = rstd * (g - y * mean(g * y)), g = weight * dL/dout (in fp32),
-    and dL/dweight = sum over tokens of dL/dout * y.
+    and dL/dweight = sum over tokens of dL/dout * y. Returns (out, rstd); rstd has no gradient.
     """
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return out
+        ctx.mark_non_differentiable(rstd)
+        return out, rstd
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
         wide = rstd.dtype
         y = x.to(wide) * rstd
@@ -53,7 +56,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """(weight * (x * rstd), rstd): :class:`_RMSNormFunction`'s forward, op for op."""
     x32 = x.to(_fp32_or_wider(x))
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x32 * rstd).to(x.dtype), rstd
+    return _scale(x32, weight, rstd, x.dtype), rstd
+
+
+def _scale(x32: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):
+    """weight * (x * rstd) with x in the norm's fp32 (or wider) and the product in ``dtype``:
+    the last operations of :func:`_rms_norm`."""
+    return weight * (x32 * rstd).to(dtype)
 
 
 def _fp32_or_wider(x: torch.Tensor) -> torch.dtype:
@@ -66,7 +75,9 @@ class RMSNorm(torch.nn.Module):
 
     y = weight * (x / sqrt(mean(x^2) + eps)), with the normalisation in fp32 and the result cast
     back to the input dtype before the weight multiply (matches ``LlamaRMSNorm`` bit for bit).
-    Backward keeps only x and the per-token rstd (:class:`_RMSNormFunction`).
+    Backward keeps only x and the per-token rstd (:class:`_RMSNormFunction`); the output, which
+    the next linear keeps for its weight gradient, is marked recomputable from them
+    (``utils.saved_activations``: two element-wise passes in backward instead of the tensor).
 
     Shapes: x [..., hidden_size] -> [..., hidden_size].
     """
@@ -80,7 +91,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # the same ops without the autograd function's cost
             return _rms_norm(x, self.weight, self.eps)[0]
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        out, rstd = _RMSNormFunction.apply(x, self.weight, self.eps)
+        weight = self.weight
+        return recomputable(out, lambda: _scale(x.to(_fp32_or_wider(x)), weight, rstd, x.dtype))
 
 
 class LayerNorm(torch.nn.Module):

@@ -13,6 +13,8 @@ the import contract in ``.importlinter``). Each concern lives here once:
 * :mod:`~dpo_megatron.utils.exceptions`: the exceptions a failure wraps (cause chains, DCP's).
 * :mod:`~dpo_megatron.utils.config_checks`: the config sections' range and choice checks.
 * :mod:`~dpo_megatron.utils.loss_names`: a loss's other names (``dpo``) and its registered one.
+* :mod:`~dpo_megatron.utils.saved_activations`: activations backward makes again instead of
+  keeping (saved-tensor hooks).
 
 Nothing is imported here, so importing one helper does not pull in torch.
 """

@@ -29,6 +29,30 @@ def test_fused_swiglu_is_eager_exact_and_saves_only_its_input():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+def test_the_down_projection_keeps_no_copy_of_the_product_and_gradients_are_unchanged():
+    """Inside recompute_marked the SwiGLU product that the next product keeps is remade in
+    backward from the input the SwiGLU function keeps anyway: the same bits and gradients."""
+    from dpo_megatron.compat import eager_fusions
+    from dpo_megatron.utils.saved_activations import recompute_marked
+
+    assert eager_fusions.enable() is True
+    from megatron.core.fusions import fused_bias_swiglu
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(6, 2, 16, generator=g, requires_grad=True)
+    w = torch.randn(8, 3, generator=g, requires_grad=True)
+    grads = []
+    for marked in (True, False):
+        with recompute_marked() if marked else torch.enable_grad():
+            product = fused_bias_swiglu.bias_swiglu_impl(y, None)
+            out = product.reshape(12, 8) @ w
+        kept = out.grad_fn._saved_self
+        assert (kept.data_ptr() != product.data_ptr()) is marked
+        assert torch.equal(kept, product.reshape(12, 8))
+        grads.append(torch.autograd.grad(out, (y, w), torch.ones(12, 3)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def _megatron_swiglu(y):  # megatron.core.fusions.fused_bias_swiglu.swiglu, as written
     y_1, y_2 = torch.chunk(y, 2, -1)
     return F.silu(y_1) * y_2

@@ -71,6 +71,27 @@ def test_backward_keeps_only_the_input_and_the_per_token_rstd():
         assert sorted(big.values()) == sorted(expected)
 
 
+def test_a_following_product_keeps_no_copy_of_the_output_and_gradients_are_unchanged():
+    """Inside recompute_marked the output that a product keeps for its weight gradient is
+    remade in backward from the norm's own x and rstd (not kept): the same bits, the same
+    gradients as with the output kept."""
+    from dpo_megatron.utils.saved_activations import recompute_marked
+
+    norm = _norm(torch.float32)
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 16, generator=g) * 2).requires_grad_(True)
+    w = torch.randn(16, 4, generator=g, requires_grad=True)
+    grads = []
+    for marked in (True, False):
+        with recompute_marked() if marked else torch.enable_grad():
+            normed = norm(x)
+            out = normed @ w
+        kept = out.grad_fn._saved_self
+        assert (kept.data_ptr() != normed.data_ptr()) is marked and torch.equal(kept, normed)
+        grads.append(torch.autograd.grad(out, (x, w, norm.weight), torch.ones(6, 4)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 HEADS, HEAD_DIM = 4, 3
 
 
