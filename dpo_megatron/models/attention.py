@@ -58,6 +58,7 @@ from dpo_megatron.data.batch import SpanRows, span_rows
 from dpo_megatron.models.config import LOCAL_ATTENTIONS as LOCAL_ATTENTION
 from dpo_megatron.models.kv_cache import KVCache
 from dpo_megatron.parallel.device import is_cuda
+from dpo_megatron.utils.saved_activations import recomputable
 
 
 def resolve_local_attention(name: str) -> str:
@@ -328,7 +329,8 @@ def span_attention(
     Returns:
         [Tq, heads, hn] attention output (softmax(q k^T * scale) v per span; Vaswani et al.
         2017, eq. 1); a padding span's positions hold another position's output (nothing reads
-        them).
+        them). With gradients on it is marked recomputable from the kernels' outputs, which
+        their backward keeps (``utils.saved_activations``).
     """
     if rows is None:
         rows = span_rows(spans)
@@ -336,7 +338,7 @@ def span_attention(
             *(t.to(query.device) for t in (rows.query_index, rows.key_index, rows.output_index)),
             tuple((r.to(query.device), w) for r, w in rows.buckets),
         )
-    outs = []
+    kernel_outs = []  # per bucket: (the kernel's output, kept by its backward; rows; width)
     for bucket, width in rows.buckets:  # one call per bucket of rows of similar width
         n = bucket.shape[0]
         flat_q = rows.query_index.index_select(0, bucket)[:, :width].reshape(-1)
@@ -351,9 +353,18 @@ def span_attention(
         out = sdpa(
             q, k, v, scale, is_causal=width > 1 and band is None, attn_mask=band, sinks=sinks
         )
-        # [n, heads, W, hv]: values may be narrower than queries (multi-latent attention).
-        outs.append(out.transpose(1, 2).reshape(n * width, query.shape[1], value.shape[-1]))
-    return torch.cat(outs).index_select(0, rows.output_index)
+        kernel_outs.append((out, n, width))
+    heads, hv = query.shape[1], value.shape[-1]  # values may be narrower (multi-latent)
+
+    def flat_outputs() -> torch.Tensor:
+        """The kernels' [n, heads, W, hv] outputs -> [Tq, heads, hv] in query order."""
+        flat = [out.transpose(1, 2).reshape(n * width, heads, hv) for out, n, width in kernel_outs]
+        return torch.cat(flat).index_select(0, rows.output_index)
+
+    out = flat_outputs()
+    # The output projection keeps its input for its weight gradient: copies of what the kernels
+    # keep for their own backward, so it is made again from them (utils.saved_activations).
+    return recomputable(out, flat_outputs) if torch.is_grad_enabled() else out
 
 
 @functools.cache

@@ -174,6 +174,27 @@ def test_packed_rows_make_one_maskless_sdpa_call_per_bucket_served_by_flash(name
         assert (call["heads"], call["groups"], call["enable_gqa"]) == (HEADS, GROUPS, True)
 
 
+def test_the_output_projection_keeps_no_copy_of_the_span_outputs():
+    """Inside recompute_marked the attention output that the next product keeps is remade in
+    backward from the kernels' outputs (which their backward keeps): the same bits and
+    gradients as with the output kept."""
+    from dpo_megatron.utils.saved_activations import recompute_marked
+
+    layout = _layouts()["shared"]
+    q, k, v = _qkv(layout.segment_ids.numel(), grad=True)
+    w = torch.randn(HEADS * DIM, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    grads = []
+    for marked in (True, False):
+        with recompute_marked() if marked else torch.enable_grad():
+            out = span_attention(q, k, v, layout.spans, scale=None)
+            projected = out.reshape(out.shape[0], -1) @ w
+        kept = projected.grad_fn._saved_self
+        assert (kept.data_ptr() != out.data_ptr()) is marked
+        assert torch.equal(kept, out.reshape(out.shape[0], -1))
+        grads.append(torch.autograd.grad(projected.sum(), (q, k, v, w)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_span_rows_cover_each_span_once():
     """Every real query position is read from the slot of its own query; rows are as wide as
     the most keys of a span (a rejected span: its prompt and itself), each bucket's rows cut to
