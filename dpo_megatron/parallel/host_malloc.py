@@ -11,8 +11,11 @@ and the resident set exceeds the tensors in use by gigabytes on SmolLM2-135M (me
 
 ``DPO_MEGATRON_HOST_MALLOC`` (:data:`SWITCH`) chooses what the engine does about it:
 
-* unset or ``trim`` (the default): after each transformer layer's forward in the policy, a
-  :class:`HeapTrimmer` checks how much free heap is resident and, past :data:`TRIM_SLACK_BYTES`,
+* unset or ``trim`` (the default): after each transformer layer's forward in the policy, and
+  when backward reaches the layer (the activations that backward frees stay resident as free
+  heap, and the gradients made later, the word embeddings' among them, do not all fit in its
+  holes), a :class:`HeapTrimmer` checks how much free heap is resident and, past
+  :data:`TRIM_SLACK_BYTES`,
   calls glibc's ``malloc_trim(0)`` (:func:`release_free_heap`), which returns every whole page
   of the heap's free blocks to the OS (``madvise(MADV_DONTNEED)``) and keeps the blocks
   themselves, so the resident set stays within that bound of the bytes in use (per process).
@@ -228,6 +231,15 @@ class HeapTrimmer:
         self.rest: int | None = None  # RSS - bytes in use after the last trim
         self.trims = 0
 
+    def after_forward(self, module, args, output) -> None:
+        """A transformer layer's forward hook: check now, and again when backward reaches the
+        layer (a hook on its output's gradient), where the activations that backward frees
+        stay resident as free heap."""
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch_grad_enabled() and getattr(hidden, "requires_grad", False):
+            hidden.register_hook(lambda grad: self())
+        self()
+
     def __call__(self, *hook_args) -> None:
         if self.rest is not None and self.slack_bytes >= 0:
             rss, used = self.rss(), self.in_use()
@@ -238,12 +250,21 @@ class HeapTrimmer:
         self.rest = self.rss() - self.in_use()
 
 
+def torch_grad_enabled() -> bool:
+    """torch's grad mode (torch imported here only once a trimmer runs: module docstring)."""
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 def trim_after_each_layer(
     model_chunks: Sequence, device, trimmer: HeapTrimmer | None = None
 ) -> HeapTrimmer | None:
     """In ``trim`` mode on a CPU device with glibc, call a :class:`HeapTrimmer` after every
     transformer layer's forward in ``model_chunks`` (a forward hook, so also in recomputed
-    forwards, and with LoRA in the reference pass, which runs the policy's own layers), and
+    forwards, and with LoRA in the reference pass, which runs the policy's own layers) and,
+    where the layer's output takes a gradient, when backward reaches it
+    (:meth:`HeapTrimmer.after_forward`), and
     serve every block from the heap from now on (:func:`heap_only`); elsewhere nothing. The
     trimmer is per process: each rank keeps its own bound.
 
@@ -267,7 +288,7 @@ def trim_after_each_layer(
     for chunk in model_chunks:
         for layer in chunk.modules():
             if isinstance(layer, TransformerLayer):
-                layer.register_forward_hook(trimmer)
+                layer.register_forward_hook(trimmer.after_forward)
     return trimmer  # also on a stage without layers: every rank runs in the same mode
 
 

@@ -233,9 +233,9 @@ def _count_trims(switch, device, slack, recompute):
 @pytest.mark.parametrize(
     "switch, device, slack, recompute, trims",
     [
-        ("", "cpu", -1, False, 9),
-        ("trim", "cpu", -1, False, 9),
-        ("", "cpu", -1, True, 12),
+        ("", "cpu", -1, False, 12),
+        ("trim", "cpu", -1, False, 12),
+        ("", "cpu", -1, True, 15),
         ("", "cpu", 1 << 40, False, 1),
         ("system", "cpu", -1, False, None),
         ("release", "cpu", -1, False, None),
@@ -247,9 +247,9 @@ def test_the_policys_layers_trim_on_cpu_only(switch, device, slack, recompute, t
 
     from tests.multirank import run_ranks
 
-    # 3 forwards x 3 layers with no bound (and the 3 layers recomputed in the one backward with
-    # full recompute); with a bound no tiny model passes, only the first call; no trimmer
-    # outside trim mode on CPU
+    # 3 forwards x 3 layers with no bound and the 3 layers reached by the one backward (with
+    # full recompute also the 3 layers' forwards recomputed in it); with a bound no tiny model
+    # passes, only the first call; no trimmer outside trim mode on CPU
     (result,) = run_ranks(
         _count_trims, world_size=1, switch=switch, device=device, slack=slack, recompute=recompute
     )
