@@ -18,6 +18,9 @@ installed ones when it is imported, and has a test of its own under ``tests/comp
 * :mod:`~dpo_megatron.compat.frozen_linear_fold`: a frozen linear (the reference's) runs the
   trainable one's matrix product (torch.matmul picks its kernel by ``requires_grad``), so step-0
   policy and reference log-probs are bit-identical.
+* :mod:`~dpo_megatron.compat.rope_tables_once`: megatron-core's unfused RoPE makes the table's
+  cos / sin once per forward (not for the queries and keys of every layer, each kept for
+  backward) and skips copying into an empty concatenation.
 * :mod:`~dpo_megatron.compat.expected_warnings`: silence the warnings every run prints.
 * :mod:`~dpo_megatron.compat.moe_router_without_te`: megatron-core 0.16's MoE router gating
   without transformer-engine (an undefined name).

@@ -297,11 +297,12 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list[Sco
     (``ScoringGPTModel``; fp32 on CPU, the model dtype on GPU), or with ``model.head=reward``
     rewards (the LM head replaced by ``models.reward_head``; embeddings never tied to it).
     """
-    from dpo_megatron.compat import frozen_linear_fold
+    from dpo_megatron.compat import frozen_linear_fold, rope_tables_once
 
     reward = model.head == "reward"
     config = build_transformer_config(model, parallel)
     frozen_linear_fold.enable()  # a frozen reference's linears round as the policy's
+    rope_tables_once.enable()  # one RoPE cos / sin per forward, not per layer
     if model.num_experts:
         _enable_moe_patches(model)
     if model.kv_lora_rank is not None:
