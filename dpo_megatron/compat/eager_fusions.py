@@ -45,7 +45,6 @@ import sys
 from typing import TYPE_CHECKING
 
 from dpo_megatron.compat.registry import Patch, register
-from dpo_megatron.utils.saved_activations import recomputable
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +120,9 @@ def _swiglu_forward(ctx, input, fp8_input_store, cpu_offload_input):
     """megatron-core's ``SwiGLUFunction.forward``, its product marked recomputable from the
     ``input`` it keeps (module docstring)."""
     import functools
+
+    # here, not at the top: this module is imported by entry points that never import torch
+    from dpo_megatron.utils.saved_activations import recomputable
 
     out = _MEGATRON_SWIGLU_FORWARD(ctx, input, fp8_input_store, cpu_offload_input)
     if not fp8_input_store and not cpu_offload_input:

@@ -27,7 +27,9 @@ def numerics_for(model: ModelConfig, cluster: Cluster) -> Numerics:
     take keys repeated to every head."""
     bf16 = model.params_dtype == "bfloat16" if model.params_dtype != "auto" else not cluster.host
     fused = model.fused_lm_head if model.fused_lm_head is not None else not cluster.host
-    return Numerics(bf16=bf16, fused_lm_head=fused, expand_kv=not bf16 and not cluster.host)
+    return Numerics(
+        bf16=bf16, fused_lm_head=fused, expand_kv=not bf16 and not cluster.host, host=cluster.host
+    )
 
 
 def workload_for(

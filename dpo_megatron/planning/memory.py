@@ -106,6 +106,12 @@ class Numerics:
     expand_kv: bool = False
     """Keys / values repeated to every query head before attention (CUDA's fp32 kernels and the
     sink attention do; flash kernels take grouped keys)."""
+    host: bool = False
+    """On the host (CPU), where the engine runs its local layers, what backward can remake is
+    not kept (``utils.saved_activations``): the RMSNorm outputs, megatron-core's SwiGLU product
+    (run eagerly, ``compat.eager_fusions``), and RoPE's cos / sin beyond one pair per forward
+    (``compat.rope_tables_once``). On an accelerator the planner counts them all (transformer-
+    engine's layers keep their own; an overestimate for the local layers)."""
 
     @property
     def bytes(self) -> int:
@@ -310,8 +316,11 @@ def layer_activation_bytes(
     norms = 0.0  # on the sequence-parallel shard
     if model.norm_placement in ("pre", "sandwich"):
         norms += 2 * _norm_bytes(model, b)
-        if "layernorm" not in recompute_modules:
-            norms += 2 * b * h  # the normed inputs the QKV and first MLP linears keep
+        # the normed inputs the QKV and first MLP linears keep (on the host an RMSNorm's are
+        # remade in backward from its saved input: Numerics.host)
+        remade = numerics.host and model.normalization == "RMSNorm"
+        if "layernorm" not in recompute_modules and not remade:
+            norms += 2 * b * h
     else:  # post-norm: the linears read the residual stream itself
         norms += 2 * b * h
     if model.norm_placement in ("post", "sandwich"):
@@ -325,7 +334,10 @@ def layer_activation_bytes(
     else:
         ffn = model.ffn_hidden_size // tp
         gated = model.activation in GATED
-        mlp = b * ffn * (3 if gated else 2)  # [2 ffn] pre-activation (or [ffn] twice), [ffn] out
+        # [2 ffn] pre-activation (or [ffn] twice), [ffn] out: a SwiGLU product on the host is
+        # remade in backward
+        remade = gated and numerics.host and model.activation == "swiglu"
+        mlp = b * ffn * (2 if remade else 3 if gated else 2)
     return norms / sp + attention + mlp
 
 
@@ -352,7 +364,8 @@ def _attention_bytes(
     else:
         # the fused QKV output (values are a view of it), rotated queries and keys
         kept = b * (s.q + 2 * s.kv) + (b * (s.q + s.kv) if rotated else 0)
-    tables = 4 * b * s.rope if rotated else 0  # cos and sin, for queries and for keys
+    # cos and sin, for queries and for keys (on the host one pair per forward: stage_memory)
+    tables = 4 * b * s.rope if rotated and not numerics.host else 0
     out = b * s.q + FP32 * s.heads  # attention output (the projection's input) and log-sum-exp
     return qk_norm + kept + tables + (0 if "core_attn" in recompute else out)
 
@@ -501,6 +514,9 @@ def stage_memory(
     first, last = r == 0, r == pp - 1
     if first:
         stage_activations += 8 * tokens  # token ids kept by the embedding
+    rope = _attention_shape(model, tp).rope
+    if rope and numerics.host:  # the forward's one RoPE cos / sin pair (Numerics.host)
+        stage_activations += 2 * b * rope * tokens
     activations = stage_activations * in_flight(parallel, micro_batches, r)
 
     vocab_shard = _vocab_shard(model, tp)
