@@ -34,6 +34,7 @@ from dpo_megatron.data.sources import DataError
 from dpo_megatron.data.tokenizer import (
     adds_bos,
     encode_continuation,
+    has_chat_template,
     max_token_chars,
     prepends_space,
     render_chat,
@@ -200,17 +201,14 @@ def encode_example(
         if dropped:
             notes.append("turns_dropped")
     else:
-        prompt_ids = tokenizer.encode(example.prompt, add_special_tokens=False)
+        prompt_ids = encode_prompt(example.prompt, tokenizer, settings)
+        uncut = len(prompt_ids)
         if example.prompt.endswith(" "):
             notes.append("prompt_ends_with_space")
         completions = [
             None if c is None else encode_continuation(tokenizer, c, settings.space_prefixed)
             for c in (example.chosen, example.rejected)
         ]
-    if prompt_ids or settings.add_bos:
-        prompt_ids = one_bos(prompt_ids, settings)
-    if not example.conversational:
-        uncut = len(prompt_ids)
     if not prompt_ids:
         raise Filtered("empty_prompt")
     chosen_ids = finish_completion(completions[0], settings)
@@ -235,10 +233,28 @@ def exchanges(messages: Messages) -> tuple[Messages, list[Messages]]:
     return system, units
 
 
+def prompt_form(
+    prompt: str | Messages, tokenizer, settings: EncodeSettings, apply_chat_template: bool = True
+) -> str | Messages:
+    """The form in which a prompt given to sample from reaches the model: a text becomes one
+    user turn (``[{"role": "user", "content": text}]``) when ``apply_chat_template`` and the
+    tokenizer (or ``settings.chat_template``) has a chat template, as an instruct model expects;
+    else a text stays as it stands; a message list is kept.
+
+    The one place this is decided: a sampler writes this form beside its completions and every
+    later reader (scoring, pairs) encodes it with :func:`encode_prompt` / :func:`encode_example`,
+    so each stage feeds the model the prompt ids the completion was sampled after.
+    """
+    as_turn = apply_chat_template and has_chat_template(tokenizer, settings.chat_template)
+    if isinstance(prompt, str) and as_turn:
+        return [{"role": "user", "content": prompt}]
+    return prompt
+
+
 def encode_prompt(prompt: str | Messages, tokenizer, settings: EncodeSettings) -> list[int]:
-    """Token ids of a prompt to complete, encoded as :func:`encode_example` encodes an example's
-    prompt (no length cut): a text as it is, a message list rendered by the chat template with
-    the generation prompt; one BOS first when the tokenizer adds one.
+    """Token ids of a prompt to complete; :func:`encode_example` encodes an example's prompt
+    with it (before any length cut): a text as it is, a message list rendered by the chat
+    template with the generation prompt; one BOS first when the tokenizer adds one.
 
     Raises:
         DataError: a message list and no chat template.
@@ -251,7 +267,7 @@ def encode_prompt(prompt: str | Messages, tokenizer, settings: EncodeSettings) -
 
 
 def _require_chat_template(tokenizer, settings: EncodeSettings) -> None:
-    if not (settings.chat_template or getattr(tokenizer, "chat_template", None)):
+    if not has_chat_template(tokenizer, settings.chat_template):
         raise DataError(
             "conversational data needs a chat template: the tokenizer has none; set "
             "data.chat_template (chatml, mistral or a Jinja file)"
