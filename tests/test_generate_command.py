@@ -90,7 +90,9 @@ def test_generate_command_writes_greedy_completions_of_text_and_chat_prompts(tmp
         for row in rows[2 * i : 2 * i + 2]:
             assert row["completion_ids"] == expected, i
             assert row["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
-    assert rows[0]["prompt"] == PROMPTS[0]["prompt"] and rows[2]["prompt"] == PROMPTS[1]["messages"]
+    # each row's prompt is the form sampled after: the text as the user turn it was sent as
+    assert rows[0]["prompt"] == [{"role": "user", "content": PROMPTS[0]["prompt"]}]
+    assert rows[2]["prompt"] == PROMPTS[1]["messages"]
     assert "completions of 3 prompts" in done.stdout
     assert (
         "[generate] 2 text prompt(s) sent as one user turn through the chat template "
@@ -100,8 +102,9 @@ def test_generate_command_writes_greedy_completions_of_text_and_chat_prompts(tmp
 
 def test_text_prompts_take_the_chat_template_unless_turned_off():
     """An instruct model given a bare text ends at once: a text prompt goes through the chat
-    template as one user turn when there is one; generation.apply_chat_template=false, or a
-    tokenizer without a template, sends the text as it stands (and says nothing)."""
+    template as one user turn when there is one (and is kept in that form for the output rows);
+    generation.apply_chat_template=false, or a tokenizer without a template, sends the text as
+    it stands (and says nothing)."""
     import copy
 
     from dpo_megatron.data.encode import encode_settings
@@ -115,14 +118,17 @@ def test_text_prompts_take_the_chat_template_unless_turned_off():
     )
     assert as_chat.startswith("<|im_start|>user\nthe cat sat")
     plain = tokenizer.encode(text, add_special_tokens=False)
-    ids, note = encode_prompts([text, chat], tokenizer, settings)
+    encoded = encode_prompts([text, chat], tokenizer, settings)
+    ids = encoded.prompt_ids
     assert ids[0] == tokenizer.encode(as_chat, add_special_tokens=False)
-    assert note.startswith("[generate] 1 text prompt(s) sent as one user turn")
-    ids_off, note_off = encode_prompts([text, chat], tokenizer, settings, False)
-    assert (ids_off, note_off) == ([plain, ids[1]], None)
+    assert encoded.prompts == [[{"role": "user", "content": text}], chat]
+    assert encoded.note.startswith("[generate] 1 text prompt(s) sent as one user turn")
+    off = encode_prompts([text, chat], tokenizer, settings, False)
+    assert (off.prompts, off.prompt_ids, off.note) == ([text, chat], [plain, ids[1]], None)
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
-    assert encode_prompts([text], bare, encode_settings(bare, None)) == ([plain], None)
+    alone = encode_prompts([text], bare, encode_settings(bare, None))
+    assert (alone.prompts, alone.prompt_ids, alone.note) == ([text], [plain], None)
 
 
 def test_generate_command_names_a_malformed_prompt_row(tmp_path):

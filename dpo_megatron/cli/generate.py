@@ -56,19 +56,16 @@ def run(cfg, prompts: list) -> str:
     tokenizer = load_tokenizer(cfg.data.tokenizer or model_cfg.hf_path)
     run_models.check_vocab_fits(tokenizer, model_cfg)
     settings = encode_settings(tokenizer, resolve_chat_template(cfg.data.chat_template))
-    prompt_ids, note = encode_prompts(
-        prompts, tokenizer, settings, cfg.generation.apply_chat_template
-    )
-    if note and is_rank0():
-        print(note, flush=True)
+    encoded = encode_prompts(prompts, tokenizer, settings, cfg.generation.apply_chat_template)
+    if encoded.note and is_rank0():
+        print(encoded.note, flush=True)
     policy = run_models.build_policy(
         model_cfg, parallel=cfg.parallel, lora=cfg.lora, seed=cfg.train.seed
     )
     path = cfg.generation.output or os.path.join(cfg.run_dir, "generations.jsonl")
     return generate_file(
         policy,
-        prompts,
-        prompt_ids,
+        encoded,
         tokenizer=tokenizer,
         eos_token_id=settings.eos_token_id,
         path=path,

@@ -70,9 +70,12 @@ class GenerationConfig(SamplingConfig):
     line. False, or no template: the text as it stands (a base model's continuation, encoded as
     the data path encodes a text prompt)."""
     output: str = ""
-    """JSONL file written (atomically, at the end): one row per completion with ``prompt`` (as
+    """JSONL file written (atomically, at the end): one row per completion with ``prompt`` (the
+    form sampled after: a message list when the chat template framed it, so a text sent as one
+    user turn reads ``[{"role": "user", "content": text}]``; a text sent as it stands, as
     given), ``prompt_index``, ``sample_index``, ``completion`` (decoded text, special tokens
-    skipped) and ``completion_ids`` (stop token kept). Empty: ``<run_dir>/generations.jsonl``."""
+    skipped) and ``completion_ids`` (stop token kept). ``python -m dpo_megatron.score`` reads
+    the rows as they are. Empty: ``<run_dir>/generations.jsonl``."""
     num_samples: int = 1
     """Completions per prompt (>= 1)."""
     stop_ids: list[int] = field(default_factory=list)

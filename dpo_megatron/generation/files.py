@@ -5,7 +5,11 @@ The prompts are encoded as the data path encodes prompts (:func:`encode_prompts`
 through the chat template with the generation prompt, a text prompt as one user turn unless
 ``generation.apply_chat_template=false``), sampled with
 ``generation.*`` (:class:`~dpo_megatron.generation.config.GenerationConfig`), and rank 0 writes
-every completion, one JSON object a line, atomically once all are done.
+every completion, one JSON object a line, atomically once all are done. Each row's ``prompt`` is
+the form the policy was sampled after (``data.encode.prompt_form``): a message list when the chat
+template framed it (a text prompt then reads ``[{"role": "user", "content": text}]``), the text
+when it went as it stands. ``python -m dpo_megatron.score``, and a preference row built from the
+rows, encode that form with the data path's encoder, so they feed a model the same prompt ids.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dpo_megatron.data.sources import DataError, read_json_rows
@@ -50,57 +55,83 @@ def read_prompts(path: str) -> list:
     return prompts
 
 
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """The prompts of a generate run as they are sampled.
+
+    Attributes:
+        prompts: each prompt in the form the model reads it (``data.encode.prompt_form``: a
+            message list through the chat template, or a text as it stands); what the output
+            rows hold as ``prompt``.
+        prompt_ids: their token ids (``data.encode.encode_prompt`` of each form).
+        note: the start-up line saying how text prompts were sent (None: nothing to say).
+    """
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    note: str | None
+
+
 def encode_prompts(
     prompts: list, tokenizer, settings, apply_chat_template: bool = True
-) -> tuple[list[list[int]], str | None]:
-    """Token ids of each prompt, and the start-up line saying how text prompts were sent (None
-    when there is none, or nothing to say).
+) -> EncodedPrompts:
+    """The form and token ids of each prompt, and the start-up line saying how text prompts
+    were sent.
 
     A ``messages`` prompt goes through the chat template with the generation prompt; a text
     prompt too, as one user turn, when ``apply_chat_template`` and the tokenizer (or
-    ``settings.chat_template``) has a template, else as it stands (``data.encode.encode_prompt``
-    either way).
+    ``settings.chat_template``) has a template, else as it stands (``data.encode.prompt_form``
+    decides, ``data.encode.encode_prompt`` encodes).
 
     Raises:
         DataError: a ``messages`` prompt and no chat template.
     """
-    from dpo_megatron.data.encode import encode_prompt
-    from dpo_megatron.data.tokenizer import has_chat_template
+    from dpo_megatron.data.encode import encode_prompt, prompt_form
 
-    as_chat = apply_chat_template and has_chat_template(tokenizer, settings.chat_template)
-    texts = sum(isinstance(p, str) for p in prompts)
-    ids = [
-        encode_prompt(
-            [{"role": "user", "content": p}] if as_chat and isinstance(p, str) else p,
-            tokenizer,
-            settings,
-        )
-        for p in prompts
-    ]
+    forms = [prompt_form(p, tokenizer, settings, apply_chat_template) for p in prompts]
+    ids = [encode_prompt(form, tokenizer, settings) for form in forms]
+    turned = sum(isinstance(p, str) and not isinstance(f, str) for p, f in zip(prompts, forms))
     note = None
-    if texts and as_chat:
+    if turned:
         note = (
-            f"[generate] {texts} text prompt(s) sent as one user turn through the chat template "
+            f"[generate] {turned} text prompt(s) sent as one user turn through the chat template "
             "(generation.apply_chat_template=false: as they stand)"
         )
-    return ids, note
+    return EncodedPrompts(forms, ids, note)
+
+
+def completion_rows(prompts: list, completions: list, tokenizer) -> list[dict]:
+    """The output rows, prompt by prompt then sample by sample: ``prompt`` (``prompts[i]``, the
+    form sampled: :class:`EncodedPrompts`), ``prompt_index``, ``sample_index``, ``completion``
+    (``completions[i][j]`` decoded, special tokens skipped) and ``completion_ids`` (the
+    generated ids, prompt excluded, stop token kept)."""
+    return [
+        {
+            "prompt": prompt,
+            "prompt_index": i,
+            "sample_index": j,
+            "completion": tokenizer.decode(ids, skip_special_tokens=True),
+            "completion_ids": ids,
+        }
+        for i, (prompt, samples) in enumerate(zip(prompts, completions))
+        for j, ids in enumerate(samples)
+    ]
 
 
 def generate_file(
     policy,
-    prompts: list,
-    prompt_ids: list,
+    prompts: EncodedPrompts,
     *,
     tokenizer,
     eos_token_id: int,
     path: str,
     g: GenerationConfig,
 ) -> str:
-    """Sample ``g.num_samples`` completions of each prompt (``prompt_ids``: their token ids)
-    from ``policy`` (this rank's chunks) with the sampling of ``g`` (a
-    :class:`GenerationConfig`), stopping at ``eos_token_id`` or a ``g.stop_ids`` id; rank 0
-    writes them to ``path`` with ``prompt``, ``prompt_index``, ``sample_index``, ``completion``
-    (decoded) and ``completion_ids``, and says so in one line. Collective; returns ``path``."""
+    """Sample ``g.num_samples`` completions of each prompt (:func:`encode_prompts`) from
+    ``policy`` (this rank's chunks) with the sampling of ``g`` (a :class:`GenerationConfig`),
+    stopping at ``eos_token_id`` or a ``g.stop_ids`` id; rank 0 writes their rows
+    (:func:`completion_rows`) to ``path`` and says so in one line. Collective; returns
+    ``path``."""
     from dpo_megatron.generation import generate
     from dpo_megatron.utils.files import write_text_atomic
 
@@ -108,7 +139,7 @@ def generate_file(
     started = time.time()
     completions = generate(
         policy,
-        prompt_ids,
+        prompts.prompt_ids,
         params,
         num_samples=g.num_samples,
         micro_batch_size=g.micro_batch_size,
@@ -118,24 +149,14 @@ def generate_file(
     seconds = time.time() - started
     if ranks.is_rank0():
         lines = [
-            json.dumps(
-                {
-                    "prompt": prompt,
-                    "prompt_index": i,
-                    "sample_index": j,
-                    "completion": tokenizer.decode(ids, skip_special_tokens=True),
-                    "completion_ids": ids,
-                },
-                ensure_ascii=False,
-            )
-            for i, (prompt, samples) in enumerate(zip(prompts, completions))
-            for j, ids in enumerate(samples)
+            json.dumps(row, ensure_ascii=False)
+            for row in completion_rows(prompts.prompts, completions, tokenizer)
         ]
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_text_atomic(path, "".join(line + "\n" for line in lines))
         tokens = sum(len(ids) for samples in completions for ids in samples)
         print(
-            f"[generate] {len(lines)} completions of {len(prompts)} prompts -> {path} "
+            f"[generate] {len(lines)} completions of {len(prompts.prompts)} prompts -> {path} "
             f"({tokens} tokens in {seconds:.1f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s)",
             flush=True,
         )

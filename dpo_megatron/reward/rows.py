@@ -6,9 +6,13 @@ the data path tokenizes them: the completion as a continuation ending with one E
 message lists (rendered with the tokenizer's chat template, or ``data.chat_template``, as the
 data path renders conversations), or a message-list prompt with a text completion, as
 ``python -m dpo_megatron.generate`` writes them (the text is the assistant turn after the
-prompt's messages, rendered as a message row). The output holds every input row with a
-``score`` field (fp32 reward, a float), in input order, written atomically by rank 0. A bad row
-stops it with one line naming the file, the line and the field. The scoring itself is
+prompt's messages, rendered as a message row). A prompt is read in the form it is given and
+never re-decided here: ``generate`` writes the form it sampled after (``data.encode.prompt_form``:
+a text sent through the chat template as a one-user-turn message list, a text sent as it stands
+as the text), so with the generating run's tokenizer and ``data.chat_template`` the reward model
+reads the prompt ids the policy read. The output holds every input row with a ``score`` field
+(fp32 reward, a float), in input order, written atomically by rank 0. A bad row stops it with one
+line naming the file, the line and the field. The scoring itself is
 :mod:`dpo_megatron.reward.scoring`.
 """
 
@@ -56,7 +60,8 @@ def _as_message_row(row: dict) -> dict:
 
 def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
     """(token ids of prompt + completion, completion start) per row, tokenized as the data path
-    tokenizes a pair's prompt and chosen completion (``data.encode.encode_example``).
+    tokenizes a pair's prompt and chosen completion (``data.encode.encode_example``: the prompt
+    ids are ``data.encode.encode_prompt`` of the row's ``prompt``, text or messages as given).
 
     Raises:
         ValueError: ``<path>: line N: field '...': ...`` for a malformed or empty field.
