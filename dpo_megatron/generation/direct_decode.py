@@ -10,8 +10,8 @@ the layers' own modules, the products the oneDNN-packed ones of
 megatron-core's ``swiglu`` (what its MLP's ``bias_swiglu_impl`` computes without a bias; on the
 CPU the eager function of ``compat.eager_fusions``), the attention the engine's cached
 attention (``models.attention.cached_attention``, the cache the prefill filled), and RoPE
-``t * cos + rotate_half(t) * sin`` (megatron-core's ``_apply_rotary_pos_emb_bshd``, Su et al.
-2021, eq. 34) with cos / sin computed once per step for every layer. Every operation is the
+megatron-core's own ``apply_rotary_pos_emb`` with one angle table per step for every layer
+(``compat.rope_tables_once`` then makes its cos / sin once a step). Every operation is the
 one megatron-core's forward makes on the same operands in the same order, so the logits are
 bit for bit the schedule's (tested), and generation chooses the same tokens whichever path
 runs.
@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import torch
 from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import (
+    SelfAttention,
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -167,13 +171,6 @@ class _Linear:
         return packed_product(x, self.packed, self.bias)
 
 
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """megatron-core's ``_apply_rotary_pos_emb_bshd`` (non-interleaved, whole head), op for op:
-    t * cos + rotate_half(t) * sin, rotate_half(t) = [-t_2, t_1]."""
-    t_1, t_2 = torch.chunk(t, 2, dim=-1)
-    return (t * cos) + (torch.cat((-t_2, t_1), dim=-1) * sin)
-
-
 class _Layer:
     """What a decode step reads of one ``TransformerLayer``, looked up once."""
 
@@ -189,19 +186,29 @@ class _Layer:
             for norm in (attention.q_layernorm, attention.k_layernorm)
         )
         self.core = attention.core_attention
+        self.config, self.cp_group = layer.config, attention.pg_collection.cp
+        self.mscale = _yarn_get_concentration_factor_from_config(layer.config)
         self.groups = attention.num_query_groups_per_partition
         self.per_group = attention.num_attention_heads_per_partition // self.groups
         self.head = attention.hidden_size_per_attention_head
 
+    def _rotate(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """megatron-core's RoPE as its attention applies it (``apply_rotary_pos_emb``, Su et al.
+        2021, eq. 34; with ``compat.rope_tables_once`` the cos / sin of one ``freqs`` tensor
+        are made once for every layer)."""
+        return apply_rotary_pos_emb(
+            t, freqs, config=self.config, mscale=self.mscale, cp_group=self.cp_group
+        )
+
     def __call__(self, hidden: torch.Tensor, rope, cache: KVCache) -> torch.Tensor:
         """[R, h] -> [R, h]: megatron-core's ``TransformerLayer`` forward of one slot per row
-        (``rope``: [1, R, 1, 1, dim] cos and sin, or None)."""
+        (``rope``: the step's angles, [1, R, 1, 1, dim] and its [1, R, 1, dim] view, or None)."""
         rows, per_group, head = hidden.shape[0], self.per_group, self.head
         qkv = self.qkv(self.input_norm(hidden)).view(1, rows, self.groups, per_group + 2, head)
         if rope is not None and self.norms == (None, None):
             # a group's query heads and its key head in one rotation (the same operations on
             # every element as rotating each)
-            rotated = _rotate(qkv[:, :, :, : per_group + 1], *rope)
+            rotated = self._rotate(qkv[:, :, :, : per_group + 1], rope[0])
             query, key = rotated[:, :, :, :per_group], rotated[:, :, :, per_group]
         else:
             query, key = qkv[:, :, :, :per_group], qkv[:, :, :, per_group]
@@ -211,8 +218,7 @@ class _Layer:
             if self.norms[1] is not None:
                 key = self.norms[1](key)
             if rope is not None:
-                cos, sin = (t[:, :, 0] for t in rope)  # [1, R, 1, dim]
-                query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+                query, key = self._rotate(query, rope[1]), self._rotate(key, rope[1])
         query = query.reshape(1, rows, -1, head)
         core = self.core
         context = cached_attention(
@@ -239,17 +245,17 @@ class DirectDecoder:
         self.head = packed_weight(_output_weight(model))
         self._tables: dict[int, torch.Tensor] = {}
 
-    def _cos_sin(self, positions: torch.Tensor, capacity: int):
-        """[1, R, 1, 1, dim] cos and sin of each row's position (the RoPE table of
-        ``capacity`` positions, built once per capacity), or None without RoPE."""
+    def _angles(self, positions: torch.Tensor, capacity: int):
+        """The RoPE angles of each row's position, [1, R, 1, 1, dim] and its [1, R, 1, dim]
+        view (the table of ``capacity`` positions built once per capacity), or None without
+        RoPE. One pair of tensors serves every layer of the step, so the rotation's cos / sin
+        are made once (``compat.rope_tables_once``)."""
         if self.model.position_embedding_type != "rope":
             return None
         if capacity not in self._tables:
             self._tables[capacity] = self.model.rotary_pos_emb.get_emb(capacity)[:, 0, 0, :]
         freqs = self._tables[capacity][positions][None, :, None, None, :]
-        # megatron-core's (cos(freqs) * mscale).to(dtype), mscale 1
-        dtype = self.model.embedding.word_embeddings.weight.dtype
-        return (torch.cos(freqs) * 1.0).to(dtype), (torch.sin(freqs) * 1.0).to(dtype)
+        return freqs, freqs[:, :, 0]
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -265,7 +271,7 @@ class DirectDecoder:
             [R, V] logits in the model's dtype (V the padded vocabulary).
         """
         hidden = self.model.embedding.word_embeddings.weight[tokens]  # [R, h]
-        rope = self._cos_sin(positions, cache.capacity)
+        rope = self._angles(positions, cache.capacity)
         for layer in self.layers:
             hidden = layer(hidden, rope, cache)
         logits = packed_product(self.model.decoder.final_layernorm(hidden), self.head)
