@@ -112,10 +112,12 @@ def test_bad_rows_are_named_by_file_line_and_field(tmp_path):
 
 
 def test_generate_rows_score_as_their_message_rows(tmp_path):
-    """A row as ``python -m dpo_megatron.generate`` writes it (a message-list prompt, the
-    sampled text as ``completion``, its extra fields) is scored as the row whose completion is
-    that text as the assistant turn: the same token ids and completion start, so the same score;
-    the ids are the chat template's rendering of the whole conversation."""
+    """A row as ``python -m dpo_megatron.generate`` writes it, without ``completion_ids`` (a
+    message-list prompt, the sampled text as ``completion``, its other fields), is scored as the
+    row whose completion is that text as the assistant turn: the same token ids and completion
+    start, so the same score; the ids are the chat template's rendering of the whole
+    conversation. With its ``completion_ids`` the same row is scored on the same prompt ids
+    followed by exactly those ids."""
     from dpo_megatron.reward.rows import encode_rows, read_rows
 
     prompt = [{"role": "user", "content": "Hello! How are you?"}]
@@ -124,15 +126,15 @@ def test_generate_rows_score_as_their_message_rows(tmp_path):
         "prompt_index": 0,
         "sample_index": 1,
         "completion": "I am fine, thank you.",
-        "completion_ids": [1, 2, 3],
     }
     messages = {
         "prompt": prompt,
         "completion": [{"role": "assistant", "content": "I am fine, thank you."}],
     }
-    path = write_jsonl(tmp_path / "gen.jsonl", [generated, messages])
+    sampled = {**generated, "completion_ids": [1, 2, 3]}
+    path = write_jsonl(tmp_path / "gen.jsonl", [generated, messages, sampled])
     tokenizer = tiny_hf_tokenizer()
-    (gen_ids, msg_ids), (gen_start, msg_start) = encode_rows(
+    (gen_ids, msg_ids, sampled_ids), (gen_start, msg_start, sampled_start) = encode_rows(
         read_rows(str(path)), str(path), tokenizer, ""
     )
     assert gen_ids == msg_ids
@@ -141,3 +143,4 @@ def test_generate_rows_score_as_their_message_rows(tmp_path):
     assert gen_ids == tokenizer(text.rstrip("\n"), add_special_tokens=False).input_ids
     prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     assert gen_start == len(tokenizer(prompt_text, add_special_tokens=False).input_ids)
+    assert (sampled_ids, sampled_start) == ([*gen_ids[:gen_start], 1, 2, 3], gen_start)

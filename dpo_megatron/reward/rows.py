@@ -10,9 +10,12 @@ prompt's messages, rendered as a message row). A prompt is read in the form it i
 never re-decided here: ``generate`` writes the form it sampled after (``data.encode.prompt_form``:
 a text sent through the chat template as a one-user-turn message list, a text sent as it stands
 as the text), so with the generating run's tokenizer and ``data.chat_template`` the reward model
-reads the prompt ids the policy read. The output holds every input row with a ``score`` field
-(fp32 reward, a float), in input order, written atomically by rank 0. A bad row stops it with one
-line naming the file, the line and the field. The scoring itself is
+reads the prompt ids the policy read. A row with ``completion_ids`` (as ``generate`` writes
+them) is scored on exactly those ids after the prompt's, the sampled sequence (a completion cut at
+``max_new_tokens`` without its stop token, as it was sampled); the ``completion`` text is
+tokenized only for rows without them (:func:`encode_rows`). The output holds every input row
+with a ``score`` field (fp32 reward, a float), in input order, written atomically by rank 0. A bad
+row stops it with one line naming the file, the line and the field. The scoring itself is
 :mod:`dpo_megatron.reward.scoring`.
 """
 
@@ -58,15 +61,60 @@ def _as_message_row(row: dict) -> dict:
     return row
 
 
-def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
-    """(token ids of prompt + completion, completion start) per row, tokenized as the data path
-    tokenizes a pair's prompt and chosen completion (``data.encode.encode_example``: the prompt
-    ids are ``data.encode.encode_prompt`` of the row's ``prompt``, text or messages as given).
+def sampled_ids(row: dict, path: str, location: str, vocab_size: int) -> list[int] | None:
+    """The row's ``completion_ids`` (the ids ``python -m dpo_megatron.generate`` sampled), or
+    None when the row has none (a hand-written row).
 
     Raises:
-        ValueError: ``<path>: line N: field '...': ...`` for a malformed or empty field.
+        DataError (a ValueError): ``<path>: line N: field 'completion_ids': ...`` for a value
+            that is not a list, an entry that is not an int (a JSON ``true`` included) or an id
+            outside ``[0, vocab_size)``; ``<path>: line N: nothing to score
+            (empty_completion)`` for an empty list.
     """
-    from dpo_megatron.data.encode import encode_example, encode_settings
+    if "completion_ids" not in row:
+        return None
+    ids = row["completion_ids"]
+    where = f"{path}: {location}: field 'completion_ids'"
+    if not isinstance(ids, list):
+        raise DataError(f"{where}: expected a list of token ids, got {type(ids).__name__}")
+    for k, token in enumerate(ids):
+        if type(token) is not int:  # bool is an int subclass: true/false are not token ids
+            raise DataError(f"{where}: entry {k} is {token!r}, not a token id")
+        if not 0 <= token < vocab_size:
+            raise DataError(
+                f"{where}: entry {k} is {token}, outside the tokenizer's vocabulary "
+                f"[0, {vocab_size})"
+            )
+    if not ids:
+        raise DataError(f"{path}: {location}: nothing to score (empty_completion)")
+    return ids
+
+
+def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
+    """(token ids of prompt + completion, completion start) per row.
+
+    The prompt ids are ``data.encode.encode_prompt`` of the row's ``prompt`` (text or messages
+    as given), as the data path encodes a pair's prompt. The completion ids are:
+
+    * the row's ``completion_ids`` when it has them (the rows ``python -m dpo_megatron.generate``
+      writes): exactly the sampled ids, never the decoded ``completion`` text re-tokenized (a
+      BPE tokenizer need not give the sampled ids back from their text). A completion cut at
+      ``max_new_tokens`` has no stop token and is scored as it is, with no end token appended:
+      the reward model reads the sequence the policy produced, as TRL's online trainers score
+      the generated ids (a missing stop token is a choice of penalty there,
+      ``missing_eos_penalty``, not a token added);
+    * else the ``completion`` tokenized as the data path tokenizes a pair's chosen completion
+      (``data.encode.encode_example``: a text as a continuation ending with one EOS, messages
+      rendered by the chat template).
+
+    ``completion`` is checked in both cases (a string, or assistant messages), as is ``prompt``.
+
+    Raises:
+        DataError (a ValueError): ``<path>: line N: field '...': ...`` for a malformed or empty
+            field (:func:`sampled_ids` for ``completion_ids``); ``<path>: line N: nothing to
+            score (...)`` for a blank completion or a prompt without tokens.
+    """
+    from dpo_megatron.data.encode import encode_example, encode_prompt, encode_settings
     from dpo_megatron.data.format_registry import Filtered, RowError
     from dpo_megatron.data.formats import convert_unpaired, convert_unpaired_conversational
     from dpo_megatron.data.tokenizer import resolve_chat_template
@@ -74,6 +122,7 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[l
     settings = encode_settings(tokenizer, resolve_chat_template(chat_template))
     sequences, starts = [], []
     for location, row in rows:
+        sampled = sampled_ids(row, path, location, len(tokenizer))
         row = _as_message_row(row)
         # The unpaired formats' converters check a prompt and one completion (text, or messages);
         # the label they also read plays no part here.
@@ -84,13 +133,20 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[l
         )
         try:
             (example,) = convert({**row, "label": True}, None)
-            encoded = encode_example(example, tokenizer, settings)
+            if sampled is None:
+                encoded = encode_example(example, tokenizer, settings)
+                prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
+            else:
+                prompt_ids = encode_prompt(example.prompt, tokenizer, settings)
+                completion_ids = sampled
+                if not prompt_ids:
+                    raise Filtered("empty_prompt")
         except RowError as e:
-            raise ValueError(f"{path}: {location}: {e}") from None
+            raise DataError(f"{path}: {location}: {e}") from None
         except Filtered as e:
-            raise ValueError(f"{path}: {location}: nothing to score ({e.reason})") from None
-        sequences.append([*encoded.prompt_ids, *encoded.chosen_ids])
-        starts.append(len(encoded.prompt_ids))
+            raise DataError(f"{path}: {location}: nothing to score ({e.reason})") from None
+        sequences.append([*prompt_ids, *completion_ids])
+        starts.append(len(prompt_ids))
     return sequences, starts
 
 

@@ -2,7 +2,8 @@
 (``python -m dpo_megatron.score``), a preference row built from two of its rows (the data path
 that DPO trains on) and an online prompts file, each feed the model the prompt ids the policy was
 sampled after, for a text prompt through the chat template, a ``messages`` prompt, and a text
-with ``generation.apply_chat_template=false``. No model: the completions are fixed ids."""
+with ``generation.apply_chat_template=false``; the scorer reads the completion ids sampled
+(``completion_ids``) as they are. No model: the completions are fixed ids."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from dpo_megatron.data import DataConfig, load_preference_pairs
 from dpo_megatron.data.encode import encode_settings
+from dpo_megatron.data.sources import DataError
 from dpo_megatron.generation.files import completion_rows, encode_prompts
 from dpo_megatron.online.prompts import encode_prompts as online_encode_prompts
 from dpo_megatron.reward.rows import encode_rows, read_rows
@@ -44,13 +46,15 @@ def _tokenizer(kind):
     return _LOADED[kind]
 
 
-def _generated_rows(tokenizer, prompt, apply_chat_template, path):
-    """(the prompt ids sampled from, the rows written as generate writes them, read back)."""
+def _generated_rows(tokenizer, prompt, apply_chat_template, path, samples=None):
+    """(the prompt ids sampled from, the rows written as generate writes them, read back);
+    ``samples`` (completion ids) default to :data:`COMPLETIONS` encoded, each ending in EOS."""
     encoded = encode_prompts(
         [prompt], tokenizer, encode_settings(tokenizer, None), apply_chat_template
     )
     eos = tokenizer.eos_token_id
-    samples = [[*tokenizer.encode(c, add_special_tokens=False), eos] for c in COMPLETIONS]
+    if samples is None:
+        samples = [[*tokenizer.encode(c, add_special_tokens=False), eos] for c in COMPLETIONS]
     rows = completion_rows(encoded.prompts, [samples], tokenizer)
     write_jsonl(path, rows)
     return encoded.prompt_ids[0], [json.loads(line) for line in path.read_text().splitlines()]
@@ -96,3 +100,69 @@ def test_every_stage_reads_the_prompt_ids_generation_sampled_from(tmp_path, kind
 
     (item,), too_long = online_encode_prompts([(0, form)], tokenizer)
     assert (list(item.prompt_ids), too_long) == (sampled, 0)
+
+
+def _split_ids(tokenizer, text):
+    """Ids of ``text`` one character a token: ids a sampler may draw, which encoding the decoded
+    text merges into fewer tokens."""
+    return [t for ch in text for t in tokenizer.encode(ch, add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("kind", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_scorer_reads_the_sampled_completion_ids(tmp_path, kind, case):
+    """The scorer's sequence of a generated row is its prompt ids then exactly its
+    ``completion_ids``: a completion cut at ``max_new_tokens`` gets no end token it never
+    sampled, one ending in EOS keeps it, and ids whose decoded text re-tokenizes otherwise are
+    kept as sampled. The same rows without ``completion_ids`` (hand-written) are their text
+    re-tokenized with an end token appended, as before."""
+    tokenizer = _tokenizer(kind)
+    prompt, apply_chat_template = CASES[case]
+    eos = tokenizer.eos_token_id
+    cut = tokenizer.encode(COMPLETIONS[0], add_special_tokens=False)
+    ended = [*tokenizer.encode(COMPLETIONS[1], add_special_tokens=False), eos]
+    split = [*_split_ids(tokenizer, COMPLETIONS[0]), eos]
+    assert cut[-1] != eos and cut != split[:-1]  # the cases are what they claim
+    assert tokenizer.decode(split, skip_special_tokens=True) == COMPLETIONS[0]
+    generated = tmp_path / "generations.jsonl"
+    samples = [cut, ended, split]
+    sampled, rows = _generated_rows(tokenizer, prompt, apply_chat_template, generated, samples)
+
+    sequences, starts = encode_rows(read_rows(str(generated)), str(generated), tokenizer, "")
+    assert sequences == [[*sampled, *ids] for ids in samples]
+    assert starts == [len(sampled)] * 3
+
+    handwritten = write_jsonl(
+        tmp_path / "handwritten.jsonl",
+        [{k: v for k, v in r.items() if k != "completion_ids"} for r in rows],
+    )
+    texts, text_starts = encode_rows(read_rows(str(handwritten)), str(handwritten), tokenizer, "")
+    assert text_starts == starts
+    assert texts[0][-1] in tokenizer.all_special_ids and texts[0] != sequences[0]
+    assert texts[2] == texts[0] != sequences[2]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("12", r"expected a list of token ids, got str"),
+        ([5, "6"], r"entry 1 is '6', not a token id"),
+        ([5, True], r"entry 1 is True, not a token id"),
+        ([5, 6.0], r"entry 1 is 6.0, not a token id"),
+        ([-1], r"entry 0 is -1, outside the tokenizer's vocabulary"),
+        ("past the vocabulary", r"entry 0 is \d+, outside the tokenizer's vocabulary"),
+    ],
+)
+def test_bad_completion_ids_are_named_by_file_line_and_field(tmp_path, value, message):
+    """A ``completion_ids`` that is not a list of the tokenizer's ids stops the scorer with one
+    line naming the file, the line and the field; an empty list has nothing to score."""
+    tokenizer = _tokenizer("tiny")
+    if value == "past the vocabulary":
+        value = [len(tokenizer)]
+    good = {"prompt": TEXT, "completion": "Blue.", "completion_ids": [5, 6]}
+    path = write_jsonl(tmp_path / "gen.jsonl", [good, {**good, "completion_ids": value}])
+    with pytest.raises(DataError, match=rf"gen.jsonl: line 2: field 'completion_ids': {message}"):
+        encode_rows(read_rows(str(path)), str(path), tokenizer, "")
+    path = write_jsonl(tmp_path / "empty.jsonl", [{**good, "completion_ids": []}])
+    with pytest.raises(DataError, match=r"empty.jsonl: line 1: nothing to score"):
+        encode_rows(read_rows(str(path)), str(path), tokenizer, "")
