@@ -74,8 +74,9 @@ class GenerationConfig(SamplingConfig):
     form sampled after: a message list when the chat template framed it, so a text sent as one
     user turn reads ``[{"role": "user", "content": text}]``; a text sent as it stands, as
     given), ``prompt_index``, ``sample_index``, ``completion`` (decoded text, special tokens
-    skipped) and ``completion_ids`` (stop token kept). ``python -m dpo_megatron.score`` reads
-    the rows as they are. Empty: ``<run_dir>/generations.jsonl``."""
+    skipped) and ``completion_ids`` (stop token kept; none after a completion cut at
+    ``max_new_tokens``). ``python -m dpo_megatron.score`` reads the rows as they are: the
+    prompt's ids then exactly ``completion_ids``. Empty: ``<run_dir>/generations.jsonl``."""
     num_samples: int = 1
     """Completions per prompt (>= 1)."""
     stop_ids: list[int] = field(default_factory=list)

@@ -104,7 +104,8 @@ def completion_rows(prompts: list, completions: list, tokenizer) -> list[dict]:
     """The output rows, prompt by prompt then sample by sample: ``prompt`` (``prompts[i]``, the
     form sampled: :class:`EncodedPrompts`), ``prompt_index``, ``sample_index``, ``completion``
     (``completions[i][j]`` decoded, special tokens skipped) and ``completion_ids`` (the
-    generated ids, prompt excluded, stop token kept)."""
+    generated ids, prompt excluded, stop token kept: the ids ``python -m dpo_megatron.score``
+    scores, ``reward.rows.encode_rows``)."""
     return [
         {
             "prompt": prompt,
