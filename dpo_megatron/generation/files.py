@@ -121,18 +121,18 @@ def completion_rows(prompts: list, completions: list, tokenizer) -> list[dict]:
 
 def generate_file(
     policy,
-    prompts: EncodedPrompts,
+    encoded: EncodedPrompts,
     *,
     tokenizer,
     eos_token_id: int,
     path: str,
     g: GenerationConfig,
 ) -> str:
-    """Sample ``g.num_samples`` completions of each prompt (:func:`encode_prompts`) from
-    ``policy`` (this rank's chunks) with the sampling of ``g`` (a :class:`GenerationConfig`),
-    stopping at ``eos_token_id`` or a ``g.stop_ids`` id; rank 0 writes their rows
-    (:func:`completion_rows`) to ``path`` and says so in one line. Collective; returns
-    ``path``."""
+    """Sample ``g.num_samples`` completions of each prompt of ``encoded``
+    (:func:`encode_prompts`) from ``policy`` (this rank's chunks) with the sampling of ``g`` (a
+    :class:`GenerationConfig`), stopping at ``eos_token_id`` or a ``g.stop_ids`` id; rank 0
+    writes their rows (:func:`completion_rows`) to ``path`` and says so in one line.
+    Collective; returns ``path``."""
     from dpo_megatron.generation import generate
     from dpo_megatron.utils.files import write_text_atomic
 
@@ -140,7 +140,7 @@ def generate_file(
     started = time.time()
     completions = generate(
         policy,
-        prompts.prompt_ids,
+        encoded.prompt_ids,
         params,
         num_samples=g.num_samples,
         micro_batch_size=g.micro_batch_size,
@@ -151,13 +151,13 @@ def generate_file(
     if ranks.is_rank0():
         lines = [
             json.dumps(row, ensure_ascii=False)
-            for row in completion_rows(prompts.prompts, completions, tokenizer)
+            for row in completion_rows(encoded.prompts, completions, tokenizer)
         ]
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_text_atomic(path, "".join(line + "\n" for line in lines))
         tokens = sum(len(ids) for samples in completions for ids in samples)
         print(
-            f"[generate] {len(lines)} completions of {len(prompts.prompts)} prompts -> {path} "
+            f"[generate] {len(lines)} completions of {len(encoded.prompts)} prompts -> {path} "
             f"({tokens} tokens in {seconds:.1f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s)",
             flush=True,
         )
