@@ -134,8 +134,10 @@ def test_generate_rows_score_as_their_message_rows(tmp_path):
     sampled = {**generated, "completion_ids": [1, 2, 3]}
     path = write_jsonl(tmp_path / "gen.jsonl", [generated, messages, sampled])
     tokenizer = tiny_hf_tokenizer()
-    (gen_ids, msg_ids, sampled_ids), (gen_start, msg_start, sampled_start) = encode_rows(
-        read_rows(str(path)), str(path), tokenizer, ""
+    scored = encode_rows(read_rows(str(path)), str(path), tokenizer, "")
+    (gen_ids, msg_ids, sampled_ids), (gen_start, msg_start, sampled_start) = (
+        scored.sequences,
+        scored.starts,
     )
     assert gen_ids == msg_ids
     assert gen_start == msg_start

@@ -8,8 +8,10 @@ through the chat template with the generation prompt, a text prompt as one user 
 every completion, one JSON object a line, atomically once all are done. Each row's ``prompt`` is
 the form the policy was sampled after (``data.encode.prompt_form``): a message list when the chat
 template framed it (a text prompt then reads ``[{"role": "user", "content": text}]``), the text
-when it went as it stands. ``python -m dpo_megatron.score``, and a preference row built from the
-rows, encode that form with the data path's encoder, so they feed a model the same prompt ids.
+when it went as it stands; its ``prompt_ids`` are the ids sampled after.
+``python -m dpo_megatron.score``, and a preference row built from the rows, encode that form
+with the data path's encoder, so they feed a model the same prompt ids (and the scorer knows
+from ``prompt_ids`` whether its tokenizer reads the sampled ``completion_ids`` as they are).
 """
 
 from __future__ import annotations
@@ -100,12 +102,14 @@ def encode_prompts(
     return EncodedPrompts(forms, ids, note)
 
 
-def completion_rows(prompts: list, completions: list, tokenizer) -> list[dict]:
-    """The output rows, prompt by prompt then sample by sample: ``prompt`` (``prompts[i]``, the
-    form sampled: :class:`EncodedPrompts`), ``prompt_index``, ``sample_index``, ``completion``
-    (``completions[i][j]`` decoded, special tokens skipped) and ``completion_ids`` (the
-    generated ids, prompt excluded, stop token kept: the ids ``python -m dpo_megatron.score``
-    scores, ``reward.rows.encode_rows``)."""
+def completion_rows(encoded: EncodedPrompts, completions: list, tokenizer) -> list[dict]:
+    """The output rows, prompt by prompt then sample by sample: ``prompt`` (the form sampled,
+    ``encoded.prompts[i]``), ``prompt_index``, ``sample_index``, ``completion``
+    (``completions[i][j]`` decoded, special tokens skipped), ``completion_ids`` (the generated
+    ids, prompt excluded, stop token kept) and ``prompt_ids`` (the ids sampled after,
+    ``encoded.prompt_ids[i]``). ``python -m dpo_megatron.score`` scores ``prompt_ids`` +
+    ``completion_ids`` when its tokenizer reads the prompt as those ``prompt_ids``, the text
+    otherwise (``reward.rows.encode_rows``)."""
     return [
         {
             "prompt": prompt,
@@ -113,8 +117,11 @@ def completion_rows(prompts: list, completions: list, tokenizer) -> list[dict]:
             "sample_index": j,
             "completion": tokenizer.decode(ids, skip_special_tokens=True),
             "completion_ids": ids,
+            "prompt_ids": prompt_ids,
         }
-        for i, (prompt, samples) in enumerate(zip(prompts, completions))
+        for i, (prompt, prompt_ids, samples) in enumerate(
+            zip(encoded.prompts, encoded.prompt_ids, completions)
+        )
         for j, ids in enumerate(samples)
     ]
 
@@ -151,7 +158,7 @@ def generate_file(
     if ranks.is_rank0():
         lines = [
             json.dumps(row, ensure_ascii=False)
-            for row in completion_rows(encoded.prompts, completions, tokenizer)
+            for row in completion_rows(encoded, completions, tokenizer)
         ]
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_text_atomic(path, "".join(line + "\n" for line in lines))

@@ -1,5 +1,6 @@
 """A JSONL file of (prompt, completion) rows scored with a reward model: the work of
-``python -m dpo_megatron.score`` (:mod:`dpo_megatron.cli.score`).
+``python -m dpo_megatron.score`` (:mod:`dpo_megatron.cli.score`), and the rule by which a reward
+model reads a policy's samples (the online loop's scoring reads its samples with it too).
 
 Each input line is a JSON object with ``prompt`` and ``completion``: both strings (tokenized as
 the data path tokenizes them: the completion as a continuation ending with one EOS), or both
@@ -9,19 +10,26 @@ data path renders conversations), or a message-list prompt with a text completio
 prompt's messages, rendered as a message row). A prompt is read in the form it is given and
 never re-decided here: ``generate`` writes the form it sampled after (``data.encode.prompt_form``:
 a text sent through the chat template as a one-user-turn message list, a text sent as it stands
-as the text), so with the generating run's tokenizer and ``data.chat_template`` the reward model
-reads the prompt ids the policy read. A row with ``completion_ids`` (as ``generate`` writes
-them) is scored on exactly those ids after the prompt's, the sampled sequence (a completion cut at
-``max_new_tokens`` without its stop token, as it was sampled); the ``completion`` text is
-tokenized only for rows without them (:func:`encode_rows`). The output holds every input row
-with a ``score`` field (fp32 reward, a float), in input order, written atomically by rank 0. A bad
-row stops it with one line naming the file, the line and the field. The scoring itself is
+as the text).
+
+A row with ``completion_ids`` (as ``generate`` writes them, with the ``prompt_ids`` they were
+sampled after) is scored on exactly those ids after the prompt's, the sampled sequence (a
+completion cut at ``max_new_tokens`` without its stop token, as it was sampled), when the
+scoring tokenizer reads the prompt as the policy did: its ids of the prompt equal the row's
+``prompt_ids`` (a row without ``prompt_ids`` is taken as read so). Otherwise (a reward model of
+another family, with its own tokenizer or chat template: the policy's ids mean nothing to it) the
+``completion`` text is tokenized with the scoring tokenizer, as TRL's online trainers score with
+a reward model's own tokenizer (``reward_processing_class``); so is every row without
+``completion_ids`` (:func:`encode_rows`). The output holds every input row with a ``score`` field
+(fp32 reward, a float), in input order, written atomically by rank 0. A bad row stops it with one
+line naming the file, the line and the field. The scoring itself is
 :mod:`dpo_megatron.reward.scoring`.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from dpo_megatron.data.config import DataConfig
@@ -73,8 +81,16 @@ def sampled_ids(row: dict, path: str, location: str, vocab_size: int) -> list[in
     """
     if "completion_ids" not in row:
         return None
-    ids = row["completion_ids"]
-    where = f"{path}: {location}: field 'completion_ids'"
+    ids = _ids_field(row, "completion_ids", path, location, vocab_size)
+    if not ids:
+        raise DataError(f"{path}: {location}: nothing to score (empty_completion)")
+    return ids
+
+
+def _ids_field(row: dict, field: str, path: str, location: str, vocab_size: int) -> list[int]:
+    """``row[field]`` checked as a list of the tokenizer's ids (:func:`sampled_ids`' errors)."""
+    ids = row[field]
+    where = f"{path}: {location}: field {field!r}"
     if not isinstance(ids, list):
         raise DataError(f"{where}: expected a list of token ids, got {type(ids).__name__}")
     for k, token in enumerate(ids):
@@ -85,27 +101,62 @@ def sampled_ids(row: dict, path: str, location: str, vocab_size: int) -> list[in
                 f"{where}: entry {k} is {token}, outside the tokenizer's vocabulary "
                 f"[0, {vocab_size})"
             )
-    if not ids:
-        raise DataError(f"{path}: {location}: nothing to score (empty_completion)")
     return ids
 
 
-def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[list, list]:
-    """(token ids of prompt + completion, completion start) per row.
+def read_as_sampled(row: dict, prompt_ids: list[int], path: str, location: str) -> bool:
+    """Whether the scoring tokenizer reads ``row``'s ``completion_ids`` as they were sampled:
+    the row has them, and its ``prompt_ids`` (the ids the policy sampled after) equal
+    ``prompt_ids`` (the scoring tokenizer's ids of the row's prompt); a row without
+    ``prompt_ids`` (written by hand) is taken at its word. Unequal prompt ids mean another
+    tokenizer or chat template, in which the sampled ids are not the policy's tokens.
+
+    Raises:
+        DataError (a ValueError): ``<path>: line N: field 'prompt_ids': ...`` for a value that
+            is not a list of ints.
+    """
+    if "completion_ids" not in row:
+        return False
+    if "prompt_ids" not in row:
+        return True
+    return _ids_field(row, "prompt_ids", path, location, 1 << 62) == prompt_ids
+
+
+@dataclass(frozen=True)
+class EncodedRows:
+    """The reward model's sequences of scored rows (:func:`encode_rows`).
+
+    Attributes:
+        sequences: per row, the token ids of prompt + completion.
+        starts: per row, where its completion starts (the prompt's token count).
+        retokenized: rows with ``completion_ids`` whose completion text was tokenized instead,
+            because the scoring tokenizer reads their prompt otherwise than the policy did
+            (:func:`read_as_sampled`).
+    """
+
+    sequences: list[list[int]]
+    starts: list[int]
+    retokenized: int
+
+
+def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> EncodedRows:
+    """The reward model's token ids of each (location, row) of :func:`read_rows`.
 
     The prompt ids are ``data.encode.encode_prompt`` of the row's ``prompt`` (text or messages
     as given), as the data path encodes a pair's prompt. The completion ids are:
 
-    * the row's ``completion_ids`` when it has them (the rows ``python -m dpo_megatron.generate``
-      writes): exactly the sampled ids, never the decoded ``completion`` text re-tokenized (a
-      BPE tokenizer need not give the sampled ids back from their text). A completion cut at
+    * the row's ``completion_ids`` when it has them and :func:`read_as_sampled` (the rows
+      ``python -m dpo_megatron.generate`` writes, scored with its tokenizer and chat template):
+      exactly the sampled ids, never the decoded ``completion`` text re-tokenized (a BPE
+      tokenizer need not give the sampled ids back from their text). A completion cut at
       ``max_new_tokens`` has no stop token and is scored as it is, with no end token appended:
       the reward model reads the sequence the policy produced, as TRL's online trainers score
       the generated ids (a missing stop token is a choice of penalty there,
       ``missing_eos_penalty``, not a token added);
     * else the ``completion`` tokenized as the data path tokenizes a pair's chosen completion
       (``data.encode.encode_example``: a text as a continuation ending with one EOS, messages
-      rendered by the chat template).
+      rendered by the chat template). A sampled completion whose text is blank (the policy
+      stopped at once) is the scoring tokenizer's EOS alone.
 
     ``completion`` is checked in both cases (a string, or assistant messages), as is ``prompt``.
 
@@ -120,34 +171,50 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> tuple[l
     from dpo_megatron.data.tokenizer import resolve_chat_template
 
     settings = encode_settings(tokenizer, resolve_chat_template(chat_template))
-    sequences, starts = [], []
+    sequences, starts, retokenized = [], [], 0
     for location, row in rows:
-        sampled = sampled_ids(row, path, location, len(tokenizer))
-        row = _as_message_row(row)
+        message_row = _as_message_row(row)
         # The unpaired formats' converters check a prompt and one completion (text, or messages);
         # the label they also read plays no part here.
         convert = (
             convert_unpaired_conversational
-            if isinstance(row["completion"], list)
+            if isinstance(message_row["completion"], list)
             else convert_unpaired
         )
         try:
-            (example,) = convert({**row, "label": True}, None)
-            if sampled is None:
+            (example,) = convert({**message_row, "label": True}, None)
+            prompt_ids = encode_prompt(example.prompt, tokenizer, settings)
+            if not prompt_ids:
+                raise Filtered("empty_prompt")
+            if read_as_sampled(row, prompt_ids, path, location):
+                completion_ids = sampled_ids(row, path, location, len(tokenizer))
+            elif "completion_ids" not in row:
                 encoded = encode_example(example, tokenizer, settings)
                 prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
-            else:
-                prompt_ids = encode_prompt(example.prompt, tokenizer, settings)
-                completion_ids = sampled
-                if not prompt_ids:
-                    raise Filtered("empty_prompt")
+            else:  # sampled in another tokenizer's ids: read the text
+                retokenized += 1
+                if str(row["completion"]).strip():
+                    encoded = encode_example(example, tokenizer, settings)
+                    prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
+                else:
+                    completion_ids = [settings.eos_token_id]
         except RowError as e:
             raise DataError(f"{path}: {location}: {e}") from None
         except Filtered as e:
             raise DataError(f"{path}: {location}: nothing to score ({e.reason})") from None
         sequences.append([*prompt_ids, *completion_ids])
         starts.append(len(prompt_ids))
-    return sequences, starts
+    return EncodedRows(sequences, starts, retokenized)
+
+
+def retokenized_note(count: int, total: int, who: str = "score") -> str:
+    """The line saying that ``count`` of ``total`` sampled rows were read from their text
+    (:attr:`EncodedRows.retokenized`)."""
+    return (
+        f"[{who}] {count} of {total} sampled completions read from their text: this tokenizer "
+        "or chat template reads their prompt otherwise than the policy that sampled them (a "
+        "reward model of another family), so their sampled ids were not its tokens"
+    )
 
 
 def write_rows(path: str, rows: list, scores: list[float]) -> None:
@@ -188,7 +255,10 @@ def score_file(
         raise ValueError("set model.hf_path (an HF reward model) or model.load (a checkpoint)")
     rows = read_rows(input_path)
     tokenizer = load_tokenizer(data.tokenizer or model.hf_path)
-    sequences, starts = encode_rows(rows, input_path, tokenizer, data.chat_template)
+    encoded = encode_rows(rows, input_path, tokenizer, data.chat_template)
+    sequences, starts = encoded.sequences, encoded.starts
+    if encoded.retokenized and ranks.is_rank0():
+        print(retokenized_note(encoded.retokenized, len(rows)), flush=True)
     initialize_distributed(parallel)
     chunks, built = build_reward_chunks(source, parallel, model)
     longest = max((len(s) for s in sequences), default=0)

@@ -55,7 +55,7 @@ def _generated_rows(tokenizer, prompt, apply_chat_template, path, samples=None):
     eos = tokenizer.eos_token_id
     if samples is None:
         samples = [[*tokenizer.encode(c, add_special_tokens=False), eos] for c in COMPLETIONS]
-    rows = completion_rows(encoded.prompts, [samples], tokenizer)
+    rows = completion_rows(encoded, [samples], tokenizer)
     write_jsonl(path, rows)
     return encoded.prompt_ids[0], [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -80,8 +80,10 @@ def test_every_stage_reads_the_prompt_ids_generation_sampled_from(tmp_path, kind
     else:
         assert rows[0]["prompt"] == prompt
 
-    sequences, starts = encode_rows(read_rows(str(generated)), str(generated), tokenizer, "")
-    assert [s[:n] for s, n in zip(sequences, starts)] == [sampled, sampled]
+    scored = encode_rows(read_rows(str(generated)), str(generated), tokenizer, "")
+    assert [s[:n] for s, n in zip(scored.sequences, scored.starts)] == [sampled, sampled]
+    assert [r["prompt_ids"] for r in rows] == [sampled, sampled]
+    assert scored.retokenized == 0
 
     form = rows[0]["prompt"]
     chosen, rejected = (
@@ -128,7 +130,8 @@ def test_the_scorer_reads_the_sampled_completion_ids(tmp_path, kind, case):
     samples = [cut, ended, split]
     sampled, rows = _generated_rows(tokenizer, prompt, apply_chat_template, generated, samples)
 
-    sequences, starts = encode_rows(read_rows(str(generated)), str(generated), tokenizer, "")
+    scored = encode_rows(read_rows(str(generated)), str(generated), tokenizer, "")
+    sequences, starts = scored.sequences, scored.starts
     assert sequences == [[*sampled, *ids] for ids in samples]
     assert starts == [len(sampled)] * 3
 
@@ -136,7 +139,8 @@ def test_the_scorer_reads_the_sampled_completion_ids(tmp_path, kind, case):
         tmp_path / "handwritten.jsonl",
         [{k: v for k, v in r.items() if k != "completion_ids"} for r in rows],
     )
-    texts, text_starts = encode_rows(read_rows(str(handwritten)), str(handwritten), tokenizer, "")
+    text_rows = encode_rows(read_rows(str(handwritten)), str(handwritten), tokenizer, "")
+    texts, text_starts = text_rows.sequences, text_rows.starts
     assert text_starts == starts
     assert texts[0][-1] in tokenizer.all_special_ids and texts[0] != sequences[0]
     assert texts[2] == texts[0] != sequences[2]
@@ -166,3 +170,47 @@ def test_bad_completion_ids_are_named_by_file_line_and_field(tmp_path, value, me
     path = write_jsonl(tmp_path / "empty.jsonl", [{**good, "completion_ids": []}])
     with pytest.raises(DataError, match=r"empty.jsonl: line 1: nothing to score"):
         encode_rows(read_rows(str(path)), str(path), tokenizer, "")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_reward_model_of_another_family_reads_the_completion_text(tmp_path, case):
+    """Rows sampled with one tokenizer (the tiny BPE) and scored with another (Mistral's
+    SentencePiece, its chat template): the scorer's ids of the prompt differ from the row's
+    ``prompt_ids``, so the sampled ids, which are not its tokens, are not read; each completion's
+    text is, exactly as the same row without ``completion_ids`` is read, and a completion that
+    stopped at once (blank text) is the scorer's EOS after its prompt. All are counted."""
+    from tests.data.fixtures import mistral_sp_tokenizer
+
+    policy, scorer = _tokenizer("tiny"), mistral_sp_tokenizer()
+    prompt, apply_chat_template = CASES[case]
+    eos = policy.eos_token_id
+    samples = [[*policy.encode(c, add_special_tokens=False), eos] for c in COMPLETIONS] + [[eos]]
+    generated = tmp_path / "generations.jsonl"
+    _, rows = _generated_rows(policy, prompt, apply_chat_template, generated, samples)
+    assert rows[2]["completion"] == ""
+
+    scored = encode_rows(read_rows(str(generated)), str(generated), scorer, "mistral")
+    handwritten = write_jsonl(
+        tmp_path / "handwritten.jsonl",
+        [{k: v for k, v in r.items() if k != "completion_ids"} for r in rows[:2]],
+    )
+    texts = encode_rows(read_rows(str(handwritten)), str(handwritten), scorer, "mistral")
+    assert scored.retokenized == 3 and texts.retokenized == 0
+    assert scored.sequences[:2] == texts.sequences and scored.starts[:2] == texts.starts
+    prompt_ids = scored.sequences[2][: scored.starts[2]]
+    assert prompt_ids == texts.sequences[0][: texts.starts[0]] and prompt_ids[0] == 1  # <s>
+    assert scored.sequences[2] == [*prompt_ids, scorer.eos_token_id]
+
+    # The generating tokenizer itself reads every row as sampled.
+    same = encode_rows(read_rows(str(generated)), str(generated), policy, "")
+    assert same.retokenized == 0
+    assert [s[n:] for s, n in zip(same.sequences, same.starts)] == samples
+
+
+def test_bad_prompt_ids_are_named_by_file_line_and_field(tmp_path):
+    """A ``prompt_ids`` that is not a list of ids stops the scorer with one line naming the
+    file, the line and the field."""
+    good = {"prompt": TEXT, "completion": "Blue.", "completion_ids": [5, 6], "prompt_ids": [7]}
+    path = write_jsonl(tmp_path / "gen.jsonl", [good, {**good, "prompt_ids": [7, "8"]}])
+    with pytest.raises(DataError, match=r"gen.jsonl: line 2: field 'prompt_ids': entry 1 is '8'"):
+        encode_rows(read_rows(str(path)), str(path), _tokenizer("tiny"), "")
