@@ -240,6 +240,15 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether ``folder`` is a folder holding a tokenizer :func:`load_tokenizer` reads
+    (``tokenizer.json``, ``tokenizer_config.json`` or ``tokenizer.model``)."""
+    if not folder or not Path(folder).expanduser().is_dir():
+        return False
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return any((Path(folder).expanduser() / name).is_file() for name in names)
+
+
 def resolve_chat_template(spec: str) -> str | None:
     """The template text for a ``data.chat_template`` value (empty -> None = the tokenizer's
     own)."""

@@ -18,6 +18,8 @@ import contextlib
 import importlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from dpo_megatron.utils import ranks
 
@@ -104,6 +106,65 @@ def build_reward_model(cfg, path: str) -> list:
     base = dataclasses.replace(cfg.model, hf_path="", load="")
     chunks, _ = build_reward_chunks(path, cfg.online.reward_model.parallel, base)
     return chunks
+
+
+@dataclass(frozen=True)
+class RewardReader:
+    """The tokenizer and chat template a reward model reads the policy's samples with
+    (:func:`reward_reader`), and where the tokenizer came from (for the start-up line)."""
+
+    tokenizer: Any
+    chat_template: str
+    source: str
+    """The tokenizer's folder or name; empty: the policy's."""
+
+
+def reward_reader(cfg, policy_tokenizer) -> RewardReader:
+    """How the reward model of ``online.reward_model`` reads samples: with
+    ``online.reward_model.tokenizer`` when set, else with the tokenizer in
+    ``online.reward_model.path`` when it is a folder holding one (a Hugging Face
+    ``*ForSequenceClassification`` folder), else (a reward model trained here: a checkpoint)
+    with the policy's tokenizer; with ``online.reward_model.chat_template``, else the
+    tokenizer's own template (``data.chat_template`` for the policy's tokenizer).
+
+    Raises:
+        ValueError / OSError: the tokenizer cannot be loaded (``data.load_tokenizer``).
+    """
+    from dpo_megatron.data.tokenizer import has_tokenizer_files, load_tokenizer
+
+    o = cfg.online.reward_model
+    source = o.tokenizer or (o.path if has_tokenizer_files(o.path) else "")
+    if not source:
+        return RewardReader(policy_tokenizer, o.chat_template or cfg.data.chat_template, "")
+    return RewardReader(load_tokenizer(source), o.chat_template, source)
+
+
+def reward_model_sequences(reader: RewardReader, forms: list, samples: list, label: str):
+    """The reward model's token ids of each sample (``reward.rows.encode_rows``, the rule
+    ``python -m dpo_megatron.score`` applies to generated rows): the policy's prompt and
+    completion ids as they are when ``reader`` reads the sample's prompt form (``forms[i]``,
+    text or messages) as the policy did, else the prompt form and the completion's text
+    encoded with ``reader`` (rank 0 says how many, in one line). ``samples`` are
+    ``records.SampleRecord``; ``label`` names them in an error. Returns
+    ``reward.rows.EncodedRows``."""
+    from dpo_megatron.reward.rows import encode_rows, retokenized_note
+
+    rows = [
+        (
+            f"round {s.round} prompt {s.prompt} sample {s.sample}",
+            {
+                "prompt": form,
+                "completion": s.completion_text,
+                "completion_ids": list(s.completion_ids),
+                "prompt_ids": list(s.prompt_ids),
+            },
+        )
+        for form, s in zip(forms, samples, strict=True)
+    ]
+    encoded = encode_rows(rows, label, reader.tokenizer, reader.chat_template)
+    if encoded.retokenized and ranks.is_rank0():
+        print(retokenized_note(encoded.retokenized, len(rows), "online"), flush=True)
+    return encoded
 
 
 def score_with_reward_model(

@@ -47,6 +47,15 @@ def validate_online(cfg, world_size: int | None = None) -> None:
             "context parallelism does not sample: set parallel.context_parallel_size=1 and "
             "online.reward_model.parallel.context_parallel_size=1"
         )
+    if o.reward_model.chat_template:
+        from dpo_megatron.data.tokenizer import resolve_chat_template
+
+        try:
+            resolve_chat_template(o.reward_model.chat_template)
+        except ValueError as e:
+            raise ValueError(
+                str(e).replace("data.chat_template", "online.reward_model.chat_template")
+            ) from None
     if world_size is not None:
         cfg.parallel.validate(world_size)
         if o.reward_model.path:

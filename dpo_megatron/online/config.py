@@ -34,6 +34,14 @@ class RewardModelConfig:
     path: str = ""
     """A reward-model checkpoint folder (or a run's ``checkpoints`` folder: its latest) or a
     Hugging Face ``*ForSequenceClassification`` folder. Empty: ``online.judge`` scores."""
+    tokenizer: str = ""
+    """The tokenizer the reward model reads samples with. Empty: the one in ``path`` when it is
+    a folder holding one, else the policy's (``data.tokenizer``). Samples are scored on the
+    policy's ids when this tokenizer and chat template read their prompt as the policy did,
+    else on their text re-encoded (a reward model of another family)."""
+    chat_template: str = ""
+    """The reward model's chat template (``chatml``, ``mistral`` or a Jinja file). Empty: its
+    tokenizer's own, or ``data.chat_template`` when it reads with the policy's tokenizer."""
     micro_batch_size: int = 4
     """Sequences per scoring forward (>= 1)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

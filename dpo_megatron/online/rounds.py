@@ -216,20 +216,23 @@ def _sample_with(chunks, cfg, tokenizer, pad_id, items: list[PromptItem], r, see
     return records
 
 
-def _score(cfg, model_cfg, samples: list[SampleRecord], pad_id: int) -> list[float]:
+def _score(cfg, reader, samples: list[SampleRecord], forms: list, label: str) -> list[float]:
+    """The scores of ``samples`` (their prompts' forms: ``forms``): the judge's, or the reward
+    model's, read with ``reader`` (``adapters.reward_reader``; None with a judge)."""
     o = cfg.online
     if o.judge:
         return adapters.judge_scores(
             o.judge, [s.prompt_text for s in samples], [s.completion_text for s in samples]
         )
+    encoded = adapters.reward_model_sequences(reader, forms, samples, label)
     use_layout(o.reward_model.parallel)
     chunks = adapters.build_reward_model(cfg, o.reward_model.path)
     scores = adapters.score_with_reward_model(
         chunks,
-        [s.sequence for s in samples],
-        [len(s.prompt_ids) for s in samples],
+        encoded.sequences,
+        encoded.starts,
         micro_batch_size=o.reward_model.micro_batch_size,
-        pad_id=pad_id,
+        pad_id=reader.tokenizer.pad_token_id,
     )
     del chunks
     free_models()
@@ -299,7 +302,7 @@ def _completion_logps(cfg, chunks, samples: list[SampleRecord], pad_id: int) -> 
 
 
 def _evaluate(
-    cfg, model_cfg, tokenizer, pad_id, held: list, policy: str, initial: str, path: str
+    cfg, model_cfg, tokenizer, pad_id, reader, held: list, policy: str, initial: str, path: str
 ) -> list[EvalSample]:
     """Sample the held-out prompts from ``policy``; unless it is the ``initial`` policy, read
     the log-probability of each sample under both (``logp``, ``logp_initial``: the KL's
@@ -318,7 +321,7 @@ def _evaluate(
         logps_initial = _completion_logps(cfg, chunks, samples, pad_id)
     del chunks
     free_models()
-    scores = _score(cfg, model_cfg, samples, pad_id)
+    scores = _score(cfg, reader, samples, [held[s.prompt].prompt for s in samples], path)
     rows = [
         EvalSample.of(s, v, logp=a, logp_initial=b)
         for s, a, b, v in zip(samples, logps, logps_initial, scores)
@@ -389,6 +392,8 @@ class _OnlineRun:
     """The starting policy (``model.load`` or ``model.hf_path``)."""
     held: list
     """The held-out prompts (``online.eval_prompts``)."""
+    reader: adapters.RewardReader | None
+    """How the reward model reads samples (None: a judge scores)."""
     stop_after: tuple[int, str] | None = None
 
     def finished(self, r: int, phase: str, **values) -> None:
@@ -405,6 +410,7 @@ class _OnlineRun:
             self.model_cfg,
             self.tokenizer,
             self.pad_id,
+            self.reader,
             self.held,
             policy,
             self.initial,
@@ -424,7 +430,7 @@ class _OnlineRun:
         the round and its summary (every rank)."""
         seed = self.cfg.online.sampling.seed + r
         samples = self.sample(r, items, policy, seed)
-        scores = self.score(r, samples)
+        scores = self.score(r, samples, items)
         pairs = self.pair(r, samples, scores, items, seed, policy)
         self.train(r, policy, pairs)
         policy = self.state.policy_after(r) or policy
@@ -448,11 +454,13 @@ class _OnlineRun:
             self.finished(r, "sample", sample_s=time.time() - t0)
         return read_records(path, SampleRecord)
 
-    def score(self, r, samples: list[SampleRecord]) -> list[float]:
+    def score(self, r, samples: list[SampleRecord], items: list[PromptItem]) -> list[float]:
         path = self.layout.round_scores(r)
         if not self.state.done(r, "score"):
             t0 = time.time()
-            scores = _score(self.cfg, self.model_cfg, samples, self.pad_id)
+            forms = [items[s.prompt].prompt for s in samples]
+            samples_path = self.layout.round_samples(r)
+            scores = _score(self.cfg, self.reader, samples, forms, samples_path)
             if ranks.is_rank0():
                 write_records(
                     path, [ScoreRecord(s.prompt, s.sample, v) for s, v in zip(samples, scores)]
@@ -612,12 +620,15 @@ def run_online(cfg, *, stop_after: tuple[int, str] | None = None) -> list[RoundS
         pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
         all_prompts, too_long = _prompts(cfg, tokenizer)
         o = cfg.online
+        reader = None if o.judge else adapters.reward_reader(cfg, tokenizer)
         if ranks.is_rank0():
             print(
                 f"online: {o.rounds} round(s) x {o.prompts_per_round} prompts x "
                 f"{o.samples_per_prompt} samples from {len(all_prompts)} prompts"
                 + (f" ({too_long} longer than data.max_prompt_length left out)" if too_long else "")
-                + f" | scorer: {o.judge or o.reward_model.path} | reference: {o.reference}",
+                + f" | scorer: {o.judge or o.reward_model.path}"
+                + (f" (its tokenizer: {reader.source})" if reader and reader.source else "")
+                + f" | reference: {o.reference}",
                 flush=True,
             )
             warning = left_out_warning(
@@ -643,6 +654,7 @@ def run_online(cfg, *, stop_after: tuple[int, str] | None = None) -> list[RoundS
             folder.layout,
             initial=cfg.model.load or model_cfg.hf_path,
             held=held,
+            reader=reader,
             stop_after=stop_after,
         )
         policy = run.initial

@@ -43,7 +43,15 @@ def _prepare(folder: str) -> None:
 
 
 def _config(
-    folder, run, tp=1, pp=1, reference="round_start", resume="none", rm_pp=0, global_batch=2
+    folder,
+    run,
+    tp=1,
+    pp=1,
+    reference="round_start",
+    resume="none",
+    rm_pp=0,
+    global_batch=2,
+    rm_reads=None,
 ):
     from dpo_megatron.config import config_from_mapping
 
@@ -61,6 +69,7 @@ def _config(
         online["reward_model"] = {
             "path": os.path.join(folder, "initial"),
             "parallel": {"pipeline_model_parallel_size": rm_pp},
+            **(rm_reads or {}),
         }
     else:
         online["judge"] = "tests.online.standins:char_judge"
@@ -135,6 +144,35 @@ def _online(folder, run, stop_after=None, sigterm_at=None, **config):
             undo()
     calls = {k: v - before.get(k, 0) for k, v in standins.CALLS.items() if k != "score_layout"}
     return {"summaries": summaries, "calls": calls, "layout": standins.CALLS.get("score_layout")}
+
+
+def _mistral_reads() -> dict:
+    from tests.scripts import load_script
+
+    model = str(load_script("assets").ensure_sentencepiece_model())
+    return {"tokenizer": model, "chat_template": "mistral"}
+
+
+def _check_other_family_scores(folder, run):
+    """Each round's scores are the stand-in scorer's (completion ids summed, mod 11) on the
+    samples read with the reward model's own tokenizer from their prompt form and text, not on
+    the policy's ids; the log names that tokenizer and says every sample was read so."""
+    from dpo_megatron.online.adapters import reward_model_sequences, reward_reader
+    from dpo_megatron.online.records import SampleRecord, read_records
+
+    cfg = _config(folder, run, rm_pp=1, rm_reads=_mistral_reads())
+    reader = reward_reader(cfg, None)
+    log = open(f"{folder}/{run}/train.log").read()
+    assert f"(its tokenizer: {reader.source})" in log
+    for r in range(2):
+        samples = read_records(f"{folder}/{run}/online/round_{r}/samples.jsonl", SampleRecord)
+        forms = [PROMPTS[s.row].get("prompt") or PROMPTS[s.row]["messages"] for s in samples]
+        encoded = reward_model_sequences(reader, forms, samples, "samples.jsonl")
+        assert encoded.retokenized == len(samples) == 9
+        assert max(map(max, encoded.sequences)) >= 512  # not the tiny tokenizer's ids
+        scores = [x["score"] for x in _read(f"{folder}/{run}/online/round_{r}/scores.jsonl")]
+        assert scores == [float(sum(q[c:]) % 11) for q, c in zip(encoded.sequences, encoded.starts)]
+    assert log.count("[online] 9 of 9 sampled completions read from their text") == 2
 
 
 def _final_weights_equal(folder, run_a, run_b):
@@ -267,8 +305,14 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
             ),
             # 3 prompts a round: never a global batch of 4 pairs, the policy never trains
             "untrained": (_online, {"folder": folder, "run": "untrained", "global_batch": 4}),
+            # a reward model of another family: Mistral's SentencePiece and chat template
+            "other_family": (
+                _online,
+                {"folder": folder, "run": "family", "rm_pp": 1, "rm_reads": _mistral_reads()},
+            ),
         },
     )
+    _check_other_family_scores(folder, "family")
     straight = f"{folder}/straight"
     for r in range(2):
         summary, pairs = _check_round_files(straight, r)
