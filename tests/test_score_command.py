@@ -97,6 +97,51 @@ def test_score_command_writes_transformers_scores(tmp_path):
     assert [r["score"] for r in written] == pytest.approx(_expected(folder), rel=1e-5)
 
 
+def _score_error(rows: str, out: str, folder: str, tokenizer: str) -> str:
+    """The message of the ValueError ``score_file`` raises (one rank), or ''."""
+    from dpo_megatron.data import DataConfig
+    from dpo_megatron.models import ModelConfig
+    from dpo_megatron.parallel import ParallelConfig
+    from dpo_megatron.reward.rows import score_file
+
+    try:
+        score_file(
+            rows,
+            out,
+            model=ModelConfig(hf_path=folder, params_dtype="float32"),
+            parallel=ParallelConfig(),
+            data=DataConfig(tokenizer=tokenizer, chat_template="mistral"),
+            micro_batch_size=2,
+        )
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.slow
+def test_a_tokenizer_past_the_reward_models_vocabulary_is_one_line(tmp_path):
+    """Scoring with a tokenizer whose ids the reward model has no row for (Mistral's 32,000
+    against the tiny model's few hundred) stops before any forward, naming the file and the id."""
+    from tests.scripts import load_script
+
+    folder = _reward_folder(str(tmp_path / "rm"))
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    model = str(load_script("assets").ensure_sentencepiece_model())
+    (message,) = run_ranks(
+        _score_error,
+        world_size=1,
+        rows=str(rows),
+        out=str(tmp_path / "scored.jsonl"),
+        folder=folder,
+        tokenizer=model,
+    )
+    assert message.startswith(f"{rows}: token id ") and message.endswith(
+        f"is past the reward model's vocabulary ({len(tiny_hf_tokenizer())} ids): score with its "
+        "tokenizer (data.tokenizer, default model.hf_path's)"
+    ), message
+    assert not (tmp_path / "scored.jsonl").exists()
+
+
 def test_bad_rows_are_named_by_file_line_and_field(tmp_path):
     from dpo_megatron.reward.rows import encode_rows, read_rows
 

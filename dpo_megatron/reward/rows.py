@@ -267,6 +267,13 @@ def score_file(
             f"{input_path}: a row has {longest} tokens, more than the model's "
             f"{built.max_position_embeddings} positions"
         )
+    top = max((max(s) for s in sequences if s), default=0)
+    if top >= built.vocab_size:
+        raise ValueError(
+            f"{input_path}: token id {top} is past the reward model's vocabulary "
+            f"({built.vocab_size} ids): score with its tokenizer (data.tokenizer, default "
+            "model.hf_path's)"
+        )
     scores = score_sequences(
         chunks,
         sequences,
