@@ -89,6 +89,11 @@ class OnlineConfig:
     min_margin: float = 0.0
     """A prompt's pair (best vs worst score) is kept when best - worst >= min_margin and > 0
     (>= 0): exact ties are always dropped, near-ties below min_margin too; both are counted."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a sample that ends without a stop token (cut at
+    ``online.sampling.max_new_tokens``) when the pairs are chosen (>= 0; 0: none), as TRL's
+    ``OnlineDPOConfig.missing_eos_penalty``: a cut-off completion is then less often chosen. The
+    scores files keep the scorer's scores; the pairs and their scores carry the penalty."""
     reference: str = "round_start"
     """The DPO reference of each round: ``round_start`` (the policy the round starts from) or
     ``initial`` (the run's starting weights, every round)."""
@@ -122,6 +127,7 @@ class OnlineConfig:
         )
         self.sampling.validate_sampling("online.sampling", greedy=False)
         check_range("online", self, "min_margin", 0)
+        check_range("online", self, "missing_eos_penalty", 0, why="0: no penalty")
         check_choice("online", self, "reference", REFERENCES)
         rm = self.reward_model
         if bool(self.judge) == bool(rm.path):

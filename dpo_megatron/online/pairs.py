@@ -65,6 +65,23 @@ class PairCounts:
     too_few: int = 0
 
 
+def penalize_missing_eos(
+    samples: Sequence[Sample], scores: Sequence[float], stop_ids: Sequence[int], penalty: float
+) -> tuple[list[float], int]:
+    """The scores the pairs are chosen by: ``penalty`` subtracted from the score of every
+    sample whose completion does not end with one of ``stop_ids`` (cut at ``max_new_tokens``),
+    as TRL's online DPO trainer applies ``missing_eos_penalty`` (a completion that never ends
+    is then less often chosen); an empty completion is left as it is.
+
+    Returns:
+        (the scores, in the order of ``samples``; how many samples end without a stop id,
+        counted whatever ``penalty``).
+    """
+    stops = set(stop_ids)
+    cut = [bool(s.completion_ids) and s.completion_ids[-1] not in stops for s in samples]
+    return [float(v) - penalty * c for v, c in zip(scores, cut)], sum(cut)
+
+
 def build_pairs(
     samples: Sequence[Sample], scores: Sequence[float], min_margin: float = 0.0
 ) -> tuple[list[Pair], PairCounts]:

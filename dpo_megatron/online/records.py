@@ -225,8 +225,12 @@ class RoundSummary(Record):
         prompts, samples: the round's prompts and scored completions.
         pairs_kept, ties_dropped, near_ties_dropped, empty_samples,
             prompts_with_too_few_samples: ``pairs.PairCounts``.
-        mean_score: over every sample (None: no sample); mean_chosen_score,
-            mean_rejected_score: over the kept pairs (None: no pair).
+        samples_without_eos: completions that end without a stop token (cut at
+            ``max_new_tokens``; ``online.missing_eos_penalty`` lowers their scores for the
+            pairs).
+        mean_score: the scorer's, over every sample (None: no sample); mean_chosen_score,
+            mean_rejected_score: over the kept pairs, as they were ranked (the missing-EOS
+            penalty included; None: no pair).
         sampling_seed: the round's sampling seed; prompt_rows: its prompts' rows.
         policy_start: the weights the round sampled from and trained; reference:
             ``online.reference``.
@@ -244,6 +248,7 @@ class RoundSummary(Record):
     near_ties_dropped: int
     empty_samples: int
     prompts_with_too_few_samples: int
+    samples_without_eos: int
     mean_score: float | None
     mean_chosen_score: float | None
     mean_rejected_score: float | None

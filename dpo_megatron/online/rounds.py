@@ -52,7 +52,7 @@ from dpo_megatron.online.evaluation import (
     summary_lines,
 )
 from dpo_megatron.online.layouts import free_models, use_layout
-from dpo_megatron.online.pairs import build_pairs
+from dpo_megatron.online.pairs import build_pairs, penalize_missing_eos
 from dpo_megatron.online.prompts import (
     PromptItem,
     encode_prompts,
@@ -184,9 +184,14 @@ def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: 
     return records
 
 
+def _stop_ids(tokenizer, pad_id: int) -> list[int]:
+    """The ids a sample stops at: the tokenizer's EOS and the pad id."""
+    return sorted({i for i in (tokenizer.eos_token_id, pad_id) if i is not None})
+
+
 def _sample_with(chunks, cfg, tokenizer, pad_id, items: list[PromptItem], r, seed: int):
     """The samples records of ``items`` from the policy ``chunks`` (collective)."""
-    stop = sorted({i for i in (tokenizer.eos_token_id, pad_id) if i is not None})
+    stop = _stop_ids(tokenizer, pad_id)
     completions = adapters.sample_completions(
         chunks,
         [it.prompt_ids for it in items],
@@ -240,13 +245,23 @@ def _score(cfg, reader, samples: list[SampleRecord], forms: list, label: str) ->
 
 
 def _pairs(
-    cfg, samples: list[SampleRecord], scores: list[float], r: int, seed: int, items: list, policy
+    cfg,
+    samples: list[SampleRecord],
+    scores: list[float],
+    r: int,
+    seed: int,
+    items: list,
+    policy,
+    stop_ids: list[int],
 ) -> tuple[list[PairRecord], RoundSummary]:
     """The round's pairs and its summary as the pairs phase writes it (``policy``: the one the
-    round started from)."""
-    pairs, counts = build_pairs(
-        [s.pair_candidate() for s in samples], scores, cfg.online.min_margin
+    round started from; ``stop_ids``: the ids a completion ends with, for
+    ``online.missing_eos_penalty``)."""
+    candidates = [s.pair_candidate() for s in samples]
+    ranked, without_eos = penalize_missing_eos(
+        candidates, scores, stop_ids, cfg.online.missing_eos_penalty
     )
+    pairs, counts = build_pairs(candidates, ranked, cfg.online.min_margin)
     by_key = {(s.prompt, s.sample): s for s in samples}
     records = []
     for p in pairs:
@@ -280,6 +295,7 @@ def _pairs(
         near_ties_dropped=counts.near_ties,
         empty_samples=counts.empty,
         prompts_with_too_few_samples=counts.too_few,
+        samples_without_eos=without_eos,
         mean_score=sum(scores) / len(scores) if scores else None,
         mean_chosen_score=sum(p.chosen_score for p in pairs) / len(pairs) if pairs else None,
         mean_rejected_score=sum(p.rejected_score for p in pairs) / len(pairs) if pairs else None,
@@ -471,7 +487,8 @@ class _OnlineRun:
     def pair(self, r, samples, scores, items, seed, policy) -> list[PairRecord]:
         path = self.layout.round_pairs(r)
         if not self.state.done(r, "pairs"):
-            records, summary = _pairs(self.cfg, samples, scores, r, seed, items, policy)
+            stop = _stop_ids(self.tokenizer, self.pad_id)
+            records, summary = _pairs(self.cfg, samples, scores, r, seed, items, policy, stop)
             if ranks.is_rank0():
                 write_records(path, records)
                 write_record(self.layout.round_summary(r), summary)
@@ -509,8 +526,9 @@ class _OnlineRun:
             write_record(self.layout.round_summary(r), summary)
             print(
                 f"online: round {r}: {summary.pairs_kept} pairs of {summary.prompts} prompts "
-                f"({summary.ties_dropped} ties, {summary.near_ties_dropped} near-ties dropped), "
-                f"mean score {summary.mean_score:.4f} -> {folder}",
+                f"({summary.ties_dropped} ties, {summary.near_ties_dropped} near-ties dropped; "
+                f"{summary.samples_without_eos} of {summary.samples} samples cut at "
+                f"max_new_tokens), mean score {summary.mean_score:.4f} -> {folder}",
                 flush=True,
             )
         self.finished(r, "train", policy=end or policy)

@@ -23,6 +23,14 @@ def counting_generate(chunks, prompts, params, **kwargs):
     return generate(chunks, prompts, params, **kwargs)
 
 
+def eos_ending_generate(chunks, prompts, params, **kwargs):
+    """:func:`counting_generate` with every odd-indexed sample of a prompt cut to its first
+    token and the tiny tokenizer's EOS (2): a round of completions that stopped and
+    completions cut at ``max_new_tokens``, for ``online.missing_eos_penalty``."""
+    out = counting_generate(chunks, prompts, params, **kwargs)
+    return [[[*ids[:1], 2] if j % 2 else ids for j, ids in enumerate(samples)] for samples in out]
+
+
 def build_tiny_reward_model(cfg, path):
     """The 'reward model': the tiny policy model built at the current layout (the reward
     model's, set up by the loop) with the weights of ``path``."""

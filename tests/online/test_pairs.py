@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpo_megatron.online.pairs import Pair, Sample, build_pairs
+from dpo_megatron.online.pairs import Pair, Sample, build_pairs, penalize_missing_eos
 
 
 def _samples(spec):
@@ -56,3 +56,20 @@ def test_bad_scores_are_refused():
         build_pairs(samples, scores)
     with pytest.raises(ValueError, match="1 scores for 2 samples"):
         build_pairs(samples, scores[:1])
+
+
+def test_a_completion_cut_without_a_stop_token_loses_the_penalty():
+    """Stop ids 2 (EOS) and 0 (pad): the samples ending otherwise are cut at max_new_tokens and
+    lose the penalty before the pairs are chosen, which here turns prompt 0's pair around; an
+    empty completion is neither penalized nor counted. Penalty 0 counts them all the same."""
+    samples, scores = _samples(
+        {
+            0: [((5, 6), 3.0), ((5, 2), 1.0), ((7, 0), 0.5)],  # cut, EOS, pad
+            1: [((5,), 1.0), ((), 4.0), ((8, 2), 0.0)],
+        }
+    )
+    ranked, cut = penalize_missing_eos(samples, scores, [0, 2], 2.5)
+    assert ranked == [0.5, 1.0, 0.5, -1.5, 4.0, 0.0] and cut == 2
+    pairs, _ = build_pairs(samples, ranked)
+    assert pairs == [Pair(0, 1, 2, 1.0, 0.5), Pair(1, 2, 0, 0.0, -1.5)]
+    assert penalize_missing_eos(samples, scores, [0, 2], 0.0) == ([float(v) for v in scores], 2)

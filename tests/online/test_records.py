@@ -74,6 +74,7 @@ PAIRS_DONE = RoundSummary(
     near_ties_dropped=0,
     empty_samples=2,
     prompts_with_too_few_samples=1,
+    samples_without_eos=4,
     mean_score=1.5,
     mean_chosen_score=3.5,
     mean_rejected_score=None,
@@ -147,7 +148,8 @@ def test_the_files_keep_the_format_of_existing_run_folders(tmp_path):
     assert list(after)[-4:] == ["completion_ids", "logp", "logp_initial", "score"]
     head = [
         "round", "prompts", "samples", "pairs_kept", "ties_dropped", "near_ties_dropped",
-        "empty_samples", "prompts_with_too_few_samples", "mean_score", "mean_chosen_score",
+        "empty_samples", "prompts_with_too_few_samples", "samples_without_eos", "mean_score",
+        "mean_chosen_score",
         "mean_rejected_score", "sampling_seed", "prompt_rows", "policy_start", "reference",
     ]  # fmt: skip
     assert list(PAIRS_DONE.to_json()) == head

@@ -52,6 +52,7 @@ def _config(
     rm_pp=0,
     global_batch=2,
     rm_reads=None,
+    missing_eos_penalty=0.0,
 ):
     from dpo_megatron.config import config_from_mapping
 
@@ -62,6 +63,7 @@ def _config(
         "samples_per_prompt": 3,
         "sampling": {"max_new_tokens": 4, "seed": 11},
         "min_margin": 1.0,
+        "missing_eos_penalty": missing_eos_penalty,
         "reference": reference,
         "eval_prompts": 1,
     }
@@ -117,9 +119,10 @@ def _sigterm_after(round_index: int, step: int):
     return lambda: setattr(Trainer, "train_step", original)
 
 
-def _online(folder, run, stop_after=None, sigterm_at=None, **config):
+def _online(folder, run, stop_after=None, sigterm_at=None, generator="counting_generate", **config):
     """One online run (or part of one); returns the summaries (None when stopped) and the
-    stand-ins' call counts of this run. ``sigterm_at``: (round, step) of a SIGTERM."""
+    stand-ins' call counts of this run. ``sigterm_at``: (round, step) of a SIGTERM;
+    ``generator``: the stand-in generation of ``tests.online.standins``."""
     from dpo_megatron.config import validate_online_config
     from dpo_megatron.online.adapters import use_generator, use_reward_model
     from dpo_megatron.online.rounds import StopAfter, run_online
@@ -130,7 +133,7 @@ def _online(folder, run, stop_after=None, sigterm_at=None, **config):
     before = dict(standins.CALLS)
     undo = _sigterm_after(*sigterm_at) if sigterm_at else (lambda: None)
     with (
-        use_generator(standins.counting_generate),
+        use_generator(getattr(standins, generator)),
         use_reward_model(standins.build_tiny_reward_model, standins.layout_checking_scorer),
     ):
         try:
@@ -211,18 +214,12 @@ def _train_records(run_dir, r):
     ]
 
 
-def _check_round_files(run_dir, r, k=3, n=3, min_margin=1.0):
-    """Files and counts of round ``r`` against a recomputation by hand from its files."""
-    base = f"{run_dir}/online/round_{r}"
-    samples, scores, pairs = (_read(f"{base}/{n_}.jsonl") for n_ in ("samples", "scores", "pairs"))
-    summary = json.load(open(f"{base}/summary.json"))
-    assert len(samples) == len(scores) == n * k
-    assert [(s["prompt"], s["sample"]) for s in samples] == [
-        (p, j) for p in range(n) for j in range(k)
-    ]
+def _pairs_by_hand(samples, ranked, n, min_margin):
+    """(prompt, chosen, rejected) of each kept pair, ties and near-ties, from the samples' rows
+    and the scores they are ranked by."""
     expected, ties, near = [], 0, 0
     for p in range(n):
-        rows = [(s, sc["score"]) for s, sc in zip(samples, scores) if s["prompt"] == p]
+        rows = [(s, v) for s, v in zip(samples, ranked) if s["prompt"] == p]
         best = max(rows, key=lambda x: x[1])  # first of equal
         worst = min(reversed(rows), key=lambda x: x[1])  # last of equal
         margin = best[1] - worst[1]
@@ -232,9 +229,26 @@ def _check_round_files(run_dir, r, k=3, n=3, min_margin=1.0):
             near += 1
         else:
             expected.append((p, best[0]["sample"], worst[0]["sample"]))
+    return expected, ties, near
+
+
+def _check_round_files(run_dir, r, k=3, n=3, min_margin=1.0, penalty=0.0):
+    """Files and counts of round ``r`` against a recomputation by hand from its files (the
+    tiny tokenizer's stop ids: EOS = pad = 2, ``online.missing_eos_penalty`` = ``penalty``)."""
+    base = f"{run_dir}/online/round_{r}"
+    samples, scores, pairs = (_read(f"{base}/{n_}.jsonl") for n_ in ("samples", "scores", "pairs"))
+    summary = json.load(open(f"{base}/summary.json"))
+    assert len(samples) == len(scores) == n * k
+    assert [(s["prompt"], s["sample"]) for s in samples] == [
+        (p, j) for p in range(n) for j in range(k)
+    ]
+    cut = [s["completion_ids"][-1] != 2 for s in samples]
+    ranked = [sc["score"] - penalty * c for sc, c in zip(scores, cut)]
+    expected, ties, near = _pairs_by_hand(samples, ranked, n, min_margin)
     assert [(q["prompt"], q["chosen_sample"], q["rejected_sample"]) for q in pairs] == expected
     assert summary["prompts"] == n and summary["samples"] == n * k
     assert summary["pairs_kept"] == len(pairs)
+    assert summary["samples_without_eos"] == sum(cut)
     assert (summary["ties_dropped"], summary["near_ties_dropped"]) == (ties, near)
     assert summary["mean_score"] == pytest.approx(sum(x["score"] for x in scores) / len(scores))
     return summary, pairs
@@ -305,6 +319,15 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
             ),
             # 3 prompts a round: never a global batch of 4 pairs, the policy never trains
             "untrained": (_online, {"folder": folder, "run": "untrained", "global_batch": 4}),
+            "penalized": (
+                _online,
+                {
+                    "folder": folder,
+                    "run": "penalized",
+                    "missing_eos_penalty": 6.0,
+                    "generator": "eos_ending_generate",
+                },
+            ),
             # a reward model of another family: Mistral's SentencePiece and chat template
             "other_family": (
                 _online,
@@ -313,6 +336,17 @@ def test_two_rounds_one_rank_and_resume_between_phases(tmp_path):
         },
     )
     _check_other_family_scores(folder, "family")
+    for r in range(2):  # the pairs ranked with the penalty, by hand
+        summary, pairs = _check_round_files(f"{folder}/penalized", r, penalty=6.0)
+        assert summary["samples_without_eos"] == 6  # samples 0 and 2 of each of 3 prompts
+    base = f"{folder}/penalized/online/round_0"
+    samples, scores = _read(f"{base}/samples.jsonl"), _read(f"{base}/scores.jsonl")
+    unpenalized, _, _ = _pairs_by_hand(samples, [x["score"] for x in scores], 3, 1.0)
+    kept = [
+        (q["prompt"], q["chosen_sample"], q["rejected_sample"])
+        for q in _read(f"{base}/pairs.jsonl")
+    ]
+    assert kept != unpenalized  # the penalty chose other pairs
     straight = f"{folder}/straight"
     for r in range(2):
         summary, pairs = _check_round_files(straight, r)
