@@ -191,3 +191,16 @@ def test_generate_rows_score_as_their_message_rows(tmp_path):
     prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     assert gen_start == len(tokenizer(prompt_text, add_special_tokens=False).input_ids)
     assert (sampled_ids, sampled_start) == ([*gen_ids[:gen_start], 1, 2, 3], gen_start)
+
+
+def test_a_reward_checkpoint_wins_over_the_base_folder():
+    """``score --config <a reward run's config> model.load=<its checkpoint>`` scores with the
+    checkpoint: the config's ``model.hf_path`` (the base causal LM, kept for the tokenizer) does
+    not take its place, as ``model.load`` wins over ``model.hf_path`` in training."""
+    from dpo_megatron.models.config import ModelConfig
+    from dpo_megatron.reward.rows import reward_source
+
+    assert reward_source(ModelConfig(hf_path="base_lm", load="rm/checkpoints")) == "rm/checkpoints"
+    assert reward_source(ModelConfig(hf_path="rm_hf")) == "rm_hf"
+    with pytest.raises(ValueError, match=r"set model.hf_path .* or model.load"):
+        reward_source(ModelConfig())

@@ -228,6 +228,21 @@ def write_rows(path: str, rows: list, scores: list[float]) -> None:
     write_text_atomic(path, "".join(line + "\n" for line in lines))
 
 
+def reward_source(model: ModelConfig) -> str:
+    """The reward model ``score_file`` reads: ``model.load`` (a reward run's checkpoint) when
+    set, else ``model.hf_path`` (an HF ``*ForSequenceClassification`` folder). As in training,
+    ``model.load`` wins over ``model.hf_path``: a reward run's own config names its base causal
+    LM as ``model.hf_path`` (the tokenizer's folder), and its checkpoint as ``model.load``.
+
+    Raises:
+        ValueError: neither is set.
+    """
+    source = model.load or model.hf_path
+    if not source:
+        raise ValueError("set model.hf_path (an HF reward model) or model.load (a checkpoint)")
+    return source
+
+
 def score_file(
     input_path: str,
     output_path: str,
@@ -250,9 +265,7 @@ def score_file(
     from dpo_megatron.parallel import initialize_distributed
     from dpo_megatron.reward.scoring import build_reward_chunks, score_sequences
 
-    source = model.hf_path or model.load
-    if not source:
-        raise ValueError("set model.hf_path (an HF reward model) or model.load (a checkpoint)")
+    source = reward_source(model)
     rows = read_rows(input_path)
     tokenizer = load_tokenizer(data.tokenizer or model.hf_path)
     encoded = encode_rows(rows, input_path, tokenizer, data.chat_template)
