@@ -23,8 +23,9 @@ ROWS = [
 ]
 
 
-def _reward_folder(out_dir: str) -> str:
-    """A tiny random LlamaForSequenceClassification over the fixture tokenizer (pad = EOS)."""
+def _reward_folder(out_dir: str, pad_token_id: int | None = None) -> str:
+    """A tiny random LlamaForSequenceClassification over the fixture tokenizer, its config's
+    ``pad_token_id`` the tokenizer's pad (its EOS, <|im_end|>) unless given."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     tokenizer = tiny_hf_tokenizer()
@@ -39,7 +40,7 @@ def _reward_folder(out_dir: str) -> str:
         max_position_embeddings=256,
         tie_word_embeddings=False,
         num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id if pad_token_id is None else pad_token_id,
     )
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
@@ -78,8 +79,12 @@ def _run(argv):
 
 
 @pytest.mark.slow
-def test_score_command_writes_transformers_scores(tmp_path):
-    folder = _reward_folder(str(tmp_path / "rm"))
+@pytest.mark.parametrize("pad_token_id", [None, 0], ids=["tokenizer_pad", "config_pad"])
+def test_score_command_writes_transformers_scores(tmp_path, pad_token_id):
+    """With the config's ``pad_token_id`` the tokenizer's pad (<|im_end|>, which then is not
+    scored at a row's end) and another id (<|endoftext|>: the closing <|im_end|> is scored), the
+    scores are transformers', which reads the config's pad."""
+    folder = _reward_folder(str(tmp_path / "rm"), pad_token_id)
     rows = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     out = tmp_path / "scored.jsonl"
     argv = [

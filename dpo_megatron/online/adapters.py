@@ -117,6 +117,9 @@ class RewardReader:
     chat_template: str
     source: str
     """The tokenizer's folder or name; empty: the policy's."""
+    pad_id: int
+    """The reward model's pad id (``reward.scoring.reward_pad_id``): the last token that is not
+    it is the one scored."""
 
 
 def reward_reader(cfg, policy_tokenizer) -> RewardReader:
@@ -125,18 +128,20 @@ def reward_reader(cfg, policy_tokenizer) -> RewardReader:
     ``online.reward_model.path`` when it is a folder holding one (a Hugging Face
     ``*ForSequenceClassification`` folder), else (a reward model trained here: a checkpoint)
     with the policy's tokenizer; with ``online.reward_model.chat_template``, else the
-    tokenizer's own template (``data.chat_template`` for the policy's tokenizer).
+    tokenizer's own template (``data.chat_template`` for the policy's tokenizer); the pad id of
+    ``reward.scoring.reward_pad_id``.
 
     Raises:
         ValueError / OSError: the tokenizer cannot be loaded (``data.load_tokenizer``).
     """
     from dpo_megatron.data.tokenizer import has_tokenizer_files, load_tokenizer
+    from dpo_megatron.reward.scoring import reward_pad_id
 
     o = cfg.online.reward_model
     source = o.tokenizer or (o.path if has_tokenizer_files(o.path) else "")
-    if not source:
-        return RewardReader(policy_tokenizer, o.chat_template or cfg.data.chat_template, "")
-    return RewardReader(load_tokenizer(source), o.chat_template, source)
+    tokenizer = load_tokenizer(source) if source else policy_tokenizer
+    template = o.chat_template or ("" if source else cfg.data.chat_template)
+    return RewardReader(tokenizer, template, source, reward_pad_id(o.path, tokenizer))
 
 
 def reward_model_sequences(reader: RewardReader, forms: list, samples: list, label: str):

@@ -237,7 +237,7 @@ def _score(cfg, reader, samples: list[SampleRecord], forms: list, label: str) ->
         encoded.sequences,
         encoded.starts,
         micro_batch_size=o.reward_model.micro_batch_size,
-        pad_id=reader.tokenizer.pad_token_id,
+        pad_id=reader.pad_id,
     )
     del chunks
     free_models()

@@ -263,7 +263,7 @@ def score_file(
     """
     from dpo_megatron.data.tokenizer import load_tokenizer
     from dpo_megatron.parallel import initialize_distributed
-    from dpo_megatron.reward.scoring import build_reward_chunks, score_sequences
+    from dpo_megatron.reward.scoring import build_reward_chunks, reward_pad_id, score_sequences
 
     source = reward_source(model)
     rows = read_rows(input_path)
@@ -292,7 +292,7 @@ def score_file(
         sequences,
         starts,
         micro_batch_size=micro_batch_size,
-        pad_id=tokenizer.pad_token_id,
+        pad_id=reward_pad_id(source, tokenizer),
     )
     if ranks.is_rank0():
         write_rows(output_path, rows, scores)

@@ -17,6 +17,7 @@ A sequence's score is the reward head's value at its last token that is not the 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -239,6 +240,20 @@ def build_reward_chunks(
     for chunk in chunks:
         chunk.eval()
     return chunks, model_cfg
+
+
+def reward_pad_id(source: str, tokenizer) -> int:
+    """The pad id a reward model scores with, which also marks the position it scores (the
+    last token that is not the pad, ``data.collate.reward_position``): an HF folder's
+    ``config.json`` ``pad_token_id``, as transformers' ``*ForSequenceClassification`` reads it;
+    else (a checkpoint trained here, or a config without one) ``tokenizer``'s pad, the one a
+    reward run trains with and its export writes as ``pad_token_id``."""
+    if _is_hf_folder(source):
+        with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+            pad = json.load(f).get("pad_token_id")
+        if isinstance(pad, int):
+            return pad
+    return tokenizer.pad_token_id
 
 
 def _is_hf_folder(source: str) -> bool:

@@ -51,15 +51,18 @@ def _samples(policy):
 
 
 def test_the_policys_tokenizer_reads_the_sampled_ids(tmp_path):
-    """A checkpoint (no tokenizer files): the policy's tokenizer; an HF folder with the policy's
-    tokenizer saved in it: that one, loaded. Both read every sample as it was sampled."""
+    """A checkpoint (no tokenizer files): the policy's tokenizer and pad; an HF folder with the
+    policy's tokenizer saved in it: that one, loaded, and its config's pad id. Both read every
+    sample as it was sampled."""
     policy = tiny_hf_tokenizer()
     forms, samples = _samples(policy)
     (tmp_path / "ckpt").mkdir()
     policy.save_pretrained(str(tmp_path / "hf_rm"))
-    for path, source in ((tmp_path / "ckpt", ""), (tmp_path / "hf_rm", str(tmp_path / "hf_rm"))):
+    (tmp_path / "hf_rm" / "config.json").write_text('{"pad_token_id": 0}')
+    cases = ((tmp_path / "ckpt", "", 2), (tmp_path / "hf_rm", str(tmp_path / "hf_rm"), 0))
+    for path, source, pad_id in cases:
         reader = reward_reader(_config(path=str(path)), policy)
-        assert reader.source == source
+        assert (reader.source, reader.pad_id) == (source, pad_id)
         assert (reader.tokenizer is policy) == (source == "")
         encoded = reward_model_sequences(reader, forms, samples, "samples.jsonl")
         assert encoded.retokenized == 0
