@@ -6,7 +6,7 @@
 #   scripts/train_reward_model.sh [--config FILE] [key=value ...]
 #
 # With no --config: configs/rm_smollm2_cpu.yaml (SmolLM2-135M-Instruct on the real dpo_en_demo
-# pairs, TP 2 x PP 2 on CPU/gloo, held-out accuracy reported, exported as an HF
+# pairs, 2 ranks of data parallelism on CPU/gloo, held-out accuracy reported, exported as an HF
 # *ForSequenceClassification folder). Then score a JSONL of (prompt, completion) rows with it:
 #   .venv/bin/python -m dpo_megatron.score --input rows.jsonl --output scored.jsonl \
 #       model.hf_path=runs/rm_smollm2_cpu/checkpoints/hf

@@ -150,6 +150,8 @@ def test_a_tokenizer_past_the_reward_models_vocabulary_is_one_line(tmp_path):
 def test_bad_rows_are_named_by_file_line_and_field(tmp_path):
     from dpo_megatron.reward.rows import encode_rows, read_rows
 
+    with pytest.raises(ValueError, match=r"--input .*missing.jsonl: no such file"):
+        read_rows(str(tmp_path / "missing.jsonl"))
     path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "x"}])
     with pytest.raises(ValueError, match=r"bad.jsonl: line 2: field 'completion' is missing"):
         read_rows(str(path))

@@ -144,6 +144,24 @@ def reward_reader(cfg, policy_tokenizer) -> RewardReader:
     return RewardReader(tokenizer, template, source, reward_pad_id(o.path, tokenizer))
 
 
+def check_reward_reader(reader: RewardReader, prompts: list) -> None:
+    """Refuse, before any round, a reward model that reads with its own tokenizer and has no
+    chat template for chat prompts (``prompts``: the run's prompt forms).
+
+    Raises:
+        ValueError: naming the tokenizer and ``online.reward_model.chat_template``.
+    """
+    from dpo_megatron.data.tokenizer import has_chat_template, resolve_chat_template
+
+    chat = any(isinstance(p, list) for p in prompts)
+    template = resolve_chat_template(reader.chat_template)
+    if reader.source and chat and not has_chat_template(reader.tokenizer, template):
+        raise ValueError(
+            f"the reward model's tokenizer ({reader.source}) has no chat template for the chat "
+            "prompts: set online.reward_model.chat_template (chatml, mistral or a Jinja file)"
+        )
+
+
 def reward_model_sequences(reader: RewardReader, forms: list, samples: list, label: str):
     """The reward model's token ids of each sample (``reward.rows.encode_rows``, the rule
     ``python -m dpo_megatron.score`` applies to generated rows): the policy's prompt and
@@ -168,7 +186,8 @@ def reward_model_sequences(reader: RewardReader, forms: list, samples: list, lab
     ]
     encoded = encode_rows(rows, label, reader.tokenizer, reader.chat_template)
     if encoded.retokenized and ranks.is_rank0():
-        print(retokenized_note(encoded.retokenized, len(rows), "online"), flush=True)
+        phase = "held-out evaluation" if samples[0].round == "eval" else f"round {samples[0].round}"
+        print(retokenized_note(encoded.retokenized, len(rows), f"online, {phase}"), flush=True)
     return encoded
 
 

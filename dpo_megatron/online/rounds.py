@@ -639,6 +639,8 @@ def run_online(cfg, *, stop_after: tuple[int, str] | None = None) -> list[RoundS
         all_prompts, too_long = _prompts(cfg, tokenizer)
         o = cfg.online
         reader = None if o.judge else adapters.reward_reader(cfg, tokenizer)
+        if reader:
+            adapters.check_reward_reader(reader, [it.prompt for it in all_prompts])
         if ranks.is_rank0():
             print(
                 f"online: {o.rounds} round(s) x {o.prompts_per_round} prompts x "

@@ -47,8 +47,10 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
 
     Raises:
         DataError (a ValueError): ``<path>: line N: ...`` for a malformed line or a row without
-            ``prompt`` and ``completion``.
+            ``prompt`` and ``completion``; ``--input <path>: no such file``.
     """
+    if not Path(path).is_file():
+        raise DataError(f"--input {path}: no such file")
     texts, where, _ = read_json_rows(Path(path))
     rows = []
     for text, location in zip(texts, where):

@@ -102,7 +102,24 @@ def test_another_familys_tokenizer_reads_the_text(tmp_path, capsys):
             assert (
                 theirs.decode(completion, skip_special_tokens=True).strip() == COMPLETIONS[s.prompt]
             )
-    assert "[online] 4 of 4 sampled completions read from their text" in capsys.readouterr().out
+    assert "[online, round 0] 4 of 4 sampled completions read from their text" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_reward_tokenizer_without_a_chat_template_is_refused_for_chat_prompts(tmp_path):
+    """Mistral's SentencePiece has no template of its own: with chat prompts the run is refused
+    before any round, naming the key to set; text prompts, or the template set, pass."""
+    from dpo_megatron.online.adapters import check_reward_reader
+    from tests.scripts import load_script
+
+    model = str(load_script("assets").ensure_sentencepiece_model())
+    bare = reward_reader(_config(path=str(tmp_path), tokenizer=model), tiny_hf_tokenizer())
+    with pytest.raises(ValueError, match=r"set online.reward_model.chat_template \(chatml"):
+        check_reward_reader(bare, FORMS)
+    check_reward_reader(bare, [FORMS[0]])
+    cfg = _config(path=str(tmp_path), tokenizer=model, chat_template="mistral")
+    check_reward_reader(reward_reader(cfg, tiny_hf_tokenizer()), FORMS)
 
 
 def test_a_bad_reward_model_chat_template_is_a_config_error():
