@@ -211,3 +211,24 @@ def test_a_reward_checkpoint_wins_over_the_base_folder():
     assert reward_source(ModelConfig(hf_path="rm_hf")) == "rm_hf"
     with pytest.raises(ValueError, match=r"set model.hf_path .* or model.load"):
         reward_source(ModelConfig())
+
+
+def test_the_scoring_tokenizer_falls_back_to_the_checkpoints_source(tmp_path):
+    """``data.tokenizer``, else ``model.hf_path``, else the folder a ``model.load`` checkpoint
+    was built from (its stored ``hf_path``); a checkpoint that names none is one line."""
+    import json as _json
+
+    from dpo_megatron.data import DataConfig
+    from dpo_megatron.models.config import ModelConfig
+    from dpo_megatron.reward.rows import scoring_tokenizer
+
+    ckpt, bare = tmp_path / "iter_0000002", tmp_path / "bare"
+    for folder, stored in ((ckpt, {"hf_path": "base_lm"}), (bare, {})):
+        folder.mkdir()
+        (folder / "metadata.json").write_text("{}")
+        (folder / "model_config.json").write_text(_json.dumps({"num_layers": 2, **stored}))
+    assert scoring_tokenizer(ModelConfig(load=str(ckpt)), DataConfig(tokenizer="tok")) == "tok"
+    assert scoring_tokenizer(ModelConfig(hf_path="rm", load=str(ckpt)), DataConfig()) == "rm"
+    assert scoring_tokenizer(ModelConfig(load=str(ckpt)), DataConfig()) == "base_lm"
+    with pytest.raises(ValueError, match=r"bare: the checkpoint names no tokenizer: set data.tok"):
+        scoring_tokenizer(ModelConfig(load=str(bare)), DataConfig())

@@ -245,6 +245,29 @@ def reward_source(model: ModelConfig) -> str:
     return source
 
 
+def scoring_tokenizer(model: ModelConfig, data: DataConfig) -> str:
+    """The tokenizer ``score_file`` reads rows with: ``data.tokenizer``, else ``model.hf_path``
+    (an HF reward model's folder, or a reward run's base model), else the folder the
+    ``model.load`` checkpoint was built from (its stored ``model.hf_path``: the reward run's
+    tokenizer unless that run set ``data.tokenizer``).
+
+    Raises:
+        ValueError: none of them names a tokenizer.
+    """
+    from dpo_megatron.checkpointing import load_model_config
+    from dpo_megatron.training.run_models import resolve_model_load
+
+    if data.tokenizer or model.hf_path:
+        return data.tokenizer or model.hf_path
+    stored = load_model_config(resolve_model_load(model.load)) if model.load else None
+    if stored is not None and stored.hf_path:
+        return stored.hf_path
+    raise ValueError(
+        f"model.load={model.load}: the checkpoint names no tokenizer: set data.tokenizer (the "
+        "one the reward model was trained with)"
+    )
+
+
 def score_file(
     input_path: str,
     output_path: str,
@@ -269,7 +292,7 @@ def score_file(
 
     source = reward_source(model)
     rows = read_rows(input_path)
-    tokenizer = load_tokenizer(data.tokenizer or model.hf_path)
+    tokenizer = load_tokenizer(scoring_tokenizer(model, data))
     encoded = encode_rows(rows, input_path, tokenizer, data.chat_template)
     sequences, starts = encoded.sequences, encoded.starts
     if encoded.retokenized and ranks.is_rank0():
