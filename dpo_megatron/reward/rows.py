@@ -190,16 +190,15 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> Encoded
                 raise Filtered("empty_prompt")
             if read_as_sampled(row, prompt_ids, path, location):
                 completion_ids = sampled_ids(row, path, location, len(tokenizer))
-            elif "completion_ids" not in row:
-                encoded = encode_example(example, tokenizer, settings)
-                prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
-            else:  # sampled in another tokenizer's ids: read the text
-                retokenized += 1
-                if str(row["completion"]).strip():
+            else:
+                # a hand-written row, or one sampled in another tokenizer's ids: read the text
+                sampled = "completion_ids" in row
+                retokenized += int(sampled)
+                if sampled and not str(row["completion"]).strip():
+                    completion_ids = [settings.eos_token_id]  # the policy stopped at once
+                else:
                     encoded = encode_example(example, tokenizer, settings)
                     prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
-                else:
-                    completion_ids = [settings.eos_token_id]
         except RowError as e:
             raise DataError(f"{path}: {location}: {e}") from None
         except Filtered as e:
