@@ -587,6 +587,27 @@ def test_model_load_gives_the_architecture_and_refuses_a_conflicting_key(tmp_pat
     assert check(f"model.hf_path={folder}").num_layers == 4
 
 
+def test_model_load_of_a_lora_checkpoint_is_refused_by_the_pre_check(tmp_path):
+    """``model.load`` naming a LoRA run's checkpoint (adapters and their optimizer state, no base
+    weights) is refused by the launchers' pre-check with one ``config error:`` line naming the
+    checkpoint and its base, before any rank starts (not as a traceback from every rank); a
+    run's ``checkpoints`` folder resolves to its latest checkpoint first."""
+    import json
+
+    tiny = "configs/tiny_cpu.yaml"
+    ckpt = tmp_path / "checkpoints" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    (ckpt / "train_state.json").write_text(json.dumps({"lora": {"base": "HF folder X"}}))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", tiny, f"model.load={tmp_path / 'checkpoints'}"])
+    assert str(stop.value) == (
+        f"config error: model.load={ckpt} is a LoRA checkpoint: it holds adapters, not base "
+        f"weights (base: HF folder X). Continue it with checkpoint.resume={ckpt}, or export it "
+        "merged (checkpoint.export_hf=merged) and start from that folder"
+    )
+
+
 def test_print_config_of_a_preset_without_a_local_copy_and_a_plain_export_hf(monkeypatch, capsys):
     """``model=smollm3`` with no local copy under $DPO_MEGATRON_MODELS (nothing downloaded, no
     config.json): ``--print-config`` shows the architecture the preset states and says where

@@ -57,19 +57,24 @@ def check_checkpoint_models(cfg, stated: Iterable[str] = ()) -> None:
       the YAML file or the command line gave) to another value is refused, the same value is
       fine;
     * ``model.load`` with ``model.hf_path``: the checkpoint must hold config.json's architecture;
-    * ``checkpoint.resume``: every checkpoint it may continue from must hold the run's.
+    * ``checkpoint.resume``: every checkpoint it may continue from must hold the run's;
+    * ``model.load`` naming a LoRA checkpoint (adapters, no base weights) is refused here, before
+      any rank starts, as ``build_policy`` would refuse it in every rank.
 
     Padding heads count through the key/value groups they make
     (``models.config.architecture_differences``); checkpoints saved without a
     ``model_config.json`` are not compared.
 
     Raises:
-        ValueError: naming the key, the checkpoint, each field and both values.
+        ValueError: naming the key, the checkpoint, each field and both values; or
+            ``model.load`` is a LoRA checkpoint.
         FileNotFoundError: ``checkpoint.resume`` names a folder without a complete checkpoint.
     """
     from dpo_megatron.checkpointing.training_checkpoint import resume_candidates
     from dpo_megatron.utils.run_layout import RunLayout
 
+    if cfg.model.load:
+        _refuse_adapter_checkpoint(resolve_model_load(cfg.model.load))
     model_cfg = resolve_model_config(cfg)
     stored = _stored_model(resolve_model_load(cfg.model.load)) if cfg.model.load else None
     if stored is not None and cfg.model.hf_path:
