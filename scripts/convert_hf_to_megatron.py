@@ -30,6 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-path", required=True, help="HF folder: config.json + weights")
     p.add_argument("--save", required=True, help="output checkpoint folder")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a --save folder that is not empty (its whole content is replaced)",
+    )
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument(
@@ -61,6 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from dpo_megatron.utils.files import check_output_folder
+
+    try:  # before any model is built: the output replaces the whole folder
+        check_output_folder(args.save, [args.hf_path], args.overwrite)
+    except ValueError as e:
+        raise SystemExit(f"error: --save {e}") from None
     from dpo_megatron.checkpointing import save_model_checkpoint
     from dpo_megatron.models import (
         ModelConfig,
@@ -71,14 +82,17 @@ def main(argv=None) -> None:
     from dpo_megatron.models.moe import moe_needs_sequence_parallel
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
-    model_cfg = model_config_from_hf(
-        args.hf_path,
-        ModelConfig(
-            params_dtype=args.params_dtype,
-            transformer_impl="local",
-            pad_attention_heads=args.pad_attention_heads,
-        ),
-    )
+    try:
+        model_cfg = model_config_from_hf(
+            args.hf_path,
+            ModelConfig(
+                params_dtype=args.params_dtype,
+                transformer_impl="local",
+                pad_attention_heads=args.pad_attention_heads,
+            ),
+        )
+    except FileNotFoundError as e:  # no folder, or no config.json in it: one line
+        raise SystemExit(f"error: --hf-path {e}") from None
     tp = args.tensor_model_parallel_size
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp,

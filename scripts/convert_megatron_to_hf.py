@@ -35,15 +35,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", required=True, help="megatron-core distributed checkpoint folder")
     p.add_argument("--save", required=True, help="output HF folder")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a --save folder that is not empty (its whole content is replaced)",
+    )
+    p.add_argument(
         "--hf-path",
         default=None,
         help="source HF folder (config.json, tokenizer); default: the hf_path stored "
         "in the checkpoint's model_config.json",
     )
     p.add_argument("--tokenizer-dir", default=None, help="folder to copy tokenizer files from")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the exported weights (default bfloat16; float32: exact)",
+    )
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="ranks that load the checkpoint together (any layout reads any checkpoint; more "
+        "ranks: less memory each); launch as many with torchrun",
+    )
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages that load the checkpoint together (as above)",
+    )
     return p.parse_args(argv)
 
 
@@ -63,6 +84,13 @@ def describe_checkpoint(path: str) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from dpo_megatron.utils.files import check_output_folder
+
+    try:  # before any model is built: the output replaces the whole folder
+        sources = [args.load, args.hf_path, args.tokenizer_dir]
+        check_output_folder(args.save, sources, args.overwrite)
+    except ValueError as e:
+        raise SystemExit(f"error: --save {e}") from None
     from dpo_megatron.checkpointing import load_model_config
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, model_config_from_hf
@@ -72,6 +100,14 @@ def main(argv=None) -> None:
     args.load = find_latest_checkpoint(args.load) or args.load
     if not os.path.isdir(args.load):
         raise SystemExit(f"error: --load {args.load}: no such checkpoint folder")
+    run_checkpoints = os.path.join(args.load, "checkpoints")
+    if os.path.isdir(run_checkpoints) and not os.path.isfile(
+        os.path.join(args.load, "metadata.json")
+    ):
+        raise SystemExit(
+            f"error: --load {args.load} is a run folder: pass {run_checkpoints} (its latest "
+            "checkpoint) or one of its iter_* folders"
+        )
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:
         print(f"loading {describe_checkpoint(args.load)}", flush=True)

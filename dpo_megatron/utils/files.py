@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -127,3 +127,30 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_output_folder(
+    folder: str | os.PathLike, sources: Sequence[str | None] = (), overwrite: bool = False
+) -> None:
+    """Refuse ``folder`` as the output of a command that writes a whole folder and renames it
+    into place (:func:`atomic_dir`: everything ``folder`` held is replaced): when it is, or
+    holds, one of the ``sources`` it reads (paths that do not exist, e.g. hub names, are
+    skipped), or, unless ``overwrite``, when it exists and is not empty. A folder inside a
+    source is allowed (a run's ``checkpoints/hf``).
+
+    Raises:
+        ValueError: ``<folder> ...``, saying what would be lost and what to do.
+    """
+    final = os.path.realpath(folder)
+    for source in sources:
+        if source and os.path.exists(source):
+            if os.path.commonpath([final, os.path.realpath(source)]) == final:
+                raise ValueError(
+                    f"{os.fspath(folder)} is or holds {source}, which this command reads: "
+                    "writing it would replace it; pick another folder"
+                )
+    if not overwrite and os.path.isdir(final) and os.listdir(final):
+        raise ValueError(
+            f"{os.fspath(folder)} is not empty: the output replaces the whole folder, with "
+            "everything it holds; pass --overwrite, or pick a new or empty folder"
+        )

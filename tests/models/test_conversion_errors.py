@@ -356,3 +356,42 @@ def test_expert_parallel_without_experts_and_world_size(llama_dir):
     ParallelConfig(
         tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
     ).validate(2)  # EP carved from the TP ranks
+
+
+def test_the_converters_refuse_an_output_folder_they_would_replace(tmp_path, monkeypatch):
+    """Each converter writes a whole folder and renames it into place: a ``--save`` folder that
+    is not empty (another model's files) is refused in one line unless ``--overwrite``, and one
+    that is or holds its source always; nothing is touched. A ``--load`` that is a run folder
+    points at its ``checkpoints``; a missing local ``--hf-path`` is one line without the hub
+    hint."""
+    to_hf, to_megatron = _script("convert_megatron_to_hf"), _script("convert_hf_to_megatron")
+    models = tmp_path / "models"
+    (models / "other_model").mkdir(parents=True)
+    (models / "other_model" / "weights.bin").write_text("keep me")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cases = [
+        (
+            to_hf,
+            ["--load", str(run), "--save", str(models)],
+            f"error: --save {models} is not empty",
+        ),
+        (to_megatron, ["--hf-path", "x", "--save", str(models)], f"error: --save {models} is not"),
+        (to_hf, ["--load", str(run), "--save", str(run)], f"error: --save {run} is or holds {run}"),
+        (to_hf, ["--load", str(run), "--save", str(tmp_path / "new")], f"{run} is a run folder"),
+    ]
+    for script, argv, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            script.main(argv)
+        assert message in str(stop.value), stop.value
+    assert (models / "other_model" / "weights.bin").read_text() == "keep me"
+    from dpo_megatron.utils.files import check_output_folder
+
+    check_output_folder(models, [str(run)], overwrite=True)  # --overwrite: replaced as asked
+    check_output_folder(run / "checkpoints" / "hf", [str(run / "checkpoints")])  # inside: fine
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        SystemExit, match=r"^error: --hf-path models/nope/config.json: no config"
+    ) as stop:
+        to_megatron.main(["--hf-path", "models/nope", "--save", str(tmp_path / "ckpt")])
+    assert "hub name" not in str(stop.value)

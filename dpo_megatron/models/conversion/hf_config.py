@@ -48,8 +48,10 @@ config's values never leak into another architecture)."""
 def hub_name_hint(hf_path: str) -> str:
     """What to do when ``hf_path`` is not a folder but looks like a hub name (what a preset
     resolves to without a local copy; the engine reads local folders only): '' otherwise."""
-    if os.path.isdir(hf_path) or "/" not in hf_path.strip("/"):
-        return ""
+    name = hf_path.strip("/")
+    local = hf_path.startswith(("/", ".", "~")) or name.count("/") != 1
+    if os.path.isdir(hf_path) or local or os.path.isdir(name.split("/")[0]):
+        return ""  # a path (absolute, relative, or under a local folder), not ORG/NAME
     from dpo_megatron.models.presets import hub_note
 
     # A preset whose hub folder the engine cannot read as downloaded (quantized) has its own
