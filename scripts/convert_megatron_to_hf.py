@@ -7,7 +7,8 @@
 
 The architecture is CKPT_DIR/model_config.json (written by convert_hf_to_megatron.py and by
 training) or, with --hf-path, the source HF folder's config.json; a LoRA training checkpoint
-(adapters only) is merged into the base it was trained on (its hf_path or load); config.json,
+(adapters only) is merged into the base it was trained on (its hf_path or load), or with
+--adapter written as a PEFT adapter folder; config.json,
 generation config and tokenizer files are taken from that folder (tokenizer: --tokenizer-dir
 overrides). The output is written to a temporary folder and renamed into place when complete. The
 checkpoint it loads (path, training step, run folder) is printed first: a run's ``checkpoints``
@@ -46,6 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "in the checkpoint's model_config.json",
     )
     p.add_argument("--tokenizer-dir", default=None, help="folder to copy tokenizer files from")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapters as a PEFT folder (adapter_config.json + "
+        "adapter_model.safetensors, for peft.PeftModel.from_pretrained) instead of merging them",
+    )
     p.add_argument(
         "--dtype",
         default="bfloat16",
@@ -94,6 +101,7 @@ def main(argv=None) -> None:
     from dpo_megatron.checkpointing import load_model_config
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, model_config_from_hf
+    from dpo_megatron.models.conversion import export_peft_adapter
     from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
 
     # A run's checkpoints/ folder (as model.load accepts) means its latest checkpoint.
@@ -130,21 +138,32 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
-        load_weights(chunks, model_cfg, args.load)  # verifies the checksums and pickles first
-        export_hf(chunks, model_cfg, args.save, dtype=args.dtype, tokenizer_dir=args.tokenizer_dir)
+        # verifies the checksums and pickles first
+        adapters = load_weights(chunks, model_cfg, args.load, base=not args.adapter)
+        if args.adapter:
+            if adapters is None:
+                raise SystemExit(f"error: --adapter: {args.load} holds no LoRA adapters")
+            export_peft_adapter(chunks, model_cfg, adapters, args.save, dtype=args.dtype)
+        else:
+            export_hf(
+                chunks, model_cfg, args.save, dtype=args.dtype, tokenizer_dir=args.tokenizer_dir
+            )
     finally:
         destroy_distributed()
     if rank0:
         print(f"wrote {args.save}")
 
 
-def load_weights(chunks: list, model_cfg, ckpt_dir: str) -> None:
-    """The checkpoint's weights into ``chunks``. A LoRA training checkpoint holds adapters only:
-    its base is loaded from where the run took it (``model_config.json``: ``hf_path`` or
-    ``load``), the adapters are attached and loaded, and the export merges them.
+def load_weights(chunks: list, model_cfg, ckpt_dir: str, base: bool = True):
+    """The checkpoint's weights into ``chunks``; returns its ``LoraConfig``, or None for a
+    checkpoint of whole weights. A LoRA training checkpoint holds adapters only: its base is
+    loaded from where the run took it (``model_config.json``: ``hf_path`` or ``load``) unless
+    ``base`` is False (the adapters alone are exported), the adapters are attached and loaded,
+    and a merged export merges them.
 
     Raises:
-        SystemExit: a LoRA checkpoint whose base was randomly initialised (not recoverable).
+        SystemExit: a LoRA checkpoint whose base was randomly initialised (not recoverable),
+            its base asked for.
     """
     import json
 
@@ -155,19 +174,19 @@ def load_weights(chunks: list, model_cfg, ckpt_dir: str) -> None:
     lora = json.load(open(state_file)).get("lora") if os.path.isfile(state_file) else None
     if not lora:
         load_model_checkpoint(chunks, ckpt_dir)
-        return
+        return None
     from dpo_megatron.models.lora import AdapterCheckpoint, attach_lora
     from dpo_megatron.models.lora_config import LoraConfig
 
-    if model_cfg.load:
+    if base and model_cfg.load:  # (without base: the adapters alone, the base plays no part)
         from dpo_megatron.training.run_models import resolve_model_load
 
         load_model_checkpoint(chunks, resolve_model_load(model_cfg.load))
-    elif model_cfg.hf_path:
+    elif base and model_cfg.hf_path:
         from dpo_megatron.models import load_hf_weights
 
         load_hf_weights(chunks, model_cfg, model_cfg.hf_path)
-    else:
+    elif base:
         raise SystemExit(
             f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
             f"({lora['base']}): there are no base weights to merge them into"
@@ -176,6 +195,7 @@ def load_weights(chunks: list, model_cfg, ckpt_dir: str) -> None:
     adapters = LoraConfig(enabled=True, **fields)
     attach_lora(chunks, adapters, model_cfg, seed=0)  # values come from the checkpoint
     load_model_checkpoint([AdapterCheckpoint(c) for c in chunks], ckpt_dir)
+    return adapters
 
 
 if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a helper process

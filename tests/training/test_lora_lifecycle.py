@@ -136,6 +136,34 @@ def test_adapter_export_at_the_end(straight_run):
     assert list(a.shape) == [4, 64] and list(b.shape) == [64, 4] and b.abs().sum() > 0
 
 
+def test_the_converter_writes_the_adapter_the_run_exported(tmp_path, straight_run):
+    """``convert_megatron_to_hf.py --adapter`` on the run's last (adapter-only) checkpoint, at
+    another layout than the run's (PP 2 against TP 2) and without the base (randomly
+    initialised here), writes the PEFT folder the run wrote at its end: the same config and the
+    same tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    from tests.checkpointing.test_model_checkpoint import _run_script
+    from tests.multirank import run_ranks
+
+    out = tmp_path / "adapter"
+    run_ranks(
+        _run_script,
+        world_size=2,
+        name="convert_megatron_to_hf",
+        argv=["--load", str(straight_run / "checkpoints"), "--save", str(out), "--adapter"]
+        + ["--pipeline-model-parallel-size", "2"],
+    )
+    exported = straight_run / "checkpoints" / "hf_adapter"
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+        (exported / "adapter_config.json").read_text()
+    )
+    ours = load_file(str(out / "adapter_model.safetensors"))
+    theirs = load_file(str(exported / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 4 * 7 * 2
+    assert all(ours[k].dtype == theirs[k].dtype and torch_equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_merged_export_and_the_converter_agree_on_a_lora_checkpoint(tmp_path, fixture_files):
     """A LoRA run on an HF base exports merged at the end (``export_hf=true``: the boolean
     keeps its meaning); ``convert_megatron_to_hf.py`` on its adapter-only checkpoint reloads
