@@ -89,8 +89,12 @@ def sampled_ids(row: dict, path: str, location: str, vocab_size: int) -> list[in
     return ids
 
 
-def _ids_field(row: dict, field: str, path: str, location: str, vocab_size: int) -> list[int]:
-    """``row[field]`` checked as a list of the tokenizer's ids (:func:`sampled_ids`' errors)."""
+def _ids_field(
+    row: dict, field: str, path: str, location: str, vocab_size: int | None
+) -> list[int]:
+    """``row[field]`` checked as a list of token ids, each in ``[0, vocab_size)`` unless
+    ``vocab_size`` is None (ids of another tokenizer may be compared, not looked up)
+    (:func:`sampled_ids`' errors)."""
     ids = row[field]
     where = f"{path}: {location}: field {field!r}"
     if not isinstance(ids, list):
@@ -98,7 +102,7 @@ def _ids_field(row: dict, field: str, path: str, location: str, vocab_size: int)
     for k, token in enumerate(ids):
         if type(token) is not int:  # bool is an int subclass: true/false are not token ids
             raise DataError(f"{where}: entry {k} is {token!r}, not a token id")
-        if not 0 <= token < vocab_size:
+        if vocab_size is not None and not 0 <= token < vocab_size:
             raise DataError(
                 f"{where}: entry {k} is {token}, outside the tokenizer's vocabulary "
                 f"[0, {vocab_size})"
@@ -121,7 +125,7 @@ def read_as_sampled(row: dict, prompt_ids: list[int], path: str, location: str) 
         return False
     if "prompt_ids" not in row:
         return True
-    return _ids_field(row, "prompt_ids", path, location, 1 << 62) == prompt_ids
+    return _ids_field(row, "prompt_ids", path, location, None) == prompt_ids
 
 
 @dataclass(frozen=True)
@@ -185,20 +189,20 @@ def encode_rows(rows: list, path: str, tokenizer, chat_template: str) -> Encoded
         )
         try:
             (example,) = convert({**message_row, "label": True}, None)
-            prompt_ids = encode_prompt(example.prompt, tokenizer, settings)
-            if not prompt_ids:
-                raise Filtered("empty_prompt")
-            if read_as_sampled(row, prompt_ids, path, location):
+            sampled = "completion_ids" in row
+            if sampled:  # the prompt's ids decide how the completion is read
+                prompt_ids = encode_prompt(example.prompt, tokenizer, settings)
+                if not prompt_ids:
+                    raise Filtered("empty_prompt")
+            if sampled and read_as_sampled(row, prompt_ids, path, location):
                 completion_ids = sampled_ids(row, path, location, len(tokenizer))
-            else:
-                # a hand-written row, or one sampled in another tokenizer's ids: read the text
-                sampled = "completion_ids" in row
+            elif sampled and not str(row["completion"]).strip():
+                retokenized += 1  # sampled in another tokenizer's ids, and stopped at once
+                completion_ids = [settings.eos_token_id]
+            else:  # a hand-written row, or one sampled in another tokenizer's ids: the text
                 retokenized += int(sampled)
-                if sampled and not str(row["completion"]).strip():
-                    completion_ids = [settings.eos_token_id]  # the policy stopped at once
-                else:
-                    encoded = encode_example(example, tokenizer, settings)
-                    prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
+                encoded = encode_example(example, tokenizer, settings)
+                prompt_ids, completion_ids = encoded.prompt_ids, encoded.chosen_ids
         except RowError as e:
             raise DataError(f"{path}: {location}: {e}") from None
         except Filtered as e:
