@@ -17,7 +17,6 @@ A sequence's score is the reward head's value at its last token that is not the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -249,8 +248,9 @@ def reward_pad_id(source: str, tokenizer) -> int:
     else (a checkpoint trained here, or a config without one) ``tokenizer``'s pad, the one a
     reward run trains with and its export writes as ``pad_token_id``."""
     if _is_hf_folder(source):
-        with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
-            pad = json.load(f).get("pad_token_id")
+        from dpo_megatron.models.conversion.hf_config import read_hf_config_json
+
+        pad = read_hf_config_json(source).get("pad_token_id")
         if isinstance(pad, int):
             return pad
     return tokenizer.pad_token_id
