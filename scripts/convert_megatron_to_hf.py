@@ -165,37 +165,47 @@ def load_weights(chunks: list, model_cfg, ckpt_dir: str, base: bool = True):
         SystemExit: a LoRA checkpoint whose base was randomly initialised (not recoverable),
             its base asked for.
     """
-    import json
-
     from dpo_megatron.checkpointing import load_model_checkpoint
-    from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE
+    from dpo_megatron.checkpointing.training_checkpoint import checkpoint_lora
 
-    state_file = os.path.join(ckpt_dir, TRAIN_STATE_FILE)
-    lora = json.load(open(state_file)).get("lora") if os.path.isfile(state_file) else None
+    lora = checkpoint_lora(ckpt_dir)
     if not lora:
         load_model_checkpoint(chunks, ckpt_dir)
         return None
     from dpo_megatron.models.lora import AdapterCheckpoint, attach_lora
     from dpo_megatron.models.lora_config import LoraConfig
 
-    if base and model_cfg.load:  # (without base: the adapters alone, the base plays no part)
-        from dpo_megatron.training.run_models import resolve_model_load
-
-        load_model_checkpoint(chunks, resolve_model_load(model_cfg.load))
-    elif base and model_cfg.hf_path:
-        from dpo_megatron.models import load_hf_weights
-
-        load_hf_weights(chunks, model_cfg, model_cfg.hf_path)
-    elif base:
-        raise SystemExit(
-            f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
-            f"({lora['base']}): there are no base weights to merge them into"
-        )
+    if base:  # (without it the adapters alone are exported: the base plays no part)
+        _load_base(chunks, model_cfg, ckpt_dir, lora.get("base"))
     fields = {k: v for k, v in lora.items() if k != "base"}
     adapters = LoraConfig(enabled=True, **fields)
     attach_lora(chunks, adapters, model_cfg, seed=0)  # values come from the checkpoint
     load_model_checkpoint([AdapterCheckpoint(c) for c in chunks], ckpt_dir)
     return adapters
+
+
+def _load_base(chunks: list, model_cfg, ckpt_dir: str, described: str) -> None:
+    """The base weights a LoRA checkpoint's adapters were trained on, from where the run took
+    them (``model_cfg.load`` or ``model_cfg.hf_path``).
+
+    Raises:
+        SystemExit: a randomly initialised base (``described``: the checkpoint's words for it).
+    """
+    from dpo_megatron.checkpointing import load_model_checkpoint
+
+    if model_cfg.load:
+        from dpo_megatron.training.run_models import resolve_model_load
+
+        load_model_checkpoint(chunks, resolve_model_load(model_cfg.load))
+    elif model_cfg.hf_path:
+        from dpo_megatron.models import load_hf_weights
+
+        load_hf_weights(chunks, model_cfg, model_cfg.hf_path)
+    else:
+        raise SystemExit(
+            f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
+            f"({described}): there are no base weights to merge them into"
+        )
 
 
 if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a helper process

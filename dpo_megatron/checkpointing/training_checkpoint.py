@@ -396,6 +396,19 @@ def _match_optimizer_structure(requested: dict, loaded):
     return rebuilt[None] if None in rebuilt else rebuilt
 
 
+def checkpoint_lora(ckpt_dir: str) -> dict | None:
+    """The LoRA settings an adapter-only checkpoint was saved with (``train_state.json``'s
+    ``lora``: rank, alpha, ... and ``base``), or None: whole weights, or a folder without
+    ``train_state.json`` (a converted checkpoint).
+
+    Raises:
+        CheckpointIntegrityError: ``train_state.json`` is not valid JSON.
+    """
+    if not os.path.isfile(os.path.join(ckpt_dir, TRAIN_STATE_FILE)):
+        return None
+    return read_train_state(ckpt_dir).get("lora") or None
+
+
 def read_train_state(ckpt_dir: str) -> dict:
     """``train_state.json`` of a checkpoint.
 

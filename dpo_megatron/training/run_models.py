@@ -270,20 +270,15 @@ def _load_checkpoint(policy: list, model_cfg: ModelConfig, parallel, path: str) 
 
 
 def _refuse_adapter_checkpoint(path: str, key: str = "model.load") -> None:
-    from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE
+    from dpo_megatron.checkpointing.training_checkpoint import checkpoint_lora
 
-    state_file = os.path.join(path, TRAIN_STATE_FILE)
-    if os.path.isfile(state_file):
-        import json
-
-        with open(state_file) as f:
-            lora = json.load(f).get("lora")
-        if lora:
-            raise ValueError(
-                f"{key}={path} is a LoRA checkpoint: it holds adapters, not base weights "
-                f"(base: {lora.get('base')}). Continue it with checkpoint.resume={path}, or "
-                "export it merged (checkpoint.export_hf=merged) and start from that folder"
-            )
+    lora = checkpoint_lora(path)
+    if lora:
+        raise ValueError(
+            f"{key}={path} is a LoRA checkpoint: it holds adapters, not base weights "
+            f"(base: {lora.get('base')}). Continue it with checkpoint.resume={path}, or "
+            "export it merged (checkpoint.export_hf=merged) and start from that folder"
+        )
 
 
 def reference_source(reference: ReferenceConfig) -> str:
