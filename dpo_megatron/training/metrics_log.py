@@ -231,10 +231,10 @@ class MetricsLogger:
 
     def line(self, step: int, split: str, values: dict[str, float]) -> str:
         """The progress line: ``[train] step 3/10 | loss 0.6931 | acc 0.5000 | ... | elapsed
-        12s | eta 28s``."""
+        12s | eta 28s``. Before the run's first step (a step-0 evaluation) there is no pace to
+        extrapolate: no eta."""
         elapsed = time.time() - self.start
         done = step - self.start_step
-        eta = elapsed / done * max(self.total_steps - step, 0) if done > 0 else 0.0
         parts = [f"[{split}] step {step}/{self.total_steps}"]
         parts += [
             f"{label} {values[k]:.4f}" for k, label in _CONSOLE_KEYS if values.get(k) is not None
@@ -248,7 +248,11 @@ class MetricsLogger:
         ):
             if values.get(k) is not None:
                 parts.append(f"{label} " + fmt.format(values[k]))
-        parts.append(f"elapsed {format_duration(elapsed)} eta {format_duration(eta)}")
+        timing = f"elapsed {format_duration(elapsed)}"
+        if done > 0:
+            eta = elapsed / done * max(self.total_steps - step, 0)
+            timing += f" eta {format_duration(eta)}"
+        parts.append(timing)
         return " | ".join(parts)
 
     def close(self) -> None:

@@ -50,6 +50,8 @@ def test_progress_line(tmp_path, monkeypatch):
         "grad_norm 1.235 | lr 1.00e-05 | tokens/s 1234 | step 10.00s | skipped 1 | "
         "elapsed 20s eta 40s"
     )
+    # a step-0 evaluation, before any step of this run: no pace, so no eta
+    assert logger.line(4, "eval", {"loss": 0.5}) == "[eval] step 4/10 | loss 0.5000 | elapsed 20s"
     logger.close()
 
 
