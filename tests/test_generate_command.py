@@ -135,5 +135,5 @@ def test_generate_command_names_a_malformed_prompt_row(tmp_path):
     """Refused before torch is imported (about a second)."""
     done = _command(tmp_path, str(tmp_path / "no_model"), [{"prompt": "a"}, {"text": "b"}])
     assert done.returncode == 2  # USER_ERROR_EXIT
-    assert "prompts.jsonl, line 2: field 'prompt'" in done.stderr + done.stdout
+    assert "prompts.jsonl: line 2: field 'prompt'" in done.stderr + done.stdout
     assert "Traceback" not in done.stderr

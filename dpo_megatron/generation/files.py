@@ -49,7 +49,7 @@ def read_prompts(path: str) -> list:
             prompts.append(row["messages"])
         else:
             raise DataError(
-                f"{path}, {location}: field 'prompt' (a non-empty string) or 'messages' (a list "
+                f"{path}: {location}: field 'prompt' (a non-empty string) or 'messages' (a list "
                 f"of {{'role', 'content'}} objects) is missing or malformed"
             )
     if not prompts:

@@ -364,7 +364,7 @@ def read_records(path: str, cls: type[R]) -> list[R]:
     with open(path, encoding="utf-8") as f:
         lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
     return [
-        cls.from_json(_loads(line, f"{path}, line {n}"), f"{path}, line {n}") for n, line in lines
+        cls.from_json(_loads(line, f"{path}: line {n}"), f"{path}: line {n}") for n, line in lines
     ]
 
 

@@ -79,7 +79,7 @@ def truncate_metrics(path: str, last_step: int) -> int:
         except ValueError as e:
             if number < len(lines):
                 raise ValueError(
-                    f"{path}, line {number}: not a JSON record ({e}); fix or "
+                    f"{path}: line {number}: not a JSON record ({e}); fix or "
                     f"remove that line to resume"
                 ) from None
             warnings.warn(

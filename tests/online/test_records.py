@@ -236,7 +236,7 @@ def test_a_record_missing_a_field_or_with_one_too_many_names_file_line_and_field
     path = _pairs_file(tmp_path, change)
     with pytest.raises(RecordError) as e:
         read_records(path, PairRecord)
-    assert str(e.value) == f"{path}, line 2: {message}"
+    assert str(e.value) == f"{path}: line 2: {message}"
 
 
 def test_a_nested_field_and_a_broken_file_are_named(tmp_path):
@@ -252,7 +252,7 @@ def test_a_nested_field_and_a_broken_file_are_named(tmp_path):
         read_record(str(path), RoundSummary)
     lines = tmp_path / "scores.jsonl"
     lines.write_text('{"prompt": 0, "sample": 0, "score": 1.0}\n{"prompt": 0,\n')
-    with pytest.raises(RecordError, match=r"scores.jsonl, line 2: not JSON \("):
+    with pytest.raises(RecordError, match=r"scores.jsonl: line 2: not JSON \("):
         read_records(str(lines), ScoreRecord)
     state = tmp_path / "state.json"
     state.write_text('{"rounds": {"first": {"done": []}}}')

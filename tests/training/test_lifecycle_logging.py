@@ -139,7 +139,7 @@ def test_a_last_line_without_its_newline_gets_one(tmp_path):
 def test_a_broken_line_before_the_last_names_the_file_and_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON record"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2: not a JSON record"):
         truncate_metrics(str(path), 2)
 
 
