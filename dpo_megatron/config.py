@@ -268,8 +268,13 @@ def _section_scalar(section: str, value: Any, source: str) -> dict:
         if isinstance(value, str) and preset_name(value):
             return model_preset_keys(value)
         presets = ", ".join(sorted(MODEL_PRESETS)) or "none yet"
+        what = (
+            f"{value!r} is not a model preset"
+            if isinstance(value, str) and value
+            else "model is a section, not a value"
+        )
         raise ValueError(
-            f"model={value} (from {source}): model is a section, not a value. Give it a preset "
+            f"model={value} (from {source}): {what}. Give it a preset "
             f"name ({presets}) or its keys: model.hf_path=<Hugging Face folder> for pretrained "
             f"weights, model.load=<checkpoint folder>, or the architecture of a random model "
             f"(model.num_layers=..., model.hidden_size=...; --list-keys lists them all)"

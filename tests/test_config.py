@@ -266,10 +266,12 @@ def test_section_scalars_in_yaml_and_model_presets(tmp_path, monkeypatch):
     assert (cfg.model.hf_path, cfg.model.pad_attention_heads) == ("/assets/smollm2", True)
     with pytest.raises(
         ValueError,
-        match=r"model=gptj \(from command line\): model is a section.*preset name "
+        match=r"model=gptj \(from command line\): 'gptj' is not a model preset\. .*preset name "
         r"\(.*smollm2, smollm3\).*model.hf_path=",
     ):
         load_config(None, BASE + ["model=gptj"])
+    with pytest.raises(ValueError, match=r"model= \(from command line\): model is a section"):
+        load_config(None, BASE + ["model="])
     with pytest.raises(
         ValueError, match=r"train=5 \(from command line\): train is a section, not a value"
     ):
