@@ -99,6 +99,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"error: --save {e}") from None
     from dpo_megatron.checkpointing import load_model_config
+    from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, model_config_from_hf
     from dpo_megatron.models.conversion import export_peft_adapter
@@ -138,8 +139,10 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
-        # verifies the checksums and pickles first
-        adapters = load_weights(chunks, model_cfg, args.load, base=not args.adapter)
+        try:  # verifies the checksums and pickles first
+            adapters = load_weights(chunks, model_cfg, args.load, base=not args.adapter)
+        except CheckpointIntegrityError as e:  # names each bad file: one line, as the trainer's
+            raise SystemExit(f"error: {e}") from None
         if args.adapter:
             if adapters is None:
                 raise SystemExit(f"error: --adapter: {args.load} holds no LoRA adapters")
