@@ -76,17 +76,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def describe_checkpoint(path: str) -> str:
-    """ "checkpoint <path> (step N of run <run folder>)" for a training checkpoint, else
+    """ "checkpoint <path> (step N of run <run folder>)" for a training checkpoint in a run's
+    ``checkpoints`` folder, "checkpoint <path> (step N of run id <id>)" for one elsewhere, else
     "checkpoint <path> (not a training checkpoint: no train_state.json)"."""
     from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE, read_train_state
 
     path = os.path.abspath(path)
     if not os.path.isfile(os.path.join(path, TRAIN_STATE_FILE)):
         return f"checkpoint {path} (not a training checkpoint: no {TRAIN_STATE_FILE})"
-    step = read_train_state(path).get("step", "?")
+    state = read_train_state(path)
+    step = state.get("step", "?")
     parent = os.path.dirname(path)
-    run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
-    return f"checkpoint {path} (step {step} of run {run})"
+    if os.path.basename(parent) == "checkpoints":
+        return f"checkpoint {path} (step {step} of run {os.path.dirname(parent)})"
+    # elsewhere (checkpoint.save, a copy): the folder above is no run folder; the id says whose
+    return f"checkpoint {path} (step {step} of run id {state.get('run_id', '?')})"
 
 
 def main(argv=None) -> None:
