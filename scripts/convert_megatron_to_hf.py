@@ -76,17 +76,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def describe_checkpoint(path: str) -> str:
-    """ "checkpoint <path> (step N of run <run folder>)" for a training checkpoint, else
+    """ "checkpoint <path> (step N of run <run folder>)" for a training checkpoint in a run's
+    ``checkpoints`` folder, "checkpoint <path> (step N of run id <id>)" for one elsewhere, else
     "checkpoint <path> (not a training checkpoint: no train_state.json)"."""
     from dpo_megatron.checkpointing.training_checkpoint import TRAIN_STATE_FILE, read_train_state
 
     path = os.path.abspath(path)
     if not os.path.isfile(os.path.join(path, TRAIN_STATE_FILE)):
         return f"checkpoint {path} (not a training checkpoint: no {TRAIN_STATE_FILE})"
-    step = read_train_state(path).get("step", "?")
+    state = read_train_state(path)
+    step = state.get("step", "?")
     parent = os.path.dirname(path)
-    run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
-    return f"checkpoint {path} (step {step} of run {run})"
+    if os.path.basename(parent) == "checkpoints":
+        return f"checkpoint {path} (step {step} of run {os.path.dirname(parent)})"
+    # elsewhere (checkpoint.save, a copy): the folder above is no run folder; the id says whose
+    return f"checkpoint {path} (step {step} of run id {state.get('run_id', '?')})"
 
 
 def main(argv=None) -> None:
@@ -99,6 +103,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"error: --save {e}") from None
     from dpo_megatron.checkpointing import load_model_config
+    from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, model_config_from_hf
     from dpo_megatron.models.conversion import export_peft_adapter
@@ -138,8 +143,10 @@ def main(argv=None) -> None:
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
-        # verifies the checksums and pickles first
-        adapters = load_weights(chunks, model_cfg, args.load, base=not args.adapter)
+        try:  # verifies the checksums and pickles first
+            adapters = load_weights(chunks, model_cfg, args.load, base=not args.adapter)
+        except CheckpointIntegrityError as e:  # names each bad file: one line, as the trainer's
+            raise SystemExit(f"error: {e}") from None
         if args.adapter:
             if adapters is None:
                 raise SystemExit(f"error: --adapter: {args.load} holds no LoRA adapters")

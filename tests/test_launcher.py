@@ -258,7 +258,9 @@ def test_help_texts_and_key_listing(tmp_path):
 
 def test_exporter_names_the_checkpoint_it_loads(tmp_path):
     """The exporter names the checkpoint it loads (its step and run), not only ``wrote OUT``: a
-    run's checkpoints folder written by another run is then seen before its weights go out."""
+    run's checkpoints folder written by another run is then seen before its weights go out. A
+    checkpoint outside a run's checkpoints folder is named by its run id, not by the folder
+    above it (which is no run)."""
     import json
 
     from tests.scripts import load_script
@@ -269,6 +271,14 @@ def test_exporter_names_the_checkpoint_it_loads(tmp_path):
     (ckpt / "train_state.json").write_text(json.dumps({"step": 12}))
     assert module.describe_checkpoint(str(ckpt)) == (
         f"checkpoint {ckpt} (step 12 of run {tmp_path / 'runs' / 'dpo'})"
+    )
+    # A checkpoint outside a run's checkpoints folder (checkpoint.save, a copy): the folder
+    # above it is no run, the run id in its train_state.json says whose it is.
+    copied = tmp_path / "copied" / "iter_0000004"
+    copied.mkdir(parents=True)
+    (copied / "train_state.json").write_text(json.dumps({"step": 4, "run_id": "20250101-x"}))
+    assert module.describe_checkpoint(str(copied)) == (
+        f"checkpoint {copied} (step 4 of run id 20250101-x)"
     )
     converted = tmp_path / "converted"
     converted.mkdir()

@@ -179,3 +179,45 @@ def test_a_disk_filling_between_saves_is_kept_for_the_step_boundary(tmp_path, ca
     out = capsys.readouterr()
     assert f"[train] step {step}/100000" in out.out  # the console line goes on
     assert "Traceback" not in out.err and "Exception in thread" not in out.err
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a TensorBoard folder as TensorBoard shows it (purged steps gone)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def test_tensorboard_tags_are_the_split_then_the_metric_name_and_a_resume_replaces_steps(
+    tmp_path,
+):
+    """TensorBoard holds each metrics.jsonl value under ``<split>/<name>`` (``train/loss``,
+    ``eval/rewards/margins``, the names RUN_LIFECYCLE.md lists), and a resumed run's steps
+    replace those the interrupted run logged past its checkpoint, as in metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    first = MetricsLogger(LoggingConfig(), run=str(tmp_path), total_steps=3)
+    first.log(0, "eval", {"loss": 0.5, "rewards/margins": 0.0, "items": 12})
+    for step in (1, 2, 3):
+        first.log(step, "train", {"loss": step / 10, "rewards/margins": step}, {"lr": 1e-5})
+    first.close()
+    resumed = MetricsLogger(LoggingConfig(), run=str(tmp_path), total_steps=3, start_step=1)
+    for step in (2, 3):
+        resumed.log(step, "train", {"loss": step, "rewards/margins": -step}, {"lr": 2e-5})
+    resumed.close()
+    scalars = _tensorboard_scalars(tmp_path / "tensorboard")
+    assert sorted(scalars) == [
+        "eval/items",
+        "eval/loss",
+        "eval/rewards/margins",
+        "train/loss",
+        "train/lr",
+        "train/rewards/margins",
+    ]
+    assert scalars["eval/items"] == [(0, 12.0)]
+    assert scalars["train/loss"] == [(1, pytest.approx(0.1)), (2, 2.0), (3, 3.0)]
+    assert scalars["train/rewards/margins"] == [(1, 1.0), (2, -2.0), (3, -3.0)]
+    assert [lr for _, lr in scalars["train/lr"]] == pytest.approx([1e-5, 2e-5, 2e-5])
