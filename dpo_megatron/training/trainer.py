@@ -75,6 +75,18 @@ class Trainer:
         initialize_distributed(cfg.parallel)
         # First: a folder in use or holding another run is refused before anything is built.
         self.run_folder = RunFolder.open(cfg)
+        try:
+            self._build(cfg, data, reference_weights)
+        except BaseException:
+            # A run that fails while it is built (a bad checkpoint to load, a layout the model
+            # does not divide into) ends through its error path: its lock is released and its
+            # owner record cleared, as a finished run's, so the next start finds no "run that is
+            # gone" (that note is for a killed run).
+            self.run_folder.close()
+            raise
+
+    def _build(self, cfg, data: RunData | None, reference_weights: str) -> None:
+        """Everything of :meth:`__init__` after the run folder is opened."""
         self.layout = self.run_folder.layout
         set_seed(cfg.train.seed)
         self.device = get_device()

@@ -833,3 +833,38 @@ def test_a_checkpoint_failing_its_checksum_and_the_nan_stop_end_in_one_line(
         f"launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were "
         f"stopped); rank 0's output is also in {run_dir / 'train.log'}",
     ]
+
+
+def _build_with_load(run_dir, load):
+    from tests.engine import random_pairs, tiny_trainer
+
+    try:
+        tiny_trainer(
+            random_pairs(4, 0, lambda i: (3, 2, 2)),
+            run_dir=run_dir,
+            steps=1,
+            model={"num_layers": 2},
+            load=load,
+        )
+    except Exception as e:  # the test reads which error ended the build
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_run_failing_while_it_is_built_releases_its_folder(tmp_path):
+    """A run that ends in an error while it is built (here ``model.load`` of a folder with no
+    checkpoint) clears its lock as a finished run does: the next start takes the folder without
+    'took over the lock of a run that is gone', the note for a killed run."""
+    run_dir = tmp_path / "run"
+    error = run_ranks(
+        _build_with_load, world_size=1, run_dir=str(run_dir), load=str(tmp_path / "empty")
+    )[0]
+    assert error is not None and str(tmp_path / "empty") in error
+    assert (run_dir / "run.lock").read_text() == ""
+    from dpo_megatron.training.run_dir import RunLock
+
+    lock = RunLock.acquire(str(run_dir))
+    try:
+        assert lock.stale_owner is None
+    finally:
+        lock.release()
