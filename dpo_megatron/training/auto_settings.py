@@ -143,19 +143,15 @@ def resolve_reference(cfg, loss_fn, num_train: int | None):
             f"reference auto{offload} (decided at start: precomputed when the steps cover "
             "the train pairs, else model)"
         )
-    seen = cfg.train.train_iters * cfg.train.global_batch_size
+    steps, pairs = cfg.train.train_iters, cfg.train.global_batch_size
+    seen = steps * pairs
+    run = f"{steps} step{'s' * (steps != 1)} x {pairs} pair{'s' * (pairs != 1)}"
     if seen >= num_train:
         mode = "precomputed"
-        why = (
-            f"{cfg.train.train_iters} steps x {cfg.train.global_batch_size} pairs cover the "
-            f"{num_train} train pairs: one pass costs no more, then none"
-        )
+        why = f"{run} cover the {num_train} train pairs: one pass costs no more, then none"
     else:
         mode = "model"
-        why = (
-            f"{cfg.train.train_iters} steps x {cfg.train.global_batch_size} pairs = {seen} < "
-            f"{num_train} train pairs: a pass over all would cost more"
-        )
+        why = f"{run} = {seen} < {num_train} train pairs: a pass over all would cost more"
     return dataclasses.replace(ref, mode=mode), f"reference {mode}{offload} (auto: {why})"
 
 

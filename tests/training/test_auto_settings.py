@@ -70,6 +70,8 @@ def test_auto_reference_is_the_model_when_the_run_sees_part_of_its_pairs():
     cfg, line = _resolve(steps=2, num_train=9)
     assert cfg.reference.mode == "model"
     assert "reference model (auto: 2 steps x 4 pairs = 8 < 9 train pairs" in line
+    _, line = _resolve(steps=1, num_train=9)
+    assert "reference model (auto: 1 step x 4 pairs = 4 < 9 train pairs" in line
 
 
 def test_auto_keeps_explicit_values_and_refuses_by_name():
