@@ -164,11 +164,17 @@ class MetricsLogger:
         if not self.enabled:
             return
         layout = run if isinstance(run, RunLayout) else RunLayout(run)
-        path = layout.metrics
+        path, dropped = layout.metrics, 0
         with self.writing(path):
             os.makedirs(layout.run_dir, exist_ok=True)
-            truncate_metrics(path, start_step)
+            dropped = truncate_metrics(path, start_step)
             self.jsonl = open(path, "a", encoding="utf-8")
+        if dropped:
+            print(
+                f"note: {path}: dropped {dropped} record{'s' * (dropped != 1)} of steps after "
+                f"{start_step}, the checkpoint resumed from (this run logs those steps again)",
+                flush=True,
+            )
         if config.tensorboard and self.write_error is None:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -55,14 +55,18 @@ def test_progress_line(tmp_path, monkeypatch):
     logger.close()
 
 
-def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
+def test_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(
-        "".join(json.dumps({"step": s, "split": "train", "loss": s}) + "\n" for s in (1, 2, 3, 4))
-    )
+    records = [json.dumps({"step": s, "split": "train", "loss": s}) + "\n" for s in (1, 2, 3, 4)]
+    path.write_text("".join(records))
     assert truncate_metrics(str(path), 2) == 2
+    path.write_text("".join(records))
     logger = MetricsLogger(
         LoggingConfig(tensorboard=False), run=str(tmp_path), total_steps=4, start_step=2
+    )
+    assert capsys.readouterr().out == (
+        f"note: {path}: dropped 2 records of steps after 2, the checkpoint resumed from (this "
+        "run logs those steps again)\n"
     )
     logger.log(3, "train", {"loss": 30.0}, {"lr": 0.1})
     logger.close()
