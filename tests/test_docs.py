@@ -147,3 +147,16 @@ def test_the_readme_is_a_short_map_that_starts_with_the_fresh_machine_commands()
     assert second.strip().startswith("bash scripts/setup.sh && .venv/bin/python -m pytest")
     linked = set(re.findall(r"\]\(docs/([^)#]+)", readme))
     assert linked == {p.name for p in (ROOT / "docs").glob("*.md")}
+
+
+def test_data_md_names_every_reason_a_row_is_dropped_for():
+    """Each ``Filtered("reason")`` the data path raises (a row dropped and counted, not an error)
+    is named in DATA.md's Bad rows section: a new drop reason fails here until the page has it."""
+    raised = {
+        reason
+        for module in (PACKAGE / "data").glob("*.py")
+        for reason in re.findall(r'Filtered\("(\w+)"\)', _read(module))
+    }
+    assert {"empty_completion", "empty_prompt", "identical", "prompt_too_long"} <= raised
+    section = _read(ROOT / "docs" / "DATA.md").split("## Bad rows", 1)[1].split("\n## ", 1)[0]
+    assert sorted(r for r in raised if f"`{r}`" not in section) == []

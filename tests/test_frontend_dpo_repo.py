@@ -384,6 +384,7 @@ def test_a_failed_run_says_how_engine_keys_go_on_this_command_line(monkeypatch, 
         overrides=["train.train_iters=1"],
         run_dir="/runs/x",
         layout=Layout(),
+        steps=1,
     )
     monkeypatch.setattr(frontend, "prepare", lambda argv, **kw: t)
     for rc in (1, 0):
@@ -412,6 +413,29 @@ def test_an_engine_layout_override_is_named_beside_the_trainers_layout():
         "replace(s) the layout of trainer=FSDPTrainer above"
     ) in t.notes
     assert not any("replace(s) the layout" in n for n in _translate(DPO_LINE).notes)
+
+
+def test_an_engine_step_count_is_the_runs_step_count_neither_counted_nor_overridden(tmp_path):
+    """``engine.train.train_iters=N`` is the run's step count: the n_epochs count (which reads
+    the data) is not made, no ``train.train_iters`` follows it on the command, and LATEST's
+    step count is N; a value that is not a whole number stops with one line."""
+    from dpo_megatron.frontends.dpo_repo import prepare
+
+    line = [w for w in DPO_LINE if not w.startswith("datasets")]
+    unreadable = tmp_path / "pairs.jsonl"  # counting its pairs (with model /m) would fail
+    unreadable.write_text("not JSON\n")
+    argv = [*line, f"datasets=[{unreadable}]", "n_epochs=1", f"local_run_dir={tmp_path / 'run'}"]
+    for dry in (True, False):
+        t = prepare([*argv, "engine.train.train_iters=3"], devices=1, dry_run=dry)
+        assert [o for o in t.overrides if o.startswith("train.train_iters=")] == [
+            "train.train_iters=3"
+        ]
+        assert t.steps == 3
+        assert "engine.train.train_iters=3: the step count given" in " ".join(t.notes)
+    t = prepare(argv, devices=1, dry_run=True)
+    assert t.overrides[-1] == "train.train_iters=N" and t.steps is None
+    with pytest.raises(FrontendError, match=r"engine.train.train_iters=x: expected a whole"):
+        prepare([*argv, "engine.train.train_iters=x"], devices=1, dry_run=True)
 
 
 def test_a_pickled_policy_pt_stops_the_script_with_one_line_and_never_runs(tmp_path):

@@ -33,8 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dry:
         return rc
     if rc == 0:
-        steps = int(t.overrides[-1].partition("=")[2])
-        print(f"wrote {dpo_repo.write_latest_archive(t.run_dir, steps, t.batch_size)}")
+        print(f"wrote {dpo_repo.write_latest_archive(t.run_dir, t.steps, t.batch_size)}")
     else:  # the engine's messages name its own keys; on this command line they take a prefix
         print(
             "note: an engine key named above (such as data.on_error=skip) goes on this command "

@@ -60,8 +60,12 @@ def _get(row: dict, field: str) -> Any:
     return row[field]
 
 
-def _text(row: dict, field: str) -> str:
-    value = _get(row, field)
+def _text(row: dict, field: str, key: str | None = None) -> str:
+    """``row[key]`` (default: ``row[field]``) as a string; an error names ``field`` (a nested
+    one in full: ``chosen[0].content``), and a key that is absent or null is ``missing``."""
+    value = _get(row, field) if key is None else row.get(key)
+    if value is None:
+        raise RowError(field, "missing")
     if not isinstance(value, str):
         raise RowError(field, f"expected a string, got {type(value).__name__}")
     return value
@@ -76,14 +80,10 @@ def _messages(value: Any, field: str) -> Messages:
             raise RowError(
                 f"{field}[{i}]", f"expected a message dict, got {type(message).__name__}"
             )
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
         if role not in ("system", "user", "assistant"):
             raise RowError(f"{field}[{i}].role", f"expected system/user/assistant, got {role!r}")
-        if not isinstance(content, str):
-            raise RowError(
-                f"{field}[{i}].content", f"expected a string, got {type(content).__name__}"
-            )
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": _text(message, f"{field}[{i}].content", "content")})
     return out
 
 
@@ -203,11 +203,7 @@ def _sharegpt_turn(value: Any, field: str) -> dict:
         raise RowError(
             f"{field}.from", f"expected one of {sorted(SHAREGPT_ROLES)}, got {value.get('from')!r}"
         )
-    if not isinstance(value.get("value"), str):
-        raise RowError(
-            f"{field}.value", f"expected a string, got {type(value.get('value')).__name__}"
-        )
-    return {"role": role, "content": value["value"]}
+    return {"role": role, "content": _text(value, f"{field}.value", "value")}
 
 
 def convert_sharegpt(row: dict, cfg: ConvertOptions) -> list[Example]:

@@ -268,6 +268,10 @@ class Translation:
     examples: int | None = None
     batch_size: int = 1
     sft: bool = False
+    steps: int | None = None
+    """The run's optimizer steps (``train.train_iters``), once known: counted by
+    :func:`prepare`, or given as ``engine.train.train_iters``; None in a dry run that would
+    need the pairs counted."""
 
     config: str = BASE_CONFIG
 
@@ -761,16 +765,24 @@ def prepare(argv: Sequence[str], devices: int | None = None, dry_run: bool = Fal
     """Parse, translate, convert ``model.archive`` and count the steps: a Translation whose
     :meth:`Translation.command` is ready to run. ``dry_run``: only translate, reading no model,
     archive or data (offline, in seconds): the archive is not converted and a step count that
-    needs the pairs counted is printed as ``train.train_iters=N`` with a note."""
+    needs the pairs counted is printed as ``train.train_iters=N`` with a note. An
+    ``engine.train.train_iters`` is the step count as given: nothing is counted or appended."""
     args, engine = parse_args(argv)
     t = translate(args, engine, devices)
+    pinned = _engine_steps(engine)
+    if pinned is not None:  # the user's step count: neither counted nor overridden
+        t.steps = pinned
+        t.notes.append(
+            f"engine.train.train_iters={pinned}: the step count given, not the one n_epochs / "
+            f"n_examples make"
+        )
     if dry_run:
         if t.archive:
             t.notes.append(
                 f"model.archive={t.archive}: converted to {t.archive_dir} "
                 f"(model.hf_path) when the command runs; --dry-run reads nothing"
             )
-        if t.epochs is not None:
+        if pinned is None and t.epochs is not None:
             t.notes.append(
                 f"train.train_iters={DRY_RUN_STEPS}: n_epochs={t.epochs} x (pairs "
                 f"left after preprocessing // batch_size={t.batch_size})"
@@ -778,8 +790,9 @@ def prepare(argv: Sequence[str], devices: int | None = None, dry_run: bool = Fal
                 + ", counted when the command runs; --dry-run reads no data"
             )
             t.overrides.append(f"train.train_iters={DRY_RUN_STEPS}")
-        else:
-            t.overrides.append(f"train.train_iters={steps_for(t, None)}")
+        elif pinned is None:
+            t.steps = steps_for(t, None)
+            t.overrides.append(f"train.train_iters={t.steps}")
         return t
     if t.archive:
         from dpo_megatron.checkpointing.dpo_repo_archive import archive_to_hf_folder
@@ -792,13 +805,32 @@ def prepare(argv: Sequence[str], devices: int | None = None, dry_run: bool = Fal
             f"model.archive={t.archive}: weights over {base}'s config.json, written "
             f"to {t.archive_dir} (model.hf_path), policy and reference"
         )
+    if pinned is not None:
+        return t
     items = (
         count_items(t.overrides, BASE_CONFIG, "sft" if t.sft else "pairs")
         if t.epochs is not None
         else None
     )
-    t.overrides.append(f"train.train_iters={steps_for(t, items)}")
+    t.steps = steps_for(t, items)
+    t.overrides.append(f"train.train_iters={t.steps}")
     return t
+
+
+def _engine_steps(engine: Sequence[str]) -> int | None:
+    """The last ``train.train_iters`` among the ``engine.`` overrides (None: not given).
+
+    Raises:
+        FrontendError: a value that is not a whole number of steps."""
+    values = [e.partition("=")[2] for e in engine if e.partition("=")[0] == "train.train_iters"]
+    if not values:
+        return None
+    try:
+        return int(values[-1])
+    except ValueError:
+        raise FrontendError(
+            f"engine.train.train_iters={values[-1]}: expected a whole number of steps"
+        ) from None
 
 
 def prepare_trl_command(path: str, extra: Sequence[str], devices: int | None = None) -> Translation:

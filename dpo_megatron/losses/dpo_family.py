@@ -385,9 +385,10 @@ def aot_unpaired_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
 ) -> LossOutput:
-    """AOT (unpaired; TRL's `aot_pair`): the chosen log-ratio distribution should dominate the
-    rejected one, BT(beta * (sort(h_w) - sort(h_l))) (Melnyk et al. 2024, arXiv:2406.05882, AOT
-    unpaired objective). Sorting is over the B pairs of the call, as for `aot`. Step-0 value: ln 2.
+    """AOT (unpaired; TRL 1.x's `aot_unpaired`, 0.x's `aot_pair`): the chosen log-ratio
+    distribution should dominate the rejected one, BT(beta * (sort(h_w) - sort(h_l))) (Melnyk et
+    al. 2024, arXiv:2406.05882, AOT unpaired objective). Sorting is over the B pairs of the
+    call, as for `aot`. Step-0 value: ln 2.
     """
     ratios = LogRatios.of(
         policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps

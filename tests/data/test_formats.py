@@ -63,6 +63,22 @@ def test_conversational_and_implicit_variant():
             },
             CFG,
         )
+    # a message without its content is named as missing, as a row without a field is
+    with pytest.raises(RowError, match=r"^field 'chosen\[0\].content': missing$"):
+        convert_conversational(
+            {"prompt": [U("q")], "chosen": [{"role": "assistant"}], "rejected": [A("b")]}, CFG
+        )
+    with pytest.raises(
+        RowError, match=r"field 'rejected\[0\].content': expected a string, got int"
+    ):
+        convert_conversational(
+            {
+                "prompt": [U("q")],
+                "chosen": [A("a")],
+                "rejected": [{"role": "assistant", "content": 7}],
+            },
+            CFG,
+        )
     with pytest.raises(RowError, match="the prompt's last message must be from the user"):
         convert_conversational(
             {"prompt": [U("q"), A("x")], "chosen": [A("a")], "rejected": [A("b")]}, CFG
@@ -99,7 +115,7 @@ def test_sharegpt_with_system_turn_and_column():
             {"conversations": [{"from": "robot", "value": "q"}], "chosen": "y", "rejected": "n"},
             CFG,
         )
-    with pytest.raises(RowError, match="field 'chosen.value': expected a string, got NoneType"):
+    with pytest.raises(RowError, match="field 'chosen.value': missing"):
         convert_sharegpt(
             {
                 "conversations": [{"from": "human", "value": "q"}],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,39 @@ def test_progress_line(tmp_path, monkeypatch):
     )
     # a step-0 evaluation, before any step of this run: no pace, so no eta
     assert logger.line(4, "eval", {"loss": 0.5}) == "[eval] step 4/10 | loss 0.5000 | elapsed 20s"
+    logger.close()
+
+
+def test_the_progress_line_run_lifecycle_shows_is_the_one_printed(tmp_path, monkeypatch):
+    """docs/RUN_LIFECYCLE.md's example progress line shows every field of a DPO step's line
+    (loss, acc, margin, logps/chosen, logps/rejected, grad_norm, lr, tokens/s, step, skipped),
+    and is what the logger prints for those values: a field moved or formatted otherwise fails
+    here until the page follows."""
+    page = Path(__file__).parents[2] / "docs" / "RUN_LIFECYCLE.md"
+    shown = next(ln for ln in page.read_text().splitlines() if ln.startswith("[train] step "))
+    keys = {
+        "loss": "loss",
+        "acc": "rewards/accuracies",
+        "margin": "rewards/margins",
+        "logps/chosen": "logps/chosen",
+        "logps/rejected": "logps/rejected",
+        "grad_norm": "grad_norm",
+        "lr": "lr",
+        "tokens/s": "tokens_per_s",
+        "step": "step_time_s",
+        "skipped": "skipped_steps",
+    }
+    head, *fields, timing = shown.split(" | ")
+    values = {}
+    for item in fields:
+        label, value = item.rsplit(" ", 1)
+        values[keys[label]] = int(value) if label == "skipped" else float(value.rstrip("s"))
+    assert sorted(values) == sorted(keys.values())  # every field of a DPO step's line, shown
+    step, total = map(int, head.removeprefix("[train] step ").split("/"))
+    elapsed = int(timing.split()[1].rstrip("s"))
+    logger = MetricsLogger(LoggingConfig(tensorboard=False), run=str(tmp_path), total_steps=total)
+    monkeypatch.setattr("time.time", lambda: logger.start + elapsed)
+    assert logger.line(step, "train", values) == shown
     logger.close()
 
 
