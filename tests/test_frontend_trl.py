@@ -120,6 +120,7 @@ def test_every_key_is_written_once():
         "bf16": True,
         "optim": "adamw_torch",
         "disable_dropout": True,
+        "pad_token": "<|im_end|>",
         "report_to": ["tensorboard"],
         "use_peft": True,
         "lora_r": 8,
@@ -150,6 +151,15 @@ def test_unknown_and_unsupported_fields():
     with pytest.raises(ValueError, match="sync_ref_model=True is not supported"):
         translate_trl({"sync_ref_model": True}, "cfg.yaml", 1)
     assert translate_trl({"sync_ref_model": False}, "cfg.yaml", 1)[0]
+    with pytest.raises(ValueError, match="trust_remote_code=True is not supported"):
+        translate_trl({"trust_remote_code": True}, "cfg.yaml", 1)
+    _, notes, _ = translate_trl({"pad_token": "<|im_end|>"}, "cfg.yaml", 1)
+    assert any("pad_token='<|im_end|>': padding is never attended to or scored" in n for n in notes)
+
+
+def test_trl_sigmoid_norm_is_the_length_normalised_loss():
+    overrides, _, _ = translate_trl({"loss_type": ["sigmoid_norm"]}, "cfg.yaml", 1)
+    assert "loss.name=sigmoid_norm" in overrides
 
 
 def test_trl_yaml_prints_the_command(tmp_path, capsys):
@@ -327,3 +337,17 @@ def test_max_length_truncates_as_trl_does():
     assert any(
         n.startswith("truncation_mode=keep_end: TRL keeps each sequence's last 320") for n in notes
     )
+
+
+def test_every_field_of_the_installed_dpoconfig_is_known():
+    """Each field DPOConfig adds to transformers' TrainingArguments is translated, or accepted at
+    TRL's default: a TRL user's YAML never stops on 'unknown field' for a real DPOConfig field
+    (five were, pad_token and trust_remote_code among them)."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    from transformers import TrainingArguments
+
+    own = {f.name for f in dataclasses.fields(trl.DPOConfig)}
+    own -= {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert sorted(own - set(known_fields())) == []

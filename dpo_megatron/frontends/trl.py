@@ -69,6 +69,7 @@ SPECIAL = (
     "bf16",
     "optim",
     "disable_dropout",
+    "pad_token",
     "report_to",
     "use_peft",
     "lora_r",
@@ -104,7 +105,11 @@ UNSUPPORTED: dict[str, Any] = {
     "ref_model_mixup_alpha": 0.6,
     "ref_model_sync_steps": 512,
     "f_divergence_type": "reverse_kl",
+    "f_alpha_divergence_coef": 0.5,
     "activation_offloading": False,
+    "trust_remote_code": False,
+    "model_init_kwargs": None,
+    "router_aux_loss_coef": None,
 }
 """TRL fields with no counterpart here, and the only (default) value accepted."""
 
@@ -196,8 +201,7 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
         ]
     if f.get("bf16"):
         o.append("model.params_dtype=bfloat16")
-    if f.get("disable_dropout") is False:
-        notes.append("disable_dropout=false: dropout is always 0 here")
+    notes += _noted_fields(f)
     report = f.get("report_to", "none")
     report = [report] if isinstance(report, str) else list(report)
     if "wandb" in report:
@@ -213,6 +217,19 @@ def translate_trl(fields: dict, source: str, devices: int) -> tuple[list[str], l
         "eval_each_epoch": f.get("eval_strategy") == "epoch",
     }
     return o, notes, facts
+
+
+def _noted_fields(f: dict) -> list[str]:
+    """The notes of the fields that change nothing here."""
+    notes = []
+    if f.get("pad_token") is not None:
+        notes.append(
+            f"pad_token={f['pad_token']!r}: padding is never attended to or scored here, so "
+            "the token changes nothing"
+        )
+    if f.get("disable_dropout") is False:
+        notes.append("disable_dropout=false: dropout is always 0 here")
+    return notes
 
 
 def _truncation_overrides(f: dict, notes: list[str]) -> list[str]:

@@ -252,6 +252,28 @@ def ipo_loss(
     return losses, ratios.metrics(beta)
 
 
+@register_loss("sigmoid_norm", needs_reference=True)
+def sigmoid_norm_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    reference_chosen_logps: Tensor,
+    reference_rejected_logps: Tensor,
+    *,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    beta: float = 0.1,
+) -> LossOutput:
+    """Length-normalised DPO: -log sigma(beta (h_w / |y_w| - h_l / |y_l|)), each log-ratio divided
+    by its completion's token count (Lambert et al. 2024, "Tulu 3", arXiv:2411.15124, the
+    length-normalised DPO it trains with; TRL's ``sigmoid_norm``). rewards/* are beta times the
+    per-token log-ratios, as ``ipo``'s. Step-0 value: ln 2.
+    """
+    ratios = LogRatios.of(
+        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
+    ).per_token(chosen_tokens, rejected_tokens)
+    return bradley_terry_loss(beta * ratios.margin), ratios.metrics(beta)
+
+
 @register_loss("nca_pair", needs_reference=True)
 def nca_pair_loss(
     policy_chosen_logps: Tensor,

@@ -58,6 +58,7 @@ def test_gradients_match_finite_differences(name):
 
 STEP_ZERO = {
     "sigmoid": math.log(2.0),
+    "sigmoid_norm": math.log(2.0),
     "rpo": None,
     "robust": math.log(2.0),
     "hinge": 1.0,

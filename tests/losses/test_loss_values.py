@@ -79,6 +79,8 @@ HAND_CASES = [
     ("sppo_hard", dict(beta=0.1), 16.0),
     # APO-down: sigma(0.1 h_w) + 1 - sigma(z)
     ("apo_down", dict(beta=0.1), sigmoid(0.1) + 1.0 - sigmoid(0.6)),
+    # length-normalised DPO: h_w / 8 - h_l / 10 = 0.125 + 0.5, beta 0.1 -> softplus(-0.0625)
+    ("sigmoid_norm", dict(beta=0.1), softplus(-0.0625)),
     # IPO on sums: (6 - 5)^2
     ("ipo", dict(beta=0.1, average_logps=False), 1.0),
     # CPO-SimPO: SimPO margin 2 (-1.5 + 2) - 1 = 0 -> ln 2, plus 0.5 * NLL 12/8
@@ -204,7 +206,8 @@ def test_rewards_of_reference_free_losses_are_beta_scaled_logps():
     assert cpo["rewards/chosen"].item() == pytest.approx(-1.2) and cpo["nll_loss"].item() == 1.5
 
 
-def test_ipo_rewards_use_per_token_log_ratios():
-    _, metrics = call_loss("ipo", *FILE_INPUTS)  # (-12 + 13) / 8 and (-20 + 15) / 10
+@pytest.mark.parametrize("name", ["ipo", "sigmoid_norm"])
+def test_length_normalised_losses_report_per_token_rewards(name):
+    _, metrics = call_loss(name, *FILE_INPUTS)  # (-12 + 13) / 8 and (-20 + 15) / 10
     assert metrics["rewards/chosen"].item() == pytest.approx(0.1 * 0.125)
     assert metrics["rewards/rejected"].item() == pytest.approx(0.1 * -0.5)
