@@ -105,7 +105,8 @@ class LengthStats:
 @dataclass(frozen=True)
 class SourceSummary:
     """One source's line of the summary: its label and format, rows read, items kept and the
-    drops by reason; ``role`` is ``train`` or ``eval`` (a separate eval set)."""
+    drops by reason; ``role`` is ``train`` or ``eval`` (a separate eval set);
+    ``first_dropped``: per reason, where its first item was dropped (``line 7``)."""
 
     label: str
     format: str
@@ -113,6 +114,7 @@ class SourceSummary:
     kept: int
     dropped: dict[str, int]
     role: str
+    first_dropped: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class SelectedSource:
         label, format, role: the source's name, format name and role (``train`` / ``eval``).
         rows_read: rows read (malformed lines skipped by the reader included).
         dropped: items left out, by reason.
+        first_dropped: per reason, where its first item was left out (``line 7``, ``row 3``):
+            the summary names it, so a dropped row can be found.
         truncated: items cut to fit, by :data:`TRUNCATION_KINDS`.
         notes: what conversion and encoding did, counted (``Example.notes``).
         duplicates: (where, where it repeats) of each item whose tokens repeat an earlier one's.
@@ -62,6 +64,7 @@ class SelectedSource:
     role: str
     rows_read: int
     dropped: Counter
+    first_dropped: dict[str, str]
     truncated: Counter
     notes: Counter
     duplicates: list[tuple[str, str]]
@@ -86,8 +89,14 @@ def select_source(
     source = read.source
     rejected = kind.reads_rejected
     dropped: Counter = Counter()
+    first_dropped: dict[str, str] = {}
     if source.malformed:
         dropped["malformed"] += source.malformed
+
+    def drop(reason: str, where: str) -> None:
+        dropped[reason] += 1
+        first_dropped.setdefault(reason, where)
+
     kept: list = []
     before, after, pair_lengths = Lengths(), Lengths(), []
     truncated: Counter = Counter()
@@ -100,12 +109,12 @@ def select_source(
     for row in tokenized.rows:
         rows.add(row.where)
         if row.drop:
-            dropped[row.drop] += 1
+            drop(row.drop, row.where)
             continue
         if cap and row.group:
             per_group[row.group] += 1
             if per_group[row.group] > cap:
-                dropped["shp_pairs_per_post"] += 1
+                drop("shp_pairs_per_post", row.where)
                 continue
         notes.update(row.notes)
         p, c, r = row.prompt_ids, row.chosen_ids, row.rejected_ids
@@ -113,7 +122,7 @@ def select_source(
         if key in first_seen:
             duplicates.append((row.where, first_seen[key]))
             if cfg.drop_duplicates:
-                dropped["duplicate"] += 1
+                drop("duplicate", row.where)
                 continue
         else:
             first_seen[key] = row.where
@@ -124,7 +133,7 @@ def select_source(
         try:
             fp, fc, fr = fit_lengths(p, c, r if rejected else None, cfg, bos_token_id)
         except Filtered as f:
-            dropped[f.reason] += 1
+            drop(f.reason, row.where)
             continue
         turns = "turns_dropped" in row.notes
         truncated["prompt"] += turns or len(fp) < len(p)
@@ -152,6 +161,7 @@ def select_source(
         role=read.role,
         rows_read=len(rows) + source.malformed,
         dropped=dropped,
+        first_dropped=first_dropped,
         truncated=truncated,
         notes=notes,
         duplicates=duplicates,

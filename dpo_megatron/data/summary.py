@@ -103,7 +103,15 @@ def summarize(
         lengths_before_cut={k: length_stats(v) for k, v in before.items()},
         lengths={k: length_stats(v) for k, v in after.items()},
         sources=[
-            SourceSummary(s.label, s.format, s.rows_read, len(s.kept), dict(s.dropped), s.role)
+            SourceSummary(
+                s.label,
+                s.format,
+                s.rows_read,
+                len(s.kept),
+                dict(s.dropped),
+                s.role,
+                dict(s.first_dropped),
+            )
             for s in selected
         ],
     )
@@ -117,7 +125,14 @@ def format_summary(summary: DataSummary) -> str:
         f"max_prompt_length {summary.max_prompt_length}"
     ]
     for source in summary.sources:
-        dropped = ", ".join(f"{k} {v}" for k, v in sorted(source.dropped.items())) or "none"
+        dropped = (
+            ", ".join(
+                f"{k} {v}"
+                + (f" (first: {source.first_dropped[k]})" if k in source.first_dropped else "")
+                for k, v in sorted(source.dropped.items())
+            )
+            or "none"
+        )
         role = "eval set " if source.role == "eval" else ""
         lines.append(
             f"  {role}{source.label} ({source.format}): {source.rows_read} rows, "

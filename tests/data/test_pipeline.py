@@ -43,6 +43,11 @@ def test_drops_counted_by_reason(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "data: 5 rows read, 2 pairs kept (2 train, 0 eval)" in out
     assert "dropped by reason: empty_completion 1, identical 1, prompt_too_long 1" in out
+    # the source's line says where each reason's first row is
+    assert (
+        f"{path} (standard): 5 rows, 2 kept, dropped: empty_completion 1 (first: line 2), "
+        "identical 1 (first: line 3), prompt_too_long 1 (first: line 4)\n"
+    ) in out
     # More than DROP_WARNING_SHARE (10%) lost: one warning line, each reason with its key.
     assert out.splitlines()[-1] == (
         "WARNING: 3 of 5 pairs (60%) were dropped: empty_completion 1; identical 1; "
@@ -261,10 +266,15 @@ def test_length_stats_and_format():
         },
         lengths_before_cut={"prompt": length_stats([3])},
         lengths={"prompt": length_stats([3])},
-        sources=[SourceSummary("f", "standard", 3, 2, {"identical": 1}, "train")],
+        sources=[
+            SourceSummary("f", "standard", 3, 2, {"identical": 1}, "train"),
+            SourceSummary("g", "standard", 9, 6, {"identical": 2, "x": 1}, "train", {"x": "l 4"}),
+        ],
     )
     text = format_summary(summary)
-    assert "f (standard): 3 rows, 2 kept, dropped: identical 1" in text
+    assert "f (standard): 3 rows, 2 kept, dropped: identical 1\n" in text
+    # where the first row of a reason was dropped, when the selection said
+    assert "g (standard): 9 rows, 6 kept, dropped: identical 2, x 1 (first: l 4)\n" in text
     assert "lengths prompt tokens: p50 3 p90 3 p99 3 max 3" in text
     # Plain JSON-ready values for logs and files.
     assert summary.to_dict()["lengths"] == {"prompt": {"p50": 3, "p90": 3, "p99": 3, "max": 3}}
