@@ -284,7 +284,7 @@ def _read_lines(path: Path, data: bytes, on_error: str) -> tuple[list[str], list
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"malformed JSON: {e}") from None
+                raise ValueError(f"column {e.colno}: malformed JSON: {e.msg}") from None
             if not isinstance(value, dict):
                 raise ValueError(
                     f"expected a JSON object per line, got a JSON {type(value).__name__}"

@@ -90,8 +90,10 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
         + json.dumps(GOOD)
         + "\n"
     )
-    with pytest.raises(DataError, match=r"bad.jsonl: line 3: malformed JSON"):
+    with pytest.raises(DataError) as error:
         load_preference_pairs(_cfg(path), tiny_hf_tokenizer())
+    # one location: the file's line, then the column in it (not json's own "line 1 column 27")
+    assert str(error.value) == f"{path}: line 3: column 27: malformed JSON: Expecting value"
     ds = load_preference_pairs(_cfg(path, on_error="skip"), tiny_hf_tokenizer())
     assert (ds.summary.rows_read, ds.summary.kept, ds.summary.dropped) == (
         4,
