@@ -356,6 +356,7 @@ def test_the_readme_lines_dry_run_offline_and_a_real_run_stops_at_once(tmp_path)
         command = proc.stdout.split("translated command:\n")[1].strip()
         assert command.startswith(f"bash scripts/{script} --config configs/reference_dpo.yaml")
         assert command.endswith("train.train_iters=N")
+        assert command.count("model.hf_path=") <= 1  # an archive's folder replaces the base's
         assert re.search(r"run_dir=runs/[^/ ]+/anthropic_dpo_pythia69_\S+ ", command), command
         assert (
             "note: train.train_iters=N: n_epochs=1 x (pairs left after preprocessing" in proc.stdout
@@ -413,6 +414,16 @@ def test_an_engine_layout_override_is_named_beside_the_trainers_layout():
         "replace(s) the layout of trainer=FSDPTrainer above"
     ) in t.notes
     assert not any("replace(s) the layout" in n for n in _translate(DPO_LINE).notes)
+
+
+def test_an_archive_replaces_the_base_models_folder_on_the_command():
+    """``model.archive`` over ``model.name_or_path``: the command names one ``model.hf_path``
+    (the archive's folder); the base's folder is kept for the archive's conversion."""
+    t = _translate(DPO_LINE, extra=["model.archive=/r/LATEST/policy.pt"])
+    assert [o for o in t.overrides if o.startswith("model.hf_path=")] == [
+        f"model.hf_path={t.archive_dir}"
+    ]
+    assert t.base_model == "/m"
 
 
 def test_an_engine_step_count_is_the_runs_step_count_neither_counted_nor_overridden(tmp_path):

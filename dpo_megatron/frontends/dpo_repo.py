@@ -370,7 +370,11 @@ def _model_overrides(args: dict, run_dir: str, t: Translation) -> list[str]:
     if args["model.archive"]:
         t.archive = str(args["model.archive"])
         t.archive_dir = os.path.join(run_dir, "archive_hf")
-        t.base_model = path or None
+        # The archive's folder replaces the base model's: the command names one model.hf_path
+        # (a preset's folder is found from model=NAME, base_model_of).
+        bases = [o.partition("=")[2] for o in out if o.startswith("model.hf_path=")]
+        t.base_model = bases[-1] if bases else None
+        out = [o for o in out if not o.startswith("model.hf_path=")]
         out.append(f"model.hf_path={t.archive_dir}")
     return out
 
