@@ -127,9 +127,10 @@ def reward_reader(cfg, policy_tokenizer) -> RewardReader:
     ``online.reward_model.tokenizer`` when set, else with the tokenizer in
     ``online.reward_model.path`` when it is a folder holding one (a Hugging Face
     ``*ForSequenceClassification`` folder), else (a reward model trained here: a checkpoint)
-    with the policy's tokenizer; with ``online.reward_model.chat_template``, else the
-    tokenizer's own template (``data.chat_template`` for the policy's tokenizer); the pad id of
-    ``reward.scoring.reward_pad_id``.
+    with the tokenizer of the folder it was built from when that one is not the policy's
+    (:func:`_trained_from`), else the policy's; with ``online.reward_model.chat_template``, else
+    the tokenizer's own template (``data.chat_template`` for the policy's tokenizer); the pad
+    id of ``reward.scoring.reward_pad_id``.
 
     Raises:
         ValueError / OSError: the tokenizer cannot be loaded (``data.load_tokenizer``).
@@ -140,8 +141,32 @@ def reward_reader(cfg, policy_tokenizer) -> RewardReader:
     o = cfg.online.reward_model
     source = o.tokenizer or (o.path if has_tokenizer_files(o.path) else "")
     tokenizer = load_tokenizer(source) if source else policy_tokenizer
+    if not source:
+        source, tokenizer = _trained_from(o.path, policy_tokenizer)
     template = o.chat_template or ("" if source else cfg.data.chat_template)
     return RewardReader(tokenizer, template, source, reward_pad_id(o.path, tokenizer))
+
+
+def _trained_from(path: str, policy_tokenizer) -> tuple[str, Any]:
+    """(folder, tokenizer) of the model a reward-model checkpoint was built from (its stored
+    ``model.hf_path``, the rule of ``reward.rows.scoring_tokenizer``) when that folder's
+    tokenizer has another vocabulary than the policy's: scoring the policy's ids with it would
+    read them as other tokens. ``("", policy_tokenizer)`` otherwise (the same vocabulary, no
+    stored folder, or a folder without a tokenizer)."""
+    import os
+
+    from dpo_megatron.checkpointing import load_model_config
+    from dpo_megatron.data.tokenizer import has_tokenizer_files, load_tokenizer
+    from dpo_megatron.training.run_models import resolve_model_load
+
+    stored = load_model_config(resolve_model_load(path)) if os.path.isdir(path) else None
+    base = stored.hf_path if stored is not None else ""
+    if not base or not has_tokenizer_files(base):
+        return "", policy_tokenizer
+    tokenizer = load_tokenizer(base)
+    if tokenizer.get_vocab() == policy_tokenizer.get_vocab():
+        return "", policy_tokenizer
+    return base, tokenizer
 
 
 def check_reward_reader(reader: RewardReader, prompts: list) -> None:

@@ -36,9 +36,10 @@ class RewardModelConfig:
     Hugging Face ``*ForSequenceClassification`` folder. Empty: ``online.judge`` scores."""
     tokenizer: str = ""
     """The tokenizer the reward model reads samples with. Empty: the one in ``path`` when it is
-    a folder holding one, else the policy's (``data.tokenizer``). Samples are scored on the
-    policy's ids when this tokenizer and chat template read their prompt as the policy did,
-    else on their text re-encoded (a reward model of another family)."""
+    a folder holding one, else (a checkpoint) the one of the folder it was built from when its
+    vocabulary is not the policy's, else the policy's (``data.tokenizer``). Samples are scored
+    on the policy's ids when this tokenizer and chat template read their prompt as the policy
+    did, else on their text re-encoded (a reward model of another family)."""
     chat_template: str = ""
     """The reward model's chat template (``chatml``, ``mistral`` or a Jinja file). Empty: its
     tokenizer's own, or ``data.chat_template`` when it reads with the policy's tokenizer."""

@@ -129,3 +129,29 @@ def test_a_bad_reward_model_chat_template_is_a_config_error():
     cfg = _config(path="rm", chat_template="nonexistent.jinja")
     with pytest.raises(ValueError, match=r"online.reward_model.chat_template='nonexistent.jinja'"):
         validate_online(cfg)
+
+
+def test_a_checkpoint_reads_with_the_tokenizer_it_was_built_from(tmp_path):
+    """A reward-model checkpoint trained here names the folder it was built from (its stored
+    ``model.hf_path``): with another vocabulary than the policy's, that folder's tokenizer and
+    its own chat template read the samples (scoring the policy's ids would read them as other
+    tokens); with the policy's vocabulary, the policy's tokenizer reads them, as before."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    policy = tiny_hf_tokenizer()
+    same, other = tmp_path / "same", tmp_path / "other"
+    policy.save_pretrained(str(same))
+    widened = AutoTokenizer.from_pretrained(str(same))
+    widened.add_tokens(["<|tool|>"])
+    widened.save_pretrained(str(other))
+    for base, source in ((same, ""), (other, str(other))):
+        ckpt = tmp_path / f"ckpt_{base.name}"
+        ckpt.mkdir()
+        (ckpt / "model_config.json").write_text(json.dumps({"hf_path": str(base)}))
+        reader = reward_reader(_config(path=str(ckpt)), policy)
+        assert reader.source == source
+        assert (reader.tokenizer is policy) == (source == "")
+        assert reader.chat_template == ("" if source else _config().data.chat_template)
+        assert len(reader.tokenizer) == len(policy) + (source != "")
