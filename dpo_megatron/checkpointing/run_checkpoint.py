@@ -66,7 +66,8 @@ def new_run_id() -> str:
 
 STATE_ENTRIES = ("scheduler", "sampler", "loss")
 """The stateful objects whose ``state_dict()`` the JSON train state holds, under these names
-(beside the tensors of ``model`` and ``optimizer``)."""
+(beside the tensors of ``model`` and ``optimizer``): :func:`save_run` writes each and
+:func:`resume_run` gives each back its ``load_state_dict()``."""
 
 
 def save_run(
@@ -124,7 +125,8 @@ def resume_run(
     Raises:
         CheckpointIntegrityError: a file failed verification (unless ``verified``).
         ValueError: the checkpoint's data order, loss state or optimizer format does not match
-            this run's configuration (the message names the setting).
+            this run's configuration (the message names the setting), or it holds no state of
+            an entry of :data:`STATE_ENTRIES`.
     """
     state = load_training_checkpoint(
         ckpt_dir,
@@ -145,8 +147,12 @@ def resume_run(
         )
     scheduler.load_state_dict(state["scheduler"])
     try:
-        states["sampler"].load_state_dict(state["sampler"])
-        states["loss"].load_state_dict(state["loss"])
+        for name in STATE_ENTRIES:  # every entry save_run wrote, the scheduler's read above
+            if name == "scheduler":
+                continue
+            if name not in state:
+                raise ValueError(f"train_state.json holds no {name!r} state")
+            states[name].load_state_dict(state[name])
     except ValueError as e:
         raise ValueError(f"{ckpt_dir}: {e}") from None
     return RunCounters(**state["counters"]), state

@@ -40,12 +40,10 @@ class DataConfig:
     short). Empty: every kept pair once."""
 
     format: str = "auto"
-    """Row format, one of ``standard`` (prompt/chosen/rejected strings), ``implicit``
-    (chosen/rejected strings, prompt = common prefix), ``conversational`` (message lists),
-    ``conversational_implicit``, ``sharegpt`` (LLaMA-Factory {conversations, chosen, rejected}),
-    ``hh`` (Anthropic HH raw), ``shp`` (Stanford SHP), ``se`` (StackExchange preferences),
-    ``ultrafeedback`` (UltraFeedback binarized), ``alpaca`` (SFT only), or ``auto`` (detected
-    from the columns; an ambiguous case is an error that lists the candidates)."""
+    """Row format: a registered format's name (``data.format_registry``; the table of
+    docs/DATA.md: ``standard``, ``conversational``, ``sharegpt``, ``hh``, ``kto_messages``, ...;
+    an unknown name lists them all), or ``auto`` (detected from the columns; an ambiguous case
+    is an error that lists the candidates)."""
 
     formats: list[str] = field(default_factory=list)
     """Per-dataset formats for ``datasets`` (same length); empty: ``format`` for all."""

@@ -539,7 +539,8 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     )
     unknown = sorted(key for key in config if key not in valid)
     if unknown:
-        raise ValueError(f"loss.name={names} takes no parameter(s) {unknown}; valid keys: {valid}")
+        named = names[0] if len(names) == 1 else names  # as the config wrote it
+        raise ValueError(f"loss.name={named} takes no parameter(s) {unknown}; valid keys: {valid}")
 
     components = [
         _component(spec, weight, config) for spec, weight in zip(specs, weights, strict=True)

@@ -99,3 +99,45 @@ def test_resume_candidates_newest_first(save_dir):
     assert resume_candidates(str(save_dir / "iter_0000002"), "unused") == [
         str(save_dir / "iter_0000002")
     ]
+
+
+class _State:
+    """A stateful object that records what it is given back."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_a_resume_gives_back_every_state_entry_a_save_wrote(monkeypatch):
+    """``resume_run`` restores every name of ``STATE_ENTRIES`` (an entry added there, as
+    docs/EXTENDING.md says, comes back, not only the sampler and the loss), and a checkpoint
+    without one of them stops in one line naming the entry and the checkpoint."""
+    from dpo_megatron.checkpointing import run_checkpoint
+
+    monkeypatch.setattr(run_checkpoint, "STATE_ENTRIES", ("scheduler", "sampler", "loss", "ema"))
+    saved = {
+        "scheduler": {"value": 1},
+        "sampler": {"value": 2},
+        "loss": {"value": 3},
+        "ema": {"value": 4},
+        "counters": {"step": 5, "skipped_steps": 0, "consecutive_skipped": 0},
+    }
+    monkeypatch.setattr(run_checkpoint, "load_training_checkpoint", lambda *a, **k: dict(saved))
+    states = {name: _State(0) for name in ("model", "optimizer", *run_checkpoint.STATE_ENTRIES)}
+    counters, _ = run_checkpoint.resume_run("ckpt", states, use_distributed_optimizer=False)
+    assert counters.step == 5
+    assert {n: states[n].value for n in run_checkpoint.STATE_ENTRIES} == {
+        "scheduler": 1,
+        "sampler": 2,
+        "loss": 3,
+        "ema": 4,
+    }
+    del saved["ema"]
+    with pytest.raises(ValueError, match=r"^ckpt: train_state.json holds no 'ema' state$"):
+        run_checkpoint.resume_run("ckpt", states, use_distributed_optimizer=False)

@@ -46,13 +46,19 @@ def test_dpo_is_an_alias_of_sigmoid():
 
 
 def test_parameter_the_loss_does_not_take_lists_valid_keys():
-    with pytest.raises(ValueError, match=r"takes no parameter\(s\) \['simpo_gamma'\]") as error:
+    """The error names the loss as the config does (``loss.name=sigmoid``, a list only for a
+    combination) and lists the keys it takes."""
+    with pytest.raises(
+        ValueError, match=r"^loss.name=sigmoid takes no parameter\(s\) \['simpo_gamma'\]"
+    ) as error:
         build_loss({"name": "sigmoid", "beta": 0.1, "simpo_gamma": 0.5})
     assert (
         "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', "
         "'sft_weight', "
         "'use_weighting', 'weights']" in str(error.value)
     )
+    with pytest.raises(ValueError, match=r"^loss.name=\['sigmoid', 'sft'\] takes no parameter"):
+        build_loss({"name": ["sigmoid", "sft"], "simpo_gamma": 0.5})
 
 
 def test_reference_free_is_not_a_key_of_reference_free_losses():
