@@ -133,6 +133,10 @@ def test_world_size_counts_context_parallel_ranks():
             ["packing.enabled=true", "packing.row_length=1002"],
             r"packing.row_length=1002 .* multiple of 4 \(e.g. 1004\)",
         ),
+        (  # packing left at auto (the default), which packs: the same rule
+            ["packing.row_length=1002"],
+            r"packing.row_length=1002 .* multiple of 4 \(e.g. 1004\)",
+        ),
         (
             [
                 "packing.enabled=true",
@@ -151,6 +155,17 @@ def test_world_size_counts_context_parallel_ranks():
 def test_context_parallel_config_errors_name_the_fix(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, [*BASE, "parallel.context_parallel_size=2", *overrides])
+
+
+def test_a_row_length_with_packing_off_is_not_refused():
+    """Only packed rows are cut into context-parallel chunks: packing.row_length is not read
+    when packing is set off."""
+    cfg = load_config(
+        None,
+        [*BASE, "parallel.context_parallel_size=2", "packing.enabled=false"]
+        + ["packing.share_prompt=false", "packing.row_length=1002"],
+    )
+    assert cfg.packing.row_length == 1002
 
 
 def test_world_size_not_divisible_names_context_parallel_size():
