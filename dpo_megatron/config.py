@@ -564,7 +564,10 @@ def _validate_context_parallel(cfg: DPOConfig) -> None:
         return
     granule = p.sequence_granule()
     row = cfg.packing.row_length
-    if cfg.packing.enabled and row and row % granule:
+    # packing.enabled null (auto) packs every preference loss's rows (training.auto_settings),
+    # so the rule holds unless packing is set off: a row_length auto leaves unused (SFT) cannot
+    # be cut either, and naming it costs nothing.
+    if cfg.packing.enabled is not False and row and row % granule:
         why = f"2 x parallel.context_parallel_size={cp}" + (
             f" x parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} "
             f"(sequence parallelism)"

@@ -160,3 +160,13 @@ def test_data_md_names_every_reason_a_row_is_dropped_for():
     assert {"empty_completion", "empty_prompt", "identical", "prompt_too_long"} <= raised
     section = _read(ROOT / "docs" / "DATA.md").split("## Bad rows", 1)[1].split("\n## ", 1)[0]
     assert sorted(r for r in raised if f"`{r}`" not in section) == []
+
+
+def test_step_md_counts_the_architectures_the_bf16_test_trains():
+    """STEP.md's count of the architectures ``test_bf16_architectures.py`` trains is the number
+    it trains (``FAMILIES``): a new family fails here until the page counts it."""
+    from tests.models.conversion_helpers import FAMILIES
+    from tests.training.test_bf16_architectures import ARCHITECTURES
+
+    assert ARCHITECTURES == FAMILIES
+    assert f"trains all {len(FAMILIES)} architectures" in _read(ROOT / "docs" / "STEP.md")

@@ -9,7 +9,7 @@ from dpo_megatron.data.builders import make_batch_builder
 from dpo_megatron.data.context_split import local_positions, split_micro_batch
 from dpo_megatron.data.packing import PackingConfig
 from dpo_megatron.parallel.context import chunk_positions
-from tests.engine import random_pairs, tiny_pairs
+from tests.engine import TINY, model_overrides, random_pairs, tiny_pairs
 
 
 def test_chunk_positions_are_megatron_cores_load_balanced_layout():
@@ -133,6 +133,10 @@ def test_world_size_counts_context_parallel_ranks():
             ["packing.enabled=true", "packing.row_length=1002"],
             r"packing.row_length=1002 .* multiple of 4 \(e.g. 1004\)",
         ),
+        (  # packing left at auto (the default), which packs: the same rule
+            ["packing.row_length=1002"],
+            r"packing.row_length=1002 .* multiple of 4 \(e.g. 1004\)",
+        ),
         (
             [
                 "packing.enabled=true",
@@ -153,11 +157,46 @@ def test_context_parallel_config_errors_name_the_fix(overrides, match):
         load_config(None, [*BASE, "parallel.context_parallel_size=2", *overrides])
 
 
+def test_a_row_length_with_packing_off_is_not_refused():
+    """Only packed rows are cut into context-parallel chunks: packing.row_length is not read
+    when packing is set off."""
+    cfg = load_config(
+        None,
+        [*BASE, "parallel.context_parallel_size=2", "packing.enabled=false"]
+        + ["packing.share_prompt=false", "packing.row_length=1002"],
+    )
+    assert cfg.packing.row_length == 1002
+
+
 def test_world_size_not_divisible_names_context_parallel_size():
     from dpo_megatron.parallel import ParallelConfig
 
     with pytest.raises(ValueError, match=r"context_parallel_size \(2\) = 4"):
         ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2).validate(6)
+
+
+def test_the_launchers_pre_check_counts_context_parallel_ranks_and_refuses_moe_in_one_line(
+    tmp_path, capsys
+):
+    """CONTEXT_PARALLEL.md's launch: the pre-check names TP 2 x CP 2 = 4 ranks for the launcher
+    to start, and refuses a mixture-of-experts model at CP 2 in one line before any rank starts."""
+    import json
+
+    from dpo_megatron.cli.check import main
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "Hi", "chosen": " yes", "rejected": " no"}) + "\n")
+    model = model_overrides(TINY)
+    base = ["data.tokenizer=t", f"data.path={data}", *model, "parallel.context_parallel_size=2"]
+    main([*base, "parallel.tensor_model_parallel_size=2", "--without-weights"])
+    assert capsys.readouterr().out.splitlines()[-1] == "4"
+    with pytest.raises(SystemExit) as e:
+        main([*base, "model.num_experts=4", "model.moe_router_topk=2", "--without-weights"])
+    assert str(e.value) == (
+        "config error: model.num_experts=4 with parallel.context_parallel_size=2: "
+        "mixture-of-experts models do not run under context parallelism yet; set "
+        "parallel.context_parallel_size=1 (expert parallelism still applies)"
+    )
 
 
 def test_mixture_of_experts_under_context_parallelism_is_refused_before_launch():

@@ -110,3 +110,27 @@ def test_the_host_reads_the_tile_map_once_per_forward_not_per_tile(monkeypatch):
     assert reads.count == 1
     monkeypatch.undo()
     assert torch.allclose(out, want, atol=1e-12) and torch.allclose(again, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "auto"])
+def test_context_parallelism_replaces_every_local_kernel(kernel):
+    """ATTENTION.md: under CP > 1 the local layer spec attends with ContextParallelAttention
+    whatever ``model.local_attention`` names (so flex trains on the CPU there); at CP 1 the name
+    picks the kernel."""
+    from dpo_megatron.models import ModelConfig, build_transformer_config
+    from dpo_megatron.models.attention import LocalAttention, resolve_local_attention
+    from dpo_megatron.models.context_attention import ContextParallelAttention
+    from dpo_megatron.models.specs import _local_layer
+    from dpo_megatron.parallel import ParallelConfig
+    from tests.engine import TINY
+
+    model = ModelConfig(**TINY, local_attention=kernel)
+
+    def core(cp: int):
+        config = build_transformer_config(model, ParallelConfig(context_parallel_size=cp))
+        return _local_layer(model, config, None).submodules.self_attention.submodules
+
+    assert core(2).core_attention is ContextParallelAttention
+    spec = core(1).core_attention
+    assert spec.module is LocalAttention
+    assert spec.params == {"kernel": resolve_local_attention(kernel)}  # auto: sdpa on the CPU
