@@ -662,3 +662,22 @@ def test_list_keys_gives_the_defaults_of_the_config_it_is_given():
         "configs/dpo_smollm2_cpu.yaml"
     )
     assert list_keys().startswith("run_dir (str, default 'runs/dpo')\n")
+
+
+def test_flex_attention_training_on_the_cpu_is_refused_by_the_pre_check():
+    """FlexAttention has no CPU backward: flex with packed rows at CP 1 on a gloo run is one
+    line before launch (each rank raised it at its first step); padded rows and CP 2 (whose
+    blockwise kernel replaces it) pass the rule."""
+    from dpo_megatron.cli.check import _refuse_flex_training_on_the_host
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/tiny_cpu.yaml", "model.local_attention=flex"])
+    assert str(e.value) == (
+        "config error: model.local_attention=flex cannot train on the CPU (torch's "
+        "FlexAttention has no CPU backward): use sdpa (or auto) there, or packing.enabled=false"
+    )
+    for overrides in (["packing.enabled=false"], ["parallel.context_parallel_size=2"]):
+        cfg = load_config(
+            "configs/tiny_cpu.yaml", ["model.local_attention=flex", *overrides], check=False
+        )
+        _refuse_flex_training_on_the_host(cfg)

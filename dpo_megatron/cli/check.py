@@ -82,6 +82,7 @@ def training_checks(cfg, args) -> None:
     from dpo_megatron.training.run_models import require_sequence_parallel, resolve_model_config
 
     mode()  # the environment's DPO_MEGATRON_HOST_MALLOC, read again by every rank
+    _refuse_flex_training_on_the_host(cfg)
     config.check_data(cfg)  # cheap: no tokenizer, no megatron-core
     config.check_model_sources(cfg, args.config, args.overrides)
     parallel, note = require_sequence_parallel(cfg.parallel, resolve_model_config(cfg))
@@ -91,6 +92,29 @@ def training_checks(cfg, args) -> None:
     if not args.without_weights:
         config.check_model_weights(cfg)
         config.prepare_data(cfg)
+
+
+def _refuse_flex_training_on_the_host(cfg) -> None:
+    """``model.local_attention=flex`` attends packed rows with torch's FlexAttention, which has
+    no backward on the CPU: refused here in one line, not by every rank at its first step.
+    Padded rows (``packing.enabled=false``) and context parallelism (its blockwise kernel
+    replaces the local one, docs/ATTENTION.md) do not use it.
+
+    Raises:
+        ValueError: flex, packed rows, CP 1 and a gloo (CPU) run together.
+    """
+    from dpo_megatron.parallel.device import resolve_backend
+
+    if (
+        cfg.model.local_attention == "flex"
+        and cfg.packing.enabled is not False
+        and cfg.parallel.context_parallel_size == 1
+        and resolve_backend(cfg.parallel.backend) == "gloo"
+    ):
+        raise ValueError(
+            "model.local_attention=flex cannot train on the CPU (torch's FlexAttention has no "
+            "CPU backward): use sdpa (or auto) there, or packing.enabled=false"
+        )
 
 
 def _note(line: str | None) -> None:
