@@ -168,6 +168,26 @@ def schedule_changes(configured: dict, saved: dict) -> dict:
     }
 
 
+RANDOM_INIT_LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+"""The layout sizes a random initialisation depends on: each pipeline stage (and model chunk)
+draws its own layers, and on a GPU each tensor- or expert-parallel rank its own shard. Data and
+context parallelism replicate the same weights."""
+
+
+def redraws_random_init(ckpt_dir: str, use_distributed_optimizer: bool) -> bool:
+    """Whether this run's layout draws another random initialisation than the one
+    ``ckpt_dir`` was saved at (a size of :data:`RANDOM_INIT_LAYOUT` changed)."""
+    saved = read_train_state(ckpt_dir)["layout"]
+    now = current_layout(use_distributed_optimizer)
+    return any(saved.get(k) != now.get(k) for k in RANDOM_INIT_LAYOUT)
+
+
 def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> str | None:
     """A line saying the checkpoint was saved at another layout (resharded on load), or None."""
     saved = read_train_state(ckpt_dir)["layout"]

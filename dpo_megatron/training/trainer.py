@@ -21,7 +21,11 @@ import time
 
 from megatron.core import parallel_state
 
-from dpo_megatron.checkpointing.run_checkpoint import Checkpointer, RunCounters
+from dpo_megatron.checkpointing.run_checkpoint import (
+    Checkpointer,
+    RunCounters,
+    redraws_random_init,
+)
 from dpo_megatron.checkpointing.storage import StorageError
 from dpo_megatron.data import ItemSampler
 from dpo_megatron.data.batch import StepBatch
@@ -261,9 +265,11 @@ class Trainer:
                 layout_note
                 and self.loss_fn.needs_reference
                 and not (cfg.model.hf_path or cfg.model.load or cfg.reference.weights())
+                and redraws_random_init(self.resumed_from, cfg.train.use_distributed_optimizer)
             ):
                 # Random initial weights depend on the layout (each pipeline stage draws its
-                # own layers), so the reference rebuilt here is not the run's original one.
+                # own layers), so the reference rebuilt here is not the run's original one; a
+                # data- or context-parallel change draws the same weights.
                 print(
                     "WARNING: this run started from random weights and resumes at another "
                     "layout: its reference model is re-drawn at the new layout and differs "

@@ -141,3 +141,37 @@ def test_a_resume_gives_back_every_state_entry_a_save_wrote(monkeypatch):
     del saved["ema"]
     with pytest.raises(ValueError, match=r"^ckpt: train_state.json holds no 'ema' state$"):
         run_checkpoint.resume_run("ckpt", states, use_distributed_optimizer=False)
+
+
+def test_a_random_initialisation_is_redrawn_only_by_the_sizes_that_shape_it(tmp_path, monkeypatch):
+    """Resuming a run that started from random weights warns that its reference is re-drawn
+    only when the layout draws other weights: a pipeline, virtual-pipeline, tensor- or
+    expert-parallel size changed; a data- or context-parallel change (the same weights on every
+    replica) or the optimizer's format does not."""
+    from dpo_megatron.checkpointing import run_checkpoint
+
+    saved = {
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 2,
+        "virtual_pipeline_model_parallel_size": None,
+        "data_parallel_size": 2,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
+        "world_size": 4,
+        "use_distributed_optimizer": True,
+    }
+    monkeypatch.setattr(run_checkpoint, "read_train_state", lambda path: {"layout": saved})
+    cases = [
+        ({}, False),
+        ({"data_parallel_size": 1, "world_size": 2}, False),
+        ({"context_parallel_size": 2, "data_parallel_size": 1}, False),
+        ({"use_distributed_optimizer": False}, False),
+        ({"pipeline_model_parallel_size": 1, "data_parallel_size": 4}, True),
+        ({"virtual_pipeline_model_parallel_size": 2}, True),
+        ({"tensor_model_parallel_size": 2, "data_parallel_size": 1}, True),
+        ({"expert_model_parallel_size": 2}, True),
+    ]
+    for change, redrawn in cases:
+        now = {**saved, **change}
+        monkeypatch.setattr(run_checkpoint, "current_layout", lambda _: now)
+        assert run_checkpoint.redraws_random_init(str(tmp_path), True) is redrawn, change
