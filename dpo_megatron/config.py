@@ -519,7 +519,9 @@ def validate(cfg: DPOConfig) -> None:
             "set model.hf_path (weights + tokenizer) or data.tokenizer for a "
             "randomly initialised model"
         )
-    if cfg.packing.enabled and cfg.packing.row_length and cfg.model.transformer_impl != "local":
+    # packing.enabled null (auto) packs the rows of every preference loss: the rule holds then too
+    packed = cfg.packing.enabled is not False
+    if packed and cfg.packing.row_length and cfg.model.transformer_impl != "local":
         from dpo_megatron.models.transformer_config import use_transformer_engine
 
         # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.

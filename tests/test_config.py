@@ -681,3 +681,17 @@ def test_flex_attention_training_on_the_cpu_is_refused_by_the_pre_check():
             "configs/tiny_cpu.yaml", ["model.local_attention=flex", *overrides], check=False
         )
         _refuse_flex_training_on_the_host(cfg)
+
+
+def test_a_row_length_under_transformer_engine_is_refused_with_packing_on_or_auto(monkeypatch):
+    """transformer-engine takes one THD row per micro-batch: a packing.row_length is refused
+    with packing on and with packing left at auto (which packs), not with packing off."""
+    from dpo_megatron.config import validate
+    from dpo_megatron.models import transformer_config
+
+    monkeypatch.setattr(transformer_config, "use_transformer_engine", lambda impl: True)
+    base = BASE + ["model.transformer_impl=auto", "packing.row_length=512"]
+    for packing in (["packing.enabled=true"], []):
+        with pytest.raises(ValueError, match=r"leave packing.row_length=0 \(got 512\)"):
+            validate(load_config(None, base + packing, check=False))
+    validate(load_config(None, base + ["packing.enabled=false"], check=False))
