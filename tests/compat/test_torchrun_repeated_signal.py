@@ -12,6 +12,17 @@ from dpo_megatron.compat.torchrun_repeated_signal import MODULE, RepeatedSignals
 from dpo_megatron.utils.processes import child_pids
 
 
+def _worker(argv):
+    """A stand-in worker in a session of its own, as torch elastic starts them, with SIGINT's
+    default action: a test run started in the background (``nohup``, ``&``) ignores SIGINT, and
+    a child would inherit that."""
+    return subprocess.Popen(
+        argv,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 def test_only_the_first_signal_raises_and_a_second_sigint_interrupts_the_workers(
     capsys, monkeypatch
 ):
@@ -20,7 +31,7 @@ def test_only_the_first_signal_raises_and_a_second_sigint_interrupts_the_workers
     with pytest.raises(api.SignalException):  # unpatched: every SIGTERM raises
         original(signal.SIGTERM, None)
     # a stand-in worker: a session of its own, as torch elastic starts them
-    worker = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    worker = _worker(["sleep", "600"])
     try:
         assert worker.pid in child_pids()
         # only this worker: the test process may have other children
@@ -48,17 +59,14 @@ def test_a_worker_still_there_after_the_repeated_sigint_is_killed(monkeypatch):
     """A worker that runs on after the second Ctrl-C's SIGINT (its two forwarded SIGINTs seen as
     one while it was busy in native code: here it ignores SIGINT) is killed after
     ``KILL_AFTER_S``; one that stops at the SIGINT is not signalled again."""
-    import subprocess
     import sys
     import time
 
     from dpo_megatron.compat import torchrun_repeated_signal as repeated
 
     code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
-    stubborn = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    polite = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
-    )
+    stubborn = _worker([sys.executable, "-c", code])
+    polite = _worker([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(1.0)  # both running their sleep
         monkeypatch.setattr(repeated, "KILL_AFTER_S", 0.5)
