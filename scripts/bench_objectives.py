@@ -50,6 +50,8 @@ for path in (REPO, REPO / "scripts"):
 
 import bench_dpo  # noqa: E402  (the sibling script: one measurement harness)
 
+from dpo_megatron.utils.files import write_json_atomic  # noqa: E402
+
 TRAINING = ("dpo", "kto", "reward")
 OBJECTIVES = (*TRAINING, "generation")
 PEERS = {"dpo": "trl", "kto": "trl", "reward": "trl", "generation": "transformers"}
@@ -498,7 +500,7 @@ def main(argv=None) -> int:
                 + f"  ({time.time() - t0:.0f} s)",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            write_json_atomic(args.out, report)
     bench_dpo.finish(report, started, args.out, args.markdown, markdown(report))
     return 0
 
