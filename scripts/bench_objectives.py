@@ -409,9 +409,12 @@ def cases(args) -> list[tuple[str, str, dict]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph: its first sentence runs over four lines.
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,smollm2-4l", help="smollm2, smollm2-4l")
-    parser.add_argument("--objectives", default=",".join(OBJECTIVES))
+    parser.add_argument(
+        "--objectives", default=",".join(OBJECTIVES), help=f"comma list of {', '.join(OBJECTIVES)}"
+    )
     parser.add_argument("--steps", type=int, default=3, help="training: optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="training: steps left out")
     parser.add_argument("--pairs-per-step", type=int, default=4, help="training: items per step")

@@ -497,3 +497,13 @@ def test_the_report_is_written_into_a_folder_that_does_not_exist_yet(tmp_path, m
     report = json.loads(out.read_text())
     assert report["results"]["smollm2-4l"]["engine"]["step0"]["loss"] == math.log(2)
     assert md.read_text() == "the tables\n"
+
+
+def test_the_objectives_help_says_what_it_measures_and_names_the_objectives(capsys):
+    """`bench_objectives.py --help` gives the docstring's whole first sentence (it ended at
+    "KTO against", its first line) and lists the objectives --objectives takes."""
+    with pytest.raises(SystemExit):
+        objectives.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "against ``transformers``' ``generate``." in text
+    assert "comma list of dpo, kto, reward, generation" in text
