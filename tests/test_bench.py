@@ -507,3 +507,16 @@ def test_the_objectives_help_says_what_it_measures_and_names_the_objectives(caps
     text = " ".join(capsys.readouterr().out.split())
     assert "against ``transformers``' ``generate``." in text
     assert "comma list of dpo, kto, reward, generation" in text
+
+
+def test_the_memory_breakdown_is_written_into_a_folder_that_does_not_exist_yet(
+    tmp_path, monkeypatch
+):
+    """memory_breakdown.py --out into a missing folder creates it (it crashed after the step it
+    had measured)."""
+    breakdown = load_script("memory_breakdown")
+    monkeypatch.setattr(breakdown, "breakdown", lambda spec: {"peak_rss_bytes": 2**30})
+    monkeypatch.setattr(breakdown, "table", lambda result: "the table")
+    out = tmp_path / "runs" / "mem" / "breakdown.json"
+    assert breakdown.main(["--model", "smollm2-4l", "--steps", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"peak_rss_bytes": 2**30}
