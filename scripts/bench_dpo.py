@@ -45,7 +45,11 @@ if str(REPO) not in sys.path:
 
 # standard library only: safe before the worker imports torch
 from dpo_megatron.parallel.host_malloc import SWITCH, describe, malloc_env, malloc_in_use  # noqa: E402
-from dpo_megatron.utils.files import atomic_file  # noqa: E402
+from dpo_megatron.utils.files import (  # noqa: E402
+    atomic_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 # The defaults before the speed settings went to auto (padded rows, the reference model every
 # step, the fused LM head): every named setting below starts from them, so each name keeps its
@@ -835,20 +839,21 @@ def main(argv=None) -> int:
                 f"{result['step0']['loss']:.6f}  ({time.time() - t0:.0f} s)",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            write_json_atomic(args.out, report)
     finish(report, started, args.out, args.markdown, markdown(report))
     return 0
 
 
 def finish(report: dict, started: float, out: str, markdown_path: str, text: str) -> None:
     """A bench's end: the load average at the end and the total seconds into ``report``, the
-    JSON written to ``out``, the tables ``text`` printed (and written to ``markdown_path``)."""
+    JSON written to ``out``, the tables ``text`` printed (and written to ``markdown_path``); both
+    files atomically, their folders created (a fresh checkout has no ``runs/``)."""
     report["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report["total_s"] = time.time() - started
-    Path(out).write_text(json.dumps(report, indent=1))
+    write_json_atomic(out, report)
     print(text)
     if markdown_path:
-        Path(markdown_path).write_text(text)
+        write_text_atomic(markdown_path, text)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ for path in (REPO, REPO / "scripts"):
 
 import bench_dpo  # noqa: E402  (the sibling script: one measurement harness)
 
+from dpo_megatron.utils.files import write_json_atomic  # noqa: E402
+
 TRAINING = ("dpo", "kto", "reward")
 OBJECTIVES = (*TRAINING, "generation")
 PEERS = {"dpo": "trl", "kto": "trl", "reward": "trl", "generation": "transformers"}
@@ -407,9 +409,12 @@ def cases(args) -> list[tuple[str, str, dict]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph: its first sentence runs over four lines.
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,smollm2-4l", help="smollm2, smollm2-4l")
-    parser.add_argument("--objectives", default=",".join(OBJECTIVES))
+    parser.add_argument(
+        "--objectives", default=",".join(OBJECTIVES), help=f"comma list of {', '.join(OBJECTIVES)}"
+    )
     parser.add_argument("--steps", type=int, default=3, help="training: optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="training: steps left out")
     parser.add_argument("--pairs-per-step", type=int, default=4, help="training: items per step")
@@ -498,7 +503,7 @@ def main(argv=None) -> int:
                 + f"  ({time.time() - t0:.0f} s)",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            write_json_atomic(args.out, report)
     bench_dpo.finish(report, started, args.out, args.markdown, markdown(report))
     return 0
 

@@ -21,7 +21,6 @@ for a few steps in this process and reports, in GiB:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 for path in (REPO, REPO / "scripts"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+from dpo_megatron.utils.files import write_json_atomic  # noqa: E402
 
 GIB = 2**30
 
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
     result = breakdown(spec)
     print(table(result))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json_atomic(args.out, result)
     return 0
 
 

@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dpo_megatron.utils.files import write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 
 MIB_PER_GIB = 1024.0
@@ -105,7 +107,7 @@ def main() -> int:
         f"{trend['slope_mib_per_1000_steps']:+.2f} MiB per 1000 steps"
     )
     if args.json:
-        args.json.write_text(json.dumps(trend, indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps(trend, indent=2) + "\n")
     if trend["growth_mib"] > args.max_growth_mib:
         print(f"soak: growth above --max-growth-mib {args.max_growth_mib}", file=sys.stderr)
         return 1

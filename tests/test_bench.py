@@ -1,6 +1,7 @@
 """The benchmark scripts: their arithmetic by hand, and tiny end-to-end runs (slow)."""
 
 import importlib.util
+import json
 import math
 import platform
 import sys
@@ -475,3 +476,47 @@ def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys):
     assert q["identical_completions"] == q["completions"] == 3
     assert all(len(c) == 4 for c in engine["completions"]) and engine["tokens"] == 12
     assert "trl (kto) on tiny: still running" in capsys.readouterr().out
+
+
+def test_the_report_is_written_into_a_folder_that_does_not_exist_yet(tmp_path, monkeypatch):
+    """A fresh checkout has no runs/: the documented `--out runs/bench.json --markdown
+    runs/bench.md` must create the folder, not crash after the first run and lose it."""
+    result = {
+        **_run_result(110.2, 111.0, 6.31),
+        "padded_fraction": 0.16,
+        "step_time_median_s": 31.01,
+        "step0": {"loss": math.log(2)},
+    }
+    monkeypatch.setattr(bench, "_child", lambda spec: result)
+    monkeypatch.setattr(bench, "model_folder", lambda name: str(tmp_path))
+    monkeypatch.setattr(bench, "bench_pairs", lambda *args: ([], 0))
+    monkeypatch.setattr(bench, "markdown", lambda report: "the tables\n")
+    out, md = tmp_path / "runs" / "bench.json", tmp_path / "runs" / "bench.md"
+    argv = ["--models", "smollm2-4l", "--engines", "engine", "--steps", "2", "--out", str(out)]
+    assert bench.main([*argv, "--markdown", str(md)]) == 0
+    report = json.loads(out.read_text())
+    assert report["results"]["smollm2-4l"]["engine"]["step0"]["loss"] == math.log(2)
+    assert md.read_text() == "the tables\n"
+
+
+def test_the_objectives_help_says_what_it_measures_and_names_the_objectives(capsys):
+    """`bench_objectives.py --help` gives the docstring's whole first sentence (it ended at
+    "KTO against", its first line) and lists the objectives --objectives takes."""
+    with pytest.raises(SystemExit):
+        objectives.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "against ``transformers``' ``generate``." in text
+    assert "comma list of dpo, kto, reward, generation" in text
+
+
+def test_the_memory_breakdown_is_written_into_a_folder_that_does_not_exist_yet(
+    tmp_path, monkeypatch
+):
+    """memory_breakdown.py --out into a missing folder creates it (it crashed after the step it
+    had measured)."""
+    breakdown = load_script("memory_breakdown")
+    monkeypatch.setattr(breakdown, "breakdown", lambda spec: {"peak_rss_bytes": 2**30})
+    monkeypatch.setattr(breakdown, "table", lambda result: "the table")
+    out = tmp_path / "runs" / "mem" / "breakdown.json"
+    assert breakdown.main(["--model", "smollm2-4l", "--steps", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"peak_rss_bytes": 2**30}
