@@ -149,18 +149,16 @@ def reward_reader(cfg, policy_tokenizer) -> RewardReader:
 
 def _trained_from(path: str, policy_tokenizer) -> tuple[str, Any]:
     """(folder, tokenizer) of the model a reward-model checkpoint was built from (its stored
-    ``model.hf_path``, the rule of ``reward.rows.scoring_tokenizer``) when that folder's
-    tokenizer has another vocabulary than the policy's: scoring the policy's ids with it would
-    read them as other tokens. ``("", policy_tokenizer)`` otherwise (the same vocabulary, no
-    stored folder, or a folder without a tokenizer)."""
+    ``model.hf_path``, ``training.run_models.built_from``, as ``reward.rows.scoring_tokenizer``
+    reads it) when that folder's tokenizer has another vocabulary than the policy's: scoring the
+    policy's ids with it would read them as other tokens. ``("", policy_tokenizer)`` otherwise
+    (the same vocabulary, no stored folder, or a folder without a tokenizer)."""
     import os
 
-    from dpo_megatron.checkpointing import load_model_config
     from dpo_megatron.data.tokenizer import has_tokenizer_files, load_tokenizer
-    from dpo_megatron.training.run_models import resolve_model_load
+    from dpo_megatron.training.run_models import built_from
 
-    stored = load_model_config(resolve_model_load(path)) if os.path.isdir(path) else None
-    base = stored.hf_path if stored is not None else ""
+    base = built_from(path) if os.path.isdir(path) else ""
     if not base or not has_tokenizer_files(base):
         return "", policy_tokenizer
     tokenizer = load_tokenizer(base)

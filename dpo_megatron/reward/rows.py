@@ -257,14 +257,11 @@ def scoring_tokenizer(model: ModelConfig, data: DataConfig) -> str:
     Raises:
         ValueError: none of them names a tokenizer.
     """
-    from dpo_megatron.checkpointing import load_model_config
-    from dpo_megatron.training.run_models import resolve_model_load
+    from dpo_megatron.training.run_models import built_from
 
-    if data.tokenizer or model.hf_path:
-        return data.tokenizer or model.hf_path
-    stored = load_model_config(resolve_model_load(model.load)) if model.load else None
-    if stored is not None and stored.hf_path:
-        return stored.hf_path
+    tokenizer = data.tokenizer or model.hf_path or built_from(model.load)
+    if tokenizer:
+        return tokenizer
     raise ValueError(
         f"model.load={model.load}: the checkpoint names no tokenizer: set data.tokenizer (the "
         "one the reward model was trained with)"

@@ -28,6 +28,19 @@ def resolve_model_load(path: str) -> str:
     return find_latest_checkpoint(path) or path
 
 
+def built_from(load: str) -> str:
+    """The ``model.hf_path`` the checkpoint ``load`` (a checkpoint, or a run's ``checkpoints``
+    folder: its latest) was built from, as stored with it; '' when it stores none.
+
+    Raises:
+        ValueError / OSError: its ``model_config.json`` cannot be read.
+    """
+    from dpo_megatron.checkpointing import load_model_config
+
+    stored = load_model_config(resolve_model_load(load)) if load else None
+    return stored.hf_path if stored is not None else ""
+
+
 def resolve_model_config(cfg) -> ModelConfig:
     """The model the run builds: the architecture from ``model.hf_path``'s config.json when
     given, else the one stored with the ``model.load`` checkpoint (its padding, source and head
