@@ -519,9 +519,7 @@ def validate(cfg: DPOConfig) -> None:
             "set model.hf_path (weights + tokenizer) or data.tokenizer for a "
             "randomly initialised model"
         )
-    # packing.enabled null (auto) packs the rows of every preference loss: the rule holds then too
-    packed = cfg.packing.enabled is not False
-    if packed and cfg.packing.row_length and cfg.model.transformer_impl != "local":
+    if cfg.packing.may_pack() and cfg.packing.row_length and cfg.model.transformer_impl != "local":
         from dpo_megatron.models.transformer_config import use_transformer_engine
 
         # 'auto' picks transformer-engine on a CUDA machine that has it: check the resolved choice.
@@ -566,10 +564,8 @@ def _validate_context_parallel(cfg: DPOConfig) -> None:
         return
     granule = p.sequence_granule()
     row = cfg.packing.row_length
-    # packing.enabled null (auto) packs every preference loss's rows (training.auto_settings),
-    # so the rule holds unless packing is set off: a row_length auto leaves unused (SFT) cannot
-    # be cut either, and naming it costs nothing.
-    if cfg.packing.enabled is not False and row and row % granule:
+    # A row_length auto leaves unused (SFT) is refused too: naming it costs nothing.
+    if cfg.packing.may_pack() and row and row % granule:
         why = f"2 x parallel.context_parallel_size={cp}" + (
             f" x parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} "
             f"(sequence parallelism)"

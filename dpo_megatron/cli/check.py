@@ -107,7 +107,7 @@ def _refuse_flex_training_on_the_host(cfg) -> None:
 
     if (
         cfg.model.local_attention == "flex"
-        and cfg.packing.enabled is not False
+        and cfg.packing.may_pack()
         and cfg.parallel.context_parallel_size == 1
         and resolve_backend(cfg.parallel.backend) == "gloo"
     ):

@@ -268,6 +268,11 @@ class PackingConfig:
     unshared path's (fp32). Needs a kernel that takes two branches per unit: every local
     ``model.local_attention`` and transformer-engine (THD, one row per micro-batch)."""
 
+    def may_pack(self) -> bool:
+        """Whether the run may pack its rows: unless packing is set off (auto packs the rows of
+        every preference loss, ``training.auto_settings``), so a rule on packed rows holds."""
+        return self.enabled is not False
+
     def validate(self) -> None:
         """Rules of this section alone (the transformer-engine rule on ``row_length`` spans
         sections: ``config.validate``).
