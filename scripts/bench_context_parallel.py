@@ -70,7 +70,7 @@ def _worker(args) -> None:
     )
     cfg = config_from_mapping(
         {
-            "run_dir": tempfile.mkdtemp(prefix="bench_cp_"),
+            "run_dir": args.worker_run_dir,
             "parallel": {"context_parallel_size": args.worker_cp, "backend": "gloo"},
             "model": MODEL,
             "loss": {"name": "sigmoid", "beta": 0.1},
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/bench_cp.json")
     parser.add_argument("--worker-cp", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_out:
         _worker(args)
@@ -126,7 +127,11 @@ def main(argv=None) -> int:
 
     report = {"length": args.length, "model": MODEL, "runs": {}}
     for cp in (int(c) for c in args.cp.split(",")):
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        # every rank's run folder: one temporary folder, removed when the run ends
+        with (
+            tempfile.NamedTemporaryFile(suffix=".json") as tmp,
+            tempfile.TemporaryDirectory(prefix="bench_cp_") as run_dir,
+        ):
             subprocess.run(
                 [
                     sys.executable,
@@ -143,6 +148,8 @@ def main(argv=None) -> int:
                     str(cp),
                     "--worker-out",
                     tmp.name,
+                    "--worker-run-dir",
+                    run_dir,
                 ],
                 check=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},

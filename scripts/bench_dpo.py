@@ -345,15 +345,14 @@ STEP0_METRICS = ("loss", "logps/chosen", "logps/rejected", "kl", "rewards/chosen
 """Step-0 values compared side by side (those the objective reports)."""
 
 
-def engine_config(spec: dict):
-    """The engine's config for one benchmark run: world size 1, fp32, local spec, the
-    objective's loss (``spec["objective"]``: sigmoid DPO by default, :data:`LOSS_OVERRIDES`),
+def engine_config(spec: dict, run_dir: str):
+    """The engine's config for one benchmark run in ``run_dir``: world size 1, fp32, local spec,
+    the objective's loss (``spec["objective"]``: sigmoid DPO by default, :data:`LOSS_OVERRIDES`),
     constant LR, no checkpoints, the data in file order (as TRL's sequential sampler)."""
     from dpo_megatron.config import load_config
     from dpo_megatron.utils import cache as assets  # the cache; scripts/assets.py builds it
 
     objective = spec.get("objective", "dpo")
-    run_dir = tempfile.mkdtemp(prefix="bench_engine_")
     return load_config(
         None,
         [  # data.path names the pairs' source; they come in as token ids
@@ -388,9 +387,16 @@ def engine_config(spec: dict):
     )
 
 
+def in_scratch(measure, spec: dict) -> dict:
+    """``measure(spec)`` with ``spec["scratch_dir"]`` a temporary folder for its run folders
+    (the engine's ``run_dir``, TRL's ``output_dir``), removed when the measurement ends."""
+    with tempfile.TemporaryDirectory(prefix="bench_") as scratch:
+        return measure({**spec, "scratch_dir": scratch})
+
+
 def run_engine(spec: dict) -> dict:
     """One engine run (world size 1, TP 1 x PP 1) in this process, through the engine's own
-    ``Trainer``; returns the measurements."""
+    ``Trainer``, its run folder under ``spec["scratch_dir"]``; returns the measurements."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -402,7 +408,8 @@ def run_engine(spec: dict) -> dict:
         spec["pairs"], spec["max_length"], spec["max_prompt_length"], spec.get("objective", "dpo")
     )
     t0, c0 = time.perf_counter(), time.process_time()
-    trainer = Trainer(engine_config(spec), data=RunData(pairs, [], pad))
+    run_dir = os.path.join(spec["scratch_dir"], "engine")
+    trainer = Trainer(engine_config(spec, run_dir), data=RunData(pairs, [], pad))
     setup_s, setup_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     precompute_s = trainer.timings["reference_setup_s"]
     # The precompute pass runs single-threaded inside set-up: its share of set-up CPU time.
@@ -452,7 +459,7 @@ def trl_args(spec: dict, config_class, **objective_args):
     every objective shares with the engine's run: batch, steps, constant lr, Adam, clip 1.0,
     fp32 (``trl+bf16``: TRL's ``bf16=True``), dropout off, one log line per step, no saving."""
     return config_class(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
+        output_dir=os.path.join(spec["scratch_dir"], "trl"),
         per_device_train_batch_size=spec["pairs_per_step"],
         gradient_accumulation_steps=1,
         max_steps=spec["steps"],
@@ -782,7 +789,7 @@ def main(argv=None) -> int:
 
     if args.worker:
         spec = json.loads(args.worker)
-        result = run_trl(spec) if spec["run"] in TRL_RUNS else run_engine(spec)
+        result = in_scratch(run_trl if spec["run"] in TRL_RUNS else run_engine, spec)
         result["host_malloc"] = describe(trimming=result.get("heap_trims") is not None)
         Path(args.worker_out).write_text(json.dumps(result))
         return 0

@@ -444,7 +444,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        Path(args.worker_out).write_text(json.dumps(worker(json.loads(args.worker))))
+        result = bench_dpo.in_scratch(worker, json.loads(args.worker))
+        Path(args.worker_out).write_text(json.dumps(result))
         return 0
     if args.from_json:
         print(markdown(json.loads(Path(args.from_json).read_text())))

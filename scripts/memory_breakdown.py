@@ -21,6 +21,7 @@ for a few steps in this process and reports, in GiB:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,7 +101,8 @@ def breakdown(spec: dict) -> dict:
         spec["pairs"], spec["max_length"], spec["max_prompt_length"], spec["objective"]
     )
     before = _rss()
-    trainer = Trainer(engine_config(spec), data=RunData(pairs, [], pad))
+    run_dir = os.path.join(spec["scratch_dir"], "engine")
+    trainer = Trainer(engine_config(spec, run_dir), data=RunData(pairs, [], pad))
     after_setup = _rss()
     params = [p for c in trainer.policy for p in c.parameters()]
     policy_bytes, param_ptrs = _storage_bytes(params)
@@ -212,7 +214,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from bench_dpo import ENGINES, model_folder
+    from bench_dpo import ENGINES, in_scratch, model_folder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="engine", choices=sorted(ENGINES))
@@ -253,7 +255,7 @@ def main(argv=None) -> int:
         "recompute": args.recompute,
         "trim": args.trim,
     }
-    result = breakdown(spec)
+    result = in_scratch(breakdown, spec)
     print(table(result))
     if args.out:
         write_json_atomic(args.out, result)

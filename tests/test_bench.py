@@ -149,9 +149,13 @@ def _tiny_hf_model(folder: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install -e .[bench]")
-def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
-    """Both engines on the same tiny Llama and the same real pairs: same loss at every step."""
+def test_engine_and_trl_agree_on_a_tiny_model(tmp_path, monkeypatch):
+    """Both engines on the same tiny Llama and the same real pairs: same loss at every step;
+    neither run leaves its run folder behind."""
     path = _tiny_hf_model(tmp_path / "tiny")
+    scratch = tmp_path / "tmp"  # the children's temporary folders
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     spec = {
         "steps": 3,
         "warmup": 1,
@@ -170,6 +174,7 @@ def test_engine_and_trl_agree_on_a_tiny_model(tmp_path):
     }
     trl = bench._child({**spec, "run": "trl"})
     engine = bench._child({**spec, "run": "engine+packing"})
+    assert list(scratch.iterdir()) == []
     assert abs(trl["step0"]["loss"] - math.log(2)) < 1e-6
     assert abs(engine["step0"]["loss"] - math.log(2)) < 1e-6
     assert abs(engine["step0"]["logps/chosen"] - trl["step0"]["logps/chosen"]) < 1e-4 * abs(
@@ -233,7 +238,7 @@ def test_pair_forward_flops_by_hand():
     assert unshared == layers * 6 + head + 4 * 2 * 4 * 12
 
 
-def test_bench_engines_are_valid_configs():
+def test_bench_engines_are_valid_configs(tmp_path):
     """Every setting of the bench's ENGINES table is a config the engine accepts."""
     spec = {
         "model_path": "",
@@ -247,7 +252,8 @@ def test_bench_engines_are_valid_configs():
         "local_attention": "sdpa",
     }
     for name in bench.ENGINES:
-        cfg = bench.engine_config({**spec, "run": name, "model_path": str(_assets_smollm2())})
+        spec = {**spec, "run": name, "model_path": str(_assets_smollm2())}
+        cfg = bench.engine_config(spec, str(tmp_path))
         if name in bench.AUTO:  # the engine's defaults: decided at start-up (auto_settings)
             assert cfg.packing.enabled is None and cfg.packing.share_prompt is None
             assert cfg.reference.mode == "auto" and cfg.model.fused_lm_head is None
@@ -431,11 +437,14 @@ def test_objective_cases_run_the_peer_first_and_one_case_per_mode_and_batch():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install -e .[bench]")
-def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys):
+def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys, monkeypatch):
     """The objectives' bench on a tiny Llama: KTO and the reward model give TRL's losses at
     every step (step 0: 1/2 and ln 2), greedy generation transformers' completions; while a
-    run goes, the driver says that it still does."""
+    run goes, the driver says that it still does; no run leaves its run folder behind."""
     path = _tiny_hf_model(tmp_path / "tiny")
+    scratch = tmp_path / "tmp"  # the children's temporary folders
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     spec = {
         "steps": 2,
         "warmup": 1,
@@ -469,6 +478,7 @@ def test_every_objective_runs_beside_its_peer_on_a_tiny_model(tmp_path, capsys):
         assert abs(engine["step0"]["loss"] - step0) < 1e-6
         for a, b in zip(engine["losses"], trl["losses"], strict=True):
             assert abs(a - b) < 1e-4, objective
+    assert list(scratch.iterdir()) == []
     key = "generation/greedy/batch2"
     hf = run(key, "transformers", mode="greedy")
     engine = run(key, "engine", mode="greedy")

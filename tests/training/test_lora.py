@@ -307,7 +307,7 @@ def test_adapter_dropout_trains_and_is_off_in_forward_only_passes(quick_runs, ba
     assert eval_a == eval_b  # evaluation runs in eval mode: deterministic
 
 
-def test_bench_lora_settings_are_lora_dpo_rank_16_on_all_targets():
+def test_bench_lora_settings_are_lora_dpo_rank_16_on_all_targets(tmp_path):
     from tests.test_bench import bench
 
     spec = {
@@ -321,12 +321,12 @@ def test_bench_lora_settings_are_lora_dpo_rank_16_on_all_targets():
         "micro_batch_size": 4,
         "seed": 1,
     }
-    cfg = bench.engine_config(spec)
+    cfg = bench.engine_config(spec, str(tmp_path))
     assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.lora.alpha == 32
     assert sorted(cfg.lora.target_modules) == sorted(
         ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
     assert cfg.reference.mode == "model" and not cfg.packing.enabled
-    recompute = bench.engine_config({**spec, "run": "lora+recompute"})
+    recompute = bench.engine_config({**spec, "run": "lora+recompute"}, str(tmp_path))
     assert recompute.lora.enabled and recompute.model.recompute_granularity == "full"
-    assert not bench.engine_config({**spec, "run": "engine"}).lora.enabled
+    assert not bench.engine_config({**spec, "run": "engine"}, str(tmp_path)).lora.enabled
