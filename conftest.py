@@ -3,6 +3,8 @@ the order in which ``pytest -n 2 --dist loadfile`` hands files to its workers.""
 
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,7 +37,19 @@ both workers finish together. A file missing here only starts later (after these
 files before the others)."""
 
 
+def _own_temporary_folder(config) -> None:
+    """Every temporary file of this process and of the processes it starts (the tests' run
+    folders, torchrun's log folders, multiprocessing's sockets) goes into one folder, removed
+    when the session ends: without it each suite run left thousands of folders in /tmp.
+    pytest's own ``tmp_path`` folders stay where pytest keeps them (its last three runs)."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix="dpo-tests-")
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
 def pytest_configure(config):
+    _own_temporary_folder(config)
     # Collection imports torch, megatron-core and transformers: no cyclic collection meanwhile
     # (dpo_megatron.utils.collector; resumed in pytest_collection_finish).
     gc.disable()
