@@ -2,6 +2,7 @@
 the order in which ``pytest -n 2 --dist loadfile`` hands files to its workers."""
 
 import gc
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -43,6 +44,9 @@ def _own_temporary_folder(config) -> None:
     when the session ends: without it each suite run left thousands of folders in /tmp.
     pytest's own ``tmp_path`` folders stay where pytest keeps them (its last three runs)."""
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    # multiprocessing's own folder of this process first, where it was: its exit handler
+    # removes it after this session's clean-up has run
+    multiprocessing.util.get_temp_dir()
     folder = tempfile.mkdtemp(prefix="dpo-tests-")
     os.environ["TMPDIR"] = tempfile.tempdir = folder
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
