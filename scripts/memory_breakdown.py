@@ -80,10 +80,27 @@ class SavedActivations:
         return t
 
     def __enter__(self):
+        # The model's forward runs inside the engine's own saved-tensor hooks
+        # (utils.saved_activations.recompute_marked), which replace this block's for the layers:
+        # count there what the engine keeps (a tensor), not what it makes again (a recipe).
+        import torch
+
+        from dpo_megatron.utils import saved_activations
+
+        self._engine_pack = saved_activations._pack
+
+        def pack(tensor):
+            kept = self._engine_pack(tensor)
+            return self._pack(kept) if isinstance(kept, torch.Tensor) else kept
+
+        saved_activations._pack = pack
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
+        from dpo_megatron.utils import saved_activations
+
+        saved_activations._pack = self._engine_pack
         self._hooks.__exit__(*exc)
 
 

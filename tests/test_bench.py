@@ -530,3 +530,35 @@ def test_the_memory_breakdown_is_written_into_a_folder_that_does_not_exist_yet(
     out = tmp_path / "runs" / "mem" / "breakdown.json"
     assert breakdown.main(["--model", "smollm2-4l", "--steps", "1", "--out", str(out)]) == 0
     assert json.loads(out.read_text()) == {"peak_rss_bytes": 2**30}
+
+
+def _saved_by_kind(model: dict) -> tuple[dict, int]:
+    """One tiny-model step under memory_breakdown's recorder: bytes saved per kind, positions."""
+    from tests.engine import TINY, tiny_pairs, tiny_trainer
+
+    dims = {**TINY, **model}
+    recorder = load_script("memory_breakdown").SavedActivations(
+        set(), dims["vocab_size"], dims["hidden_size"], dims["ffn_hidden_size"]
+    )
+    trainer = tiny_trainer(
+        tiny_pairs(4), model=model, micro_batch_size=4, global_batch_size=4, steps=1
+    )
+    with recorder:
+        _, batch = trainer.train_step()
+    return recorder.by_kind, sum(mb.tokens.numel() for mb in batch.micro_batches)
+
+
+def test_the_memory_breakdown_sees_what_the_layers_keep_for_backward():
+    """The layers' saved tensors are counted although the model's forward runs under the
+    engine's own saved-tensor hooks (it saw only the logits): each layer keeps its two norms'
+    inputs (hidden size) and its up projection's output (twice the FFN width; the SwiGLU
+    product is made again in backward), fp32."""
+    from tests.engine import TINY
+    from tests.multirank import run_ranks
+
+    ffn = 96  # twice it is not the vocabulary: the logits are a kind of their own
+    by_kind, positions = run_ranks(_saved_by_kind, world_size=1, model={"ffn_hidden_size": ffn})[0]
+    per_value = positions * 4  # bytes of one fp32 value at every position
+    assert by_kind["MLP"] == TINY["num_layers"] * 2 * ffn * per_value
+    hidden = by_kind["hidden-size (norms, residual, projections)"]
+    assert hidden >= TINY["num_layers"] * 2 * TINY["hidden_size"] * per_value
