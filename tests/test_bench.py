@@ -548,6 +548,7 @@ def _saved_by_kind(model: dict) -> tuple[dict, int]:
     return recorder.by_kind, sum(mb.tokens.numel() for mb in batch.micro_batches)
 
 
+@pytest.mark.slow
 def test_the_memory_breakdown_sees_what_the_layers_keep_for_backward():
     """The layers' saved tensors are counted although the model's forward runs under the
     engine's own saved-tensor hooks (it saw only the logits): each layer keeps its two norms'
