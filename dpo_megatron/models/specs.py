@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from dpo_megatron.models.attention import core_attention_spec
+from dpo_megatron.models.attention import core_attention_spec, resolve_local_attention
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.context_attention import ContextParallelAttention
 from dpo_megatron.models.layers import (
@@ -76,6 +76,29 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
             )
         return False
     return te
+
+
+def core_attention_choice(model: ModelConfig, context_parallel_size: int) -> tuple[str, str]:
+    """The core attention this model's layers run, as :func:`layer_spec` builds them, and why:
+    ``(name, reason)`` for the start-up line (``training.auto_settings``). Under context
+    parallelism the local spec's layers attend with the blockwise kernel of
+    ``models.context_attention`` whatever ``model.local_attention`` names.
+
+    Raises:
+        ValueError: as :func:`uses_transformer_engine` and
+            ``models.attention.resolve_local_attention``.
+    """
+    if uses_transformer_engine(model):
+        return "transformer-engine", f"model.transformer_impl={model.transformer_impl}"
+    if context_parallel_size > 1:
+        why = f"CP {context_parallel_size}: gathers the keys and values"
+        if model.local_attention != "auto":
+            why += f"; model.local_attention={model.local_attention} applies without CP"
+        return "context-parallel blockwise", why
+    kernel = resolve_local_attention(model.local_attention)
+    if model.local_attention == "auto":
+        return kernel, f"auto: {kernel} on {'CUDA' if kernel == 'flex' else 'this device'}"
+    return kernel, "set in the config"
 
 
 def layer_spec(model: ModelConfig, config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:

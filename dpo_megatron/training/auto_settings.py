@@ -23,6 +23,8 @@ start-up line with its reason (``Trainer`` prints :attr:`AutoSettings.line`):
 * **precision** (``model.params_dtype=auto``, decided in ``models.transformer_config``): bf16
   on CUDA, fp32 on the CPU; reported here with whether the CPU has native bf16 (AVX512-BF16 /
   AMX), where ``model.params_dtype=bfloat16`` is about twice as fast (log-probs ~1e-3 apart).
+* **attention**, reported only (``models.specs.core_attention_choice``): the core attention the
+  layers run, with context parallelism's blockwise kernel in place of ``model.local_attention``.
 
 Nothing else is decided here; an explicit value in the config is always kept. Nothing is
 written into the config given: :func:`resolve_auto_settings` returns a new, frozen config
@@ -181,6 +183,14 @@ def _precision(cfg, model_cfg: ModelConfig) -> str:
     return f"precision {name} ({why})"
 
 
+def _attention(cfg, model_cfg: ModelConfig) -> str:
+    """The core attention that runs and why (nothing is changed: ``models.specs`` builds it)."""
+    from dpo_megatron.models.specs import core_attention_choice
+
+    kernel, why = core_attention_choice(model_cfg, cfg.parallel.context_parallel_size)
+    return f"attention {kernel} ({why})"
+
+
 def resolve_auto_settings(
     cfg, loss_fn, model_cfg: ModelConfig, num_train: int | None = None
 ) -> AutoSettings:
@@ -214,5 +224,11 @@ def resolve_auto_settings(
     return AutoSettings(
         config=freeze(resolved),
         model_config=freeze(dataclasses.replace(model_cfg, fused_lm_head=fused)),
-        reasons=(packing_why, lm_head_why, reference_why, _precision(cfg, model_cfg)),
+        reasons=(
+            packing_why,
+            lm_head_why,
+            reference_why,
+            _precision(cfg, model_cfg),
+            _attention(cfg, model_cfg),
+        ),
     )

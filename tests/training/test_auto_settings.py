@@ -66,6 +66,20 @@ def test_auto_on_the_cpu_for_a_paired_loss():
     assert "precision fp32 (auto: fp32 on the CPU" in line
 
 
+def test_the_line_names_the_attention_that_runs_and_context_parallelisms_kernel():
+    """The start-up line names the layers' core attention: the configured local kernel, and
+    under context parallelism the blockwise kernel, which replaces the one named."""
+    _, line = _resolve()
+    assert line.endswith(" | attention sdpa (set in the config)")
+    _, line = _resolve(model={"local_attention": "auto"})
+    assert line.endswith(" | attention sdpa (auto: sdpa on this device)")
+    _, line = _resolve(cp=2, model={"local_attention": "flex"})
+    assert line.endswith(
+        " | attention context-parallel blockwise (CP 2: gathers the keys and values; "
+        "model.local_attention=flex applies without CP)"
+    )
+
+
 def test_auto_reference_is_the_model_when_the_run_sees_part_of_its_pairs():
     cfg, line = _resolve(steps=2, num_train=9)
     assert cfg.reference.mode == "model"
