@@ -695,3 +695,20 @@ def test_a_row_length_under_transformer_engine_is_refused_with_packing_on_or_aut
         with pytest.raises(ValueError, match=r"leave packing.row_length=0 \(got 512\)"):
             validate(load_config(None, base + packing, check=False))
     validate(load_config(None, base + ["packing.enabled=false"], check=False))
+
+
+def test_the_pre_check_checks_the_layout_against_a_known_world_size(tmp_path, monkeypatch):
+    """A SLURM job's pre-check (scripts/slurm/job.sh) runs with ``WORLD_SIZE`` set to the
+    allocation's ranks: a pinned data-parallel size that does not fill it is one line there,
+    before any rank starts, not a race of the ranks that srun ends with SIGTERM."""
+    args = ["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path}/run", "--without-weights"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main([*args, "parallel.data_parallel_size=1"])
+    assert str(e.value) == (
+        "config error: parallel.data_parallel_size=1 x TP x PP x CP = 1 but the job has 2 "
+        "ranks: launch 1 ranks or drop parallel.data_parallel_size"
+    )
+    with pytest.raises(SystemExit) as e:
+        main([*args, "parallel.tensor_model_parallel_size=4"])
+    assert str(e.value).startswith("config error: world size 2 is not divisible by ")

@@ -39,6 +39,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm" / "test_cluster.sh"
 DPO, SFT = ROOT / "scripts" / "slurm" / "dpo.sbatch", ROOT / "scripts" / "slurm" / "sft.sbatch"
+ONLINE = ROOT / "scripts" / "slurm" / "iterative_dpo.sbatch"
 # The CPU overrides of the sbatch headers (--gpus-per-node=8, --cpus-per-task=32, --exclusive),
 # as the README shows them.
 CPU_FLAGS = ["--gpus-per-node=0", "--cpus-per-task=1", "--oversubscribe"]
@@ -356,6 +357,39 @@ def test_sft_tensor_parallel_across_two_nodes_logs_the_one_node_losses(cluster, 
         '"tensor_model_parallel_size": 2'
         in (two / "checkpoints" / "iter_0000003" / "train_state.json").read_text()
     )
+
+
+def test_a_mistake_ends_the_job_in_one_line_with_status_1_before_any_node_starts(cluster, work):
+    """The pre-check runs in the batch shell, against the allocation's ranks (2 nodes x 1): a
+    pinned data-parallel size that does not fill them, and iterative DPO's own pre-check
+    (iterative_dpo.sbatch), each end the job with the one line and status 1, no node started.
+    Left to the ranks, the first to stop had srun SIGTERM the other node, whose launcher said
+    it stopped on SIGTERM, and the job ended with 143 as if preempted."""
+    folder, config = work
+    jobs = {
+        cluster.sbatch(
+            DPO,
+            folder / "mistake_dp.out",
+            ["--config", str(config), f"run_dir={folder / 'mistake_dp'}"]
+            + ["parallel.data_parallel_size=1"],
+            "--nodes=2",
+        ): "config error: parallel.data_parallel_size=1 x TP x PP x CP = 1 but the job has 2 "
+        "ranks: launch 1 ranks or drop parallel.data_parallel_size",
+        cluster.sbatch(
+            ONLINE,
+            folder / "mistake_online.out",
+            ["--config", "configs/online_smollm2_cpu.yaml", f"run_dir={folder / 'mistake_on'}"]
+            + ["online.reward_model.path=", "online.judge=tests.online.standins:char_judge"]
+            + ["online.samples_per_prompt=1"],
+            "--nodes=2",
+        ): "config error: online.samples_per_prompt=1 must be >= 2: a pair needs a best and a "
+        "worst completion",
+    }
+    for (job_id, line), out in zip(jobs.items(), ("mistake_dp.out", "mistake_online.out")):
+        job = cluster.wait_done(job_id)
+        log = (folder / out).read_text()
+        assert (job["JobState"], job["ExitCode"]) == ("FAILED", "1:0"), log[-4000:]
+        assert log.splitlines() == [line], log[-4000:]
 
 
 def test_scancel_term_saves_every_rank_and_requeue_resumes_to_the_same_numbers(

@@ -4,7 +4,9 @@ One process, before any rank starts: the config (its assets from the cache), the
 refusals, the data sources (``config.check_data``), the checkpoints it loads or resumes against
 the model (``config.check_model_sources``), the model against the layout, its weight files
 (``config.check_model_weights``), then the data tokenized into the cache the ranks read
-(``config.prepare_data``); it prints the world size the run needs (stdout's last line). On a
+(``config.prepare_data``); it prints the world size the run needs (stdout's last line). With
+``WORLD_SIZE`` set (a SLURM job's ranks, ``scripts/slurm/job.sh``) the layout is checked against
+it, as the ranks will. On a
 CUDA machine one line warns when the layout planner predicts more memory per GPU than the
 device has. Every mistake ends the process with one ``config error: ...`` or ``error: ...``
 line on stderr and exit status 1. ``--list-keys`` prints every key, ``--print-config`` the
@@ -15,6 +17,7 @@ config prepared where the model is not (a preset's architecture is known without
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -60,6 +63,10 @@ def precheck(
 
         check_run_dir(cfg)
         validate(cfg)
+        if "WORLD_SIZE" in os.environ:
+            # A launcher that knows the job's ranks before starting them (an allocation:
+            # scripts/slurm/job.sh): the layout against them, as every rank will check it.
+            cfg.parallel.validate(command.world_size())
         checks(cfg, args)
     print(config.world_size_for(cfg))
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The body of scripts/slurm/{sft,dpo}.sbatch: one launch_node.sh per node through srun, resuming
-# from the run's latest checkpoint when there is one (a requeued or resubmitted job continues).
+# The body of scripts/slurm/{sft,dpo,iterative_dpo}.sbatch: the pre-check, then one
+# launch_node.sh per node through srun, resuming from the run's latest checkpoint when there is
+# one (a requeued or resubmitted job continues).
 #
 # Without srun (DPO_MEGATRON_NO_SRUN=1, for a dry run on one machine with simulated SLURM_*
 # variables) this process is taken to be one node's srun task and runs launch_node.sh itself.
@@ -15,6 +16,18 @@ if [[ $has_resume == 0 ]]; then args+=("checkpoint.resume=auto"); fi
 if [[ -n "${DPO_MEGATRON_NO_SRUN:-}" ]]; then
   exec bash "$ROOT/scripts/slurm/launch_node.sh" "${args[@]}"
 fi
+# The pre-check of scripts/pretrain_dpo.sh (DPO_MEGATRON_PRECHECK, as there), once, here before
+# any node starts: a mistake in the config, the data, the model or the layout against this
+# allocation's SLURM_NNODES x GPUS_PER_NODE ranks ends the job with its one line and status 1.
+# Left to the ranks, the first to stop has srun end the others with SIGTERM (--kill-on-bad-exit),
+# and the job ends with 143, as if preempted.
+# shellcheck source=node_env.sh
+source "$ROOT/scripts/slurm/node_env.sh"  # PYTHON, GPUS_PER_NODE, with_default_config
+with_default_config "${args[@]}"
+read -r -a PRECHECK <<< "${DPO_MEGATRON_PRECHECK:--m dpo_megatron.cli.check}"
+WORLD_SIZE=$((SLURM_NNODES * GPUS_PER_NODE)) PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" "${PRECHECK[@]}" "${args[@]}" >/dev/null ||
+  exit 1
 # srun runs in the background of this (batch) shell, which passes a SIGTERM or SIGINT it gets on
 # to the ranks as that signal (scancel --signal=TERM of the job's steps): each saves at the end of
 # its step and stops. srun itself must not get it: srun answers SIGTERM by SIGKILLing the step

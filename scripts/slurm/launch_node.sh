@@ -19,10 +19,8 @@
 set -euo pipefail
 ROOT="${DPO_MEGATRON_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.cli.train}"
-DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/dpo_smollm2_cpu.yaml}"
-if [[ -n "${PYTHON:-}" ]]; then :
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
-else PYTHON=python3; fi
+# shellcheck source=node_env.sh
+source "$ROOT/scripts/slurm/node_env.sh"  # PYTHON, GPUS_PER_NODE, with_default_config
 
 NNODES="${SLURM_NNODES:?SLURM_NNODES is not set: run under srun (scripts/slurm/*.sbatch)}"
 NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set: run under srun (scripts/slurm/*.sbatch)}"
@@ -43,16 +41,7 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
   fi
 fi
 MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
-if [[ -z "${GPUS_PER_NODE:-}" ]]; then
-  if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then GPUS_PER_NODE="$SLURM_GPUS_ON_NODE"
-  elif command -v nvidia-smi >/dev/null 2>&1; then GPUS_PER_NODE="$(nvidia-smi -L | wc -l)"
-  else GPUS_PER_NODE=1; fi
-fi
-
-args=("$@")
-has_config=0
-for a in "${args[@]+"${args[@]}"}"; do [[ "$a" == "--config" || "$a" == --config=* ]] && has_config=1; done
-if [[ $has_config == 0 ]]; then args=(--config "$DEFAULT_CONFIG" "${args[@]+"${args[@]}"}"); fi
+with_default_config "$@"
 
 # NCCL / threads: conservative defaults, every one overridable from the job's environment.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
