@@ -22,6 +22,8 @@ NOTES = {
     "prompt_ends_with_space": "text prompts ending in a space (a lone space token at the "
     "prompt/completion boundary)",
     "text_bounded": "examples with a text far over the length limits, cut before tokenizing",
+    "prompt_differs": "UltraFeedback rows whose 'prompt' is not their conversations' last user "
+    "turn; the conversations' turns are the prompt trained on",
 }
 """What each note counted in the summary means (``Example.notes``, ``encode.Encoded.notes``)."""
 

@@ -199,6 +199,11 @@ def test_ultrafeedback_and_alpaca():
     assert convert_ultrafeedback(row, CFG) == [Example([U("q")], [A("good")], [A("bad")])]
     with pytest.raises(RowError, match="differ before the last answer"):
         convert_ultrafeedback(row | {"rejected": [U("other"), A("bad")]}, CFG)
+    assert convert_ultrafeedback(row | {"prompt": " q\n"}, CFG)[0].notes == ()
+    other = row | {"prompt": "another question"}  # not the conversations' user turn
+    assert convert_ultrafeedback(other, CFG) == [
+        Example([U("q")], [A("good")], [A("bad")], notes=("prompt_differs",))
+    ]
     assert convert_alpaca({"instruction": "Add", "input": "1 2", "output": "3"}, CFG) == [
         Example([U("Add\n1 2")], [A("3")], None)
     ]
