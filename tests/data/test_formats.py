@@ -241,6 +241,19 @@ def test_detect_format():
         r"data.format",
     ):
         detect_format(["text"], {"text": "x"})
+    with pytest.raises(ValueError) as e:  # TRL's KTO columns with a misspelt completion
+        detect_format(["prompt", "response", "label"], {"prompt": "q", "response": "a"}, "k.jsonl")
+    assert str(e.value).startswith(
+        "cannot tell the data format of k.jsonl from its columns ['label', 'prompt', 'response']; "
+        "nearest: 'unpaired_conversational' / 'unpaired', which also need ['completion']: set "
+        "data.format to one of"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"nearest: 'standard' / 'ultrafeedback' / "
+        r"'conversational', which also need \['chosen', 'rejected'\]",
+    ):
+        detect_format(["prompt", "chosen_response", "rejected_response"], {"prompt": "q"})
 
 
 def test_common_prefix_never_splits_a_word():
