@@ -129,12 +129,12 @@ def _read_whole(name: str, split: str, on_error: str) -> Source:
             )
         if all(Path(f).suffix.lower() in (".json", ".jsonl") for f in splits[split]):
             return _read_json_files(f"{path}[{split}]", [Path(f) for f in splits[split]], on_error)
-        return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
+        failure = f"{path}: not a readable data folder"
+        return Source(f"{path}[{split}]", _load_dataset(failure, str(path), split=split))
     if is_local_source(name):
         raise MissingDataError(f"data file {name} does not exist")
-    import datasets  # a hub name: works for users who are online
-
-    return Source(f"{name}[{split}]", datasets.load_dataset(name, split=split))
+    failure = f"{name}: no such local file or folder, and not loadable as a hub dataset (online)"
+    return Source(f"{name}[{split}]", _load_dataset(failure, name, split=split))
 
 
 def _load_data_file(path: Path, loader: str):
@@ -145,20 +145,32 @@ def _load_data_file(path: Path, loader: str):
             an error that names neither the file nor the cause) or one its loader cannot read
             (with the loader's own reason).
     """
+    try:
+        return _load_dataset(
+            f"{path}: not a readable {loader} file", loader, data_files=str(path), split="train"
+        )
+    except DataError:
+        if _file_rows(path, loader) == 0:
+            raise DataError(f"{path}: no rows") from None
+        raise
+
+
+def _load_dataset(failure: str, *args, **kwargs):
+    """``datasets.load_dataset(*args, **kwargs)``; its failure (a file its loader cannot read,
+    a hub dataset not found or not reachable) as one DataError: ``failure``, then the innermost
+    reason."""
     import datasets
 
     level = datasets.logging.get_verbosity()
     # its loaders log their own account of a failure at error level: the DataError is the one line
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        return datasets.load_dataset(loader, data_files=str(path), split="train")
-    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as e:
-        if _file_rows(path, loader) == 0:
-            raise DataError(f"{path}: no rows") from None
+        return datasets.load_dataset(*args, **kwargs)
+    except (datasets.exceptions.DatasetsError, ValueError, OSError) as e:
         cause = e
         while cause.__cause__ is not None:  # DatasetGenerationError wraps the loader's error
             cause = cause.__cause__
-        raise DataError(f"{path}: not a readable {loader} file: {cause}") from None
+        raise DataError(f"{failure}: {cause}") from None
     finally:
         datasets.logging.set_verbosity(level)
 

@@ -9,6 +9,7 @@ import pytest
 
 from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
 from dpo_megatron.data.pipeline import check_sources
+from dpo_megatron.data.sources import read_source
 from dpo_megatron.data.summary import format_summary
 from tests.data.fixtures import tiny_hf_tokenizer, write_json, write_jsonl
 
@@ -142,6 +143,23 @@ def test_empty_or_unreadable_parquet_csv_arrow_files_end_in_one_line_naming_the_
     good_csv = tmp_path / "good.csv"
     pd.DataFrame([GOOD, GOOD]).to_csv(good_csv, index=False)
     assert check_sources(_cfg(good_csv)) == [(str(good_csv), "standard")]
+
+
+def test_a_hub_dataset_that_cannot_be_loaded_ends_in_one_line_naming_it(monkeypatch):
+    """A name that is no local path and cannot be loaded from the hub (offline, or misspelt) is
+    one DataError line naming it and the hub's reason, which the ranks print alone; the hub is
+    put offline here so that the test reads nothing from the network."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError) as e:
+        read_source("someorg/no-such-prefs")
+    message = str(e.value)
+    assert message.startswith(
+        "someorg/no-such-prefs: no such local file or folder, and not loadable as a hub dataset "
+        "(online): "
+    )
+    assert "\n" not in message and "someorg/no-such-prefs' on the Hub" in message
 
 
 def test_pre_check_finds_missing_files_and_bad_rows_without_a_tokenizer(tmp_path):
