@@ -30,6 +30,12 @@ class MissingDataError(DataError, FileNotFoundError):
     """A data path that looks local (a file name or a path) but does not exist."""
 
 
+class UnreadableDataError(DataError, OSError):
+    """A dataset its reader cannot open: a file its loader rejects, a folder ``datasets`` cannot
+    read, a hub dataset not found or not reachable (an OSError too, as the hub clients' own
+    errors are, for callers that give offline advice)."""
+
+
 @dataclass
 class Source:
     """One dataset's raw rows. ``label`` names it in messages; ``malformed`` counts skipped
@@ -157,8 +163,8 @@ def _load_data_file(path: Path, loader: str):
 
 def _load_dataset(failure: str, *args, **kwargs):
     """``datasets.load_dataset(*args, **kwargs)``; its failure (a file its loader cannot read,
-    a hub dataset not found or not reachable) as one DataError: ``failure``, then the innermost
-    reason."""
+    a hub dataset not found or not reachable) as one :class:`UnreadableDataError` line:
+    ``failure``, then the innermost reason."""
     import datasets
 
     level = datasets.logging.get_verbosity()
@@ -170,7 +176,7 @@ def _load_dataset(failure: str, *args, **kwargs):
         cause = e
         while cause.__cause__ is not None:  # DatasetGenerationError wraps the loader's error
             cause = cause.__cause__
-        raise DataError(f"{failure}: {cause}") from None
+        raise UnreadableDataError(f"{failure}: {cause}") from None
     finally:
         datasets.logging.set_verbosity(level)
 

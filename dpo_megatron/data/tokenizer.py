@@ -201,10 +201,10 @@ def load_tokenizer(path: str):
     folder holding only ``tokenizer.model``). A tokenizer without a pad token pads with EOS.
 
     Raises FileNotFoundError for a ``.model`` or local-looking path (``/``, ``.``, ``~``) that
-    does not exist, ValueError for an empty path, for a folder or hub name transformers cannot
-    load a tokenizer from (one line: the name and transformers' first line, e.g. the hub
-    unreachable), or for a ``mistral-common`` installed without its dependencies (which
-    transformers imports for Mistral-family folders; the message says how to remove it).
+    does not exist; OSError, in one line naming ``path``, for a folder or hub name transformers
+    cannot load a tokenizer from (no tokenizer files, the hub unreachable, a name not found);
+    ValueError for an empty path or for a ``mistral-common`` installed without its dependencies
+    (which transformers imports for Mistral-family folders; the message says how to remove it).
     """
     if not path:
         raise ValueError("no tokenizer path: set data.tokenizer (or the model folder)")
@@ -229,7 +229,7 @@ def load_tokenizer(path: str):
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if p.is_dir() and not has_tokenizer_files(str(p)):
             reason = "the folder holds no tokenizer.json, tokenizer_config.json or tokenizer.model"
-        raise ValueError(f"cannot load a tokenizer from {path}: {reason}") from None
+        raise OSError(f"cannot load a tokenizer from {path}: {reason}") from None
     except ImportError:
         # transformers routes mistral / mixtral folders through mistral_common whenever it is
         # importable; one installed without its dependencies (earlier set-ups did) fails there.

@@ -154,6 +154,7 @@ def test_a_hub_dataset_that_cannot_be_loaded_ends_in_one_line_naming_it(monkeypa
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError) as e:
         read_source("someorg/no-such-prefs")
+    assert isinstance(e.value, OSError)  # as the hub clients' errors are: offline advice follows
     message = str(e.value)
     assert message.startswith(
         "someorg/no-such-prefs: no such local file or folder, and not loadable as a hub dataset "
