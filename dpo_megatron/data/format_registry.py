@@ -165,7 +165,25 @@ def detect_format(columns: list[str], first_row: dict | None, label: str = "the 
             break
     if len(candidates) != 1:
         raise ValueError(
-            f"cannot tell the data format of {label} from its columns {sorted(cols)}: set "
-            f"data.format to one of {sorted(FORMATS)}"
+            f"cannot tell the data format of {label} from its columns {sorted(cols)}"
+            f"{_nearest_formats(cols) if not candidates else ''}: set data.format to one of "
+            f"{sorted(FORMATS)}"
         )
     return candidates[0]
+
+
+def _nearest_formats(cols: set[str]) -> str:
+    """The formats whose columns the file comes nearest to holding, and the columns it lacks
+    (a misspelt key such as ``response`` for ``completion``): fewest missing, then most shared,
+    then most missing ones that a column's name contains (``chosen`` in ``chosen_response``);
+    "" when no format shares a column with it."""
+
+    def named_alike(group: frozenset[str]) -> int:
+        return sum(any(m.lower() in c.lower() for c in cols) for m in group - cols)
+
+    groups = [g for g in dict.fromkeys(f.columns for f in FORMATS.values()) if g & cols]
+    if not groups:
+        return ""
+    best = min(groups, key=lambda g: (len(g - cols), -len(g & cols), -named_alike(g)))
+    names = " / ".join(repr(f.name) for f in FORMATS.values() if f.columns == best)
+    return f"; nearest: {names}, which also need {sorted(best - cols)}"

@@ -480,7 +480,8 @@ def convert_se(row: dict, cfg: ConvertOptions) -> list[Example]:
 
 def convert_ultrafeedback(row: dict, cfg: ConvertOptions) -> list[Example]:
     """UltraFeedback binarized: chosen/rejected are [user, assistant] conversations (+
-    ``prompt``)."""
+    ``prompt``). The conversations' turns are the prompt trained on; a ``prompt`` text that is
+    not their last user turn (whitespace aside) marks the example ``prompt_differs``."""
     chosen = _messages(_get(row, "chosen"), "chosen")
     rejected = _messages(_get(row, "rejected"), "rejected")
     if len(chosen) < 2 or len(rejected) < 2:
@@ -495,7 +496,9 @@ def convert_ultrafeedback(row: dict, cfg: ConvertOptions) -> list[Example]:
     _check_prompt_messages(prompt, "chosen")
     _check_completion_messages(chosen[-1:], "chosen")
     _check_completion_messages(rejected[-1:], "rejected")
-    return [Example(prompt, chosen[-1:], rejected[-1:])]
+    text, users = row.get("prompt"), [m["content"] for m in prompt if m["role"] == "user"]
+    differs = isinstance(text, str) and (not users or text.strip() != users[-1].strip())
+    return [Example(prompt, chosen[-1:], rejected[-1:], notes=("prompt_differs",) * differs)]
 
 
 def convert_alpaca(row: dict, cfg: ConvertOptions) -> list[Example]:

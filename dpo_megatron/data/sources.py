@@ -30,6 +30,12 @@ class MissingDataError(DataError, FileNotFoundError):
     """A data path that looks local (a file name or a path) but does not exist."""
 
 
+class UnreadableDataError(DataError, OSError):
+    """A dataset its reader cannot open: a file its loader rejects, a folder ``datasets`` cannot
+    read, a hub dataset not found or not reachable (an OSError too, as the hub clients' own
+    errors are, for callers that give offline advice)."""
+
+
 @dataclass
 class Source:
     """One dataset's raw rows. ``label`` names it in messages; ``malformed`` counts skipped
@@ -103,9 +109,7 @@ def _read_whole(name: str, split: str, on_error: str) -> Source:
         if suffix in (".json", ".jsonl"):
             return _read_json(path, on_error)
         if suffix in _LOADERS:
-            import datasets
-
-            ds = datasets.load_dataset(_LOADERS[suffix], data_files=str(path), split="train")
+            ds = _load_data_file(path, _LOADERS[suffix])
             return Source(str(path), ds, files=(str(path),))
         raise DataError(
             f"{path}: unknown data file type {suffix!r}; expected .json, .jsonl, .parquet, .arrow "
@@ -131,12 +135,68 @@ def _read_whole(name: str, split: str, on_error: str) -> Source:
             )
         if all(Path(f).suffix.lower() in (".json", ".jsonl") for f in splits[split]):
             return _read_json_files(f"{path}[{split}]", [Path(f) for f in splits[split]], on_error)
-        return Source(f"{path}[{split}]", datasets.load_dataset(str(path), split=split))
+        failure = f"{path}: not a readable data folder"
+        return Source(f"{path}[{split}]", _load_dataset(failure, str(path), split=split))
     if is_local_source(name):
         raise MissingDataError(f"data file {name} does not exist")
-    import datasets  # a hub name: works for users who are online
+    failure = f"{name}: no such local file or folder, and not loadable as a hub dataset (online)"
+    return Source(f"{name}[{split}]", _load_dataset(failure, name, split=split))
 
-    return Source(f"{name}[{split}]", datasets.load_dataset(name, split=split))
+
+def _load_data_file(path: Path, loader: str):
+    """A Parquet, Arrow or CSV file read by ``datasets`` as one split.
+
+    Raises:
+        DataError: naming the file, for a file with no rows (``datasets`` fails on those with
+            an error that names neither the file nor the cause) or one its loader cannot read
+            (with the loader's own reason).
+    """
+    try:
+        return _load_dataset(
+            f"{path}: not a readable {loader} file", loader, data_files=str(path), split="train"
+        )
+    except DataError:
+        if _file_rows(path, loader) == 0:
+            raise DataError(f"{path}: no rows") from None
+        raise
+
+
+def _load_dataset(failure: str, *args, **kwargs):
+    """``datasets.load_dataset(*args, **kwargs)``; its failure (a file its loader cannot read,
+    a hub dataset not found or not reachable) as one :class:`UnreadableDataError` line:
+    ``failure``, then the innermost reason."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    # its loaders log their own account of a failure at error level: the DataError is the one line
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except (datasets.exceptions.DatasetsError, ValueError, OSError) as e:
+        cause = e
+        while cause.__cause__ is not None:  # DatasetGenerationError wraps the loader's error
+            cause = cause.__cause__
+        raise UnreadableDataError(f"{failure}: {cause}") from None
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _file_rows(path: Path, loader: str) -> int | None:
+    """Rows of a data file, told without ``datasets`` (Parquet: its footer; Arrow: its record
+    batches; CSV: its non-blank lines after the header); None when the file cannot tell."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if loader == "parquet":
+            return pq.read_metadata(path).num_rows
+        if loader == "arrow":
+            with pa.memory_map(str(path)) as source:
+                return pa.ipc.open_stream(source).read_all().num_rows
+        with path.open(encoding="utf-8", errors="replace") as lines:
+            return max(0, sum(1 for line in lines if line.strip()) - 1)
+    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+        return None
 
 
 def folder_splits(path: Path) -> dict[str, list[str]]:

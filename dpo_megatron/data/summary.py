@@ -22,6 +22,8 @@ NOTES = {
     "prompt_ends_with_space": "text prompts ending in a space (a lone space token at the "
     "prompt/completion boundary)",
     "text_bounded": "examples with a text far over the length limits, cut before tokenizing",
+    "prompt_differs": "UltraFeedback rows whose 'prompt' is not their conversations' last user "
+    "turn; the conversations' turns are the prompt trained on",
 }
 """What each note counted in the summary means (``Example.notes``, ``encode.Encoded.notes``)."""
 
@@ -118,7 +120,8 @@ def summarize(
 
 
 def format_summary(summary: DataSummary) -> str:
-    """Human-readable multi-line text of a :class:`DataSummary`."""
+    """Human-readable multi-line text of a :class:`DataSummary`; a kind of one completion per
+    item (SFT, KTO) names it ``completion`` and its model row a ``sequence``."""
     lines = [
         f"data: {summary.rows_read} rows read, {summary.kept} {summary.unit} kept "
         f"({summary.train} train, {summary.eval} eval), max_length {summary.max_length}, "
@@ -141,11 +144,17 @@ def format_summary(summary: DataSummary) -> str:
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(summary.dropped.items())) or "none"
     lines.append(f"  dropped by reason: {dropped}")
     cut = summary.truncated
+    paired = "rejected" in summary.lengths  # else one completion per item (SFT, KTO)
+    shown = {} if paired else {"chosen": "completion", "pair": "sequence"}
+    completions = (
+        f"chosen {cut['chosen']}, rejected {cut['rejected']}"
+        if paired
+        else f"completion {cut['chosen']}"
+    )
     lines.append(
         f"  cut to fit: prompt {cut['prompt']} (oldest turns dropped "
         f"{cut['prompt_turns_dropped']}, "
-        f"tokens cut {cut['prompt_tokens_cut']}), chosen {cut['chosen']}, "
-        f"rejected {cut['rejected']}"
+        f"tokens cut {cut['prompt_tokens_cut']}), {completions}"
     )
     for name, count in sorted(summary.notes.items()):
         if name != "turns_dropped":  # counted with the cuts above
@@ -158,8 +167,8 @@ def format_summary(summary: DataSummary) -> str:
             else "kept (data.drop_duplicates=true drops them)"
         )
         lines.append(
-            f"  duplicates: {duplicates.count} pairs repeat an earlier pair's tokens, {what}; "
-            f"e.g. {'; '.join(duplicates.examples)}"
+            f"  duplicates: {duplicates.count} {summary.unit} repeat an earlier "
+            f"{summary.unit[:-1]}'s tokens, {what}; e.g. {'; '.join(duplicates.examples)}"
         )
     for stage, table in (
         ("lengths_before_cut", summary.lengths_before_cut),
@@ -167,7 +176,7 @@ def format_summary(summary: DataSummary) -> str:
     ):
         for name, stats in table.items():
             text = " ".join(f"{k} {v}" for k, v in asdict(stats).items())
-            lines.append(f"  {stage} {name} tokens: {text}")
+            lines.append(f"  {stage} {shown.get(name, name)} tokens: {text}")
     return "\n".join(lines)
 
 

@@ -200,9 +200,11 @@ def load_tokenizer(path: str):
     """A tokenizer from an HF folder / hub name, or a SentencePiece model (a ``.model`` file, or a
     folder holding only ``tokenizer.model``). A tokenizer without a pad token pads with EOS.
 
-    Raises FileNotFoundError for a ``.model`` path that does not exist, ValueError for an empty
-    path or for a ``mistral-common`` installed without its dependencies (which transformers
-    imports for Mistral-family folders; the message says how to remove it).
+    Raises FileNotFoundError for a ``.model`` or local-looking path (``/``, ``.``, ``~``) that
+    does not exist; OSError, in one line naming ``path``, for a folder or hub name transformers
+    cannot load a tokenizer from (no tokenizer files, the hub unreachable, a name not found);
+    ValueError for an empty path or for a ``mistral-common`` installed without its dependencies
+    (which transformers imports for Mistral-family folders; the message says how to remove it).
     """
     if not path:
         raise ValueError("no tokenizer path: set data.tokenizer (or the model folder)")
@@ -217,10 +219,17 @@ def load_tokenizer(path: str):
         and not ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file())
     ):
         return SentencePieceTokenizer(p / "tokenizer.model")
+    if not p.exists() and path.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"tokenizer {path} does not exist")
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p) if p.exists() else path)
+    except (OSError, ValueError) as e:  # transformers' own messages run over several lines
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if p.is_dir() and not has_tokenizer_files(str(p)):
+            reason = "the folder holds no tokenizer.json, tokenizer_config.json or tokenizer.model"
+        raise OSError(f"cannot load a tokenizer from {path}: {reason}") from None
     except ImportError:
         # transformers routes mistral / mixtral folders through mistral_common whenever it is
         # importable; one installed without its dependencies (earlier set-ups did) fails there.

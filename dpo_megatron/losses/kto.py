@@ -152,6 +152,20 @@ def finish_kto_metrics(means: Mapping[str, float], count: int) -> dict[str, floa
     return out
 
 
+def one_label_advice(n_desirable: int, n_undesirable: int) -> str | None:
+    """A warning when the training examples all carry one label (the paper's weight check has
+    no ratio then): KTO's loss on the missing side is never taken and its rewards are never
+    reported, as when a label column was written wrongly; None when both labels occur."""
+    if n_desirable and n_undesirable:
+        return None
+    label, side = ("true", "desirable") if n_desirable else ("false", "undesirable")
+    missing = "undesirable (label false)" if n_desirable else "desirable (label true)"
+    return (
+        f"KTO: all {n_desirable + n_undesirable} training examples are {side} (label {label}), "
+        f"none {missing}: the loss of that side is never taken; check the data's label column"
+    )
+
+
 def weight_advice(
     n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float
 ) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dpo_megatron.losses.kto import finish_kto_metrics, weight_advice
+from dpo_megatron.losses.kto import finish_kto_metrics, one_label_advice, weight_advice
 from dpo_megatron.losses.reductions import (
     length_desensitized_logps,
     sequence_logps,
@@ -447,17 +447,16 @@ class LossFunction:
             )
 
     def data_advice(self, train_items: Sequence) -> str | None:
-        """A warning about the training data for this loss, or None: for KTO the paper's check of
+        """A warning about the training data for this loss, or None: for KTO, training examples
+        of one label only (`kto.one_label_advice`), else the paper's check of
         lambda_D n_D / (lambda_U n_U) in [1, 4/3] (`kto.weight_advice`) over the items' labels."""
         if not self.unpaired:
             return None
         params = self.components[0].params
         n_desirable = sum(1 for item in train_items if item.desirable)
-        return weight_advice(
-            n_desirable,
-            len(train_items) - n_desirable,
-            params["desirable_weight"],
-            params["undesirable_weight"],
+        n_undesirable = len(train_items) - n_desirable
+        return one_label_advice(n_desirable, n_undesirable) or weight_advice(
+            n_desirable, n_undesirable, params["desirable_weight"], params["undesirable_weight"]
         )
 
     def finish_metrics(self, means: Mapping[str, float], count: int) -> dict[str, float]:

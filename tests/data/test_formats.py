@@ -199,6 +199,11 @@ def test_ultrafeedback_and_alpaca():
     assert convert_ultrafeedback(row, CFG) == [Example([U("q")], [A("good")], [A("bad")])]
     with pytest.raises(RowError, match="differ before the last answer"):
         convert_ultrafeedback(row | {"rejected": [U("other"), A("bad")]}, CFG)
+    assert convert_ultrafeedback(row | {"prompt": " q\n"}, CFG)[0].notes == ()
+    other = row | {"prompt": "another question"}  # not the conversations' user turn
+    assert convert_ultrafeedback(other, CFG) == [
+        Example([U("q")], [A("good")], [A("bad")], notes=("prompt_differs",))
+    ]
     assert convert_alpaca({"instruction": "Add", "input": "1 2", "output": "3"}, CFG) == [
         Example([U("Add\n1 2")], [A("3")], None)
     ]
@@ -236,6 +241,19 @@ def test_detect_format():
         r"data.format",
     ):
         detect_format(["text"], {"text": "x"})
+    with pytest.raises(ValueError) as e:  # TRL's KTO columns with a misspelt completion
+        detect_format(["prompt", "response", "label"], {"prompt": "q", "response": "a"}, "k.jsonl")
+    assert str(e.value).startswith(
+        "cannot tell the data format of k.jsonl from its columns ['label', 'prompt', 'response']; "
+        "nearest: 'unpaired_conversational' / 'unpaired', which also need ['completion']: set "
+        "data.format to one of"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"nearest: 'standard' / 'ultrafeedback' / "
+        r"'conversational', which also need \['chosen', 'rejected'\]",
+    ):
+        detect_format(["prompt", "chosen_response", "rejected_response"], {"prompt": "q"})
 
 
 def test_common_prefix_never_splits_a_word():

@@ -9,6 +9,7 @@ import pytest
 
 from dpo_megatron.data import DataConfig, DataError, load_preference_pairs
 from dpo_megatron.data.pipeline import check_sources
+from dpo_megatron.data.sources import read_source
 from dpo_megatron.data.summary import format_summary
 from tests.data.fixtures import tiny_hf_tokenizer, write_json, write_jsonl
 
@@ -110,6 +111,56 @@ def test_pinned_format_that_does_not_fit_says_what_the_file_looks_like(tmp_path)
         assert "on_error" not in message
     with pytest.raises(DataError, match="look like format 'sharegpt'"):
         check_sources(_cfg(path, format="hh"))
+
+
+def test_empty_or_unreadable_parquet_csv_arrow_files_end_in_one_line_naming_the_file(tmp_path):
+    """A Parquet, CSV or Arrow file with no rows is refused as a JSON file with none is
+    ("<file>: no rows"), and one its loader cannot read names the file and the loader's reason,
+    in one DataError line (``datasets`` alone raises a generation error naming neither)."""
+    import pandas as pd
+    import pyarrow as pa
+
+    empty_parquet = tmp_path / "empty.parquet"
+    pd.DataFrame({k: pd.Series([], dtype=str) for k in GOOD}).to_parquet(empty_parquet)
+    empty_csv = tmp_path / "empty.csv"
+    empty_csv.write_text("")
+    header_csv = tmp_path / "header.csv"
+    header_csv.write_text("prompt,chosen,rejected\n")
+    empty_arrow = tmp_path / "empty.arrow"
+    table = pa.table({k: pa.array([], pa.string()) for k in GOOD})
+    with pa.OSFile(str(empty_arrow), "wb") as f, pa.ipc.new_stream(f, table.schema) as writer:
+        writer.write_table(table)
+    for path in (empty_parquet, empty_csv, header_csv, empty_arrow):
+        with pytest.raises(DataError) as e:
+            check_sources(_cfg(path))
+        assert str(e.value) == f"{path}: no rows"
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("prompt,chosen,rejected\n")
+    with pytest.raises(DataError) as e:
+        check_sources(_cfg(junk))
+    assert str(e.value).startswith(f"{junk}: not a readable parquet file: ")
+    assert "magic bytes" in str(e.value)
+    good_csv = tmp_path / "good.csv"
+    pd.DataFrame([GOOD, GOOD]).to_csv(good_csv, index=False)
+    assert check_sources(_cfg(good_csv)) == [(str(good_csv), "standard")]
+
+
+def test_a_hub_dataset_that_cannot_be_loaded_ends_in_one_line_naming_it(monkeypatch):
+    """A name that is no local path and cannot be loaded from the hub (offline, or misspelt) is
+    one DataError line naming it and the hub's reason, which the ranks print alone; the hub is
+    put offline here so that the test reads nothing from the network."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError) as e:
+        read_source("someorg/no-such-prefs")
+    assert isinstance(e.value, OSError)  # as the hub clients' errors are: offline advice follows
+    message = str(e.value)
+    assert message.startswith(
+        "someorg/no-such-prefs: no such local file or folder, and not loadable as a hub dataset "
+        "(online): "
+    )
+    assert "\n" not in message and "someorg/no-such-prefs' on the Hub" in message
 
 
 def test_pre_check_finds_missing_files_and_bad_rows_without_a_tokenizer(tmp_path):

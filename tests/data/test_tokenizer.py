@@ -63,6 +63,28 @@ def test_load_tokenizer_dispatch(tmp_path):
         load_tokenizer("")
 
 
+def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_it(tmp_path, monkeypatch):
+    """data.tokenizer naming a missing local path, a folder without tokenizer files, or a hub
+    name that cannot be reached is one line naming it: transformers' own errors run over several
+    lines and call a missing local path an invalid repo id. The hub is put offline here."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError) as e:
+        load_tokenizer(str(tmp_path / "nope"))
+    assert str(e.value) == f"tokenizer {tmp_path / 'nope'} does not exist"
+    with pytest.raises(OSError) as e:
+        load_tokenizer(str(tmp_path))
+    assert str(e.value) == (
+        f"cannot load a tokenizer from {tmp_path}: the folder holds no tokenizer.json, "
+        "tokenizer_config.json or tokenizer.model"
+    )
+    with pytest.raises(OSError) as e:  # as the hub clients' errors are: offline advice follows
+        load_tokenizer("someorg/no-such-tokenizer")
+    assert str(e.value).startswith("cannot load a tokenizer from someorg/no-such-tokenizer: ")
+    assert "\n" not in str(e.value)
+
+
 def test_hf_sentencepiece_tokenizer_continuation_matches_wrapper(tmp_path):
     """An HF LlamaTokenizer (Metaspace, adds "▁" to every text) continues texts like the wrapper."""
     folder = tmp_path / "llama"

@@ -7,6 +7,7 @@ from dpo_megatron.data.formats import FORMATS, RowError, detect_format
 from dpo_megatron.data.kinds import UNPAIRED_KIND
 from dpo_megatron.data.pairs import UnpairedExample, UnpairedPair
 from dpo_megatron.data.pipeline import check_sources, load_unpaired_examples
+from dpo_megatron.data.summary import format_summary
 from dpo_megatron.data.unpaired import label_counts, with_kl_completions
 from tests.data.fixtures import tiny_hf_tokenizer, write_json, write_jsonl
 
@@ -115,6 +116,9 @@ def test_load_counts_labels_and_drops_like_pairs(tmp_path):
     completions = [p.chosen_ids for p in ds.train]
     assert [p.rejected_ids for p in ds.train] == completions[-1:] + completions[:-1]
     assert ds.train[1].chosen_ids == tuple(tok.encode(" green.")) + (tok.eos_token_id,)
+    text = format_summary(ds.summary)  # one completion per example: no chosen / rejected
+    assert ", completion 0\n" in text and "rejected" not in text and "chosen" not in text
+    assert "  lengths completion tokens: " in text and "  lengths sequence tokens: " in text
 
 
 def test_paired_and_unpaired_data_meet_the_wrong_loss_with_one_line(tmp_path):

@@ -106,6 +106,25 @@ def test_weight_advice_follows_the_paper_range():
     )
 
 
+def test_training_examples_of_one_label_only_are_warned_about():
+    """KTO data whose labels are all true (or all false) gets a start-up warning naming the
+    count and the missing label, where the paper's weight check has no ratio to test; data with
+    both labels gets none beyond that check."""
+    loss_fn = build_loss({"name": "kto"})
+
+    def items(*labels):
+        return [type("Item", (), {"desirable": d})() for d in labels]
+
+    assert loss_fn.data_advice(items(True, True, True, True)) == (
+        "KTO: all 4 training examples are desirable (label true), none undesirable (label "
+        "false): the loss of that side is never taken; check the data's label column"
+    )
+    assert loss_fn.data_advice(items(False, False)).startswith(
+        "KTO: all 2 training examples are undesirable (label false), none desirable (label true)"
+    )
+    assert loss_fn.data_advice(items(True, False)) is None
+
+
 def test_kto_cannot_be_combined_or_modified_and_needs_labels():
     with pytest.raises(ValueError, match="cannot be combined"):
         build_loss({"name": ["kto", "sigmoid"]})
