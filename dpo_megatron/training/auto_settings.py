@@ -145,15 +145,18 @@ def resolve_reference(cfg, loss_fn, num_train: int | None):
             f"reference auto{offload} (decided at start: precomputed when the steps cover "
             "the train pairs, else model)"
         )
-    steps, pairs = cfg.train.train_iters, cfg.train.global_batch_size
-    seen = steps * pairs
-    run = f"{steps} step{'s' * (steps != 1)} x {pairs} pair{'s' * (pairs != 1)}"
+    from dpo_megatron.data.kinds import item_kind
+
+    unit = item_kind(loss_fn.item_kind).unit  # pairs, or KTO's examples
+    steps, per_step = cfg.train.train_iters, cfg.train.global_batch_size
+    seen = steps * per_step
+    run = f"{steps} step{'s' * (steps != 1)} x {per_step} {unit if per_step != 1 else unit[:-1]}"
     if seen >= num_train:
         mode = "precomputed"
-        why = f"{run} cover the {num_train} train pairs: one pass costs no more, then none"
+        why = f"{run} cover the {num_train} train {unit}: one pass costs no more, then none"
     else:
         mode = "model"
-        why = f"{run} = {seen} < {num_train} train pairs: a pass over all would cost more"
+        why = f"{run} = {seen} < {num_train} train {unit}: a pass over all would cost more"
     return dataclasses.replace(ref, mode=mode), f"reference {mode}{offload} (auto: {why})"
 
 

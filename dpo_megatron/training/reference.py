@@ -406,7 +406,7 @@ def precomputed_pairs(
     model_config,
     layout: dict,
     batching: dict,
-    split: str = "train",
+    what: str = "train pairs",
 ) -> list[PreferencePair]:
     """``pairs`` carrying their reference log-probs: from the cache when every rank finds the
     table of these weights, layout, pairs and grouping, else computed (one forward-only pass,
@@ -420,6 +420,7 @@ def precomputed_pairs(
         micro_batch_size: pairs per micro-batch of the pairs ``run_steps`` leaves out.
         batching: how the builder turns micro-batches into rows (packing settings, row-length
             granule, pad id), part of the cache key with the grouping.
+        what: the items as the printed line names them (``train pairs``, ``eval examples``).
 
     Prints on rank 0 whether the cache was hit.
     """
@@ -443,5 +444,5 @@ def precomputed_pairs(
         dist.barrier()
     if ranks.is_rank0():
         how = "cache hit" if hit else "computed in one forward-only pass"
-        print(f"reference log-probs of {len(pairs)} {split} pairs: {how} ({path})", flush=True)
+        print(f"reference log-probs of {len(pairs)} {what}: {how} ({path})", flush=True)
     return ReferenceTable.load(path).attach(pairs)

@@ -244,7 +244,7 @@ class Trainer:
                     self.model_config,
                     layout,
                     self.batching,
-                    split,
+                    f"{split} {self.kind.unit}",
                 ),
             )
         self.evaluator.items = self.data.eval  # now carrying their reference log-probs

@@ -101,6 +101,10 @@ def test_auto_keeps_explicit_values_and_refuses_by_name():
     assert "reference none (the loss reads none)" in line
     cfg, line = _resolve(loss={"name": "kto", "beta": 0.1})
     assert cfg.packing.enabled is True and cfg.packing.share_prompt is False
+    # KTO counts examples, not pairs
+    assert "(auto: 2 steps x 4 examples cover the 8 train examples: " in line
+    _, line = _resolve(loss={"name": "kto", "beta": 0.1}, global_batch_size=1, steps=1)
+    assert "(auto: 1 step x 1 example = 1 < 8 train examples: " in line
     # a mixture of experts: the router's balancing loss counts tokens, so packing stays off
     cfg, line = _resolve(model={"num_experts": 4, "moe_ffn_hidden_size": 32})
     assert cfg.packing.enabled is False and "MoE model" in line
