@@ -666,16 +666,21 @@ def world_size_for(cfg: DPOConfig) -> int:
 
 
 def check_model_layout(cfg: DPOConfig) -> None:
-    """The architecture against the layout (heads / TP, layers / PP), from config.json alone:
-    launchers call this before starting any rank (it imports megatron-core).
+    """The architecture against the layout (heads / TP, layers / PP), and LoRA's targets against
+    the layers it has, from config.json alone: launchers call this before starting any rank (it
+    imports megatron-core).
 
     Raises:
         ValueError: naming the model and parallel fields that conflict.
     """
     from dpo_megatron.models import build_transformer_config
+    from dpo_megatron.models.lora_config import check_targets_of_model
     from dpo_megatron.training.run_models import resolve_model_config
 
-    build_transformer_config(resolve_model_config(cfg), cfg.parallel)
+    model = resolve_model_config(cfg)
+    build_transformer_config(model, cfg.parallel)
+    if cfg.lora.enabled:
+        check_targets_of_model(cfg.lora.target_modules, model)
 
 
 def check_model_weights(cfg: DPOConfig) -> None:
