@@ -735,3 +735,29 @@ def test_lora_targets_that_the_model_lacks_are_refused_by_the_pre_check(tmp_path
     from dpo_megatron.config import check_model_layout
 
     check_model_layout(config)  # the default targets: linear_proj, linear_fc1, linear_fc2 exist
+
+
+def test_a_model_load_that_holds_no_checkpoint_is_refused_by_the_pre_check(tmp_path):
+    """``model.load`` / ``reference.load`` naming a folder that holds no checkpoint (a typo, a
+    Hugging Face folder) is refused by the launchers' pre-check in one line naming the key,
+    before any rank starts: it passed the pre-check, and then either every rank raised a
+    traceback or, with no ``model.*`` keys in the config, the line blamed the tokenizer against
+    the default vocabulary size."""
+    tiny = ["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path / 'run'}"]
+    missing = tmp_path / "nothing"
+    with pytest.raises(SystemExit) as stop:
+        main([*tiny, f"model.load={missing}"])
+    assert str(stop.value) == (
+        f"config error: model.load={missing}: not a megatron-core distributed checkpoint (no "
+        "such folder), nor a run's checkpoints folder holding one"
+    )
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        main([*tiny, f"reference.load={hf}"])
+    assert str(stop.value) == (
+        f"config error: reference.load={hf}: not a megatron-core distributed checkpoint (no "
+        "metadata.json there; a Hugging Face folder goes in reference.hf_path), nor a run's "
+        "checkpoints folder holding one"
+    )
