@@ -76,6 +76,7 @@ def main(argv=None) -> None:
     from dpo_megatron.models import (
         ModelConfig,
         build_model_chunks,
+        build_transformer_config,
         load_hf_weights,
         model_config_from_hf,
     )
@@ -101,6 +102,11 @@ def main(argv=None) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=moe_needs_sequence_parallel(model_cfg, tp),
     )
+    try:  # the model against the layout, then the layout against the ranks: one line each
+        build_transformer_config(model_cfg, parallel)
+        parallel.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
