@@ -666,16 +666,21 @@ def world_size_for(cfg: DPOConfig) -> int:
 
 
 def check_model_layout(cfg: DPOConfig) -> None:
-    """The architecture against the layout (heads / TP, layers / PP), from config.json alone:
-    launchers call this before starting any rank (it imports megatron-core).
+    """The architecture against the layout (heads / TP, layers / PP), and LoRA's targets against
+    the layers it has, from config.json alone: launchers call this before starting any rank (it
+    imports megatron-core).
 
     Raises:
         ValueError: naming the model and parallel fields that conflict.
     """
     from dpo_megatron.models import build_transformer_config
+    from dpo_megatron.models.lora_config import check_targets_of_model
     from dpo_megatron.training.run_models import resolve_model_config
 
-    build_transformer_config(resolve_model_config(cfg), cfg.parallel)
+    model = resolve_model_config(cfg)
+    build_transformer_config(model, cfg.parallel)
+    if cfg.lora.enabled:
+        check_targets_of_model(cfg.lora.target_modules, model)
 
 
 def check_model_weights(cfg: DPOConfig) -> None:
@@ -683,15 +688,23 @@ def check_model_weights(cfg: DPOConfig) -> None:
     reference of its own (``reference.hf_path`` / ``reference.load``, first checked to be the
     policy's architecture: ``training.run_models.reference_model_config``), before any rank
     reads them: every file present and complete, tensors only, names and shapes as config.json
-    implies (``models.conversion.check_hf_weights``, headers only). A checkpoint is verified
-    against its manifest by the ranks.
+    implies (``models.conversion.check_hf_weights``, headers only). A checkpoint
+    (``model.load`` / ``reference.load``) must be there (``run_models.require_model_checkpoint``);
+    the ranks verify it against its manifest.
 
     Raises:
         OSError / ValueError: naming the key, the folder or the file.
     """
     from dpo_megatron.models.conversion import check_hf_weights
-    from dpo_megatron.training.run_models import reference_model_config, resolve_model_config
+    from dpo_megatron.training.run_models import (
+        reference_model_config,
+        require_model_checkpoint,
+        resolve_model_config,
+    )
 
+    for key, path in (("model.load", cfg.model.load), ("reference.load", cfg.reference.load)):
+        if path:
+            require_model_checkpoint(key, path)
     model_cfg = resolve_model_config(cfg)
     if cfg.model.hf_path and not cfg.model.load:
         check_hf_weights(model_cfg)

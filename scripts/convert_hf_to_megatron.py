@@ -79,8 +79,8 @@ def main(argv=None) -> None:
         load_hf_weights,
         model_config_from_hf,
     )
-    from dpo_megatron.models.moe import moe_needs_sequence_parallel
-    from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
+    from dpo_megatron.models.conversion.layout import converter_layout
+    from dpo_megatron.parallel import destroy_distributed, initialize_distributed
 
     try:
         model_cfg = model_config_from_hf(
@@ -93,14 +93,11 @@ def main(argv=None) -> None:
         )
     except FileNotFoundError as e:  # no folder, or no config.json in it: one line
         raise SystemExit(f"error: --hf-path {e}") from None
-    tp = args.tensor_model_parallel_size
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=moe_needs_sequence_parallel(model_cfg, tp),
-    )
+    sizes = {k: v for k, v in vars(args).items() if k.endswith("_parallel_size")}
+    try:  # the model against the layout, then the layout against the ranks: one line each
+        parallel = converter_layout(model_cfg, sizes, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)

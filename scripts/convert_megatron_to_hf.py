@@ -107,7 +107,8 @@ def main(argv=None) -> None:
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
     from dpo_megatron.models import ModelConfig, build_model_chunks, export_hf, model_config_from_hf
     from dpo_megatron.models.conversion import export_peft_adapter
-    from dpo_megatron.parallel import ParallelConfig, destroy_distributed, initialize_distributed
+    from dpo_megatron.models.conversion.layout import converter_layout
+    from dpo_megatron.parallel import destroy_distributed, initialize_distributed
 
     # A run's checkpoints/ folder (as model.load accepts) means its latest checkpoint.
     args.load = find_latest_checkpoint(args.load) or args.load
@@ -136,10 +137,11 @@ def main(argv=None) -> None:
         model_cfg = dataclasses.replace(stored, params_dtype="float32", transformer_impl="local")
     else:
         raise SystemExit(f"{args.load} has no model_config.json: pass --hf-path")
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-    )
+    sizes = {k: v for k, v in vars(args).items() if k.endswith("_parallel_size")}
+    try:  # the model against the layout, then the layout against the ranks: one line each
+        parallel = converter_layout(model_cfg, sizes, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)

@@ -712,3 +712,52 @@ def test_the_pre_check_checks_the_layout_against_a_known_world_size(tmp_path, mo
     with pytest.raises(SystemExit) as e:
         main([*args, "parallel.tensor_model_parallel_size=4"])
     assert str(e.value).startswith("config error: world size 2 is not divisible by ")
+
+
+def test_lora_targets_that_the_model_lacks_are_refused_by_the_pre_check(tmp_path):
+    """``lora.target_modules=[linear_qkv]`` on a multi-latent-attention model (DeepSeek-V3: no
+    fused query/key/value layer) is refused by the launchers' pre-check in one ``config error:``
+    line that names the model's targets, not by a traceback from every rank; the default (all
+    four) still passes the check, its ``linear_qkv`` left out as documented."""
+    from tests.models.conversion_helpers import save_tiny_hf_folder
+
+    folder = save_tiny_hf_folder("deepseek_v3", str(tmp_path / "hf"))
+    args = ["--config", "configs/tiny_cpu.yaml", f"model.hf_path={folder}", "lora.enabled=true"]
+    args += [f"run_dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "lora.target_modules=[linear_qkv]"])
+    assert str(stop.value) == (
+        "config error: lora.target_modules=['linear_qkv'] names no layer of this model "
+        "(multi-latent attention, model.kv_lora_rank=32, has no linear_qkv); its targets: "
+        "linear_proj, linear_fc1, linear_fc2"
+    )
+    config = load_config("configs/tiny_cpu.yaml", args[2:])
+    from dpo_megatron.config import check_model_layout
+
+    check_model_layout(config)  # the default targets: linear_proj, linear_fc1, linear_fc2 exist
+
+
+def test_a_model_load_that_holds_no_checkpoint_is_refused_by_the_pre_check(tmp_path):
+    """``model.load`` / ``reference.load`` naming a folder that holds no checkpoint (a typo, a
+    Hugging Face folder) is refused by the launchers' pre-check in one line naming the key,
+    before any rank starts: it passed the pre-check, and then either every rank raised a
+    traceback or, with no ``model.*`` keys in the config, the line blamed the tokenizer against
+    the default vocabulary size."""
+    tiny = ["--config", "configs/tiny_cpu.yaml", f"run_dir={tmp_path / 'run'}"]
+    missing = tmp_path / "nothing"
+    with pytest.raises(SystemExit) as stop:
+        main([*tiny, f"model.load={missing}"])
+    assert str(stop.value) == (
+        f"config error: model.load={missing}: not a megatron-core distributed checkpoint (no "
+        "such folder), nor a run's checkpoints folder holding one"
+    )
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        main([*tiny, f"reference.load={hf}"])
+    assert str(stop.value) == (
+        f"config error: reference.load={hf}: not a megatron-core distributed checkpoint (no "
+        "metadata.json there; a Hugging Face folder goes in reference.hf_path), nor a run's "
+        "checkpoints folder holding one"
+    )

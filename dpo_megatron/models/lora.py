@@ -80,9 +80,10 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from dpo_megatron.models.lora_config import (
-    LORA_TARGETS,
     LoraConfig,
     check_expert_tensor_parallel,
+    check_targets_of_model,
+    lora_targets_of,
 )
 from dpo_megatron.utils.modules import unwrap
 
@@ -395,9 +396,10 @@ def attach_lora(chunks: list, lora: LoraConfig, model_cfg, seed: int) -> list[Lo
             adapters.append(adapter)
             found += 1
         if not found and len(getattr(getattr(model, "decoder", None), "layers", [])):
+            check_targets_of_model(lora.target_modules, model_cfg)  # names the reason
             raise ValueError(
                 f"lora.target_modules={list(lora.target_modules)} matched no layer "
-                f"of this model (known: {', '.join(LORA_TARGETS)})"
+                f"of this model (its targets: {', '.join(lora_targets_of(model_cfg))})"
             )
         if model.config.recompute_granularity == "full" and getattr(model, "pre_process", False):
             model.embedding.register_forward_hook(_input_requires_grad)

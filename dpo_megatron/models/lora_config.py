@@ -66,6 +66,36 @@ def check_expert_tensor_parallel(tp: int, etp: int) -> None:
         )
 
 
+def lora_targets_of(model) -> tuple[str, ...]:
+    """The :data:`LORA_TARGETS` a model of ``model`` (a resolved ``ModelConfig``) has: all four,
+    but no ``linear_qkv`` with multi-latent attention (``model.kv_lora_rank`` set: DeepSeek-V3),
+    whose query and latent key/value projections are separate layers that take no adapter."""
+    if getattr(model, "kv_lora_rank", None) is not None:
+        return tuple(t for t in LORA_TARGETS if t != "linear_qkv")
+    return LORA_TARGETS
+
+
+def check_targets_of_model(target_modules, model) -> None:
+    """Whether ``lora.target_modules`` names at least one layer that the resolved model
+    ``model`` has (:func:`lora_targets_of`): checked before any rank starts, as the adapters
+    would otherwise match no layer in every rank.
+
+    Raises:
+        ValueError: no target exists in this model (naming the ones it has).
+    """
+    have = lora_targets_of(model)
+    if set(target_modules).isdisjoint(have):
+        why = (
+            f" (multi-latent attention, model.kv_lora_rank={model.kv_lora_rank}, has no linear_qkv)"
+            if "linear_qkv" not in have
+            else ""
+        )
+        raise ValueError(
+            f"lora.target_modules={list(target_modules)} names no layer of this model{why}; "
+            f"its targets: {', '.join(have)}"
+        )
+
+
 @dataclass
 class LoraConfig:
     """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted

@@ -94,6 +94,24 @@ class ParallelConfig:
         """Expert tensor-parallel size, resolved (None -> tensor_model_parallel_size)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
+    def describe(self, data_parallel_size: int, experts: bool = False) -> str:
+        """The layout as the start-up line names it: ``TP t x PP p x [CP c x ]DP d`` (CP only
+        above 1), and for a mixture-of-experts model (``experts``) how its experts are split,
+        ``(experts: EP e x expert TP et)``, a split inside the TP x DP ranks, so not a factor of
+        the world size. ``data_parallel_size`` is the built one (megatron-core's)."""
+        cp = self.context_parallel_size
+        text = (
+            f"TP {self.tensor_model_parallel_size} x PP {self.pipeline_model_parallel_size} x "
+            + (f"CP {cp} x " if cp > 1 else "")
+            + f"DP {data_parallel_size}"
+        )
+        if experts:
+            text += (
+                f" (experts: EP {self.expert_model_parallel_size} x expert TP "
+                f"{self.expert_tensor_parallel()})"
+            )
+        return text
+
     def validate(self, world_size: int | None = None) -> None:
         """Reject layouts that cannot be built; with ``world_size``, also on that many ranks.
 

@@ -72,7 +72,9 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def resolve_packing(cfg, loss_fn, model_cfg: ModelConfig):
     """``cfg.packing`` with ``enabled`` / ``share_prompt`` left at null decided (a new
-    ``PackingConfig``; ``cfg`` is not changed), and the reason."""
+    ``PackingConfig``; ``cfg`` is not changed), and the reason: a key set in the config that
+    overrode auto's choice is named beside auto's (never auto's reason alone for a choice auto
+    did not make)."""
     p = cfg.packing
     explicit = p.enabled is not None and p.share_prompt is not None
     if loss_fn.item_kind == "sft":
@@ -96,9 +98,16 @@ def resolve_packing(cfg, loss_fn, model_cfg: ModelConfig):
     share_prompt = p.share_prompt
     if share_prompt is None:
         share_prompt = share and enabled
+    stated = ", ".join(
+        f"packing.{key}={str(value).lower()}"
+        for key, value in (("enabled", p.enabled), ("share_prompt", p.share_prompt))
+        if value is not None
+    )
     p = dataclasses.replace(p, enabled=enabled, share_prompt=share_prompt)
     if explicit:
         return p, f"packing {_packing_name(p)} (set in the config)"
+    if (enabled, share_prompt) != (enable, share):  # the key set overrode auto's choice
+        return p, f"packing {_packing_name(p)} ({stated} in the config; auto: {why})"
     return p, f"packing {_packing_name(p)} (auto: {why})"
 
 

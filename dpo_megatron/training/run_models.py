@@ -28,6 +28,26 @@ def resolve_model_load(path: str) -> str:
     return find_latest_checkpoint(path) or path
 
 
+def require_model_checkpoint(key: str, path: str) -> str:
+    """The checkpoint ``key`` (``model.load`` / ``reference.load``) names: ``path`` itself or the
+    latest checkpoint of a run's ``checkpoints`` folder (:func:`resolve_model_load`), checked to
+    be a megatron-core distributed checkpoint before any rank loads it.
+
+    Raises:
+        FileNotFoundError: naming the key and the path, when it holds no checkpoint.
+    """
+    resolved = resolve_model_load(path)
+    if not os.path.isfile(os.path.join(resolved, "metadata.json")):
+        what = "no such folder" if not os.path.exists(path) else "no metadata.json there"
+        if os.path.isfile(os.path.join(path, "config.json")):
+            what += f"; a Hugging Face folder goes in {key.split('.')[0]}.hf_path"
+        raise FileNotFoundError(
+            f"{key}={path}: not a megatron-core distributed checkpoint ({what}), nor a run's "
+            "checkpoints folder holding one"
+        )
+    return resolved
+
+
 def built_from(load: str) -> str:
     """The ``model.hf_path`` the checkpoint ``load`` (a checkpoint, or a run's ``checkpoints``
     folder: its latest) was built from, as stored with it; '' when it stores none.

@@ -279,7 +279,6 @@ class Trainer:
                 )
         if self.sequence_parallel_note:
             print(self.sequence_parallel_note, flush=True)
-        cp = cfg.parallel.context_parallel_size
         weights = run_models.weights_source(
             self.model_config,
             seed=cfg.train.seed,
@@ -288,11 +287,12 @@ class Trainer:
         )
         reference = run_models.reference_source(cfg.reference)
         print(
-            f"layout TP {cfg.parallel.tensor_model_parallel_size} x PP "
-            f"{cfg.parallel.pipeline_model_parallel_size} x "
-            + (f"CP {cp} x " if cp > 1 else "")  # CP only when used
-            + f"DP "
-            f"{parallel_state.get_data_parallel_world_size()} on {self.device} "
+            "layout "
+            + cfg.parallel.describe(
+                parallel_state.get_data_parallel_world_size(),
+                experts=bool(self.model_config.num_experts),
+            )
+            + f" on {self.device} "
             # The CPU's tensors are the C allocator's (parallel.host_malloc).
             + (
                 f"({host_malloc.describe(trimming=self.heap_trimmer is not None)}) "

@@ -117,6 +117,17 @@ def _run_script(name, argv):
     load_script(name).main(argv)
 
 
+def _exported_exactly(hf_dir: str, out: str) -> dict:
+    """The HF folder's tensors, after checking that the export ``out`` holds each bit for bit."""
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    exported = load_file(os.path.join(out, "model-00001-of-00001.safetensors"))
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    return original
+
+
 @pytest.mark.slow
 def test_scripts_hf_to_megatron_to_hf_bit_exact(tmp_path):
     """convert_hf_to_megatron at TP 2, convert_megatron_to_hf at PP 2: every tensor comes back
@@ -149,10 +160,7 @@ def test_scripts_hf_to_megatron_to_hf_bit_exact(tmp_path):
             "2",
         ],
     )
-    original = load_file(os.path.join(hf_dir, "model.safetensors"))
-    exported = load_file(os.path.join(out, "model-00001-of-00001.safetensors"))
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    original = _exported_exactly(hf_dir, out)
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
     run_ranks(
         _run_script,
@@ -163,3 +171,22 @@ def test_scripts_hf_to_megatron_to_hf_bit_exact(tmp_path):
     exported16 = load_file(os.path.join(out16, "model-00001-of-00001.safetensors"))
     assert all(exported16[k].dtype == torch.bfloat16 for k in exported16)
     assert all(torch.equal(exported16[k], original[k].to(torch.bfloat16)) for k in original)
+
+
+@pytest.mark.slow
+def test_export_of_a_mixture_of_experts_model_at_tp2_is_bit_exact(tmp_path):
+    """convert_megatron_to_hf at TP 2 exports a mixture-of-experts checkpoint (its MoE layer
+    needs sequence parallelism at TP > 1, which the exporter turns on as the importer does):
+    every tensor comes back bit for bit (fp32)."""
+    hf_dir = save_tiny_hf_folder("qwen3_moe", str(tmp_path / "hf"))
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    run_ranks(
+        _run_script,
+        world_size=1,
+        name="convert_hf_to_megatron",
+        argv=["--hf-path", hf_dir, "--save", ckpt],
+    )
+    argv = ["--load", ckpt, "--save", out, "--dtype", "float32"]
+    argv += ["--tensor-model-parallel-size", "2"]
+    run_ranks(_run_script, world_size=2, name="convert_megatron_to_hf", argv=argv)
+    _exported_exactly(hf_dir, out)

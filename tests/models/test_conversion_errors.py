@@ -191,6 +191,26 @@ def _assert_nothing_written(save):
     assert not os.path.exists(save) and not os.path.exists(save + ".tmp")
 
 
+def test_a_layout_the_model_or_the_ranks_cannot_take_ends_the_converter_in_one_line(
+    llama_dir, tmp_path
+):
+    """The converter checks the model against its layout flags, then the layout against the
+    ranks, before it starts megatron-core: a mistake ends it with one ``error:`` line (no
+    traceback) and writes nothing."""
+    save = str(tmp_path / "ckpt")
+    argv = ["--hf-path", llama_dir, "--save", save]
+    with pytest.raises(SystemExit) as stop:
+        _convert([*argv, "--expert-model-parallel-size", "2"])
+    assert str(stop.value) == (
+        "error: parallel.expert_model_parallel_size=2 needs a mixture-of-experts model "
+        "(model.num_experts)"
+    )
+    with pytest.raises(SystemExit) as stop:
+        _convert([*argv, "--pipeline-model-parallel-size", "2"])
+    assert str(stop.value).startswith("error: world size 1 is not divisible by ")
+    _assert_nothing_written(save)
+
+
 @pytest.mark.slow
 def test_heads_not_divisible_by_tp_writes_nothing(tmp_path):
     folder = save_tiny_hf_folder("smollm2", str(tmp_path / "hf"))  # 9 heads, 3 KV heads

@@ -191,3 +191,19 @@ def test_new_default_gives_the_old_default_losses():
         for a, b in zip(new["losses"], old["losses"], strict=True):
             assert abs(a - b) < 1e-5, (new["losses"], old["losses"])
     assert old["losses"][1] != pytest.approx(old["losses"][0], abs=1e-4)  # the step moved it
+
+
+def test_one_packing_key_set_against_auto_is_named_not_called_auto():
+    """A packing key set in the config that overrides auto's choice (packing.enabled=true on a
+    mixture-of-experts model, packing.enabled=false on a dense one) is named on the start-up
+    line beside auto's reason; the line never gives auto's reason for a choice auto did not
+    make ('packing on (auto: off: ...)')."""
+    moe = {"num_experts": 4, "moe_ffn_hidden_size": 32}
+    cfg, line = _resolve(model=moe, packing=True)
+    assert cfg.packing.enabled is True and cfg.packing.share_prompt is False
+    assert "packing on (packing.enabled=true in the config; auto: off: MoE model" in line
+    cfg, line = _resolve(packing=False)
+    assert cfg.packing.enabled is False
+    assert "packing off (packing.enabled=false in the config; auto: shared-prompt pairs" in line
+    _, line = _resolve(model=moe)  # auto's own choice keeps its reason alone
+    assert "packing off (auto: off: MoE model" in line

@@ -6,6 +6,8 @@
   (the launchers' pre-check).
 - :func:`export_hf`: live model chunks (any layout) -> an HF folder (collective; LoRA merged).
 - :func:`export_peft_adapter`: a LoRA policy's adapters -> a PEFT adapter folder (collective).
+- :func:`~dpo_megatron.models.conversion.layout.converter_layout`: the layout an offline
+  converter runs at, checked before megatron-core starts.
 
 Architectures and their tensor tables: :mod:`dpo_megatron.models.conversion.architectures`.
 """

@@ -1,0 +1,26 @@
+"""The layout an offline converter (``scripts/convert_*.py``) runs at, checked before
+megatron-core starts."""
+
+from __future__ import annotations
+
+from dpo_megatron.models.config import ModelConfig
+from dpo_megatron.models.moe import moe_needs_sequence_parallel
+from dpo_megatron.models.transformer_config import build_transformer_config
+from dpo_megatron.parallel import ParallelConfig
+
+
+def converter_layout(model: ModelConfig, sizes: dict, world_size: int) -> ParallelConfig:
+    """``ParallelConfig(**sizes)`` (the converter's ``--*-parallel-size`` flags, by field name)
+    for ``model``, with sequence parallelism on for a mixture-of-experts model at TP > 1
+    (megatron-core's MoE layer refuses TP without it), checked against the model (heads / TP,
+    layers / PP, experts / EP: ``build_transformer_config``), then against the ``world_size``
+    ranks launched.
+
+    Raises:
+        ValueError: naming the model and parallel fields that conflict, or the world size.
+    """
+    tp = sizes.get("tensor_model_parallel_size") or 1
+    parallel = ParallelConfig(**sizes, sequence_parallel=moe_needs_sequence_parallel(model, tp))
+    build_transformer_config(model, parallel)
+    parallel.validate(world_size)
+    return parallel
