@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     finally:
         destroy_distributed()
     if rank0:
-        print(f"wrote {args.save}")
+        print(f"wrote {args.save} ({args.dtype})")
 
 
 def load_weights(chunks: list, model_cfg, ckpt_dir: str, base: bool = True):

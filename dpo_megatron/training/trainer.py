@@ -552,7 +552,10 @@ class Trainer:
         if mode == "adapter":
             folder = self.layout.hf_adapter
             export_peft_adapter(chunks, self.model_config, self.cfg.lora, folder, dtype)
-            what = f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
+            what = (
+                f"LoRA adapter in {dtype} (PEFT: peft.PeftModel.from_pretrained(base, folder)) "
+                f"-> {folder}"
+            )
         elif mode == "merged":
             folder = self.layout.hf_export
             export_hf(
@@ -569,6 +572,7 @@ class Trainer:
                     if self.model_config.head == "reward"
                     else "Hugging Face model"
                 )
+                + f" in {dtype}"
                 + (" (LoRA adapters merged)" if self.cfg.lora.enabled else "")
                 + f" -> {folder}"
             )

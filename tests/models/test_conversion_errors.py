@@ -202,7 +202,7 @@ def test_a_layout_the_model_or_the_ranks_cannot_take_ends_the_converter_in_one_l
     with pytest.raises(SystemExit) as stop:
         _convert([*argv, "--expert-model-parallel-size", "2"])
     assert str(stop.value) == (
-        "error: parallel.expert_model_parallel_size=2 needs a mixture-of-experts model "
+        "error: --expert-model-parallel-size 2 needs a mixture-of-experts model "
         "(model.num_experts)"
     )
     with pytest.raises(SystemExit) as stop:
@@ -215,7 +215,8 @@ def test_a_layout_the_model_or_the_ranks_cannot_take_ends_the_converter_in_one_l
 def test_heads_not_divisible_by_tp_writes_nothing(tmp_path):
     folder = save_tiny_hf_folder("smollm2", str(tmp_path / "hf"))  # 9 heads, 3 KV heads
     save = str(tmp_path / "ckpt")
-    with pytest.raises(RuntimeError, match="divisible by parallel.tensor_model_parallel_size=2"):
+    match = r"divisible by --tensor-model-parallel-size 2 \(or set --pad-attention-heads to add"
+    with pytest.raises(RuntimeError, match=match):
         run_ranks(
             _convert,
             world_size=2,

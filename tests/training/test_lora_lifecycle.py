@@ -54,7 +54,9 @@ def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(
     assert a[4]["loss"] < a[1]["loss"]
     # The export is said, with its folder, and the end-of-run summary points at it.
     folder = straight_run / "checkpoints" / "hf_adapter"
-    what = f"LoRA adapter (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
+    what = (
+        f"LoRA adapter in bfloat16 (PEFT: peft.PeftModel.from_pretrained(base, folder)) -> {folder}"
+    )
     log = (straight_run / "train.log").read_text().splitlines()
     assert f"exported the {what}" in log and f"  export: {what}" in log
 

@@ -3,6 +3,8 @@ megatron-core starts."""
 
 from __future__ import annotations
 
+import re
+
 from dpo_megatron.models.config import ModelConfig
 from dpo_megatron.models.moe import moe_needs_sequence_parallel
 from dpo_megatron.models.transformer_config import build_transformer_config
@@ -17,10 +19,25 @@ def converter_layout(model: ModelConfig, sizes: dict, world_size: int) -> Parall
     ranks launched.
 
     Raises:
-        ValueError: naming the model and parallel fields that conflict, or the world size.
+        ValueError: naming the converter's flags and the model fields that conflict, or the
+            world size.
     """
     tp = sizes.get("tensor_model_parallel_size") or 1
     parallel = ParallelConfig(**sizes, sequence_parallel=moe_needs_sequence_parallel(model, tp))
-    build_transformer_config(model, parallel)
-    parallel.validate(world_size)
+    try:
+        build_transformer_config(model, parallel)
+        parallel.validate(world_size)
+    except ValueError as e:
+        raise ValueError(as_converter_flags(str(e))) from None
     return parallel
+
+
+def as_converter_flags(message: str) -> str:
+    """A config check's message in the converters' words: ``parallel.X_size=N`` is their
+    ``--X-size N`` and ``model.pad_attention_heads=true`` their ``--pad-attention-heads``."""
+    message = message.replace("model.pad_attention_heads=true", "--pad-attention-heads")
+    return re.sub(
+        r"parallel\.(\w+_size)(=?)",
+        lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""),
+        message,
+    )
