@@ -106,6 +106,7 @@ def test_every_key_is_written_once():
         "save_total_limit": 2,
         "pad_to_multiple_of": 8,
         "precompute_ref_batch_size": 4,
+        "router_aux_loss_coef": 0.01,
         "loss_type": "sigmoid",
         "rpo_alpha": None,
         "gradient_accumulation_steps": 4,
@@ -155,6 +156,28 @@ def test_unknown_and_unsupported_fields():
         translate_trl({"trust_remote_code": True}, "cfg.yaml", 1)
     _, notes, _ = translate_trl({"pad_token": "<|im_end|>"}, "cfg.yaml", 1)
     assert any("pad_token='<|im_end|>': padding is never attended to or scored" in n for n in notes)
+
+
+def test_a_null_field_and_the_moe_aux_coefficient_load_as_our_keys():
+    """A YAML null becomes the config's null (it was the text None, which no key takes), and
+    TRL's router_aux_loss_coef (None: the model config's) is model.moe_aux_loss_coeff (the
+    same rule)."""
+    from dpo_megatron.config import load_config
+
+    overrides, _, _ = translate_trl({"router_aux_loss_coef": None}, "cfg.yaml", 1)
+    assert (
+        load_config(
+            None, [*overrides, "data.path=d.jsonl", "data.tokenizer=t"]
+        ).model.moe_aux_loss_coeff
+        is None
+    )
+    overrides, _, _ = translate_trl({"router_aux_loss_coef": 0.02}, "cfg.yaml", 1)
+    assert (
+        load_config(
+            None, [*overrides, "data.path=d.jsonl", "data.tokenizer=t"]
+        ).model.moe_aux_loss_coeff
+        == 0.02
+    )
 
 
 def test_trl_sigmoid_norm_is_the_length_normalised_loss():

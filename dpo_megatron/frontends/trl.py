@@ -50,6 +50,7 @@ RENAMES: dict[str, str] = {
     "save_total_limit": "checkpoint.keep_last_n",
     "pad_to_multiple_of": "train.seq_length_multiple",
     "precompute_ref_batch_size": "reference.micro_batch_size",
+    "router_aux_loss_coef": "model.moe_aux_loss_coeff",  # None: the model config's, both sides
 }
 """TRL field -> our key, same value."""
 
@@ -109,7 +110,6 @@ UNSUPPORTED: dict[str, Any] = {
     "activation_offloading": False,
     "trust_remote_code": False,
     "model_init_kwargs": None,
-    "router_aux_loss_coef": None,
 }
 """TRL fields with no counterpart here, and the only (default) value accepted."""
 
@@ -348,6 +348,8 @@ def trl_steps(facts: dict, items: int | None) -> tuple[int, int]:
 
 
 def _dotlist(value: Any) -> str:
+    if value is None:  # YAML's null, as OmegaConf reads it (str(None) would be the text None)
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
