@@ -17,11 +17,11 @@ from typing import Any
 CACHE_ENV = "DPO_MEGATRON_CACHE"
 """Environment variable that moves the cache (default ``~/.cache/dpo_megatron``)."""
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 """Format version of every cache entry: bump it when what a cached entry holds (or how it is
 computed) changes, so earlier entries are no longer found (5: the tokenization key holds the
 item kind's ``reads_rejected`` instead of an ``sft`` flag; 6: tokenized rows hold the row's
-``margin``)."""
+``margin``; 7: UltraFeedback rows hold the ``prompt_differs`` note)."""
 
 
 def cache_root() -> Path:
