@@ -106,6 +106,18 @@ def test_early_errors_for_sorting_losses_and_data_format():
         load_config(None, base + ["train.lrr=1"])
 
 
+@pytest.mark.parametrize("key", ["packing.enabled", "packing.share_prompt"])
+def test_packing_an_sft_loss_is_refused_by_the_config_not_on_the_ranks(key):
+    """Packing lays out preference pairs: asking for it with an SFT loss is a config error (the
+    pre-check's one line), not the batch builder's ValueError raised on every rank as a
+    traceback after the data is read."""
+    with pytest.raises(
+        ValueError, match=re.escape(f"{key}=true packs preference pairs; loss.name=sft")
+    ):
+        load_config(None, BASE + ["loss.name=sft", f"{key}=true"])
+    assert load_config(None, BASE + ["loss.name=sft", f"{key}=false"]).loss == {"name": "sft"}
+
+
 # ---------------------------------------------------------------------------------------------
 # Ranges, shorthands, parsing, the fast pre-check
 
