@@ -202,8 +202,7 @@ def test_a_layout_the_model_or_the_ranks_cannot_take_ends_the_converter_in_one_l
     with pytest.raises(SystemExit) as stop:
         _convert([*argv, "--expert-model-parallel-size", "2"])
     assert str(stop.value) == (
-        "error: --expert-model-parallel-size 2 needs a mixture-of-experts model "
-        "(model.num_experts)"
+        "error: --expert-model-parallel-size 2 needs a mixture-of-experts model (model.num_experts)"
     )
     with pytest.raises(SystemExit) as stop:
         _convert([*argv, "--pipeline-model-parallel-size", "2"])
@@ -230,7 +229,7 @@ def test_layers_not_divisible_by_pp_writes_nothing(tmp_path):
     folder = save_tiny_hf_folder("llama", str(tmp_path / "hf"), num_hidden_layers=3)
     save = str(tmp_path / "ckpt")
     with pytest.raises(
-        RuntimeError, match="3 layers, not divisible by parallel.pipeline_model_parallel_size=2"
+        RuntimeError, match="3 layers, not divisible by --pipeline-model-parallel-size 2"
     ):
         run_ranks(
             _convert,
