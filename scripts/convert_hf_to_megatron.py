@@ -93,9 +93,8 @@ def main(argv=None) -> None:
         )
     except FileNotFoundError as e:  # no folder, or no config.json in it: one line
         raise SystemExit(f"error: --hf-path {e}") from None
-    sizes = {k: v for k, v in vars(args).items() if k.endswith("_parallel_size")}
     try:  # the model against the layout, then the layout against the ranks: one line each
-        parallel = converter_layout(model_cfg, sizes, int(os.environ.get("WORLD_SIZE", "1")))
+        parallel = converter_layout(model_cfg, vars(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     initialize_distributed(parallel)

@@ -137,9 +137,8 @@ def main(argv=None) -> None:
         model_cfg = dataclasses.replace(stored, params_dtype="float32", transformer_impl="local")
     else:
         raise SystemExit(f"{args.load} has no model_config.json: pass --hf-path")
-    sizes = {k: v for k, v in vars(args).items() if k.endswith("_parallel_size")}
     try:  # the model against the layout, then the layout against the ranks: one line each
-        parallel = converter_layout(model_cfg, sizes, int(os.environ.get("WORLD_SIZE", "1")))
+        parallel = converter_layout(model_cfg, vars(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     initialize_distributed(parallel)

@@ -3,6 +3,7 @@ megatron-core starts."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from dpo_megatron.models.config import ModelConfig
@@ -11,17 +12,20 @@ from dpo_megatron.models.transformer_config import build_transformer_config
 from dpo_megatron.parallel import ParallelConfig
 
 
-def converter_layout(model: ModelConfig, sizes: dict, world_size: int) -> ParallelConfig:
-    """``ParallelConfig(**sizes)`` (the converter's ``--*-parallel-size`` flags, by field name)
-    for ``model``, with sequence parallelism on for a mixture-of-experts model at TP > 1
+def converter_layout(model: ModelConfig, flags: dict) -> ParallelConfig:
+    """The layout of the converter's ``--*-parallel-size`` flags (``flags``: its parsed
+    arguments, ``vars(args)``; the ``*_parallel_size`` ones are ``ParallelConfig`` fields) for
+    ``model``, with sequence parallelism on for a mixture-of-experts model at TP > 1
     (megatron-core's MoE layer refuses TP without it), checked against the model (heads / TP,
-    layers / PP, experts / EP: ``build_transformer_config``), then against the ``world_size``
-    ranks launched.
+    layers / PP, experts / EP: ``build_transformer_config``), then against the ranks launched
+    (``WORLD_SIZE``, 1 without a launcher).
 
     Raises:
         ValueError: naming the converter's flags and the model fields that conflict, or the
             world size.
     """
+    sizes = {k: v for k, v in flags.items() if k.endswith("_parallel_size")}
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tp = sizes.get("tensor_model_parallel_size") or 1
     parallel = ParallelConfig(**sizes, sequence_parallel=moe_needs_sequence_parallel(model, tp))
     try:
