@@ -710,9 +710,8 @@ def check_model_weights(cfg: DPOConfig) -> None:
         resolve_model_config,
     )
 
-    for key, path in (("model.load", cfg.model.load), ("reference.load", cfg.reference.load)):
-        if path:
-            require_model_checkpoint(key, path)
+    if cfg.model.load:  # reference.load: reference_model_config checks it below
+        require_model_checkpoint("model.load", cfg.model.load)
     model_cfg = resolve_model_config(cfg)
     if cfg.model.hf_path and not cfg.model.load:
         check_hf_weights(model_cfg)

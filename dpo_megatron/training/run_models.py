@@ -334,9 +334,10 @@ def reference_model_config(
     again when they build the reference).
 
     Raises:
-        FileNotFoundError: ``reference.hf_path`` has no config.json.
-        ValueError: ``reference.load`` is no checkpoint folder or a LoRA checkpoint (adapters, no
-            base weights); the reference is a reward model; or its architecture differs from the
+        FileNotFoundError: ``reference.hf_path`` has no config.json; ``reference.load`` holds no
+            checkpoint (:func:`require_model_checkpoint`).
+        ValueError: ``reference.load`` is a LoRA checkpoint (adapters, no base weights); the
+            reference is a reward model; or its architecture differs from the
             policy's (``models.config.architecture_differences``: naming both sources and each
             field with both values). A checkpoint saved without its ``model_config.json`` is not
             compared (megatron-core checks the shapes as it loads).
@@ -347,13 +348,8 @@ def reference_model_config(
         key = f"reference.hf_path={reference.hf_path}"
         theirs = model_config_from_hf(reference.hf_path, model)
     elif reference.load:
-        path = resolve_model_load(reference.load)
+        path = require_model_checkpoint("reference.load", reference.load)
         key = f"reference.load={path}"
-        if not os.path.isfile(os.path.join(path, "metadata.json")):
-            raise ValueError(
-                f"{key}: not a checkpoint folder (no metadata.json), nor a run's checkpoints "
-                "folder holding one"
-            )
         _refuse_adapter_checkpoint(path, "reference.load")
         stored = _stored_model(path)
         theirs = model if stored is None else with_run_settings(stored, model)

@@ -267,7 +267,11 @@ def test_a_reference_of_another_shape_or_no_causal_lm_is_refused_naming_both(tmp
     assert str(stop.value).startswith("config error: ") and str(weights) in str(stop.value)
     not_checkpoint = tmp_path / "empty"
     not_checkpoint.mkdir()
-    with pytest.raises(ValueError, match="reference.load=.*empty: not a checkpoint folder"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="reference.load=.*empty: not a megatron-core distributed checkpoint "
+        r"\(no metadata.json there\)",
+    ):
         check(f"reference.load={not_checkpoint}")
     adapters = tmp_path / "lora_ckpt"
     adapters.mkdir()
