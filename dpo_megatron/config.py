@@ -531,12 +531,7 @@ def validate(cfg: DPOConfig) -> None:
             )
     _validate_context_parallel(cfg)
     _validate_loss(cfg)
-    if cfg.reference.weights() and not _loss_reads_reference(cfg):
-        key = cfg.reference.weights_key()
-        raise ValueError(
-            f"{key}={cfg.reference.weights()}, but loss.name={cfg.loss['name']} reads no "
-            f"reference model: drop {key}"
-        )
+    _check_reference_used(cfg)
     cfg.lora.validate(
         loss=cfg.loss,
         loss_reads_reference=_loss_reads_reference(cfg) if cfg.lora.enabled else True,
@@ -545,6 +540,28 @@ def validate(cfg: DPOConfig) -> None:
         export_hf=cfg.checkpoint.export_hf,
         parallel=cfg.parallel,
     )
+
+
+def _check_reference_used(cfg: DPOConfig) -> None:
+    """A ``reference.*`` choice of weights or of how the log-probs are obtained is refused with
+    a loss that reads no reference (SimPO, ORPO, SFT, a reward model): the run would ignore it
+    (the start-up line says ``reference none``).
+
+    Raises:
+        ValueError: naming the first such key and the loss.
+    """
+    ref = cfg.reference
+    chosen = [
+        (ref.weights_key(), ref.weights()),
+        ("reference.mode", ref.mode if ref.mode != "auto" else ""),
+        ("reference.offload", "true" if ref.offload else ""),
+    ]
+    for key, value in chosen:
+        if value and not _loss_reads_reference(cfg):
+            raise ValueError(
+                f"{key}={value}, but loss.name={cfg.loss['name']} reads no reference model: "
+                f"drop {key}"
+            )
 
 
 def _loss_reads_reference(cfg: DPOConfig) -> bool:

@@ -208,6 +208,16 @@ BASE = ["data.tokenizer=t", "data.path=d.json"]
             "reference.load=/ckpt, but loss.name=simpo reads no reference model: drop "
             "reference.load",
         ),
+        (  # how the log-probs are obtained, for a loss without them: ignored, so refused
+            ["loss.name=orpo", "reference.mode=precomputed"],
+            "reference.mode=precomputed, but loss.name=orpo reads no reference model: drop "
+            "reference.mode",
+        ),
+        (
+            ["loss.name=sft", "reference.offload=true"],
+            "reference.offload=true, but loss.name=sft reads no reference model: drop "
+            "reference.offload",
+        ),
     ],
 )
 def test_a_reference_of_its_own_is_refused_where_it_cannot_work(overrides, message):
