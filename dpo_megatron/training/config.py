@@ -173,10 +173,12 @@ class ReferenceConfig:
     reference runs forward every step. 'precomputed': one forward-only pass over the training
     pairs before training, cached on disk; no reference forward while training. Both give the
     same log-probs to the bit (the pass groups pairs as the run's first epoch and evaluation
-    do), so with the policy's weights as reference step-0 rewards are exactly 0 in each."""
+    do), so with the policy's weights as reference step-0 rewards are exactly 0 in each. Other
+    than 'auto', refused with a loss that reads no reference."""
     offload: bool = False
     """Keep the reference weights in host memory and copy them to the accelerator only for the
-    reference pass (mode 'model'; also used for the precompute pass)."""
+    reference pass (mode 'model'; also used for the precompute pass). Refused with a loss that
+    reads no reference."""
     cache_dir: str = ""
     """Directory of precomputed tables (empty: <DPO_MEGATRON_CACHE>/reference_logps). Must be
     shared by all ranks of a multi-node run (like checkpoint directories)."""
