@@ -94,6 +94,9 @@ def test_generate_command_writes_greedy_completions_of_text_and_chat_prompts(tmp
     assert rows[0]["prompt"] == [{"role": "user", "content": PROMPTS[0]["prompt"]}]
     assert rows[2]["prompt"] == PROMPTS[1]["messages"]
     assert "completions of 3 prompts" in done.stdout
+    assert f"[generate] layout TP 1 x PP 1 x DP 1 | weights: Hugging Face folder {model_dir}\n" in (
+        done.stdout
+    )
     assert (
         "[generate] 2 text prompt(s) sent as one user turn through the chat template "
         "(generation.apply_chat_template=false: as they stand)\n"
@@ -129,6 +132,20 @@ def test_text_prompts_take_the_chat_template_unless_turned_off():
     bare.chat_template = None
     alone = encode_prompts([text], bare, encode_settings(bare, None))
     assert (alone.prompts, alone.prompt_ids, alone.note) == ([text], [plain], None)
+
+
+def test_the_start_up_line_names_the_layout_and_the_weights_sampled_from():
+    """The command said neither which weights it sampled from (a training config's
+    model.hf_path, or the checkpoint model.load names) nor the layout; a run's start-up line
+    names both, in the same words."""
+    from dpo_megatron.cli.generate import start_line
+    from dpo_megatron.config import load_config
+
+    overrides = ["model.hf_path=/models/hf", "parallel.pipeline_model_parallel_size=2"]
+    cfg = load_config(None, overrides, check=False)
+    assert start_line(cfg, cfg.model, 3) == (
+        "[generate] layout TP 1 x PP 2 x DP 3 | weights: Hugging Face folder /models/hf"
+    )
 
 
 def test_generate_command_names_a_malformed_prompt_row(tmp_path):

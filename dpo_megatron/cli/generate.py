@@ -36,9 +36,21 @@ def check_config(cfg) -> None:
         raise ValueError("set model.hf_path (an HF folder) or model.load (a checkpoint)")
 
 
+def start_line(cfg, model_cfg, data_parallel_size: int) -> str:
+    """The start-up line (rank 0): the layout and the weights sampled from, in words, as a
+    training run's start-up line names them. ``model_cfg``: the resolved model section."""
+    from dpo_megatron.training import run_models
+
+    layout = cfg.parallel.describe(data_parallel_size, experts=bool(model_cfg.num_experts))
+    weights = run_models.weights_source(model_cfg, seed=cfg.train.seed)
+    return f"[generate] layout {layout} | weights: {weights}"
+
+
 def run(cfg, prompts: list) -> str:
     """Build the policy and tokenizer, sample every prompt's completions and write them
     (rank 0); returns the output path (collective)."""
+    from megatron.core import parallel_state
+
     from dpo_megatron.data.encode import encode_settings
     from dpo_megatron.data.tokenizer import load_tokenizer, resolve_chat_template
     from dpo_megatron.generation.files import encode_prompts, generate_file
@@ -62,6 +74,8 @@ def run(cfg, prompts: list) -> str:
     policy = run_models.build_policy(
         model_cfg, parallel=cfg.parallel, lora=cfg.lora, seed=cfg.train.seed
     )
+    if is_rank0():
+        print(start_line(cfg, model_cfg, parallel_state.get_data_parallel_world_size()), flush=True)
     path = cfg.generation.output or os.path.join(cfg.run_dir, "generations.jsonl")
     return generate_file(
         policy,
