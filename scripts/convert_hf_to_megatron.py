@@ -25,6 +25,8 @@ from dpo_megatron.compat import before_megatron_import  # noqa: E402
 
 before_megatron_import()  # before megatron-core's import (its warnings; no torch.compile on CPU)
 
+from dpo_megatron.utils.exits import fail  # noqa: E402  (mistakes: one line from rank 0, exit 2)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -71,7 +73,7 @@ def main(argv=None) -> None:
     try:  # before any model is built: the output replaces the whole folder
         check_output_folder(args.save, [args.hf_path], args.overwrite)
     except ValueError as e:
-        raise SystemExit(f"error: --save {e}") from None
+        fail(f"error: --save {e}")
     from dpo_megatron.checkpointing import save_model_checkpoint
     from dpo_megatron.models import (
         ModelConfig,
@@ -92,11 +94,11 @@ def main(argv=None) -> None:
             ),
         )
     except FileNotFoundError as e:  # no folder, or no config.json in it: one line
-        raise SystemExit(f"error: --hf-path {e}") from None
+        fail(f"error: --hf-path {e}")
     try:  # the model against the layout, then the layout against the ranks: one line each
         parallel = converter_layout(model_cfg, vars(args))
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(f"error: {e}")
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)

@@ -30,6 +30,8 @@ from dpo_megatron.compat import before_megatron_import  # noqa: E402
 
 before_megatron_import()  # before megatron-core's import (its warnings; no torch.compile on CPU)
 
+from dpo_megatron.utils.exits import fail  # noqa: E402  (mistakes: one line from rank 0, exit 2)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -101,7 +103,7 @@ def main(argv=None) -> None:
         sources = [args.load, args.hf_path, args.tokenizer_dir]
         check_output_folder(args.save, sources, args.overwrite)
     except ValueError as e:
-        raise SystemExit(f"error: --save {e}") from None
+        fail(f"error: --save {e}")
     from dpo_megatron.checkpointing import load_model_config
     from dpo_megatron.checkpointing.integrity import CheckpointIntegrityError
     from dpo_megatron.checkpointing.training_checkpoint import find_latest_checkpoint
@@ -113,12 +115,12 @@ def main(argv=None) -> None:
     # A run's checkpoints/ folder (as model.load accepts) means its latest checkpoint.
     args.load = find_latest_checkpoint(args.load) or args.load
     if not os.path.isdir(args.load):
-        raise SystemExit(f"error: --load {args.load}: no such checkpoint folder")
+        fail(f"error: --load {args.load}: no such checkpoint folder")
     run_checkpoints = os.path.join(args.load, "checkpoints")
     if os.path.isdir(run_checkpoints) and not os.path.isfile(
         os.path.join(args.load, "metadata.json")
     ):
-        raise SystemExit(
+        fail(
             f"error: --load {args.load} is a run folder: pass {run_checkpoints} (its latest "
             "checkpoint) or one of its iter_* folders"
         )
@@ -136,21 +138,21 @@ def main(argv=None) -> None:
     elif stored is not None:
         model_cfg = dataclasses.replace(stored, params_dtype="float32", transformer_impl="local")
     else:
-        raise SystemExit(f"{args.load} has no model_config.json: pass --hf-path")
+        fail(f"error: --load {args.load} has no model_config.json: pass --hf-path")
     try:  # the model against the layout, then the layout against the ranks: one line each
         parallel = converter_layout(model_cfg, vars(args))
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(f"error: {e}")
     initialize_distributed(parallel)
     try:
         chunks = build_model_chunks(model_cfg, parallel)
         try:  # verifies the checksums and pickles first
             adapters = load_weights(chunks, model_cfg, args.load, base=not args.adapter)
         except CheckpointIntegrityError as e:  # names each bad file: one line, as the trainer's
-            raise SystemExit(f"error: {e}") from None
+            fail(f"error: {e}")
         if args.adapter:
             if adapters is None:
-                raise SystemExit(f"error: --adapter: {args.load} holds no LoRA adapters")
+                fail(f"error: --adapter: {args.load} holds no LoRA adapters")
             export_peft_adapter(chunks, model_cfg, adapters, args.save, dtype=args.dtype)
         else:
             export_hf(
@@ -170,8 +172,8 @@ def load_weights(chunks: list, model_cfg, ckpt_dir: str, base: bool = True):
     and a merged export merges them.
 
     Raises:
-        SystemExit: a LoRA checkpoint whose base was randomly initialised (not recoverable),
-            its base asked for.
+        SystemExit: (:func:`~dpo_megatron.utils.exits.fail`, one line, exit 2) a LoRA
+            checkpoint whose base was randomly initialised (not recoverable), its base asked for.
     """
     from dpo_megatron.checkpointing import load_model_checkpoint
     from dpo_megatron.checkpointing.training_checkpoint import checkpoint_lora
@@ -197,7 +199,8 @@ def _load_base(chunks: list, model_cfg, ckpt_dir: str, described: str) -> None:
     them (``model_cfg.load`` or ``model_cfg.hf_path``).
 
     Raises:
-        SystemExit: a randomly initialised base (``described``: the checkpoint's words for it).
+        SystemExit: (:func:`~dpo_megatron.utils.exits.fail`) a randomly initialised base
+            (``described``: the checkpoint's words for it).
     """
     from dpo_megatron.checkpointing import load_model_checkpoint
 
@@ -210,8 +213,8 @@ def _load_base(chunks: list, model_cfg, ckpt_dir: str, described: str) -> None:
 
         load_hf_weights(chunks, model_cfg, model_cfg.hf_path)
     else:
-        raise SystemExit(
-            f"{ckpt_dir} holds LoRA adapters of a randomly initialised base "
+        fail(
+            f"error: {ckpt_dir} holds LoRA adapters of a randomly initialised base "
             f"({described}): there are no base weights to merge them into"
         )
 

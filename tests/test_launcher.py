@@ -387,6 +387,31 @@ def test_a_mistake_met_by_one_rank_alone_is_printed_by_that_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_converter_mistake_under_the_launcher_is_one_line(tmp_path):
+    """The converters end a mistake through ``utils.exits.fail``: under the launcher at 2 ranks
+    the job ends with rank 0's line and the launcher's, exit status 1 (no line per rank, no
+    torchrun block, and no usage text from reading the converter's flags as a config command's
+    to look for a train.log)."""
+    missing = tmp_path / "missing"
+    out = subprocess.run(
+        [sys.executable, "-m", "dpo_megatron.launch", "--nproc-per-node", "2"]
+        + ["scripts/convert_hf_to_megatron.py", "--hf-path", str(missing)]
+        + ["--save", str(tmp_path / "ckpt")],
+        cwd=ROOT,
+        env=launcher_env(PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        f"error: --hf-path {missing}/config.json: no config.json (model.hf_path must be a "
+        "Hugging Face model folder)",
+        "launcher: the job stopped at the line above (rank 0; the other 1 rank(s) were stopped)",
+    ]
+
+
+@pytest.mark.slow
 def test_a_crash_on_the_ranks_keeps_its_traceback_and_torchruns_block(tmp_path):
     out = _ended("crash", tmp_path)
     assert out.returncode == 1

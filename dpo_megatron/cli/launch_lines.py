@@ -8,6 +8,8 @@ not written there.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 from collections.abc import Sequence
@@ -22,7 +24,10 @@ def _train_log(training_args: Sequence[str], rank0_pid: int | None = None) -> st
     from dpo_megatron.config import load_config
 
     try:
-        args = parse(parser("the entry's command line", "the entry"), list(training_args))
+        # quietly: an entry with flags of its own (a converter) is no config command, and
+        # argparse would print its usage and "unrecognized arguments" under the stop's line
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = parse(parser("the entry's command line", "the entry"), list(training_args))
         cfg = load_config(args.config, args.overrides)
     except (ValueError, SystemExit, OSError):
         return ""

@@ -191,22 +191,33 @@ def _assert_nothing_written(save):
     assert not os.path.exists(save) and not os.path.exists(save + ".tmp")
 
 
+def _stop_line(capsys, main, argv) -> str:
+    """The one line a converter ends with at a mistake (``utils.exits.fail``: on stderr, exit
+    status 2, as the engine's commands; under ``python -m dpo_megatron.launch`` one launcher
+    line follows, no torchrun block)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.strip()
+
+
 def test_a_layout_the_model_or_the_ranks_cannot_take_ends_the_converter_in_one_line(
-    llama_dir, tmp_path
+    llama_dir, tmp_path, capsys
 ):
     """The converter checks the model against its layout flags, then the layout against the
     ranks, before it starts megatron-core: a mistake ends it with one ``error:`` line (no
     traceback) and writes nothing."""
     save = str(tmp_path / "ckpt")
     argv = ["--hf-path", llama_dir, "--save", save]
-    with pytest.raises(SystemExit) as stop:
-        _convert([*argv, "--expert-model-parallel-size", "2"])
-    assert str(stop.value) == (
+    line = _stop_line(capsys, _convert, [*argv, "--expert-model-parallel-size", "2"])
+    assert line == (
         "error: --expert-model-parallel-size 2 needs a mixture-of-experts model (model.num_experts)"
     )
-    with pytest.raises(SystemExit) as stop:
-        _convert([*argv, "--pipeline-model-parallel-size", "2"])
-    assert str(stop.value).startswith("error: world size 1 is not divisible by ")
+    line = _stop_line(capsys, _convert, [*argv, "--pipeline-model-parallel-size", "2"])
+    assert line.startswith("error: world size 1 is not divisible by ")
     _assert_nothing_written(save)
 
 
@@ -378,7 +389,7 @@ def test_expert_parallel_without_experts_and_world_size(llama_dir):
     ).validate(2)  # EP carved from the TP ranks
 
 
-def test_the_converters_refuse_an_output_folder_they_would_replace(tmp_path, monkeypatch):
+def test_the_converters_refuse_an_output_folder_they_would_replace(tmp_path, monkeypatch, capsys):
     """Each converter writes a whole folder and renames it into place: a ``--save`` folder that
     is not empty (another model's files) is refused in one line unless ``--overwrite``, and one
     that is or holds its source always; nothing is touched. A ``--load`` that is a run folder
@@ -401,17 +412,16 @@ def test_the_converters_refuse_an_output_folder_they_would_replace(tmp_path, mon
         (to_hf, ["--load", str(run), "--save", str(tmp_path / "new")], f"{run} is a run folder"),
     ]
     for script, argv, message in cases:
-        with pytest.raises(SystemExit) as stop:
-            script.main(argv)
-        assert message in str(stop.value), stop.value
+        line = _stop_line(capsys, script.main, argv)
+        assert message in line, line
     assert (models / "other_model" / "weights.bin").read_text() == "keep me"
     from dpo_megatron.utils.files import check_output_folder
 
     check_output_folder(models, [str(run)], overwrite=True)  # --overwrite: replaced as asked
     check_output_folder(run / "checkpoints" / "hf", [str(run / "checkpoints")])  # inside: fine
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(
-        SystemExit, match=r"^error: --hf-path models/nope/config.json: no config"
-    ) as stop:
-        to_megatron.main(["--hf-path", "models/nope", "--save", str(tmp_path / "ckpt")])
-    assert "hub name" not in str(stop.value)
+    line = _stop_line(
+        capsys, to_megatron.main, ["--hf-path", "models/nope", "--save", str(tmp_path / "ckpt")]
+    )
+    assert line.startswith("error: --hf-path models/nope/config.json: no config")
+    assert "hub name" not in line

@@ -171,12 +171,21 @@ FOUR_STEPS = ["train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.k
 
 
 def _convert(load, save):
+    """The HF exporter in this rank; its stop (``utils.exits.fail``: one line on stderr, exit
+    2) as a RuntimeError ``exit STATUS: LINE`` for the test to read."""
+    import contextlib
+    import io
     import runpy
 
     converter = runpy.run_path(
         str(ROOT / "scripts" / "convert_megatron_to_hf.py"), run_name="converter"
     )
-    converter["main"](["--load", load, "--save", save])
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            converter["main"](["--load", load, "--save", save])
+    except SystemExit as stop:
+        raise RuntimeError(f"exit {stop.code}: {err.getvalue()}") from None
 
 
 def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fixture_files):
@@ -240,7 +249,7 @@ def test_a_corrupted_shard_is_named_everywhere_and_auto_falls_back(tmp_path, fix
         assert expected in error, (name, error[-1500:])
     # The converter says it in one line, as the trainer does (no traceback of its own).
     error = _failure(_convert, world_size=1, load=str(corrupt), save=str(tmp_path / "hf"))
-    assert f"SystemExit: error: {expected.split(': ', 1)[1]}" in error, error[-1500:]
+    assert f"exit 2: error: {expected.split(': ', 1)[1]}" in error, error[-1500:]
     assert not (tmp_path / "hf").exists()
 
 
