@@ -192,3 +192,19 @@ def test_step_md_counts_the_architectures_the_bf16_test_trains():
 
     assert ARCHITECTURES == FAMILIES
     assert f"trains all {len(FAMILIES)} architectures" in _read(ROOT / "docs" / "STEP.md")
+
+
+def test_the_presets_table_names_every_model_preset():
+    """HF_CONVERSION.md's Presets table, the page the other pages send ``model=NAME`` readers to,
+    names exactly ``MODEL_PRESETS``: a preset added or renamed fails here until the table has
+    it."""
+    from dpo_megatron.models.presets import MODEL_PRESETS
+
+    section = _read(ROOT / "docs" / "HF_CONVERSION.md").split("\n## Presets\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = {name for cell in rows for name in re.findall(r"`([^`]+)`", cell)}
+    assert named == set(MODEL_PRESETS), (
+        f"not in the table: {sorted(set(MODEL_PRESETS) - named)}; "
+        f"not a preset: {sorted(named - set(MODEL_PRESETS))}"
+    )
