@@ -208,3 +208,24 @@ def test_the_presets_table_names_every_model_preset():
         f"not in the table: {sorted(set(MODEL_PRESETS) - named)}; "
         f"not a preset: {sorted(named - set(MODEL_PRESETS))}"
     )
+
+
+def test_running_md_lists_every_section_of_the_config_tree():
+    """RUNNING.md's Configuration table has one row per field of ``DPOConfig``, with its class:
+    a section added to the tree (or a class renamed) fails here until the table has it."""
+    import dataclasses
+
+    from dpo_megatron.config import DPOConfig
+
+    section = _read(ROOT / "docs" / "RUNNING.md").split("\n## Configuration\n", 1)[1]
+    cells = [line.split("|") for line in section.splitlines() if line.startswith("| `")]
+    rows = {re.match(r"`(\w+)", c[1].strip()).group(1): c[2].strip() for c in cells}
+    fields = {f.name: str(f.type) for f in dataclasses.fields(DPOConfig)}
+    assert set(rows) == set(fields), (
+        sorted(set(fields) - set(rows)),
+        sorted(set(rows) - set(fields)),
+    )
+    classes = {
+        name: cls.strip("`") for name, cls in rows.items() if re.fullmatch(r"`[A-Z]\w+`", cls)
+    }
+    assert classes == {name: fields[name] for name in classes}
