@@ -230,3 +230,15 @@ def test_running_md_lists_every_section_of_the_config_tree():
         name: cls.strip("`") for name, cls in rows.items() if re.fullmatch(r"`[A-Z]\w+`", cls)
     }
     assert classes == {name: fields[name] for name in classes}
+
+
+def test_coming_from_md_names_every_trl_field_the_translator_reads():
+    """COMING_FROM.md's TRL table has a row for each field ``frontends.trl`` translates or
+    accepts (``known_fields``): a field added there fails here until the table says what it
+    becomes."""
+    from dpo_megatron.frontends.trl import known_fields
+
+    section = _read(ROOT / "docs" / "COMING_FROM.md").split("### Field by field", 1)[1]
+    first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = {name for cell in first_cells for name in re.findall(r"`(\w+)`", cell)}
+    assert sorted(set(known_fields()) - named) == []
