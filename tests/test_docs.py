@@ -232,13 +232,23 @@ def test_running_md_lists_every_section_of_the_config_tree():
     assert classes == {name: fields[name] for name in classes}
 
 
-def test_coming_from_md_names_every_trl_field_the_translator_reads():
-    """COMING_FROM.md's TRL table has a row for each field ``frontends.trl`` translates or
-    accepts (``known_fields``): a field added there fails here until the table says what it
-    becomes."""
-    from dpo_megatron.frontends.trl import known_fields
+def _frontend_keys(name: str) -> set[str]:
+    if name == "trl":
+        from dpo_megatron.frontends.trl import known_fields
 
-    section = _read(ROOT / "docs" / "COMING_FROM.md").split("### Field by field", 1)[1]
+        return set(known_fields())
+    from dpo_megatron.frontends.dpo_repo import REFERENCE_DEFAULTS
+
+    return set(REFERENCE_DEFAULTS)
+
+
+@pytest.mark.parametrize("frontend, table", [("trl", "Field by field"), ("dpo_repo", "Key by key")])
+def test_coming_from_md_names_every_key_the_translators_read(frontend, table):
+    """COMING_FROM.md's tables have a row for each key a front door translates or accepts
+    (``frontends.trl.known_fields``, ``frontends.dpo_repo.REFERENCE_DEFAULTS``): a key added
+    there fails here until its table says what it becomes."""
+    section = _read(ROOT / "docs" / "COMING_FROM.md").split(f"### {table}\n", 1)[1]
+    section = section.split("\n#", 1)[0]
     first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    named = {name for cell in first_cells for name in re.findall(r"`(\w+)`", cell)}
-    assert sorted(set(known_fields()) - named) == []
+    named = {name for cell in first_cells for name in re.findall(r"`([\w.]+)", cell)}
+    assert sorted(_frontend_keys(frontend) - named) == []
