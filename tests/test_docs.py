@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dpo_megatron"
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *PACKAGE.glob("*/README.md")])
+DOC_PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted([*DOC_PAGES, *PACKAGE.glob("*/README.md")])
 
 
 def _read(path: Path) -> str:
@@ -252,3 +253,53 @@ def test_coming_from_md_names_every_key_the_translators_read(frontend, table):
     first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     named = {name for cell in first_cells for name in re.findall(r"`([\w.]+)", cell)}
     assert sorted(_frontend_keys(frontend) - named) == []
+
+
+_NOT_KEYS = {"py", "json", "jsonl", "log", "yaml", "md", "pt", "txt", "csv", "parquet", "arrow"}
+
+
+def _config_keys() -> set[str]:
+    """Every dotted key of the config tree, every ``loss.`` key some loss or modifier takes,
+    and the reference DPO repo's keys (COMING_FROM.md names them as that repo spells them)."""
+    import dataclasses
+
+    import dpo_megatron.losses  # noqa: F401  (registers the losses)
+    from dpo_megatron.config import DPOConfig
+    from dpo_megatron.frontends.dpo_repo import REFERENCE_DEFAULTS
+    from dpo_megatron.losses.registry import LOSSES
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            yield prefix + f.name
+            if dataclasses.is_dataclass(value):
+                yield from walk(value, f"{prefix}{f.name}.")
+
+    keys = set(walk(DPOConfig(), ""))
+    modifiers = {"name", "weights", "sft_weight", "use_weighting", "ld_alpha", "reference_free"}
+    keys |= {f"loss.{p}" for p in modifiers.union(*(spec.params for spec in LOSSES.values()))}
+    return keys | set(REFERENCE_DEFAULTS)
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_every_config_key_a_page_names_exists(page):
+    """A ``section.key`` in a page's inline code (``loss.beta``, ``train.train_iters=2``,
+    ``data.max_length``) is a key of the config tree or of a registered loss: a key renamed or
+    removed fails here. File names (``train.py``), calls (``model.cuda()``), globs and
+    truncated words and modules (``data.batch``) are not keys."""
+    keys = _config_keys()
+    sections = {key.split(".")[0] for key in keys if "." in key}
+    text = re.sub(r"```.*?```", "", _read(page), flags=re.S)
+    unknown = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        for match in re.finditer(r"(?<![\w./$-])([a-z_]+(?:\.[a-z_0-9]+)+)(\(|\*|\.\.\.)?", span):
+            key, after = match.groups()
+            parts = key.split(".")
+            module = PACKAGE.joinpath(*parts[:2])
+            if after or parts[0] not in sections or parts[-1] in _NOT_KEYS:
+                continue
+            if module.with_suffix(".py").exists() or module.is_dir():  # data.batch: a module
+                continue
+            if key not in keys and not any(k.startswith(key + ".") for k in keys):
+                unknown.add(key)
+    assert not unknown, f"{page.relative_to(ROOT)} names {sorted(unknown)}"
