@@ -303,3 +303,16 @@ def test_every_config_key_a_page_names_exists(page):
             if key not in keys and not any(k.startswith(key + ".") for k in keys):
                 unknown.add(key)
     assert not unknown, f"{page.relative_to(ROOT)} names {sorted(unknown)}"
+
+
+def test_the_readme_counts_the_losses_and_model_types_the_registries_hold():
+    """The README's "**23 losses**" is ``len(LOSSES)`` and its "**13 Hugging Face model
+    types**" is ``len(ARCHITECTURES)``: a loss or an architecture added fails here until the
+    count follows."""
+    import dpo_megatron.losses  # noqa: F401  (registers the losses)
+    from dpo_megatron.losses.registry import LOSSES
+    from dpo_megatron.models.conversion.architectures import ARCHITECTURES
+
+    readme = _read(ROOT / "README.md")
+    assert f"**{len(LOSSES)} losses**" in readme
+    assert f"**{len(ARCHITECTURES)} Hugging Face model types**" in readme
