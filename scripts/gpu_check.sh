@@ -16,7 +16,11 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY="${PYTHON:-python3}"
+# The interpreter: PYTHON, else the repository's .venv (a set-up machine, as the other launchers),
+# else python3 (a bare GPU machine).
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"
+else PY=python3; fi
 WHEELS="${GPU_WHEELS:-$ROOT/.whl}"
 BUDGET="${GPU_CHECK_BUDGET:-420}"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment in .venv with torch, megatron-core and this package
-# (editable, with test and conversion extras), then the offline assets (SmolLM2-135M-Instruct,
-# dpo_en_demo, SentencePiece model) cached under ~/.cache/dpo_megatron. Safe to re-run.
+# (editable, with test, conversion and benchmark extras), then the offline assets
+# (SmolLM2-135M-Instruct, LLaMA-Factory's dpo_en_demo / dpo_zh_demo / alpaca_en_demo / kto_en_demo,
+# Mistral's SentencePiece model, the word-count prompts) cached under ~/.cache/dpo_megatron.
+# Safe to re-run.
 #
 #   bash scripts/setup.sh            # CPU torch wheel, all assets
 #   TORCH_SPEC=torch bash scripts/setup.sh    # GPU machines: your own torch

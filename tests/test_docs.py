@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dpo_megatron"
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *PACKAGE.glob("*/README.md")])
+DOC_PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted([*DOC_PAGES, *PACKAGE.glob("*/README.md")])
 
 
 def _read(path: Path) -> str:
@@ -64,6 +65,28 @@ def test_the_layout_map_names_every_top_level_module_and_package_once_by_floor()
     floors = _floors()
     order = [floors[name] for name in entries]
     assert order == sorted(order), list(zip(entries, order))
+
+
+_NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8}
+
+
+def test_the_layout_prose_says_which_entries_share_a_floor_as_importlinter_does():
+    """The sentence under the map ("The first six entries share the top floor and `online/`
+    shares one with `planning/`") names the top floor's size and every other shared floor: a
+    module moved to or from a floor fails here until the sentence says so."""
+    section = _read(ROOT / "README.md").split("\n## Layout\n", 1)[1].split("```", 1)[0]
+    prose = " ".join(section.split())
+    count = re.search(r"The first (\w+) entries share the top floor", prose).group(1)
+    floors = _floors()
+    assert _NUMBERS[count] == sum(1 for floor in floors.values() if floor == 0)
+    named = re.findall(r"`(\w+)(?:/|\.py)` shares? one with `(\w+)(?:/|\.py)`", prose)
+    assert all(floors[a] == floors[b] for a, b in named), named
+    shared = {
+        floor
+        for floor in set(floors.values()) - {0}
+        if sum(1 for f in floors.values() if f == floor) > 1
+    }
+    assert shared == {floors[a] for a, _ in named}, (named, shared)
 
 
 def _anchors(page: Path) -> set[str]:
@@ -184,3 +207,126 @@ def test_a_documented_engine_command_runs_under_the_launcher_not_bare_torchrun(p
     block and traceback."""
     bare = re.findall(r"\.venv/bin/torchrun [^`\n]*-m dpo_megatron\.\w+", _read(page))
     assert not bare, f"{page.relative_to(ROOT)}: use python -m dpo_megatron.launch in {bare}"
+
+
+def test_the_presets_table_names_every_model_preset():
+    """HF_CONVERSION.md's Presets table, the page the other pages send ``model=NAME`` readers to,
+    names exactly ``MODEL_PRESETS``: a preset added or renamed fails here until the table has
+    it."""
+    from dpo_megatron.models.presets import MODEL_PRESETS
+
+    section = _read(ROOT / "docs" / "HF_CONVERSION.md").split("\n## Presets\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = {name for cell in rows for name in re.findall(r"`([^`]+)`", cell)}
+    assert named == set(MODEL_PRESETS), (
+        f"not in the table: {sorted(set(MODEL_PRESETS) - named)}; "
+        f"not a preset: {sorted(named - set(MODEL_PRESETS))}"
+    )
+
+
+def test_running_md_lists_every_section_of_the_config_tree():
+    """RUNNING.md's Configuration table has one row per field of ``DPOConfig``, with its class:
+    a section added to the tree (or a class renamed) fails here until the table has it."""
+    import dataclasses
+
+    from dpo_megatron.config import DPOConfig
+
+    section = _read(ROOT / "docs" / "RUNNING.md").split("\n## Configuration\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    cells = [line.split("|") for line in section.splitlines() if line.startswith("| `")]
+    rows = {re.match(r"`(\w+)", c[1].strip()).group(1): c[2].strip() for c in cells}
+    fields = {f.name: str(f.type) for f in dataclasses.fields(DPOConfig)}
+    assert set(rows) == set(fields), (
+        sorted(set(fields) - set(rows)),
+        sorted(set(rows) - set(fields)),
+    )
+    classes = {
+        name: cls.strip("`") for name, cls in rows.items() if re.fullmatch(r"`[A-Z]\w+`", cls)
+    }
+    assert classes == {name: fields[name] for name in classes}
+
+
+def _frontend_keys(name: str) -> set[str]:
+    if name == "trl":
+        from dpo_megatron.frontends.trl import known_fields
+
+        return set(known_fields())
+    from dpo_megatron.frontends.dpo_repo import REFERENCE_DEFAULTS
+
+    return set(REFERENCE_DEFAULTS)
+
+
+@pytest.mark.parametrize("frontend, table", [("trl", "Field by field"), ("dpo_repo", "Key by key")])
+def test_coming_from_md_names_every_key_the_translators_read(frontend, table):
+    """COMING_FROM.md's tables have a row for each key a front door translates or accepts
+    (``frontends.trl.known_fields``, ``frontends.dpo_repo.REFERENCE_DEFAULTS``): a key added
+    there fails here until its table says what it becomes."""
+    section = _read(ROOT / "docs" / "COMING_FROM.md").split(f"### {table}\n", 1)[1]
+    section = section.split("\n#", 1)[0]
+    first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = {name for cell in first_cells for name in re.findall(r"`([\w.]+)", cell)}
+    assert sorted(_frontend_keys(frontend) - named) == []
+
+
+_NOT_KEYS = {"py", "json", "jsonl", "log", "yaml", "md", "pt", "txt", "csv", "parquet", "arrow"}
+
+
+def _config_keys() -> set[str]:
+    """Every dotted key of the config tree, every ``loss.`` key some loss or modifier takes,
+    and the reference DPO repo's keys (COMING_FROM.md names them as that repo spells them)."""
+    import dataclasses
+
+    import dpo_megatron.losses  # noqa: F401  (registers the losses)
+    from dpo_megatron.config import DPOConfig
+    from dpo_megatron.frontends.dpo_repo import REFERENCE_DEFAULTS
+    from dpo_megatron.losses.registry import LOSSES
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            yield prefix + f.name
+            if dataclasses.is_dataclass(value):
+                yield from walk(value, f"{prefix}{f.name}.")
+
+    keys = set(walk(DPOConfig(), ""))
+    modifiers = {"name", "weights", "sft_weight", "use_weighting", "ld_alpha", "reference_free"}
+    keys |= {f"loss.{p}" for p in modifiers.union(*(spec.params for spec in LOSSES.values()))}
+    return keys | set(REFERENCE_DEFAULTS)
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_every_config_key_a_page_names_exists(page):
+    """A ``section.key`` in a page's inline code (``loss.beta``, ``train.train_iters=2``,
+    ``data.max_length``) is a key of the config tree or of a registered loss: a key renamed or
+    removed fails here. File names (``train.py``), calls (``model.cuda()``), globs and
+    truncated words and modules (``data.batch``) are not keys."""
+    keys = _config_keys()
+    sections = {key.split(".")[0] for key in keys if "." in key}
+    text = re.sub(r"```.*?```", "", _read(page), flags=re.S)
+    unknown = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        for match in re.finditer(r"(?<![\w./$-])([a-z_]+(?:\.[a-z_0-9]+)+)(\(|\*|\.\.\.)?", span):
+            key, after = match.groups()
+            parts = key.split(".")
+            module = PACKAGE.joinpath(*parts[:2])
+            if after or parts[0] not in sections or parts[-1] in _NOT_KEYS:
+                continue
+            if module.with_suffix(".py").exists() or module.is_dir():  # data.batch: a module
+                continue
+            if key not in keys and not any(k.startswith(key + ".") for k in keys):
+                unknown.add(key)
+    assert not unknown, f"{page.relative_to(ROOT)} names {sorted(unknown)}"
+
+
+def test_the_readme_counts_the_losses_and_model_types_the_registries_hold():
+    """The README's "**23 losses**" is ``len(LOSSES)`` and its "**13 Hugging Face model
+    types**" is ``len(ARCHITECTURES)``: a loss or an architecture added fails here until the
+    count follows."""
+    import dpo_megatron.losses  # noqa: F401  (registers the losses)
+    from dpo_megatron.losses.registry import LOSSES
+    from dpo_megatron.models.conversion.architectures import ARCHITECTURES
+
+    readme = _read(ROOT / "README.md")
+    assert f"**{len(LOSSES)} losses**" in readme
+    assert f"**{len(ARCHITECTURES)} Hugging Face model types**" in readme

@@ -289,6 +289,31 @@ def test_missing_wheels_fail_with_a_clear_line(tmp_path):
     assert "git-ignored" in proc.stdout
 
 
+def test_without_python_set_a_set_up_machine_runs_its_venv(tmp_path):
+    """GPU.md's CPU rehearsal, ``bash scripts/gpu_check.sh --allow-cpu --tiny ...`` as written
+    (no PYTHON): on a set-up machine it takes the repository's .venv, as the other launchers do;
+    python3 on PATH (here one without megatron-core) is only the bare machine's fallback."""
+    if not os.access(REPO / ".venv" / "bin" / "python", os.X_OK):
+        pytest.skip("no .venv: not a set-up machine")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = _clean_env(OUT=str(tmp_path), GPU_WHEELS=str(tmp_path / "none"))
+    del env["PYTHON"]
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--allow-cpu", "--tiny", "--list"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cpu-llama" in proc.stdout and "FAIL install" not in proc.stdout
+
+
 def test_the_gpu_path_needs_only_what_the_gpu_machine_has_or_the_wheels_carry():
     """The bare GPU image has torch, numpy, packaging, PyYAML, jinja2, tensorboard, transformers,
     safetensors, psutil; the wheels carry megatron-core and omegaconf. Nothing else may be
