@@ -202,10 +202,12 @@ def test_step_md_counts_the_architectures_the_bf16_test_trains():
 )
 def test_a_documented_engine_command_runs_under_the_launcher_not_bare_torchrun(page):
     """A page's command for several ranks of an entry point (``-m dpo_megatron.generate``, ...)
-    starts ``python -m dpo_megatron.launch``: under bare ``torchrun`` a mistake the ranks report
-    in one line (a world size that does not fit the layout) is followed by torchrun's failure
-    block and traceback."""
-    bare = re.findall(r"\.venv/bin/torchrun [^`\n]*-m dpo_megatron\.\w+", _read(page))
+    or a converter starts ``python -m dpo_megatron.launch``: under bare ``torchrun`` a mistake
+    the ranks report in one line (a world size that does not fit the layout) is followed by
+    torchrun's failure block and traceback."""
+    bare = re.findall(
+        r"\.venv/bin/torchrun [^`\n]*(?:-m dpo_megatron\.\w+|scripts/convert_\w+\.py)", _read(page)
+    )
     assert not bare, f"{page.relative_to(ROOT)}: use python -m dpo_megatron.launch in {bare}"
 
 
