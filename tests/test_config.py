@@ -240,7 +240,7 @@ def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsy
 def test_config_anywhere_on_the_command_line(tmp_path):
     """``--config F`` may come anywhere, after ``k=v`` overrides too."""
     assert parse_args(["train.lr=0.1", "--config", "c.yaml", "loss.beta=1"]) == (
-        "c.yaml",
+        ["c.yaml"],
         ["train.lr=0.1", "loss.beta=1"],
     )
 
@@ -773,3 +773,56 @@ def test_a_model_load_that_holds_no_checkpoint_is_refused_by_the_pre_check(tmp_p
         "metadata.json there; a Hugging Face folder goes in reference.hf_path), nor a run's "
         "checkpoints folder holding one"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# What a user writing configs by hand meets: several files, interpolations, typos, --list-keys
+
+
+def test_several_config_files_merge_in_order(tmp_path):
+    """``--config base.yaml --config ipo.yaml``: every file counts, a later one's keys over an
+    earlier one's (argparse's plain option kept only the last file, silently)."""
+    base, ipo = tmp_path / "base.yaml", tmp_path / "ipo.yaml"
+    base.write_text("data:\n  tokenizer: tok\n  path: d.json\ntrain:\n  lr: 0.5\n")
+    ipo.write_text("loss:\n  name: ipo\n  beta: 0.5\ntrain:\n  lr: 0.25\n")
+    args = command.parse(
+        command.parser("x", "x"), ["--config", str(base), "--config", str(ipo), "loss.beta=0.3"]
+    )
+    cfg = load_config(args.config, args.overrides)
+    assert (cfg.data.path, cfg.train.lr, cfg.loss) == ("d.json", 0.25, {"name": "ipo", "beta": 0.3})
+    assert "train.lr (float, default 0.25 in " in list_keys(args.config)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("${train.nope}", "Interpolation key 'train.nope' not found: an interpolation names"),
+        ("${div:8,2}", "Unsupported interpolation type div: an interpolation names"),
+        ("${oc.env:DPO_MEGATRON_TEST_UNSET_VAR}", "DPO_MEGATRON_TEST_UNSET_VAR' not found"),
+    ],
+)
+def test_an_interpolation_that_does_not_resolve_is_one_line_naming_key_and_file(
+    tmp_path, value, message
+):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"reference:\n  micro_batch_size: {value}\n")
+    with pytest.raises(ValueError) as error:
+        load_config(str(f), BASE)
+    text = str(error.value)
+    assert "\n" not in text
+    assert text.startswith(f"config key 'reference.micro_batch_size' (from {f}): ")
+    assert message in text
+
+
+def test_a_misspelt_section_suggests_the_section():
+    with pytest.raises(ValueError, match=r"unknown config key 'trainn' .*Did you mean train\? "):
+        load_config(None, BASE + ["trainn.lr=1"])
+
+
+def test_list_keys_documents_every_key():
+    """Every key's block has its documentation, inherited fields included
+    (``generation.*`` / ``online.sampling.*`` are ``SamplingConfig``'s)."""
+    blocks = re.split(r"\n(?=\S)", list_keys())
+    undocumented = [b for b in blocks if "\n    " not in b and not b.startswith("loss.<")]
+    assert undocumented == []
+    assert "generation.top_p (float, default 1.0)\n    Nucleus sampling mass" in list_keys()
