@@ -826,3 +826,19 @@ def test_list_keys_documents_every_key():
     undocumented = [b for b in blocks if "\n    " not in b and not b.startswith("loss.<")]
     assert undocumented == []
     assert "generation.top_p (float, default 1.0)\n    Nucleus sampling mass" in list_keys()
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "simpo", "sft", "bradley_terry"])
+def test_print_config_runs_again_as_the_config(tmp_path, capsys, loss):
+    """``--print-config``'s YAML, given back as ``--config``, loads and prints the same. With a
+    loss that reads no reference the resolved mode used to be 'model', which the reference rule
+    (``config._check_reference_used``) then refused."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  num_layers: 2\n  hidden_size: 64\n  num_attention_heads: 4\n")
+    argv = ["--config", str(f), *BASE, f"loss.name={loss}", "--print-config"]
+    main(argv)
+    printed = capsys.readouterr().out
+    again = tmp_path / "again.yaml"
+    again.write_text(printed)
+    main(["--config", str(again), "--print-config"])
+    assert capsys.readouterr().out == printed
