@@ -30,6 +30,7 @@ import ast
 import difflib
 import inspect
 import os
+import re
 import textwrap
 import warnings
 from collections.abc import Sequence
@@ -468,6 +469,8 @@ def load_config(
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ValueError(_resolve_error_message(e, layers)) from None
+    # Where each key was set, for validate's messages (not a field: never printed or saved).
+    cfg._key_sources = _key_sources(layers)  # type: ignore[attr-defined]
     if check:
         validate(cfg)
     return cfg
@@ -546,8 +549,48 @@ def validate(cfg: DPOConfig) -> None:
     sections, then the loss (``build_loss``, which imports torch).
 
     Raises:
-        ValueError: naming the field(s) and what to do.
+        ValueError: naming the field(s) and what to do; for a config built by
+            :func:`load_config`, also the file (or the command line) that set each key the
+            message names.
     """
+    try:
+        _validate(cfg)
+    except ValueError as error:
+        where = _where_set(str(error), getattr(cfg, "_key_sources", {}))
+        if where and len(error.args) == 1:
+            error.args = (f"{error.args[0]} ({where})",)
+        raise
+
+
+def _key_sources(layers: list[tuple[Any, str]]) -> dict[str, str]:
+    """Dotted key -> the last layer (YAML file or command line) that sets it."""
+    sources: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str, source: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.", source)
+            else:
+                sources[f"{prefix}{key}"] = source
+
+    for layer, source in layers:
+        walk(OmegaConf.to_container(layer, resolve=False), "", source)
+    return sources
+
+
+def _where_set(message: str, sources: dict[str, str]) -> str:
+    """Where each dotted key ``message`` names was set, for those a layer set ('' if none):
+    ``train.global_batch_size set in a.yaml, train.micro_batch_size set on the command line``."""
+    named = dict.fromkeys(re.findall(r"\b[a-z_]+(?:\.[a-z_0-9]+)+", message))
+    return ", ".join(
+        f"{key} set {'on the' if sources[key] == 'command line' else 'in'} {sources[key]}"
+        for key in named
+        if key in sources
+    )
+
+
+def _validate(cfg: DPOConfig) -> None:
+    """:func:`validate`'s rules, in order."""
     cfg.parallel.validate()
     cfg.model.validate()
     cfg.data.validate()

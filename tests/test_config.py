@@ -410,9 +410,11 @@ def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_pat
         env=dict(os.environ, PYTHONPATH=ROOT),
         timeout=120,
     )
-    assert out.stdout.splitlines() == ["config error: train.log_interval=0 must be >= 1", "[]"], (
-        out.stderr
-    )
+    assert out.stdout.splitlines() == [
+        "config error: train.log_interval=0 must be >= 1 (train.log_interval set on the "
+        "command line)",
+        "[]",
+    ], out.stderr
 
 
 def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
@@ -842,3 +844,25 @@ def test_print_config_runs_again_as_the_config(tmp_path, capsys, loss):
     again.write_text(printed)
     main(["--config", str(again), "--print-config"])
     assert capsys.readouterr().out == printed
+
+
+def test_a_value_refused_after_the_merge_names_the_files_that_set_its_keys(tmp_path):
+    """Range and cross-key rules run on the merged tree; their line still says where each key
+    it names was set (the file, or the command line), so a conflict between two files is found
+    without reading both."""
+    base, more = tmp_path / "base.yaml", tmp_path / "more.yaml"
+    base.write_text("train:\n  global_batch_size: 4\n")
+    more.write_text("train:\n  micro_batch_size: 3\nloss:\n  name: sigmoid\n  beta: -0.1\n")
+    with pytest.raises(ValueError) as error:
+        load_config([str(base), str(more)], BASE)
+    assert str(error.value) == (
+        "train.global_batch_size=4 must be divisible by train.micro_batch_size=3 "
+        f"(train.global_batch_size set in {base}, train.micro_batch_size set in {more})"
+    )
+    with pytest.raises(ValueError) as error:
+        load_config([str(base), str(more)], BASE + ["train.micro_batch_size=2"])
+    assert str(error.value) == (
+        f"loss.beta=-0.1 is out of range (0.0, inf] for loss 'sigmoid' (loss.beta set in {more})"
+    )
+    with pytest.raises(ValueError, match=r"\(train.micro_batch_size set on the command line\)$"):
+        load_config(None, BASE + ["train.micro_batch_size=3"])
