@@ -30,6 +30,7 @@ import ast
 import difflib
 import inspect
 import os
+import re
 import textwrap
 import warnings
 from collections.abc import Sequence
@@ -37,7 +38,14 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from dpo_megatron.checkpointing.config import CheckpointConfig
 from dpo_megatron.compat import before_megatron_import
@@ -145,7 +153,17 @@ def _field_of(key: str):
 
 
 def _field_docs(node_type: type) -> dict[str, str]:
-    """Field name -> its docstring (the string literal after the field in the class body)."""
+    """Field name -> its docstring (the string literal after the field in the class body, or
+    in the body of the base dataclass that declares it: ``GenerationConfig``'s sampling fields
+    are ``SamplingConfig``'s)."""
+    docs: dict[str, str] = {}
+    for base in reversed([c for c in node_type.__mro__ if is_dataclass(c)]):
+        docs.update(_own_field_docs(base))
+    return docs
+
+
+def _own_field_docs(node_type: type) -> dict[str, str]:
+    """Field name -> docstring, for the fields declared in ``node_type``'s own class body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(node_type)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -161,14 +179,16 @@ def _field_docs(node_type: type) -> dict[str, str]:
     return docs
 
 
-def _file_values(config_file: str) -> dict[str, Any]:
-    """Dotted key -> the value ``config_file`` gives it, where that differs from the built-in
-    default (interpolations such as ``${asset:smollm2}`` as written, not resolved).
+def _file_values(config_file: str | Sequence[str]) -> dict[str, Any]:
+    """Dotted key -> the value the file(s) give it, merged in order, where that differs from
+    the built-in default (interpolations such as ``${asset:smollm2}`` as written, not resolved).
 
     Raises:
-        ValueError: as :func:`load_config` for the file.
+        ValueError: as :func:`load_config` for the files.
     """
-    merged = _merge_layer(OmegaConf.structured(DPOConfig), _load_yaml(config_file), config_file)
+    merged = OmegaConf.structured(DPOConfig)
+    for path in config_files(config_file):
+        merged = _merge_layer(merged, _load_yaml(path), path)
     given = OmegaConf.to_container(merged, resolve=False)
     defaults = OmegaConf.to_container(OmegaConf.structured(DPOConfig), resolve=False)
     out = {}
@@ -183,7 +203,7 @@ def _file_values(config_file: str) -> dict[str, Any]:
     return out
 
 
-def list_keys(config_file: str | None = None) -> str:
+def list_keys(config_file: str | Sequence[str] | None = None) -> str:
     """Every key of the tree with its type, default and documentation (valid range included),
     one block per key; ``loss.*`` keys depend on the loss (``dpo_megatron.losses``). With
     ``config_file`` (the launchers pass their default config), a key the file sets shows the
@@ -194,10 +214,9 @@ def list_keys(config_file: str | None = None) -> str:
     """
     lines = []
     from_file = _file_values(config_file) if config_file else {}
-    source = config_file and (
-        os.path.relpath(config_file)
-        if not os.path.relpath(config_file).startswith("..")
-        else config_file
+    source = " + ".join(
+        os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+        for path in config_files(config_file)
     )
 
     def walk(node_type: type, prefix: str) -> None:
@@ -235,8 +254,11 @@ def list_keys(config_file: str | None = None) -> str:
 def _unknown_key_message(bad_key: str, source: str) -> str:
     """Name the key and its source, suggest close matches, list the section's valid keys."""
     keys = _valid_keys(DPOConfig)
-    close = difflib.get_close_matches(bad_key, keys, n=3, cutoff=0.6)
     section = bad_key.split(".")[0]
+    # A misspelt section ('trainn') is matched against the sections and top-level keys, not
+    # against every dotted key (which would suggest 'train.lr' for it).
+    top = sorted({k.split(".")[0] for k in keys})
+    close = difflib.get_close_matches(bad_key, keys if "." in bad_key else top, n=3, cutoff=0.6)
     in_section = [k for k in keys if k.startswith(section + ".")]
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     listing = (
@@ -365,10 +387,20 @@ def _load_yaml(config_file: str):
     return _expand_layer(layer, config_file)
 
 
-def _layers(config_file: str | None, overrides: Sequence[str]) -> list[tuple[Any, str]]:
-    """(layer, source) of the YAML file and of the command line, section scalars (presets,
+def config_files(config_file: str | Sequence[str] | None) -> list[str]:
+    """The YAML files of a command line, in the order they merge: one path, several (``--config
+    base.yaml --config ipo.yaml``: a later file's keys override an earlier one's), or None."""
+    if config_file is None:
+        return []
+    return [config_file] if isinstance(config_file, str) else list(config_file)
+
+
+def _layers(
+    config_file: str | Sequence[str] | None, overrides: Sequence[str]
+) -> list[tuple[Any, str]]:
+    """(layer, source) of each YAML file and of the command line, section scalars (presets,
     ``loss=ipo``) and ``key=`` expanded, in the order they merge."""
-    layers = [(_load_yaml(config_file), config_file)] if config_file else []
+    layers = [(_load_yaml(path), path) for path in config_files(config_file)]
     dotted = [expanded for item in overrides for expanded in _expand_override(item)]
     try:
         layers.append((OmegaConf.from_dotlist(dotted), "command line"))
@@ -377,7 +409,9 @@ def _layers(config_file: str | None, overrides: Sequence[str]) -> list[tuple[Any
     return layers
 
 
-def stated_model_keys(config_file: str | None, overrides: Sequence[str] = ()) -> frozenset:
+def stated_model_keys(
+    config_file: str | Sequence[str] | None, overrides: Sequence[str] = ()
+) -> frozenset:
     """The ``model.*`` fields the YAML file or the command line set (a preset's included), as
     opposed to the defaults: what the user stated about the model, which a ``model.load``
     checkpoint must not silently override (``training.run_models.check_checkpoint_models``).
@@ -394,7 +428,7 @@ def stated_model_keys(config_file: str | None, overrides: Sequence[str] = ()) ->
 
 
 def check_model_sources(
-    cfg: DPOConfig, config_file: str | None, overrides: Sequence[str] = ()
+    cfg: DPOConfig, config_file: str | Sequence[str] | None, overrides: Sequence[str] = ()
 ) -> None:
     """``model.load`` and ``checkpoint.resume`` against the model the run builds and the
     ``model.*`` keys the config states, before any checkpoint is loaded
@@ -411,7 +445,7 @@ def check_model_sources(
 
 
 def load_config(
-    config_file: str | None, overrides: Sequence[str] = (), check: bool = True
+    config_file: str | Sequence[str] | None, overrides: Sequence[str] = (), check: bool = True
 ) -> DPOConfig:
     """Defaults <- YAML file <- dotted overrides, type-checked against DPOConfig.
 
@@ -427,18 +461,50 @@ def load_config(
             :func:`validate`).
     """
     merged = OmegaConf.structured(DPOConfig)
-    for layer, source in _layers(config_file, overrides):
+    layers = _layers(config_file, overrides)
+    for layer, source in layers:
         merged = _merge_layer(merged, layer, source)
     try:
         OmegaConf.resolve(merged)
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except ValidationError as e:
-        raise ValueError(
-            f"invalid value for config key {e.full_key!r}: {str(e.msg).splitlines()[0]}"
-        ) from None
+    except OmegaConfBaseException as e:
+        raise ValueError(_resolve_error_message(e, layers)) from None
+    # Where each key was set, for validate's messages (not a field: never printed or saved).
+    cfg._key_sources = _key_sources(layers)  # type: ignore[attr-defined]
     if check:
         validate(cfg)
     return cfg
+
+
+def _source_of(key: str, layers: list[tuple[Any, str]]) -> str:
+    """The last layer (YAML file or command line) that sets the dotted ``key``, as its source
+    names it; 'the defaults' when none does."""
+    for layer, source in reversed(layers):
+        node: Any = OmegaConf.to_container(layer, resolve=False)
+        for part in key.split("."):
+            node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
+        if node is not MISSING:
+            return source
+    return "the defaults"
+
+
+def _resolve_error_message(error: OmegaConfBaseException, layers: list[tuple[Any, str]]) -> str:
+    """One line for an error met while resolving the merged tree: an interpolation to a key that
+    is not there (``${train.nope}``), an unknown resolver, an unset environment variable
+    (``${oc.env:VAR}``), a ``???`` left unset, or a value of the wrong type once resolved; it
+    names the key, the file (or the command line) that set it, and what to do."""
+    key = getattr(error, "full_key", None) or "?"
+    what = " ".join(str(getattr(error, "msg", None) or error).splitlines()[0].split())
+    if isinstance(error, InterpolationResolutionError):
+        fix = (
+            "an interpolation names a full dotted key of the tree (e.g. "
+            "${train.micro_batch_size}) or a resolver (${asset:NAME}, ${oc.env:VAR,default})"
+        )
+    elif isinstance(error, MissingMandatoryValue):
+        fix = f"set {key} (in the YAML file or as {key}=... on the command line)"
+    else:
+        fix = "give it a value of its type (--list-keys shows each key's type)"
+    return f"config key {key!r} (from {_source_of(key, layers)}): {what}: {fix}"
 
 
 def config_from_mapping(sections: dict, check: bool = True) -> DPOConfig:
@@ -483,8 +549,48 @@ def validate(cfg: DPOConfig) -> None:
     sections, then the loss (``build_loss``, which imports torch).
 
     Raises:
-        ValueError: naming the field(s) and what to do.
+        ValueError: naming the field(s) and what to do; for a config built by
+            :func:`load_config`, also the file (or the command line) that set each key the
+            message names.
     """
+    try:
+        _validate(cfg)
+    except ValueError as error:
+        where = _where_set(str(error), getattr(cfg, "_key_sources", {}))
+        if where and len(error.args) == 1:
+            error.args = (f"{error.args[0]} ({where})",)
+        raise
+
+
+def _key_sources(layers: list[tuple[Any, str]]) -> dict[str, str]:
+    """Dotted key -> the last layer (YAML file or command line) that sets it."""
+    sources: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str, source: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.", source)
+            else:
+                sources[f"{prefix}{key}"] = source
+
+    for layer, source in layers:
+        walk(OmegaConf.to_container(layer, resolve=False), "", source)
+    return sources
+
+
+def _where_set(message: str, sources: dict[str, str]) -> str:
+    """Where each dotted key ``message`` names was set, for those a layer set ('' if none):
+    ``train.global_batch_size set in a.yaml, train.micro_batch_size set on the command line``."""
+    named = dict.fromkeys(re.findall(r"\b[a-z_]+(?:\.[a-z_0-9]+)+", message))
+    return ", ".join(
+        f"{key} set {'on the' if sources[key] == 'command line' else 'in'} {sources[key]}"
+        for key in named
+        if key in sources
+    )
+
+
+def _validate(cfg: DPOConfig) -> None:
+    """:func:`validate`'s rules, in order."""
     cfg.parallel.validate()
     cfg.model.validate()
     cfg.data.validate()

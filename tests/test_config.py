@@ -240,7 +240,7 @@ def test_yaml_that_is_a_list_or_does_not_parse_is_a_config_error(tmp_path, capsy
 def test_config_anywhere_on_the_command_line(tmp_path):
     """``--config F`` may come anywhere, after ``k=v`` overrides too."""
     assert parse_args(["train.lr=0.1", "--config", "c.yaml", "loss.beta=1"]) == (
-        "c.yaml",
+        ["c.yaml"],
         ["train.lr=0.1", "loss.beta=1"],
     )
 
@@ -410,9 +410,11 @@ def test_config_mistake_is_reported_before_torch_or_megatron_is_imported(tmp_pat
         env=dict(os.environ, PYTHONPATH=ROOT),
         timeout=120,
     )
-    assert out.stdout.splitlines() == ["config error: train.log_interval=0 must be >= 1", "[]"], (
-        out.stderr
-    )
+    assert out.stdout.splitlines() == [
+        "config error: train.log_interval=0 must be >= 1 (train.log_interval set on the "
+        "command line)",
+        "[]",
+    ], out.stderr
 
 
 def test_pre_check_reports_data_errors_in_one_line(tmp_path, capsys):
@@ -773,3 +775,94 @@ def test_a_model_load_that_holds_no_checkpoint_is_refused_by_the_pre_check(tmp_p
         "metadata.json there; a Hugging Face folder goes in reference.hf_path), nor a run's "
         "checkpoints folder holding one"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# What a user writing configs by hand meets: several files, interpolations, typos, --list-keys
+
+
+def test_several_config_files_merge_in_order(tmp_path):
+    """``--config base.yaml --config ipo.yaml``: every file counts, a later one's keys over an
+    earlier one's (argparse's plain option kept only the last file, silently)."""
+    base, ipo = tmp_path / "base.yaml", tmp_path / "ipo.yaml"
+    base.write_text("data:\n  tokenizer: tok\n  path: d.json\ntrain:\n  lr: 0.5\n")
+    ipo.write_text("loss:\n  name: ipo\n  beta: 0.5\ntrain:\n  lr: 0.25\n")
+    args = command.parse(
+        command.parser("x", "x"), ["--config", str(base), "--config", str(ipo), "loss.beta=0.3"]
+    )
+    cfg = load_config(args.config, args.overrides)
+    assert (cfg.data.path, cfg.train.lr, cfg.loss) == ("d.json", 0.25, {"name": "ipo", "beta": 0.3})
+    assert "train.lr (float, default 0.25 in " in list_keys(args.config)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("${train.nope}", "Interpolation key 'train.nope' not found: an interpolation names"),
+        ("${div:8,2}", "Unsupported interpolation type div: an interpolation names"),
+        ("${oc.env:DPO_MEGATRON_TEST_UNSET_VAR}", "DPO_MEGATRON_TEST_UNSET_VAR' not found"),
+    ],
+)
+def test_an_interpolation_that_does_not_resolve_is_one_line_naming_key_and_file(
+    tmp_path, value, message
+):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"reference:\n  micro_batch_size: {value}\n")
+    with pytest.raises(ValueError) as error:
+        load_config(str(f), BASE)
+    text = str(error.value)
+    assert "\n" not in text
+    assert text.startswith(f"config key 'reference.micro_batch_size' (from {f}): ")
+    assert message in text
+
+
+def test_a_misspelt_section_suggests_the_section():
+    with pytest.raises(ValueError, match=r"unknown config key 'trainn' .*Did you mean train\? "):
+        load_config(None, BASE + ["trainn.lr=1"])
+
+
+def test_list_keys_documents_every_key():
+    """Every key's block has its documentation, inherited fields included
+    (``generation.*`` / ``online.sampling.*`` are ``SamplingConfig``'s)."""
+    blocks = re.split(r"\n(?=\S)", list_keys())
+    undocumented = [b for b in blocks if "\n    " not in b and not b.startswith("loss.<")]
+    assert undocumented == []
+    assert "generation.top_p (float, default 1.0)\n    Nucleus sampling mass" in list_keys()
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "simpo", "sft", "bradley_terry"])
+def test_print_config_runs_again_as_the_config(tmp_path, capsys, loss):
+    """``--print-config``'s YAML, given back as ``--config``, loads and prints the same. With a
+    loss that reads no reference the resolved mode used to be 'model', which the reference rule
+    (``config._check_reference_used``) then refused."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  num_layers: 2\n  hidden_size: 64\n  num_attention_heads: 4\n")
+    argv = ["--config", str(f), *BASE, f"loss.name={loss}", "--print-config"]
+    main(argv)
+    printed = capsys.readouterr().out
+    again = tmp_path / "again.yaml"
+    again.write_text(printed)
+    main(["--config", str(again), "--print-config"])
+    assert capsys.readouterr().out == printed
+
+
+def test_a_value_refused_after_the_merge_names_the_files_that_set_its_keys(tmp_path):
+    """Range and cross-key rules run on the merged tree; their line still says where each key
+    it names was set (the file, or the command line), so a conflict between two files is found
+    without reading both."""
+    base, more = tmp_path / "base.yaml", tmp_path / "more.yaml"
+    base.write_text("train:\n  global_batch_size: 4\n")
+    more.write_text("train:\n  micro_batch_size: 3\nloss:\n  name: sigmoid\n  beta: -0.1\n")
+    with pytest.raises(ValueError) as error:
+        load_config([str(base), str(more)], BASE)
+    assert str(error.value) == (
+        "train.global_batch_size=4 must be divisible by train.micro_batch_size=3 "
+        f"(train.global_batch_size set in {base}, train.micro_batch_size set in {more})"
+    )
+    with pytest.raises(ValueError) as error:
+        load_config([str(base), str(more)], BASE + ["train.micro_batch_size=2"])
+    assert str(error.value) == (
+        f"loss.beta=-0.1 is out of range (0.0, inf] for loss 'sigmoid' (loss.beta set in {more})"
+    )
+    with pytest.raises(ValueError, match=r"\(train.micro_batch_size set on the command line\)$"):
+        load_config(None, BASE + ["train.micro_batch_size=3"])

@@ -104,7 +104,10 @@ def test_config_mistake_stops_the_launcher_with_one_line():
         "scripts/pretrain_dpo.sh", "--config", "configs/tiny_cpu.yaml", "train.log_interval=0"
     )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == ["config error: train.log_interval=0 must be >= 1"]
+    assert out.stderr.strip().splitlines() == [
+        "config error: train.log_interval=0 must be >= 1 (train.log_interval set on the command "
+        "line)"
+    ]
     assert "torch.distributed" not in out.stderr and out.stdout == ""
 
 

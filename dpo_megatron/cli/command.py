@@ -140,14 +140,17 @@ def description(doc: str) -> str:
 def parser(doc: str, prog: str) -> argparse.ArgumentParser:
     """A command's parser: ``prog`` as the command is run (``python -m dpo_megatron.train``: the
     usage line's first words), the first paragraph of its module docstring ``doc`` as the
-    description (:func:`description`), ``--config FILE`` and dotted ``key=value`` overrides; the
-    command adds its own options."""
+    description (:func:`description`), ``--config FILE`` (repeatable: ``args.config`` is then a
+    list of paths, or None) and dotted ``key=value`` overrides; the command adds its own
+    options."""
     p = argparse.ArgumentParser(description=description(doc), prog=prog)
     p.add_argument(
         "--config",
+        action="append",
         default=None,
         metavar="FILE",
-        help="the run's YAML config (any path; the recipes are under configs/)",
+        help="the run's YAML config (any path; the recipes are under configs/); several merge "
+        "in order, a later file's keys over an earlier one's",
     )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return p

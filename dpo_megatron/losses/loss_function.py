@@ -8,6 +8,7 @@ and applies the modifiers that act across losses (SFT term, WPO weights, LD-DPO,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from dpo_megatron.losses.reductions import (
 )
 from dpo_megatron.losses.registry import (
     LABEL_ARG,
+    LOSSES,
     LossSpec,
     LossState,
     ParamRange,
@@ -539,7 +541,22 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
     unknown = sorted(key for key in config if key not in valid)
     if unknown:
         named = names[0] if len(names) == 1 else names  # as the config wrote it
-        raise ValueError(f"loss.name={named} takes no parameter(s) {unknown}; valid keys: {valid}")
+        close = {
+            key: match
+            for key in unknown
+            for match in difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        }
+        hint = "".join(f" Did you mean loss.{match} for {key}?" for key, match in close.items())
+        # A parameter of another loss (simpo_gamma given to sigmoid): name the losses taking it.
+        hint += "".join(
+            f" {key} is a parameter of loss {', '.join(owners)}, not of {named}."
+            for key in unknown
+            if key not in close
+            and (owners := sorted(n for n, spec in LOSSES.items() if key in spec.params))
+        )
+        raise ValueError(
+            f"loss.name={named} takes no parameter(s) {unknown}.{hint} Valid keys: {valid}"
+        )
 
     components = [
         _component(spec, weight, config) for spec, weight in zip(specs, weights, strict=True)

@@ -143,8 +143,8 @@ def resolve_reference(cfg, loss_fn, num_train: int | None):
     ``auto`` where the loss reads a reference."""
     ref = cfg.reference
     if not loss_fn.needs_reference:
-        if ref.mode == "auto":
-            ref = dataclasses.replace(ref, mode="model")  # never built: the loss reads none
+        # Never built, and left as given ('auto'): a mode named with such a loss is refused
+        # (config._check_reference_used), so --print-config and config.yaml must not write one.
         return ref, "reference none (the loss reads none)"
     offload = " + offload" if ref.offload else ""
     if ref.mode != "auto":

@@ -53,12 +53,27 @@ def test_parameter_the_loss_does_not_take_lists_valid_keys():
     ) as error:
         build_loss({"name": "sigmoid", "beta": 0.1, "simpo_gamma": 0.5})
     assert (
-        "valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', "
+        "Valid keys: ['beta', 'label_smoothing', 'ld_alpha', 'name', 'reference_free', "
         "'sft_weight', "
         "'use_weighting', 'weights']" in str(error.value)
     )
     with pytest.raises(ValueError, match=r"^loss.name=\['sigmoid', 'sft'\] takes no parameter"):
         build_loss({"name": ["sigmoid", "sft"], "simpo_gamma": 0.5})
+
+
+def test_a_misspelt_or_misplaced_parameter_is_named_with_its_fix():
+    """A typo gets the nearest key the loss takes; another loss's parameter (SimPO's gamma given
+    to sigmoid, label smoothing to IPO) names the losses that take it."""
+    with pytest.raises(ValueError, match=r"\['betta'\]\. Did you mean loss\.beta for betta\?"):
+        build_loss({"name": "sigmoid", "betta": 0.1})
+    with pytest.raises(
+        ValueError, match=r"simpo_gamma is a parameter of loss simpo, not of sigmoid\."
+    ):
+        build_loss({"name": "sigmoid", "simpo_gamma": 0.5})
+    with pytest.raises(
+        ValueError, match=r"label_smoothing is a parameter of loss aot, .*not of ipo"
+    ):
+        build_loss({"name": "ipo", "label_smoothing": 0.1})
 
 
 def test_reference_free_is_not_a_key_of_reference_free_losses():

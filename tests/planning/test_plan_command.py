@@ -123,7 +123,11 @@ def test_without_a_config_the_mistake_says_to_pass_one():
         "--config given: the planner plans a run's config; pass --config FILE, e.g. "
         f"{RECIPE} or another recipe of configs/gpu/)"
     )
-    with pytest.raises(SystemExit, match=r"^config error: no data: set data.path .*a mix\)$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^config error: no data: set data.path .*a mix\) "
+        r"\(data.path set on the command line\)$",
+    ):
         main(["--config", TINY, "data.path="])
 
 
