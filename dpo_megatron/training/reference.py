@@ -142,14 +142,20 @@ def weights_fingerprint(chunks: list) -> str:
     fingerprint; any change of a value, of the layout or of the seed that drew random weights
     gives another. (megatron-core draws random weights per pipeline stage, so they depend on
     the layout: a layout-independent key would wrongly share tables between layouts.)
+
+    The parameters' dtypes count too: a bf16 checkpoint's values are the same numbers in an fp32
+    and a bf16 model (``model.params_dtype=auto`` is either, by device), but the forward rounds
+    differently, and a table of one is not the other's reference to the bit.
     """
-    stats = [
-        _tensor_stats(p.detach().reshape(-1))
+    frozen = [
+        p
         for chunk in chunks
         for _, p in sorted(unwrap(chunk).named_parameters())
         if not p.requires_grad
     ]
-    local = torch.cat(stats).cpu().numpy().tobytes() if stats else b""
+    stats = [_tensor_stats(p.detach().reshape(-1)) for p in frozen]
+    dtypes = ",".join(str(p.dtype) for p in frozen).encode()
+    local = dtypes + (torch.cat(stats).cpu().numpy().tobytes() if stats else b"")
     gathered = [local]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
@@ -171,7 +177,8 @@ def reference_cache_key(
         model_config: the architecture (ModelConfig or a dict).
         weights: :func:`weights_fingerprint` of the reference model.
         layout: the parallel layout (TP, PP, VPP, ...), since the reduction order and, for random
-            weights, the weights themselves depend on it.
+            weights, the weights themselves depend on it. The engine's device type is added
+            (its kernels round differently).
         grouping: how the pass grouped the pairs into micro-batches and rows
             (:func:`precompute_plan`'s fingerprint, the packing settings): the last bits of a
             pair's log-probs depend on what shares its micro-batch.
@@ -184,6 +191,8 @@ def reference_cache_key(
         "pairs": pairs_fingerprint(pairs),
         "grouping": grouping or {},
         "dtype": str(torch.get_default_dtype()),
+        # the kernels: the same weights give other last bits on a GPU than on the CPU
+        "device": get_device().type,
     }
     return content_key(key)
 

@@ -387,3 +387,31 @@ def test_a_reference_of_its_own_through_the_launcher_with_a_save_and_a_resume(tm
     assert sorted(again) == [2]
     for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
         assert again[2][key] == pytest.approx(step2[key], rel=1e-5), key
+
+
+def test_cache_key_follows_the_weights_dtype_and_the_device(monkeypatch):
+    """A bf16 checkpoint's values are the same numbers in an fp32 and a bf16 model
+    (``model.params_dtype=auto`` is either, by device), and the same weights give other last
+    bits on another device: neither may share a table. The fingerprint hashed only the values
+    and the key no device, so a bf16 run read an fp32 run's table (step-0 rewards not 0)."""
+    import copy
+
+    import dpo_megatron.training.reference as reference
+    from dpo_megatron.models import ModelConfig
+    from dpo_megatron.training.reference import weights_fingerprint
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())  # values that bf16 holds exactly
+        layer.bias.copy_(layer.bias.bfloat16().float())
+    fp32 = weights_fingerprint([layer])
+    assert fp32 == weights_fingerprint([copy.deepcopy(layer)])
+    assert weights_fingerprint([layer.to(torch.bfloat16)]) != fp32
+
+    pairs = [PreferencePair((5, 6), (7, 2), (8, 2))]
+    layout = {"tensor_model_parallel_size": 1}
+    monkeypatch.setattr(reference, "get_device", lambda: torch.device("cpu"))
+    on_cpu = reference_cache_key(pairs, ModelConfig(), "w1", layout)
+    monkeypatch.setattr(reference, "get_device", lambda: torch.device("cuda", 0))
+    assert reference_cache_key(pairs, ModelConfig(), "w1", layout) != on_cpu

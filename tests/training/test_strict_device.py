@@ -57,6 +57,14 @@ PLANS = {
     ),
     "context parallel, CP 2": ({"cp": 2}, []),
     "precomputed reference, packed, TP 2": ({"tp": 2}, [*PACKED, "reference.mode=precomputed"]),
+    "bf16, precomputed reference, PP 2": (
+        {"pp": 2},
+        ["model.params_dtype=bfloat16", "reference.mode=precomputed"],
+    ),
+    "bf16 reward model, TP 2": (
+        {"tp": 2},
+        ["model.params_dtype=bfloat16", "loss.name=bradley_terry"],
+    ),
     "GPT-2 shape (learned positions, LayerNorm), PP 2": (
         {"pp": 2},
         [
