@@ -36,6 +36,7 @@ from dpo_megatron.checkpointing.training_checkpoint import (
     remove_stale_tmp,
     resume_candidates,
     save_training_checkpoint,
+    saved_layout,
 )
 from dpo_megatron.parallel.shutdown import RunInterrupted, StopRequest
 from dpo_megatron.utils import ranks
@@ -183,14 +184,14 @@ context parallelism replicate the same weights."""
 def redraws_random_init(ckpt_dir: str, use_distributed_optimizer: bool) -> bool:
     """Whether this run's layout draws another random initialisation than the one
     ``ckpt_dir`` was saved at (a size of :data:`RANDOM_INIT_LAYOUT` changed)."""
-    saved = read_train_state(ckpt_dir)["layout"]
+    saved = saved_layout(read_train_state(ckpt_dir))
     now = current_layout(use_distributed_optimizer)
     return any(saved.get(k) != now.get(k) for k in RANDOM_INIT_LAYOUT)
 
 
 def layout_note(ckpt_dir: str, use_distributed_optimizer: bool) -> str | None:
     """A line saying the checkpoint was saved at another layout (resharded on load), or None."""
-    saved = read_train_state(ckpt_dir)["layout"]
+    saved = saved_layout(read_train_state(ckpt_dir))
     now = current_layout(use_distributed_optimizer)
     if saved == now:
         return None

@@ -206,6 +206,19 @@ def current_layout(use_distributed_optimizer: bool) -> dict[str, Any]:
     return layout
 
 
+def saved_layout(train_state: dict) -> dict[str, Any]:
+    """The layout a checkpoint was saved at (``train_state.json``'s ``layout``), with the sizes
+    that versions before expert parallelism did not record filled in as those versions ran
+    (EP 1, expert TP = TP, megatron-core's default), so that it compares equal to
+    :func:`current_layout` at the same layout. (Without them a dense run resumed at its own
+    layout read as resharded, ``None -> 1``: its RNG states were not restored and a run from
+    random weights was warned of a re-drawn reference.)"""
+    layout = dict(train_state["layout"])
+    layout.setdefault("expert_model_parallel_size", 1)
+    layout.setdefault("expert_tensor_parallel_size", layout.get("tensor_model_parallel_size"))
+    return layout
+
+
 def rng_state() -> dict[str, Any]:
     """This rank's RNG states as tensors and plain containers (loadable with
     ``torch.load(weights_only=True)``): Python's (a tuple of ints), NumPy's legacy global
@@ -449,7 +462,7 @@ def load_training_checkpoint(
     if not verified:
         verify_or_raise(ckpt_dir)
     train_state = read_train_state(ckpt_dir)
-    saved = train_state["layout"]
+    saved = saved_layout(train_state)
     if optimizer is not None and saved["use_distributed_optimizer"] != use_distributed_optimizer:
         raise ValueError(
             f"{ckpt_dir} was saved with train.use_distributed_optimizer="

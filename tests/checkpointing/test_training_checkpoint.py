@@ -175,3 +175,36 @@ def test_a_random_initialisation_is_redrawn_only_by_the_sizes_that_shape_it(tmp_
         now = {**saved, **change}
         monkeypatch.setattr(run_checkpoint, "current_layout", lambda _: now)
         assert run_checkpoint.redraws_random_init(str(tmp_path), True) is redrawn, change
+
+
+def test_a_checkpoint_from_before_expert_parallelism_resumes_at_its_own_layout(monkeypatch):
+    """train_state.json of versions before expert parallelism has no expert sizes in its layout
+    (simulated: today's layout without them). Resumed at the same dense layout it is the same
+    layout: no resharding note, no re-drawn reference and (the same comparison in
+    load_training_checkpoint) its RNG states restored. It read as resharded
+    (expert_model_parallel_size None -> 1)."""
+    from dpo_megatron.checkpointing import run_checkpoint, training_checkpoint
+
+    now = {
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "data_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": 2,
+        "world_size": 2,
+        "use_distributed_optimizer": True,
+    }
+    old = {k: v for k, v in now.items() if not k.startswith("expert_")}
+    monkeypatch.setattr(run_checkpoint, "read_train_state", lambda path: {"layout": old})
+    monkeypatch.setattr(run_checkpoint, "current_layout", lambda _: now)
+    assert run_checkpoint.layout_note("ckpt", True) is None
+    assert run_checkpoint.redraws_random_init("ckpt", True) is False
+    assert training_checkpoint.saved_layout({"layout": old}) == now
+    # a real change still reads as one
+    monkeypatch.setattr(
+        run_checkpoint, "current_layout", lambda _: {**now, "data_parallel_size": 2}
+    )
+    assert run_checkpoint.layout_note("ckpt", True) == (
+        "resharding ckpt (data_parallel_size 1 -> 2); RNG states start fresh"
+    )
