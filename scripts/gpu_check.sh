@@ -16,11 +16,8 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-# The interpreter: PYTHON, else the repository's .venv (a set-up machine, as the other launchers),
-# else python3 (a bare GPU machine).
-if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"
-else PY=python3; fi
+source "$ROOT/scripts/interpreter.sh"  # PYTHON: as the other launchers (python3 on a bare GPU machine)
+PY="$PYTHON"
 WHEELS="${GPU_WHEELS:-$ROOT/.whl}"
 BUDGET="${GPU_CHECK_BUDGET:-420}"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then

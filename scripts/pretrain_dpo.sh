@@ -11,9 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENTRY="${DPO_MEGATRON_ENTRY:-dpo_megatron.cli.train}"
 DEFAULT_CONFIG="${DPO_MEGATRON_DEFAULT_CONFIG:-$ROOT/configs/dpo_smollm2_cpu.yaml}"
-if [[ -n "${PYTHON:-}" ]]; then :
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
-else PYTHON=python3; fi
+source "$ROOT/scripts/interpreter.sh"  # PYTHON
 
 for a in "$@"; do
   if [[ "$a" == "-h" || "$a" == "--help" ]]; then

@@ -10,9 +10,7 @@
 #   bash scripts/train_reference_style.sh --dry-run ...   # print the translation only
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -n "${PYTHON:-}" ]]; then :
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
-else PYTHON=python3; fi
+source "$ROOT/scripts/interpreter.sh"  # PYTHON
 export PYTHON
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" -m dpo_megatron.cli.dpo_repo "$@"

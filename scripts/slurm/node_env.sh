@@ -5,9 +5,7 @@
 #                   nvidia-smi lists, else 1
 #   args            the command line ("$@" of with_default_config) with --config
 #                   DPO_MEGATRON_DEFAULT_CONFIG added when it names none
-if [[ -n "${PYTHON:-}" ]]; then :
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"
-else PYTHON=python3; fi
+source "$ROOT/scripts/interpreter.sh"  # PYTHON
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
   if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then GPUS_PER_NODE="$SLURM_GPUS_ON_NODE"
   elif command -v nvidia-smi >/dev/null 2>&1; then GPUS_PER_NODE="$(nvidia-smi -L | wc -l)"
