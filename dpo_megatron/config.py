@@ -476,18 +476,6 @@ def load_config(
     return cfg
 
 
-def _source_of(key: str, layers: list[tuple[Any, str]]) -> str:
-    """The last layer (YAML file or command line) that sets the dotted ``key``, as its source
-    names it; 'the defaults' when none does."""
-    for layer, source in reversed(layers):
-        node: Any = OmegaConf.to_container(layer, resolve=False)
-        for part in key.split("."):
-            node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
-        if node is not MISSING:
-            return source
-    return "the defaults"
-
-
 def _resolve_error_message(error: OmegaConfBaseException, layers: list[tuple[Any, str]]) -> str:
     """One line for an error met while resolving the merged tree: an interpolation to a key that
     is not there (``${train.nope}``), an unknown resolver, an unset environment variable
@@ -504,7 +492,8 @@ def _resolve_error_message(error: OmegaConfBaseException, layers: list[tuple[Any
         fix = f"set {key} (in the YAML file or as {key}=... on the command line)"
     else:
         fix = "give it a value of its type (--list-keys shows each key's type)"
-    return f"config key {key!r} (from {_source_of(key, layers)}): {what}: {fix}"
+    source = _key_sources(layers).get(key, "the defaults")
+    return f"config key {key!r} (from {source}): {what}: {fix}"
 
 
 def config_from_mapping(sections: dict, check: bool = True) -> DPOConfig:
@@ -662,12 +651,12 @@ def _check_reference_used(cfg: DPOConfig) -> None:
         ("reference.mode", ref.mode if ref.mode != "auto" else ""),
         ("reference.offload", "true" if ref.offload else ""),
     ]
-    for key, value in chosen:
-        if value and not _loss_reads_reference(cfg):
-            raise ValueError(
-                f"{key}={value}, but loss.name={cfg.loss['name']} reads no reference model: "
-                f"drop {key}"
-            )
+    given = [(key, value) for key, value in chosen if value]
+    if given and not _loss_reads_reference(cfg):  # builds the loss: only when a key is set
+        key, value = given[0]
+        raise ValueError(
+            f"{key}={value}, but loss.name={cfg.loss['name']} reads no reference model: drop {key}"
+        )
 
 
 def _loss_reads_reference(cfg: DPOConfig) -> bool:
