@@ -26,9 +26,11 @@ same model (SmolLM2-135M-Instruct or its first 4 layers), fp32, one thread, drop
   template and encoded by the engine's data path (at most ``--max-prompt-tokens``, the longest
   cut from the left), in calls of ``batch`` prompts in file order on both sides (transformers
   left-pads its batch), ``--max-new-tokens`` per completion with no stop at EOS (equal work),
-  greedy (completions must be identical) or sampled (temperature, top-p; top-k off). Each side
-  runs once untimed on one prompt first. Reported: generated tokens per CPU-second and per
-  second, peak RSS, identical completions.
+  greedy (completions must be identical) or sampled (temperature, top-p; top-k off). Sampled,
+  ``--samples`` completions per prompt (as the online loop's ``samples_per_prompt``): a call's
+  ``batch x samples`` rows are one micro-batch of the engine's and transformers'
+  ``num_return_sequences``. Each side runs once untimed on one prompt first. Reported:
+  generated tokens per CPU-second and per second, peak RSS, identical completions.
 
 The JSON is keyed ``results[model][objective][engine]`` (generation: one objective per mode and
 batch, ``generation/greedy/batch8``), and the command prints every ratio against the peer.
@@ -70,8 +72,9 @@ def objective_of(key: str) -> str:
     return key.split("/")[0]
 
 
-def generation_key(mode: str, batch: int) -> str:
-    return f"generation/{mode}/batch{batch}"
+def generation_key(mode: str, batch: int, samples: int = 1) -> str:
+    """``generation/sampled/batch2`` (one completion per prompt) or ``.../batch2x4``."""
+    return f"generation/{mode}/batch{batch}" + (f"x{samples}" if samples > 1 else "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,15 +223,17 @@ def _engine_generator(spec: dict):
             max_new_tokens=new_tokens,
             seed=spec["seed"],
         )
+        samples = spec.get("samples", 1)
         out = generate(
             chunks,
             prompts,
             params,
-            micro_batch_size=spec["batch"],
+            num_samples=samples,
+            micro_batch_size=spec["batch"] * samples,  # one call's rows, as transformers' batch
             pad_id=0,
             vocab_size=cfg.vocab_size,
         )
-        return [samples[0] for samples in out]
+        return [completion for per_prompt in out for completion in per_prompt]
 
     from dpo_megatron.compat.onednn_inference_linear import packed_linears
 
@@ -269,6 +274,7 @@ def _transformers_generator(spec: dict):
                 max_new_tokens=new_tokens,
                 eos_token_id=None,  # no stop, and no EOS suppressed (as the engine's rows)
                 pad_token_id=0,
+                num_return_sequences=spec.get("samples", 1),  # each prompt's samples adjacent
                 **sampling,
             )
         return full[:, width:].tolist()
@@ -400,9 +406,19 @@ def cases(args) -> list[tuple[str, str, dict]]:
         for mode in args.modes.split(","):
             if mode not in MODES:
                 raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+            if mode == "greedy" and args.samples > 1:
+                raise SystemExit(
+                    "--samples above 1 needs --modes sampled (greedy samples of a prompt are "
+                    "one completion)"
+                )
             for batch in (int(b) for b in args.batches.split(",")):
-                key = generation_key(mode, batch)
-                part = {"mode": mode, "batch": batch, "prompts": max(args.prompts, batch)}
+                key = generation_key(mode, batch, args.samples)
+                part = {
+                    "mode": mode,
+                    "batch": batch,
+                    "prompts": max(args.prompts, batch),
+                    "samples": args.samples,
+                }
                 for run in ("transformers", "engine"):
                     out.append((key, run, part))
     return out
@@ -426,6 +442,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", default="greedy,sampled", help="generation: greedy, sampled")
     parser.add_argument(
         "--prompts", type=int, default=16, help="generation: prompts (at least one batch)"
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="generation: completions per prompt (sampled; a call's rows: batch x samples)",
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=64)

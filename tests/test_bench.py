@@ -433,6 +433,14 @@ def test_objective_cases_run_the_peer_first_and_one_case_per_mode_and_batch():
     ]
     with pytest.raises(SystemExit, match="unknown objective 'ppo'"):
         objectives.cases(objectives.parse_args(["--objectives", "ppo"]))
+    sampled = objectives.parse_args(
+        ["--objectives", "generation", "--modes", "sampled", "--batches", "2", "--samples", "4"]
+    )
+    assert [(key, part["samples"]) for key, _, part in objectives.cases(sampled)] == [
+        ("generation/sampled/batch2x4", 4)
+    ] * 2
+    with pytest.raises(SystemExit, match="--samples above 1 needs --modes sampled"):
+        objectives.cases(objectives.parse_args(["--objectives", "generation", "--samples", "2"]))
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ own :class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core att
    appends at the same cache slots), positions counted from 0 at each row's first token, padding
    slots never a key, go through megatron-core's forward-only pipeline schedule once (one call
    per micro-batch, each at its own length). Only their real tokens are computed, packed into
-   one row with each prompt a causal span (``KVCache.append_packed``); under sequence
+   one row, and a prefix several rows share (a prompt's samples, a chat template's system turn)
+   only once (``generation.prefix_tree``, ``KVCache.append_packed``); under sequence
    parallelism, whose rows split along the sequence, the left-padded rows themselves;
 2. decode: one slot per row (x TP under sequence parallelism, the extra slots idle) per step,
    through the same schedule, until every completion of the world has stopped. On the CPU, a
@@ -45,8 +46,9 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 
 from dpo_megatron.compat import cuda_on_cpu
 from dpo_megatron.compat.onednn_inference_linear import packed_linears
-from dpo_megatron.data.batch import AttentionSpan, PackedLayout
+from dpo_megatron.data.batch import PackedLayout
 from dpo_megatron.generation.direct_decode import DirectDecoder, unsupported
+from dpo_megatron.generation.prefix_tree import pack_prompts
 from dpo_megatron.generation.sampling import SamplingParams, choose_tokens, completion_generator
 from dpo_megatron.models.attention import packed_seq_params
 from dpo_megatron.models.kv_cache import KVCache
@@ -163,28 +165,25 @@ def _prefill_inputs(mb: _MicroBatch, prompts, length: int, pad_id: int):
 
 def _prefill_feed(mb: _MicroBatch, prompts, pad_id: int, packed: bool):
     """Append the prompts' slots to ``mb``'s cache; the prefill's host tokens, positions and
-    output index: packed ([1, T], T the prompts' tokens, row after row, each prompt one causal
-    span; the output index each row's last token, an idle row's 0) or, without ``packed`` or
-    without any prompt (a rank's idle micro-batch), the left-padded [R, length] rows."""
+    output index: packed ([1, T], each prefix the rows share once, each node of the prompts'
+    tree one causal span: ``generation.prefix_tree``; the output index each row's last token,
+    an idle row's 0) or, without ``packed`` or without any prompt (a rank's idle micro-batch),
+    the left-padded [R, length] rows."""
     tokens, positions, real = _prefill_inputs(mb, prompts, mb.length, pad_id)
     rows, length = tokens.shape
     if not packed or not real.any():
         mb.cache.append(to_device(positions), to_device(real))
         return tokens, positions, torch.arange(rows) * length + length - 1
-    lengths = mb.prompt_lengths
-    ends = torch.tensor(lengths).cumsum(0)
-    spans = [
-        AttentionSpan(end - n, end, ((end - n, end),))
-        for n, end in zip(lengths, ends.tolist())
-        if n
-    ]
-    segment_ids = torch.repeat_interleave(
-        torch.arange(len(spans), dtype=torch.int32), torch.tensor([n for n in lengths if n])
+    tree = pack_prompts([prompts[k[0]] if k else None for k in mb.keys])
+    layout = PackedLayout.from_spans(tree.unit_ids[None], None, tree.spans).to_device()
+    shared = tree.tokens.numel() < tree.token_index.numel()
+    mb.cache.append_packed(
+        to_device(positions),
+        to_device(real),
+        packed_seq_params(layout, False),
+        to_device(tree.token_index) if shared else None,
     )
-    layout = PackedLayout.from_spans(segment_ids[None], None, spans).to_device()
-    mb.cache.append_packed(to_device(positions), to_device(real), packed_seq_params(layout, False))
-    output_index = torch.where(torch.tensor(lengths) > 0, ends - 1, 0)
-    return tokens[real][None], positions[real][None], output_index
+    return tree.tokens[None], tree.positions[None], tree.last
 
 
 def _decode_feed(mb: _MicroBatch, slots: int, pad_id: int):

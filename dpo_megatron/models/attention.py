@@ -157,6 +157,25 @@ def attention_mask_from_segments(
     return ~visible_keys(segment_ids, branch_ids)
 
 
+def span_visible_keys(spans, device: torch.device) -> torch.Tensor:
+    """Dense visibility of one packed row given as attention spans (``data.batch.AttentionSpan``:
+    query i of a span with Q queries and K keys sees its keys 0 .. K - Q + i): [1, 1, T, T]
+    bool, True where query t may attend to key s (T: the spans' queries). Unlike
+    :func:`visible_keys` it holds any tree of shared prefixes (``generation.prefix_tree``).
+
+    Example: spans [0, 2) on keys [0, 2) and [2, 3) on keys [0, 1] ++ [2]: query 2 sees keys
+    [1, 1, 1], query 1 sees [1, 1, 0].
+    """
+    total = spans[-1].q_end
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    for span in spans:
+        keys = torch.cat([torch.arange(b, e) for b, e in span.keys])
+        n_q = span.q_end - span.q_start
+        seen = torch.ones(n_q, len(keys), dtype=torch.bool).tril(len(keys) - n_q)
+        visible[span.q_start : span.q_end, keys] = seen
+    return visible.to(device)[None, None]
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels
 
@@ -769,10 +788,9 @@ class LocalAttention(DotProductAttention):
             if cache.packed is not None:  # a packed prefill: the dense mask of its layout
                 flat = [t[:, 0] for t in (key, value)]
                 cache.store_packed(self, *flat)
-                layout = cache.packed.layout
+                layout = cache.packed.layout  # its spans may share prefixes: no segment ids
                 mask = cache.packed.cached(
-                    "dense_mask",
-                    lambda: attention_mask_from_segments(layout.segment_ids, layout.branch_ids),
+                    "dense_mask", lambda: ~span_visible_keys(layout.spans, query.device)
                 )
                 return super().forward(query, key, value, mask, attn_mask_type, None, None)
             key, value = cache.update(self, key, value)

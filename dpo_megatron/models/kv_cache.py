@@ -23,11 +23,12 @@ slot also sees itself, so a padding query has a key and its output stays finite 
 it).
 
 A prefill need not compute the padding: :meth:`KVCache.append_packed` takes the same slots but
-only their real tokens, packed into one row ([1, T], row after row, each row's tokens in slot
-order) with the packed layout they are attended with (each row's prompt one causal span,
-``models.attention.PackedSequenceParams``); the core attention attends to them packed and
-scatters their keys and values into the slots (:meth:`KVCache.store_packed`). The padding slots
-keep zero keys that no real query sees.
+only their real tokens, packed into one row ([1, T]) with the packed layout they are attended
+with (``models.attention.PackedSequenceParams``): row after row, each row's prompt one causal
+span, or a token shared by several rows once (``generation.prefix_tree``: a common prefix, whose
+keys and values are the same for each row), with the packed token of each real slot; the core
+attention attends to them packed and scatters their keys and values into the slots
+(:meth:`KVCache.store_packed`). The padding slots keep zero keys that no real query sees.
 
 Storage: each owner's keys and values are [R, groups, capacity, hn], so a decode step reads a
 row's slots as a [groups, length, hn] view, the layout a batched matmul takes without a copy
@@ -68,8 +69,9 @@ class KVCache(PackedSeqParams):
     masks: dict = field(default_factory=dict, repr=False)
     packed: PackedSeqParams | None = None
     """The packed layout of the forward in progress (:meth:`append_packed`), else None."""
-    packed_slots: tuple[torch.Tensor, torch.Tensor] | None = None
-    """[T] row and [T] slot of each packed token (:meth:`append_packed`)."""
+    packed_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    """[N] row, [N] slot and [N] packed token (None: the i-th) of each real slot of the packed
+    forward in progress (:meth:`append_packed`)."""
 
     # PackedSeqParams compares field by field (tensors here): one cache is one object.
     __eq__ = object.__eq__
@@ -111,22 +113,35 @@ class KVCache(PackedSeqParams):
         self.packed = self.packed_slots = None
 
     def append_packed(
-        self, positions: torch.Tensor, real: torch.Tensor, packed: PackedSeqParams
+        self,
+        positions: torch.Tensor,
+        real: torch.Tensor,
+        packed: PackedSeqParams,
+        token_index: torch.Tensor | None = None,
     ) -> None:
         """Take the next n slots, as :meth:`append`, for a forward of their real tokens only.
 
         Args:
             positions, real: [R, n] as :meth:`append`.
-            packed: the packed layout of the forward's [1, T] tokens, T the real slots: row
-                after row, each row's real slots in slot order (attended with it; its
-                ``layout.spans`` must keep a row's tokens from another row's).
+            packed: the packed layout of the forward's [1, T] tokens (attended with it; its
+                ``layout.spans`` must keep a row's tokens from another row's, but for tokens
+                the rows share).
+            token_index: [N] int64, the packed token of each of the N real slots, row after
+                row in slot order (on the cache's device); None: T = N, the i-th real slot's
+                token the i-th.
 
         Raises:
-            ValueError: as :meth:`append`.
+            ValueError: as :meth:`append`, or a ``token_index`` of another length than the
+                real slots.
         """
         self.append(positions, real)
-        rows, slots = real.nonzero(as_tuple=True)  # row-major: the packed token order
-        self.packed, self.packed_slots = packed, (rows, slots + self.start)
+        rows, slots = real.nonzero(as_tuple=True)  # row-major
+        if token_index is not None and token_index.shape != rows.shape:
+            raise ValueError(
+                f"KVCache.append_packed: {rows.numel()} real slots, "
+                f"token_index of shape {tuple(token_index.shape)}"
+            )
+        self.packed, self.packed_slots = packed, (rows, slots + self.start, token_index)
 
     def _entry(self, owner: torch.nn.Module, key: torch.Tensor, value: torch.Tensor):
         """``owner``'s [R, groups, capacity, hn] keys and values (zeros when first met; values
@@ -162,7 +177,9 @@ class KVCache(PackedSeqParams):
             key, value: [T, groups, hn], the packed tokens in order.
         """
         keys, values = self._entry(owner, key, value)
-        rows, slots = self.packed_slots
+        rows, slots, index = self.packed_slots
+        if index is not None:  # a shared token fills each of its rows' slots
+            key, value = key.index_select(0, index), value.index_select(0, index)
         keys[rows, :, slots] = key
         values[rows, :, slots] = value
 

@@ -42,6 +42,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
+def _shared_prompts(vocab: int) -> list[list[int]]:
+    """Prompts whose prefill shares prefixes (``generation.prefix_tree``): a prompt, its
+    duplicate, one that branches off it after 6 tokens, and its first 4 tokens alone."""
+    first, second = _prompts(vocab)[:2]
+    return [second, second, second[:6] + first, second[:4]]
+
+
 # ---------------------------------------------------------------------------------------------
 # sampling by hand
 
@@ -172,13 +179,14 @@ def _chunks(hf_dir, tp=1, pp=1, ep=1, vpp=None, **model):
     return chunks, cfg
 
 
-def _generate(hf_dir, runs, tp=1, pp=1, ep=1, vpp=None):
+def _generate(hf_dir, runs, tp=1, pp=1, ep=1, vpp=None, shared=False):
     """``{name: completions}`` for each ``name: (SamplingParams kwargs, num_samples,
-    micro_batch_size)`` of ``runs``, on one model built at the layout."""
+    micro_batch_size)`` of ``runs``, on one model built at the layout (``shared``: of
+    :func:`_shared_prompts`)."""
     from dpo_megatron.generation import SamplingParams, generate
 
     chunks, cfg = _chunks(hf_dir, tp, pp, ep, vpp)
-    prompts = _prompts(cfg.vocab_size)
+    prompts = (_shared_prompts if shared else _prompts)(cfg.vocab_size)
     return {
         name: generate(
             chunks,
@@ -333,6 +341,7 @@ def runs(folders):
     }
     one = {
         "one": (_generate, dict(hf_dir=llama, runs=sampled)),
+        "shared": (_generate, dict(hf_dir=llama, shared=True, runs={"greedy": (GREEDY, 1, 4)})),
         "stops": (_stops, dict(hf_dir=llama)),
         **{
             f"cache_{arch}": (_cache_vs_recompute, dict(hf_dir=folders[arch]))
@@ -360,6 +369,10 @@ def runs(folders):
                 runs={"greedy": (GREEDY, 1, 2), "seed0_mbs2": (SAMPLED, 2, 2)},
             ),
         ),
+        "shared_tp2pp2": (
+            _generate,
+            dict(hf_dir=llama, tp=2, pp=2, shared=True, runs={"greedy": (GREEDY, 1, 4)}),
+        ),
         "dp4": (_generate, dict(hf_dir=llama, runs={"seed0_mbs1": (SAMPLED, 2, 1)})),
         # one micro-batch per rank: the interleaved schedule runs it twice (a padding copy)
         "vpp": (_generate, dict(hf_dir=llama, pp=2, vpp=2, runs={"seed0_mbs4": (SAMPLED, 2, 4)})),
@@ -374,10 +387,10 @@ def runs(folders):
     return {name: per_rank[0] for name, per_rank in results.items()}
 
 
-def _hf_greedy(arch: str) -> list[list[int]]:
+def _hf_greedy(arch: str, prompts=_prompts) -> list[list[int]]:
     model = build_tiny_hf_model(arch)
     out = []
-    for prompt in _prompts(ALL_TINY_CONFIGS[arch]["vocab_size"]):
+    for prompt in prompts(ALL_TINY_CONFIGS[arch]["vocab_size"]):
         ids = torch.tensor([prompt])
         full = model.generate(
             ids,
@@ -399,6 +412,20 @@ def test_greedy_equals_transformers_generate(runs, case):
     got = runs[case]["greedy"]
     assert [samples[0] for samples in got] == expected
     assert all(len(s) == 1 for s in got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["shared", "shared_tp2pp2"])
+def test_prompts_that_share_prefixes_are_prefilled_once_and_decode_as_transformers(runs, case):
+    """A prompt, its duplicate, one branching off it and its start, in one micro-batch: the
+    prefill packs their 14 distinct tokens once (not 33), and the greedy completions are
+    ``transformers``' of each prompt alone, at one rank and at TP 2 x PP 2."""
+    from dpo_megatron.generation.prefix_tree import pack_prompts
+
+    prompts = _shared_prompts(ALL_TINY_CONFIGS["llama"]["vocab_size"])
+    assert pack_prompts(prompts).tokens.numel() == 9 + 5 < sum(map(len, prompts)) == 9 + 9 + 11 + 4
+    got = runs[case]["greedy"]
+    assert [samples[0] for samples in got] == _hf_greedy("llama", _shared_prompts)
 
 
 @pytest.mark.slow
