@@ -27,13 +27,14 @@ within seconds.
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import inspect
 import os
 import re
 import textwrap
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Any, get_type_hints
 
@@ -542,8 +543,17 @@ def validate(cfg: DPOConfig) -> None:
             :func:`load_config`, also the file (or the command line) that set each key the
             message names.
     """
-    try:
+    with _naming_sources(cfg):
         _validate(cfg)
+
+
+@contextlib.contextmanager
+def _naming_sources(cfg: DPOConfig) -> Iterator[None]:
+    """A ValueError raised in the block gets where each key it names was set, for a config built
+    by :func:`load_config` (``cfg._key_sources``; a ``dataclasses.replace`` copy has none, so
+    the checks that validate a copy run in a block of the original)."""
+    try:
+        yield
     except ValueError as error:
         where = _where_set(str(error), getattr(cfg, "_key_sources", {}))
         if where and len(error.args) == 1:
@@ -771,8 +781,9 @@ def validate_online_config(cfg: DPOConfig, world_size: int | None = None) -> Non
     if not (cfg.data.path or cfg.data.datasets):
         stand_in = cfg.online.prompts or "online.prompts"
         checked = replace(cfg, data=replace(cfg.data, path=stand_in))
-    validate(checked)
-    validate_online(cfg, world_size)
+    with _naming_sources(cfg):  # the copy has no record of where its keys were set
+        _validate(checked)
+        validate_online(cfg, world_size)
 
 
 def world_size_for(cfg: DPOConfig) -> int:

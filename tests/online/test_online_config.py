@@ -163,3 +163,30 @@ def test_a_fresh_run_over_an_online_run_is_refused(tmp_path, prompts_file):
         check_run_dir(cfg)
     cfg.checkpoint.resume = "auto"
     check_run_dir(cfg)  # continuing it is fine
+
+
+def test_errors_say_which_file_set_the_keys_they_name(tmp_path, prompts_file):
+    """An online config has no ``data.path``: its checks read a copy with the prompts file in
+    its place, and both the training rules on that copy and the online ones name the file (or
+    the command line) that set each key, as a training run's do."""
+    online = tmp_path / "online.yaml"
+    online.write_text("online:\n  rounds: 2\n  samples_per_prompt: 1\n")
+    batches = tmp_path / "batches.yaml"
+    batches.write_text("train:\n  global_batch_size: 3\n  micro_batch_size: 2\n")
+    base = [
+        f"run_dir={tmp_path / 'run'}",
+        "model.load=/some/checkpoint",
+        "data.tokenizer=/some/tokenizer",
+        f"online.prompts={prompts_file}",
+        "online.judge=tests.online.standins:char_judge",
+    ]
+    cfg = load_config([str(online)], base, check=False)
+    with pytest.raises(ValueError) as error:
+        validate_online_config(cfg)
+    assert str(error.value).endswith(f"(online.samples_per_prompt set in {online})")
+    cfg = load_config([str(batches)], [*base, "online.rounds=2"], check=False)
+    with pytest.raises(ValueError) as error:
+        validate_online_config(cfg)
+    assert str(error.value).endswith(
+        f"(train.global_batch_size set in {batches}, train.micro_batch_size set in {batches})"
+    )
