@@ -27,6 +27,8 @@ through the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -200,9 +202,14 @@ class _Layer:
             t, freqs, config=self.config, mscale=self.mscale, cp_group=self.cp_group
         )
 
-    def __call__(self, hidden: torch.Tensor, rope, cache: KVCache) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, rope, caches: list[tuple[KVCache, int]]
+    ) -> torch.Tensor:
         """[R, h] -> [R, h]: megatron-core's ``TransformerLayer`` forward of one slot per row
-        (``rope``: the step's angles, [1, R, 1, 1, dim] and its [1, R, 1, dim] view, or None)."""
+        (``rope``: the step's angles, [1, R, 1, 1, dim] and its [1, R, 1, dim] view, or None),
+        the rows of one or more micro-batches one after another (``caches``: each micro-batch's
+        cache and row count, in row order). Everything but the attention is row by row, so the
+        micro-batches share each product; each attends to its own cache."""
         rows, per_group, head = hidden.shape[0], self.per_group, self.head
         qkv = self.qkv(self.input_norm(hidden)).view(1, rows, self.groups, per_group + 2, head)
         if rope is not None and self.norms == (None, None):
@@ -219,16 +226,34 @@ class _Layer:
                 key = self.norms[1](key)
             if rope is not None:
                 query, key = self._rotate(query, rope[1]), self._rotate(key, rope[1])
-        query = query.reshape(1, rows, -1, head)
-        core = self.core
-        context = cached_attention(
-            core, query, key, qkv[:, :, :, per_group + 1], cache, core.softmax_scale, None
-        )
-        hidden = self.proj(context[0]).add_(hidden)
+        query, value = query.reshape(1, rows, -1, head), qkv[:, :, :, per_group + 1]
+        core, start, contexts = self.core, 0, []
+        for cache, count in caches:
+            part = slice(start, start + count)
+            contexts.append(
+                cached_attention(
+                    core,
+                    query[:, part],
+                    key[:, part],
+                    value[:, part],
+                    cache,
+                    core.softmax_scale,
+                    None,
+                )[0]
+            )
+            start += count
+        context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
+        hidden = self.proj(context).add_(hidden)
         # what megatron-core's bias_swiglu_impl computes without a bias, less its autograd
         # function (the eager function of compat.eager_fusions on the CPU)
         activated = fused_bias_swiglu.swiglu(self.fc1(self.mlp_norm(hidden)))
         return self.fc2(activated).add_(hidden)
+
+
+DECODE_ROWS = 64
+"""Most rows of one direct decode forward. A product of 64 rows runs at about this CPU's fp32
+peak (100 GFLOP/s on one core; 8 rows: about 50), so more would add memory (the LM head's [rows,
+V] logits), not speed."""
 
 
 class DirectDecoder:
@@ -247,9 +272,10 @@ class DirectDecoder:
 
     def _angles(self, positions: torch.Tensor, capacity: int):
         """The RoPE angles of each row's position, [1, R, 1, 1, dim] and its [1, R, 1, dim]
-        view (the table of ``capacity`` positions built once per capacity), or None without
-        RoPE. One pair of tensors serves every layer of the step, so the rotation's cos / sin
-        are made once (``compat.rope_tables_once``)."""
+        view (the table of ``capacity`` positions built once per capacity: a position's angles
+        are the same in every table), or None without RoPE. One pair of tensors serves every
+        layer of the step, so the rotation's cos / sin are made once
+        (``compat.rope_tables_once``)."""
         if self.model.position_embedding_type != "rope":
             return None
         if capacity not in self._tables:
@@ -258,24 +284,38 @@ class DirectDecoder:
         return freqs, freqs[:, :, 0]
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The next-token logits of one decode step.
+    def logits(self, steps: Sequence[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> list:
+        """The next-token logits of one decode step of one or more micro-batches, their rows
+        through each product together, at most :data:`DECODE_ROWS` at a time (a step of a few
+        rows reads every weight for little arithmetic: 8 micro-batches of 8 rows read them 8
+        times, one of 64 once).
 
         Args:
-            tokens: [R] int64, each row's newest token (an idle row's any id).
-            positions: [R] int64, its position in its row.
-            cache: the micro-batch's cache, its next slot already appended
-                (:meth:`KVCache.append` of [R, 1]).
+            steps: per micro-batch (tokens [R] int64, each row's newest token, an idle row's
+                any id; positions [R] int64, its position in its row; its cache, the next slot
+                already appended: :meth:`KVCache.append` of [R, 1]).
 
         Returns:
-            [R, V] logits in the model's dtype (V the padded vocabulary).
+            Per micro-batch, [R, V] logits in the model's dtype (V the padded vocabulary).
         """
+        out, group = [], []
+        for step in steps:
+            if group and sum(len(t) for t, _, _ in group) + len(step[0]) > DECODE_ROWS:
+                out += self._group_logits(group)
+                group = []
+            group.append(step)
+        return out + self._group_logits(group) if group else out
+
+    def _group_logits(self, steps) -> list:
+        tokens = torch.cat([t for t, _, _ in steps]) if len(steps) > 1 else steps[0][0]
+        positions = torch.cat([p for _, p, _ in steps]) if len(steps) > 1 else steps[0][1]
+        caches = [(c, len(t)) for t, _, c in steps]
         hidden = self.model.embedding.word_embeddings.weight[tokens]  # [R, h]
-        rope = self._angles(positions, cache.capacity)
+        rope = self._angles(positions, max(c.capacity for c, _ in caches))
         for layer in self.layers:
-            hidden = layer(hidden, rope, cache)
+            hidden = layer(hidden, rope, caches)
         logits = packed_product(self.model.decoder.final_layernorm(hidden), self.head)
         valid = self.model.vocab_valid_columns
         if valid is not None:  # the LM head's padding mask (models.gpt), as its hook applies it
             logits[:, valid:] = float("-inf")
-        return logits
+        return list(logits.split([n for _, n in caches]))

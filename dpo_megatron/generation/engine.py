@@ -127,7 +127,8 @@ def _run(chunks, batches: list[_MicroBatch], feeds: list, params, vocab: int, di
     feed = [(*(to_device(t) for t in tensors), mb.cache) for mb, tensors in zip(batches, feeds)]
     if direct is not None:
         with cuda_on_cpu.suspended():
-            store = [{"logits": direct.logits(t[:, 0], p[:, 0], c).float()} for t, p, _, c in feed]
+            logits = direct.logits([(t[:, 0], p[:, 0], c) for t, p, _, c in feed])
+            store = [{"logits": out.float()} for out in logits]
     else:
         store = run_schedule(_forward_step, chunks, feed, rows, n, True)
     chosen = None

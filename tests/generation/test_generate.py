@@ -295,7 +295,7 @@ def _direct_vs_schedule(hf_dir, lora=False, **model):
         engine._run(chunks, [mb], [feed], params, cfg.vocab_size)
         while mb.live():
             tokens, positions, index = engine._decode_feed(mb, 1, PAD_ID)
-            mine = direct.logits(tokens[:, 0], positions[:, 0], mb.cache).float()
+            mine = direct.logits([(tokens[:, 0], positions[:, 0], mb.cache)])[0].float()
             store = engine.run_schedule(
                 engine._forward_step,
                 chunks,
@@ -307,6 +307,51 @@ def _direct_vs_schedule(hf_dir, lora=False, **model):
             equal.append(torch.equal(mine, store[0]["logits"]))
             engine._run(chunks, [mb], [(tokens, positions, index)], params, cfg.vocab_size)
     return equal
+
+
+def _direct_merged_vs_schedule(hf_dir):
+    """Two micro-batches of 2 rows decoded by one direct step: per step, the products it made
+    and the layers' count (4 per layer and the LM head, whatever the micro-batch count), and
+    the largest |logit difference| from the schedule's step of each micro-batch alone."""
+    from dpo_megatron.compat.onednn_inference_linear import packed_linears
+    from dpo_megatron.generation import SamplingParams, direct_decode, engine
+    from dpo_megatron.parallel.schedule import eval_mode
+
+    chunks, cfg = _chunks(hf_dir)
+    prompts = _prompts(cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_DIRECT)
+    batches = [
+        engine._MicroBatch([(i, 0), (i + 1, 0)], prompts, 1, params) for i in (0, len(prompts) - 2)
+    ]
+    products, worst = [], 0.0
+    counted = direct_decode.packed_product
+
+    def counting(*args):
+        products[-1] += 1
+        return counted(*args)
+
+    with torch.no_grad(), eval_mode(chunks), packed_linears(chunks):
+        direct = direct_decode.DirectDecoder(chunks[0])
+        direct_decode.packed_product = counting
+        try:
+            for mb in batches:
+                feed = engine._prefill_feed(mb, prompts, PAD_ID, packed=True)
+                engine._run(chunks, [mb], [feed], params, cfg.vocab_size)
+            while batches[0].live():
+                feeds = [engine._decode_feed(mb, 1, PAD_ID) for mb in batches]
+                products.append(0)
+                mine = direct.logits(
+                    [(t[:, 0], p[:, 0], mb.cache) for mb, (t, p, _) in zip(batches, feeds)]
+                )
+                for mb, feed, logits in zip(batches, feeds, mine):
+                    store = engine.run_schedule(
+                        engine._forward_step, chunks, [(*feed, mb.cache)], 2, 1, True
+                    )
+                    worst = max(worst, (logits.float() - store[0]["logits"]).abs().max().item())
+                engine._run(chunks, batches, feeds, params, cfg.vocab_size)
+        finally:
+            direct_decode.packed_product = counted
+    return products, 4 * cfg.num_layers + 1, worst
 
 
 MOE = "qwen3_moe"
@@ -358,6 +403,7 @@ def runs(folders):
         ),
         "direct_llama_bf16": (_direct_vs_schedule, dict(hf_dir=llama, params_dtype="bfloat16")),
         "direct_lora": (_direct_vs_schedule, dict(hf_dir=llama, lora=True)),
+        "direct_merged": (_direct_merged_vs_schedule, dict(hf_dir=llama)),
     }
     four = {
         "tp2pp2": (
@@ -472,6 +518,16 @@ def test_the_direct_decode_step_gives_the_schedules_logits_bit_for_bit(runs, arc
     untied and tied LM heads, linear biases (added in and after the product), query/key norms."""
     equal = runs[f"direct_{arch}"]
     assert equal == [True] * (MAX_NEW_DIRECT - 1), equal
+
+
+@pytest.mark.slow
+def test_a_direct_step_multiplies_the_rows_of_every_micro_batch_together(runs):
+    """Two micro-batches in one direct decode step: each product is made once for both (4 per
+    layer and the LM head), and each micro-batch's logits are the schedule's of it alone (up to
+    the order of fp32 sums of a product of more rows)."""
+    products, per_step, worst = runs["direct_merged"]
+    assert products == [per_step] * (MAX_NEW_DIRECT - 1)
+    assert worst < 1e-5
 
 
 @pytest.mark.slow
