@@ -18,7 +18,8 @@ own :class:`~dpo_megatron.models.kv_cache.KVCache`, kept by the layers' core att
    through the same schedule, until every completion of the world has stopped. On the CPU, a
    model the direct loop covers (one chunk per rank, dense pre-norm layers:
    :mod:`dpo_megatron.generation.direct_decode`) decodes through that loop instead: the same
-   operations on the same operands, bit for bit, without megatron-core's per-module costs.
+   operations on the same operands, bit for bit, without megatron-core's per-module costs, and
+   the rows of all its micro-batches through each product together.
 
 On the CPU the linear layers multiply with weights packed once per call for oneDNN
 (``compat.onednn_inference_linear``): a decode step's products of a few rows are then about
