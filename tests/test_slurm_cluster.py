@@ -383,7 +383,7 @@ def test_a_mistake_ends_the_job_in_one_line_with_status_1_before_any_node_starts
             + ["online.samples_per_prompt=1"],
             "--nodes=2",
         ): "config error: online.samples_per_prompt=1 must be >= 2: a pair needs a best and a "
-        "worst completion",
+        "worst completion (online.samples_per_prompt set on the command line)",
     }
     for (job_id, line), out in zip(jobs.items(), ("mistake_dp.out", "mistake_online.out")):
         job = cluster.wait_done(job_id)

@@ -54,7 +54,7 @@ def test_the_cpu_configs_pass_the_pre_check(tmp_path, config, args, world):
         (
             [*JUDGE, "online.samples_per_prompt=1"],
             "config error: online.samples_per_prompt=1 must be >= 2: a pair needs a best and a "
-            "worst completion",
+            "worst completion (online.samples_per_prompt set on the command line)",
         ),
         (
             ["online.reward_model.path=/nonexistent/rm"],
