@@ -3,20 +3,24 @@
 Rows of one generation micro-batch often begin alike: every sample of a prompt
 (``num_samples`` > 1; the online loop's ``samples_per_prompt``) is the same prompt, and prompts
 rendered with a chat template share its system turn. The prefill computes each distinct prefix
-once (the idea of vLLM's prefix caching and SGLang's RadixAttention, here within one call): the
-prompts form a tree whose nodes are runs of tokens that the same rows share, laid out one node
-after another in depth-first order, each node one attention span whose keys are its ancestors'
-tokens then its own (``data.batch.AttentionSpan``, the rule a shared-prompt DPO pair already
-uses). Every row's cache slots are then filled from the packed tokens on its path
-(``KVCache.append_packed``'s ``token_index``).
+once (the idea of vLLM's prefix caching and SGLang's RadixAttention, here within one micro-batch:
+nothing is shared across micro-batches or calls): the prompts form a tree whose nodes are runs
+of tokens that the same rows share, laid out one node after another in depth-first order, each
+node one attention span whose keys are its ancestors' tokens then its own
+(``data.batch.AttentionSpan``, the rule a shared-prompt DPO pair already uses). Every row's cache
+slots are then filled from the packed tokens on its path (``KVCache.append_packed``'s
+``token_index``). Under sequence parallelism the engine prefills the left-padded rows instead.
 
 Example: prompts [1, 2, 3], [1, 2, 4, 5] and [1, 2, 3] -> nodes [1, 2] (rows 0, 1, 2), [3]
 (rows 0, 2), [4, 5] (row 1); packed tokens [1, 2, 3, 4, 5] at positions [0, 1, 2, 2, 3];
 spans [0, 2) on keys [0, 2), [2, 3) on [0, 2) ++ [2, 3), [3, 5) on [0, 2) ++ [3, 5); token index
 (row after row) [0, 1, 2, 0, 1, 3, 4, 0, 1, 2]; each row's last token at [2, 4, 2].
 
-The packed forward differs from one computing every row in full only in the order of fp32 sums
-(a product of other row counts): a shared token's keys and values are the same for each row.
+The packed forward differs from one computing every row in full only in fp32 rounding: a shared
+token's keys and values are the same for each row, but the matmuls run over other token counts
+and a branch's queries meet their ancestors' keys in another attention call. So which rows share
+a micro-batch can move a logit in its last bits (about 5e-5 of SmolLM2-135M's; a decode step's
+batch already did), and so change a token sampled at a near tie.
 """
 
 from __future__ import annotations
