@@ -11,6 +11,12 @@ node one attention span whose keys are its ancestors' tokens then its own
 slots are then filled from the packed tokens on its path (``KVCache.append_packed``'s
 ``token_index``). Under sequence parallelism the engine prefills the left-padded rows instead.
 
+What is computed once is a shared token's projections and MLP, most of a prefill. Attention on
+the rows route (``data.batch.span_rows``: the CPU, CUDA in fp32) still runs each node's span over
+its whole path, its ancestors' slots as filler queries whose outputs nothing reads, as a
+shared-prompt DPO pair's rejected row does; varlen flash-attention (CUDA in fp16 / bf16)
+computes only a node's own queries.
+
 Example: prompts [1, 2, 3], [1, 2, 4, 5] and [1, 2, 3] -> nodes [1, 2] (rows 0, 1, 2), [3]
 (rows 0, 2), [4, 5] (row 1); packed tokens [1, 2, 3, 4, 5] at positions [0, 1, 2, 2, 3];
 spans [0, 2) on keys [0, 2), [2, 3) on [0, 2) ++ [2, 3), [3, 5) on [0, 2) ++ [3, 5); token index
