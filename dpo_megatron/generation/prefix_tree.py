@@ -82,22 +82,26 @@ def prefix_tree(prompts: Sequence[Sequence[int] | None]) -> list[PrefixNode]:
     """
     nodes: list[PrefixNode] = []
 
-    def grow(rows: list[int], depth: int, parent: int | None) -> None:
+    def children(rows: list[int], depth: int, parent: int | None) -> list[tuple]:
+        """The (rows, depth, parent) of each node starting at ``depth``, last first (a stack's
+        order: an explicit stack, as a chain of nested prompts can outgrow Python's recursion)."""
         by_token: dict[int, list[int]] = {}
         for r in rows:
             if len(prompts[r]) > depth:
                 by_token.setdefault(prompts[r][depth], []).append(r)
-        for group in by_token.values():
-            end = depth + 1
-            while all(len(prompts[r]) > end for r in group) and (
-                len({prompts[r][end] for r in group}) == 1
-            ):
-                end += 1
-            offset = nodes[-1].offset + nodes[-1].end - nodes[-1].start if nodes else 0
-            nodes.append(PrefixNode(depth, end, tuple(group), parent, offset))
-            grow(group, end, len(nodes) - 1)
+        return [(group, depth, parent) for group in reversed(by_token.values())]
 
-    grow([r for r, p in enumerate(prompts) if p], 0, None)
+    stack = children([r for r, p in enumerate(prompts) if p], 0, None)
+    while stack:
+        group, depth, parent = stack.pop()
+        end = depth + 1
+        while all(len(prompts[r]) > end for r in group) and (
+            len({prompts[r][end] for r in group}) == 1
+        ):
+            end += 1
+        offset = nodes[-1].offset + nodes[-1].end - nodes[-1].start if nodes else 0
+        nodes.append(PrefixNode(depth, end, tuple(group), parent, offset))
+        stack += children(group, end, len(nodes) - 1)
     return nodes
 
 
