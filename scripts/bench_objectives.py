@@ -403,6 +403,8 @@ def cases(args) -> list[tuple[str, str, dict]]:
             for run in ("trl", "engine"):
                 out.append((objective, run, {}))
             continue
+        if args.samples < 1:
+            raise SystemExit(f"--samples must be at least 1, got {args.samples}")
         for mode in args.modes.split(","):
             if mode not in MODES:
                 raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")

@@ -441,6 +441,12 @@ def test_objective_cases_run_the_peer_first_and_one_case_per_mode_and_batch():
     ] * 2
     with pytest.raises(SystemExit, match="--samples above 1 needs --modes sampled"):
         objectives.cases(objectives.parse_args(["--objectives", "generation", "--samples", "2"]))
+    with pytest.raises(SystemExit, match="--samples must be at least 1, got 0"):
+        objectives.cases(
+            objectives.parse_args(
+                ["--objectives", "generation", "--modes", "sampled", "--samples", "0"]
+            )
+        )
 
 
 @pytest.mark.slow

@@ -3,20 +3,30 @@
 Rows of one generation micro-batch often begin alike: every sample of a prompt
 (``num_samples`` > 1; the online loop's ``samples_per_prompt``) is the same prompt, and prompts
 rendered with a chat template share its system turn. The prefill computes each distinct prefix
-once (the idea of vLLM's prefix caching and SGLang's RadixAttention, here within one call): the
-prompts form a tree whose nodes are runs of tokens that the same rows share, laid out one node
-after another in depth-first order, each node one attention span whose keys are its ancestors'
-tokens then its own (``data.batch.AttentionSpan``, the rule a shared-prompt DPO pair already
-uses). Every row's cache slots are then filled from the packed tokens on its path
-(``KVCache.append_packed``'s ``token_index``).
+once (the idea of vLLM's prefix caching and SGLang's RadixAttention, here within one micro-batch:
+nothing is shared across micro-batches or calls): the prompts form a tree whose nodes are runs
+of tokens that the same rows share, laid out one node after another in depth-first order, each
+node one attention span whose keys are its ancestors' tokens then its own
+(``data.batch.AttentionSpan``, the rule a shared-prompt DPO pair already uses). Every row's cache
+slots are then filled from the packed tokens on its path (``KVCache.append_packed``'s
+``token_index``). Under sequence parallelism the engine prefills the left-padded rows instead.
+
+What is computed once is a shared token's projections and MLP, most of a prefill. Attention on
+the rows route (``data.batch.span_rows``: the CPU, CUDA in fp32) still runs each node's span over
+its whole path, its ancestors' slots as filler queries whose outputs nothing reads, as a
+shared-prompt DPO pair's rejected row does; varlen flash-attention (CUDA in fp16 / bf16)
+computes only a node's own queries.
 
 Example: prompts [1, 2, 3], [1, 2, 4, 5] and [1, 2, 3] -> nodes [1, 2] (rows 0, 1, 2), [3]
 (rows 0, 2), [4, 5] (row 1); packed tokens [1, 2, 3, 4, 5] at positions [0, 1, 2, 2, 3];
 spans [0, 2) on keys [0, 2), [2, 3) on [0, 2) ++ [2, 3), [3, 5) on [0, 2) ++ [3, 5); token index
 (row after row) [0, 1, 2, 0, 1, 3, 4, 0, 1, 2]; each row's last token at [2, 4, 2].
 
-The packed forward differs from one computing every row in full only in the order of fp32 sums
-(a product of other row counts): a shared token's keys and values are the same for each row.
+The packed forward differs from one computing every row in full only in fp32 rounding: a shared
+token's keys and values are the same for each row, but the matmuls run over other token counts
+and a branch's queries meet their ancestors' keys in another attention call. So which rows share
+a micro-batch can move a logit in its last bits (about 5e-5 of SmolLM2-135M's; a decode step's
+batch already did), and so change a token sampled at a near tie.
 """
 
 from __future__ import annotations
@@ -72,22 +82,26 @@ def prefix_tree(prompts: Sequence[Sequence[int] | None]) -> list[PrefixNode]:
     """
     nodes: list[PrefixNode] = []
 
-    def grow(rows: list[int], depth: int, parent: int | None) -> None:
+    def children(rows: list[int], depth: int, parent: int | None) -> list[tuple]:
+        """The (rows, depth, parent) of each node starting at ``depth``, last first (a stack's
+        order: an explicit stack, as a chain of nested prompts can outgrow Python's recursion)."""
         by_token: dict[int, list[int]] = {}
         for r in rows:
             if len(prompts[r]) > depth:
                 by_token.setdefault(prompts[r][depth], []).append(r)
-        for group in by_token.values():
-            end = depth + 1
-            while all(len(prompts[r]) > end for r in group) and (
-                len({prompts[r][end] for r in group}) == 1
-            ):
-                end += 1
-            offset = nodes[-1].offset + nodes[-1].end - nodes[-1].start if nodes else 0
-            nodes.append(PrefixNode(depth, end, tuple(group), parent, offset))
-            grow(group, end, len(nodes) - 1)
+        return [(group, depth, parent) for group in reversed(by_token.values())]
 
-    grow([r for r, p in enumerate(prompts) if p], 0, None)
+    stack = children([r for r, p in enumerate(prompts) if p], 0, None)
+    while stack:
+        group, depth, parent = stack.pop()
+        end = depth + 1
+        while all(len(prompts[r]) > end for r in group) and (
+            len({prompts[r][end] for r in group}) == 1
+        ):
+            end += 1
+        offset = nodes[-1].offset + nodes[-1].end - nodes[-1].start if nodes else 0
+        nodes.append(PrefixNode(depth, end, tuple(group), parent, offset))
+        stack += children(group, end, len(nodes) - 1)
     return nodes
 
 

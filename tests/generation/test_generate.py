@@ -387,6 +387,11 @@ def runs(folders):
     one = {
         "one": (_generate, dict(hf_dir=llama, runs=sampled)),
         "shared": (_generate, dict(hf_dir=llama, shared=True, runs={"greedy": (GREEDY, 1, 4)})),
+        # sliding windows of 4 (shorter than the shared prefix) and attention sinks
+        "shared_gpt_oss": (
+            _generate,
+            dict(hf_dir=folders["gpt_oss"], shared=True, runs={"greedy": (GREEDY, 1, 4)}),
+        ),
         "stops": (_stops, dict(hf_dir=llama)),
         **{
             f"cache_{arch}": (_cache_vs_recompute, dict(hf_dir=folders[arch]))
@@ -461,17 +466,19 @@ def test_greedy_equals_transformers_generate(runs, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["shared", "shared_tp2pp2"])
+@pytest.mark.parametrize("case", ["shared", "shared_tp2pp2", "shared_gpt_oss"])
 def test_prompts_that_share_prefixes_are_prefilled_once_and_decode_as_transformers(runs, case):
     """A prompt, its duplicate, one branching off it and its start, in one micro-batch: the
     prefill packs their 14 distinct tokens once (not 33), and the greedy completions are
-    ``transformers``' of each prompt alone, at one rank and at TP 2 x PP 2."""
+    ``transformers``' of each prompt alone, at one rank and at TP 2 x PP 2, and for gpt-oss
+    (sliding windows of 4 keys, shorter than the shared prefix, and attention sinks)."""
     from dpo_megatron.generation.prefix_tree import pack_prompts
 
-    prompts = _shared_prompts(ALL_TINY_CONFIGS["llama"]["vocab_size"])
+    arch = "gpt_oss" if case == "shared_gpt_oss" else "llama"
+    prompts = _shared_prompts(ALL_TINY_CONFIGS[arch]["vocab_size"])
     assert pack_prompts(prompts).tokens.numel() == 9 + 5 < sum(map(len, prompts)) == 9 + 9 + 11 + 4
     got = runs[case]["greedy"]
-    assert [samples[0] for samples in got] == _hf_greedy("llama", _shared_prompts)
+    assert [samples[0] for samples in got] == _hf_greedy(arch, _shared_prompts)
 
 
 @pytest.mark.slow

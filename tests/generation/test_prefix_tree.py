@@ -98,3 +98,13 @@ def test_a_shared_token_fills_the_slot_of_each_of_its_rows():
     fresh = KVCache.create(rows=2, capacity=3, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="5 real slots, token_index of shape \\(3,\\)"):
         fresh.append_packed(positions, real, packed=None, token_index=torch.arange(3))
+
+
+def test_a_deep_tree_packs_without_recursion():
+    """1,500 rows, each the start of the next (one document cut at every token, a large GPU
+    micro-batch): a chain of 1,500 nodes, deeper than Python's recursion limit."""
+    prompts = [list(range(1, k + 1)) for k in range(1, 1501)]
+    packed = pack_prompts(prompts)
+    assert packed.tokens.tolist() == list(range(1, 1501))
+    assert len(packed.spans) == 1500 and packed.spans[-1].keys[-1] == (1499, 1500)
+    assert packed.last.tolist() == list(range(1500))
