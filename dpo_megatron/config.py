@@ -731,14 +731,11 @@ def _validate_loss(cfg: DPOConfig) -> None:
             f"micro-batch, so train.micro_batch_size=1 would make it plain DPO: set "
             f"train.micro_batch_size >= 2 (its value depends on that size)"
         )
-    # The batch builder refuses this too, but only on the ranks, after the data is read: a
-    # traceback instead of the pre-check's one line.
-    if loss_fn.item_kind == "sft" and (cfg.packing.enabled or cfg.packing.share_prompt):
-        key = "packing.enabled" if cfg.packing.enabled else "packing.share_prompt"
-        raise ValueError(
-            f"{key}=true packs preference pairs; loss.name={cfg.loss['name']} trains on "
-            f"single completions (SFT): set {key}=false or leave it unset (auto: off)"
-        )
+    # The kind's rule, which the batch builder also applies on the ranks (after the data is
+    # read): here it is the pre-check's one line.
+    from dpo_megatron.data.kinds import item_kind
+
+    item_kind(loss_fn.item_kind).check_packing(cfg.packing, f"loss.name={cfg.loss['name']}")
     if loss_fn.model_head == "reward":
         _validate_reward_model(cfg)
     elif cfg.train.reward_head_lr is not None:

@@ -34,11 +34,7 @@ def make_batch_builder(
     packed = packing is not None and packing.enabled
     if packing is not None:
         packing.validate()
-    if packed and kind.sequences_per_item != 2:
-        raise ValueError(
-            "packing.enabled=true packs preference pairs; an SFT loss trains "
-            "on single completions: set packing.enabled=false"
-        )
+    kind.check_packing(packing)
     if packed:
         pack = SharedPromptPairs if packing.share_prompt else PackedPairs
         builder = pack(

@@ -81,6 +81,23 @@ class ItemKind:
             f"label): train on it with loss.name=kto"
         )
 
+    def check_packing(self, packing, trains: str = "an SFT loss") -> None:
+        """Refuse packing for a kind of one sequence per item: the packed builders lay out two
+        (a pair's answers, KTO's example and its KL sequence). ``packing``: the ``packing``
+        config section or None; ``trains``: who trains on single completions, for the message.
+
+        Raises:
+            ValueError: ``packing.enabled`` or ``packing.share_prompt`` true for such a kind.
+        """
+        if packing is None or self.sequences_per_item == 2:
+            return
+        for key in ("enabled", "share_prompt"):
+            if getattr(packing, key):
+                raise ValueError(
+                    f"packing.{key}=true packs preference pairs; {trains} trains on single "
+                    f"completions (SFT): set packing.{key}=false or leave it unset (auto: off)"
+                )
+
     def make_item(
         self,
         prompt_ids: tuple[int, ...],
