@@ -312,6 +312,7 @@ class DirectDecoder:
         return out + self._group_logits(group) if group else out
 
     def _group_logits(self, steps) -> list:
+        """:meth:`logits` of micro-batches whose rows make one forward together."""
         tokens = torch.cat([t for t, _, _ in steps]) if len(steps) > 1 else steps[0][0]
         positions = torch.cat([p for _, p, _ in steps]) if len(steps) > 1 else steps[0][1]
         caches = [(c, len(t)) for t, _, c in steps]
