@@ -248,7 +248,11 @@ def list_keys(config_file: str | Sequence[str] | None = None) -> str:
                 lines.extend("    " + line for line in textwrap.wrap(docs[f.name], 92))
 
     walk(DPOConfig, "")
-    lines.append("loss.<parameter>: the parameters of the chosen loss.name (see docs/LOSSES.md)")
+    from dpo_megatron.losses import parameter_lines
+
+    lines.append("loss.<parameter>: the parameters of the chosen loss.name (see docs/LOSSES.md):")
+    for line in parameter_lines():
+        lines.extend(textwrap.wrap(line, 96, initial_indent="    ", subsequent_indent="        "))
     return "\n".join(lines)
 
 

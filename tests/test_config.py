@@ -830,6 +830,18 @@ def test_list_keys_documents_every_key():
     assert "generation.top_p (float, default 1.0)\n    Nucleus sampling mass" in list_keys()
 
 
+def test_list_keys_gives_each_loss_parameter_its_losses_defaults_and_range():
+    """A parameter several losses take with different defaults lists each default with its
+    losses (registry order: by name); one without a range says none."""
+    text = list_keys().split("loss.<parameter>")[1]
+    assert "\n    loss.rpo_alpha (default 1.0: rpo; range [0.0, inf])\n" in text
+    assert "\n    loss.simpo_gamma (default 1.0: simpo)\n" in text
+    assert "\n    loss.cpo_alpha (default 1.0: cpo; 0.0: simpo; range [0.0, inf])\n" in text
+    beta = " ".join(re.search(r"loss\.beta \(.*?\)\n(?=    loss)", text, re.S)[0].split())
+    assert beta.startswith("loss.beta (default 0.1: aot, aot_unpaired, apo_down,")
+    assert beta.endswith("sppo_hard; 0.001: cal_dpo; 2.0: simpo; range (0.0, inf])")
+
+
 @pytest.mark.parametrize("loss", ["sigmoid", "simpo", "sft", "bradley_terry"])
 def test_print_config_runs_again_as_the_config(tmp_path, capsys, loss):
     """``--print-config``'s YAML, given back as ``--config``, loads and prints the same. With a

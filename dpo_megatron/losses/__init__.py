@@ -17,6 +17,14 @@ reward models), `targets` (each item kind's targets and the one record the loss 
 # Importing the formula modules registers their losses in LOSSES.
 from dpo_megatron.losses import dpo_family, kto, reference_free, reward  # noqa: F401
 from dpo_megatron.losses.loss_function import LossFunction, LossModifiers, build_loss
-from dpo_megatron.losses.registry import LOSSES, LossSpec, register_loss
+from dpo_megatron.losses.registry import LOSSES, LossSpec, parameter_lines, register_loss
 
-__all__ = ["LOSSES", "LossFunction", "LossModifiers", "LossSpec", "build_loss", "register_loss"]
+__all__ = [
+    "LOSSES",
+    "LossFunction",
+    "LossModifiers",
+    "LossSpec",
+    "build_loss",
+    "parameter_lines",
+    "register_loss",
+]

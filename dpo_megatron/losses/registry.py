@@ -252,6 +252,26 @@ def register_loss(
     return decorate
 
 
+def parameter_lines() -> list[str]:
+    """One line per loss parameter (``loss.<parameter>``): its default in each registered loss
+    that takes it, the losses grouped by default, and its range, e.g.
+    ``loss.rpo_alpha (default 1.0: rpo; range [0.0, inf])``; names in order."""
+    taking: dict[str, dict[str, list[str]]] = {}
+    ranges: dict[str, set[str]] = {}
+    for name in sorted(LOSSES):
+        spec = LOSSES[name]
+        for key, default in spec.params.items():
+            taking.setdefault(key, {}).setdefault(repr(default), []).append(name)
+            if key in spec.param_ranges:
+                ranges.setdefault(key, set()).add(str(spec.param_ranges[key]))
+    lines = []
+    for key in sorted(taking):
+        defaults = "; ".join(f"{d}: {', '.join(names)}" for d, names in taking[key].items())
+        span = f"; range {' or '.join(sorted(ranges[key]))}" if key in ranges else ""
+        lines.append(f"loss.{key} (default {defaults}{span})")
+    return lines
+
+
 def get_loss_spec(name: str) -> LossSpec:
     """The spec registered under `name`.
 
