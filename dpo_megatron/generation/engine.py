@@ -177,6 +177,8 @@ def _prefill_feed(mb: _MicroBatch, prompts, pad_id: int, packed: bool):
         mb.cache.append(to_device(positions), to_device(real))
         return tokens, positions, torch.arange(rows) * length + length - 1
     tree = pack_prompts([prompts[k[0]] if k else None for k in mb.keys])
+    # The spans hold the tree; the segment ids only name each tree (a dense mask of a cached
+    # prefill is built from the spans: models.attention.span_visible_keys).
     layout = PackedLayout.from_spans(tree.unit_ids[None], None, tree.spans).to_device()
     shared = tree.tokens.numel() < tree.token_index.numel()
     mb.cache.append_packed(
