@@ -469,23 +469,25 @@ def load_config(
     layers = _layers(config_file, overrides)
     for layer, source in layers:
         merged = _merge_layer(merged, layer, source)
+    sources = _key_sources(layers)
     try:
         OmegaConf.resolve(merged)
         cfg: DPOConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        raise ValueError(_resolve_error_message(e, layers)) from None
+        raise ValueError(_resolve_error_message(e, sources)) from None
     # Where each key was set, for validate's messages (not a field: never printed or saved).
-    cfg._key_sources = _key_sources(layers)  # type: ignore[attr-defined]
+    cfg._key_sources = sources  # type: ignore[attr-defined]
     if check:
         validate(cfg)
     return cfg
 
 
-def _resolve_error_message(error: OmegaConfBaseException, layers: list[tuple[Any, str]]) -> str:
+def _resolve_error_message(error: OmegaConfBaseException, sources: dict[str, str]) -> str:
     """One line for an error met while resolving the merged tree: an interpolation to a key that
     is not there (``${train.nope}``), an unknown resolver, an unset environment variable
     (``${oc.env:VAR}``), a ``???`` left unset, or a value of the wrong type once resolved; it
-    names the key, the file (or the command line) that set it, and what to do."""
+    names the key, the file (or the command line) that set it (``sources``: :func:`_key_sources`),
+    and what to do."""
     key = getattr(error, "full_key", None) or "?"
     what = " ".join(str(getattr(error, "msg", None) or error).splitlines()[0].split())
     if isinstance(error, InterpolationResolutionError):
@@ -497,7 +499,7 @@ def _resolve_error_message(error: OmegaConfBaseException, layers: list[tuple[Any
         fix = f"set {key} (in the YAML file or as {key}=... on the command line)"
     else:
         fix = "give it a value of its type (--list-keys shows each key's type)"
-    source = _key_sources(layers).get(key, "the defaults")
+    source = sources.get(key, "the defaults")
     return f"config key {key!r} (from {source}): {what}: {fix}"
 
 
