@@ -25,11 +25,11 @@ from dpo_megatron.losses.reductions import (
 )
 from dpo_megatron.losses.registry import (
     LABEL_ARG,
-    LOSSES,
     LossSpec,
     LossState,
     ParamRange,
     get_loss_spec,
+    parameter_owners,
 )
 from dpo_megatron.losses.targets import SequenceScores
 from dpo_megatron.losses.terms import add_nll_term
@@ -551,8 +551,7 @@ def build_loss(config: Mapping[str, Any]) -> LossFunction:
         hint += "".join(
             f" {key} is a parameter of loss {', '.join(owners)}, not of {named}."
             for key in unknown
-            if key not in close
-            and (owners := sorted(n for n, spec in LOSSES.items() if key in spec.params))
+            if key not in close and (owners := list(parameter_owners().get(key, ())))
         )
         raise ValueError(
             f"loss.name={named} takes no parameter(s) {unknown}.{hint} Valid keys: {valid}"

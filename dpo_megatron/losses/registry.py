@@ -252,22 +252,29 @@ def register_loss(
     return decorate
 
 
+def parameter_owners() -> dict[str, dict[str, Any]]:
+    """Each loss parameter -> {name: default} of the registered losses that take it, by name."""
+    owners: dict[str, dict[str, Any]] = {}
+    for name in sorted(LOSSES):
+        for key, default in LOSSES[name].params.items():
+            owners.setdefault(key, {})[name] = default
+    return owners
+
+
 def parameter_lines() -> list[str]:
     """One line per loss parameter (``loss.<parameter>``): its default in each registered loss
     that takes it, the losses grouped by default, and its range, e.g.
     ``loss.rpo_alpha (default 1.0: rpo; range [0.0, inf])``; names in order."""
-    taking: dict[str, dict[str, list[str]]] = {}
-    ranges: dict[str, set[str]] = {}
-    for name in sorted(LOSSES):
-        spec = LOSSES[name]
-        for key, default in spec.params.items():
-            taking.setdefault(key, {}).setdefault(repr(default), []).append(name)
-            if key in spec.param_ranges:
-                ranges.setdefault(key, set()).add(str(spec.param_ranges[key]))
     lines = []
-    for key in sorted(taking):
-        defaults = "; ".join(f"{d}: {', '.join(names)}" for d, names in taking[key].items())
-        span = f"; range {' or '.join(sorted(ranges[key]))}" if key in ranges else ""
+    for key, owners in sorted(parameter_owners().items()):
+        by_default: dict[str, list[str]] = {}
+        for name, default in owners.items():
+            by_default.setdefault(repr(default), []).append(name)
+        defaults = "; ".join(f"{d}: {', '.join(names)}" for d, names in by_default.items())
+        ranges = sorted(
+            {str(LOSSES[n].param_ranges[key]) for n in owners if key in LOSSES[n].param_ranges}
+        )
+        span = f"; range {' or '.join(ranges)}" if ranges else ""
         lines.append(f"loss.{key} (default {defaults}{span})")
     return lines
 
