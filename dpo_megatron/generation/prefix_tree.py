@@ -116,13 +116,13 @@ def pack_prompts(prompts: Sequence[Sequence[int] | None]) -> PackedPrompts:
         raise ValueError("pack_prompts needs at least one non-empty prompt")
     tokens, positions, unit_ids, spans = [], [], [], []
     unit_of: list[int] = []  # per node: its tree's number
+    roots = 0
     for i, node in enumerate(nodes):
         first = node.rows[0]
         tokens += prompts[first][node.start : node.end]
         positions += range(node.start, node.end)
-        unit_of.append(
-            max(unit_of, default=-1) + 1 if node.parent is None else unit_of[node.parent]
-        )
+        unit_of.append(roots if node.parent is None else unit_of[node.parent])
+        roots += node.parent is None
         unit_ids += [unit_of[i]] * (node.end - node.start)
         keys, up = [], node.parent
         while up is not None:
