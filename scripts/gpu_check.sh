@@ -17,22 +17,21 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source "$ROOT/scripts/interpreter.sh"  # PYTHON: as the other launchers (python3 on a bare GPU machine)
-PY="$PYTHON"
 WHEELS="${GPU_WHEELS:-$ROOT/.whl}"
 BUDGET="${GPU_CHECK_BUDGET:-420}"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exec "$PY" scripts/gpu_check.py --help
+  exec "$PYTHON" scripts/gpu_check.py --help
 fi
 # found, not imported (importing megatron-core takes seconds: the checks' workers do that)
-if ! "$PY" -c "import importlib.util as u, sys
+if ! "$PYTHON" -c "import importlib.util as u, sys
 sys.exit(not (u.find_spec('megatron.core') and u.find_spec('omegaconf')))" 2>/dev/null; then
   if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     echo "FAIL install: megatron-core is not importable and $WHEELS holds no wheels" \
          "(run scripts/gpu_wheels.sh on a machine with a registry and copy .whl/ along:" \
          "it is git-ignored)"; exit 1
   fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl \
     || { echo "FAIL install: pip could not install $WHEELS (wheels for CPython 3.12 x86-64)"; exit 1; }
   export PYTHONPATH="/tmp/site"
@@ -40,7 +39,7 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 RESULTS="${OUT:-$ROOT/runs/gpu_check}"
 mkdir -p "$RESULTS"
-timeout -k 15 $((BUDGET + 120)) "$PY" scripts/gpu_check.py --budget "$BUDGET" \
+timeout -k 15 $((BUDGET + 120)) "$PYTHON" scripts/gpu_check.py --budget "$BUDGET" \
   --out "$RESULTS/gpu_check.json" "$@"
 status=$?
 [[ $status == 124 ]] && echo "FAIL time: stopped (by the time limit of $BUDGET + 120 s, or a" \
