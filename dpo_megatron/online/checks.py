@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dpo_megatron.online.layouts import sampling_layout
+
 
 def validate_online(cfg, world_size: int | None = None) -> None:
     """The rules that span ``online.*`` and the rest of the config (``config.validate`` has
@@ -57,11 +59,21 @@ def validate_online(cfg, world_size: int | None = None) -> None:
                 str(e).replace("data.chat_template", "online.reward_model.chat_template")
             ) from None
     if world_size is not None:
-        cfg.parallel.validate(world_size)
-        if o.reward_model.path:
-            try:
-                o.reward_model.parallel.validate(world_size)
-            except ValueError as e:
-                raise ValueError(
-                    str(e).replace("parallel.", "online.reward_model.parallel.")
-                ) from None
+        _check_world(cfg, world_size)
+
+
+def _check_world(cfg, world_size: int) -> None:
+    """Each phase's layout against the world size: the policy's training and sampling
+    layouts, and the reward model's, each error named after its own keys."""
+    cfg.parallel.validate(world_size)
+    rm = cfg.online.reward_model
+    for keys, layout in (
+        ("online.sampling.parallel.", sampling_layout(cfg)),
+        ("online.reward_model.parallel.", rm.parallel if rm.path else None),
+    ):
+        if layout is None or layout is cfg.parallel:
+            continue
+        try:
+            layout.validate(world_size)
+        except ValueError as e:
+            raise ValueError(str(e).replace("parallel.", keys)) from None

@@ -8,7 +8,7 @@ sections. ``rounds: 0`` (the default) means no online run. Imports nothing heavy
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dpo_megatron.generation.config import SamplingConfig
 from dpo_megatron.parallel.config import ParallelConfig
@@ -18,13 +18,52 @@ REFERENCES = ("round_start", "initial")
 
 
 @dataclass
+class SamplingLayoutConfig:
+    """The policy's layout while it samples (a round's samples and the held-out evaluation's),
+    as rollout engines give generation a tensor parallelism of its own: the same world, this
+    TP x PP, DP whatever the world leaves. A sampling rank builds the policy at this layout from
+    the round's checkpoint (checkpoints reshard), so training keeps ``parallel.*``. A policy
+    that fits one rank samples fastest at TP 1 x PP 1: every rank decodes its share of the
+    completions alone, without the pipeline's hand-offs or TP's all-reduces per token."""
+
+    tensor_model_parallel_size: int = 0
+    """Ranks that split each weight while sampling (>= 0; 0:
+    ``parallel.tensor_model_parallel_size``)."""
+    pipeline_model_parallel_size: int = 0
+    """Pipeline stages while sampling (>= 0; 0: ``parallel.pipeline_model_parallel_size``)."""
+
+    def resolve(self, policy: ParallelConfig) -> ParallelConfig:
+        """The sampling layout: ``policy`` (``parallel.*``) with the sizes set here. A pipeline
+        size set here drops ``policy``'s interleaving (its chunks would not fit the new stages),
+        a tensor size of 1 its sequence parallelism; data parallelism takes the rest."""
+        tp = self.tensor_model_parallel_size or policy.tensor_model_parallel_size
+        pp = self.pipeline_model_parallel_size or policy.pipeline_model_parallel_size
+        if (tp, pp) == (policy.tensor_model_parallel_size, policy.pipeline_model_parallel_size):
+            return policy
+        return replace(
+            policy,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            data_parallel_size=None,
+            virtual_pipeline_model_parallel_size=(
+                policy.virtual_pipeline_model_parallel_size
+                if pp == policy.pipeline_model_parallel_size
+                else None
+            ),
+            sequence_parallel=policy.sequence_parallel and tp > 1,
+        )
+
+
+@dataclass
 class OnlineSamplingConfig(SamplingConfig):
     """How each round samples completions from the policy (the fields of ``generation.*``,
-    with smaller defaults; temperature must be > 0). Round r samples with seed ``seed + r``, so
-    a resumed round draws the same completions."""
+    with smaller defaults; temperature must be > 0), and at which layout. Round r samples with
+    seed ``seed + r``, so a resumed round draws the same completions."""
 
     max_new_tokens: int = 128
     micro_batch_size: int = 4
+    parallel: SamplingLayoutConfig = field(default_factory=SamplingLayoutConfig)
+    """The policy's TP x PP while it samples (0: as ``parallel.*``)."""
 
 
 @dataclass
@@ -127,6 +166,10 @@ class OnlineConfig:
             why="a pair needs a best and a worst completion",
         )
         self.sampling.validate_sampling("online.sampling", greedy=False)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            check_range(
+                "online.sampling.parallel", self.sampling.parallel, name, 0, why="0: parallel.*"
+            )
         check_range("online", self, "min_margin", 0)
         check_range("online", self, "missing_eos_penalty", 0, why="0: no penalty")
         check_choice("online", self, "reference", REFERENCES)

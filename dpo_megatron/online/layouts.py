@@ -24,6 +24,12 @@ def _key(parallel: ParallelConfig) -> tuple:
     return tuple(getattr(parallel, name) for name in _KEY_FIELDS)
 
 
+def sampling_layout(cfg) -> ParallelConfig:
+    """The policy's layout while it samples: ``online.sampling.parallel`` over ``parallel.*``
+    (``SamplingLayoutConfig.resolve``)."""
+    return cfg.online.sampling.parallel.resolve(cfg.parallel)
+
+
 def use_layout(parallel: ParallelConfig) -> bool:
     """Make ``parallel`` the layout of megatron-core's groups (collective). Nothing happens when
     it is the layout already built by this module; otherwise the groups are destroyed and built

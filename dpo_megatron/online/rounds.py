@@ -3,8 +3,9 @@
 Each round ``r`` (folder ``<run_dir>/online/round_<r>``):
 
 1. **sample**: the round's prompts (``prompts.round_prompts``), K completions each from the
-   policy the round starts from, at the policy's layout (``parallel.*``), seed
-   ``online.sampling.seed + r``; ``samples.jsonl``.
+   policy the round starts from, at its sampling layout (``online.sampling.parallel`` over
+   ``parallel.*``: ``layouts.sampling_layout``), seed ``online.sampling.seed + r``;
+   ``samples.jsonl``.
 2. **score**: the judge callable on rank 0, or the reward model at its own layout
    (``online.reward_model.parallel.*``); ``scores.jsonl``.
 3. **pairs**: best vs worst per prompt, ties and near-ties dropped and counted
@@ -51,7 +52,7 @@ from dpo_megatron.online.evaluation import (
     run_summary,
     summary_lines,
 )
-from dpo_megatron.online.layouts import free_models, use_layout
+from dpo_megatron.online.layouts import free_models, sampling_layout, use_layout
 from dpo_megatron.online.pairs import build_pairs, penalize_missing_eos
 from dpo_megatron.online.prompts import (
     PromptItem,
@@ -159,11 +160,12 @@ def _round_config(cfg, round_dir: str, policy: str):
     )
 
 
-def _policy_chunks(cfg, model_cfg, policy: str) -> list:
-    """The policy of a round at the current layout, weights from ``policy`` (collective)."""
+def _policy_chunks(parallel, model_cfg, policy: str) -> list:
+    """The policy of a round at the layout ``parallel`` (the current one), weights from
+    ``policy`` (collective)."""
     from dpo_megatron.models import build_model_chunks
 
-    chunks = build_model_chunks(model_cfg, cfg.parallel)
+    chunks = build_model_chunks(model_cfg, parallel)
     run_models.load_weights(chunks, model_cfg, policy)
     for chunk in chunks:
         chunk.eval()  # sampling: no dropout
@@ -176,12 +178,21 @@ its scores then differ between evaluations by the policy alone."""
 
 
 def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: str, r, seed: int):
-    use_layout(cfg.parallel)
-    chunks = _policy_chunks(cfg, model_cfg, policy)
+    parallel = sampling_layout(cfg)
+    use_layout(parallel)
+    chunks = _policy_chunks(parallel, model_cfg, policy)
     records = _sample_with(chunks, cfg, tokenizer, pad_id, items, r, seed)
     del chunks
     free_models()
     return records
+
+
+def _sampling_note(cfg) -> str:
+    """The start-up line's note of a sampling layout of its own (``online.sampling.parallel``)."""
+    s = sampling_layout(cfg)
+    if s is cfg.parallel:
+        return ""
+    return f" | sampling at TP {s.tensor_model_parallel_size} x PP {s.pipeline_model_parallel_size}"
 
 
 def _stop_ids(tokenizer, pad_id: int) -> list[int]:
@@ -325,15 +336,16 @@ def _evaluate(
     terms, ``online.evaluation``); score them; write ``path`` (the samples with their values)
     and return its rows (collective)."""
     seed = cfg.online.sampling.seed + EVAL_SEED_OFFSET
-    use_layout(cfg.parallel)
-    chunks = _policy_chunks(cfg, model_cfg, policy)
+    parallel = sampling_layout(cfg)
+    use_layout(parallel)
+    chunks = _policy_chunks(parallel, model_cfg, policy)
     samples = _sample_with(chunks, cfg, tokenizer, pad_id, held, "eval", seed)
     logps = logps_initial = [None] * len(samples)
     if policy != initial:
         logps = _completion_logps(cfg, chunks, samples, pad_id)
         del chunks
         free_models()
-        chunks = _policy_chunks(cfg, model_cfg, initial)
+        chunks = _policy_chunks(parallel, model_cfg, initial)
         logps_initial = _completion_logps(cfg, chunks, samples, pad_id)
     del chunks
     free_models()
@@ -648,7 +660,8 @@ def run_online(cfg, *, stop_after: tuple[int, str] | None = None) -> list[RoundS
                 + (f" ({too_long} longer than data.max_prompt_length left out)" if too_long else "")
                 + f" | scorer: {o.judge or o.reward_model.path}"
                 + (f" (its tokenizer: {reader.source})" if reader and reader.source else "")
-                + f" | reference: {o.reference}",
+                + f" | reference: {o.reference}"
+                + _sampling_note(cfg),
                 flush=True,
             )
             warning = left_out_warning(

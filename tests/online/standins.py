@@ -16,10 +16,17 @@ def char_judge(prompts: list[str], completions: list[str]) -> list[float]:
 
 
 def counting_generate(chunks, prompts, params, **kwargs):
-    """``dpo_megatron.generation.generate``, counted."""
+    """``dpo_megatron.generation.generate``, counted, with the (TP, PP, DP) layout it ran at."""
+    from megatron.core import parallel_state as ps
+
     from dpo_megatron.generation import generate
 
     CALLS["generate"] += 1
+    CALLS["generate_layout"] = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+    )
     return generate(chunks, prompts, params, **kwargs)
 
 

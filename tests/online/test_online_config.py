@@ -91,6 +91,45 @@ def test_reward_model_layout_must_fit_the_world(tmp_path, prompts_file):
         validate_online_config(cfg, world_size=2)
 
 
+def test_the_sampling_layout_takes_its_own_sizes_and_must_fit_the_world(tmp_path, prompts_file):
+    """``online.sampling.parallel``: 0 keeps the policy's size; a size set replaces it, DP takes
+    the rest, a new pipeline size drops the interleaving and TP 1 sequence parallelism."""
+    from dpo_megatron.online.layouts import sampling_layout
+    from dpo_megatron.parallel import ParallelConfig
+
+    cfg = _cfg(tmp_path, prompts_file)
+    assert sampling_layout(cfg) is cfg.parallel  # nothing set: the policy's layout itself
+    policy = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        data_parallel_size=1,
+        sequence_parallel=True,
+    )
+    layout = type(cfg.online.sampling.parallel)
+    same = layout(tensor_model_parallel_size=2).resolve(policy)
+    assert same is policy
+    tp1 = layout(tensor_model_parallel_size=1).resolve(policy)
+    assert (tp1.tensor_model_parallel_size, tp1.pipeline_model_parallel_size) == (1, 2)
+    assert tp1.virtual_pipeline_model_parallel_size == 2 and not tp1.sequence_parallel
+    assert tp1.data_parallel_size is None
+    pp1 = layout(pipeline_model_parallel_size=1).resolve(policy)
+    assert (pp1.tensor_model_parallel_size, pp1.pipeline_model_parallel_size) == (2, 1)
+    assert pp1.virtual_pipeline_model_parallel_size is None and pp1.sequence_parallel
+
+    cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.tensor_model_parallel_size=4")
+    validate_online_config(cfg)  # no world size yet
+    validate_online_config(cfg, world_size=4)
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by online\.sampling\."):
+        validate_online_config(cfg, world_size=2)
+    cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.pipeline_model_parallel_size=-1")
+    with pytest.raises(
+        ValueError,
+        match=r"online\.sampling\.parallel\.pipeline_model_parallel_size=-1 must be >= 0",
+    ):
+        validate_online_config(cfg)
+
+
 def test_a_valid_section_passes_and_changes_nothing(tmp_path, prompts_file):
     """A valid online config passes; checked frozen (``utils.frozen``), nothing in it changes:
     the loss alias was replaced when it was loaded, and the prompts file stands in for

@@ -53,6 +53,8 @@ def _config(
     global_batch=2,
     rm_reads=None,
     missing_eos_penalty=0.0,
+    sampling_tp=0,
+    sampling_pp=0,
 ):
     from dpo_megatron.config import config_from_mapping
 
@@ -61,7 +63,14 @@ def _config(
         "prompts": os.path.join(folder, "prompts.jsonl"),
         "prompts_per_round": 3,
         "samples_per_prompt": 3,
-        "sampling": {"max_new_tokens": 4, "seed": 11},
+        "sampling": {
+            "max_new_tokens": 4,
+            "seed": 11,
+            "parallel": {
+                "tensor_model_parallel_size": sampling_tp,
+                "pipeline_model_parallel_size": sampling_pp,
+            },
+        },
         "min_margin": 1.0,
         "missing_eos_penalty": missing_eos_penalty,
         "reference": reference,
@@ -145,8 +154,13 @@ def _online(folder, run, stop_after=None, sigterm_at=None, generator="counting_g
             summaries = None
         finally:
             undo()
-    calls = {k: v - before.get(k, 0) for k, v in standins.CALLS.items() if k != "score_layout"}
-    return {"summaries": summaries, "calls": calls, "layout": standins.CALLS.get("score_layout")}
+    calls = {k: v - before.get(k, 0) for k, v in standins.CALLS.items() if not k.endswith("layout")}
+    return {
+        "summaries": summaries,
+        "calls": calls,
+        "layout": standins.CALLS.get("score_layout"),
+        "sampled_at": standins.CALLS.get("generate_layout"),
+    }
 
 
 def _mistral_reads() -> dict:
@@ -427,11 +441,37 @@ def test_two_rounds_at_tp2_pp2_with_the_reward_model_on_its_own_layout(tmp_path)
             "straight": (_online, {**layout, "run": "tp2pp2"}),
             "killed": (_online, {**layout, "run": "killed", "sigterm_at": (1, 1)}),
             "continued": (_online, {**layout, "run": "killed", "resume": "auto"}),
+            # the policy samples at TP 1 x PP 1 x DP 4 from checkpoints saved at TP 2 x PP 2
+            "sampled_alone": (
+                _online,
+                {
+                    **layout,
+                    "run": "dp4",
+                    "sampling_tp": 1,
+                    "sampling_pp": 1,
+                    "stop_after": (1, "sample"),
+                },
+            ),
         },
     )
     out = cases["straight"]
     # the scorer ran at TP 1 x PP 4 x DP 1 while the policy trains at TP 2 x PP 2
     assert [o["layout"] for o in out] == [(1, 4, 1)] * 4
+    assert [o["sampled_at"] for o in out] == [(2, 2, 1)] * 4
+    assert [o["sampled_at"] for o in cases["sampled_alone"]] == [(1, 1, 4)] * 4
+    # the same samples at either layout (fp32: equal here, up to rounding in general), so the
+    # same pairs and training; the evaluation's log-probabilities agree to rounding
+    for name in ("round_0/samples", "round_0/scores", "round_0/pairs", "round_1/samples"):
+        a = open(f"{folder}/tp2pp2/online/{name}.jsonl").read()
+        assert a == open(f"{folder}/dp4/online/{name}.jsonl").read(), name
+    assert _train_records(f"{folder}/dp4", 0) == _train_records(f"{folder}/tp2pp2", 0)
+    for name in ("eval_start", "round_0/eval"):
+        a, b = (_read(f"{folder}/{run}/online/{name}.jsonl") for run in ("tp2pp2", "dp4"))
+        assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b] != []
+    # the log-probabilities (after round 0; the start has none) at TP 1 x PP 1 and TP 2 x PP 2
+    a, b = (_read(f"{folder}/{run}/online/round_0/eval.jsonl") for run in ("tp2pp2", "dp4"))
+    for key in ("logp", "logp_initial"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5), key
     assert out[0]["calls"] == {"generate": 5, "judge": 0, "score": 5}
     summaries = out[0]["summaries"]
     assert [s.round for s in summaries] == [0, 1] and all(o["summaries"] == summaries for o in out)
