@@ -167,7 +167,9 @@ stop() {
   if alive "$DIR/run/slurmctld.pid"; then  # end the jobs first: their processes are ours
     scancel --quiet --user="$(id -un)" 2>/dev/null || true
   fi
-  for n in $(nodes); do stop_pid "$DIR/run/slurmd-$n.pid" "slurmd $n"; done
+  # the nodes' slurmd together: each takes seconds to end its jobs' steps and stop
+  for n in $(nodes); do stop_pid "$DIR/run/slurmd-$n.pid" "slurmd $n" & done
+  wait
   stop_pid "$DIR/run/slurmctld.pid" slurmctld
   stop_pid "$DIR/munge/munged.pid" munged
 }
