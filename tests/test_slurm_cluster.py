@@ -22,6 +22,7 @@ tests are skipped with the reason, except in CI (``CI=true``), where they fail.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -260,7 +261,9 @@ def _stopped_step(log: str, after: int = 0) -> int:
 @pytest.fixture(scope="module")
 def time_limit_job(cluster, work):
     """A job that trains until its time limit (one node, one process), submitted with the first
-    jobs of the module so that its start-up overlaps theirs; (job id, run_dir, output)."""
+    jobs of the module so that its start-up overlaps theirs, its limit set to 1 minute once it
+    trains (:func:`_limit_once_it_trains`, in a thread); (job id, run_dir, output, that
+    thread's future)."""
     folder, config = work
     run_dir, out = folder / "dpo_time_limit", folder / "time_limit.out"
     job_id = cluster.sbatch(
@@ -277,7 +280,19 @@ def time_limit_job(cluster, work):
         "--time=10",
         env={"GPUS_PER_NODE": "1"},
     )
-    return job_id, run_dir, out
+    limiting = concurrent.futures.ThreadPoolExecutor(1)
+    limited = limiting.submit(_limit_once_it_trains, cluster, job_id, run_dir)
+    limiting.shutdown(wait=False)
+    return job_id, run_dir, out, limited
+
+
+def _limit_once_it_trains(c: Cluster, job_id: str, run_dir: Path) -> None:
+    """1 minute (Slurm's smallest limit), set once the job trains so that a slow start cannot
+    use it up: Slurm sends SIGTERM at its next check (every 30 s, from 60 s after the job
+    started), and SIGKILL after KillWait (30 s here). Set while the other tests run, so that
+    the time-limit test (after them) finds the job at its limit or past it."""
+    _wait_for_step(run_dir, 1, job_id, c)
+    c.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
 
 
 @pytest.fixture(scope="module")
@@ -375,26 +390,6 @@ def test_a_mistake_ends_the_job_in_one_line_with_status_1_before_any_node_starts
         assert log.splitlines() == [line], log[-4000:]
 
 
-def test_a_job_at_its_time_limit_saves_before_it_is_killed(cluster, time_limit_job):
-    # (after the SFT and the mistake tests in this file: the job started with the module, and
-    # slurmctld checks time limits every 30 s, so the 1-minute limit set below is due about when
-    # this test starts, not 20 s later; the job trains on one core meanwhile)
-    job_id, run_dir, out = time_limit_job
-    _wait_for_step(run_dir, 1, job_id, cluster)
-    # 1 minute (Slurm's smallest limit), set once it trains so that a slow start cannot use it
-    # up: Slurm sends SIGTERM at its next check, and SIGKILL after KillWait (30 s here)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
-    job = cluster.wait_done(job_id)
-    log = out.read_text()
-    assert job["JobState"] == "TIMEOUT", log[-4000:]
-    assert "DUE TO TIME LIMIT" in log
-    steps = re.findall(r"^stopped by SIGTERM after step (\d+): saved checkpoint", log, re.M)
-    assert len(steps) == 1, log[-4000:]
-    assert (run_dir / "checkpoints" / f"iter_{int(steps[0]):07d}" / "train_state.json").exists()
-    # (the launchers' own lines may be lost here: srun stops forwarding output at the limit)
-    assert "Traceback" not in log, log[-4000:]
-
-
 def test_scancel_term_saves_every_rank_and_requeue_resumes_to_the_same_numbers(
     cluster, work, uninterrupted
 ):
@@ -433,6 +428,22 @@ def test_scancel_term_saves_every_rank_and_requeue_resumes_to_the_same_numbers(
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
     assert f"resumed from {run_dir}/checkpoints/iter_{second:07d} at step {second}" in log
     assert _losses(run_dir) == uninterrupted[0]
+
+
+def test_a_job_at_its_time_limit_saves_before_it_is_killed(cluster, time_limit_job):
+    # (after the other tests but the lost node's: the job started with the module and its limit
+    # was set once it trained, so by now it is at its limit or past it)
+    job_id, run_dir, out, limited = time_limit_job
+    limited.result()  # it trained (step 1) and got its 1-minute limit
+    job = cluster.wait_done(job_id)
+    log = out.read_text()
+    assert job["JobState"] == "TIMEOUT", log[-4000:]
+    assert "DUE TO TIME LIMIT" in log
+    steps = re.findall(r"^stopped by SIGTERM after step (\d+): saved checkpoint", log, re.M)
+    assert len(steps) == 1, log[-4000:]
+    assert (run_dir / "checkpoints" / f"iter_{int(steps[0]):07d}" / "train_state.json").exists()
+    # (the launchers' own lines may be lost here: srun stops forwarding output at the limit)
+    assert "Traceback" not in log, log[-4000:]
 
 
 def _job_processes(job_id: str, node: str | None = None) -> set[int]:
