@@ -278,7 +278,14 @@ def time_limit_job(cluster, work):
         ],
         "--nodes=1",
         "--time=10",
-        env={"GPUS_PER_NODE": "1"},
+        # the trainer with a sleep of half a second before each step (tests/launcher_entry.py),
+        # so that this job leaves the CPU to the other tests' jobs while it waits for its limit
+        env={
+            "GPUS_PER_NODE": "1",
+            "DPO_MEGATRON_ENTRY": "tests.launcher_entry",
+            "DPO_TEST_ENDING": "slow_steps",
+            "DPO_TEST_STEP_SLEEP": "0.5",
+        },
     )
     limiting = concurrent.futures.ThreadPoolExecutor(1)
     limited = limiting.submit(_limit_once_it_trains, cluster, job_id, run_dir)
