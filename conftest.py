@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LONGEST_FILES = {
     "tests/training/test_durability.py": 310,
-    "tests/test_slurm_cluster.py": 240,
+    "tests/test_slurm_cluster.py": 225,
     "tests/training/test_moe_dpo.py": 165,
     "tests/test_bench.py": 145,
     "tests/test_launcher.py": 95,
