@@ -1,6 +1,7 @@
 """pytest set-up shared by all tests: one thread per process (2-core machines run N ranks), and
 the order in which ``pytest -n 2 --dist loadfile`` hands files to its workers."""
 
+import collections
 import gc
 import multiprocessing.util
 import os
@@ -11,31 +12,37 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LONGEST_FILES = {
-    "tests/test_slurm_cluster.py": 355,
     "tests/training/test_durability.py": 310,
+    "tests/test_slurm_cluster.py": 225,
     "tests/training/test_moe_dpo.py": 165,
     "tests/test_bench.py": 145,
-    "tests/test_launcher.py": 110,
+    "tests/test_launcher.py": 95,
     "tests/training/test_bf16_architectures.py": 95,
     "tests/test_architecture_launches.py": 65,
+    "tests/online/test_rounds.py": 65,
     "tests/training/test_shared_prompt.py": 60,
+    "tests/training/test_bf16_objectives.py": 55,
+    "tests/training/test_real_smollm2.py": 55,
+    "tests/training/test_frontend_dpo_repo_runs.py": 50,
     "tests/training/test_device_boundary.py": 45,
-    "tests/training/test_frontend_dpo_repo_runs.py": 45,
     "tests/test_gpu_check.py": 45,
-    "tests/training/test_real_smollm2.py": 40,
+    "tests/training/test_reference.py": 45,
+    "tests/training/test_context_parallel.py": 40,
+    "tests/models/test_new_architectures.py": 40,
     "tests/planning/test_prediction.py": 40,
-    "tests/training/test_reference.py": 40,
     "tests/online/test_launcher.py": 40,
     "tests/training/test_lifecycle.py": 40,
-    "tests/online/test_rounds.py": 35,
+    "tests/checkpointing/test_vpp_checkpoints.py": 40,
+    "tests/training/test_strict_device.py": 35,
     "tests/training/test_lora_lifecycle.py": 35,
     "tests/test_mistral_family_folders.py": 35,
-    "tests/checkpointing/test_vpp_checkpoints.py": 35,
+    "tests/test_slurm.py": 30,
 }
-"""Seconds each file took in the last full run (all its tests, rounded up to 5 s): these
-files go to the workers first, longest first, so that the last files handed out are short and
-both workers finish together. A file missing here only starts later (after these, slow-marked
-files before the others)."""
+"""Seconds each file took in the last full run (all its tests, rounded up to 5 s; a run's
+"slowest files" summary lists them; some figures here are estimates, from that run's 25 slowest
+tests or after a file's waits were shortened): these files go to the workers first, longest
+first, so that the last files handed out are short and both workers finish together. A file
+missing here only starts later (after these, slow-marked files before the others)."""
 
 
 def _own_temporary_folder(config) -> None:
@@ -86,3 +93,22 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.enable()
+
+
+_FILE_SECONDS: collections.Counter = collections.Counter()
+"""Seconds each test file took in this run (set-up, call and tear-down of all its tests), as
+the reports reach this process (with xdist: the controller, from both workers)."""
+
+
+def pytest_runtest_logreport(report):
+    _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest files, to keep LONGEST_FILES current: printed only for a run of more than
+    one file taking over a minute in all."""
+    if len(_FILE_SECONDS) < 2 or sum(_FILE_SECONDS.values()) < 60:
+        return
+    terminalreporter.write_sep("=", "slowest files (all phases; conftest.py's LONGEST_FILES)")
+    for path, seconds in _FILE_SECONDS.most_common(30):
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")

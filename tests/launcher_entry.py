@@ -19,6 +19,10 @@ import time
 from dpo_megatron.utils.exits import fail
 
 MISTAKE = "error: data file pairs.jsonl, row 3: field 'chosen' is missing"
+RANK1_GRACE_S = 4.0
+"""``mistake_on_rank1``'s wait for rank 0 (:data:`dpo_megatron.utils.exits.RANK0_GRACE_S`, 20 s,
+set shorter in the ranks): the wait and what follows it are the same at any length. Rank 1
+writes the time its wait starts into the file ``DPO_TEST_FAIL_TIME``."""
 
 
 def _train_with_nan_from(step_from: int) -> None:
@@ -119,8 +123,13 @@ def main() -> None:
             time.sleep(1.0)
         fail(MISTAKE)
     if ending == "mistake_on_rank1":  # rank 0 goes on (as if waiting in a collective)
+        import dpo_megatron.utils.exits as exits
+
+        exits.RANK0_GRACE_S = RANK1_GRACE_S
         if rank == 0:
             time.sleep(300)
+        with open(os.environ["DPO_TEST_FAIL_TIME"], "w") as f:  # when rank 1's wait starts
+            f.write(repr(time.time()))
         fail(MISTAKE)
     raise RuntimeError(f"a bug on rank {rank}")
 

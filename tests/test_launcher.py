@@ -339,7 +339,7 @@ def test_readme_commands_run_from_the_venv_and_keep_their_own_run_dir():
 # A mistake met on the ranks (dpo_megatron/launch.py)
 
 
-def _ended(ending, tmp_path):
+def _ended(ending, tmp_path, **env):
     """scripts/pretrain_dpo.sh at 2 ranks running tests/launcher_entry.py's ``ending``."""
     return _script(
         "scripts/pretrain_dpo.sh",
@@ -352,6 +352,7 @@ def _ended(ending, tmp_path):
             "DPO_MEGATRON_ENTRY": "tests.launcher_entry",
             "DPO_TEST_ENDING": ending,
             "PYTHONPATH": ROOT,
+            **env,
         },
     )
 
@@ -374,19 +375,20 @@ def test_a_mistake_met_on_the_ranks_ends_with_its_line_and_a_pointer(tmp_path):
 
 @pytest.mark.slow
 def test_a_mistake_met_by_one_rank_alone_is_printed_by_that_rank(tmp_path):
-    """Rank 0 runs on (here: sleeps 300 s): rank 1 waits RANK0_GRACE_S for it, then prints the
-    line itself and exits; torchrun stops rank 0."""
-    from dpo_megatron.utils.exits import RANK0_GRACE_S
-    from tests.launcher_entry import MISTAKE
+    """Rank 0 runs on (here: sleeps 300 s): rank 1 waits RANK0_GRACE_S for it (here shortened
+    to RANK1_GRACE_S), then prints the line itself and exits; torchrun stops rank 0."""
+    from tests.launcher_entry import MISTAKE, RANK1_GRACE_S
 
-    started = time.monotonic()
-    out = _ended("mistake_on_rank1", tmp_path)
+    fail_time = tmp_path / "fail_time"
+    out = _ended("mistake_on_rank1", tmp_path, DPO_TEST_FAIL_TIME=str(fail_time))
+    ended = time.time()
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.splitlines() == [
         MISTAKE,
         "launcher: the job stopped at the line above (rank 1; the other 1 rank(s) were stopped)",
     ]
-    assert RANK0_GRACE_S <= time.monotonic() - started < 300  # rank 0 was stopped
+    # rank 1 waited the grace before its line; rank 0 (300 s asleep) was stopped
+    assert RANK1_GRACE_S <= ended - float(fail_time.read_text()) < 300
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ and n2 do not resolve, as on clusters whose NodeName is not a host name).
   resumes from the last checkpoint and ends with the uninterrupted run's numbers;
 * a job reaching its time limit saves before it is killed.
 
-Wall time: about 5 minutes on 2 idle cores (each job start imports torch in every process); far
+Wall time: about 4 minutes on 2 idle cores (each job start imports torch in every process); far
 more on a loaded machine.
 
 The cluster starts once for the module. Where it cannot start (not root, no slurm-wlm / munge) the
@@ -22,6 +22,7 @@ tests are skipped with the reason, except in CI (``CI=true``), where they fail.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -260,7 +261,9 @@ def _stopped_step(log: str, after: int = 0) -> int:
 @pytest.fixture(scope="module")
 def time_limit_job(cluster, work):
     """A job that trains until its time limit (one node, one process), submitted with the first
-    jobs of the module so that its start-up overlaps theirs; (job id, run_dir, output)."""
+    jobs of the module so that its start-up overlaps theirs, its limit set to 1 minute once it
+    trains (:func:`_limit_once_it_trains`, in a thread); (job id, run_dir, output, that
+    thread's future)."""
     folder, config = work
     run_dir, out = folder / "dpo_time_limit", folder / "time_limit.out"
     job_id = cluster.sbatch(
@@ -275,9 +278,28 @@ def time_limit_job(cluster, work):
         ],
         "--nodes=1",
         "--time=10",
-        env={"GPUS_PER_NODE": "1"},
+        # the trainer with a sleep of half a second before each step (tests/launcher_entry.py),
+        # so that this job leaves the CPU to the other tests' jobs while it waits for its limit
+        env={
+            "GPUS_PER_NODE": "1",
+            "DPO_MEGATRON_ENTRY": "tests.launcher_entry",
+            "DPO_TEST_ENDING": "slow_steps",
+            "DPO_TEST_STEP_SLEEP": "0.5",
+        },
     )
-    return job_id, run_dir, out
+    limiting = concurrent.futures.ThreadPoolExecutor(1)
+    limited = limiting.submit(_limit_once_it_trains, cluster, job_id, run_dir)
+    limiting.shutdown(wait=False)
+    return job_id, run_dir, out, limited
+
+
+def _limit_once_it_trains(c: Cluster, job_id: str, run_dir: Path) -> None:
+    """1 minute (Slurm's smallest limit), set once the job trains so that a slow start cannot
+    use it up: Slurm sends SIGTERM at its next check (every 30 s, from 60 s after the job
+    started), and SIGKILL after KillWait (30 s here). Set while the other tests run, so that
+    the time-limit test (after them) finds the job at its limit or past it."""
+    _wait_for_step(run_dir, 1, job_id, c)
+    c.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
 
 
 @pytest.fixture(scope="module")
@@ -307,23 +329,6 @@ def test_dpo_data_parallel_on_two_nodes_logs_the_one_node_losses(cluster, uninte
     addr = re.search(r"NodeAddr=(\S+)", cluster.run("scontrol", "show", "node", "n1")).group(1)
     assert re.search(rf"node 1/2 on \S+: 1 processes, rendezvous {re.escape(addr)}:\d+", out), out
     assert subprocess.run(["getent", "ahosts", "n1"], capture_output=True).returncode != 0
-
-
-def test_a_job_at_its_time_limit_saves_before_it_is_killed(cluster, time_limit_job):
-    job_id, run_dir, out = time_limit_job
-    _wait_for_step(run_dir, 1, job_id, cluster)
-    # 1 minute (Slurm's smallest limit), set once it trains so that a slow start cannot use it
-    # up: Slurm sends SIGTERM at its next check, and SIGKILL after KillWait (30 s here)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
-    job = cluster.wait_done(job_id)
-    log = out.read_text()
-    assert job["JobState"] == "TIMEOUT", log[-4000:]
-    assert "DUE TO TIME LIMIT" in log
-    steps = re.findall(r"^stopped by SIGTERM after step (\d+): saved checkpoint", log, re.M)
-    assert len(steps) == 1, log[-4000:]
-    assert (run_dir / "checkpoints" / f"iter_{int(steps[0]):07d}" / "train_state.json").exists()
-    # (the launchers' own lines may be lost here: srun stops forwarding output at the limit)
-    assert "Traceback" not in log, log[-4000:]
 
 
 def test_sft_tensor_parallel_across_two_nodes_logs_the_one_node_losses(cluster, work):
@@ -432,6 +437,22 @@ def test_scancel_term_saves_every_rank_and_requeue_resumes_to_the_same_numbers(
     assert _losses(run_dir) == uninterrupted[0]
 
 
+def test_a_job_at_its_time_limit_saves_before_it_is_killed(cluster, time_limit_job):
+    # (after the other tests but the lost node's: the job started with the module and its limit
+    # was set once it trained, so by now it is at its limit or past it)
+    job_id, run_dir, out, limited = time_limit_job
+    limited.result()  # it trained (step 1) and got its 1-minute limit
+    job = cluster.wait_done(job_id)
+    log = out.read_text()
+    assert job["JobState"] == "TIMEOUT", log[-4000:]
+    assert "DUE TO TIME LIMIT" in log
+    steps = re.findall(r"^stopped by SIGTERM after step (\d+): saved checkpoint", log, re.M)
+    assert len(steps) == 1, log[-4000:]
+    assert (run_dir / "checkpoints" / f"iter_{int(steps[0]):07d}" / "train_state.json").exists()
+    # (the launchers' own lines may be lost here: srun stops forwarding output at the limit)
+    assert "Traceback" not in log, log[-4000:]
+
+
 def _job_processes(job_id: str, node: str | None = None) -> set[int]:
     """The job's processes (on ``node``, or on any node with their slurmstepd processes): its
     tasks, their children, their slurmstepd."""
@@ -460,6 +481,28 @@ def _job_processes(job_id: str, node: str | None = None) -> set[int]:
     return pids
 
 
+def _start_after_the_resent_signal(c: Cluster, job_id: str, n2_log: Path, offset: int) -> None:
+    """Start the requeued job once n2 has been sent the signal that did not reach it when it
+    was lost: slurmctld resends it 60 s later (its RPC retry), and the same step id on n2 is
+    then the new run's, which it would end (started at once, or 30 s after the requeue, the new
+    run was seen killed so). Resends a second apart are awaited together. Where none comes,
+    Slurm's own hold of a requeued job (cred_expire, 90 s on the test cluster) starts it."""
+    deadline = time.monotonic() + 120
+    # "sending signal 991 to StepId=J.0", "sending signal 15 to all steps job J", or, where no
+    # process of the job is left on the node, "failed to get job_uid for job J"
+    signal_line = re.compile(rf"_rpc_signal_tasks: .*(StepId={job_id}\.|job {job_id}\b)")
+    seen = 0
+    while time.monotonic() < deadline and c.job(job_id)["JobState"] == "PENDING":
+        with n2_log.open(errors="replace") as f:
+            f.seek(offset)
+            count = len(signal_line.findall(f.read()))
+        if count and count == seen:  # no new one for the last 3 s
+            c.release(job_id)
+            return
+        seen = count
+        time.sleep(3)
+
+
 def test_a_lost_node_ends_the_job_and_the_requeued_job_resumes(cluster, work, uninterrupted):
     folder, config = work
     run_dir, out = folder / "dpo_lost_node", folder / "lost.out"
@@ -481,11 +524,11 @@ def test_a_lost_node_ends_the_job_and_the_requeued_job_resumes(cluster, work, un
     assert "srun: error: Node failure on n2" in log, log[-4000:]
 
     last = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iter_*"))
+    n2_log = cluster.state / "log" / "slurmd-n2.log"
+    restarted_at = n2_log.stat().st_size
     started = cluster.cluster("start")  # the node comes back (ReturnToService=2)
     assert started.returncode == 0, started.stderr
-    # Slurm's own hold of a requeued job (cred_expire, 90 s on the test cluster) stays: started
-    # sooner (at once, or after 30 s), the new run was seen killed by the late clean-up of the
-    # run lost with n2, which comes about 60 s after the node was declared down
+    _start_after_the_resent_signal(cluster, job_id, n2_log, restarted_at)
     job = cluster.wait_done(job_id)
     log = out.read_text()
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]

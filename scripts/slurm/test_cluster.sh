@@ -23,9 +23,12 @@
 # (a node that was DOWN is back as soon as its slurmd registers again), cred_expire=90 (job
 # credentials live 90 s, and Slurm holds a requeued job that long before it may start again:
 # 120 s by default; a job requeued after a lost node must not start before the late clean-up of
-# its lost run, seen about 60 s after the node was declared down, or that clean-up kills the
-# new run), sched_interval=5 (a job whose hold ends starts within 5 s, not at the next
-# once-a-minute scheduling pass).
+# its lost run, or that clean-up kills the new run), sched_interval=5 (a job whose hold ends
+# starts within 5 s, not at the next once-a-minute scheduling pass). The late clean-up is a
+# signal to the lost run's step that did not reach the lost node: slurmctld resends it 60 s
+# later (its RPC retry) to the node that came back, where the requeued job's new run has the
+# same step ids. SlurmdDebug=debug: each slurmd logs the signals it is sent ("_rpc_signal_tasks:
+# ..."), and tests/test_slurm_cluster.py starts the new run once the resent one is in the log.
 set -euo pipefail
 DIR="${DPO_MEGATRON_SLURM_DIR:-/tmp/dpo_megatron_slurm}"
 NODES="${DPO_MEGATRON_SLURM_NODES:-2}"
@@ -79,6 +82,7 @@ SlurmdTimeout=10
 SlurmctldTimeout=10
 MessageTimeout=5
 KillWait=30
+SlurmdDebug=debug
 InactiveLimit=0
 MinJobAge=600
 JobRequeue=1
@@ -163,7 +167,9 @@ stop() {
   if alive "$DIR/run/slurmctld.pid"; then  # end the jobs first: their processes are ours
     scancel --quiet --user="$(id -un)" 2>/dev/null || true
   fi
-  for n in $(nodes); do stop_pid "$DIR/run/slurmd-$n.pid" "slurmd $n"; done
+  # the nodes' slurmd together: each takes seconds to end its jobs' steps and stop
+  for n in $(nodes); do stop_pid "$DIR/run/slurmd-$n.pid" "slurmd $n" & done
+  wait
   stop_pid "$DIR/run/slurmctld.pid" slurmctld
   stop_pid "$DIR/munge/munged.pid" munged
 }
