@@ -120,8 +120,13 @@ def test_the_sampling_layout_takes_its_own_sizes_and_must_fit_the_world(tmp_path
     cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.tensor_model_parallel_size=4")
     validate_online_config(cfg)  # no world size yet
     validate_online_config(cfg, world_size=4)
-    with pytest.raises(ValueError, match=r"world size 2 is not divisible by online\.sampling\."):
+    with pytest.raises(
+        ValueError, match=r"world size 2 is not divisible by online\.sampling\."
+    ) as e:
         validate_online_config(cfg, world_size=2)
+    # online.sampling.parallel has no context_parallel_size: the message names parallel.*'s
+    assert "x parallel.context_parallel_size (1) = 4" in str(e.value)
+    assert "online.sampling.parallel.context_parallel_size" not in str(e.value)
     cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.pipeline_model_parallel_size=-1")
     with pytest.raises(
         ValueError,
