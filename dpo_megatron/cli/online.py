@@ -34,10 +34,32 @@ def online_checks(cfg, args) -> None:
         )
     read_prompts(o.prompts, o.prompts_offset, o.prompts_limit, cfg.data)
     check_model_layout(cfg)
+    check_sampling_model_layout(cfg)
     if o.reward_model.path:
         from dpo_megatron.reward.scoring import reward_model_config
 
         reward_model_config(o.reward_model.path)
+
+
+def check_sampling_model_layout(cfg) -> None:
+    """The architecture against the policy's sampling layout (``online.sampling.parallel``), as
+    :func:`check_model_layout` checks it against ``parallel.*``: a sampling pipeline that does
+    not split the layers stops here, not on the ranks.
+
+    Raises:
+        ValueError: naming the ``online.sampling.parallel.*`` field that conflicts.
+    """
+    import dataclasses
+
+    from dpo_megatron.online.layouts import sampling_layout
+
+    layout = sampling_layout(cfg)
+    if layout is cfg.parallel:
+        return
+    try:
+        check_model_layout(dataclasses.replace(cfg, parallel=layout))
+    except ValueError as e:
+        raise ValueError(str(e).replace("parallel.", "online.sampling.parallel.")) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -76,4 +76,9 @@ def _check_world(cfg, world_size: int) -> None:
         try:
             layout.validate(world_size)
         except ValueError as e:
-            raise ValueError(str(e).replace("parallel.", keys)) from None
+            message = str(e).replace("parallel.", keys)
+            # the sampling layout's context parallelism is parallel.*'s (no such key here)
+            message = message.replace(
+                "online.sampling.parallel.context_parallel_size", "parallel.context_parallel_size"
+            )
+            raise ValueError(message) from None

@@ -120,8 +120,13 @@ def test_the_sampling_layout_takes_its_own_sizes_and_must_fit_the_world(tmp_path
     cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.tensor_model_parallel_size=4")
     validate_online_config(cfg)  # no world size yet
     validate_online_config(cfg, world_size=4)
-    with pytest.raises(ValueError, match=r"world size 2 is not divisible by online\.sampling\."):
+    with pytest.raises(
+        ValueError, match=r"world size 2 is not divisible by online\.sampling\."
+    ) as e:
         validate_online_config(cfg, world_size=2)
+    # online.sampling.parallel has no context_parallel_size: the message names parallel.*'s
+    assert "x parallel.context_parallel_size (1) = 4" in str(e.value)
+    assert "online.sampling.parallel.context_parallel_size" not in str(e.value)
     cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.pipeline_model_parallel_size=-1")
     with pytest.raises(
         ValueError,
@@ -229,3 +234,25 @@ def test_errors_say_which_file_set_the_keys_they_name(tmp_path, prompts_file):
     assert str(error.value).endswith(
         f"(train.global_batch_size set in {batches}, train.micro_batch_size set in {batches})"
     )
+
+
+def test_the_sampling_layout_is_checked_against_the_model(tmp_path, prompts_file):
+    """A sampling pipeline that does not split the model's layers stops in the pre-check,
+    named after ``online.sampling.parallel``, as a training one does after ``parallel.*``."""
+    from dpo_megatron.cli.online import check_sampling_model_layout
+
+    def cfg(*overrides):
+        return load_config(
+            None,
+            [f"run_dir={tmp_path / 'run'}", "model.num_layers=6", *overrides],
+            check=False,
+        )
+
+    check_sampling_model_layout(cfg())  # no sampling layout of its own
+    check_sampling_model_layout(cfg("online.sampling.parallel.pipeline_model_parallel_size=3"))
+    with pytest.raises(
+        ValueError,
+        match=r"^model has 6 layers, not divisible by "
+        r"online\.sampling\.parallel\.pipeline_model_parallel_size=4 x virtual stages 1$",
+    ):
+        check_sampling_model_layout(cfg("online.sampling.parallel.pipeline_model_parallel_size=4"))
