@@ -188,11 +188,16 @@ def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: 
 
 
 def _sampling_note(cfg) -> str:
-    """The start-up line's note of a sampling layout of its own (``online.sampling.parallel``)."""
+    """The start-up line's note of a sampling layout of its own (``online.sampling.parallel``),
+    its data parallelism what the world leaves."""
     s = sampling_layout(cfg)
     if s is cfg.parallel:
         return ""
-    return f" | sampling at TP {s.tensor_model_parallel_size} x PP {s.pipeline_model_parallel_size}"
+    dp = ranks.world_size() // s.model_parallel_size()
+    return (
+        f" | sampling at TP {s.tensor_model_parallel_size} x PP "
+        f"{s.pipeline_model_parallel_size} x DP {dp}"
+    )
 
 
 def _stop_ids(tokenizer, pad_id: int) -> list[int]:

@@ -135,6 +135,21 @@ def test_the_sampling_layout_takes_its_own_sizes_and_must_fit_the_world(tmp_path
         validate_online_config(cfg)
 
 
+def test_the_start_up_line_names_a_sampling_layout_of_its_own(tmp_path, prompts_file, monkeypatch):
+    from dpo_megatron.online import rounds
+
+    monkeypatch.setattr(rounds.ranks, "world_size", lambda: 4)
+    cfg = _cfg(tmp_path, prompts_file, "parallel.tensor_model_parallel_size=2")
+    assert rounds._sampling_note(cfg) == ""  # samples at the policy's layout
+    cfg = _cfg(
+        tmp_path,
+        prompts_file,
+        "parallel.tensor_model_parallel_size=2",
+        "online.sampling.parallel.tensor_model_parallel_size=1",
+    )
+    assert rounds._sampling_note(cfg) == " | sampling at TP 1 x PP 1 x DP 4"
+
+
 def test_a_valid_section_passes_and_changes_nothing(tmp_path, prompts_file):
     """A valid online config passes; checked frozen (``utils.frozen``), nothing in it changes:
     the loss alias was replaced when it was loaded, and the prompts file stands in for
