@@ -47,11 +47,12 @@ def check_sampling_model_layout(cfg) -> None:
     not split the layers stops here, not on the ranks.
 
     Raises:
-        ValueError: naming the ``online.sampling.parallel.*`` field that conflicts.
+        ValueError: naming the ``online.sampling.parallel.*`` size that conflicts (or the
+            ``parallel.*`` one it keeps).
     """
     import dataclasses
 
-    from dpo_megatron.online.layouts import sampling_layout
+    from dpo_megatron.online.layouts import name_sampling_keys, sampling_layout
 
     layout = sampling_layout(cfg)
     if layout is cfg.parallel:
@@ -59,7 +60,7 @@ def check_sampling_model_layout(cfg) -> None:
     try:
         check_model_layout(dataclasses.replace(cfg, parallel=layout))
     except ValueError as e:
-        raise ValueError(str(e).replace("parallel.", "online.sampling.parallel.")) from None
+        raise ValueError(name_sampling_keys(cfg, str(e))) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

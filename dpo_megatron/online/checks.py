@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpo_megatron.online.layouts import sampling_layout
+from dpo_megatron.online.layouts import name_sampling_keys, sampling_layout
 
 
 def validate_online(cfg, world_size: int | None = None) -> None:
@@ -66,19 +66,15 @@ def _check_world(cfg, world_size: int) -> None:
     """Each phase's layout against the world size: the policy's training and sampling
     layouts, and the reward model's, each error named after its own keys."""
     cfg.parallel.validate(world_size)
-    rm = cfg.online.reward_model
-    for keys, layout in (
-        ("online.sampling.parallel.", sampling_layout(cfg)),
-        ("online.reward_model.parallel.", rm.parallel if rm.path else None),
-    ):
-        if layout is None or layout is cfg.parallel:
-            continue
+    sampling = sampling_layout(cfg)
+    if sampling is not cfg.parallel:
         try:
-            layout.validate(world_size)
+            sampling.validate(world_size)
         except ValueError as e:
-            message = str(e).replace("parallel.", keys)
-            # the sampling layout's context parallelism is parallel.*'s (no such key here)
-            message = message.replace(
-                "online.sampling.parallel.context_parallel_size", "parallel.context_parallel_size"
-            )
-            raise ValueError(message) from None
+            raise ValueError(name_sampling_keys(cfg, str(e))) from None
+    rm = cfg.online.reward_model
+    if rm.path:
+        try:
+            rm.parallel.validate(world_size)
+        except ValueError as e:
+            raise ValueError(str(e).replace("parallel.", "online.reward_model.parallel.")) from None

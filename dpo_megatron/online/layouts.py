@@ -30,6 +30,17 @@ def sampling_layout(cfg) -> ParallelConfig:
     return cfg.online.sampling.parallel.resolve(cfg.parallel)
 
 
+def name_sampling_keys(cfg, message: str) -> str:
+    """``message``, an error about the sampling layout in ``parallel.*``'s words, with each size
+    that ``online.sampling.parallel`` sets named by its own key (a size it leaves at 0 is
+    ``parallel.*``'s, and keeps that name)."""
+    own = cfg.online.sampling.parallel
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(own, name):
+            message = message.replace(f"parallel.{name}", f"online.sampling.parallel.{name}")
+    return message
+
+
 def use_layout(parallel: ParallelConfig) -> bool:
     """Make ``parallel`` the layout of megatron-core's groups (collective). Nothing happens when
     it is the layout already built by this module; otherwise the groups are destroyed and built

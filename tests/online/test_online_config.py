@@ -124,7 +124,10 @@ def test_the_sampling_layout_takes_its_own_sizes_and_must_fit_the_world(tmp_path
         ValueError, match=r"world size 2 is not divisible by online\.sampling\."
     ) as e:
         validate_online_config(cfg, world_size=2)
-    # online.sampling.parallel has no context_parallel_size: the message names parallel.*'s
+    # the size it sets by its own key; the sizes it keeps (PP left at 0) and the one it has
+    # no key for (CP) by parallel.*'s
+    assert "online.sampling.parallel.tensor_model_parallel_size (4)" in str(e.value)
+    assert "x parallel.pipeline_model_parallel_size (1)" in str(e.value)
     assert "x parallel.context_parallel_size (1) = 4" in str(e.value)
     assert "online.sampling.parallel.context_parallel_size" not in str(e.value)
     cfg = _cfg(tmp_path, prompts_file, "online.sampling.parallel.pipeline_model_parallel_size=-1")
