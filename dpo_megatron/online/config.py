@@ -35,7 +35,8 @@ class SamplingLayoutConfig:
     def resolve(self, policy: ParallelConfig) -> ParallelConfig:
         """The sampling layout: ``policy`` (``parallel.*``) with the sizes set here. A pipeline
         size set here drops ``policy``'s interleaving (its chunks would not fit the new stages),
-        a tensor size of 1 its sequence parallelism; data parallelism takes the rest."""
+        a tensor size of 1 its sequence parallelism; data parallelism takes the rest. Sizes
+        equal to ``policy``'s return ``policy`` itself (callers test ``is``)."""
         tp = self.tensor_model_parallel_size or policy.tensor_model_parallel_size
         pp = self.pipeline_model_parallel_size or policy.pipeline_model_parallel_size
         if (tp, pp) == (policy.tensor_model_parallel_size, policy.pipeline_model_parallel_size):

@@ -160,11 +160,13 @@ def _round_config(cfg, round_dir: str, policy: str):
     )
 
 
-def _policy_chunks(parallel, model_cfg, policy: str) -> list:
-    """The policy of a round at the layout ``parallel`` (the current one), weights from
-    ``policy`` (collective)."""
+def _policy_chunks(cfg, model_cfg, policy: str) -> list:
+    """The policy of a round at its sampling layout (made the current one: nothing happens
+    when it already is), weights from ``policy`` (collective)."""
     from dpo_megatron.models import build_model_chunks
 
+    parallel = sampling_layout(cfg)
+    use_layout(parallel)
     chunks = build_model_chunks(model_cfg, parallel)
     run_models.load_weights(chunks, model_cfg, policy)
     for chunk in chunks:
@@ -178,9 +180,7 @@ its scores then differ between evaluations by the policy alone."""
 
 
 def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: str, r, seed: int):
-    parallel = sampling_layout(cfg)
-    use_layout(parallel)
-    chunks = _policy_chunks(parallel, model_cfg, policy)
+    chunks = _policy_chunks(cfg, model_cfg, policy)
     records = _sample_with(chunks, cfg, tokenizer, pad_id, items, r, seed)
     del chunks
     free_models()
@@ -189,15 +189,11 @@ def _sample(cfg, model_cfg, tokenizer, pad_id, items: list[PromptItem], policy: 
 
 def _sampling_note(cfg) -> str:
     """The start-up line's note of a sampling layout of its own (``online.sampling.parallel``),
-    its data parallelism what the world leaves."""
+    named as a run's layout line names it, its data parallelism what the world leaves."""
     s = sampling_layout(cfg)
     if s is cfg.parallel:
         return ""
-    dp = ranks.world_size() // s.model_parallel_size()
-    return (
-        f" | sampling at TP {s.tensor_model_parallel_size} x PP "
-        f"{s.pipeline_model_parallel_size} x DP {dp}"
-    )
+    return f" | sampling at {s.describe(ranks.world_size() // s.model_parallel_size())}"
 
 
 def _stop_ids(tokenizer, pad_id: int) -> list[int]:
@@ -341,16 +337,14 @@ def _evaluate(
     terms, ``online.evaluation``); score them; write ``path`` (the samples with their values)
     and return its rows (collective)."""
     seed = cfg.online.sampling.seed + EVAL_SEED_OFFSET
-    parallel = sampling_layout(cfg)
-    use_layout(parallel)
-    chunks = _policy_chunks(parallel, model_cfg, policy)
+    chunks = _policy_chunks(cfg, model_cfg, policy)
     samples = _sample_with(chunks, cfg, tokenizer, pad_id, held, "eval", seed)
     logps = logps_initial = [None] * len(samples)
     if policy != initial:
         logps = _completion_logps(cfg, chunks, samples, pad_id)
         del chunks
         free_models()
-        chunks = _policy_chunks(parallel, model_cfg, initial)
+        chunks = _policy_chunks(cfg, model_cfg, initial)
         logps_initial = _completion_logps(cfg, chunks, samples, pad_id)
     del chunks
     free_models()
